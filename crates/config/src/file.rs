@@ -1,0 +1,294 @@
+//! The config as written: one struct per TOML section, defaults included.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+use crate::{ConfigError, Result};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub model: ModelSection,
+    #[serde(default)]
+    pub lora: LoraSection,
+    pub data: DataSection,
+    #[serde(default)]
+    pub train: TrainSection,
+    #[serde(default)]
+    pub output: OutputSection,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// Hugging Face model directory (config.json, safetensors, tokenizer.json).
+    pub path: String,
+    /// Compute dtype: f32 | bf16 | f16.
+    #[serde(default = "d_dtype")]
+    pub dtype: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Targets {
+    /// `"all-linear"` or a single module name.
+    One(String),
+    List(Vec<String>),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSection {
+    #[serde(default = "d_r")]
+    pub r: usize,
+    #[serde(default = "d_alpha")]
+    pub alpha: f64,
+    #[serde(default)]
+    pub dropout: f64,
+    #[serde(default = "d_targets")]
+    pub targets: Targets,
+    #[serde(default)]
+    pub rslora: bool,
+    /// A PEFT adapter directory to continue from ("" = fresh init).
+    #[serde(default)]
+    pub init_from: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// JSONL file: `{"text"}`, `{"prompt","completion"}` or `{"input_ids","labels"}` rows.
+    pub train: String,
+    #[serde(default = "d_max_seq_len")]
+    pub max_seq_len: usize,
+    #[serde(default = "d_true")]
+    pub shuffle: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainSection {
+    #[serde(default = "d_seed")]
+    pub seed: u64,
+    #[serde(default = "d_steps")]
+    pub steps: usize,
+    #[serde(default = "d_mbs")]
+    pub micro_batch_size: usize,
+    #[serde(default = "d_one")]
+    pub grad_accum: usize,
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    #[serde(default = "d_schedule")]
+    pub schedule: String,
+    #[serde(default)]
+    pub warmup_steps: usize,
+    #[serde(default)]
+    pub weight_decay: f64,
+    #[serde(default = "d_max_grad_norm")]
+    pub max_grad_norm: f64,
+    #[serde(default = "d_beta1")]
+    pub adam_beta1: f64,
+    #[serde(default = "d_beta2")]
+    pub adam_beta2: f64,
+    #[serde(default = "d_eps")]
+    pub adam_eps: f64,
+    /// auto | cpu | cuda:N
+    #[serde(default = "d_device")]
+    pub device: String,
+    /// Keep only each decoder layer's input in the forward pass and recompute the layer in backward.
+    #[serde(default = "d_true")]
+    pub gradient_checkpointing: bool,
+    /// Print a progress line every N optimizer steps (metrics.jsonl always has every step).
+    #[serde(default = "d_one")]
+    pub log_every: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutputSection {
+    #[serde(default = "d_out_dir")]
+    pub dir: String,
+    /// Replace a finished run already in `dir` (otherwise rtune refuses to touch it).
+    #[serde(default)]
+    pub overwrite: bool,
+}
+
+fn d_dtype() -> String {
+    "f32".into()
+}
+fn d_r() -> usize {
+    8
+}
+fn d_alpha() -> f64 {
+    16.0
+}
+fn d_targets() -> Targets {
+    Targets::One("all-linear".into())
+}
+fn d_max_seq_len() -> usize {
+    512
+}
+fn d_true() -> bool {
+    true
+}
+fn d_seed() -> u64 {
+    42
+}
+fn d_steps() -> usize {
+    100
+}
+fn d_mbs() -> usize {
+    4
+}
+fn d_one() -> usize {
+    1
+}
+fn d_lr() -> f64 {
+    2e-4
+}
+fn d_schedule() -> String {
+    "cosine".into()
+}
+fn d_max_grad_norm() -> f64 {
+    1.0
+}
+fn d_beta1() -> f64 {
+    0.9
+}
+fn d_beta2() -> f64 {
+    0.999
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+fn d_device() -> String {
+    "auto".into()
+}
+fn d_out_dir() -> String {
+    "runs/default".into()
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        toml::from_str("").expect("LoraSection defaults")
+    }
+}
+impl Default for TrainSection {
+    fn default() -> Self {
+        toml::from_str("").expect("TrainSection defaults")
+    }
+}
+impl Default for OutputSection {
+    fn default() -> Self {
+        toml::from_str("").expect("OutputSection defaults")
+    }
+}
+
+impl ConfigFile {
+    /// Parses TOML text; `path` only labels errors. Overrides are `section.key=value`, the value
+    /// read as TOML (`lr=1e-3`, `shuffle=false`) or, failing that, as a bare string.
+    pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<Self> {
+        // First the file as written, so errors carry its line and column.
+        let file: ConfigFile = from_str_located(text, path)?;
+        if overrides.is_empty() {
+            return Ok(file);
+        }
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| located(text, path, "", e))?;
+        for set in overrides {
+            apply_override(&mut table, set)?;
+        }
+        let last = overrides.join(" ");
+        let merged = toml::to_string(&table).map_err(|e| ConfigError::Override {
+            set: last.clone(),
+            message: e.to_string(),
+        })?;
+        let de = toml::Deserializer::new(&merged);
+        serde_path_to_error::deserialize(de).map_err(|e| ConfigError::Override {
+            set: last,
+            message: format!("{}: {}", e.path(), e.inner().message()),
+        })
+    }
+}
+
+fn from_str_located(text: &str, path: &Path) -> Result<ConfigFile> {
+    let de = toml::Deserializer::new(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let key = e.path().to_string();
+        located(text, path, &key, e.into_inner())
+    })
+}
+
+fn located(text: &str, path: &Path, key: &str, e: toml::de::Error) -> ConfigError {
+    let (line, col) = match e.span() {
+        Some(span) => line_col(text, span.start),
+        None => (1, 1),
+    };
+    let key = if key.is_empty() || key == "." { String::new() } else { format!("key `{key}`: ") };
+    ConfigError::Parse {
+        path: path.to_path_buf(),
+        line,
+        col,
+        key,
+        message: e.message().trim().to_string(),
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+fn apply_override(table: &mut toml::Table, set: &str) -> Result<()> {
+    let err = |message: &str| ConfigError::Override { set: set.to_string(), message: message.to_string() };
+    let (key, raw) = set.split_once('=').ok_or_else(|| err("expected section.key=value"))?;
+    let (section, name) =
+        key.trim().split_once('.').ok_or_else(|| err("the key must be section.key, e.g. train.lr"))?;
+    let value: toml::Value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t.remove("v").expect("parsed key"),
+        Err(_) => toml::Value::String(raw.to_string()),
+    };
+    let entry = table
+        .entry(section.to_string())
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let sect = entry.as_table_mut().ok_or_else(|| err("that section is not a table"))?;
+    sect.insert(name.to_string(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = "[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\n";
+
+    #[test]
+    fn unknown_key_names_file_line_and_key() {
+        let text = format!("{MIN}[train]\nsteps = 3\nlearning_rate = 1.0\n");
+        let e = ConfigFile::parse(&text, Path::new("x.toml"), &[]).unwrap_err().to_string();
+        assert!(e.starts_with("x.toml:7:"), "{e}");
+        assert!(e.contains("learning_rate"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_key() {
+        let text = format!("{MIN}[train]\nlr = \"fast\"\n");
+        let e = ConfigFile::parse(&text, Path::new("x.toml"), &[]).unwrap_err().to_string();
+        assert!(e.starts_with("x.toml:6:"), "{e}");
+        assert!(e.contains("train.lr"), "{e}");
+    }
+
+    #[test]
+    fn overrides_apply_and_are_typed() {
+        let sets = vec!["train.lr=1e-3".to_string(), "data.shuffle=false".into(), "output.dir=runs/x".into()];
+        let f = ConfigFile::parse(MIN, Path::new("x.toml"), &sets).unwrap();
+        assert_eq!(f.train.lr, 1e-3);
+        assert!(!f.data.shuffle);
+        assert_eq!(f.output.dir, "runs/x");
+        let bad = ConfigFile::parse(MIN, Path::new("x.toml"), &["train.steps=many".into()]).unwrap_err();
+        assert!(bad.to_string().contains("train.steps"), "{bad}");
+        let unknown = ConfigFile::parse(MIN, Path::new("x.toml"), &["train.nope=1".into()]).unwrap_err();
+        assert!(unknown.to_string().contains("nope"), "{unknown}");
+    }
+}

@@ -1,0 +1,40 @@
+//! The run configuration: what a user writes in `lora.toml`, and the checked form the trainer runs on.
+//!
+//! Two layers, as in candle's `into_config`: [`ConfigFile`] mirrors the TOML exactly (serde,
+//! `deny_unknown_fields`, defaults), and [`ConfigFile::validate`] turns it into [`RunConfig`], whose
+//! fields are ready to use (enums instead of strings, ranges checked). Every error names the file and
+//! the key (and the line, where the TOML parser knows it).
+
+mod file;
+mod run;
+
+pub use file::{ConfigFile, DataSection, LoraSection, ModelSection, OutputSection, Targets, TrainSection};
+pub use run::{DType, Device, RunConfig, Schedule};
+
+use std::path::{Path, PathBuf};
+
+/// Errors from reading, overriding or validating a config.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read config: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    /// Syntax error, unknown key or wrong type in the file.
+    #[error("{path}:{line}:{col}: {key}{message}")]
+    Parse { path: PathBuf, line: usize, col: usize, key: String, message: String },
+    /// A `--set key=value` override that does not apply.
+    #[error("--set {set}: {message}")]
+    Override { set: String, message: String },
+    /// A value that parses but is not allowed (`key` is `section.name`).
+    #[error("{path}: [{key}] {message}")]
+    Invalid { path: PathBuf, key: String, message: String },
+}
+
+pub type Result<T> = std::result::Result<T, ConfigError>;
+
+/// Reads `path`, applies `--set section.key=value` overrides and validates the result.
+pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    let file = ConfigFile::parse(&text, path, overrides)?;
+    file.validate(path)
+}

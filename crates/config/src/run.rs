@@ -1,0 +1,248 @@
+//! The checked runtime config.
+
+use std::path::{Path, PathBuf};
+
+use crate::file::{ConfigFile, Targets};
+use crate::{ConfigError, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+/// Everything the trainer needs, checked. Paths are as written (relative to the working directory).
+#[derive(Debug, Clone)]
+pub struct RunConfig {
+    /// The config as written after overrides (saved next to the outputs).
+    pub file: ConfigFile,
+    pub config_path: PathBuf,
+    pub model_path: PathBuf,
+    pub dtype: DType,
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Module names (`q_proj`, ...) or `["all-linear"]`.
+    pub targets: Vec<String>,
+    pub rslora: bool,
+    pub init_from: Option<PathBuf>,
+    pub train_data: PathBuf,
+    pub max_seq_len: usize,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub steps: usize,
+    pub micro_batch_size: usize,
+    pub grad_accum: usize,
+    pub lr: f64,
+    pub schedule: Schedule,
+    pub warmup_steps: usize,
+    pub weight_decay: f64,
+    pub max_grad_norm: f64,
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub device: Device,
+    pub gradient_checkpointing: bool,
+    pub log_every: usize,
+    pub output_dir: PathBuf,
+    pub overwrite: bool,
+}
+
+impl ConfigFile {
+    /// Checks every value and builds the runtime config. `path` labels errors.
+    pub fn validate(self, path: &Path) -> Result<RunConfig> {
+        let bad = |key: &str, message: String| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            message,
+        };
+        let dtype = match self.model.dtype.as_str() {
+            "f32" | "float32" => DType::F32,
+            "bf16" | "bfloat16" => DType::BF16,
+            "f16" | "float16" => DType::F16,
+            other => return Err(bad("model.dtype", format!("`{other}` is not one of f32, bf16, f16"))),
+        };
+        if self.model.path.trim().is_empty() {
+            return Err(bad("model.path", "is empty".into()));
+        }
+        let l = &self.lora;
+        if l.r == 0 {
+            return Err(bad("lora.r", "must be at least 1".into()));
+        }
+        if !(l.alpha.is_finite() && l.alpha > 0.0) {
+            return Err(bad("lora.alpha", format!("must be a positive number, got {}", l.alpha)));
+        }
+        if !(0.0..1.0).contains(&l.dropout) {
+            return Err(bad("lora.dropout", format!("must be in [0, 1), got {}", l.dropout)));
+        }
+        let targets = match &l.targets {
+            Targets::One(s) => vec![s.clone()],
+            Targets::List(v) => v.clone(),
+        };
+        if targets.is_empty() || targets.iter().any(|t| t.trim().is_empty()) {
+            return Err(bad("lora.targets", "needs at least one module name, or \"all-linear\"".into()));
+        }
+        let d = &self.data;
+        if d.max_seq_len < 2 {
+            return Err(bad("data.max_seq_len", format!("must be at least 2, got {}", d.max_seq_len)));
+        }
+        let t = &self.train;
+        let positive = |key: &str, v: usize| {
+            if v == 0 {
+                Err(bad(key, "must be at least 1".into()))
+            } else {
+                Ok(())
+            }
+        };
+        positive("train.steps", t.steps)?;
+        positive("train.micro_batch_size", t.micro_batch_size)?;
+        positive("train.grad_accum", t.grad_accum)?;
+        positive("train.log_every", t.log_every)?;
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(bad("train.lr", format!("must be a positive number, got {}", t.lr)));
+        }
+        let schedule = match t.schedule.as_str() {
+            "constant" => Schedule::Constant,
+            "linear" => Schedule::Linear,
+            "cosine" => Schedule::Cosine,
+            other => {
+                return Err(bad("train.schedule", format!("`{other}` is not one of constant, linear, cosine")))
+            }
+        };
+        if t.warmup_steps > t.steps {
+            return Err(bad(
+                "train.warmup_steps",
+                format!("{} is more than train.steps = {}", t.warmup_steps, t.steps),
+            ));
+        }
+        if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+            return Err(bad("train.weight_decay", format!("must be >= 0, got {}", t.weight_decay)));
+        }
+        if !(t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0) {
+            return Err(bad("train.max_grad_norm", format!("must be >= 0 (0 = off), got {}", t.max_grad_norm)));
+        }
+        for (key, v) in [("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(bad(key, format!("must be in [0, 1), got {v}")));
+            }
+        }
+        if !(t.adam_eps.is_finite() && t.adam_eps > 0.0) {
+            return Err(bad("train.adam_eps", format!("must be positive, got {}", t.adam_eps)));
+        }
+        let device = parse_device(&t.device).map_err(|m| bad("train.device", m))?;
+        if self.output.dir.trim().is_empty() {
+            return Err(bad("output.dir", "is empty".into()));
+        }
+        let init_from = if l.init_from.trim().is_empty() { None } else { Some(PathBuf::from(&l.init_from)) };
+        Ok(RunConfig {
+            config_path: path.to_path_buf(),
+            model_path: PathBuf::from(&self.model.path),
+            dtype,
+            r: l.r,
+            alpha: l.alpha,
+            dropout: l.dropout,
+            targets,
+            rslora: l.rslora,
+            init_from,
+            train_data: PathBuf::from(&d.train),
+            max_seq_len: d.max_seq_len,
+            shuffle: d.shuffle,
+            seed: t.seed,
+            steps: t.steps,
+            micro_batch_size: t.micro_batch_size,
+            grad_accum: t.grad_accum,
+            lr: t.lr,
+            schedule,
+            warmup_steps: t.warmup_steps,
+            weight_decay: t.weight_decay,
+            max_grad_norm: t.max_grad_norm,
+            betas: (t.adam_beta1, t.adam_beta2),
+            eps: t.adam_eps,
+            device,
+            gradient_checkpointing: t.gradient_checkpointing,
+            log_every: t.log_every,
+            output_dir: PathBuf::from(&self.output.dir),
+            overwrite: self.output.overwrite,
+            file: self,
+        })
+    }
+}
+
+/// `auto | cpu | cuda | cuda:N`.
+pub fn parse_device(s: &str) -> std::result::Result<Device, String> {
+    match s {
+        "auto" => Ok(Device::Auto),
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(Device::Cuda(n)),
+            _ => Err(format!("`{other}` is not one of auto, cpu, cuda:N")),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &str) -> Result<RunConfig> {
+        let text = format!("[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\n{extra}");
+        ConfigFile::parse(&text, Path::new("c.toml"), &[])?.validate(Path::new("c.toml"))
+    }
+
+    #[test]
+    fn defaults_validate() {
+        let c = parse("").unwrap();
+        assert_eq!(c.r, 8);
+        assert_eq!(c.targets, vec!["all-linear"]);
+        assert_eq!(c.schedule, Schedule::Cosine);
+        assert_eq!(c.device, Device::Auto);
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        for (extra, key) in [
+            ("[lora]\nr = 0\n", "lora.r"),
+            ("[lora]\ndropout = 1.5\n", "lora.dropout"),
+            ("[train]\nschedule = \"exp\"\n", "train.schedule"),
+            ("[train]\ndevice = \"tpu\"\n", "train.device"),
+            ("[train]\nsteps = 2\nwarmup_steps = 5\n", "train.warmup_steps"),
+            ("[model]\npath = \"m\"\ndtype = \"f8\"\n", "model.dtype"),
+        ] {
+            let text = if extra.starts_with("[model]") {
+                format!("{extra}[data]\ntrain = \"d\"\n")
+            } else {
+                format!("[model]\npath = \"m\"\n[data]\ntrain = \"d\"\n{extra}")
+            };
+            let e = ConfigFile::parse(&text, Path::new("c.toml"), &[])
+                .and_then(|f| f.validate(Path::new("c.toml")))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{extra}: {e}");
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! LoRA adapters: the spec (rank, alpha, targets), the weights, PEFT's initialisation and PEFT's
+//! on-disk format.
+//!
+//! A LoRA module adds `scaling · (x·Aᵀ)·Bᵀ` to a frozen linear layer `x·Wᵀ`, with `A: (r, in)`,
+//! `B: (out, r)` and `scaling = alpha / r` (or `alpha / √r` with rsLoRA, Kalajdzievski 2023).
+//! [`Adapter`] keeps the modules in model order under their checkpoint names
+//! (`model.layers.0.self_attn.q_proj`); PEFT's names (`base_model.model.<name>.lora_A.weight`) appear
+//! only in [`peft`], at the file boundary. Master weights are always f32.
+
+mod peft;
+
+pub use peft::{read_adapter_config, PeftAdapterConfig};
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoraError {
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("{path}: tensor `{key}` has shape {got:?}, the model needs {want:?} ({hint})")]
+    Shape { path: PathBuf, key: String, got: Vec<usize>, want: Vec<usize>, hint: String },
+    #[error("{path}: adapter has no tensor `{key}` (it was trained for other targets or another model?)")]
+    Missing { path: PathBuf, key: String },
+    #[error("{path}: adapter tensor `{key}` targets no module of this model")]
+    Unexpected { path: PathBuf, key: String },
+    #[error("lora {op}: {source}")]
+    Candle { op: &'static str, source: candle_core::Error },
+}
+
+pub type Result<T> = std::result::Result<T, LoraError>;
+
+pub(crate) fn cerr(op: &'static str) -> impl FnOnce(candle_core::Error) -> LoraError {
+    move |source| LoraError::Candle { op, source }
+}
+
+/// The linear modules of a Llama-family decoder layer, in PEFT's `all-linear` order.
+pub const ALL_LINEAR: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// Rank, scale and targets of an adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraSpec {
+    pub r: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub rslora: bool,
+    /// Short module names (`q_proj`, ...), already expanded from `all-linear`.
+    pub targets: Vec<String>,
+}
+
+impl LoraSpec {
+    /// Expands `all-linear` and checks names against [`ALL_LINEAR`].
+    pub fn new(r: usize, alpha: f64, dropout: f64, rslora: bool, targets: &[String]) -> Result<Self> {
+        let mut out: Vec<String> = Vec::new();
+        for t in targets {
+            if t == "all-linear" {
+                out.extend(ALL_LINEAR.iter().map(|s| s.to_string()));
+            } else if ALL_LINEAR.contains(&t.as_str()) {
+                out.push(t.clone());
+            } else {
+                return Err(LoraError::File {
+                    path: PathBuf::from("[lora] targets"),
+                    message: format!("unknown module `{t}`; use \"all-linear\" or some of {ALL_LINEAR:?}"),
+                });
+            }
+        }
+        // Model order, no duplicates.
+        let targets = ALL_LINEAR.iter().filter(|n| out.iter().any(|o| o == *n)).map(|s| s.to_string()).collect();
+        Ok(Self { r, alpha, dropout, rslora, targets })
+    }
+
+    /// `alpha / r`, or `alpha / √r` with rsLoRA.
+    pub fn scaling(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.r as f64).sqrt()
+        } else {
+            self.alpha / self.r as f64
+        }
+    }
+
+    pub fn targets_module(&self, short_name: &str) -> bool {
+        self.targets.iter().any(|t| t == short_name)
+    }
+}
+
+/// One LoRA module's weights: `a: (r, in)`, `b: (out, r)`, f32.
+#[derive(Debug, Clone)]
+pub struct LoraPair {
+    pub a: Tensor,
+    pub b: Tensor,
+}
+
+/// Where a module lives and its shape: `name` like `model.layers.0.self_attn.q_proj`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModuleShape {
+    pub name: String,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+/// All LoRA modules of a model, in model order.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    pub spec: LoraSpec,
+    pub names: Vec<String>,
+    pub pairs: Vec<LoraPair>,
+}
+
+impl Adapter {
+    /// PEFT's default init: A ~ kaiming_uniform(a=√5) = U(-1/√in, 1/√in), B = 0.
+    pub fn init(spec: LoraSpec, modules: &[ModuleShape], seed: u64, device: &Device) -> Result<Self> {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut names = Vec::with_capacity(modules.len());
+        let mut pairs = Vec::with_capacity(modules.len());
+        for m in modules {
+            let bound = 1.0 / (m.in_features as f64).sqrt();
+            let a: Vec<f32> =
+                (0..spec.r * m.in_features).map(|_| rng.random_range(-bound..bound) as f32).collect();
+            let a = Tensor::from_vec(a, (spec.r, m.in_features), device).map_err(cerr("init A"))?;
+            let b = Tensor::zeros((m.out_features, spec.r), DType::F32, device).map_err(cerr("init B"))?;
+            names.push(m.name.clone());
+            pairs.push(LoraPair { a, b });
+        }
+        Ok(Self { spec, names, pairs })
+    }
+
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        self.names.iter().position(|n| n == name)
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.pairs.iter().map(|p| p.a.elem_count() + p.b.elem_count()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_linear_expands_in_model_order() {
+        let s = LoraSpec::new(4, 8.0, 0.0, false, &["v_proj".into(), "q_proj".into()]).unwrap();
+        assert_eq!(s.targets, vec!["q_proj", "v_proj"]);
+        let s = LoraSpec::new(4, 8.0, 0.0, true, &["all-linear".into()]).unwrap();
+        assert_eq!(s.targets.len(), 7);
+        assert!((s.scaling() - 4.0).abs() < 1e-12);
+        assert!(LoraSpec::new(4, 8.0, 0.0, false, &["qproj".into()]).is_err());
+    }
+
+    #[test]
+    fn init_matches_peft_bounds() {
+        let spec = LoraSpec::new(8, 16.0, 0.0, false, &["all-linear".into()]).unwrap();
+        let m = ModuleShape { name: "x".into(), in_features: 100, out_features: 30 };
+        let ad = Adapter::init(spec, &[m], 1, &Device::Cpu).unwrap();
+        let a: Vec<f32> = ad.pairs[0].a.flatten_all().unwrap().to_vec1().unwrap();
+        let bound = 0.1f32;
+        assert!(a.iter().all(|v| v.abs() <= bound));
+        // Uniform on [-b, b]: the max is close to b, the mean close to 0.
+        let max = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(max > 0.95 * bound, "{max}");
+        let b: Vec<f32> = ad.pairs[0].b.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(b.iter().all(|v| *v == 0.0));
+        assert_eq!(ad.pairs[0].b.dims(), &[30, 8]);
+    }
+}

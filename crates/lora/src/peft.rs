@@ -1,0 +1,217 @@
+//! PEFT's adapter format: `adapter_model.safetensors` + `adapter_config.json`.
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use crate::{cerr, Adapter, LoraError, LoraPair, LoraSpec, ModuleShape, Result};
+
+const WEIGHTS: &str = "adapter_model.safetensors";
+const CONFIG: &str = "adapter_config.json";
+const PREFIX: &str = "base_model.model.";
+
+/// The keys of adapter_config.json that rtune reads and writes (PEFT ignores none of them).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PeftAdapterConfig {
+    pub peft_type: String,
+    #[serde(default)]
+    pub task_type: Option<String>,
+    pub r: usize,
+    pub lora_alpha: f64,
+    #[serde(default)]
+    pub lora_dropout: f64,
+    #[serde(default)]
+    pub target_modules: serde_json::Value,
+    #[serde(default = "none_str")]
+    pub bias: String,
+    #[serde(default)]
+    pub use_rslora: bool,
+    #[serde(default)]
+    pub use_dora: bool,
+    #[serde(default)]
+    pub fan_in_fan_out: bool,
+    #[serde(default)]
+    pub base_model_name_or_path: Option<String>,
+    #[serde(default)]
+    pub inference_mode: bool,
+    #[serde(default = "yes")]
+    pub init_lora_weights: bool,
+    #[serde(default)]
+    pub modules_to_save: Option<serde_json::Value>,
+    #[serde(default)]
+    pub rank_pattern: HashMap<String, serde_json::Value>,
+    #[serde(default)]
+    pub alpha_pattern: HashMap<String, serde_json::Value>,
+}
+
+fn none_str() -> String {
+    "none".into()
+}
+fn yes() -> bool {
+    true
+}
+
+fn file_err(path: &Path, message: impl Into<String>) -> LoraError {
+    LoraError::File { path: path.to_path_buf(), message: message.into() }
+}
+
+/// Reads and checks `dir/adapter_config.json` for what rtune supports.
+pub fn read_adapter_config(dir: &Path) -> Result<PeftAdapterConfig> {
+    let path = dir.join(CONFIG);
+    let text = std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+    let cfg: PeftAdapterConfig =
+        serde_json::from_str(&text).map_err(|e| file_err(&path, format!("not a PEFT adapter config: {e}")))?;
+    if cfg.peft_type != "LORA" {
+        return Err(file_err(&path, format!("peft_type is `{}`; rtune continues only LORA adapters", cfg.peft_type)));
+    }
+    if cfg.use_dora {
+        return Err(file_err(&path, "use_dora = true: DoRA adapters are not supported"));
+    }
+    if cfg.fan_in_fan_out {
+        return Err(file_err(&path, "fan_in_fan_out = true (GPT-2 style Conv1D) is not supported"));
+    }
+    if cfg.bias != "none" {
+        return Err(file_err(&path, format!("bias = `{}`: only \"none\" is supported", cfg.bias)));
+    }
+    if !cfg.rank_pattern.is_empty() || !cfg.alpha_pattern.is_empty() {
+        return Err(file_err(&path, "rank_pattern / alpha_pattern (per-module ranks) are not supported"));
+    }
+    if cfg.modules_to_save.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(file_err(&path, "modules_to_save is set: fully trained extra modules are not supported"));
+    }
+    Ok(cfg)
+}
+
+impl Adapter {
+    /// Loads a PEFT adapter directory for a model whose LoRA-able modules are `modules` (with the
+    /// spec's targets already applied). Every tensor must match a module and have its shape.
+    pub fn load_peft(dir: &Path, spec: &LoraSpec, modules: &[ModuleShape], device: &Device) -> Result<Self> {
+        let cfg = read_adapter_config(dir)?;
+        let cfg_path = dir.join(CONFIG);
+        if cfg.r != spec.r {
+            return Err(file_err(&cfg_path, format!("r = {} but the config asks for [lora] r = {}", cfg.r, spec.r)));
+        }
+        let path = dir.join(WEIGHTS);
+        if !path.exists() {
+            return Err(file_err(&path, "missing (only safetensors adapters are read; convert .bin with PEFT)"));
+        }
+        let mut tensors = candle_core::safetensors::load(&path, device)
+            .map_err(|e| file_err(&path, format!("cannot read safetensors: {e}")))?;
+        let mut names = Vec::new();
+        let mut pairs = Vec::new();
+        for m in modules {
+            let mut take = |which: &str, want: [usize; 2], hint: &str| -> Result<Tensor> {
+                let key = format!("{PREFIX}{}.{which}.weight", m.name);
+                let t = tensors.remove(&key).ok_or_else(|| LoraError::Missing { path: path.clone(), key: key.clone() })?;
+                if t.dims() != want {
+                    return Err(LoraError::Shape {
+                        path: path.clone(),
+                        key,
+                        got: t.dims().to_vec(),
+                        want: want.to_vec(),
+                        hint: hint.to_string(),
+                    });
+                }
+                t.to_dtype(DType::F32).map_err(cerr("adapter to f32"))
+            };
+            let a = take("lora_A", [spec.r, m.in_features], "[r, in_features]")?;
+            let b = take("lora_B", [m.out_features, spec.r], "[out_features, r]")?;
+            names.push(m.name.clone());
+            pairs.push(LoraPair { a, b });
+        }
+        if let Some(key) = tensors.keys().min() {
+            return Err(LoraError::Unexpected { path, key: key.clone() });
+        }
+        Ok(Self { spec: spec.clone(), names, pairs })
+    }
+
+    /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir` (created if needed),
+    /// each through a temporary file and a rename, so a reader never sees half a file.
+    pub fn save_peft(&self, dir: &Path, base_model_name_or_path: &str) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| file_err(dir, format!("cannot create: {e}")))?;
+        let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+        for (name, p) in self.names.iter().zip(&self.pairs) {
+            for (which, t) in [("lora_A", &p.a), ("lora_B", &p.b)] {
+                let v: Vec<f32> = t
+                    .to_dtype(DType::F32)
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.to_vec1())
+                    .map_err(cerr("adapter to host"))?;
+                let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                data.push((format!("{PREFIX}{name}.{which}.weight"), bytes, t.dims().to_vec()));
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView)> = data
+            .iter()
+            .map(|(k, bytes, shape)| {
+                let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .expect("shape and byte count agree by construction");
+                (k.clone(), view)
+            })
+            .collect();
+        let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+        let bytes = safetensors::serialize(views, Some(meta))
+            .map_err(|e| file_err(&dir.join(WEIGHTS), format!("serialize: {e}")))?;
+        write_atomic(&dir.join(WEIGHTS), &bytes)?;
+
+        let cfg = PeftAdapterConfig {
+            peft_type: "LORA".into(),
+            task_type: Some("CAUSAL_LM".into()),
+            r: self.spec.r,
+            lora_alpha: self.spec.alpha,
+            lora_dropout: self.spec.dropout,
+            target_modules: serde_json::json!(self.spec.targets),
+            bias: "none".into(),
+            use_rslora: self.spec.rslora,
+            use_dora: false,
+            fan_in_fan_out: false,
+            base_model_name_or_path: Some(base_model_name_or_path.to_string()),
+            inference_mode: true,
+            init_lora_weights: true,
+            modules_to_save: None,
+            rank_pattern: HashMap::new(),
+            alpha_pattern: HashMap::new(),
+        };
+        let text = serde_json::to_string_pretty(&cfg).expect("config serialises");
+        write_atomic(&dir.join(CONFIG), text.as_bytes())
+    }
+}
+
+/// Write to `path.tmp`, fsync, rename over `path`.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp: PathBuf = {
+        let mut s = path.as_os_str().to_owned();
+        s.push(".tmp");
+        s.into()
+    };
+    let io = |e: std::io::Error| file_err(path, format!("cannot write: {e}"));
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(bytes).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn save_then_load_round_trips() {
+        let spec = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
+        let mods = vec![ModuleShape { name: "model.layers.0.self_attn.q_proj".into(), in_features: 6, out_features: 5 }];
+        let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
+        ad.pairs[0].b = Tensor::ones((5, 4), DType::F32, &Device::Cpu).unwrap();
+        let dir = std::env::temp_dir().join(format!("rtune-lora-rt-{}", std::process::id()));
+        ad.save_peft(&dir, "base").unwrap();
+        let back = Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu).unwrap();
+        let d = (back.pairs[0].a.clone() - ad.pairs[0].a.clone()).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+        // A model with another shape is refused, naming the tensor.
+        let other = vec![ModuleShape { name: mods[0].name.clone(), in_features: 7, out_features: 5 }];
+        let e = Adapter::load_peft(&dir, &spec, &other, &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("lora_A") && e.contains("[4, 6]"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

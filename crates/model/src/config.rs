@@ -1,0 +1,265 @@
+//! `config.json` as Hugging Face writes it ([`HfConfig`]), and the checked form the model is built
+//! from ([`ModelConfig`]). Both the transformers v4 layout (`rope_theta`, `rope_scaling`) and the v5
+//! layout (`rope_parameters`) are read.
+
+use serde::Deserialize;
+use std::path::Path;
+
+use crate::{ModelError, Result};
+
+pub const SUPPORTED: [&str; 3] = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+
+/// The subset of config.json that rtune reads; other keys are ignored (HF configs carry many).
+#[derive(Debug, Clone, Deserialize)]
+pub struct HfConfig {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    #[serde(default)]
+    pub model_type: Option<String>,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    #[serde(default = "d_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    #[serde(default)]
+    pub mlp_bias: Option<bool>,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default)]
+    pub max_position_embeddings: Option<usize>,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub pad_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub quantization_config: Option<serde_json::Value>,
+}
+
+fn d_eps() -> f64 {
+    1e-6
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+/// Rotary embedding frequencies: `inv_freq[i] = 1 / theta^(2i/d)`, then the scaling rule.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Position interpolation: every frequency divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+/// The checked model shape.
+#[derive(Debug, Clone)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_layers: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub tie_word_embeddings: bool,
+    /// Bias on q/k/v (Qwen2; Llama with `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on o_proj (Llama with `attention_bias`).
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// Keys further back than this are masked (Mistral, Qwen2 with `use_sliding_window`).
+    pub sliding_window: Option<usize>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+}
+
+fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+impl HfConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ModelError::File { path: path.to_path_buf(), message: format!("cannot read: {e}") })?;
+        serde_json::from_str(&text)
+            .map_err(|e| ModelError::File { path: path.to_path_buf(), message: format!("not a model config: {e}") })
+    }
+
+    /// Checks the architecture and every shape; `path` labels errors.
+    pub fn into_config(self, path: &Path) -> Result<ModelConfig> {
+        let bad = |message: String| ModelError::File { path: path.to_path_buf(), message };
+        let arch_name = self.architectures.first().cloned().unwrap_or_default();
+        let arch = match arch_name.as_str() {
+            "LlamaForCausalLM" => Arch::Llama,
+            "MistralForCausalLM" => Arch::Mistral,
+            "Qwen2ForCausalLM" => Arch::Qwen2,
+            _ => {
+                let got = if arch_name.is_empty() {
+                    format!("no `architectures` (model_type {:?})", self.model_type.as_deref().unwrap_or("?"))
+                } else {
+                    format!("architecture `{arch_name}`")
+                };
+                return Err(ModelError::Unsupported {
+                    path: path.to_path_buf(),
+                    what: got,
+                    supported: SUPPORTED.join(", "),
+                });
+            }
+        };
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" {
+                return Err(bad(format!("hidden_act `{act}`: only silu (SwiGLU) is supported")));
+            }
+        }
+        if self.quantization_config.is_some() {
+            return Err(bad("quantization_config is set: pre-quantized checkpoints are not supported yet".into()));
+        }
+        let heads = self.num_attention_heads;
+        let kv = self.num_key_value_heads.unwrap_or(heads);
+        if heads == 0 || kv == 0 || heads % kv != 0 {
+            return Err(bad(format!("num_attention_heads {heads} must be a positive multiple of num_key_value_heads {kv}")));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => d,
+            None if self.hidden_size % heads == 0 => self.hidden_size / heads,
+            None => return Err(bad(format!("hidden_size {} is not divisible by {heads} heads", self.hidden_size))),
+        };
+        if head_dim % 2 != 0 {
+            return Err(bad(format!("head_dim {head_dim} must be even for rotary embeddings")));
+        }
+        let (rope_theta, rope_scaling) = rope(&self).map_err(bad)?;
+        let sliding_window = match arch {
+            Arch::Mistral => self.sliding_window,
+            Arch::Qwen2 if self.use_sliding_window == Some(true) => self.sliding_window,
+            _ => None,
+        };
+        let attention_bias = self.attention_bias.unwrap_or(false);
+        Ok(ModelConfig {
+            arch,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.intermediate_size,
+            num_layers: self.num_hidden_layers,
+            num_heads: heads,
+            num_kv_heads: kv,
+            head_dim,
+            vocab_size: self.vocab_size,
+            rms_norm_eps: self.rms_norm_eps,
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2 || attention_bias,
+            o_bias: arch == Arch::Llama && attention_bias,
+            mlp_bias: arch == Arch::Llama && self.mlp_bias.unwrap_or(false),
+            sliding_window,
+            bos_token_id: ids(&self.bos_token_id).first().copied(),
+            eos_token_ids: ids(&self.eos_token_id),
+            pad_token_id: ids(&self.pad_token_id).first().copied(),
+        })
+    }
+}
+
+/// Reads theta and scaling from `rope_parameters` (v5) or `rope_theta` + `rope_scaling` (v4).
+fn rope(c: &HfConfig) -> std::result::Result<(f64, RopeScaling), String> {
+    let params = c.rope_parameters.as_ref().filter(|v| !v.is_null()).or(c.rope_scaling.as_ref().filter(|v| !v.is_null()));
+    let theta = c
+        .rope_parameters
+        .as_ref()
+        .and_then(|p| p.get("rope_theta"))
+        .and_then(|v| v.as_f64())
+        .or(c.rope_theta)
+        .unwrap_or(10_000.0);
+    let Some(p) = params else { return Ok((theta, RopeScaling::None)) };
+    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+    let num = |k: &str| -> std::result::Result<f64, String> {
+        p.get(k).and_then(|v| v.as_f64()).ok_or_else(|| format!("rope scaling `{kind}` needs a number `{k}`"))
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: num("factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        },
+        other => return Err(format!("rope scaling type `{other}` is not supported (default, linear, llama3 are)")),
+    };
+    Ok((theta, scaling))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: &str) -> Result<ModelConfig> {
+        let text = format!(
+            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
+        );
+        serde_json::from_str::<HfConfig>(&text).unwrap().into_config(Path::new("config.json"))
+    }
+
+    #[test]
+    fn v4_and_v5_rope_layouts_agree() {
+        let v4 = cfg(r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
+        let v5 = cfg(r#","rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
+        assert_eq!(v4.rope_theta, 500000.0);
+        assert_eq!(v4.rope_theta, v5.rope_theta);
+        assert_eq!(v4.rope_scaling, v5.rope_scaling);
+        assert!(matches!(v4.rope_scaling, RopeScaling::Llama3 { .. }));
+        let plain = cfg(r#","rope_parameters":{"rope_type":"default","rope_theta":1000.0}"#).unwrap();
+        assert_eq!((plain.rope_theta, plain.rope_scaling), (1000.0, RopeScaling::None));
+    }
+
+    #[test]
+    fn unsupported_architecture_lists_supported() {
+        let text = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#;
+        let e = serde_json::from_str::<HfConfig>(text).unwrap().into_config(Path::new("m/config.json")).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("GPT2LMHeadModel") && s.contains("Qwen2ForCausalLM") && s.contains("m/config.json"), "{s}");
+    }
+
+    #[test]
+    fn head_dim_and_yarn() {
+        assert_eq!(cfg("").unwrap().head_dim, 16);
+        assert_eq!(cfg(r#","head_dim":32"#).unwrap().head_dim, 32);
+        assert!(cfg(r#","rope_scaling":{"rope_type":"yarn","factor":4.0}"#).is_err());
+    }
+}

@@ -1,0 +1,115 @@
+//! One Llama decoder layer, pre-norm:
+//! `h = x + o_proj(attn(rope(q(n1)), rope(k(n1)), v(n1)))`, `out = h + down(silu(gate(n2))·up(n2))`
+//! with `n1 = rmsnorm(x)`, `n2 = rmsnorm(h)`. Its backward needs only the layer input and the
+//! [`LayerCache`] that [`Layer::forward`] returns, so a layer can be recomputed from its input alone
+//! (gradient checkpointing).
+
+use candle_core::{Result, Tensor};
+
+use crate::linear::{Grads, Linear, LinearCache, LoraCtx};
+use crate::ops::{self, AttnCache, AttnShape, NormCache};
+
+#[derive(Debug, Clone)]
+pub struct Layer {
+    pub index: usize,
+    pub input_norm: Tensor,
+    pub post_norm: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    pub eps: f64,
+}
+
+/// Everything the backward of one layer needs (the activations of that layer only).
+pub struct LayerCache {
+    n1: NormCache,
+    h1: Tensor,
+    cq: LinearCache,
+    ck: LinearCache,
+    cv: LinearCache,
+    attn: AttnCache,
+    o_in: Tensor,
+    co: LinearCache,
+    n2: NormCache,
+    h2: Tensor,
+    g: Tensor,
+    u: Tensor,
+    cg: LinearCache,
+    cu: LinearCache,
+    m: Tensor,
+    cd: LinearCache,
+}
+
+/// Per-batch inputs shared by all layers.
+pub struct BatchCtx {
+    pub shape: AttnShape,
+    /// `(B, 1, T, Dh)`
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// `(B or 1, 1, 1, T, T)` additive f32.
+    pub mask: Tensor,
+}
+
+impl Layer {
+    pub fn linears(&self) -> [&Linear; 7] {
+        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down]
+    }
+    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        [&mut self.q, &mut self.k, &mut self.v, &mut self.o, &mut self.gate, &mut self.up, &mut self.down]
+    }
+
+    fn salt(&self, module: u64) -> u64 {
+        // Distinct dropout streams per (layer, module); mixed so nearby seeds do not collide.
+        (self.index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ module.wrapping_mul(0xD1B5_4A32_D192_ED03)
+    }
+
+    /// `x: (N, D)` → `(N, D)` and the cache for backward.
+    pub fn forward(&self, x: &Tensor, ctx: &BatchCtx, lora: Option<&LoraCtx>) -> Result<(Tensor, LayerCache)> {
+        let (h1, n1) = ops::rms_norm(x, &self.input_norm, self.eps)?;
+        let (q, cq) = self.q.forward(&h1, lora, self.salt(0))?;
+        let (k, ck) = self.k.forward(&h1, lora, self.salt(1))?;
+        let (v, cv) = self.v.forward(&h1, lora, self.salt(2))?;
+        let (o_in, attn) = ops::attention(&q, &k, &v, &ctx.shape, &ctx.cos, &ctx.sin, &ctx.mask)?;
+        let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
+        let h = (x + a)?;
+        let (h2, n2) = ops::rms_norm(&h, &self.post_norm, self.eps)?;
+        let (g, cg) = self.gate.forward(&h2, lora, self.salt(4))?;
+        let (u, cu) = self.up.forward(&h2, lora, self.salt(5))?;
+        let m = ops::swiglu(&g, &u)?;
+        let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
+        let out = (h + d)?;
+        Ok((out, LayerCache { n1, h1, cq, ck, cv, attn, o_in, co, n2, h2, g, u, cg, cu, m, cd }))
+    }
+
+    /// `d_out: (N, D)` → `dx: (N, D)` (when `need_dx`), LoRA grads accumulated into `grads`.
+    pub fn backward(
+        &self,
+        d_out: &Tensor,
+        c: &LayerCache,
+        ctx: &BatchCtx,
+        lora: Option<&LoraCtx>,
+        grads: &mut Grads,
+        need_dx: bool,
+    ) -> Result<Option<Tensor>> {
+        let dm = self.down.backward(d_out, &c.m, &c.cd, lora, grads, true)?.expect("dx requested");
+        let (dg, du) = ops::swiglu_backward(&dm, &c.g, &c.u)?;
+        let dh2 = (self.gate.backward(&dg, &c.h2, &c.cg, lora, grads, true)?.expect("dx requested")
+            + self.up.backward(&du, &c.h2, &c.cu, lora, grads, true)?.expect("dx requested"))?;
+        let dh = (d_out + ops::rms_norm_backward(&dh2, &self.post_norm, &c.n2)?)?;
+        let d_o = self.o.backward(&dh, &c.o_in, &c.co, lora, grads, true)?.expect("dx requested");
+        let (dq, dk, dv) = ops::attention_backward(&d_o, &c.attn, &ctx.shape, &ctx.cos, &ctx.sin)?;
+        // The q/k/v input gradients are only needed to continue below this layer.
+        let dq1 = self.q.backward(&dq, &c.h1, &c.cq, lora, grads, need_dx)?;
+        let dk1 = self.k.backward(&dk, &c.h1, &c.ck, lora, grads, need_dx)?;
+        let dv1 = self.v.backward(&dv, &c.h1, &c.cv, lora, grads, need_dx)?;
+        if !need_dx {
+            return Ok(None);
+        }
+        let dh1 = ((dq1.expect("need_dx") + dk1.expect("need_dx"))? + dv1.expect("need_dx"))?;
+        Ok(Some((dh + ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?)?))
+    }
+}

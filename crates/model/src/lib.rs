@@ -1,0 +1,46 @@
+//! The Llama-family causal LM, written for LoRA training.
+//!
+//! - [`config`]: `config.json` → [`ModelConfig`] (Llama 2/3/3.1/3.2, SmolLM, Mistral, Qwen2).
+//! - [`weights`]: memory-mapped safetensors, one file or sharded.
+//! - [`Model`]: the network. [`Model::forward`] is the inference path; [`Model::forward_backward`]
+//!   trains: a hand-written backward ([`ops`], [`linear`], [`layer`]) that forms gradients for LoRA
+//!   weights only — never for a frozen weight — and can recompute each decoder layer from its input.
+//!
+//! Reference: transformers' `modeling_llama.py` (eager attention) and PEFT's `lora.Linear`; parity
+//! with both is tested against golden files in `tests/parity`.
+
+pub mod config;
+pub mod layer;
+pub mod linear;
+mod model;
+pub mod ops;
+pub mod rope;
+pub mod weights;
+
+pub use config::{Arch, HfConfig, ModelConfig, RopeScaling};
+pub use linear::{Grads, LoraCtx};
+pub use model::{Forward, Inputs, Model};
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("{path}: {what} is not supported; supported architectures: {supported}")]
+    Unsupported { path: PathBuf, what: String, supported: String },
+    #[error("{path}: checkpoint has no tensor `{name}`")]
+    MissingTensor { path: PathBuf, name: String },
+    #[error("{path}: tensor `{name}` has shape {got:?}, config.json implies {want:?}")]
+    TensorShape { path: PathBuf, name: String, got: Vec<usize>, want: Vec<usize> },
+    #[error("model {op}: {source}")]
+    Candle { op: String, source: candle_core::Error },
+}
+
+impl ModelError {
+    pub fn candle(op: impl Into<String>, source: candle_core::Error) -> Self {
+        ModelError::Candle { op: op.into(), source }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ModelError>;

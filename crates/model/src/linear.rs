@@ -1,0 +1,140 @@
+//! A frozen linear layer with an optional LoRA branch (Hu et al. 2021, "LoRA"):
+//!
+//! `y = x·Wᵀ + b + scaling · (dropout(x)·Aᵀ)·Bᵀ`, `W: (out, in)` frozen, `A: (r, in)`, `B: (out, r)`.
+//!
+//! The backward returns `dx` and accumulates `dA`, `dB`; it never forms a gradient for `W` or `b`.
+//! The LoRA product is taken as `(x·Aᵀ)·Bᵀ` so the intermediate is `(N, r)`, never `(N, out)·(out, in)`.
+
+use candle_core::{DType, Result, Tensor};
+use rand::{Rng, SeedableRng};
+
+use rtune_lora::Adapter;
+
+/// The adapter as the forward pass sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct LoraCtx<'a> {
+    pub adapter: &'a Adapter,
+    pub scaling: f64,
+    /// Dropout probability on the LoRA input; 0 in evaluation.
+    pub dropout: f64,
+    /// Seed of this micro-batch's dropout masks; a recomputed forward gets the same masks.
+    pub seed: u64,
+}
+
+/// LoRA gradients, f32, in the adapter's module order.
+#[derive(Debug, Clone)]
+pub struct Grads {
+    pub a: Vec<Option<Tensor>>,
+    pub b: Vec<Option<Tensor>>,
+}
+
+impl Grads {
+    pub fn new(modules: usize) -> Self {
+        Self { a: vec![None; modules], b: vec![None; modules] }
+    }
+
+    fn add(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
+        let g = g.to_dtype(DType::F32)?;
+        *slot = Some(match slot.take() {
+            Some(prev) => (prev + g)?,
+            None => g,
+        });
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Linear {
+    /// Checkpoint name without `.weight`, e.g. `model.layers.0.self_attn.q_proj`.
+    pub name: String,
+    pub w: Tensor,
+    pub bias: Option<Tensor>,
+    /// Index of this module's LoRA pair in the attached adapter.
+    pub lora: Option<usize>,
+}
+
+/// What the backward needs besides the input.
+#[derive(Debug, Clone, Default)]
+pub struct LinearCache {
+    /// `x·Aᵀ` (after dropout): `(N, r)`.
+    xa: Option<Tensor>,
+    /// Dropout keep-mask scaled by `1/(1−p)`: `(N, in)`.
+    mask: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn in_features(&self) -> usize {
+        self.w.dims()[1]
+    }
+    pub fn out_features(&self) -> usize {
+        self.w.dims()[0]
+    }
+
+    /// `x: (N, in)` → `(N, out)`.
+    pub fn forward(&self, x: &Tensor, lora: Option<&LoraCtx>, salt: u64) -> Result<(Tensor, LinearCache)> {
+        let mut y = x.matmul(&self.w.t()?)?;
+        if let Some(b) = &self.bias {
+            y = y.broadcast_add(b)?;
+        }
+        let mut cache = LinearCache::default();
+        if let (Some(slot), Some(ctx)) = (self.lora, lora) {
+            let pair = &ctx.adapter.pairs[slot];
+            let dt = x.dtype();
+            let mask = if ctx.dropout > 0.0 { Some(dropout_mask(x, ctx.dropout, ctx.seed ^ salt)?) } else { None };
+            let xd = match &mask {
+                Some(m) => (x * m)?,
+                None => x.clone(),
+            };
+            let xa = xd.matmul(&pair.a.to_dtype(dt)?.t()?)?; // (N, r)
+            let yl = (xa.matmul(&pair.b.to_dtype(dt)?.t()?)? * ctx.scaling)?;
+            y = (y + yl)?;
+            cache = LinearCache { xa: Some(xa), mask };
+        }
+        Ok((y, cache))
+    }
+
+    /// Accumulates `dA, dB` into `grads`; returns `dx: (N, in)` when `need_dx`.
+    pub fn backward(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        cache: &LinearCache,
+        lora: Option<&LoraCtx>,
+        grads: &mut Grads,
+        need_dx: bool,
+    ) -> Result<Option<Tensor>> {
+        let mut dx = if need_dx { Some(dy.matmul(&self.w)?) } else { None };
+        if let (Some(slot), Some(ctx), Some(xa)) = (self.lora, lora, &cache.xa) {
+            let pair = &ctx.adapter.pairs[slot];
+            let dt = dy.dtype();
+            let (a, b) = (pair.a.to_dtype(dt)?, pair.b.to_dtype(dt)?);
+            let s = ctx.scaling;
+            // dB: (out, r) = s · dyᵀ·xa
+            Grads::add(&mut grads.b[slot], (dy.t()?.matmul(xa)? * s)?)?;
+            // dxa: (N, r) = s · dy·B
+            let dxa = (dy.matmul(&b)? * s)?;
+            let xd = match &cache.mask {
+                Some(m) => (x * m)?,
+                None => x.clone(),
+            };
+            // dA: (r, in) = dxaᵀ·xd
+            Grads::add(&mut grads.a[slot], dxa.t()?.matmul(&xd)?)?;
+            if let Some(d) = dx.as_mut() {
+                let mut dl = dxa.matmul(&a)?;
+                if let Some(m) = &cache.mask {
+                    dl = (dl * m)?;
+                }
+                *d = (&*d + dl)?;
+            }
+        }
+        Ok(dx)
+    }
+}
+
+/// Inverted-dropout mask shaped like `x`: `1/(1−p)` with probability `1−p`, else 0.
+fn dropout_mask(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let keep = (1.0 / (1.0 - p)) as f32;
+    let v: Vec<f32> = (0..x.elem_count()).map(|_| if rng.random::<f64>() < p { 0.0 } else { keep }).collect();
+    Tensor::from_vec(v, x.shape(), x.device())?.to_dtype(x.dtype())
+}

@@ -1,0 +1,226 @@
+//! The whole causal LM: embeddings, decoder layers, final norm, lm_head; a forward for inference and
+//! a forward + backward for training that computes gradients for the LoRA weights only.
+
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+
+use rtune_lora::{Adapter, LoraSpec, ModuleShape};
+
+use crate::config::{HfConfig, ModelConfig};
+use crate::layer::{BatchCtx, Layer};
+use crate::linear::{Grads, Linear, LoraCtx};
+use crate::ops::{self, AttnShape};
+use crate::weights::Weights;
+use crate::{ModelError, Result};
+
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub dtype: DType,
+    pub device: Device,
+    /// `(V, D)`
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    /// `(V, D)`; the embedding matrix itself when tied.
+    lm_head: Tensor,
+    inv_freq: Vec<f32>,
+}
+
+/// Token ids and positions of a right-padded batch, row-major `(B, T)`.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    pub ids: Vec<u32>,
+    pub positions: Vec<u32>,
+    pub b: usize,
+    pub t: usize,
+}
+
+impl Inputs {
+    /// Positions 0..T for every row.
+    pub fn new(ids: Vec<u32>, b: usize, t: usize) -> Self {
+        let positions = (0..b).flat_map(|_| 0..t as u32).collect();
+        Self { ids, positions, b, t }
+    }
+}
+
+/// What [`Model::forward`] returns.
+pub struct Forward {
+    /// `(B, T, V)` f32
+    pub logits: Tensor,
+    /// transformers' `hidden_states`: `[0]` embeddings, `[i]` output of layer i, `[L]` final-norm
+    /// output; each `(B, T, D)`. Empty unless asked for.
+    pub hidden: Vec<Tensor>,
+}
+
+impl Model {
+    /// Loads a Hugging Face model directory (config.json + safetensors) in `dtype`.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(ModelError::File { path: dir.to_path_buf(), message: "model directory not found".into() });
+        }
+        let cfg_path = dir.join("config.json");
+        let cfg = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+        let w = Weights::open(dir, dtype, device)?;
+        let (d, v, i) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
+        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let embed = w.get("model.embed_tokens.weight", &[v, d])?;
+        let linear = |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear> {
+            let wt = w.get(&format!("{name}.weight"), &[out, inp])?;
+            let bias = if bias { Some(w.get(&format!("{name}.bias"), &[out])?) } else { None };
+            Ok(Linear { name, w: wt, bias, lora: None })
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            layers.push(Layer {
+                index: l,
+                input_norm: w.get(&format!("{p}.input_layernorm.weight"), &[d])?,
+                post_norm: w.get(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
+                q: linear(format!("{p}.self_attn.q_proj"), qd, d, cfg.qkv_bias)?,
+                k: linear(format!("{p}.self_attn.k_proj"), kvd, d, cfg.qkv_bias)?,
+                v: linear(format!("{p}.self_attn.v_proj"), kvd, d, cfg.qkv_bias)?,
+                o: linear(format!("{p}.self_attn.o_proj"), d, qd, cfg.o_bias)?,
+                gate: linear(format!("{p}.mlp.gate_proj"), i, d, cfg.mlp_bias)?,
+                up: linear(format!("{p}.mlp.up_proj"), i, d, cfg.mlp_bias)?,
+                down: linear(format!("{p}.mlp.down_proj"), d, i, cfg.mlp_bias)?,
+                eps: cfg.rms_norm_eps,
+            });
+        }
+        let norm = w.get("model.norm.weight", &[d])?;
+        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { w.get("lm_head.weight", &[v, d])? };
+        let inv_freq = crate::rope::inv_freq(&cfg);
+        Ok(Self { cfg, dtype, device: device.clone(), embed, layers, norm, lm_head, inv_freq })
+    }
+
+    /// The modules a LoRA spec targets, in model order (layer 0's q, k, v, o, gate, up, down, ...).
+    pub fn lora_modules(&self, spec: &LoraSpec) -> Vec<ModuleShape> {
+        let mut out = Vec::new();
+        for layer in &self.layers {
+            for lin in layer.linears() {
+                let short = lin.name.rsplit('.').next().unwrap_or_default();
+                if spec.targets_module(short) {
+                    out.push(ModuleShape {
+                        name: lin.name.clone(),
+                        in_features: lin.in_features(),
+                        out_features: lin.out_features(),
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Routes each targeted linear layer to its pair in `adapter` (by name).
+    pub fn attach(&mut self, adapter: &Adapter) {
+        for layer in &mut self.layers {
+            for lin in layer.linears_mut() {
+                lin.lora = adapter.index_of(&lin.name);
+            }
+        }
+    }
+
+    fn batch_ctx(&self, inp: &Inputs) -> candle_core::Result<BatchCtx> {
+        let shape = AttnShape {
+            b: inp.b,
+            t: inp.t,
+            heads: self.cfg.num_heads,
+            kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+        };
+        let (cos, sin) = crate::rope::tables(&self.inv_freq, &inp.positions, inp.b, inp.t, self.dtype, &self.device)?;
+        let mask = ops::causal_mask(inp.t, self.cfg.sliding_window, &self.device)?;
+        Ok(BatchCtx { shape, cos, sin, mask })
+    }
+
+    fn embed(&self, inp: &Inputs) -> candle_core::Result<Tensor> {
+        let ids = Tensor::new(inp.ids.as_slice(), &self.device)?;
+        self.embed.index_select(&ids, 0) // (N, D)
+    }
+
+    /// Inference forward: logits for every position (and the hidden states if `keep_hidden`).
+    pub fn forward(&self, inp: &Inputs, lora: Option<&LoraCtx>, keep_hidden: bool) -> Result<Forward> {
+        let run = || -> candle_core::Result<Forward> {
+            let (b, t, d) = (inp.b, inp.t, self.cfg.hidden_size);
+            let ctx = self.batch_ctx(inp)?;
+            let mut x = self.embed(inp)?;
+            let mut hidden = Vec::new();
+            for layer in &self.layers {
+                if keep_hidden {
+                    hidden.push(x.reshape((b, t, d))?.to_dtype(DType::F32)?);
+                }
+                x = layer.forward(&x, &ctx, lora)?.0;
+            }
+            let (h, _) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
+            if keep_hidden {
+                hidden.push(h.reshape((b, t, d))?.to_dtype(DType::F32)?);
+            }
+            let logits = h.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?.reshape((b, t, self.cfg.vocab_size))?;
+            Ok(Forward { logits, hidden })
+        };
+        run().map_err(|e| ModelError::candle("forward", e))
+    }
+
+    /// One micro-batch of training: forward, chunked cross-entropy against `targets` (the next-token
+    /// id per position, already shifted; `None` = no loss), backward into `grads` scaled by
+    /// `grad_scale` (1 / target tokens of the whole optimizer step). Returns the summed loss.
+    ///
+    /// With `checkpoint`, only each layer's input is kept during the forward pass; each layer is
+    /// recomputed from it just before its backward, so one layer's activations are alive at a time.
+    pub fn forward_backward(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: &LoraCtx,
+        grad_scale: f64,
+        checkpoint: bool,
+        grads: &mut Grads,
+    ) -> Result<f64> {
+        let mut run = || -> candle_core::Result<f64> {
+            let ctx = self.batch_ctx(inp)?;
+            let mut inputs = Vec::with_capacity(self.layers.len());
+            let mut caches = Vec::with_capacity(self.layers.len());
+            let mut x = self.embed(inp)?;
+            for layer in &self.layers {
+                let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
+                inputs.push(x);
+                if !checkpoint {
+                    caches.push(cache);
+                }
+                x = out;
+            }
+            let (h, norm_cache) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
+            drop(x);
+            let chunk = ((1usize << 24) / self.cfg.vocab_size).clamp(16, 4096);
+            let (loss, dh) = ops::chunked_cross_entropy(&h, &self.lm_head, targets, grad_scale, chunk)?;
+            drop(h);
+            let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
+            for (i, layer) in self.layers.iter().enumerate().rev() {
+                let x_in = inputs.pop().expect("one input per layer");
+                let cache = match caches.pop() {
+                    Some(c) => c,
+                    None => layer.forward(&x_in, &ctx, Some(lora))?.1,
+                };
+                match layer.backward(&dx, &cache, &ctx, Some(lora), grads, i > 0)? {
+                    Some(d) => dx = d,
+                    None => break,
+                }
+            }
+            Ok(loss)
+        };
+        run().map_err(|e| ModelError::candle("forward_backward", e))
+    }
+
+    pub fn num_params(&self) -> usize {
+        let mut n = self.embed.elem_count() + self.norm.elem_count();
+        if !self.cfg.tie_word_embeddings {
+            n += self.lm_head.elem_count();
+        }
+        for l in &self.layers {
+            n += l.input_norm.elem_count() + l.post_norm.elem_count();
+            for lin in l.linears() {
+                n += lin.w.elem_count() + lin.bias.as_ref().map_or(0, |b| b.elem_count());
+            }
+        }
+        n
+    }
+}

@@ -1,0 +1,207 @@
+//! Forward and hand-written backward of every op on the training path.
+//!
+//! The model does not use candle's autograd: it would compute a gradient for every frozen weight
+//! (candle's matmul backward always forms `lhsᵀ·grad` for the right operand) and keep every
+//! intermediate alive until the end. Each op here returns what its backward needs, and its backward
+//! takes exactly that. `tests::*_matches_autograd` checks each backward against candle's autograd on
+//! the plain (un-fused, differentiable) formulation of the same op.
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// What [`rms_norm`]'s backward needs.
+#[derive(Debug, Clone)]
+pub struct NormCache {
+    /// The input, f32: `(N, D)`.
+    pub x: Tensor,
+    /// `1 / sqrt(mean(x²) + eps)`: `(N, 1)`, f32.
+    pub r: Tensor,
+}
+
+/// Llama's RMSNorm: `w · (x · rsqrt(mean(x²) + eps))`, statistics in f32 then cast back (as
+/// transformers' `LlamaRMSNorm`). `x: (N, D)`, `w: (D)`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, NormCache)> {
+    let dt = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let y = xf.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(w)?;
+    Ok((y, NormCache { x: xf, r }))
+}
+
+/// `dx = r·g − x·r³·mean(g·x)`, `g = dy·w`.
+pub fn rms_norm_backward(dy: &Tensor, w: &Tensor, c: &NormCache) -> Result<Tensor> {
+    let dt = dy.dtype();
+    let g = dy.broadcast_mul(w)?.to_dtype(DType::F32)?;
+    let gx = (&g * &c.x)?.mean_keepdim(D::Minus1)?;
+    let r3 = c.r.powf(3.0)?;
+    let dx = (g.broadcast_mul(&c.r)? - c.x.broadcast_mul(&r3)?.broadcast_mul(&gx)?)?;
+    dx.to_dtype(dt)
+}
+
+/// `1 / (1 + e^-x)`.
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+/// SwiGLU: `silu(g) · u`.
+pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    g.silu()? * u
+}
+
+/// Returns `(dg, du)` for [`swiglu`]; `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))`.
+pub fn swiglu_backward(dh: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dt = g.dtype();
+    let gf = g.to_dtype(DType::F32)?;
+    let s = sigmoid(&gf)?;
+    let silu = (&gf * &s)?;
+    let dhf = dh.to_dtype(DType::F32)?;
+    let du = (&dhf * silu)?.to_dtype(dt)?;
+    let dsilu = (&s * ((&gf * (1.0 - &s)?)? + 1.0)?)?;
+    let dg = ((dhf * u.to_dtype(DType::F32)?)? * dsilu)?.to_dtype(dt)?;
+    Ok((dg, du))
+}
+
+/// What [`attention`]'s backward needs.
+#[derive(Debug, Clone)]
+pub struct AttnCache {
+    /// Rotated queries grouped by kv head: `(B, Hkv, G·T, Dh)`.
+    pub q: Tensor,
+    /// Rotated keys: `(B, Hkv, T, Dh)`.
+    pub k: Tensor,
+    pub v: Tensor,
+    /// Softmax probabilities, f32: `(B, Hkv, G·T, T)`.
+    pub p: Tensor,
+}
+
+/// Shape facts for one batch through attention.
+#[derive(Debug, Clone)]
+pub struct AttnShape {
+    pub b: usize,
+    pub t: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// Causal grouped-query attention with RoPE. `q: (N, H·Dh)`, `k, v: (N, Hkv·Dh)` with `N = B·T`;
+/// `cos, sin: (B, 1, T, Dh)`; `mask: (B or 1, 1, 1, T, T)` additive f32 (0 or −∞). Returns
+/// `(N, H·Dh)`. Query head `h` reads kv head `h / G` (transformers' `repeat_kv`); the G query heads of
+/// a kv head are stacked along the row axis so K and V are never repeated in memory.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+) -> Result<(Tensor, AttnCache)> {
+    let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
+    let g = h / hkv;
+    let dt = q.dtype();
+    // (N, H·Dh) -> (B, H, T, Dh)
+    let q = q.reshape((b, t, h, dh))?.transpose(1, 2)?.contiguous()?;
+    let k = k.reshape((b, t, hkv, dh))?.transpose(1, 2)?.contiguous()?;
+    let v = v.reshape((b, t, hkv, dh))?.transpose(1, 2)?.contiguous()?;
+    let q = crate::rope::apply(&q, cos, sin)?;
+    let k = crate::rope::apply(&k, cos, sin)?.contiguous()?;
+    // (B, H, T, Dh) = (B, Hkv, G, T, Dh) -> (B, Hkv, G·T, Dh)
+    let q = q.reshape((b, hkv, g * t, dh))?;
+    let scale = 1.0 / (dh as f64).sqrt();
+    // scores: (B, Hkv, G·T, T)
+    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+    let scores = scores.reshape((b, hkv, g, t, t))?.broadcast_add(mask)?.reshape((b, hkv, g * t, t))?;
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    // out: (B, Hkv, G·T, Dh) -> (B, H, T, Dh) -> (B, T, H, Dh) -> (N, H·Dh)
+    let o = p.to_dtype(dt)?.matmul(&v)?;
+    let o = o.reshape((b, h, t, dh))?.transpose(1, 2)?.reshape((b * t, h * dh))?;
+    Ok((o, AttnCache { q, k, v, p }))
+}
+
+/// Returns `(dq, dk, dv)` shaped like [`attention`]'s inputs.
+pub fn attention_backward(
+    d_out: &Tensor,
+    c: &AttnCache,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
+    let g = h / hkv;
+    let dt = d_out.dtype();
+    // d_out: (N, H·Dh) -> (B, H, T, Dh) -> (B, Hkv, G·T, Dh)
+    let d_o = d_out.reshape((b, t, h, dh))?.transpose(1, 2)?.contiguous()?.reshape((b, hkv, g * t, dh))?;
+    let p = c.p.to_dtype(dt)?;
+    // dv: (B, Hkv, T, Dh) sums over the G query heads of each kv head.
+    let dv = p.t()?.matmul(&d_o)?;
+    // dp: (B, Hkv, G·T, T); softmax backward in f32.
+    let dp = d_o.matmul(&c.v.t()?)?.to_dtype(DType::F32)?;
+    let row = (&dp * &c.p)?.sum_keepdim(D::Minus1)?;
+    let scale = 1.0 / (dh as f64).sqrt();
+    let ds = ((&c.p * dp.broadcast_sub(&row)?)? * scale)?.to_dtype(dt)?;
+    let dq = ds.matmul(&c.k)?; // (B, Hkv, G·T, Dh)
+    let dk = ds.t()?.matmul(&c.q)?; // (B, Hkv, T, Dh)
+    let dq = crate::rope::apply_backward(&dq.reshape((b, h, t, dh))?, cos, sin)?;
+    let dk = crate::rope::apply_backward(&dk, cos, sin)?;
+    let back = |x: Tensor, heads: usize| x.transpose(1, 2)?.reshape((b * t, heads * dh));
+    Ok((back(dq, h)?, back(dk, hkv)?, back(dv, hkv)?))
+}
+
+/// Additive causal mask `(1, 1, 1, T, T)`, f32: 0 where key `j ≤ i` (and `i − j < window`), −∞ elsewhere.
+pub fn causal_mask(t: usize, window: Option<usize>, dev: &candle_core::Device) -> Result<Tensor> {
+    let w = window.unwrap_or(usize::MAX);
+    let m: Vec<f32> = (0..t)
+        .flat_map(|i| (0..t).map(move |j| if j <= i && i - j < w { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(m, (1, 1, 1, t, t), dev)
+}
+
+/// Cross-entropy over the lm_head in chunks of tokens, so the full `(N, V)` logits never exist.
+///
+/// `h: (N, D)` final hidden states, `w: (V, D)` the lm_head, `targets[i]` the next-token id for row
+/// `i` or `None`. Returns the summed loss (f64) and `dh: (N, D)` = `d(loss_sum · grad_scale)/dh`.
+pub fn chunked_cross_entropy(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[Option<u32>],
+    grad_scale: f64,
+    chunk: usize,
+) -> Result<(f64, Tensor)> {
+    let dev = h.device();
+    let dt = h.dtype();
+    let vocab = w.dim(0)?;
+    let rows: Vec<u32> = (0..targets.len()).filter(|&i| targets[i].is_some()).map(|i| i as u32).collect();
+    let mut dh = h.zeros_like()?;
+    let mut loss = 0f64;
+    let wt = w.t()?;
+    for part in rows.chunks(chunk.max(1)) {
+        let n = part.len();
+        let idx = Tensor::new(part, dev)?;
+        let tgt: Vec<u32> = part.iter().map(|&i| targets[i as usize].expect("filtered")).collect();
+        let tgt = Tensor::new(tgt.as_slice(), dev)?.unsqueeze(1)?; // (n, 1)
+        // logits: (n, V) f32
+        let logits = h.index_select(&idx, 0)?.matmul(&wt)?.to_dtype(DType::F32)?;
+        let max = logits.max_keepdim(D::Minus1)?;
+        let z = logits.broadcast_sub(&max)?;
+        let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?; // (n, 1)
+        let picked = z.gather(&tgt, D::Minus1)?; // (n, 1)
+        let nll = (lse.clone() - picked)?;
+        loss += nll.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        // dlogits = (softmax − onehot) · grad_scale
+        let p = z.broadcast_sub(&lse)?.exp()?;
+        let onehot = Tensor::arange(0u32, vocab as u32, dev)?
+            .unsqueeze(0)?
+            .broadcast_as((n, vocab))?
+            .broadcast_eq(&tgt)?
+            .to_dtype(DType::F32)?;
+        let dlogits = ((p - onehot)? * grad_scale)?.to_dtype(dt)?;
+        let dpart = dlogits.matmul(w)?; // (n, D)
+        dh = dh.index_add(&idx, &dpart, 0)?;
+    }
+    Ok((loss, dh))
+}
+
+#[cfg(test)]
+#[path = "ops_tests.rs"]
+mod tests;
