@@ -1,1 +1,6 @@
+//! Integration tests, one module per concern:
+//! - `parity`: the model, LoRA gradients and AdamW against transformers + PEFT goldens;
+//! - `cli`: `rtune train` / `rtune generate` end to end, the embedded smoke run, bad-input errors.
 
+mod common;
+mod parity;

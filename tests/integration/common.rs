@@ -1,0 +1,42 @@
+//! Shared helpers: paths, golden files, relative errors.
+
+use candle_core::{Device, Tensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixture(rel: &str) -> PathBuf {
+    root().join("tests").join(rel)
+}
+
+pub struct Golden {
+    pub t: HashMap<String, Tensor>,
+    pub meta: serde_json::Value,
+}
+
+impl Golden {
+    pub fn load(path: &Path) -> Self {
+        let t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
+        let bytes = std::fs::read(path).unwrap();
+        let (_, st_meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let cfg = st_meta.metadata().as_ref().unwrap().get("config").unwrap().clone();
+        Self { t, meta: serde_json::from_str(&cfg).unwrap() }
+    }
+
+    pub fn get(&self, k: &str) -> &Tensor {
+        self.t.get(k).unwrap_or_else(|| panic!("golden has no {k}"))
+    }
+}
+
+/// `max|got − want| / max|want|`.
+pub fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
+    let got = got.to_dtype(candle_core::DType::F64).unwrap();
+    let want = want.to_dtype(candle_core::DType::F64).unwrap();
+    assert_eq!(got.dims(), want.dims());
+    let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap().max(1e-30);
+    let err = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+    err / scale
+}
