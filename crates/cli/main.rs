@@ -1,1 +1,195 @@
-fn main(){}
+//! `rtune`: LoRA fine-tuning of Llama-family models. The command line only parses arguments, calls
+//! the libraries and prints; every error reaches `main` and is printed once, as one line per cause.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use rtune_train::bench::BenchOptions;
+use rtune_train::generate::GenerateOptions;
+use rtune_train::Event;
+
+#[derive(Parser)]
+#[command(name = "rtune", version, about = "LoRA fine-tuning for Llama-family models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Fine-tune with LoRA as a TOML config says; writes a PEFT adapter into [output] dir.
+    Train {
+        #[arg(long)]
+        config: PathBuf,
+        /// Override a config value: --set train.lr=1e-4 (repeatable).
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Continue a prompt with a model and optionally a PEFT adapter.
+    Generate {
+        /// Hugging Face model directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// PEFT adapter directory (e.g. a run's output dir).
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// 0 = greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, default_value_t = 1.0)]
+        top_p: f64,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+    /// Training throughput and peak memory on a random model (default shape: bench-small).
+    Bench {
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        #[arg(long, default_value_t = 512)]
+        hidden: usize,
+        #[arg(long, default_value_t = 8)]
+        layers: usize,
+        #[arg(long, default_value_t = 8)]
+        heads: usize,
+        #[arg(long, default_value_t = 2)]
+        kv_heads: usize,
+        #[arg(long, default_value_t = 1376)]
+        intermediate: usize,
+        #[arg(long, default_value_t = 32000)]
+        vocab: usize,
+        #[arg(long, default_value_t = 512)]
+        seq: usize,
+        #[arg(long, default_value_t = 4)]
+        batch: usize,
+        #[arg(long, default_value_t = 16)]
+        r: usize,
+        /// Recompute each decoder layer in backward instead of keeping its activations.
+        #[arg(long)]
+        gradient_checkpointing: bool,
+        /// Also write the result as JSON to this file.
+        #[arg(long)]
+        json_out: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RTUNE_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train { config, set } => train(config, set),
+        Command::Generate { model, adapter, prompt, max_new_tokens, temperature, top_p, seed } => {
+            if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
+                bail!("--top-p must be in (0, 1], got {top_p}");
+            }
+            let opt = GenerateOptions { max_new_tokens, temperature, top_p, seed };
+            let text = rtune_train::generate::generate(&model, adapter.as_deref(), &prompt, &opt)?;
+            println!("{text}");
+            Ok(())
+        }
+        Command::Bench {
+            steps,
+            warmup,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            intermediate,
+            vocab,
+            seq,
+            batch,
+            r,
+            gradient_checkpointing,
+            json_out,
+        } => {
+            if steps == 0 || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
+                bail!("bench shape: need steps ≥ 1, heads a multiple of kv_heads, hidden a multiple of heads");
+            }
+            let o = BenchOptions {
+                hidden,
+                layers,
+                heads,
+                kv_heads,
+                intermediate,
+                vocab,
+                seq,
+                batch,
+                r,
+                alpha: 2.0 * r as f64,
+                steps,
+                warmup,
+                gradient_checkpointing,
+            };
+            let res = rtune_train::bench::run(&o, &mut |i, dt, timed| {
+                eprintln!("step {i:2} {} {dt:7.3}s", if timed { "timed " } else { "warmup" });
+            })?;
+            println!(
+                "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), peak RSS {:.1} MB, {} threads",
+                res.tokens_per_s,
+                res.step_s_median,
+                res.step_s.len(),
+                res.peak_rss_bytes as f64 / 1e6,
+                res.threads
+            );
+            if let Some(p) = json_out {
+                std::fs::write(&p, serde_json::to_string_pretty(&res)?).with_context(|| format!("{}", p.display()))?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn train(config: PathBuf, set: Vec<String>) -> Result<()> {
+    let cfg = rtune_config::load(&config, &set)?;
+    let every = cfg.log_every;
+    let steps = cfg.steps;
+    let summary = rtune_train::train(&cfg, &mut |ev| match ev {
+        Event::Start { examples, truncated, skipped, lora_params, model_params } => {
+            eprintln!(
+                "rtune: {examples} examples ({truncated} truncated, {skipped} without targets skipped); \
+                 {lora_params} LoRA parameters on a {model_params}-parameter model"
+            );
+        }
+        Event::Step(m) => {
+            if m.step % every == 0 || m.step == steps {
+                eprintln!(
+                    "step {:>5}/{steps}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  {:.0} tok/s",
+                    m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s
+                );
+            }
+        }
+    })?;
+    println!(
+        "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB, {:.1}s; adapter in {}",
+        summary.steps,
+        summary.final_loss,
+        summary.tokens_per_s,
+        summary.peak_memory_bytes as f64 / 1e6,
+        summary.wall_s,
+        summary.output_dir.display()
+    );
+    Ok(())
+}

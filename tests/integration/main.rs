@@ -3,4 +3,5 @@
 //! - `cli`: `rtune train` / `rtune generate` end to end, the embedded smoke run, bad-input errors.
 
 mod common;
+mod cli;
 mod parity;

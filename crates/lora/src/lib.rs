@@ -9,7 +9,7 @@
 
 mod peft;
 
-pub use peft::{read_adapter_config, PeftAdapterConfig};
+pub use peft::{read_adapter_config, write_atomic, PeftAdapterConfig};
 
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};

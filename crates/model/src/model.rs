@@ -10,7 +10,7 @@ use crate::config::{HfConfig, ModelConfig};
 use crate::layer::{BatchCtx, Layer};
 use crate::linear::{Grads, Linear, LoraCtx};
 use crate::ops::{self, AttnShape};
-use crate::weights::Weights;
+use crate::weights::{TensorSource, Weights};
 use crate::{ModelError, Result};
 
 pub struct Model {
@@ -61,12 +61,17 @@ impl Model {
         let cfg_path = dir.join("config.json");
         let cfg = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
         let w = Weights::open(dir, dtype, device)?;
+        Self::build(cfg, &w, dtype, device)
+    }
+
+    /// Builds the model from any tensor source, names as in a Hugging Face checkpoint.
+    pub fn build(cfg: ModelConfig, w: &dyn TensorSource, dtype: DType, device: &Device) -> Result<Self> {
         let (d, v, i) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
         let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
-        let embed = w.get("model.embed_tokens.weight", &[v, d])?;
+        let embed = w.tensor("model.embed_tokens.weight", &[v, d])?;
         let linear = |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear> {
-            let wt = w.get(&format!("{name}.weight"), &[out, inp])?;
-            let bias = if bias { Some(w.get(&format!("{name}.bias"), &[out])?) } else { None };
+            let wt = w.tensor(&format!("{name}.weight"), &[out, inp])?;
+            let bias = if bias { Some(w.tensor(&format!("{name}.bias"), &[out])?) } else { None };
             Ok(Linear { name, w: wt, bias, lora: None })
         };
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -74,8 +79,8 @@ impl Model {
             let p = format!("model.layers.{l}");
             layers.push(Layer {
                 index: l,
-                input_norm: w.get(&format!("{p}.input_layernorm.weight"), &[d])?,
-                post_norm: w.get(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
+                input_norm: w.tensor(&format!("{p}.input_layernorm.weight"), &[d])?,
+                post_norm: w.tensor(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
                 q: linear(format!("{p}.self_attn.q_proj"), qd, d, cfg.qkv_bias)?,
                 k: linear(format!("{p}.self_attn.k_proj"), kvd, d, cfg.qkv_bias)?,
                 v: linear(format!("{p}.self_attn.v_proj"), kvd, d, cfg.qkv_bias)?,
@@ -86,8 +91,8 @@ impl Model {
                 eps: cfg.rms_norm_eps,
             });
         }
-        let norm = w.get("model.norm.weight", &[d])?;
-        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { w.get("lm_head.weight", &[v, d])? };
+        let norm = w.tensor("model.norm.weight", &[d])?;
+        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { w.tensor("lm_head.weight", &[v, d])? };
         let inv_freq = crate::rope::inv_freq(&cfg);
         Ok(Self { cfg, dtype, device: device.clone(), embed, layers, norm, lm_head, inv_freq })
     }

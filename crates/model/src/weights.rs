@@ -8,6 +8,18 @@ use std::path::{Path, PathBuf};
 
 use crate::{ModelError, Result};
 
+/// Where a model's tensors come from: a checkpoint, or (for benches) a generator.
+pub trait TensorSource {
+    /// The tensor `name`, checked to have `shape`, in the compute dtype.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+}
+
+impl TensorSource for Weights {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.get(name, shape)
+    }
+}
+
 pub struct Weights {
     dir: PathBuf,
     st: MmapedSafetensors,

@@ -1,4 +1,42 @@
-//! Training: AdamW, schedules and clipping ([`optim`]), the training loop that drives the model over
-//! the data and writes a run directory ([`trainer`]), and the throughput bench ([`bench`]).
+//! Training and inference on top of the model:
+//! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
+//! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
+//! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
+//! - [`bench`]: `rtune bench` — training throughput and peak memory on a random model;
+//! - [`memory`]: peak resident memory of this process.
 
+pub mod bench;
+pub mod generate;
+pub mod memory;
 pub mod optim;
+pub mod trainer;
+
+pub use trainer::{train, Event, StepMetrics, Summary};
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error(transparent)]
+    Config(#[from] rtune_config::ConfigError),
+    #[error(transparent)]
+    Model(#[from] rtune_model::ModelError),
+    #[error(transparent)]
+    Lora(#[from] rtune_lora::LoraError),
+    #[error(transparent)]
+    Data(#[from] rtune_data::DataError),
+    #[error("{path}: {message}")]
+    Output { path: PathBuf, message: String },
+    #[error("{0}")]
+    Device(String),
+    #[error("step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped without writing an adapter (try a lower [train] lr)")]
+    NonFinite { step: usize, loss: f64, grad_norm: f64 },
+    #[error("{op}: {source}")]
+    Candle { op: &'static str, source: candle_core::Error },
+}
+
+impl TrainError {
+    pub(crate) fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> TrainError {
+        move |source| TrainError::Candle { op, source }
+    }
+}

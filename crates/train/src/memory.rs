@@ -1,0 +1,28 @@
+//! Peak resident set size of this process.
+
+/// `VmHWM` from /proc/self/status in bytes (Linux); 0 where it cannot be read.
+pub fn peak_rss_bytes() -> u64 {
+    read_status_kib("VmHWM:").map_or(0, |k| k * 1024)
+}
+
+/// Current resident set size in bytes (Linux); 0 where it cannot be read.
+pub fn current_rss_bytes() -> u64 {
+    read_status_kib("VmRSS:").map_or(0, |k| k * 1024)
+}
+
+fn read_status_kib(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn peak_is_at_least_current_and_nonzero_on_linux() {
+        if cfg!(target_os = "linux") {
+            let (peak, cur) = (super::peak_rss_bytes(), super::current_rss_bytes());
+            assert!(cur > 0 && peak >= cur, "peak {peak} current {cur}");
+        }
+    }
+}

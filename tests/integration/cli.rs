@@ -1,0 +1,223 @@
+//! The `rtune` binary end to end: the embedded smoke run, the golden batch through `rtune train`,
+//! and one-line errors for bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use crate::common::{fixture, rel_err, root, Golden};
+
+fn rtune(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rtune")).args(args).current_dir(root()).output().expect("run rtune")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn path_str(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// configs/smoke.toml memorises its data set; `rtune generate` then reproduces every completion.
+#[test]
+fn smoke_run_memorises_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("smoke");
+    let o = rtune(&["train", "--config", "configs/smoke.toml", "--set", &format!("output.dir={}", path_str(&out_dir))]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap()).unwrap();
+    let loss = summary["final_loss"].as_f64().unwrap();
+    assert!(loss < 0.05, "final loss {loss}");
+    assert!(summary["peak_memory_bytes"].as_u64().unwrap() > 0);
+    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 150);
+    for f in ["adapter_model.safetensors", "adapter_config.json", "config.toml"] {
+        assert!(out_dir.join(f).exists(), "{f}");
+    }
+    let data = std::fs::read_to_string(fixture("fixtures/smoke.jsonl")).unwrap();
+    for line in data.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        let (prompt, completion) = (row["prompt"].as_str().unwrap(), row["completion"].as_str().unwrap());
+        let o = rtune(&[
+            "generate",
+            "--model",
+            "tests/fixtures/tiny-llama3",
+            "--adapter",
+            &path_str(&out_dir),
+            "--prompt",
+            prompt,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let text = String::from_utf8(o.stdout).unwrap();
+        assert_eq!(text.trim_end_matches('\n'), completion, "prompt {prompt:?}");
+    }
+    // Without the adapter the base model does not know the answers.
+    let o = rtune(&["generate", "--model", "tests/fixtures/tiny-llama3", "--prompt", "Q: Who makes Zephyr?\nA:", "--max-new-tokens", "8"]);
+    assert!(o.status.success());
+    assert_ne!(String::from_utf8(o.stdout).unwrap().trim_end(), " Nimbus Labs, Oslo.");
+}
+
+/// Writes golden_tiny's batch as pre-tokenized JSONL and a config that trains on it from the
+/// golden's init adapter exactly as peft_reference.py's AdamW loop does.
+fn golden_run(tmp: &Path, micro_batch_size: usize, grad_accum: usize) -> (PathBuf, Golden) {
+    let g = Golden::load(&fixture("parity/golden_tiny.safetensors"));
+    let ids = g.get("input_ids").to_vec2::<i64>().unwrap();
+    let labels = g.get("labels").to_vec2::<i64>().unwrap();
+    let mut jsonl = String::new();
+    for (i, l) in ids.iter().zip(&labels) {
+        jsonl += &serde_json::json!({"input_ids": i, "labels": l}).to_string();
+        jsonl.push('\n');
+    }
+    std::fs::write(tmp.join("batch.jsonl"), jsonl).unwrap();
+    let out = tmp.join("out");
+    let cfg = format!(
+        r#"[model]
+path = "{model}"
+[lora]
+r = 8
+alpha = 16
+targets = "all-linear"
+init_from = "{init}"
+[data]
+train = "{data}"
+max_seq_len = 16
+shuffle = false
+[train]
+steps = 3
+micro_batch_size = {micro_batch_size}
+grad_accum = {grad_accum}
+lr = 1e-3
+schedule = "constant"
+max_grad_norm = 0.0
+gradient_checkpointing = false
+[output]
+dir = "{out}"
+"#,
+        model = path_str(&fixture("fixtures/tiny-llama")),
+        init = path_str(&fixture("parity/adapter_tiny_init")),
+        data = path_str(&tmp.join("batch.jsonl")),
+        out = path_str(&out),
+    );
+    std::fs::write(tmp.join("golden.toml"), cfg).unwrap();
+    (tmp.join("golden.toml"), g)
+}
+
+fn check_against_golden(out: &Path, g: &Golden) {
+    let adapter = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let n_golden = g.t.keys().filter(|k| k.starts_with("adamw.base_model")).count();
+    assert_eq!(adapter.len(), n_golden);
+    for (k, t) in &adapter {
+        let e = rel_err(t, g.get(&format!("adamw.{k}")));
+        assert!(e <= 1e-4, "{k}: rel err {e:e}");
+    }
+    let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    for (line, w) in metrics.lines().zip(&want) {
+        let m: serde_json::Value = serde_json::from_str(line).unwrap();
+        let l = m["loss"].as_f64().unwrap();
+        assert!((l - *w as f64).abs() / (*w as f64) <= 1e-5, "loss {l} vs {w}");
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
+    for (k, v) in [("peft_type", "LORA"), ("task_type", "CAUSAL_LM"), ("bias", "none")] {
+        assert_eq!(cfg[k], v, "{k}");
+    }
+    assert_eq!(cfg["r"], 8);
+    assert_eq!(cfg["lora_alpha"].as_f64(), Some(16.0));
+    assert_eq!(cfg["target_modules"].as_array().unwrap().len(), 7);
+    assert!(cfg["base_model_name_or_path"].as_str().unwrap().ends_with("tiny-llama"));
+}
+
+#[test]
+fn cli_training_matches_peft_adamw() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, g) = golden_run(tmp.path(), 2, 1);
+    let o = rtune(&["train", "--config", &path_str(&cfg)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    check_against_golden(&tmp.path().join("out"), &g);
+}
+
+/// Two micro-batches of one row each, normalised by the step's total target tokens, equal the
+/// golden's single batch of two.
+#[test]
+fn grad_accumulation_equals_one_big_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, g) = golden_run(tmp.path(), 1, 2);
+    let o = rtune(&["train", "--config", &path_str(&cfg), "--set", "train.gradient_checkpointing=true"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    check_against_golden(&tmp.path().join("out"), &g);
+}
+
+/// Runs `rtune train` on a config that must fail: one `error:` line containing every needle, no
+/// panic, and no output directory.
+fn assert_fails(tmp: &Path, config: &str, sets: &[&str], needles: &[&str]) {
+    let path = tmp.join("bad.toml");
+    let out = tmp.join("out-bad");
+    let config = format!("{config}\n[output]\ndir = \"{}\"\n", path_str(&out));
+    std::fs::write(&path, config).unwrap();
+    let mut args = vec!["train", "--config", path.to_str().unwrap()];
+    for s in sets {
+        args.extend(["--set", s]);
+    }
+    let o = rtune(&args);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "should fail: {err}");
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    for n in needles {
+        assert!(lines[0].contains(n), "`{n}` not in: {}", lines[0]);
+    }
+    assert!(!out.exists(), "output dir created for a failed run");
+}
+
+#[test]
+fn bad_input_gives_one_line_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = path_str(&fixture("fixtures/tiny-llama"));
+    let data = path_str(&fixture("fixtures/smoke.jsonl"));
+    let ok = format!("[model]\npath = \"{model}\"\n[data]\ntrain = \"{data}\"\n");
+    // unknown key: file, line and key
+    assert_fails(t, &format!("{ok}[train]\nsteps = 2\nlearnin_rate = 1.0"), &[], &["bad.toml:7:", "learnin_rate"]);
+    // wrong type
+    assert_fails(t, &format!("{ok}[train]\nsteps = \"ten\""), &[], &["bad.toml:6:", "train.steps"]);
+    // bad --set
+    assert_fails(t, &ok, &["train.lr=-1"], &["train.lr"]);
+    // missing model directory
+    assert_fails(t, &format!("[model]\npath = \"{}/nope\"\n[data]\ntrain = \"{data}\"\n", path_str(t)), &[], &["nope", "not found"]);
+    // missing data file
+    assert_fails(t, &format!("[model]\npath = \"{model}\"\n[data]\ntrain = \"{}/missing.jsonl\"\n", path_str(t)), &[], &["missing.jsonl"]);
+    // malformed JSONL row: file and line
+    let bad_rows = t.join("rows.jsonl");
+    std::fs::write(&bad_rows, "{\"text\": \"fine\"}\n{\"text\": 3}\n").unwrap();
+    assert_fails(t, &format!("[model]\npath = \"{model}\"\n[data]\ntrain = \"{}\"\n", path_str(&bad_rows)), &[], &["rows.jsonl:2:", "`text` must be a string"]);
+    // unsupported architecture: lists what is supported
+    let gpt2 = t.join("gpt2");
+    std::fs::create_dir_all(&gpt2).unwrap();
+    std::fs::write(gpt2.join("config.json"), r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#).unwrap();
+    assert_fails(t, &format!("[model]\npath = \"{}\"\n[data]\ntrain = \"{data}\"\n", path_str(&gpt2)), &[], &["GPT2LMHeadModel", "LlamaForCausalLM", "config.json"]);
+    // adapter shape mismatch: tiny's adapter on tiny-llama3
+    let l3 = path_str(&fixture("fixtures/tiny-llama3"));
+    let init = path_str(&fixture("parity/adapter_tiny_init"));
+    assert_fails(t, &format!("[model]\npath = \"{l3}\"\n[data]\ntrain = \"{data}\"\n[lora]\nr = 8\ninit_from = \"{init}\""), &[], &["adapter_model.safetensors", "lora_A", "shape"]);
+    // adapter rank differs from the config
+    assert_fails(t, &format!("{ok}[lora]\nr = 4\ninit_from = \"{init}\""), &[], &["adapter_config.json", "r = 8"]);
+    // CUDA in a CPU build
+    assert_fails(t, &format!("{ok}[train]\ndevice = \"cuda:0\""), &[], &["cuda:0", "without CUDA"]);
+}
+
+#[test]
+fn finished_run_is_not_overwritten_by_default() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, _) = golden_run(tmp.path(), 2, 1);
+    assert!(rtune(&["train", "--config", &path_str(&cfg)]).status.success());
+    let before = std::fs::read(tmp.path().join("out/adapter_model.safetensors")).unwrap();
+    let o = rtune(&["train", "--config", &path_str(&cfg), "--set", "train.lr=0.5"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("already holds a finished run"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(tmp.path().join("out/adapter_model.safetensors")).unwrap(), before);
+    let o = rtune(&["train", "--config", &path_str(&cfg), "--set", "output.overwrite=true"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
