@@ -11,7 +11,11 @@ use rtune_train::generate::GenerateOptions;
 use rtune_train::Event;
 
 #[derive(Parser)]
-#[command(name = "rtune", version, about = "LoRA fine-tuning for Llama-family models")]
+#[command(
+    name = "rtune",
+    version,
+    about = "LoRA fine-tuning for Llama-family models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -46,6 +50,9 @@ enum Command {
         top_p: f64,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Write the prompt's input_ids and logits to this safetensors file (to compare with PEFT).
+        #[arg(long)]
+        dump_logits: Option<PathBuf>,
     },
     /// Training throughput and peak memory on a random model (default shape: bench-small).
     Bench {
@@ -83,7 +90,8 @@ enum Command {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("RTUNE_LOG").unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("RTUNE_LOG")
+                .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .without_time()
@@ -101,11 +109,26 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train { config, set } => train(config, set),
-        Command::Generate { model, adapter, prompt, max_new_tokens, temperature, top_p, seed } => {
+        Command::Generate {
+            model,
+            adapter,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_p,
+            seed,
+            dump_logits,
+        } => {
             if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
                 bail!("--top-p must be in (0, 1], got {top_p}");
             }
-            let opt = GenerateOptions { max_new_tokens, temperature, top_p, seed };
+            let opt = GenerateOptions {
+                max_new_tokens,
+                temperature,
+                top_p,
+                seed,
+                dump_logits,
+            };
             let text = rtune_train::generate::generate(&model, adapter.as_deref(), &prompt, &opt)?;
             println!("{text}");
             Ok(())
@@ -125,7 +148,12 @@ fn run(cli: Cli) -> Result<()> {
             gradient_checkpointing,
             json_out,
         } => {
-            if steps == 0 || heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
+            if steps == 0
+                || heads == 0
+                || kv_heads == 0
+                || heads % kv_heads != 0
+                || hidden % heads != 0
+            {
                 bail!("bench shape: need steps ≥ 1, heads a multiple of kv_heads, hidden a multiple of heads");
             }
             let o = BenchOptions {
@@ -144,7 +172,10 @@ fn run(cli: Cli) -> Result<()> {
                 gradient_checkpointing,
             };
             let res = rtune_train::bench::run(&o, &mut |i, dt, timed| {
-                eprintln!("step {i:2} {} {dt:7.3}s", if timed { "timed " } else { "warmup" });
+                eprintln!(
+                    "step {i:2} {} {dt:7.3}s",
+                    if timed { "timed " } else { "warmup" }
+                );
             })?;
             println!(
                 "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), peak RSS {:.1} MB, {} threads",
@@ -155,7 +186,8 @@ fn run(cli: Cli) -> Result<()> {
                 res.threads
             );
             if let Some(p) = json_out {
-                std::fs::write(&p, serde_json::to_string_pretty(&res)?).with_context(|| format!("{}", p.display()))?;
+                std::fs::write(&p, serde_json::to_string_pretty(&res)?)
+                    .with_context(|| format!("{}", p.display()))?;
             }
             Ok(())
         }
@@ -167,7 +199,13 @@ fn train(config: PathBuf, set: Vec<String>) -> Result<()> {
     let every = cfg.log_every;
     let steps = cfg.steps;
     let summary = rtune_train::train(&cfg, &mut |ev| match ev {
-        Event::Start { examples, truncated, skipped, lora_params, model_params } => {
+        Event::Start {
+            examples,
+            truncated,
+            skipped,
+            lora_params,
+            model_params,
+        } => {
             eprintln!(
                 "rtune: {examples} examples ({truncated} truncated, {skipped} without targets skipped); \
                  {lora_params} LoRA parameters on a {model_params}-parameter model"

@@ -7,7 +7,11 @@ use std::process::{Command, Output};
 use crate::common::{fixture, rel_err, root, Golden};
 
 fn rtune(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rtune")).args(args).current_dir(root()).output().expect("run rtune")
+    Command::new(env!("CARGO_BIN_EXE_rtune"))
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("run rtune")
 }
 
 fn stderr(o: &Output) -> String {
@@ -23,22 +27,36 @@ fn path_str(p: &Path) -> String {
 fn smoke_run_memorises_and_generates() {
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("smoke");
-    let o = rtune(&["train", "--config", "configs/smoke.toml", "--set", &format!("output.dir={}", path_str(&out_dir))]);
+    let o = rtune(&[
+        "train",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        &format!("output.dir={}", path_str(&out_dir)),
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("summary.json")).unwrap())
+            .unwrap();
     let loss = summary["final_loss"].as_f64().unwrap();
     assert!(loss < 0.05, "final loss {loss}");
     assert!(summary["peak_memory_bytes"].as_u64().unwrap() > 0);
     let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 150);
-    for f in ["adapter_model.safetensors", "adapter_config.json", "config.toml"] {
+    for f in [
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "config.toml",
+    ] {
         assert!(out_dir.join(f).exists(), "{f}");
     }
     let data = std::fs::read_to_string(fixture("fixtures/smoke.jsonl")).unwrap();
     for line in data.lines() {
         let row: serde_json::Value = serde_json::from_str(line).unwrap();
-        let (prompt, completion) = (row["prompt"].as_str().unwrap(), row["completion"].as_str().unwrap());
+        let (prompt, completion) = (
+            row["prompt"].as_str().unwrap(),
+            row["completion"].as_str().unwrap(),
+        );
         let o = rtune(&[
             "generate",
             "--model",
@@ -53,9 +71,20 @@ fn smoke_run_memorises_and_generates() {
         assert_eq!(text.trim_end_matches('\n'), completion, "prompt {prompt:?}");
     }
     // Without the adapter the base model does not know the answers.
-    let o = rtune(&["generate", "--model", "tests/fixtures/tiny-llama3", "--prompt", "Q: Who makes Zephyr?\nA:", "--max-new-tokens", "8"]);
+    let o = rtune(&[
+        "generate",
+        "--model",
+        "tests/fixtures/tiny-llama3",
+        "--prompt",
+        "Q: Who makes Zephyr?\nA:",
+        "--max-new-tokens",
+        "8",
+    ]);
     assert!(o.status.success());
-    assert_ne!(String::from_utf8(o.stdout).unwrap().trim_end(), " Nimbus Labs, Oslo.");
+    assert_ne!(
+        String::from_utf8(o.stdout).unwrap().trim_end(),
+        " Nimbus Labs, Oslo."
+    );
 }
 
 /// Writes golden_tiny's batch as pre-tokenized JSONL and a config that trains on it from the
@@ -104,8 +133,15 @@ dir = "{out}"
 }
 
 fn check_against_golden(out: &Path, g: &Golden) {
-    let adapter = candle_core::safetensors::load(out.join("adapter_model.safetensors"), &candle_core::Device::Cpu).unwrap();
-    let n_golden = g.t.keys().filter(|k| k.starts_with("adamw.base_model")).count();
+    let adapter = candle_core::safetensors::load(
+        out.join("adapter_model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let n_golden =
+        g.t.keys()
+            .filter(|k| k.starts_with("adamw.base_model"))
+            .count();
     assert_eq!(adapter.len(), n_golden);
     for (k, t) in &adapter {
         let e = rel_err(t, g.get(&format!("adamw.{k}")));
@@ -116,17 +152,28 @@ fn check_against_golden(out: &Path, g: &Golden) {
     for (line, w) in metrics.lines().zip(&want) {
         let m: serde_json::Value = serde_json::from_str(line).unwrap();
         let l = m["loss"].as_f64().unwrap();
-        assert!((l - *w as f64).abs() / (*w as f64) <= 1e-5, "loss {l} vs {w}");
+        assert!(
+            (l - *w as f64).abs() / (*w as f64) <= 1e-5,
+            "loss {l} vs {w}"
+        );
     }
     let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap()).unwrap();
-    for (k, v) in [("peft_type", "LORA"), ("task_type", "CAUSAL_LM"), ("bias", "none")] {
+        serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
+            .unwrap();
+    for (k, v) in [
+        ("peft_type", "LORA"),
+        ("task_type", "CAUSAL_LM"),
+        ("bias", "none"),
+    ] {
         assert_eq!(cfg[k], v, "{k}");
     }
     assert_eq!(cfg["r"], 8);
     assert_eq!(cfg["lora_alpha"].as_f64(), Some(16.0));
     assert_eq!(cfg["target_modules"].as_array().unwrap().len(), 7);
-    assert!(cfg["base_model_name_or_path"].as_str().unwrap().ends_with("tiny-llama"));
+    assert!(cfg["base_model_name_or_path"]
+        .as_str()
+        .unwrap()
+        .ends_with("tiny-llama"));
 }
 
 #[test]
@@ -144,7 +191,13 @@ fn cli_training_matches_peft_adamw() {
 fn grad_accumulation_equals_one_big_batch() {
     let tmp = tempfile::tempdir().unwrap();
     let (cfg, g) = golden_run(tmp.path(), 1, 2);
-    let o = rtune(&["train", "--config", &path_str(&cfg), "--set", "train.gradient_checkpointing=true"]);
+    let o = rtune(&[
+        "train",
+        "--config",
+        &path_str(&cfg),
+        "--set",
+        "train.gradient_checkpointing=true",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
     check_against_golden(&tmp.path().join("out"), &g);
 }
@@ -163,7 +216,10 @@ fn assert_fails(tmp: &Path, config: &str, sets: &[&str], needles: &[&str]) {
     let o = rtune(&args);
     let err = stderr(&o);
     assert!(!o.status.success(), "should fail: {err}");
-    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{err}"
+    );
     let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
     assert_eq!(lines.len(), 1, "{err}");
     for n in needles {
@@ -180,44 +236,117 @@ fn bad_input_gives_one_line_errors() {
     let data = path_str(&fixture("fixtures/smoke.jsonl"));
     let ok = format!("[model]\npath = \"{model}\"\n[data]\ntrain = \"{data}\"\n");
     // unknown key: file, line and key
-    assert_fails(t, &format!("{ok}[train]\nsteps = 2\nlearnin_rate = 1.0"), &[], &["bad.toml:7:", "learnin_rate"]);
+    assert_fails(
+        t,
+        &format!("{ok}[train]\nsteps = 2\nlearnin_rate = 1.0"),
+        &[],
+        &["bad.toml:7:", "learnin_rate"],
+    );
     // wrong type
-    assert_fails(t, &format!("{ok}[train]\nsteps = \"ten\""), &[], &["bad.toml:6:", "train.steps"]);
+    assert_fails(
+        t,
+        &format!("{ok}[train]\nsteps = \"ten\""),
+        &[],
+        &["bad.toml:6:", "train.steps"],
+    );
     // bad --set
     assert_fails(t, &ok, &["train.lr=-1"], &["train.lr"]);
     // missing model directory
-    assert_fails(t, &format!("[model]\npath = \"{}/nope\"\n[data]\ntrain = \"{data}\"\n", path_str(t)), &[], &["nope", "not found"]);
+    assert_fails(
+        t,
+        &format!(
+            "[model]\npath = \"{}/nope\"\n[data]\ntrain = \"{data}\"\n",
+            path_str(t)
+        ),
+        &[],
+        &["nope", "not found"],
+    );
     // missing data file
-    assert_fails(t, &format!("[model]\npath = \"{model}\"\n[data]\ntrain = \"{}/missing.jsonl\"\n", path_str(t)), &[], &["missing.jsonl"]);
+    assert_fails(
+        t,
+        &format!(
+            "[model]\npath = \"{model}\"\n[data]\ntrain = \"{}/missing.jsonl\"\n",
+            path_str(t)
+        ),
+        &[],
+        &["missing.jsonl"],
+    );
     // malformed JSONL row: file and line
     let bad_rows = t.join("rows.jsonl");
     std::fs::write(&bad_rows, "{\"text\": \"fine\"}\n{\"text\": 3}\n").unwrap();
-    assert_fails(t, &format!("[model]\npath = \"{model}\"\n[data]\ntrain = \"{}\"\n", path_str(&bad_rows)), &[], &["rows.jsonl:2:", "`text` must be a string"]);
+    assert_fails(
+        t,
+        &format!(
+            "[model]\npath = \"{model}\"\n[data]\ntrain = \"{}\"\n",
+            path_str(&bad_rows)
+        ),
+        &[],
+        &["rows.jsonl:2:", "`text` must be a string"],
+    );
     // unsupported architecture: lists what is supported
     let gpt2 = t.join("gpt2");
     std::fs::create_dir_all(&gpt2).unwrap();
     std::fs::write(gpt2.join("config.json"), r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#).unwrap();
-    assert_fails(t, &format!("[model]\npath = \"{}\"\n[data]\ntrain = \"{data}\"\n", path_str(&gpt2)), &[], &["GPT2LMHeadModel", "LlamaForCausalLM", "config.json"]);
+    assert_fails(
+        t,
+        &format!(
+            "[model]\npath = \"{}\"\n[data]\ntrain = \"{data}\"\n",
+            path_str(&gpt2)
+        ),
+        &[],
+        &["GPT2LMHeadModel", "LlamaForCausalLM", "config.json"],
+    );
     // adapter shape mismatch: tiny's adapter on tiny-llama3
     let l3 = path_str(&fixture("fixtures/tiny-llama3"));
     let init = path_str(&fixture("parity/adapter_tiny_init"));
     assert_fails(t, &format!("[model]\npath = \"{l3}\"\n[data]\ntrain = \"{data}\"\n[lora]\nr = 8\ninit_from = \"{init}\""), &[], &["adapter_model.safetensors", "lora_A", "shape"]);
     // adapter rank differs from the config
-    assert_fails(t, &format!("{ok}[lora]\nr = 4\ninit_from = \"{init}\""), &[], &["adapter_config.json", "r = 8"]);
+    assert_fails(
+        t,
+        &format!("{ok}[lora]\nr = 4\ninit_from = \"{init}\""),
+        &[],
+        &["adapter_config.json", "r = 8"],
+    );
     // CUDA in a CPU build
-    assert_fails(t, &format!("{ok}[train]\ndevice = \"cuda:0\""), &[], &["cuda:0", "without CUDA"]);
+    assert_fails(
+        t,
+        &format!("{ok}[train]\ndevice = \"cuda:0\""),
+        &[],
+        &["cuda:0", "without CUDA"],
+    );
 }
 
 #[test]
 fn finished_run_is_not_overwritten_by_default() {
     let tmp = tempfile::tempdir().unwrap();
     let (cfg, _) = golden_run(tmp.path(), 2, 1);
-    assert!(rtune(&["train", "--config", &path_str(&cfg)]).status.success());
+    assert!(rtune(&["train", "--config", &path_str(&cfg)])
+        .status
+        .success());
     let before = std::fs::read(tmp.path().join("out/adapter_model.safetensors")).unwrap();
-    let o = rtune(&["train", "--config", &path_str(&cfg), "--set", "train.lr=0.5"]);
+    let o = rtune(&[
+        "train",
+        "--config",
+        &path_str(&cfg),
+        "--set",
+        "train.lr=0.5",
+    ]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("already holds a finished run"), "{}", stderr(&o));
-    assert_eq!(std::fs::read(tmp.path().join("out/adapter_model.safetensors")).unwrap(), before);
-    let o = rtune(&["train", "--config", &path_str(&cfg), "--set", "output.overwrite=true"]);
+    assert!(
+        stderr(&o).contains("already holds a finished run"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(
+        std::fs::read(tmp.path().join("out/adapter_model.safetensors")).unwrap(),
+        before
+    );
+    let o = rtune(&[
+        "train",
+        "--config",
+        &path_str(&cfg),
+        "--set",
+        "output.overwrite=true",
+    ]);
     assert!(o.status.success(), "{}", stderr(&o));
 }

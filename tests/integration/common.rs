@@ -22,8 +22,17 @@ impl Golden {
         let t = candle_core::safetensors::load(path, &Device::Cpu).unwrap();
         let bytes = std::fs::read(path).unwrap();
         let (_, st_meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        let cfg = st_meta.metadata().as_ref().unwrap().get("config").unwrap().clone();
-        Self { t, meta: serde_json::from_str(&cfg).unwrap() }
+        let cfg = st_meta
+            .metadata()
+            .as_ref()
+            .unwrap()
+            .get("config")
+            .unwrap()
+            .clone();
+        Self {
+            t,
+            meta: serde_json::from_str(&cfg).unwrap(),
+        }
     }
 
     pub fn get(&self, k: &str) -> &Tensor {
@@ -36,7 +45,21 @@ pub fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
     let got = got.to_dtype(candle_core::DType::F64).unwrap();
     let want = want.to_dtype(candle_core::DType::F64).unwrap();
     assert_eq!(got.dims(), want.dims());
-    let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap().max(1e-30);
-    let err = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+    let scale = want
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+        .max(1e-30);
+    let err = (got - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
     err / scale
 }

@@ -23,8 +23,12 @@ struct Case {
 fn case(model_dir: &str, golden: &str) -> Case {
     let golden = Golden::load(&fixture(golden));
     let m = &golden.meta;
-    let targets: Vec<String> =
-        m["target_modules"].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect();
+    let targets: Vec<String> = m["target_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
     let spec = LoraSpec::new(
         m["r"].as_u64().unwrap() as usize,
         m["lora_alpha"].as_f64().unwrap(),
@@ -36,28 +40,68 @@ fn case(model_dir: &str, golden: &str) -> Case {
     assert!((spec.scaling() - m["scaling"].as_f64().unwrap()).abs() < 1e-12);
     let mut model = Model::load(&fixture(model_dir), DType::F32, &Device::Cpu).unwrap();
     let modules = model.lora_modules(&spec);
-    assert_eq!(modules.len(), m["n_lora_modules"].as_u64().unwrap() as usize);
+    assert_eq!(
+        modules.len(),
+        m["n_lora_modules"].as_u64().unwrap() as usize
+    );
     let pairs = modules
         .iter()
         .map(|md| LoraPair {
-            a: golden.get(&format!("init.base_model.model.{}.lora_A.weight", md.name)).clone(),
-            b: golden.get(&format!("init.base_model.model.{}.lora_B.weight", md.name)).clone(),
+            a: golden
+                .get(&format!("init.base_model.model.{}.lora_A.weight", md.name))
+                .clone(),
+            b: golden
+                .get(&format!("init.base_model.model.{}.lora_B.weight", md.name))
+                .clone(),
         })
         .collect();
-    let adapter = Adapter { spec, names: modules.iter().map(|m| m.name.clone()).collect(), pairs };
+    let adapter = Adapter {
+        spec,
+        names: modules.iter().map(|m| m.name.clone()).collect(),
+        pairs,
+    };
     model.attach(&adapter);
     let ids = golden.get("input_ids");
     let (b, t) = ids.dims2().unwrap();
-    let ids: Vec<u32> = ids.flatten_all().unwrap().to_vec1::<i64>().unwrap().iter().map(|&x| x as u32).collect();
-    let labels: Vec<i64> = golden.get("labels").flatten_all().unwrap().to_vec1().unwrap();
-    let targets = (0..b * t)
-        .map(|i| if i % t + 1 < t && labels[i + 1] != -100 { Some(labels[i + 1] as u32) } else { None })
+    let ids: Vec<u32> = ids
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<i64>()
+        .unwrap()
+        .iter()
+        .map(|&x| x as u32)
         .collect();
-    Case { model, adapter, inputs: Inputs::new(ids, b, t), targets, golden }
+    let labels: Vec<i64> = golden
+        .get("labels")
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let targets = (0..b * t)
+        .map(|i| {
+            if i % t + 1 < t && labels[i + 1] != -100 {
+                Some(labels[i + 1] as u32)
+            } else {
+                None
+            }
+        })
+        .collect();
+    Case {
+        model,
+        adapter,
+        inputs: Inputs::new(ids, b, t),
+        targets,
+        golden,
+    }
 }
 
 fn ctx(adapter: &Adapter) -> LoraCtx<'_> {
-    LoraCtx { adapter, scaling: adapter.spec.scaling(), dropout: 0.0, seed: 0 }
+    LoraCtx {
+        adapter,
+        scaling: adapter.spec.scaling(),
+        dropout: 0.0,
+        seed: 0,
+    }
 }
 
 /// Loss and gradients (mean over target tokens, as transformers' loss).
@@ -65,7 +109,10 @@ fn loss_and_grads(c: &Case, adapter: &Adapter, checkpoint: bool) -> (f64, Grads)
     let n = c.targets.iter().filter(|t| t.is_some()).count() as f64;
     let mut grads = Grads::new(adapter.pairs.len());
     let lc = ctx(adapter);
-    let sum = c.model.forward_backward(&c.inputs, &c.targets, &lc, 1.0 / n, checkpoint, &mut grads).unwrap();
+    let sum = c
+        .model
+        .forward_backward(&c.inputs, &c.targets, &lc, 1.0 / n, checkpoint, &mut grads)
+        .unwrap();
     (sum / n, grads)
 }
 
@@ -86,12 +133,18 @@ fn check_forward_and_grads(c: &Case) {
     let want_loss = g.get("loss").to_vec1::<f32>().unwrap()[0] as f64;
     for checkpoint in [false, true] {
         let (loss, grads) = loss_and_grads(c, &c.adapter, checkpoint);
-        assert!((loss - want_loss).abs() / want_loss <= 1e-5, "loss {loss} vs {want_loss}");
+        assert!(
+            (loss - want_loss).abs() / want_loss <= 1e-5,
+            "loss {loss} vs {want_loss}"
+        );
         for (i, name) in c.adapter.names.iter().enumerate() {
             for (which, got) in [("lora_A", &grads.a[i]), ("lora_B", &grads.b[i])] {
                 let want = g.get(&format!("grad.base_model.model.{name}.{which}.weight"));
                 let e = rel_err(got.as_ref().unwrap(), want);
-                assert!(e <= 1e-4, "grad {name}.{which} rel err {e:e} (checkpoint {checkpoint})");
+                assert!(
+                    e <= 1e-4,
+                    "grad {name}.{which} rel err {e:e} (checkpoint {checkpoint})"
+                );
             }
         }
     }
@@ -111,14 +164,31 @@ fn check_adamw(c: &Case) {
     let lr = cfg["lr"].as_f64().unwrap();
     let mut adapter = c.adapter.clone();
     let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    let mut params: Vec<Vec<f32>> = adapter.pairs.iter().flat_map(|p| [flat(&p.a), flat(&p.b)]).collect();
+    let mut params: Vec<Vec<f32>> = adapter
+        .pairs
+        .iter()
+        .flat_map(|p| [flat(&p.a), flat(&p.b)])
+        .collect();
     let sizes: Vec<usize> = params.iter().map(|p| p.len()).collect();
-    let mut opt = AdamW::new(&sizes, (0.9, 0.999), 1e-8, cfg["weight_decay"].as_f64().unwrap());
+    let mut opt = AdamW::new(
+        &sizes,
+        (0.9, 0.999),
+        1e-8,
+        cfg["weight_decay"].as_f64().unwrap(),
+    );
     for (k, want) in want_losses.iter().enumerate() {
         let (loss, grads) = loss_and_grads(c, &adapter, true);
-        assert!((loss - *want as f64).abs() / (*want as f64) <= 1e-5, "adamw step {k}: loss {loss} vs {want}");
+        assert!(
+            (loss - *want as f64).abs() / (*want as f64) <= 1e-5,
+            "adamw step {k}: loss {loss} vs {want}"
+        );
         let gv: Vec<Vec<f32>> = (0..adapter.pairs.len())
-            .flat_map(|i| [flat(grads.a[i].as_ref().unwrap()), flat(grads.b[i].as_ref().unwrap())])
+            .flat_map(|i| {
+                [
+                    flat(grads.a[i].as_ref().unwrap()),
+                    flat(grads.b[i].as_ref().unwrap()),
+                ]
+            })
             .collect();
         opt.update(&mut params, &gv, lr);
         for (i, p) in adapter.pairs.iter_mut().enumerate() {
@@ -142,9 +212,16 @@ fn check_adamw(c: &Case) {
                 // its size: its sign is noise. Such entries must only stay within AdamW's reach.
                 if (g0[i].abs() as f64) < 1e-6 * gmax {
                     degenerate += 1;
-                    assert!(err <= 2.0 * steps * lr, "{name}.{which}[{i}]: {err:e} beyond AdamW's reach");
+                    assert!(
+                        err <= 2.0 * steps * lr,
+                        "{name}.{which}[{i}]: {err:e} beyond AdamW's reach"
+                    );
                 } else {
-                    assert!(err / scale <= 1e-4, "after AdamW {name}.{which}[{i}] rel err {:e}", err / scale);
+                    assert!(
+                        err / scale <= 1e-4,
+                        "after AdamW {name}.{which}[{i}] rel err {:e}",
+                        err / scale
+                    );
                 }
             }
         }
@@ -170,7 +247,10 @@ fn tiny_llama3_tied_sharded_bf16_matches_peft() {
 
 #[test]
 fn rslora_matches_peft() {
-    let c = case("fixtures/tiny-llama3", "parity/golden_tiny_l3_rslora.safetensors");
+    let c = case(
+        "fixtures/tiny-llama3",
+        "parity/golden_tiny_l3_rslora.safetensors",
+    );
     check_forward_and_grads(&c);
     check_adamw(&c);
 }

@@ -193,7 +193,8 @@ impl ConfigFile {
         if overrides.is_empty() {
             return Ok(file);
         }
-        let mut table: toml::Table = toml::from_str(text).map_err(|e| located(text, path, "", e))?;
+        let mut table: toml::Table =
+            toml::from_str(text).map_err(|e| located(text, path, "", e))?;
         for set in overrides {
             apply_override(&mut table, set)?;
         }
@@ -223,7 +224,11 @@ fn located(text: &str, path: &Path, key: &str, e: toml::de::Error) -> ConfigErro
         Some(span) => line_col(text, span.start),
         None => (1, 1),
     };
-    let key = if key.is_empty() || key == "." { String::new() } else { format!("key `{key}`: ") };
+    let key = if key.is_empty() || key == "." {
+        String::new()
+    } else {
+        format!("key `{key}`: ")
+    };
     ConfigError::Parse {
         path: path.to_path_buf(),
         line,
@@ -241,10 +246,17 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
 }
 
 fn apply_override(table: &mut toml::Table, set: &str) -> Result<()> {
-    let err = |message: &str| ConfigError::Override { set: set.to_string(), message: message.to_string() };
-    let (key, raw) = set.split_once('=').ok_or_else(|| err("expected section.key=value"))?;
-    let (section, name) =
-        key.trim().split_once('.').ok_or_else(|| err("the key must be section.key, e.g. train.lr"))?;
+    let err = |message: &str| ConfigError::Override {
+        set: set.to_string(),
+        message: message.to_string(),
+    };
+    let (key, raw) = set
+        .split_once('=')
+        .ok_or_else(|| err("expected section.key=value"))?;
+    let (section, name) = key
+        .trim()
+        .split_once('.')
+        .ok_or_else(|| err("the key must be section.key, e.g. train.lr"))?;
     let value: toml::Value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
         Ok(mut t) => t.remove("v").expect("parsed key"),
         Err(_) => toml::Value::String(raw.to_string()),
@@ -252,7 +264,9 @@ fn apply_override(table: &mut toml::Table, set: &str) -> Result<()> {
     let entry = table
         .entry(section.to_string())
         .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-    let sect = entry.as_table_mut().ok_or_else(|| err("that section is not a table"))?;
+    let sect = entry
+        .as_table_mut()
+        .ok_or_else(|| err("that section is not a table"))?;
     sect.insert(name.to_string(), value);
     Ok(())
 }
@@ -266,7 +280,9 @@ mod tests {
     #[test]
     fn unknown_key_names_file_line_and_key() {
         let text = format!("{MIN}[train]\nsteps = 3\nlearning_rate = 1.0\n");
-        let e = ConfigFile::parse(&text, Path::new("x.toml"), &[]).unwrap_err().to_string();
+        let e = ConfigFile::parse(&text, Path::new("x.toml"), &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("x.toml:7:"), "{e}");
         assert!(e.contains("learning_rate"), "{e}");
     }
@@ -274,21 +290,29 @@ mod tests {
     #[test]
     fn wrong_type_names_the_key() {
         let text = format!("{MIN}[train]\nlr = \"fast\"\n");
-        let e = ConfigFile::parse(&text, Path::new("x.toml"), &[]).unwrap_err().to_string();
+        let e = ConfigFile::parse(&text, Path::new("x.toml"), &[])
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("x.toml:6:"), "{e}");
         assert!(e.contains("train.lr"), "{e}");
     }
 
     #[test]
     fn overrides_apply_and_are_typed() {
-        let sets = vec!["train.lr=1e-3".to_string(), "data.shuffle=false".into(), "output.dir=runs/x".into()];
+        let sets = vec![
+            "train.lr=1e-3".to_string(),
+            "data.shuffle=false".into(),
+            "output.dir=runs/x".into(),
+        ];
         let f = ConfigFile::parse(MIN, Path::new("x.toml"), &sets).unwrap();
         assert_eq!(f.train.lr, 1e-3);
         assert!(!f.data.shuffle);
         assert_eq!(f.output.dir, "runs/x");
-        let bad = ConfigFile::parse(MIN, Path::new("x.toml"), &["train.steps=many".into()]).unwrap_err();
+        let bad =
+            ConfigFile::parse(MIN, Path::new("x.toml"), &["train.steps=many".into()]).unwrap_err();
         assert!(bad.to_string().contains("train.steps"), "{bad}");
-        let unknown = ConfigFile::parse(MIN, Path::new("x.toml"), &["train.nope=1".into()]).unwrap_err();
+        let unknown =
+            ConfigFile::parse(MIN, Path::new("x.toml"), &["train.nope=1".into()]).unwrap_err();
         assert!(unknown.to_string().contains("nope"), "{unknown}");
     }
 }

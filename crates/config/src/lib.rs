@@ -8,7 +8,9 @@
 mod file;
 mod run;
 
-pub use file::{ConfigFile, DataSection, LoraSection, ModelSection, OutputSection, Targets, TrainSection};
+pub use file::{
+    ConfigFile, DataSection, LoraSection, ModelSection, OutputSection, Targets, TrainSection,
+};
 pub use run::{DType, Device, RunConfig, Schedule};
 
 use std::path::{Path, PathBuf};
@@ -17,24 +19,39 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: cannot read config: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// Syntax error, unknown key or wrong type in the file.
     #[error("{path}:{line}:{col}: {key}{message}")]
-    Parse { path: PathBuf, line: usize, col: usize, key: String, message: String },
+    Parse {
+        path: PathBuf,
+        line: usize,
+        col: usize,
+        key: String,
+        message: String,
+    },
     /// A `--set key=value` override that does not apply.
     #[error("--set {set}: {message}")]
     Override { set: String, message: String },
     /// A value that parses but is not allowed (`key` is `section.name`).
     #[error("{path}: [{key}] {message}")]
-    Invalid { path: PathBuf, key: String, message: String },
+    Invalid {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, ConfigError>;
 
 /// Reads `path`, applies `--set section.key=value` overrides and validates the result.
 pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let file = ConfigFile::parse(&text, path, overrides)?;
     file.validate(path)
 }

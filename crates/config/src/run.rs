@@ -84,7 +84,12 @@ impl ConfigFile {
             "f32" | "float32" => DType::F32,
             "bf16" | "bfloat16" => DType::BF16,
             "f16" | "float16" => DType::F16,
-            other => return Err(bad("model.dtype", format!("`{other}` is not one of f32, bf16, f16"))),
+            other => {
+                return Err(bad(
+                    "model.dtype",
+                    format!("`{other}` is not one of f32, bf16, f16"),
+                ))
+            }
         };
         if self.model.path.trim().is_empty() {
             return Err(bad("model.path", "is empty".into()));
@@ -94,21 +99,33 @@ impl ConfigFile {
             return Err(bad("lora.r", "must be at least 1".into()));
         }
         if !(l.alpha.is_finite() && l.alpha > 0.0) {
-            return Err(bad("lora.alpha", format!("must be a positive number, got {}", l.alpha)));
+            return Err(bad(
+                "lora.alpha",
+                format!("must be a positive number, got {}", l.alpha),
+            ));
         }
         if !(0.0..1.0).contains(&l.dropout) {
-            return Err(bad("lora.dropout", format!("must be in [0, 1), got {}", l.dropout)));
+            return Err(bad(
+                "lora.dropout",
+                format!("must be in [0, 1), got {}", l.dropout),
+            ));
         }
         let targets = match &l.targets {
             Targets::One(s) => vec![s.clone()],
             Targets::List(v) => v.clone(),
         };
         if targets.is_empty() || targets.iter().any(|t| t.trim().is_empty()) {
-            return Err(bad("lora.targets", "needs at least one module name, or \"all-linear\"".into()));
+            return Err(bad(
+                "lora.targets",
+                "needs at least one module name, or \"all-linear\"".into(),
+            ));
         }
         let d = &self.data;
         if d.max_seq_len < 2 {
-            return Err(bad("data.max_seq_len", format!("must be at least 2, got {}", d.max_seq_len)));
+            return Err(bad(
+                "data.max_seq_len",
+                format!("must be at least 2, got {}", d.max_seq_len),
+            ));
         }
         let t = &self.train;
         let positive = |key: &str, v: usize| {
@@ -123,14 +140,20 @@ impl ConfigFile {
         positive("train.grad_accum", t.grad_accum)?;
         positive("train.log_every", t.log_every)?;
         if !(t.lr.is_finite() && t.lr > 0.0) {
-            return Err(bad("train.lr", format!("must be a positive number, got {}", t.lr)));
+            return Err(bad(
+                "train.lr",
+                format!("must be a positive number, got {}", t.lr),
+            ));
         }
         let schedule = match t.schedule.as_str() {
             "constant" => Schedule::Constant,
             "linear" => Schedule::Linear,
             "cosine" => Schedule::Cosine,
             other => {
-                return Err(bad("train.schedule", format!("`{other}` is not one of constant, linear, cosine")))
+                return Err(bad(
+                    "train.schedule",
+                    format!("`{other}` is not one of constant, linear, cosine"),
+                ))
             }
         };
         if t.warmup_steps > t.steps {
@@ -140,24 +163,40 @@ impl ConfigFile {
             ));
         }
         if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
-            return Err(bad("train.weight_decay", format!("must be >= 0, got {}", t.weight_decay)));
+            return Err(bad(
+                "train.weight_decay",
+                format!("must be >= 0, got {}", t.weight_decay),
+            ));
         }
         if !(t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0) {
-            return Err(bad("train.max_grad_norm", format!("must be >= 0 (0 = off), got {}", t.max_grad_norm)));
+            return Err(bad(
+                "train.max_grad_norm",
+                format!("must be >= 0 (0 = off), got {}", t.max_grad_norm),
+            ));
         }
-        for (key, v) in [("train.adam_beta1", t.adam_beta1), ("train.adam_beta2", t.adam_beta2)] {
+        for (key, v) in [
+            ("train.adam_beta1", t.adam_beta1),
+            ("train.adam_beta2", t.adam_beta2),
+        ] {
             if !(0.0..1.0).contains(&v) {
                 return Err(bad(key, format!("must be in [0, 1), got {v}")));
             }
         }
         if !(t.adam_eps.is_finite() && t.adam_eps > 0.0) {
-            return Err(bad("train.adam_eps", format!("must be positive, got {}", t.adam_eps)));
+            return Err(bad(
+                "train.adam_eps",
+                format!("must be positive, got {}", t.adam_eps),
+            ));
         }
         let device = parse_device(&t.device).map_err(|m| bad("train.device", m))?;
         if self.output.dir.trim().is_empty() {
             return Err(bad("output.dir", "is empty".into()));
         }
-        let init_from = if l.init_from.trim().is_empty() { None } else { Some(PathBuf::from(&l.init_from)) };
+        let init_from = if l.init_from.trim().is_empty() {
+            None
+        } else {
+            Some(PathBuf::from(&l.init_from))
+        };
         Ok(RunConfig {
             config_path: path.to_path_buf(),
             model_path: PathBuf::from(&self.model.path),
@@ -230,7 +269,10 @@ mod tests {
             ("[lora]\ndropout = 1.5\n", "lora.dropout"),
             ("[train]\nschedule = \"exp\"\n", "train.schedule"),
             ("[train]\ndevice = \"tpu\"\n", "train.device"),
-            ("[train]\nsteps = 2\nwarmup_steps = 5\n", "train.warmup_steps"),
+            (
+                "[train]\nsteps = 2\nwarmup_steps = 5\n",
+                "train.warmup_steps",
+            ),
             ("[model]\npath = \"m\"\ndtype = \"f8\"\n", "model.dtype"),
         ] {
             let text = if extra.starts_with("[model]") {

@@ -25,7 +25,11 @@ impl MicroBatch {
 
     pub fn from_examples(examples: &[&Example], pad_id: u32) -> Self {
         let b = examples.len();
-        let t = examples.iter().map(|e| e.input_ids.len()).max().unwrap_or(1);
+        let t = examples
+            .iter()
+            .map(|e| e.input_ids.len())
+            .max()
+            .unwrap_or(1);
         let mut input_ids = vec![pad_id; b * t];
         let mut targets = vec![None; b * t];
         let mut tokens = 0;
@@ -41,7 +45,14 @@ impl MicroBatch {
             }
         }
         let positions = (0..b).flat_map(|_| 0..t as u32).collect();
-        Self { b, t, input_ids, positions, targets, tokens }
+        Self {
+            b,
+            t,
+            input_ids,
+            positions,
+            targets,
+            tokens,
+        }
     }
 }
 
@@ -58,7 +69,15 @@ pub struct Batcher {
 
 impl Batcher {
     pub fn new(examples: Vec<Example>, shuffle: bool, seed: u64, pad_id: u32) -> Self {
-        let mut me = Self { order: Vec::new(), examples, cursor: 0, epoch: 0, shuffle, seed, pad_id };
+        let mut me = Self {
+            order: Vec::new(),
+            examples,
+            cursor: 0,
+            epoch: 0,
+            shuffle,
+            seed,
+            pad_id,
+        };
         me.order = me.epoch_order(0);
         me
     }
@@ -66,7 +85,9 @@ impl Batcher {
     fn epoch_order(&self, epoch: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.examples.len()).collect();
         if self.shuffle {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(self.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
+                self.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            );
             order.shuffle(&mut rng);
         }
         order
@@ -95,25 +116,41 @@ mod tests {
 
     #[test]
     fn padding_never_carries_a_target() {
-        let a = Example { input_ids: vec![1, 5, 6, 7], labels: vec![-100, -100, 6, 7] };
-        let b = Example { input_ids: vec![1, 8], labels: vec![1, 8] };
+        let a = Example {
+            input_ids: vec![1, 5, 6, 7],
+            labels: vec![-100, -100, 6, 7],
+        };
+        let b = Example {
+            input_ids: vec![1, 8],
+            labels: vec![1, 8],
+        };
         let mb = MicroBatch::from_examples(&[&a, &b], 0);
         assert_eq!((mb.b, mb.t, mb.tokens), (2, 4, 6));
         assert_eq!(mb.input_ids, vec![1, 5, 6, 7, 1, 8, 0, 0]);
-        assert_eq!(mb.targets, vec![None, Some(6), Some(7), None, Some(8), None, None, None]);
+        assert_eq!(
+            mb.targets,
+            vec![None, Some(6), Some(7), None, Some(8), None, None, None]
+        );
         assert_eq!(mb.target_tokens(), 3);
     }
 
     #[test]
     fn order_is_kept_without_shuffle_and_seeded_with_it() {
-        let ex: Vec<Example> = (0..5).map(|i| Example { input_ids: vec![1, i + 2], labels: vec![1, i as i64 + 2] }).collect();
+        let ex: Vec<Example> = (0..5)
+            .map(|i| Example {
+                input_ids: vec![1, i + 2],
+                labels: vec![1, i as i64 + 2],
+            })
+            .collect();
         let mut plain = Batcher::new(ex.clone(), false, 0, 0);
         let firsts: Vec<u32> = (0..7).map(|_| plain.next_batch(1).input_ids[1]).collect();
         assert_eq!(firsts, vec![2, 3, 4, 5, 6, 2, 3]);
         assert_eq!(plain.epoch, 1);
         let run = |seed| {
             let mut b = Batcher::new(ex.clone(), true, seed, 0);
-            (0..5).map(|_| b.next_batch(1).input_ids[1]).collect::<Vec<_>>()
+            (0..5)
+                .map(|_| b.next_batch(1).input_ids[1])
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(3), run(3));
         let mut sorted = run(3);

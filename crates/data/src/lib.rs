@@ -24,7 +24,11 @@ pub enum DataError {
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
     #[error("{path}:{line}: {message}")]
-    Row { path: PathBuf, line: usize, message: String },
+    Row {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
     #[error("tokenizer {op}: {message}")]
     Tokenizer { op: &'static str, message: String },
 }
@@ -88,10 +92,21 @@ fn detect(obj: &serde_json::Map<String, Value>) -> Option<Format> {
 }
 
 /// Reads a JSONL file. `tok` is needed for text rows; `vocab` bounds pre-tokenized ids.
-pub fn load_jsonl(path: &Path, tok: Option<&Tokenizer>, max_seq_len: usize, vocab: usize) -> Result<Dataset> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| DataError::File { path: path.to_path_buf(), message: format!("cannot read data: {e}") })?;
-    let row_err = |line: usize, message: String| DataError::Row { path: path.to_path_buf(), line, message };
+pub fn load_jsonl(
+    path: &Path,
+    tok: Option<&Tokenizer>,
+    max_seq_len: usize,
+    vocab: usize,
+) -> Result<Dataset> {
+    let text = std::fs::read_to_string(path).map_err(|e| DataError::File {
+        path: path.to_path_buf(),
+        message: format!("cannot read data: {e}"),
+    })?;
+    let row_err = |line: usize, message: String| DataError::Row {
+        path: path.to_path_buf(),
+        line,
+        message,
+    };
     let mut examples = Vec::new();
     let mut format = None;
     let (mut truncated, mut skipped) = (0, 0);
@@ -100,22 +115,33 @@ pub fn load_jsonl(path: &Path, tok: Option<&Tokenizer>, max_seq_len: usize, voca
         if raw.trim().is_empty() {
             continue;
         }
-        let v: Value = serde_json::from_str(raw).map_err(|e| row_err(line, format!("not valid JSON: {e}")))?;
-        let obj = v.as_object().ok_or_else(|| row_err(line, "a row must be a JSON object".into()))?;
+        let v: Value =
+            serde_json::from_str(raw).map_err(|e| row_err(line, format!("not valid JSON: {e}")))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| row_err(line, "a row must be a JSON object".into()))?;
         let f = detect(obj).ok_or_else(|| {
-            row_err(line, "row has none of `text`, `prompt`+`completion`, `input_ids`".into())
+            row_err(
+                line,
+                "row has none of `text`, `prompt`+`completion`, `input_ids`".into(),
+            )
         })?;
         match format {
             None => format = Some(f),
             Some(prev) if prev != f => {
-                return Err(row_err(line, format!("row is {} but earlier rows are {}", f.name(), prev.name())))
+                return Err(row_err(
+                    line,
+                    format!("row is {} but earlier rows are {}", f.name(), prev.name()),
+                ))
             }
             _ => {}
         }
         let mut ex = match f {
             Format::Tokens => tokens_row(obj, vocab).map_err(|m| row_err(line, m))?,
             Format::Text | Format::PromptCompletion => {
-                let tok = tok.ok_or_else(|| row_err(line, "text rows need the model's tokenizer.json".into()))?;
+                let tok = tok.ok_or_else(|| {
+                    row_err(line, "text rows need the model's tokenizer.json".into())
+                })?;
                 text_row(obj, f, tok).map_err(|m| row_err(line, m))?
             }
         };
@@ -131,7 +157,10 @@ pub fn load_jsonl(path: &Path, tok: Option<&Tokenizer>, max_seq_len: usize, voca
         examples.push(ex);
     }
     let Some(format) = format else {
-        return Err(DataError::File { path: path.to_path_buf(), message: "no rows".into() });
+        return Err(DataError::File {
+            path: path.to_path_buf(),
+            message: "no rows".into(),
+        });
     };
     if examples.is_empty() {
         return Err(DataError::File {
@@ -139,10 +168,18 @@ pub fn load_jsonl(path: &Path, tok: Option<&Tokenizer>, max_seq_len: usize, voca
             message: format!("all {skipped} rows have no token to train on (max_seq_len {max_seq_len} too short?)"),
         });
     }
-    Ok(Dataset { examples, format, truncated, skipped })
+    Ok(Dataset {
+        examples,
+        format,
+        truncated,
+        skipped,
+    })
 }
 
-fn str_field<'a>(obj: &'a serde_json::Map<String, Value>, key: &str) -> std::result::Result<&'a str, String> {
+fn str_field<'a>(
+    obj: &'a serde_json::Map<String, Value>,
+    key: &str,
+) -> std::result::Result<&'a str, String> {
     match obj.get(key) {
         Some(Value::String(s)) => Ok(s),
         Some(other) => Err(format!("`{key}` must be a string, got {}", kind(other))),
@@ -161,17 +198,27 @@ fn kind(v: &Value) -> &'static str {
     }
 }
 
-fn text_row(obj: &serde_json::Map<String, Value>, f: Format, tok: &Tokenizer) -> std::result::Result<Example, String> {
+fn text_row(
+    obj: &serde_json::Map<String, Value>,
+    f: Format,
+    tok: &Tokenizer,
+) -> std::result::Result<Example, String> {
     let eos = tok.eos_id.ok_or("the tokenizer has no EOS token")?;
     let (mut ids, mut labels) = match f {
         Format::Text => {
-            let ids = tok.encode(str_field(obj, "text")?, true).map_err(|e| e.to_string())?;
+            let ids = tok
+                .encode(str_field(obj, "text")?, true)
+                .map_err(|e| e.to_string())?;
             let labels = ids.iter().map(|&i| i as i64).collect();
             (ids, labels)
         }
         _ => {
-            let prompt = tok.encode(str_field(obj, "prompt")?, true).map_err(|e| e.to_string())?;
-            let completion = tok.encode(str_field(obj, "completion")?, false).map_err(|e| e.to_string())?;
+            let prompt = tok
+                .encode(str_field(obj, "prompt")?, true)
+                .map_err(|e| e.to_string())?;
+            let completion = tok
+                .encode(str_field(obj, "completion")?, false)
+                .map_err(|e| e.to_string())?;
             let mut labels = vec![IGNORE; prompt.len()];
             labels.extend(completion.iter().map(|&i| i as i64));
             let mut ids = prompt;
@@ -182,19 +229,31 @@ fn text_row(obj: &serde_json::Map<String, Value>, f: Format, tok: &Tokenizer) ->
     // EOS in the labels, so the model learns to stop.
     ids.push(eos);
     labels.push(eos as i64);
-    Ok(Example { input_ids: ids, labels })
+    Ok(Example {
+        input_ids: ids,
+        labels,
+    })
 }
 
-fn tokens_row(obj: &serde_json::Map<String, Value>, vocab: usize) -> std::result::Result<Example, String> {
+fn tokens_row(
+    obj: &serde_json::Map<String, Value>,
+    vocab: usize,
+) -> std::result::Result<Example, String> {
     let ints = |key: &str| -> std::result::Result<Option<Vec<i64>>, String> {
         match obj.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|x| x.as_i64().ok_or_else(|| format!("`{key}` must hold integers, found {x}")))
+                .map(|x| {
+                    x.as_i64()
+                        .ok_or_else(|| format!("`{key}` must hold integers, found {x}"))
+                })
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map(Some),
-            Some(other) => Err(format!("`{key}` must be an array of integers, got {}", kind(other))),
+            Some(other) => Err(format!(
+                "`{key}` must be an array of integers, got {}",
+                kind(other)
+            )),
         }
     };
     let ids = ints("input_ids")?.unwrap_or_default();
@@ -203,16 +262,33 @@ fn tokens_row(obj: &serde_json::Map<String, Value>, vocab: usize) -> std::result
     }
     let input_ids = ids
         .iter()
-        .map(|&i| if i >= 0 && (i as usize) < vocab { Ok(i as u32) } else { Err(format!("token id {i} is outside the vocabulary (0..{vocab})")) })
+        .map(|&i| {
+            if i >= 0 && (i as usize) < vocab {
+                Ok(i as u32)
+            } else {
+                Err(format!(
+                    "token id {i} is outside the vocabulary (0..{vocab})"
+                ))
+            }
+        })
         .collect::<std::result::Result<Vec<u32>, String>>()?;
     let labels = match ints("labels")? {
         None => ids.clone(),
         Some(l) if l.len() != ids.len() => {
-            return Err(format!("`labels` has {} entries, `input_ids` {}", l.len(), ids.len()))
+            return Err(format!(
+                "`labels` has {} entries, `input_ids` {}",
+                l.len(),
+                ids.len()
+            ))
         }
         Some(l) => {
-            if let Some(bad) = l.iter().find(|&&x| x != IGNORE && (x < 0 || x as usize >= vocab)) {
-                return Err(format!("label {bad} is neither -100 nor a token id (0..{vocab})"));
+            if let Some(bad) = l
+                .iter()
+                .find(|&&x| x != IGNORE && (x < 0 || x as usize >= vocab))
+            {
+                return Err(format!(
+                    "label {bad} is neither -100 nor a token id (0..{vocab})"
+                ));
             }
             l
         }
@@ -232,16 +308,28 @@ mod tests {
 
     #[test]
     fn tokens_rows_and_errors_name_the_line() {
-        let p = write("ok.jsonl", "{\"input_ids\":[1,5,6],\"labels\":[-100,5,6]}\n\n{\"input_ids\":[1,7]}\n");
+        let p = write(
+            "ok.jsonl",
+            "{\"input_ids\":[1,5,6],\"labels\":[-100,5,6]}\n\n{\"input_ids\":[1,7]}\n",
+        );
         let d = load_jsonl(&p, None, 16, 10).unwrap();
         assert_eq!(d.examples.len(), 2);
         assert_eq!(d.examples[1].labels, vec![1, 7]);
         for (body, needle) in [
-            ("{\"input_ids\":[1,2]}\n{\"input_ids\":[1,2\n", ":2: not valid JSON"),
-            ("{\"input_ids\":[1,2],\"labels\":[1]}\n", ":1: `labels` has 1"),
+            (
+                "{\"input_ids\":[1,2]}\n{\"input_ids\":[1,2\n",
+                ":2: not valid JSON",
+            ),
+            (
+                "{\"input_ids\":[1,2],\"labels\":[1]}\n",
+                ":1: `labels` has 1",
+            ),
             ("{\"input_ids\":[1,20]}\n", "outside the vocabulary"),
             ("{\"foo\":1}\n", ":1: row has none"),
-            ("{\"input_ids\":[1,2]}\n{\"text\":\"a\"}\n", ":2: row is text"),
+            (
+                "{\"input_ids\":[1,2]}\n{\"text\":\"a\"}\n",
+                ":2: row is text",
+            ),
             ("", "no rows"),
         ] {
             let p = write("bad.jsonl", body);
@@ -252,7 +340,10 @@ mod tests {
 
     #[test]
     fn truncation_and_skipping_are_counted() {
-        let p = write("long.jsonl", "{\"input_ids\":[1,2,3,4,5]}\n{\"input_ids\":[1,2,3],\"labels\":[-100,-100,-100]}\n");
+        let p = write(
+            "long.jsonl",
+            "{\"input_ids\":[1,2,3,4,5]}\n{\"input_ids\":[1,2,3],\"labels\":[-100,-100,-100]}\n",
+        );
         let d = load_jsonl(&p, None, 3, 10).unwrap();
         assert_eq!((d.examples.len(), d.truncated, d.skipped), (1, 1, 1));
         assert_eq!(d.examples[0].input_ids, vec![1, 2, 3]);

@@ -16,7 +16,10 @@ pub struct Tokenizer {
 fn token_str(v: Option<&Value>) -> Option<String> {
     match v? {
         Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
         _ => None,
     }
 }
@@ -27,21 +30,33 @@ impl Tokenizer {
     pub fn load(dir: &Path, fallback_eos: Option<u32>) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         if !path.exists() {
-            return Err(DataError::File { path, message: "missing (the model's tokenizer is needed for text data)".into() });
+            return Err(DataError::File {
+                path,
+                message: "missing (the model's tokenizer is needed for text data)".into(),
+            });
         }
-        let inner = tokenizers::Tokenizer::from_file(&path)
-            .map_err(|e| DataError::File { path: path.clone(), message: format!("cannot load tokenizer: {e}") })?;
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| DataError::File {
+            path: path.clone(),
+            message: format!("cannot load tokenizer: {e}"),
+        })?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: Value = match std::fs::read_to_string(&cfg_path) {
-            Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| DataError::File { path: cfg_path.clone(), message: format!("not JSON: {e}") })?,
+            Ok(text) => serde_json::from_str(&text).map_err(|e| DataError::File {
+                path: cfg_path.clone(),
+                message: format!("not JSON: {e}"),
+            })?,
             Err(_) => Value::Null,
         };
         let id = |key: &str| token_str(cfg.get(key)).and_then(|t| inner.token_to_id(&t));
         let bos_id = id("bos_token");
         let eos_id = id("eos_token").or(fallback_eos);
         let pad_id = id("pad_token");
-        Ok(Self { inner, bos_id, eos_id, pad_id })
+        Ok(Self {
+            inner,
+            bos_id,
+            eos_id,
+            pad_id,
+        })
     }
 
     /// Token ids of `text`; `add_special` applies the tokenizer's post-processor (e.g. BOS).
@@ -49,12 +64,20 @@ impl Tokenizer {
         let enc = self
             .inner
             .encode(text, add_special)
-            .map_err(|e| DataError::Tokenizer { op: "encode", message: e.to_string() })?;
+            .map_err(|e| DataError::Tokenizer {
+                op: "encode",
+                message: e.to_string(),
+            })?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(|e| DataError::Tokenizer { op: "decode", message: e.to_string() })
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| DataError::Tokenizer {
+                op: "decode",
+                message: e.to_string(),
+            })
     }
 
     pub fn vocab_size(&self) -> usize {

@@ -20,13 +20,22 @@ pub enum LoraError {
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
     #[error("{path}: tensor `{key}` has shape {got:?}, the model needs {want:?} ({hint})")]
-    Shape { path: PathBuf, key: String, got: Vec<usize>, want: Vec<usize>, hint: String },
+    Shape {
+        path: PathBuf,
+        key: String,
+        got: Vec<usize>,
+        want: Vec<usize>,
+        hint: String,
+    },
     #[error("{path}: adapter has no tensor `{key}` (it was trained for other targets or another model?)")]
     Missing { path: PathBuf, key: String },
     #[error("{path}: adapter tensor `{key}` targets no module of this model")]
     Unexpected { path: PathBuf, key: String },
     #[error("lora {op}: {source}")]
-    Candle { op: &'static str, source: candle_core::Error },
+    Candle {
+        op: &'static str,
+        source: candle_core::Error,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, LoraError>;
@@ -36,7 +45,15 @@ pub(crate) fn cerr(op: &'static str) -> impl FnOnce(candle_core::Error) -> LoraE
 }
 
 /// The linear modules of a Llama-family decoder layer, in PEFT's `all-linear` order.
-pub const ALL_LINEAR: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+pub const ALL_LINEAR: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
 
 /// Rank, scale and targets of an adapter.
 #[derive(Debug, Clone, PartialEq)]
@@ -51,7 +68,13 @@ pub struct LoraSpec {
 
 impl LoraSpec {
     /// Expands `all-linear` and checks names against [`ALL_LINEAR`].
-    pub fn new(r: usize, alpha: f64, dropout: f64, rslora: bool, targets: &[String]) -> Result<Self> {
+    pub fn new(
+        r: usize,
+        alpha: f64,
+        dropout: f64,
+        rslora: bool,
+        targets: &[String],
+    ) -> Result<Self> {
         let mut out: Vec<String> = Vec::new();
         for t in targets {
             if t == "all-linear" {
@@ -61,13 +84,25 @@ impl LoraSpec {
             } else {
                 return Err(LoraError::File {
                     path: PathBuf::from("[lora] targets"),
-                    message: format!("unknown module `{t}`; use \"all-linear\" or some of {ALL_LINEAR:?}"),
+                    message: format!(
+                        "unknown module `{t}`; use \"all-linear\" or some of {ALL_LINEAR:?}"
+                    ),
                 });
             }
         }
         // Model order, no duplicates.
-        let targets = ALL_LINEAR.iter().filter(|n| out.iter().any(|o| o == *n)).map(|s| s.to_string()).collect();
-        Ok(Self { r, alpha, dropout, rslora, targets })
+        let targets = ALL_LINEAR
+            .iter()
+            .filter(|n| out.iter().any(|o| o == *n))
+            .map(|s| s.to_string())
+            .collect();
+        Ok(Self {
+            r,
+            alpha,
+            dropout,
+            rslora,
+            targets,
+        })
     }
 
     /// `alpha / r`, or `alpha / √r` with rsLoRA.
@@ -109,16 +144,23 @@ pub struct Adapter {
 
 impl Adapter {
     /// PEFT's default init: A ~ kaiming_uniform(a=√5) = U(-1/√in, 1/√in), B = 0.
-    pub fn init(spec: LoraSpec, modules: &[ModuleShape], seed: u64, device: &Device) -> Result<Self> {
+    pub fn init(
+        spec: LoraSpec,
+        modules: &[ModuleShape],
+        seed: u64,
+        device: &Device,
+    ) -> Result<Self> {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
         let mut names = Vec::with_capacity(modules.len());
         let mut pairs = Vec::with_capacity(modules.len());
         for m in modules {
             let bound = 1.0 / (m.in_features as f64).sqrt();
-            let a: Vec<f32> =
-                (0..spec.r * m.in_features).map(|_| rng.random_range(-bound..bound) as f32).collect();
+            let a: Vec<f32> = (0..spec.r * m.in_features)
+                .map(|_| rng.random_range(-bound..bound) as f32)
+                .collect();
             let a = Tensor::from_vec(a, (spec.r, m.in_features), device).map_err(cerr("init A"))?;
-            let b = Tensor::zeros((m.out_features, spec.r), DType::F32, device).map_err(cerr("init B"))?;
+            let b = Tensor::zeros((m.out_features, spec.r), DType::F32, device)
+                .map_err(cerr("init B"))?;
             names.push(m.name.clone());
             pairs.push(LoraPair { a, b });
         }
@@ -130,7 +172,10 @@ impl Adapter {
     }
 
     pub fn num_params(&self) -> usize {
-        self.pairs.iter().map(|p| p.a.elem_count() + p.b.elem_count()).sum()
+        self.pairs
+            .iter()
+            .map(|p| p.a.elem_count() + p.b.elem_count())
+            .sum()
     }
 }
 
@@ -151,7 +196,11 @@ mod tests {
     #[test]
     fn init_matches_peft_bounds() {
         let spec = LoraSpec::new(8, 16.0, 0.0, false, &["all-linear".into()]).unwrap();
-        let m = ModuleShape { name: "x".into(), in_features: 100, out_features: 30 };
+        let m = ModuleShape {
+            name: "x".into(),
+            in_features: 100,
+            out_features: 30,
+        };
         let ad = Adapter::init(spec, &[m], 1, &Device::Cpu).unwrap();
         let a: Vec<f32> = ad.pairs[0].a.flatten_all().unwrap().to_vec1().unwrap();
         let bound = 0.1f32;

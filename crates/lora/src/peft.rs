@@ -54,32 +54,57 @@ fn yes() -> bool {
 }
 
 fn file_err(path: &Path, message: impl Into<String>) -> LoraError {
-    LoraError::File { path: path.to_path_buf(), message: message.into() }
+    LoraError::File {
+        path: path.to_path_buf(),
+        message: message.into(),
+    }
 }
 
 /// Reads and checks `dir/adapter_config.json` for what rtune supports.
 pub fn read_adapter_config(dir: &Path) -> Result<PeftAdapterConfig> {
     let path = dir.join(CONFIG);
-    let text = std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
-    let cfg: PeftAdapterConfig =
-        serde_json::from_str(&text).map_err(|e| file_err(&path, format!("not a PEFT adapter config: {e}")))?;
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+    let cfg: PeftAdapterConfig = serde_json::from_str(&text)
+        .map_err(|e| file_err(&path, format!("not a PEFT adapter config: {e}")))?;
     if cfg.peft_type != "LORA" {
-        return Err(file_err(&path, format!("peft_type is `{}`; rtune continues only LORA adapters", cfg.peft_type)));
+        return Err(file_err(
+            &path,
+            format!(
+                "peft_type is `{}`; rtune continues only LORA adapters",
+                cfg.peft_type
+            ),
+        ));
     }
     if cfg.use_dora {
-        return Err(file_err(&path, "use_dora = true: DoRA adapters are not supported"));
+        return Err(file_err(
+            &path,
+            "use_dora = true: DoRA adapters are not supported",
+        ));
     }
     if cfg.fan_in_fan_out {
-        return Err(file_err(&path, "fan_in_fan_out = true (GPT-2 style Conv1D) is not supported"));
+        return Err(file_err(
+            &path,
+            "fan_in_fan_out = true (GPT-2 style Conv1D) is not supported",
+        ));
     }
     if cfg.bias != "none" {
-        return Err(file_err(&path, format!("bias = `{}`: only \"none\" is supported", cfg.bias)));
+        return Err(file_err(
+            &path,
+            format!("bias = `{}`: only \"none\" is supported", cfg.bias),
+        ));
     }
     if !cfg.rank_pattern.is_empty() || !cfg.alpha_pattern.is_empty() {
-        return Err(file_err(&path, "rank_pattern / alpha_pattern (per-module ranks) are not supported"));
+        return Err(file_err(
+            &path,
+            "rank_pattern / alpha_pattern (per-module ranks) are not supported",
+        ));
     }
     if cfg.modules_to_save.as_ref().is_some_and(|v| !v.is_null()) {
-        return Err(file_err(&path, "modules_to_save is set: fully trained extra modules are not supported"));
+        return Err(file_err(
+            &path,
+            "modules_to_save is set: fully trained extra modules are not supported",
+        ));
     }
     Ok(cfg)
 }
@@ -87,15 +112,29 @@ pub fn read_adapter_config(dir: &Path) -> Result<PeftAdapterConfig> {
 impl Adapter {
     /// Loads a PEFT adapter directory for a model whose LoRA-able modules are `modules` (with the
     /// spec's targets already applied). Every tensor must match a module and have its shape.
-    pub fn load_peft(dir: &Path, spec: &LoraSpec, modules: &[ModuleShape], device: &Device) -> Result<Self> {
+    pub fn load_peft(
+        dir: &Path,
+        spec: &LoraSpec,
+        modules: &[ModuleShape],
+        device: &Device,
+    ) -> Result<Self> {
         let cfg = read_adapter_config(dir)?;
         let cfg_path = dir.join(CONFIG);
         if cfg.r != spec.r {
-            return Err(file_err(&cfg_path, format!("r = {} but the config asks for [lora] r = {}", cfg.r, spec.r)));
+            return Err(file_err(
+                &cfg_path,
+                format!(
+                    "r = {} but the config asks for [lora] r = {}",
+                    cfg.r, spec.r
+                ),
+            ));
         }
         let path = dir.join(WEIGHTS);
         if !path.exists() {
-            return Err(file_err(&path, "missing (only safetensors adapters are read; convert .bin with PEFT)"));
+            return Err(file_err(
+                &path,
+                "missing (only safetensors adapters are read; convert .bin with PEFT)",
+            ));
         }
         let mut tensors = candle_core::safetensors::load(&path, device)
             .map_err(|e| file_err(&path, format!("cannot read safetensors: {e}")))?;
@@ -104,7 +143,10 @@ impl Adapter {
         for m in modules {
             let mut take = |which: &str, want: [usize; 2], hint: &str| -> Result<Tensor> {
                 let key = format!("{PREFIX}{}.{which}.weight", m.name);
-                let t = tensors.remove(&key).ok_or_else(|| LoraError::Missing { path: path.clone(), key: key.clone() })?;
+                let t = tensors.remove(&key).ok_or_else(|| LoraError::Missing {
+                    path: path.clone(),
+                    key: key.clone(),
+                })?;
                 if t.dims() != want {
                     return Err(LoraError::Shape {
                         path: path.clone(),
@@ -122,9 +164,16 @@ impl Adapter {
             pairs.push(LoraPair { a, b });
         }
         if let Some(key) = tensors.keys().min() {
-            return Err(LoraError::Unexpected { path, key: key.clone() });
+            return Err(LoraError::Unexpected {
+                path,
+                key: key.clone(),
+            });
         }
-        Ok(Self { spec: spec.clone(), names, pairs })
+        Ok(Self {
+            spec: spec.clone(),
+            names,
+            pairs,
+        })
     }
 
     /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir` (created if needed),
@@ -140,14 +189,22 @@ impl Adapter {
                     .and_then(|t| t.to_vec1())
                     .map_err(cerr("adapter to host"))?;
                 let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                data.push((format!("{PREFIX}{name}.{which}.weight"), bytes, t.dims().to_vec()));
+                data.push((
+                    format!("{PREFIX}{name}.{which}.weight"),
+                    bytes,
+                    t.dims().to_vec(),
+                ));
             }
         }
         let views: Vec<(String, safetensors::tensor::TensorView)> = data
             .iter()
             .map(|(k, bytes, shape)| {
-                let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                    .expect("shape and byte count agree by construction");
+                let view = safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    bytes,
+                )
+                .expect("shape and byte count agree by construction");
                 (k.clone(), view)
             })
             .collect();
@@ -200,17 +257,32 @@ mod tests {
     #[test]
     fn save_then_load_round_trips() {
         let spec = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
-        let mods = vec![ModuleShape { name: "model.layers.0.self_attn.q_proj".into(), in_features: 6, out_features: 5 }];
+        let mods = vec![ModuleShape {
+            name: "model.layers.0.self_attn.q_proj".into(),
+            in_features: 6,
+            out_features: 5,
+        }];
         let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
         ad.pairs[0].b = Tensor::ones((5, 4), DType::F32, &Device::Cpu).unwrap();
         let dir = std::env::temp_dir().join(format!("rtune-lora-rt-{}", std::process::id()));
         ad.save_peft(&dir, "base").unwrap();
         let back = Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu).unwrap();
-        let d = (back.pairs[0].a.clone() - ad.pairs[0].a.clone()).unwrap().abs().unwrap().max_all().unwrap();
+        let d = (back.pairs[0].a.clone() - ad.pairs[0].a.clone())
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
         assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
         // A model with another shape is refused, naming the tensor.
-        let other = vec![ModuleShape { name: mods[0].name.clone(), in_features: 7, out_features: 5 }];
-        let e = Adapter::load_peft(&dir, &spec, &other, &Device::Cpu).unwrap_err().to_string();
+        let other = vec![ModuleShape {
+            name: mods[0].name.clone(),
+            in_features: 7,
+            out_features: 5,
+        }];
+        let e = Adapter::load_peft(&dir, &spec, &other, &Device::Cpu)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("lora_A") && e.contains("[4, 6]"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -73,9 +73,16 @@ pub enum Arch {
 pub enum RopeScaling {
     None,
     /// Position interpolation: every frequency divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
 }
 
 /// The checked model shape.
@@ -107,23 +114,36 @@ pub struct ModelConfig {
 
 fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
     match v {
-        Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
         _ => Vec::new(),
     }
 }
 
 impl HfConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ModelError::File { path: path.to_path_buf(), message: format!("cannot read: {e}") })?;
-        serde_json::from_str(&text)
-            .map_err(|e| ModelError::File { path: path.to_path_buf(), message: format!("not a model config: {e}") })
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::File {
+            path: path.to_path_buf(),
+            message: format!("cannot read: {e}"),
+        })?;
+        serde_json::from_str(&text).map_err(|e| ModelError::File {
+            path: path.to_path_buf(),
+            message: format!("not a model config: {e}"),
+        })
     }
 
     /// Checks the architecture and every shape; `path` labels errors.
     pub fn into_config(self, path: &Path) -> Result<ModelConfig> {
-        let bad = |message: String| ModelError::File { path: path.to_path_buf(), message };
+        let bad = |message: String| ModelError::File {
+            path: path.to_path_buf(),
+            message,
+        };
         let arch_name = self.architectures.first().cloned().unwrap_or_default();
         let arch = match arch_name.as_str() {
             "LlamaForCausalLM" => Arch::Llama,
@@ -131,7 +151,10 @@ impl HfConfig {
             "Qwen2ForCausalLM" => Arch::Qwen2,
             _ => {
                 let got = if arch_name.is_empty() {
-                    format!("no `architectures` (model_type {:?})", self.model_type.as_deref().unwrap_or("?"))
+                    format!(
+                        "no `architectures` (model_type {:?})",
+                        self.model_type.as_deref().unwrap_or("?")
+                    )
                 } else {
                     format!("architecture `{arch_name}`")
                 };
@@ -144,24 +167,36 @@ impl HfConfig {
         };
         if let Some(act) = &self.hidden_act {
             if act != "silu" {
-                return Err(bad(format!("hidden_act `{act}`: only silu (SwiGLU) is supported")));
+                return Err(bad(format!(
+                    "hidden_act `{act}`: only silu (SwiGLU) is supported"
+                )));
             }
         }
         if self.quantization_config.is_some() {
-            return Err(bad("quantization_config is set: pre-quantized checkpoints are not supported yet".into()));
+            return Err(bad(
+                "quantization_config is set: pre-quantized checkpoints are not supported yet"
+                    .into(),
+            ));
         }
         let heads = self.num_attention_heads;
         let kv = self.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || kv == 0 || heads % kv != 0 {
+        if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
             return Err(bad(format!("num_attention_heads {heads} must be a positive multiple of num_key_value_heads {kv}")));
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
-            None if self.hidden_size % heads == 0 => self.hidden_size / heads,
-            None => return Err(bad(format!("hidden_size {} is not divisible by {heads} heads", self.hidden_size))),
+            None if self.hidden_size.is_multiple_of(heads) => self.hidden_size / heads,
+            None => {
+                return Err(bad(format!(
+                    "hidden_size {} is not divisible by {heads} heads",
+                    self.hidden_size
+                )))
+            }
         };
         if head_dim % 2 != 0 {
-            return Err(bad(format!("head_dim {head_dim} must be even for rotary embeddings")));
+            return Err(bad(format!(
+                "head_dim {head_dim} must be even for rotary embeddings"
+            )));
         }
         let (rope_theta, rope_scaling) = rope(&self).map_err(bad)?;
         let sliding_window = match arch {
@@ -196,7 +231,11 @@ impl HfConfig {
 
 /// Reads theta and scaling from `rope_parameters` (v5) or `rope_theta` + `rope_scaling` (v4).
 fn rope(c: &HfConfig) -> std::result::Result<(f64, RopeScaling), String> {
-    let params = c.rope_parameters.as_ref().filter(|v| !v.is_null()).or(c.rope_scaling.as_ref().filter(|v| !v.is_null()));
+    let params = c
+        .rope_parameters
+        .as_ref()
+        .filter(|v| !v.is_null())
+        .or(c.rope_scaling.as_ref().filter(|v| !v.is_null()));
     let theta = c
         .rope_parameters
         .as_ref()
@@ -204,21 +243,35 @@ fn rope(c: &HfConfig) -> std::result::Result<(f64, RopeScaling), String> {
         .and_then(|v| v.as_f64())
         .or(c.rope_theta)
         .unwrap_or(10_000.0);
-    let Some(p) = params else { return Ok((theta, RopeScaling::None)) };
-    let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(|v| v.as_str()).unwrap_or("default");
+    let Some(p) = params else {
+        return Ok((theta, RopeScaling::None));
+    };
+    let kind = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
     let num = |k: &str| -> std::result::Result<f64, String> {
-        p.get(k).and_then(|v| v.as_f64()).ok_or_else(|| format!("rope scaling `{kind}` needs a number `{k}`"))
+        p.get(k)
+            .and_then(|v| v.as_f64())
+            .ok_or_else(|| format!("rope scaling `{kind}` needs a number `{k}`"))
     };
     let scaling = match kind {
         "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear { factor: num("factor")? },
+        "linear" => RopeScaling::Linear {
+            factor: num("factor")?,
+        },
         "llama3" => RopeScaling::Llama3 {
             factor: num("factor")?,
             low_freq_factor: num("low_freq_factor")?,
             high_freq_factor: num("high_freq_factor")?,
             original_max_position_embeddings: num("original_max_position_embeddings")?,
         },
-        other => return Err(format!("rope scaling type `{other}` is not supported (default, linear, llama3 are)")),
+        other => {
+            return Err(format!(
+                "rope scaling type `{other}` is not supported (default, linear, llama3 are)"
+            ))
+        }
     };
     Ok((theta, scaling))
 }
@@ -232,7 +285,9 @@ mod tests {
             r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
             "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
         );
-        serde_json::from_str::<HfConfig>(&text).unwrap().into_config(Path::new("config.json"))
+        serde_json::from_str::<HfConfig>(&text)
+            .unwrap()
+            .into_config(Path::new("config.json"))
     }
 
     #[test]
@@ -243,17 +298,29 @@ mod tests {
         assert_eq!(v4.rope_theta, v5.rope_theta);
         assert_eq!(v4.rope_scaling, v5.rope_scaling);
         assert!(matches!(v4.rope_scaling, RopeScaling::Llama3 { .. }));
-        let plain = cfg(r#","rope_parameters":{"rope_type":"default","rope_theta":1000.0}"#).unwrap();
-        assert_eq!((plain.rope_theta, plain.rope_scaling), (1000.0, RopeScaling::None));
+        let plain =
+            cfg(r#","rope_parameters":{"rope_type":"default","rope_theta":1000.0}"#).unwrap();
+        assert_eq!(
+            (plain.rope_theta, plain.rope_scaling),
+            (1000.0, RopeScaling::None)
+        );
     }
 
     #[test]
     fn unsupported_architecture_lists_supported() {
         let text = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,
             "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#;
-        let e = serde_json::from_str::<HfConfig>(text).unwrap().into_config(Path::new("m/config.json")).unwrap_err();
+        let e = serde_json::from_str::<HfConfig>(text)
+            .unwrap()
+            .into_config(Path::new("m/config.json"))
+            .unwrap_err();
         let s = e.to_string();
-        assert!(s.contains("GPT2LMHeadModel") && s.contains("Qwen2ForCausalLM") && s.contains("m/config.json"), "{s}");
+        assert!(
+            s.contains("GPT2LMHeadModel")
+                && s.contains("Qwen2ForCausalLM")
+                && s.contains("m/config.json"),
+            "{s}"
+        );
     }
 
     #[test]

@@ -56,19 +56,35 @@ pub struct BatchCtx {
 
 impl Layer {
     pub fn linears(&self) -> [&Linear; 7] {
-        [&self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down]
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
     }
     pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
-        [&mut self.q, &mut self.k, &mut self.v, &mut self.o, &mut self.gate, &mut self.up, &mut self.down]
+        [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
     }
 
     fn salt(&self, module: u64) -> u64 {
         // Distinct dropout streams per (layer, module); mixed so nearby seeds do not collide.
-        (self.index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ module.wrapping_mul(0xD1B5_4A32_D192_ED03)
+        (self.index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ module.wrapping_mul(0xD1B5_4A32_D192_ED03)
     }
 
     /// `x: (N, D)` → `(N, D)` and the cache for backward.
-    pub fn forward(&self, x: &Tensor, ctx: &BatchCtx, lora: Option<&LoraCtx>) -> Result<(Tensor, LayerCache)> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        ctx: &BatchCtx,
+        lora: Option<&LoraCtx>,
+    ) -> Result<(Tensor, LayerCache)> {
         let (h1, n1) = ops::rms_norm(x, &self.input_norm, self.eps)?;
         let (q, cq) = self.q.forward(&h1, lora, self.salt(0))?;
         let (k, ck) = self.k.forward(&h1, lora, self.salt(1))?;
@@ -82,7 +98,27 @@ impl Layer {
         let m = ops::swiglu(&g, &u)?;
         let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
         let out = (h + d)?;
-        Ok((out, LayerCache { n1, h1, cq, ck, cv, attn, o_in, co, n2, h2, g, u, cg, cu, m, cd }))
+        Ok((
+            out,
+            LayerCache {
+                n1,
+                h1,
+                cq,
+                ck,
+                cv,
+                attn,
+                o_in,
+                co,
+                n2,
+                h2,
+                g,
+                u,
+                cg,
+                cu,
+                m,
+                cd,
+            },
+        ))
     }
 
     /// `d_out: (N, D)` → `dx: (N, D)` (when `need_dx`), LoRA grads accumulated into `grads`.
@@ -95,12 +131,24 @@ impl Layer {
         grads: &mut Grads,
         need_dx: bool,
     ) -> Result<Option<Tensor>> {
-        let dm = self.down.backward(d_out, &c.m, &c.cd, lora, grads, true)?.expect("dx requested");
+        let dm = self
+            .down
+            .backward(d_out, &c.m, &c.cd, lora, grads, true)?
+            .expect("dx requested");
         let (dg, du) = ops::swiglu_backward(&dm, &c.g, &c.u)?;
-        let dh2 = (self.gate.backward(&dg, &c.h2, &c.cg, lora, grads, true)?.expect("dx requested")
-            + self.up.backward(&du, &c.h2, &c.cu, lora, grads, true)?.expect("dx requested"))?;
+        let dh2 = (self
+            .gate
+            .backward(&dg, &c.h2, &c.cg, lora, grads, true)?
+            .expect("dx requested")
+            + self
+                .up
+                .backward(&du, &c.h2, &c.cu, lora, grads, true)?
+                .expect("dx requested"))?;
         let dh = (d_out + ops::rms_norm_backward(&dh2, &self.post_norm, &c.n2)?)?;
-        let d_o = self.o.backward(&dh, &c.o_in, &c.co, lora, grads, true)?.expect("dx requested");
+        let d_o = self
+            .o
+            .backward(&dh, &c.o_in, &c.co, lora, grads, true)?
+            .expect("dx requested");
         let (dq, dk, dv) = ops::attention_backward(&d_o, &c.attn, &ctx.shape, &ctx.cos, &ctx.sin)?;
         // The q/k/v input gradients are only needed to continue below this layer.
         let dq1 = self.q.backward(&dq, &c.h1, &c.cq, lora, grads, need_dx)?;
@@ -110,6 +158,8 @@ impl Layer {
             return Ok(None);
         }
         let dh1 = ((dq1.expect("need_dx") + dk1.expect("need_dx"))? + dv1.expect("need_dx"))?;
-        Ok(Some((dh + ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?)?))
+        Ok(Some(
+            (dh + ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?)?,
+        ))
     }
 }

@@ -28,18 +28,33 @@ pub enum ModelError {
     #[error("{path}: {message}")]
     File { path: PathBuf, message: String },
     #[error("{path}: {what} is not supported; supported architectures: {supported}")]
-    Unsupported { path: PathBuf, what: String, supported: String },
+    Unsupported {
+        path: PathBuf,
+        what: String,
+        supported: String,
+    },
     #[error("{path}: checkpoint has no tensor `{name}`")]
     MissingTensor { path: PathBuf, name: String },
     #[error("{path}: tensor `{name}` has shape {got:?}, config.json implies {want:?}")]
-    TensorShape { path: PathBuf, name: String, got: Vec<usize>, want: Vec<usize> },
+    TensorShape {
+        path: PathBuf,
+        name: String,
+        got: Vec<usize>,
+        want: Vec<usize>,
+    },
     #[error("model {op}: {source}")]
-    Candle { op: String, source: candle_core::Error },
+    Candle {
+        op: String,
+        source: candle_core::Error,
+    },
 }
 
 impl ModelError {
     pub fn candle(op: impl Into<String>, source: candle_core::Error) -> Self {
-        ModelError::Candle { op: op.into(), source }
+        ModelError::Candle {
+            op: op.into(),
+            source,
+        }
     }
 }
 

@@ -30,7 +30,10 @@ pub struct Grads {
 
 impl Grads {
     pub fn new(modules: usize) -> Self {
-        Self { a: vec![None; modules], b: vec![None; modules] }
+        Self {
+            a: vec![None; modules],
+            b: vec![None; modules],
+        }
     }
 
     fn add(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
@@ -71,7 +74,12 @@ impl Linear {
     }
 
     /// `x: (N, in)` → `(N, out)`.
-    pub fn forward(&self, x: &Tensor, lora: Option<&LoraCtx>, salt: u64) -> Result<(Tensor, LinearCache)> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        lora: Option<&LoraCtx>,
+        salt: u64,
+    ) -> Result<(Tensor, LinearCache)> {
         let mut y = x.matmul(&self.w.t()?)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
@@ -80,7 +88,11 @@ impl Linear {
         if let (Some(slot), Some(ctx)) = (self.lora, lora) {
             let pair = &ctx.adapter.pairs[slot];
             let dt = x.dtype();
-            let mask = if ctx.dropout > 0.0 { Some(dropout_mask(x, ctx.dropout, ctx.seed ^ salt)?) } else { None };
+            let mask = if ctx.dropout > 0.0 {
+                Some(dropout_mask(x, ctx.dropout, ctx.seed ^ salt)?)
+            } else {
+                None
+            };
             let xd = match &mask {
                 Some(m) => (x * m)?,
                 None => x.clone(),
@@ -103,7 +115,11 @@ impl Linear {
         grads: &mut Grads,
         need_dx: bool,
     ) -> Result<Option<Tensor>> {
-        let mut dx = if need_dx { Some(dy.matmul(&self.w)?) } else { None };
+        let mut dx = if need_dx {
+            Some(dy.matmul(&self.w)?)
+        } else {
+            None
+        };
         if let (Some(slot), Some(ctx), Some(xa)) = (self.lora, lora, &cache.xa) {
             let pair = &ctx.adapter.pairs[slot];
             let dt = dy.dtype();
@@ -135,6 +151,8 @@ impl Linear {
 fn dropout_mask(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let keep = (1.0 / (1.0 - p)) as f32;
-    let v: Vec<f32> = (0..x.elem_count()).map(|_| if rng.random::<f64>() < p { 0.0 } else { keep }).collect();
+    let v: Vec<f32> = (0..x.elem_count())
+        .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
+        .collect();
     Tensor::from_vec(v, x.shape(), x.device())?.to_dtype(x.dtype())
 }

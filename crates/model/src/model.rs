@@ -39,7 +39,12 @@ impl Inputs {
     /// Positions 0..T for every row.
     pub fn new(ids: Vec<u32>, b: usize, t: usize) -> Self {
         let positions = (0..b).flat_map(|_| 0..t as u32).collect();
-        Self { ids, positions, b, t }
+        Self {
+            ids,
+            positions,
+            b,
+            t,
+        }
     }
 }
 
@@ -56,7 +61,10 @@ impl Model {
     /// Loads a Hugging Face model directory (config.json + safetensors) in `dtype`.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
         if !dir.is_dir() {
-            return Err(ModelError::File { path: dir.to_path_buf(), message: "model directory not found".into() });
+            return Err(ModelError::File {
+                path: dir.to_path_buf(),
+                message: "model directory not found".into(),
+            });
         }
         let cfg_path = dir.join("config.json");
         let cfg = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
@@ -65,14 +73,31 @@ impl Model {
     }
 
     /// Builds the model from any tensor source, names as in a Hugging Face checkpoint.
-    pub fn build(cfg: ModelConfig, w: &dyn TensorSource, dtype: DType, device: &Device) -> Result<Self> {
+    pub fn build(
+        cfg: ModelConfig,
+        w: &dyn TensorSource,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let (d, v, i) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
-        let (qd, kvd) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+        let (qd, kvd) = (
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        );
         let embed = w.tensor("model.embed_tokens.weight", &[v, d])?;
         let linear = |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let wt = w.tensor(&format!("{name}.weight"), &[out, inp])?;
-            let bias = if bias { Some(w.tensor(&format!("{name}.bias"), &[out])?) } else { None };
-            Ok(Linear { name, w: wt, bias, lora: None })
+            let bias = if bias {
+                Some(w.tensor(&format!("{name}.bias"), &[out])?)
+            } else {
+                None
+            };
+            Ok(Linear {
+                name,
+                w: wt,
+                bias,
+                lora: None,
+            })
         };
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in 0..cfg.num_layers {
@@ -92,9 +117,22 @@ impl Model {
             });
         }
         let norm = w.tensor("model.norm.weight", &[d])?;
-        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { w.tensor("lm_head.weight", &[v, d])? };
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            w.tensor("lm_head.weight", &[v, d])?
+        };
         let inv_freq = crate::rope::inv_freq(&cfg);
-        Ok(Self { cfg, dtype, device: device.clone(), embed, layers, norm, lm_head, inv_freq })
+        Ok(Self {
+            cfg,
+            dtype,
+            device: device.clone(),
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+        })
     }
 
     /// The modules a LoRA spec targets, in model order (layer 0's q, k, v, o, gate, up, down, ...).
@@ -132,9 +170,21 @@ impl Model {
             kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
         };
-        let (cos, sin) = crate::rope::tables(&self.inv_freq, &inp.positions, inp.b, inp.t, self.dtype, &self.device)?;
+        let (cos, sin) = crate::rope::tables(
+            &self.inv_freq,
+            &inp.positions,
+            inp.b,
+            inp.t,
+            self.dtype,
+            &self.device,
+        )?;
         let mask = ops::causal_mask(inp.t, self.cfg.sliding_window, &self.device)?;
-        Ok(BatchCtx { shape, cos, sin, mask })
+        Ok(BatchCtx {
+            shape,
+            cos,
+            sin,
+            mask,
+        })
     }
 
     fn embed(&self, inp: &Inputs) -> candle_core::Result<Tensor> {
@@ -143,7 +193,12 @@ impl Model {
     }
 
     /// Inference forward: logits for every position (and the hidden states if `keep_hidden`).
-    pub fn forward(&self, inp: &Inputs, lora: Option<&LoraCtx>, keep_hidden: bool) -> Result<Forward> {
+    pub fn forward(
+        &self,
+        inp: &Inputs,
+        lora: Option<&LoraCtx>,
+        keep_hidden: bool,
+    ) -> Result<Forward> {
         let run = || -> candle_core::Result<Forward> {
             let (b, t, d) = (inp.b, inp.t, self.cfg.hidden_size);
             let ctx = self.batch_ctx(inp)?;
@@ -159,7 +214,10 @@ impl Model {
             if keep_hidden {
                 hidden.push(h.reshape((b, t, d))?.to_dtype(DType::F32)?);
             }
-            let logits = h.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?.reshape((b, t, self.cfg.vocab_size))?;
+            let logits = h
+                .matmul(&self.lm_head.t()?)?
+                .to_dtype(DType::F32)?
+                .reshape((b, t, self.cfg.vocab_size))?;
             Ok(Forward { logits, hidden })
         };
         run().map_err(|e| ModelError::candle("forward", e))
@@ -196,7 +254,8 @@ impl Model {
             let (h, norm_cache) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
             drop(x);
             let chunk = ((1usize << 24) / self.cfg.vocab_size).clamp(16, 4096);
-            let (loss, dh) = ops::chunked_cross_entropy(&h, &self.lm_head, targets, grad_scale, chunk)?;
+            let (loss, dh) =
+                ops::chunked_cross_entropy(&h, &self.lm_head, targets, grad_scale, chunk)?;
             drop(h);
             let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {

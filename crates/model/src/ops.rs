@@ -22,7 +22,9 @@ pub struct NormCache {
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, NormCache)> {
     let dt = x.dtype();
     let xf = x.to_dtype(DType::F32)?;
-    let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
     let y = xf.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(w)?;
     Ok((y, NormCache { x: xf, r }))
 }
@@ -109,13 +111,19 @@ pub fn attention(
     let scale = 1.0 / (dh as f64).sqrt();
     // scores: (B, Hkv, G·T, T)
     let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-    let scores = scores.reshape((b, hkv, g, t, t))?.broadcast_add(mask)?.reshape((b, hkv, g * t, t))?;
+    let scores = scores
+        .reshape((b, hkv, g, t, t))?
+        .broadcast_add(mask)?
+        .reshape((b, hkv, g * t, t))?;
     let max = scores.max_keepdim(D::Minus1)?;
     let e = scores.broadcast_sub(&max)?.exp()?;
     let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
     // out: (B, Hkv, G·T, Dh) -> (B, H, T, Dh) -> (B, T, H, Dh) -> (N, H·Dh)
     let o = p.to_dtype(dt)?.matmul(&v)?;
-    let o = o.reshape((b, h, t, dh))?.transpose(1, 2)?.reshape((b * t, h * dh))?;
+    let o = o
+        .reshape((b, h, t, dh))?
+        .transpose(1, 2)?
+        .reshape((b * t, h * dh))?;
     Ok((o, AttnCache { q, k, v, p }))
 }
 
@@ -131,7 +139,11 @@ pub fn attention_backward(
     let g = h / hkv;
     let dt = d_out.dtype();
     // d_out: (N, H·Dh) -> (B, H, T, Dh) -> (B, Hkv, G·T, Dh)
-    let d_o = d_out.reshape((b, t, h, dh))?.transpose(1, 2)?.contiguous()?.reshape((b, hkv, g * t, dh))?;
+    let d_o = d_out
+        .reshape((b, t, h, dh))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, hkv, g * t, dh))?;
     let p = c.p.to_dtype(dt)?;
     // dv: (B, Hkv, T, Dh) sums over the G query heads of each kv head.
     let dv = p.t()?.matmul(&d_o)?;
@@ -152,7 +164,15 @@ pub fn attention_backward(
 pub fn causal_mask(t: usize, window: Option<usize>, dev: &candle_core::Device) -> Result<Tensor> {
     let w = window.unwrap_or(usize::MAX);
     let m: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if j <= i && i - j < w { 0.0 } else { f32::NEG_INFINITY }))
+        .flat_map(|i| {
+            (0..t).map(move |j| {
+                if j <= i && i - j < w {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
         .collect();
     Tensor::from_vec(m, (1, 1, 1, t, t), dev)
 }
@@ -171,16 +191,22 @@ pub fn chunked_cross_entropy(
     let dev = h.device();
     let dt = h.dtype();
     let vocab = w.dim(0)?;
-    let rows: Vec<u32> = (0..targets.len()).filter(|&i| targets[i].is_some()).map(|i| i as u32).collect();
+    let rows: Vec<u32> = (0..targets.len())
+        .filter(|&i| targets[i].is_some())
+        .map(|i| i as u32)
+        .collect();
     let mut dh = h.zeros_like()?;
     let mut loss = 0f64;
     let wt = w.t()?;
     for part in rows.chunks(chunk.max(1)) {
         let n = part.len();
         let idx = Tensor::new(part, dev)?;
-        let tgt: Vec<u32> = part.iter().map(|&i| targets[i as usize].expect("filtered")).collect();
+        let tgt: Vec<u32> = part
+            .iter()
+            .map(|&i| targets[i as usize].expect("filtered"))
+            .collect();
         let tgt = Tensor::new(tgt.as_slice(), dev)?.unsqueeze(1)?; // (n, 1)
-        // logits: (n, V) f32
+                                                                   // logits: (n, V) f32
         let logits = h.index_select(&idx, 0)?.matmul(&wt)?.to_dtype(DType::F32)?;
         let max = logits.max_keepdim(D::Minus1)?;
         let z = logits.broadcast_sub(&max)?;

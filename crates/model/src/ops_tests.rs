@@ -14,8 +14,22 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
 }
 
 fn assert_close(got: &Tensor, want: &Tensor, what: &str) {
-    let scale = want.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap().max(1e-6);
-    let err = (got - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    let scale = want
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+        .max(1e-6);
+    let err = (got - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
     assert!(err / scale < 1e-5, "{what}: max err {err} vs scale {scale}");
 }
 
@@ -24,9 +38,19 @@ fn rms_norm_matches_autograd() {
     let x = Var::from_tensor(&randn(&[6, 8], 1)).unwrap();
     let w = randn(&[8], 2);
     let dy = randn(&[6, 8], 3);
-    let r = (x.sqr().unwrap().mean_keepdim(1).unwrap() + 1e-5).unwrap().sqrt().unwrap().recip().unwrap();
+    let r = (x.sqr().unwrap().mean_keepdim(1).unwrap() + 1e-5)
+        .unwrap()
+        .sqrt()
+        .unwrap()
+        .recip()
+        .unwrap();
     let y = x.broadcast_mul(&r).unwrap().broadcast_mul(&w).unwrap();
-    let grads = (y.clone() * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = (y.clone() * &dy)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let (y2, cache) = rms_norm(&x, &w, 1e-5).unwrap();
     assert_close(&y2, &y, "rms_norm forward");
     let dx = rms_norm_backward(&dy, &w, &cache).unwrap();
@@ -46,7 +70,15 @@ fn swiglu_matches_autograd() {
 }
 
 /// The plain attention: repeat_kv, rope via narrow/cat, softmax from exp/sum.
-fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, s: &AttnShape, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Tensor {
+fn reference_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+) -> Tensor {
     let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
     let g = h / hkv;
     let q = q.reshape((b, t, h, dh)).unwrap().transpose(1, 2).unwrap();
@@ -55,10 +87,21 @@ fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, s: &AttnShape, cos: &
     let q = crate::rope::apply(&q, cos, sin).unwrap();
     let k = crate::rope::apply(&k, cos, sin).unwrap();
     let rep = |x: Tensor| {
-        x.unsqueeze(2).unwrap().broadcast_as((b, hkv, g, t, dh)).unwrap().reshape((b, h, t, dh)).unwrap()
+        x.unsqueeze(2)
+            .unwrap()
+            .broadcast_as((b, hkv, g, t, dh))
+            .unwrap()
+            .reshape((b, h, t, dh))
+            .unwrap()
     };
     let (k, v) = (rep(k), rep(v));
-    let sc = (q.contiguous().unwrap().matmul(&k.t().unwrap().contiguous().unwrap()).unwrap() / (dh as f64).sqrt()).unwrap();
+    let sc = (q
+        .contiguous()
+        .unwrap()
+        .matmul(&k.t().unwrap().contiguous().unwrap())
+        .unwrap()
+        / (dh as f64).sqrt())
+    .unwrap();
     let sc = sc.broadcast_add(&mask.squeeze(2).unwrap()).unwrap();
     let max = sc.max_keepdim(D::Minus1).unwrap().detach();
     let e = sc.broadcast_sub(&max).unwrap().exp().unwrap();
@@ -69,7 +112,13 @@ fn reference_attention(q: &Tensor, k: &Tensor, v: &Tensor, s: &AttnShape, cos: &
 
 #[test]
 fn attention_matches_autograd() {
-    let s = AttnShape { b: 2, t: 5, heads: 4, kv_heads: 2, head_dim: 6 };
+    let s = AttnShape {
+        b: 2,
+        t: 5,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 6,
+    };
     let n = s.b * s.t;
     let q = Var::from_tensor(&randn(&[n, 24], 7)).unwrap();
     let k = Var::from_tensor(&randn(&[n, 12], 8)).unwrap();
@@ -80,7 +129,12 @@ fn attention_matches_autograd() {
     let mask = causal_mask(s.t, Some(3), &Device::Cpu).unwrap();
     let d_out = randn(&[n, 24], 10);
     let want = reference_attention(&q, &k, &v, &s, &cos, &sin, &mask);
-    let grads = (want.clone() * &d_out).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = (want.clone() * &d_out)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let (got, cache) = attention(&q, &k, &v, &s, &cos, &sin, &mask).unwrap();
     assert_close(&got, &want, "attention forward");
     let (dq, dk, dv) = attention_backward(&d_out, &cache, &s, &cos, &sin).unwrap();
@@ -110,7 +164,10 @@ fn chunked_cross_entropy_matches_autograd() {
     for chunk in [1, 2, 3, 100] {
         let (loss, dh) = chunked_cross_entropy(&h, &w, &targets, 0.25, chunk).unwrap();
         let want = total.to_scalar::<f32>().unwrap() as f64;
-        assert!((loss - want).abs() / want < 1e-5, "chunk {chunk}: loss {loss} vs {want}");
+        assert!(
+            (loss - want).abs() / want < 1e-5,
+            "chunk {chunk}: loss {loss} vs {want}"
+        );
         assert_close(&dh, grads.get(&h).unwrap(), "cross-entropy dh");
     }
 }

@@ -11,20 +11,33 @@ use crate::config::{ModelConfig, RopeScaling};
 pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
     let d = cfg.head_dim;
     let base = cfg.rope_theta as f32;
-    let raw: Vec<f32> = (0..d).step_by(2).map(|i| 1.0 / base.powf(i as f32 / d as f32)).collect();
+    let raw: Vec<f32> = (0..d)
+        .step_by(2)
+        .map(|i| 1.0 / base.powf(i as f32 / d as f32))
+        .collect();
     match cfg.rope_scaling {
         RopeScaling::None => raw,
         RopeScaling::Linear { factor } => raw.iter().map(|f| f / factor as f32).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-            let (factor, low, high, old) =
-                (factor as f32, low_freq_factor as f32, high_freq_factor as f32, original_max_position_embeddings as f32);
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let (factor, low, high, old) = (
+                factor as f32,
+                low_freq_factor as f32,
+                high_freq_factor as f32,
+                original_max_position_embeddings as f32,
+            );
             let low_wavelen = old / low;
             let high_wavelen = old / high;
             raw.iter()
                 .map(|&f| {
                     let wavelen = 2.0 * std::f32::consts::PI / f;
                     let scaled = if wavelen > low_wavelen { f / factor } else { f };
-                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    // transformers: ~(wavelen < high) & ~(wavelen > low); wavelen is finite here.
+                    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
                     if medium {
                         let smooth = (old / wavelen - low) / (high - low);
                         (1.0 - smooth) * scaled / factor + smooth * scaled
@@ -38,7 +51,14 @@ pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
 }
 
 /// `cos, sin: (B, 1, T, head_dim)` in `dtype` for positions `(B, T)`.
-pub fn tables(inv_freq: &[f32], positions: &[u32], b: usize, t: usize, dtype: DType, dev: &Device) -> Result<(Tensor, Tensor)> {
+pub fn tables(
+    inv_freq: &[f32],
+    positions: &[u32],
+    b: usize,
+    t: usize,
+    dtype: DType,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
     let half = inv_freq.len();
     let mut cos = Vec::with_capacity(positions.len() * half * 2);
     let mut sin = Vec::with_capacity(positions.len() * half * 2);
@@ -61,7 +81,10 @@ pub fn tables(inv_freq: &[f32], positions: &[u32], b: usize, t: usize, dtype: DT
 
 fn halves(x: &Tensor) -> Result<(Tensor, Tensor)> {
     let d = x.dim(D::Minus1)?;
-    Ok((x.narrow(D::Minus1, 0, d / 2)?, x.narrow(D::Minus1, d / 2, d / 2)?))
+    Ok((
+        x.narrow(D::Minus1, 0, d / 2)?,
+        x.narrow(D::Minus1, d / 2, d / 2)?,
+    ))
 }
 
 /// `x: (B, H, T, Dh)` → rotated, same shape.

@@ -32,20 +32,30 @@ impl Weights {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index)
-                .map_err(|e| ModelError::File { path: index.clone(), message: format!("cannot read: {e}") })?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| ModelError::File { path: index.clone(), message: format!("not JSON: {e}") })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::File {
+            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::File {
                 path: index.clone(),
-                message: "has no `weight_map` object".into(),
+                message: format!("cannot read: {e}"),
             })?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ModelError::File {
+                    path: index.clone(),
+                    message: format!("not JSON: {e}"),
+                })?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| ModelError::File {
+                    path: index.clone(),
+                    message: "has no `weight_map` object".into(),
+                })?;
             let shards: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
             shards.into_iter().map(|f| dir.join(f)).collect()
         } else if single.exists() {
             vec![single]
         } else {
-            let pickle = ["pytorch_model.bin", "model.pt", "model.bin"].iter().find(|f| dir.join(f).exists());
+            let pickle = ["pytorch_model.bin", "model.pt", "model.bin"]
+                .iter()
+                .find(|f| dir.join(f).exists());
             let message = match pickle {
                 Some(f) => format!(
                     "only `{f}` (a pickle checkpoint) is here; rtune reads safetensors only. Convert it \
@@ -53,17 +63,30 @@ impl Weights {
                 ),
                 None => "no model.safetensors or model.safetensors.index.json".into(),
             };
-            return Err(ModelError::File { path: dir.to_path_buf(), message });
+            return Err(ModelError::File {
+                path: dir.to_path_buf(),
+                message,
+            });
         };
         for f in &files {
             if !f.exists() {
-                return Err(ModelError::File { path: f.clone(), message: "shard listed in the index is missing".into() });
+                return Err(ModelError::File {
+                    path: f.clone(),
+                    message: "shard listed in the index is missing".into(),
+                });
             }
         }
         // SAFETY: the files are mapped read-only; rtune never writes to a checkpoint it is reading.
-        let st = unsafe { MmapedSafetensors::multi(&files) }
-            .map_err(|e| ModelError::File { path: dir.to_path_buf(), message: format!("bad safetensors: {e}") })?;
-        Ok(Self { dir: dir.to_path_buf(), st, dtype, device: device.clone() })
+        let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| ModelError::File {
+            path: dir.to_path_buf(),
+            message: format!("bad safetensors: {e}"),
+        })?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            st,
+            dtype,
+            device: device.clone(),
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -73,9 +96,15 @@ impl Weights {
     /// The tensor `name`, checked to have `shape`, in the compute dtype.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         if !self.contains(name) {
-            return Err(ModelError::MissingTensor { path: self.dir.clone(), name: name.to_string() });
+            return Err(ModelError::MissingTensor {
+                path: self.dir.clone(),
+                name: name.to_string(),
+            });
         }
-        let t = self.st.load(name, &self.device).map_err(|e| ModelError::candle(format!("load {name}"), e))?;
+        let t = self
+            .st
+            .load(name, &self.device)
+            .map_err(|e| ModelError::candle(format!("load {name}"), e))?;
         if t.dims() != shape {
             return Err(ModelError::TensorShape {
                 path: self.dir.clone(),
@@ -93,6 +122,7 @@ impl Weights {
                 })
             }
         }
-        t.to_dtype(self.dtype).map_err(|e| ModelError::candle(format!("convert {name}"), e))
+        t.to_dtype(self.dtype)
+            .map_err(|e| ModelError::candle(format!("convert {name}"), e))
     }
 }

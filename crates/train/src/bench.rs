@@ -78,7 +78,10 @@ impl TensorSource for RandomWeights {
     }
 }
 
-pub fn run(o: &BenchOptions, on_step: &mut dyn FnMut(usize, f64, bool)) -> Result<BenchResult, TrainError> {
+pub fn run(
+    o: &BenchOptions,
+    on_step: &mut dyn FnMut(usize, f64, bool),
+) -> Result<BenchResult, TrainError> {
     let dev = Device::Cpu;
     let cfg = ModelConfig {
         arch: Arch::Llama,
@@ -112,16 +115,38 @@ pub fn run(o: &BenchOptions, on_step: &mut dyn FnMut(usize, f64, bool)) -> Resul
     for step in 0..o.warmup + o.steps {
         // Token ids from a fixed LCG: every position has a target, as in the PEFT bench.
         let ids: Vec<u32> = (0..n as u64)
-            .map(|i| ((i.wrapping_add(step as u64 * 7919)).wrapping_mul(2_654_435_761) % o.vocab as u64) as u32)
+            .map(|i| {
+                ((i.wrapping_add(step as u64 * 7919)).wrapping_mul(2_654_435_761) % o.vocab as u64)
+                    as u32
+            })
             .collect();
-        let targets: Vec<Option<u32>> =
-            (0..n).map(|i| if (i + 1) % o.seq == 0 { None } else { Some(ids[i + 1]) }).collect();
+        let targets: Vec<Option<u32>> = (0..n)
+            .map(|i| {
+                if (i + 1) % o.seq == 0 {
+                    None
+                } else {
+                    Some(ids[i + 1])
+                }
+            })
+            .collect();
         let t0 = Instant::now();
         let mut grads = Grads::new(adapter.pairs.len());
-        let lc = LoraCtx { adapter: &adapter, scaling: spec.scaling(), dropout: 0.0, seed: 0 };
+        let lc = LoraCtx {
+            adapter: &adapter,
+            scaling: spec.scaling(),
+            dropout: 0.0,
+            seed: 0,
+        };
         let inputs = Inputs::new(ids, o.batch, o.seq);
         let n_target = targets.iter().filter(|t| t.is_some()).count() as f64;
-        model.forward_backward(&inputs, &targets, &lc, 1.0 / n_target, o.gradient_checkpointing, &mut grads)?;
+        model.forward_backward(
+            &inputs,
+            &targets,
+            &lc,
+            1.0 / n_target,
+            o.gradient_checkpointing,
+            &mut grads,
+        )?;
         opt.step(&mut adapter, &grads, 1e-4, 0.0, |_| Ok(()))?;
         let dt = t0.elapsed().as_secs_f64();
         let timed = step >= o.warmup;

@@ -18,10 +18,18 @@ pub struct GenerateOptions {
     pub temperature: f64,
     pub top_p: f64,
     pub seed: u64,
+    /// Also write the prompt's `input_ids` (1, T) and `logits` (1, T, V) to this safetensors file, in
+    /// the layout of the parity goldens, to compare with another implementation.
+    pub dump_logits: Option<std::path::PathBuf>,
 }
 
 /// Loads `model_dir` (and the PEFT adapter in `adapter_dir`), continues `prompt`, returns the new text.
-pub fn generate(model_dir: &Path, adapter_dir: Option<&Path>, prompt: &str, opt: &GenerateOptions) -> Result<String, TrainError> {
+pub fn generate(
+    model_dir: &Path,
+    adapter_dir: Option<&Path>,
+    prompt: &str,
+    opt: &GenerateOptions,
+) -> Result<String, TrainError> {
     let dev = Device::Cpu;
     let mut model = Model::load(model_dir, candle_core::DType::F32, &dev)?;
     let tok = Tokenizer::load(model_dir, model.cfg.eos_token_ids.first().copied())?;
@@ -30,7 +38,10 @@ pub fn generate(model_dir: &Path, adapter_dir: Option<&Path>, prompt: &str, opt:
             let c = rtune_lora::read_adapter_config(dir)?;
             let targets: Vec<String> = match &c.target_modules {
                 serde_json::Value::String(s) => vec![s.clone()],
-                serde_json::Value::Array(a) => a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect(),
+                serde_json::Value::Array(a) => a
+                    .iter()
+                    .filter_map(|v| v.as_str().map(str::to_string))
+                    .collect(),
                 _ => Vec::new(),
             };
             let spec = LoraSpec::new(c.r, c.lora_alpha, 0.0, c.use_rslora, &targets)?;
@@ -42,11 +53,28 @@ pub fn generate(model_dir: &Path, adapter_dir: Option<&Path>, prompt: &str, opt:
     if let Some(a) = &adapter {
         model.attach(a);
     }
-    let lc = adapter.as_ref().map(|a| LoraCtx { adapter: a, scaling: a.spec.scaling(), dropout: 0.0, seed: 0 });
+    let lc = adapter.as_ref().map(|a| LoraCtx {
+        adapter: a,
+        scaling: a.spec.scaling(),
+        dropout: 0.0,
+        seed: 0,
+    });
     let mut stop: Vec<u32> = model.cfg.eos_token_ids.clone();
     stop.extend(tok.eos_id);
     let mut ids = tok.encode(prompt, true)?;
     let start = ids.len();
+    if let Some(path) = &opt.dump_logits {
+        let out = model.forward(&Inputs::new(ids.clone(), 1, ids.len()), lc.as_ref(), false)?;
+        let ids64: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+        let ids_t = candle_core::Tensor::from_vec(ids64, (1, ids.len()), &dev)
+            .map_err(TrainError::candle("ids"))?;
+        let tensors = std::collections::HashMap::from([
+            ("input_ids".to_string(), ids_t),
+            ("logits".to_string(), out.logits),
+        ]);
+        candle_core::safetensors::save(&tensors, path)
+            .map_err(TrainError::candle("write logits"))?;
+    }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opt.seed);
     for _ in 0..opt.max_new_tokens {
         let inp = Inputs::new(ids.clone(), 1, ids.len());
@@ -66,13 +94,22 @@ pub fn generate(model_dir: &Path, adapter_dir: Option<&Path>, prompt: &str, opt:
 }
 
 fn pick(logits: &[f32], opt: &GenerateOptions, rng: &mut impl Rng) -> u32 {
-    let argmax = || logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .map_or(0, |(i, _)| i as u32)
+    };
     if opt.temperature <= 0.0 {
         return argmax();
     }
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-    let mut probs: Vec<(usize, f64)> =
-        logits.iter().enumerate().map(|(i, &l)| (i, ((l as f64 - max) / opt.temperature).exp())).collect();
+    let mut probs: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i, ((l as f64 - max) / opt.temperature).exp()))
+        .collect();
     let total: f64 = probs.iter().map(|p| p.1).sum();
     probs.iter_mut().for_each(|p| p.1 /= total);
     probs.sort_by(|a, b| b.1.total_cmp(&a.1));
@@ -105,14 +142,32 @@ mod tests {
     fn greedy_and_nucleus() {
         let logits = [0.0f32, 5.0, 4.9, -3.0];
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-        let greedy = GenerateOptions { max_new_tokens: 1, temperature: 0.0, top_p: 1.0, seed: 0 };
+        let greedy = GenerateOptions {
+            max_new_tokens: 1,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            dump_logits: None,
+        };
         assert_eq!(pick(&logits, &greedy, &mut rng), 1);
         // top_p small enough keeps only the best token.
-        let narrow = GenerateOptions { temperature: 1.0, top_p: 0.1, ..greedy.clone() };
+        let narrow = GenerateOptions {
+            temperature: 1.0,
+            top_p: 0.1,
+            ..greedy.clone()
+        };
         assert!((0..50).all(|_| pick(&logits, &narrow, &mut rng) == 1));
         // With the two near-tied tokens in the nucleus both appear.
-        let wide = GenerateOptions { temperature: 1.0, top_p: 0.9, ..greedy };
-        let seen: std::collections::HashSet<u32> = (0..200).map(|_| pick(&logits, &wide, &mut rng)).collect();
-        assert!(seen.contains(&1) && seen.contains(&2) && !seen.contains(&3), "{seen:?}");
+        let wide = GenerateOptions {
+            temperature: 1.0,
+            top_p: 0.9,
+            ..greedy
+        };
+        let seen: std::collections::HashSet<u32> =
+            (0..200).map(|_| pick(&logits, &wide, &mut rng)).collect();
+        assert!(
+            seen.contains(&1) && seen.contains(&2) && !seen.contains(&3),
+            "{seen:?}"
+        );
     }
 }

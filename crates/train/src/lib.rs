@@ -17,23 +17,42 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
+    // Boxed: the library errors carry paths and shapes, and a large Err slows every Result.
     #[error(transparent)]
-    Config(#[from] rtune_config::ConfigError),
+    Config(Box<rtune_config::ConfigError>),
     #[error(transparent)]
-    Model(#[from] rtune_model::ModelError),
+    Model(Box<rtune_model::ModelError>),
     #[error(transparent)]
-    Lora(#[from] rtune_lora::LoraError),
+    Lora(Box<rtune_lora::LoraError>),
     #[error(transparent)]
-    Data(#[from] rtune_data::DataError),
+    Data(Box<rtune_data::DataError>),
     #[error("{path}: {message}")]
     Output { path: PathBuf, message: String },
     #[error("{0}")]
     Device(String),
     #[error("step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped without writing an adapter (try a lower [train] lr)")]
-    NonFinite { step: usize, loss: f64, grad_norm: f64 },
+    NonFinite {
+        step: usize,
+        loss: f64,
+        grad_norm: f64,
+    },
     #[error("{op}: {source}")]
-    Candle { op: &'static str, source: candle_core::Error },
+    Candle {
+        op: &'static str,
+        source: candle_core::Error,
+    },
 }
+
+macro_rules! boxed_from {
+    ($($variant:ident: $ty:ty),*) => {$(
+        impl From<$ty> for TrainError {
+            fn from(e: $ty) -> Self {
+                TrainError::$variant(Box::new(e))
+            }
+        }
+    )*};
+}
+boxed_from!(Config: rtune_config::ConfigError, Model: rtune_model::ModelError, Lora: rtune_lora::LoraError, Data: rtune_data::DataError);
 
 impl TrainError {
     pub(crate) fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> TrainError {

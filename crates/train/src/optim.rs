@@ -40,7 +40,12 @@ impl AdamW {
         let decay = (1.0 - lr * self.weight_decay) as f32;
         let (w1, b2f, w2) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
         let (eps, bc2_sqrt) = (self.eps as f32, bc2_sqrt as f32);
-        for (((p, g), m), v) in params.iter_mut().zip(grads).zip(&mut self.m).zip(&mut self.v) {
+        for (((p, g), m), v) in params
+            .iter_mut()
+            .zip(grads)
+            .zip(&mut self.m)
+            .zip(&mut self.v)
+        {
             for i in 0..p.len() {
                 if self.weight_decay != 0.0 {
                     p[i] *= decay;
@@ -70,7 +75,11 @@ pub fn lr_factor(schedule: Schedule, step: usize, total: usize, warmup: usize) -
 
 /// The global L2 norm of all gradients (in f64), and the factor `clip_grad_norm_` scales them by.
 pub fn clip_factor(grads: &[Vec<f32>], max_norm: f64) -> (f64, f64) {
-    let sq: f64 = grads.iter().flat_map(|g| g.iter()).map(|&x| (x as f64) * (x as f64)).sum();
+    let sq: f64 = grads
+        .iter()
+        .flat_map(|g| g.iter())
+        .map(|&x| (x as f64) * (x as f64))
+        .sum();
     let norm = sq.sqrt();
     if max_norm <= 0.0 {
         return (norm, 1.0);
@@ -112,7 +121,11 @@ mod tests {
             let mhat = m / (1.0 - 0.9f64.powi(2));
             let vhat = v / (1.0 - 0.999f64.powi(2));
             let want = want1[i] * 0.999 - 0.1 * mhat / (vhat.sqrt() + 1e-8);
-            assert!((p[0][i] as f64 - want).abs() < 1e-5, "{i}: {} vs {want}", p[0][i]);
+            assert!(
+                (p[0][i] as f64 - want).abs() < 1e-5,
+                "{i}: {} vs {want}",
+                p[0][i]
+            );
         }
         let torch = [0.817_796_95f32, -1.844_999_4, 0.343_880_7];
         for (a, b) in p[0].iter().zip(torch) {

@@ -56,7 +56,13 @@ pub struct Summary {
 /// What [`train`] reports while it runs.
 pub enum Event<'a> {
     /// Everything checked; training starts.
-    Start { examples: usize, truncated: usize, skipped: usize, lora_params: usize, model_params: usize },
+    Start {
+        examples: usize,
+        truncated: usize,
+        skipped: usize,
+        lora_params: usize,
+        model_params: usize,
+    },
     Step(&'a StepMetrics),
 }
 
@@ -88,11 +94,19 @@ struct Prepared {
 fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     let mut model = Model::load(&cfg.model_path, dtype(cfg.dtype), dev)?;
     let tok = if cfg.model_path.join("tokenizer.json").exists() {
-        Some(Tokenizer::load(&cfg.model_path, model.cfg.eos_token_ids.first().copied())?)
+        Some(Tokenizer::load(
+            &cfg.model_path,
+            model.cfg.eos_token_ids.first().copied(),
+        )?)
     } else {
         None
     };
-    let data = rtune_data::load_jsonl(&cfg.train_data, tok.as_ref(), cfg.max_seq_len, model.cfg.vocab_size)?;
+    let data = rtune_data::load_jsonl(
+        &cfg.train_data,
+        tok.as_ref(),
+        cfg.max_seq_len,
+        model.cfg.vocab_size,
+    )?;
     let spec = LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?;
     let modules = model.lora_modules(&spec);
     let adapter = match &cfg.init_from {
@@ -114,21 +128,40 @@ fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         None => Adapter::init(spec, &modules, cfg.seed, dev)?,
     };
     model.attach(&adapter);
-    let pad_id = tok.as_ref().and_then(|t| t.pad_id).or(model.cfg.pad_token_id).unwrap_or(0);
-    Ok(Prepared { model, adapter, data, pad_id })
+    let pad_id = tok
+        .as_ref()
+        .and_then(|t| t.pad_id)
+        .or(model.cfg.pad_token_id)
+        .unwrap_or(0);
+    Ok(Prepared {
+        model,
+        adapter,
+        data,
+        pad_id,
+    })
 }
 
-const RUN_FILES: [&str; 5] =
-    ["summary.json", "adapter_model.safetensors", "adapter_config.json", "metrics.jsonl", "config.toml"];
+const RUN_FILES: [&str; 5] = [
+    "summary.json",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "metrics.jsonl",
+    "config.toml",
+];
 
 fn prepare_output(cfg: &RunConfig) -> Result<(), TrainError> {
     let dir = &cfg.output_dir;
-    let out = |message: String| TrainError::Output { path: dir.clone(), message };
+    let out = |message: String| TrainError::Output {
+        path: dir.clone(),
+        message,
+    };
     if dir.exists() {
         if !dir.is_dir() {
             return Err(out("exists and is not a directory".into()));
         }
-        let finished = ["summary.json", "adapter_model.safetensors"].iter().any(|f| dir.join(f).exists());
+        let finished = ["summary.json", "adapter_model.safetensors"]
+            .iter()
+            .any(|f| dir.join(f).exists());
         if finished && !cfg.overwrite {
             return Err(out(
                 "already holds a finished run; choose another [output] dir or set [output] overwrite = true".into(),
@@ -152,7 +185,12 @@ pub struct LoraOptimizer {
 }
 
 impl LoraOptimizer {
-    pub fn new(adapter: &Adapter, betas: (f64, f64), eps: f64, weight_decay: f64) -> Result<Self, TrainError> {
+    pub fn new(
+        adapter: &Adapter,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+    ) -> Result<Self, TrainError> {
         let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
         for p in &adapter.pairs {
             params.push(flat(&p.a).map_err(TrainError::candle("adapter to host"))?);
@@ -160,7 +198,11 @@ impl LoraOptimizer {
         }
         let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
         let adamw = AdamW::new(&sizes, betas, eps, weight_decay);
-        Ok(Self { params, sizes, adamw })
+        Ok(Self {
+            params,
+            sizes,
+            adamw,
+        })
     }
 
     /// Clips (`max_norm` 0 = off), lets `check` veto the step on the pre-clip norm, updates the
@@ -175,7 +217,11 @@ impl LoraOptimizer {
     ) -> Result<f64, TrainError> {
         let mut gv: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
         for (i, size) in self.sizes.iter().enumerate() {
-            let g = if i % 2 == 0 { &grads.a[i / 2] } else { &grads.b[i / 2] };
+            let g = if i % 2 == 0 {
+                &grads.a[i / 2]
+            } else {
+                &grads.b[i / 2]
+            };
             gv.push(match g {
                 Some(t) => flat(t).map_err(TrainError::candle("grad to host"))?,
                 None => vec![0.0; *size],
@@ -185,14 +231,17 @@ impl LoraOptimizer {
         check(grad_norm)?;
         if coef < 1.0 {
             let c = coef as f32;
-            gv.iter_mut().flat_map(|g| g.iter_mut()).for_each(|x| *x *= c);
+            gv.iter_mut()
+                .flat_map(|g| g.iter_mut())
+                .for_each(|x| *x *= c);
         }
         self.adamw.update(&mut self.params, &gv, lr);
         for (i, p) in adapter.pairs.iter_mut().enumerate() {
             let dev = p.a.device().clone();
             let mk = |v: &Vec<f32>, like: &Tensor| Tensor::from_vec(v.clone(), like.shape(), &dev);
             p.a = mk(&self.params[2 * i], &p.a).map_err(TrainError::candle("adapter update"))?;
-            p.b = mk(&self.params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
+            p.b =
+                mk(&self.params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
         }
         Ok(grad_norm)
     }
@@ -224,7 +273,12 @@ fn median(v: &mut [f64]) -> f64 {
 pub fn train(cfg: &RunConfig, on_event: &mut dyn FnMut(Event)) -> Result<Summary, TrainError> {
     let started = Instant::now();
     let dev = device(cfg.device)?;
-    let Prepared { model, mut adapter, data, pad_id } = prepare(cfg, &dev)?;
+    let Prepared {
+        model,
+        mut adapter,
+        data,
+        pad_id,
+    } = prepare(cfg, &dev)?;
     on_event(Event::Start {
         examples: data.examples.len(),
         truncated: data.truncated,
@@ -234,7 +288,12 @@ pub fn train(cfg: &RunConfig, on_event: &mut dyn FnMut(Event)) -> Result<Summary
     });
     prepare_output(cfg)?;
     let dir = &cfg.output_dir;
-    let io = |path: PathBuf| move |e: std::io::Error| TrainError::Output { path, message: e.to_string() };
+    let io = |path: PathBuf| {
+        move |e: std::io::Error| TrainError::Output {
+            path,
+            message: e.to_string(),
+        }
+    };
     let resolved = toml::to_string(&cfg.file).expect("config serialises");
     std::fs::write(dir.join("config.toml"), resolved).map_err(io(dir.join("config.toml")))?;
     let metrics_path = dir.join("metrics.jsonl");
@@ -248,15 +307,26 @@ pub fn train(cfg: &RunConfig, on_event: &mut dyn FnMut(Event)) -> Result<Summary
 
     for step in 0..cfg.steps {
         let t0 = Instant::now();
-        let micro: Vec<MicroBatch> = (0..cfg.grad_accum).map(|_| batcher.next_batch(cfg.micro_batch_size)).collect();
+        let micro: Vec<MicroBatch> = (0..cfg.grad_accum)
+            .map(|_| batcher.next_batch(cfg.micro_batch_size))
+            .collect();
         let n_target: usize = micro.iter().map(MicroBatch::target_tokens).sum();
         let tokens: usize = micro.iter().map(|m| m.tokens).sum();
         let mut grads = Grads::new(adapter.pairs.len());
         let mut loss_sum = 0.0;
         for (k, mb) in micro.iter().enumerate() {
-            let lc = LoraCtx { adapter: &adapter, scaling, dropout: cfg.dropout, seed: micro_seed(cfg.seed, step, k) };
-            let inputs =
-                Inputs { ids: mb.input_ids.clone(), positions: mb.positions.clone(), b: mb.b, t: mb.t };
+            let lc = LoraCtx {
+                adapter: &adapter,
+                scaling,
+                dropout: cfg.dropout,
+                seed: micro_seed(cfg.seed, step, k),
+            };
+            let inputs = Inputs {
+                ids: mb.input_ids.clone(),
+                positions: mb.positions.clone(),
+                b: mb.b,
+                t: mb.t,
+            };
             // Normalised by the whole step's target tokens: accumulation equals one big batch.
             loss_sum += model.forward_backward(
                 &inputs,
@@ -273,7 +343,11 @@ pub fn train(cfg: &RunConfig, on_event: &mut dyn FnMut(Event)) -> Result<Summary
             if loss.is_finite() && grad_norm.is_finite() {
                 Ok(())
             } else {
-                Err(TrainError::NonFinite { step: step + 1, loss, grad_norm })
+                Err(TrainError::NonFinite {
+                    step: step + 1,
+                    loss,
+                    grad_norm,
+                })
             }
         })?;
         let secs = t0.elapsed().as_secs_f64();
