@@ -26,7 +26,9 @@ mod tests {
     #[test]
     fn peak_is_at_least_current_and_nonzero_on_linux() {
         if cfg!(target_os = "linux") {
-            let (peak, cur) = (super::peak_rss_bytes(), super::current_rss_bytes());
+            // Current first: the high-water mark read afterwards can only be higher.
+            let cur = super::current_rss_bytes();
+            let peak = super::peak_rss_bytes();
             assert!(cur > 0 && peak >= cur, "peak {peak} current {cur}");
         }
     }
