@@ -254,3 +254,27 @@ fn rslora_matches_peft() {
     check_forward_and_grads(&c);
     check_adamw(&c);
 }
+
+/// Qwen2: q/k/v bias, tied embeddings, a sliding window (6) on layer 1 only, v5 config layout.
+#[test]
+fn qwen2_bias_and_per_layer_window_match_peft() {
+    let c = case(
+        "fixtures/tiny-qwen2",
+        "parity/golden_tiny_qwen2.safetensors",
+    );
+    assert_eq!(c.model.cfg.window_layers, vec![false, true]);
+    check_forward_and_grads(&c);
+    check_adamw(&c);
+}
+
+/// Mistral: a sliding window (5) on every layer, head_dim 8 ≠ hidden / heads.
+#[test]
+fn mistral_window_and_head_dim_match_peft() {
+    let c = case(
+        "fixtures/tiny-mistral",
+        "parity/golden_tiny_mistral.safetensors",
+    );
+    assert_eq!(c.model.cfg.head_dim, 8);
+    check_forward_and_grads(&c);
+    check_adamw(&c);
+}

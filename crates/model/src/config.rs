@@ -46,6 +46,11 @@ pub struct HfConfig {
     #[serde(default)]
     pub use_sliding_window: Option<bool>,
     #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// Per layer: "full_attention" | "sliding_attention" (Qwen2 in transformers v5).
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    #[serde(default)]
     pub max_position_embeddings: Option<usize>,
     #[serde(default)]
     pub bos_token_id: Option<serde_json::Value>,
@@ -105,8 +110,11 @@ pub struct ModelConfig {
     /// Bias on o_proj (Llama with `attention_bias`).
     pub o_bias: bool,
     pub mlp_bias: bool,
-    /// Keys further back than this are masked (Mistral, Qwen2 with `use_sliding_window`).
+    /// Sliding-window size of the layers that use one (`window_layers`): keys `window` or more
+    /// positions back are masked. Mistral: every layer; Qwen2 with `use_sliding_window`: the layers
+    /// marked `sliding_attention` in `layer_types` (or from `max_window_layers` on).
     pub sliding_window: Option<usize>,
+    pub window_layers: Vec<bool>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
@@ -199,10 +207,28 @@ impl HfConfig {
             )));
         }
         let (rope_theta, rope_scaling) = rope(&self).map_err(bad)?;
-        let sliding_window = match arch {
-            Arch::Mistral => self.sliding_window,
-            Arch::Qwen2 if self.use_sliding_window == Some(true) => self.sliding_window,
-            _ => None,
+        let layers = self.num_hidden_layers;
+        let (sliding_window, window_layers) = match (arch, self.sliding_window) {
+            (Arch::Mistral, Some(w)) => (Some(w), vec![true; layers]),
+            (Arch::Qwen2, Some(w)) if self.use_sliding_window == Some(true) => {
+                let marked = match &self.layer_types {
+                    Some(types) if types.len() == layers => {
+                        types.iter().map(|t| t == "sliding_attention").collect()
+                    }
+                    Some(types) => {
+                        return Err(bad(format!(
+                            "layer_types has {} entries for {layers} layers",
+                            types.len()
+                        )))
+                    }
+                    None => {
+                        let from = self.max_window_layers.unwrap_or(28);
+                        (0..layers).map(|i| i >= from).collect()
+                    }
+                };
+                (Some(w), marked)
+            }
+            _ => (None, vec![false; layers]),
         };
         let attention_bias = self.attention_bias.unwrap_or(false);
         Ok(ModelConfig {
@@ -222,6 +248,7 @@ impl HfConfig {
             o_bias: arch == Arch::Llama && attention_bias,
             mlp_bias: arch == Arch::Llama && self.mlp_bias.unwrap_or(false),
             sliding_window,
+            window_layers,
             bos_token_id: ids(&self.bos_token_id).first().copied(),
             eos_token_ids: ids(&self.eos_token_id),
             pad_token_id: ids(&self.pad_token_id).first().copied(),

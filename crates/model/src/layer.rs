@@ -22,6 +22,8 @@ pub struct Layer {
     pub up: Linear,
     pub down: Linear,
     pub eps: f64,
+    /// Uses the sliding-window mask (when the batch is longer than the window).
+    pub sliding: bool,
 }
 
 /// Everything the backward of one layer needs (the activations of that layer only).
@@ -52,6 +54,17 @@ pub struct BatchCtx {
     pub sin: Tensor,
     /// `(B or 1, 1, 1, T, T)` additive f32.
     pub mask: Tensor,
+    /// Causal and sliding-window mask, present when a window is shorter than the batch.
+    pub sliding: Option<Tensor>,
+}
+
+impl BatchCtx {
+    fn mask_for(&self, sliding: bool) -> &Tensor {
+        match (&self.sliding, sliding) {
+            (Some(m), true) => m,
+            _ => &self.mask,
+        }
+    }
 }
 
 impl Layer {
@@ -89,7 +102,15 @@ impl Layer {
         let (q, cq) = self.q.forward(&h1, lora, self.salt(0))?;
         let (k, ck) = self.k.forward(&h1, lora, self.salt(1))?;
         let (v, cv) = self.v.forward(&h1, lora, self.salt(2))?;
-        let (o_in, attn) = ops::attention(&q, &k, &v, &ctx.shape, &ctx.cos, &ctx.sin, &ctx.mask)?;
+        let (o_in, attn) = ops::attention(
+            &q,
+            &k,
+            &v,
+            &ctx.shape,
+            &ctx.cos,
+            &ctx.sin,
+            ctx.mask_for(self.sliding),
+        )?;
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
         let h = (x + a)?;
         let (h2, n2) = ops::rms_norm(&h, &self.post_norm, self.eps)?;

@@ -114,6 +114,7 @@ impl Model {
                 up: linear(format!("{p}.mlp.up_proj"), i, d, cfg.mlp_bias)?,
                 down: linear(format!("{p}.mlp.down_proj"), d, i, cfg.mlp_bias)?,
                 eps: cfg.rms_norm_eps,
+                sliding: cfg.window_layers[l],
             });
         }
         let norm = w.tensor("model.norm.weight", &[d])?;
@@ -178,12 +179,17 @@ impl Model {
             self.dtype,
             &self.device,
         )?;
-        let mask = ops::causal_mask(inp.t, self.cfg.sliding_window, &self.device)?;
+        let mask = ops::causal_mask(inp.t, None, &self.device)?;
+        let sliding = match self.cfg.sliding_window {
+            Some(w) if w < inp.t => Some(ops::causal_mask(inp.t, Some(w), &self.device)?),
+            _ => None,
+        };
         Ok(BatchCtx {
             shape,
             cos,
             sin,
             mask,
+            sliding,
         })
     }
 

@@ -100,6 +100,7 @@ pub fn run(
         o_bias: false,
         mlp_bias: false,
         sliding_window: None,
+        window_layers: vec![false; o.layers],
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         pad_token_id: None,

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Goldens for the architectures the shared fixtures do not cover: Qwen2 (q/k/v bias, tied
+embeddings, sliding window on some layers) and Mistral (sliding window on every layer, head_dim set
+explicitly and != hidden/heads). Written for rtune; run with the reference venv (torch, transformers,
+peft):
+
+    python tests/parity/make_arch_goldens.py
+
+Writes tests/fixtures/tiny-{qwen2,mistral}/ (config.json in transformers v5 layout + model.safetensors)
+and tests/parity/golden_tiny_{qwen2,mistral}.safetensors with the same keys and metadata as the other
+goldens (input_ids, labels, logits, base_logits, loss, hidden_states.*, init.*, grad.*, adamw.*).
+Deterministic: seeded init, deterministic algorithms, CPU, f32, eager attention.
+"""
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIX = os.path.join(HERE, "..", "fixtures")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+R, ALPHA, B, T, STEPS, LR = 4, 8.0, 2, 16, 3, 1e-3
+
+common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, bos_token_id=1,
+              eos_token_id=2, pad_token_id=0, max_position_embeddings=256)
+MODELS = {
+    # layer 0 full attention, layer 1 a window of 6 (max_window_layers = 1)
+    "qwen2": Qwen2Config(**common, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                         tie_word_embeddings=True, rope_theta=10000.0),
+    # every layer a window of 5; head_dim 8 while hidden/heads = 16
+    "mistral": MistralConfig(**common, sliding_window=5, head_dim=8, rope_theta=1e6),
+}
+
+
+def peft_key(name):
+    return name.replace(".default.", ".")
+
+
+def make(name, cfg):
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    cfg._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger than the default 0.02 so attention is not uniform
+        for n, p in model.named_parameters():
+            if "norm" not in n:
+                p.normal_(0.0, 0.1)
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    out_dir = os.path.join(FIX, f"tiny-{name}")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager")
+    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0,
+                                             task_type="CAUSAL_LM"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, mod in model.named_modules():
+            if isinstance(mod, LoraLayer) and "default" in mod.lora_A:
+                a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+                a.copy_((torch.rand(a.shape, generator=g) * 2 - 1) / a.shape[1] ** 0.5)
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    tensors = {"init." + peft_key(n): p.detach().clone() for n, p in params}
+    ids = torch.randint(3, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
+    ids[:, 0] = 1
+    labels = ids.clone()
+    labels[:, :4] = -100
+    out = model(input_ids=ids, labels=labels, output_hidden_states=True)
+    out.loss.backward()
+    tensors.update(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
+                   logits=out.logits.detach(), loss=out.loss.detach().reshape(1))
+    for i, h in enumerate(out.hidden_states):
+        tensors[f"hidden_states.{i}"] = h.detach()
+    for n, p in params:
+        tensors["grad." + peft_key(n)] = p.grad.detach().clone()
+    with torch.no_grad(), model.disable_adapter():
+        tensors["base_logits"] = model(input_ids=ids).logits
+    opt = torch.optim.AdamW([p for _, p in params], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    tensors["adamw.loss"] = torch.tensor(losses)
+    for n, p in params:
+        tensors["adamw." + peft_key(n)] = p.detach().clone()
+    meta = {"r": R, "lora_alpha": ALPHA, "use_rslora": False, "scaling": ALPHA / R, "target_modules": TARGETS,
+            "n_lora_modules": len(params) // 2, "adamw": {"lr": LR, "weight_decay": 0.0, "steps": STEPS},
+            "model": name, "versions": {"torch": torch.__version__,
+                                        "transformers": __import__("transformers").__version__,
+                                        "peft": __import__("peft").__version__}}
+    path = os.path.join(HERE, f"golden_tiny_{name}.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"config": json.dumps(meta)})
+    print(name, "loss", out.loss.item(), "adamw", losses)
+
+
+if __name__ == "__main__":
+    for name, cfg in MODELS.items():
+        make(name, cfg)
