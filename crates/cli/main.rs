@@ -101,8 +101,28 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            ExitCode::from(exit_code(&e))
         }
+    }
+}
+
+/// 2: the input is wrong (config, model, data, adapter, output dir); 1: the run failed.
+fn exit_code(e: &anyhow::Error) -> u8 {
+    use rtune_train::TrainError;
+    if e.downcast_ref::<rtune_config::ConfigError>().is_some() {
+        return 2;
+    }
+    match e.downcast_ref::<TrainError>() {
+        Some(TrainError::Model(m)) if matches!(**m, rtune_model::ModelError::Candle { .. }) => 1,
+        Some(TrainError::Lora(l)) if matches!(**l, rtune_lora::LoraError::Candle { .. }) => 1,
+        Some(
+            TrainError::Config(_)
+            | TrainError::Model(_)
+            | TrainError::Lora(_)
+            | TrainError::Data(_),
+        ) => 2,
+        Some(TrainError::Output { .. } | TrainError::Device(_)) => 2,
+        _ => 1,
     }
 }
 

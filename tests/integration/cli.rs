@@ -215,7 +215,7 @@ fn assert_fails(tmp: &Path, config: &str, sets: &[&str], needles: &[&str]) {
     }
     let o = rtune(&args);
     let err = stderr(&o);
-    assert!(!o.status.success(), "should fail: {err}");
+    assert_eq!(o.status.code(), Some(2), "bad input exits 2: {err}");
     assert!(
         !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
         "{err}"

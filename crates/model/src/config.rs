@@ -357,3 +357,56 @@ mod tests {
         assert!(cfg(r#","rope_scaling":{"rope_type":"yarn","factor":4.0}"#).is_err());
     }
 }
+
+/// The parts of `generation_config.json` rtune uses: the stop tokens.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationConfig {
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl GenerationConfig {
+    /// Reads `dir/generation_config.json`; a missing file is an empty config, a malformed one an error.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let path = dir.join("generation_config.json");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return Ok(Self::default());
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::File {
+            path: path.clone(),
+            message: format!("not JSON: {e}"),
+        })?;
+        Ok(Self {
+            eos_token_ids: ids(&v.get("eos_token_id").cloned()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod generation_tests {
+    use super::*;
+
+    #[test]
+    fn generation_config_eos_list_and_missing_file() {
+        let dir = std::env::temp_dir().join(format!("rtune-gencfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(GenerationConfig::load(&dir)
+            .unwrap()
+            .eos_token_ids
+            .is_empty());
+        std::fs::write(
+            dir.join("generation_config.json"),
+            r#"{"eos_token_id": [2, 7], "do_sample": false}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            GenerationConfig::load(&dir).unwrap().eos_token_ids,
+            vec![2, 7]
+        );
+        std::fs::write(dir.join("generation_config.json"), "{").unwrap();
+        assert!(GenerationConfig::load(&dir)
+            .unwrap_err()
+            .to_string()
+            .contains("generation_config.json"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -59,7 +59,9 @@ pub fn generate(
         dropout: 0.0,
         seed: 0,
     });
+    // Stop at any end token config.json, generation_config.json or the tokenizer names.
     let mut stop: Vec<u32> = model.cfg.eos_token_ids.clone();
+    stop.extend(rtune_model::config::GenerationConfig::load(model_dir)?.eos_token_ids);
     stop.extend(tok.eos_id);
     let mut ids = tok.encode(prompt, true)?;
     let start = ids.len();
