@@ -8,7 +8,9 @@ use std::process::ExitCode;
 
 use rtune_train::bench::BenchOptions;
 use rtune_train::generate::GenerateOptions;
-use rtune_train::Event;
+use rtune_train::{Event, Outcome, RunOptions};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 // Training allocates and frees the same large activation buffers every step. glibc hands blocks
 // above its mmap threshold back to the kernel at once, so each step paid for fresh zeroed pages
@@ -51,6 +53,13 @@ enum Command {
         /// Override a config value: --set train.lr=1e-4 (repeatable).
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         set: Vec<String>,
+        /// Continue from the newest complete checkpoint in [output] dir.
+        #[arg(long)]
+        resume: bool,
+        /// Resume even if settings changed since the checkpoint (the result then differs from an
+        /// uninterrupted run).
+        #[arg(long)]
+        force: bool,
     },
     /// Continue a prompt with a model and optionally a PEFT adapter.
     Generate {
@@ -143,14 +152,19 @@ fn exit_code(e: &anyhow::Error) -> u8 {
             | TrainError::Lora(_)
             | TrainError::Data(_),
         ) => 2,
-        Some(TrainError::Output { .. } | TrainError::Device(_)) => 2,
+        Some(TrainError::OutputDir { .. } | TrainError::Device(_) | TrainError::Resume(_)) => 2,
         _ => 1,
     }
 }
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, set } => train(config, set),
+        Command::Train {
+            config,
+            set,
+            resume,
+            force,
+        } => train(config, set, resume, force),
         Command::Generate {
             model,
             adapter,
@@ -236,18 +250,34 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-fn train(config: PathBuf, set: Vec<String>) -> Result<()> {
+fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result<()> {
     let cfg = rtune_config::load(&config, &set)?;
+    // First SIGINT/SIGTERM: finish the step, write a checkpoint, exit 0. Second: exit at once (all
+    // writes are atomic, so nothing is left half-written).
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(sig, 130, Arc::clone(&stop))?;
+        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+    }
     let every = cfg.log_every;
     let steps = cfg.steps;
-    let summary = rtune_train::train(&cfg, &mut |ev| match ev {
+    let opts = RunOptions {
+        resume,
+        force,
+        stop: Some(&stop),
+    };
+    let outcome = rtune_train::train(&cfg, &opts, &mut |ev| match ev {
         Event::Start {
             examples,
             truncated,
             skipped,
             lora_params,
             model_params,
+            start_step,
         } => {
+            if start_step > 0 {
+                eprintln!("rtune: resuming at step {start_step}");
+            }
             eprintln!(
                 "rtune: {examples} examples ({truncated} truncated, {skipped} without targets skipped); \
                  {lora_params} LoRA parameters on a {model_params}-parameter model"
@@ -261,15 +291,26 @@ fn train(config: PathBuf, set: Vec<String>) -> Result<()> {
                 );
             }
         }
+        Event::Checkpoint { step, path } => {
+            tracing::debug!("step {step}: checkpoint {}", path.display())
+        }
+        Event::Warning(w) => tracing::warn!("{w}"),
     })?;
-    println!(
-        "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB, {:.1}s; adapter in {}",
-        summary.steps,
-        summary.final_loss,
-        summary.tokens_per_s,
-        summary.peak_memory_bytes as f64 / 1e6,
-        summary.wall_s,
-        summary.output_dir.display()
-    );
+    match outcome {
+        Outcome::Completed(summary) => println!(
+            "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB, {:.1}s; adapter in {}",
+            summary.steps,
+            summary.final_loss,
+            summary.tokens_per_s,
+            summary.peak_memory_bytes as f64 / 1e6,
+            summary.wall_s,
+            summary.output_dir.display()
+        ),
+        Outcome::Stopped { step, checkpoint } => println!(
+            "stopped after step {step}; checkpoint {} (continue with: rtune train --config {} --resume)",
+            checkpoint.display(),
+            config.display()
+        ),
+    }
     Ok(())
 }

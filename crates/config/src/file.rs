@@ -111,6 +111,21 @@ pub struct OutputSection {
     /// Replace a finished run already in `dir` (otherwise rtune refuses to touch it).
     #[serde(default)]
     pub overwrite: bool,
+    /// Write `dir/checkpoint-<step>/` every N optimizer steps (0 = only at the end).
+    #[serde(default = "d_save_every")]
+    pub save_every: usize,
+    /// Keep the newest K checkpoints (0 = all); older ones are deleted once a new one is complete.
+    #[serde(default = "d_keep_last")]
+    pub keep_last: usize,
+    /// "never" | "auto": continue from the newest complete checkpoint in `dir` (also `--resume`).
+    #[serde(default = "d_resume")]
+    pub resume: String,
+    /// Directories 0700 and files 0600.
+    #[serde(default = "d_true")]
+    pub private: bool,
+    /// "stop" | "continue": what a failed checkpoint write does to the run.
+    #[serde(default = "d_on_save_error")]
+    pub on_save_error: String,
 }
 
 fn d_dtype() -> String {
@@ -163,6 +178,18 @@ fn d_eps() -> f64 {
 }
 fn d_device() -> String {
     "auto".into()
+}
+fn d_save_every() -> usize {
+    100
+}
+fn d_keep_last() -> usize {
+    3
+}
+fn d_resume() -> String {
+    "never".into()
+}
+fn d_on_save_error() -> String {
+    "stop".into()
 }
 fn d_out_dir() -> String {
     "runs/default".into()

@@ -70,6 +70,12 @@ pub struct RunConfig {
     pub log_every: usize,
     pub output_dir: PathBuf,
     pub overwrite: bool,
+    pub save_every: usize,
+    pub keep_last: usize,
+    pub resume: bool,
+    pub private: bool,
+    /// Keep training when a checkpoint cannot be written (warn instead of stopping).
+    pub continue_on_save_error: bool,
 }
 
 impl ConfigFile {
@@ -192,6 +198,27 @@ impl ConfigFile {
         if self.output.dir.trim().is_empty() {
             return Err(bad("output.dir", "is empty".into()));
         }
+        let o = &self.output;
+        let resume = match o.resume.as_str() {
+            "never" => false,
+            "auto" => true,
+            other => {
+                return Err(bad(
+                    "output.resume",
+                    format!("`{other}` is not one of never, auto"),
+                ))
+            }
+        };
+        let continue_on_save_error = match o.on_save_error.as_str() {
+            "stop" => false,
+            "continue" => true,
+            other => {
+                return Err(bad(
+                    "output.on_save_error",
+                    format!("`{other}` is not one of stop, continue"),
+                ))
+            }
+        };
         let init_from = if l.init_from.trim().is_empty() {
             None
         } else {
@@ -226,6 +253,11 @@ impl ConfigFile {
             log_every: t.log_every,
             output_dir: PathBuf::from(&self.output.dir),
             overwrite: self.output.overwrite,
+            save_every: o.save_every,
+            keep_last: o.keep_last,
+            resume,
+            private: o.private,
+            continue_on_save_error,
             file: self,
         })
     }

@@ -93,6 +93,27 @@ impl Batcher {
         order
     }
 
+    /// `(epoch, position in that epoch's order)` of the next example: with the seed, all a resumed
+    /// run needs to continue the same stream.
+    pub fn position(&self) -> (usize, usize) {
+        (self.epoch, self.cursor)
+    }
+
+    /// Continues from a [`position`](Self::position) (the epoch's order is recomputed from the seed).
+    pub fn seek(&mut self, epoch: usize, cursor: usize) {
+        self.epoch = epoch;
+        self.order = self.epoch_order(epoch);
+        self.cursor = cursor.min(self.order.len());
+    }
+
+    pub fn len(&self) -> usize {
+        self.examples.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.examples.is_empty()
+    }
+
     /// The next `size` examples (crossing into the next epoch if needed), padded.
     pub fn next_batch(&mut self, size: usize) -> MicroBatch {
         let mut picked = Vec::with_capacity(size);
@@ -153,6 +174,15 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(3), run(3));
+        // A batcher moved to another's position continues its stream.
+        let mut a = Batcher::new(ex.clone(), true, 9, 0);
+        (0..7).for_each(|_| drop(a.next_batch(1)));
+        let mut b = Batcher::new(ex.clone(), true, 9, 0);
+        let (e, c) = a.position();
+        b.seek(e, c);
+        for _ in 0..9 {
+            assert_eq!(a.next_batch(2).input_ids, b.next_batch(2).input_ids);
+        }
         let mut sorted = run(3);
         sorted.sort();
         assert_eq!(sorted, vec![2, 3, 4, 5, 6]);

@@ -9,7 +9,7 @@
 
 mod peft;
 
-pub use peft::{read_adapter_config, write_atomic, PeftAdapterConfig};
+pub use peft::{read_adapter_config, PeftAdapterConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
@@ -31,6 +31,8 @@ pub enum LoraError {
     Missing { path: PathBuf, key: String },
     #[error("{path}: adapter tensor `{key}` targets no module of this model")]
     Unexpected { path: PathBuf, key: String },
+    #[error(transparent)]
+    Io(#[from] rtune_fsio::IoError),
     #[error("lora {op}: {source}")]
     Candle {
         op: &'static str,

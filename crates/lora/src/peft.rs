@@ -3,13 +3,16 @@
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use rtune_fsio::{write_atomic, Privacy};
 
 use crate::{cerr, Adapter, LoraError, LoraPair, LoraSpec, ModuleShape, Result};
 
-const WEIGHTS: &str = "adapter_model.safetensors";
-const CONFIG: &str = "adapter_config.json";
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+const WEIGHTS: &str = ADAPTER_WEIGHTS;
+const CONFIG: &str = ADAPTER_CONFIG;
 const PREFIX: &str = "base_model.model.";
 
 /// The keys of adapter_config.json that rtune reads and writes (PEFT ignores none of them).
@@ -178,8 +181,13 @@ impl Adapter {
 
     /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir` (created if needed),
     /// each through a temporary file and a rename, so a reader never sees half a file.
-    pub fn save_peft(&self, dir: &Path, base_model_name_or_path: &str) -> Result<()> {
-        std::fs::create_dir_all(dir).map_err(|e| file_err(dir, format!("cannot create: {e}")))?;
+    pub fn save_peft(
+        &self,
+        dir: &Path,
+        base_model_name_or_path: &str,
+        privacy: Privacy,
+    ) -> Result<()> {
+        privacy.create_dir_all(dir)?;
         let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
         for (name, p) in self.names.iter().zip(&self.pairs) {
             for (which, t) in [("lora_A", &p.a), ("lora_B", &p.b)] {
@@ -211,7 +219,7 @@ impl Adapter {
         let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
         let bytes = safetensors::serialize(views, Some(meta))
             .map_err(|e| file_err(&dir.join(WEIGHTS), format!("serialize: {e}")))?;
-        write_atomic(&dir.join(WEIGHTS), &bytes)?;
+        write_atomic(&dir.join(WEIGHTS), &bytes, privacy)?;
 
         let cfg = PeftAdapterConfig {
             peft_type: "LORA".into(),
@@ -232,22 +240,9 @@ impl Adapter {
             alpha_pattern: HashMap::new(),
         };
         let text = serde_json::to_string_pretty(&cfg).expect("config serialises");
-        write_atomic(&dir.join(CONFIG), text.as_bytes())
+        write_atomic(&dir.join(CONFIG), text.as_bytes(), privacy)?;
+        Ok(())
     }
-}
-
-/// Write to `path.tmp`, fsync, rename over `path`.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp: PathBuf = {
-        let mut s = path.as_os_str().to_owned();
-        s.push(".tmp");
-        s.into()
-    };
-    let io = |e: std::io::Error| file_err(path, format!("cannot write: {e}"));
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    f.write_all(bytes).map_err(io)?;
-    f.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
 }
 
 #[cfg(test)]
@@ -265,7 +260,7 @@ mod tests {
         let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
         ad.pairs[0].b = Tensor::ones((5, 4), DType::F32, &Device::Cpu).unwrap();
         let dir = std::env::temp_dir().join(format!("rtune-lora-rt-{}", std::process::id()));
-        ad.save_peft(&dir, "base").unwrap();
+        ad.save_peft(&dir, "base", Privacy::PRIVATE).unwrap();
         let back = Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu).unwrap();
         let d = (back.pairs[0].a.clone() - ad.pairs[0].a.clone())
             .unwrap()

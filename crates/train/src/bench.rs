@@ -10,7 +10,7 @@ use rtune_lora::{Adapter, LoraSpec};
 use rtune_model::weights::TensorSource;
 use rtune_model::{Arch, Grads, Inputs, LoraCtx, Model, ModelConfig, ModelError, RopeScaling};
 
-use crate::trainer::LoraOptimizer;
+use crate::optim::LoraOptimizer;
 use crate::{memory, TrainError};
 
 #[derive(Debug, Clone, Serialize)]

@@ -1,17 +1,23 @@
 //! Training and inference on top of the model:
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
+//! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
+//! - [`scan`]: `rtune data scan` — likely secrets and personal data in training files;
 //! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
 //! - [`bench`]: `rtune bench` — training throughput and peak memory on a random model;
 //! - [`memory`]: peak resident memory of this process.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod generate;
 pub mod memory;
 pub mod optim;
+pub mod record;
+pub mod scan;
+mod setup;
 pub mod trainer;
 
-pub use trainer::{train, Event, StepMetrics, Summary};
+pub use trainer::{train, Event, Outcome, RunOptions, StepMetrics, Summary};
 
 use std::path::PathBuf;
 
@@ -26,10 +32,16 @@ pub enum TrainError {
     Lora(Box<rtune_lora::LoraError>),
     #[error(transparent)]
     Data(Box<rtune_data::DataError>),
+    /// Writing the run's files failed while it ran.
     #[error("{path}: {message}")]
     Output { path: PathBuf, message: String },
+    /// The output directory cannot be used as asked (before anything is written).
+    #[error("{path}: {message}")]
+    OutputDir { path: PathBuf, message: String },
     #[error("{0}")]
     Device(String),
+    #[error("{0}")]
+    Resume(String),
     #[error("step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped without writing an adapter (try a lower [train] lr)")]
     NonFinite {
         step: usize,

@@ -4,7 +4,12 @@
 //! schedules of transformers (`get_{constant,linear,cosine}_schedule_with_warmup`) and global-norm
 //! clipping as `torch.nn.utils.clip_grad_norm_`.
 
+use candle_core::Tensor;
 use rtune_config::Schedule;
+use rtune_lora::Adapter;
+use rtune_model::Grads;
+
+use crate::TrainError;
 
 /// Optimizer state for a flat list of parameters (f32, host).
 #[derive(Debug, Clone)]
@@ -86,6 +91,115 @@ pub fn clip_factor(grads: &[Vec<f32>], max_norm: f64) -> (f64, f64) {
     }
     let coef = max_norm / (norm + 1e-6);
     (norm, coef.min(1.0))
+}
+
+/// AdamW over an adapter's weights, kept as flat f32 vectors between steps.
+pub struct LoraOptimizer {
+    params: Vec<Vec<f32>>,
+    sizes: Vec<usize>,
+    adamw: AdamW,
+}
+
+impl LoraOptimizer {
+    pub fn new(
+        adapter: &Adapter,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+    ) -> Result<Self, TrainError> {
+        let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
+        for p in &adapter.pairs {
+            params.push(flat(&p.a).map_err(TrainError::candle("adapter to host"))?);
+            params.push(flat(&p.b).map_err(TrainError::candle("adapter to host"))?);
+        }
+        let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
+        let adamw = AdamW::new(&sizes, betas, eps, weight_decay);
+        Ok(Self {
+            params,
+            sizes,
+            adamw,
+        })
+    }
+
+    /// Clips (`max_norm` 0 = off), lets `check` veto the step on the pre-clip norm, updates the
+    /// adapter. Returns the pre-clip global gradient norm.
+    pub fn step(
+        &mut self,
+        adapter: &mut Adapter,
+        grads: &Grads,
+        lr: f64,
+        max_norm: f64,
+        check: impl FnOnce(f64) -> Result<(), TrainError>,
+    ) -> Result<f64, TrainError> {
+        let mut gv: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
+        for (i, size) in self.sizes.iter().enumerate() {
+            let g = if i % 2 == 0 {
+                &grads.a[i / 2]
+            } else {
+                &grads.b[i / 2]
+            };
+            gv.push(match g {
+                Some(t) => flat(t).map_err(TrainError::candle("grad to host"))?,
+                None => vec![0.0; *size],
+            });
+        }
+        let (grad_norm, coef) = clip_factor(&gv, max_norm);
+        check(grad_norm)?;
+        if coef < 1.0 {
+            let c = coef as f32;
+            gv.iter_mut()
+                .flat_map(|g| g.iter_mut())
+                .for_each(|x| *x *= c);
+        }
+        self.adamw.update(&mut self.params, &gv, lr);
+        for (i, p) in adapter.pairs.iter_mut().enumerate() {
+            let dev = p.a.device().clone();
+            let mk = |v: &Vec<f32>, like: &Tensor| Tensor::from_vec(v.clone(), like.shape(), &dev);
+            p.a = mk(&self.params[2 * i], &p.a).map_err(TrainError::candle("adapter update"))?;
+            p.b =
+                mk(&self.params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
+        }
+        Ok(grad_norm)
+    }
+
+    /// `(adamw step, m, v)` in the adapter's order (A0, B0, A1, B1, ...), for checkpoints.
+    pub fn state(&self) -> (u64, &[Vec<f32>], &[Vec<f32>]) {
+        (self.adamw.step, &self.adamw.m, &self.adamw.v)
+    }
+
+    /// Restores the moments saved by [`state`](Self::state); `adapter` must already hold the
+    /// checkpoint's weights. Sizes are checked.
+    pub fn restore(
+        &mut self,
+        adapter: &Adapter,
+        step: u64,
+        m: Vec<Vec<f32>>,
+        v: Vec<Vec<f32>>,
+    ) -> Result<(), TrainError> {
+        let fresh = Self::new(
+            adapter,
+            self.adamw.betas,
+            self.adamw.eps,
+            self.adamw.weight_decay,
+        )?;
+        let same = |x: &[Vec<f32>]| {
+            x.len() == fresh.sizes.len() && x.iter().zip(&fresh.sizes).all(|(a, &n)| a.len() == n)
+        };
+        if !same(&m) || !same(&v) {
+            return Err(TrainError::Device(
+                "optimizer state does not match the adapter's shapes".into(),
+            ));
+        }
+        *self = fresh;
+        self.adamw.step = step;
+        self.adamw.m = m;
+        self.adamw.v = v;
+        Ok(())
+    }
+}
+
+fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.flatten_all()?.to_vec1::<f32>()
 }
 
 #[cfg(test)]

@@ -1,24 +1,36 @@
-//! The training loop: check every input, then create the run directory, train, and write the adapter.
+//! The training loop, from a fresh start or a checkpoint, to a finished run directory:
 //!
-//! A run directory holds `config.toml` (the config as resolved), `metrics.jsonl` (one line per
-//! optimizer step, written as it goes), and — only when the run completes — the PEFT adapter
-//! (`adapter_model.safetensors`, `adapter_config.json`) and `summary.json`, written last. A failed
-//! run therefore never looks finished. Inputs (config, model, data, `init_from`) are all checked
-//! before the directory is touched.
+//! | file | when |
+//! |---|---|
+//! | `run.json` | at start and end of every attempt (the run record) |
+//! | `config.toml` | at start: the config as resolved |
+//! | `metrics.jsonl` | one line per optimizer step, as it goes |
+//! | `checkpoint-<step>/` | every `save_every` steps, on SIGINT/SIGTERM, and at the end |
+//! | `adapter_model.safetensors`, `adapter_config.json` | at the end: the PEFT adapter |
+//! | `summary.json` | last: its presence marks a finished run |
+//!
+//! A run resumed from `checkpoint-k` is bitwise identical on CPU to one never interrupted: the
+//! adapter, AdamW's state and the data cursor are restored exactly, the dropout masks and shuffle
+//! order are functions of (seed, step, epoch), and metrics.jsonl is cut back to its length at step k.
 
-use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rtune_config::RunConfig;
-use rtune_data::{Batcher, Dataset, MicroBatch, Tokenizer};
-use rtune_lora::{Adapter, LoraSpec};
-use rtune_model::{Grads, Inputs, LoraCtx, Model};
+use rtune_data::{Batcher, MicroBatch};
+use rtune_fsio::{write_atomic, Privacy};
+use rtune_model::{Grads, Inputs, LoraCtx};
 
-use crate::optim::{clip_factor, lr_factor, AdamW};
+use crate::checkpoint::{self, TrainerState};
+use crate::optim::{lr_factor, LoraOptimizer};
+use crate::record::RunRecord;
+use crate::setup::{base_model_name, fresh_output, prepare, settings_diff, Prepared};
 use crate::{memory, TrainError};
+
+pub use crate::setup::{device, dtype};
 
 /// One line of metrics.jsonl.
 #[derive(Debug, Clone, Serialize)]
@@ -53,202 +65,44 @@ pub struct Summary {
     pub output_dir: PathBuf,
 }
 
+/// How a call to [`train`] ended.
+pub enum Outcome {
+    Completed(Summary),
+    /// Stopped by the caller's flag (SIGINT/SIGTERM) after a step; the checkpoint to resume from.
+    Stopped {
+        step: usize,
+        checkpoint: PathBuf,
+    },
+}
+
 /// What [`train`] reports while it runs.
 pub enum Event<'a> {
-    /// Everything checked; training starts.
+    /// Everything checked; training starts (at `start_step` when resumed).
     Start {
         examples: usize,
         truncated: usize,
         skipped: usize,
         lora_params: usize,
         model_params: usize,
+        start_step: usize,
     },
     Step(&'a StepMetrics),
+    Checkpoint {
+        step: usize,
+        path: &'a std::path::Path,
+    },
+    Warning(String),
 }
 
-/// The compute device for a config value; CUDA needs a build with the `cuda` feature.
-pub fn device(d: rtune_config::Device) -> Result<Device, TrainError> {
-    match d {
-        rtune_config::Device::Auto | rtune_config::Device::Cpu => Ok(Device::Cpu),
-        rtune_config::Device::Cuda(n) => Err(TrainError::Device(format!(
-            "[train] device = \"cuda:{n}\": this rtune was built without CUDA support (CPU only for now); use \"cpu\""
-        ))),
-    }
-}
-
-pub fn dtype(d: rtune_config::DType) -> DType {
-    match d {
-        rtune_config::DType::F32 => DType::F32,
-        rtune_config::DType::BF16 => DType::BF16,
-        rtune_config::DType::F16 => DType::F16,
-    }
-}
-
-struct Prepared {
-    model: Model,
-    adapter: Adapter,
-    data: Dataset,
-    pad_id: u32,
-}
-
-fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
-    let mut model = Model::load(&cfg.model_path, dtype(cfg.dtype), dev)?;
-    let tok = if cfg.model_path.join("tokenizer.json").exists() {
-        Some(Tokenizer::load(
-            &cfg.model_path,
-            model.cfg.eos_token_ids.first().copied(),
-        )?)
-    } else {
-        None
-    };
-    let data = rtune_data::load_jsonl(
-        &cfg.train_data,
-        tok.as_ref(),
-        cfg.max_seq_len,
-        model.cfg.vocab_size,
-    )?;
-    let spec = LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?;
-    let modules = model.lora_modules(&spec);
-    let adapter = match &cfg.init_from {
-        Some(dir) => {
-            let a = Adapter::load_peft(dir, &spec, &modules, dev)?;
-            let saved = rtune_lora::read_adapter_config(dir)?;
-            if saved.lora_alpha != cfg.alpha || saved.use_rslora != cfg.rslora {
-                tracing::warn!(
-                    "{}: adapter was saved with lora_alpha {} / use_rslora {}; training uses the config's {} / {}",
-                    dir.display(),
-                    saved.lora_alpha,
-                    saved.use_rslora,
-                    cfg.alpha,
-                    cfg.rslora
-                );
-            }
-            a
-        }
-        None => Adapter::init(spec, &modules, cfg.seed, dev)?,
-    };
-    model.attach(&adapter);
-    let pad_id = tok
-        .as_ref()
-        .and_then(|t| t.pad_id)
-        .or(model.cfg.pad_token_id)
-        .unwrap_or(0);
-    Ok(Prepared {
-        model,
-        adapter,
-        data,
-        pad_id,
-    })
-}
-
-const RUN_FILES: [&str; 5] = [
-    "summary.json",
-    "adapter_model.safetensors",
-    "adapter_config.json",
-    "metrics.jsonl",
-    "config.toml",
-];
-
-fn prepare_output(cfg: &RunConfig) -> Result<(), TrainError> {
-    let dir = &cfg.output_dir;
-    let out = |message: String| TrainError::Output {
-        path: dir.clone(),
-        message,
-    };
-    if dir.exists() {
-        if !dir.is_dir() {
-            return Err(out("exists and is not a directory".into()));
-        }
-        let finished = ["summary.json", "adapter_model.safetensors"]
-            .iter()
-            .any(|f| dir.join(f).exists());
-        if finished && !cfg.overwrite {
-            return Err(out(
-                "already holds a finished run; choose another [output] dir or set [output] overwrite = true".into(),
-            ));
-        }
-        for f in RUN_FILES {
-            let p = dir.join(f);
-            if p.exists() {
-                std::fs::remove_file(&p).map_err(|e| out(format!("cannot remove old {f}: {e}")))?;
-            }
-        }
-    }
-    std::fs::create_dir_all(dir).map_err(|e| out(format!("cannot create: {e}")))
-}
-
-/// AdamW over an adapter's weights, kept as flat f32 vectors between steps.
-pub struct LoraOptimizer {
-    params: Vec<Vec<f32>>,
-    sizes: Vec<usize>,
-    adamw: AdamW,
-}
-
-impl LoraOptimizer {
-    pub fn new(
-        adapter: &Adapter,
-        betas: (f64, f64),
-        eps: f64,
-        weight_decay: f64,
-    ) -> Result<Self, TrainError> {
-        let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
-        for p in &adapter.pairs {
-            params.push(flat(&p.a).map_err(TrainError::candle("adapter to host"))?);
-            params.push(flat(&p.b).map_err(TrainError::candle("adapter to host"))?);
-        }
-        let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
-        let adamw = AdamW::new(&sizes, betas, eps, weight_decay);
-        Ok(Self {
-            params,
-            sizes,
-            adamw,
-        })
-    }
-
-    /// Clips (`max_norm` 0 = off), lets `check` veto the step on the pre-clip norm, updates the
-    /// adapter. Returns the pre-clip global gradient norm.
-    pub fn step(
-        &mut self,
-        adapter: &mut Adapter,
-        grads: &Grads,
-        lr: f64,
-        max_norm: f64,
-        check: impl FnOnce(f64) -> Result<(), TrainError>,
-    ) -> Result<f64, TrainError> {
-        let mut gv: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
-        for (i, size) in self.sizes.iter().enumerate() {
-            let g = if i % 2 == 0 {
-                &grads.a[i / 2]
-            } else {
-                &grads.b[i / 2]
-            };
-            gv.push(match g {
-                Some(t) => flat(t).map_err(TrainError::candle("grad to host"))?,
-                None => vec![0.0; *size],
-            });
-        }
-        let (grad_norm, coef) = clip_factor(&gv, max_norm);
-        check(grad_norm)?;
-        if coef < 1.0 {
-            let c = coef as f32;
-            gv.iter_mut()
-                .flat_map(|g| g.iter_mut())
-                .for_each(|x| *x *= c);
-        }
-        self.adamw.update(&mut self.params, &gv, lr);
-        for (i, p) in adapter.pairs.iter_mut().enumerate() {
-            let dev = p.a.device().clone();
-            let mk = |v: &Vec<f32>, like: &Tensor| Tensor::from_vec(v.clone(), like.shape(), &dev);
-            p.a = mk(&self.params[2 * i], &p.a).map_err(TrainError::candle("adapter update"))?;
-            p.b =
-                mk(&self.params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
-        }
-        Ok(grad_norm)
-    }
-}
-
-fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
+/// Caller's choices that are not in the config file.
+#[derive(Default)]
+pub struct RunOptions<'a> {
+    /// Continue from the newest complete checkpoint (also `[output] resume = "auto"`).
+    pub resume: bool,
+    /// Resume even when settings changed since the checkpoint.
+    pub force: bool,
+    /// Set (e.g. by a signal handler) to stop after the current step with a checkpoint.
+    pub stop: Option<&'a AtomicBool>,
 }
 
 /// Seed of one micro-batch's dropout masks.
@@ -256,7 +110,8 @@ fn micro_seed(seed: u64, step: usize, micro: usize) -> u64 {
     seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((step as u64) << 20) ^ micro as u64
 }
 
-fn median(v: &mut [f64]) -> f64 {
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
     if v.is_empty() {
         return 0.0;
     }
@@ -269,128 +124,263 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// Runs a whole training job as configured.
-pub fn train(cfg: &RunConfig, on_event: &mut dyn FnMut(Event)) -> Result<Summary, TrainError> {
+fn io(e: rtune_fsio::IoError) -> TrainError {
+    TrainError::Output {
+        path: e.path.clone(),
+        message: format!("{}: {}", e.op, e.source),
+    }
+}
+
+/// Runs (or resumes) a whole training job as configured.
+pub fn train(
+    cfg: &RunConfig,
+    opts: &RunOptions,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Outcome, TrainError> {
     let started = Instant::now();
     let dev = device(cfg.device)?;
+    let privacy = if cfg.private {
+        Privacy::PRIVATE
+    } else {
+        Privacy::SHARED
+    };
     let Prepared {
-        model,
+        mut model,
+        spec,
+        modules,
         mut adapter,
         data,
         pad_id,
+        settings,
     } = prepare(cfg, &dev)?;
+    let dir = cfg.output_dir.clone();
+
+    let resuming = (opts.resume || cfg.resume) && dir.is_dir();
+    let mut resumed = None;
+    if resuming {
+        if dir.join("summary.json").exists() {
+            return Err(TrainError::OutputDir {
+                path: dir,
+                message: "this run already finished (summary.json); nothing to resume".into(),
+            });
+        }
+        let partial = checkpoint::remove_partial(&dir);
+        if partial > 0 {
+            on_event(Event::Warning(format!(
+                "removed {partial} incomplete checkpoint(s) left by an interrupted write"
+            )));
+        }
+        resumed = checkpoint::latest(&dir, &spec, &modules, &dev, &mut |w| {
+            on_event(Event::Warning(w))
+        });
+        match &resumed {
+            Some(l) => {
+                let diff = settings_diff(&l.state.settings, &settings);
+                if !diff.is_empty() && !opts.force {
+                    return Err(TrainError::Resume(format!(
+                        "cannot resume from {}: {}; the resumed run would not reproduce the original (--force resumes anyway)",
+                        l.dir.display(),
+                        diff.join("; ")
+                    )));
+                }
+            }
+            None => on_event(Event::Warning(format!(
+                "no usable checkpoint in {}; starting from step 0",
+                dir.display()
+            ))),
+        }
+    }
+    if resumed.is_none() {
+        fresh_output(cfg, privacy)?;
+    }
+
+    let mut opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
+    let examples = data.examples.len();
+    let mut batcher = Batcher::new(data.examples, cfg.shuffle, cfg.seed, pad_id);
+    let (mut speeds, mut total_tokens, mut last_loss, mut wall_before, mut start_step) =
+        (Vec::new(), 0, f64::NAN, 0.0, 0);
+    let metrics_path = dir.join("metrics.jsonl");
+    let mut metrics_bytes = 0u64;
+    if let Some(l) = resumed.take() {
+        adapter = l.adapter;
+        model.attach(&adapter);
+        opt.restore(&adapter, l.state.adamw_step, l.m, l.v)?;
+        batcher.seek(l.state.epoch, l.state.cursor);
+        (speeds, total_tokens, last_loss, wall_before, start_step) = (
+            l.state.speeds,
+            l.state.total_tokens,
+            l.state.last_loss,
+            l.state.wall_s,
+            l.state.step,
+        );
+        metrics_bytes = l.state.metrics_bytes;
+        // Lines written after the checkpoint are written again, identically.
+        let f = privacy.append(&metrics_path).map_err(io)?;
+        f.set_len(metrics_bytes).map_err(|e| TrainError::Output {
+            path: metrics_path.clone(),
+            message: e.to_string(),
+        })?;
+    }
+    let mut record = RunRecord::begin(
+        cfg,
+        &dir,
+        (start_step > 0 || resuming).then_some(start_step),
+    )?;
+    record.write(&dir, privacy)?;
+    let resolved = toml::to_string(&cfg.file).expect("config serialises");
+    write_atomic(&dir.join("config.toml"), resolved.as_bytes(), privacy).map_err(io)?;
+    let mut metrics = privacy.append(&metrics_path).map_err(io)?;
+
     on_event(Event::Start {
-        examples: data.examples.len(),
+        examples,
         truncated: data.truncated,
         skipped: data.skipped,
         lora_params: adapter.num_params(),
         model_params: model.num_params(),
+        start_step,
     });
-    prepare_output(cfg)?;
-    let dir = &cfg.output_dir;
-    let io = |path: PathBuf| {
-        move |e: std::io::Error| TrainError::Output {
-            path,
-            message: e.to_string(),
-        }
-    };
-    let resolved = toml::to_string(&cfg.file).expect("config serialises");
-    std::fs::write(dir.join("config.toml"), resolved).map_err(io(dir.join("config.toml")))?;
-    let metrics_path = dir.join("metrics.jsonl");
-    let mut metrics = std::fs::File::create(&metrics_path).map_err(io(metrics_path.clone()))?;
-
-    let examples = data.examples.len();
-    let mut batcher = Batcher::new(data.examples, cfg.shuffle, cfg.seed, pad_id);
-    let mut opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
+    let base = base_model_name(&cfg.model_path);
     let scaling = adapter.spec.scaling();
-    let (mut speeds, mut total_tokens, mut last_loss) = (Vec::new(), 0usize, f64::NAN);
-
-    for step in 0..cfg.steps {
-        let t0 = Instant::now();
-        let micro: Vec<MicroBatch> = (0..cfg.grad_accum)
-            .map(|_| batcher.next_batch(cfg.micro_batch_size))
-            .collect();
-        let n_target: usize = micro.iter().map(MicroBatch::target_tokens).sum();
-        let tokens: usize = micro.iter().map(|m| m.tokens).sum();
-        let mut grads = Grads::new(adapter.pairs.len());
-        let mut loss_sum = 0.0;
-        for (k, mb) in micro.iter().enumerate() {
-            let lc = LoraCtx {
-                adapter: &adapter,
-                scaling,
-                dropout: cfg.dropout,
-                seed: micro_seed(cfg.seed, step, k),
-            };
-            let inputs = Inputs {
-                ids: mb.input_ids.clone(),
-                positions: mb.positions.clone(),
-                b: mb.b,
-                t: mb.t,
-            };
-            // Normalised by the whole step's target tokens: accumulation equals one big batch.
-            loss_sum += model.forward_backward(
-                &inputs,
-                &mb.targets,
-                &lc,
-                1.0 / n_target as f64,
-                cfg.gradient_checkpointing,
-                &mut grads,
-            )?;
-        }
-        let loss = loss_sum / n_target as f64;
-        let lr = cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps);
-        let grad_norm = opt.step(&mut adapter, &grads, lr, cfg.max_grad_norm, |grad_norm| {
-            if loss.is_finite() && grad_norm.is_finite() {
-                Ok(())
-            } else {
-                Err(TrainError::NonFinite {
-                    step: step + 1,
-                    loss,
-                    grad_norm,
-                })
+    let mut step = start_step;
+    let result = (|| -> Result<Outcome, TrainError> {
+        while step < cfg.steps {
+            let t0 = Instant::now();
+            let micro: Vec<MicroBatch> = (0..cfg.grad_accum)
+                .map(|_| batcher.next_batch(cfg.micro_batch_size))
+                .collect();
+            let n_target: usize = micro.iter().map(MicroBatch::target_tokens).sum();
+            let tokens: usize = micro.iter().map(|m| m.tokens).sum();
+            let mut grads = Grads::new(adapter.pairs.len());
+            let mut loss_sum = 0.0;
+            for (k, mb) in micro.iter().enumerate() {
+                let lc = LoraCtx {
+                    adapter: &adapter,
+                    scaling,
+                    dropout: cfg.dropout,
+                    seed: micro_seed(cfg.seed, step, k),
+                };
+                let inputs = Inputs {
+                    ids: mb.input_ids.clone(),
+                    positions: mb.positions.clone(),
+                    b: mb.b,
+                    t: mb.t,
+                };
+                // Normalised by the whole step's target tokens: accumulation equals one big batch.
+                loss_sum += model.forward_backward(
+                    &inputs,
+                    &mb.targets,
+                    &lc,
+                    1.0 / n_target as f64,
+                    cfg.gradient_checkpointing,
+                    &mut grads,
+                )?;
             }
-        })?;
-        let secs = t0.elapsed().as_secs_f64();
-        let m = StepMetrics {
-            step: step + 1,
-            loss,
-            lr,
-            grad_norm,
-            tokens,
-            target_tokens: n_target,
-            tokens_per_s: tokens as f64 / secs.max(1e-9),
-            elapsed_s: started.elapsed().as_secs_f64(),
-        };
-        if step > 0 || cfg.steps == 1 {
-            speeds.push(m.tokens_per_s);
+            let loss = loss_sum / n_target as f64;
+            let lr = cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps);
+            let grad_norm = opt.step(&mut adapter, &grads, lr, cfg.max_grad_norm, |grad_norm| {
+                if loss.is_finite() && grad_norm.is_finite() {
+                    Ok(())
+                } else {
+                    Err(TrainError::NonFinite {
+                        step: step + 1,
+                        loss,
+                        grad_norm,
+                    })
+                }
+            })?;
+            step += 1;
+            let secs = t0.elapsed().as_secs_f64();
+            let m = StepMetrics {
+                step,
+                loss,
+                lr,
+                grad_norm,
+                tokens,
+                target_tokens: n_target,
+                tokens_per_s: tokens as f64 / secs.max(1e-9),
+                elapsed_s: wall_before + started.elapsed().as_secs_f64(),
+            };
+            if step > 1 || cfg.steps == 1 {
+                speeds.push(m.tokens_per_s);
+            }
+            total_tokens += tokens;
+            last_loss = loss;
+            let line = serde_json::to_string(&m).expect("metrics serialise") + "\n";
+            metrics
+                .write_all(line.as_bytes())
+                .map_err(|e| TrainError::Output {
+                    path: metrics_path.clone(),
+                    message: e.to_string(),
+                })?;
+            metrics_bytes += line.len() as u64;
+            on_event(Event::Step(&m));
+
+            let stop = opts.stop.is_some_and(|s| s.load(Ordering::SeqCst));
+            let periodic = cfg.save_every > 0 && step % cfg.save_every == 0;
+            if periodic || stop || step == cfg.steps {
+                metrics.sync_all().map_err(|e| TrainError::Output {
+                    path: metrics_path.clone(),
+                    message: e.to_string(),
+                })?;
+                let (epoch, cursor) = batcher.position();
+                let state = TrainerState {
+                    format: checkpoint::FORMAT.into(),
+                    step,
+                    adamw_step: opt.state().0,
+                    epoch,
+                    cursor,
+                    seed: cfg.seed,
+                    next_lr: cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps),
+                    loss_scale: None,
+                    metrics_bytes,
+                    speeds: speeds.clone(),
+                    total_tokens,
+                    wall_s: wall_before + started.elapsed().as_secs_f64(),
+                    last_loss,
+                    settings: settings.clone(),
+                };
+                match checkpoint::save(&dir, &state, &adapter, &opt, &base, privacy, cfg.keep_last)
+                {
+                    Ok(path) => on_event(Event::Checkpoint { step, path: &path }),
+                    Err(e) if cfg.continue_on_save_error && !stop && step < cfg.steps => {
+                        on_event(Event::Warning(format!(
+                            "checkpoint at step {step} not written: {e}; continuing"
+                        )))
+                    }
+                    Err(e) => return Err(e),
+                }
+                if stop && step < cfg.steps {
+                    let checkpoint = dir.join(format!("checkpoint-{step}"));
+                    return Ok(Outcome::Stopped { step, checkpoint });
+                }
+            }
         }
-        total_tokens += tokens;
-        last_loss = loss;
-        let line = serde_json::to_string(&m).expect("metrics serialise");
-        writeln!(metrics, "{line}").map_err(io(metrics_path.clone()))?;
-        on_event(Event::Step(&m));
-    }
-    metrics.sync_all().map_err(io(metrics_path.clone()))?;
-
-    adapter.save_peft(dir, &base_model_name(&cfg.model_path))?;
-    let summary = Summary {
-        steps: cfg.steps,
-        final_loss: last_loss,
-        tokens_per_s: median(&mut speeds),
-        peak_memory_bytes: memory::peak_rss_bytes(),
-        wall_s: started.elapsed().as_secs_f64(),
-        total_tokens,
-        lora_params: adapter.num_params(),
-        examples,
-        epochs_started: batcher.epoch + 1,
-        output_dir: dir.clone(),
+        adapter.save_peft(&dir, &base, privacy)?;
+        let summary = Summary {
+            steps: cfg.steps,
+            final_loss: last_loss,
+            tokens_per_s: median(&speeds),
+            peak_memory_bytes: memory::peak_rss_bytes(),
+            wall_s: wall_before + started.elapsed().as_secs_f64(),
+            total_tokens,
+            lora_params: adapter.num_params(),
+            examples,
+            epochs_started: batcher.position().0 + 1,
+            output_dir: dir.clone(),
+        };
+        let text = serde_json::to_string_pretty(&summary).expect("summary serialises");
+        write_atomic(&dir.join("summary.json"), text.as_bytes(), privacy).map_err(io)?;
+        Ok(Outcome::Completed(summary))
+    })();
+    let status = match &result {
+        Ok(Outcome::Completed(_)) => "completed".to_string(),
+        Ok(Outcome::Stopped { .. }) => "stopped".to_string(),
+        Err(e) => format!("failed: {e}"),
     };
-    let text = serde_json::to_string_pretty(&summary).expect("summary serialises");
-    rtune_lora::write_atomic(&dir.join("summary.json"), text.as_bytes())?;
-    Ok(summary)
-}
-
-/// What PEFT records as the base model: the path as the user gave it.
-fn base_model_name(path: &Path) -> String {
-    path.to_string_lossy().trim_end_matches('/').to_string()
+    record.end(&status, step);
+    // The record is best effort on failure: the error that stopped the run is what matters.
+    let written = record.write(&dir, privacy);
+    let outcome = result?;
+    written?;
+    Ok(outcome)
 }

@@ -1,0 +1,228 @@
+//! Files that survive crashes and stay private: every file rtune writes goes through here.
+//!
+//! - [`write_atomic`]: temporary file, fsync, rename, fsync of the directory — a reader (or a resumed
+//!   run after `kill -9`) sees the old file or the new one, never half of one.
+//! - [`Privacy`]: with `private = true` (the default) directories are created 0700 and files 0600;
+//!   training data and adapters are often personal.
+//! - [`sha256_file`]: checksums for checkpoint manifests and the run record.
+//!
+//! Tests can make writes fail as a full disk would: `RTUNE_FAULT_ENOSPC_AFTER=N` makes every
+//! [`write_atomic`] after the first N fail with "No space left on device".
+
+use sha2::{Digest, Sha256};
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {op}: {source}")]
+pub struct IoError {
+    pub path: PathBuf,
+    pub op: &'static str,
+    pub source: std::io::Error,
+}
+
+pub type Result<T> = std::result::Result<T, IoError>;
+
+fn ctx<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -> IoError + 'a {
+    move |source| IoError {
+        path: path.to_path_buf(),
+        op,
+        source,
+    }
+}
+
+/// Permissions for what rtune creates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Privacy {
+    pub private: bool,
+}
+
+impl Privacy {
+    pub const PRIVATE: Privacy = Privacy { private: true };
+    pub const SHARED: Privacy = Privacy { private: false };
+
+    fn file_mode(self) -> u32 {
+        if self.private {
+            0o600
+        } else {
+            0o644
+        }
+    }
+    fn dir_mode(self) -> u32 {
+        if self.private {
+            0o700
+        } else {
+            0o755
+        }
+    }
+
+    /// Creates `dir` and missing parents; the directories it creates get this privacy's mode.
+    pub fn create_dir_all(self, dir: &Path) -> Result<()> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(self.dir_mode())
+            .create(dir)
+            .map_err(ctx(dir, "create directory"))
+    }
+
+    /// Sets `path`'s mode (a directory that already existed).
+    pub fn apply_to_dir(self, dir: &Path) -> Result<()> {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(self.dir_mode()))
+            .map_err(ctx(dir, "chmod"))
+    }
+
+    /// A new file for writing (truncated), with this privacy's mode.
+    pub fn create(self, path: &Path) -> Result<File> {
+        OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(self.file_mode())
+            .open(path)
+            .map_err(ctx(path, "create"))
+    }
+
+    /// An existing or new file for appending.
+    pub fn append(self, path: &Path) -> Result<File> {
+        OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(self.file_mode())
+            .open(path)
+            .map_err(ctx(path, "open"))
+    }
+}
+
+static WRITES: AtomicUsize = AtomicUsize::new(0);
+
+fn injected_enospc(path: &Path) -> Result<()> {
+    if let Some(limit) = std::env::var("RTUNE_FAULT_ENOSPC_AFTER")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if WRITES.fetch_add(1, Ordering::SeqCst) >= limit {
+            return Err(IoError {
+                path: path.to_path_buf(),
+                op: "write",
+                source: std::io::Error::from_raw_os_error(28), // ENOSPC
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Writes `bytes` to `path` through `path.tmp`: write, fsync, rename, fsync the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8], privacy: Privacy) -> Result<()> {
+    let tmp = with_suffix(path, ".tmp");
+    let res = (|| {
+        injected_enospc(path)?;
+        let mut f = privacy.create(&tmp)?;
+        f.write_all(bytes).map_err(ctx(&tmp, "write"))?;
+        f.sync_all().map_err(ctx(&tmp, "fsync"))?;
+        std::fs::rename(&tmp, path).map_err(ctx(path, "rename"))?;
+        fsync_dir(path.parent().unwrap_or(Path::new(".")))
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// fsync a directory, so a rename or a new entry in it is durable.
+pub fn fsync_dir(dir: &Path) -> Result<()> {
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(ctx(dir, "fsync directory"))
+}
+
+/// `path` with `suffix` appended to its file name.
+pub fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut s = path.as_os_str().to_owned();
+    s.push(suffix);
+    s.into()
+}
+
+/// Lower-case hex SHA-256 of a file's contents, streamed.
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = File::open(path).map_err(ctx(path, "open"))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(ctx(path, "read"))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex(&h.finalize()))
+}
+
+pub fn sha256_bytes(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(d: &[u8]) -> String {
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmpdir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("rtune-fsio-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    #[test]
+    fn atomic_private_write_and_modes() {
+        let d = tmpdir("a");
+        Privacy::PRIVATE.create_dir_all(&d.join("x")).unwrap();
+        assert_eq!(
+            std::fs::metadata(d.join("x")).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        let p = d.join("x/f.json");
+        write_atomic(&p, b"one", Privacy::PRIVATE).unwrap();
+        write_atomic(&p, b"two", Privacy::PRIVATE).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"two");
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        assert!(!with_suffix(&p, ".tmp").exists());
+        write_atomic(&d.join("x/g"), b"g", Privacy::SHARED).unwrap();
+        assert_eq!(
+            std::fs::metadata(d.join("x/g"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o644
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn sha256_known_value() {
+        // sha256("abc"), FIPS 180-2 appendix B.1
+        assert_eq!(
+            sha256_bytes(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let d = tmpdir("h");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("f"), b"abc").unwrap();
+        assert_eq!(sha256_file(&d.join("f")).unwrap(), sha256_bytes(b"abc"));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

@@ -1,0 +1,304 @@
+//! Checkpoints: `run_dir/checkpoint-<step>/` holds everything a run needs to continue bit for bit —
+//! the adapter (PEFT format), AdamW's moments and step count, the data cursor, the accumulated
+//! metrics and the settings that must not change — and a manifest of sizes and SHA-256 sums.
+//!
+//! Written into `.checkpoint-<step>.tmp/` (each file fsynced), renamed, then the run directory
+//! fsynced: a kill at any moment leaves either the complete checkpoint or none. Loading verifies the
+//! manifest; [`latest`] skips (and reports) a corrupt or incomplete checkpoint in favour of the
+//! previous one. The dropout masks and the shuffle order are functions of the seed, the step and the
+//! epoch, so no generator state has to be stored beyond those.
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use rtune_fsio::{fsync_dir, sha256_bytes, sha256_file, write_atomic, Privacy};
+use rtune_lora::{Adapter, LoraSpec, ModuleShape, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+
+use crate::optim::LoraOptimizer;
+use crate::TrainError;
+
+pub const FORMAT: &str = "rtune-checkpoint/1";
+const STATE: &str = "trainer_state.json";
+const OPTIM: &str = "optimizer.safetensors";
+const MANIFEST: &str = "manifest.json";
+
+/// trainer_state.json
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub format: String,
+    /// Optimizer steps done.
+    pub step: usize,
+    pub adamw_step: u64,
+    /// Data cursor: epoch and position in that epoch's (seeded) order.
+    pub epoch: usize,
+    pub cursor: usize,
+    pub seed: u64,
+    /// The learning rate the next step will use (the scheduler's position is `step`).
+    pub next_lr: f64,
+    /// Dynamic loss scale (f16); none in f32/bf16.
+    pub loss_scale: Option<f64>,
+    /// Length of metrics.jsonl when the checkpoint was taken; a resumed run cuts it back to this.
+    pub metrics_bytes: u64,
+    pub speeds: Vec<f64>,
+    pub total_tokens: usize,
+    pub wall_s: f64,
+    pub last_loss: f64,
+    /// Settings that a resumed run must share to reproduce the uninterrupted one.
+    pub settings: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    format: String,
+    files: BTreeMap<String, FileEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct FileEntry {
+    bytes: u64,
+    sha256: String,
+}
+
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: TrainerState,
+    pub adapter: Adapter,
+    pub m: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+}
+
+fn io(e: rtune_fsio::IoError) -> TrainError {
+    TrainError::Output {
+        path: e.path.clone(),
+        message: format!("{}: {}", e.op, e.source),
+    }
+}
+
+fn peft_key(name: &str, which: &str) -> String {
+    format!("base_model.model.{name}.{which}.weight")
+}
+
+fn safetensors_bytes(tensors: Vec<(String, Vec<f32>, Vec<usize>)>) -> Vec<u8> {
+    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+        .into_iter()
+        .map(|(k, v, s)| (k, v.iter().flat_map(|x| x.to_le_bytes()).collect(), s))
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = data
+        .iter()
+        .map(|(k, b, s)| {
+            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                .expect("shape and byte count agree by construction");
+            (k.clone(), view)
+        })
+        .collect();
+    safetensors::serialize(views, None).expect("f32 tensors serialise")
+}
+
+/// Writes `run_dir/checkpoint-<step>/` atomically, then deletes all but the newest `keep_last`.
+pub fn save(
+    run_dir: &Path,
+    state: &TrainerState,
+    adapter: &Adapter,
+    opt: &LoraOptimizer,
+    base_model: &str,
+    privacy: Privacy,
+    keep_last: usize,
+) -> Result<PathBuf, TrainError> {
+    let final_dir = run_dir.join(format!("checkpoint-{}", state.step));
+    let tmp = run_dir.join(format!(".checkpoint-{}.tmp", state.step));
+    let res = (|| -> Result<(), TrainError> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| out(&tmp, e))?;
+        }
+        privacy.create_dir_all(&tmp).map_err(io)?;
+        adapter.save_peft(&tmp, base_model, privacy)?;
+        let (_, m, v) = opt.state();
+        let mut tensors = Vec::new();
+        for (i, (name, p)) in adapter.names.iter().zip(&adapter.pairs).enumerate() {
+            for (j, (which, t)) in [("lora_A", &p.a), ("lora_B", &p.b)].into_iter().enumerate() {
+                let k = peft_key(name, which);
+                tensors.push((
+                    format!("exp_avg.{k}"),
+                    m[2 * i + j].clone(),
+                    t.dims().to_vec(),
+                ));
+                tensors.push((
+                    format!("exp_avg_sq.{k}"),
+                    v[2 * i + j].clone(),
+                    t.dims().to_vec(),
+                ));
+            }
+        }
+        write_atomic(&tmp.join(OPTIM), &safetensors_bytes(tensors), privacy).map_err(io)?;
+        let text = serde_json::to_vec_pretty(state).expect("state serialises");
+        write_atomic(&tmp.join(STATE), &text, privacy).map_err(io)?;
+        let mut files = BTreeMap::new();
+        for f in [ADAPTER_WEIGHTS, ADAPTER_CONFIG, OPTIM, STATE] {
+            let p = tmp.join(f);
+            let bytes = std::fs::metadata(&p).map_err(|e| out(&p, e))?.len();
+            files.insert(
+                f.to_string(),
+                FileEntry {
+                    bytes,
+                    sha256: sha256_file(&p).map_err(io)?,
+                },
+            );
+        }
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            files,
+        };
+        write_atomic(
+            &tmp.join(MANIFEST),
+            &serde_json::to_vec_pretty(&manifest).expect("manifest"),
+            privacy,
+        )
+        .map_err(io)?;
+        fsync_dir(&tmp).map_err(io)?;
+        if final_dir.exists() {
+            std::fs::remove_dir_all(&final_dir).map_err(|e| out(&final_dir, e))?;
+        }
+        std::fs::rename(&tmp, &final_dir).map_err(|e| out(&final_dir, e))?;
+        fsync_dir(run_dir).map_err(io)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    if keep_last > 0 {
+        for (_, old) in list(run_dir).into_iter().skip(keep_last) {
+            std::fs::remove_dir_all(&old).map_err(|e| out(&old, e))?;
+        }
+    }
+    Ok(final_dir)
+}
+
+fn out(path: &Path, e: std::io::Error) -> TrainError {
+    TrainError::Output {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
+}
+
+/// Complete checkpoints in `run_dir`, newest first.
+pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
+    let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(run_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
+            Some((step, e.path()))
+        })
+        .collect();
+    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found
+}
+
+/// Removes `.checkpoint-*.tmp` left by a run killed while writing.
+pub fn remove_partial(run_dir: &Path) -> usize {
+    let mut n = 0;
+    for e in std::fs::read_dir(run_dir).into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".checkpoint-")
+            && name.ends_with(".tmp")
+            && std::fs::remove_dir_all(e.path()).is_ok()
+        {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Verifies and reads one checkpoint; the error says what is wrong with it.
+pub fn load(
+    dir: &Path,
+    spec: &LoraSpec,
+    modules: &[ModuleShape],
+    dev: &Device,
+) -> Result<Loaded, String> {
+    let text = std::fs::read(dir.join(MANIFEST)).map_err(|e| format!("{MANIFEST}: {e}"))?;
+    let manifest: Manifest =
+        serde_json::from_slice(&text).map_err(|e| format!("{MANIFEST}: {e}"))?;
+    if manifest.format != FORMAT {
+        return Err(format!("format `{}`, expected `{FORMAT}`", manifest.format));
+    }
+    for f in [ADAPTER_WEIGHTS, ADAPTER_CONFIG, OPTIM, STATE] {
+        let entry = manifest
+            .files
+            .get(f)
+            .ok_or_else(|| format!("{MANIFEST} does not list {f}"))?;
+        let bytes = std::fs::read(dir.join(f)).map_err(|e| format!("{f}: {e}"))?;
+        if bytes.len() as u64 != entry.bytes {
+            return Err(format!(
+                "{f} has {} bytes, the manifest says {}",
+                bytes.len(),
+                entry.bytes
+            ));
+        }
+        if sha256_bytes(&bytes) != entry.sha256 {
+            return Err(format!("{f} does not match its checksum"));
+        }
+    }
+    let state: TrainerState =
+        serde_json::from_slice(&std::fs::read(dir.join(STATE)).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("{STATE}: {e}"))?;
+    let adapter = Adapter::load_peft(dir, spec, modules, dev).map_err(|e| e.to_string())?;
+    let mut opt: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join(OPTIM), dev)
+        .map_err(|e| format!("{OPTIM}: {e}"))?;
+    let (mut m, mut v) = (Vec::new(), Vec::new());
+    for (name, p) in adapter.names.iter().zip(&adapter.pairs) {
+        for (which, t) in [("lora_A", &p.a), ("lora_B", &p.b)] {
+            let k = peft_key(name, which);
+            for (prefix, dst) in [("exp_avg", &mut m), ("exp_avg_sq", &mut v)] {
+                let key = format!("{prefix}.{k}");
+                let x = opt
+                    .remove(&key)
+                    .ok_or_else(|| format!("{OPTIM} has no `{key}`"))?;
+                if x.dims() != t.dims() || x.dtype() != DType::F32 {
+                    return Err(format!(
+                        "{OPTIM}: `{key}` is {:?} {:?}, expected f32 {:?}",
+                        x.dtype(),
+                        x.dims(),
+                        t.dims()
+                    ));
+                }
+                dst.push(
+                    x.flatten_all()
+                        .and_then(|x| x.to_vec1::<f32>())
+                        .map_err(|e| e.to_string())?,
+                );
+            }
+        }
+    }
+    Ok(Loaded {
+        dir: dir.to_path_buf(),
+        state,
+        adapter,
+        m,
+        v,
+    })
+}
+
+/// The newest checkpoint that verifies; each one skipped is reported through `warn`.
+pub fn latest(
+    run_dir: &Path,
+    spec: &LoraSpec,
+    modules: &[ModuleShape],
+    dev: &Device,
+    warn: &mut dyn FnMut(String),
+) -> Option<Loaded> {
+    for (_, dir) in list(run_dir) {
+        match load(&dir, spec, modules, dev) {
+            Ok(l) => return Some(l),
+            Err(why) => warn(format!(
+                "{}: unusable ({why}); trying the previous checkpoint",
+                dir.display()
+            )),
+        }
+    }
+    None
+}

@@ -1,0 +1,206 @@
+//! `run.json`, the run record: what was run, on what, from which inputs, and how it ended — the
+//! reproducibility list of the product brief (pinned versions, full config and seeds, data manifest,
+//! hardware). Rewritten atomically at start and at the end of every attempt; a resumed run appends an
+//! attempt.
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::time::SystemTime;
+
+use rtune_config::RunConfig;
+use rtune_fsio::{sha256_file, write_atomic, Privacy};
+
+use crate::TrainError;
+
+pub const RUN_JSON: &str = "run.json";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FileHash {
+    pub path: String,
+    pub bytes: u64,
+    pub sha256: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Attempt {
+    pub started: String,
+    pub ended: Option<String>,
+    /// running | completed | stopped (signal; checkpoint written) | failed: <message>
+    pub status: String,
+    pub resumed_from_step: Option<usize>,
+    pub steps_done: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunRecord {
+    pub rtune_version: String,
+    pub git_commit: String,
+    pub cargo_lock_sha256: String,
+    pub config: toml::Value,
+    pub seed: u64,
+    pub model_path: String,
+    pub model_files: Vec<FileHash>,
+    pub data: FileHash,
+    pub hardware: Hardware,
+    pub attempts: Vec<Attempt>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hardware {
+    pub cpu_model: String,
+    pub cores: usize,
+    pub ram_bytes: u64,
+    pub simd: Vec<String>,
+    pub os: String,
+    pub device: String,
+}
+
+pub fn now() -> String {
+    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+}
+
+fn hash(path: &Path) -> Result<FileHash, TrainError> {
+    let to_err = |e: rtune_fsio::IoError| TrainError::Output {
+        path: e.path.clone(),
+        message: e.source.to_string(),
+    };
+    let bytes = std::fs::metadata(path)
+        .map_err(|e| TrainError::Output {
+            path: path.into(),
+            message: e.to_string(),
+        })?
+        .len();
+    Ok(FileHash {
+        path: path.display().to_string(),
+        bytes,
+        sha256: sha256_file(path).map_err(to_err)?,
+    })
+}
+
+/// The model's files that determine its numbers: config and weights.
+fn model_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            n.ends_with(".safetensors")
+                || n == "config.json"
+                || n.starts_with("tokenizer")
+                || n.ends_with(".index.json")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+pub fn hardware(device: &str) -> Hardware {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu_model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split(':').nth(1))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let ram_bytes = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .map(str::to_string)
+        })
+        .and_then(|l| {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|k| k.parse::<u64>().ok())
+        })
+        .map_or(0, |k| k * 1024);
+    #[allow(unused_mut)]
+    let mut simd = Vec::new();
+    #[cfg(target_arch = "x86_64")]
+    {
+        for (name, on) in [
+            ("sse4.2", std::arch::is_x86_feature_detected!("sse4.2")),
+            ("avx", std::arch::is_x86_feature_detected!("avx")),
+            ("avx2", std::arch::is_x86_feature_detected!("avx2")),
+            ("fma", std::arch::is_x86_feature_detected!("fma")),
+            ("f16c", std::arch::is_x86_feature_detected!("f16c")),
+            ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
+        ] {
+            if on {
+                simd.push(name.to_string());
+            }
+        }
+    }
+    Hardware {
+        cpu_model,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        ram_bytes,
+        simd,
+        os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+        device: device.to_string(),
+    }
+}
+
+impl RunRecord {
+    /// A new record (hashing every model and data file), or the existing one with a new attempt.
+    pub fn begin(
+        cfg: &RunConfig,
+        dir: &Path,
+        resumed_from_step: Option<usize>,
+    ) -> Result<Self, TrainError> {
+        let attempt = Attempt {
+            started: now(),
+            ended: None,
+            status: "running".into(),
+            resumed_from_step,
+            steps_done: 0,
+        };
+        if resumed_from_step.is_some() {
+            if let Some(mut r) = std::fs::read(dir.join(RUN_JSON))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
+            {
+                r.attempts.push(attempt);
+                return Ok(r);
+            }
+        }
+        let model_files = model_files(&cfg.model_path)
+            .iter()
+            .map(|p| hash(p))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            rtune_version: env!("CARGO_PKG_VERSION").to_string(),
+            git_commit: env!("RTUNE_GIT_COMMIT").to_string(),
+            cargo_lock_sha256: env!("RTUNE_CARGO_LOCK_SHA256").to_string(),
+            config: toml::Value::try_from(&cfg.file).expect("config serialises"),
+            seed: cfg.seed,
+            model_path: cfg.model_path.display().to_string(),
+            model_files,
+            data: hash(&cfg.train_data)?,
+            hardware: hardware("cpu"),
+            attempts: vec![attempt],
+        })
+    }
+
+    pub fn end(&mut self, status: &str, steps_done: usize) {
+        if let Some(a) = self.attempts.last_mut() {
+            a.ended = Some(now());
+            a.status = status.to_string();
+            a.steps_done = steps_done;
+        }
+    }
+
+    pub fn write(&self, dir: &Path, privacy: Privacy) -> Result<(), TrainError> {
+        let text = serde_json::to_vec_pretty(self).expect("record serialises");
+        write_atomic(&dir.join(RUN_JSON), &text, privacy).map_err(|e| TrainError::Output {
+            path: e.path.clone(),
+            message: e.source.to_string(),
+        })
+    }
+}
