@@ -84,6 +84,11 @@ enum Command {
         #[arg(long)]
         dump_logits: Option<PathBuf>,
     },
+    /// Data tools.
+    Data {
+        #[command(subcommand)]
+        command: DataCommand,
+    },
     /// Training throughput and peak memory on a random model (default shape: bench-small).
     Bench {
         #[arg(long, default_value_t = 10)]
@@ -114,6 +119,18 @@ enum Command {
         /// Also write the result as JSON to this file.
         #[arg(long)]
         json_out: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Report likely secrets and personal data in the config's training data as `file:line: kind`
+    /// (the matched text is never printed). Exits 1 when anything is found.
+    Scan {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
     },
 }
 
@@ -165,6 +182,9 @@ fn run(cli: Cli) -> Result<()> {
             resume,
             force,
         } => train(config, set, resume, force),
+        Command::Data {
+            command: DataCommand::Scan { config, set },
+        } => scan(config, set),
         Command::Generate {
             model,
             adapter,
@@ -247,6 +267,31 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+fn scan(config: PathBuf, set: Vec<String>) -> Result<()> {
+    let cfg = rtune_config::load(&config, &set)?;
+    let path = &cfg.train_data;
+    let findings = rtune_train::scan::scan_file(path)
+        .with_context(|| format!("{}: cannot read data", path.display()))?;
+    for f in &findings {
+        println!("{f}");
+    }
+    let lines: std::collections::BTreeSet<usize> = findings.iter().map(|f| f.line).collect();
+    eprintln!(
+        "{}: {} finding(s) on {} line(s)",
+        path.display(),
+        findings.len(),
+        lines.len()
+    );
+    if findings.is_empty() {
+        Ok(())
+    } else {
+        bail!(
+            "likely secrets or personal data in {}; review the lines above",
+            path.display()
+        )
     }
 }
 

@@ -6,3 +6,4 @@ mod cli;
 mod common;
 mod parity;
 mod resume;
+mod scan;
