@@ -2,6 +2,7 @@
 //! - `parity`: the model, LoRA gradients and AdamW against transformers + PEFT goldens;
 //! - `cli`: `rtune train` / `rtune generate` end to end, the embedded smoke run, bad-input errors.
 
+mod bad_inputs;
 mod cli;
 mod common;
 mod parity;
