@@ -102,6 +102,17 @@ pub fn load_jsonl(
         path: path.to_path_buf(),
         message: format!("cannot read data: {e}"),
     })?;
+    parse_jsonl(&text, path, tok, max_seq_len, vocab)
+}
+
+/// [`load_jsonl`] on text already read; `path` labels errors.
+pub fn parse_jsonl(
+    text: &str,
+    path: &Path,
+    tok: Option<&Tokenizer>,
+    max_seq_len: usize,
+    vocab: usize,
+) -> Result<Dataset> {
     let row_err = |line: usize, message: String| DataError::Row {
         path: path.to_path_buf(),
         line,

@@ -9,7 +9,9 @@
 
 mod peft;
 
-pub use peft::{read_adapter_config, PeftAdapterConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+pub use peft::{
+    parse_adapter_config, read_adapter_config, PeftAdapterConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+};
 
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};

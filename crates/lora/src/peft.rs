@@ -66,9 +66,14 @@ fn file_err(path: &Path, message: impl Into<String>) -> LoraError {
 /// Reads and checks `dir/adapter_config.json` for what rtune supports.
 pub fn read_adapter_config(dir: &Path) -> Result<PeftAdapterConfig> {
     let path = dir.join(CONFIG);
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
-    let cfg: PeftAdapterConfig = serde_json::from_str(&text)
+    let text = std::fs::read(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+    parse_adapter_config(&text, &path)
+}
+
+/// [`read_adapter_config`] on bytes already read; `path` labels errors.
+pub fn parse_adapter_config(text: &[u8], path: &Path) -> Result<PeftAdapterConfig> {
+    let path = path.to_path_buf();
+    let cfg: PeftAdapterConfig = serde_json::from_slice(text)
         .map_err(|e| file_err(&path, format!("not a PEFT adapter config: {e}")))?;
     if cfg.peft_type != "LORA" {
         return Err(file_err(
@@ -121,8 +126,34 @@ impl Adapter {
         modules: &[ModuleShape],
         device: &Device,
     ) -> Result<Self> {
-        let cfg = read_adapter_config(dir)?;
         let cfg_path = dir.join(CONFIG);
+        let config = std::fs::read(&cfg_path)
+            .map_err(|e| file_err(&cfg_path, format!("cannot read: {e}")))?;
+        // The config first: a non-LoRA adapter is reported as such, not as a missing file.
+        parse_adapter_config(&config, &cfg_path)?;
+        let path = dir.join(WEIGHTS);
+        if !path.exists() {
+            return Err(file_err(
+                &path,
+                "missing (only safetensors adapters are read; convert .bin with PEFT)",
+            ));
+        }
+        let weights =
+            std::fs::read(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+        Self::from_peft_bytes(&config, &weights, dir, spec, modules, device)
+    }
+
+    /// [`load_peft`](Self::load_peft) on the two files' bytes; `dir` labels errors.
+    pub fn from_peft_bytes(
+        config: &[u8],
+        weights: &[u8],
+        dir: &Path,
+        spec: &LoraSpec,
+        modules: &[ModuleShape],
+        device: &Device,
+    ) -> Result<Self> {
+        let cfg_path = dir.join(CONFIG);
+        let cfg = parse_adapter_config(config, &cfg_path)?;
         if cfg.r != spec.r {
             return Err(file_err(
                 &cfg_path,
@@ -133,13 +164,7 @@ impl Adapter {
             ));
         }
         let path = dir.join(WEIGHTS);
-        if !path.exists() {
-            return Err(file_err(
-                &path,
-                "missing (only safetensors adapters are read; convert .bin with PEFT)",
-            ));
-        }
-        let mut tensors = candle_core::safetensors::load(&path, device)
+        let mut tensors = candle_core::safetensors::load_buffer(weights, device)
             .map_err(|e| file_err(&path, format!("cannot read safetensors: {e}")))?;
         let mut names = Vec::new();
         let mut pairs = Vec::new();
