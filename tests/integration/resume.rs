@@ -181,7 +181,7 @@ fn kill_9_anywhere_then_resume_is_bitwise_identical() {
         if kills < 10 {
             // Let the run make progress (a newer checkpoint appears), then kill it within the next
             // step or so: sometimes mid-step, sometimes mid-checkpoint-write.
-            let newest = |out: &Path| checkpoint_dirs(out).last().map(|p| p.clone());
+            let newest = |out: &Path| checkpoint_dirs(out).last().cloned();
             let before = if out.exists() { newest(&out) } else { None };
             let t0 = Instant::now();
             while child.try_wait().unwrap().is_none()
@@ -199,7 +199,7 @@ fn kill_9_anywhere_then_resume_is_bitwise_identical() {
                 // Odd kills aim at a checkpoint write: kill as soon as a temporary one shows up.
                 let t1 = Instant::now();
                 while child.try_wait().unwrap().is_none() && t1.elapsed() < Duration::from_secs(5) {
-                    let writing = std::fs::read_dir(&out).map_or(false, |d| {
+                    let writing = std::fs::read_dir(&out).is_ok_and(|d| {
                         d.flatten()
                             .any(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
                     });

@@ -194,7 +194,7 @@ pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
             Some((step, e.path()))
         })
         .collect();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
     found
 }
 
