@@ -442,3 +442,33 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+/// A second signal exits at once (status 130) — and leaves nothing that a resume trips over.
+#[test]
+fn second_signal_exits_at_once_without_damage() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path());
+    let out = tmp.path().join("twice");
+    let cfg = config(tmp.path(), &out, "");
+    let child = Command::new(env!("CARGO_BIN_EXE_rtune"))
+        .args(["train", "--config", cfg.to_str().unwrap()])
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "run did not start");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    unsafe {
+        libc_kill(child.id() as i32, 2);
+        libc_kill(child.id() as i32, 15);
+    }
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(130), "{}", stderr(&o));
+    let o = train(&cfg, &["--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_same_run(&reference, &out);
+}
