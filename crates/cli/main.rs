@@ -90,36 +90,39 @@ enum Command {
         command: DataCommand,
     },
     /// Training throughput and peak memory on a random model (default shape: bench-small).
-    Bench {
-        #[arg(long, default_value_t = 10)]
-        steps: usize,
-        #[arg(long, default_value_t = 2)]
-        warmup: usize,
-        #[arg(long, default_value_t = 512)]
-        hidden: usize,
-        #[arg(long, default_value_t = 8)]
-        layers: usize,
-        #[arg(long, default_value_t = 8)]
-        heads: usize,
-        #[arg(long, default_value_t = 2)]
-        kv_heads: usize,
-        #[arg(long, default_value_t = 1376)]
-        intermediate: usize,
-        #[arg(long, default_value_t = 32000)]
-        vocab: usize,
-        #[arg(long, default_value_t = 512)]
-        seq: usize,
-        #[arg(long, default_value_t = 4)]
-        batch: usize,
-        #[arg(long, default_value_t = 16)]
-        r: usize,
-        /// Recompute each decoder layer in backward instead of keeping its activations.
-        #[arg(long)]
-        gradient_checkpointing: bool,
-        /// Also write the result as JSON to this file.
-        #[arg(long)]
-        json_out: Option<PathBuf>,
-    },
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long, default_value_t = 512)]
+    hidden: usize,
+    #[arg(long, default_value_t = 8)]
+    layers: usize,
+    #[arg(long, default_value_t = 8)]
+    heads: usize,
+    #[arg(long, default_value_t = 2)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 1376)]
+    intermediate: usize,
+    #[arg(long, default_value_t = 32000)]
+    vocab: usize,
+    #[arg(long, default_value_t = 512)]
+    seq: usize,
+    #[arg(long, default_value_t = 4)]
+    batch: usize,
+    #[arg(long, default_value_t = 16)]
+    r: usize,
+    /// Recompute each decoder layer in backward instead of keeping its activations.
+    #[arg(long)]
+    gradient_checkpointing: bool,
+    /// Also write the result as JSON to this file.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -209,43 +212,29 @@ fn run(cli: Cli) -> Result<()> {
             println!("{text}");
             Ok(())
         }
-        Command::Bench {
-            steps,
-            warmup,
-            hidden,
-            layers,
-            heads,
-            kv_heads,
-            intermediate,
-            vocab,
-            seq,
-            batch,
-            r,
-            gradient_checkpointing,
-            json_out,
-        } => {
-            if steps == 0
-                || heads == 0
-                || kv_heads == 0
-                || heads % kv_heads != 0
-                || hidden % heads != 0
+        Command::Bench(a) => {
+            if a.steps == 0
+                || a.heads == 0
+                || a.kv_heads == 0
+                || !a.heads.is_multiple_of(a.kv_heads)
+                || !a.hidden.is_multiple_of(a.heads)
             {
                 bail!("bench shape: need steps ≥ 1, heads a multiple of kv_heads, hidden a multiple of heads");
             }
             let o = BenchOptions {
-                hidden,
-                layers,
-                heads,
-                kv_heads,
-                intermediate,
-                vocab,
-                seq,
-                batch,
-                r,
-                alpha: 2.0 * r as f64,
-                steps,
-                warmup,
-                gradient_checkpointing,
+                hidden: a.hidden,
+                layers: a.layers,
+                heads: a.heads,
+                kv_heads: a.kv_heads,
+                intermediate: a.intermediate,
+                vocab: a.vocab,
+                seq: a.seq,
+                batch: a.batch,
+                r: a.r,
+                alpha: 2.0 * a.r as f64,
+                steps: a.steps,
+                warmup: a.warmup,
+                gradient_checkpointing: a.gradient_checkpointing,
             };
             let res = rtune_train::bench::run(&o, &mut |i, dt, timed| {
                 eprintln!(
@@ -261,7 +250,7 @@ fn run(cli: Cli) -> Result<()> {
                 res.peak_rss_bytes as f64 / 1e6,
                 res.threads
             );
-            if let Some(p) = json_out {
+            if let Some(p) = a.json_out {
                 std::fs::write(&p, serde_json::to_string_pretty(&res)?)
                     .with_context(|| format!("{}", p.display()))?;
             }

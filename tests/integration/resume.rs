@@ -103,12 +103,8 @@ fn reference(tmp: &Path) -> PathBuf {
     out
 }
 
-#[test]
-fn sigterm_then_resume_is_bitwise_identical() {
-    let tmp = tempfile::tempdir().unwrap();
-    let reference = reference(tmp.path());
-    let out = tmp.path().join("stopped");
-    let cfg = config(tmp.path(), &out, "");
+/// Starts `rtune train` on `cfg` and returns once `steps` lines are in metrics.jsonl.
+fn spawn_until_step(cfg: &Path, out: &Path, steps: usize) -> std::process::Child {
     let child = Command::new(env!("CARGO_BIN_EXE_rtune"))
         .args(["train", "--config", cfg.to_str().unwrap()])
         .current_dir(root())
@@ -116,12 +112,23 @@ fn sigterm_then_resume_is_bitwise_identical() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Stop once a few steps are in metrics.jsonl.
     let t0 = Instant::now();
-    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 6 {
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+        < steps
+    {
         assert!(t0.elapsed() < Duration::from_secs(60), "run did not start");
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(2));
     }
+    child
+}
+
+#[test]
+fn sigterm_then_resume_is_bitwise_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path());
+    let out = tmp.path().join("stopped");
+    let cfg = config(tmp.path(), &out, "");
+    let child = spawn_until_step(&cfg, &out, 6);
     unsafe { libc_kill(child.id() as i32, 15) };
     let o = child.wait_with_output().unwrap();
     let said = String::from_utf8_lossy(&o.stdout).into_owned();
@@ -450,18 +457,7 @@ fn second_signal_exits_at_once_without_damage() {
     let reference = reference(tmp.path());
     let out = tmp.path().join("twice");
     let cfg = config(tmp.path(), &out, "");
-    let child = Command::new(env!("CARGO_BIN_EXE_rtune"))
-        .args(["train", "--config", cfg.to_str().unwrap()])
-        .current_dir(root())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "run did not start");
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    let child = spawn_until_step(&cfg, &out, 3);
     unsafe {
         libc_kill(child.id() as i32, 2);
         libc_kill(child.id() as i32, 15);
