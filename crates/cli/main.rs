@@ -326,7 +326,9 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
             }
         }
         Event::Checkpoint { step, path } => {
-            tracing::debug!("step {step}: checkpoint {}", path.display())
+            if step % every == 0 || step == steps {
+                eprintln!("step {step:>5}/{steps}  checkpoint {}", path.display());
+            }
         }
         Event::Warning(w) => tracing::warn!("{w}"),
     })?;

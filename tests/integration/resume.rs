@@ -468,3 +468,25 @@ fn second_signal_exits_at_once_without_damage() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_same_run(&reference, &out);
 }
+
+/// When no checkpoint verifies, resume refuses rather than silently starting over.
+#[test]
+fn resume_refuses_when_every_checkpoint_is_corrupt() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("all-bad");
+    let cfg = config(tmp.path(), &out, "");
+    let o = rtune(
+        &["train", "--config", cfg.to_str().unwrap()],
+        &[("RTUNE_FAULT_ENOSPC_AFTER", "16")],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    let cps = checkpoint_dirs(&out);
+    assert!(!cps.is_empty());
+    for c in &cps {
+        std::fs::remove_file(c.join("manifest.json")).unwrap();
+    }
+    let o = train(&cfg, &["--resume"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("none of its"), "{}", stderr(&o));
+    assert_eq!(checkpoint_dirs(&out).len(), cps.len(), "nothing deleted");
+}

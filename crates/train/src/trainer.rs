@@ -184,10 +184,20 @@ pub fn train(
                     )));
                 }
             }
-            None => on_event(Event::Warning(format!(
-                "no usable checkpoint in {}; starting from step 0",
-                dir.display()
-            ))),
+            None => {
+                let n = checkpoint::list(&dir).len();
+                if n > 0 && !cfg.overwrite {
+                    return Err(TrainError::Resume(format!(
+                        "{}: none of its {n} checkpoint(s) verifies (see above); set [output] overwrite = true \
+                         to start over",
+                        dir.display()
+                    )));
+                }
+                on_event(Event::Warning(format!(
+                    "no usable checkpoint in {}; starting from step 0",
+                    dir.display()
+                )))
+            }
         }
     }
     if resumed.is_none() {
@@ -221,11 +231,8 @@ pub fn train(
             message: e.to_string(),
         })?;
     }
-    let mut record = RunRecord::begin(
-        cfg,
-        &dir,
-        (start_step > 0 || resuming).then_some(start_step),
-    )?;
+    let resumed_from = (start_step > 0).then_some(start_step);
+    let mut record = RunRecord::begin(cfg, &dir, resumed_from)?;
     record.write(&dir, privacy)?;
     let resolved = toml::to_string(&cfg.file).expect("config serialises");
     write_atomic(&dir.join("config.toml"), resolved.as_bytes(), privacy).map_err(io)?;
