@@ -350,3 +350,108 @@ fn finished_run_is_not_overwritten_by_default() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+/// Every shipped recipe parses, validates, points at files that exist, and opens with the command
+/// that runs it.
+#[test]
+fn every_shipped_config_loads() {
+    let dir = root().join("configs");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "toml") {
+            let cfg =
+                rtune_config::load(&p, &[]).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            let first = std::fs::read_to_string(&p)
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_string();
+            assert!(
+                first.starts_with("# ") && first.contains(" train --config configs/"),
+                "{}: {first}",
+                p.display()
+            );
+            assert!(
+                root().join(&cfg.model_path).join("config.json").exists(),
+                "{}",
+                p.display()
+            );
+            assert!(root().join(&cfg.train_data).exists(), "{}", p.display());
+            n += 1;
+        }
+    }
+    assert!(n >= 1);
+}
+
+fn rtune_env(args: &[&str], env: (&str, &str)) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rtune"))
+        .args(args)
+        .env(env.0, env.1)
+        .current_dir(root())
+        .output()
+        .unwrap()
+}
+
+/// NaN/Inf steps are skipped without touching the adapter or AdamW's step count: with the loss of
+/// steps 3 and 4 poisoned, 5 steps on the golden batch make exactly the golden's 3 AdamW updates.
+#[test]
+fn non_finite_steps_are_skipped_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, g) = golden_run(tmp.path(), 2, 1);
+    let cfg = path_str(&cfg);
+    let sets = ["--set", "train.steps=5", "--set", "train.max_bad_steps=2"];
+    let mut args = vec!["train", "--config", cfg.as_str()];
+    args.extend(sets);
+    let o = rtune_env(&args, ("RTUNE_FAULT_NAN_STEPS", "3,4"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        stderr(&o).matches("update skipped").count(),
+        2,
+        "{}",
+        stderr(&o)
+    );
+    let out = tmp.path().join("out");
+    let m: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let skipped: Vec<bool> = m.iter().map(|l| l["skipped"].as_bool().unwrap()).collect();
+    assert_eq!(skipped, vec![false, false, true, true, false]);
+    let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
+    let l5 = m[4]["loss"].as_f64().unwrap();
+    assert!(
+        (l5 - want[2] as f64).abs() / want[2] as f64 <= 1e-5,
+        "{l5} vs {}",
+        want[2]
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["skipped_steps"], 2);
+    // The adapter equals the golden after its 3 updates (metrics lines 1–2 checked against it too).
+    let adapter = candle_core::safetensors::load(
+        out.join("adapter_model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    for (k, t) in &adapter {
+        let e = rel_err(t, g.get(&format!("adamw.{k}")));
+        assert!(e <= 1e-4, "{k}: rel err {e:e}");
+    }
+
+    // One more bad step in a row than allowed stops the run, and no adapter is written.
+    let mut args = vec![
+        "train",
+        "--config",
+        cfg.as_str(),
+        "--set",
+        "output.overwrite=true",
+    ];
+    args.extend(sets);
+    let o = rtune_env(&args, ("RTUNE_FAULT_NAN_STEPS", "2,3,4"));
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("3 steps in a row"), "{}", stderr(&o));
+    assert!(!out.join("adapter_model.safetensors").exists() && !out.join("summary.json").exists());
+}

@@ -67,7 +67,7 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// metrics.jsonl without the wall-clock fields, which no two runs share.
+/// metrics.jsonl without the wall-clock and memory fields, which no two runs share.
 fn metrics(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
@@ -77,6 +77,7 @@ fn metrics(out: &Path) -> Vec<serde_json::Value> {
             let o = v.as_object_mut().unwrap();
             o.remove("tokens_per_s");
             o.remove("elapsed_s");
+            o.remove("peak_memory_bytes");
             v
         })
         .collect()

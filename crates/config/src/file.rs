@@ -98,6 +98,9 @@ pub struct TrainSection {
     /// Keep only each decoder layer's input in the forward pass and recompute the layer in backward.
     #[serde(default = "d_true")]
     pub gradient_checkpointing: bool,
+    /// Consecutive steps with a NaN/Inf loss or gradient (each skipped) before the run stops.
+    #[serde(default = "d_max_bad_steps")]
+    pub max_bad_steps: usize,
     /// Print a progress line every N optimizer steps (metrics.jsonl always has every step).
     #[serde(default = "d_one")]
     pub log_every: usize,
@@ -178,6 +181,9 @@ fn d_eps() -> f64 {
 }
 fn d_device() -> String {
     "auto".into()
+}
+fn d_max_bad_steps() -> usize {
+    5
 }
 fn d_save_every() -> usize {
     100

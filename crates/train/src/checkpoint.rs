@@ -45,6 +45,11 @@ pub struct TrainerState {
     pub total_tokens: usize,
     pub wall_s: f64,
     pub last_loss: f64,
+    /// Consecutive and total updates skipped for a non-finite loss or gradient.
+    #[serde(default)]
+    pub bad_in_a_row: usize,
+    #[serde(default)]
+    pub skipped_steps: usize,
     /// Settings that a resumed run must share to reproduce the uninterrupted one.
     pub settings: BTreeMap<String, String>,
 }

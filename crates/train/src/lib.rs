@@ -42,11 +42,15 @@ pub enum TrainError {
     Device(String),
     #[error("{0}")]
     Resume(String),
-    #[error("step {step}: loss {loss} / gradient norm {grad_norm} is not finite; stopped without writing an adapter (try a lower [train] lr)")]
+    #[error(
+        "step {step}: loss {loss} / gradient norm {grad_norm} not finite for {in_a_row} steps in a row; \
+         stopped without writing an adapter (the last checkpoint is intact; try a lower [train] lr)"
+    )]
     NonFinite {
         step: usize,
         loss: f64,
         grad_norm: f64,
+        in_a_row: usize,
     },
     #[error("{op}: {source}")]
     Candle {

@@ -93,6 +93,15 @@ pub fn clip_factor(grads: &[Vec<f32>], max_norm: f64) -> (f64, f64) {
     (norm, coef.min(1.0))
 }
 
+/// What [`LoraOptimizer::step`] did.
+#[derive(Debug, Clone, Copy)]
+pub struct Applied {
+    /// Global L2 norm of the gradients before clipping.
+    pub grad_norm: f64,
+    /// False when the loss or a gradient was not finite: nothing was updated.
+    pub applied: bool,
+}
+
 /// AdamW over an adapter's weights, kept as flat f32 vectors between steps.
 pub struct LoraOptimizer {
     params: Vec<Vec<f32>>,
@@ -121,16 +130,16 @@ impl LoraOptimizer {
         })
     }
 
-    /// Clips (`max_norm` 0 = off), lets `check` veto the step on the pre-clip norm, updates the
-    /// adapter. Returns the pre-clip global gradient norm.
+    /// Clips (`max_norm` 0 = off) and updates the adapter — unless `loss` or the gradient norm is
+    /// not finite, in which case nothing changes.
     pub fn step(
         &mut self,
         adapter: &mut Adapter,
         grads: &Grads,
         lr: f64,
         max_norm: f64,
-        check: impl FnOnce(f64) -> Result<(), TrainError>,
-    ) -> Result<f64, TrainError> {
+        loss: f64,
+    ) -> Result<Applied, TrainError> {
         let mut gv: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
         for (i, size) in self.sizes.iter().enumerate() {
             let g = if i % 2 == 0 {
@@ -144,7 +153,13 @@ impl LoraOptimizer {
             });
         }
         let (grad_norm, coef) = clip_factor(&gv, max_norm);
-        check(grad_norm)?;
+        if !(loss.is_finite() && grad_norm.is_finite()) {
+            // As torch's GradScaler: no update at all, and AdamW's step count does not advance.
+            return Ok(Applied {
+                grad_norm,
+                applied: false,
+            });
+        }
         if coef < 1.0 {
             let c = coef as f32;
             gv.iter_mut()
@@ -159,7 +174,10 @@ impl LoraOptimizer {
             p.b =
                 mk(&self.params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
         }
-        Ok(grad_norm)
+        Ok(Applied {
+            grad_norm,
+            applied: true,
+        })
     }
 
     /// `(adamw step, m, v)` in the adapter's order (A0, B0, A1, B1, ...), for checkpoints.

@@ -46,6 +46,10 @@ pub struct StepMetrics {
     /// Tokens that carried a loss.
     pub target_tokens: usize,
     pub tokens_per_s: f64,
+    /// The update was skipped: the loss or a gradient was NaN/Inf.
+    pub skipped: bool,
+    /// Peak resident memory of the process so far.
+    pub peak_memory_bytes: u64,
     pub elapsed_s: f64,
 }
 
@@ -62,6 +66,8 @@ pub struct Summary {
     pub lora_params: usize,
     pub examples: usize,
     pub epochs_started: usize,
+    /// Steps whose update was skipped for a non-finite loss or gradient.
+    pub skipped_steps: usize,
     pub output_dir: PathBuf,
 }
 
@@ -211,6 +217,11 @@ pub fn train(
         (Vec::new(), 0, f64::NAN, 0.0, 0);
     let metrics_path = dir.join("metrics.jsonl");
     let mut metrics_bytes = 0u64;
+    let (mut bad_in_a_row, mut skipped_steps) = (0usize, 0usize);
+    // Tests poison the loss of these steps (comma-separated, 1-based) to exercise the NaN path.
+    let fault_nan_steps: Vec<usize> = std::env::var("RTUNE_FAULT_NAN_STEPS")
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_default();
     if let Some(l) = resumed.take() {
         adapter = l.adapter;
         model.attach(&adapter);
@@ -224,6 +235,7 @@ pub fn train(
             l.state.step,
         );
         metrics_bytes = l.state.metrics_bytes;
+        (bad_in_a_row, skipped_steps) = (l.state.bad_in_a_row, l.state.skipped_steps);
         // Lines written after the checkpoint are written again, identically.
         let f = privacy.append(&metrics_path).map_err(io)?;
         f.set_len(metrics_bytes).map_err(|e| TrainError::Output {
@@ -284,17 +296,33 @@ pub fn train(
             }
             let loss = loss_sum / n_target as f64;
             let lr = cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps);
-            let grad_norm = opt.step(&mut adapter, &grads, lr, cfg.max_grad_norm, |grad_norm| {
-                if loss.is_finite() && grad_norm.is_finite() {
-                    Ok(())
-                } else {
-                    Err(TrainError::NonFinite {
+            let loss = if fault_nan_steps.contains(&(step + 1)) {
+                f64::NAN
+            } else {
+                loss
+            };
+            let done = opt.step(&mut adapter, &grads, lr, cfg.max_grad_norm, loss)?;
+            let grad_norm = done.grad_norm;
+            if done.applied {
+                bad_in_a_row = 0;
+            } else {
+                bad_in_a_row += 1;
+                skipped_steps += 1;
+                if bad_in_a_row > cfg.max_bad_steps {
+                    return Err(TrainError::NonFinite {
                         step: step + 1,
                         loss,
                         grad_norm,
-                    })
+                        in_a_row: bad_in_a_row,
+                    });
                 }
-            })?;
+                on_event(Event::Warning(format!(
+                    "step {}: loss {loss} / gradient norm {grad_norm} not finite; update skipped ({bad_in_a_row} in a row, \
+                     the run stops after {})",
+                    step + 1,
+                    cfg.max_bad_steps
+                )));
+            }
             step += 1;
             let secs = t0.elapsed().as_secs_f64();
             let m = StepMetrics {
@@ -305,6 +333,8 @@ pub fn train(
                 tokens,
                 target_tokens: n_target,
                 tokens_per_s: tokens as f64 / secs.max(1e-9),
+                skipped: !done.applied,
+                peak_memory_bytes: memory::peak_rss_bytes(),
                 elapsed_s: wall_before + started.elapsed().as_secs_f64(),
             };
             if step > 1 || cfg.steps == 1 {
@@ -344,6 +374,8 @@ pub fn train(
                     total_tokens,
                     wall_s: wall_before + started.elapsed().as_secs_f64(),
                     last_loss,
+                    bad_in_a_row,
+                    skipped_steps,
                     settings: settings.clone(),
                 };
                 match checkpoint::save(&dir, &state, &adapter, &opt, &base, privacy, cfg.keep_last)
@@ -373,6 +405,7 @@ pub fn train(
             lora_params: adapter.num_params(),
             examples,
             epochs_started: batcher.position().0 + 1,
+            skipped_steps,
             output_dir: dir.clone(),
         };
         let text = serde_json::to_string_pretty(&summary).expect("summary serialises");
