@@ -7,7 +7,8 @@ peft):
     python tests/parity/make_arch_goldens.py
 
 Writes tests/fixtures/tiny-{qwen2,mistral}/ (config.json in transformers v5 layout + model.safetensors)
-and tests/parity/golden_tiny_{qwen2,mistral}.safetensors with the same keys and metadata as the other
+and tests/parity/golden_tiny_{qwen2,mistral}.safetensors, plus golden_tiny_llama_bf16.safetensors (the
+plain tiny Llama computed in bf16, LoRA weights in f32 as PEFT keeps them), with the same keys and metadata as the other
 goldens (input_ids, labels, logits, base_logits, loss, hidden_states.*, init.*, grad.*, adamw.*).
 Deterministic: seeded init, deterministic algorithms, CPU, f32, eager attention.
 """
@@ -55,7 +56,15 @@ def make(name, cfg):
                 p.normal_(0.0, 0.5)
     out_dir = os.path.join(FIX, f"tiny-{name}")
     model.save_pretrained(out_dir, safe_serialization=True)
-    model = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager")
+    golden(name, out_dir, torch.float32, cfg.vocab_size)
+
+
+def golden(name, model_dir, dtype, vocab):
+    """LoRA on every linear layer of the model in `model_dir`, computed in `dtype` (LoRA weights f32,
+    as PEFT keeps them); writes golden_tiny_<name>.safetensors."""
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0,
                                              task_type="CAUSAL_LM"))
     g = torch.Generator().manual_seed(1)
@@ -67,20 +76,20 @@ def make(name, cfg):
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     tensors = {"init." + peft_key(n): p.detach().clone() for n, p in params}
-    ids = torch.randint(3, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, vocab, (B, T), generator=torch.Generator().manual_seed(2))
     ids[:, 0] = 1
     labels = ids.clone()
     labels[:, :4] = -100
     out = model(input_ids=ids, labels=labels, output_hidden_states=True)
     out.loss.backward()
     tensors.update(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
-                   logits=out.logits.detach(), loss=out.loss.detach().reshape(1))
+                   logits=out.logits.detach().float(), loss=out.loss.detach().float().reshape(1))
     for i, h in enumerate(out.hidden_states):
-        tensors[f"hidden_states.{i}"] = h.detach()
+        tensors[f"hidden_states.{i}"] = h.detach().float()
     for n, p in params:
-        tensors["grad." + peft_key(n)] = p.grad.detach().clone()
+        tensors["grad." + peft_key(n)] = p.grad.detach().float().clone()
     with torch.no_grad(), model.disable_adapter():
-        tensors["base_logits"] = model(input_ids=ids).logits
+        tensors["base_logits"] = model(input_ids=ids).logits.float()
     opt = torch.optim.AdamW([p for _, p in params], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     losses = []
     for _ in range(STEPS):
@@ -94,7 +103,7 @@ def make(name, cfg):
         tensors["adamw." + peft_key(n)] = p.detach().clone()
     meta = {"r": R, "lora_alpha": ALPHA, "use_rslora": False, "scaling": ALPHA / R, "target_modules": TARGETS,
             "n_lora_modules": len(params) // 2, "adamw": {"lr": LR, "weight_decay": 0.0, "steps": STEPS},
-            "model": name, "versions": {"torch": torch.__version__,
+            "model": name, "dtype": str(dtype).replace("torch.", ""), "versions": {"torch": torch.__version__,
                                         "transformers": __import__("transformers").__version__,
                                         "peft": __import__("peft").__version__}}
     path = os.path.join(HERE, f"golden_tiny_{name}.safetensors")
@@ -105,3 +114,5 @@ def make(name, cfg):
 if __name__ == "__main__":
     for name, cfg in MODELS.items():
         make(name, cfg)
+    # bf16 compute on the plain tiny Llama (f32 weights on disk, cast at load)
+    golden("llama_bf16", os.path.join(FIX, "tiny-llama"), torch.bfloat16, 512)

@@ -59,9 +59,9 @@ pub struct Linear {
 /// What the backward needs besides the input.
 #[derive(Debug, Clone, Default)]
 pub struct LinearCache {
-    /// `x·Aᵀ` (after dropout): `(N, r)`.
+    /// `x·Aᵀ` (after dropout): `(N, r)`, f32.
     xa: Option<Tensor>,
-    /// Dropout keep-mask scaled by `1/(1−p)`: `(N, in)`.
+    /// Dropout keep-mask scaled by `1/(1−p)`: `(N, in)`, f32.
     mask: Option<Tensor>,
 }
 
@@ -87,19 +87,22 @@ impl Linear {
         let mut cache = LinearCache::default();
         if let (Some(slot), Some(ctx)) = (self.lora, lora) {
             let pair = &ctx.adapter.pairs[slot];
+            // The LoRA branch runs in f32, the adapter's dtype, whatever the compute dtype: PEFT
+            // casts the input to the adapter weights' dtype (kept f32) and adds in f32.
             let dt = x.dtype();
+            let xf = x.to_dtype(DType::F32)?;
             let mask = if ctx.dropout > 0.0 {
-                Some(dropout_mask(x, ctx.dropout, ctx.seed ^ salt)?)
+                Some(dropout_mask(&xf, ctx.dropout, ctx.seed ^ salt)?)
             } else {
                 None
             };
             let xd = match &mask {
-                Some(m) => (x * m)?,
-                None => x.clone(),
+                Some(m) => (&xf * m)?,
+                None => xf,
             };
-            let xa = xd.matmul(&pair.a.to_dtype(dt)?.t()?)?; // (N, r)
-            let yl = (xa.matmul(&pair.b.to_dtype(dt)?.t()?)? * ctx.scaling)?;
-            y = (y + yl)?;
+            let xa = xd.matmul(&pair.a.t()?)?; // (N, r) f32
+            let yl = (xa.matmul(&pair.b.t()?)? * ctx.scaling)?;
+            y = (y.to_dtype(DType::F32)? + yl)?.to_dtype(dt)?;
             cache = LinearCache { xa: Some(xa), mask };
         }
         Ok((y, cache))
@@ -122,37 +125,38 @@ impl Linear {
         };
         if let (Some(slot), Some(ctx), Some(xa)) = (self.lora, lora, &cache.xa) {
             let pair = &ctx.adapter.pairs[slot];
-            let dt = dy.dtype();
-            let (a, b) = (pair.a.to_dtype(dt)?, pair.b.to_dtype(dt)?);
             let s = ctx.scaling;
+            // In f32, as the forward's LoRA branch.
+            let dyf = dy.to_dtype(DType::F32)?;
             // dB: (out, r) = s · dyᵀ·xa
-            Grads::add(&mut grads.b[slot], (dy.t()?.matmul(xa)? * s)?)?;
+            Grads::add(&mut grads.b[slot], (dyf.t()?.matmul(xa)? * s)?)?;
             // dxa: (N, r) = s · dy·B
-            let dxa = (dy.matmul(&b)? * s)?;
+            let dxa = (dyf.matmul(&pair.b)? * s)?;
+            let xf = x.to_dtype(DType::F32)?;
             let xd = match &cache.mask {
-                Some(m) => (x * m)?,
-                None => x.clone(),
+                Some(m) => (&xf * m)?,
+                None => xf,
             };
             // dA: (r, in) = dxaᵀ·xd
             Grads::add(&mut grads.a[slot], dxa.t()?.matmul(&xd)?)?;
             if let Some(d) = dx.as_mut() {
-                let mut dl = dxa.matmul(&a)?;
+                let mut dl = dxa.matmul(&pair.a)?;
                 if let Some(m) = &cache.mask {
                     dl = (dl * m)?;
                 }
-                *d = (&*d + dl)?;
+                *d = (&*d + dl.to_dtype(d.dtype())?)?;
             }
         }
         Ok(dx)
     }
 }
 
-/// Inverted-dropout mask shaped like `x`: `1/(1−p)` with probability `1−p`, else 0.
+/// Inverted-dropout mask shaped like `x` (f32): `1/(1−p)` with probability `1−p`, else 0.
 fn dropout_mask(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let keep = (1.0 / (1.0 - p)) as f32;
     let v: Vec<f32> = (0..x.elem_count())
         .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
         .collect();
-    Tensor::from_vec(v, x.shape(), x.device())?.to_dtype(x.dtype())
+    Tensor::from_vec(v, x.shape(), x.device())
 }
