@@ -455,3 +455,55 @@ fn non_finite_steps_are_skipped_exactly() {
     assert!(stderr(&o).contains("3 steps in a row"), "{}", stderr(&o));
     assert!(!out.join("adapter_model.safetensors").exists() && !out.join("summary.json").exists());
 }
+
+/// f16 with dynamic loss scaling: a loss scale far too large (2³⁰) overflows the f16 gradients;
+/// each such step is skipped and the scale halved until the gradients fit, then training goes on.
+#[test]
+fn f16_loss_scaling_survives_overflow() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("f16");
+    let o = rtune(&[
+        "train",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        "model.dtype=f16",
+        "--set",
+        "train.steps=30",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "train.loss_scale_init=1073741824",
+        "--set",
+        &format!("output.dir={}", path_str(&out)),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("overflow f16"), "{}", stderr(&o));
+    let m: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let skipped: Vec<bool> = m.iter().map(|l| l["skipped"].as_bool().unwrap()).collect();
+    let scales: Vec<f64> = m
+        .iter()
+        .map(|l| l["loss_scale"].as_f64().unwrap())
+        .collect();
+    let first_ok = skipped.iter().position(|s| !s).expect("some step applied");
+    assert!(first_ok >= 1, "2^30 should overflow f16: {skipped:?}");
+    assert!(skipped[first_ok..].iter().all(|s| !s), "{skipped:?}");
+    for w in scales[..=first_ok].windows(2) {
+        assert_eq!(w[1], w[0] / 2.0, "{scales:?}");
+    }
+    let losses: Vec<f64> = m.iter().map(|l| l["loss"].as_f64().unwrap()).collect();
+    assert!(
+        losses[29] < 0.5 * losses[first_ok],
+        "training went on: {losses:?}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(
+        summary["skipped_steps"].as_u64().unwrap() as usize,
+        first_ok
+    );
+}

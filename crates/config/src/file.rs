@@ -98,6 +98,11 @@ pub struct TrainSection {
     /// Keep only each decoder layer's input in the forward pass and recompute the layer in backward.
     #[serde(default = "d_true")]
     pub gradient_checkpointing: bool,
+    /// f16 only: initial dynamic loss scale, and clean steps before it doubles (torch's defaults).
+    #[serde(default = "d_loss_scale_init")]
+    pub loss_scale_init: f64,
+    #[serde(default = "d_loss_scale_growth_interval")]
+    pub loss_scale_growth_interval: usize,
     /// Consecutive steps with a NaN/Inf loss or gradient (each skipped) before the run stops.
     #[serde(default = "d_max_bad_steps")]
     pub max_bad_steps: usize,
@@ -181,6 +186,12 @@ fn d_eps() -> f64 {
 }
 fn d_device() -> String {
     "auto".into()
+}
+fn d_loss_scale_init() -> f64 {
+    65536.0
+}
+fn d_loss_scale_growth_interval() -> usize {
+    2000
 }
 fn d_max_bad_steps() -> usize {
     5

@@ -69,6 +69,8 @@ pub struct RunConfig {
     pub gradient_checkpointing: bool,
     pub log_every: usize,
     pub max_bad_steps: usize,
+    pub loss_scale_init: f64,
+    pub loss_scale_growth_interval: usize,
     pub output_dir: PathBuf,
     pub overwrite: bool,
     pub save_every: usize,
@@ -195,6 +197,16 @@ impl ConfigFile {
                 format!("must be positive, got {}", t.adam_eps),
             ));
         }
+        if !(t.loss_scale_init.is_finite() && t.loss_scale_init > 0.0) {
+            return Err(bad(
+                "train.loss_scale_init",
+                format!("must be positive, got {}", t.loss_scale_init),
+            ));
+        }
+        positive(
+            "train.loss_scale_growth_interval",
+            t.loss_scale_growth_interval,
+        )?;
         let device = parse_device(&t.device).map_err(|m| bad("train.device", m))?;
         if self.output.dir.trim().is_empty() {
             return Err(bad("output.dir", "is empty".into()));
@@ -253,6 +265,8 @@ impl ConfigFile {
             gradient_checkpointing: t.gradient_checkpointing,
             log_every: t.log_every,
             max_bad_steps: t.max_bad_steps,
+            loss_scale_init: t.loss_scale_init,
+            loss_scale_growth_interval: t.loss_scale_growth_interval,
             output_dir: PathBuf::from(&self.output.dir),
             overwrite: self.output.overwrite,
             save_every: o.save_every,

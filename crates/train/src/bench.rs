@@ -148,7 +148,7 @@ pub fn run(
             o.gradient_checkpointing,
             &mut grads,
         )?;
-        opt.step(&mut adapter, &grads, 1e-4, 0.0, 0.0)?;
+        opt.step(&mut adapter, &grads, 1e-4, 0.0, 0.0, 1.0)?;
         let dt = t0.elapsed().as_secs_f64();
         let timed = step >= o.warmup;
         if timed {

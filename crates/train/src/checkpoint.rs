@@ -39,6 +39,9 @@ pub struct TrainerState {
     pub next_lr: f64,
     /// Dynamic loss scale (f16); none in f32/bf16.
     pub loss_scale: Option<f64>,
+    /// Clean steps since the scale last changed.
+    #[serde(default)]
+    pub loss_scale_clean_steps: usize,
     /// Length of metrics.jsonl when the checkpoint was taken; a resumed run cuts it back to this.
     pub metrics_bytes: u64,
     pub speeds: Vec<f64>,

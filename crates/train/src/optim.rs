@@ -93,6 +93,40 @@ pub fn clip_factor(grads: &[Vec<f32>], max_norm: f64) -> (f64, f64) {
     (norm, coef.min(1.0))
 }
 
+/// Dynamic loss scaling for f16, as `torch.amp.GradScaler`: gradients are computed for
+/// `loss · scale` so small ones survive f16; a step whose gradients overflow is skipped and the scale
+/// halved; after `interval` clean steps in a row the scale doubles.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LossScaler {
+    pub scale: f64,
+    /// Clean steps since the last overflow or growth.
+    pub clean_steps: usize,
+    pub interval: usize,
+}
+
+impl LossScaler {
+    pub fn new(scale: f64, interval: usize) -> Self {
+        Self {
+            scale,
+            clean_steps: 0,
+            interval,
+        }
+    }
+
+    pub fn update(&mut self, overflow: bool) {
+        if overflow {
+            self.scale *= 0.5;
+            self.clean_steps = 0;
+        } else {
+            self.clean_steps += 1;
+            if self.clean_steps >= self.interval {
+                self.scale *= 2.0;
+                self.clean_steps = 0;
+            }
+        }
+    }
+}
+
 /// What [`LoraOptimizer::step`] did.
 #[derive(Debug, Clone, Copy)]
 pub struct Applied {
@@ -130,8 +164,9 @@ impl LoraOptimizer {
         })
     }
 
-    /// Clips (`max_norm` 0 = off) and updates the adapter — unless `loss` or the gradient norm is
-    /// not finite, in which case nothing changes.
+    /// Multiplies the gradients by `unscale` (1 / loss scale), clips (`max_norm` 0 = off) and
+    /// updates the adapter — unless `loss` or the gradient norm is not finite, in which case nothing
+    /// changes.
     pub fn step(
         &mut self,
         adapter: &mut Adapter,
@@ -139,6 +174,7 @@ impl LoraOptimizer {
         lr: f64,
         max_norm: f64,
         loss: f64,
+        unscale: f64,
     ) -> Result<Applied, TrainError> {
         let mut gv: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
         for (i, size) in self.sizes.iter().enumerate() {
@@ -151,6 +187,12 @@ impl LoraOptimizer {
                 Some(t) => flat(t).map_err(TrainError::candle("grad to host"))?,
                 None => vec![0.0; *size],
             });
+        }
+        if unscale != 1.0 {
+            let u = unscale as f32;
+            gv.iter_mut()
+                .flat_map(|g| g.iter_mut())
+                .for_each(|x| *x *= u);
         }
         let (grad_norm, coef) = clip_factor(&gv, max_norm);
         if !(loss.is_finite() && grad_norm.is_finite()) {
@@ -277,6 +319,21 @@ mod tests {
         assert!((lr_factor(Cosine, 10, 10, 2)).abs() < 1e-12);
         assert_eq!(lr_factor(Constant, 7, 10, 2), 1.0);
         assert_eq!(lr_factor(Constant, 0, 10, 0), 1.0);
+    }
+
+    #[test]
+    fn loss_scaler_backs_off_and_grows_as_grad_scaler() {
+        let mut s = LossScaler::new(65536.0, 3);
+        s.update(true);
+        assert_eq!(s.scale, 32768.0);
+        s.update(false);
+        s.update(false);
+        assert_eq!(s.scale, 32768.0);
+        s.update(false);
+        assert_eq!((s.scale, s.clean_steps), (65536.0, 0));
+        s.update(false);
+        s.update(true);
+        assert_eq!((s.scale, s.clean_steps), (32768.0, 0));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use rtune_fsio::{write_atomic, Privacy};
 use rtune_model::{Grads, Inputs, LoraCtx};
 
 use crate::checkpoint::{self, TrainerState};
-use crate::optim::{lr_factor, LoraOptimizer};
+use crate::optim::{lr_factor, LoraOptimizer, LossScaler};
 use crate::record::RunRecord;
 use crate::setup::{base_model_name, fresh_output, prepare, settings_diff, Prepared};
 use crate::{memory, TrainError};
@@ -48,6 +48,9 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// The update was skipped: the loss or a gradient was NaN/Inf.
     pub skipped: bool,
+    /// f16 only: the loss scale this step's gradients were computed with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
     /// Peak resident memory of the process so far.
     pub peak_memory_bytes: u64,
     pub elapsed_s: f64,
@@ -218,6 +221,8 @@ pub fn train(
     let metrics_path = dir.join("metrics.jsonl");
     let mut metrics_bytes = 0u64;
     let (mut bad_in_a_row, mut skipped_steps) = (0usize, 0usize);
+    let mut scaler = (cfg.dtype == rtune_config::DType::F16)
+        .then(|| LossScaler::new(cfg.loss_scale_init, cfg.loss_scale_growth_interval));
     // Tests poison the loss of these steps (comma-separated, 1-based) to exercise the NaN path.
     let fault_nan_steps: Vec<usize> = std::env::var("RTUNE_FAULT_NAN_STEPS")
         .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
@@ -236,6 +241,9 @@ pub fn train(
         );
         metrics_bytes = l.state.metrics_bytes;
         (bad_in_a_row, skipped_steps) = (l.state.bad_in_a_row, l.state.skipped_steps);
+        if let (Some(s), Some(scale)) = (scaler.as_mut(), l.state.loss_scale) {
+            (s.scale, s.clean_steps) = (scale, l.state.loss_scale_clean_steps);
+        }
         // Lines written after the checkpoint are written again, identically.
         let f = privacy.append(&metrics_path).map_err(io)?;
         f.set_len(metrics_bytes).map_err(|e| TrainError::Output {
@@ -271,6 +279,7 @@ pub fn train(
             let tokens: usize = micro.iter().map(|m| m.tokens).sum();
             let mut grads = Grads::new(adapter.pairs.len());
             let mut loss_sum = 0.0;
+            let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
             for (k, mb) in micro.iter().enumerate() {
                 let lc = LoraCtx {
                     adapter: &adapter,
@@ -289,7 +298,7 @@ pub fn train(
                     &inputs,
                     &mb.targets,
                     &lc,
-                    1.0 / n_target as f64,
+                    loss_scale / n_target as f64,
                     cfg.gradient_checkpointing,
                     &mut grads,
                 )?;
@@ -301,10 +310,37 @@ pub fn train(
             } else {
                 loss
             };
-            let done = opt.step(&mut adapter, &grads, lr, cfg.max_grad_norm, loss)?;
+            let done = opt.step(
+                &mut adapter,
+                &grads,
+                lr,
+                cfg.max_grad_norm,
+                loss,
+                1.0 / loss_scale,
+            )?;
             let grad_norm = done.grad_norm;
+            let overflow = !done.applied && loss.is_finite() && scaler.is_some();
+            if let Some(s) = scaler.as_mut() {
+                s.update(overflow);
+            }
             if done.applied {
                 bad_in_a_row = 0;
+            } else if overflow {
+                // f16 gradients overflowed at this scale: skip and retry smaller, as GradScaler.
+                skipped_steps += 1;
+                on_event(Event::Warning(format!(
+                    "step {}: gradients overflow f16 at loss scale {loss_scale}; update skipped, scale now {}",
+                    step + 1,
+                    loss_scale / 2.0
+                )));
+                if loss_scale < 1e-6 {
+                    return Err(TrainError::NonFinite {
+                        step: step + 1,
+                        loss,
+                        grad_norm,
+                        in_a_row: bad_in_a_row + 1,
+                    });
+                }
             } else {
                 bad_in_a_row += 1;
                 skipped_steps += 1;
@@ -334,6 +370,7 @@ pub fn train(
                 target_tokens: n_target,
                 tokens_per_s: tokens as f64 / secs.max(1e-9),
                 skipped: !done.applied,
+                loss_scale: scaler.is_some().then_some(loss_scale),
                 peak_memory_bytes: memory::peak_rss_bytes(),
                 elapsed_s: wall_before + started.elapsed().as_secs_f64(),
             };
@@ -368,7 +405,8 @@ pub fn train(
                     cursor,
                     seed: cfg.seed,
                     next_lr: cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps),
-                    loss_scale: None,
+                    loss_scale: scaler.as_ref().map(|s| s.scale),
+                    loss_scale_clean_steps: scaler.as_ref().map_or(0, |s| s.clean_steps),
                     metrics_bytes,
                     speeds: speeds.clone(),
                     total_tokens,
