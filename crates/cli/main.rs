@@ -145,6 +145,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .without_time()
         .with_target(false)
         .init();
