@@ -259,7 +259,9 @@ impl Model {
             }
             let (h, norm_cache) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
             drop(x);
-            let chunk = ((1usize << 24) / self.cfg.vocab_size).clamp(16, 4096);
+            // 6 Mi f32 logits (24 MiB) a chunk: below glibc's largest mmap threshold, so the
+            // buffer is reused from the heap instead of faulted in fresh every chunk.
+            let chunk = ((6usize << 20) / self.cfg.vocab_size).clamp(16, 4096);
             let (loss, dh) =
                 ops::chunked_cross_entropy(&h, &self.lm_head, targets, grad_scale, chunk)?;
             drop(h);

@@ -70,8 +70,8 @@ pub struct AttnCache {
     /// Rotated keys: `(B, Hkv, T, Dh)`.
     pub k: Tensor,
     pub v: Tensor,
-    /// Softmax probabilities, f32: `(B, Hkv, G·T, T)`.
-    pub p: Tensor,
+    /// Softmax probabilities, f32, one `(1, Hkv, G·T, T)` per batch row.
+    pub p: Vec<Tensor>,
 }
 
 /// Shape facts for one batch through attention.
@@ -109,22 +109,36 @@ pub fn attention(
     // (B, H, T, Dh) = (B, Hkv, G, T, Dh) -> (B, Hkv, G·T, Dh)
     let q = q.reshape((b, hkv, g * t, dh))?;
     let scale = 1.0 / (dh as f64).sqrt();
-    // scores: (B, Hkv, G·T, T)
-    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-    let scores = scores
-        .reshape((b, hkv, g, t, t))?
-        .broadcast_add(mask)?
-        .reshape((b, hkv, g * t, t))?;
-    let max = scores.max_keepdim(D::Minus1)?;
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    // One batch row at a time: the (Hkv, G·T, T) scores of a row are B times smaller than the
+    // batch's, so they stay under the allocator's mmap threshold and are reused, not re-faulted.
+    let mut outs = Vec::with_capacity(b);
+    let mut ps = Vec::with_capacity(b);
+    for i in 0..b {
+        let mask_i = if mask.dim(0)? == b {
+            mask.narrow(0, i, 1)?
+        } else {
+            mask.clone()
+        };
+        // scores: (1, Hkv, G·T, T)
+        let scores =
+            (q.narrow(0, i, 1)?.matmul(&k.narrow(0, i, 1)?.t()?)? * scale)?.to_dtype(DType::F32)?;
+        let scores = scores
+            .reshape((1, hkv, g, t, t))?
+            .broadcast_add(&mask_i)?
+            .reshape((1, hkv, g * t, t))?;
+        let max = scores.max_keepdim(D::Minus1)?;
+        let e = scores.broadcast_sub(&max)?.exp()?;
+        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        outs.push(p.to_dtype(dt)?.matmul(&v.narrow(0, i, 1)?)?);
+        ps.push(p);
+    }
     // out: (B, Hkv, G·T, Dh) -> (B, H, T, Dh) -> (B, T, H, Dh) -> (N, H·Dh)
-    let o = p.to_dtype(dt)?.matmul(&v)?;
+    let o = Tensor::cat(&outs, 0)?;
     let o = o
         .reshape((b, h, t, dh))?
         .transpose(1, 2)?
         .reshape((b * t, h * dh))?;
-    Ok((o, AttnCache { q, k, v, p }))
+    Ok((o, AttnCache { q, k, v, p: ps }))
 }
 
 /// Returns `(dq, dk, dv)` shaped like [`attention`]'s inputs.
@@ -144,16 +158,31 @@ pub fn attention_backward(
         .transpose(1, 2)?
         .contiguous()?
         .reshape((b, hkv, g * t, dh))?;
-    let p = c.p.to_dtype(dt)?;
-    // dv: (B, Hkv, T, Dh) sums over the G query heads of each kv head.
-    let dv = p.t()?.matmul(&d_o)?;
-    // dp: (B, Hkv, G·T, T); softmax backward in f32.
-    let dp = d_o.matmul(&c.v.t()?)?.to_dtype(DType::F32)?;
-    let row = (&dp * &c.p)?.sum_keepdim(D::Minus1)?;
     let scale = 1.0 / (dh as f64).sqrt();
-    let ds = ((&c.p * dp.broadcast_sub(&row)?)? * scale)?.to_dtype(dt)?;
-    let dq = ds.matmul(&c.k)?; // (B, Hkv, G·T, Dh)
-    let dk = ds.t()?.matmul(&c.q)?; // (B, Hkv, T, Dh)
+    let (mut dqs, mut dks, mut dvs) = (
+        Vec::with_capacity(b),
+        Vec::with_capacity(b),
+        Vec::with_capacity(b),
+    );
+    for (i, pf) in c.p.iter().enumerate() {
+        let d_oi = d_o.narrow(0, i, 1)?;
+        let p = pf.to_dtype(dt)?;
+        // dv: (1, Hkv, T, Dh) sums over the G query heads of each kv head.
+        dvs.push(p.t()?.matmul(&d_oi)?);
+        // dp: (1, Hkv, G·T, T); softmax backward in f32.
+        let dp = d_oi
+            .matmul(&c.v.narrow(0, i, 1)?.t()?)?
+            .to_dtype(DType::F32)?;
+        let row = (&dp * pf)?.sum_keepdim(D::Minus1)?;
+        let ds = ((pf * dp.broadcast_sub(&row)?)? * scale)?.to_dtype(dt)?;
+        dqs.push(ds.matmul(&c.k.narrow(0, i, 1)?)?); // (1, Hkv, G·T, Dh)
+        dks.push(ds.t()?.matmul(&c.q.narrow(0, i, 1)?)?); // (1, Hkv, T, Dh)
+    }
+    let (dq, dk, dv) = (
+        Tensor::cat(&dqs, 0)?,
+        Tensor::cat(&dks, 0)?,
+        Tensor::cat(&dvs, 0)?,
+    );
     let dq = crate::rope::apply_backward(&dq.reshape((b, h, t, dh))?, cos, sin)?;
     let dk = crate::rope::apply_backward(&dk, cos, sin)?;
     let back = |x: Tensor, heads: usize| x.transpose(1, 2)?.reshape((b * t, heads * dh));
