@@ -170,10 +170,19 @@ impl RunRecord {
                 return Ok(r);
             }
         }
-        let model_files = model_files(&cfg.model_path)
+        let files = model_files(&cfg.model_path);
+        let total: u64 = files
             .iter()
-            .map(|p| hash(p))
-            .collect::<Result<_, _>>()?;
+            .filter_map(|p| std::fs::metadata(p).ok())
+            .map(|m| m.len())
+            .sum();
+        if total > 256 << 20 {
+            tracing::info!(
+                "hashing {:.1} GB of model files for run.json",
+                total as f64 / 1e9
+            );
+        }
+        let model_files = files.iter().map(|p| hash(p)).collect::<Result<_, _>>()?;
         Ok(Self {
             rtune_version: env!("CARGO_PKG_VERSION").to_string(),
             git_commit: env!("RTUNE_GIT_COMMIT").to_string(),
