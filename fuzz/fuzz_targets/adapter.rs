@@ -12,8 +12,19 @@ fuzz_target!(|data: &[u8]| {
     let (config, weights) = data[1..].split_at(split - 1);
     let spec = LoraSpec::new(2, 4.0, 0.0, false, &["q_proj".to_string()]).unwrap();
     let modules: Vec<ModuleShape> = (0..2)
-        .map(|i| ModuleShape { name: format!("model.layers.{i}.self_attn.q_proj"), in_features: 8, out_features: 8 })
+        .map(|i| ModuleShape {
+            name: format!("model.layers.{i}.self_attn.q_proj"),
+            in_features: 8,
+            out_features: 8,
+        })
         .collect();
     let dir = std::path::Path::new("fuzz-adapter");
-    let _ = Adapter::from_peft_bytes(config, weights, dir, &spec, &modules, &candle_core::Device::Cpu);
+    let _ = Adapter::from_peft_bytes(
+        config,
+        weights,
+        dir,
+        &spec,
+        &modules,
+        &candle_core::Device::Cpu,
+    );
 });

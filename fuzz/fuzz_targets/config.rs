@@ -10,6 +10,10 @@ fuzz_target!(|data: &[u8]| {
             let _ = file.validate(path);
         }
         // Overrides take the same path through the parser.
-        let _ = rtune_config::ConfigFile::parse("[model]\npath='m'\n[data]\ntrain='d'\n", path, &[text.to_string()]);
+        let _ = rtune_config::ConfigFile::parse(
+            "[model]\npath='m'\n[data]\ntrain='d'\n",
+            path,
+            &[text.to_string()],
+        );
     }
 });
