@@ -18,6 +18,15 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// metrics.jsonl of a run directory, one JSON value a line.
+fn metrics_lines(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn path_str(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
@@ -413,11 +422,7 @@ fn non_finite_steps_are_skipped_exactly() {
         stderr(&o)
     );
     let out = tmp.path().join("out");
-    let m: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let m = metrics_lines(&out);
     let skipped: Vec<bool> = m.iter().map(|l| l["skipped"].as_bool().unwrap()).collect();
     assert_eq!(skipped, vec![false, false, true, true, false]);
     let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
@@ -479,11 +484,7 @@ fn f16_loss_scaling_survives_overflow() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("overflow f16"), "{}", stderr(&o));
-    let m: Vec<serde_json::Value> = std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let m = metrics_lines(&out);
     let skipped: Vec<bool> = m.iter().map(|l| l["skipped"].as_bool().unwrap()).collect();
     let scales: Vec<f64> = m
         .iter()
