@@ -70,8 +70,13 @@ pub struct AttnCache {
     /// Rotated keys: `(B, Hkv, T, Dh)`.
     pub k: Tensor,
     pub v: Tensor,
-    /// Softmax probabilities, f32, one `(1, Hkv, G·T, T)` per batch row.
-    pub p: Vec<Tensor>,
+    /// Log-sum-exp of each score row, f32, one `(1, Hkv, G·T, 1)` per batch row.
+    pub lse: Vec<Tensor>,
+    /// The probabilities themselves, f32, `(1, Hkv, G·T, T)` per row — kept only when small
+    /// (see [`keep_probs`]); otherwise the backward recomputes them from `lse`.
+    pub p: Option<Vec<Tensor>>,
+    /// The additive mask the scores were computed with.
+    pub mask: Tensor,
 }
 
 /// Shape facts for one batch through attention.
@@ -97,6 +102,21 @@ pub fn attention(
     sin: &Tensor,
     mask: &Tensor,
 ) -> Result<(Tensor, AttnCache)> {
+    attention_keeping(q, k, v, s, cos, sin, mask, keep_probs(s))
+}
+
+/// [`attention`] with the choice of [`keep_probs`] made by the caller (tests take both paths).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_keeping(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+    keep: bool,
+) -> Result<(Tensor, AttnCache)> {
     let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
     let g = h / hkv;
     let dt = q.dtype();
@@ -108,29 +128,20 @@ pub fn attention(
     let k = crate::rope::apply(&k, cos, sin)?.contiguous()?;
     // (B, H, T, Dh) = (B, Hkv, G, T, Dh) -> (B, Hkv, G·T, Dh)
     let q = q.reshape((b, hkv, g * t, dh))?;
-    let scale = 1.0 / (dh as f64).sqrt();
-    // One batch row at a time: the (Hkv, G·T, T) scores of a row are B times smaller than the
-    // batch's, so they stay under the allocator's mmap threshold and are reused, not re-faulted.
     let mut outs = Vec::with_capacity(b);
-    let mut ps = Vec::with_capacity(b);
+    let mut lses = Vec::with_capacity(b);
+    let mut ps = Vec::with_capacity(if keep { b } else { 0 });
     for i in 0..b {
-        let mask_i = if mask.dim(0)? == b {
-            mask.narrow(0, i, 1)?
-        } else {
-            mask.clone()
-        };
-        // scores: (1, Hkv, G·T, T)
-        let scores =
-            (q.narrow(0, i, 1)?.matmul(&k.narrow(0, i, 1)?.t()?)? * scale)?.to_dtype(DType::F32)?;
-        let scores = scores
-            .reshape((1, hkv, g, t, t))?
-            .broadcast_add(&mask_i)?
-            .reshape((1, hkv, g * t, t))?;
+        let scores = row_scores(&q, &k, mask, s, i)?;
         let max = scores.max_keepdim(D::Minus1)?;
         let e = scores.broadcast_sub(&max)?.exp()?;
-        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        let sum = e.sum_keepdim(D::Minus1)?;
+        let p = e.broadcast_div(&sum)?;
         outs.push(p.to_dtype(dt)?.matmul(&v.narrow(0, i, 1)?)?);
-        ps.push(p);
+        lses.push((max + sum.log()?)?);
+        if keep {
+            ps.push(p);
+        }
     }
     // out: (B, Hkv, G·T, Dh) -> (B, H, T, Dh) -> (B, T, H, Dh) -> (N, H·Dh)
     let o = Tensor::cat(&outs, 0)?;
@@ -138,7 +149,44 @@ pub fn attention(
         .reshape((b, h, t, dh))?
         .transpose(1, 2)?
         .reshape((b * t, h * dh))?;
-    Ok((o, AttnCache { q, k, v, p: ps }))
+    let p = keep.then_some(ps);
+    Ok((
+        o,
+        AttnCache {
+            q,
+            k,
+            v,
+            lse: lses,
+            p,
+            mask: mask.clone(),
+        },
+    ))
+}
+
+/// Whether to keep the attention probabilities for backward (≤ 64 MiB a layer) or recompute them
+/// from the log-sum-exp. Storing is faster (bench-small T=512: ~800 vs ~740 tokens/s); recomputing
+/// keeps long sequences affordable (bench-small T=2048: 537 MB a layer saved).
+pub fn keep_probs(s: &AttnShape) -> bool {
+    s.b * s.heads * s.t * s.t * 4 <= 64 << 20
+}
+
+/// Masked, scaled scores of batch row `i`, f32: `(1, Hkv, G·T, T)`. One batch row at a time: the
+/// scores of a row are B times smaller than the batch's, so they stay under the allocator's mmap
+/// threshold and are reused rather than faulted in fresh.
+fn row_scores(q: &Tensor, k: &Tensor, mask: &Tensor, s: &AttnShape, i: usize) -> Result<Tensor> {
+    let (t, hkv, g) = (s.t, s.kv_heads, s.heads / s.kv_heads);
+    let mask_i = if mask.dim(0)? == s.b && s.b > 1 {
+        mask.narrow(0, i, 1)?
+    } else {
+        mask.clone()
+    };
+    let scale = 1.0 / (s.head_dim as f64).sqrt();
+    let scores =
+        (q.narrow(0, i, 1)?.matmul(&k.narrow(0, i, 1)?.t()?)? * scale)?.to_dtype(DType::F32)?;
+    scores
+        .reshape((1, hkv, g, t, t))?
+        .broadcast_add(&mask_i)?
+        .reshape((1, hkv, g * t, t))
 }
 
 /// Returns `(dq, dk, dv)` shaped like [`attention`]'s inputs.
@@ -164,8 +212,14 @@ pub fn attention_backward(
         Vec::with_capacity(b),
         Vec::with_capacity(b),
     );
-    for (i, pf) in c.p.iter().enumerate() {
+    for (i, lse) in c.lse.iter().enumerate() {
         let d_oi = d_o.narrow(0, i, 1)?;
+        let pf = match &c.p {
+            Some(ps) => ps[i].clone(),
+            None => row_scores(&c.q, &c.k, &c.mask, s, i)?
+                .broadcast_sub(lse)?
+                .exp()?,
+        };
         let p = pf.to_dtype(dt)?;
         // dv: (1, Hkv, T, Dh) sums over the G query heads of each kv head.
         dvs.push(p.t()?.matmul(&d_oi)?);
@@ -173,7 +227,7 @@ pub fn attention_backward(
         let dp = d_oi
             .matmul(&c.v.narrow(0, i, 1)?.t()?)?
             .to_dtype(DType::F32)?;
-        let row = (&dp * pf)?.sum_keepdim(D::Minus1)?;
+        let row = (&dp * &pf)?.sum_keepdim(D::Minus1)?;
         let ds = ((pf * dp.broadcast_sub(&row)?)? * scale)?.to_dtype(dt)?;
         dqs.push(ds.matmul(&c.k.narrow(0, i, 1)?)?); // (1, Hkv, G·T, Dh)
         dks.push(ds.t()?.matmul(&c.q.narrow(0, i, 1)?)?); // (1, Hkv, T, Dh)

@@ -135,12 +135,16 @@ fn attention_matches_autograd() {
         .unwrap()
         .backward()
         .unwrap();
-    let (got, cache) = attention(&q, &k, &v, &s, &cos, &sin, &mask).unwrap();
-    assert_close(&got, &want, "attention forward");
-    let (dq, dk, dv) = attention_backward(&d_out, &cache, &s, &cos, &sin).unwrap();
-    assert_close(&dq, grads.get(&q).unwrap(), "attention dq");
-    assert_close(&dk, grads.get(&k).unwrap(), "attention dk");
-    assert_close(&dv, grads.get(&v).unwrap(), "attention dv");
+    // Both ways of getting the probabilities back in backward: kept, and recomputed from lse.
+    for keep in [true, false] {
+        let (got, cache) = attention_keeping(&q, &k, &v, &s, &cos, &sin, &mask, keep).unwrap();
+        assert_eq!(cache.p.is_some(), keep);
+        assert_close(&got, &want, "attention forward");
+        let (dq, dk, dv) = attention_backward(&d_out, &cache, &s, &cos, &sin).unwrap();
+        assert_close(&dq, grads.get(&q).unwrap(), "attention dq");
+        assert_close(&dk, grads.get(&k).unwrap(), "attention dk");
+        assert_close(&dv, grads.get(&v).unwrap(), "attention dv");
+    }
 }
 
 #[test]
