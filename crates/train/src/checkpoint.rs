@@ -77,13 +77,6 @@ pub struct Loaded {
     pub v: Vec<Vec<f32>>,
 }
 
-fn io(e: rtune_fsio::IoError) -> TrainError {
-    TrainError::Output {
-        path: e.path.clone(),
-        message: format!("{}: {}", e.op, e.source),
-    }
-}
-
 fn peft_key(name: &str, which: &str) -> String {
     format!("base_model.model.{name}.{which}.weight")
 }
@@ -120,7 +113,7 @@ pub fn save(
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(|e| out(&tmp, e))?;
         }
-        privacy.create_dir_all(&tmp).map_err(io)?;
+        privacy.create_dir_all(&tmp).map_err(TrainError::from)?;
         adapter.save_peft(&tmp, base_model, privacy)?;
         let (_, m, v) = opt.state();
         let mut tensors = Vec::new();
@@ -139,9 +132,10 @@ pub fn save(
                 ));
             }
         }
-        write_atomic(&tmp.join(OPTIM), &safetensors_bytes(tensors), privacy).map_err(io)?;
+        write_atomic(&tmp.join(OPTIM), &safetensors_bytes(tensors), privacy)
+            .map_err(TrainError::from)?;
         let text = serde_json::to_vec_pretty(state).expect("state serialises");
-        write_atomic(&tmp.join(STATE), &text, privacy).map_err(io)?;
+        write_atomic(&tmp.join(STATE), &text, privacy).map_err(TrainError::from)?;
         let mut files = BTreeMap::new();
         for f in [ADAPTER_WEIGHTS, ADAPTER_CONFIG, OPTIM, STATE] {
             let p = tmp.join(f);
@@ -150,7 +144,7 @@ pub fn save(
                 f.to_string(),
                 FileEntry {
                     bytes,
-                    sha256: sha256_file(&p).map_err(io)?,
+                    sha256: sha256_file(&p).map_err(TrainError::from)?,
                 },
             );
         }
@@ -163,13 +157,13 @@ pub fn save(
             &serde_json::to_vec_pretty(&manifest).expect("manifest"),
             privacy,
         )
-        .map_err(io)?;
-        fsync_dir(&tmp).map_err(io)?;
+        .map_err(TrainError::from)?;
+        fsync_dir(&tmp).map_err(TrainError::from)?;
         if final_dir.exists() {
             std::fs::remove_dir_all(&final_dir).map_err(|e| out(&final_dir, e))?;
         }
         std::fs::rename(&tmp, &final_dir).map_err(|e| out(&final_dir, e))?;
-        fsync_dir(run_dir).map_err(io)
+        fsync_dir(run_dir).map_err(TrainError::from)
     })();
     if let Err(e) = res {
         let _ = std::fs::remove_dir_all(&tmp);

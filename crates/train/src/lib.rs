@@ -70,6 +70,15 @@ macro_rules! boxed_from {
 }
 boxed_from!(Config: rtune_config::ConfigError, Model: rtune_model::ModelError, Lora: rtune_lora::LoraError, Data: rtune_data::DataError);
 
+impl From<rtune_fsio::IoError> for TrainError {
+    fn from(e: rtune_fsio::IoError) -> Self {
+        TrainError::Output {
+            path: e.path,
+            message: format!("{}: {}", e.op, e.source),
+        }
+    }
+}
+
 impl TrainError {
     pub(crate) fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> TrainError {
         move |source| TrainError::Candle { op, source }

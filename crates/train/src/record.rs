@@ -60,10 +60,6 @@ pub fn now() -> String {
 }
 
 fn hash(path: &Path) -> Result<FileHash, TrainError> {
-    let to_err = |e: rtune_fsio::IoError| TrainError::Output {
-        path: e.path.clone(),
-        message: e.source.to_string(),
-    };
     let bytes = std::fs::metadata(path)
         .map_err(|e| TrainError::Output {
             path: path.into(),
@@ -73,7 +69,7 @@ fn hash(path: &Path) -> Result<FileHash, TrainError> {
     Ok(FileHash {
         path: path.display().to_string(),
         bytes,
-        sha256: sha256_file(path).map_err(to_err)?,
+        sha256: sha256_file(path)?,
     })
 }
 
@@ -207,9 +203,6 @@ impl RunRecord {
 
     pub fn write(&self, dir: &Path, privacy: Privacy) -> Result<(), TrainError> {
         let text = serde_json::to_vec_pretty(self).expect("record serialises");
-        write_atomic(&dir.join(RUN_JSON), &text, privacy).map_err(|e| TrainError::Output {
-            path: e.path.clone(),
-            message: e.source.to_string(),
-        })
+        write_atomic(&dir.join(RUN_JSON), &text, privacy).map_err(TrainError::from)
     }
 }

@@ -100,12 +100,7 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
 
 /// The config values (and input checksums) that determine a run's numbers.
 fn settings(cfg: &RunConfig) -> Result<BTreeMap<String, String>, TrainError> {
-    let sha = |p: &Path| {
-        sha256_file(p).map_err(|e| TrainError::Output {
-            path: e.path.clone(),
-            message: e.source.to_string(),
-        })
-    };
+    let sha = |p: &Path| sha256_file(p).map_err(TrainError::from);
     let f = &cfg.file;
     let mut s = BTreeMap::new();
     let mut put = |k: &str, v: String| {

@@ -133,13 +133,6 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-fn io(e: rtune_fsio::IoError) -> TrainError {
-    TrainError::Output {
-        path: e.path.clone(),
-        message: format!("{}: {}", e.op, e.source),
-    }
-}
-
 /// Runs (or resumes) a whole training job as configured.
 pub fn train(
     cfg: &RunConfig,
@@ -245,7 +238,7 @@ pub fn train(
             (s.scale, s.clean_steps) = (scale, l.state.loss_scale_clean_steps);
         }
         // Lines written after the checkpoint are written again, identically.
-        let f = privacy.append(&metrics_path).map_err(io)?;
+        let f = privacy.append(&metrics_path).map_err(TrainError::from)?;
         f.set_len(metrics_bytes).map_err(|e| TrainError::Output {
             path: metrics_path.clone(),
             message: e.to_string(),
@@ -255,8 +248,9 @@ pub fn train(
     let mut record = RunRecord::begin(cfg, &dir, resumed_from)?;
     record.write(&dir, privacy)?;
     let resolved = toml::to_string(&cfg.file).expect("config serialises");
-    write_atomic(&dir.join("config.toml"), resolved.as_bytes(), privacy).map_err(io)?;
-    let mut metrics = privacy.append(&metrics_path).map_err(io)?;
+    write_atomic(&dir.join("config.toml"), resolved.as_bytes(), privacy)
+        .map_err(TrainError::from)?;
+    let mut metrics = privacy.append(&metrics_path).map_err(TrainError::from)?;
 
     on_event(Event::Start {
         examples,
@@ -447,7 +441,8 @@ pub fn train(
             output_dir: dir.clone(),
         };
         let text = serde_json::to_string_pretty(&summary).expect("summary serialises");
-        write_atomic(&dir.join("summary.json"), text.as_bytes(), privacy).map_err(io)?;
+        write_atomic(&dir.join("summary.json"), text.as_bytes(), privacy)
+            .map_err(TrainError::from)?;
         Ok(Outcome::Completed(summary))
     })();
     let status = match &result {
