@@ -294,6 +294,11 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
     }
     let every = cfg.log_every;
     let steps = cfg.steps;
+    eprintln!(
+        "rtune: loading {} ({})",
+        cfg.model_path.display(),
+        cfg.dtype.as_str()
+    );
     let opts = RunOptions {
         resume,
         force,

@@ -158,6 +158,12 @@ pub fn train(
     let dir = cfg.output_dir.clone();
 
     let resuming = (opts.resume || cfg.resume) && dir.is_dir();
+    if opts.resume && !dir.is_dir() {
+        on_event(Event::Warning(format!(
+            "{} does not exist yet; starting from step 0",
+            dir.display()
+        )));
+    }
     let mut resumed = None;
     if resuming {
         if dir.join("summary.json").exists() {
