@@ -280,7 +280,7 @@ pub fn train(
             let mut grads = Grads::new(adapter.pairs.len());
             let mut loss_sum = 0.0;
             let loss_scale = scaler.as_ref().map_or(1.0, |s| s.scale);
-            for (k, mb) in micro.iter().enumerate() {
+            for (k, mb) in micro.into_iter().enumerate() {
                 let lc = LoraCtx {
                     adapter: &adapter,
                     scaling,
@@ -288,8 +288,8 @@ pub fn train(
                     seed: micro_seed(cfg.seed, step, k),
                 };
                 let inputs = Inputs {
-                    ids: mb.input_ids.clone(),
-                    positions: mb.positions.clone(),
+                    ids: mb.input_ids,
+                    positions: mb.positions,
                     b: mb.b,
                     t: mb.t,
                 };
