@@ -19,7 +19,7 @@ pub mod weights;
 
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling};
 pub use linear::{Grads, LoraCtx};
-pub use model::{Forward, Inputs, Model};
+pub use model::{Forward, Inputs, KvCache, Model};
 
 use std::path::PathBuf;
 

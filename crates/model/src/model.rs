@@ -13,6 +13,10 @@ use crate::ops::{self, AttnShape};
 use crate::weights::{TensorSource, Weights};
 use crate::{ModelError, Result};
 
+#[path = "decode.rs"]
+mod decode;
+pub use decode::KvCache;
+
 pub struct Model {
     pub cfg: ModelConfig,
     pub dtype: DType,

@@ -1,13 +1,13 @@
-//! Text generation to check what a run learned: greedy by default, or temperature + top-p sampling.
-//! Each new token reruns the whole sequence (no KV cache yet): fine for checks on small models.
+//! Text generation to check what a run learned: greedy by default, or temperature + top-p sampling,
+//! with a key/value cache (the prompt runs once, then one token at a time).
 
-use candle_core::{Device, IndexOp};
+use candle_core::Device;
 use rand::{Rng, SeedableRng};
 use std::path::Path;
 
 use rtune_data::Tokenizer;
 use rtune_lora::{Adapter, LoraSpec};
-use rtune_model::{Inputs, LoraCtx, Model};
+use rtune_model::{Inputs, KvCache, LoraCtx, Model};
 
 use crate::TrainError;
 
@@ -78,19 +78,20 @@ pub fn generate(
             .map_err(TrainError::candle("write logits"))?;
     }
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opt.seed);
+    // The prompt once, then one token at a time against the key/value cache.
+    let mut cache = KvCache::default();
+    let mut feed = ids.clone();
     for _ in 0..opt.max_new_tokens {
-        let inp = Inputs::new(ids.clone(), 1, ids.len());
-        let out = model.forward(&inp, lc.as_ref(), false)?;
-        let last = out
-            .logits
-            .i((0, ids.len() - 1))
-            .and_then(|t| t.to_vec1::<f32>())
+        let last = model
+            .decode(&feed, &mut cache, lc.as_ref())?
+            .to_vec1::<f32>()
             .map_err(TrainError::candle("logits to host"))?;
         let next = pick(&last, opt, &mut rng);
         if stop.contains(&next) {
             break;
         }
         ids.push(next);
+        feed = vec![next];
     }
     Ok(tok.decode(&ids[start..], true)?)
 }
