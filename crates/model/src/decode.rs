@@ -27,31 +27,6 @@ impl KvCache {
     }
 }
 
-/// Additive mask for `n` new queries at positions `start..start+n` over `start + n` keys:
-/// `(1, 1, 1, n, start + n)`.
-fn mask(
-    n: usize,
-    start: usize,
-    window: Option<usize>,
-    dev: &candle_core::Device,
-) -> candle_core::Result<Tensor> {
-    let w = window.unwrap_or(usize::MAX);
-    let total = start + n;
-    let m: Vec<f32> = (0..n)
-        .flat_map(|i| {
-            let qpos = start + i;
-            (0..total).map(move |j| {
-                if j <= qpos && qpos - j < w {
-                    0.0
-                } else {
-                    f32::NEG_INFINITY
-                }
-            })
-        })
-        .collect();
-    Tensor::from_vec(m, (1, 1, 1, n, total), dev)
-}
-
 /// What the new tokens of one decoding step share across layers.
 struct StepCtx<'a> {
     /// `(1, 1, n, Dh)`
@@ -130,9 +105,11 @@ impl Model {
             let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
             let (cos, sin) =
                 crate::rope::tables(&self.inv_freq, &positions, 1, n, self.dtype, &self.device)?;
-            let full = mask(n, start, None, &self.device)?;
+            let full = ops::causal_mask_from(n, start, None, &self.device)?;
             let sliding = match self.cfg.sliding_window {
-                Some(w) if w < start + n => Some(mask(n, start, Some(w), &self.device)?),
+                Some(w) if w < start + n => {
+                    Some(ops::causal_mask_from(n, start, Some(w), &self.device)?)
+                }
                 _ => None,
             };
             let shape = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
@@ -172,6 +149,13 @@ mod tests {
     use candle_core::Device;
     use std::path::Path;
 
+    fn max_abs(t: &Tensor) -> f32 {
+        t.abs()
+            .and_then(|a| a.max_all())
+            .and_then(|m| m.to_scalar::<f32>())
+            .unwrap()
+    }
+
     fn fixture(name: &str) -> std::path::PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../tests/fixtures")
@@ -197,21 +181,8 @@ mod tests {
                     .forward(&Inputs::new(ids[..=t].to_vec(), 1, t + 1), None, false)
                     .unwrap();
                 let want = full.logits.i((0, t)).unwrap();
-                let err = (g - &want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
-                let scale = want
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let err = max_abs(&(g - &want).unwrap());
+                let scale = max_abs(&want);
                 // Same ops on the same values in another grouping of the matmuls: f32 rounding only.
                 assert!(err <= 1e-5 * scale, "{name} position {t}: {err} vs {scale}");
             }

@@ -245,11 +245,24 @@ pub fn attention_backward(
 
 /// Additive causal mask `(1, 1, 1, T, T)`, f32: 0 where key `j ≤ i` (and `i − j < window`), −∞ elsewhere.
 pub fn causal_mask(t: usize, window: Option<usize>, dev: &candle_core::Device) -> Result<Tensor> {
+    causal_mask_from(t, 0, window, dev)
+}
+
+/// [`causal_mask`] for `n` queries at positions `start..start + n` over keys `0..start + n`:
+/// `(1, 1, 1, n, start + n)` (decoding with a key/value cache).
+pub fn causal_mask_from(
+    n: usize,
+    start: usize,
+    window: Option<usize>,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
     let w = window.unwrap_or(usize::MAX);
-    let m: Vec<f32> = (0..t)
+    let total = start + n;
+    let m: Vec<f32> = (0..n)
         .flat_map(|i| {
-            (0..t).map(move |j| {
-                if j <= i && i - j < w {
+            let q = start + i;
+            (0..total).map(move |j| {
+                if j <= q && q - j < w {
                     0.0
                 } else {
                     f32::NEG_INFINITY
@@ -257,7 +270,7 @@ pub fn causal_mask(t: usize, window: Option<usize>, dev: &candle_core::Device) -
             })
         })
         .collect();
-    Tensor::from_vec(m, (1, 1, 1, t, t), dev)
+    Tensor::from_vec(m, (1, 1, 1, n, total), dev)
 }
 
 /// Cross-entropy over the lm_head in chunks of tokens, so the full `(N, V)` logits never exist.
