@@ -19,6 +19,11 @@ fn every_bad_input_gives_one_line_and_exit_2() {
     for case in &cases {
         let name = case.file_name().unwrap().to_string_lossy().into_owned();
         let out_dir = case.join("runs");
+        // A pickle checkpoint is never committed (not even a fake one): the case makes its own.
+        let pickle = case.join("model/pytorch_model.bin");
+        if name == "model-pickle-only" {
+            std::fs::write(&pickle, b"PK\x03\x04 not a real checkpoint").unwrap();
+        }
         let o = Command::new(env!("CARGO_BIN_EXE_rtune"))
             .args([
                 "train",
@@ -49,6 +54,9 @@ fn every_bad_input_gives_one_line_and_exit_2() {
             ));
         }
         let _ = std::fs::remove_dir_all(&out_dir);
+        if name == "model-pickle-only" {
+            let _ = std::fs::remove_file(&pickle);
+        }
     }
     assert!(
         failures.is_empty(),
