@@ -2,21 +2,8 @@
 //! and one-line errors for bad input.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-use crate::common::{fixture, rel_err, root, Golden};
-
-fn rtune(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rtune"))
-        .args(args)
-        .current_dir(root())
-        .output()
-        .expect("run rtune")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use crate::common::{fixture, rel_err, root, rtune, rtune_env, stderr, Golden};
 
 /// metrics.jsonl of a run directory, one JSON value a line.
 fn metrics_lines(out: &Path) -> Vec<serde_json::Value> {
@@ -394,15 +381,6 @@ fn every_shipped_config_loads() {
     assert!(n >= 1);
 }
 
-fn rtune_env(args: &[&str], env: (&str, &str)) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rtune"))
-        .args(args)
-        .env(env.0, env.1)
-        .current_dir(root())
-        .output()
-        .unwrap()
-}
-
 /// NaN/Inf steps are skipped without touching the adapter or AdamW's step count: with the loss of
 /// steps 3 and 4 poisoned, 5 steps on the golden batch make exactly the golden's 3 AdamW updates.
 #[test]
@@ -413,7 +391,7 @@ fn non_finite_steps_are_skipped_exactly() {
     let sets = ["--set", "train.steps=5", "--set", "train.max_bad_steps=2"];
     let mut args = vec!["train", "--config", cfg.as_str()];
     args.extend(sets);
-    let o = rtune_env(&args, ("RTUNE_FAULT_NAN_STEPS", "3,4"));
+    let o = rtune_env(&args, &[("RTUNE_FAULT_NAN_STEPS", "3,4")]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(
         stderr(&o).matches("update skipped").count(),
@@ -455,7 +433,7 @@ fn non_finite_steps_are_skipped_exactly() {
         "output.overwrite=true",
     ];
     args.extend(sets);
-    let o = rtune_env(&args, ("RTUNE_FAULT_NAN_STEPS", "2,3,4"));
+    let o = rtune_env(&args, &[("RTUNE_FAULT_NAN_STEPS", "2,3,4")]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("3 steps in a row"), "{}", stderr(&o));
     assert!(!out.join("adapter_model.safetensors").exists() && !out.join("summary.json").exists());

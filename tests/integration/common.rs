@@ -3,6 +3,7 @@
 use candle_core::{Device, Tensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -62,4 +63,22 @@ pub fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
         .to_scalar::<f64>()
         .unwrap();
     err / scale
+}
+
+/// Runs the `rtune` binary in the repository root with extra environment variables.
+pub fn rtune_env(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+    c.args(args).current_dir(root());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run rtune")
+}
+
+pub fn rtune(args: &[&str]) -> Output {
+    rtune_env(args, &[])
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
 }

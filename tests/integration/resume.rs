@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::common::{fixture, root};
+use crate::common::{fixture, root, rtune_env, stderr};
 
 /// A short run that exercises every piece of state: shuffling across epochs, a cursor inside an
 /// epoch (3 rows a micro-batch of 6 examples... 2 micro-batches a step), dropout, clipping, a
@@ -48,23 +48,10 @@ keep_last = 2
     p
 }
 
-fn rtune(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
-    c.args(args).current_dir(root());
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    c.output().unwrap()
-}
-
 fn train(cfg: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
     args.extend(extra);
-    rtune(&args, &[])
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
+    rtune_env(&args, &[])
 }
 
 /// metrics.jsonl without the wall-clock and memory fields, which no two runs share.
@@ -294,7 +281,7 @@ fn corrupt_checkpoints_fall_back_to_the_previous_one() {
         let out = tmp.path().join(what.replace(' ', "-"));
         let cfg = config(tmp.path(), &out, "");
         // Stop the run by failing every write after the second checkpoint (a full disk).
-        let o = rtune(
+        let o = rtune_env(
             &[
                 "train",
                 "--config",
@@ -328,7 +315,7 @@ fn disk_full_keeps_the_previous_checkpoint() {
     let cfg = config(tmp.path(), &out, "");
     // Each checkpoint is 5 atomic writes, after 3 at start (run.json, config.toml) ... let the
     // first checkpoint through and fail inside the second.
-    let o = rtune(
+    let o = rtune_env(
         &["train", "--config", cfg.to_str().unwrap()],
         &[("RTUNE_FAULT_ENOSPC_AFTER", "9")],
     );
@@ -350,7 +337,7 @@ fn disk_full_keeps_the_previous_checkpoint() {
 
     let out2 = tmp.path().join("continue");
     let cfg2 = config(tmp.path(), &out2, "on_save_error = \"continue\"");
-    let o = rtune(
+    let o = rtune_env(
         &["train", "--config", cfg2.to_str().unwrap()],
         &[("RTUNE_FAULT_ENOSPC_AFTER", "9")],
     );
@@ -375,7 +362,7 @@ fn changed_settings_are_refused_unless_forced() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("changed");
     let cfg = config(tmp.path(), &out, "");
-    let o = rtune(
+    let o = rtune_env(
         &["train", "--config", cfg.to_str().unwrap()],
         &[("RTUNE_FAULT_ENOSPC_AFTER", "9")],
     );
@@ -476,7 +463,7 @@ fn resume_refuses_when_every_checkpoint_is_corrupt() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("all-bad");
     let cfg = config(tmp.path(), &out, "");
-    let o = rtune(
+    let o = rtune_env(
         &["train", "--config", cfg.to_str().unwrap()],
         &[("RTUNE_FAULT_ENOSPC_AFTER", "16")],
     );

@@ -2,9 +2,7 @@
 //! kind without printing the value, and finds nothing in clean data. The planted values are
 //! assembled at run time from fragments so that no secret-shaped string sits in the repository.
 
-use std::process::Command;
-
-use crate::common::{fixture, root};
+use crate::common::{fixture, rtune};
 
 #[test]
 fn planted_secrets_and_pii_are_all_found() {
@@ -81,11 +79,7 @@ fn planted_secrets_and_pii_are_all_found() {
         ),
     )
     .unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_rtune"))
-        .args(["data", "scan", "--config", cfg.to_str().unwrap()])
-        .current_dir(root())
-        .output()
-        .unwrap();
+    let o = rtune(&["data", "scan", "--config", cfg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
     let out = String::from_utf8(o.stdout).unwrap();
     for (i, (secret, kind)) in planted.iter().enumerate() {
@@ -110,10 +104,7 @@ fn planted_secrets_and_pii_are_all_found() {
             ),
         )
         .unwrap();
-        let o = Command::new(env!("CARGO_BIN_EXE_rtune"))
-            .args(["data", "scan", "--config", cfg.to_str().unwrap()])
-            .output()
-            .unwrap();
+        let o = rtune(&["data", "scan", "--config", cfg.to_str().unwrap()]);
         assert!(
             o.status.success(),
             "{clean}: {}",
