@@ -260,25 +260,31 @@ fn run(cli: Cli) -> Result<()> {
 
 fn scan(config: PathBuf, set: Vec<String>) -> Result<()> {
     let cfg = rtune_config::load(&config, &set)?;
-    let path = &cfg.train_data;
-    let findings = rtune_train::scan::scan_file(path)
-        .with_context(|| format!("{}: cannot read data", path.display()))?;
-    for f in &findings {
-        println!("{f}");
+    let d = &cfg.data;
+    let mut flagged = Vec::new();
+    for path in d.train.iter().map(|f| &f.path).chain(&d.valid) {
+        let findings = rtune_train::scan::scan_file(path)
+            .with_context(|| format!("{}: cannot read data", path.display()))?;
+        for f in &findings {
+            println!("{f}");
+        }
+        let lines: std::collections::BTreeSet<usize> = findings.iter().map(|f| f.line).collect();
+        eprintln!(
+            "{}: {} finding(s) on {} line(s)",
+            path.display(),
+            findings.len(),
+            lines.len()
+        );
+        if !findings.is_empty() {
+            flagged.push(path.display().to_string());
+        }
     }
-    let lines: std::collections::BTreeSet<usize> = findings.iter().map(|f| f.line).collect();
-    eprintln!(
-        "{}: {} finding(s) on {} line(s)",
-        path.display(),
-        findings.len(),
-        lines.len()
-    );
-    if findings.is_empty() {
+    if flagged.is_empty() {
         Ok(())
     } else {
         bail!(
             "likely secrets or personal data in {}; review the lines above",
-            path.display()
+            flagged.join(", ")
         )
     }
 }
@@ -307,8 +313,10 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
     let outcome = rtune_train::train(&cfg, &opts, &mut |ev| match ev {
         Event::Start {
             examples,
-            truncated,
-            skipped,
+            valid_examples,
+            counts,
+            files,
+            warnings,
             lora_params,
             model_params,
             start_step,
@@ -316,10 +324,27 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
             if start_step > 0 {
                 eprintln!("rtune: resuming at step {start_step}");
             }
+            for f in files {
+                let how = if f.reused_cache {
+                    "from cache".to_string()
+                } else {
+                    format!("tokenised at {:.0} tokens/s", f.tokens_per_s)
+                };
+                eprintln!(
+                    "rtune: {}: {} examples, {} tokens ({how})",
+                    f.path.display(),
+                    f.examples,
+                    f.tokens
+                );
+            }
             eprintln!(
-                "rtune: {examples} examples ({truncated} truncated, {skipped} without targets skipped); \
-                 {lora_params} LoRA parameters on a {model_params}-parameter model"
+                "rtune: {examples} training / {valid_examples} validation examples ({} rows: {} truncated, \
+                 {} dropped, {} skipped); {lora_params} LoRA parameters on a {model_params}-parameter model",
+                counts.rows, counts.truncated, counts.dropped, counts.skipped
             );
+            for w in warnings {
+                tracing::warn!("{w}");
+            }
         }
         Event::Step(m) => {
             if m.step % every == 0 || m.step == steps {

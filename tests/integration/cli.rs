@@ -374,7 +374,11 @@ fn every_shipped_config_loads() {
                 "{}",
                 p.display()
             );
-            assert!(root().join(&cfg.train_data).exists(), "{}", p.display());
+            assert!(
+                cfg.data.train.iter().all(|f| root().join(&f.path).exists()),
+                "{}",
+                p.display()
+            );
             n += 1;
         }
     }

@@ -69,6 +69,11 @@ pub fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
 pub fn rtune_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
     c.args(args).current_dir(root());
+    // The tokenized-data cache of tests stays out of the user's cache directory.
+    c.env(
+        "RTUNE_CACHE",
+        std::env::temp_dir().join(format!("rtune-test-cache-{}", std::process::id())),
+    );
     for (k, v) in env {
         c.env(k, v);
     }

@@ -5,6 +5,7 @@
 mod bad_inputs;
 mod cli;
 mod common;
+mod packing;
 mod parity;
 mod resume;
 mod scan;

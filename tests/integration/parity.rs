@@ -12,15 +12,15 @@ use rtune_model::{Grads, Inputs, LoraCtx, Model};
 
 use crate::common::{fixture, rel_err, Golden};
 
-struct Case {
-    model: Model,
-    adapter: Adapter,
-    inputs: Inputs,
-    targets: Vec<Option<u32>>,
+pub(crate) struct Case {
+    pub model: Model,
+    pub adapter: Adapter,
+    pub inputs: Inputs,
+    pub targets: Vec<Option<u32>>,
     golden: Golden,
 }
 
-fn case(model_dir: &str, golden: &str) -> Case {
+pub(crate) fn case(model_dir: &str, golden: &str) -> Case {
     case_in(model_dir, golden, DType::F32)
 }
 
@@ -99,7 +99,7 @@ fn case_in(model_dir: &str, golden: &str, dtype: DType) -> Case {
     }
 }
 
-fn ctx(adapter: &Adapter) -> LoraCtx<'_> {
+pub(crate) fn ctx(adapter: &Adapter) -> LoraCtx<'_> {
     LoraCtx {
         adapter,
         scaling: adapter.spec.scaling(),

@@ -419,7 +419,7 @@ fn outputs_are_private_and_recorded() {
         .iter()
         .all(|f| f["sha256"].as_str().unwrap().len() == 64));
     assert_eq!(
-        r["data"]["sha256"].as_str().unwrap(),
+        r["data"][0]["sha256"].as_str().unwrap(),
         rtune_fsio::sha256_file(&fixture("fixtures/smoke.jsonl")).unwrap()
     );
     assert!(r["hardware"]["cores"].as_u64().unwrap() >= 1);

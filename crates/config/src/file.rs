@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-use crate::{ConfigError, Result};
+use crate::{ConfigError, DataSection, Result};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -52,17 +52,6 @@ pub struct LoraSection {
     /// A PEFT adapter directory to continue from ("" = fresh init).
     #[serde(default)]
     pub init_from: String,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DataSection {
-    /// JSONL file: `{"text"}`, `{"prompt","completion"}` or `{"input_ids","labels"}` rows.
-    pub train: String,
-    #[serde(default = "d_max_seq_len")]
-    pub max_seq_len: usize,
-    #[serde(default = "d_true")]
-    pub shuffle: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -147,9 +136,6 @@ fn d_alpha() -> f64 {
 }
 fn d_targets() -> Targets {
     Targets::One("all-linear".into())
-}
-fn d_max_seq_len() -> usize {
-    512
 }
 fn d_true() -> bool {
     true

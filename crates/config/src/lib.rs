@@ -5,12 +5,14 @@
 //! fields are ready to use (enums instead of strings, ranges checked). Every error names the file and
 //! the key (and the line, where the TOML parser knows it).
 
+mod data;
 mod file;
 mod run;
 
-pub use file::{
-    ConfigFile, DataSection, LoraSection, ModelSection, OutputSection, Targets, TrainSection,
+pub use data::{
+    default_cache_dir, DataConfig, DataSection, RowFormat, TrainFile, TrainFiles, WeightedFile,
 };
+pub use file::{ConfigFile, LoraSection, ModelSection, OutputSection, Targets, TrainSection};
 pub use run::{DType, Device, RunConfig, Schedule};
 
 use std::path::{Path, PathBuf};

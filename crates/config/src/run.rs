@@ -51,9 +51,7 @@ pub struct RunConfig {
     pub targets: Vec<String>,
     pub rslora: bool,
     pub init_from: Option<PathBuf>,
-    pub train_data: PathBuf,
-    pub max_seq_len: usize,
-    pub shuffle: bool,
+    pub data: crate::DataConfig,
     pub seed: u64,
     pub steps: usize,
     pub micro_batch_size: usize,
@@ -129,13 +127,7 @@ impl ConfigFile {
                 "needs at least one module name, or \"all-linear\"".into(),
             ));
         }
-        let d = &self.data;
-        if d.max_seq_len < 2 {
-            return Err(bad(
-                "data.max_seq_len",
-                format!("must be at least 2, got {}", d.max_seq_len),
-            ));
-        }
+        let data = self.data.validate(path)?;
         let t = &self.train;
         let positive = |key: &str, v: usize| {
             if v == 0 {
@@ -247,9 +239,7 @@ impl ConfigFile {
             targets,
             rslora: l.rslora,
             init_from,
-            train_data: PathBuf::from(&d.train),
-            max_seq_len: d.max_seq_len,
-            shuffle: d.shuffle,
+            data,
             seed: t.seed,
             steps: t.steps,
             micro_batch_size: t.micro_batch_size,

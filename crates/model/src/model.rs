@@ -37,6 +37,9 @@ pub struct Inputs {
     pub positions: Vec<u32>,
     pub b: usize,
     pub t: usize,
+    /// Packed rows: the sample each position belongs to, `(B, T)`; attention never crosses
+    /// samples (block-diagonal causal mask). `None`: one sample a row.
+    pub segments: Option<Vec<u32>>,
 }
 
 impl Inputs {
@@ -48,6 +51,7 @@ impl Inputs {
             positions,
             b,
             t,
+            segments: None,
         }
     }
 }
@@ -183,9 +187,13 @@ impl Model {
             self.dtype,
             &self.device,
         )?;
-        let mask = ops::causal_mask(inp.t, None, &self.device)?;
+        let mask_of = |window| match &inp.segments {
+            Some(seg) => ops::segment_mask(seg, inp.b, inp.t, window, &self.device),
+            None => ops::causal_mask(inp.t, window, &self.device),
+        };
+        let mask = mask_of(None)?;
         let sliding = match self.cfg.sliding_window {
-            Some(w) if w < inp.t => Some(ops::causal_mask(inp.t, Some(w), &self.device)?),
+            Some(w) if w < inp.t => Some(mask_of(Some(w))?),
             _ => None,
         };
         Ok(BatchCtx {

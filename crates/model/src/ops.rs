@@ -273,6 +273,42 @@ pub fn causal_mask_from(
     Tensor::from_vec(m, (1, 1, 1, n, total), dev)
 }
 
+/// Block-diagonal causal mask of packed rows `(B, 1, 1, T, T)`, f32: key `j` is visible to query `i`
+/// of the same row only when both belong to the same sample (`segments[row·T + i]`), `j ≤ i` and
+/// `i − j < window`. Every query sees at least itself, so no softmax row is empty.
+pub fn segment_mask(
+    segments: &[u32],
+    b: usize,
+    t: usize,
+    window: Option<usize>,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    if segments.len() != b * t {
+        candle_core::bail!(
+            "segment_mask: {} segment ids for a ({b}, {t}) batch",
+            segments.len()
+        );
+    }
+    let w = window.unwrap_or(usize::MAX);
+    let mut m = vec![f32::NEG_INFINITY; b * t * t];
+    for r in 0..b {
+        let seg = &segments[r * t..(r + 1) * t];
+        for i in 0..t {
+            let row = &mut m[(r * t + i) * t..(r * t + i + 1) * t];
+            // Segments are contiguous, so the visible keys of query i are one run ending at i.
+            let mut j = i;
+            loop {
+                row[j] = 0.0;
+                if j == 0 || seg[j - 1] != seg[i] || i - (j - 1) >= w {
+                    break;
+                }
+                j -= 1;
+            }
+        }
+    }
+    Tensor::from_vec(m, (b, 1, 1, t, t), dev)
+}
+
 /// Cross-entropy over the lm_head in chunks of tokens, so the full `(N, V)` logits never exist.
 ///
 /// `h: (N, D)` final hidden states, `w: (V, D)` the lm_head, `targets[i]` the next-token id for row

@@ -1,6 +1,7 @@
 //! Training and inference on top of the model:
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
+//! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
 //! - [`scan`]: `rtune data scan` — likely secrets and personal data in training files;
 //! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
@@ -9,6 +10,7 @@
 
 pub mod bench;
 pub mod checkpoint;
+pub mod dataset;
 pub mod generate;
 pub mod memory;
 pub mod optim;

@@ -40,7 +40,8 @@ pub struct RunRecord {
     pub seed: u64,
     pub model_path: String,
     pub model_files: Vec<FileHash>,
-    pub data: FileHash,
+    /// Training files, then the validation file (the data manifest of the run).
+    pub data: Vec<FileHash>,
     pub hardware: Hardware,
     pub attempts: Vec<Attempt>,
 }
@@ -187,7 +188,14 @@ impl RunRecord {
             seed: cfg.seed,
             model_path: cfg.model_path.display().to_string(),
             model_files,
-            data: hash(&cfg.train_data)?,
+            data: cfg
+                .data
+                .train
+                .iter()
+                .map(|f| &f.path)
+                .chain(&cfg.data.valid)
+                .map(|p| hash(p))
+                .collect::<Result<_, _>>()?,
             hardware: hardware("cpu"),
             attempts: vec![attempt],
         })

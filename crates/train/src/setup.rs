@@ -7,12 +7,13 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use rtune_config::RunConfig;
-use rtune_data::{Dataset, Tokenizer};
+use rtune_data::Tokenizer;
 use rtune_fsio::{sha256_file, Privacy};
 use rtune_lora::{Adapter, LoraSpec, ModuleShape};
 use rtune_model::Model;
 
 use crate::checkpoint;
+use crate::dataset::{self, RunData};
 use crate::TrainError;
 
 /// The compute device for a config value; CUDA needs a build with the `cuda` feature.
@@ -38,7 +39,7 @@ pub struct Prepared {
     pub spec: LoraSpec,
     pub modules: Vec<ModuleShape>,
     pub adapter: Adapter,
-    pub data: Dataset,
+    pub data: RunData,
     pub pad_id: u32,
     /// Settings a resumed run must share with the original to reproduce it.
     pub settings: BTreeMap<String, String>,
@@ -54,11 +55,12 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     } else {
         None
     };
-    let data = rtune_data::load_jsonl(
-        &cfg.train_data,
+    let data = dataset::load(
+        &cfg.data,
+        &cfg.model_path,
         tok.as_ref(),
-        cfg.max_seq_len,
         model.cfg.vocab_size,
+        cfg.seed,
     )?;
     let spec = LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?;
     let modules = model.lora_modules(&spec);
@@ -118,10 +120,27 @@ fn settings(cfg: &RunConfig) -> Result<BTreeMap<String, String>, TrainError> {
     put("lora.targets", cfg.targets.join(","));
     put("lora.rslora", cfg.rslora.to_string());
     put("lora.init_from", f.lora.init_from.clone());
-    put("data.train", f.data.train.clone());
-    put("data.train sha256", sha(&cfg.train_data)?);
-    put("data.max_seq_len", cfg.max_seq_len.to_string());
-    put("data.shuffle", cfg.shuffle.to_string());
+    let d = &cfg.data;
+    for (i, t) in d.train.iter().enumerate() {
+        put(&format!("data.train[{i}]"), t.path.display().to_string());
+        put(&format!("data.train[{i}] sha256"), sha(&t.path)?);
+        put(&format!("data.train[{i}] weight"), t.weight.to_string());
+    }
+    if let Some(v) = &d.valid {
+        put("data.valid sha256", sha(v)?);
+    }
+    if let Some(t) = &d.chat_template {
+        put("data.chat_template sha256", sha(t)?);
+    }
+    put("data.valid_fraction", d.valid_fraction.to_string());
+    put("data.format", f.data.format.clone());
+    put("data.train_on", f.data.train_on.clone());
+    put("data.max_seq_len", d.max_seq_len.to_string());
+    put("data.truncation", f.data.truncation.clone());
+    put("data.on_bad_row", f.data.on_bad_row.clone());
+    put("data.shuffle", d.shuffle.to_string());
+    put("data.packing", d.packing.to_string());
+    put("data.group_by_length", d.group_by_length.to_string());
     put("train.seed", cfg.seed.to_string());
     put("train.steps", cfg.steps.to_string());
     put("train.micro_batch_size", cfg.micro_batch_size.to_string());

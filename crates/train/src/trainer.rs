@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rtune_config::RunConfig;
-use rtune_data::{Batcher, MicroBatch};
+use rtune_data::{Batcher, Layout, MicroBatch};
 use rtune_fsio::{write_atomic, Privacy};
 use rtune_model::{Grads, Inputs, LoraCtx};
 
@@ -89,8 +89,12 @@ pub enum Event<'a> {
     /// Everything checked; training starts (at `start_step` when resumed).
     Start {
         examples: usize,
-        truncated: usize,
-        skipped: usize,
+        valid_examples: usize,
+        /// Rows read, truncated, dropped and skipped, over all files.
+        counts: rtune_data::cache::RowCounts,
+        /// Per-file: path, examples, tokens, cache reused, tokenisation tokens/s.
+        files: &'a [crate::dataset::FileReport],
+        warnings: Vec<String>,
         lora_params: usize,
         model_params: usize,
         start_step: usize,
@@ -151,7 +155,7 @@ pub fn train(
         spec,
         modules,
         mut adapter,
-        data,
+        mut data,
         pad_id,
         settings,
     } = prepare(cfg, &dev)?;
@@ -213,8 +217,21 @@ pub fn train(
     }
 
     let mut opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
-    let examples = data.examples.len();
-    let mut batcher = Batcher::new(data.examples, cfg.shuffle, cfg.seed, pad_id);
+    let examples = data.train.len();
+    let layout = if cfg.data.packing {
+        Layout::Packed {
+            max_seq_len: cfg.data.max_seq_len,
+        }
+    } else if cfg.data.group_by_length {
+        Layout::GroupByLength {
+            micro_batch: cfg.micro_batch_size,
+        }
+    } else {
+        Layout::Plain
+    };
+    let train_examples = std::mem::take(&mut data.train);
+    let mut batcher =
+        Batcher::with_layout(train_examples, cfg.data.shuffle, cfg.seed, pad_id, layout);
     let (mut speeds, mut total_tokens, mut last_loss, mut wall_before, mut start_step) =
         (Vec::new(), 0, f64::NAN, 0.0, 0);
     let metrics_path = dir.join("metrics.jsonl");
@@ -260,8 +277,10 @@ pub fn train(
 
     on_event(Event::Start {
         examples,
-        truncated: data.truncated,
-        skipped: data.skipped,
+        valid_examples: data.valid.len(),
+        counts: data.counts(),
+        files: &data.files,
+        warnings: data.warnings(),
         lora_params: adapter.num_params(),
         model_params: model.num_params(),
         start_step,
@@ -292,6 +311,7 @@ pub fn train(
                     positions: mb.positions,
                     b: mb.b,
                     t: mb.t,
+                    segments: mb.segments,
                 };
                 // Normalised by the whole step's target tokens: accumulation equals one big batch.
                 loss_sum += model.forward_backward(

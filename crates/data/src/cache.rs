@@ -1,0 +1,396 @@
+//! The pre-tokenized cache: a JSONL file is tokenised once, in parallel, into binary shards, and
+//! reused by every later run whose inputs are the same.
+//!
+//! An entry lives in `root/<key>/`, where `key` is the sha256 of everything that determines the
+//! tokens: the source file's sha256, tokenizer.json's sha256, the chat template's sha256 and the
+//! data settings (format, masks, max_seq_len, truncation, ...). `manifest.json` repeats those inputs
+//! in clear, plus the shards and the row counts. Any change gives another key, so a stale entry is
+//! never read; an entry that fails its checks (missing shard, wrong size) is rebuilt.
+//!
+//! The source is streamed: chunks of lines are parsed by all cores, a round at a time, and written
+//! out before the next round is read, so memory stays bounded by a round, not by the file.
+//! An entry is built in a temporary directory and renamed into place, so a crash leaves no half
+//! entry. Entries are private (0700/0600): they hold the training data.
+//!
+//! Shard layout (little-endian): `b"RTUNEDS1"`, `n: u64`, `offsets: [u64; n + 1]` (token offsets of
+//! each example), `input_ids: [u32; total]`, `labels: [i32; total]`.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rtune_fsio::{sha256_bytes, sha256_file, Privacy};
+
+use crate::{DataError, Example, Result};
+
+const MAGIC: &[u8; 8] = b"RTUNEDS1";
+const VERSION: u32 = 1;
+/// Lines handed to one worker at a time.
+const CHUNK_BYTES: usize = 4 << 20;
+/// A shard is closed once it holds this many tokens (64 M tokens = 512 MiB of ids and labels).
+const SHARD_TOKENS: usize = 64 << 20;
+
+/// What happened to the rows of a chunk (or a file).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowCounts {
+    /// Non-empty lines read.
+    pub rows: usize,
+    /// Rows longer than `max_seq_len`, cut to it.
+    pub truncated: usize,
+    /// Rows dropped: over-long (with `truncation = "drop"`) or left with no target token.
+    pub dropped: usize,
+    /// Malformed rows skipped (`on_bad_row = "skip"`).
+    pub skipped: usize,
+}
+
+impl RowCounts {
+    pub fn add(&mut self, o: &RowCounts) {
+        self.rows += o.rows;
+        self.truncated += o.truncated;
+        self.dropped += o.dropped;
+        self.skipped += o.skipped;
+    }
+}
+
+/// A file's examples, from the cache or freshly tokenised.
+#[derive(Debug)]
+pub struct Loaded {
+    pub examples: Vec<Example>,
+    pub counts: RowCounts,
+    /// Read from an existing cache entry (no tokenisation).
+    pub reused: bool,
+    /// The cache entry, when caching is on.
+    pub entry: Option<PathBuf>,
+    /// Tokens per second of the tokenisation (0 when reused).
+    pub tokens_per_s: f64,
+    /// Bytes of the source file.
+    pub source_bytes: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Manifest {
+    version: u32,
+    key: String,
+    source: String,
+    /// What the key was made from: `source sha256`, `tokenizer sha256`, settings...
+    inputs: BTreeMap<String, String>,
+    shards: Vec<ShardInfo>,
+    counts: RowCounts,
+    tokens: usize,
+    build_seconds: f64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct ShardInfo {
+    file: String,
+    examples: usize,
+    tokens: usize,
+    bytes: u64,
+}
+
+fn io_err(path: &Path, message: String) -> DataError {
+    DataError::File {
+        path: path.to_path_buf(),
+        message,
+    }
+}
+
+/// Parses one chunk of lines; `first_line` is the 1-based line number of the chunk's first line.
+pub trait ChunkParser: Sync {
+    fn parse(&self, text: &str, first_line: usize) -> Result<(Vec<Example>, RowCounts)>;
+}
+
+impl<F> ChunkParser for F
+where
+    F: Fn(&str, usize) -> Result<(Vec<Example>, RowCounts)> + Sync,
+{
+    fn parse(&self, text: &str, first_line: usize) -> Result<(Vec<Example>, RowCounts)> {
+        self(text, first_line)
+    }
+}
+
+/// Loads `source` through the cache under `root` (or, with `root = None`, tokenises it without
+/// caching). `inputs` are the settings that determine the tokens (the source's sha256 is added
+/// here); `threads` workers parse chunks in parallel.
+pub fn load(
+    root: Option<&Path>,
+    source: &Path,
+    inputs: &BTreeMap<String, String>,
+    threads: usize,
+    parser: &dyn ChunkParser,
+) -> Result<Loaded> {
+    let source_bytes = std::fs::metadata(source)
+        .map_err(|e| io_err(source, format!("cannot read data: {e}")))?
+        .len();
+    let Some(root) = root else {
+        let mut examples = Vec::new();
+        let t0 = Instant::now();
+        let counts = stream(source, threads, parser, |ex| {
+            examples.extend(ex);
+            Ok(())
+        })?;
+        let tokens: usize = examples.iter().map(|e| e.input_ids.len()).sum();
+        return Ok(Loaded {
+            examples,
+            counts,
+            reused: false,
+            entry: None,
+            tokens_per_s: tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+            source_bytes,
+        });
+    };
+    let mut inputs = inputs.clone();
+    let sha = sha256_file(source).map_err(|e| io_err(source, e.to_string()))?;
+    inputs.insert("source sha256".into(), sha);
+    inputs.insert("cache version".into(), VERSION.to_string());
+    let key = sha256_bytes(serde_json::to_string(&inputs).expect("strings").as_bytes());
+    let entry = root.join(&key[..32]);
+    if let Some(m) = read_manifest(&entry, &key) {
+        let examples = read_shards(&entry, &m)?;
+        return Ok(Loaded {
+            examples,
+            counts: m.counts,
+            reused: true,
+            entry: Some(entry),
+            tokens_per_s: 0.0,
+            source_bytes,
+        });
+    }
+    let (examples, m) = build(root, &entry, &key, source, inputs, threads, parser)?;
+    let tokens_per_s = m.tokens as f64 / m.build_seconds.max(1e-9);
+    Ok(Loaded {
+        examples,
+        counts: m.counts,
+        reused: false,
+        entry: Some(entry),
+        tokens_per_s,
+        source_bytes,
+    })
+}
+
+/// Reads `source` in chunks of whole lines; every round, `threads` chunks are parsed in parallel
+/// and handed to `sink` in file order.
+fn stream(
+    source: &Path,
+    threads: usize,
+    parser: &dyn ChunkParser,
+    mut sink: impl FnMut(Vec<Example>) -> Result<()>,
+) -> Result<RowCounts> {
+    let f = std::fs::File::open(source)
+        .map_err(|e| io_err(source, format!("cannot read data: {e}")))?;
+    let mut reader = BufReader::with_capacity(1 << 20, f);
+    let mut counts = RowCounts::default();
+    let mut line = 1usize;
+    let threads = threads.max(1);
+    loop {
+        // One round: up to `threads` chunks of whole lines.
+        let mut chunks: Vec<(String, usize)> = Vec::with_capacity(threads);
+        let mut eof = false;
+        while chunks.len() < threads && !eof {
+            let (mut text, start) = (String::with_capacity(CHUNK_BYTES + 4096), line);
+            while text.len() < CHUNK_BYTES {
+                let mut buf = Vec::new();
+                let n = reader
+                    .read_until(b'\n', &mut buf)
+                    .map_err(|e| io_err(source, format!("cannot read data: {e}")))?;
+                if n == 0 {
+                    eof = true;
+                    break;
+                }
+                let s = String::from_utf8(buf)
+                    .map_err(|_| io_err(source, format!("line {line}: not valid UTF-8")))?;
+                text.push_str(&s);
+                if !s.ends_with('\n') {
+                    text.push('\n');
+                }
+                line += 1;
+            }
+            if !text.is_empty() {
+                chunks.push((text, start));
+            }
+        }
+        if chunks.is_empty() {
+            return Ok(counts);
+        }
+        let results: Vec<Result<(Vec<Example>, RowCounts)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = chunks
+                .iter()
+                .map(|(text, start)| s.spawn(move || parser.parse(text, *start)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("parser thread panicked"))
+                .collect()
+        });
+        drop(chunks);
+        for r in results {
+            let (ex, c) = r?;
+            counts.add(&c);
+            sink(ex)?;
+        }
+        if eof {
+            return Ok(counts);
+        }
+    }
+}
+
+fn read_manifest(entry: &Path, key: &str) -> Option<Manifest> {
+    let text = std::fs::read_to_string(entry.join("manifest.json")).ok()?;
+    let m: Manifest = serde_json::from_str(&text).ok()?;
+    let sizes_ok = m
+        .shards
+        .iter()
+        .all(|s| std::fs::metadata(entry.join(&s.file)).is_ok_and(|md| md.len() == s.bytes));
+    (m.version == VERSION && m.key == key && sizes_ok).then_some(m)
+}
+
+fn build(
+    root: &Path,
+    entry: &Path,
+    key: &str,
+    source: &Path,
+    inputs: BTreeMap<String, String>,
+    threads: usize,
+    parser: &dyn ChunkParser,
+) -> Result<(Vec<Example>, Manifest)> {
+    let privacy = Privacy::PRIVATE;
+    let fs = |e: rtune_fsio::IoError| io_err(&e.path.clone(), e.to_string());
+    privacy.create_dir_all(root).map_err(fs)?;
+    let tmp = root.join(format!("{}.tmp-{}", &key[..32], std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    privacy.create_dir_all(&tmp).map_err(fs)?;
+    let t0 = Instant::now();
+    let mut shards = Vec::new();
+    let mut pending: Vec<Example> = Vec::new();
+    let mut pending_tokens = 0usize;
+    let mut all = Vec::new();
+    let mut flush = |pending: &mut Vec<Example>, shards: &mut Vec<ShardInfo>| -> Result<()> {
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let file = format!("shard-{:05}.bin", shards.len());
+        let info = write_shard(&tmp.join(&file), pending, privacy)?;
+        shards.push(ShardInfo { file, ..info });
+        all.append(pending);
+        Ok(())
+    };
+    let res = stream(source, threads, parser, |ex| {
+        pending_tokens += ex.iter().map(|e| e.input_ids.len()).sum::<usize>();
+        pending.extend(ex);
+        if pending_tokens >= SHARD_TOKENS {
+            pending_tokens = 0;
+            flush(&mut pending, &mut shards)?;
+        }
+        Ok(())
+    });
+    let counts = match res.and_then(|c| flush(&mut pending, &mut shards).map(|_| c)) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    let m = Manifest {
+        version: VERSION,
+        key: key.to_string(),
+        source: source.display().to_string(),
+        inputs,
+        tokens: shards.iter().map(|s| s.tokens).sum(),
+        shards,
+        counts,
+        build_seconds: t0.elapsed().as_secs_f64(),
+    };
+    let json = serde_json::to_string_pretty(&m).expect("manifest serialises");
+    rtune_fsio::write_atomic(&tmp.join("manifest.json"), json.as_bytes(), privacy).map_err(fs)?;
+    // A damaged entry is replaced. Two runs building the same entry at once both succeed: the
+    // loser of the rename finds the winner's (identical) entry and drops its own.
+    if entry.exists() && read_manifest(entry, key).is_none() {
+        let _ = std::fs::remove_dir_all(entry);
+    }
+    if let Err(e) = std::fs::rename(&tmp, entry) {
+        let _ = std::fs::remove_dir_all(&tmp);
+        if read_manifest(entry, key).is_none() {
+            return Err(io_err(entry, format!("cannot publish cache: {e}")));
+        }
+    }
+    rtune_fsio::fsync_dir(root).map_err(fs)?;
+    Ok((all, m))
+}
+
+fn write_shard(path: &Path, exs: &[Example], privacy: Privacy) -> Result<ShardInfo> {
+    let total: usize = exs.iter().map(|e| e.input_ids.len()).sum();
+    let mut buf = Vec::with_capacity(16 + 8 * (exs.len() + 1) + 8 * total);
+    buf.extend_from_slice(MAGIC);
+    buf.extend_from_slice(&(exs.len() as u64).to_le_bytes());
+    let mut off = 0u64;
+    buf.extend_from_slice(&off.to_le_bytes());
+    for e in exs {
+        off += e.input_ids.len() as u64;
+        buf.extend_from_slice(&off.to_le_bytes());
+    }
+    for e in exs {
+        e.input_ids
+            .iter()
+            .for_each(|i| buf.extend_from_slice(&i.to_le_bytes()));
+    }
+    for e in exs {
+        e.labels
+            .iter()
+            .for_each(|&l| buf.extend_from_slice(&(l as i32).to_le_bytes()));
+    }
+    let mut f = privacy
+        .create(path)
+        .map_err(|e| io_err(path, e.to_string()))?;
+    f.write_all(&buf)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| io_err(path, format!("cannot write cache shard: {e}")))?;
+    Ok(ShardInfo {
+        file: String::new(),
+        examples: exs.len(),
+        tokens: total,
+        bytes: buf.len() as u64,
+    })
+}
+
+fn read_shards(entry: &Path, m: &Manifest) -> Result<Vec<Example>> {
+    let mut out = Vec::new();
+    for s in &m.shards {
+        let path = entry.join(&s.file);
+        let mut bytes = Vec::with_capacity(s.bytes as usize);
+        std::fs::File::open(&path)
+            .and_then(|mut f| f.read_to_end(&mut bytes))
+            .map_err(|e| io_err(&path, format!("cannot read cache shard: {e}")))?;
+        let bad = || io_err(&path, "corrupt cache shard (delete the cache entry)".into());
+        if bytes.len() < 16 || &bytes[..8] != MAGIC {
+            return Err(bad());
+        }
+        let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+        let n = u64_at(8) as usize;
+        let offs: Vec<usize> = (0..=n).map(|i| u64_at(16 + 8 * i) as usize).collect();
+        let total = offs[n];
+        let ids_at = 16 + 8 * (n + 1);
+        let labels_at = ids_at + 4 * total;
+        if bytes.len() != labels_at + 4 * total {
+            return Err(bad());
+        }
+        let word = |at: usize, i: usize| {
+            <[u8; 4]>::try_from(&bytes[at + 4 * i..at + 4 * i + 4]).expect("4 bytes")
+        };
+        for w in offs.windows(2) {
+            out.push(Example {
+                input_ids: (w[0]..w[1])
+                    .map(|i| u32::from_le_bytes(word(ids_at, i)))
+                    .collect(),
+                labels: (w[0]..w[1])
+                    .map(|i| i32::from_le_bytes(word(labels_at, i)) as i64)
+                    .collect(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,263 @@
+//! The run's data: every `[data] train` file through the tokenized cache, weighted, with the
+//! validation split, and a report of what was cut, dropped or skipped on the way.
+
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use rtune_config::DataConfig;
+use rtune_data::cache::{self, RowCounts};
+use rtune_data::{DataError, Example, Tokenizer};
+use rtune_fsio::sha256_file;
+
+use crate::TrainError;
+
+/// One source file as loaded.
+#[derive(Debug, Clone)]
+pub struct FileReport {
+    pub path: PathBuf,
+    pub weight: f64,
+    pub counts: RowCounts,
+    /// Examples after filtering (before weighting and the validation split).
+    pub examples: usize,
+    pub tokens: usize,
+    pub reused_cache: bool,
+    /// Tokenisation speed (0 when read from the cache).
+    pub tokens_per_s: f64,
+}
+
+pub struct RunData {
+    pub train: Vec<Example>,
+    pub valid: Vec<Example>,
+    pub files: Vec<FileReport>,
+}
+
+impl RunData {
+    pub fn counts(&self) -> RowCounts {
+        let mut c = RowCounts::default();
+        self.files.iter().for_each(|f| c.add(&f.counts));
+        c
+    }
+
+    /// Warnings a user should see before a long run (more than 1% of rows cut or dropped).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        for f in &self.files {
+            let c = &f.counts;
+            let affected = c.truncated + c.dropped;
+            if c.rows > 0 && affected * 100 > c.rows {
+                w.push(format!(
+                    "{}: {} of {} rows ({:.1}%) were truncated ({}) or dropped ({}) at max_seq_len; \
+                     raise [data] max_seq_len or check the data",
+                    f.path.display(),
+                    affected,
+                    c.rows,
+                    100.0 * affected as f64 / c.rows as f64,
+                    c.truncated,
+                    c.dropped
+                ));
+            }
+            if c.skipped > 0 {
+                w.push(format!(
+                    "{}: {} malformed row(s) skipped (on_bad_row = \"skip\")",
+                    f.path.display(),
+                    c.skipped
+                ));
+            }
+        }
+        w
+    }
+}
+
+/// The settings that determine the tokens of a file, for the cache key.
+fn cache_inputs(
+    d: &DataConfig,
+    model_dir: &Path,
+    vocab: usize,
+) -> Result<BTreeMap<String, String>, TrainError> {
+    let mut m = BTreeMap::new();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let p = model_dir.join(f);
+        let v = if p.exists() {
+            sha256_file(&p)?
+        } else {
+            "(none)".into()
+        };
+        m.insert(format!("{f} sha256"), v);
+    }
+    if let Some(t) = &d.chat_template {
+        m.insert("chat_template sha256".into(), sha256_file(t)?);
+    }
+    m.insert("format".into(), format!("{:?}", d.format));
+    m.insert("train_on_all".into(), d.train_on_all.to_string());
+    m.insert("max_seq_len".into(), d.max_seq_len.to_string());
+    m.insert("drop_long".into(), d.drop_long.to_string());
+    m.insert("skip_bad_rows".into(), d.skip_bad_rows.to_string());
+    m.insert("vocab".into(), vocab.to_string());
+    m.insert("rtune".into(), env!("CARGO_PKG_VERSION").into());
+    Ok(m)
+}
+
+/// Parses one chunk of `path` (lines `first_line..`): rows to examples, with counts.
+fn parse_chunk(
+    text: &str,
+    first_line: usize,
+    path: &Path,
+    tok: Option<&Tokenizer>,
+    d: &DataConfig,
+    vocab: usize,
+) -> rtune_data::Result<(Vec<Example>, RowCounts)> {
+    let ds = rtune_data::parse_jsonl(text, path, tok, d.max_seq_len, vocab).map_err(|e| {
+        match e {
+            // Line numbers are relative to the chunk; report them in the file.
+            DataError::Row {
+                path,
+                line,
+                message,
+            } => DataError::Row {
+                path,
+                line: line + first_line - 1,
+                message,
+            },
+            e => e,
+        }
+    })?;
+    let rows = text.lines().filter(|l| !l.trim().is_empty()).count();
+    let counts = RowCounts {
+        rows,
+        truncated: ds.truncated,
+        dropped: ds.skipped,
+        skipped: 0,
+    };
+    Ok((ds.examples, counts))
+}
+
+/// Loads one file through the cache.
+fn load_file(
+    path: &Path,
+    tok: Option<&Tokenizer>,
+    d: &DataConfig,
+    inputs: &BTreeMap<String, String>,
+    vocab: usize,
+) -> Result<(Vec<Example>, cache::Loaded), TrainError> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let parser = |text: &str, first: usize| parse_chunk(text, first, path, tok, d, vocab);
+    let mut loaded = cache::load(d.cache_dir.as_deref(), path, inputs, threads, &parser)?;
+    if loaded.examples.is_empty() {
+        return Err(DataError::File {
+            path: path.to_path_buf(),
+            message: if loaded.counts.rows == 0 {
+                "no rows: the file holds no JSON line".into()
+            } else {
+                format!(
+                    "no usable example ({} rows read, {} dropped, {} skipped)",
+                    loaded.counts.rows, loaded.counts.dropped, loaded.counts.skipped
+                )
+            },
+        }
+        .into());
+    }
+    let ex = std::mem::take(&mut loaded.examples);
+    Ok((ex, loaded))
+}
+
+/// `examples` repeated `weight` times: whole copies, plus a seeded sample for the fraction.
+fn weighted(examples: Vec<Example>, weight: f64, seed: u64) -> Vec<Example> {
+    let whole = weight.floor() as usize;
+    let frac = weight - whole as f64;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::with_capacity((examples.len() as f64 * weight).ceil() as usize);
+    for _ in 0..whole {
+        out.extend(examples.iter().cloned());
+    }
+    if frac > 0.0 {
+        out.extend(examples.into_iter().filter(|_| rng.random::<f64>() < frac));
+    }
+    out
+}
+
+/// Loads the run's training and validation data.
+pub fn load(
+    d: &DataConfig,
+    model_dir: &Path,
+    tok: Option<&Tokenizer>,
+    vocab: usize,
+    seed: u64,
+) -> Result<RunData, TrainError> {
+    let inputs = cache_inputs(d, model_dir, vocab)?;
+    let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, f) in d.train.iter().enumerate() {
+        let (mut ex, loaded) = load_file(&f.path, tok, d, &inputs, vocab)?;
+        files.push(FileReport {
+            path: f.path.clone(),
+            weight: f.weight,
+            counts: loaded.counts,
+            examples: ex.len(),
+            tokens: ex.iter().map(|e| e.input_ids.len()).sum(),
+            reused_cache: loaded.reused,
+            tokens_per_s: loaded.tokens_per_s,
+        });
+        let file_seed = seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
+        if d.valid_fraction > 0.0 {
+            // A seeded, per-file hold-out; at least one example stays for training.
+            let n_valid = ((ex.len() as f64 * d.valid_fraction).round() as usize).min(ex.len() - 1);
+            let mut idx: Vec<usize> = (0..ex.len()).collect();
+            idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(file_seed));
+            let mut held: Vec<usize> = idx[..n_valid].to_vec();
+            held.sort_unstable();
+            for &k in held.iter().rev() {
+                valid.push(ex.swap_remove(k));
+            }
+        }
+        train.extend(weighted(ex, f.weight, file_seed.rotate_left(17)));
+    }
+    if let Some(v) = &d.valid {
+        let (ex, loaded) = load_file(v, tok, d, &inputs, vocab)?;
+        files.push(FileReport {
+            path: v.clone(),
+            weight: 0.0,
+            counts: loaded.counts,
+            examples: ex.len(),
+            tokens: ex.iter().map(|e| e.input_ids.len()).sum(),
+            reused_cache: loaded.reused,
+            tokens_per_s: loaded.tokens_per_s,
+        });
+        valid = ex;
+    }
+    if train.is_empty() {
+        return Err(DataError::File {
+            path: d.train[0].path.clone(),
+            message: "no training example left after weighting".into(),
+        }
+        .into());
+    }
+    Ok(RunData {
+        train,
+        valid,
+        files,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ex(i: u32) -> Example {
+        Example {
+            input_ids: vec![1, i],
+            labels: vec![1, i as i64],
+        }
+    }
+
+    #[test]
+    fn weights_repeat_whole_copies_and_sample_the_fraction() {
+        let exs: Vec<Example> = (0..1000).map(ex).collect();
+        assert_eq!(weighted(exs.clone(), 2.0, 1).len(), 2000);
+        let half = weighted(exs.clone(), 0.5, 1);
+        assert!((430..570).contains(&half.len()), "{}", half.len());
+        assert_eq!(half, weighted(exs.clone(), 0.5, 1), "seeded");
+        let w = weighted(exs, 1.25, 3);
+        assert!((1200..1300).contains(&w.len()), "{}", w.len());
+    }
+}
