@@ -6,6 +6,8 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod data_cmd;
+
 use rtune_train::bench::BenchOptions;
 use rtune_train::generate::GenerateOptions;
 use rtune_train::{Event, Outcome, RunOptions};
@@ -133,6 +135,20 @@ enum DataCommand {
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
         set: Vec<String>,
     },
+    /// Print the first formatted samples with their loss masks (trained tokens marked), the row
+    /// counts and a length histogram: check template, BOS/EOS and masking before a long run.
+    Inspect {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+        /// How many samples to print.
+        #[arg(short = 'n', long = "samples", default_value_t = 3)]
+        n: usize,
+        /// One JSON object per sample (`text`, `input_ids`, `labels` with -100 where masked).
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -187,6 +203,15 @@ fn run(cli: Cli) -> Result<()> {
         Command::Data {
             command: DataCommand::Scan { config, set },
         } => scan(config, set),
+        Command::Data {
+            command:
+                DataCommand::Inspect {
+                    config,
+                    set,
+                    n,
+                    json,
+                },
+        } => data_cmd::inspect(config, set, n, json),
         Command::Generate {
             model,
             adapter,
@@ -359,6 +384,10 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
                 eprintln!("step {step:>5}/{steps}  checkpoint {}", path.display());
             }
         }
+        Event::Eval(e) => eprintln!(
+            "step {:>5}/{steps}  validation loss {:.4}  perplexity {:.2}  ({} tokens)",
+            e.step, e.valid_loss, e.valid_ppl, e.valid_tokens
+        ),
         Event::Warning(w) => tracing::warn!("{w}"),
     })?;
     match outcome {

@@ -157,6 +157,11 @@ fn check_forward_and_grads(c: &Case) {
         }
         eprintln!("worst LoRA grad rel err {worst:e}");
     }
+    // Validation loss (no backward) is the training loss of the same batch.
+    let n = c.targets.iter().filter(|t| t.is_some()).count() as f64;
+    let eval = c.model.eval_loss(&c.inputs, &c.targets, Some(&lc)).unwrap() / n;
+    let e = (eval - want_loss).abs() / want_loss;
+    assert!(e <= 1e-5, "eval loss {eval} vs {want_loss}: rel err {e:e}");
     // Checkpointing recomputes the same ops on the same inputs: bit-identical gradients.
     let (_, g0) = loss_and_grads(c, &c.adapter, false);
     let (_, g1) = loss_and_grads(c, &c.adapter, true);

@@ -98,6 +98,14 @@ pub struct TrainSection {
     /// Print a progress line every N optimizer steps (metrics.jsonl always has every step).
     #[serde(default = "d_one")]
     pub log_every: usize,
+    /// Validation loss every N steps (0 = only at the end); needs [data] valid or valid_fraction.
+    #[serde(default)]
+    pub eval_every: usize,
+    /// Prompts completed (greedy) at each evaluation, written to `samples.jsonl` in the run dir.
+    #[serde(default)]
+    pub eval_prompts: Vec<String>,
+    #[serde(default = "d_eval_tokens")]
+    pub eval_max_new_tokens: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -139,6 +147,9 @@ fn d_targets() -> Targets {
 }
 fn d_true() -> bool {
     true
+}
+fn d_eval_tokens() -> usize {
+    48
 }
 fn d_seed() -> u64 {
     42

@@ -294,6 +294,27 @@ impl Model {
         run().map_err(|e| ModelError::candle("forward_backward", e))
     }
 
+    /// Summed next-token loss of a batch, no gradient (validation). Layer by layer, so only one
+    /// layer's activations exist at a time.
+    pub fn eval_loss(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: Option<&LoraCtx>,
+    ) -> Result<f64> {
+        let run = || -> candle_core::Result<f64> {
+            let ctx = self.batch_ctx(inp)?;
+            let mut x = self.embed(inp)?;
+            for layer in &self.layers {
+                x = layer.forward(&x, &ctx, lora)?.0;
+            }
+            let (h, _) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
+            let chunk = ((6usize << 20) / self.cfg.vocab_size).clamp(16, 4096);
+            ops::chunked_cross_entropy_loss(&h, &self.lm_head, targets, chunk)
+        };
+        run().map_err(|e| ModelError::candle("eval_loss", e))
+    }
+
     pub fn num_params(&self) -> usize {
         let mut n = self.embed.elem_count() + self.norm.elem_count();
         if !self.cfg.tie_word_embeddings {

@@ -320,6 +320,27 @@ pub fn chunked_cross_entropy(
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor)> {
+    let (loss, dh) = cross_entropy_impl(h, w, targets, Some(grad_scale), chunk)?;
+    Ok((loss, dh.expect("asked for the gradient")))
+}
+
+/// [`chunked_cross_entropy`]'s summed loss alone (evaluation: no gradient is formed).
+pub fn chunked_cross_entropy_loss(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[Option<u32>],
+    chunk: usize,
+) -> Result<f64> {
+    Ok(cross_entropy_impl(h, w, targets, None, chunk)?.0)
+}
+
+fn cross_entropy_impl(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[Option<u32>],
+    grad_scale: Option<f64>,
+    chunk: usize,
+) -> Result<(f64, Option<Tensor>)> {
     let dev = h.device();
     let dt = h.dtype();
     let vocab = w.dim(0)?;
@@ -327,7 +348,10 @@ pub fn chunked_cross_entropy(
         .filter(|&i| targets[i].is_some())
         .map(|i| i as u32)
         .collect();
-    let mut dh = h.zeros_like()?;
+    let mut dh = match grad_scale {
+        Some(_) => Some(h.zeros_like()?),
+        None => None,
+    };
     let mut loss = 0f64;
     let wt = w.t()?;
     for part in rows.chunks(chunk.max(1)) {
@@ -338,14 +362,16 @@ pub fn chunked_cross_entropy(
             .map(|&i| targets[i as usize].expect("filtered"))
             .collect();
         let tgt = Tensor::new(tgt.as_slice(), dev)?.unsqueeze(1)?; // (n, 1)
-                                                                   // logits: (n, V) f32
-        let logits = h.index_select(&idx, 0)?.matmul(&wt)?.to_dtype(DType::F32)?;
+        let logits = h.index_select(&idx, 0)?.matmul(&wt)?.to_dtype(DType::F32)?; // (n, V) f32
         let max = logits.max_keepdim(D::Minus1)?;
         let z = logits.broadcast_sub(&max)?;
         let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?; // (n, 1)
         let picked = z.gather(&tgt, D::Minus1)?; // (n, 1)
         let nll = (lse.clone() - picked)?;
         loss += nll.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let (Some(scale), Some(acc)) = (grad_scale, dh.as_mut()) else {
+            continue;
+        };
         // dlogits = (softmax − onehot) · grad_scale
         let p = z.broadcast_sub(&lse)?.exp()?;
         let onehot = Tensor::arange(0u32, vocab as u32, dev)?
@@ -353,9 +379,9 @@ pub fn chunked_cross_entropy(
             .broadcast_as((n, vocab))?
             .broadcast_eq(&tgt)?
             .to_dtype(DType::F32)?;
-        let dlogits = ((p - onehot)? * grad_scale)?.to_dtype(dt)?;
+        let dlogits = ((p - onehot)? * scale)?.to_dtype(dt)?;
         let dpart = dlogits.matmul(w)?; // (n, D)
-        dh = dh.index_add(&idx, &dpart, 0)?;
+        *acc = acc.index_add(&idx, &dpart, 0)?;
     }
     Ok((loss, dh))
 }

@@ -204,11 +204,12 @@ pub fn load(
             let n_valid = ((ex.len() as f64 * d.valid_fraction).round() as usize).min(ex.len() - 1);
             let mut idx: Vec<usize> = (0..ex.len()).collect();
             idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(file_seed));
-            let mut held: Vec<usize> = idx[..n_valid].to_vec();
-            held.sort_unstable();
-            for &k in held.iter().rev() {
-                valid.push(ex.swap_remove(k));
-            }
+            let mut held = vec![false; ex.len()];
+            idx[..n_valid].iter().for_each(|&k| held[k] = true);
+            // Both parts keep file order (inspect shows the first rows as written).
+            let (v, t): (Vec<_>, Vec<_>) = ex.into_iter().zip(held).partition(|(_, h)| *h);
+            valid.extend(v.into_iter().map(|(e, _)| e));
+            ex = t.into_iter().map(|(e, _)| e).collect();
         }
         train.extend(weighted(ex, f.weight, file_seed.rotate_left(17)));
     }

@@ -63,8 +63,7 @@ pub fn generate(
     let mut stop: Vec<u32> = model.cfg.eos_token_ids.clone();
     stop.extend(rtune_model::config::GenerationConfig::load(model_dir)?.eos_token_ids);
     stop.extend(tok.eos_id);
-    let mut ids = tok.encode(prompt, true)?;
-    let start = ids.len();
+    let ids = tok.encode(prompt, true)?;
     if let Some(path) = &opt.dump_logits {
         let out = model.forward(&Inputs::new(ids.clone(), 1, ids.len()), lc.as_ref(), false)?;
         let ids64: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
@@ -77,23 +76,36 @@ pub fn generate(
         candle_core::safetensors::save(&tensors, path)
             .map_err(TrainError::candle("write logits"))?;
     }
+    let new = complete(&model, lc.as_ref(), ids, &stop, opt)?;
+    Ok(tok.decode(&new, true)?)
+}
+
+/// Continues `ids` (a tokenised prompt) until a `stop` token or `opt.max_new_tokens`; returns the
+/// new tokens. The prompt runs once, then one token at a time against the key/value cache.
+pub fn complete(
+    model: &Model,
+    lc: Option<&LoraCtx>,
+    ids: Vec<u32>,
+    stop: &[u32],
+    opt: &GenerateOptions,
+) -> Result<Vec<u32>, TrainError> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opt.seed);
-    // The prompt once, then one token at a time against the key/value cache.
     let mut cache = KvCache::default();
-    let mut feed = ids.clone();
+    let mut feed = ids;
+    let mut out = Vec::new();
     for _ in 0..opt.max_new_tokens {
         let last = model
-            .decode(&feed, &mut cache, lc.as_ref())?
+            .decode(&feed, &mut cache, lc)?
             .to_vec1::<f32>()
             .map_err(TrainError::candle("logits to host"))?;
         let next = pick(&last, opt, &mut rng);
         if stop.contains(&next) {
             break;
         }
-        ids.push(next);
+        out.push(next);
         feed = vec![next];
     }
-    Ok(tok.decode(&ids[start..], true)?)
+    Ok(out)
 }
 
 fn pick(logits: &[f32], opt: &GenerateOptions, rng: &mut impl Rng) -> u32 {

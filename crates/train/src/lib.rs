@@ -4,6 +4,8 @@
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
 //! - [`scan`]: `rtune data scan` — likely secrets and personal data in training files;
+//! - [`evaluate`]: validation loss and sample completions during a run;
+//! - [`inspect`]: `rtune data inspect` — formatted samples with their loss masks;
 //! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
 //! - [`bench`]: `rtune bench` — training throughput and peak memory on a random model;
 //! - [`memory`]: peak resident memory of this process.
@@ -11,7 +13,9 @@
 pub mod bench;
 pub mod checkpoint;
 pub mod dataset;
+pub mod evaluate;
 pub mod generate;
+pub mod inspect;
 pub mod memory;
 pub mod optim;
 pub mod record;

@@ -40,6 +40,7 @@ pub struct Prepared {
     pub modules: Vec<ModuleShape>,
     pub adapter: Adapter,
     pub data: RunData,
+    pub tok: Option<Tokenizer>,
     pub pad_id: u32,
     /// Settings a resumed run must share with the original to reproduce it.
     pub settings: BTreeMap<String, String>,
@@ -95,6 +96,7 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         modules,
         adapter,
         data,
+        tok,
         pad_id,
         settings,
     })
@@ -174,8 +176,10 @@ pub fn settings_diff(
 }
 
 /// Files of a run directory that a fresh run replaces.
-pub const RUN_FILES: [&str; 6] = [
+pub const RUN_FILES: [&str; 8] = [
     "summary.json",
+    "samples.jsonl",
+    "loss.svg",
     "adapter_model.safetensors",
     "adapter_config.json",
     "metrics.jsonl",

@@ -25,6 +25,7 @@ use rtune_fsio::{write_atomic, Privacy};
 use rtune_model::{Grads, Inputs, LoraCtx};
 
 use crate::checkpoint::{self, TrainerState};
+use crate::evaluate;
 use crate::optim::{lr_factor, LoraOptimizer, LossScaler};
 use crate::record::RunRecord;
 use crate::setup::{base_model_name, fresh_output, prepare, settings_diff, Prepared};
@@ -100,6 +101,8 @@ pub enum Event<'a> {
         start_step: usize,
     },
     Step(&'a StepMetrics),
+    /// Validation loss and perplexity (every `eval_every` steps and at the end).
+    Eval(&'a crate::evaluate::EvalMetrics),
     Checkpoint {
         step: usize,
         path: &'a std::path::Path,
@@ -156,6 +159,7 @@ pub fn train(
         modules,
         mut adapter,
         mut data,
+        tok,
         pad_id,
         settings,
     } = prepare(cfg, &dev)?;
@@ -408,6 +412,56 @@ pub fn train(
                 })?;
             metrics_bytes += line.len() as u64;
             on_event(Event::Step(&m));
+
+            let eval_now = (cfg.eval_every > 0 && step % cfg.eval_every == 0) || step == cfg.steps;
+            if eval_now {
+                let lc = LoraCtx {
+                    adapter: &adapter,
+                    scaling,
+                    dropout: 0.0,
+                    seed: 0,
+                };
+                let ev = evaluate::validation(
+                    step,
+                    &model,
+                    &lc,
+                    &data.valid,
+                    cfg.micro_batch_size,
+                    pad_id,
+                )?;
+                if let Some(ev) = ev {
+                    let line = serde_json::to_string(&ev).expect("metrics serialise") + "\n";
+                    metrics
+                        .write_all(line.as_bytes())
+                        .map_err(|e| TrainError::Output {
+                            path: metrics_path.clone(),
+                            message: e.to_string(),
+                        })?;
+                    metrics_bytes += line.len() as u64;
+                    on_event(Event::Eval(&ev));
+                }
+                if let (Some(tok), false) = (&tok, cfg.eval_prompts.is_empty()) {
+                    let samples = evaluate::samples(
+                        step,
+                        &model,
+                        &lc,
+                        tok,
+                        &cfg.eval_prompts,
+                        cfg.eval_max_new_tokens,
+                    )?;
+                    let mut f = privacy
+                        .append(&dir.join("samples.jsonl"))
+                        .map_err(TrainError::from)?;
+                    for s in samples {
+                        let line = serde_json::to_string(&s).expect("sample serialises") + "\n";
+                        f.write_all(line.as_bytes())
+                            .map_err(|e| TrainError::Output {
+                                path: dir.join("samples.jsonl"),
+                                message: e.to_string(),
+                            })?;
+                    }
+                }
+            }
 
             let stop = opts.stop.is_some_and(|s| s.load(Ordering::SeqCst));
             let periodic = cfg.save_every > 0 && step % cfg.save_every == 0;

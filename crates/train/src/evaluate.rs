@@ -1,0 +1,103 @@
+//! Evaluation during a run: validation loss and perplexity over the held-out examples, and greedy
+//! completions of the configured `eval_prompts`.
+
+use serde::Serialize;
+
+use rtune_data::{Example, MicroBatch, Tokenizer};
+use rtune_model::{Inputs, LoraCtx, Model};
+
+use crate::generate::{complete, GenerateOptions};
+use crate::TrainError;
+
+/// One `metrics.jsonl` line of an evaluation.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalMetrics {
+    pub step: usize,
+    /// Mean next-token loss over every target token of the validation set.
+    pub valid_loss: f64,
+    pub valid_ppl: f64,
+    pub valid_tokens: usize,
+}
+
+/// One `samples.jsonl` line.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub step: usize,
+    pub prompt: String,
+    pub completion: String,
+}
+
+/// Validation loss over `valid`, `micro_batch` rows at a time, in order (no dropout, no gradient).
+pub fn validation(
+    step: usize,
+    model: &Model,
+    lc: &LoraCtx,
+    valid: &[Example],
+    micro_batch: usize,
+    pad_id: u32,
+) -> Result<Option<EvalMetrics>, TrainError> {
+    let lc = LoraCtx {
+        dropout: 0.0,
+        ..*lc
+    };
+    let (mut sum, mut n) = (0.0, 0usize);
+    for chunk in valid.chunks(micro_batch.max(1)) {
+        let refs: Vec<&Example> = chunk.iter().collect();
+        let mb = MicroBatch::from_examples(&refs, pad_id);
+        n += mb.target_tokens();
+        let inputs = Inputs {
+            ids: mb.input_ids,
+            positions: mb.positions,
+            b: mb.b,
+            t: mb.t,
+            segments: None,
+        };
+        sum += model.eval_loss(&inputs, &mb.targets, Some(&lc))?;
+    }
+    if n == 0 {
+        return Ok(None);
+    }
+    let valid_loss = sum / n as f64;
+    Ok(Some(EvalMetrics {
+        step,
+        valid_loss,
+        valid_ppl: valid_loss.exp(),
+        valid_tokens: n,
+    }))
+}
+
+/// Greedy completions of `prompts` with the current adapter.
+pub fn samples(
+    step: usize,
+    model: &Model,
+    lc: &LoraCtx,
+    tok: &Tokenizer,
+    prompts: &[String],
+    max_new_tokens: usize,
+) -> Result<Vec<Sample>, TrainError> {
+    let lc = LoraCtx {
+        dropout: 0.0,
+        ..*lc
+    };
+    let mut stop = model.cfg.eos_token_ids.clone();
+    stop.extend(tok.eos_id);
+    let opt = GenerateOptions {
+        max_new_tokens,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        dump_logits: None,
+    };
+    prompts
+        .iter()
+        .map(|p| {
+            let ids = tok.encode(p, true)?;
+            let new = complete(model, Some(&lc), ids, &stop, &opt)?;
+            Ok(Sample {
+                step,
+                prompt: p.clone(),
+                completion: tok.decode(&new, true)?,
+            })
+        })
+        .collect()
+}
