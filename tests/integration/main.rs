@@ -5,6 +5,7 @@
 mod bad_inputs;
 mod cli;
 mod common;
+mod data;
 mod packing;
 mod parity;
 mod resume;

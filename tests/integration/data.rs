@@ -1,0 +1,136 @@
+//! The data pipeline through the binary: `rtune data inspect`, packing, the validation split and
+//! evaluation, the tokenized cache, and `[data]` config errors.
+
+use crate::common::{rtune, rtune_env, stderr};
+
+fn lines(out: &[u8]) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn inspect_json_gives_ids_and_masked_labels() {
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        "configs/smoke.toml",
+        "--json",
+        "-n",
+        "2",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let rows = lines(&o.stdout);
+    assert_eq!(rows.len(), 2);
+    let first = std::fs::read_to_string("tests/fixtures/smoke.jsonl").unwrap();
+    let row: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    let r = &rows[0];
+    let text = r["text"].as_str().unwrap();
+    assert!(text.starts_with("<s>"), "one BOS: {text}");
+    assert!(!text.starts_with("<s><s>"), "BOS doubled: {text}");
+    assert!(text.ends_with(&format!("{}</s>", row["completion"].as_str().unwrap())));
+    let ids = r["input_ids"].as_array().unwrap();
+    let labels = r["labels"].as_array().unwrap();
+    assert_eq!(ids.len(), labels.len());
+    // prompt+completion: the prompt is masked, the completion and its EOS are trained as-is.
+    let first_trained = labels.iter().position(|l| l != -100).unwrap();
+    assert!(first_trained > 3);
+    for (i, l) in ids.iter().zip(labels).skip(first_trained) {
+        assert_eq!(i, l);
+    }
+}
+
+#[test]
+fn inspect_marks_trained_text_and_prints_a_histogram() {
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        "configs/smoke.toml",
+        "-n",
+        "1",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    // Not a terminal: trained tokens in brackets, the EOS inside them.
+    assert!(out.contains("A:[[ A kettle that sings.</s>]]"), "{out}");
+    assert!(out.contains("6 training examples"), "{out}");
+    assert!(out.contains("lengths (max_seq_len 64)"), "{out}");
+}
+
+#[test]
+fn packed_run_with_validation_evaluates_and_reuses_the_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let run = |name: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut args = vec![
+            "train".to_string(),
+            "--config".into(),
+            "configs/smoke.toml".into(),
+        ];
+        for s in [
+            format!("output.dir={}", out.display()),
+            "train.steps=40".into(),
+            "train.eval_every=20".into(),
+            "data.valid_fraction=0.34".into(),
+            format!("data.cache_dir={}", cache.display()),
+        ]
+        .iter()
+        .map(String::as_str)
+        .chain(extra.iter().copied())
+        {
+            args.push("--set".into());
+            args.push(s.to_string());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = rtune_env(&args, &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (out, stderr(&o))
+    };
+    let (out, err) = run("packed", &["data.packing=true"]);
+    assert!(err.contains("tokenised at"), "{err}");
+    assert!(err.contains("4 training / 2 validation examples"), "{err}");
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let evals: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("valid_loss").is_some())
+        .collect();
+    assert_eq!(evals.len(), 2);
+    assert_eq!(evals[1]["step"], 40);
+    let ppl = evals[1]["valid_ppl"].as_f64().unwrap();
+    let loss = evals[1]["valid_loss"].as_f64().unwrap();
+    assert!((ppl - loss.exp()).abs() < 1e-6 * ppl);
+    let losses: Vec<f64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| v.get("loss").and_then(|l| l.as_f64()))
+        .collect();
+    assert!(
+        losses[39] < losses[0] * 0.5,
+        "{} -> {}",
+        losses[0],
+        losses[39]
+    );
+
+    // Same data and settings: the second run reads the cache instead of tokenising.
+    let (_, err) = run("again", &[]);
+    assert!(err.contains("from cache"), "{err}");
+}
+
+#[test]
+fn bad_data_settings_name_the_key() {
+    for (set, key) in [
+        ("data.format=xml", "data.format"),
+        ("data.truncation=cut", "data.truncation"),
+        ("data.valid_fraction=0.7", "data.valid_fraction"),
+        ("data.on_bad_row=ignore", "data.on_bad_row"),
+    ] {
+        let o = rtune(&["train", "--config", "configs/smoke.toml", "--set", set]);
+        assert_eq!(o.status.code(), Some(2), "{set}: {}", stderr(&o));
+        assert!(stderr(&o).contains(key), "{set}: {}", stderr(&o));
+    }
+}
