@@ -8,5 +8,6 @@ mod common;
 mod data;
 mod packing;
 mod parity;
+mod qlora;
 mod resume;
 mod scan;

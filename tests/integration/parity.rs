@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use rtune_lora::{Adapter, LoraPair, LoraSpec};
-use rtune_model::{Grads, Inputs, LoraCtx, Model};
+use rtune_model::{Grads, Inputs, LoraCtx, Model, Quantize};
 
 use crate::common::{fixture, rel_err, Golden};
 
@@ -17,7 +17,7 @@ pub(crate) struct Case {
     pub adapter: Adapter,
     pub inputs: Inputs,
     pub targets: Vec<Option<u32>>,
-    golden: Golden,
+    pub golden: Golden,
 }
 
 pub(crate) fn case(model_dir: &str, golden: &str) -> Case {
@@ -25,6 +25,16 @@ pub(crate) fn case(model_dir: &str, golden: &str) -> Case {
 }
 
 fn case_in(model_dir: &str, golden: &str, dtype: DType) -> Case {
+    case_with(&fixture(model_dir), golden, dtype, Quantize::None)
+}
+
+/// A golden case on the model in `model_dir`, its linear layers quantized as asked.
+pub(crate) fn case_with(
+    model_dir: &std::path::Path,
+    golden: &str,
+    dtype: DType,
+    quantize: Quantize,
+) -> Case {
     let golden = Golden::load(&fixture(golden));
     let m = &golden.meta;
     let targets: Vec<String> = m["target_modules"]
@@ -42,7 +52,7 @@ fn case_in(model_dir: &str, golden: &str, dtype: DType) -> Case {
     )
     .unwrap();
     assert!((spec.scaling() - m["scaling"].as_f64().unwrap()).abs() < 1e-12);
-    let mut model = Model::load(&fixture(model_dir), dtype, &Device::Cpu).unwrap();
+    let mut model = Model::load_with(model_dir, dtype, &Device::Cpu, quantize).unwrap();
     let modules = model.lora_modules(&spec);
     assert_eq!(
         modules.len(),
@@ -120,7 +130,7 @@ fn loss_and_grads(c: &Case, adapter: &Adapter, checkpoint: bool) -> (f64, Grads)
     (sum / n, grads)
 }
 
-fn check_forward_and_grads(c: &Case) {
+pub(crate) fn check_forward_and_grads(c: &Case) {
     let g = &c.golden;
     let lc = ctx(&c.adapter);
     let out = c.model.forward(&c.inputs, Some(&lc), true).unwrap();
@@ -170,7 +180,7 @@ fn check_forward_and_grads(c: &Case) {
     }
 }
 
-fn check_adamw(c: &Case) {
+pub(crate) fn check_adamw(c: &Case) {
     use rtune_train::optim::AdamW;
     let g = &c.golden;
     let want_losses: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();

@@ -26,6 +26,12 @@ pub struct ModelSection {
     /// Compute dtype: f32 | bf16 | f16.
     #[serde(default = "d_dtype")]
     pub dtype: String,
+    /// Frozen linear layers: `none` (compute dtype) or `nf4` (QLoRA, bitsandbytes-exact).
+    #[serde(default = "d_none")]
+    pub quantize: String,
+    /// With nf4: also quantize the per-block scales (8-bit, saves 0.373 bit/param).
+    #[serde(default = "d_true")]
+    pub double_quant: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -150,6 +156,9 @@ fn d_true() -> bool {
 }
 fn d_eval_tokens() -> usize {
     48
+}
+fn d_none() -> String {
+    "none".into()
 }
 fn d_seed() -> u64 {
     42

@@ -44,6 +44,8 @@ pub struct RunConfig {
     pub config_path: PathBuf,
     pub model_path: PathBuf,
     pub dtype: DType,
+    /// `Some(double_quant)`: the frozen linear layers in NF4.
+    pub nf4: Option<bool>,
     pub r: usize,
     pub alpha: f64,
     pub dropout: f64,
@@ -99,6 +101,16 @@ impl ConfigFile {
                 return Err(bad(
                     "model.dtype",
                     format!("`{other}` is not one of f32, bf16, f16"),
+                ))
+            }
+        };
+        let nf4 = match self.model.quantize.as_str() {
+            "none" => None,
+            "nf4" => Some(self.model.double_quant),
+            other => {
+                return Err(bad(
+                    "model.quantize",
+                    format!("`{other}` is not one of none, nf4"),
                 ))
             }
         };
@@ -237,6 +249,7 @@ impl ConfigFile {
             config_path: path.to_path_buf(),
             model_path: PathBuf::from(&self.model.path),
             dtype,
+            nf4,
             r: l.r,
             alpha: l.alpha,
             dropout: l.dropout,

@@ -180,11 +180,16 @@ impl HfConfig {
                 )));
             }
         }
-        if self.quantization_config.is_some() {
-            return Err(bad(
-                "quantization_config is set: pre-quantized checkpoints are not supported yet"
-                    .into(),
-            ));
+        if let Some(q) = &self.quantization_config {
+            // bitsandbytes 4-bit checkpoints load as stored; other schemes are not read.
+            let method = q.get("quant_method").and_then(|v| v.as_str()).unwrap_or("");
+            let four_bit = q.get("load_in_4bit").and_then(|v| v.as_bool()) == Some(true);
+            if method != "bitsandbytes" || !four_bit {
+                return Err(bad(format!(
+                    "quantization_config {q}: only bitsandbytes 4-bit (load_in_4bit, nf4/fp4) \
+                     checkpoints are supported"
+                )));
+            }
         }
         let heads = self.num_attention_heads;
         let kv = self.num_key_value_heads.unwrap_or(heads);

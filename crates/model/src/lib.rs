@@ -18,8 +18,8 @@ pub mod rope;
 pub mod weights;
 
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling};
-pub use linear::{Grads, LoraCtx};
-pub use model::{Forward, Inputs, KvCache, Model};
+pub use linear::{Frozen, Grads, LoraCtx};
+pub use model::{Forward, Inputs, KvCache, Model, Quantize};
 
 use std::path::PathBuf;
 
@@ -41,6 +41,11 @@ pub enum ModelError {
         name: String,
         got: Vec<usize>,
         want: Vec<usize>,
+    },
+    #[error("{path}: {source}")]
+    Quant {
+        path: PathBuf,
+        source: rtune_quant::QuantError,
     },
     #[error("model {op}: {source}")]
     Candle {

@@ -5,8 +5,12 @@
 //! The backward returns `dx` and accumulates `dA`, `dB`; it never forms a gradient for `W` or `b`.
 //! The LoRA product is taken as `(x·Aᵀ)·Bᵀ` so the intermediate is `(N, r)`, never `(N, out)·(out, in)`.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use rand::{Rng, SeedableRng};
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use rtune_quant::Nf4Weight;
 
 use rtune_lora::Adapter;
 
@@ -46,11 +50,58 @@ impl Grads {
     }
 }
 
+/// A frozen weight `(out, in)`: dense in the compute dtype, or 4-bit (QLoRA).
+#[derive(Debug, Clone)]
+pub enum Frozen {
+    Dense(Tensor),
+    /// bitsandbytes NF4 (or FP4). Dequantized into the compute dtype for each use and dropped
+    /// after it, so the full-precision copy of a layer lives only while that layer computes.
+    Quant {
+        q: Arc<Nf4Weight>,
+        dtype: DType,
+        device: Device,
+    },
+}
+
+impl Frozen {
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            Frozen::Dense(t) => [t.dims()[0], t.dims()[1]],
+            Frozen::Quant { q, .. } => [q.shape[0], q.shape[1]],
+        }
+    }
+
+    pub fn elem_count(&self) -> usize {
+        let [o, i] = self.dims();
+        o * i
+    }
+
+    /// Bytes held for this weight.
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            Frozen::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            Frozen::Quant { q, .. } => q.resident_bytes(),
+        }
+    }
+
+    /// The weight in the compute dtype (dequantized when 4-bit).
+    pub fn dense(&self) -> Result<Cow<'_, Tensor>> {
+        match self {
+            Frozen::Dense(t) => Ok(Cow::Borrowed(t)),
+            Frozen::Quant { q, dtype, device } => q
+                .to_tensor(*dtype, device)
+                .map(Cow::Owned)
+                .map_err(|e| candle_core::Error::Msg(e.to_string())),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Linear {
     /// Checkpoint name without `.weight`, e.g. `model.layers.0.self_attn.q_proj`.
     pub name: String,
-    pub w: Tensor,
+    pub w: Frozen,
     pub bias: Option<Tensor>,
     /// Index of this module's LoRA pair in the attached adapter.
     pub lora: Option<usize>,
@@ -80,7 +131,7 @@ impl Linear {
         lora: Option<&LoraCtx>,
         salt: u64,
     ) -> Result<(Tensor, LinearCache)> {
-        let mut y = x.matmul(&self.w.t()?)?;
+        let mut y = x.matmul(&self.w.dense()?.t()?)?;
         if let Some(b) = &self.bias {
             y = y.broadcast_add(b)?;
         }
@@ -119,7 +170,7 @@ impl Linear {
         need_dx: bool,
     ) -> Result<Option<Tensor>> {
         let mut dx = if need_dx {
-            Some(dy.matmul(&self.w)?)
+            Some(dy.matmul(&*self.w.dense()?)?)
         } else {
             None
         };

@@ -6,17 +6,58 @@ use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
+use rtune_quant::{Nf4Weight, RawTensor};
+
 use crate::{ModelError, Result};
 
 /// Where a model's tensors come from: a checkpoint, or (for benches) a generator.
 pub trait TensorSource {
     /// The tensor `name`, checked to have `shape`, in the compute dtype.
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+
+    /// The tensor in the dtype it is stored in: quantizing from it (not from a bf16 rounding of
+    /// it) gives bitsandbytes' codes.
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.tensor(name, shape)
+    }
+
+    /// `name` (a `*.weight`) when the source holds it pre-quantized (a bnb-4bit checkpoint).
+    fn quantized(&self, _name: &str, _shape: &[usize]) -> Result<Option<Nf4Weight>> {
+        Ok(None)
+    }
 }
 
 impl TensorSource for Weights {
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        self.get(name, shape)?
+            .to_dtype(self.dtype)
+            .map_err(|e| ModelError::candle(format!("convert {name}"), e))
+    }
+
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.get(name, shape)
+    }
+
+    fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Weight>> {
+        if !rtune_quant::bnb::is_bnb_4bit(name, |n| self.contains(n)) {
+            return Ok(None);
+        }
+        let q = rtune_quant::load_bnb_4bit(name, |n| {
+            self.st.get(n).ok().map(|v| RawTensor::from_view(&v))
+        })
+        .map_err(|source| ModelError::Quant {
+            path: self.dir.clone(),
+            source,
+        })?;
+        if q.shape != shape {
+            return Err(ModelError::TensorShape {
+                path: self.dir.clone(),
+                name: name.to_string(),
+                got: q.shape.clone(),
+                want: shape.to_vec(),
+            });
+        }
+        Ok(Some(q))
     }
 }
 
@@ -93,7 +134,7 @@ impl Weights {
         self.st.get(name).is_ok()
     }
 
-    /// The tensor `name`, checked to have `shape`, in the compute dtype.
+    /// The tensor `name`, checked to have `shape`, as stored (f32, bf16 or f16).
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         if !self.contains(name) {
             return Err(ModelError::MissingTensor {
@@ -122,7 +163,6 @@ impl Weights {
                 })
             }
         }
-        t.to_dtype(self.dtype)
-            .map_err(|e| ModelError::candle(format!("convert {name}"), e))
+        Ok(t)
     }
 }

@@ -47,7 +47,11 @@ pub struct Prepared {
 }
 
 pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
-    let mut model = Model::load(&cfg.model_path, dtype(cfg.dtype), dev)?;
+    let quantize = match cfg.nf4 {
+        Some(double_quant) => rtune_model::Quantize::Nf4 { double_quant },
+        None => rtune_model::Quantize::None,
+    };
+    let mut model = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, quantize)?;
     let tok = if cfg.model_path.join("tokenizer.json").exists() {
         Some(Tokenizer::load(
             &cfg.model_path,
@@ -116,6 +120,8 @@ fn settings(cfg: &RunConfig) -> Result<BTreeMap<String, String>, TrainError> {
         sha(&cfg.model_path.join("config.json"))?,
     );
     put("model.dtype", cfg.dtype.as_str().into());
+    put("model.quantize", f.model.quantize.clone());
+    put("model.double_quant", f.model.double_quant.to_string());
     put("lora.r", cfg.r.to_string());
     put("lora.alpha", cfg.alpha.to_string());
     put("lora.dropout", cfg.dropout.to_string());
