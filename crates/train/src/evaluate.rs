@@ -87,6 +87,7 @@ pub fn samples(
         top_p: 1.0,
         seed: 0,
         dump_logits: None,
+        quantize: rtune_model::Quantize::None,
     };
     prompts
         .iter()

@@ -21,6 +21,8 @@ pub struct GenerateOptions {
     /// Also write the prompt's `input_ids` (1, T) and `logits` (1, T, V) to this safetensors file, in
     /// the layout of the parity goldens, to compare with another implementation.
     pub dump_logits: Option<std::path::PathBuf>,
+    /// Base weights as in training: `Quantize::Nf4` for an adapter trained with QLoRA.
+    pub quantize: rtune_model::Quantize,
 }
 
 /// Loads `model_dir` (and the PEFT adapter in `adapter_dir`), continues `prompt`, returns the new text.
@@ -31,7 +33,7 @@ pub fn generate(
     opt: &GenerateOptions,
 ) -> Result<String, TrainError> {
     let dev = Device::Cpu;
-    let mut model = Model::load(model_dir, candle_core::DType::F32, &dev)?;
+    let mut model = Model::load_with(model_dir, candle_core::DType::F32, &dev, opt.quantize)?;
     let tok = Tokenizer::load(model_dir, model.cfg.eos_token_ids.first().copied())?;
     let adapter = match adapter_dir {
         Some(dir) => {
@@ -163,6 +165,7 @@ mod tests {
             top_p: 1.0,
             seed: 0,
             dump_logits: None,
+            quantize: rtune_model::Quantize::None,
         };
         assert_eq!(pick(&logits, &greedy, &mut rng), 1);
         // top_p small enough keeps only the best token.
