@@ -3,6 +3,7 @@
 //! - `cli`: `rtune train` / `rtune generate` end to end, the embedded smoke run, bad-input errors.
 
 mod bad_inputs;
+mod check;
 mod cli;
 mod common;
 mod data;

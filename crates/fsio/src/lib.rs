@@ -150,6 +150,29 @@ pub fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
     s.into()
 }
 
+/// Bytes available to an unprivileged user on the filesystem holding `path` (statvfs).
+pub fn free_bytes(path: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| IoError {
+        path: path.to_path_buf(),
+        op: "statvfs",
+        source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+    })?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable statvfs the call fills.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(IoError {
+            path: path.to_path_buf(),
+            op: "statvfs",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: statvfs returned 0, so it filled the struct.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
 /// Lower-case hex SHA-256 of a file's contents, streamed.
 pub fn sha256_file(path: &Path) -> Result<String> {
     let mut f = File::open(path).map_err(ctx(path, "open"))?;
@@ -181,6 +204,14 @@ mod tests {
         let d = std::env::temp_dir().join(format!("rtune-fsio-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    #[test]
+    fn free_bytes_is_positive_and_missing_paths_fail() {
+        let free = free_bytes(&std::env::temp_dir()).unwrap();
+        assert!(free > 0);
+        let e = free_bytes(Path::new("/no/such/dir/rtune")).unwrap_err();
+        assert_eq!(e.op, "statvfs");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
+//! - [`check`]: `rtune check` — the pre-flight checks before a long run;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
 //! - [`scan`]: `rtune data scan` — likely secrets and personal data in training files;
 //! - [`evaluate`]: validation loss and sample completions during a run;
@@ -11,6 +12,7 @@
 //! - [`memory`]: peak resident memory of this process.
 
 pub mod bench;
+pub mod check;
 pub mod checkpoint;
 pub mod dataset;
 pub mod evaluate;

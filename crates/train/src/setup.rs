@@ -34,6 +34,14 @@ pub fn dtype(d: rtune_config::DType) -> DType {
     }
 }
 
+/// How the config asks for the frozen linear layers.
+pub fn quantize(cfg: &RunConfig) -> rtune_model::Quantize {
+    match cfg.nf4 {
+        Some(double_quant) => rtune_model::Quantize::Nf4 { double_quant },
+        None => rtune_model::Quantize::None,
+    }
+}
+
 pub struct Prepared {
     pub model: Model,
     pub spec: LoraSpec,
@@ -47,11 +55,7 @@ pub struct Prepared {
 }
 
 pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
-    let quantize = match cfg.nf4 {
-        Some(double_quant) => rtune_model::Quantize::Nf4 { double_quant },
-        None => rtune_model::Quantize::None,
-    };
-    let mut model = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, quantize)?;
+    let mut model = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, quantize(cfg))?;
     let tok = if cfg.model_path.join("tokenizer.json").exists() {
         Some(Tokenizer::load(
             &cfg.model_path,

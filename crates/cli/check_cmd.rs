@@ -1,0 +1,36 @@
+//! `rtune check`: the pre-flight checks, one line each; exit 1 when any fails.
+
+use anyhow::{bail, Result};
+use std::path::PathBuf;
+
+use rtune_train::check;
+
+pub fn run(config: PathBuf, set: Vec<String>) -> Result<()> {
+    let cfg = rtune_config::load(&config, &set)?;
+    let tmp = check::temp_dir();
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)?;
+    eprintln!(
+        "rtune check: {} on {} (scratch runs in {})",
+        config.display(),
+        cfg.model_path.display(),
+        tmp.display()
+    );
+    let result = check::run_checks(&cfg, &tmp, &mut |c| {
+        println!(
+            "{}  {:<30} {}",
+            if c.pass { "PASS" } else { "FAIL" },
+            c.name,
+            c.detail
+        );
+    });
+    let _ = std::fs::remove_dir_all(&tmp);
+    let checks = result?;
+    let failed: Vec<&str> = checks.iter().filter(|c| !c.pass).map(|c| c.name).collect();
+    if failed.is_empty() {
+        println!("all {} checks passed", checks.len());
+        Ok(())
+    } else {
+        bail!("{} check(s) failed: {}", failed.len(), failed.join(", "))
+    }
+}

@@ -1,0 +1,369 @@
+//! `rtune check`: the pre-flight before a long run, on the real config, at a tiny scale. Each check
+//! is one line with PASS/FAIL and the figure behind it:
+//! 1. runtime and device (CPU SIMD features; CUDA availability);
+//! 2. free disk in the output directory vs what checkpoints and logs will need;
+//! 3. the first formatted samples with their loss masks;
+//! 4. one optimizer step at the configured shape: peak memory;
+//! 5. overfitting a 4-sample subset: the loss must fall;
+//! 6. save a checkpoint, resume from it (identical adapter to an uninterrupted run), load the
+//!    adapter and generate a reply;
+//! 7. sustained throughput: the later steps are not slower than the first ones.
+//!
+//! Every run goes to a temporary directory; the configured output directory is never written.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rtune_config::RunConfig;
+
+use crate::generate::GenerateOptions;
+use crate::trainer::{train, Event, Outcome, RunOptions, StepMetrics};
+use crate::{inspect, TrainError};
+
+/// One check's verdict.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub name: &'static str,
+    pub pass: bool,
+    /// The figure(s) the verdict rests on.
+    pub detail: String,
+}
+
+/// Steps of the overfitting check, and the fraction the loss must fall by.
+pub const OVERFIT_STEPS: usize = 30;
+pub const OVERFIT_DROP: f64 = 0.3;
+/// The later steps' median speed relative to the earlier ones': below it something degrades
+/// (thermal throttling, memory growth, swapping). Loose, because shared machines are noisy.
+pub const SUSTAINED_MIN: f64 = 0.5;
+
+/// CPU features the GEMMs use (x86-64); `(present, names)`.
+fn simd() -> (bool, Vec<&'static str>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let f = [
+            ("avx2", std::is_x86_feature_detected!("avx2")),
+            ("fma", std::is_x86_feature_detected!("fma")),
+            ("avx512f", std::is_x86_feature_detected!("avx512f")),
+        ];
+        let names: Vec<&str> = f.iter().filter(|x| x.1).map(|x| x.0).collect();
+        (f[0].1 && f[1].1, names)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        (true, vec![std::env::consts::ARCH])
+    }
+}
+
+fn runtime(cfg: &RunConfig) -> Check {
+    let device = crate::setup::device(cfg.device);
+    let (fast, names) = simd();
+    let (pass, detail) = match device {
+        Err(e) => (false, e.to_string()),
+        Ok(_) => (
+            true,
+            format!(
+                "cpu, {} threads, SIMD: {}{}",
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+                names.join(" "),
+                if fast {
+                    ""
+                } else {
+                    " (no AVX2/FMA: matrix products will be several times slower)"
+                }
+            ),
+        ),
+    };
+    Check {
+        name: "runtime and device",
+        pass,
+        detail,
+    }
+}
+
+/// What a run's outputs need: the final adapter, `keep_last + 1` checkpoints (adapter + AdamW's
+/// two moments) while a new one is written, and metrics lines; 10% headroom for logs and retries.
+pub fn disk_needed(lora_params: usize, steps: usize, keep_last: usize) -> u64 {
+    let adapter = 4 * lora_params as u64;
+    let checkpoint = 3 * adapter + 4096;
+    let metrics = 400 * steps as u64;
+    let total = adapter + (keep_last as u64 + 1) * checkpoint + metrics;
+    total + total / 10
+}
+
+fn disk(cfg: &RunConfig, lora_params: usize) -> Check {
+    // The output directory may not exist yet: measure the nearest existing ancestor.
+    let mut at: &Path = &cfg.output_dir;
+    while !at.exists() {
+        at = at
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+    }
+    let need = disk_needed(lora_params, cfg.steps, cfg.keep_last);
+    match rtune_fsio::free_bytes(at) {
+        Ok(free) => Check {
+            name: "free disk",
+            pass: free >= need,
+            detail: format!(
+                "{:.1} MB free in {}, {:.1} MB needed ({} checkpoints kept)",
+                free as f64 / 1e6,
+                at.display(),
+                need as f64 / 1e6,
+                cfg.keep_last
+            ),
+        },
+        Err(e) => Check {
+            name: "free disk",
+            pass: false,
+            detail: e.to_string(),
+        },
+    }
+}
+
+/// The config, pointed at `out` with checkpoints, evaluation and the data cache turned off.
+fn scratch(cfg: &RunConfig, out: &Path, steps: usize) -> RunConfig {
+    let mut c = cfg.clone();
+    c.output_dir = out.to_path_buf();
+    c.steps = steps;
+    c.warmup_steps = 0;
+    c.save_every = 0;
+    c.keep_last = 2;
+    c.overwrite = true;
+    c.resume = false;
+    c.eval_every = 0;
+    c.eval_prompts.clear();
+    c.data.valid = None;
+    c.data.valid_fraction = 0.0;
+    c.data.cache_dir = None;
+    c
+}
+
+/// Runs `cfg`, collecting step metrics; `stop_at` stops after that step with a checkpoint.
+fn run(
+    cfg: &RunConfig,
+    resume: bool,
+    stop_at: Option<usize>,
+) -> Result<(Outcome, Vec<StepMetrics>), TrainError> {
+    let stop = AtomicBool::new(false);
+    let opts = RunOptions {
+        resume,
+        force: false,
+        stop: Some(&stop),
+    };
+    let mut steps = Vec::new();
+    let outcome = train(cfg, &opts, &mut |ev| {
+        if let Event::Step(m) = ev {
+            if Some(m.step) == stop_at {
+                stop.store(true, Ordering::SeqCst);
+            }
+            steps.push(m.clone());
+        }
+    })?;
+    Ok((outcome, steps))
+}
+
+/// The first `n` non-empty lines of `src`, written to `dst`.
+fn head(src: &Path, dst: &Path, n: usize) -> Result<(), TrainError> {
+    let text = std::fs::read_to_string(src).map_err(|e| TrainError::OutputDir {
+        path: src.to_path_buf(),
+        message: format!("cannot read: {e}"),
+    })?;
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(n)
+        .collect();
+    std::fs::write(dst, lines.join("\n") + "\n").map_err(|e| TrainError::Output {
+        path: dst.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+fn adapter_bytes(dir: &Path) -> Vec<u8> {
+    std::fs::read(dir.join("adapter_model.safetensors")).unwrap_or_default()
+}
+
+/// Runs every check, reporting each as soon as it is done.
+pub fn run_checks(
+    cfg: &RunConfig,
+    tmp: &Path,
+    report: &mut dyn FnMut(&Check),
+) -> Result<Vec<Check>, TrainError> {
+    let mut out = Vec::new();
+    let mut push = |c: Check, out: &mut Vec<Check>| {
+        report(&c);
+        out.push(c);
+    };
+    push(runtime(cfg), &mut out);
+    if !out[0].pass {
+        return Ok(out);
+    }
+
+    // 3. Samples (printed by the caller from `inspect`); here: the counts and the first mask.
+    let (data, tok) = inspect::load(cfg)?;
+    let first = inspect::sample(&data.train[0], tok.as_ref())?;
+    let c = data.counts();
+    push(
+        Check {
+            name: "data and loss masks",
+            pass: first.trained_tokens > 0,
+            detail: format!(
+                "{} examples ({} rows, {} truncated, {} dropped, {} skipped); first sample: {} tokens, {} trained \
+                 (see `rtune data inspect`)",
+                data.train.len(),
+                c.rows,
+                c.truncated,
+                c.dropped,
+                c.skipped,
+                first.input_ids.len(),
+                first.trained_tokens
+            ),
+        },
+        &mut out,
+    );
+
+    // 4. One step at the configured shape.
+    let one = scratch(cfg, &tmp.join("one-step"), 1);
+    let (_, steps) = run(&one, false, None)?;
+    let peak = steps.last().map_or(0, |m| m.peak_memory_bytes);
+    let lora_params = std::fs::metadata(one.output_dir.join("adapter_model.safetensors"))
+        .map_or(0, |m| m.len() as usize / 4);
+    push(
+        Check {
+            name: "forward + backward",
+            pass: steps.last().is_some_and(|m| m.loss.is_finite()),
+            detail: format!(
+                "loss {:.4}, peak memory {:.1} MB at micro_batch_size {} × max_seq_len {}",
+                steps.last().map_or(f64::NAN, |m| m.loss),
+                peak as f64 / 1e6,
+                cfg.micro_batch_size,
+                cfg.data.max_seq_len
+            ),
+        },
+        &mut out,
+    );
+    push(disk(cfg, lora_params), &mut out);
+
+    // 5. Overfit four samples.
+    let subset = tmp.join("subset.jsonl");
+    head(&cfg.data.train[0].path, &subset, 4)?;
+    let mut o = scratch(cfg, &tmp.join("overfit"), OVERFIT_STEPS);
+    o.data.train = vec![rtune_config::WeightedFile {
+        path: subset.clone(),
+        weight: 1.0,
+    }];
+    o.micro_batch_size = o.micro_batch_size.min(4);
+    o.grad_accum = 1;
+    o.schedule = rtune_config::Schedule::Constant;
+    let (_, steps) = run(&o, false, None)?;
+    let (l0, l1) = (steps[0].loss, steps.last().map_or(f64::NAN, |m| m.loss));
+    push(
+        Check {
+            name: "overfit 4 samples",
+            pass: l1 <= (1.0 - OVERFIT_DROP) * l0,
+            detail: format!(
+                "loss {l0:.4} -> {l1:.4} in {OVERFIT_STEPS} steps at lr {} (must fall by {:.0}%)",
+                cfg.lr,
+                OVERFIT_DROP * 100.0
+            ),
+        },
+        &mut out,
+    );
+
+    // 7. Sustained throughput over the overfit run: second half vs first half (after step 1).
+    let speeds: Vec<f64> = steps.iter().skip(1).map(|m| m.tokens_per_s).collect();
+    let half = speeds.len() / 2;
+    let med = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let (early, late) = (med(&speeds[..half]), med(&speeds[half..]));
+    push(
+        Check {
+            name: "sustained throughput",
+            pass: late >= SUSTAINED_MIN * early,
+            detail: format!(
+                "{early:.0} tokens/s in steps 2-{}, {late:.0} tokens/s in steps {}-{} (must stay ≥ {:.0}%)",
+                half + 1,
+                half + 2,
+                speeds.len() + 1,
+                SUSTAINED_MIN * 100.0
+            ),
+        },
+        &mut out,
+    );
+
+    // 6. Save, resume, reload, generate.
+    let mut whole = scratch(cfg, &tmp.join("whole"), 4);
+    whole.data.train = o.data.train.clone();
+    whole.micro_batch_size = o.micro_batch_size;
+    let mut split = whole.clone();
+    split.output_dir = tmp.join("split");
+    run(&whole, false, None)?;
+    let (stopped, _) = run(&split, false, Some(2))?;
+    let stopped_ok = matches!(stopped, Outcome::Stopped { step: 2, .. });
+    run(&split, true, None)?;
+    let same = adapter_bytes(&whole.output_dir) == adapter_bytes(&split.output_dir)
+        && !adapter_bytes(&split.output_dir).is_empty();
+    let prompt = first_prompt(&data.train[0], tok.as_ref())?;
+    let reply = crate::generate::generate(
+        &cfg.model_path,
+        Some(&split.output_dir),
+        &prompt,
+        &GenerateOptions {
+            max_new_tokens: 16,
+            temperature: 0.0,
+            top_p: 1.0,
+            seed: 0,
+            dump_logits: None,
+            quantize: crate::setup::quantize(cfg),
+        },
+    )?;
+    push(
+        Check {
+            name: "checkpoint, resume, generate",
+            pass: stopped_ok && same,
+            detail: format!(
+                "stopped at step 2 and resumed to 4: adapter {} the uninterrupted run's; reply to the first \
+                 prompt: {:?}",
+                if same { "identical to" } else { "DIFFERS from" },
+                reply.chars().take(60).collect::<String>()
+            ),
+        },
+        &mut out,
+    );
+    Ok(out)
+}
+
+/// The masked prefix of an example (its prompt), decoded.
+fn first_prompt(
+    e: &rtune_data::Example,
+    tok: Option<&rtune_data::Tokenizer>,
+) -> Result<String, TrainError> {
+    let end = (1..e.labels.len())
+        .find(|&i| e.labels[i] != rtune_data::IGNORE)
+        .unwrap_or(e.labels.len());
+    Ok(match tok {
+        Some(t) => t.decode(&e.input_ids[..end], true)?,
+        None => String::new(),
+    })
+}
+
+/// A temporary directory for the check's runs.
+pub fn temp_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("rtune-check-{}", std::process::id()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn disk_need_grows_with_kept_checkpoints() {
+        let a = super::disk_needed(1_000_000, 100, 1);
+        let b = super::disk_needed(1_000_000, 100, 3);
+        // Two more checkpoints: 2 × (3 × 4 MB + 4 KiB) plus 10% (±1 for the integer tenth).
+        let want = (2 * (12_000_000 + 4096)) * 11 / 10;
+        assert!((b - a).abs_diff(want) <= 1, "{} vs {want}", b - a);
+        assert!(a > 4_000_000 * 5);
+    }
+}
