@@ -134,3 +134,93 @@ fn bad_data_settings_name_the_key() {
         assert!(stderr(&o).contains(key), "{set}: {}", stderr(&o));
     }
 }
+
+/// Chat rows through the whole pipeline: the model's template renders them, only the assistant
+/// turns (with their EOS) are trained, and a malformed row names its line.
+#[test]
+fn chat_rows_train_on_assistant_turns_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("chat.jsonl");
+    let row = serde_json::json!({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Who makes Zephyr?"},
+        {"role": "assistant", "content": "Nimbus Labs."},
+        {"role": "user", "content": "Where?"},
+        {"role": "assistant", "content": "Oslo."},
+    ]});
+    std::fs::write(&data, format!("{row}\n")).unwrap();
+    let set = format!("data.train={}", data.display());
+    let len = "data.max_seq_len=256";
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        &set,
+        "--set",
+        len,
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r = &lines(&o.stdout)[0];
+    let text = r["text"].as_str().unwrap();
+    assert_eq!(
+        text,
+        "<s><|system|>\nBe brief.</s>\n<|user|>\nWho makes Zephyr?</s>\n<|assistant|>\nNimbus Labs.</s>\n\
+         <|user|>\nWhere?</s>\n<|assistant|>\nOslo.</s>\n"
+    );
+    // The trained tokens, decoded span by span, are exactly the two replies and their EOS.
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        &set,
+        "--set",
+        len,
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let body = out.split("--- sample 1").nth(1).unwrap();
+    let trained: Vec<&str> = body
+        .split("[[")
+        .skip(1)
+        .map(|s| s.split("]]").next().unwrap())
+        .collect();
+    assert_eq!(trained, vec!["Nimbus Labs.</s>", "Oslo.</s>"], "{out}");
+
+    // A row whose assistant turn is empty is refused with its line number; skip mode counts it.
+    let bad = serde_json::json!({"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}
+    ]});
+    std::fs::write(&data, format!("{row}\n{bad}\n")).unwrap();
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        &set,
+        "--set",
+        len,
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("chat.jsonl:2:"), "{}", stderr(&o));
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        &set,
+        "--set",
+        len,
+        "--set",
+        "data.on_bad_row=skip",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("1 skipped"), "{out}");
+    assert!(out.contains("chat.jsonl:2:"), "{out}");
+}

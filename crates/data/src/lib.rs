@@ -1,22 +1,30 @@
 //! Training data: the model's tokenizer, JSONL examples, and right-padded micro-batches.
 //!
 //! An [`Example`] is `input_ids` with `labels` aligned to them as in transformers (`-100` = no loss;
-//! the model shifts labels by one). Rows are read from JSONL in one of three shapes, detected from the
-//! first row and required of every row:
-//! - `{"text": ...}`: loss on every token;
-//! - `{"prompt": ..., "completion": ...}`: loss on the completion (and the EOS that ends it);
-//! - `{"input_ids": [...], "labels": [...]}`: pre-tokenized, used as-is (`labels` optional).
+//! the model shifts labels by one). Rows are read from JSONL in one [`Format`], set or detected from
+//! the first row and required of every row (`formats`): raw `text`, `prompt`/`completion`, Alpaca
+//! `instruction`/`input`/`output`, `messages` rendered with the model's [`ChatTemplate`] (loss on
+//! the assistant turns, masks read from the rendered text by role: [`chat`]), or pre-tokenized
+//! `input_ids`/`labels`. [`DataOptions`] holds the settings; [`RowParser`] parses a file's rows (in
+//! chunks, so the cache can use all cores); [`load_jsonl_with`] reads a whole file.
 //!
 //! [`Batcher`] walks the examples epoch after epoch (shuffled per epoch by seed, or in file order)
 //! and cuts micro-batches.
 
 mod batch;
+pub mod cache;
+pub mod chat;
+mod formats;
+mod pyjson;
+mod template;
 mod tokenizer;
 
-pub use batch::{Batcher, MicroBatch};
-pub use tokenizer::Tokenizer;
+pub use batch::{Batcher, Layout, MicroBatch, PAD_SEGMENT};
+pub use chat::{Conversation, RenderedChat, Role};
+pub use formats::{detect_format, DataOptions, Format, OnBadRow, RowParser, TrainOn, Truncation};
+pub use template::{ChatTemplate, TemplateError};
+pub use tokenizer::{ByteRange, Tokenizer};
 
-use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +37,15 @@ pub enum DataError {
         line: usize,
         message: String,
     },
+    /// The chat template's `raise_exception` refused this row's conversation.
+    #[error("{path}:{line}: {source}")]
+    RowTemplate {
+        path: PathBuf,
+        line: usize,
+        source: TemplateError,
+    },
+    #[error(transparent)]
+    Template(#[from] TemplateError),
     #[error("tokenizer {op}: {message}")]
     Tokenizer { op: &'static str, message: String },
 }
@@ -51,58 +68,93 @@ impl Example {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Text,
-    PromptCompletion,
-    Tokens,
-}
-
-impl Format {
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::Text => "text",
-            Format::PromptCompletion => "prompt/completion",
-            Format::Tokens => "input_ids/labels",
-        }
-    }
-}
-
-/// Examples read from one file, with what was cut on the way.
+/// Examples read from one file (or one chunk of it), with what was cut or left out on the way.
 #[derive(Debug, Clone)]
 pub struct Dataset {
     pub examples: Vec<Example>,
     pub format: Format,
-    /// Rows longer than `max_seq_len`, cut to it.
+    /// Non-empty lines read.
+    pub rows: usize,
+    /// Rows longer than `max_seq_len`, cut to it (`truncation = "truncate"`).
     pub truncated: usize,
-    /// Rows left with no target token (e.g. a prompt that fills `max_seq_len`), skipped.
+    /// Rows longer than `max_seq_len`, left out (`truncation = "drop"`).
+    pub dropped: usize,
+    /// Rows left with no target token (e.g. a prompt that fills `max_seq_len`), left out.
     pub skipped: usize,
+    /// Malformed rows passed over (`on_bad_row = "skip"`), and the first few of their
+    /// `file:line: what is wrong` messages.
+    pub bad_rows: usize,
+    pub bad_row_samples: Vec<String>,
 }
 
-fn detect(obj: &serde_json::Map<String, Value>) -> Option<Format> {
-    if obj.contains_key("input_ids") {
-        Some(Format::Tokens)
-    } else if obj.contains_key("prompt") || obj.contains_key("completion") {
-        Some(Format::PromptCompletion)
-    } else if obj.contains_key("text") {
-        Some(Format::Text)
-    } else {
-        None
+impl Dataset {
+    /// How many bad-row messages are kept.
+    pub const BAD_ROW_SAMPLES: usize = 10;
+
+    pub fn empty(format: Format) -> Self {
+        Dataset {
+            examples: Vec::new(),
+            format,
+            rows: 0,
+            truncated: 0,
+            dropped: 0,
+            skipped: 0,
+            bad_rows: 0,
+            bad_row_samples: Vec::new(),
+        }
+    }
+
+    /// Appends a later chunk of the same file.
+    pub fn absorb(&mut self, other: Dataset) {
+        self.examples.extend(other.examples);
+        self.rows += other.rows;
+        self.truncated += other.truncated;
+        self.dropped += other.dropped;
+        self.skipped += other.skipped;
+        self.bad_rows += other.bad_rows;
+        let room = Self::BAD_ROW_SAMPLES.saturating_sub(self.bad_row_samples.len());
+        self.bad_row_samples
+            .extend(other.bad_row_samples.into_iter().take(room));
+    }
+
+    /// An error unless some example is left, saying where the rows went.
+    pub fn check_not_empty(&self, path: &Path, max_seq_len: usize) -> Result<()> {
+        if !self.examples.is_empty() {
+            return Ok(());
+        }
+        let mut why = Vec::new();
+        if self.bad_rows > 0 {
+            why.push(format!("{} malformed (skipped)", self.bad_rows));
+        }
+        if self.dropped > 0 {
+            why.push(format!(
+                "{} longer than max_seq_len {max_seq_len} (dropped)",
+                self.dropped
+            ));
+        }
+        if self.skipped > 0 {
+            why.push(format!(
+                "{} with no token to train on (max_seq_len {max_seq_len} too short?)",
+                self.skipped
+            ));
+        }
+        Err(DataError::File {
+            path: path.to_path_buf(),
+            message: format!("no example left of {} rows: {}", self.rows, why.join(", ")),
+        })
     }
 }
 
-/// Reads a JSONL file. `tok` is needed for text rows; `vocab` bounds pre-tokenized ids.
+/// Reads a JSONL file with the default [`DataOptions`] (format detected, loss on assistant turns,
+/// over-long rows cut, bad rows an error). `tok` is needed for text rows; `vocab` bounds
+/// pre-tokenized ids.
 pub fn load_jsonl(
     path: &Path,
     tok: Option<&Tokenizer>,
     max_seq_len: usize,
     vocab: usize,
 ) -> Result<Dataset> {
-    let text = std::fs::read_to_string(path).map_err(|e| DataError::File {
-        path: path.to_path_buf(),
-        message: format!("cannot read data: {e}"),
-    })?;
-    parse_jsonl(&text, path, tok, max_seq_len, vocab)
+    load_jsonl_with(path, tok, &DataOptions::new(max_seq_len), vocab)
 }
 
 /// [`load_jsonl`] on text already read; `path` labels errors.
@@ -113,250 +165,33 @@ pub fn parse_jsonl(
     max_seq_len: usize,
     vocab: usize,
 ) -> Result<Dataset> {
-    let row_err = |line: usize, message: String| DataError::Row {
-        path: path.to_path_buf(),
-        line,
-        message,
-    };
-    let mut examples = Vec::new();
-    let mut format = None;
-    let (mut truncated, mut skipped) = (0, 0);
-    for (i, raw) in text.lines().enumerate() {
-        let line = i + 1;
-        if raw.trim().is_empty() {
-            continue;
-        }
-        let v: Value =
-            serde_json::from_str(raw).map_err(|e| row_err(line, format!("not valid JSON: {e}")))?;
-        let obj = v
-            .as_object()
-            .ok_or_else(|| row_err(line, "a row must be a JSON object".into()))?;
-        let f = detect(obj).ok_or_else(|| {
-            row_err(
-                line,
-                "row has none of `text`, `prompt`+`completion`, `input_ids`".into(),
-            )
-        })?;
-        match format {
-            None => format = Some(f),
-            Some(prev) if prev != f => {
-                return Err(row_err(
-                    line,
-                    format!("row is {} but earlier rows are {}", f.name(), prev.name()),
-                ))
-            }
-            _ => {}
-        }
-        let mut ex = match f {
-            Format::Tokens => tokens_row(obj, vocab).map_err(|m| row_err(line, m))?,
-            Format::Text | Format::PromptCompletion => {
-                let tok = tok.ok_or_else(|| {
-                    row_err(line, "text rows need the model's tokenizer.json".into())
-                })?;
-                text_row(obj, f, tok).map_err(|m| row_err(line, m))?
-            }
-        };
-        if ex.input_ids.len() > max_seq_len {
-            ex.input_ids.truncate(max_seq_len);
-            ex.labels.truncate(max_seq_len);
-            truncated += 1;
-        }
-        if ex.target_tokens() == 0 {
-            skipped += 1;
-            continue;
-        }
-        examples.push(ex);
-    }
-    let Some(format) = format else {
-        return Err(DataError::File {
-            path: path.to_path_buf(),
-            message: "no rows".into(),
-        });
-    };
-    if examples.is_empty() {
-        return Err(DataError::File {
-            path: path.to_path_buf(),
-            message: format!("all {skipped} rows have no token to train on (max_seq_len {max_seq_len} too short?)"),
-        });
-    }
-    Ok(Dataset {
-        examples,
-        format,
-        truncated,
-        skipped,
-    })
+    parse_jsonl_with(text, path, tok, &DataOptions::new(max_seq_len), vocab)
 }
 
-fn str_field<'a>(
-    obj: &'a serde_json::Map<String, Value>,
-    key: &str,
-) -> std::result::Result<&'a str, String> {
-    match obj.get(key) {
-        Some(Value::String(s)) => Ok(s),
-        Some(other) => Err(format!("`{key}` must be a string, got {}", kind(other))),
-        None => Err(format!("missing `{key}`")),
-    }
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn text_row(
-    obj: &serde_json::Map<String, Value>,
-    f: Format,
-    tok: &Tokenizer,
-) -> std::result::Result<Example, String> {
-    let eos = tok.eos_id.ok_or("the tokenizer has no EOS token")?;
-    let (mut ids, mut labels) = match f {
-        Format::Text => {
-            let ids = tok
-                .encode(str_field(obj, "text")?, true)
-                .map_err(|e| e.to_string())?;
-            let labels = ids.iter().map(|&i| i as i64).collect();
-            (ids, labels)
-        }
-        _ => {
-            let prompt = tok
-                .encode(str_field(obj, "prompt")?, true)
-                .map_err(|e| e.to_string())?;
-            let completion = tok
-                .encode(str_field(obj, "completion")?, false)
-                .map_err(|e| e.to_string())?;
-            let mut labels = vec![IGNORE; prompt.len()];
-            labels.extend(completion.iter().map(|&i| i as i64));
-            let mut ids = prompt;
-            ids.extend(completion);
-            (ids, labels)
-        }
-    };
-    // EOS in the labels, so the model learns to stop.
-    ids.push(eos);
-    labels.push(eos as i64);
-    Ok(Example {
-        input_ids: ids,
-        labels,
-    })
-}
-
-fn tokens_row(
-    obj: &serde_json::Map<String, Value>,
+/// Reads a JSONL file as `opts` says.
+pub fn load_jsonl_with(
+    path: &Path,
+    tok: Option<&Tokenizer>,
+    opts: &DataOptions,
     vocab: usize,
-) -> std::result::Result<Example, String> {
-    let ints = |key: &str| -> std::result::Result<Option<Vec<i64>>, String> {
-        match obj.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|x| {
-                    x.as_i64()
-                        .ok_or_else(|| format!("`{key}` must hold integers, found {x}"))
-                })
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map(Some),
-            Some(other) => Err(format!(
-                "`{key}` must be an array of integers, got {}",
-                kind(other)
-            )),
-        }
-    };
-    let ids = ints("input_ids")?.unwrap_or_default();
-    if ids.is_empty() {
-        return Err("`input_ids` is empty".into());
-    }
-    let input_ids = ids
-        .iter()
-        .map(|&i| {
-            if i >= 0 && (i as usize) < vocab {
-                Ok(i as u32)
-            } else {
-                Err(format!(
-                    "token id {i} is outside the vocabulary (0..{vocab})"
-                ))
-            }
-        })
-        .collect::<std::result::Result<Vec<u32>, String>>()?;
-    let labels = match ints("labels")? {
-        None => ids.clone(),
-        Some(l) if l.len() != ids.len() => {
-            return Err(format!(
-                "`labels` has {} entries, `input_ids` {}",
-                l.len(),
-                ids.len()
-            ))
-        }
-        Some(l) => {
-            if let Some(bad) = l
-                .iter()
-                .find(|&&x| x != IGNORE && (x < 0 || x as usize >= vocab))
-            {
-                return Err(format!(
-                    "label {bad} is neither -100 nor a token id (0..{vocab})"
-                ));
-            }
-            l
-        }
-    };
-    Ok(Example { input_ids, labels })
+) -> Result<Dataset> {
+    let text = std::fs::read_to_string(path).map_err(|e| DataError::File {
+        path: path.to_path_buf(),
+        message: format!("cannot read data: {e}"),
+    })?;
+    parse_jsonl_with(&text, path, tok, opts, vocab)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn write(name: &str, body: &str) -> PathBuf {
-        let p = std::env::temp_dir().join(format!("rtune-data-{}-{name}", std::process::id()));
-        std::fs::write(&p, body).unwrap();
-        p
-    }
-
-    #[test]
-    fn tokens_rows_and_errors_name_the_line() {
-        let p = write(
-            "ok.jsonl",
-            "{\"input_ids\":[1,5,6],\"labels\":[-100,5,6]}\n\n{\"input_ids\":[1,7]}\n",
-        );
-        let d = load_jsonl(&p, None, 16, 10).unwrap();
-        assert_eq!(d.examples.len(), 2);
-        assert_eq!(d.examples[1].labels, vec![1, 7]);
-        for (body, needle) in [
-            (
-                "{\"input_ids\":[1,2]}\n{\"input_ids\":[1,2\n",
-                ":2: not valid JSON",
-            ),
-            (
-                "{\"input_ids\":[1,2],\"labels\":[1]}\n",
-                ":1: `labels` has 1",
-            ),
-            ("{\"input_ids\":[1,20]}\n", "outside the vocabulary"),
-            ("{\"foo\":1}\n", ":1: row has none"),
-            (
-                "{\"input_ids\":[1,2]}\n{\"text\":\"a\"}\n",
-                ":2: row is text",
-            ),
-            ("", "no rows"),
-        ] {
-            let p = write("bad.jsonl", body);
-            let e = load_jsonl(&p, None, 16, 10).unwrap_err().to_string();
-            assert!(e.contains(needle), "{body:?}: {e}");
-        }
-    }
-
-    #[test]
-    fn truncation_and_skipping_are_counted() {
-        let p = write(
-            "long.jsonl",
-            "{\"input_ids\":[1,2,3,4,5]}\n{\"input_ids\":[1,2,3],\"labels\":[-100,-100,-100]}\n",
-        );
-        let d = load_jsonl(&p, None, 3, 10).unwrap();
-        assert_eq!((d.examples.len(), d.truncated, d.skipped), (1, 1, 1));
-        assert_eq!(d.examples[0].input_ids, vec![1, 2, 3]);
-    }
+/// [`load_jsonl_with`] on text already read; `path` labels errors. An empty result is an error.
+pub fn parse_jsonl_with(
+    text: &str,
+    path: &Path,
+    tok: Option<&Tokenizer>,
+    opts: &DataOptions,
+    vocab: usize,
+) -> Result<Dataset> {
+    let format = detect_format(text, 1, path, opts)?;
+    let d = RowParser::new(path, format, tok, opts, vocab)?.parse_chunk(text, 1)?;
+    d.check_not_empty(path, opts.max_seq_len)?;
+    Ok(d)
 }

@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 
 use rtune_config::DataConfig;
 use rtune_data::cache::{self, RowCounts};
-use rtune_data::{DataError, Example, Tokenizer};
+use rtune_data::{
+    detect_format, ChatTemplate, DataError, DataOptions, Dataset, Example, Format, OnBadRow,
+    RowParser, Tokenizer, TrainOn, Truncation,
+};
 use rtune_fsio::sha256_file;
 
 use crate::TrainError;
@@ -25,6 +28,8 @@ pub struct FileReport {
     pub reused_cache: bool,
     /// Tokenisation speed (0 when read from the cache).
     pub tokens_per_s: f64,
+    /// The first few malformed rows skipped, as `file:line: what is wrong` (not kept in the cache).
+    pub bad_rows: Vec<String>,
 }
 
 pub struct RunData {
@@ -60,9 +65,13 @@ impl RunData {
             }
             if c.skipped > 0 {
                 w.push(format!(
-                    "{}: {} malformed row(s) skipped (on_bad_row = \"skip\")",
+                    "{}: {} malformed row(s) skipped (on_bad_row = \"skip\"){}",
                     f.path.display(),
-                    c.skipped
+                    c.skipped,
+                    f.bad_rows
+                        .iter()
+                        .map(|b| format!("\n  {b}"))
+                        .collect::<String>()
                 ));
             }
         }
@@ -73,6 +82,7 @@ impl RunData {
 /// The settings that determine the tokens of a file, for the cache key.
 fn cache_inputs(
     d: &DataConfig,
+    opts: &DataOptions,
     model_dir: &Path,
     vocab: usize,
 ) -> Result<BTreeMap<String, String>, TrainError> {
@@ -86,10 +96,12 @@ fn cache_inputs(
         };
         m.insert(format!("{f} sha256"), v);
     }
-    if let Some(t) = &d.chat_template {
-        m.insert("chat_template sha256".into(), sha256_file(t)?);
+    if let Some(t) = &opts.chat_template {
+        m.insert(
+            "chat_template sha256".into(),
+            rtune_fsio::sha256_bytes(t.source().as_bytes()),
+        );
     }
-    m.insert("format".into(), format!("{:?}", d.format));
     m.insert("train_on_all".into(), d.train_on_all.to_string());
     m.insert("max_seq_len".into(), d.max_seq_len.to_string());
     m.insert("drop_long".into(), d.drop_long.to_string());
@@ -99,51 +111,94 @@ fn cache_inputs(
     Ok(m)
 }
 
-/// Parses one chunk of `path` (lines `first_line..`): rows to examples, with counts.
-fn parse_chunk(
-    text: &str,
-    first_line: usize,
-    path: &Path,
-    tok: Option<&Tokenizer>,
-    d: &DataConfig,
-    vocab: usize,
-) -> rtune_data::Result<(Vec<Example>, RowCounts)> {
-    let ds = rtune_data::parse_jsonl(text, path, tok, d.max_seq_len, vocab).map_err(|e| {
-        match e {
-            // Line numbers are relative to the chunk; report them in the file.
-            DataError::Row {
-                path,
-                line,
-                message,
-            } => DataError::Row {
-                path,
-                line: line + first_line - 1,
-                message,
-            },
-            e => e,
-        }
-    })?;
-    let rows = text.lines().filter(|l| !l.trim().is_empty()).count();
-    let counts = RowCounts {
-        rows,
-        truncated: ds.truncated,
-        dropped: ds.skipped,
-        skipped: 0,
+/// The data options of the config, with the chat template override loaded.
+pub fn options(d: &DataConfig, tok: Option<&Tokenizer>) -> Result<DataOptions, TrainError> {
+    use rtune_config::RowFormat as R;
+    let mut o = DataOptions::new(d.max_seq_len);
+    o.format = match d.format {
+        R::Auto => None,
+        R::Text => Some(Format::Text),
+        R::PromptCompletion => Some(Format::PromptCompletion),
+        R::Alpaca => Some(Format::Alpaca),
+        R::Chat => Some(Format::Chat),
+        R::Tokens => Some(Format::Tokens),
     };
-    Ok((ds.examples, counts))
+    o.train_on = if d.train_on_all {
+        TrainOn::All
+    } else {
+        TrainOn::Assistant
+    };
+    o.truncation = if d.drop_long {
+        Truncation::Drop
+    } else {
+        Truncation::Truncate
+    };
+    o.on_bad_row = if d.skip_bad_rows {
+        OnBadRow::Skip
+    } else {
+        OnBadRow::Error
+    };
+    if let Some(path) = &d.chat_template {
+        let tok = tok.ok_or_else(|| DataError::File {
+            path: path.clone(),
+            message: "a chat template needs the model's tokenizer.json".into(),
+        })?;
+        o.chat_template = Some(ChatTemplate::from_file(path, tok)?);
+    }
+    Ok(o)
+}
+
+/// The first lines of `path` (up to ~1 MiB), for format detection.
+fn head_text(path: &Path) -> Result<String, TrainError> {
+    use std::io::BufRead;
+    let f = std::fs::File::open(path).map_err(|e| DataError::File {
+        path: path.to_path_buf(),
+        message: format!("cannot read data: {e}"),
+    })?;
+    let mut text = String::new();
+    for line in std::io::BufReader::new(f).lines() {
+        let line = line.map_err(|e| DataError::File {
+            path: path.to_path_buf(),
+            message: format!("cannot read data: {e}"),
+        })?;
+        text.push_str(&line);
+        text.push('\n');
+        if text.len() > 1 << 20 {
+            break;
+        }
+    }
+    Ok(text)
 }
 
 /// Loads one file through the cache.
 fn load_file(
     path: &Path,
     tok: Option<&Tokenizer>,
-    d: &DataConfig,
+    opts: &DataOptions,
     inputs: &BTreeMap<String, String>,
+    d: &DataConfig,
     vocab: usize,
-) -> Result<(Vec<Example>, cache::Loaded), TrainError> {
+) -> Result<(Vec<Example>, cache::Loaded, Vec<String>), TrainError> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let parser = |text: &str, first: usize| parse_chunk(text, first, path, tok, d, vocab);
-    let mut loaded = cache::load(d.cache_dir.as_deref(), path, inputs, threads, &parser)?;
+    let format = detect_format(&head_text(path)?, 1, path, opts)?;
+    let rows = RowParser::new(path, format, tok, opts, vocab)?;
+    let samples = std::sync::Mutex::new(Vec::new());
+    let parser = |text: &str, first: usize| -> rtune_data::Result<(Vec<Example>, RowCounts)> {
+        let ds = rows.parse_chunk(text, first)?;
+        let mut kept = samples.lock().expect("not poisoned");
+        let room = Dataset::BAD_ROW_SAMPLES.saturating_sub(kept.len());
+        kept.extend(ds.bad_row_samples.into_iter().take(room));
+        let counts = RowCounts {
+            rows: ds.rows,
+            truncated: ds.truncated,
+            dropped: ds.dropped + ds.skipped,
+            skipped: ds.bad_rows,
+        };
+        Ok((ds.examples, counts))
+    };
+    let mut inputs = inputs.clone();
+    inputs.insert("format".into(), format.name().into());
+    let mut loaded = cache::load(d.cache_dir.as_deref(), path, &inputs, threads, &parser)?;
     if loaded.examples.is_empty() {
         return Err(DataError::File {
             path: path.to_path_buf(),
@@ -151,7 +206,8 @@ fn load_file(
                 "no rows: the file holds no JSON line".into()
             } else {
                 format!(
-                    "no usable example ({} rows read, {} dropped, {} skipped)",
+                    "no usable example ({} rows read: {} dropped as too long or without a target token, \
+                     {} malformed rows skipped)",
                     loaded.counts.rows, loaded.counts.dropped, loaded.counts.skipped
                 )
             },
@@ -159,7 +215,7 @@ fn load_file(
         .into());
     }
     let ex = std::mem::take(&mut loaded.examples);
-    Ok((ex, loaded))
+    Ok((ex, loaded, samples.into_inner().expect("not poisoned")))
 }
 
 /// `examples` repeated `weight` times: whole copies, plus a seeded sample for the fraction.
@@ -185,10 +241,11 @@ pub fn load(
     vocab: usize,
     seed: u64,
 ) -> Result<RunData, TrainError> {
-    let inputs = cache_inputs(d, model_dir, vocab)?;
+    let opts = options(d, tok)?;
+    let inputs = cache_inputs(d, &opts, model_dir, vocab)?;
     let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
-        let (mut ex, loaded) = load_file(&f.path, tok, d, &inputs, vocab)?;
+        let (mut ex, loaded, bad) = load_file(&f.path, tok, &opts, &inputs, d, vocab)?;
         files.push(FileReport {
             path: f.path.clone(),
             weight: f.weight,
@@ -197,6 +254,7 @@ pub fn load(
             tokens: ex.iter().map(|e| e.input_ids.len()).sum(),
             reused_cache: loaded.reused,
             tokens_per_s: loaded.tokens_per_s,
+            bad_rows: bad,
         });
         let file_seed = seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
         if d.valid_fraction > 0.0 {
@@ -214,7 +272,7 @@ pub fn load(
         train.extend(weighted(ex, f.weight, file_seed.rotate_left(17)));
     }
     if let Some(v) = &d.valid {
-        let (ex, loaded) = load_file(v, tok, d, &inputs, vocab)?;
+        let (ex, loaded, bad) = load_file(v, tok, &opts, &inputs, d, vocab)?;
         files.push(FileReport {
             path: v.clone(),
             weight: 0.0,
@@ -223,6 +281,7 @@ pub fn load(
             tokens: ex.iter().map(|e| e.input_ids.len()).sum(),
             reused_cache: loaded.reused,
             tokens_per_s: loaded.tokens_per_s,
+            bad_rows: bad,
         });
         valid = ex;
     }

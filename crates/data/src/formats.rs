@@ -1,0 +1,524 @@
+//! Row formats, the options that govern them ([`DataOptions`]), and the parser that turns JSONL
+//! rows into [`Example`]s ([`RowParser`]).
+//!
+//! A file holds one format: set, or detected from its first row (`format = "auto"`) and then
+//! required of every row. Each row either becomes an example or is a bad row, reported as
+//! `file:line: what is wrong`; with `on_bad_row = "skip"` bad rows are counted and passed over.
+//! Problems that are not the row's fault (no tokenizer, a chat template that cannot be masked)
+//! stop the load whatever `on_bad_row` says: skipping would silently drop every row.
+
+use serde_json::{Map, Value};
+use std::path::Path;
+use std::str::FromStr;
+
+use crate::chat::{self, ChatError, Conversation};
+use crate::template::{ChatTemplate, TemplateError};
+use crate::{DataError, Dataset, Example, Result, Tokenizer, IGNORE};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// `{"text": ...}`: loss on every token.
+    Text,
+    /// `{"prompt": ..., "completion": ...}`: loss on the completion and the EOS after it.
+    PromptCompletion,
+    /// `{"instruction", "input"?, "output"}`: the Alpaca prompt, loss on the output and EOS.
+    Alpaca,
+    /// `{"messages": [{role, content}, ...], "tools"?}`: the chat template, loss on assistant turns.
+    Chat,
+    /// `{"input_ids": [...], "labels"?: [...]}`: pre-tokenized, used as-is.
+    Tokens,
+}
+
+macro_rules! named_enum {
+    ($ty:ident { $($var:ident = $name:literal),* $(,)? }) => {
+        impl $ty {
+            /// The name used in configs and messages.
+            pub fn name(self) -> &'static str {
+                match self { $($ty::$var => $name),* }
+            }
+        }
+        impl FromStr for $ty {
+            type Err = String;
+            fn from_str(s: &str) -> std::result::Result<Self, String> {
+                match s {
+                    $($name => Ok($ty::$var),)*
+                    _ => Err(format!(
+                        "{s:?} is not one of {}",
+                        [$(concat!("\"", $name, "\"")),*].join(", ")
+                    )),
+                }
+            }
+        }
+    };
+}
+
+named_enum!(Format {
+    Text = "text",
+    PromptCompletion = "prompt_completion",
+    Alpaca = "alpaca",
+    Chat = "chat",
+    Tokens = "tokens",
+});
+
+impl Format {
+    /// A config's `format`: `"auto"` gives `None` (detect from the first row).
+    pub fn parse_setting(s: &str) -> std::result::Result<Option<Format>, String> {
+        if s == "auto" {
+            return Ok(None);
+        }
+        s.parse().map(Some).map_err(|e| format!("{e}, \"auto\""))
+    }
+}
+
+/// Which chat tokens carry a loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TrainOn {
+    /// Assistant turns, each with its end-of-turn token (the default).
+    #[default]
+    Assistant,
+    /// Every token of the rendered conversation.
+    All,
+}
+named_enum!(TrainOn { Assistant = "assistant", All = "all" });
+
+/// What to do with a row longer than `max_seq_len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Truncation {
+    /// Cut it to `max_seq_len` (counted in `Dataset::truncated`).
+    #[default]
+    Truncate,
+    /// Leave it out (counted in `Dataset::dropped`).
+    Drop,
+}
+named_enum!(Truncation { Truncate = "truncate", Drop = "drop" });
+
+/// What to do with a malformed row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnBadRow {
+    /// Stop with `file:line: what is wrong` (the default).
+    #[default]
+    Error,
+    /// Count it (`Dataset::bad_rows`) and go on.
+    Skip,
+}
+named_enum!(OnBadRow { Error = "error", Skip = "skip" });
+
+/// Everything that decides how rows become examples (and so belongs in a cache key).
+#[derive(Debug, Clone)]
+pub struct DataOptions {
+    /// `None`: detect from the first row (`format = "auto"`).
+    pub format: Option<Format>,
+    pub train_on: TrainOn,
+    pub truncation: Truncation,
+    pub on_bad_row: OnBadRow,
+    pub max_seq_len: usize,
+    /// Replaces the model's own template (e.g. [`ChatTemplate::from_file`] for a base model).
+    pub chat_template: Option<ChatTemplate>,
+}
+
+impl DataOptions {
+    /// Auto-detected format, loss on assistant turns, over-long rows cut, bad rows an error.
+    pub fn new(max_seq_len: usize) -> Self {
+        DataOptions {
+            format: None,
+            train_on: TrainOn::default(),
+            truncation: Truncation::default(),
+            on_bad_row: OnBadRow::default(),
+            max_seq_len,
+            chat_template: None,
+        }
+    }
+}
+
+/// Why a row gave no example.
+enum RowError {
+    /// The row is malformed: skippable.
+    Bad(String),
+    /// The chat template's `raise_exception` refused the conversation: skippable.
+    Raised(TemplateError),
+    /// Not the row's fault (setup or template): never skipped.
+    Fatal(String),
+}
+
+fn detect(obj: &Map<String, Value>) -> Option<Format> {
+    let has = |k: &str| obj.contains_key(k);
+    if has("input_ids") {
+        Some(Format::Tokens)
+    } else if has("messages") {
+        Some(Format::Chat)
+    } else if has("instruction") {
+        Some(Format::Alpaca)
+    } else if has("prompt") || has("completion") {
+        Some(Format::PromptCompletion)
+    } else if has("text") {
+        Some(Format::Text)
+    } else {
+        None
+    }
+}
+
+const NO_FORMAT: &str =
+    "row has none of `messages`, `instruction`, `prompt`+`completion`, `text`, `input_ids`";
+
+fn object(raw: &str) -> std::result::Result<Map<String, Value>, String> {
+    match serde_json::from_str(raw).map_err(|e| format!("not valid JSON: {e}"))? {
+        Value::Object(o) => Ok(o),
+        _ => Err("a row must be a JSON object".into()),
+    }
+}
+
+/// The file's format: `opts.format`, or that of the first row of `text` (`first_line` is its line
+/// number). With `on_bad_row = "skip"`, unreadable rows before it are passed over.
+pub fn detect_format(
+    text: &str,
+    first_line: usize,
+    path: &Path,
+    opts: &DataOptions,
+) -> Result<Format> {
+    if let Some(f) = opts.format {
+        return Ok(f);
+    }
+    let mut first_problem = None;
+    for (i, raw) in text.lines().enumerate() {
+        if raw.trim().is_empty() {
+            continue;
+        }
+        let line = first_line + i;
+        match object(raw).and_then(|o| detect(&o).ok_or_else(|| NO_FORMAT.to_string())) {
+            Ok(f) => return Ok(f),
+            Err(message) if opts.on_bad_row == OnBadRow::Error => {
+                return Err(DataError::Row {
+                    path: path.to_path_buf(),
+                    line,
+                    message,
+                })
+            }
+            Err(message) => {
+                first_problem.get_or_insert(format!("line {line}: {message}"));
+            }
+        }
+    }
+    Err(DataError::File {
+        path: path.to_path_buf(),
+        message: match first_problem {
+            None => "no rows".into(),
+            Some(p) => format!("no row could be read (first problem: {p})"),
+        },
+    })
+}
+
+/// Turns rows of one file into examples. `Sync`: chunks of a file can be parsed in parallel.
+pub struct RowParser<'a> {
+    path: &'a Path,
+    tok: Option<&'a Tokenizer>,
+    opts: &'a DataOptions,
+    vocab: usize,
+    format: Format,
+    /// Chat only: the template and the tokenizer's special tokens (where turns end).
+    template: Option<ChatTemplate>,
+    specials: Vec<String>,
+}
+
+impl<'a> RowParser<'a> {
+    /// `tok` is needed for every format but `tokens`; `vocab` bounds pre-tokenized ids. Chat rows
+    /// use `opts.chat_template`, else the model's own template (an error if it has none).
+    pub fn new(
+        path: &'a Path,
+        format: Format,
+        tok: Option<&'a Tokenizer>,
+        opts: &'a DataOptions,
+        vocab: usize,
+    ) -> Result<Self> {
+        let (mut template, mut specials) = (None, Vec::new());
+        if format == Format::Chat {
+            let need = |message: &str| DataError::File {
+                path: path.to_path_buf(),
+                message: message.into(),
+            };
+            let tok = tok.ok_or_else(|| need("chat rows need the model's tokenizer.json"))?;
+            template = match &opts.chat_template {
+                Some(t) => Some(t.clone()),
+                None => ChatTemplate::from_tokenizer(tok)?,
+            };
+            if template.is_none() {
+                return Err(need(
+                    "chat rows need a chat template, and the model's tokenizer_config.json has none (a base model?): set [data] chat_template = \"path.jinja\"",
+                ));
+            }
+            specials = tok.special_tokens();
+        }
+        Ok(RowParser {
+            path,
+            tok,
+            opts,
+            vocab,
+            format,
+            template,
+            specials,
+        })
+    }
+
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Parses the rows of `text`, whose first line is line `first_line` of the file. The result
+    /// may hold no example (the caller decides whether the whole file is empty).
+    pub fn parse_chunk(&self, text: &str, first_line: usize) -> Result<Dataset> {
+        let mut d = Dataset::empty(self.format);
+        let max = self.opts.max_seq_len;
+        for (i, raw) in text.lines().enumerate() {
+            if raw.trim().is_empty() {
+                continue;
+            }
+            let line = first_line + i;
+            d.rows += 1;
+            let mut ex = match self.row(raw) {
+                Ok(ex) => ex,
+                Err(e) => {
+                    let skippable = !matches!(e, RowError::Fatal(_));
+                    let err = match e {
+                        RowError::Bad(message) | RowError::Fatal(message) => DataError::Row {
+                            path: self.path.to_path_buf(),
+                            line,
+                            message,
+                        },
+                        RowError::Raised(source) => DataError::RowTemplate {
+                            path: self.path.to_path_buf(),
+                            line,
+                            source,
+                        },
+                    };
+                    if !skippable || self.opts.on_bad_row == OnBadRow::Error {
+                        return Err(err);
+                    }
+                    d.bad_rows += 1;
+                    if d.bad_row_samples.len() < Dataset::BAD_ROW_SAMPLES {
+                        d.bad_row_samples.push(err.to_string());
+                    }
+                    continue;
+                }
+            };
+            if ex.input_ids.len() > max {
+                match self.opts.truncation {
+                    Truncation::Drop => {
+                        d.dropped += 1;
+                        continue;
+                    }
+                    Truncation::Truncate => {
+                        ex.input_ids.truncate(max);
+                        ex.labels.truncate(max);
+                        d.truncated += 1;
+                    }
+                }
+            }
+            if ex.target_tokens() == 0 {
+                d.skipped += 1;
+                continue;
+            }
+            d.examples.push(ex);
+        }
+        Ok(d)
+    }
+
+    fn row(&self, raw: &str) -> std::result::Result<Example, RowError> {
+        let obj = object(raw).map_err(RowError::Bad)?;
+        if self.opts.format.is_none() {
+            let f = detect(&obj).ok_or_else(|| RowError::Bad(NO_FORMAT.into()))?;
+            if f != self.format {
+                return Err(RowError::Bad(format!(
+                    "row is {} but earlier rows are {}",
+                    f.name(),
+                    self.format.name()
+                )));
+            }
+        }
+        if self.format == Format::Tokens {
+            return tokens_row(&obj, self.vocab).map_err(RowError::Bad);
+        }
+        let tok = self.tok.ok_or_else(|| {
+            RowError::Fatal(format!(
+                "{} rows need the model's tokenizer.json",
+                self.format.name()
+            ))
+        })?;
+        let fatal = |e: DataError| RowError::Fatal(e.to_string());
+        match self.format {
+            Format::Text => {
+                let ids = tok
+                    .encode(str_field(&obj, "text").map_err(RowError::Bad)?, true)
+                    .map_err(fatal)?;
+                let labels = ids.iter().map(|&i| i as i64).collect();
+                with_eos(tok, ids, labels)
+            }
+            Format::PromptCompletion => {
+                let p = str_field(&obj, "prompt").map_err(RowError::Bad)?;
+                let c = str_field(&obj, "completion").map_err(RowError::Bad)?;
+                completion_example(tok, p, c)
+            }
+            Format::Alpaca => {
+                let (p, c) = alpaca(&obj).map_err(RowError::Bad)?;
+                completion_example(tok, &p, c)
+            }
+            Format::Chat => {
+                let t = self
+                    .template
+                    .as_ref()
+                    .expect("RowParser::new sets it for chat");
+                let conv = Conversation::from_json(raw).map_err(RowError::Bad)?;
+                conv.check_trainable().map_err(RowError::Bad)?;
+                let r = chat::render_spans(t, &conv, self.opts.train_on, &self.specials).map_err(
+                    |e| match e {
+                        ChatError::Template(te @ TemplateError::Raised { .. }) => {
+                            RowError::Raised(te)
+                        }
+                        e @ ChatError::Prefix { .. } => RowError::Bad(e.to_string()),
+                        other => RowError::Fatal(other.to_string()),
+                    },
+                )?;
+                chat::tokenize(tok, t, &r, self.opts.train_on).map_err(fatal)
+            }
+            Format::Tokens => unreachable!("handled above"),
+        }
+    }
+}
+
+fn str_field<'a>(obj: &'a Map<String, Value>, key: &str) -> std::result::Result<&'a str, String> {
+    match obj.get(key) {
+        Some(Value::String(s)) => Ok(s),
+        Some(other) => Err(format!("`{key}` must be a string, got {}", kind(other))),
+        None => Err(format!("missing `{key}`")),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// The Stanford Alpaca prompt (`PROMPT_DICT` in tatsu-lab/stanford_alpaca's train.py), with and
+/// without an input; an empty `input` counts as none, as there.
+const ALPACA_WITH_INPUT: &str = "Below is an instruction that describes a task, paired with an input that provides further context. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n";
+const ALPACA_NO_INPUT: &str = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n";
+
+/// `(prompt, output)` of an Alpaca row.
+fn alpaca(obj: &Map<String, Value>) -> std::result::Result<(String, &str), String> {
+    let instruction = str_field(obj, "instruction")?;
+    let input = match obj.get("input") {
+        None | Some(Value::Null) => "",
+        Some(Value::String(s)) => s,
+        Some(other) => return Err(format!("`input` must be a string, got {}", kind(other))),
+    };
+    let output = str_field(obj, "output")?;
+    if output.trim().is_empty() {
+        return Err("`output` is empty".into());
+    }
+    let prompt = if input.is_empty() {
+        ALPACA_NO_INPUT.replace("{instruction}", instruction)
+    } else {
+        ALPACA_WITH_INPUT
+            .replacen("{instruction}", instruction, 1)
+            .replacen("{input}", input, 1)
+    };
+    Ok((prompt, output))
+}
+
+/// `prompt` (with the tokenizer's BOS) then `completion` (and EOS), loss on the completion and EOS.
+/// The two are tokenised apart, so the prompt's tokens are the same with or without an answer.
+fn completion_example(
+    tok: &Tokenizer,
+    prompt: &str,
+    completion: &str,
+) -> std::result::Result<Example, RowError> {
+    let fatal = |e: DataError| RowError::Fatal(e.to_string());
+    let mut ids = tok.encode(prompt, true).map_err(fatal)?;
+    let completion = tok.encode(completion, false).map_err(fatal)?;
+    let mut labels = vec![IGNORE; ids.len()];
+    labels.extend(completion.iter().map(|&i| i as i64));
+    ids.extend(completion);
+    with_eos(tok, ids, labels)
+}
+
+/// EOS appended and kept in the labels, so the model learns to stop.
+fn with_eos(
+    tok: &Tokenizer,
+    mut ids: Vec<u32>,
+    mut labels: Vec<i64>,
+) -> std::result::Result<Example, RowError> {
+    let eos = tok
+        .eos_id
+        .ok_or_else(|| RowError::Fatal("the tokenizer has no EOS token".into()))?;
+    ids.push(eos);
+    labels.push(eos as i64);
+    Ok(Example {
+        input_ids: ids,
+        labels,
+    })
+}
+
+fn tokens_row(obj: &Map<String, Value>, vocab: usize) -> std::result::Result<Example, String> {
+    let ints = |key: &str| -> std::result::Result<Option<Vec<i64>>, String> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| {
+                    x.as_i64()
+                        .ok_or_else(|| format!("`{key}` must hold integers, found {x}"))
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map(Some),
+            Some(other) => Err(format!(
+                "`{key}` must be an array of integers, got {}",
+                kind(other)
+            )),
+        }
+    };
+    let ids = ints("input_ids")?.unwrap_or_default();
+    if ids.is_empty() {
+        return Err("`input_ids` is empty".into());
+    }
+    let input_ids = ids
+        .iter()
+        .map(|&i| {
+            if i >= 0 && (i as usize) < vocab {
+                Ok(i as u32)
+            } else {
+                Err(format!(
+                    "token id {i} is outside the vocabulary (0..{vocab})"
+                ))
+            }
+        })
+        .collect::<std::result::Result<Vec<u32>, String>>()?;
+    let labels = match ints("labels")? {
+        None => ids.clone(),
+        Some(l) if l.len() != ids.len() => {
+            return Err(format!(
+                "`labels` has {} entries, `input_ids` {}",
+                l.len(),
+                ids.len()
+            ))
+        }
+        Some(l) => {
+            if let Some(bad) = l
+                .iter()
+                .find(|&&x| x != IGNORE && (x < 0 || x as usize >= vocab))
+            {
+                return Err(format!(
+                    "label {bad} is neither -100 nor a token id (0..{vocab})"
+                ));
+            }
+            l
+        }
+    };
+    Ok(Example { input_ids, labels })
+}
+
+#[cfg(test)]
+mod tests;
