@@ -29,8 +29,9 @@ const MAGIC: &[u8; 8] = b"RTUNEDS1";
 const VERSION: u32 = 1;
 /// Lines handed to one worker at a time.
 const CHUNK_BYTES: usize = 4 << 20;
-/// A shard is closed once it holds this many tokens (64 M tokens = 512 MiB of ids and labels).
-const SHARD_TOKENS: usize = 64 << 20;
+/// A shard is closed once it holds this many tokens (8 M tokens: 64 MiB of ids and labels on disk,
+/// ~100 MiB while pending as examples), which bounds the memory of a build.
+const SHARD_TOKENS: usize = 8 << 20;
 
 /// What happened to the rows of a chunk (or a file).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,6 +66,8 @@ pub struct Loaded {
     pub entry: Option<PathBuf>,
     /// Tokens per second of the tokenisation (0 when reused).
     pub tokens_per_s: f64,
+    /// Tokens in all examples.
+    pub tokens: usize,
     /// Bytes of the source file.
     pub source_bytes: u64,
 }
@@ -121,6 +124,30 @@ pub fn load(
     threads: usize,
     parser: &dyn ChunkParser,
 ) -> Result<Loaded> {
+    load_keeping(root, source, inputs, threads, parser, true)
+}
+
+/// Tokenises `source` into the cache under `root` (or finds it there) without reading the
+/// examples into memory: [`Loaded::examples`] is empty. Memory stays bounded by one round of
+/// chunks and one shard, whatever the file's size.
+pub fn prepare(
+    root: &Path,
+    source: &Path,
+    inputs: &BTreeMap<String, String>,
+    threads: usize,
+    parser: &dyn ChunkParser,
+) -> Result<Loaded> {
+    load_keeping(Some(root), source, inputs, threads, parser, false)
+}
+
+fn load_keeping(
+    root: Option<&Path>,
+    source: &Path,
+    inputs: &BTreeMap<String, String>,
+    threads: usize,
+    parser: &dyn ChunkParser,
+    keep: bool,
+) -> Result<Loaded> {
     let source_bytes = std::fs::metadata(source)
         .map_err(|e| io_err(source, format!("cannot read data: {e}")))?
         .len();
@@ -138,6 +165,7 @@ pub fn load(
             reused: false,
             entry: None,
             tokens_per_s: tokens as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+            tokens,
             source_bytes,
         });
     };
@@ -148,24 +176,37 @@ pub fn load(
     let key = sha256_bytes(serde_json::to_string(&inputs).expect("strings").as_bytes());
     let entry = root.join(&key[..32]);
     if let Some(m) = read_manifest(&entry, &key) {
-        let examples = read_shards(&entry, &m)?;
+        let examples = if keep {
+            read_shards(&entry, &m)?
+        } else {
+            Vec::new()
+        };
         return Ok(Loaded {
             examples,
             counts: m.counts,
             reused: true,
             entry: Some(entry),
             tokens_per_s: 0.0,
+            tokens: m.tokens,
             source_bytes,
         });
     }
-    let (examples, m) = build(root, &entry, &key, source, inputs, threads, parser)?;
+    let m = build(root, &entry, &key, source, inputs, threads, parser)?;
     let tokens_per_s = m.tokens as f64 / m.build_seconds.max(1e-9);
+    // Read back from the shards: the build itself never holds more than a round of chunks and
+    // one shard, so tokenising a file larger than memory works (`keep = false`).
+    let examples = if keep {
+        read_shards(&entry, &m)?
+    } else {
+        Vec::new()
+    };
     Ok(Loaded {
         examples,
         counts: m.counts,
         reused: false,
         entry: Some(entry),
         tokens_per_s,
+        tokens: m.tokens,
         source_bytes,
     })
 }
@@ -254,7 +295,7 @@ fn build(
     inputs: BTreeMap<String, String>,
     threads: usize,
     parser: &dyn ChunkParser,
-) -> Result<(Vec<Example>, Manifest)> {
+) -> Result<Manifest> {
     let privacy = Privacy::PRIVATE;
     let fs = |e: rtune_fsio::IoError| io_err(&e.path.clone(), e.to_string());
     privacy.create_dir_all(root).map_err(fs)?;
@@ -265,15 +306,14 @@ fn build(
     let mut shards = Vec::new();
     let mut pending: Vec<Example> = Vec::new();
     let mut pending_tokens = 0usize;
-    let mut all = Vec::new();
-    let mut flush = |pending: &mut Vec<Example>, shards: &mut Vec<ShardInfo>| -> Result<()> {
+    let flush = |pending: &mut Vec<Example>, shards: &mut Vec<ShardInfo>| -> Result<()> {
         if pending.is_empty() {
             return Ok(());
         }
         let file = format!("shard-{:05}.bin", shards.len());
         let info = write_shard(&tmp.join(&file), pending, privacy)?;
         shards.push(ShardInfo { file, ..info });
-        all.append(pending);
+        pending.clear();
         Ok(())
     };
     let res = stream(source, threads, parser, |ex| {
@@ -316,7 +356,7 @@ fn build(
         }
     }
     rtune_fsio::fsync_dir(root).map_err(fs)?;
-    Ok((all, m))
+    Ok(m)
 }
 
 fn write_shard(path: &Path, exs: &[Example], privacy: Privacy) -> Result<ShardInfo> {

@@ -178,6 +178,7 @@ fn load_file(
     inputs: &BTreeMap<String, String>,
     d: &DataConfig,
     vocab: usize,
+    keep: bool,
 ) -> Result<(Vec<Example>, cache::Loaded, Vec<String>), TrainError> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let format = detect_format(&head_text(path)?, 1, path, opts)?;
@@ -198,8 +199,16 @@ fn load_file(
     };
     let mut inputs = inputs.clone();
     inputs.insert("format".into(), format.name().into());
-    let mut loaded = cache::load(d.cache_dir.as_deref(), path, &inputs, threads, &parser)?;
-    if loaded.examples.is_empty() {
+    let mut loaded = match (&d.cache_dir, keep) {
+        (Some(root), false) => cache::prepare(root, path, &inputs, threads, &parser)?,
+        (root, _) => cache::load(root.as_deref(), path, &inputs, threads, &parser)?,
+    };
+    let usable = if keep {
+        !loaded.examples.is_empty()
+    } else {
+        loaded.counts.rows > loaded.counts.dropped + loaded.counts.skipped
+    };
+    if !usable {
         return Err(DataError::File {
             path: path.to_path_buf(),
             message: if loaded.counts.rows == 0 {
@@ -233,6 +242,38 @@ fn weighted(examples: Vec<Example>, weight: f64, seed: u64) -> Vec<Example> {
     out
 }
 
+/// Tokenises every training and validation file into the cache without holding the examples
+/// (`rtune data prepare`): memory stays bounded whatever the files' sizes.
+pub fn prepare(
+    d: &DataConfig,
+    model_dir: &Path,
+    tok: Option<&Tokenizer>,
+    vocab: usize,
+) -> Result<Vec<FileReport>, TrainError> {
+    let opts = options(d, tok)?;
+    let inputs = cache_inputs(d, &opts, model_dir, vocab)?;
+    let mut out = Vec::new();
+    for (path, weight) in d
+        .train
+        .iter()
+        .map(|f| (&f.path, f.weight))
+        .chain(d.valid.iter().map(|v| (v, 0.0)))
+    {
+        let (_, loaded, bad) = load_file(path, tok, &opts, &inputs, d, vocab, false)?;
+        out.push(FileReport {
+            path: path.clone(),
+            weight,
+            counts: loaded.counts,
+            examples: loaded.counts.rows - loaded.counts.dropped - loaded.counts.skipped,
+            tokens: loaded.tokens,
+            reused_cache: loaded.reused,
+            tokens_per_s: loaded.tokens_per_s,
+            bad_rows: bad,
+        });
+    }
+    Ok(out)
+}
+
 /// Loads the run's training and validation data.
 pub fn load(
     d: &DataConfig,
@@ -245,7 +286,7 @@ pub fn load(
     let inputs = cache_inputs(d, &opts, model_dir, vocab)?;
     let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
-        let (mut ex, loaded, bad) = load_file(&f.path, tok, &opts, &inputs, d, vocab)?;
+        let (mut ex, loaded, bad) = load_file(&f.path, tok, &opts, &inputs, d, vocab, true)?;
         files.push(FileReport {
             path: f.path.clone(),
             weight: f.weight,
@@ -272,7 +313,7 @@ pub fn load(
         train.extend(weighted(ex, f.weight, file_seed.rotate_left(17)));
     }
     if let Some(v) = &d.valid {
-        let (ex, loaded, bad) = load_file(v, tok, &opts, &inputs, d, vocab)?;
+        let (ex, loaded, bad) = load_file(v, tok, &opts, &inputs, d, vocab, true)?;
         files.push(FileReport {
             path: v.clone(),
             weight: 0.0,

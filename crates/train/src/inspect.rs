@@ -77,8 +77,8 @@ pub fn sample(e: &Example, tok: Option<&Tokenizer>) -> Result<Sample, TrainError
     })
 }
 
-/// Loads the config's data as training would (through the cache) with the model's tokenizer.
-pub fn load(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError> {
+/// The model's tokenizer (when it has one) and vocabulary size, from the config's model path.
+pub fn tokenizer(cfg: &RunConfig) -> Result<(Option<Tokenizer>, usize), TrainError> {
     let cfg_path = cfg.model_path.join("config.json");
     let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
     let tok = if cfg.model_path.join("tokenizer.json").exists() {
@@ -89,13 +89,13 @@ pub fn load(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError>
     } else {
         None
     };
-    let data = dataset::load(
-        &cfg.data,
-        &cfg.model_path,
-        tok.as_ref(),
-        mc.vocab_size,
-        cfg.seed,
-    )?;
+    Ok((tok, mc.vocab_size))
+}
+
+/// Loads the config's data as training would (through the cache) with the model's tokenizer.
+pub fn load(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError> {
+    let (tok, vocab) = tokenizer(cfg)?;
+    let data = dataset::load(&cfg.data, &cfg.model_path, tok.as_ref(), vocab, cfg.seed)?;
     Ok((data, tok))
 }
 
