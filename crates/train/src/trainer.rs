@@ -68,6 +68,8 @@ pub struct Summary {
     pub wall_s: f64,
     pub total_tokens: usize,
     pub lora_params: usize,
+    /// Bytes of the frozen weights as held (4-bit layers at their packed size).
+    pub model_bytes: usize,
     pub examples: usize,
     pub epochs_started: usize,
     /// Steps whose update was skipped for a non-finite loss or gradient.
@@ -98,6 +100,8 @@ pub enum Event<'a> {
         warnings: Vec<String>,
         lora_params: usize,
         model_params: usize,
+        /// Bytes of the frozen weights as held (4-bit layers at their packed size).
+        model_bytes: usize,
         start_step: usize,
     },
     Step(&'a StepMetrics),
@@ -287,6 +291,7 @@ pub fn train(
         warnings: data.warnings(),
         lora_params: adapter.num_params(),
         model_params: model.num_params(),
+        model_bytes: model.resident_bytes(),
         start_step,
     });
     let base = base_model_name(&cfg.model_path);
@@ -515,6 +520,7 @@ pub fn train(
             wall_s: wall_before + started.elapsed().as_secs_f64(),
             total_tokens,
             lora_params: adapter.num_params(),
+            model_bytes: model.resident_bytes(),
             examples,
             epochs_started: batcher.position().0 + 1,
             skipped_steps,
