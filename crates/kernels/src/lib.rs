@@ -1,0 +1,38 @@
+//! rtune's CUDA kernels: the `.cu` sources in the repository's `kernels/`, compiled to PTX by nvcc
+//! in `build.rs` and loaded through cudarc — only with the `cuda` feature. Without it this crate
+//! builds anywhere, exports [`CUDA_COMPILED`]` = false` and [`KernelError`], and nothing else.
+//!
+//! - [`Nf4Kernels`] (`kernels/nf4.cu`): NF4/FP4 dequantization, plain and double quant, to f32, f16
+//!   and bf16. [`Nf4WeightCuda::upload`] copies an [`rtune_quant::Nf4Weight`] to the GPU;
+//!   [`nf4_dequant_cuda`] / [`nf4_dequant_cuda_into`] run the kernel on a stream. The reference is
+//!   rtune-quant's CPU dequantization; `tests/nf4_cuda.rs` compares them bit for bit.
+
+#[cfg(feature = "cuda")]
+mod nf4;
+#[cfg(feature = "cuda")]
+pub use nf4::{
+    nf4_dequant_cuda, nf4_dequant_cuda_into, DequantOut, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda,
+};
+
+/// Whether this build has the CUDA kernels (the `cuda` feature).
+pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
+
+/// PTX of `kernels/nf4.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "cuda")]
+pub const NF4_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nf4.ptx"));
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("rtune was built without CUDA kernels; rebuild with `--features cuda`")]
+    NotCompiled,
+    #[cfg(feature = "cuda")]
+    #[error("cuda {op}: {source}")]
+    Driver {
+        op: &'static str,
+        source: cudarc::driver::DriverError,
+    },
+    #[error("{op}: {message}")]
+    Unsupported { op: &'static str, message: String },
+}
+
+pub type Result<T> = std::result::Result<T, KernelError>;

@@ -1,0 +1,122 @@
+// NF4 / FP4 dequantization (bitsandbytes layout), to f32, f16 or bf16.
+//
+// Reference: rtune-quant's CPU dequant (crates/quant/src/dequant.rs); crates/kernels/tests compares
+// the two bit for bit. Layout: element 2i is the HIGH nibble of packed[i], 2i+1 the low nibble; one
+// scale per block of 64 consecutive elements (bitsandbytes' blocksize, the only one rtune reads).
+//   out[e] = round_to_T(quant_map[code[e]] * absmax[e / 64])                  (f32 multiply)
+// With double quantization the scale is first decoded as bitsandbytes does on the CPU:
+//   absmax[b] = nested_map[codes[b]] * nested_absmax[b / nested_blocksize] + offset
+// with two separate roundings (__fmul_rn / __fadd_rn: nvcc would otherwise fuse them into an FMA and
+// differ from bitsandbytes and the CPU in the last bit).
+//
+// Work split, for bandwidth: one thread = 8 packed bytes = 16 outputs, all inside one 64-element
+// block; one 8-byte load, then 16-byte stores (4 for f32, 2 for f16/bf16). The 4 threads of a block
+// are adjacent lanes of a warp: the first decodes the scale once and shuffles it to the other three.
+// Launch: blockDim.x a multiple of 32, grid = ceil(n / (16 * blockDim.x)); buffers from cudaMalloc
+// (256-byte aligned) so every vector access is aligned.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define NF4_BLOCK 64
+#define PER_THREAD 16
+
+struct PlainScale {
+    const float* __restrict__ absmax;  // [n_blocks]
+    __device__ __forceinline__ float operator()(long long b) const { return __ldg(absmax + b); }
+};
+
+struct DoubleScale {
+    const uint8_t* __restrict__ codes;         // [n_blocks]
+    const float* __restrict__ nested_absmax;   // [ceil(n_blocks / nested_blocksize)]
+    const float* __restrict__ nested_map;      // [256]
+    float offset;
+    int nested_blocksize;
+    __device__ __forceinline__ float operator()(long long b) const {
+        const float q = __fmul_rn(__ldg(nested_map + __ldg(codes + b)),
+                                  __ldg(nested_absmax + b / nested_blocksize));
+        return __fadd_rn(q, offset);
+    }
+};
+
+// Writes 16 consecutive outputs from the f32 products v[0..16).
+__device__ __forceinline__ void store16(float* dst, const float* v) {
+    float4* p = reinterpret_cast<float4*>(dst);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+}
+
+__device__ __forceinline__ uint32_t pack2(__half a, __half b) {
+    return (uint32_t)__half_as_ushort(a) | ((uint32_t)__half_as_ushort(b) << 16);
+}
+__device__ __forceinline__ uint32_t pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
+    return (uint32_t)__bfloat16_as_ushort(a) | ((uint32_t)__bfloat16_as_ushort(b) << 16);
+}
+__device__ __forceinline__ __half to_out(float x, __half*) { return __float2half_rn(x); }
+__device__ __forceinline__ __nv_bfloat16 to_out(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ float to_out(float x, float*) { return x; }
+
+template <typename T>
+__device__ __forceinline__ void store16(T* dst, const float* v) {
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) w[i] = pack2(to_out(v[2 * i], dst), to_out(v[2 * i + 1], dst));
+    uint4* p = reinterpret_cast<uint4*>(dst);
+    p[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    p[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+// packed: [ceil(n/2)]  quant_map: [16]  out: [n]
+template <typename T, typename Scale>
+__device__ __forceinline__ void dequant(const uint8_t* __restrict__ packed, const Scale scale,
+                                        const float* __restrict__ quant_map, T* __restrict__ out,
+                                        long long n) {
+    __shared__ float table[16];
+    if (threadIdx.x < 16) table[threadIdx.x] = quant_map[threadIdx.x];
+    __syncthreads();
+
+    const long long e0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * PER_THREAD;
+    const unsigned lane = threadIdx.x & 31;
+    float s = 0.0f;
+    if ((lane & 3) == 0 && e0 < n) s = scale(e0 / NF4_BLOCK);
+    s = __shfl_sync(0xffffffffu, s, lane & ~3u);  // every lane of the warp reaches this
+    if (e0 >= n) return;
+
+    float v[PER_THREAD];
+    if (e0 + PER_THREAD <= n) {
+        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(packed + e0 / 2));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t byte = ((i < 4 ? raw.x : raw.y) >> (8 * (i & 3))) & 0xffu;
+            v[2 * i] = __fmul_rn(table[byte >> 4], s);
+            v[2 * i + 1] = __fmul_rn(table[byte & 15u], s);
+        }
+        store16(out + e0, v);
+    } else {  // the last, partial group of the tensor
+        for (long long e = e0; e < n; ++e) {
+            const uint8_t byte = packed[e / 2];
+            const unsigned code = (e & 1) ? (byte & 15u) : (byte >> 4);
+            out[e] = to_out(__fmul_rn(table[code], s), out);
+        }
+    }
+}
+
+#define NF4_KERNELS(SUFFIX, T)                                                                     \
+    extern "C" __global__ void nf4_dequant_plain_##SUFFIX(                                         \
+        const uint8_t* __restrict__ packed, const float* __restrict__ absmax,                      \
+        const float* __restrict__ quant_map, T* __restrict__ out, long long n) {                   \
+        dequant<T>(packed, PlainScale{absmax}, quant_map, out, n);                                 \
+    }                                                                                              \
+    extern "C" __global__ void nf4_dequant_double_##SUFFIX(                                        \
+        const uint8_t* __restrict__ packed, const uint8_t* __restrict__ codes,                     \
+        const float* __restrict__ nested_absmax, const float* __restrict__ nested_map,             \
+        float offset, int nested_blocksize, const float* __restrict__ quant_map,                   \
+        T* __restrict__ out, long long n) {                                                        \
+        dequant<T>(packed, DoubleScale{codes, nested_absmax, nested_map, offset, nested_blocksize}, \
+                   quant_map, out, n);                                                             \
+    }
+
+NF4_KERNELS(f32, float)
+NF4_KERNELS(f16, __half)
+NF4_KERNELS(bf16, __nv_bfloat16)
