@@ -39,6 +39,27 @@ fn smoke_run_memorises_and_generates() {
     assert!(summary["peak_memory_bytes"].as_u64().unwrap() > 0);
     let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
     assert_eq!(metrics.lines().count(), 150);
+    // TensorBoard events (CRCs checked by the reader) and the loss curve.
+    let tb = std::fs::read_dir(out_dir.join("tb"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let events = rtune_watch::read_events(&tb).unwrap();
+    let losses: Vec<f32> = events
+        .iter()
+        .flat_map(|e| e.scalars.iter())
+        .filter(|(tag, _)| tag == "train/loss")
+        .map(|(_, v)| *v)
+        .collect();
+    assert_eq!(losses.len(), 150);
+    let svg = std::fs::read_to_string(out_dir.join("loss.svg")).unwrap();
+    assert!(
+        svg.starts_with("<svg") && svg.contains("polyline"),
+        "{}",
+        &svg[..200]
+    );
     for f in [
         "adapter_model.safetensors",
         "adapter_config.json",
@@ -369,8 +390,14 @@ fn every_shipped_config_loads() {
                 "{}: {first}",
                 p.display()
             );
+            // A model directory here, or a GGUF a script in scripts/ fetches (models/ is not tracked).
+            let model = root().join(&cfg.model_path);
             assert!(
-                root().join(&cfg.model_path).join("config.json").exists(),
+                model.join("config.json").exists()
+                    || (model.extension().is_some_and(|e| e == "gguf")
+                        && std::fs::read_to_string(&p)
+                            .unwrap()
+                            .contains("scripts/fetch-")),
                 "{}",
                 p.display()
             );

@@ -149,3 +149,89 @@ fn smoke_run_in_nf4_memorises() {
     let cfg = std::fs::read_to_string(out.join("config.toml")).unwrap();
     assert!(cfg.contains("quantize = \"nf4\""), "{cfg}");
 }
+
+/// Merging a QLoRA adapter: by default into the dequantized NF4 weights it was trained against
+/// (the merged model then computes what base-in-NF4 + adapter computes), or with
+/// `--merge-into original` into the unquantized base. f32 throughout, so both equalities hold to
+/// 1e-5 (summation order only); the two merges differ by the quantization error (> 1e-3).
+#[test]
+fn qlora_merge_into_dequantized_or_original_weights() {
+    use crate::common::{rtune, stderr};
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |n: &str| tmp.path().join(n).display().to_string();
+    let o = rtune(&[
+        "train",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        "model.path=tests/fixtures/tiny-llama",
+        "--set",
+        "model.quantize=nf4",
+        "--set",
+        "train.steps=20",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        &format!("output.dir={}", p("run")),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for (out, extra) in [("deq", None), ("orig", Some("original"))] {
+        let mut args = vec![
+            "export".to_string(),
+            "--run".into(),
+            p("run"),
+            "--format".into(),
+            "merged".into(),
+            "--out".into(),
+            p(out),
+        ];
+        if let Some(w) = extra {
+            args.extend(["--merge-into".into(), w.into()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = rtune(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let logits = |model: &str, adapter: Option<&str>, quantize: &str, name: &str| {
+        let dump = p(name);
+        let mut args = vec![
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "Q: Who makes Zephyr?\nA:",
+            "--max-new-tokens",
+            "1",
+            "--quantize",
+            quantize,
+            "--dump-logits",
+            &dump,
+        ];
+        let a;
+        if let Some(ad) = adapter {
+            a = ad.to_string();
+            args.extend(["--adapter", &a]);
+        }
+        let o = rtune(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        candle_core::safetensors::load(&dump, &Device::Cpu).unwrap()["logits"].clone()
+    };
+    let base = "tests/fixtures/tiny-llama";
+    let run = p("run");
+    let qlora = logits(base, Some(&run), "nf4-dq", "a.st");
+    let merged_deq = logits(&p("deq"), None, "none", "b.st");
+    let plain = logits(base, Some(&run), "none", "c.st");
+    let merged_orig = logits(&p("orig"), None, "none", "d.st");
+    let rel = crate::common::rel_err;
+    let (e1, e2, gap) = (
+        rel(&merged_deq, &qlora),
+        rel(&merged_orig, &plain),
+        rel(&merged_orig, &qlora),
+    );
+    eprintln!("merged(deq) vs QLoRA {e1:e}; merged(orig) vs base+adapter {e2:e}; the two {gap:e}");
+    assert!(e1 < 1e-5 && e2 < 1e-5, "{e1:e} {e2:e}");
+    assert!(
+        gap > 1e-3,
+        "the merges should differ by the quantization error: {gap:e}"
+    );
+}

@@ -34,6 +34,16 @@ pub fn dtype(d: rtune_config::DType) -> DType {
     }
 }
 
+/// Turns `[model] path` into a local model directory: a directory as is, a llama `.gguf` file
+/// converted once into the rtune cache, a hub id (`org/name`) at `[model] revision` downloaded
+/// into the Hugging Face cache. Sets `cfg.model_path` to it and returns what was resolved (the hub
+/// commit, the GGUF's sha256) for the run record.
+pub fn resolve_model(cfg: &mut RunConfig) -> Result<rtune_hub::Resolved, TrainError> {
+    let r = rtune_hub::resolve(&cfg.file.model.path, &cfg.file.model.revision)?;
+    cfg.model_path = r.dir.clone();
+    Ok(r)
+}
+
 /// How the config asks for the frozen linear layers.
 pub fn quantize(cfg: &RunConfig) -> rtune_model::Quantize {
     match cfg.nf4 {
@@ -236,6 +246,11 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy) -> Result<(), TrainError>
                 .map_err(|e| out(format!("cannot remove {}: {e}", c.display())))?;
         }
         checkpoint::remove_partial(dir);
+        let tb = dir.join(rtune_watch::TB_DIR);
+        if tb.is_dir() {
+            std::fs::remove_dir_all(&tb)
+                .map_err(|e| out(format!("cannot remove old {}: {e}", tb.display())))?;
+        }
     }
     privacy
         .create_dir_all(dir)

@@ -282,6 +282,15 @@ pub fn train(
     write_atomic(&dir.join("config.toml"), resolved.as_bytes(), privacy)
         .map_err(TrainError::from)?;
     let mut metrics = privacy.append(&metrics_path).map_err(TrainError::from)?;
+    // TensorBoard scalars (a resumed run opens a new event file; TensorBoard shows the redone
+    // steps from both). Best effort: a failure to write them is a warning, not a stopped run.
+    let mut tb = match rtune_watch::TbWriter::create(&dir.join(rtune_watch::TB_DIR), privacy) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            on_event(Event::Warning(format!("no TensorBoard events: {e}")));
+            None
+        }
+    };
 
     on_event(Event::Start {
         examples,
@@ -417,6 +426,21 @@ pub fn train(
                 })?;
             metrics_bytes += line.len() as u64;
             on_event(Event::Step(&m));
+            if let Some(w) = tb.as_mut() {
+                let scalars = [
+                    ("train/loss", m.loss),
+                    ("train/lr", m.lr),
+                    ("train/grad_norm", m.grad_norm),
+                    ("train/tokens_per_s", m.tokens_per_s),
+                    ("train/peak_memory_mb", m.peak_memory_bytes as f64 / 1e6),
+                ];
+                if let Err(e) = w.scalars(step as u64, &scalars) {
+                    on_event(Event::Warning(format!(
+                        "TensorBoard events: {e}; no more written"
+                    )));
+                    tb = None;
+                }
+            }
 
             let eval_now = (cfg.eval_every > 0 && step % cfg.eval_every == 0) || step == cfg.steps;
             if eval_now {
@@ -444,6 +468,12 @@ pub fn train(
                         })?;
                     metrics_bytes += line.len() as u64;
                     on_event(Event::Eval(&ev));
+                    if let Some(w) = tb.as_mut() {
+                        let vals = [("valid/loss", ev.valid_loss), ("valid/ppl", ev.valid_ppl)];
+                        if let Err(e) = w.scalars(step as u64, &vals) {
+                            on_event(Event::Warning(format!("TensorBoard events: {e}")));
+                        }
+                    }
                 }
                 if let (Some(tok), false) = (&tok, cfg.eval_prompts.is_empty()) {
                     let samples = evaluate::samples(
@@ -475,6 +505,11 @@ pub fn train(
                     path: metrics_path.clone(),
                     message: e.to_string(),
                 })?;
+                if let Some(w) = tb.as_mut() {
+                    if let Err(e) = w.flush() {
+                        on_event(Event::Warning(format!("TensorBoard events: {e}")));
+                    }
+                }
                 let (epoch, cursor) = batcher.position();
                 let state = TrainerState {
                     format: checkpoint::FORMAT.into(),
@@ -512,6 +547,14 @@ pub fn train(
             }
         }
         adapter.save_peft(&dir, &base, privacy)?;
+        if let Some(w) = tb.as_mut() {
+            if let Err(e) = w.flush() {
+                on_event(Event::Warning(format!("TensorBoard events: {e}")));
+            }
+        }
+        if let Err(e) = rtune_watch::plot_run(&dir, privacy) {
+            on_event(Event::Warning(format!("no loss plot: {e}")));
+        }
         let summary = Summary {
             steps: cfg.steps,
             final_loss: last_loss,

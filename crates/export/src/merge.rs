@@ -1,0 +1,361 @@
+//! The merged model: every adapted linear layer's weight replaced by `W' = W + scaling·B·A`
+//! (`W: (out, in)`, `B: (out, r)`, `A: (r, in)`), computed in f32 and rounded once to the base's
+//! dtype; every other tensor copied byte for byte. This is PEFT's `merge_and_unload()`: the weights
+//! came out bit-identical to PEFT 0.21's for an f32 and a bf16 base (scripts/check_export.py).
+//!
+//! The base is read through mmap one tensor at a time and each output shard is streamed to disk, so
+//! the export holds one weight matrix (plus its f32 copy) in memory, never the model. Output shards
+//! follow `save_pretrained`: `model.safetensors`, or `model-0000k-of-0000n.safetensors` with
+//! `model.safetensors.index.json` once the tensors pass `max_shard_bytes`.
+
+use candle_core::safetensors::{Load, MmapedSafetensors};
+use candle_core::{DType, Device};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rtune_fsio::{write_atomic, Privacy};
+use rtune_lora::Adapter;
+
+use crate::out::{io, write_streamed};
+use crate::{adapter_spec, base_config, module_shapes, ExportError, Result};
+
+/// transformers' `save_pretrained` default shard size ("5GB").
+pub const DEFAULT_MAX_SHARD_BYTES: u64 = 5_000_000_000;
+
+/// Files of the base copied as they are (those present).
+pub const COPIED_FILES: [&str; 11] = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+];
+
+#[derive(Debug, Clone)]
+pub struct MergeOptions {
+    /// A new shard starts before a tensor that would take the current one past this many bytes.
+    pub max_shard_bytes: u64,
+    /// Merge into the NF4 round trip of each adapted weight, `deq(nf4(W))` (`Some(double_quant)`):
+    /// the weights a QLoRA adapter was trained against. `None`: into `W` itself.
+    pub dequantized: Option<bool>,
+}
+
+impl Default for MergeOptions {
+    fn default() -> Self {
+        Self {
+            max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
+            dequantized: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct MergeReport {
+    /// File names written, weights first.
+    pub files: Vec<String>,
+    /// Weight matrices changed by the adapter.
+    pub merged: usize,
+    pub tensors: usize,
+    pub total_bytes: u64,
+}
+
+/// The safetensors files of a Hugging Face model directory: the shards its index lists, or
+/// `model.safetensors`.
+pub fn base_files(base: &Path) -> Result<Vec<PathBuf>> {
+    let index = base.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read(&index)
+            .map_err(|e| ExportError::input(&index, format!("cannot read: {e}")))?;
+        let v: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| ExportError::input(&index, format!("not JSON: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ExportError::input(&index, "has no `weight_map` object"))?;
+        let shards: std::collections::BTreeSet<&str> =
+            map.values().filter_map(|f| f.as_str()).collect();
+        return Ok(shards.into_iter().map(|f| base.join(f)).collect());
+    }
+    let single = base.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(ExportError::input(
+        base,
+        "no model.safetensors or model.safetensors.index.json (a merged export needs safetensors weights)",
+    ))
+}
+
+/// One tensor of the output: where it comes from and, for an adapted weight, its LoRA pair.
+struct Entry {
+    file: usize,
+    name: String,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    bytes: u64,
+    lora: Option<usize>,
+}
+
+/// Splits `entries` (in order) into shards of at most `max` bytes (a larger tensor gets its own).
+fn plan(entries: &[Entry], max: u64) -> Vec<std::ops::Range<usize>> {
+    let mut shards = Vec::new();
+    let (mut start, mut size) = (0, 0u64);
+    for (i, e) in entries.iter().enumerate() {
+        if i > start && size + e.bytes > max {
+            shards.push(start..i);
+            (start, size) = (i, 0);
+        }
+        size += e.bytes;
+    }
+    if start < entries.len() {
+        shards.push(start..entries.len());
+    }
+    shards
+}
+
+/// Writes the merge of `base` and the PEFT adapter in `adapter_dir` into `dest` (an existing,
+/// empty directory): weights, index, config and tokenizer files.
+pub fn merge_into(
+    base: &Path,
+    adapter_dir: &Path,
+    dest: &Path,
+    opts: &MergeOptions,
+    privacy: Privacy,
+) -> Result<MergeReport> {
+    let cfg = base_config(base)?;
+    let spec = adapter_spec(adapter_dir)?;
+    let modules = module_shapes(&cfg, &spec);
+    let adapter = Adapter::load_peft(adapter_dir, &spec, &modules, &Device::Cpu)?;
+    let scaling = spec.scaling();
+
+    let files = base_files(base)?;
+    let mut maps = Vec::with_capacity(files.len());
+    for f in &files {
+        // SAFETY: mapped read-only; the export never writes to the base (check_destination).
+        let m = unsafe { MmapedSafetensors::new(f) }
+            .map_err(|e| ExportError::input(f, format!("not a safetensors file: {e}")))?;
+        maps.push(m);
+    }
+    let mut entries = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (file, m) in maps.iter().enumerate() {
+        let mut views = m.tensors();
+        views.sort_by(|a, b| a.0.cmp(&b.0));
+        for (name, v) in views {
+            if !seen.insert(name.clone()) {
+                return Err(ExportError::input(
+                    &files[file],
+                    format!("tensor `{name}` is stored in more than one shard"),
+                ));
+            }
+            let lora = name
+                .strip_suffix(".weight")
+                .and_then(|m| adapter.index_of(m));
+            entries.push(Entry {
+                file,
+                bytes: v.data().len() as u64,
+                dtype: v.dtype(),
+                shape: v.shape().to_vec(),
+                name,
+                lora,
+            });
+        }
+    }
+    let mut found = vec![false; adapter.names.len()];
+    for e in &entries {
+        let Some(k) = e.lora else { continue };
+        let m = &modules[k];
+        if e.shape != [m.out_features, m.in_features] {
+            return Err(ExportError::input(
+                &files[e.file],
+                format!(
+                    "tensor `{}` has shape {:?}, config.json and the adapter imply [{}, {}]",
+                    e.name, e.shape, m.out_features, m.in_features
+                ),
+            ));
+        }
+        use safetensors::Dtype as D;
+        if !matches!(e.dtype, D::F32 | D::BF16 | D::F16) {
+            return Err(ExportError::input(
+                &files[e.file],
+                format!(
+                    "tensor `{}` is {:?}; merging needs f32, bf16 or f16 weights (a quantized base \
+                     cannot be merged into)",
+                    e.name, e.dtype
+                ),
+            ));
+        }
+        found[k] = true;
+    }
+    if let Some(k) = found.iter().position(|f| !f) {
+        return Err(ExportError::input(
+            base,
+            format!(
+                "has no tensor `{}.weight`, which the adapter modifies",
+                adapter.names[k]
+            ),
+        ));
+    }
+
+    let shards = plan(&entries, opts.max_shard_bytes.max(1));
+    let n = shards.len();
+    let shard_name = |k: usize| {
+        if n == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{n:05}.safetensors", k + 1)
+        }
+    };
+    let mut written = Vec::new();
+    let mut weight_map = BTreeMap::new();
+    for (k, range) in shards.into_iter().enumerate() {
+        let name = shard_name(k);
+        let group = &entries[range];
+        for e in group {
+            weight_map.insert(e.name.clone(), name.clone());
+        }
+        let path = dest.join(&name);
+        write_streamed(&path, privacy, |w| {
+            write_shard(w, &path, group, &maps, &adapter, scaling, opts.dequantized)
+        })?;
+        written.push(name);
+    }
+    let total_bytes: u64 = entries.iter().map(|e| e.bytes).sum();
+    if n > 1 {
+        let index = serde_json::json!({
+            "metadata": {"total_size": total_bytes},
+            "weight_map": weight_map,
+        });
+        let text = serde_json::to_string_pretty(&index).expect("index serialises");
+        write_atomic(
+            &dest.join("model.safetensors.index.json"),
+            text.as_bytes(),
+            privacy,
+        )?;
+        written.push("model.safetensors.index.json".into());
+    }
+    for f in COPIED_FILES {
+        let src = base.join(f);
+        if src.is_file() {
+            let bytes = std::fs::read(&src).map_err(io(&src, "read"))?;
+            write_atomic(&dest.join(f), &bytes, privacy)?;
+            written.push(f.to_string());
+        }
+    }
+    Ok(MergeReport {
+        files: written,
+        merged: adapter.names.len(),
+        tensors: entries.len(),
+        total_bytes,
+    })
+}
+
+/// One safetensors file: `u64 header length | JSON header (space-padded to 8 bytes) | data`, the
+/// tensors' data back to back in `group` order.
+fn write_shard(
+    w: &mut dyn Write,
+    path: &Path,
+    group: &[Entry],
+    maps: &[MmapedSafetensors],
+    adapter: &Adapter,
+    scaling: f64,
+    dequantized: Option<bool>,
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+    let mut offset = 0u64;
+    for e in group {
+        header.insert(
+            e.name.clone(),
+            serde_json::json!({
+                "dtype": e.dtype,
+                "shape": e.shape,
+                "data_offsets": [offset, offset + e.bytes],
+            }),
+        );
+        offset += e.bytes;
+    }
+    let mut head = serde_json::to_vec(&header).expect("header serialises");
+    head.resize(head.len().div_ceil(8) * 8, b' ');
+    w.write_all(&(head.len() as u64).to_le_bytes())
+        .and_then(|()| w.write_all(&head))
+        .map_err(io(path, "write"))?;
+    for e in group {
+        let view = maps[e.file]
+            .get(&e.name)
+            .map_err(ExportError::candle(format!("read {}", e.name)))?;
+        match e.lora {
+            None => w.write_all(view.data()).map_err(io(path, "write"))?,
+            Some(k) => {
+                let bytes = merged_weight(&view, adapter, k, scaling, dequantized)
+                    .map_err(ExportError::candle(format!("merge {}", e.name)))?;
+                if bytes.len() as u64 != e.bytes {
+                    return Err(ExportError::Candle {
+                        op: format!("merge {}", e.name),
+                        cause: Box::new(candle_core::Error::Msg(format!(
+                            "{} bytes, expected {}",
+                            bytes.len(),
+                            e.bytes
+                        ))),
+                    });
+                }
+                w.write_all(&bytes).map_err(io(path, "write"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `W + scaling·(B·A)` in f32, rounded to W's dtype; the little-endian bytes. With
+/// `dequantized`, `W` is first replaced by its NF4 round trip, bitsandbytes-exact.
+fn merged_weight(
+    view: &safetensors::tensor::TensorView<'_>,
+    adapter: &Adapter,
+    k: usize,
+    scaling: f64,
+    dequantized: Option<bool>,
+) -> candle_core::Result<Vec<u8>> {
+    let w = view.load(&Device::Cpu)?;
+    let pair = &adapter.pairs[k];
+    let delta = pair.b.matmul(&pair.a)?.affine(scaling, 0.0)?; // (out, r)·(r, in), as PEFT
+    let base = match dequantized {
+        None => w.to_dtype(DType::F32)?,
+        Some(double_quant) => rtune_quant::quantize::quantize_tensor(&w, double_quant)
+            .and_then(|q| q.to_tensor(DType::F32, &Device::Cpu))
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+    };
+    let merged = (base + delta)?.to_dtype(w.dtype())?;
+    Ok(safetensors::View::data(&merged).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(bytes: u64) -> Entry {
+        Entry {
+            file: 0,
+            name: String::new(),
+            dtype: safetensors::Dtype::F32,
+            shape: vec![],
+            bytes,
+            lora: None,
+        }
+    }
+
+    #[test]
+    fn shard_plan_packs_in_order() {
+        let e: Vec<Entry> = [40, 40, 30, 100, 10].into_iter().map(entry).collect();
+        assert_eq!(plan(&e, 100), vec![0..2, 2..3, 3..4, 4..5]);
+        assert_eq!(plan(&e, 1000), vec![0..5]);
+        assert_eq!(plan(&e, 110), vec![0..3, 3..5]);
+        assert!(plan(&[], 10).is_empty());
+    }
+}

@@ -1,0 +1,572 @@
+//! `rtune export`: the merged model computes what base + adapter compute (f32 logits; bf16 sharded
+//! weights rounded once from the f32 merge), the GGUF LoRA file has llama.cpp's layout (read back
+//! with candle's GGUF reader), the PEFT export's base path resolves, and bad input exits 2.
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use rtune_fsio::Privacy;
+use rtune_lora::{Adapter, LoraSpec};
+use rtune_model::{Inputs, LoraCtx, Model};
+
+use crate::common::{fixture, rel_err, root, rtune, stderr};
+
+fn s(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// A 4-step run on tests/fixtures/tiny-llama (f32) with checkpoints at 2 and 4; lr 1e-2 moves B
+/// well away from its zero init.
+fn train_tiny(run: &Path) {
+    let o = rtune(&[
+        "train",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        "model.path=tests/fixtures/tiny-llama",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "train.warmup_steps=0",
+        "--set",
+        "output.save_every=2",
+        "--set",
+        &format!("output.dir={}", s(run)),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+fn export(args: &[&str]) -> std::process::Output {
+    let mut a = vec!["export"];
+    a.extend_from_slice(args);
+    rtune(&a)
+}
+
+fn logits(model: &Model, lora: Option<&LoraCtx>) -> Tensor {
+    let ids = vec![
+        1u32, 40, 41, 42, 43, 44, 45, 46, 1, 7, 8, 9, 200, 300, 400, 500,
+    ];
+    model
+        .forward(&Inputs::new(ids, 2, 8), lora, false)
+        .unwrap()
+        .logits
+}
+
+fn tensors(path: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(path, &Device::Cpu).unwrap()
+}
+
+fn raw_bytes(t: &Tensor) -> Vec<u8> {
+    safetensors::View::data(t).into_owned()
+}
+
+/// `adapter` with B set to fixed non-zero values (A keeps PEFT's init), saved as a PEFT directory.
+fn random_adapter(base: &Path, spec: LoraSpec, dir: &Path) -> Adapter {
+    let model = Model::load(base, DType::F32, &Device::Cpu).unwrap();
+    let modules = model.lora_modules(&spec);
+    let mut ad = Adapter::init(spec, &modules, 7, &Device::Cpu).unwrap();
+    for (k, p) in ad.pairs.iter_mut().enumerate() {
+        let (out, r) = p.b.dims2().unwrap();
+        let v: Vec<f32> = (0..out * r)
+            .map(|i| (((i * 7 + k * 13) % 17) as f32 - 8.0) * 0.01)
+            .collect();
+        p.b = Tensor::from_vec(v, (out, r), &Device::Cpu).unwrap();
+    }
+    ad.save_peft(dir, &s(base), Privacy::PRIVATE).unwrap();
+    ad
+}
+
+#[test]
+fn merged_f32_logits_equal_base_plus_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    train_tiny(&run);
+    let out = tmp.path().join("merged");
+    let o = export(&["--run", &s(&run), "--format", "merged", "--out", &s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let base_dir = fixture("fixtures/tiny-llama");
+    for f in [
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
+    assert!(!out.join("model.safetensors.index.json").exists());
+    assert_eq!(
+        std::fs::read(out.join("tokenizer.json")).unwrap(),
+        std::fs::read(base_dir.join("tokenizer.json")).unwrap()
+    );
+
+    let spec = rtune_export::adapter_spec(&run).unwrap();
+    let mut base = Model::load(&base_dir, DType::F32, &Device::Cpu).unwrap();
+    let adapter = Adapter::load_peft(&run, &spec, &base.lora_modules(&spec), &Device::Cpu).unwrap();
+    base.attach(&adapter);
+    let lc = LoraCtx {
+        adapter: &adapter,
+        scaling: spec.scaling(),
+        dropout: 0.0,
+        seed: 0,
+    };
+    let want = logits(&base, Some(&lc));
+    let merged = Model::load(&out, DType::F32, &Device::Cpu).unwrap();
+    let got = logits(&merged, None);
+    // f32: x·(W + s·B·A) vs x·W + s·(x·Aᵀ)·Bᵀ differ only by summation order (~1e-7 relative).
+    let err = rel_err(&got, &want);
+    assert!(err < 1e-5, "merged vs base+adapter: {err:e}");
+    let effect = rel_err(&logits(&base, None), &want);
+    assert!(
+        effect > 1e-3,
+        "the adapter barely changes the logits ({effect:e}): test too weak"
+    );
+
+    // Adapted weights changed, every other tensor copied byte for byte.
+    let (b, m) = (
+        tensors(&base_dir.join("model.safetensors")),
+        tensors(&out.join("model.safetensors")),
+    );
+    assert_eq!(b.len(), m.len());
+    for (name, t) in &b {
+        let adapted = name.ends_with("_proj.weight");
+        assert_eq!(raw_bytes(t) == raw_bytes(&m[name]), !adapted, "{name}");
+    }
+}
+
+#[test]
+fn merged_bf16_sharded_is_the_f32_merge_rounded_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base_dir = fixture("fixtures/tiny-llama3"); // bf16, 2 shards, tied embeddings
+    let adapter_dir = tmp.path().join("adapter");
+    let spec = LoraSpec::new(4, 8.0, 0.0, false, &["all-linear".into()]).unwrap();
+    let ad = random_adapter(&base_dir, spec.clone(), &adapter_dir);
+    let out = tmp.path().join("merged");
+    let o = export(&[
+        "--run",
+        &s(&adapter_dir),
+        "--format",
+        "merged",
+        "--out",
+        &s(&out),
+        "--max-shard-size",
+        "100KB",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("model.safetensors.index.json")).unwrap())
+            .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    let shards: BTreeSet<&str> = map.values().map(|v| v.as_str().unwrap()).collect();
+    assert!(shards.len() >= 3, "{shards:?}");
+    let mut merged = HashMap::new();
+    let mut total = 0u64;
+    for sh in &shards {
+        assert!(
+            sh.starts_with("model-")
+                && sh.ends_with(&format!("-of-{:05}.safetensors", shards.len()))
+        );
+        let t = tensors(&out.join(sh));
+        for (name, x) in t {
+            assert_eq!(map[&name].as_str().unwrap(), *sh, "{name}");
+            total += raw_bytes(&x).len() as u64;
+            merged.insert(name, x);
+        }
+    }
+    assert_eq!(index["metadata"]["total_size"].as_u64().unwrap(), total);
+
+    let mut base = HashMap::new();
+    for f in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        base.extend(tensors(&base_dir.join(f)));
+    }
+    assert_eq!(base.len(), map.len());
+    let scaling = spec.scaling() as f32;
+    let mut changed = 0usize;
+    for (name, w) in &base {
+        let got = &merged[name];
+        assert_eq!(got.dtype(), DType::BF16, "{name}");
+        let Some(k) = name.strip_suffix(".weight").and_then(|m| ad.index_of(m)) else {
+            assert_eq!(raw_bytes(got), raw_bytes(w), "{name} copied as is");
+            continue;
+        };
+        // Reference: plain loops, f32 W + scaling·Σ_r B[i,r]·A[r,j] accumulated in f64.
+        let (out_f, in_f) = w.dims2().unwrap();
+        let wv: Vec<f32> = w
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let a: Vec<f32> = ad.pairs[k].a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = ad.pairs[k].b.flatten_all().unwrap().to_vec1().unwrap();
+        let g: Vec<f32> = got
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let r = spec.r;
+        for i in 0..out_f {
+            for j in 0..in_f {
+                let d: f64 = (0..r)
+                    .map(|q| b[i * r + q] as f64 * a[q * in_f + j] as f64)
+                    .sum();
+                let want = wv[i * in_f + j] + scaling * d as f32;
+                let e = (g[i * in_f + j] - want).abs();
+                // One rounding to bf16 (8 significant bits): at most half a unit in the last place.
+                assert!(
+                    e <= want.abs() * 2f32.powi(-8) + 1e-30,
+                    "{name}[{i},{j}]: {} vs {want}",
+                    g[i * in_f + j]
+                );
+                changed += usize::from(g[i * in_f + j] != wv[i * in_f + j]);
+            }
+        }
+    }
+    assert!(changed > 1000, "only {changed} weights changed");
+    // rtune's own loader reads the re-sharded directory.
+    Model::load(&out, DType::BF16, &Device::Cpu).unwrap();
+}
+
+/// A `(rows, r)` matrix's rows in GGML's order for one attention projection with `heads` heads:
+/// within a head of `hd` rows, GGUF row `i` is HF row `(i % 2)·hd/2 + i/2`.
+fn ggml_rows(b: &[f32], rows: usize, r: usize, heads: usize) -> Vec<f32> {
+    let hd = rows / heads;
+    let mut out = Vec::with_capacity(b.len());
+    for h in 0..heads {
+        for i in 0..hd {
+            let src = h * hd + (i % 2) * hd / 2 + i / 2;
+            out.extend_from_slice(&b[src * r..(src + 1) * r]);
+        }
+    }
+    out
+}
+
+#[test]
+fn gguf_lora_has_llama_cpp_layout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base_dir = fixture("fixtures/tiny-llama"); // 2 layers, 4 heads / 2 kv heads, head_dim 16
+    let adapter_dir = tmp.path().join("adapter");
+    let spec = LoraSpec::new(4, 8.0, 0.0, false, &["all-linear".into()]).unwrap();
+    let ad = random_adapter(&base_dir, spec, &adapter_dir);
+    let out = tmp.path().join("lora.gguf");
+    let o = export(&[
+        "--run",
+        &s(&adapter_dir),
+        "--base",
+        &s(&base_dir),
+        "--format",
+        "gguf-lora",
+        "--out",
+        &s(&out),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let mut f = std::fs::File::open(&out).unwrap();
+    let c = gguf_file::Content::read(&mut f).unwrap();
+    assert_eq!(c.magic, gguf_file::VersionedMagic::GgufV3);
+    let md = |k: &str| c.metadata.get(k).unwrap_or_else(|| panic!("no {k}"));
+    assert_eq!(md("general.architecture").to_string().unwrap(), "llama");
+    assert_eq!(md("general.type").to_string().unwrap(), "adapter");
+    assert_eq!(md("adapter.type").to_string().unwrap(), "lora");
+    assert!(matches!(
+        md("general.quantization_version"),
+        gguf_file::Value::U32(2)
+    ));
+    // llama.cpp reads alpha with gguf_get_val_f32: the type must be f32. scale = alpha / r.
+    assert!(matches!(md("adapter.lora.alpha"), gguf_file::Value::F32(a) if *a == 8.0));
+
+    let hf = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ];
+    let gg = [
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ];
+    let mut want_names = BTreeSet::new();
+    for l in 0..2 {
+        for (h, g) in hf.iter().zip(gg) {
+            let part = if h.starts_with("gate") || h.starts_with("up") || h.starts_with("down") {
+                "mlp"
+            } else {
+                "self_attn"
+            };
+            let module = format!("model.layers.{l}.{part}.{h}");
+            let k = ad.index_of(&module).unwrap();
+            let (a, b) = (&ad.pairs[k].a, &ad.pairs[k].b);
+            let (out_f, r) = b.dims2().unwrap();
+            for (suffix, t) in [("lora_a", a), ("lora_b", b)] {
+                let name = format!("blk.{l}.{g}.weight.{suffix}");
+                let info = &c.tensor_infos[&name];
+                // candle lists dims slowest first (GGUF's ne reversed): A (r, in), B (out, r),
+                // i.e. ne = [in, r] and [r, out] as llama-adapter.cpp checks. Stored as f32.
+                assert_eq!(info.shape.dims(), t.dims(), "{name}");
+                assert_eq!(
+                    info.ggml_dtype,
+                    candle_core::quantized::GgmlDType::F32,
+                    "{name}"
+                );
+                let q = c.tensor(&mut f, &name, &Device::Cpu).unwrap();
+                let got: Vec<f32> = q
+                    .dequantize(&Device::Cpu)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let mut want: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+                if suffix == "lora_b" && (*h == "q_proj" || *h == "k_proj") {
+                    let heads = if *h == "q_proj" { 4 } else { 2 };
+                    want = ggml_rows(&want, out_f, r, heads);
+                }
+                assert_eq!(got, want, "{name}");
+                want_names.insert(name);
+            }
+        }
+    }
+    let names: BTreeSet<String> = c.tensor_infos.keys().cloned().collect();
+    assert_eq!(names, want_names);
+
+    // rsLoRA: llama.cpp's alpha / r must equal PEFT's alpha / √r, so alpha·√r is stored.
+    let spec = LoraSpec::new(4, 8.0, 0.0, true, &["q_proj".into()]).unwrap();
+    let rs_dir = tmp.path().join("rs");
+    random_adapter(&base_dir, spec, &rs_dir);
+    let rs_out = tmp.path().join("rs.gguf");
+    let o = export(&[
+        "--run",
+        &s(&rs_dir),
+        "--format",
+        "gguf-lora",
+        "--out",
+        &s(&rs_out),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let c = gguf_file::Content::read(&mut std::fs::File::open(&rs_out).unwrap()).unwrap();
+    assert!(matches!(c.metadata["adapter.lora.alpha"], gguf_file::Value::F32(a) if a == 16.0));
+    assert_eq!(c.tensor_infos.len(), 4);
+}
+
+#[test]
+fn peft_export_and_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    train_tiny(&run);
+    let out = tmp.path().join("peft");
+    let o = export(&["--run", &s(&run), "--format", "peft", "--out", &s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let read_cfg = |d: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(d.join("adapter_config.json")).unwrap()).unwrap()
+    };
+    let (orig, got) = (read_cfg(&run), read_cfg(&out));
+    // The run recorded the path relative to where it trained; the export names the base absolutely.
+    assert_eq!(orig["base_model_name_or_path"], "tests/fixtures/tiny-llama");
+    let abs = fixture("fixtures/tiny-llama").canonicalize().unwrap();
+    assert_eq!(got["base_model_name_or_path"], s(&abs));
+    for k in [
+        "r",
+        "lora_alpha",
+        "target_modules",
+        "use_rslora",
+        "peft_type",
+    ] {
+        assert_eq!(got[k], orig[k], "{k}");
+    }
+    let w = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+    assert_eq!(w(&out), w(&run));
+    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 2);
+
+    // An existing output is refused, then replaced with --force.
+    let o = export(&["--run", &s(&run), "--format", "peft", "--out", &s(&out)]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("already exists; pass --force"),
+        "{}",
+        stderr(&o)
+    );
+    let args = [
+        "--run",
+        &s(&run),
+        "--format",
+        "peft",
+        "--out",
+        &s(&out),
+        "--checkpoint",
+        "2",
+        "--force",
+    ];
+    let o = export(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(w(&out), w(&run.join("checkpoint-2")));
+    assert_ne!(w(&out), w(&run));
+
+    // Never onto the run itself, even with --force.
+    let o = export(&[
+        "--run",
+        &s(&run),
+        "--format",
+        "peft",
+        "--out",
+        &s(&run),
+        "--force",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("choose another --out"),
+        "{}",
+        stderr(&o)
+    );
+
+    // A checkpoint that does not exist, and one that fails its manifest.
+    let o = export(&[
+        "--run",
+        &s(&run),
+        "--format",
+        "peft",
+        "--out",
+        &s(&tmp.path().join("x")),
+        "--checkpoint",
+        "3",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("no checkpoint-3 (available: 2, 4)"),
+        "{}",
+        stderr(&o)
+    );
+    let bad = run.join("checkpoint-2/adapter_model.safetensors");
+    let mut bytes = std::fs::read(&bad).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 1;
+    std::fs::write(&bad, bytes).unwrap();
+    let o = export(&[
+        "--run",
+        &s(&run),
+        "--format",
+        "peft",
+        "--out",
+        &s(&tmp.path().join("x")),
+        "--checkpoint",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("manifest.json"), "{}", stderr(&o));
+    assert!(!tmp.path().join("x").exists());
+}
+
+#[test]
+fn bad_input_exits_2_with_the_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = |n: &str| s(&tmp.path().join(n));
+
+    // Unknown format: clap's usage error.
+    let o = export(&["--run", "x", "--format", "onnx", "--out", &out("o")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("onnx"), "{}", stderr(&o));
+
+    // A run that did not finish: no final adapter; the message says how to export a checkpoint.
+    let unfinished = tmp.path().join("unfinished");
+    std::fs::create_dir_all(unfinished.join("checkpoint-5")).unwrap();
+    std::fs::write(
+        unfinished.join("run.json"),
+        r#"{"model_path": "tests/fixtures/tiny-llama"}"#,
+    )
+    .unwrap();
+    let o = export(&[
+        "--run",
+        &s(&unfinished),
+        "--format",
+        "merged",
+        "--out",
+        &out("m"),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(
+        e.contains("no final adapter") && e.contains("--checkpoint N (available: 5)"),
+        "{e}"
+    );
+
+    // Not a directory at all.
+    let o = export(&[
+        "--run",
+        &out("missing"),
+        "--format",
+        "peft",
+        "--out",
+        &out("p"),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("not a directory"), "{}", stderr(&o));
+
+    // A base that cannot be found: merged refuses and says what to pass; peft keeps the name.
+    let adapter_dir = tmp.path().join("adapter");
+    let spec = LoraSpec::new(2, 4.0, 0.0, false, &["q_proj".into()]).unwrap();
+    random_adapter(&fixture("fixtures/tiny-llama"), spec, &adapter_dir);
+    let cfg_path = adapter_dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&cfg_path).unwrap();
+    let base_abs = s(&fixture("fixtures/tiny-llama"));
+    std::fs::write(&cfg_path, text.replace(&base_abs, "no/such-model")).unwrap();
+    let o = export(&[
+        "--run",
+        &s(&adapter_dir),
+        "--format",
+        "merged",
+        "--out",
+        &out("m"),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        stderr(&o).contains("no/such-model") && stderr(&o).contains("--base DIR"),
+        "{}",
+        stderr(&o)
+    );
+    let o = export(&[
+        "--run",
+        &s(&adapter_dir),
+        "--format",
+        "peft",
+        "--out",
+        &out("p"),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cfg = std::fs::read_to_string(tmp.path().join("p/adapter_config.json")).unwrap();
+    assert!(
+        cfg.contains("\"base_model_name_or_path\": \"no/such-model\""),
+        "{cfg}"
+    );
+
+    // A base of another shape: the adapter does not fit it.
+    let o = export(&[
+        "--run",
+        &s(&adapter_dir),
+        "--base",
+        &s(&root().join("tests/fixtures/tiny-llama3")),
+        "--format",
+        "gguf-lora",
+        "--out",
+        &out("x.gguf"),
+    ]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("lora_A"), "{}", stderr(&o));
+    assert!(!PathBuf::from(out("x.gguf")).exists());
+}
