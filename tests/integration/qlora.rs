@@ -62,9 +62,7 @@ fn bnb_checkpoint(golden: &str, dir: &std::path::Path) {
         }
     }
     for (name, view) in base.tensors() {
-        if !out.contains_key(&name) {
-            out.insert(name, view);
-        }
+        out.entry(name).or_insert(view);
     }
     safetensors::serialize_to_file(&out, None, &dir.join("model.safetensors")).unwrap();
 }

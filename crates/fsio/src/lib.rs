@@ -170,6 +170,8 @@ pub fn free_bytes(path: &Path) -> Result<u64> {
     }
     // SAFETY: statvfs returned 0, so it filled the struct.
     let st = unsafe { st.assume_init() };
+    // Both fields are u64 on 64-bit Linux but narrower elsewhere.
+    #[allow(clippy::unnecessary_cast)]
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
