@@ -28,10 +28,10 @@ use crate::{DataError, Example, Result};
 const MAGIC: &[u8; 8] = b"RTUNEDS1";
 const VERSION: u32 = 1;
 /// Lines handed to one worker at a time.
-const CHUNK_BYTES: usize = 4 << 20;
-/// A shard is closed once it holds this many tokens (8 M tokens: 64 MiB of ids and labels on disk,
-/// ~100 MiB while pending as examples), which bounds the memory of a build.
-const SHARD_TOKENS: usize = 8 << 20;
+const CHUNK_BYTES: usize = 1 << 20;
+/// A shard is closed once it holds this many tokens (1 M tokens: 8 MiB of ids and labels on disk,
+/// ~12 MiB while pending as examples), which bounds the memory of a build.
+const SHARD_TOKENS: usize = 1 << 20;
 
 /// What happened to the rows of a chunk (or a file).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -361,36 +361,41 @@ fn build(
 
 fn write_shard(path: &Path, exs: &[Example], privacy: Privacy) -> Result<ShardInfo> {
     let total: usize = exs.iter().map(|e| e.input_ids.len()).sum();
-    let mut buf = Vec::with_capacity(16 + 8 * (exs.len() + 1) + 8 * total);
-    buf.extend_from_slice(MAGIC);
-    buf.extend_from_slice(&(exs.len() as u64).to_le_bytes());
-    let mut off = 0u64;
-    buf.extend_from_slice(&off.to_le_bytes());
-    for e in exs {
-        off += e.input_ids.len() as u64;
-        buf.extend_from_slice(&off.to_le_bytes());
-    }
-    for e in exs {
-        e.input_ids
-            .iter()
-            .for_each(|i| buf.extend_from_slice(&i.to_le_bytes()));
-    }
-    for e in exs {
-        e.labels
-            .iter()
-            .for_each(|&l| buf.extend_from_slice(&(l as i32).to_le_bytes()));
-    }
-    let mut f = privacy
+    let f = privacy
         .create(path)
         .map_err(|e| io_err(path, e.to_string()))?;
-    f.write_all(&buf)
-        .and_then(|_| f.sync_all())
+    // Streamed through a small buffer: the shard is never held in memory a second time.
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    let mut put = |b: &[u8]| w.write_all(b);
+    let res = (|| -> std::io::Result<()> {
+        put(MAGIC)?;
+        put(&(exs.len() as u64).to_le_bytes())?;
+        let mut off = 0u64;
+        put(&off.to_le_bytes())?;
+        for e in exs {
+            off += e.input_ids.len() as u64;
+            put(&off.to_le_bytes())?;
+        }
+        for e in exs {
+            for i in &e.input_ids {
+                put(&i.to_le_bytes())?;
+            }
+        }
+        for e in exs {
+            for &l in &e.labels {
+                put(&(l as i32).to_le_bytes())?;
+            }
+        }
+        Ok(())
+    })();
+    res.and_then(|_| w.into_inner().map_err(|e| e.into_error()))
+        .and_then(|f| f.sync_all())
         .map_err(|e| io_err(path, format!("cannot write cache shard: {e}")))?;
     Ok(ShardInfo {
         file: String::new(),
         examples: exs.len(),
         tokens: total,
-        bytes: buf.len() as u64,
+        bytes: (16 + 8 * (exs.len() + 1) + 8 * total) as u64,
     })
 }
 

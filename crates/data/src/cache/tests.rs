@@ -106,7 +106,7 @@ fn a_damaged_entry_is_rebuilt() {
 fn chunks_keep_file_order_and_line_numbers() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("d.jsonl");
-    // ~10 MB: three chunks of 4 MiB, parsed by two workers.
+    // ~10 MB: ten chunks of 1 MiB, parsed by two workers.
     let n = 10 * 1024 * 1024 / 32;
     let mut text: String = (0..n).map(|i| format!("{i:031}\n")).collect();
     let p = parser();
