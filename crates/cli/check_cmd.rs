@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use rtune_train::check;
 
 pub fn run(config: PathBuf, set: Vec<String>) -> Result<()> {
-    let cfg = rtune_config::load(&config, &set)?;
+    let mut cfg = rtune_config::load(&config, &set)?;
+    crate::convert::resolve_model(&mut cfg)?;
     let tmp = check::temp_dir();
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp)?;

@@ -16,7 +16,8 @@ fn mark(text: &str, trained: bool, colour: bool) -> String {
 }
 
 pub fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()> {
-    let cfg = rtune_config::load(&config, &set)?;
+    let mut cfg = rtune_config::load(&config, &set)?;
+    crate::convert::resolve_model(&mut cfg)?;
     let (data, tok) = inspect::load(&cfg)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -91,7 +92,8 @@ pub fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Resul
 
 /// `rtune data prepare`: tokenise every data file into the cache, reporting tokens/s.
 pub fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
-    let cfg = rtune_config::load(&config, &set)?;
+    let mut cfg = rtune_config::load(&config, &set)?;
+    crate::convert::resolve_model(&mut cfg)?;
     let Some(root) = &cfg.data.cache_dir else {
         anyhow::bail!("[data] cache = false: there is no cache to prepare");
     };

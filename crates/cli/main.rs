@@ -6,13 +6,18 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod check_cmd;
+mod convert;
 mod data_cmd;
+mod estimate_cmd;
 
 use rtune_train::bench::BenchOptions;
 use rtune_train::generate::GenerateOptions;
 use rtune_train::{Event, Outcome, RunOptions};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+
+mod export;
 
 // Training allocates and frees the same large activation buffers every step. By default glibc
 // serves blocks above a moving threshold with mmap and hands them back to the kernel when freed,
@@ -63,9 +68,12 @@ enum Command {
     },
     /// Continue a prompt with a model and optionally a PEFT adapter.
     Generate {
-        /// Hugging Face model directory.
+        /// Hugging Face model directory, llama .gguf file, or hub id (org/name).
         #[arg(long)]
         model: PathBuf,
+        /// Hub models: branch, tag or commit.
+        #[arg(long, default_value = "main")]
+        revision: String,
         /// PEFT adapter directory (e.g. a run's output dir).
         #[arg(long)]
         adapter: Option<PathBuf>,
@@ -83,6 +91,17 @@ enum Command {
         /// Write the prompt's input_ids and logits to this safetensors file (to compare with PEFT).
         #[arg(long)]
         dump_logits: Option<PathBuf>,
+        /// Base weights as trained: `nf4` (or `nf4-dq`) for a QLoRA adapter.
+        #[arg(long, default_value = "none", value_parser = ["none", "nf4", "nf4-dq"])]
+        quantize: String,
+    },
+    /// Pre-flight before a long run: device, disk, data masks, one step's memory, overfitting 4
+    /// samples, checkpoint/resume/generate, sustained throughput. Exits 1 if any check fails.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
     },
     /// Data tools.
     Data {
@@ -91,6 +110,16 @@ enum Command {
     },
     /// Training throughput and peak memory on a random model (default shape: bench-small).
     Bench(BenchArgs),
+    /// Predict a run's peak memory before loading anything: the breakdown, and the largest
+    /// micro_batch_size and max_seq_len that fit a budget (default: the available RAM).
+    Estimate(estimate_cmd::EstimateArgs),
+    /// Export a run's adapter: PEFT directory, merged Hugging Face model, or GGUF LoRA (llama.cpp).
+    Export(export::ExportArgs),
+    /// Convert a model into a Hugging Face directory (a llama GGUF → safetensors + tokenizer files).
+    Convert {
+        #[command(subcommand)]
+        command: convert::ConvertCommand,
+    },
 }
 
 #[derive(clap::Args)]
@@ -130,6 +159,14 @@ enum DataCommand {
     /// Report likely secrets and personal data in the config's training data as `file:line: kind`
     /// (the matched text is never printed). Exits 1 when anything is found.
     Scan {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Tokenise the config's data files into the cache (in parallel, memory bounded), so training
+    /// starts at once; prints tokens/s.
+    Prepare {
         #[arg(long)]
         config: PathBuf,
         #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
@@ -175,6 +212,12 @@ fn main() -> ExitCode {
 /// 2: the input is wrong (config, model, data, adapter, output dir); 1: the run failed.
 fn exit_code(e: &anyhow::Error) -> u8 {
     use rtune_train::TrainError;
+    if let Some(code) = convert::exit_code(e) {
+        return code;
+    }
+    if let Some(code) = export::exit_code(e) {
+        return code;
+    }
     if e.downcast_ref::<rtune_config::ConfigError>().is_some() {
         return 2;
     }
@@ -200,6 +243,7 @@ fn run(cli: Cli) -> Result<()> {
             resume,
             force,
         } => train(config, set, resume, force),
+        Command::Check { config, set } => check_cmd::run(config, set),
         Command::Data {
             command: DataCommand::Scan { config, set },
         } => scan(config, set),
@@ -212,8 +256,12 @@ fn run(cli: Cli) -> Result<()> {
                     json,
                 },
         } => data_cmd::inspect(config, set, n, json),
+        Command::Data {
+            command: DataCommand::Prepare { config, set },
+        } => data_cmd::prepare(config, set),
         Command::Generate {
             model,
+            revision,
             adapter,
             prompt,
             max_new_tokens,
@@ -221,6 +269,7 @@ fn run(cli: Cli) -> Result<()> {
             top_p,
             seed,
             dump_logits,
+            quantize,
         } => {
             if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
                 bail!("--top-p must be in (0, 1], got {top_p}");
@@ -231,11 +280,22 @@ fn run(cli: Cli) -> Result<()> {
                 top_p,
                 seed,
                 dump_logits,
+                quantize: match quantize.as_str() {
+                    "nf4" => rtune_model::Quantize::Nf4 {
+                        double_quant: false,
+                    },
+                    "nf4-dq" => rtune_model::Quantize::Nf4 { double_quant: true },
+                    _ => rtune_model::Quantize::None,
+                },
             };
+            let model = convert::resolve_model_path(&model, &revision)?;
             let text = rtune_train::generate::generate(&model, adapter.as_deref(), &prompt, &opt)?;
             println!("{text}");
             Ok(())
         }
+        Command::Export(a) => export::run(a),
+        Command::Convert { command } => convert::run(command),
+        Command::Estimate(a) => estimate_cmd::run(a),
         Command::Bench(a) => {
             if a.steps == 0
                 || a.heads == 0
@@ -273,6 +333,12 @@ fn run(cli: Cli) -> Result<()> {
                 res.step_s.len(),
                 res.peak_rss_bytes as f64 / 1e6,
                 res.threads
+            );
+            println!(
+                "memory: estimated peak {:.1} MB, measured {:.1} MB (estimate/measured {:.3})",
+                res.estimated_peak_bytes as f64 / 1e6,
+                res.peak_rss_bytes as f64 / 1e6,
+                res.estimated_peak_bytes as f64 / res.peak_rss_bytes.max(1) as f64
             );
             if let Some(p) = a.json_out {
                 std::fs::write(&p, serde_json::to_string_pretty(&res)?)
@@ -315,7 +381,8 @@ fn scan(config: PathBuf, set: Vec<String>) -> Result<()> {
 }
 
 fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result<()> {
-    let cfg = rtune_config::load(&config, &set)?;
+    let mut cfg = rtune_config::load(&config, &set)?;
+    convert::resolve_model(&mut cfg)?;
     // First SIGINT/SIGTERM: finish the step, write a checkpoint, exit 0. Second: exit at once (all
     // writes are atomic, so nothing is left half-written).
     let stop = Arc::new(AtomicBool::new(false));
@@ -344,6 +411,7 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
             warnings,
             lora_params,
             model_params,
+            model_bytes,
             start_step,
         } => {
             if start_step > 0 {
@@ -364,8 +432,12 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
             }
             eprintln!(
                 "rtune: {examples} training / {valid_examples} validation examples ({} rows: {} truncated, \
-                 {} dropped, {} skipped); {lora_params} LoRA parameters on a {model_params}-parameter model",
-                counts.rows, counts.truncated, counts.dropped, counts.skipped
+                 {} dropped, {} skipped); {lora_params} LoRA parameters on a {model_params}-parameter model ({:.1} MB resident)",
+                counts.rows,
+                counts.truncated,
+                counts.dropped,
+                counts.skipped,
+                model_bytes as f64 / 1e6
             );
             for w in warnings {
                 tracing::warn!("{w}");

@@ -21,8 +21,13 @@ pub struct ConfigFile {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
-    /// Hugging Face model directory (config.json, safetensors, tokenizer.json).
+    /// Hugging Face model directory (config.json, safetensors, tokenizer.json), a llama `.gguf`
+    /// file (converted once into the rtune cache), or a hub id `org/name` (downloaded into the
+    /// Hugging Face cache).
     pub path: String,
+    /// Hub models: branch, tag or commit sha to use.
+    #[serde(default = "d_main")]
+    pub revision: String,
     /// Compute dtype: f32 | bf16 | f16.
     #[serde(default = "d_dtype")]
     pub dtype: String,
@@ -139,6 +144,9 @@ pub struct OutputSection {
     pub on_save_error: String,
 }
 
+fn d_main() -> String {
+    "main".into()
+}
 fn d_dtype() -> String {
     "f32".into()
 }

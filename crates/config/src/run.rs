@@ -117,6 +117,12 @@ impl ConfigFile {
         if self.model.path.trim().is_empty() {
             return Err(bad("model.path", "is empty".into()));
         }
+        if self.model.revision.trim().is_empty() {
+            return Err(bad(
+                "model.revision",
+                "is empty (a branch, tag or commit)".into(),
+            ));
+        }
         let l = &self.lora;
         if l.r == 0 {
             return Err(bad("lora.r", "must be at least 1".into()));

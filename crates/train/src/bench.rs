@@ -58,6 +58,8 @@ pub struct BenchResult {
     pub step_s_median: f64,
     pub step_s: Vec<f64>,
     pub peak_rss_bytes: u64,
+    /// What `rtune estimate` predicts for this shape.
+    pub estimated_peak_bytes: u64,
     pub rss_after_model_bytes: u64,
     pub threads: usize,
 }
@@ -78,12 +80,9 @@ impl TensorSource for RandomWeights {
     }
 }
 
-pub fn run(
-    o: &BenchOptions,
-    on_step: &mut dyn FnMut(usize, f64, bool),
-) -> Result<BenchResult, TrainError> {
-    let dev = Device::Cpu;
-    let cfg = ModelConfig {
+/// The bench's random Llama: the options' shape, untied lm_head, no biases.
+pub fn model_config(o: &BenchOptions) -> ModelConfig {
+    ModelConfig {
         arch: Arch::Llama,
         hidden_size: o.hidden,
         intermediate_size: o.intermediate,
@@ -104,7 +103,21 @@ pub fn run(
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         pad_token_id: None,
-    };
+    }
+}
+
+/// The memory estimate for the bench's shape (f32, LoRA on all linear layers, full rows).
+pub fn estimate(o: &BenchOptions) -> crate::estimate::Estimate {
+    let s = crate::estimate::Settings::new(o.r, o.batch, o.seq, o.gradient_checkpointing);
+    crate::estimate::estimate(&model_config(o), &s)
+}
+
+pub fn run(
+    o: &BenchOptions,
+    on_step: &mut dyn FnMut(usize, f64, bool),
+) -> Result<BenchResult, TrainError> {
+    let dev = Device::Cpu;
+    let cfg = model_config(o);
     let mut model = Model::build(cfg, &RandomWeights { dev: dev.clone() }, DType::F32, &dev)?;
     let spec = LoraSpec::new(o.r, o.alpha, 0.0, false, &["all-linear".to_string()])?;
     let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 0, &dev)?;
@@ -165,6 +178,7 @@ pub fn run(
         step_s_median,
         step_s,
         peak_rss_bytes: memory::peak_rss_bytes(),
+        estimated_peak_bytes: estimate(o).peak_bytes,
         rss_after_model_bytes,
         threads: candle_core::utils::get_num_threads(),
     })

@@ -2,6 +2,7 @@
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
+//! - [`estimate`]: `rtune estimate` — peak memory predicted from config.json and the settings;
 //! - [`check`]: `rtune check` — the pre-flight checks before a long run;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
 //! - [`scan`]: `rtune data scan` — likely secrets and personal data in training files;
@@ -15,6 +16,7 @@ pub mod bench;
 pub mod check;
 pub mod checkpoint;
 pub mod dataset;
+pub mod estimate;
 pub mod evaluate;
 pub mod generate;
 pub mod inspect;
@@ -25,6 +27,7 @@ pub mod scan;
 mod setup;
 pub mod trainer;
 
+pub use setup::resolve_model;
 pub use trainer::{train, Event, Outcome, RunOptions, StepMetrics, Summary};
 
 use std::path::PathBuf;
@@ -40,6 +43,9 @@ pub enum TrainError {
     Lora(Box<rtune_lora::LoraError>),
     #[error(transparent)]
     Data(Box<rtune_data::DataError>),
+    /// `[model] path` could not be resolved to a model directory (hub, GGUF conversion).
+    #[error(transparent)]
+    Source(Box<rtune_hub::HubError>),
     /// Writing the run's files failed while it ran.
     #[error("{path}: {message}")]
     Output { path: PathBuf, message: String },
@@ -76,7 +82,7 @@ macro_rules! boxed_from {
         }
     )*};
 }
-boxed_from!(Config: rtune_config::ConfigError, Model: rtune_model::ModelError, Lora: rtune_lora::LoraError, Data: rtune_data::DataError);
+boxed_from!(Config: rtune_config::ConfigError, Model: rtune_model::ModelError, Lora: rtune_lora::LoraError, Data: rtune_data::DataError, Source: rtune_hub::HubError);
 
 impl From<rtune_fsio::IoError> for TrainError {
     fn from(e: rtune_fsio::IoError) -> Self {

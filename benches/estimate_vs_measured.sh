@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Estimated vs measured peak memory (issue 5): every row must be within ±10%.
+#
+#   benches/estimate_vs_measured.sh          # builds the release binary first
+#
+# Rows:
+# - `rtune bench` on bench-small (hidden 512, 8 layers, 8/2 heads, inter 1376, vocab 32000, batch 4,
+#   r 16 all-linear, f32) at seq 512 and 2048, gradient checkpointing off and on: the estimate is
+#   the one `rtune bench` prints next to the measured peak RSS (VmHWM);
+# - `rtune train` on every config in configs/ that runs on the CPU: the measured peak is the run's
+#   summary.json `peak_memory_bytes`, the estimate `rtune estimate --data --json`. `--data` sizes
+#   the batch as the data forms it (rows padded to the longest example, its target tokens); plain
+#   `rtune estimate` assumes full-length rows where every position is a target (the worst case,
+#   shown in the last column).
+#
+# Env: BENCH_STEPS / BENCH_WARMUP (default 2 / 1: the peak of a steady step, not only the first),
+# SEQS (default "512 2048"), TRAIN_STEPS (default: as configured) to shorten the train runs,
+# RTUNE (a built binary: skips the build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -z "${RTUNE:-}" ]]; then
+    cargo build --release --quiet
+    RTUNE="${CARGO_TARGET_DIR:-target}/release/rtune"
+fi
+BENCH_STEPS=${BENCH_STEPS:-2}
+BENCH_WARMUP=${BENCH_WARMUP:-1}
+SEQS=${SEQS:-"512 2048"}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+json() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))" "$@"; }
+rows=()
+row() { # name estimated measured [worst]
+    rows+=("$1|$2|$3|${4:-}")
+}
+
+for seq in $SEQS; do
+    for ckpt in "" "--gradient-checkpointing"; do
+        name="bench-small seq $seq${ckpt:+ ckpt}"
+        echo "== $name" >&2
+        "$RTUNE" bench --seq "$seq" $ckpt --steps "$BENCH_STEPS" --warmup "$BENCH_WARMUP" \
+            --json-out "$tmp/bench.json" >&2
+        row "$name" "$(json "$tmp/bench.json" "d['estimated_peak_bytes']")" \
+            "$(json "$tmp/bench.json" "d['peak_rss_bytes']")"
+    done
+done
+
+for cfg in configs/*.toml; do
+    # CUDA configs cannot run in this build; "auto" and "cpu" run on the CPU.
+    if grep -Eq '^[[:space:]]*device[[:space:]]*=[[:space:]]*"cuda' "$cfg"; then
+        echo "== $cfg: skipped (CUDA)" >&2
+        continue
+    fi
+    echo "== $cfg" >&2
+    set_args=(--set "output.dir=$tmp/run" --set output.overwrite=true)
+    if [[ -n "${TRAIN_STEPS:-}" ]]; then
+        set_args+=(--set "train.steps=$TRAIN_STEPS" --set train.warmup_steps=0)
+    fi
+    "$RTUNE" estimate --config "$cfg" "${set_args[@]}" --data --json >"$tmp/est.json"
+    "$RTUNE" estimate --config "$cfg" "${set_args[@]}" --json >"$tmp/worst.json"
+    "$RTUNE" train --config "$cfg" "${set_args[@]}" >&2
+    row "$(basename "$cfg")" "$(json "$tmp/est.json" "d['peak_bytes']")" \
+        "$(json "$tmp/run/summary.json" "d['peak_memory_bytes']")" \
+        "$(json "$tmp/worst.json" "d['peak_bytes']")"
+done
+
+printf '\n%-32s %14s %14s %8s %18s\n' config estimated measured ratio "worst-case rows"
+fail=0
+for r in "${rows[@]}"; do
+    IFS='|' read -r name est meas worst <<<"$r"
+    ratio=$(python3 -c "print(f'{$est / $meas:.3f}')")
+    ok=$(python3 -c "print('ok' if abs($est / $meas - 1) <= 0.10 else 'OUT')")
+    [[ $ok == ok ]] || fail=1
+    worst_mb=${worst:+$(python3 -c "print(f'{$worst / 1e6:.1f} MB')")}
+    printf '%-32s %11.1f MB %11.1f MB %8s %18s  %s\n' "$name" \
+        "$(python3 -c "print($est / 1e6)")" "$(python3 -c "print($meas / 1e6)")" \
+        "$ratio" "$worst_mb" "$ok"
+done
+exit $fail

@@ -1,0 +1,213 @@
+//! `rtune estimate`: the predicted peak memory of a run and its breakdown, and the largest
+//! `micro_batch_size` and `max_seq_len` that fit a budget. Reads config.json and the sizes of the
+//! model's files (a GGUF or hub model is resolved first, as `rtune train` resolves it: converted or
+//! downloaded once into the cache); `--data` also tokenizes the data to size the batch the data
+//! can actually form.
+
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+
+use rtune_model::HfConfig;
+use rtune_train::estimate::{self, Estimate, Fit};
+
+#[derive(clap::Args)]
+pub struct EstimateArgs {
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a config value: --set train.micro_batch_size=8 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Memory to fit in, e.g. 24GiB, 16GB, 512MiB (default: the available RAM, MemAvailable).
+    #[arg(long)]
+    budget: Option<String>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Size the batch from the data (longest example, its target tokens) instead of assuming
+    /// full-length rows where every position is a target. Tokenizes the data (cached).
+    #[arg(long)]
+    data: bool,
+}
+
+pub fn run(a: EstimateArgs) -> Result<()> {
+    let mut cfg = rtune_config::load(&a.config, &a.set)?;
+    // As `rtune train` does: a GGUF file is converted once into the cache, a hub id downloaded.
+    rtune_train::resolve_model(&mut cfg)?;
+    let cfg_path = cfg.model_path.join("config.json");
+    let model = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+    let mut s = estimate::settings_for(&cfg)?;
+    if a.data {
+        let tok = if cfg.model_path.join("tokenizer.json").exists() {
+            let eos = model.eos_token_ids.first().copied();
+            Some(rtune_data::Tokenizer::load(&cfg.model_path, eos)?)
+        } else {
+            None
+        };
+        let data = rtune_train::dataset::load(
+            &cfg.data,
+            &cfg.model_path,
+            tok.as_ref(),
+            model.vocab_size,
+            cfg.seed,
+        )?;
+        estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
+    }
+    let (budget, source) = match &a.budget {
+        Some(b) => (parse_bytes(b)?, "--budget"),
+        None => {
+            if matches!(cfg.device, rtune_config::Device::Cuda(_)) {
+                bail!("[train] device is CUDA: give the device memory with --budget (e.g. 24GiB)");
+            }
+            (mem_available()?, "available RAM")
+        }
+    };
+    let est = estimate::estimate(&model, &s);
+    let fit = estimate::largest_fitting(&model, &s, budget);
+    if a.json {
+        let breakdown: serde_json::Map<String, serde_json::Value> = est
+            .breakdown
+            .iter()
+            .map(|(k, v)| (k.clone(), (*v).into()))
+            .collect();
+        let out = serde_json::json!({
+            "peak_bytes": est.peak_bytes,
+            "phase": est.phase,
+            "breakdown": breakdown,
+            "budget_bytes": budget,
+            "max_micro_batch_size": fit.max_micro_batch_size,
+            "max_seq_len": fit.max_seq_len,
+            "micro_batch_size": s.micro_batch_size,
+            "seq_len": s.seq_len,
+        });
+        println!("{out}");
+        return Ok(());
+    }
+    print_table(&cfg, &model, &s, &est, budget, source, &fit, a.data);
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn print_table(
+    cfg: &rtune_config::RunConfig,
+    m: &rtune_model::ModelConfig,
+    s: &estimate::Settings,
+    est: &Estimate,
+    budget: u64,
+    source: &str,
+    fit: &Fit,
+    data: bool,
+) {
+    let mb = |b: u64| format!("{:.1} MB", b as f64 / 1e6);
+    let quant = match s.quantize {
+        estimate::Quant::None => String::new(),
+        estimate::Quant::Nf4 { double_quant } => {
+            format!(", NF4{}", if double_quant { " double-quant" } else { "" })
+        }
+    };
+    println!(
+        "{}: {} layers, hidden {}, vocab {}; {}{quant}; LoRA r {} on {}",
+        cfg.model_path.display(),
+        m.num_layers,
+        m.hidden_size,
+        m.vocab_size,
+        s.dtype.as_str(),
+        s.r,
+        s.targets.join(", ")
+    );
+    let rows = if data {
+        format!(
+            "rows as the data forms them, {} target rows",
+            s.target_rows.unwrap_or(0)
+        )
+    } else {
+        "full-length rows, every position a target".to_string()
+    };
+    println!(
+        "micro_batch_size {} × seq {} ({rows}), gradient checkpointing {}",
+        s.micro_batch_size,
+        s.seq_len,
+        if s.gradient_checkpointing {
+            "on"
+        } else {
+            "off"
+        }
+    );
+    println!();
+    for (name, bytes) in &est.breakdown {
+        println!("  {name:<40} {:>12}", mb(*bytes));
+    }
+    println!("  {:<40} {:>12}", "-".repeat(40), "-".repeat(12));
+    println!("  {:<40} {:>12}", "peak", mb(est.peak_bytes));
+    println!("  at: {}", est.phase);
+    println!();
+    let verdict = if est.peak_bytes <= budget {
+        "fits"
+    } else {
+        "DOES NOT FIT"
+    };
+    println!(
+        "budget {} ({source}): {verdict} ({:.1}% of it)",
+        mb(budget),
+        100.0 * est.peak_bytes as f64 / budget as f64
+    );
+    println!(
+        "largest micro_batch_size at seq {}: {}",
+        s.seq_len, fit.max_micro_batch_size
+    );
+    println!(
+        "largest max_seq_len at micro_batch_size {}: {}",
+        s.micro_batch_size, fit.max_seq_len
+    );
+}
+
+/// `24GiB`, `16GB`, `512MiB`, `2G` (binary), `1000000` (bytes).
+fn parse_bytes(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .with_context(|| format!("--budget {text}: expected a size like 24GiB"))?;
+    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "kb" => 1e3,
+        "m" | "mib" => 1024.0 * 1024.0,
+        "mb" => 1e6,
+        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "gb" => 1e9,
+        "t" | "tib" => 1024f64.powi(4),
+        "tb" => 1e12,
+        other => {
+            bail!("--budget {text}: unknown unit `{other}` (use B, KB/KiB, MB/MiB, GB/GiB, TB/TiB)")
+        }
+    };
+    Ok((n * mult) as u64)
+}
+
+/// MemAvailable from /proc/meminfo.
+fn mem_available() -> Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo")
+        .context("/proc/meminfo: cannot read the available memory; give --budget")?;
+    let kib = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("/proc/meminfo has no MemAvailable; give --budget")?;
+    Ok(kib * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn budgets_parse_in_binary_and_decimal_units() {
+        assert_eq!(super::parse_bytes("24GiB").unwrap(), 24 << 30);
+        assert_eq!(super::parse_bytes("16GB").unwrap(), 16_000_000_000);
+        assert_eq!(super::parse_bytes("1.5 G").unwrap(), 3 << 29);
+        assert_eq!(super::parse_bytes("4096").unwrap(), 4096);
+        assert!(super::parse_bytes("lots").is_err());
+        assert!(super::parse_bytes("3 parsecs").is_err());
+    }
+}

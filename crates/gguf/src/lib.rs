@@ -1,0 +1,79 @@
+//! llama.cpp's GGUF files as Hugging Face model directories, and back.
+//!
+//! - [`convert()`]: a llama-architecture GGUF → `config.json`, `model.safetensors` (each tensor
+//!   dequantized to f32; f16/bf16 tensors kept as stored), `tokenizer.json`,
+//!   `tokenizer_config.json` (with `tokenizer.chat_template`) and `generation_config.json`,
+//!   written into a temporary directory that is renamed into place, so a reader never sees half a
+//!   conversion. Tensors are read, dequantized and written one at a time.
+//! - [`meta`]: `llama.*` metadata → config.json; [`names`]: llama.cpp tensor names ↔ Hugging Face
+//!   names, and the q/k row permutation convert_hf_to_gguf.py applies for rope (undone here);
+//!   [`vocab`]: `tokenizer.ggml.*` (byte-level BPE, `tokenizer.ggml.model = gpt2`) → tokenizer.json.
+//! - [`write::write_llama_gguf`]: the reverse, for tests and round trips (f32 or a ggml quantized
+//!   type, Q/K permuted exactly as convert_hf_to_gguf.py does).
+//!
+//! Reference: llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel`, `_set_vocab_gpt2`) and
+//! `src/llama-vocab.cpp` (the pre-tokenizer regexes behind `tokenizer.ggml.pre`).
+
+pub mod convert;
+pub mod meta;
+pub mod names;
+pub mod vocab;
+pub mod write;
+
+pub use convert::{convert, planned_bytes, Converted};
+pub use write::write_llama_gguf;
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GgufError {
+    #[error("{path}: {message}")]
+    File { path: PathBuf, message: String },
+    #[error("{path}: metadata `{key}`: {message}")]
+    Metadata {
+        path: PathBuf,
+        key: String,
+        message: String,
+    },
+    #[error("{path}: tensor `{name}`: {message}")]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        message: String,
+    },
+    #[error("{path}: {what} is not supported; {hint}")]
+    Unsupported {
+        path: PathBuf,
+        what: String,
+        hint: String,
+    },
+    #[error(
+        "{path}: the conversion needs {needed} bytes ({:.2} GB) but the filesystem has {free} bytes \
+         ({:.2} GB) free; free some space or set RTUNE_CACHE to a larger disk",
+        *needed as f64 / 1e9,
+        *free as f64 / 1e9
+    )]
+    DiskFull {
+        path: PathBuf,
+        needed: u64,
+        free: u64,
+    },
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl From<rtune_fsio::IoError> for GgufError {
+    fn from(e: rtune_fsio::IoError) -> Self {
+        GgufError::Io {
+            path: e.path,
+            op: e.op,
+            source: e.source,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, GgufError>;

@@ -1,0 +1,299 @@
+//! GGUF metadata: typed access that names the key in every error, and the `llama.*` hyper-parameters
+//! as a Hugging Face `config.json` (`LlamaForCausalLM`).
+
+use candle_core::quantized::gguf_file::Value;
+use serde_json::json;
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use crate::{GgufError, Result};
+
+/// A GGUF file's metadata with its path, for errors.
+pub struct Meta<'a> {
+    pub path: &'a Path,
+    pub md: &'a HashMap<String, Value>,
+}
+
+fn as_i128(v: &Value) -> Option<i128> {
+    Some(match v {
+        Value::U8(x) => *x as i128,
+        Value::I8(x) => *x as i128,
+        Value::U16(x) => *x as i128,
+        Value::I16(x) => *x as i128,
+        Value::U32(x) => *x as i128,
+        Value::I32(x) => *x as i128,
+        Value::U64(x) => *x as i128,
+        Value::I64(x) => *x as i128,
+        _ => return None,
+    })
+}
+
+/// An f32 as the f64 with the same shortest decimal form (`1e-5f32` → `1e-5`, not
+/// `9.99999974737875e-6`): GGUF stores hyper-parameters as f32, config.json as decimal.
+pub fn f32_decimal(x: f32) -> f64 {
+    format!("{x}").parse().unwrap_or(x as f64)
+}
+
+impl<'a> Meta<'a> {
+    fn err(&self, key: &str, message: impl Into<String>) -> GgufError {
+        GgufError::Metadata {
+            path: self.path.to_path_buf(),
+            key: key.to_string(),
+            message: message.into(),
+        }
+    }
+
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
+        self.md.get(key)
+    }
+
+    pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => as_i128(v)
+                .and_then(|x| u64::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    self.err(key, format!("expected a non-negative integer, got {v:?}"))
+                }),
+        }
+    }
+
+    pub fn u64(&self, key: &str) -> Result<u64> {
+        self.opt_u64(key)?
+            .ok_or_else(|| self.err(key, "missing (a llama GGUF has it)"))
+    }
+
+    pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::F32(x)) => Ok(Some(*x)),
+            Some(Value::F64(x)) => Ok(Some(*x as f32)),
+            Some(v) => Err(self.err(key, format!("expected a float, got {v:?}"))),
+        }
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(self.err(key, format!("expected a bool, got {v:?}"))),
+        }
+    }
+
+    pub fn opt_str(&self, key: &str) -> Result<Option<&'a str>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.as_str())),
+            Some(v) => Err(self.err(key, format!("expected a string, got {v:?}"))),
+        }
+    }
+
+    fn array(&self, key: &str) -> Result<Option<&'a Vec<Value>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(a)) => Ok(Some(a)),
+            Some(v) => Err(self.err(key, format!("expected an array, got {:?}", v.value_type()))),
+        }
+    }
+
+    pub fn opt_strings(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
+        let Some(a) = self.array(key)? else {
+            return Ok(None);
+        };
+        a.iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok(s.as_str()),
+                other => Err(self.err(key, format!("element {i} is {other:?}, not a string"))),
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    pub fn opt_ints(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        let Some(a) = self.array(key)? else {
+            return Ok(None);
+        };
+        a.iter()
+            .enumerate()
+            .map(|(i, v)| {
+                as_i128(v)
+                    .map(|x| x as i64)
+                    .ok_or_else(|| self.err(key, format!("element {i} is {v:?}, not an integer")))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+}
+
+/// What config.json is built from besides the metadata: which tensors the file has.
+pub struct TensorFacts {
+    pub names: HashSet<String>,
+    /// Rows of `token_embd.weight` (the vocabulary size when `llama.vocab_size` is absent).
+    pub embed_rows: Option<usize>,
+}
+
+/// `config.json` for the `llama` architecture; `path` labels errors.
+pub fn hf_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
+    let path: PathBuf = m.path.to_path_buf();
+    let arch = m.opt_str("general.architecture")?.unwrap_or("");
+    if arch != "llama" {
+        return Err(GgufError::Unsupported {
+            path,
+            what: format!("general.architecture `{arch}`"),
+            hint: "only `llama` GGUFs (Llama, SmolLM, Mistral converted as llama) are read".into(),
+        });
+    }
+    let k = |s: &str| format!("llama.{s}");
+    let hidden = m.u64(&k("embedding_length"))?;
+    let layers = m.u64(&k("block_count"))?;
+    let ff = m.u64(&k("feed_forward_length"))?;
+    let heads = m.u64(&k("attention.head_count"))?;
+    let kv = m.opt_u64(&k("attention.head_count_kv"))?.unwrap_or(heads);
+    if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
+        return Err(m.err(
+            &k("attention.head_count_kv"),
+            format!("{kv} must divide attention.head_count {heads}"),
+        ));
+    }
+    let head_dim = match m.opt_u64(&k("attention.key_length"))? {
+        Some(d) => d,
+        None => hidden / heads,
+    };
+    if let Some(rot) = m.opt_u64(&k("rope.dimension_count"))? {
+        if rot != head_dim {
+            return Err(GgufError::Unsupported {
+                path,
+                what: format!(
+                    "partial rotary embeddings (rope.dimension_count {rot}, head dim {head_dim})"
+                ),
+                hint: "rtune's Llama applies rope to the whole head".into(),
+            });
+        }
+    }
+    if m.opt_u64(&k("expert_count"))?.unwrap_or(0) > 0 {
+        return Err(GgufError::Unsupported {
+            path,
+            what: "a mixture-of-experts llama GGUF".into(),
+            hint: "only dense models are read".into(),
+        });
+    }
+    if t.names.contains("rope_freqs.weight") {
+        return Err(GgufError::Unsupported {
+            path,
+            what: "Llama 3.1-style rope scaling (tensor `rope_freqs.weight`)".into(),
+            hint: "convert the original Hugging Face checkpoint instead".into(),
+        });
+    }
+    let rope_scaling = match m.opt_str(&k("rope.scaling.type"))? {
+        None | Some("none") => serde_json::Value::Null,
+        Some("linear") => {
+            let f = m
+                .opt_f32(&k("rope.scaling.factor"))?
+                .ok_or_else(|| m.err(&k("rope.scaling.factor"), "missing for linear scaling"))?;
+            json!({"rope_type": "linear", "factor": f32_decimal(f)})
+        }
+        Some(other) => {
+            return Err(GgufError::Unsupported {
+                path,
+                what: format!("rope scaling `{other}`"),
+                hint: "none and linear are read".into(),
+            })
+        }
+    };
+    let tokens = m.opt_strings("tokenizer.ggml.tokens")?.map(|v| v.len());
+    let vocab = match (m.opt_u64(&k("vocab_size"))?, tokens, t.embed_rows) {
+        (Some(v), _, _) => v as usize,
+        (None, Some(n), _) => n,
+        (None, None, Some(r)) => r,
+        _ => {
+            return Err(m.err(
+                &k("vocab_size"),
+                "missing, and there is no tokenizer.ggml.tokens",
+            ))
+        }
+    };
+    let theta = m.opt_f32(&k("rope.freq_base"))?.unwrap_or(10_000.0);
+    let eps = m
+        .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
+        .ok_or_else(|| m.err(&k("attention.layer_norm_rms_epsilon"), "missing"))?;
+    let id = |key: &str| m.opt_u64(key);
+    let mut c = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": ff,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": f32_decimal(eps),
+        "rope_theta": f32_decimal(theta),
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": !t.names.contains("output.weight"),
+        "attention_bias": t.names.contains("blk.0.attn_q.bias"),
+        "mlp_bias": false,
+        "torch_dtype": "float32",
+    });
+    let o = c.as_object_mut().expect("object");
+    if let Some(n) = m.opt_u64(&k("context_length"))? {
+        o.insert("max_position_embeddings".into(), json!(n));
+    }
+    for (key, name) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
+    ] {
+        if let Some(v) = id(key)? {
+            o.insert(name.into(), json!(v));
+        }
+    }
+    Ok(c)
+}
+
+/// `generation_config.json`: the BOS/EOS/pad ids, with the end-of-turn token (`eot_token_id`,
+/// e.g. Llama 3's `<|eot_id|>`) as a second stop token.
+pub fn generation_config(m: &Meta) -> Result<serde_json::Value> {
+    let mut c = serde_json::Map::new();
+    if let Some(b) = m.opt_u64("tokenizer.ggml.bos_token_id")? {
+        c.insert("bos_token_id".into(), json!(b));
+    }
+    let mut eos: Vec<u64> = m
+        .opt_u64("tokenizer.ggml.eos_token_id")?
+        .into_iter()
+        .collect();
+    if let Some(e) = m.opt_u64("tokenizer.ggml.eot_token_id")? {
+        if !eos.contains(&e) {
+            eos.push(e);
+        }
+    }
+    match eos.len() {
+        0 => {}
+        1 => {
+            c.insert("eos_token_id".into(), json!(eos[0]));
+        }
+        _ => {
+            c.insert("eos_token_id".into(), json!(eos));
+        }
+    }
+    if let Some(p) = m.opt_u64("tokenizer.ggml.padding_token_id")? {
+        c.insert("pad_token_id".into(), json!(p));
+    }
+    Ok(serde_json::Value::Object(c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_hyperparameters_read_as_their_decimal() {
+        assert_eq!(f32_decimal(1e-5), 1e-5);
+        assert_eq!(f32_decimal(1e-6), 1e-6);
+        assert_eq!(f32_decimal(100000.0), 100000.0);
+        assert_ne!(1e-5f32 as f64, 1e-5);
+    }
+}

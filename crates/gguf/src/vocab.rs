@@ -1,0 +1,246 @@
+//! The tokenizer a GGUF carries (`tokenizer.ggml.*`) as Hugging Face `tokenizer.json` +
+//! `tokenizer_config.json`, and back.
+//!
+//! Read: `tokenizer.ggml.model = "gpt2"` (byte-level BPE: `tokens`, `merges`, `token_type`), with
+//! the pre-tokenizer named by `tokenizer.ggml.pre` (llama.cpp's regexes in `llama-vocab.cpp`,
+//! written as the `tokenizers` pre-tokenizers that produce the same splits). Token types: 3
+//! (control) become special added tokens, 4 (user-defined) plain added tokens. BOS/EOS are added
+//! by a `TemplateProcessing` post-processor when `add_bos_token` / `add_eos_token` say so.
+//! SentencePiece vocabularies (`tokenizer.ggml.model = "llama"`) are refused with a hint.
+
+use serde_json::{json, Value};
+
+use crate::meta::Meta;
+use crate::{GgufError, Result};
+
+/// llama.cpp's token types (`llama_token_type`).
+pub const NORMAL: i64 = 1;
+pub const CONTROL: i64 = 3;
+pub const USER_DEFINED: i64 = 4;
+
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// `tokenizer.ggml.pre` values read, with the pre-tokenizer each stands for.
+pub const PRE_SUPPORTED: &str =
+    "default, gpt-2, gpt2, smollm, starcoder, refact, codeshell, llama-bpe, llama3";
+
+fn byte_level(use_regex: bool) -> Value {
+    json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
+}
+
+/// The pre-tokenizer for llama.cpp's `tokenizer.ggml.pre`, and whether merges are skipped for
+/// whole-vocabulary words (`ignore_merges`, Llama 3).
+fn pre_tokenizer(pre: &str) -> Option<(Value, bool)> {
+    Some(match pre {
+        // GPT-2's regex, which ByteLevel applies itself.
+        "default" | "gpt-2" | "gpt2" => (byte_level(true), false),
+        // llama.cpp: "\p{N}" then GPT-2's regex: every digit alone, then GPT-2.
+        "smollm" | "starcoder" | "refact" | "codeshell" => (
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Digits", "individual_digits": true},
+                byte_level(true),
+            ]}),
+            false,
+        ),
+        "llama-bpe" | "llama3" => (
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+                byte_level(false),
+            ]}),
+            true,
+        ),
+        _ => return None,
+    })
+}
+
+/// `tokenizer.json` and `tokenizer_config.json` built from the metadata.
+pub struct TokenizerFiles {
+    pub tokenizer: Value,
+    pub config: Value,
+    /// `tokenizer.ggml.pre` as read (for reports).
+    pub pre: String,
+}
+
+fn added(id: usize, content: &str, special: bool) -> Value {
+    json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false,
+           "normalized": false, "special": special})
+}
+
+/// Builds the Hugging Face tokenizer files; `context_length` becomes `model_max_length`.
+pub fn tokenizer_files(m: &Meta, context_length: Option<u64>) -> Result<TokenizerFiles> {
+    let unsupported = |what: String, hint: &str| GgufError::Unsupported {
+        path: m.path.to_path_buf(),
+        what,
+        hint: hint.into(),
+    };
+    let model = m.opt_str("tokenizer.ggml.model")?.unwrap_or("");
+    match model {
+        "gpt2" => {}
+        "" => {
+            return Err(unsupported(
+                "a GGUF without a tokenizer (no tokenizer.ggml.model)".into(),
+                "put the model's tokenizer.json next to the converted model",
+            ))
+        }
+        "llama" => {
+            return Err(unsupported(
+                "a SentencePiece tokenizer (tokenizer.ggml.model = llama)".into(),
+                "only byte-level BPE (gpt2) vocabularies are converted; copy tokenizer.json and \
+                 tokenizer_config.json from the original Hugging Face model into the converted directory",
+            ))
+        }
+        other => {
+            return Err(unsupported(
+                format!("tokenizer.ggml.model `{other}`"),
+                "only byte-level BPE (gpt2) vocabularies are converted",
+            ))
+        }
+    }
+    let pre = m.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
+    let (pre_tok, ignore_merges) = pre_tokenizer(pre).ok_or_else(|| {
+        unsupported(
+            format!("tokenizer.ggml.pre `{pre}`"),
+            &format!("supported: {PRE_SUPPORTED}"),
+        )
+    })?;
+    let meta_err = |key: &str, message: String| GgufError::Metadata {
+        path: m.path.to_path_buf(),
+        key: key.into(),
+        message,
+    };
+    let tokens = m
+        .opt_strings("tokenizer.ggml.tokens")?
+        .ok_or_else(|| meta_err("tokenizer.ggml.tokens", "missing".into()))?;
+    let types = m
+        .opt_ints("tokenizer.ggml.token_type")?
+        .unwrap_or_else(|| vec![NORMAL; tokens.len()]);
+    if types.len() != tokens.len() {
+        return Err(meta_err(
+            "tokenizer.ggml.token_type",
+            format!("{} entries for {} tokens", types.len(), tokens.len()),
+        ));
+    }
+    let merges = m.opt_strings("tokenizer.ggml.merges")?.unwrap_or_default();
+    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    let mut added_tokens = Vec::new();
+    let mut added_decoder = serde_json::Map::new();
+    for (id, (&tok, &ty)) in tokens.iter().zip(&types).enumerate() {
+        if vocab.insert(tok.to_string(), json!(id)).is_some() {
+            return Err(meta_err(
+                "tokenizer.ggml.tokens",
+                format!("token {tok:?} appears twice (again at id {id})"),
+            ));
+        }
+        if ty == CONTROL || ty == USER_DEFINED {
+            let mut a = added(id, tok, ty == CONTROL);
+            added_tokens.push(a.clone());
+            a.as_object_mut().expect("object").remove("id");
+            added_decoder.insert(id.to_string(), a);
+        }
+    }
+    let merges: Vec<Value> = merges
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            // llama.cpp splits at the first space after the first character.
+            let at = s
+                .char_indices()
+                .skip(1)
+                .find(|(_, c)| *c == ' ')
+                .map(|(p, _)| p)
+                .ok_or_else(|| {
+                    meta_err(
+                        "tokenizer.ggml.merges",
+                        format!("entry {i} {s:?} has no space"),
+                    )
+                })?;
+            Ok(json!([&s[..at], &s[at + 1..]]))
+        })
+        .collect::<Result<_>>()?;
+    let tok_of = |key: &str| -> Result<Option<(usize, String)>> {
+        Ok(match m.opt_u64(key)? {
+            Some(id) => {
+                let t = tokens.get(id as usize).ok_or_else(|| {
+                    meta_err(
+                        key,
+                        format!("id {id} is outside the {}-token vocabulary", tokens.len()),
+                    )
+                })?;
+                Some((id as usize, t.to_string()))
+            }
+            None => None,
+        })
+    };
+    let bos = tok_of("tokenizer.ggml.bos_token_id")?;
+    let eos = tok_of("tokenizer.ggml.eos_token_id")?;
+    let pad = tok_of("tokenizer.ggml.padding_token_id")?;
+    let unk = tok_of("tokenizer.ggml.unknown_token_id")?;
+    let add_bos = m.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false) && bos.is_some();
+    let add_eos = m.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false) && eos.is_some();
+    let post = if add_bos || add_eos {
+        let mut special = serde_json::Map::new();
+        let mut single = Vec::new();
+        let mut pair = Vec::new();
+        let piece = |t: &str, type_id: u32| json!({"SpecialToken": {"id": t, "type_id": type_id}});
+        let seq = |s: &str, type_id: u32| json!({"Sequence": {"id": s, "type_id": type_id}});
+        for (seg, type_id, out) in [("A", 0, 0), ("A", 0, 1), ("B", 1, 1)] {
+            let v = if out == 0 { &mut single } else { &mut pair };
+            if let (true, Some((id, t))) = (add_bos, &bos) {
+                v.push(piece(t, type_id));
+                special.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
+            }
+            v.push(seq(seg, type_id));
+            if let (true, Some((id, t))) = (add_eos, &eos) {
+                v.push(piece(t, type_id));
+                special.insert(t.clone(), json!({"id": t, "ids": [id], "tokens": [t]}));
+            }
+        }
+        json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special})
+    } else {
+        json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true})
+    };
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added_tokens,
+        "normalizer": null,
+        "pre_tokenizer": pre_tok,
+        "post_processor": post,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges,
+        },
+    });
+    let mut config = json!({
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "added_tokens_decoder": added_decoder,
+        "clean_up_tokenization_spaces": false,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    });
+    let o = config.as_object_mut().expect("object");
+    for (name, t) in [
+        ("bos_token", &bos),
+        ("eos_token", &eos),
+        ("pad_token", &pad),
+        ("unk_token", &unk),
+    ] {
+        if let Some((_, t)) = t {
+            o.insert(name.into(), json!(t));
+        }
+    }
+    if let Some(n) = context_length {
+        o.insert("model_max_length".into(), json!(n));
+    }
+    if let Some(t) = m.opt_str("tokenizer.chat_template")? {
+        o.insert("chat_template".into(), json!(t));
+    }
+    Ok(TokenizerFiles {
+        tokenizer,
+        config,
+        pre: pre.to_string(),
+    })
+}

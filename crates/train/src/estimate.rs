@@ -1,0 +1,591 @@
+//! `rtune estimate`: the peak resident memory of a training run, predicted from config.json and the
+//! run settings before anything is loaded, and the largest micro-batch and sequence length that fit
+//! a budget.
+//!
+//! The model mirrors what the code keeps alive (`rtune_model`'s hand-written forward/backward), not a
+//! rule of thumb. A training step goes through moments ([`Phase`]) at which different tensors are
+//! alive; each phase's tensors are listed with their sizes, and the peak is the largest phase. Two
+//! allocator effects are modelled because they are a large part of the gap between live bytes and
+//! RSS (glibc malloc as `crates/cli/main.rs` tunes it: blocks ≥ [`MMAP_THRESHOLD`] are mmapped and
+//! returned on free; smaller ones come from the heap, which is never trimmed):
+//! - the heap's high-water mark persists: a later phase pays for the heap an earlier phase grew
+//!   (e.g. the cross-entropy chunks before the backward);
+//! - with gradient checkpointing, every kept layer input pins a hole about its own size in the heap
+//!   (it is allocated after that layer's transients, which are then freed around it).
+//!
+//! Shapes: `B` micro-batch rows, `T` sequence length, `N = B·T` tokens, `D` hidden, `Dq = H·Dh`,
+//! `Dkv = Hkv·Dh`, `I` intermediate, `V` vocab, `L` layers, `e` bytes per element of the compute
+//! dtype. Checked against measured peaks by `benches/estimate_vs_measured.sh` (±10%).
+
+use rtune_config::DType;
+use rtune_model::ops::{keep_probs, AttnShape};
+use rtune_model::ModelConfig;
+
+#[path = "estimate_run.rs"]
+mod run;
+pub use run::{fit_to_data, matmul_workspace_bytes, settings_for};
+
+/// glibc's `M_MMAP_THRESHOLD` as the binary sets it: blocks at least this big are mmapped.
+pub const MMAP_THRESHOLD: u64 = 32 << 20;
+
+/// The process before any model tensor: binary and shared libraries, Rust and glibc runtime, the
+/// thread pool's stacks, the config. Measured: `rtune bench` RSS after building a model minus the
+/// model's bytes, 7.1–7.3 MB.
+pub const RUNTIME_BYTES: u64 = 8 << 20;
+
+/// What `rtune train` adds to [`RUNTIME_BYTES`]: the code and buffers of tokenizer, data cache,
+/// metrics, TensorBoard and loss-plot writers, and the heap they creep over a run. Measured on the
+/// smoke config: RSS minus live heap bytes 10.7 MB after 150 steps (8.3 MB before the writers).
+pub const TRAIN_RUNTIME_BYTES: u64 = 5 << 19;
+
+/// Logits rows per cross-entropy chunk, as `Model::forward_backward` picks them (6 Mi f32 a chunk).
+pub fn ce_chunk_rows(vocab: usize) -> usize {
+    ((6usize << 20) / vocab.max(1)).clamp(16, 4096)
+}
+
+/// How the frozen linear layers are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quant {
+    None,
+    /// bitsandbytes NF4, blocksize 64, optionally double-quantized scales.
+    Nf4 {
+        double_quant: bool,
+    },
+}
+
+/// The run settings the peak depends on.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub dtype: DType,
+    pub quantize: Quant,
+    pub r: usize,
+    /// Targeted module short names (`q_proj`, ...), `all-linear` already expanded.
+    pub targets: Vec<String>,
+    /// LoRA dropout > 0 keeps one f32 mask per targeted module.
+    pub dropout: f64,
+    pub micro_batch_size: usize,
+    /// Micro-batches per optimizer step: from the second on, every layer's LoRA gradients exist
+    /// during the backward.
+    pub grad_accum: usize,
+    /// `T`: the padded row length (worst case: `max_seq_len`).
+    pub seq_len: usize,
+    /// Rows carrying a loss in the largest micro-batch; `None` = all `B·T` (worst case).
+    pub target_rows: Option<usize>,
+    /// Packed rows: the attention mask is per row, `(B, 1, 1, T, T)`.
+    pub packing: bool,
+    pub gradient_checkpointing: bool,
+    /// The checkpoint's safetensors bytes, mapped while loading (0: unknown or none).
+    pub checkpoint_bytes: u64,
+    /// Bytes per element of the checkpoint's tensors (0: unknown, taken as the compute dtype's).
+    pub checkpoint_elem_bytes: u64,
+    /// Process memory besides the model and training tensors: [`RUNTIME_BYTES`], plus tokenizer and
+    /// tokenized data for `rtune train`.
+    pub runtime_bytes: u64,
+    /// The matmul library's per-thread scratch (see [`matmul_workspace_bytes`]).
+    pub matmul_workspace: u64,
+}
+
+/// The predicted peak and what it is made of (`breakdown` sums to `peak_bytes`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Estimate {
+    pub peak_bytes: u64,
+    /// The moment of the peak (a [`Phase`] name).
+    pub phase: &'static str,
+    pub breakdown: Vec<(String, u64)>,
+}
+
+impl Estimate {
+    pub fn get(&self, name: &str) -> u64 {
+        self.breakdown
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, b)| b)
+            .sum()
+    }
+}
+
+/// Breakdown names (stable: `--json` keys).
+pub mod names {
+    pub const RUNTIME: &str = "runtime base";
+    pub const WEIGHTS: &str = "base weights";
+    pub const QUANT: &str = "quantization constants";
+    pub const LORA: &str = "LoRA params";
+    pub const GRADS: &str = "LoRA grads";
+    pub const ADAMW: &str = "AdamW states";
+    pub const MASTER: &str = "optimizer master copy";
+    pub const INPUTS: &str = "kept checkpoints (layer inputs)";
+    pub const ACTS: &str = "layer activations (all layers)";
+    pub const ACTS_ONE: &str = "one layer's activations (recomputed)";
+    pub const PROBS: &str = "attention probabilities (kept)";
+    pub const SCORES: &str = "attention scores (transient)";
+    pub const LOGITS: &str = "logits chunks (cross-entropy)";
+    pub const WORKSPACE: &str = "workspace (gradients, transients)";
+    pub const MATMUL: &str = "matmul workspace (per thread)";
+    pub const BATCH: &str = "batch constants (mask, rope)";
+    pub const DEQUANT: &str = "dequantized weight (transient)";
+    pub const HEAP_HWM: &str = "allocator: heap high-water";
+    pub const FRAG: &str = "allocator: checkpoint holes";
+    pub const MAPPED: &str = "checkpoint mapped (loading)";
+    pub const CONVERT: &str = "tensor being converted (loading)";
+}
+
+/// The moments of a step the estimate compares, in time order (within the backward of the last
+/// layer: SwiGLU, the attention's batch rows, the rotary backward after them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Loading,
+    CrossEntropy,
+    SwigluBackward,
+    AttentionBackward,
+    RopeBackward,
+}
+
+impl Phase {
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Loading => "loading weights",
+            Phase::CrossEntropy => "cross-entropy (end of forward)",
+            Phase::SwigluBackward => "backward of the last layer: SwiGLU",
+            Phase::AttentionBackward => "backward of the last layer: attention",
+            Phase::RopeBackward => "backward of the last layer: rotary",
+        }
+    }
+}
+
+/// `count` tensors of `each` bytes under one breakdown name.
+#[derive(Debug, Clone, Copy)]
+struct Item {
+    name: &'static str,
+    each: u64,
+    count: u64,
+}
+
+fn item(name: &'static str, each: u64, count: u64) -> Item {
+    Item { name, each, count }
+}
+
+/// Bytes held by one frozen `(out, in)` weight of `n` elements: `(values, constants)`.
+/// NF4 as `rtune_quant::Nf4Weight::resident_bytes`: packed nibbles `n/2`; scales one f32 per 64
+/// (or, double-quantized, one u8 per 64 + one f32 per 256·64 + a 256-entry f32 map + the offset);
+/// the 16-entry code table.
+pub fn frozen_bytes(n: u64, e: u64, q: Quant) -> (u64, u64) {
+    match q {
+        Quant::None => (n * e, 0),
+        Quant::Nf4 { double_quant } => {
+            let blocks = n.div_ceil(64);
+            let scales = if double_quant {
+                blocks + 4 * blocks.div_ceil(256) + 4 * 256 + 4
+            } else {
+                4 * blocks
+            };
+            (n.div_ceil(2), scales + 4 * 16)
+        }
+    }
+}
+
+/// The seven linear layers of a decoder layer: `(short name, in, out)`.
+fn linears(c: &ModelConfig) -> [(&'static str, u64, u64); 7] {
+    let (d, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+    let dq = (c.num_heads * c.head_dim) as u64;
+    let dkv = (c.num_kv_heads * c.head_dim) as u64;
+    [
+        ("q_proj", d, dq),
+        ("k_proj", d, dkv),
+        ("v_proj", d, dkv),
+        ("o_proj", dq, d),
+        ("gate_proj", d, i),
+        ("up_proj", d, i),
+        ("down_proj", i, d),
+    ]
+}
+
+/// LoRA parameters of the whole model: `r·(in + out)` per targeted module and layer.
+pub fn lora_params(c: &ModelConfig, s: &Settings) -> u64 {
+    let per_layer: u64 = linears(c)
+        .iter()
+        .filter(|(n, _, _)| s.targets.iter().any(|t| t == n))
+        .map(|(_, i, o)| s.r as u64 * (i + o))
+        .sum();
+    per_layer * c.num_layers as u64
+}
+
+/// Everything alive the whole run: weights and the LoRA/optimizer state.
+fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
+    let e = elem(s.dtype);
+    let (d, v, l) = (
+        c.hidden_size as u64,
+        c.vocab_size as u64,
+        c.num_layers as u64,
+    );
+    let mut values = v * d * e; // embed_tokens (V, D)
+    if !c.tie_word_embeddings {
+        values += v * d * e; // lm_head (V, D): never quantized
+    }
+    values += (2 * l + 1) * d * e; // RMSNorm weights
+    let mut consts = 0;
+    for (name, i, o) in linears(c) {
+        let (w, k) = frozen_bytes(i * o, e, s.quantize);
+        values += l * w;
+        consts += l * k;
+        let bias = match name {
+            "q_proj" | "k_proj" | "v_proj" => c.qkv_bias,
+            "o_proj" => c.o_bias,
+            _ => c.mlp_bias,
+        };
+        if bias {
+            values += l * o * e;
+        }
+    }
+    // LoRA A (r, in) and B (out, r) in f32; AdamW's m and v; and the optimizer's flat f32 copy of
+    // the parameters it updates (`LoraOptimizer`). The gradients depend on the phase.
+    let lora = lora_params(c, s) * 4;
+    vec![
+        item(names::WEIGHTS, values, 1),
+        item(names::QUANT, consts, 1),
+        item(names::LORA, lora, 1),
+        item(names::ADAMW, lora, 2),
+        item(names::MASTER, lora, 1),
+        item(names::MATMUL, s.matmul_workspace, 1),
+    ]
+}
+
+fn elem(d: DType) -> u64 {
+    match d {
+        DType::F32 => 4,
+        DType::BF16 | DType::F16 => 2,
+    }
+}
+
+/// The sizes one micro-batch works with.
+struct Dims {
+    b: u64,
+    t: u64,
+    n: u64,
+    d: u64,
+    dq: u64,
+    dkv: u64,
+    i: u64,
+    h: u64,
+    e: u64,
+    l: u64,
+    /// One batch row's attention scores, f32: `(1, Hkv, G·T, T)`.
+    score: u64,
+    keep: bool,
+}
+
+fn dims(c: &ModelConfig, s: &Settings) -> Dims {
+    let (b, t) = (s.micro_batch_size as u64, s.seq_len as u64);
+    let keep = keep_probs(&AttnShape {
+        b: s.micro_batch_size,
+        t: s.seq_len,
+        heads: c.num_heads,
+        kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    });
+    Dims {
+        b,
+        t,
+        n: b * t,
+        d: c.hidden_size as u64,
+        dq: (c.num_heads * c.head_dim) as u64,
+        dkv: (c.num_kv_heads * c.head_dim) as u64,
+        i: c.intermediate_size as u64,
+        h: c.num_heads as u64,
+        e: elem(s.dtype),
+        l: c.num_layers as u64,
+        score: c.num_heads as u64 * t * t * 4,
+        keep,
+    }
+}
+
+/// What `Layer::forward` keeps for the backward of one layer (`LayerCache`), besides its input.
+fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> Vec<Item> {
+    let (n, e) = (k.n, k.e);
+    let mut v = vec![
+        item(name, n * k.d * e, 2),     // h1 = norm(x), h2 = norm(h): (N, D)
+        item(name, n * k.dq * e, 2),    // rotated q (B, Hkv, G·T, Dh), o_in (N, Dq)
+        item(name, n * k.dkv * e, 2),   // rotated k, contiguous v: (B, Hkv, T, Dh)
+        item(name, n * k.i * e, 3),     // gate, up, silu(gate)·up: (N, I)
+        item(name, n * k.d * 4, 1),     // post-norm input h in f32 (NormCache; `h` itself in f32)
+        item(name, n * 4, 2),           // the two norms' 1/rms: (N, 1) f32
+        item(name, k.h * k.t * 4, k.b), // log-sum-exp per row: (1, Hkv, G·T, 1) f32
+    ];
+    if e != 4 {
+        v.push(item(name, n * k.d * 4, 1)); // pre-norm input in f32 (shared with x in f32)
+    }
+    for (module, inp, _) in linears(c) {
+        if s.targets.iter().any(|t| t == module) {
+            v.push(item(name, n * s.r as u64 * 4, 1)); // x·Aᵀ: (N, r) f32
+            if s.dropout > 0.0 {
+                v.push(item(name, n * inp * 4, 1)); // dropout mask: (N, in) f32
+            }
+        }
+    }
+    if k.keep {
+        v.push(item(names::PROBS, k.score, k.b)); // softmax per row: (1, Hkv, G·T, T) f32
+    }
+    v
+}
+
+/// The tensors of each phase besides the static ones.
+fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
+    use names::*;
+    let k = dims(c, s);
+    let (n, e, d) = (k.n, k.e, k.d);
+    let mut v = Vec::new();
+    // Batch constants: causal mask (1 or B, 1, 1, T, T) f32, a second one for sliding-window
+    // layers when the window is shorter than the batch, cos and sin (B, 1, T, Dh).
+    let masks = match c.sliding_window {
+        Some(w) if (w as u64) < k.t && c.window_layers.iter().any(|&x| x) => 2,
+        _ => 1,
+    };
+    let mask_rows = if s.packing { k.b } else { 1 };
+    v.push(item(BATCH, mask_rows * k.t * k.t * 4, masks));
+    v.push(item(BATCH, n * c.head_dim as u64 * e, 2));
+    v.push(item(BATCH, n * 16, 1)); // ids, positions, targets on the host
+                                    // Layer inputs (the checkpoints) for all L layers; without checkpointing every layer's cache
+                                    // too, with it the cache of the layer being recomputed (backward phases only).
+    v.push(item(INPUTS, n * d * e, k.l));
+    let caches = match (s.gradient_checkpointing, phase) {
+        (false, _) => k.l,
+        (true, Phase::CrossEntropy) => 0,
+        (true, _) => 1,
+    };
+    let acts = if s.gradient_checkpointing {
+        ACTS_ONE
+    } else {
+        ACTS
+    };
+    for _ in 0..caches {
+        v.extend(layer_cache(c, s, &k, acts));
+    }
+    // After the last layer: the final norm's f32 input (its cache; the last layer's output) and
+    // the CE gradient dh (N, D), both alive to the end of the backward.
+    v.push(item(WORKSPACE, n * d * 4, 1));
+    v.push(item(WORKSPACE, n * d * e, 1));
+    // LoRA gradients (f32): each step starts without any; the first micro-batch's backward has
+    // made the last layer's by its first phases, later micro-batches add into all of them.
+    let grads = lora_params(c, s) * 4;
+    let grads = match (s.grad_accum > 1, phase) {
+        (true, _) => grads,
+        (false, Phase::CrossEntropy) => 0,
+        (false, _) => grads / k.l,
+    };
+    v.push(item(GRADS, grads, 1));
+    match phase {
+        Phase::Loading => unreachable!("loading has its own items"),
+        Phase::CrossEntropy => {
+            v.push(item(WORKSPACE, n * d * e, 1)); // the normed h (N, D)
+                                                   // Per chunk of (rows, V) f32: five at once while the gradient is formed (logits,
+                                                   // z = logits − max, p = exp(z − lse), one-hot targets, p − onehot), or three when dh
+                                                   // (N, D) is re-made by index_add (old and new dh alive).
+            let rows = s.target_rows.map_or(n, |r| r as u64);
+            let chunk = rows.min(ce_chunk_rows(c.vocab_size) as u64) * c.vocab_size as u64 * 4;
+            if 2 * chunk >= n * d * e {
+                v.push(item(LOGITS, chunk, 5));
+            } else {
+                v.push(item(LOGITS, chunk, 3));
+                v.push(item(WORKSPACE, n * d * e, 1));
+            }
+        }
+        Phase::SwigluBackward => {
+            v.push(item(WORKSPACE, n * d * e, 1)); // d_out (N, D)
+            if e == 4 {
+                // dm and, at most at once, sigmoid, du, dsilu, dm·u, its product with dsilu.
+                v.push(item(WORKSPACE, n * k.i * 4, 6));
+            } else {
+                // dm, du in the compute dtype; f32 copies of g and dm, sigmoid, dsilu, u in f32,
+                // dm·u in f32.
+                v.push(item(WORKSPACE, n * k.i * e, 2));
+                v.push(item(WORKSPACE, n * k.i * 4, 6));
+            }
+        }
+        Phase::AttentionBackward | Phase::RopeBackward => {
+            // d_out, dh2 and dh (N, D); dm, dg, du (N, I) alive to the layer's end; d_o and its
+            // (B, Hkv, G·T, Dh) copy.
+            v.push(item(WORKSPACE, n * d * e, 3));
+            v.push(item(WORKSPACE, n * k.i * e, 3));
+            v.push(item(WORKSPACE, n * k.dq * e, 2));
+            if phase == Phase::AttentionBackward {
+                // The first batch row: p (recomputed from the log-sum-exp unless kept), dp, dp − row
+                // sum, p·(dp − row sum), all f32; p in the compute dtype too when it is not f32.
+                let scores = if k.keep { 3 } else { 4 };
+                v.push(item(SCORES, k.score, scores));
+                // The last batch row: dq, dk, dv of the rows before it, (1, Hkv, G·T or T, Dh).
+                let rows_before = (k.n - k.t) * (k.dq + 2 * k.dkv) * e;
+                v.push(item(WORKSPACE, rows_before, 1));
+                if e != 4 {
+                    v.push(item(SCORES, k.score / 4 * e, 1));
+                }
+            } else {
+                // After the rows: per-row dq, dk, dv lists and their concatenations, and rotary
+                // backward of dq: dy·sin, its rotation, dy·cos, the sum.
+                v.push(item(WORKSPACE, n * k.dq * e, 2 + 4));
+                v.push(item(WORKSPACE, n * k.dkv * e, 4));
+            }
+        }
+    }
+    if let Quant::Nf4 { .. } = s.quantize {
+        // Each use dequantizes one weight into the compute dtype; the largest is (I, D).
+        let largest = linears(c).iter().map(|(_, i, o)| i * o).max().unwrap_or(0);
+        v.push(item(DEQUANT, largest * e, 1));
+    }
+    v
+}
+
+/// Loading: the mapped safetensors pages count in RSS until the files are unmapped (all of them
+/// are read), next to the weights already taken and the copies of the one being taken: as stored
+/// when its dtype is converted (freed after), and for NF4 the stored copy plus an f32 vector of
+/// its values (`rtune_quant::quantize::quantize_tensor`; an f32 conversion first for 16-bit files).
+fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
+    let e = elem(s.dtype);
+    let file_e = if s.checkpoint_elem_bytes == 0 {
+        e
+    } else {
+        s.checkpoint_elem_bytes
+    };
+    let embed = c.vocab_size as u64 * c.hidden_size as u64;
+    let linear = linears(c).iter().map(|(_, i, o)| i * o).max().unwrap_or(0);
+    let convert = |n: u64| if file_e == e { 0 } else { n * file_e };
+    let staging = match s.quantize {
+        Quant::None => convert(embed.max(linear)),
+        Quant::Nf4 { .. } => {
+            let f32_copy = if file_e == 4 { 0 } else { 4 };
+            convert(embed).max(linear * (file_e + 4 + f32_copy))
+        }
+    };
+    vec![
+        item(names::MAPPED, s.checkpoint_bytes, 1),
+        item(names::CONVERT, staging, 1),
+    ]
+}
+
+/// Sums items by name, in first-seen order.
+fn add_up(items: &[Item], out: &mut Vec<(String, u64)>) {
+    for it in items {
+        let bytes = it.each * it.count;
+        match out.iter_mut().find(|(n, _)| n == it.name) {
+            Some(slot) => slot.1 += bytes,
+            None => out.push((it.name.to_string(), bytes)),
+        }
+    }
+}
+
+/// Bytes of the items the heap serves (below the mmap threshold) and of those mmapped.
+fn split(items: &[Item]) -> (u64, u64) {
+    items.iter().fold((0, 0), |(heap, mapped), it| {
+        if it.each < MMAP_THRESHOLD {
+            (heap + it.each * it.count, mapped)
+        } else {
+            (heap, mapped + it.each * it.count)
+        }
+    })
+}
+
+/// Predicts the peak resident memory of training `c` with `s`.
+pub fn estimate(c: &ModelConfig, s: &Settings) -> Estimate {
+    let fixed = static_items(c, s);
+    let base: u64 = s.runtime_bytes + fixed.iter().map(|i| i.each * i.count).sum::<u64>();
+    let k = dims(c, s);
+    // With checkpointing, L − 1 kept inputs each pin a hole of their size in the heap (measured on
+    // bench-small: 20 MB at T=512, 118 MB at T=2048; L−1 inputs: 29 MB, 117 MB). Inputs big
+    // enough to be mmapped leave no hole.
+    let hole = k.n * k.d * k.e;
+    let frag = if s.gradient_checkpointing && hole < MMAP_THRESHOLD {
+        hole * (k.l - 1)
+    } else {
+        0
+    };
+    let mut best: Option<(u64, Phase, Vec<Item>, u64)> = None;
+    let mut heap_hwm = 0;
+    for phase in [
+        Phase::CrossEntropy,
+        Phase::SwigluBackward,
+        Phase::AttentionBackward,
+        Phase::RopeBackward,
+    ] {
+        let items = phase_items(c, s, phase);
+        let (heap, mapped) = split(&items);
+        heap_hwm = heap_hwm.max(heap);
+        // RSS at this moment: the heap as large as it ever grew, plus what is mmapped now.
+        let total = base + heap_hwm + mapped + frag;
+        if best.as_ref().is_none_or(|b| total > b.0) {
+            best = Some((total, phase, items, heap_hwm - heap));
+        }
+    }
+    let (mut peak, mut phase, mut items, mut slack) = best.expect("phases are not empty");
+    let mut frag_now = frag;
+    // Loading: only the frozen weights exist yet (the adapter and optimizer come after).
+    let mut fixed_now = fixed;
+    let mut load = loading_items(c, s);
+    load.extend(
+        fixed_now
+            .iter()
+            .filter(|i| i.name == names::WEIGHTS || i.name == names::QUANT),
+    );
+    let load_total = s.runtime_bytes + load.iter().map(|i| i.each * i.count).sum::<u64>();
+    if load_total > peak {
+        (peak, phase, items, slack, frag_now) = (load_total, Phase::Loading, load, 0, 0);
+        fixed_now.clear();
+    }
+    let mut breakdown = vec![(names::RUNTIME.to_string(), s.runtime_bytes)];
+    add_up(&fixed_now, &mut breakdown);
+    add_up(&items, &mut breakdown);
+    breakdown.push((names::HEAP_HWM.to_string(), slack));
+    breakdown.push((names::FRAG.to_string(), frag_now));
+    breakdown.retain(|(n, b)| *b > 0 || n == names::LORA);
+    debug_assert_eq!(breakdown.iter().map(|(_, b)| b).sum::<u64>(), peak);
+    Estimate {
+        peak_bytes: peak,
+        phase: phase.name(),
+        breakdown,
+    }
+}
+
+/// The largest `micro_batch_size` (at the configured `seq_len`) and the largest `seq_len` (at the
+/// configured `micro_batch_size`) whose estimate fits `budget`; 0 when not even 1 fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Fit {
+    pub max_micro_batch_size: usize,
+    pub max_seq_len: usize,
+}
+
+/// Searches upwards by doubling, then bisects (the estimate grows with batch and length).
+pub fn largest_fitting(c: &ModelConfig, s: &Settings, budget: u64) -> Fit {
+    let fits = |b: usize, t: usize| {
+        let mut x = s.clone();
+        (x.micro_batch_size, x.seq_len) = (b, t);
+        // A larger batch of the same data has more target rows: assume all of them.
+        x.target_rows = None;
+        estimate(c, &x).peak_bytes <= budget
+    };
+    Fit {
+        max_micro_batch_size: largest(1 << 20, |b| fits(b, s.seq_len)),
+        max_seq_len: largest(1 << 24, |t| fits(s.micro_batch_size, t)),
+    }
+}
+
+/// The largest `x` in `1..=cap` with `ok(x)`, for a monotone `ok`; 0 if none.
+fn largest(cap: usize, ok: impl Fn(usize) -> bool) -> usize {
+    if !ok(1) {
+        return 0;
+    }
+    let mut lo = 1;
+    while lo < cap && ok((lo * 2).min(cap)) {
+        lo = (lo * 2).min(cap);
+    }
+    let mut hi = (lo * 2).min(cap + 1); // ok(lo), !ok(hi) (or hi past the cap)
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if ok(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+#[cfg(test)]
+#[path = "estimate_tests.rs"]
+mod tests;

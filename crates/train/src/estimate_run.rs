@@ -1,0 +1,149 @@
+//! The settings an estimate is made for: from a run config ([`settings_for`]), narrowed to the
+//! data ([`fit_to_data`]), or plain ([`Settings::new`]); and the host facts they include.
+
+use rtune_config::{DType, RunConfig};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use super::{Quant, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
+use crate::TrainError;
+
+impl Settings {
+    /// f32, no quantization, LoRA on all linear layers, worst-case rows.
+    pub fn new(r: usize, micro_batch_size: usize, seq_len: usize, checkpointing: bool) -> Self {
+        Self {
+            dtype: DType::F32,
+            quantize: Quant::None,
+            r,
+            targets: rtune_lora::ALL_LINEAR
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            dropout: 0.0,
+            micro_batch_size,
+            grad_accum: 1,
+            seq_len,
+            target_rows: None,
+            packing: false,
+            gradient_checkpointing: checkpointing,
+            checkpoint_bytes: 0,
+            checkpoint_elem_bytes: 0,
+            runtime_bytes: RUNTIME_BYTES,
+            matmul_workspace: matmul_workspace_bytes(),
+        }
+    }
+}
+
+/// gemm (candle's CPU matmul) keeps a thread-local scratch slab of the L2 cache's size in every
+/// thread that multiplies: the compute pool's threads and the main thread (measured: 3 × 1 MiB live
+/// with 2 threads and a 1 MiB L2).
+pub fn matmul_workspace_bytes() -> u64 {
+    let l2 = (0..8)
+        .find_map(|i| {
+            let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
+            let read = |f: &str| std::fs::read_to_string(format!("{dir}/{f}")).ok();
+            if read("level")?.trim() != "2" || read("type")?.trim() == "Instruction" {
+                return None;
+            }
+            let size = read("size")?;
+            let size = size.trim();
+            let (num, mult) = match size.strip_suffix('K') {
+                Some(k) => (k, 1024),
+                None => match size.strip_suffix('M') {
+                    Some(m) => (m, 1 << 20),
+                    None => (size, 1),
+                },
+            };
+            num.parse::<u64>().ok().map(|n| n * mult)
+        })
+        .unwrap_or(1 << 20);
+    (candle_core::utils::get_num_threads() as u64 + 1) * l2
+}
+
+/// Bytes the tokenizers library holds per byte of tokenizer.json (vocab and merges as hash maps
+/// both ways). A rough figure: measured only on the fixtures' small tokenizers.
+const TOKENIZER_PER_FILE_BYTE: u64 = 3;
+
+/// Bytes a tokenized example holds per token (`input_ids` u32, `labels` i64).
+const DATA_PER_TOKEN: u64 = 12;
+
+/// The settings of a run as its config gives them (worst case: full-length rows, every position
+/// a target). Reads only the sizes of the model's files, not their contents.
+pub fn settings_for(cfg: &RunConfig) -> Result<Settings, TrainError> {
+    let spec = rtune_lora::LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?;
+    let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
+    let files: Vec<PathBuf> = std::fs::read_dir(&cfg.model_path)
+        .map(|dir| {
+            dir.flatten()
+                .map(|f| f.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect()
+        })
+        .unwrap_or_default();
+    let checkpoint_bytes = files.iter().map(|f| size(f)).sum();
+    let tokenizer = size(&cfg.model_path.join("tokenizer.json"));
+    Ok(Settings {
+        dtype: cfg.dtype,
+        quantize: match cfg.nf4 {
+            Some(double_quant) => Quant::Nf4 { double_quant },
+            None => Quant::None,
+        },
+        r: cfg.r,
+        targets: spec.targets,
+        dropout: cfg.dropout,
+        micro_batch_size: cfg.micro_batch_size,
+        grad_accum: cfg.grad_accum,
+        seq_len: cfg.data.max_seq_len,
+        target_rows: None,
+        packing: cfg.data.packing,
+        gradient_checkpointing: cfg.gradient_checkpointing,
+        checkpoint_bytes,
+        checkpoint_elem_bytes: files.first().map_or(0, |f| stored_elem_bytes(f)),
+        runtime_bytes: RUNTIME_BYTES + TRAIN_RUNTIME_BYTES + TOKENIZER_PER_FILE_BYTE * tokenizer,
+        matmul_workspace: matmul_workspace_bytes(),
+    })
+}
+
+/// Bytes per element of the floating-point tensors in a safetensors file, from its header (the
+/// first 8 bytes give the header's length, then JSON with each tensor's dtype); 0 when unknown.
+fn stored_elem_bytes(path: &Path) -> u64 {
+    let read = || -> Option<u64> {
+        let mut f = std::fs::File::open(path).ok()?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).ok()?;
+        let len = u64::from_le_bytes(len);
+        if len > 100 << 20 {
+            return None;
+        }
+        let mut header = vec![0u8; len as usize];
+        f.read_exact(&mut header).ok()?;
+        let v: serde_json::Value = serde_json::from_slice(&header).ok()?;
+        v.as_object()?
+            .values()
+            .find_map(|t| match t.get("dtype")?.as_str()? {
+                "F32" => Some(4),
+                "BF16" | "F16" => Some(2),
+                _ => None,
+            })
+    };
+    read().unwrap_or(0)
+}
+
+/// Narrows `s` to the largest micro-batch `examples` can form: rows padded to the longest example
+/// (packed rows: up to `max_seq_len`), as many target rows as the `B` examples with the most, and
+/// the tokenized data itself in memory.
+pub fn fit_to_data(s: &mut Settings, examples: &[rtune_data::Example], max_seq_len: usize) {
+    let lens = examples.iter().map(|e| e.input_ids.len());
+    let total: usize = lens.clone().sum();
+    let mut targets: Vec<usize> = examples.iter().map(|e| e.target_tokens()).collect();
+    targets.sort_unstable_by(|a, b| b.cmp(a));
+    let b = s.micro_batch_size;
+    if s.packing {
+        s.seq_len = max_seq_len.min(total.max(1));
+        s.target_rows = Some((b * s.seq_len).min(targets.iter().sum()));
+    } else {
+        s.seq_len = lens.max().unwrap_or(1).clamp(1, max_seq_len.max(1));
+        s.target_rows = Some(targets.iter().take(b).sum::<usize>().min(b * s.seq_len));
+    }
+    s.runtime_bytes += DATA_PER_TOKEN * total as u64;
+}

@@ -1,0 +1,191 @@
+//! Arithmetic of the estimate on tiny shapes; monotonicity and the fitting search.
+
+use super::*;
+use rtune_model::HfConfig;
+use std::path::Path;
+
+/// Llama: hidden 8, 2 heads of 4 (1 kv head), intermediate 16, vocab 32, `layers` layers.
+fn tiny(layers: usize) -> ModelConfig {
+    let text = format!(
+        r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":8,"intermediate_size":16,
+        "num_hidden_layers":{layers},"num_attention_heads":2,"num_key_value_heads":1,"vocab_size":32}}"#
+    );
+    serde_json::from_str::<HfConfig>(&text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+        .unwrap()
+}
+
+/// bench-small: hidden 512, 8 layers, 8/2 heads, intermediate 1376, vocab 32000.
+fn bench_small() -> ModelConfig {
+    crate::bench::model_config(&crate::bench::BenchOptions::default())
+}
+
+#[test]
+fn lora_and_adamw_terms_are_r_in_plus_out_times_4_bytes() {
+    let c = tiny(3);
+    let mut s = Settings::new(2, 1, 4, false);
+    // With gradient accumulation every layer's gradients exist during the backward.
+    s.grad_accum = 2;
+    // in + out per module: q 8+8, k 8+4, v 8+4, o 8+8, gate 8+16, up 8+16, down 16+8.
+    let all: u64 = 16 + 12 + 12 + 16 + 24 + 24 + 24;
+    let est = estimate(&c, &s);
+    let one = 2 * all * 4 * 3;
+    assert_eq!(est.get(names::LORA), one);
+    assert_eq!(est.get(names::GRADS), one);
+    assert_eq!(est.get(names::ADAMW), 2 * one);
+    assert_eq!(est.get(names::MASTER), one);
+    s.targets = vec!["q_proj".into(), "v_proj".into()];
+    let est = estimate(&c, &s);
+    assert_eq!(est.get(names::LORA), 2 * (16 + 12) * 4 * 3);
+    assert_eq!(est.get(names::ADAMW), 2 * 2 * (16 + 12) * 4 * 3);
+    assert_eq!(
+        est.breakdown.iter().map(|(_, b)| b).sum::<u64>(),
+        est.peak_bytes
+    );
+}
+
+#[test]
+fn base_weights_by_dtype_and_nf4_constants() {
+    let c = tiny(2);
+    let mut s = Settings::new(2, 1, 4, false);
+    // embed + lm_head (32·8 each), 5 norms of 8, 2 layers of 8·8 + 8·4 + 8·4 + 8·8 + 3·8·16.
+    let params: u64 = 2 * 32 * 8 + 5 * 8 + 2 * (64 + 32 + 32 + 64 + 3 * 128);
+    assert_eq!(estimate(&c, &s).get(names::WEIGHTS), params * 4);
+    s.dtype = DType::BF16;
+    assert_eq!(estimate(&c, &s).get(names::WEIGHTS), params * 2);
+    // NF4: 4 bits a weight, one f32 scale per 64 (a started block counts) and the code table.
+    assert_eq!(
+        frozen_bytes(
+            128,
+            2,
+            Quant::Nf4 {
+                double_quant: false
+            }
+        ),
+        (64, 2 * 4 + 64)
+    );
+    assert_eq!(frozen_bytes(4096, 2, Quant::None), (8192, 0));
+    let (_, dq) = frozen_bytes(64 * 512, 2, Quant::Nf4 { double_quant: true });
+    assert_eq!(dq, 512 + 4 * 2 + 4 * 256 + 4 + 64);
+    s.quantize = Quant::Nf4 {
+        double_quant: false,
+    };
+    let est = estimate(&c, &s);
+    let linear: u64 = 2 * (64 + 32 + 32 + 64 + 3 * 128);
+    assert_eq!(
+        est.get(names::WEIGHTS),
+        (2 * 32 * 8 + 5 * 8) * 2 + linear / 2
+    );
+    // Per layer: 7 weights, each with one block (q 64, k 32, v 32, o 64) or two (128).
+    assert_eq!(est.get(names::QUANT), 2 * ((4 + 3 * 2) * 4 + 7 * 64));
+}
+
+#[test]
+fn longer_rows_and_bigger_batches_need_more() {
+    let c = bench_small();
+    for ckpt in [false, true] {
+        let peak = |b, t| estimate(&c, &Settings::new(16, b, t, ckpt)).peak_bytes;
+        let mut last = 0;
+        for t in [16, 64, 256, 512, 1024, 2048, 4096] {
+            let p = peak(4, t);
+            assert!(p > last, "ckpt {ckpt}: seq {t}: {p} <= {last}");
+            last = p;
+        }
+        assert!(peak(8, 512) > peak(4, 512));
+    }
+    // Checkpointing saves at least the other layers' activations.
+    let full = estimate(&c, &Settings::new(16, 4, 2048, false));
+    let ckpt = estimate(&c, &Settings::new(16, 4, 2048, true));
+    assert!(full.peak_bytes > ckpt.peak_bytes + full.get(names::ACTS) / 2);
+}
+
+#[test]
+fn fitting_search_is_monotone_and_tight() {
+    let c = bench_small();
+    let s = Settings::new(16, 4, 512, true);
+    let mut last = Fit {
+        max_micro_batch_size: 0,
+        max_seq_len: 0,
+    };
+    for gb in [0.2, 0.5, 1.0, 2.0, 4.0, 16.0] {
+        let budget = (gb * 1e9) as u64;
+        let fit = largest_fitting(&c, &s, budget);
+        assert!(
+            fit.max_micro_batch_size >= last.max_micro_batch_size,
+            "{gb} GB"
+        );
+        assert!(fit.max_seq_len >= last.max_seq_len, "{gb} GB");
+        for (b, t, max) in [
+            (fit.max_micro_batch_size, 512, true),
+            (4, fit.max_seq_len, false),
+        ] {
+            let (b1, t1) = if max { (b + 1, t) } else { (b, t + 1) };
+            if b > 0 && t > 0 {
+                let at = |b, t| {
+                    estimate(
+                        &c,
+                        &Settings {
+                            micro_batch_size: b,
+                            seq_len: t,
+                            ..s.clone()
+                        },
+                    )
+                    .peak_bytes
+                };
+                assert!(
+                    at(b, t) <= budget && at(b1, t1) > budget,
+                    "{gb} GB: {b}×{t}"
+                );
+            }
+        }
+        last = fit;
+    }
+    // The runtime and weights alone exceed 0.2 GB: nothing fits.
+    assert_eq!(largest_fitting(&c, &s, 200_000_000).max_micro_batch_size, 0);
+}
+
+#[test]
+fn bench_small_phases_match_measured_live_tensors() {
+    // Live heap bytes at the peak, counted by a tracking allocator on this code (f32, r 16):
+    // T=512 without checkpointing 1145.6 MB (at the cross-entropy), with it 461.2 MB (attention
+    // backward). The estimate adds the runtime and allocator terms on top of these.
+    let c = bench_small();
+    let live = |ckpt| {
+        let e = estimate(&c, &Settings::new(16, 4, 512, ckpt));
+        let extra = e.get(names::RUNTIME) + e.get(names::HEAP_HWM) + e.get(names::FRAG);
+        (e.peak_bytes - extra, e.phase)
+    };
+    let (full, phase) = live(false);
+    assert!((full as f64 / 1145.6e6 - 1.0).abs() < 0.01, "{full}");
+    assert_eq!(phase, Phase::CrossEntropy.name());
+    let (ckpt, phase) = live(true);
+    assert!((ckpt as f64 / 461.2e6 - 1.0).abs() < 0.01, "{ckpt}");
+    assert_eq!(phase, Phase::AttentionBackward.name());
+}
+
+#[test]
+fn data_sizes_the_batch_by_its_longest_rows() {
+    // Lengths 5, 9, 3 with 2, 4, 1 target tokens after the shift (labels[0] never counts).
+    let ex = |len: usize, targets: usize| rtune_data::Example {
+        input_ids: vec![1; len],
+        labels: (0..len)
+            .map(|i| if (1..=targets).contains(&i) { 1 } else { -100 })
+            .collect(),
+    };
+    let data = [ex(5, 2), ex(9, 4), ex(3, 1)];
+    let mut s = Settings::new(8, 2, 64, true);
+    let before = s.runtime_bytes;
+    fit_to_data(&mut s, &data, 64);
+    assert_eq!((s.seq_len, s.target_rows), (9, Some(6)));
+    assert_eq!(s.runtime_bytes - before, 17 * 12);
+    let mut s = Settings::new(8, 2, 64, true);
+    fit_to_data(&mut s, &data, 8); // longer rows were truncated to max_seq_len
+    assert_eq!(s.seq_len, 8);
+    let mut s = Settings {
+        packing: true,
+        ..Settings::new(8, 2, 12, true)
+    };
+    fit_to_data(&mut s, &data, 12); // packed rows fill up to max_seq_len
+    assert_eq!((s.seq_len, s.target_rows), (12, Some(7)));
+}
