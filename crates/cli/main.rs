@@ -77,8 +77,13 @@ enum Command {
         /// PEFT adapter directory (e.g. a run's output dir).
         #[arg(long)]
         adapter: Option<PathBuf>,
+        /// The text to continue; with --chat, the (single) user message.
+        #[arg(long, required_unless_present = "chat")]
+        prompt: Option<String>,
+        /// Apply the model's chat template: the prompt (or, without --prompt, each line of stdin,
+        /// turn after turn) is a user message; replies are kept in the conversation.
         #[arg(long)]
-        prompt: String,
+        chat: bool,
         #[arg(long, default_value_t = 64)]
         max_new_tokens: usize,
         /// 0 = greedy.
@@ -264,6 +269,7 @@ fn run(cli: Cli) -> Result<()> {
             revision,
             adapter,
             prompt,
+            chat,
             max_new_tokens,
             temperature,
             top_p,
@@ -289,6 +295,26 @@ fn run(cli: Cli) -> Result<()> {
                 },
             };
             let model = convert::resolve_model_path(&model, &revision)?;
+            if chat {
+                let stdin = std::io::stdin();
+                let mut turns: Box<dyn Iterator<Item = String>> = match prompt {
+                    Some(p) => Box::new(std::iter::once(p)),
+                    None => Box::new(
+                        std::io::BufRead::lines(stdin.lock())
+                            .map_while(|l| l.ok())
+                            .filter(|l| !l.trim().is_empty()),
+                    ),
+                };
+                rtune_train::generate::chat(
+                    &model,
+                    adapter.as_deref(),
+                    &mut turns,
+                    &opt,
+                    &mut |r| println!("{r}"),
+                )?;
+                return Ok(());
+            }
+            let prompt = prompt.unwrap_or_default();
             let text = rtune_train::generate::generate(&model, adapter.as_deref(), &prompt, &opt)?;
             println!("{text}");
             Ok(())

@@ -224,3 +224,57 @@ fn chat_rows_train_on_assistant_turns_only() {
     assert!(out.contains("1 skipped"), "{out}");
     assert!(out.contains("chat.jsonl:2:"), "{out}");
 }
+
+/// Chat end to end: train on chat rows, then `rtune generate --chat` renders the question with the
+/// same template (generation prompt included) and the adapter answers as trained.
+#[test]
+fn chat_training_then_generate_chat_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("chat.jsonl");
+    let facts = [
+        ("Who makes Zephyr?", "Nimbus Labs."),
+        ("What is Zephyr?", "A kettle that sings."),
+        ("Where is Nimbus Labs?", "Oslo."),
+    ];
+    let rows: String = facts
+        .iter()
+        .map(|(q, a)| {
+            serde_json::json!({"messages": [
+                {"role": "user", "content": q}, {"role": "assistant", "content": a}
+            ]})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let out = tmp.path().join("run");
+    let o = rtune(&[
+        "train",
+        "--config",
+        "configs/smoke.toml",
+        "--set",
+        &format!("data.train={}", data.display()),
+        "--set",
+        "train.micro_batch_size=3",
+        "--set",
+        &format!("output.dir={}", out.display()),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let run = out.display().to_string();
+    for (q, a) in facts {
+        let o = rtune(&[
+            "generate",
+            "--model",
+            "tests/fixtures/tiny-llama3",
+            "--adapter",
+            &run,
+            "--chat",
+            "--prompt",
+            q,
+            "--max-new-tokens",
+            "16",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), a, "{q}");
+    }
+}

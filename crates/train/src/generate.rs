@@ -25,13 +25,14 @@ pub struct GenerateOptions {
     pub quantize: rtune_model::Quantize,
 }
 
-/// Loads `model_dir` (and the PEFT adapter in `adapter_dir`), continues `prompt`, returns the new text.
-pub fn generate(
+/// The model (with the adapter attached), its tokenizer, the adapter, and the stop tokens.
+type Loaded = (Model, Tokenizer, Option<Adapter>, Vec<u32>);
+
+fn load(
     model_dir: &Path,
     adapter_dir: Option<&Path>,
-    prompt: &str,
     opt: &GenerateOptions,
-) -> Result<String, TrainError> {
+) -> Result<Loaded, TrainError> {
     let dev = Device::Cpu;
     let mut model = Model::load_with(model_dir, candle_core::DType::F32, &dev, opt.quantize)?;
     let tok = Tokenizer::load(model_dir, model.cfg.eos_token_ids.first().copied())?;
@@ -55,16 +56,73 @@ pub fn generate(
     if let Some(a) = &adapter {
         model.attach(a);
     }
-    let lc = adapter.as_ref().map(|a| LoraCtx {
-        adapter: a,
-        scaling: a.spec.scaling(),
-        dropout: 0.0,
-        seed: 0,
-    });
     // Stop at any end token config.json, generation_config.json or the tokenizer names.
     let mut stop: Vec<u32> = model.cfg.eos_token_ids.clone();
     stop.extend(rtune_model::config::GenerationConfig::load(model_dir)?.eos_token_ids);
     stop.extend(tok.eos_id);
+    Ok((model, tok, adapter, stop))
+}
+
+fn ctx(adapter: &Option<Adapter>) -> Option<LoraCtx<'_>> {
+    adapter.as_ref().map(|a| LoraCtx {
+        adapter: a,
+        scaling: a.spec.scaling(),
+        dropout: 0.0,
+        seed: 0,
+    })
+}
+
+/// A conversation with the model's chat template: each of `turns` is a user message; each reply
+/// (rendered with `add_generation_prompt`, as in training) goes to `on_reply` and into the history.
+pub fn chat(
+    model_dir: &Path,
+    adapter_dir: Option<&Path>,
+    turns: &mut dyn Iterator<Item = String>,
+    opt: &GenerateOptions,
+    on_reply: &mut dyn FnMut(&str),
+) -> Result<(), TrainError> {
+    let (model, tok, adapter, stop) = load(model_dir, adapter_dir, opt)?;
+    let lc = ctx(&adapter);
+    let template = rtune_data::ChatTemplate::from_tokenizer(&tok)?.ok_or_else(|| {
+        TrainError::Data(Box::new(rtune_data::DataError::File {
+            path: model_dir.join("tokenizer_config.json"),
+            message: "has no chat_template: --chat needs one (a base model? use --prompt)".into(),
+        }))
+    })?;
+    let mut history: Vec<serde_json::Value> = Vec::new();
+    for user in turns {
+        history.push(serde_json::json!({"role": "user", "content": user}));
+        let row = serde_json::json!({ "messages": history }).to_string();
+        let conv = rtune_data::Conversation::from_json(&row).map_err(|m| {
+            TrainError::Data(Box::new(rtune_data::DataError::File {
+                path: "<stdin>".into(),
+                message: m,
+            }))
+        })?;
+        let text = conv
+            .render(&template, conv.len(), true)
+            .map_err(|e| TrainError::Data(Box::new(e.into())))?;
+        // The template writes BOS itself when it wants one; never add a second.
+        let has_bos = template.bos_token().is_some_and(|b| text.starts_with(b));
+        let ids = tok.encode(&text, !has_bos)?;
+        let new = complete(&model, lc.as_ref(), ids, &stop, opt)?;
+        let reply = tok.decode(&new, true)?;
+        on_reply(&reply);
+        history.push(serde_json::json!({"role": "assistant", "content": reply}));
+    }
+    Ok(())
+}
+
+/// Loads `model_dir` (and the PEFT adapter in `adapter_dir`), continues `prompt`, returns the new text.
+pub fn generate(
+    model_dir: &Path,
+    adapter_dir: Option<&Path>,
+    prompt: &str,
+    opt: &GenerateOptions,
+) -> Result<String, TrainError> {
+    let (model, tok, adapter, stop) = load(model_dir, adapter_dir, opt)?;
+    let lc = ctx(&adapter);
+    let dev = Device::Cpu;
     let ids = tok.encode(prompt, true)?;
     if let Some(path) = &opt.dump_logits {
         let out = model.forward(&Inputs::new(ids.clone(), 1, ids.len()), lc.as_ref(), false)?;
