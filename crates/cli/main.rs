@@ -10,6 +10,7 @@ mod check_cmd;
 mod convert;
 mod data_cmd;
 mod estimate_cmd;
+mod progress;
 
 use rtune_train::bench::BenchOptions;
 use rtune_train::generate::GenerateOptions;
@@ -428,6 +429,7 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
         force,
         stop: Some(&stop),
     };
+    let bar = progress::Progress::new(steps, every);
     let outcome = rtune_train::train(&cfg, &opts, &mut |ev| match ev {
         Event::Start {
             examples,
@@ -442,6 +444,7 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
         } => {
             if start_step > 0 {
                 eprintln!("rtune: resuming at step {start_step}");
+                bar.start_at(start_step);
             }
             for f in files {
                 let how = if f.reused_cache {
@@ -469,25 +472,23 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
                 tracing::warn!("{w}");
             }
         }
-        Event::Step(m) => {
-            if m.step % every == 0 || m.step == steps {
-                eprintln!(
-                    "step {:>5}/{steps}  loss {:.4}  lr {:.3e}  grad_norm {:.3}  {:.0} tok/s",
-                    m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s
-                );
-            }
-        }
+        Event::Step(m) => bar.step(m),
         Event::Checkpoint { step, path } => {
             if step % every == 0 || step == steps {
-                eprintln!("step {step:>5}/{steps}  checkpoint {}", path.display());
+                bar.line(&format!(
+                    "step {step:>5}/{steps}  checkpoint {}",
+                    path.display()
+                ));
             }
         }
-        Event::Eval(e) => eprintln!(
+        Event::Eval(e) => bar.line(&format!(
             "step {:>5}/{steps}  validation loss {:.4}  perplexity {:.2}  ({} tokens)",
             e.step, e.valid_loss, e.valid_ppl, e.valid_tokens
-        ),
-        Event::Warning(w) => tracing::warn!("{w}"),
-    })?;
+        )),
+        Event::Warning(w) => bar.line(&format!("warning: {w}")),
+    });
+    bar.finish();
+    let outcome = outcome?;
     match outcome {
         Outcome::Completed(summary) => println!(
             "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB, {:.1}s; adapter in {}",
