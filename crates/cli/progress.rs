@@ -51,7 +51,7 @@ impl Progress {
                 b.set_position(m.step as u64);
                 b.set_message(text);
             }
-            None if m.step % self.every == 0 || m.step == self.steps => {
+            None if m.step.is_multiple_of(self.every) || m.step == self.steps => {
                 eprintln!("step {:>5}/{}  {text}", m.step, self.steps)
             }
             None => {}
