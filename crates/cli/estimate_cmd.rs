@@ -72,6 +72,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         let out = serde_json::json!({
             "peak_bytes": est.peak_bytes,
             "phase": est.phase,
+            "step_peak_bytes": est.step_peak_bytes,
             "breakdown": breakdown,
             "budget_bytes": budget,
             "max_micro_batch_size": fit.max_micro_batch_size,
@@ -139,6 +140,9 @@ fn print_table(
     println!("  {:<40} {:>12}", "-".repeat(40), "-".repeat(12));
     println!("  {:<40} {:>12}", "peak", mb(est.peak_bytes));
     println!("  at: {}", est.phase);
+    if est.step_peak_bytes != est.peak_bytes {
+        println!("  (a training step peaks at {})", mb(est.step_peak_bytes));
+    }
     println!();
     let verdict = if est.peak_bytes <= budget {
         "fits"
