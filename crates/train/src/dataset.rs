@@ -32,6 +32,27 @@ pub struct FileReport {
     pub bad_rows: Vec<String>,
 }
 
+impl FileReport {
+    fn of(
+        path: &Path,
+        weight: f64,
+        ex: &[Example],
+        loaded: &cache::Loaded,
+        bad_rows: Vec<String>,
+    ) -> Self {
+        FileReport {
+            path: path.to_path_buf(),
+            weight,
+            counts: loaded.counts,
+            examples: ex.len(),
+            tokens: ex.iter().map(|e| e.input_ids.len()).sum(),
+            reused_cache: loaded.reused,
+            tokens_per_s: loaded.tokens_per_s,
+            bad_rows,
+        }
+    }
+}
+
 pub struct RunData {
     pub train: Vec<Example>,
     pub valid: Vec<Example>,
@@ -287,16 +308,7 @@ pub fn load(
     let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
         let (mut ex, loaded, bad) = load_file(&f.path, tok, &opts, &inputs, d, vocab, true)?;
-        files.push(FileReport {
-            path: f.path.clone(),
-            weight: f.weight,
-            counts: loaded.counts,
-            examples: ex.len(),
-            tokens: ex.iter().map(|e| e.input_ids.len()).sum(),
-            reused_cache: loaded.reused,
-            tokens_per_s: loaded.tokens_per_s,
-            bad_rows: bad,
-        });
+        files.push(FileReport::of(&f.path, f.weight, &ex, &loaded, bad));
         let file_seed = seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
         if d.valid_fraction > 0.0 {
             // A seeded, per-file hold-out; at least one example stays for training.
@@ -314,16 +326,7 @@ pub fn load(
     }
     if let Some(v) = &d.valid {
         let (ex, loaded, bad) = load_file(v, tok, &opts, &inputs, d, vocab, true)?;
-        files.push(FileReport {
-            path: v.clone(),
-            weight: 0.0,
-            counts: loaded.counts,
-            examples: ex.len(),
-            tokens: ex.iter().map(|e| e.input_ids.len()).sum(),
-            reused_cache: loaded.reused,
-            tokens_per_s: loaded.tokens_per_s,
-            bad_rows: bad,
-        });
+        files.push(FileReport::of(v, 0.0, &ex, &loaded, bad));
         valid = ex;
     }
     if train.is_empty() {

@@ -144,6 +144,21 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// Appends one JSON line to metrics.jsonl; returns its length (the resume offset grows by it).
+fn metrics_line(
+    f: &mut std::fs::File,
+    path: &std::path::Path,
+    v: &impl Serialize,
+) -> Result<u64, TrainError> {
+    let line = serde_json::to_string(v).expect("metrics serialise") + "\n";
+    f.write_all(line.as_bytes())
+        .map_err(|e| TrainError::Output {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    Ok(line.len() as u64)
+}
+
 /// Runs (or resumes) a whole training job as configured.
 pub fn train(
     cfg: &RunConfig,
@@ -417,14 +432,7 @@ pub fn train(
             }
             total_tokens += tokens;
             last_loss = loss;
-            let line = serde_json::to_string(&m).expect("metrics serialise") + "\n";
-            metrics
-                .write_all(line.as_bytes())
-                .map_err(|e| TrainError::Output {
-                    path: metrics_path.clone(),
-                    message: e.to_string(),
-                })?;
-            metrics_bytes += line.len() as u64;
+            metrics_bytes += metrics_line(&mut metrics, &metrics_path, &m)?;
             on_event(Event::Step(&m));
             if let Some(w) = tb.as_mut() {
                 let scalars = [
@@ -459,14 +467,7 @@ pub fn train(
                     pad_id,
                 )?;
                 if let Some(ev) = ev {
-                    let line = serde_json::to_string(&ev).expect("metrics serialise") + "\n";
-                    metrics
-                        .write_all(line.as_bytes())
-                        .map_err(|e| TrainError::Output {
-                            path: metrics_path.clone(),
-                            message: e.to_string(),
-                        })?;
-                    metrics_bytes += line.len() as u64;
+                    metrics_bytes += metrics_line(&mut metrics, &metrics_path, &ev)?;
                     on_event(Event::Eval(&ev));
                     if let Some(w) = tb.as_mut() {
                         let vals = [("valid/loss", ev.valid_loss), ("valid/ppl", ev.valid_ppl)];
