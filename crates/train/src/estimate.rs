@@ -341,6 +341,15 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
     let k = dims(c, s);
     let (n, e, d) = (k.n, k.e, k.d);
     let mut v = Vec::new();
+    // LoRA gradients (f32): each step starts without any; the first micro-batch's backward has
+    // made the last layer's by its first phases, later micro-batches add into all of them.
+    let grads = lora_params(c, s) * 4;
+    let grads = match (s.grad_accum > 1, phase) {
+        (true, _) => grads,
+        (false, Phase::CrossEntropy) => 0,
+        (false, _) => grads / k.l.max(1),
+    };
+    v.push(item(GRADS, grads, 1));
     // Batch constants: causal mask (1 or B, 1, 1, T, T) f32, a second one for sliding-window
     // layers when the window is shorter than the batch, cos and sin (B, 1, T, Dh).
     let masks = match c.sliding_window {
@@ -372,15 +381,6 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
     // the CE gradient dh (N, D), both alive to the end of the backward.
     v.push(item(WORKSPACE, n * d * 4, 1));
     v.push(item(WORKSPACE, n * d * e, 1));
-    // LoRA gradients (f32): each step starts without any; the first micro-batch's backward has
-    // made the last layer's by its first phases, later micro-batches add into all of them.
-    let grads = lora_params(c, s) * 4;
-    let grads = match (s.grad_accum > 1, phase) {
-        (true, _) => grads,
-        (false, Phase::CrossEntropy) => 0,
-        (false, _) => grads / k.l.max(1),
-    };
-    v.push(item(GRADS, grads, 1));
     match phase {
         Phase::Loading => unreachable!("loading has its own items"),
         Phase::CrossEntropy => {
