@@ -226,6 +226,11 @@ pub fn run_checks(
     let one = scratch(cfg, &tmp.join("one-step"), 1);
     let (_, steps) = run(&one, false, None)?;
     let peak = steps.last().map_or(0, |m| m.peak_memory_bytes);
+    let cfg_path = cfg.model_path.join("config.json");
+    let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+    let mut s = crate::estimate::settings_for(cfg)?;
+    crate::estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
+    let est = crate::estimate::estimate(&mc, &s).peak_bytes;
     let lora_params = std::fs::metadata(one.output_dir.join("adapter_model.safetensors"))
         .map_or(0, |m| m.len() as usize / 4);
     push(
@@ -233,9 +238,11 @@ pub fn run_checks(
             name: "forward + backward",
             pass: steps.last().is_some_and(|m| m.loss.is_finite()),
             detail: format!(
-                "loss {:.4}, peak memory {:.1} MB at micro_batch_size {} × max_seq_len {}",
+                "loss {:.4}, peak memory {:.1} MB (rtune estimate: {:.1} MB) at micro_batch_size {} × \
+                 max_seq_len {}",
                 steps.last().map_or(f64::NAN, |m| m.loss),
                 peak as f64 / 1e6,
+                est as f64 / 1e6,
                 cfg.micro_batch_size,
                 cfg.data.max_seq_len
             ),
