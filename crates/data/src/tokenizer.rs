@@ -97,26 +97,22 @@ impl Tokenizer {
         text: &str,
         add_special: bool,
     ) -> Result<(Vec<u32>, Vec<ByteRange>)> {
-        let enc = self
-            .inner
-            .encode(text, add_special)
-            .map_err(|e| DataError::Tokenizer {
-                op: "encode",
-                message: e.to_string(),
-            })?;
+        let enc = self.encoding(text, add_special)?;
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 
     /// Token ids of `text`; `add_special` applies the tokenizer's post-processor (e.g. BOS).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
+        Ok(self.encoding(text, add_special)?.get_ids().to_vec())
+    }
+
+    fn encoding(&self, text: &str, add_special: bool) -> Result<tokenizers::Encoding> {
+        self.inner
             .encode(text, add_special)
             .map_err(|e| DataError::Tokenizer {
                 op: "encode",
                 message: e.to_string(),
-            })?;
-        Ok(enc.get_ids().to_vec())
+            })
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {

@@ -224,15 +224,17 @@ pub fn run_checks(
 
     // 4. One step at the configured shape.
     let one = scratch(cfg, &tmp.join("one-step"), 1);
-    let (_, steps) = run(&one, false, None)?;
+    let (done, steps) = run(&one, false, None)?;
     let peak = steps.last().map_or(0, |m| m.peak_memory_bytes);
     let cfg_path = cfg.model_path.join("config.json");
     let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
     let mut s = crate::estimate::settings_for(cfg)?;
     crate::estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
     let est = crate::estimate::estimate(&mc, &s).peak_bytes;
-    let lora_params = std::fs::metadata(one.output_dir.join("adapter_model.safetensors"))
-        .map_or(0, |m| m.len() as usize / 4);
+    let lora_params = match &done {
+        Outcome::Completed(s) => s.lora_params,
+        Outcome::Stopped { .. } => 0,
+    };
     push(
         Check {
             name: "forward + backward",

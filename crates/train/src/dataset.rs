@@ -253,13 +253,24 @@ fn weighted(examples: Vec<Example>, weight: f64, seed: u64) -> Vec<Example> {
     let whole = weight.floor() as usize;
     let frac = weight - whole as f64;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let mut out = Vec::with_capacity((examples.len() as f64 * weight).ceil() as usize);
-    for _ in 0..whole {
+    // The sampled fraction is cloned; the last whole copy takes the examples themselves.
+    let sampled: Vec<Example> = if frac > 0.0 {
+        examples
+            .iter()
+            .filter(|_| rng.random::<f64>() < frac)
+            .cloned()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut out = Vec::with_capacity(examples.len() * whole + sampled.len());
+    for _ in 1..whole {
         out.extend(examples.iter().cloned());
     }
-    if frac > 0.0 {
-        out.extend(examples.into_iter().filter(|_| rng.random::<f64>() < frac));
+    if whole > 0 {
+        out.extend(examples);
     }
+    out.extend(sampled);
     out
 }
 
