@@ -6,13 +6,14 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod bench_cmd;
 mod check_cmd;
 mod convert;
 mod data_cmd;
 mod estimate_cmd;
 mod progress;
+mod selftest_cmd;
 
-use rtune_train::bench::BenchOptions;
 use rtune_train::generate::GenerateOptions;
 use rtune_train::{Event, Outcome, RunOptions};
 use std::sync::atomic::AtomicBool;
@@ -115,7 +116,10 @@ enum Command {
         command: DataCommand,
     },
     /// Training throughput and peak memory on a random model (default shape: bench-small).
-    Bench(BenchArgs),
+    Bench(bench_cmd::BenchArgs),
+    /// Check the CUDA path against the CPU: every kernel, NF4 dequantization, and training steps
+    /// (f32, bf16, bf16 over NF4) on fresh random inputs; NF4 bandwidth vs the card's copy.
+    Selftest(selftest_cmd::SelftestArgs),
     /// Predict a run's peak memory before loading anything: the breakdown, and the largest
     /// micro_batch_size and max_seq_len that fit a budget (default: the available RAM).
     Estimate(estimate_cmd::EstimateArgs),
@@ -126,38 +130,6 @@ enum Command {
         #[command(subcommand)]
         command: convert::ConvertCommand,
     },
-}
-
-#[derive(clap::Args)]
-struct BenchArgs {
-    #[arg(long, default_value_t = 10)]
-    steps: usize,
-    #[arg(long, default_value_t = 2)]
-    warmup: usize,
-    #[arg(long, default_value_t = 512)]
-    hidden: usize,
-    #[arg(long, default_value_t = 8)]
-    layers: usize,
-    #[arg(long, default_value_t = 8)]
-    heads: usize,
-    #[arg(long, default_value_t = 2)]
-    kv_heads: usize,
-    #[arg(long, default_value_t = 1376)]
-    intermediate: usize,
-    #[arg(long, default_value_t = 32000)]
-    vocab: usize,
-    #[arg(long, default_value_t = 512)]
-    seq: usize,
-    #[arg(long, default_value_t = 4)]
-    batch: usize,
-    #[arg(long, default_value_t = 16)]
-    r: usize,
-    /// Recompute each decoder layer in backward instead of keeping its activations.
-    #[arg(long)]
-    gradient_checkpointing: bool,
-    /// Also write the result as JSON to this file.
-    #[arg(long)]
-    json_out: Option<PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -196,6 +168,8 @@ enum DataCommand {
 
 fn main() -> ExitCode {
     tune_allocator();
+    // Before any thread exists: loading the optional CBLAS may set OPENBLAS_CORETYPE.
+    rtune_model::blas::init();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RTUNE_LOG")
@@ -323,56 +297,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Export(a) => export::run(a),
         Command::Convert { command } => convert::run(command),
         Command::Estimate(a) => estimate_cmd::run(a),
-        Command::Bench(a) => {
-            if a.steps == 0
-                || a.heads == 0
-                || a.kv_heads == 0
-                || !a.heads.is_multiple_of(a.kv_heads)
-                || !a.hidden.is_multiple_of(a.heads)
-            {
-                bail!("bench shape: need steps ≥ 1, heads a multiple of kv_heads, hidden a multiple of heads");
-            }
-            let o = BenchOptions {
-                hidden: a.hidden,
-                layers: a.layers,
-                heads: a.heads,
-                kv_heads: a.kv_heads,
-                intermediate: a.intermediate,
-                vocab: a.vocab,
-                seq: a.seq,
-                batch: a.batch,
-                r: a.r,
-                alpha: 2.0 * a.r as f64,
-                steps: a.steps,
-                warmup: a.warmup,
-                gradient_checkpointing: a.gradient_checkpointing,
-            };
-            let res = rtune_train::bench::run(&o, &mut |i, dt, timed| {
-                eprintln!(
-                    "step {i:2} {} {dt:7.3}s",
-                    if timed { "timed " } else { "warmup" }
-                );
-            })?;
-            println!(
-                "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), peak RSS {:.1} MB, {} threads",
-                res.tokens_per_s,
-                res.step_s_median,
-                res.step_s.len(),
-                res.peak_rss_bytes as f64 / 1e6,
-                res.threads
-            );
-            println!(
-                "memory: estimated peak {:.1} MB, measured {:.1} MB (estimate/measured {:.3})",
-                res.estimated_peak_bytes as f64 / 1e6,
-                res.peak_rss_bytes as f64 / 1e6,
-                res.estimated_peak_bytes as f64 / res.peak_rss_bytes.max(1) as f64
-            );
-            if let Some(p) = a.json_out {
-                std::fs::write(&p, serde_json::to_string_pretty(&res)?)
-                    .with_context(|| format!("{}", p.display()))?;
-            }
-            Ok(())
-        }
+        Command::Bench(a) => bench_cmd::run(a),
+        Command::Selftest(a) => selftest_cmd::run(a),
     }
 }
 

@@ -200,13 +200,14 @@ pub(crate) fn check_adamw(c: &Case) {
         1e-8,
         cfg["weight_decay"].as_f64().unwrap(),
     );
+    let mut near_zero = 0;
     for (k, want) in want_losses.iter().enumerate() {
         let (loss, grads) = loss_and_grads(c, &adapter, true);
         assert!(
             (loss - *want as f64).abs() / (*want as f64) <= 1e-5,
             "adamw step {k}: loss {loss} vs {want}"
         );
-        let gv: Vec<Vec<f32>> = (0..adapter.pairs.len())
+        let mut gv: Vec<Vec<f32>> = (0..adapter.pairs.len())
             .flat_map(|i| {
                 [
                     flat(grads.a[i].as_ref().unwrap()),
@@ -214,6 +215,26 @@ pub(crate) fn check_adamw(c: &Case) {
                 ]
             })
             .collect();
+        if k == 0 {
+            // AdamW's first step moves an entry by lr·g/(|g| + 1e-8): by ±lr whatever its size, and
+            // by a noise-dependent fraction of lr when |g| is within a few times eps. A first-step
+            // gradient entry within 10× of f32 summation noise (~1e-6 of its tensor's largest;
+            // rtune and PEFT differ by ~8e-7 there) is such an entry, and its coin flip then
+            // shifts every later gradient of its layer. Both trajectories take PEFT's value for
+            // these entries, so the check compares what the implementations compute.
+            for (i, name) in adapter.names.iter().enumerate() {
+                for (j, which) in ["lora_A", "lora_B"].into_iter().enumerate() {
+                    let g0 = flat(g.get(&format!("grad.base_model.model.{name}.{which}.weight")));
+                    let gmax = g0.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    for (ours, &theirs) in gv[2 * i + j].iter_mut().zip(&g0) {
+                        if theirs.abs() < 1e-5 * gmax {
+                            *ours = theirs;
+                            near_zero += 1;
+                        }
+                    }
+                }
+            }
+        }
         opt.update(&mut params, &gv, lr);
         for (i, p) in adapter.pairs.iter_mut().enumerate() {
             p.a = Tensor::from_vec(params[2 * i].clone(), p.a.shape(), &Device::Cpu).unwrap();
@@ -251,9 +272,13 @@ pub(crate) fn check_adamw(c: &Case) {
             }
         }
     }
-    eprintln!("after AdamW: worst rel err {worst:e}, {degenerate} degenerate entries");
+    eprintln!(
+        "after AdamW: worst rel err {worst:e}, {degenerate} degenerate entries, \
+         {near_zero} took PEFT's first gradient"
+    );
     // The goldens have at most a handful of such entries; many would mean the test checks nothing.
     assert!(degenerate <= 2, "{degenerate} degenerate gradient entries");
+    assert!(near_zero <= 4, "{near_zero} near-zero first gradients");
 }
 
 #[test]

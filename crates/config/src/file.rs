@@ -98,6 +98,10 @@ pub struct TrainSection {
     /// Keep only each decoder layer's input in the forward pass and recompute the layer in backward.
     #[serde(default = "d_true")]
     pub gradient_checkpointing: bool,
+    /// CUDA with checkpointing: keep the layer inputs in host memory instead of device memory,
+    /// copied back when the backward pass reaches each layer.
+    #[serde(default)]
+    pub offload_checkpoints: bool,
     /// f16 only: initial dynamic loss scale, and clean steps before it doubles (torch's defaults).
     #[serde(default = "d_loss_scale_init")]
     pub loss_scale_init: f64,

@@ -13,7 +13,7 @@ pub use data::{
     default_cache_dir, DataConfig, DataSection, RowFormat, TrainFile, TrainFiles, WeightedFile,
 };
 pub use file::{ConfigFile, LoraSection, ModelSection, OutputSection, Targets, TrainSection};
-pub use run::{DType, Device, RunConfig, Schedule};
+pub use run::{parse_device, DType, Device, RunConfig, Schedule};
 
 use std::path::{Path, PathBuf};
 

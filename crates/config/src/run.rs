@@ -67,6 +67,8 @@ pub struct RunConfig {
     pub eps: f64,
     pub device: Device,
     pub gradient_checkpointing: bool,
+    /// Layer inputs kept in host memory during the forward pass (CUDA, with checkpointing).
+    pub offload_checkpoints: bool,
     pub log_every: usize,
     /// 0 = validation only at the end.
     pub eval_every: usize,
@@ -222,6 +224,20 @@ impl ConfigFile {
             t.loss_scale_growth_interval,
         )?;
         let device = parse_device(&t.device).map_err(|m| bad("train.device", m))?;
+        if t.offload_checkpoints && !t.gradient_checkpointing {
+            return Err(bad(
+                "train.offload_checkpoints",
+                "needs gradient_checkpointing = true (only checkpointed layer inputs are offloaded)"
+                    .into(),
+            ));
+        }
+        if t.offload_checkpoints && device == Device::Cpu {
+            return Err(bad(
+                "train.offload_checkpoints",
+                "moves layer inputs from GPU to host memory; with device = \"cpu\" they are there already"
+                    .into(),
+            ));
+        }
         if self.output.dir.trim().is_empty() {
             return Err(bad("output.dir", "is empty".into()));
         }
@@ -276,6 +292,7 @@ impl ConfigFile {
             eps: t.adam_eps,
             device,
             gradient_checkpointing: t.gradient_checkpointing,
+            offload_checkpoints: t.offload_checkpoints,
             log_every: t.log_every,
             eval_every: t.eval_every,
             eval_prompts: t.eval_prompts.clone(),

@@ -6,6 +6,10 @@
 //!   and bf16. [`Nf4WeightCuda::upload`] copies an [`rtune_quant::Nf4Weight`] to the GPU;
 //!   [`nf4_dequant_cuda`] / [`nf4_dequant_cuda_into`] run the kernel on a stream. The reference is
 //!   rtune-quant's CPU dequantization; `tests/nf4_cuda.rs` compares them bit for bit.
+//! - [`fused`] (`kernels/fused.cu`): RMSNorm, SwiGLU, RoPE and chunked cross-entropy, forward and
+//!   backward, for f32/bf16/f16 ([`FusedFloat`]); launchers on cudarc views, the module cached per
+//!   CUDA context. The references are [`fused_ref`]'s (always compiled, plain Rust on f32 slices);
+//!   `tests/fused_cuda.rs` and [`fused::self_test`] compare the two.
 
 #[cfg(feature = "cuda")]
 mod nf4;
@@ -14,12 +18,27 @@ pub use nf4::{
     nf4_dequant_cuda, nf4_dequant_cuda_into, DequantOut, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda,
 };
 
+#[cfg(feature = "cuda")]
+pub mod fused;
+#[cfg(feature = "cuda")]
+mod fused_check;
+#[cfg(feature = "cuda")]
+pub use fused::{FusedFloat, FusedKernels};
+pub mod fused_ref;
+/// Device memory: the pool's peak and the release threshold ([`memory::keep_pool`]).
+#[cfg(feature = "cuda")]
+pub mod memory;
+
 /// Whether this build has the CUDA kernels (the `cuda` feature).
 pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
 
 /// PTX of `kernels/nf4.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
 #[cfg(feature = "cuda")]
 pub const NF4_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nf4.ptx"));
+
+/// PTX of `kernels/fused.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "cuda")]
+pub const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

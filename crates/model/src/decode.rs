@@ -115,7 +115,8 @@ impl Model {
             let shape = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
             let mut x = self
                 .embed
-                .index_select(&Tensor::new(ids, &self.device)?, 0)?;
+                .index_select(&Tensor::new(ids, self.embed.device())?, 0)?
+                .to_device(&self.device)?;
             let mut next = Vec::with_capacity(self.layers.len());
             for (i, layer) in self.layers.iter().enumerate() {
                 let m = match (&sliding, layer.sliding) {

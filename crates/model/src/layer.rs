@@ -6,6 +6,7 @@
 
 use candle_core::{Result, Tensor};
 
+use crate::group;
 use crate::linear::{Grads, Linear, LinearCache, LoraCtx};
 use crate::ops::{self, AttnCache, AttnShape, NormCache};
 
@@ -24,6 +25,10 @@ pub struct Layer {
     pub eps: f64,
     /// Uses the sliding-window mask (when the batch is longer than the window).
     pub sliding: bool,
+    /// `[Wq; Wk; Wv]` and `[Wgate; Wup]` when dense: one GEMM each (see [`crate::group`]); the
+    /// members' weights are then row views of these blocks.
+    pub qkv: Option<Tensor>,
+    pub gate_up: Option<Tensor>,
 }
 
 /// Everything the backward of one layer needs (the activations of that layer only).
@@ -85,6 +90,13 @@ impl Layer {
         ]
     }
 
+    /// Concatenates the q/k/v and gate/up weights into blocks (dense weights only).
+    pub fn fuse(&mut self) -> Result<()> {
+        self.qkv = group::fuse(&mut [&mut self.q, &mut self.k, &mut self.v])?;
+        self.gate_up = group::fuse(&mut [&mut self.gate, &mut self.up])?;
+        Ok(())
+    }
+
     fn salt(&self, module: u64) -> u64 {
         // Distinct dropout streams per (layer, module); mixed so nearby seeds do not collide.
         (self.index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
@@ -99,9 +111,15 @@ impl Layer {
         lora: Option<&LoraCtx>,
     ) -> Result<(Tensor, LayerCache)> {
         let (h1, n1) = ops::rms_norm(x, &self.input_norm, self.eps)?;
-        let (q, cq) = self.q.forward(&h1, lora, self.salt(0))?;
-        let (k, ck) = self.k.forward(&h1, lora, self.salt(1))?;
-        let (v, cv) = self.v.forward(&h1, lora, self.salt(2))?;
+        let qkv = group::forward(
+            &[&self.q, &self.k, &self.v],
+            self.qkv.as_ref(),
+            &h1,
+            lora,
+            &[self.salt(0), self.salt(1), self.salt(2)],
+        )?;
+        let [(q, cq), (k, ck), (v, cv)]: [(Tensor, LinearCache); 3] =
+            qkv.try_into().expect("three members");
         let (o_in, attn) = ops::attention(
             &q,
             &k,
@@ -114,8 +132,14 @@ impl Layer {
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
         let h = (x + a)?;
         let (h2, n2) = ops::rms_norm(&h, &self.post_norm, self.eps)?;
-        let (g, cg) = self.gate.forward(&h2, lora, self.salt(4))?;
-        let (u, cu) = self.up.forward(&h2, lora, self.salt(5))?;
+        let gu = group::forward(
+            &[&self.gate, &self.up],
+            self.gate_up.as_ref(),
+            &h2,
+            lora,
+            &[self.salt(4), self.salt(5)],
+        )?;
+        let [(g, cg), (u, cu)]: [(Tensor, LinearCache); 2] = gu.try_into().expect("two members");
         let m = ops::swiglu(&g, &u)?;
         let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
         let out = (h + d)?;
@@ -157,14 +181,17 @@ impl Layer {
             .backward(d_out, &c.m, &c.cd, lora, grads, true)?
             .expect("dx requested");
         let (dg, du) = ops::swiglu_backward(&dm, &c.g, &c.u)?;
-        let dh2 = (self
-            .gate
-            .backward(&dg, &c.h2, &c.cg, lora, grads, true)?
-            .expect("dx requested")
-            + self
-                .up
-                .backward(&du, &c.h2, &c.cu, lora, grads, true)?
-                .expect("dx requested"))?;
+        let dh2 = group::backward(
+            &[&self.gate, &self.up],
+            self.gate_up.as_ref(),
+            &[dg, du],
+            &c.h2,
+            &[&c.cg, &c.cu],
+            lora,
+            grads,
+            true,
+        )?
+        .expect("dx requested");
         let dh = (d_out + ops::rms_norm_backward(&dh2, &self.post_norm, &c.n2)?)?;
         let d_o = self
             .o
@@ -172,13 +199,19 @@ impl Layer {
             .expect("dx requested");
         let (dq, dk, dv) = ops::attention_backward(&d_o, &c.attn, &ctx.shape, &ctx.cos, &ctx.sin)?;
         // The q/k/v input gradients are only needed to continue below this layer.
-        let dq1 = self.q.backward(&dq, &c.h1, &c.cq, lora, grads, need_dx)?;
-        let dk1 = self.k.backward(&dk, &c.h1, &c.ck, lora, grads, need_dx)?;
-        let dv1 = self.v.backward(&dv, &c.h1, &c.cv, lora, grads, need_dx)?;
-        if !need_dx {
+        let dh1 = group::backward(
+            &[&self.q, &self.k, &self.v],
+            self.qkv.as_ref(),
+            &[dq, dk, dv],
+            &c.h1,
+            &[&c.cq, &c.ck, &c.cv],
+            lora,
+            grads,
+            need_dx,
+        )?;
+        let Some(dh1) = dh1 else {
             return Ok(None);
-        }
-        let dh1 = ((dq1.expect("need_dx") + dk1.expect("need_dx"))? + dv1.expect("need_dx"))?;
+        };
         Ok(Some(
             (dh + ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?)?,
         ))

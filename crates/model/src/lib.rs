@@ -9,7 +9,16 @@
 //! Reference: transformers' `modeling_llama.py` (eager attention) and PEFT's `lora.Linear`; parity
 //! with both is tested against golden files in `tests/parity`.
 
+pub mod blas;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod fused;
+mod fused_attn;
+mod fused_cpu;
+#[cfg(feature = "cuda")]
+mod fused_cuda;
+pub mod group;
 pub mod layer;
 pub mod linear;
 mod model;

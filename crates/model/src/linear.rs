@@ -14,6 +14,8 @@ use rtune_quant::Nf4Weight;
 
 use rtune_lora::Adapter;
 
+use crate::blas::matmul as mm;
+
 /// The adapter as the forward pass sees it.
 #[derive(Debug, Clone, Copy)]
 pub struct LoraCtx<'a> {
@@ -40,7 +42,7 @@ impl Grads {
         }
     }
 
-    fn add(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
+    pub(crate) fn add(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
         let g = g.to_dtype(DType::F32)?;
         *slot = Some(match slot.take() {
             Some(prev) => (prev + g)?,
@@ -60,6 +62,10 @@ pub enum Frozen {
         q: Arc<Nf4Weight>,
         dtype: DType,
         device: Device,
+        /// The same weight resident on the GPU when `device` is CUDA (dequantized there by
+        /// rtune's kernel; `q` stays for its shape and for exports).
+        #[cfg(feature = "cuda")]
+        gpu: Option<Arc<crate::cuda::DeviceNf4>>,
     },
 }
 
@@ -89,7 +95,16 @@ impl Frozen {
     pub fn dense(&self) -> Result<Cow<'_, Tensor>> {
         match self {
             Frozen::Dense(t) => Ok(Cow::Borrowed(t)),
-            Frozen::Quant { q, dtype, device } => q
+            #[cfg(feature = "cuda")]
+            Frozen::Quant {
+                gpu: Some(g),
+                dtype,
+                device,
+                ..
+            } => crate::cuda::dequantize(g, *dtype, device).map(Cow::Owned),
+            Frozen::Quant {
+                q, dtype, device, ..
+            } => q
                 .to_tensor(*dtype, device)
                 .map(Cow::Owned)
                 .map_err(|e| candle_core::Error::Msg(e.to_string())),
@@ -131,32 +146,66 @@ impl Linear {
         lora: Option<&LoraCtx>,
         salt: u64,
     ) -> Result<(Tensor, LinearCache)> {
-        let mut y = x.matmul(&self.w.dense()?.t()?)?;
-        if let Some(b) = &self.bias {
-            y = y.broadcast_add(b)?;
-        }
-        let mut cache = LinearCache::default();
-        if let (Some(slot), Some(ctx)) = (self.lora, lora) {
-            let pair = &ctx.adapter.pairs[slot];
-            // The LoRA branch runs in f32, the adapter's dtype, whatever the compute dtype: PEFT
-            // casts the input to the adapter weights' dtype (kept f32) and adds in f32.
-            let dt = x.dtype();
-            let xf = x.to_dtype(DType::F32)?;
-            let mask = if ctx.dropout > 0.0 {
-                Some(dropout_mask(&xf, ctx.dropout, ctx.seed ^ salt)?)
-            } else {
-                None
-            };
-            let xd = match &mask {
-                Some(m) => (&xf * m)?,
-                None => xf,
-            };
-            let xa = xd.matmul(&pair.a.t()?)?; // (N, r) f32
-            let yl = (xa.matmul(&pair.b.t()?)? * ctx.scaling)?;
-            y = (y.to_dtype(DType::F32)? + yl)?.to_dtype(dt)?;
-            cache = LinearCache { xa: Some(xa), mask };
-        }
+        let y = mm(x, &self.w.dense()?.t()?)?;
+        self.finish(x, y, lora, salt)
+    }
+
+    /// The rest of [`Linear::forward`] once `y = x·Wᵀ` is known: bias, then the LoRA branch.
+    pub(crate) fn finish(
+        &self,
+        x: &Tensor,
+        y: Tensor,
+        lora: Option<&LoraCtx>,
+        salt: u64,
+    ) -> Result<(Tensor, LinearCache)> {
+        let (Some(slot), Some(ctx)) = (self.lora, lora) else {
+            return Ok((self.add_bias(y)?, LinearCache::default()));
+        };
+        let pair = &ctx.adapter.pairs[slot];
+        // The LoRA branch runs in f32, the adapter's dtype, whatever the compute dtype: PEFT
+        // casts the input to the adapter weights' dtype (kept f32) and adds in f32.
+        let xf = x.to_dtype(DType::F32)?;
+        let mask = if ctx.dropout > 0.0 {
+            Some(dropout_mask(&xf, ctx.dropout, ctx.seed ^ salt)?)
+        } else {
+            None
+        };
+        let xd = match &mask {
+            Some(m) => (&xf * m)?,
+            None => xf,
+        };
+        let xa = mm(&xd, &pair.a.t()?)?; // (N, r) f32
+        let (y, mut cache) = self.finish_with_xa(y, xa, ctx)?;
+        cache.mask = mask;
         Ok((y, cache))
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+
+    /// Bias and `y += scaling · xa·Bᵀ` for a given `xa = dropout(x)·Aᵀ: (N, r)` f32.
+    pub(crate) fn finish_with_xa(
+        &self,
+        y: Tensor,
+        xa: Tensor,
+        ctx: &LoraCtx,
+    ) -> Result<(Tensor, LinearCache)> {
+        let y = self.add_bias(y)?;
+        let pair = &ctx.adapter.pairs[self.lora.expect("adapted layer")];
+        let dt = y.dtype();
+        let yl = (mm(&xa, &pair.b.t()?)? * ctx.scaling)?;
+        let y = (y.to_dtype(DType::F32)? + yl)?.to_dtype(dt)?;
+        Ok((
+            y,
+            LinearCache {
+                xa: Some(xa),
+                mask: None,
+            },
+        ))
     }
 
     /// Accumulates `dA, dB` into `grads`; returns `dx: (N, in)` when `need_dx`.
@@ -169,36 +218,68 @@ impl Linear {
         grads: &mut Grads,
         need_dx: bool,
     ) -> Result<Option<Tensor>> {
-        let mut dx = if need_dx {
-            Some(dy.matmul(&*self.w.dense()?)?)
+        let dx = if need_dx {
+            Some(mm(dy, &*self.w.dense()?)?)
         } else {
             None
         };
-        if let (Some(slot), Some(ctx), Some(xa)) = (self.lora, lora, &cache.xa) {
-            let pair = &ctx.adapter.pairs[slot];
-            let s = ctx.scaling;
-            // In f32, as the forward's LoRA branch.
-            let dyf = dy.to_dtype(DType::F32)?;
-            // dB: (out, r) = s · dyᵀ·xa
-            Grads::add(&mut grads.b[slot], (dyf.t()?.matmul(xa)? * s)?)?;
-            // dxa: (N, r) = s · dy·B
-            let dxa = (dyf.matmul(&pair.b)? * s)?;
-            let xf = x.to_dtype(DType::F32)?;
-            let xd = match &cache.mask {
-                Some(m) => (&xf * m)?,
-                None => xf,
-            };
-            // dA: (r, in) = dxaᵀ·xd
-            Grads::add(&mut grads.a[slot], dxa.t()?.matmul(&xd)?)?;
-            if let Some(d) = dx.as_mut() {
-                let mut dl = dxa.matmul(&pair.a)?;
-                if let Some(m) = &cache.mask {
-                    dl = (dl * m)?;
-                }
-                *d = (&*d + dl.to_dtype(d.dtype())?)?;
-            }
+        let dl = self.lora_backward(dy, x, cache, lora, grads, need_dx)?;
+        Ok(match (dx, dl) {
+            (Some(d), Some(l)) => Some((&d + l.to_dtype(d.dtype())?)?),
+            (d, _) => d,
+        })
+    }
+
+    /// Accumulates `dB` and returns `dxa = scaling · dy·B: (N, r)` f32.
+    pub(crate) fn lora_dxa(
+        &self,
+        dy: &Tensor,
+        cache: &LinearCache,
+        ctx: &LoraCtx,
+        grads: &mut Grads,
+    ) -> Result<Tensor> {
+        let slot = self.lora.expect("adapted layer");
+        let pair = &ctx.adapter.pairs[slot];
+        let xa = cache.xa.as_ref().expect("forward ran with LoRA");
+        let s = ctx.scaling;
+        // In f32, as the forward's LoRA branch.
+        let dyf = dy.to_dtype(DType::F32)?;
+        // dB: (out, r) = s · dyᵀ·xa
+        Grads::add(&mut grads.b[slot], (mm(&dyf.t()?, xa)? * s)?)?;
+        mm(&dyf, &pair.b)? * s
+    }
+
+    /// The LoRA half of the backward: accumulates `dA, dB`; returns the LoRA part of `dx` (f32)
+    /// when `need_dx`. `None` when the layer has no LoRA branch.
+    pub(crate) fn lora_backward(
+        &self,
+        dy: &Tensor,
+        x: &Tensor,
+        cache: &LinearCache,
+        lora: Option<&LoraCtx>,
+        grads: &mut Grads,
+        need_dx: bool,
+    ) -> Result<Option<Tensor>> {
+        let (Some(slot), Some(ctx), Some(_)) = (self.lora, lora, &cache.xa) else {
+            return Ok(None);
+        };
+        let dxa = self.lora_dxa(dy, cache, ctx, grads)?;
+        let pair = &ctx.adapter.pairs[slot];
+        let xf = x.to_dtype(DType::F32)?;
+        let xd = match &cache.mask {
+            Some(m) => (&xf * m)?,
+            None => xf,
+        };
+        // dA: (r, in) = dxaᵀ·xd
+        Grads::add(&mut grads.a[slot], mm(&dxa.t()?, &xd)?)?;
+        if !need_dx {
+            return Ok(None);
         }
-        Ok(dx)
+        let mut dl = mm(&dxa, &pair.a)?;
+        if let Some(m) = &cache.mask {
+            dl = (dl * m)?;
+        }
+        Ok(Some(dl))
     }
 }
 

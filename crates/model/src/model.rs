@@ -29,6 +29,9 @@ pub struct Model {
     /// `(V, D)`; the embedding matrix itself when tied.
     lm_head: Tensor,
     inv_freq: Vec<f32>,
+    /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
+    /// pass and back when the backward pass reaches it (synchronous copies, not overlapped).
+    pub offload_checkpoints: bool,
 }
 
 /// How the frozen linear layers are held.
@@ -131,13 +134,25 @@ impl Model {
         let embed = w.tensor("model.embed_tokens.weight", &[v, d])?;
         let linear = |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let wname = format!("{name}.weight");
-            let quant = |q: rtune_quant::Nf4Weight| Frozen::Quant {
-                q: Arc::new(q),
-                dtype,
-                device: device.clone(),
+            let quant = |q: rtune_quant::Nf4Weight| -> Result<Frozen> {
+                #[cfg(feature = "cuda")]
+                let gpu = match device {
+                    Device::Cuda(_) => Some(
+                        crate::cuda::upload(&q, device)
+                            .map_err(|e| ModelError::candle(format!("upload {wname}"), e))?,
+                    ),
+                    _ => None,
+                };
+                Ok(Frozen::Quant {
+                    q: Arc::new(q),
+                    dtype,
+                    device: device.clone(),
+                    #[cfg(feature = "cuda")]
+                    gpu,
+                })
             };
             let wt = match (w.quantized(&wname, &[out, inp])?, quantize) {
-                (Some(q), _) => quant(q),
+                (Some(q), _) => quant(q)?,
                 (None, Quantize::None) => Frozen::Dense(w.tensor(&wname, &[out, inp])?),
                 (None, Quantize::Nf4 { double_quant }) => {
                     let t = w.stored(&wname, &[out, inp])?;
@@ -147,7 +162,7 @@ impl Model {
                             source,
                         },
                     )?;
-                    quant(q)
+                    quant(q)?
                 }
             };
             let bias = if bias {
@@ -178,13 +193,29 @@ impl Model {
                 down: linear(format!("{p}.mlp.down_proj"), d, i, cfg.mlp_bias)?,
                 eps: cfg.rms_norm_eps,
                 sliding: cfg.window_layers[l],
+                qkv: None,
+                gate_up: None,
             });
+            layers
+                .last_mut()
+                .expect("pushed")
+                .fuse()
+                .map_err(|e| ModelError::candle(format!("{p}: fusing q/k/v and gate/up"), e))?;
         }
         let norm = w.tensor("model.norm.weight", &[d])?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
             w.tensor("lm_head.weight", &[v, d])?
+        };
+        // On a GPU an untied embedding table is only ever gathered from: it stays in host memory
+        // (Llama 3 8B: 1.05 GB of device memory saved) and each batch's rows are copied over.
+        let embed = if !device.is_cpu() && !cfg.tie_word_embeddings {
+            embed
+                .to_device(&Device::Cpu)
+                .map_err(|e| ModelError::candle("embedding table to host", e))?
+        } else {
+            embed
         };
         let inv_freq = crate::rope::inv_freq(&cfg);
         Ok(Self {
@@ -196,6 +227,7 @@ impl Model {
             norm,
             lm_head,
             inv_freq,
+            offload_checkpoints: false,
         })
     }
 
@@ -261,8 +293,8 @@ impl Model {
     }
 
     fn embed(&self, inp: &Inputs) -> candle_core::Result<Tensor> {
-        let ids = Tensor::new(inp.ids.as_slice(), &self.device)?;
-        self.embed.index_select(&ids, 0) // (N, D)
+        let ids = Tensor::new(inp.ids.as_slice(), self.embed.device())?;
+        self.embed.index_select(&ids, 0)?.to_device(&self.device) // (N, D)
     }
 
     /// Inference forward: logits for every position (and the hidden states if `keep_hidden`).
@@ -316,10 +348,18 @@ impl Model {
             let mut inputs = Vec::with_capacity(self.layers.len());
             let mut caches = Vec::with_capacity(self.layers.len());
             let mut x = self.embed(inp)?;
-            for layer in &self.layers {
+            let offload = checkpoint && self.offload_checkpoints && !self.device.is_cpu();
+            let last = self.layers.len().saturating_sub(1);
+            for (i, layer) in self.layers.iter().enumerate() {
                 let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
-                inputs.push(x);
-                if !checkpoint {
+                inputs.push(if offload {
+                    x.to_device(&Device::Cpu)?
+                } else {
+                    x
+                });
+                // The last layer's activations are the first the backward needs: with
+                // checkpointing they are kept rather than recomputed at once (L−1 recomputes).
+                if !checkpoint || i == last {
                     caches.push(cache);
                 }
                 x = out;
@@ -335,6 +375,11 @@ impl Model {
             let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {
                 let x_in = inputs.pop().expect("one input per layer");
+                let x_in = if offload {
+                    x_in.to_device(&self.device)?
+                } else {
+                    x_in
+                };
                 let cache = match caches.pop() {
                     Some(c) => c,
                     None => layer.forward(&x_in, &ctx, Some(lora))?.1,

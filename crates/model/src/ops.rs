@@ -8,34 +8,55 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
-/// What [`rms_norm`]'s backward needs.
+use crate::blas::matmul as mm;
+
+/// What [`rms_norm`]'s backward needs: the input (the backward recomputes `r` from it).
 #[derive(Debug, Clone)]
 pub struct NormCache {
-    /// The input, f32: `(N, D)`.
+    /// The input, in its own dtype: `(N, D)`.
     pub x: Tensor,
-    /// `1 / sqrt(mean(x²) + eps)`: `(N, 1)`, f32.
-    pub r: Tensor,
+    pub eps: f64,
 }
 
 /// Llama's RMSNorm: `w · (x · rsqrt(mean(x²) + eps))`, statistics in f32 then cast back (as
-/// transformers' `LlamaRMSNorm`). `x: (N, D)`, `w: (D)`.
+/// transformers' `LlamaRMSNorm`). `x: (N, D)`, `w: (D)`. Fused ([`crate::fused::rms_norm`]);
+/// [`rms_norm_reference`] is the plain formulation.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, NormCache)> {
+    let y = crate::fused::rms_norm(x, w, eps)?;
+    Ok((y, NormCache { x: x.clone(), eps }))
+}
+
+/// `dx = r·g − x·r³·mean(g·x)`, `g = dy·w` (fused: [`crate::fused::rms_norm_bwd`]).
+pub fn rms_norm_backward(dy: &Tensor, w: &Tensor, c: &NormCache) -> Result<Tensor> {
+    crate::fused::rms_norm_bwd(dy, &c.x, w, c.eps)
+}
+
+/// [`rms_norm`]'s output as a chain of candle ops: the reference for the fused op.
+pub fn rms_norm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dt = x.dtype();
     let xf = x.to_dtype(DType::F32)?;
     let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
         .sqrt()?
         .recip()?;
-    let y = xf.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(w)?;
-    Ok((y, NormCache { x: xf, r }))
+    xf.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(w)
 }
 
-/// `dx = r·g − x·r³·mean(g·x)`, `g = dy·w`.
-pub fn rms_norm_backward(dy: &Tensor, w: &Tensor, c: &NormCache) -> Result<Tensor> {
+/// [`rms_norm_backward`] as a chain of candle ops: the reference for the fused op.
+pub fn rms_norm_backward_reference(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
     let dt = dy.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let r = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?
+        .sqrt()?
+        .recip()?;
     let g = dy.broadcast_mul(w)?.to_dtype(DType::F32)?;
-    let gx = (&g * &c.x)?.mean_keepdim(D::Minus1)?;
-    let r3 = c.r.powf(3.0)?;
-    let dx = (g.broadcast_mul(&c.r)? - c.x.broadcast_mul(&r3)?.broadcast_mul(&gx)?)?;
+    let gx = (&g * &xf)?.mean_keepdim(D::Minus1)?;
+    let r3 = r.powf(3.0)?;
+    let dx = (g.broadcast_mul(&r)? - xf.broadcast_mul(&r3)?.broadcast_mul(&gx)?)?;
     dx.to_dtype(dt)
 }
 
@@ -44,13 +65,24 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
 }
 
-/// SwiGLU: `silu(g) · u`.
+/// SwiGLU: `silu(g) · u` (fused: [`crate::fused::swiglu`]).
 pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    crate::fused::swiglu(g, u)
+}
+
+/// Returns `(dg, du)` for [`swiglu`]; `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))` (fused:
+/// [`crate::fused::swiglu_bwd`]).
+pub fn swiglu_backward(dh: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
+    crate::fused::swiglu_bwd(dh, g, u)
+}
+
+/// [`swiglu`] as candle ops: the reference for the fused op.
+pub fn swiglu_reference(g: &Tensor, u: &Tensor) -> Result<Tensor> {
     g.silu()? * u
 }
 
-/// Returns `(dg, du)` for [`swiglu`]; `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))`.
-pub fn swiglu_backward(dh: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
+/// [`swiglu_backward`] as candle ops: the reference for the fused op.
+pub fn swiglu_backward_reference(dh: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
     let dt = g.dtype();
     let gf = g.to_dtype(DType::F32)?;
     let s = sigmoid(&gf)?;
@@ -70,10 +102,8 @@ pub struct AttnCache {
     /// Rotated keys: `(B, Hkv, T, Dh)`.
     pub k: Tensor,
     pub v: Tensor,
-    /// Log-sum-exp of each score row, f32, one `(1, Hkv, G·T, 1)` per batch row.
-    pub lse: Vec<Tensor>,
-    /// The probabilities themselves, f32, `(1, Hkv, G·T, T)` per row — kept only when small
-    /// (see [`keep_probs`]); otherwise the backward recomputes them from `lse`.
+    /// The probabilities, f32, `(1, Hkv, G·T, T)` per batch row — kept only when small (see
+    /// [`keep_probs`]); otherwise the backward recomputes them (the same ops: the same bits).
     pub p: Option<Vec<Tensor>>,
     /// The additive mask the scores were computed with.
     pub mask: Tensor,
@@ -129,16 +159,10 @@ pub fn attention_keeping(
     // (B, H, T, Dh) = (B, Hkv, G, T, Dh) -> (B, Hkv, G·T, Dh)
     let q = q.reshape((b, hkv, g * t, dh))?;
     let mut outs = Vec::with_capacity(b);
-    let mut lses = Vec::with_capacity(b);
     let mut ps = Vec::with_capacity(if keep { b } else { 0 });
     for i in 0..b {
-        let scores = row_scores(&q, &k, mask, s, i)?;
-        let max = scores.max_keepdim(D::Minus1)?;
-        let e = scores.broadcast_sub(&max)?.exp()?;
-        let sum = e.sum_keepdim(D::Minus1)?;
-        let p = e.broadcast_div(&sum)?;
-        outs.push(p.to_dtype(dt)?.matmul(&v.narrow(0, i, 1)?)?);
-        lses.push((max + sum.log()?)?);
+        let p = row_probs(&q, &k, mask, s, i)?;
+        outs.push(mm(&p.to_dtype(dt)?, &v.narrow(0, i, 1)?)?);
         if keep {
             ps.push(p);
         }
@@ -156,37 +180,62 @@ pub fn attention_keeping(
             q,
             k,
             v,
-            lse: lses,
             p,
             mask: mask.clone(),
         },
     ))
 }
 
-/// Whether to keep the attention probabilities for backward (≤ 64 MiB a layer) or recompute them
-/// from the log-sum-exp. Storing is faster (bench-small T=512: ~800 vs ~740 tokens/s); recomputing
-/// keeps long sequences affordable (bench-small T=2048: 537 MB a layer saved).
+/// Whether to keep the attention probabilities for backward (≤ 64 MiB a layer) or recompute them.
+/// Storing is faster (bench-small T=512, measured before the fused softmax: ~800 vs ~740 tokens/s);
+/// recomputing keeps long sequences affordable (bench-small T=2048: 537 MB a layer saved).
 pub fn keep_probs(s: &AttnShape) -> bool {
     s.b * s.heads * s.t * s.t * 4 <= 64 << 20
 }
 
-/// Masked, scaled scores of batch row `i`, f32: `(1, Hkv, G·T, T)`. One batch row at a time: the
-/// scores of a row are B times smaller than the batch's, so they stay under the allocator's mmap
-/// threshold and are reused rather than faulted in fresh.
-fn row_scores(q: &Tensor, k: &Tensor, mask: &Tensor, s: &AttnShape, i: usize) -> Result<Tensor> {
-    let (t, hkv, g) = (s.t, s.kv_heads, s.heads / s.kv_heads);
+/// Attention probabilities of batch row `i`, f32: `(1, Hkv, G·T, T)` = softmax of the masked,
+/// scaled scores. One batch row at a time: the scores of a row are B times smaller than the
+/// batch's, so they stay under the allocator's mmap threshold and are reused rather than faulted in
+/// fresh. Fused on the CPU ([`crate::fused::attn_softmax`]); [`attention_probs_reference`] on other
+/// devices (no CUDA kernel yet).
+fn row_probs(q: &Tensor, k: &Tensor, mask: &Tensor, s: &AttnShape, i: usize) -> Result<Tensor> {
     let mask_i = if mask.dim(0)? == s.b && s.b > 1 {
         mask.narrow(0, i, 1)?
     } else {
         mask.clone()
     };
     let scale = 1.0 / (s.head_dim as f64).sqrt();
-    let scores =
-        (q.narrow(0, i, 1)?.matmul(&k.narrow(0, i, 1)?.t()?)? * scale)?.to_dtype(DType::F32)?;
-    scores
-        .reshape((1, hkv, g, t, t))?
-        .broadcast_add(&mask_i)?
-        .reshape((1, hkv, g * t, t))
+    // (1, Hkv, G·T, Dh)·(1, Hkv, Dh, T) -> (1, Hkv, G·T, T) in the compute dtype
+    let raw = mm(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?.t()?)?;
+    if raw.device().is_cpu() {
+        crate::fused::attn_softmax(&raw, &mask_i, scale)
+    } else {
+        attention_probs_reference(&raw, &mask_i, scale)
+    }
+}
+
+/// `softmax(f32(raw·scale) + mask)` as candle ops: the reference for
+/// [`crate::fused::attn_softmax`]. `raw: (1, Hkv, G·T, T)` unscaled scores; `mask: (1, 1, 1, T, T)`
+/// additive f32, broadcast over the kv heads and the G query heads of each.
+pub fn attention_probs_reference(raw: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    let (_, hkv, gt, t) = raw.dims4()?;
+    let scores = (raw * scale)?
+        .to_dtype(DType::F32)?
+        .reshape((1, hkv, gt / t, t, t))?
+        .broadcast_add(mask)?
+        .reshape((1, hkv, gt, t))?;
+    let max = scores.max_keepdim(D::Minus1)?;
+    let e = scores.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&sum)
+}
+
+/// Softmax backward `ds = (p·(dp − Σ_row dp·p))·scale` in f32, cast to `dp`'s dtype, as candle ops:
+/// the reference for [`crate::fused::attn_softmax_bwd`]. `p` f32, `dp` of its shape.
+pub fn attention_grad_reference(p: &Tensor, dp: &Tensor, scale: f64) -> Result<Tensor> {
+    let dpf = dp.to_dtype(DType::F32)?;
+    let row = (&dpf * p)?.sum_keepdim(D::Minus1)?;
+    ((p * dpf.broadcast_sub(&row)?)? * scale)?.to_dtype(dp.dtype())
 }
 
 /// Returns `(dq, dk, dv)` shaped like [`attention`]'s inputs.
@@ -212,25 +261,24 @@ pub fn attention_backward(
         Vec::with_capacity(b),
         Vec::with_capacity(b),
     );
-    for (i, lse) in c.lse.iter().enumerate() {
+    for i in 0..b {
         let d_oi = d_o.narrow(0, i, 1)?;
         let pf = match &c.p {
             Some(ps) => ps[i].clone(),
-            None => row_scores(&c.q, &c.k, &c.mask, s, i)?
-                .broadcast_sub(lse)?
-                .exp()?,
+            None => row_probs(&c.q, &c.k, &c.mask, s, i)?,
         };
         let p = pf.to_dtype(dt)?;
         // dv: (1, Hkv, T, Dh) sums over the G query heads of each kv head.
-        dvs.push(p.t()?.matmul(&d_oi)?);
-        // dp: (1, Hkv, G·T, T); softmax backward in f32.
-        let dp = d_oi
-            .matmul(&c.v.narrow(0, i, 1)?.t()?)?
-            .to_dtype(DType::F32)?;
-        let row = (&dp * &pf)?.sum_keepdim(D::Minus1)?;
-        let ds = ((pf * dp.broadcast_sub(&row)?)? * scale)?.to_dtype(dt)?;
-        dqs.push(ds.matmul(&c.k.narrow(0, i, 1)?)?); // (1, Hkv, G·T, Dh)
-        dks.push(ds.t()?.matmul(&c.q.narrow(0, i, 1)?)?); // (1, Hkv, T, Dh)
+        dvs.push(mm(&p.t()?, &d_oi)?);
+        // dp: (1, Hkv, G·T, T) in the compute dtype; softmax backward in f32.
+        let dp = mm(&d_oi, &c.v.narrow(0, i, 1)?.t()?)?;
+        let ds = if dp.device().is_cpu() {
+            crate::fused::attn_softmax_bwd(&pf, &dp, scale)?
+        } else {
+            attention_grad_reference(&pf, &dp, scale)?
+        };
+        dqs.push(mm(&ds, &c.k.narrow(0, i, 1)?)?); // (1, Hkv, G·T, Dh)
+        dks.push(mm(&ds.t()?, &c.q.narrow(0, i, 1)?)?); // (1, Hkv, T, Dh)
     }
     let (dq, dk, dv) = (
         Tensor::cat(&dqs, 0)?,
@@ -342,8 +390,6 @@ fn cross_entropy_impl(
     chunk: usize,
 ) -> Result<(f64, Option<Tensor>)> {
     let dev = h.device();
-    let dt = h.dtype();
-    let vocab = w.dim(0)?;
     let rows: Vec<u32> = (0..targets.len())
         .filter(|&i| targets[i].is_some())
         .map(|i| i as u32)
@@ -355,35 +401,63 @@ fn cross_entropy_impl(
     let mut loss = 0f64;
     let wt = w.t()?;
     for part in rows.chunks(chunk.max(1)) {
-        let n = part.len();
         let idx = Tensor::new(part, dev)?;
         let tgt: Vec<u32> = part
             .iter()
             .map(|&i| targets[i as usize].expect("filtered"))
             .collect();
-        let tgt = Tensor::new(tgt.as_slice(), dev)?.unsqueeze(1)?; // (n, 1)
-        let logits = h.index_select(&idx, 0)?.matmul(&wt)?.to_dtype(DType::F32)?; // (n, V) f32
-        let max = logits.max_keepdim(D::Minus1)?;
-        let z = logits.broadcast_sub(&max)?;
-        let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?; // (n, 1)
-        let picked = z.gather(&tgt, D::Minus1)?; // (n, 1)
-        let nll = (lse.clone() - picked)?;
-        loss += nll.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        let tgt = Tensor::new(tgt.as_slice(), dev)?; // (n)
+                                                     // (n, V) in h's dtype; then (n, 2) f32 [lse, lse − logit[target]], each row's loss second.
+        let logits = mm(&h.index_select(&idx, 0)?, &wt)?;
+        let stats = crate::fused::ce_fwd(&logits, &tgt)?;
+        loss += stats
+            .narrow(1, 1, 1)?
+            .to_dtype(DType::F64)?
+            .sum_all()?
+            .to_scalar::<f64>()?;
         let (Some(scale), Some(acc)) = (grad_scale, dh.as_mut()) else {
             continue;
         };
-        // dlogits = (softmax − onehot) · grad_scale
-        let p = z.broadcast_sub(&lse)?.exp()?;
-        let onehot = Tensor::arange(0u32, vocab as u32, dev)?
-            .unsqueeze(0)?
-            .broadcast_as((n, vocab))?
-            .broadcast_eq(&tgt)?
-            .to_dtype(DType::F32)?;
-        let dlogits = ((p - onehot)? * scale)?.to_dtype(dt)?;
-        let dpart = dlogits.matmul(w)?; // (n, D)
+        // dlogits = (softmax − onehot) · grad_scale, in h's dtype
+        let lse = stats.narrow(1, 0, 1)?.squeeze(1)?;
+        let dlogits = crate::fused::ce_bwd(&logits, &tgt, &lse, scale)?;
+        let dpart = mm(&dlogits, w)?; // (n, D)
         *acc = acc.index_add(&idx, &dpart, 0)?;
     }
     Ok((loss, dh))
+}
+
+/// The cross-entropy of each row of `logits: (n, V)` against `targets: (n)` u32 as candle ops, in
+/// f32: `(n, 2)` `[lse, lse − logit[target]]`. The reference for [`crate::fused::ce_fwd`].
+pub fn cross_entropy_reference(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logits = logits.to_dtype(DType::F32)?;
+    let max = logits.max_keepdim(D::Minus1)?;
+    let z = logits.broadcast_sub(&max)?;
+    let ls = z.exp()?.sum_keepdim(D::Minus1)?.log()?; // (n, 1), relative to max
+    let picked = z.gather(&targets.unsqueeze(1)?, D::Minus1)?; // (n, 1)
+    Tensor::cat(&[(&max + &ls)?, (ls - picked)?], 1)
+}
+
+/// `(softmax(logits) − onehot(targets))·scale` in the logits' dtype as candle ops: the reference
+/// for [`crate::fused::ce_bwd`].
+pub fn cross_entropy_grad_reference(
+    logits: &Tensor,
+    targets: &Tensor,
+    scale: f64,
+) -> Result<Tensor> {
+    let (n, vocab) = logits.dims2()?;
+    let dt = logits.dtype();
+    let logits = logits.to_dtype(DType::F32)?;
+    let max = logits.max_keepdim(D::Minus1)?;
+    let z = logits.broadcast_sub(&max)?;
+    let ls = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let p = z.broadcast_sub(&ls)?.exp()?;
+    let onehot = Tensor::arange(0u32, vocab as u32, logits.device())?
+        .unsqueeze(0)?
+        .broadcast_as((n, vocab))?
+        .broadcast_eq(&targets.unsqueeze(1)?)?
+        .to_dtype(DType::F32)?;
+    ((p - onehot)? * scale)?.to_dtype(dt)
 }
 
 #[cfg(test)]

@@ -87,16 +87,27 @@ fn halves(x: &Tensor) -> Result<(Tensor, Tensor)> {
     ))
 }
 
-/// `x: (B, H, T, Dh)` → rotated, same shape.
+/// `x: (B, H, T, Dh)` → rotated, same shape; `cos, sin: (B or 1, 1, T, Dh)`. Fused
+/// ([`crate::fused::rope`]); [`apply_reference`] is the plain formulation.
 pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    crate::fused::rope(x, cos, sin)
+}
+
+/// Backward of [`apply`] (fused: [`crate::fused::rope_bwd`]).
+pub fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    crate::fused::rope_bwd(dy, cos, sin)
+}
+
+/// [`apply`] as candle ops: the reference for the fused op (and differentiable by autograd).
+pub fn apply_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (x1, x2) = halves(x)?;
     let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
     x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
 }
 
-/// Backward of [`apply`]: the rotation's transpose, `dx = dy·cos + rotate_halfᵀ(dy·sin)` with
-/// `rotate_halfᵀ([z1, z2]) = [z2, -z1]`.
-pub fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+/// Backward of [`apply_reference`]: the rotation's transpose, `dx = dy·cos + rotate_halfᵀ(dy·sin)`
+/// with `rotate_halfᵀ([z1, z2]) = [z2, -z1]`.
+pub fn apply_backward_reference(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let z = dy.broadcast_mul(sin)?;
     let (z1, z2) = halves(&z)?;
     let rot_t = Tensor::cat(&[&z2, &z1.neg()?], D::Minus1)?;

@@ -1,6 +1,7 @@
 //! `rtune bench`: training throughput and peak memory on a random model of a given shape (default:
-//! "bench-small", the shape `bench_peft_cpu.py` uses for the PEFT baseline), so the two can be run
-//! side by side. Each step is forward + backward + AdamW, as in training.
+//! "bench-small", the shape `bench_peft_cpu.py` uses for the PEFT baseline; `llama3-8b` for the GPU
+//! benchmark in `benches/gpu/`), so rtune and PEFT can be run side by side. Each step is forward +
+//! backward + AdamW, as in training.
 
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
@@ -8,7 +9,10 @@ use std::time::Instant;
 
 use rtune_lora::{Adapter, LoraSpec};
 use rtune_model::weights::TensorSource;
-use rtune_model::{Arch, Grads, Inputs, LoraCtx, Model, ModelConfig, ModelError, RopeScaling};
+use rtune_model::{
+    Arch, Grads, Inputs, LoraCtx, Model, ModelConfig, ModelError, Quantize, RopeScaling,
+};
+use rtune_quant::Nf4Weight;
 
 use crate::optim::LoraOptimizer;
 use crate::{memory, TrainError};
@@ -28,6 +32,12 @@ pub struct BenchOptions {
     pub steps: usize,
     pub warmup: usize,
     pub gradient_checkpointing: bool,
+    /// `cpu` or `cuda:N` (as `[train] device`).
+    pub device: String,
+    /// `f32 | bf16 | f16`: the compute dtype (LoRA weights and optimizer stay f32).
+    pub dtype: String,
+    /// `none | nf4 | nf4-dq`: the frozen linear layers as QLoRA holds them.
+    pub quantize: String,
 }
 
 impl Default for BenchOptions {
@@ -46,7 +56,53 @@ impl Default for BenchOptions {
             steps: 10,
             warmup: 2,
             gradient_checkpointing: false,
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            quantize: "none".into(),
         }
+    }
+}
+
+impl BenchOptions {
+    /// A named shape: `bench-small` (the default) or `llama3-8b` (Llama 3 8B: hidden 4096, 32
+    /// layers, 32/8 heads, intermediate 14336, vocab 128256; seq 2048, batch 1).
+    pub fn preset(name: &str) -> Option<Self> {
+        match name {
+            "bench-small" => Some(Self::default()),
+            "llama3-8b" => Some(Self {
+                hidden: 4096,
+                layers: 32,
+                heads: 32,
+                kv_heads: 8,
+                intermediate: 14336,
+                vocab: 128_256,
+                seq: 2048,
+                batch: 1,
+                ..Self::default()
+            }),
+            _ => None,
+        }
+    }
+
+    /// Parameters in matmuls (the seven linears of every layer and lm_head): the N of 6N.
+    pub fn matmul_params(&self) -> u64 {
+        let c = model_config(self);
+        let (d, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+        let (q, kv) = (
+            (c.num_heads * c.head_dim) as u64,
+            (c.num_kv_heads * c.head_dim) as u64,
+        );
+        let layer = d * q + 2 * d * kv + q * d + 3 * d * i;
+        c.num_layers as u64 * layer + c.vocab_size as u64 * d
+    }
+
+    /// Training FLOPs per token as PaLM's MFU counts them (Chowdhery et al. 2022, app. B): `6N`
+    /// for the matmuls (forward, input and weight gradients) plus `12·L·T·d` for attention (scores
+    /// and values, non-causal, forward + twice as much backward). Recomputation is not counted.
+    /// benches/gpu/bench_peft_gpu.py counts the same.
+    pub fn flops_per_token(&self) -> f64 {
+        6.0 * self.matmul_params() as f64
+            + 12.0 * (self.layers * self.seq * self.heads * (self.hidden / self.heads)) as f64
     }
 }
 
@@ -57,26 +113,90 @@ pub struct BenchResult {
     pub tokens_per_s: f64,
     pub step_s_median: f64,
     pub step_s: Vec<f64>,
+    /// Peak memory: host RSS on the CPU, the device pool's high-water mark on CUDA.
+    pub peak_memory_bytes: u64,
+    /// Peak resident set of the process (host memory, also on CUDA).
     pub peak_rss_bytes: u64,
-    /// What `rtune estimate` predicts for this shape.
-    pub estimated_peak_bytes: u64,
+    /// What `rtune estimate` predicts for this shape (CPU, f32, unquantized only).
+    pub estimated_peak_bytes: Option<u64>,
     pub rss_after_model_bytes: u64,
     pub threads: usize,
+    pub matmul_params: u64,
+    pub flops_per_token: f64,
+    /// The CBLAS the CPU matmuls went through, if one was loaded.
+    pub blas: Option<String>,
+    pub final_loss: f64,
 }
 
-/// Weights drawn from N(0, 0.02²) (norm weights 1), as transformers initialises a Llama.
+/// Weights drawn from N(0, 0.02²) (norm weights 1), as transformers initialises a Llama; 4-bit
+/// layers are such weights quantized.
 struct RandomWeights {
     dev: Device,
+    dtype: DType,
+    quantize: Quantize,
 }
 
 impl TensorSource for RandomWeights {
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
         let t = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-            Tensor::ones(shape, DType::F32, &self.dev)
+            Tensor::ones(shape, self.dtype, &self.dev)
         } else {
-            Tensor::randn(0f32, 0.02, shape, &self.dev)
+            Tensor::randn(0f32, 0.02, shape, &self.dev).and_then(|t| t.to_dtype(self.dtype))
         };
         t.map_err(|e| ModelError::candle(format!("random {name}"), e))
+    }
+
+    /// Quantizing 7·10⁹ random weights on the CPU would take minutes of an 8B bench; instead one
+    /// tile of 2²⁰ random weights is quantized for real and its codes and scales repeated. The
+    /// tile spans whole nested blocks (64·256 weights), so every block of the result is a block
+    /// bitsandbytes could have produced, and the dequantize kernels do exactly the work they do on
+    /// a real checkpoint.
+    fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Weight>, ModelError> {
+        let Quantize::Nf4 { double_quant } = self.quantize else {
+            return Ok(None);
+        };
+        let err = |source| ModelError::Quant {
+            path: name.into(),
+            source,
+        };
+        const TILE: usize = 1 << 20;
+        let n: usize = shape.iter().product();
+        let tile_t = Tensor::randn(0f32, 0.02, TILE, &Device::Cpu)
+            .and_then(|t| t.to_vec1::<f32>())
+            .map_err(|e| ModelError::candle(format!("random {name}"), e))?;
+        let tile =
+            rtune_quant::quantize::quantize_nf4(&tile_t, &[TILE], double_quant).map_err(err)?;
+        let cycle = |v: &[u8], len: usize| v.iter().copied().cycle().take(len).collect();
+        let blocks = n.div_ceil(tile.blocksize);
+        let absmax = match tile.absmax {
+            rtune_quant::Absmax::Plain(a) => {
+                rtune_quant::Absmax::Plain(a.iter().copied().cycle().take(blocks).collect())
+            }
+            rtune_quant::Absmax::Double {
+                codes,
+                nested_absmax,
+                nested_quant_map,
+                offset,
+                nested_blocksize,
+            } => rtune_quant::Absmax::Double {
+                codes: cycle(&codes, blocks),
+                nested_absmax: nested_absmax
+                    .iter()
+                    .copied()
+                    .cycle()
+                    .take(blocks.div_ceil(nested_blocksize))
+                    .collect(),
+                nested_quant_map,
+                offset,
+                nested_blocksize,
+            },
+        };
+        Ok(Some(Nf4Weight {
+            shape: shape.to_vec(),
+            packed: cycle(&tile.packed, n.div_ceil(2)),
+            absmax,
+            ..tile
+        }))
     }
 }
 
@@ -116,9 +236,29 @@ pub fn run(
     o: &BenchOptions,
     on_step: &mut dyn FnMut(usize, f64, bool),
 ) -> Result<BenchResult, TrainError> {
-    let dev = Device::Cpu;
+    let bad = |m: String| TrainError::Device(format!("rtune bench: {m}"));
+    let dev = crate::setup::device(rtune_config::parse_device(&o.device).map_err(bad)?)?;
+    let dtype = match o.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        other => return Err(bad(format!("--dtype {other}: one of f32, bf16, f16"))),
+    };
+    let quantize = match o.quantize.as_str() {
+        "none" => Quantize::None,
+        "nf4" => Quantize::Nf4 {
+            double_quant: false,
+        },
+        "nf4-dq" => Quantize::Nf4 { double_quant: true },
+        other => return Err(bad(format!("--quantize {other}: one of none, nf4, nf4-dq"))),
+    };
     let cfg = model_config(o);
-    let mut model = Model::build(cfg, &RandomWeights { dev: dev.clone() }, DType::F32, &dev)?;
+    let source = RandomWeights {
+        dev: dev.clone(),
+        dtype,
+        quantize,
+    };
+    let mut model = Model::build_with(cfg, &source, dtype, &dev, quantize)?;
     let spec = LoraSpec::new(o.r, o.alpha, 0.0, false, &["all-linear".to_string()])?;
     let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 0, &dev)?;
     model.attach(&adapter);
@@ -126,6 +266,7 @@ pub fn run(
     let mut opt = LoraOptimizer::new(&adapter, (0.9, 0.999), 1e-8, 0.0)?;
     let n = o.batch * o.seq;
     let mut step_s = Vec::new();
+    let mut final_loss = f64::NAN;
     for step in 0..o.warmup + o.steps {
         // Token ids from a fixed LCG: every position has a target, as in the PEFT bench.
         let ids: Vec<u32> = (0..n as u64)
@@ -153,15 +294,18 @@ pub fn run(
         };
         let inputs = Inputs::new(ids, o.batch, o.seq);
         let n_target = targets.iter().filter(|t| t.is_some()).count() as f64;
-        model.forward_backward(
+        final_loss = model.forward_backward(
             &inputs,
             &targets,
             &lc,
             1.0 / n_target,
             o.gradient_checkpointing,
             &mut grads,
-        )?;
+        )? / n_target;
         opt.step(&mut adapter, &grads, 1e-4, 0.0, 0.0, 1.0)?;
+        // CUDA runs asynchronously: the step ends when the device is done.
+        dev.synchronize()
+            .map_err(|e| ModelError::candle("synchronize", e))?;
         let dt = t0.elapsed().as_secs_f64();
         let timed = step >= o.warmup;
         if timed {
@@ -177,9 +321,15 @@ pub fn run(
         tokens_per_s: n as f64 / step_s_median,
         step_s_median,
         step_s,
+        peak_memory_bytes: memory::peak_bytes(&dev),
         peak_rss_bytes: memory::peak_rss_bytes(),
-        estimated_peak_bytes: estimate(o).peak_bytes,
+        estimated_peak_bytes: (dev.is_cpu() && dtype == DType::F32 && quantize == Quantize::None)
+            .then(|| estimate(o).peak_bytes),
         rss_after_model_bytes,
         threads: candle_core::utils::get_num_threads(),
+        matmul_params: o.matmul_params(),
+        flops_per_token: o.flops_per_token(),
+        blas: rtune_model::blas::loaded().map(str::to_string),
+        final_loss,
     })
 }

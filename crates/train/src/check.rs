@@ -59,19 +59,22 @@ fn runtime(cfg: &RunConfig) -> Check {
     let (fast, names) = simd();
     let (pass, detail) = match device {
         Err(e) => (false, e.to_string()),
-        Ok(_) => (
+        Ok(candle_core::Device::Cpu) => (
             true,
             format!(
-                "cpu, {} threads, SIMD: {}{}",
+                "cpu, {} threads, SIMD: {}{}; BLAS: {}",
                 std::thread::available_parallelism().map_or(1, |n| n.get()),
                 names.join(" "),
                 if fast {
                     ""
                 } else {
                     " (no AVX2/FMA: matrix products will be several times slower)"
-                }
+                },
+                rtune_model::blas::loaded()
+                    .unwrap_or("none (candle's gemm; install libopenblas0 for ~2x faster matmuls)")
             ),
         ),
+        Ok(d) => (true, format!("{:?}", d.location())),
     };
     Check {
         name: "runtime and device",

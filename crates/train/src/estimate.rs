@@ -29,7 +29,7 @@ use rtune_model::ModelConfig;
 
 #[path = "estimate_run.rs"]
 mod run;
-pub use run::{fit_to_data, matmul_workspace_bytes, settings_for};
+pub use run::{fit_to_data, for_run, matmul_workspace_bytes, settings_for};
 
 /// glibc's `M_MMAP_THRESHOLD` as the binary sets it: blocks at least this big are mmapped.
 pub const MMAP_THRESHOLD: u64 = 32 << 20;

@@ -147,3 +147,20 @@ pub fn fit_to_data(s: &mut Settings, examples: &[rtune_data::Example], max_seq_l
     }
     s.runtime_bytes += DATA_PER_TOKEN * total as u64;
 }
+
+/// The estimate of a run about to train on the CPU, fitted to its data: what `rtune estimate`
+/// prints, written into metrics.jsonl and summary.json beside the measured peak. `None` on CUDA
+/// (the estimator models host memory only) or when the settings cannot be read.
+pub fn for_run(
+    cfg: &RunConfig,
+    model: &rtune_model::ModelConfig,
+    examples: &[rtune_data::Example],
+    dev: &candle_core::Device,
+) -> Option<u64> {
+    if !dev.is_cpu() {
+        return None;
+    }
+    let mut s = settings_for(cfg).ok()?;
+    fit_to_data(&mut s, examples, cfg.data.max_seq_len);
+    Some(super::estimate(model, &s).peak_bytes)
+}

@@ -10,7 +10,8 @@
 //! - [`inspect`]: `rtune data inspect` — formatted samples with their loss masks;
 //! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
 //! - [`bench`]: `rtune bench` — training throughput and peak memory on a random model;
-//! - [`memory`]: peak resident memory of this process.
+//! - [`memory`]: peak memory (host RSS; device memory on CUDA);
+//! - [`selftest`]: `rtune selftest` — the CUDA path checked against the CPU.
 
 pub mod bench;
 pub mod check;
@@ -24,6 +25,9 @@ pub mod memory;
 pub mod optim;
 pub mod record;
 pub mod scan;
+pub mod selftest;
+#[cfg(feature = "cuda")]
+mod selftest_cuda;
 mod setup;
 pub mod trainer;
 

@@ -1,4 +1,16 @@
-//! Peak resident set size of this process.
+//! Peak memory: resident set size of this process on the CPU, the device memory pool's
+//! high-water mark on CUDA (see `rtune_kernels::memory`).
+
+/// The peak memory that matters for a run on `dev`: device memory on CUDA, host RSS on the CPU.
+pub fn peak_bytes(dev: &candle_core::Device) -> u64 {
+    match dev.location() {
+        #[cfg(feature = "cuda")]
+        candle_core::DeviceLocation::Cuda { gpu_id } => {
+            rtune_kernels::memory::peak_bytes(gpu_id).unwrap_or(0)
+        }
+        _ => peak_rss_bytes(),
+    }
+}
 
 /// `VmHWM` from /proc/self/status in bytes (Linux); 0 where it cannot be read.
 pub fn peak_rss_bytes() -> u64 {

@@ -54,6 +54,9 @@ pub struct Hardware {
     pub simd: Vec<String>,
     pub os: String,
     pub device: String,
+    /// The CBLAS the CPU matmuls went through (`libopenblas.so.0 (skylakex)`), if any.
+    #[serde(default)]
+    pub blas: Option<String>,
 }
 
 pub fn now() -> String {
@@ -141,6 +144,7 @@ pub fn hardware(device: &str) -> Hardware {
         simd,
         os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
         device: device.to_string(),
+        blas: rtune_model::blas::loaded().map(str::to_string),
     }
 }
 

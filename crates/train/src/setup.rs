@@ -16,12 +16,23 @@ use crate::checkpoint;
 use crate::dataset::{self, RunData};
 use crate::TrainError;
 
-/// The compute device for a config value; CUDA needs a build with the `cuda` feature.
+/// The compute device for a config value. `auto` is the first GPU when this rtune was built with
+/// the `cuda` feature and one opens, else the CPU; `cuda:N` needs that build.
 pub fn device(d: rtune_config::Device) -> Result<Device, TrainError> {
     match d {
-        rtune_config::Device::Auto | rtune_config::Device::Cpu => Ok(Device::Cpu),
+        rtune_config::Device::Cpu => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        rtune_config::Device::Auto => Ok(rtune_model::cuda::open(0).unwrap_or(Device::Cpu)),
+        #[cfg(not(feature = "cuda"))]
+        rtune_config::Device::Auto => Ok(Device::Cpu),
+        #[cfg(feature = "cuda")]
+        rtune_config::Device::Cuda(n) => rtune_model::cuda::open(n).map_err(|e| {
+            TrainError::Device(format!("[train] device = \"cuda:{n}\": cannot open it: {e}"))
+        }),
+        #[cfg(not(feature = "cuda"))]
         rtune_config::Device::Cuda(n) => Err(TrainError::Device(format!(
-            "[train] device = \"cuda:{n}\": this rtune was built without CUDA support (CPU only for now); use \"cpu\""
+            "[train] device = \"cuda:{n}\": this rtune was built without CUDA support; use \"cpu\", \
+             or build with `cargo build --release --features cuda` (see benches/gpu/README.md)"
         ))),
     }
 }

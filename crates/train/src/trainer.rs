@@ -52,8 +52,11 @@ pub struct StepMetrics {
     /// f16 only: the loss scale this step's gradients were computed with.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
-    /// Peak resident memory of the process so far.
+    /// Peak memory so far: resident set of the process on the CPU, device memory on CUDA.
     pub peak_memory_bytes: u64,
+    /// What `rtune estimate` predicted for this run's peak (CPU runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub estimated_peak_bytes: Option<u64>,
     pub elapsed_s: f64,
 }
 
@@ -65,6 +68,8 @@ pub struct Summary {
     /// Median over steps after the first (the first includes warm-up costs).
     pub tokens_per_s: f64,
     pub peak_memory_bytes: u64,
+    /// `rtune estimate`'s prediction of `peak_memory_bytes` (CPU runs).
+    pub estimated_peak_bytes: Option<u64>,
     pub wall_s: f64,
     pub total_tokens: usize,
     pub lora_params: usize,
@@ -182,7 +187,9 @@ pub fn train(
         pad_id,
         settings,
     } = prepare(cfg, &dev)?;
+    model.offload_checkpoints = cfg.offload_checkpoints;
     let dir = cfg.output_dir.clone();
+    let estimated_peak_bytes = crate::estimate::for_run(cfg, &model.cfg, &data.train, &dev);
 
     let resuming = (opts.resume || cfg.resume) && dir.is_dir();
     if opts.resume && !dir.is_dir() {
@@ -424,7 +431,8 @@ pub fn train(
                 tokens_per_s: tokens as f64 / secs.max(1e-9),
                 skipped: !done.applied,
                 loss_scale: scaler.is_some().then_some(loss_scale),
-                peak_memory_bytes: memory::peak_rss_bytes(),
+                peak_memory_bytes: memory::peak_bytes(&dev),
+                estimated_peak_bytes,
                 elapsed_s: wall_before + started.elapsed().as_secs_f64(),
             };
             if step > 1 || cfg.steps == 1 {
@@ -560,7 +568,8 @@ pub fn train(
             steps: cfg.steps,
             final_loss: last_loss,
             tokens_per_s: median(&speeds),
-            peak_memory_bytes: memory::peak_rss_bytes(),
+            peak_memory_bytes: memory::peak_bytes(&dev),
+            estimated_peak_bytes,
             wall_s: wall_before + started.elapsed().as_secs_f64(),
             total_tokens,
             lora_params: adapter.num_params(),

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The final table of run.sh: reads DIR/{selftest,roofline,rtune,peft}.json (any may be missing),
+prints rtune vs PEFT and the goals met / not met, writes DIR/summary.json.
+
+  python report.py --dir $OUT [--preset llama3-8b] [--layers N] [--seq 2048] [--batch 1] [--quick]
+
+Both sides' tokens/s and MFU are computed here the same way: tokens/s = batch*seq / step_s_median,
+MFU = tokens/s * flops_per_token / peak (bench_peft_gpu.flops_per_token and .mfu, the one definition).
+Each JSON's own flops_per_token is checked against that definition for the shape run.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_peft_gpu import PEAK_BF16_FLOPS, PRESETS, flops_per_token, matmul_params, mfu  # noqa: E402
+
+GOAL_SPEEDUP, GOAL_MFU, GOAL_PEAK_BYTES, GOAL_NF4 = 2.5, 0.45, 7.5e9, 0.85
+
+
+def load(d, name):
+    p = os.path.join(d, f"{name}.json")
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        print(f"warning: {p}: {e}")
+        return None
+
+
+def mark(ok):
+    return "n/a" if ok is None else ("met" if ok else "NOT MET")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="smaller shape: memory and MFU goals are n/a")
+    a = ap.parse_args(argv)
+    shape = dict(PRESETS[a.preset])
+    if a.layers:
+        shape["layers"] = a.layers
+    fpt_ref, n_ref = flops_per_token(seq=a.seq, **shape), matmul_params(**shape)
+    st, rl, rt, pf = (load(a.dir, n) for n in ("selftest", "roofline", "rtune", "peft"))
+    notes, sides = [], {}
+
+    for name, j in (("rtune", rt), ("PEFT", pf)):
+        if not j:
+            continue
+        if j.get("step_s_median"):
+            tps = a.batch * a.seq / j["step_s_median"]
+            if j.get("tokens_per_s") and abs(j["tokens_per_s"] / tps - 1) > 0.02:
+                notes.append(f"{name}: its tokens_per_s {j['tokens_per_s']:.0f} != batch*seq/step_s_median {tps:.0f}")
+        else:
+            tps = j.get("tokens_per_s")
+        fpt = j.get("flops_per_token") or fpt_ref
+        if abs(fpt / fpt_ref - 1) > 0.01:
+            notes.append(f"{name}: flops_per_token {fpt:.4g} differs from the definition's {fpt_ref:.4g}; using the latter")
+            fpt = fpt_ref
+        if j.get("matmul_params") and j["matmul_params"] != n_ref:
+            notes.append(f"{name}: matmul_params {j['matmul_params']} != {n_ref} (shape mismatch?)")
+        sides[name] = {"tokens_per_s": tps, "step_s_median": j.get("step_s_median"),
+                       "mfu": mfu(tps, fpt) if tps else None, "peak_memory_bytes": j.get("peak_memory_bytes"),
+                       "peak_memory_reserved_bytes": j.get("peak_memory_reserved_bytes")}
+
+    r, p = sides.get("rtune"), sides.get("PEFT")
+    speedup = r["tokens_per_s"] / p["tokens_per_s"] if r and p and r["tokens_per_s"] and p["tokens_per_s"] else None
+    nf4 = None
+    if st:
+        nf4 = st.get("nf4_vs_copy")
+        if nf4 is None and st.get("nf4_dequant_gb_s") and st.get("copy_gb_s"):
+            nf4 = st["nf4_dequant_gb_s"] / st["copy_gb_s"]
+    checks = (st or {}).get("checks", [])
+    failed = [c.get("name") for c in checks if not c.get("pass")]
+
+    gb = lambda b: "-" if b is None else f"{b / 1e9:.2f} GB"  # noqa: E731
+    print()
+    print(f"=== rtune vs PEFT, {a.preset}{' (quick)' if a.quick else ''}: {shape['layers']} layers, "
+          f"seq {a.seq}, batch {a.batch}, NF4, LoRA r16 all-linear, gradient checkpointing ===")
+    print(f"{'':8s} {'tokens/s':>10s} {'step s':>8s} {'MFU':>7s} {'peak mem':>10s}  {'reserved':>10s}")
+    for name in ("rtune", "PEFT"):
+        s = sides.get(name)
+        if not s:
+            print(f"{name:8s} {'(no result)':>10s}")
+            continue
+        print(f"{name:8s} {s['tokens_per_s']:10.0f} {s['step_s_median'] or 0:8.4f} {s['mfu']:7.1%} "
+              f"{gb(s['peak_memory_bytes']):>10s}  {gb(s['peak_memory_reserved_bytes']):>10s}")
+    if rl:
+        g = rl.get("gemm_8192_tflops")
+        print(f"ceilings: copy {rl.get('copy_gb_s', 0):.0f} GB/s, bf16 GEMM 8192^3 {g} TFLOP/s "
+              f"(= {g * 1e12 / PEAK_BF16_FLOPS:.0%} of the {PEAK_BF16_FLOPS / 1e12:.1f} peak MFU uses)"
+              + (f"; bnb NF4 dequant {rl['bnb_nf4_vs_copy']:.0%} of copy" if rl.get("bnb_nf4_vs_copy") else ""))
+    if st:
+        print(f"selftest: {len(checks) - len(failed)}/{len(checks)} checks pass" + (f"; FAILED: {failed}" if failed else "")
+              + (f"; NF4 dequant {st.get('nf4_dequant_gb_s', 0):.0f} GB/s vs copy {st.get('copy_gb_s', 0):.0f} GB/s"
+                 if st.get("copy_gb_s") else ""))
+    for n in notes:
+        print("note:", n)
+
+    full = not a.quick
+    goals = [
+        ("rtune >= 2.5x PEFT tokens/s", "-" if speedup is None else f"{speedup:.2f}x",
+         None if speedup is None else speedup >= GOAL_SPEEDUP),
+        ("rtune MFU >= 45%", "-" if not r else f"{r['mfu']:.1%}", r["mfu"] >= GOAL_MFU if r and full else None),
+        ("rtune peak <= 7.5 GB", "-" if not r else gb(r["peak_memory_bytes"]),
+         r["peak_memory_bytes"] <= GOAL_PEAK_BYTES if r and full and r["peak_memory_bytes"] else None),
+        ("NF4 dequant >= 85% of copy", "-" if nf4 is None else f"{nf4:.0%}", None if nf4 is None else nf4 >= GOAL_NF4),
+        ("selftest all pass", "-" if not st else f"{len(failed)} failed", None if not st else not failed),
+    ]
+    print(f"\n{'goal':32s} {'value':>10s}  status")
+    for g, v, ok in goals:
+        print(f"{g:32s} {v:>10s}  {mark(ok)}")
+    summary = {"shape": shape, "seq": a.seq, "batch": a.batch, "quick": a.quick, "peak_flops": PEAK_BF16_FLOPS,
+               "flops_per_token": fpt_ref, "sides": sides, "speedup": speedup, "nf4_vs_copy": nf4,
+               "selftest_failed": failed if st else None, "notes": notes,
+               "goals": {g: {"value": v, "status": mark(ok)} for g, v, ok in goals}}
+    with open(os.path.join(a.dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

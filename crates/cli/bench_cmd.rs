@@ -1,0 +1,118 @@
+//! `rtune bench`: throughput and peak memory on a random model (see `rtune_train::bench`).
+
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+
+use rtune_train::bench::BenchOptions;
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// The shape: bench-small (h512 L8 H8/2 I1376 V32000, seq 512, batch 4) or llama3-8b (h4096
+    /// L32 H32/8 I14336 V128256, seq 2048, batch 1). The flags below override its values.
+    #[arg(long, default_value = "bench-small")]
+    preset: String,
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    #[arg(long)]
+    hidden: Option<usize>,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    #[arg(long)]
+    intermediate: Option<usize>,
+    #[arg(long)]
+    vocab: Option<usize>,
+    #[arg(long)]
+    seq: Option<usize>,
+    #[arg(long)]
+    batch: Option<usize>,
+    #[arg(long, default_value_t = 16)]
+    r: usize,
+    /// Recompute each decoder layer in backward instead of keeping its activations.
+    #[arg(long)]
+    gradient_checkpointing: bool,
+    /// cpu or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Compute dtype: f32, bf16 or f16 (LoRA weights and AdamW stay f32).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// The frozen linear layers: none, nf4 or nf4-dq (QLoRA, double-quantized scales).
+    #[arg(long, default_value = "none")]
+    quantize: String,
+    /// Also write the result as JSON to this file.
+    #[arg(long)]
+    json_out: Option<PathBuf>,
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let Some(base) = BenchOptions::preset(&a.preset) else {
+        bail!("--preset {}: one of bench-small, llama3-8b", a.preset);
+    };
+    let o = BenchOptions {
+        hidden: a.hidden.unwrap_or(base.hidden),
+        layers: a.layers.unwrap_or(base.layers),
+        heads: a.heads.unwrap_or(base.heads),
+        kv_heads: a.kv_heads.unwrap_or(base.kv_heads),
+        intermediate: a.intermediate.unwrap_or(base.intermediate),
+        vocab: a.vocab.unwrap_or(base.vocab),
+        seq: a.seq.unwrap_or(base.seq),
+        batch: a.batch.unwrap_or(base.batch),
+        r: a.r,
+        alpha: 2.0 * a.r as f64,
+        steps: a.steps,
+        warmup: a.warmup,
+        gradient_checkpointing: a.gradient_checkpointing,
+        device: a.device,
+        dtype: a.dtype,
+        quantize: a.quantize,
+    };
+    if o.steps == 0
+        || o.heads == 0
+        || o.kv_heads == 0
+        || !o.heads.is_multiple_of(o.kv_heads)
+        || !o.hidden.is_multiple_of(o.heads)
+    {
+        bail!(
+            "bench shape: need steps ≥ 1, heads a multiple of kv_heads, hidden a multiple of heads"
+        );
+    }
+    let res = rtune_train::bench::run(&o, &mut |i, dt, timed| {
+        eprintln!(
+            "step {i:2} {} {dt:7.3}s",
+            if timed { "timed " } else { "warmup" }
+        );
+    })?;
+    let what = if o.device == "cpu" {
+        "peak RSS"
+    } else {
+        "peak device memory"
+    };
+    println!(
+        "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), {what} {:.1} MB, {} threads, BLAS: {}",
+        res.tokens_per_s,
+        res.step_s_median,
+        res.step_s.len(),
+        res.peak_memory_bytes as f64 / 1e6,
+        res.threads,
+        res.blas.as_deref().unwrap_or("none (candle's gemm)")
+    );
+    if let Some(est) = res.estimated_peak_bytes {
+        println!(
+            "memory: estimated peak {:.1} MB, measured {:.1} MB (estimate/measured {:.3})",
+            est as f64 / 1e6,
+            res.peak_memory_bytes as f64 / 1e6,
+            est as f64 / res.peak_memory_bytes.max(1) as f64
+        );
+    }
+    if let Some(p) = a.json_out {
+        std::fs::write(&p, serde_json::to_string_pretty(&res)?)
+            .with_context(|| format!("{}", p.display()))?;
+    }
+    Ok(())
+}

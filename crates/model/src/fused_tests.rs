@@ -1,0 +1,434 @@
+//! Each fused op against its plain candle formulation (the `*_reference` functions beside the call
+//! sites in ops.rs and rope.rs) on fresh random inputs with odd shapes — rows that are not a
+//! multiple of the kernels' 16 lanes, and tensors big enough to be split over several rayon tasks.
+//!
+//! Tolerances:
+//! - f32: `max |fused − plain| ≤ 1e-6 · max |plain|` ([`F32_TOL`]). Both compute in f32; the fused
+//!   op sums a row in another order (16 partial sums), its `exp` is within 2 ulp of libm's, and the
+//!   cross-entropy's backward takes `exp(x − lse)` where the chain takes `exp((x − max) − ln Σ)`
+//!   (an ulp of lse ≈ 10 is 1e-6 of it). Each is a few f32 ulps (6e-8) of the largest entry.
+//! - bf16: the same bf16 inputs into both; each element within [`BF16_ULPS`] bf16 ulps of the plain
+//!   op's (1 ulp = 2^-7 relative). The fused ops round to bf16 exactly where the chain holds a bf16
+//!   tensor, so the results differ only where an f32 intermediate (a row sum, a libm vs polynomial
+//!   exp) falls on the other side of a bf16 rounding boundary — and for SwiGLU, where candle's bf16
+//!   silu rounds three times (exp, 1 + e, division) and the fused op once, as PyTorch does.
+//!   Elements that cancel to below 1/256 of the tensor's largest are compared at that magnitude.
+
+use super::*;
+use crate::{fused, ops, rope as rope_ref};
+use candle_core::{Device, IndexOp};
+
+const F32_TOL: f32 = 1e-6;
+const BF16_ULPS: f32 = 2.0;
+
+fn randn(shape: &[usize], seed: u64, scale: f32) -> Tensor {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// `max |got − want| / max |want|`.
+fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
+    assert_eq!(got.dims(), want.dims());
+    let (g, w) = (flat(got), flat(want));
+    let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    let err = g
+        .iter()
+        .zip(&w)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    err / scale
+}
+
+fn assert_f32(got: &Tensor, want: &Tensor, what: &str) {
+    assert_eq!(got.dtype(), DType::F32, "{what}");
+    let e = rel_err(got, want);
+    eprintln!("{what}: relative error {e:.2e}");
+    assert!(e <= F32_TOL, "{what}: relative error {e:e} > {F32_TOL:e}");
+}
+
+/// The largest difference in bf16 ulps (of the plain value, floored at 1/256 of the largest).
+fn bf16_ulps(got: &Tensor, want: &Tensor) -> f32 {
+    assert_eq!(got.dims(), want.dims());
+    let (g, w) = (flat(got), flat(want));
+    let floor = w.iter().fold(0f32, |m, v| m.max(v.abs())) / 256.0;
+    let ulp = |v: f32| {
+        let v = v.abs().max(floor).max(f32::MIN_POSITIVE);
+        f32::from_bits(v.to_bits() & 0x7f80_0000) / 128.0 // 2^(exponent − 7)
+    };
+    g.iter()
+        .zip(&w)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / ulp(*b)))
+}
+
+fn assert_bf16(got: &Tensor, want: &Tensor, what: &str) {
+    assert_eq!(got.dtype(), DType::BF16, "{what}");
+    let u = bf16_ulps(got, want);
+    let (g, w) = (flat(got), flat(want));
+    let differ = g.iter().zip(&w).filter(|(a, b)| a != b).count();
+    eprintln!(
+        "{what}: {u:.2} bf16 ulps, {differ} of {} elements differ",
+        g.len()
+    );
+    assert!(u <= BF16_ULPS, "{what}: {u} bf16 ulps > {BF16_ULPS}");
+}
+
+fn bf16(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::BF16).unwrap()
+}
+
+#[test]
+fn exp_is_within_2_ulp_of_libm() {
+    let mut worst = 0f32;
+    let mut x = -87.3f32;
+    while x < 88.3 {
+        let (got, want) = (crate::fused_cpu::exp(x), x.exp());
+        worst = worst.max((got - want).abs() / want);
+        x += 0.000_77;
+    }
+    eprintln!("exp: worst relative error {worst:e} against libm");
+    assert!(worst < 2.4e-7, "exp: relative error {worst:e}");
+    let e = crate::fused_cpu::exp;
+    assert_eq!(e(0.0), 1.0);
+    assert_eq!(e(f32::NEG_INFINITY), 0.0);
+    assert_eq!(e(-100.0), 0.0);
+    assert_eq!(e(f32::INFINITY), f32::INFINITY);
+    assert_eq!(e(100.0), f32::INFINITY);
+    assert!(e(f32::NAN).is_nan());
+}
+
+#[test]
+fn rms_norm_matches_plain() {
+    // (7, 37): one task, a 5-element tail; (40, 515): several tasks of 31 rows.
+    for (i, &(n, d)) in [(7, 37), (40, 515)].iter().enumerate() {
+        let s = 10 * i as u64;
+        let x = randn(&[n, d], s + 1, 3.0);
+        let w = randn(&[d], s + 2, 1.5);
+        let dy = randn(&[n, d], s + 3, 1.0);
+        let eps = 1e-5;
+        let y = fused::rms_norm(&x, &w, eps).unwrap();
+        assert_f32(
+            &y,
+            &ops::rms_norm_reference(&x, &w, eps).unwrap(),
+            "rms_norm f32",
+        );
+        let dx = fused::rms_norm_bwd(&dy, &x, &w, eps).unwrap();
+        let want = ops::rms_norm_backward_reference(&dy, &x, &w, eps).unwrap();
+        assert_f32(&dx, &want, "rms_norm_bwd f32");
+
+        let (x, w, dy) = (bf16(&x), bf16(&w), bf16(&dy));
+        let y = fused::rms_norm(&x, &w, eps).unwrap();
+        assert_bf16(
+            &y,
+            &ops::rms_norm_reference(&x, &w, eps).unwrap(),
+            "rms_norm bf16",
+        );
+        let dx = fused::rms_norm_bwd(&dy, &x, &w, eps).unwrap();
+        let want = ops::rms_norm_backward_reference(&dy, &x, &w, eps).unwrap();
+        assert_bf16(&dx, &want, "rms_norm_bwd bf16");
+    }
+}
+
+#[test]
+fn swiglu_matches_plain() {
+    // 13·1377 = 17901 elements: two rayon tasks, the second partial.
+    for (i, shape) in [[3, 7], [13, 1377]].iter().enumerate() {
+        let s = 10 * i as u64;
+        // Gates out to ±12 so σ saturates on both sides.
+        let g = randn(shape, s + 4, 12.0);
+        let u = randn(shape, s + 5, 2.0);
+        let dh = randn(shape, s + 6, 1.0);
+        let h = fused::swiglu(&g, &u).unwrap();
+        assert_f32(&h, &ops::swiglu_reference(&g, &u).unwrap(), "swiglu f32");
+        let (dg, du) = fused::swiglu_bwd(&dh, &g, &u).unwrap();
+        let (wg, wu) = ops::swiglu_backward_reference(&dh, &g, &u).unwrap();
+        assert_f32(&dg, &wg, "swiglu dg f32");
+        assert_f32(&du, &wu, "swiglu du f32");
+        assert!(dg.is_contiguous() && du.is_contiguous());
+
+        let (g, u, dh) = (bf16(&g), bf16(&u), bf16(&dh));
+        let h = fused::swiglu(&g, &u).unwrap();
+        assert_bf16(&h, &ops::swiglu_reference(&g, &u).unwrap(), "swiglu bf16");
+        let (dg, du) = fused::swiglu_bwd(&dh, &g, &u).unwrap();
+        let (wg, wu) = ops::swiglu_backward_reference(&dh, &g, &u).unwrap();
+        assert_bf16(&dg, &wg, "swiglu dg bf16");
+        assert_bf16(&du, &wu, "swiglu du bf16");
+    }
+}
+
+/// `cos, sin: (b, 1, t, dh)` for positions `3 + 2i`.
+fn tables(b: usize, t: usize, dh: usize) -> (Tensor, Tensor) {
+    let inv: Vec<f32> = (0..dh / 2)
+        .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / dh as f32))
+        .collect();
+    let pos: Vec<u32> = (0..b * t).map(|i| 3 + 2 * i as u32).collect();
+    rope_ref::tables(&inv, &pos, b, t, DType::F32, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn rope_matches_plain() {
+    // (2, 3, 5, 6): half 3; (2, 4, 33, 64): 16896 elements, split into row pieces of 256 rows.
+    for (i, &[b, h, t, dh]) in [[2, 3, 5, 6], [2, 4, 33, 64]].iter().enumerate() {
+        let s = 10 * i as u64;
+        let x = randn(&[b, h, t, dh], s + 7, 2.0);
+        let dy = randn(&[b, h, t, dh], s + 8, 1.0);
+        let (cos, sin) = tables(b, t, dh);
+        let y = fused::rope(&x, &cos, &sin).unwrap();
+        assert_f32(
+            &y,
+            &rope_ref::apply_reference(&x, &cos, &sin).unwrap(),
+            "rope f32",
+        );
+        let dx = fused::rope_bwd(&dy, &cos, &sin).unwrap();
+        let want = rope_ref::apply_backward_reference(&dy, &cos, &sin).unwrap();
+        assert_f32(&dx, &want, "rope_bwd f32");
+
+        let (x, dy, cos, sin) = (bf16(&x), bf16(&dy), bf16(&cos), bf16(&sin));
+        let y = fused::rope(&x, &cos, &sin).unwrap();
+        assert_bf16(
+            &y,
+            &rope_ref::apply_reference(&x, &cos, &sin).unwrap(),
+            "rope bf16",
+        );
+        let dx = fused::rope_bwd(&dy, &cos, &sin).unwrap();
+        let want = rope_ref::apply_backward_reference(&dy, &cos, &sin).unwrap();
+        assert_bf16(&dx, &want, "rope_bwd bf16");
+    }
+}
+
+#[test]
+fn rope_broadcasts_a_table_of_batch_one() {
+    let x = randn(&[3, 2, 4, 8], 9, 1.0);
+    let (cos, sin) = tables(1, 4, 8);
+    let y = fused::rope(&x, &cos, &sin).unwrap();
+    assert_f32(
+        &y,
+        &rope_ref::apply_reference(&x, &cos, &sin).unwrap(),
+        "rope batch-1 table",
+    );
+}
+
+#[test]
+fn attention_softmax_matches_plain() {
+    // (1, 2, 3·37, 37): rows with a 5-element tail; (1, 1, 2·130, 130): many rayon tasks. A
+    // causal mask with a window, so rows hold −∞; scale 1/√6 is not exact in bf16 (rounded as
+    // candle does).
+    for (i, &(hkv, g, t)) in [(2, 3, 37), (1, 2, 130)].iter().enumerate() {
+        let s = 10 * i as u64;
+        let raw = randn(&[1, hkv, g * t, t], s + 50, 6.0);
+        let dp = randn(&[1, hkv, g * t, t], s + 51, 1.0);
+        let mask = ops::causal_mask(t, Some(t / 2 + 1), &Device::Cpu).unwrap();
+        let scale = 1.0 / 6f64.sqrt();
+        for (raw, dp) in [(raw.clone(), dp.clone()), (bf16(&raw), bf16(&dp))] {
+            let dt = raw.dtype();
+            let p = fused::attn_softmax(&raw, &mask, scale).unwrap();
+            let want = ops::attention_probs_reference(&raw, &mask, scale).unwrap();
+            // Probabilities are f32 whatever the scores' dtype; bf16 scores scale identically.
+            assert_f32(&p, &want, &format!("attn_softmax {dt:?}"));
+            let ds = fused::attn_softmax_bwd(&want, &dp, scale).unwrap();
+            let want = ops::attention_grad_reference(&want, &dp, scale).unwrap();
+            match dt {
+                DType::F32 => assert_f32(&ds, &want, "attn_softmax_bwd f32"),
+                _ => assert_bf16(&ds, &want, "attn_softmax_bwd bf16"),
+            }
+        }
+    }
+}
+
+/// Random targets in `0..v`, with the first and last ids present.
+fn targets(n: usize, v: usize, seed: u64) -> Tensor {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let mut t: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();
+    t[0] = 0;
+    t[n - 1] = v as u32 - 1;
+    Tensor::new(t.as_slice(), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn cross_entropy_matches_plain() {
+    // (5, 13); (37, 1001): several tasks in both ops, a 9-element tail per row.
+    for (i, &(n, v)) in [(5, 13), (37, 1001)].iter().enumerate() {
+        let s = 10 * i as u64;
+        let logits = randn(&[n, v], s + 10, 8.0);
+        let tgt = targets(n, v, s + 11);
+        for logits in [logits.clone(), bf16(&logits)] {
+            let dt = logits.dtype();
+            let stats = fused::ce_fwd(&logits, &tgt).unwrap();
+            let want = ops::cross_entropy_reference(&logits, &tgt).unwrap();
+            assert_f32(&stats, &want, &format!("ce_fwd {dt:?}"));
+            let lse = stats.i((.., 0)).unwrap();
+            let d = fused::ce_bwd(&logits, &tgt, &lse, 0.37).unwrap();
+            let want = ops::cross_entropy_grad_reference(&logits, &tgt, 0.37).unwrap();
+            match dt {
+                DType::F32 => assert_f32(&d, &want, "ce_bwd f32"),
+                _ => assert_bf16(&d, &want, "ce_bwd bf16"),
+            }
+        }
+    }
+}
+
+#[test]
+fn inputs_at_an_offset_and_strided_inputs() {
+    // A contiguous view at an offset into a larger buffer is read in place.
+    let big = randn(&[9, 37], 20, 2.0);
+    let w = randn(&[37], 21, 1.0);
+    let x = big.narrow(0, 2, 5).unwrap();
+    assert!(x.is_contiguous() && x.layout().start_offset() > 0);
+    let y = fused::rms_norm(&x, &w, 1e-6).unwrap();
+    assert_f32(
+        &y,
+        &ops::rms_norm_reference(&x, &w, 1e-6).unwrap(),
+        "rms_norm at offset",
+    );
+    // The raw op refuses a strided tensor, naming the op and the layout...
+    let xt = randn(&[37, 5], 22, 1.0).t().unwrap();
+    let err = xt.apply_op2_no_bwd(&w, &RmsNorm { eps: 1e-6 }).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("rms_norm: `x` must be contiguous"), "{msg}");
+    // ... and the function copies it first.
+    let y = fused::rms_norm(&xt, &w, 1e-6).unwrap();
+    assert_f32(
+        &y,
+        &ops::rms_norm_reference(&xt, &w, 1e-6).unwrap(),
+        "rms_norm strided",
+    );
+    let g = randn(&[7, 4], 23, 3.0).t().unwrap();
+    let u = randn(&[4, 7], 24, 1.0);
+    let h = fused::swiglu(&g, &u).unwrap();
+    assert_f32(
+        &h,
+        &ops::swiglu_reference(&g, &u).unwrap(),
+        "swiglu strided",
+    );
+}
+
+#[test]
+fn bad_inputs_are_errors() {
+    let x = randn(&[3, 8], 30, 1.0);
+    let msg = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let m = msg(fused::rms_norm(&x, &bf16(&randn(&[8], 31, 1.0)), 1e-6));
+    assert!(m.contains("rms_norm: `w` is BF16 but `x` is F32"), "{m}");
+    let m = msg(fused::rms_norm(&x, &randn(&[7], 31, 1.0), 1e-6));
+    assert!(
+        m.contains("rms_norm: `w` has shape [7], expected [8]"),
+        "{m}"
+    );
+    let m = msg(fused::swiglu(&x, &x.to_dtype(DType::F64).unwrap()));
+    assert!(m.contains("swiglu: `u` is F64"), "{m}");
+    let tgt = Tensor::new(&[1u32, 8, 2], &Device::Cpu).unwrap();
+    let m = msg(fused::ce_fwd(&x, &tgt));
+    assert!(
+        m.contains("target 8 of row 1 is outside the vocabulary of 8"),
+        "{m}"
+    );
+    let (cos, sin) = tables(1, 3, 6);
+    let m = msg(fused::rope(&x.reshape((1, 1, 3, 8)).unwrap(), &cos, &sin));
+    assert!(m.contains("rope: `cos` has shape [1, 1, 3, 6]"), "{m}");
+}
+
+/// The whole chunked cross-entropy (ops.rs) on bf16: the loss and `dh` of the fused path against
+/// the plain chain on the same bf16 hidden states and lm_head.
+#[test]
+fn chunked_cross_entropy_bf16_matches_plain() {
+    let h = bf16(&randn(&[11, 16], 40, 1.0));
+    let w = bf16(&randn(&[50, 16], 41, 2.0));
+    let tgt: Vec<Option<u32>> = (0..11u32)
+        .map(|i| (i % 3 != 1).then_some(i * 7 % 50))
+        .collect();
+    let (loss, dh) = ops::chunked_cross_entropy(&h, &w, &tgt, 0.5, 4).unwrap();
+    let mut want_loss = 0f64;
+    let mut want_dh = h.zeros_like().unwrap().to_dtype(DType::F32).unwrap();
+    for (i, t) in tgt.iter().enumerate() {
+        let Some(t) = *t else { continue };
+        let logits = h.i(i..i + 1).unwrap().matmul(&w.t().unwrap()).unwrap();
+        let tt = Tensor::new(&[t], &Device::Cpu).unwrap();
+        let st = ops::cross_entropy_reference(&logits, &tt).unwrap();
+        want_loss += st.i((0, 1)).unwrap().to_scalar::<f32>().unwrap() as f64;
+        let d = ops::cross_entropy_grad_reference(&logits, &tt, 0.5).unwrap();
+        let row = d.matmul(&w).unwrap().to_dtype(DType::F32).unwrap();
+        want_dh = want_dh.slice_assign(&[i..i + 1, 0..16], &row).unwrap();
+    }
+    assert!(
+        (loss - want_loss).abs() / want_loss < 1e-6,
+        "{loss} vs {want_loss}"
+    );
+    // dh: one bf16 matmul of the same bf16 dlogits in both.
+    assert_bf16(
+        &dh,
+        &want_dh.to_dtype(DType::BF16).unwrap(),
+        "chunked ce dh bf16",
+    );
+}
+
+/// Every op gives the same bits on the AVX-512, AVX2 and baseline paths (no FMA, fixed summation
+/// order), so a run does not depend on the CPU it lands on.
+#[test]
+fn every_instruction_set_gives_the_same_bits() {
+    use crate::fused_cpu::ISA_CAP;
+    use std::sync::atomic::Ordering;
+    let x = randn(&[9, 300], 60, 3.0);
+    let w = randn(&[300], 61, 1.0);
+    let (cos, sin) = tables(2, 5, 64);
+    let q = randn(&[2, 3, 5, 64], 62, 2.0);
+    let logits = randn(&[7, 333], 63, 8.0);
+    let tgt = targets(7, 333, 64);
+    let mask = ops::causal_mask(37, Some(20), &Device::Cpu).unwrap();
+    let sc = randn(&[1, 2, 74, 37], 65, 6.0);
+    let all = |dt: DType| -> Vec<Vec<f32>> {
+        let c = |t: &Tensor| t.to_dtype(dt).unwrap();
+        let (x, w, q, cos, sin, logits, sc) =
+            (c(&x), c(&w), c(&q), c(&cos), c(&sin), c(&logits), c(&sc));
+        let (dg, du) = fused::swiglu_bwd(&x, &x, &w.broadcast_as((9, 300)).unwrap()).unwrap();
+        let stats = fused::ce_fwd(&logits, &tgt).unwrap();
+        let p = fused::attn_softmax(&sc, &mask, 0.3).unwrap();
+        [
+            fused::rms_norm(&x, &w, 1e-5).unwrap(),
+            fused::rms_norm_bwd(&x, &x, &w, 1e-5).unwrap(),
+            fused::swiglu(&x, &x).unwrap(),
+            dg,
+            du,
+            fused::rope(&q, &cos, &sin).unwrap(),
+            fused::rope_bwd(&q, &cos, &sin).unwrap(),
+            fused::ce_bwd(&logits, &tgt, &stats.i((.., 0)).unwrap(), 0.5).unwrap(),
+            stats,
+            fused::attn_softmax_bwd(&p, &sc, 0.3).unwrap(),
+            p,
+        ]
+        .iter()
+        .map(flat)
+        .collect()
+    };
+    for dt in [DType::F32, DType::BF16] {
+        let mut runs = Vec::new();
+        for cap in [2, 1, 0] {
+            ISA_CAP.store(cap, Ordering::Relaxed);
+            runs.push(all(dt));
+        }
+        ISA_CAP.store(2, Ordering::Relaxed);
+        for (i, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{dt:?} op {i}: AVX2"
+            );
+        }
+        for (i, (a, b)) in runs[0].iter().zip(&runs[2]).enumerate() {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{dt:?} op {i}: base"
+            );
+        }
+    }
+}
