@@ -417,11 +417,15 @@ fn train(config: PathBuf, set: Vec<String>, resume: bool, force: bool) -> Result
     let outcome = outcome?;
     match outcome {
         Outcome::Completed(summary) => println!(
-            "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB, {:.1}s; adapter in {}",
+            "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB{}, {:.1}s; adapter in {}",
             summary.steps,
             summary.final_loss,
             summary.tokens_per_s,
             summary.peak_memory_bytes as f64 / 1e6,
+            summary
+                .estimated_peak_bytes
+                .map(|e| format!(" (estimated {:.1} MB)", e as f64 / 1e6))
+                .unwrap_or_default(),
             summary.wall_s,
             summary.output_dir.display()
         ),
