@@ -54,12 +54,19 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     }
     let (budget, source) = match &a.budget {
         Some(b) => (parse_bytes(b)?, "--budget"),
-        None => {
-            if matches!(cfg.device, rtune_config::Device::Cuda(_)) {
-                bail!("[train] device is CUDA: give the device memory with --budget (e.g. 24GiB)");
-            }
-            (mem_available()?, "available RAM")
-        }
+        None => match cfg.device {
+            #[cfg(feature = "cuda")]
+            rtune_config::Device::Cuda(n) => (
+                rtune_train::memory::device_free_bytes(n)?,
+                "free device memory",
+            ),
+            #[cfg(not(feature = "cuda"))]
+            rtune_config::Device::Cuda(_) => bail!(
+                "[train] device is CUDA and this rtune was built without CUDA: give the device \
+                 memory with --budget (e.g. 24GiB)"
+            ),
+            _ => (mem_available()?, "available RAM"),
+        },
     };
     let est = estimate::estimate(&model, &s);
     let fit = estimate::largest_fitting(&model, &s, budget);

@@ -99,7 +99,7 @@ pub struct TrainSection {
     #[serde(default = "d_true")]
     pub gradient_checkpointing: bool,
     /// CUDA with checkpointing: keep the layer inputs in host memory instead of device memory,
-    /// copied back when the backward pass reaches each layer.
+    /// copied out and back on a side stream overlapping with compute.
     #[serde(default)]
     pub offload_checkpoints: bool,
     /// f16 only: initial dynamic loss scale, and clean steps before it doubles (torch's defaults).

@@ -7,6 +7,7 @@
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
+use cudarc::driver::PinnedHostSlice;
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -99,4 +100,105 @@ pub fn open(ordinal: usize) -> Result<Device> {
     let d = Device::new_cuda(ordinal)?;
     rtune_kernels::memory::keep_pool(ordinal).map_err(kerr)?;
     Ok(d)
+}
+
+/// A layer input kept in page-locked host memory ([`Offloader`]).
+pub struct Offloaded {
+    host: HostBuf,
+    dims: Vec<usize>,
+}
+
+enum HostBuf {
+    F32(PinnedHostSlice<f32>),
+    Bf16(PinnedHostSlice<bf16>),
+    F16(PinnedHostSlice<f16>),
+}
+
+/// Moves checkpointed layer inputs to host memory and back on a side stream, so the copies overlap
+/// with the layers computing on candle's stream. cudarc orders the two streams by the events it
+/// records on every buffer once a second stream exists: the copy out waits for the layer that wrote
+/// the input, freeing the device buffer waits for the copy out (stream-ordered, the CPU never
+/// blocks), and the first kernel that reads a restored input waits for its copy in.
+pub struct Offloader {
+    side: Arc<cudarc::driver::CudaStream>,
+    dev: CudaDevice,
+}
+
+impl Offloader {
+    pub fn new(device: &Device) -> Result<Self> {
+        let dev = cuda_device(device)?.clone();
+        let side = dev
+            .cuda_stream()
+            .fork()
+            .map_err(|e| candle_core::Error::Msg(format!("offload stream: {e}")))?;
+        Ok(Self { side, dev })
+    }
+
+    /// Starts copying `x` (contiguous, on the device) to host memory; `x` may be dropped at once.
+    pub fn offload(&self, x: &Tensor) -> Result<Offloaded> {
+        let x = x.contiguous()?;
+        let n = x.elem_count();
+        let (storage, layout) = x.storage_and_layout();
+        let Storage::Cuda(s) = &*storage else {
+            candle_core::bail!("offload: the tensor is not on a CUDA device");
+        };
+        let from = layout.start_offset();
+        let ctx = self.side.context();
+        let derr =
+            |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("offload: {e}"));
+        // SAFETY (each alloc_pinned): the copy enqueued next writes all n elements before any read
+        // (reads of a pinned slice wait for its event).
+        let host = match x.dtype() {
+            DType::F32 => {
+                let mut h = unsafe { ctx.alloc_pinned::<f32>(n) }.map_err(derr)?;
+                let src = s.as_cuda_slice::<f32>()?.slice(from..from + n);
+                self.side.memcpy_dtoh(&src, &mut h).map_err(derr)?;
+                HostBuf::F32(h)
+            }
+            DType::BF16 => {
+                let mut h = unsafe { ctx.alloc_pinned::<bf16>(n) }.map_err(derr)?;
+                let src = s.as_cuda_slice::<bf16>()?.slice(from..from + n);
+                self.side.memcpy_dtoh(&src, &mut h).map_err(derr)?;
+                HostBuf::Bf16(h)
+            }
+            DType::F16 => {
+                let mut h = unsafe { ctx.alloc_pinned::<f16>(n) }.map_err(derr)?;
+                let src = s.as_cuda_slice::<f16>()?.slice(from..from + n);
+                self.side.memcpy_dtoh(&src, &mut h).map_err(derr)?;
+                HostBuf::F16(h)
+            }
+            other => candle_core::bail!("offload: no {other:?} layer inputs"),
+        };
+        Ok(Offloaded {
+            host,
+            dims: x.dims().to_vec(),
+        })
+    }
+
+    /// Starts copying an offloaded input back; the tensor can be used at once (its first reader on
+    /// candle's stream waits for the copy).
+    pub fn restore(&self, o: &Offloaded) -> Result<Tensor> {
+        let derr =
+            |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("restore: {e}"));
+        let storage = match &o.host {
+            HostBuf::F32(h) => CudaStorage::wrap_cuda_slice(
+                self.side.clone_htod(h).map_err(derr)?,
+                self.dev.clone(),
+            ),
+            HostBuf::Bf16(h) => CudaStorage::wrap_cuda_slice(
+                self.side.clone_htod(h).map_err(derr)?,
+                self.dev.clone(),
+            ),
+            HostBuf::F16(h) => CudaStorage::wrap_cuda_slice(
+                self.side.clone_htod(h).map_err(derr)?,
+                self.dev.clone(),
+            ),
+        };
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            o.dims.as_slice(),
+            BackpropOp::none(),
+            false,
+        ))
+    }
 }

@@ -19,6 +19,7 @@ mod fused_cpu;
 #[cfg(feature = "cuda")]
 mod fused_cuda;
 pub mod group;
+mod kept;
 pub mod layer;
 pub mod linear;
 mod model;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use rtune_lora::{Adapter, LoraSpec, ModuleShape};
 
 use crate::config::{HfConfig, ModelConfig};
+use crate::kept::KeptInputs;
 use crate::layer::{BatchCtx, Layer};
 use crate::linear::{Frozen, Grads, Linear, LoraCtx};
 use crate::ops::{self, AttnShape};
@@ -30,7 +31,7 @@ pub struct Model {
     lm_head: Tensor,
     inv_freq: Vec<f32>,
     /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
-    /// pass and back when the backward pass reaches it (synchronous copies, not overlapped).
+    /// pass and comes back one layer ahead of the backward, on a side stream ([`crate::kept`]).
     pub offload_checkpoints: bool,
 }
 
@@ -345,18 +346,14 @@ impl Model {
     ) -> Result<f64> {
         let mut run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
-            let mut inputs = Vec::with_capacity(self.layers.len());
             let mut caches = Vec::with_capacity(self.layers.len());
             let mut x = self.embed(inp)?;
-            let offload = checkpoint && self.offload_checkpoints && !self.device.is_cpu();
+            let offload = checkpoint && self.offload_checkpoints;
+            let mut inputs = KeptInputs::new(&self.device, offload, self.layers.len())?;
             let last = self.layers.len().saturating_sub(1);
             for (i, layer) in self.layers.iter().enumerate() {
                 let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
-                inputs.push(if offload {
-                    x.to_device(&Device::Cpu)?
-                } else {
-                    x
-                });
+                inputs.push(x)?;
                 // The last layer's activations are the first the backward needs: with
                 // checkpointing they are kept rather than recomputed at once (L−1 recomputes).
                 if !checkpoint || i == last {
@@ -374,12 +371,7 @@ impl Model {
             drop(h);
             let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {
-                let x_in = inputs.pop().expect("one input per layer");
-                let x_in = if offload {
-                    x_in.to_device(&self.device)?
-                } else {
-                    x_in
-                };
+                let x_in = inputs.pop()?;
                 let cache = match caches.pop() {
                     Some(c) => c,
                     None => layer.forward(&x_in, &ctx, Some(lora))?.1,

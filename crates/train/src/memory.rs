@@ -12,6 +12,18 @@ pub fn peak_bytes(dev: &candle_core::Device) -> u64 {
     }
 }
 
+/// Free memory of GPU `ordinal` as the driver reports it (`cuMemGetInfo`): the budget
+/// `rtune estimate` fits a CUDA run into.
+#[cfg(feature = "cuda")]
+pub fn device_free_bytes(ordinal: usize) -> Result<u64, crate::TrainError> {
+    // The driver answers for the current context: opening the device makes it current.
+    let _dev = rtune_model::cuda::open(ordinal)
+        .map_err(|e| crate::TrainError::Device(format!("cuda:{ordinal}: {e}")))?;
+    rtune_kernels::memory::free_and_total()
+        .map(|(free, _)| free as u64)
+        .map_err(|e| crate::TrainError::Device(format!("cuda:{ordinal}: {e}")))
+}
+
 /// `VmHWM` from /proc/self/status in bytes (Linux); 0 where it cannot be read.
 pub fn peak_rss_bytes() -> u64 {
     read_status_kib("VmHWM:").map_or(0, |k| k * 1024)
