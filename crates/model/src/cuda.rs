@@ -37,10 +37,12 @@ impl std::fmt::Debug for DeviceNf4 {
     }
 }
 
+/// Kernels loaded so far, one entry per device.
+type Loaded = Mutex<Vec<(candle_core::cuda::DeviceId, Arc<Nf4Kernels>)>>;
+
 /// The dequantize kernels, loaded once per device.
 fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
-    static LOADED: OnceLock<Mutex<Vec<(candle_core::cuda::DeviceId, Arc<Nf4Kernels>)>>> =
-        OnceLock::new();
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
     let mut l = LOADED
         .get_or_init(Default::default)
         .lock()
