@@ -1,5 +1,6 @@
 //! Host side of `kernels/fused.cu`: RMSNorm, SwiGLU, RoPE and cross-entropy, forward and backward,
-//! for f32, bf16 and f16 tensors already on the GPU.
+//! for f32, bf16 and f16 tensors already on the GPU; and of `kernels/attn.cu`, the attention
+//! softmax (its launchers are in `attn.rs`, re-exported here).
 //!
 //! Every launcher takes the stream to run on and views of row-major contiguous buffers (each view
 //! holds at least the elements its shape names; any beyond are ignored), checks the sizes, and
@@ -16,10 +17,11 @@ use half::{bf16, f16};
 use std::sync::{Arc, Mutex};
 
 use crate::fused_ref::Precision;
-use crate::{KernelError, Result, FUSED_PTX};
+use crate::{KernelError, Result, ATTN_PTX, FUSED_PTX};
 
+pub use crate::attn::{attn_softmax_bwd, attn_softmax_fwd};
 pub use crate::fused_check::{
-    check_ce, check_rms_norm, check_rope, check_swiglu, self_test, CheckResult,
+    check_attn_softmax, check_ce, check_rms_norm, check_rope, check_swiglu, self_test, CheckResult,
 };
 
 /// An element type of the fused kernels: f32, bf16, f16.
@@ -67,8 +69,8 @@ impl FusedFloat for f16 {
     }
 }
 
-/// The kernels of `fused.cu`, in [`FusedKernels`]' order.
-const KERNELS: [&str; 8] = [
+/// The kernels of `fused.cu`, then those of `attn.cu`, in [`FusedKernels`]' order (that of `K`).
+const KERNELS: [&str; 10] = [
     "rms_norm_fwd",
     "rms_norm_bwd",
     "swiglu_fwd",
@@ -77,11 +79,15 @@ const KERNELS: [&str; 8] = [
     "rope_bwd",
     "ce_fwd",
     "ce_bwd",
+    "attn_softmax_fwd",
+    "attn_softmax_bwd",
 ];
+/// How many of `KERNELS` are in `fused.ptx` (the rest are in `attn.ptx`).
+const IN_FUSED: usize = 8;
 const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
 
 #[derive(Clone, Copy)]
-enum K {
+pub(crate) enum K {
     RmsFwd,
     RmsBwd,
     SwigluFwd,
@@ -90,9 +96,11 @@ enum K {
     RopeBwd,
     CeFwd,
     CeBwd,
+    AttnFwd,
+    AttnBwd,
 }
 
-/// Every kernel of `kernels/fused.cu`, loaded into one CUDA context.
+/// Every kernel of `kernels/fused.cu` and `kernels/attn.cu`, loaded into one CUDA context.
 pub struct FusedKernels {
     /// `[kernel × 3 + type index]`, kernels as in `KERNELS`, types as [`FusedFloat::INDEX`].
     funcs: Vec<CudaFunction>,
@@ -103,13 +111,18 @@ pub struct FusedKernels {
 static LOADED: Mutex<Vec<(usize, Arc<FusedKernels>)>> = Mutex::new(Vec::new());
 
 impl FusedKernels {
-    /// Loads `fused.ptx` into `ctx` (JIT-compiled by the driver: tens of ms; use [`Self::get`]).
+    /// Loads `fused.ptx` and `attn.ptx` into `ctx` (JIT-compiled by the driver: tens of ms; use
+    /// [`Self::get`]).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = ctx
+        let fused = ctx
             .load_module(Ptx::from_src(FUSED_PTX))
             .map_err(drv("loading fused.ptx"))?;
+        let attn = ctx
+            .load_module(Ptx::from_src(ATTN_PTX))
+            .map_err(drv("loading attn.ptx"))?;
         let mut funcs = Vec::with_capacity(KERNELS.len() * SUFFIXES.len());
-        for k in KERNELS {
+        for (i, k) in KERNELS.into_iter().enumerate() {
+            let module = if i < IN_FUSED { &fused } else { &attn };
             for s in SUFFIXES {
                 funcs.push(
                     module
@@ -133,28 +146,28 @@ impl FusedKernels {
         Ok(k)
     }
 
-    fn f<T: FusedFloat>(&self, k: K) -> &CudaFunction {
+    pub(crate) fn f<T: FusedFloat>(&self, k: K) -> &CudaFunction {
         &self.funcs[k as usize * SUFFIXES.len() + T::INDEX]
     }
 }
 
-fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
+pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
     move |source| KernelError::Driver { op, source }
 }
 
-fn bad(op: &'static str, message: String) -> KernelError {
+pub(crate) fn bad(op: &'static str, message: String) -> KernelError {
     KernelError::Unsupported { op, message }
 }
 
 /// Product of `dims`, or an error on overflow.
-fn numel(op: &'static str, dims: &[usize]) -> Result<usize> {
+pub(crate) fn numel(op: &'static str, dims: &[usize]) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
         .ok_or_else(|| bad(op, format!("shape {dims:?} overflows")))
 }
 
 /// `have` elements must cover the `want` the shape names.
-fn need(op: &'static str, what: &str, have: usize, want: usize) -> Result<()> {
+pub(crate) fn need(op: &'static str, what: &str, have: usize, want: usize) -> Result<()> {
     if have < want {
         return Err(bad(
             op,
@@ -165,7 +178,7 @@ fn need(op: &'static str, what: &str, have: usize, want: usize) -> Result<()> {
 }
 
 /// `v` as a kernel's `int`, with room for `i + step` (≤ 2^30).
-fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
+pub(crate) fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
     if v > 1 << 30 {
         return Err(bad(op, format!("{what} = {v} is over 2^30")));
     }
@@ -173,13 +186,13 @@ fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
 }
 
 /// Elements per 16-byte vector.
-fn vec_width<T>() -> usize {
+pub(crate) fn vec_width<T>() -> usize {
     16 / std::mem::size_of::<T>()
 }
 
 /// One block per row, enough threads for one vector each, in whole warps, at most 1024
 /// (`__launch_bounds__(1024)` in fused.cu).
-fn row_cfg<T>(rows: usize, len: usize) -> LaunchConfig {
+pub(crate) fn row_cfg<T>(rows: usize, len: usize) -> LaunchConfig {
     let threads = len
         .div_ceil(vec_width::<T>())
         .next_multiple_of(32)

@@ -1,5 +1,5 @@
-//! The fused kernels against [`crate::fused_ref`] on fresh random inputs: one `check_*` per op
-//! pair (forward and backward), shared by `tests/fused_cuda.rs` (many shapes) and [`self_test`]
+//! The fused kernels (`fused.cu`, `attn.cu`) against [`crate::fused_ref`] on fresh random inputs:
+//! one `check_*` per op pair (forward and backward), shared by `tests/fused_cuda.rs` (many shapes) and [`self_test`]
 //! (one pass over every kernel, for the GPU benchmark script through the binary).
 //!
 //! Inputs are drawn in f32, rounded to the kernel's type, and the reference runs on the rounded
@@ -24,7 +24,7 @@ pub struct CheckResult {
 
 impl CheckResult {
     fn new<T: FusedFloat>(op: Op, shape: String, got: &[f32], want: &[f32]) -> Self {
-        let p = if op == Op::CeFwd {
+        let p = if op.f32_output() {
             Precision::F32
         } else {
             T::PRECISION
@@ -268,9 +268,69 @@ pub fn check_ce<T: FusedFloat>(
     ])
 }
 
+/// attn_softmax_fwd and attn_softmax_bwd on scores `(heads·tq, tk)` (`heads` = Hkv·G stacked
+/// blocks of `tq` query rows) and a `(tq, tk)` mask: causal, query i at position `tk − tq + i`,
+/// plus row `tq / 2` fully masked when `tq >= 3` (NaN probabilities, as the CPU op). Raw scores
+/// ~ 16·N(0, 1) at scale 1/8 (scaled std 2), dp ~ N(0, 1). attn_softmax_bwd gets the reference's
+/// probabilities, so it is checked on its own.
+pub fn check_attn_softmax<T: FusedFloat>(
+    s: &Arc<CudaStream>,
+    (heads, tq, tk): (usize, usize, usize),
+    offset: usize,
+    seed: u64,
+) -> Result<Vec<CheckResult>> {
+    let (p, mut rng, scale) = (T::PRECISION, Rng::new(seed), 0.125f32);
+    let rows = heads * tq;
+    let mut mask = vec![0f32; tq * tk];
+    for i in 0..tq {
+        let pos = (tk + i).saturating_sub(tq);
+        for (j, m) in mask[i * tk..(i + 1) * tk].iter_mut().enumerate() {
+            if j > pos || (tq >= 3 && i == tq / 2) {
+                *m = f32::NEG_INFINITY;
+            }
+        }
+    }
+    let raw = rng.normals(rows * tk, 16.0, p);
+    let dp = rng.normals(rows * tk, 1.0, p);
+    let want_fwd = fused_ref::attn_softmax_fwd(&raw, &mask, tk, scale, p);
+    let want_bwd = fused_ref::attn_softmax_bwd(&want_fwd, &dp, tk, scale, p);
+
+    let (rd, dpd) = (up::<T>(s, &raw, offset)?, up::<T>(s, &dp, offset)?);
+    let (md, pd) = (
+        up::<f32>(s, &mask, offset)?,
+        up::<f32>(s, &want_fwd, offset)?,
+    );
+    let mut o = out::<f32>(s, rows * tk, offset)?;
+    let (rv, mv) = (rd.slice(offset..), md.slice(offset..));
+    let os = &mut o.slice_mut(offset..);
+    fused::attn_softmax_fwd(s, &rv, &mv, os, rows, tk, tq, scale)?;
+    let mut d = out::<T>(s, rows * tk, offset)?;
+    let ds = &mut d.slice_mut(offset..);
+    fused::attn_softmax_bwd(
+        s,
+        &pd.slice(offset..),
+        &dpd.slice(offset..),
+        ds,
+        rows,
+        tk,
+        scale,
+    )?;
+    let shape = format!("({heads}·{tq}, {tk}){}", at(offset));
+    Ok(vec![
+        CheckResult::new::<T>(
+            Op::AttnSoftmaxFwd,
+            shape.clone(),
+            &down(s, &o, offset)?,
+            &want_fwd,
+        ),
+        CheckResult::new::<T>(Op::AttnSoftmaxBwd, shape, &down(s, &d, offset)?, &want_bwd),
+    ])
+}
+
 /// Every kernel once per type (f32, bf16, f16) on fresh random inputs against the reference:
 /// `(name, max relative error, pass)` per kernel. Shapes: RMSNorm (64, 4096) and an unaligned
-/// (7, 4097); SwiGLU 2^20 + 3; RoPE (2, 8, 65, 128); cross-entropy (16, 32000) and (4, 128256).
+/// (7, 4097); SwiGLU 2^20 + 3; RoPE (2, 8, 65, 128); cross-entropy (16, 32000) and (4, 128256);
+/// attention softmax (32·128, 128) and (2·3, 16384) (rows too long for shared memory).
 /// A few hundred ms on an H100, most of it the CPU reference.
 pub fn self_test(stream: &Arc<CudaStream>) -> Result<Vec<(String, f64, bool)>> {
     let seed = std::time::SystemTime::now()
@@ -293,5 +353,7 @@ fn self_test_type<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> Result<Vec<C
     r.extend(check_rope::<T>(s, (2, 8, 65, 128), 0, seed + 3)?);
     r.extend(check_ce::<T>(s, 16, 32000, 0, seed + 4)?);
     r.extend(check_ce::<T>(s, 4, 128256, 0, seed + 5)?);
+    r.extend(check_attn_softmax::<T>(s, (32, 128, 128), 0, seed + 6)?);
+    r.extend(check_attn_softmax::<T>(s, (2, 3, 16384), 0, seed + 7)?);
     Ok(r)
 }

@@ -1,9 +1,9 @@
-//! Plain-Rust references for the fused kernels of `kernels/fused.cu`, on `&[f32]` slices, and the
-//! comparison (with its tolerances) that `tests/fused_cuda.rs` and `fused::self_test` use.
-//! Always compiled: no CUDA needed.
+//! Plain-Rust references for the fused kernels of `kernels/fused.cu` and `kernels/attn.cu`, on
+//! `&[f32]` slices, and the comparison (with its tolerances) that `tests/fused_cuda.rs` and
+//! `fused::self_test` use. Always compiled: no CUDA needed.
 //!
-//! Each function restates the candle formulation of `crates/model/src/ops.rs` / `rope.rs` step by
-//! step: element-wise steps in f32 in the same order, and wherever ops.rs holds an intermediate as a
+//! Each function restates the candle formulation of `crates/model/src/ops.rs` / `rope.rs` (the
+//! attention softmax: the CPU op of `fused_attn.rs`, which restates ops.rs's chain) step by step: element-wise steps in f32 in the same order, and wherever ops.rs holds an intermediate as a
 //! tensor of the input type (bf16/f16), the value is rounded to that [`Precision`] at the same point.
 //! Reductions (sums over a row) are done in f64, so the reference is the exact sum and the kernels'
 //! f32 sums are measured against it. Inputs must already be representable in the precision (round
@@ -249,6 +249,62 @@ pub fn ce_bwd(
 }
 
 // ---------------------------------------------------------------------------------------------
+// Attention softmax (`crates/model/src/fused_attn.rs`). scores, probs, dp: (rows, t); mask:
+// (mrows, t) additive f32, score row r taking mask row r % mrows.
+
+/// `(rows, t)` f32: `p = softmax(f32(T(raw·T(scale))) + mask)` per row; the scaling rounds as
+/// candle's `raw * scale` on a T tensor, the mask is added in f32, `s − max` is f32, the exps, their
+/// sum and the quotient f64. A fully masked row (all `−inf`) is NaN, as the CPU op.
+pub fn attn_softmax_fwd(
+    scores: &[f32],
+    mask: &[f32],
+    t: usize,
+    scale: f32,
+    p: Precision,
+) -> Vec<f32> {
+    let t1 = t.max(1);
+    let mrows = mask.len() / t1;
+    assert!(mask.len() == mrows * t && mrows > 0 && scores.len().is_multiple_of(mrows * t1));
+    let sc = p.round(scale);
+    let mut out = Vec::with_capacity(scores.len());
+    for (r, row) in scores.chunks_exact(t1).enumerate() {
+        let mr = &mask[(r % mrows) * t..][..t];
+        let s: Vec<f32> = row
+            .iter()
+            .zip(mr)
+            .map(|(&a, &m)| p.round(a * sc) + m)
+            .collect();
+        let top = s
+            .iter()
+            .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+        let e: Vec<f64> = s.iter().map(|&v| ((v - top) as f64).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        out.extend(e.iter().map(|&e| (e / sum) as f32));
+    }
+    out
+}
+
+/// `(rows, t)`: `ds = T((p·(dp − Σ_row dp·p))·scale)`, the row sum in f64 then f32, the rest f32.
+pub fn attn_softmax_bwd(probs: &[f32], dp: &[f32], t: usize, scale: f32, p: Precision) -> Vec<f32> {
+    assert_eq!(probs.len(), dp.len());
+    let t1 = t.max(1);
+    let mut out = Vec::with_capacity(dp.len());
+    for (pr, dr) in probs.chunks_exact(t1).zip(dp.chunks_exact(t1)) {
+        let row = pr
+            .iter()
+            .zip(dr)
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum::<f64>() as f32;
+        out.extend(
+            pr.iter()
+                .zip(dr)
+                .map(|(&a, &b)| p.round(a * (b - row) * scale)),
+        );
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
 // Comparison
 
 /// The ops, for naming results and choosing tolerances.
@@ -262,6 +318,8 @@ pub enum Op {
     RopeBwd,
     CeFwd,
     CeBwd,
+    AttnSoftmaxFwd,
+    AttnSoftmaxBwd,
 }
 
 impl Op {
@@ -275,7 +333,14 @@ impl Op {
             Op::RopeBwd => "rope_bwd",
             Op::CeFwd => "ce_fwd",
             Op::CeBwd => "ce_bwd",
+            Op::AttnSoftmaxFwd => "attn_softmax_fwd",
+            Op::AttnSoftmaxBwd => "attn_softmax_bwd",
         }
+    }
+
+    /// Whether the output is f32 whatever the inputs' type (`ce_fwd`, `attn_softmax_fwd`).
+    pub fn f32_output(self) -> bool {
+        matches!(self, Op::CeFwd | Op::AttnSoftmaxFwd)
     }
 }
 
@@ -301,9 +366,11 @@ pub struct Tolerance {
 ///   intermediates to the type; when their f32 values before a rounding differ in the last f32
 ///   bits, the rounding can land one ulp apart, and the next product carries that into the output,
 ///   which then rounds once more. Plus the f32 terms above for cancelling outputs.
-/// - `ce_fwd` writes f32 whatever the logits' type: the f32 tolerance.
+/// - `ce_fwd` and `attn_softmax_fwd` write f32 whatever the input's type: the f32 tolerance.
+///   (The softmax's scaled scores are rounded to the type exactly alike on both sides: the product
+///   of two bf16/f16 values is exact in f32.)
 pub fn tolerance(op: Op, p: Precision) -> Tolerance {
-    let out = if op == Op::CeFwd { Precision::F32 } else { p };
+    let out = if op.f32_output() { Precision::F32 } else { p };
     let (rtol, atol) = match op {
         Op::RopeFwd | Op::RopeBwd => (1e-6, 1e-6),
         _ => (1e-5, 1e-5),

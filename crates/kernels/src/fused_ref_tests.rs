@@ -209,6 +209,61 @@ fn ce_fwd_is_log_sum_exp_and_ce_bwd_its_gradient() {
 }
 
 #[test]
+fn attn_softmax_is_a_masked_softmax_and_bwd_its_gradient() {
+    let mut rng = Rng::new(7);
+    // 2 heads of 3 query rows over 5 keys; mask row 1 fully masked, row 2 masks key 4.
+    let (tq, tk, scale) = (3, 5, 0.5f32);
+    let mut mask = vec![0f32; tq * tk];
+    mask[tk..2 * tk].fill(f32::NEG_INFINITY);
+    mask[2 * tk + 4] = f32::NEG_INFINITY;
+    let raw = rng.normals(2 * tq * tk, 3.0, F32);
+    let dp = rng.normals(2 * tq * tk, 1.0, F32);
+    let p = attn_softmax_fwd(&raw, &mask, tk, scale, F32);
+    let ds = attn_softmax_bwd(&p, &dp, tk, scale, F32);
+    for r in 0..2 * tq {
+        let (row, m) = (r * tk, (r % tq) * tk);
+        if r % tq == 1 {
+            assert!(p[row..row + tk].iter().all(|v| v.is_nan()), "row {r}");
+            assert!(ds[row..row + tk].iter().all(|v| v.is_nan()), "row {r}");
+            continue;
+        }
+        // L(raw) = Σ dp·softmax(raw·scale + mask), in f64
+        let loss = |x: &[f64]| -> f64 {
+            let s: Vec<f64> = (0..tk)
+                .map(|j| x[j] * scale as f64 + mask[m + j] as f64)
+                .collect();
+            let e: Vec<f64> = s.iter().map(|v| v.exp()).collect();
+            let sum: f64 = e.iter().sum();
+            (0..tk).map(|j| dp[row + j] as f64 * e[j] / sum).sum()
+        };
+        let x = f64s(&raw[row..row + tk]);
+        let e: Vec<f64> = (0..tk)
+            .map(|j| (x[j] * scale as f64 + mask[m + j] as f64).exp())
+            .collect();
+        let sum: f64 = e.iter().sum();
+        for j in 0..tk {
+            assert_close(p[row + j], e[j] / sum, 1e-6, "attn_softmax_fwd");
+            assert_close(ds[row + j], fd(&loss, &x, j), 1e-5, "attn_softmax_bwd");
+        }
+        assert_eq!(p[row + 4] == 0.0, r % tq == 2);
+    }
+    // bf16: the scaled scores round to bf16 (scale too); the outputs of bwd are bf16 values.
+    let b = Precision::Bf16;
+    let rb: Vec<f32> = raw.iter().map(|&v| b.round(v)).collect();
+    let pb = attn_softmax_fwd(&rb, &mask[..tk], tk, 0.3, b);
+    let s: Vec<f32> = rb[..tk]
+        .iter()
+        .map(|&v| b.round(v * b.round(0.3)))
+        .collect();
+    let top = s.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+    let sum: f64 = s.iter().map(|&v| ((v - top) as f64).exp()).sum();
+    assert_eq!(pb[0], (((s[0] - top) as f64).exp() / sum) as f32);
+    let dpb: Vec<f32> = dp.iter().map(|&v| b.round(v)).collect();
+    let dsb = attn_softmax_bwd(&pb, &dpb, tk, 0.3, b);
+    assert!(dsb.iter().all(|&v| b.round(v) == v));
+}
+
+#[test]
 fn compare_applies_the_tolerance() {
     let tol = Tolerance {
         ulps: 2.0,

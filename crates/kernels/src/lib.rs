@@ -9,7 +9,9 @@
 //! - [`fused`] (`kernels/fused.cu`): RMSNorm, SwiGLU, RoPE and chunked cross-entropy, forward and
 //!   backward, for f32/bf16/f16 ([`FusedFloat`]); launchers on cudarc views, the module cached per
 //!   CUDA context. The references are [`fused_ref`]'s (always compiled, plain Rust on f32 slices);
-//!   `tests/fused_cuda.rs` and [`fused::self_test`] compare the two.
+//!   `tests/fused_cuda.rs` and [`fused::self_test`] compare the two. The attention softmax
+//!   (`kernels/attn.cu`, forward and backward) is part of the same set: [`fused::attn_softmax_fwd`],
+//!   [`fused::attn_softmax_bwd`], loaded with the rest by [`FusedKernels`].
 
 #[cfg(feature = "cuda")]
 mod nf4;
@@ -18,6 +20,8 @@ pub use nf4::{
     nf4_dequant_cuda, nf4_dequant_cuda_into, DequantOut, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda,
 };
 
+#[cfg(feature = "cuda")]
+mod attn;
 #[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
@@ -39,6 +43,10 @@ pub const NF4_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nf4.ptx"));
 /// PTX of `kernels/fused.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
 #[cfg(feature = "cuda")]
 pub const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+
+/// PTX of `kernels/attn.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "cuda")]
+pub const ATTN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn.ptx"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

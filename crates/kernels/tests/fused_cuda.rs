@@ -1,4 +1,4 @@
-//! The fused CUDA kernels (`kernels/fused.cu`) against their CPU references (`fused_ref`) on fresh
+//! The fused CUDA kernels (`kernels/fused.cu`, `kernels/attn.cu`) against their CPU references (`fused_ref`) on fresh
 //! random inputs (the seed is printed), for f32, bf16 and f16: every forward and backward, on
 //! shapes with odd and non-multiple-of-8 dims (the scalar path), the model sizes (RMSNorm 4096 and
 //! 8192, head_dim 64/128, vocabularies 32000, 128256, 152064), and buffers starting one element
@@ -15,7 +15,9 @@
 
 use cudarc::driver::{CudaContext, CudaStream};
 use half::{bf16, f16};
-use rtune_kernels::fused::{self, check_ce, check_rms_norm, check_rope, check_swiglu, CheckResult};
+use rtune_kernels::fused::{
+    self, check_attn_softmax, check_ce, check_rms_norm, check_rope, check_swiglu, CheckResult,
+};
 use rtune_kernels::{FusedFloat, FusedKernels};
 use std::sync::Arc;
 
@@ -162,6 +164,35 @@ fn cross_entropy_matches_reference() {
 }
 
 #[test]
+fn attn_softmax_matches_reference() {
+    let Some(s) = gpu("attn_softmax") else {
+        return;
+    };
+    let seed = seed();
+    // (Hkv·G, Tq, Tk), offset: tiny rows, odd lengths (scalar path), Tq < Tk (a key/value cache),
+    // the model's lengths, rows too long for shared memory (12289: scalar, 16384: vector), and
+    // buffers one element into their allocation.
+    let shapes = [
+        ((1, 1, 1), 0),
+        ((3, 5, 5), 0),
+        ((4, 33, 33), 0),
+        ((2, 7, 19), 0),
+        ((8, 64, 64), 0),
+        ((32, 128, 128), 0),
+        ((2, 4, 8192), 0),
+        ((1, 2, 12289), 0),
+        ((2, 3, 16384), 0),
+        ((4, 64, 64), 1),
+    ];
+    let mut all = Vec::new();
+    for (i, &(shape, off)) in shapes.iter().enumerate() {
+        let sd = seed + i as u64;
+        all.extend(each_type!(check_attn_softmax(&s, shape, off, sd)));
+    }
+    report(all);
+}
+
+#[test]
 fn self_test_passes_and_the_module_is_loaded_once() {
     let Some(s) = gpu("self_test") else { return };
     let results = fused::self_test(&s).unwrap();
@@ -171,7 +202,7 @@ fn self_test_passes_and_the_module_is_loaded_once() {
             if *pass { "PASS" } else { "FAIL" }
         );
     }
-    assert_eq!(results.len(), 3 * 12);
+    assert_eq!(results.len(), 3 * 16);
     assert!(results.iter().all(|r| r.2));
     let (a, b) = (
         FusedKernels::get(s.context()).unwrap(),

@@ -1,5 +1,5 @@
 //! Fused ops of the training step: RMSNorm, SwiGLU, rotate-half RoPE, the cross-entropy of a
-//! chunk of rows and (CPU only, in `fused_attn`) the attention softmax, each forward and backward
+//! chunk of rows and (in `fused_attn`) the attention softmax, each forward and backward
 //! as one candle custom op.
 //!
 //! The plain formulation of each (a chain of candle elementwise ops: one allocation and one memory
@@ -9,7 +9,7 @@
 //!
 //! The ops carry no autograd (`apply_op*_no_bwd`): the model has its own backward, so each backward
 //! is a separate op. CPU kernels are in `fused_cpu` (and `fused_attn`); with the `cuda` feature
-//! each op but the attention softmax also runs `rtune_kernels::fused`'s kernels (`fused_cuda`).
+//! each op also runs `rtune_kernels::fused`'s kernels (`fused_cuda`).
 //! Storage may be f32, bf16 or f16 (all tensors of an op the same, except the u32 targets and the
 //! f32 log-sum-exp); arithmetic is f32.
 //! The ops require contiguous inputs (an offset into a larger buffer is fine): the functions below
@@ -246,6 +246,7 @@ macro_rules! cuda_fwd2 {
         }
     };
 }
+pub(crate) use cuda_fwd2;
 
 pub(crate) struct RmsNorm {
     pub(crate) eps: f64,

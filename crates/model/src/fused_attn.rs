@@ -1,8 +1,9 @@
-//! Fused attention softmax, forward and backward, on the CPU (one batch row of
-//! [`crate::ops::attention`] at a time). The plain chain they replace — scale, cast to f32, add the
-//! mask, max, subtract, exp, sum, divide; and `p·(dp − Σ dp·p)·scale` — stays in ops.rs as
-//! [`crate::ops::attention_probs_reference`] / [`crate::ops::attention_grad_reference`] and is what
-//! other devices run (there is no CUDA kernel for these yet).
+//! Fused attention softmax, forward and backward (one batch row of [`crate::ops::attention`] at a
+//! time): the CPU kernels here, and with the `cuda` feature `kernels/attn.cu`'s (`fused_cuda`,
+//! same semantics, restated in `rtune_kernels::fused_ref`). The plain chain they replace — scale,
+//! cast to f32, add the mask, max, subtract, exp, sum, divide; and `p·(dp − Σ dp·p)·scale` — stays
+//! in ops.rs as [`crate::ops::attention_probs_reference`] / [`crate::ops::attention_grad_reference`],
+//! the tests' reference.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType};
@@ -34,8 +35,38 @@ fn rows(l: &Layout) -> (usize, usize) {
     (l.shape().elem_count() / t.max(1), t)
 }
 
-struct AttnSoftmax {
-    scale: f64,
+pub(crate) struct AttnSoftmax {
+    pub(crate) scale: f64,
+}
+
+impl AttnSoftmax {
+    /// `(rows, Tk, mask rows, dtype of the scores)`.
+    pub(crate) fn check(
+        &self,
+        scores: (DType, &Layout),
+        mask: (DType, &Layout),
+    ) -> Result<(usize, usize, usize, DType)> {
+        let op = self.name();
+        let (ls, lm) = (scores.1, mask.1);
+        let dt = float_dtype(op, &[("scores", scores.0)])?;
+        if mask.0 != DType::F32 {
+            bail!("{op}: `mask` must be f32, got {:?}", mask.0);
+        }
+        // The mask's rows repeat down the scores' second-to-last dim (the G query heads of a kv
+        // head are stacked there: G·Tq rows).
+        let (n, tk) = rows(ls);
+        let (mrows, mk) = rows(lm);
+        let stacked = ls.dims().iter().rev().nth(1).copied().unwrap_or(1);
+        if mk != tk || mrows == 0 || stacked % mrows != 0 {
+            bail!(
+                "{op}: `mask` {:?} does not fit scores {:?} \
+                 (want (Tq, {tk}) with Tq dividing {stacked})",
+                lm.dims(),
+                ls.dims()
+            );
+        }
+        Ok((n, tk, mrows, dt))
+    }
 }
 
 impl CustomOp2 for AttnSoftmax {
@@ -51,23 +82,7 @@ impl CustomOp2 for AttnSoftmax {
         lm: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        let dt = float_dtype(op, &[("scores", ss.dtype())])?;
-        if sm.dtype() != DType::F32 {
-            bail!("{op}: `mask` must be f32, got {:?}", sm.dtype());
-        }
-        // The mask's rows repeat down the scores' second-to-last dim (the G query heads of a kv
-        // head are stacked there: G·Tq rows).
-        let (_, tk) = rows(ls);
-        let (mrows, mk) = rows(lm);
-        let stacked = ls.dims().iter().rev().nth(1).copied().unwrap_or(1);
-        if mk != tk || mrows == 0 || stacked % mrows != 0 {
-            bail!(
-                "{op}: `mask` {:?} does not fit scores {:?} \
-                 (want (Tq, {tk}) with Tq dividing {stacked})",
-                lm.dims(),
-                ls.dims()
-            );
-        }
+        let (_, tk, _, dt) = self.check((ss.dtype(), ls), (sm.dtype(), lm))?;
         let mask = slice::<f32>(op, "mask", sm, lm)?;
         let p = by_dtype!(dt, T => softmax_rows::<T>(
             slice(op, "scores", ss, ls)?,
@@ -77,10 +92,36 @@ impl CustomOp2 for AttnSoftmax {
         ));
         Ok((CpuStorage::F32(p), ls.shape().clone()))
     }
+
+    crate::fused::cuda_fwd2!(crate::fused_cuda::attn_softmax);
 }
 
-struct AttnSoftmaxBwd {
-    scale: f64,
+pub(crate) struct AttnSoftmaxBwd {
+    pub(crate) scale: f64,
+}
+
+impl AttnSoftmaxBwd {
+    /// `(rows, T, dtype of dp)`.
+    pub(crate) fn check(
+        &self,
+        p: (DType, &Layout),
+        dp: (DType, &Layout),
+    ) -> Result<(usize, usize, DType)> {
+        let op = self.name();
+        if p.0 != DType::F32 {
+            bail!("{op}: `p` must be f32, got {:?}", p.0);
+        }
+        let dt = float_dtype(op, &[("dp", dp.0)])?;
+        if p.1.shape() != dp.1.shape() {
+            bail!(
+                "{op}: `dp` has shape {:?}, `p` {:?}",
+                dp.1.dims(),
+                p.1.dims()
+            );
+        }
+        let (n, t) = rows(p.1);
+        Ok((n, t, dt))
+    }
 }
 
 impl CustomOp2 for AttnSoftmaxBwd {
@@ -96,14 +137,7 @@ impl CustomOp2 for AttnSoftmaxBwd {
         ld: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let op = self.name();
-        if sp.dtype() != DType::F32 {
-            bail!("{op}: `p` must be f32, got {:?}", sp.dtype());
-        }
-        let dt = float_dtype(op, &[("dp", sd.dtype())])?;
-        if lp.shape() != ld.shape() {
-            bail!("{op}: `dp` has shape {:?}, `p` {:?}", ld.dims(), lp.dims());
-        }
-        let (_, t) = rows(lp);
+        let (_, t, dt) = self.check((sp.dtype(), lp), (sd.dtype(), ld))?;
         let p = slice::<f32>(op, "p", sp, lp)?;
         let ds = by_dtype!(dt, T => T::to_cpu_storage_owned(softmax_bwd_rows::<T>(
             p,
@@ -113,6 +147,8 @@ impl CustomOp2 for AttnSoftmaxBwd {
         )));
         Ok((ds, lp.shape().clone()))
     }
+
+    crate::fused::cuda_fwd2!(crate::fused_cuda::attn_softmax_bwd);
 }
 
 /// Rows of `tk` scores → `p = softmax(f32(T(s·T(scale))) + mask)` in f32, row `r` taking mask row

@@ -1,4 +1,5 @@
-//! CUDA side of the fused ops ([`crate::fused`]): each op's `cuda_fwd` checks shapes and dtypes
+//! CUDA side of the fused ops ([`crate::fused`], and the attention softmax of
+//! [`crate::fused_attn`]): each op's `cuda_fwd` checks shapes and dtypes
 //! with the same `check` as the CPU path, allocates the output on the input's device and launches
 //! `rtune_kernels::fused`'s kernel for the dtype on candle's stream (so it is ordered with every
 //! other candle op). Inputs must be contiguous; an offset into a larger buffer is a sub-view.
@@ -17,6 +18,7 @@ use std::sync::Arc;
 use crate::fused::{
     by_dtype, contiguous, CeBwd, CeFwd, RmsNorm, RmsNormBwd, Rope, Swiglu, SwigluBwd,
 };
+use crate::fused_attn::{AttnSoftmax, AttnSoftmaxBwd};
 
 /// The kernels' error as a candle error naming the op.
 fn kerr(op: &'static str) -> impl FnOnce(rtune_kernels::KernelError) -> Error {
@@ -308,4 +310,77 @@ pub(crate) fn ce_bwd(
     }
     let d = by_dtype!(dt, T => run::<T>(sl, ll, st, lt, slse, llse, op.scale, (n, v))?);
     Ok((d, ll.shape().clone()))
+}
+
+pub(crate) fn attn_softmax(
+    op: &AttnSoftmax,
+    ss: &CudaStorage,
+    ls: &Layout,
+    sm: &CudaStorage,
+    lm: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (rows, t, mrows, dt) = op.check((ss.dtype(), ls), (sm.dtype(), lm))?;
+    #[allow(clippy::too_many_arguments)]
+    fn run<T: CudaDType + FusedFloat + DeviceRepr>(
+        ss: &CudaStorage,
+        ls: &Layout,
+        sm: &CudaStorage,
+        lm: &Layout,
+        scale: f32,
+        (rows, t, mrows): (usize, usize, usize),
+    ) -> Result<CudaStorage> {
+        let dev = &ss.device;
+        let op = "attn_softmax";
+        let mut p = output::<f32>(dev, rows * t)?;
+        k::attn_softmax_fwd::<T>(
+            &stream(dev),
+            &view::<T>(op, "scores", ss, ls)?,
+            &view::<f32>(op, "mask", sm, lm)?,
+            &mut p.as_view_mut(),
+            rows,
+            t,
+            mrows,
+            scale,
+        )
+        .map_err(kerr(op))?;
+        Ok(CudaStorage::wrap_cuda_slice(p, dev.clone()))
+    }
+    let (scale, dims) = (op.scale as f32, (rows, t, mrows));
+    let p = by_dtype!(dt, T => run::<T>(ss, ls, sm, lm, scale, dims)?);
+    Ok((p, ls.shape().clone()))
+}
+
+pub(crate) fn attn_softmax_bwd(
+    op: &AttnSoftmaxBwd,
+    sp: &CudaStorage,
+    lp: &Layout,
+    sd: &CudaStorage,
+    ld: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (rows, t, dt) = op.check((sp.dtype(), lp), (sd.dtype(), ld))?;
+    fn run<T: CudaDType + FusedFloat + DeviceRepr>(
+        sp: &CudaStorage,
+        lp: &Layout,
+        sd: &CudaStorage,
+        ld: &Layout,
+        scale: f32,
+        (rows, t): (usize, usize),
+    ) -> Result<CudaStorage> {
+        let dev = &sp.device;
+        let op = "attn_softmax_bwd";
+        let mut ds = output::<T>(dev, rows * t)?;
+        k::attn_softmax_bwd::<T>(
+            &stream(dev),
+            &view::<f32>(op, "p", sp, lp)?,
+            &view::<T>(op, "dp", sd, ld)?,
+            &mut ds.as_view_mut(),
+            rows,
+            t,
+            scale,
+        )
+        .map_err(kerr(op))?;
+        Ok(CudaStorage::wrap_cuda_slice(ds, dev.clone()))
+    }
+    let ds = by_dtype!(dt, T => run::<T>(sp, lp, sd, ld, op.scale as f32, (rows, t))?);
+    Ok((ds, lp.shape().clone()))
 }

@@ -196,8 +196,7 @@ pub fn keep_probs(s: &AttnShape) -> bool {
 /// Attention probabilities of batch row `i`, f32: `(1, Hkv, G·T, T)` = softmax of the masked,
 /// scaled scores. One batch row at a time: the scores of a row are B times smaller than the
 /// batch's, so they stay under the allocator's mmap threshold and are reused rather than faulted in
-/// fresh. Fused on the CPU ([`crate::fused::attn_softmax`]); [`attention_probs_reference`] on other
-/// devices (no CUDA kernel yet).
+/// fresh. Fused ([`crate::fused::attn_softmax`]: CPU, and `kernels/attn.cu` on CUDA).
 fn row_probs(q: &Tensor, k: &Tensor, mask: &Tensor, s: &AttnShape, i: usize) -> Result<Tensor> {
     let mask_i = if mask.dim(0)? == s.b && s.b > 1 {
         mask.narrow(0, i, 1)?
@@ -207,11 +206,7 @@ fn row_probs(q: &Tensor, k: &Tensor, mask: &Tensor, s: &AttnShape, i: usize) -> 
     let scale = 1.0 / (s.head_dim as f64).sqrt();
     // (1, Hkv, G·T, Dh)·(1, Hkv, Dh, T) -> (1, Hkv, G·T, T) in the compute dtype
     let raw = mm(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?.t()?)?;
-    if raw.device().is_cpu() {
-        crate::fused::attn_softmax(&raw, &mask_i, scale)
-    } else {
-        attention_probs_reference(&raw, &mask_i, scale)
-    }
+    crate::fused::attn_softmax(&raw, &mask_i, scale)
 }
 
 /// `softmax(f32(raw·scale) + mask)` as candle ops: the reference for
@@ -272,11 +267,7 @@ pub fn attention_backward(
         dvs.push(mm(&p.t()?, &d_oi)?);
         // dp: (1, Hkv, G·T, T) in the compute dtype; softmax backward in f32.
         let dp = mm(&d_oi, &c.v.narrow(0, i, 1)?.t()?)?;
-        let ds = if dp.device().is_cpu() {
-            crate::fused::attn_softmax_bwd(&pf, &dp, scale)?
-        } else {
-            attention_grad_reference(&pf, &dp, scale)?
-        };
+        let ds = crate::fused::attn_softmax_bwd(&pf, &dp, scale)?;
         dqs.push(mm(&ds, &c.k.narrow(0, i, 1)?)?); // (1, Hkv, G·T, Dh)
         dks.push(mm(&ds.t()?, &c.q.narrow(0, i, 1)?)?); // (1, Hkv, T, Dh)
     }
