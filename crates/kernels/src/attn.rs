@@ -6,7 +6,8 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
-use crate::fused::{bad, drv, int, need, numel, row_cfg, FusedFloat, FusedKernels, K};
+use crate::drv;
+use crate::fused::{bad, int, need, numel, row_cfg, FusedFloat, FusedKernels, K};
 use crate::Result;
 
 /// The longest row whose scores the forward keeps in shared memory (`t·4` bytes within the 48 KiB a

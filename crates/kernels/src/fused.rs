@@ -17,7 +17,7 @@ use half::{bf16, f16};
 use std::sync::{Arc, Mutex};
 
 use crate::fused_ref::Precision;
-use crate::{KernelError, Result, ATTN_PTX, FUSED_PTX};
+use crate::{drv, KernelError, Result, ATTN_PTX, FUSED_PTX};
 
 pub use crate::attn::{attn_softmax_bwd, attn_softmax_fwd};
 pub use crate::fused_check::{
@@ -149,10 +149,6 @@ impl FusedKernels {
     pub(crate) fn f<T: FusedFloat>(&self, k: K) -> &CudaFunction {
         &self.funcs[k as usize * SUFFIXES.len() + T::INDEX]
     }
-}
-
-pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
-    move |source| KernelError::Driver { op, source }
 }
 
 pub(crate) fn bad(op: &'static str, message: String) -> KernelError {

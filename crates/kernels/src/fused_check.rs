@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::fused::{self, FusedFloat};
 use crate::fused_ref::{self, Comparison, Op, Precision, Rng};
-use crate::{KernelError, Result};
+use crate::{drv, Result};
 
 /// One kernel's comparison with its reference.
 #[derive(Debug, Clone)]
@@ -49,10 +49,6 @@ impl CheckResult {
             c.want
         )
     }
-}
-
-fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
-    move |source| KernelError::Driver { op, source }
 }
 
 /// `v` as `T` on the GPU, `offset` zeros first.

@@ -63,3 +63,9 @@ pub enum KernelError {
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// Maps a driver error to [`KernelError::Driver`] naming the operation.
+#[cfg(feature = "cuda")]
+pub(crate) fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
+    move |source| KernelError::Driver { op, source }
+}

@@ -10,11 +10,7 @@ use cudarc::driver::result::{self, device};
 use cudarc::driver::sys::{CUmemPool_attribute, CUmemoryPool};
 use std::ffi::c_void;
 
-use crate::{KernelError, Result};
-
-fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
-    move |source| KernelError::Driver { op, source }
-}
+use crate::{drv, Result};
 
 fn pool(ordinal: usize) -> Result<CUmemoryPool> {
     let dev = device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;

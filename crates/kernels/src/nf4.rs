@@ -9,15 +9,11 @@ use half::{bf16, f16};
 use rtune_quant::{Absmax, Nf4Weight, BLOCKSIZE};
 use std::sync::Arc;
 
-use crate::{KernelError, Result, NF4_PTX};
+use crate::{drv, KernelError, Result, NF4_PTX};
 
 /// Outputs written by one thread (8 packed bytes); see the work split in `kernels/nf4.cu`.
 const PER_THREAD: usize = 16;
 const THREADS: u32 = 256;
-
-fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
-    move |source| KernelError::Driver { op, source }
-}
 
 /// An output element type of the dequantize kernels.
 pub trait DequantOut: DeviceRepr + ValidAsZeroBits + Copy {

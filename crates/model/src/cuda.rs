@@ -18,6 +18,10 @@ fn kerr(e: rtune_kernels::KernelError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
+fn derr(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> candle_core::Error + Copy {
+    move |e| candle_core::Error::Msg(format!("{op}: {e}"))
+}
+
 /// The CUDA device behind a candle device.
 pub fn cuda_device(d: &Device) -> Result<&CudaDevice> {
     match d {
@@ -129,10 +133,7 @@ pub struct Offloader {
 impl Offloader {
     pub fn new(device: &Device) -> Result<Self> {
         let dev = cuda_device(device)?.clone();
-        let side = dev
-            .cuda_stream()
-            .fork()
-            .map_err(|e| candle_core::Error::Msg(format!("offload stream: {e}")))?;
+        let side = dev.cuda_stream().fork().map_err(derr("offload stream"))?;
         Ok(Self { side, dev })
     }
 
@@ -146,8 +147,7 @@ impl Offloader {
         };
         let from = layout.start_offset();
         let ctx = self.side.context();
-        let derr =
-            |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("offload: {e}"));
+        let derr = derr("offload");
         // SAFETY (each alloc_pinned): the copy enqueued next writes all n elements before any read
         // (reads of a pinned slice wait for its event).
         let host = match x.dtype() {
@@ -180,8 +180,7 @@ impl Offloader {
     /// Starts copying an offloaded input back; the tensor can be used at once (its first reader on
     /// candle's stream waits for the copy).
     pub fn restore(&self, o: &Offloaded) -> Result<Tensor> {
-        let derr =
-            |e: cudarc::driver::DriverError| candle_core::Error::Msg(format!("restore: {e}"));
+        let derr = derr("restore");
         let storage = match &o.host {
             HostBuf::F32(h) => CudaStorage::wrap_cuda_slice(
                 self.side.clone_htod(h).map_err(derr)?,

@@ -353,11 +353,13 @@ impl Model {
             let last = self.layers.len().saturating_sub(1);
             for (i, layer) in self.layers.iter().enumerate() {
                 let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
-                inputs.push(x)?;
-                // The last layer's activations are the first the backward needs: with
-                // checkpointing they are kept rather than recomputed at once (L−1 recomputes).
+                // A layer keeps either its activations or (checkpointing) only its input. The last
+                // layer's activations are the first the backward needs: they are kept rather than
+                // recomputed at once (L−1 recomputes).
                 if !checkpoint || i == last {
                     caches.push(cache);
+                } else {
+                    inputs.push(x)?;
                 }
                 x = out;
             }
@@ -371,10 +373,9 @@ impl Model {
             drop(h);
             let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {
-                let x_in = inputs.pop()?;
                 let cache = match caches.pop() {
                     Some(c) => c,
-                    None => layer.forward(&x_in, &ctx, Some(lora))?.1,
+                    None => layer.forward(&inputs.pop()?, &ctx, Some(lora))?.1,
                 };
                 match layer.backward(&dx, &cache, &ctx, Some(lora), grads, i > 0)? {
                     Some(d) => dx = d,

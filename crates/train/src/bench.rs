@@ -134,6 +134,8 @@ struct RandomWeights {
     dev: Device,
     dtype: DType,
     quantize: Quantize,
+    /// The quantized tile every 4-bit weight repeats (made on first use).
+    tile: std::sync::OnceLock<Nf4Weight>,
 }
 
 impl TensorSource for RandomWeights {
@@ -147,7 +149,7 @@ impl TensorSource for RandomWeights {
     }
 
     /// Quantizing 7·10⁹ random weights on the CPU would take minutes of an 8B bench; instead one
-    /// tile of 2²⁰ random weights is quantized for real and its codes and scales repeated. The
+    /// tile of 2²⁰ random weights is quantized for real, once, and its codes and scales repeated. The
     /// tile spans whole nested blocks (64·256 weights), so every block of the result is a block
     /// bitsandbytes could have produced, and the dequantize kernels do exactly the work they do on
     /// a real checkpoint.
@@ -161,11 +163,17 @@ impl TensorSource for RandomWeights {
         };
         const TILE: usize = 1 << 20;
         let n: usize = shape.iter().product();
-        let tile_t = Tensor::randn(0f32, 0.02, TILE, &Device::Cpu)
-            .and_then(|t| t.to_vec1::<f32>())
-            .map_err(|e| ModelError::candle(format!("random {name}"), e))?;
-        let tile =
-            rtune_quant::quantize::quantize_nf4(&tile_t, &[TILE], double_quant).map_err(err)?;
+        let tile = match self.tile.get() {
+            Some(t) => t.clone(),
+            None => {
+                let values = Tensor::randn(0f32, 0.02, TILE, &Device::Cpu)
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(|e| ModelError::candle(format!("random {name}"), e))?;
+                let t = rtune_quant::quantize::quantize_nf4(&values, &[TILE], double_quant)
+                    .map_err(err)?;
+                self.tile.get_or_init(|| t).clone()
+            }
+        };
         let cycle = |v: &[u8], len: usize| v.iter().copied().cycle().take(len).collect();
         let blocks = n.div_ceil(tile.blocksize);
         let absmax = match tile.absmax {
@@ -257,6 +265,7 @@ pub fn run(
         dev: dev.clone(),
         dtype,
         quantize,
+        tile: Default::default(),
     };
     let mut model = Model::build_with(cfg, &source, dtype, &dev, quantize)?;
     let spec = LoraSpec::new(o.r, o.alpha, 0.0, false, &["all-linear".to_string()])?;
