@@ -113,7 +113,7 @@ impl DataSection {
             options
                 .iter()
                 .position(|o| *o == v)
-                .ok_or_else(|| bad(key, format!("`{v}` is not one of {}", options.join(", "))))
+                .ok_or_else(|| bad(key, crate::suggest::not_one_of(v, options)))
         };
         let files = match &self.train {
             TrainFiles::One(p) => vec![TrainFile::Path(p.clone())],

@@ -266,9 +266,14 @@ impl ConfigFile {
             message: e.to_string(),
         })?;
         let de = toml::Deserializer::new(&merged);
-        serde_path_to_error::deserialize(de).map_err(|e| ConfigError::Override {
-            set: last,
-            message: format!("{}: {}", e.path(), e.inner().message()),
+        serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = e.path().to_string();
+            let message = e.inner().message();
+            ConfigError::Override {
+                set: last,
+                message: crate::suggest::unknown_field(&key, message)
+                    .unwrap_or_else(|| format!("{key}: {message}")),
+            }
         })
     }
 }
@@ -286,6 +291,17 @@ fn located(text: &str, path: &Path, key: &str, e: toml::de::Error) -> ConfigErro
         Some(span) => line_col(text, span.start),
         None => (1, 1),
     };
+    let message = e.message().trim();
+    // An unknown key: one short line naming it in full, with the closest allowed name.
+    if let Some(message) = crate::suggest::unknown_field(key, message) {
+        return ConfigError::Parse {
+            path: path.to_path_buf(),
+            line,
+            col,
+            key: String::new(),
+            message,
+        };
+    }
     let key = if key.is_empty() || key == "." {
         String::new()
     } else {
@@ -296,7 +312,7 @@ fn located(text: &str, path: &Path, key: &str, e: toml::de::Error) -> ConfigErro
         line,
         col,
         key,
-        message: e.message().trim().to_string(),
+        message: message.to_string(),
     }
 }
 
@@ -347,6 +363,22 @@ mod tests {
             .to_string();
         assert!(e.starts_with("x.toml:7:"), "{e}");
         assert!(e.contains("learning_rate"), "{e}");
+        // One short line naming the key in full, the closest field, and not the list of 22.
+        let text = format!("{MIN}[train]\nlr_rate = 1.0\n");
+        let e = ConfigFile::parse(&text, Path::new("x.toml"), &[])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e, "x.toml:6:1: unknown key `train.lr_rate` (did you mean `lr`?)",
+            "{e}"
+        );
+        let e = ConfigFile::parse(&format!("{MIN}[trian]\n"), Path::new("x.toml"), &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.ends_with("unknown key `trian` (did you mean `train`?)"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -376,5 +408,11 @@ mod tests {
         let unknown =
             ConfigFile::parse(MIN, Path::new("x.toml"), &["train.nope=1".into()]).unwrap_err();
         assert!(unknown.to_string().contains("nope"), "{unknown}");
+        let typo =
+            ConfigFile::parse(MIN, Path::new("x.toml"), &["train.stpes=1".into()]).unwrap_err();
+        assert_eq!(
+            typo.to_string(),
+            "--set train.stpes=1: unknown key `train.stpes` (did you mean `steps`?)"
+        );
     }
 }

@@ -8,6 +8,7 @@
 mod data;
 mod file;
 mod run;
+mod suggest;
 
 pub use data::{
     default_cache_dir, DataConfig, DataSection, RowFormat, TrainFile, TrainFiles, WeightedFile,
@@ -44,6 +45,20 @@ pub enum ConfigError {
         key: String,
         message: String,
     },
+}
+
+impl ConfigError {
+    /// Whether the user's input is at fault (exit status 2), as `HubError::is_input_error` and
+    /// `ExportError::is_input_error` say for theirs: every config error is — an unreadable file,
+    /// a syntax error, an unknown key, a bad `--set`, a value out of range.
+    pub fn is_input_error(&self) -> bool {
+        match self {
+            ConfigError::Read { .. }
+            | ConfigError::Parse { .. }
+            | ConfigError::Override { .. }
+            | ConfigError::Invalid { .. } => true,
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, ConfigError>;

@@ -102,7 +102,7 @@ impl ConfigFile {
             other => {
                 return Err(bad(
                     "model.dtype",
-                    format!("`{other}` is not one of f32, bf16, f16"),
+                    crate::suggest::not_one_of(other, &["f32", "bf16", "f16"]),
                 ))
             }
         };
@@ -112,7 +112,7 @@ impl ConfigFile {
             other => {
                 return Err(bad(
                     "model.quantize",
-                    format!("`{other}` is not one of none, nf4"),
+                    crate::suggest::not_one_of(other, &["none", "nf4"]),
                 ))
             }
         };
@@ -177,7 +177,7 @@ impl ConfigFile {
             other => {
                 return Err(bad(
                     "train.schedule",
-                    format!("`{other}` is not one of constant, linear, cosine"),
+                    crate::suggest::not_one_of(other, &["constant", "linear", "cosine"]),
                 ))
             }
         };
@@ -248,7 +248,7 @@ impl ConfigFile {
             other => {
                 return Err(bad(
                     "output.resume",
-                    format!("`{other}` is not one of never, auto"),
+                    crate::suggest::not_one_of(other, &["never", "auto"]),
                 ))
             }
         };
@@ -258,7 +258,7 @@ impl ConfigFile {
             other => {
                 return Err(bad(
                     "output.on_save_error",
-                    format!("`{other}` is not one of stop, continue"),
+                    crate::suggest::not_one_of(other, &["stop", "continue"]),
                 ))
             }
         };
@@ -320,7 +320,10 @@ pub fn parse_device(s: &str) -> std::result::Result<Device, String> {
         "cuda" => Ok(Device::Cuda(0)),
         other => match other.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(n)) => Ok(Device::Cuda(n)),
-            _ => Err(format!("`{other}` is not one of auto, cpu, cuda:N")),
+            _ => Err(crate::suggest::not_one_of(
+                other,
+                &["auto", "cpu", "cuda:N"],
+            )),
         },
     }
 }
@@ -367,5 +370,23 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{extra}: {e}");
         }
+    }
+
+    #[test]
+    fn bad_enum_value_suggests_the_closest() {
+        let text = "[model]\npath = \"m\"\nquantize = \"nf\"\n[data]\ntrain = \"d\"\n[train]\nschedule = \"cosin\"\n";
+        let e = ConfigFile::parse(text, Path::new("c.toml"), &[])
+            .and_then(|f| f.validate(Path::new("c.toml")))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "c.toml: [model.quantize] `nf` is not one of none, nf4 (did you mean `nf4`?)"
+        );
+        let e = ConfigFile::parse(&text.replace("\"nf\"", "\"nf4\""), Path::new("c.toml"), &[])
+            .and_then(|f| f.validate(Path::new("c.toml")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("(did you mean `cosine`?)"), "{e}");
     }
 }
