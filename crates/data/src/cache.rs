@@ -240,8 +240,14 @@ fn stream(
                     eof = true;
                     break;
                 }
-                let s = String::from_utf8(buf)
-                    .map_err(|_| io_err(source, format!("line {line}: not valid UTF-8")))?;
+                let s = String::from_utf8(buf).map_err(|e| DataError::Row {
+                    path: source.to_path_buf(),
+                    line,
+                    message: format!(
+                        "not valid UTF-8 (byte {} of the line); save the file as UTF-8",
+                        e.utf8_error().valid_up_to() + 1
+                    ),
+                })?;
                 text.push_str(&s);
                 if !s.ends_with('\n') {
                     text.push('\n');

@@ -94,6 +94,8 @@ impl Conversation {
     /// Parses and checks one JSONL row (`{"messages": [...], "tools"?: [...]}`); the error says
     /// what is wrong (the caller adds `file:line`). See also [`Conversation::check_trainable`].
     pub fn from_json(row: &str) -> Result<Self, String> {
+        // A byte-order mark at the start of the line is accepted, as for every JSONL row.
+        let row = row.strip_prefix('\u{feff}').unwrap_or(row);
         let v: Value = serde_json::from_str(row).map_err(|e| format!("not valid JSON: {e}"))?;
         Self::from_value(&v)
     }

@@ -160,8 +160,22 @@ fn detect(obj: &Map<String, Value>) -> Option<Format> {
 const NO_FORMAT: &str =
     "row has none of `messages`, `instruction`, `prompt`+`completion`, `text`, `input_ids`";
 
+/// One line of a JSONL file as a JSON object. A UTF-8 byte-order mark at its start (Windows
+/// editors write one at the top of a file; `cat a.jsonl b.jsonl` carries it into the middle) is
+/// accepted, as are CRLF endings (`str::lines` drops the `\r`); when the row is bad for another
+/// reason, a stray carriage return that may be the cause is named.
 fn object(raw: &str) -> std::result::Result<Map<String, Value>, String> {
-    match serde_json::from_str(raw).map_err(|e| format!("not valid JSON: {e}"))? {
+    let row = raw.strip_prefix('\u{feff}').unwrap_or(raw);
+    let parsed: Value = serde_json::from_str(row).map_err(|e| {
+        let mut m = format!("not valid JSON: {e}");
+        if row.contains('\r') {
+            m.push_str(
+                " (the line holds a carriage return: line endings must be LF or CRLF, not CR alone)",
+            );
+        }
+        m
+    })?;
+    match parsed {
         Value::Object(o) => Ok(o),
         _ => Err("a row must be a JSON object".into()),
     }

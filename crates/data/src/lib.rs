@@ -175,9 +175,21 @@ pub fn load_jsonl_with(
     opts: &DataOptions,
     vocab: usize,
 ) -> Result<Dataset> {
-    let text = std::fs::read_to_string(path).map_err(|e| DataError::File {
+    let bytes = std::fs::read(path).map_err(|e| DataError::File {
         path: path.to_path_buf(),
         message: format!("cannot read data: {e}"),
+    })?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        let ok = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+        let line_start = ok.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+        DataError::Row {
+            path: path.to_path_buf(),
+            line: ok.iter().filter(|&&b| b == b'\n').count() + 1,
+            message: format!(
+                "not valid UTF-8 (byte {} of the line); save the file as UTF-8",
+                ok.len() - line_start + 1
+            ),
+        }
     })?;
     parse_jsonl_with(&text, path, tok, opts, vocab)
 }

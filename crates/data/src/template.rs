@@ -228,12 +228,61 @@ impl ChatTemplate {
             .map_err(|e| TemplateError::Render {
                 message: describe(&e),
             })?;
-        tmpl.render(ctx).map_err(|e| match raised_message(&e) {
-            Some(message) => TemplateError::Raised { message },
-            None => TemplateError::Render {
-                message: describe(&e),
-            },
-        })
+        let mut out = CappedWriter::default();
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.buf).map_err(|_| TemplateError::Render {
+                message: "the output is not valid UTF-8".into(),
+            }),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(TemplateError::Render {
+                message: format!(
+                    "stopped after {TEMPLATE_FUEL} steps for one conversation: the template loops \
+                     or explodes (a chat template from a model is untrusted input)"
+                ),
+            }),
+            Err(_) if out.over => Err(TemplateError::Render {
+                message: format!(
+                    "stopped at {} MiB of output for one conversation: the template explodes (a \
+                     chat template from a model is untrusted input)",
+                    TEMPLATE_MAX_OUTPUT >> 20
+                ),
+            }),
+            Err(e) => Err(match raised_message(&e) {
+                Some(message) => TemplateError::Raised { message },
+                None => TemplateError::Render {
+                    message: describe(&e),
+                },
+            }),
+        }
+    }
+}
+
+/// Steps (minijinja's fuel: about one per instruction) one render may take. Real templates take a
+/// few thousand per conversation (tens per message); 5 M is ~0.1 s of work on an idle core, so a
+/// template that loops is refused quickly instead of hanging the run.
+pub const TEMPLATE_FUEL: u64 = 5_000_000;
+
+/// Bytes one render may produce. A conversation the trainer keeps is at most `max_seq_len` tokens;
+/// 64 MiB is far past that and still bounds what an exploding template can allocate.
+pub const TEMPLATE_MAX_OUTPUT: usize = 64 << 20;
+
+/// The render's output, refusing to grow past [`TEMPLATE_MAX_OUTPUT`].
+#[derive(Default)]
+struct CappedWriter {
+    buf: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len() + b.len() > TEMPLATE_MAX_OUTPUT {
+            self.over = true;
+            return Err(std::io::Error::other("template output limit"));
+        }
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -261,6 +310,7 @@ fn raised_message(e: &Error) -> Option<String> {
 
 fn environment(source: &str) -> Result<Environment<'static>, Error> {
     let mut env = Environment::new();
+    env.set_fuel(Some(TEMPLATE_FUEL));
     env.set_syntax(
         SyntaxConfig::builder()
             .trim_blocks(true)
@@ -463,6 +513,42 @@ mod tests {
         let after = before + 5;
         let ok = [before, after].map(|t| strftime("%d %b %Y", t).unwrap());
         assert!(ok.contains(&got), "{got} not in {ok:?}");
+    }
+
+    #[test]
+    fn looping_or_exploding_templates_are_refused_quickly() {
+        let t0 = std::time::Instant::now();
+        let e = render(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "[]",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("loops or explodes"), "{e}");
+        // Refused within a second (0.1-0.3 s measured; the bound leaves room for a loaded machine).
+        assert!(t0.elapsed().as_secs_f64() < 1.0, "{:?}", t0.elapsed());
+        let e = render(
+            "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+            "[]",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("MiB of output"), "{e}");
+        // A normal render is untouched by the limits: Llama 3.2's template over 2000 messages.
+        assert_eq!(render("{{ messages|length }}", "[1, 2]").unwrap(), "2");
+        let src = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/chat/templates/llama-3.2-instruct.jinja"
+        ))
+        .unwrap();
+        let turns: Vec<String> = (0..2000)
+            .map(|i| {
+                let role = ["user", "assistant"][i % 2];
+                format!(r#"{{"role": "{role}", "content": "message number {i}"}}"#)
+            })
+            .collect();
+        let out = render(&src, &format!("[{}]", turns.join(","))).unwrap();
+        assert!(out.contains("message number 1999"));
     }
 
     #[test]

@@ -75,12 +75,8 @@ pub fn base_files(base: &Path) -> Result<Vec<PathBuf>> {
             .map_err(|e| ExportError::input(&index, format!("cannot read: {e}")))?;
         let v: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| ExportError::input(&index, format!("not JSON: {e}")))?;
-        let map = v
-            .get("weight_map")
-            .and_then(|m| m.as_object())
-            .ok_or_else(|| ExportError::input(&index, "has no `weight_map` object"))?;
-        let shards: std::collections::BTreeSet<&str> =
-            map.values().filter_map(|f| f.as_str()).collect();
+        let shards = rtune_model::weights::index_shards(&v)
+            .map_err(|message| ExportError::input(&index, message))?;
         return Ok(shards.into_iter().map(|f| base.join(f)).collect());
     }
     let single = base.join("model.safetensors");

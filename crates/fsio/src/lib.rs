@@ -5,9 +5,18 @@
 //! - [`Privacy`]: with `private = true` (the default) directories are created 0700 and files 0600;
 //!   training data and adapters are often personal.
 //! - [`sha256_file`]: checksums for checkpoint manifests and the run record.
+//! - [`RunLock`]: one process per run directory (`flock`, released when the process ends).
+//! - [`plain_file_name`]: the rule for file names read from untrusted files (model indexes, hub
+//!   listings, GGUF metadata): one plain component inside the directory.
 //!
 //! Tests can make writes fail as a full disk would: `RTUNE_FAULT_ENOSPC_AFTER=N` makes every
 //! [`write_atomic`] after the first N fail with "No space left on device".
+
+mod lock;
+mod names;
+
+pub use lock::{hostname, LockError, RunLock, LOCK_FILE};
+pub use names::plain_file_name;
 
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
@@ -44,7 +53,7 @@ impl Privacy {
     pub const PRIVATE: Privacy = Privacy { private: true };
     pub const SHARED: Privacy = Privacy { private: false };
 
-    fn file_mode(self) -> u32 {
+    pub(crate) fn file_mode(self) -> u32 {
         if self.private {
             0o600
         } else {

@@ -31,16 +31,10 @@ fn load_tensors(dir: &Path) -> Result<HashMap<String, Tensor>> {
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<std::path::PathBuf> = if index.exists() {
         let v = read_json(&index)?;
-        let mut f: Vec<String> = v["weight_map"]
-            .as_object()
-            .map(|m| {
-                m.values()
-                    .filter_map(|x| x.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default();
-        f.sort();
-        f.dedup();
+        let f = rtune_model::weights::index_shards(&v).map_err(|message| GgufError::File {
+            path: index.clone(),
+            message,
+        })?;
         f.into_iter().map(|n| dir.join(n)).collect()
     } else {
         vec![dir.join("model.safetensors")]

@@ -130,13 +130,14 @@ pub fn missing_files(snapshot: &Path) -> Vec<String> {
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         {
-            Some(v) => {
-                for shard in shards(&v) {
-                    if !snapshot.join(&shard).exists() {
-                        missing.push(shard);
-                    }
-                }
-            }
+            Some(v) => match shards(&v) {
+                Ok(shards) => missing.extend(
+                    shards
+                        .into_iter()
+                        .filter(|shard| !snapshot.join(shard).exists()),
+                ),
+                Err(why) => missing.push(format!("a valid model.safetensors.index.json ({why})")),
+            },
             None => missing.push("a readable model.safetensors.index.json".into()),
         }
     } else if !snapshot.join("model.safetensors").exists() {
@@ -145,19 +146,10 @@ pub fn missing_files(snapshot: &Path) -> Vec<String> {
     missing
 }
 
-/// The shard files an index's `weight_map` names, sorted, each once.
-pub fn shards(index: &serde_json::Value) -> Vec<String> {
-    let mut v: Vec<String> = index["weight_map"]
-        .as_object()
-        .map(|m| {
-            m.values()
-                .filter_map(|f| f.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default();
-    v.sort();
-    v.dedup();
-    v
+/// The shard files an index's `weight_map` names, sorted, each once; an entry that is not a plain
+/// file name (`../x`, `/x`, `a/b`) is an error naming it (rtune_model::weights::index_shards).
+pub fn shards(index: &serde_json::Value) -> std::result::Result<Vec<String>, String> {
+    rtune_model::weights::index_shards(index)
 }
 
 /// `repo@revision` from the cache alone: the snapshot directory and its commit, or what is

@@ -307,7 +307,10 @@ pub fn resolve(repo: &str, revision: &str, env: &HubEnv) -> Result<Resolved> {
             repo: repo.into(),
             message: format!("model.safetensors.index.json is not JSON: {e}"),
         })?;
-        names.extend(shards(&v));
+        names.extend(shards(&v).map_err(|message| HubError::Repo {
+            repo: repo.into(),
+            message: format!("model.safetensors.index.json: {message}"),
+        })?);
     }
     let needed = bytes_to_fetch(&names, &files, &snapshot);
     if needed > 0 {

@@ -61,6 +61,27 @@ impl TensorSource for Weights {
     }
 }
 
+/// The shard files a `model.safetensors.index.json` names in its `weight_map`, sorted, each once.
+/// Every one must be a plain file name inside the model directory ([`rtune_fsio::plain_file_name`]):
+/// an index is untrusted input, and `../outside.safetensors` or `/etc/x` would read (or, for a hub
+/// download, write) outside it. The error names the entry.
+pub fn index_shards(index: &serde_json::Value) -> std::result::Result<Vec<String>, String> {
+    let map = index
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or("has no `weight_map` object")?;
+    let mut shards = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| format!("weight_map entry `{tensor}`: the file is not a string"))?;
+        rtune_fsio::plain_file_name(file)
+            .map_err(|why| format!("weight_map entry `{tensor}`: `{file}` {why}"))?;
+        shards.insert(file.to_string());
+    }
+    Ok(shards.into_iter().collect())
+}
+
 pub struct Weights {
     dir: PathBuf,
     st: MmapedSafetensors,
@@ -82,14 +103,10 @@ impl Weights {
                     path: index.clone(),
                     message: format!("not JSON: {e}"),
                 })?;
-            let map = v
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| ModelError::File {
-                    path: index.clone(),
-                    message: "has no `weight_map` object".into(),
-                })?;
-            let shards: BTreeSet<&str> = map.values().filter_map(|f| f.as_str()).collect();
+            let shards = index_shards(&v).map_err(|message| ModelError::File {
+                path: index.clone(),
+                message,
+            })?;
             shards.into_iter().map(|f| dir.join(f)).collect()
         } else if single.exists() {
             vec![single]
@@ -164,5 +181,57 @@ impl Weights {
             }
         }
         Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A model index is untrusted: a shard name that leaves the model directory is refused, with
+    /// the entry named, before any file is opened.
+    #[test]
+    fn index_shards_stay_inside_the_model_directory() {
+        let index = |file: &str| serde_json::json!({"weight_map": {"a.weight": "ok.safetensors", "b.weight": file}});
+        assert_eq!(
+            index_shards(&index("ok2.safetensors")).unwrap(),
+            ["ok.safetensors", "ok2.safetensors"]
+        );
+        for bad in [
+            "../outside.safetensors",
+            "/tmp/abs.safetensors",
+            "sub/x.safetensors",
+            "..",
+        ] {
+            let e = index_shards(&index(bad)).unwrap_err();
+            assert!(e.contains("`b.weight`") && e.contains(bad), "{bad}: {e}");
+        }
+        assert!(index_shards(&serde_json::json!({"weight_map": {"a": 3}})).is_err());
+        assert!(index_shards(&serde_json::json!({})).is_err());
+
+        // Through the loader: the outside file exists and is valid, and is still not read.
+        let root = std::env::temp_dir().join(format!("rtune-index-{}", std::process::id()));
+        let dir = root.join("model");
+        std::fs::create_dir_all(&dir).unwrap();
+        let t = Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap();
+        candle_core::safetensors::save(
+            &std::collections::HashMap::from([("w".to_string(), t)]),
+            root.join("outside.safetensors"),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("model.safetensors.index.json"),
+            r#"{"weight_map": {"w": "../outside.safetensors"}}"#,
+        )
+        .unwrap();
+        let e = Weights::open(&dir, DType::F32, &Device::Cpu)
+            .err()
+            .expect("traversal refused")
+            .to_string();
+        assert!(
+            e.contains("../outside.safetensors") && e.contains("path separator"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

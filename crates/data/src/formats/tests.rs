@@ -1,5 +1,5 @@
 use super::*;
-use crate::{load_jsonl, parse_jsonl_with};
+use crate::{load_jsonl, load_jsonl_with, parse_jsonl_with};
 use std::path::PathBuf;
 
 fn write(name: &str, body: &str) -> PathBuf {
@@ -211,4 +211,47 @@ fn chat_rows_use_the_models_template_without_doubling_bos() {
 fn row_parser_is_shared_across_threads() {
     fn sync<T: Sync>() {}
     sync::<RowParser<'static>>();
+}
+
+/// A UTF-8 byte-order mark (Windows editors) and CRLF endings are accepted and give exactly the
+/// rows an LF file gives; invalid UTF-8 names its line; a stray CR is named when a row is bad.
+#[test]
+fn bom_crlf_and_invalid_utf8() {
+    let lf = "{\"prompt\": \"Q: a\", \"completion\": \" b\"}\n{\"text\": \"x\"}\n";
+    let lf = &lf[..lf.find("{\"text").unwrap()];
+    let lf = format!("{lf}{{\"prompt\": \"Q: c\", \"completion\": \" d\"}}\n");
+    let windows = format!("\u{feff}{}", lf.replace('\n', "\r\n"));
+    let opts = DataOptions::new(64);
+    let a = parse(&lf, &opts).unwrap();
+    let b = parse(&windows, &opts).unwrap();
+    assert_eq!(a.examples.len(), 2);
+    assert_eq!(
+        a.examples.iter().map(|e| &e.input_ids).collect::<Vec<_>>(),
+        b.examples.iter().map(|e| &e.input_ids).collect::<Vec<_>>()
+    );
+    // Through the file reader too (the BOM is in the file's first bytes).
+    let p = write("bom.jsonl", &windows);
+    let c = load_jsonl_with(&p, Some(&tiny()), &opts, 512).unwrap();
+    assert_eq!(c.examples.len(), 2);
+    // Something else wrong on a CRLF line: the line is named as usual.
+    let bad = format!("\u{feff}{}{{\"prompt\": 3}}\r\n", lf.replace('\n', "\r\n"));
+    let e = parse(&bad, &opts).unwrap_err().to_string();
+    assert!(e.starts_with("d.jsonl:3:"), "{e}");
+    // Old Mac CR-only endings: one long line, and the CR is named as the likely cause.
+    let e = parse(&lf.replace('\n', "\r"), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("carriage return"), "{e}");
+    // Invalid UTF-8: the line and the byte are named.
+    let p = std::env::temp_dir().join(format!("rtune-data-{}-latin1.jsonl", std::process::id()));
+    let mut bytes = lf.clone().into_bytes();
+    bytes.extend_from_slice(b"{\"text\": \"caf\xe9\"}\n");
+    std::fs::write(&p, &bytes).unwrap();
+    let e = load_jsonl_with(&p, Some(&tiny()), &opts, 512)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(":3: not valid UTF-8 (byte 14 of the line)"),
+        "{e}"
+    );
 }

@@ -1,0 +1,128 @@
+//! One process per run directory: an exclusive advisory lock (`flock`, through std's
+//! [`File::try_lock`]) on `<dir>/.rtune.lock`, held for as long as the [`RunLock`] lives.
+//!
+//! The kernel drops the lock with the process, so `kill -9` leaves nothing to clean up: the lock
+//! file may stay, but a stale file is never "held". The file records the holder's pid and host so a
+//! refused process can name them.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::Privacy;
+
+/// The lock file's name inside a run directory. Files rtune deletes or replaces in a run
+/// directory (an `overwrite` or an export) must leave it alone.
+pub const LOCK_FILE: &str = ".rtune.lock";
+
+/// Why a run directory could not be locked.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another live process holds it (an input error: the user started two runs on one dir).
+    #[error(
+        "{dir}: in use by another rtune process (pid {pid} on {host}); wait for it to finish, or \
+         use another [output] dir"
+    )]
+    Held {
+        dir: PathBuf,
+        pid: String,
+        host: String,
+    },
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
+}
+
+/// Exclusive use of a run directory until dropped (or the process ends).
+#[derive(Debug)]
+pub struct RunLock {
+    _file: File,
+    path: PathBuf,
+}
+
+impl RunLock {
+    /// Locks `dir` (which must exist) without waiting: [`LockError::Held`] names the holder.
+    pub fn acquire(dir: &Path, privacy: Privacy) -> Result<RunLock, LockError> {
+        let path = dir.join(LOCK_FILE);
+        let io = |op: &'static str| {
+            let path = path.clone();
+            move |source| LockError::Io { path, op, source }
+        };
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(privacy.file_mode())
+            .open(&path)
+            .map_err(io("open"))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                let mut text = String::new();
+                let _ = file.read_to_string(&mut text);
+                let mut it = text.split_whitespace();
+                let pid = it.next().unwrap_or("unknown").to_string();
+                let host = it.next().unwrap_or("unknown host").to_string();
+                return Err(LockError::Held {
+                    dir: dir.to_path_buf(),
+                    pid,
+                    host,
+                });
+            }
+            Err(TryLockError::Error(e)) => return Err(io("flock")(e)),
+        }
+        // Ours now: record who holds it for the next one to name.
+        let me = format!("{} {}\n", std::process::id(), hostname());
+        file.set_len(0).map_err(io("truncate"))?;
+        file.seek(SeekFrom::Start(0)).map_err(io("seek"))?;
+        file.write_all(me.as_bytes()).map_err(io("write"))?;
+        file.flush().map_err(io("write"))?;
+        Ok(RunLock { _file: file, path })
+    }
+
+    /// The lock file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// This machine's host name (`/proc/sys/kernel/hostname`), or "unknown host".
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown host".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn second_lock_is_refused_naming_the_holder_and_released_on_drop() {
+        let d = std::env::temp_dir().join(format!("rtune-lock-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let first = RunLock::acquire(&d, Privacy::PRIVATE).unwrap();
+        // flock locks belong to the open file description: a second open in the same process is
+        // refused just as another process would be.
+        match RunLock::acquire(&d, Privacy::PRIVATE) {
+            Err(LockError::Held { pid, host, .. }) => {
+                assert_eq!(pid, std::process::id().to_string());
+                assert_eq!(host, hostname());
+            }
+            other => panic!("expected Held, got {other:?}"),
+        }
+        drop(first);
+        let again = RunLock::acquire(&d, Privacy::PRIVATE).unwrap();
+        assert!(again.path().ends_with(LOCK_FILE));
+        drop(again);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}
