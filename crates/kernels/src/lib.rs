@@ -42,7 +42,6 @@ mod launch;
 pub use launch::{FusedFloat, FusedKernels};
 mod precision;
 pub use precision::Precision;
-/// Device memory: the pool's peak and the release threshold ([`memory::keep_pool`]).
 #[cfg(feature = "cuda")]
 pub mod memory;
 
