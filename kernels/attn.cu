@@ -1,8 +1,8 @@
 // The attention softmax of rtune's training step, forward and backward (one batch row of
 // crates/model/src/ops.rs `attention` at a time).
 //
-// Reference: the CPU op in crates/model/src/fused_attn.rs (itself tested against ops.rs's candle
-// chain `attention_probs_reference` / `attention_grad_reference`), restated on f32 slices in
+// Reference: the CPU op in crates/model/src/fused/attn_softmax.rs (itself tested against ops.rs's
+// candle chain `attention_probs_reference` / `attention_grad_reference`), restated on f32 slices in
 // crates/kernels/src/fused_ref.rs (`attn_softmax_fwd`, `attn_softmax_bwd`).
 //
 // Forward: scores (rows, t) in T (raw, unscaled q·kᵀ), mask (mrows, t) additive f32, row r taking

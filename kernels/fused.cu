@@ -15,7 +15,7 @@
 // vector width — decided inside the kernel, uniformly for the whole launch; otherwise a scalar path
 // gives the same results.
 //
-// Launch shapes (crates/kernels/src/fused.rs):
+// Launch shapes (crates/kernels/src/launch.rs):
 //   row reductions (rms_norm_*, ce_fwd): one block per row (grid-stride over rows), blockDim.x a
 //     multiple of 32 and <= 1024;
 //   elementwise (swiglu_*, rope_*, ce_bwd): 256 threads, grid-stride loops.

@@ -1,13 +1,13 @@
 //! Host side of `kernels/attn.cu`: the attention softmax, forward and backward, for f32, bf16 and
-//! f16 scores already on the GPU (re-exported by [`crate::fused`]; the kernels are loaded and cached
-//! with the others by [`FusedKernels`]). Semantics: those of `crates/model/src/fused_attn.rs`'s CPU
-//! op, restated in [`crate::fused_ref::attn_softmax_fwd`] / [`crate::fused_ref::attn_softmax_bwd`].
+//! f16 scores already on the GPU (the kernels are loaded and cached with `fused.cu`'s by
+//! [`FusedKernels`], in `launch.rs`). Semantics: those of `crates/model/src/fused/attn_softmax.rs`'s
+//! CPU op, restated in [`crate::fused_ref::attn_softmax_fwd`] / [`crate::fused_ref::attn_softmax_bwd`].
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 use crate::drv;
-use crate::fused::{bad, int, need, numel, row_cfg, FusedFloat, FusedKernels, K};
+use crate::launch::{bad, int, need, numel, row_cfg, FusedFloat, FusedKernels, K};
 use crate::Result;
 
 /// The longest row whose scores the forward keeps in shared memory (`t·4` bytes within the 48 KiB a

@@ -1,6 +1,8 @@
-//! The fused kernels (`fused.cu`, `attn.cu`) against [`crate::fused_ref`] on fresh random inputs:
-//! one `check_*` per op pair (forward and backward), shared by `tests/fused_cuda.rs` (many shapes) and [`self_test`]
-//! (one pass over every kernel, for the GPU benchmark script through the binary).
+//! The fused kernels (`fused.cu` through [`crate::fused`], `attn.cu` through [`crate::attn`])
+//! against [`crate::fused_ref`] on fresh random inputs: one `check_*` per op pair (forward and
+//! backward), shared by `tests/fused_cuda.rs` (many shapes) and [`self_test`] (one pass over every
+//! kernel, for `rtune selftest` and the GPU benchmark script). The checks call the launchers; the
+//! launchers never call the checks.
 //!
 //! Inputs are drawn in f32, rounded to the kernel's type, and the reference runs on the rounded
 //! values in that type's [`Precision`]; tolerances are [`fused_ref::tolerance`]'s. `offset` places
@@ -10,9 +12,10 @@
 use cudarc::driver::{CudaSlice, CudaStream};
 use std::sync::Arc;
 
-use crate::fused::{self, FusedFloat};
-use crate::fused_ref::{self, Comparison, Op, Precision, Rng};
-use crate::{drv, Result};
+use crate::fused_ref::{self, Comparison, Op, Rng};
+use crate::launch::FusedFloat;
+use crate::precision::Precision;
+use crate::{attn, drv, fused, Result};
 
 /// One kernel's comparison with its reference.
 #[derive(Debug, Clone)]
@@ -299,10 +302,10 @@ pub fn check_attn_softmax<T: FusedFloat>(
     let mut o = out::<f32>(s, rows * tk, offset)?;
     let (rv, mv) = (rd.slice(offset..), md.slice(offset..));
     let os = &mut o.slice_mut(offset..);
-    fused::attn_softmax_fwd(s, &rv, &mv, os, rows, tk, tq, scale)?;
+    attn::attn_softmax_fwd(s, &rv, &mv, os, rows, tk, tq, scale)?;
     let mut d = out::<T>(s, rows * tk, offset)?;
     let ds = &mut d.slice_mut(offset..);
-    fused::attn_softmax_bwd(
+    attn::attn_softmax_bwd(
         s,
         &pd.slice(offset..),
         &dpd.slice(offset..),

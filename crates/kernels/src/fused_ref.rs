@@ -1,55 +1,17 @@
 //! Plain-Rust references for the fused kernels of `kernels/fused.cu` and `kernels/attn.cu`, on
 //! `&[f32]` slices, and the comparison (with its tolerances) that `tests/fused_cuda.rs` and
-//! `fused::self_test` use. Always compiled: no CUDA needed.
+//! `fused_check::self_test` use. Always compiled: no CUDA needed.
 //!
 //! Each function restates the candle formulation of `crates/model/src/ops.rs` / `rope.rs` (the
-//! attention softmax: the CPU op of `fused_attn.rs`, which restates ops.rs's chain) step by step: element-wise steps in f32 in the same order, and wherever ops.rs holds an intermediate as a
-//! tensor of the input type (bf16/f16), the value is rounded to that [`Precision`] at the same point.
+//! attention softmax: the CPU op of `fused/attn_softmax.rs`, which restates ops.rs's chain) step
+//! by step: element-wise steps in f32 in the same order, and wherever ops.rs holds an intermediate
+//! as a tensor of the input type (bf16/f16), the value is rounded to that [`Precision`] at the same
+//! point.
 //! Reductions (sums over a row) are done in f64, so the reference is the exact sum and the kernels'
 //! f32 sums are measured against it. Inputs must already be representable in the precision (round
 //! them with [`Precision::round`]); outputs are rounded to it.
 
-use half::{bf16, f16};
-
-/// The element type a kernel runs in; the reference rounds its intermediates and outputs to it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Precision {
-    F32,
-    Bf16,
-    F16,
-}
-
-impl Precision {
-    /// `x` rounded to this type (to nearest even), as f32.
-    pub fn round(self, x: f32) -> f32 {
-        match self {
-            Precision::F32 => x,
-            Precision::Bf16 => bf16::from_f32(x).to_f32(),
-            Precision::F16 => f16::from_f32(x).to_f32(),
-        }
-    }
-
-    /// The spacing of this type's values at `|x|` (one unit in the last place); subnormal spacing
-    /// below the smallest normal.
-    pub fn ulp(self, x: f32) -> f32 {
-        let (mantissa, min_exp) = match self {
-            Precision::F32 => (23, -126),
-            Precision::Bf16 => (7, -126),
-            Precision::F16 => (10, -14),
-        };
-        let biased = ((x.to_bits() >> 23) & 0xff) as i32;
-        let exp = if biased == 0 { -126 } else { biased - 127 }.max(min_exp);
-        2f32.powi(exp - mantissa)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::F16 => "f16",
-        }
-    }
-}
+pub use crate::precision::Precision;
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm. x, dy: (rows, dim); w: (dim).
@@ -249,7 +211,7 @@ pub fn ce_bwd(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention softmax (`crates/model/src/fused_attn.rs`). scores, probs, dp: (rows, t); mask:
+// Attention softmax (`crates/model/src/fused/attn_softmax.rs`). scores, probs, dp: (rows, t); mask:
 // (mrows, t) additive f32, score row r taking mask row r % mrows.
 
 /// `(rows, t)` f32: `p = softmax(f32(T(raw·T(scale))) + mask)` per row; the scaling rounds as
@@ -479,5 +441,4 @@ impl Rng {
 }
 
 #[cfg(test)]
-#[path = "fused_ref_tests.rs"]
 mod tests;

@@ -7,11 +7,20 @@
 //!   [`nf4_dequant_cuda`] / [`nf4_dequant_cuda_into`] run the kernel on a stream. The reference is
 //!   rtune-quant's CPU dequantization; `tests/nf4_cuda.rs` compares them bit for bit.
 //! - [`fused`] (`kernels/fused.cu`): RMSNorm, SwiGLU, RoPE and chunked cross-entropy, forward and
-//!   backward, for f32/bf16/f16 ([`FusedFloat`]); launchers on cudarc views, the module cached per
-//!   CUDA context. The references are [`fused_ref`]'s (always compiled, plain Rust on f32 slices);
-//!   `tests/fused_cuda.rs` and [`fused::self_test`] compare the two. The attention softmax
-//!   (`kernels/attn.cu`, forward and backward) is part of the same set: [`fused::attn_softmax_fwd`],
-//!   [`fused::attn_softmax_bwd`], loaded with the rest by [`FusedKernels`].
+//!   backward, for f32/bf16/f16 ([`FusedFloat`]); launchers on cudarc views.
+//! - [`attn`] (`kernels/attn.cu`): the attention softmax, forward and backward
+//!   ([`attn::attn_softmax_fwd`], [`attn::attn_softmax_bwd`]). Both files' kernels are loaded
+//!   together and cached per CUDA context by [`FusedKernels`] (`launch.rs`, with the size checks
+//!   and launch shapes both launcher files share).
+//! - [`fused_ref`]: the references (always compiled, plain Rust on f32 slices, rounding to a
+//!   [`Precision`]); [`fused_check`] runs each kernel against its reference — `tests/fused_cuda.rs`
+//!   on many shapes, [`fused_check::self_test`] once over every kernel.
+//!
+//! Imports run one way: `precision` ← `fused_ref`; `precision` ← `launch` ← `fused`, `attn` ←
+//! `fused_check` (but for `fused::self_test`, an old path kept for one caller).
+
+// Without `cuda` the items the overview links to do not exist; the links resolve in a cuda build.
+#![cfg_attr(not(feature = "cuda"), allow(rustdoc::broken_intra_doc_links))]
 
 #[cfg(feature = "cuda")]
 mod nf4;
@@ -21,15 +30,18 @@ pub use nf4::{
 };
 
 #[cfg(feature = "cuda")]
-mod attn;
+pub mod attn;
 #[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
-mod fused_check;
-#[cfg(feature = "cuda")]
-pub use fused::{FusedFloat, FusedKernels};
+pub mod fused_check;
 pub mod fused_ref;
-/// Device memory: the pool's peak and the release threshold ([`memory::keep_pool`]).
+#[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
+pub use launch::{FusedFloat, FusedKernels};
+mod precision;
+pub use precision::Precision;
 #[cfg(feature = "cuda")]
 pub mod memory;
 

@@ -15,10 +15,10 @@
 
 use cudarc::driver::{CudaContext, CudaStream};
 use half::{bf16, f16};
-use rtune_kernels::fused::{
+use rtune_kernels::fused_check::{
     self, check_attn_softmax, check_ce, check_rms_norm, check_rope, check_swiglu, CheckResult,
 };
-use rtune_kernels::{FusedFloat, FusedKernels};
+use rtune_kernels::{fused, FusedFloat, FusedKernels};
 use std::sync::Arc;
 
 fn gpu(what: &str) -> Option<Arc<CudaStream>> {
@@ -195,7 +195,7 @@ fn attn_softmax_matches_reference() {
 #[test]
 fn self_test_passes_and_the_module_is_loaded_once() {
     let Some(s) = gpu("self_test") else { return };
-    let results = fused::self_test(&s).unwrap();
+    let results = fused_check::self_test(&s).unwrap();
     for (name, err, pass) in &results {
         eprintln!(
             "{name:<40} {err:.3e} {}",

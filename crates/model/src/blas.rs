@@ -121,15 +121,7 @@ fn load() -> Option<Blas> {
 
 /// AVX-512 F/BW/DQ/VL: what OpenBLAS's SkylakeX kernels use.
 fn avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    crate::cpu_features::get().avx512_skylake()
 }
 
 /// One operand's matrix view: BLAS transposition flag and leading dimension.

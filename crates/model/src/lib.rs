@@ -11,13 +11,10 @@
 
 pub mod blas;
 pub mod config;
+pub mod cpu_features;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod fused;
-mod fused_attn;
-mod fused_cpu;
-#[cfg(feature = "cuda")]
-mod fused_cuda;
 pub mod group;
 mod kept;
 pub mod layer;
@@ -29,7 +26,8 @@ pub mod weights;
 
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling};
 pub use linear::{Frozen, Grads, LoraCtx};
-pub use model::{Forward, Inputs, KvCache, Model, Quantize};
+pub use model::decode::KvCache;
+pub use model::{Forward, Inputs, Model, Quantize};
 
 use std::path::PathBuf;
 

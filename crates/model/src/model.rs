@@ -15,9 +15,7 @@ use crate::ops::{self, AttnShape};
 use crate::weights::{TensorSource, Weights};
 use crate::{ModelError, Result};
 
-#[path = "decode.rs"]
-mod decode;
-pub use decode::KvCache;
+pub(crate) mod decode;
 
 pub struct Model {
     pub cfg: ModelConfig,

@@ -452,5 +452,4 @@ pub fn cross_entropy_grad_reference(
 }
 
 #[cfg(test)]
-#[path = "ops_tests.rs"]
 mod tests;

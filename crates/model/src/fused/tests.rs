@@ -14,9 +14,10 @@
 //!   silu rounds three times (exp, 1 + e, division) and the fused op once, as PyTorch does.
 //!   Elements that cancel to below 1/256 of the tensor's largest are compared at that magnitude.
 
-use super::*;
+use super::cpu;
+use super::norm::RmsNorm;
 use crate::{fused, ops, rope as rope_ref};
-use candle_core::{Device, IndexOp};
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
 
 const F32_TOL: f32 = 1e-6;
 const BF16_ULPS: f32 = 2.0;
@@ -94,13 +95,13 @@ fn exp_is_within_2_ulp_of_libm() {
     let mut worst = 0f32;
     let mut x = -87.3f32;
     while x < 88.3 {
-        let (got, want) = (crate::fused_cpu::exp(x), x.exp());
+        let (got, want) = (cpu::exp(x), x.exp());
         worst = worst.max((got - want).abs() / want);
         x += 0.000_77;
     }
     eprintln!("exp: worst relative error {worst:e} against libm");
     assert!(worst < 2.4e-7, "exp: relative error {worst:e}");
-    let e = crate::fused_cpu::exp;
+    let e = cpu::exp;
     assert_eq!(e(0.0), 1.0);
     assert_eq!(e(f32::NEG_INFINITY), 0.0);
     assert_eq!(e(-100.0), 0.0);
@@ -377,7 +378,7 @@ fn chunked_cross_entropy_bf16_matches_plain() {
 /// order), so a run does not depend on the CPU it lands on.
 #[test]
 fn every_instruction_set_gives_the_same_bits() {
-    use crate::fused_cpu::ISA_CAP;
+    use cpu::ISA_CAP;
     use std::sync::atomic::Ordering;
     let x = randn(&[9, 300], 60, 3.0);
     let w = randn(&[300], 61, 1.0);
