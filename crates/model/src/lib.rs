@@ -13,6 +13,7 @@ pub mod blas;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dropout;
 pub mod fused;
 mod fused_attn;
 mod fused_cpu;
