@@ -23,6 +23,8 @@ pub use nf4::{
 #[cfg(feature = "cuda")]
 mod attn;
 #[cfg(feature = "cuda")]
+pub mod dropout;
+#[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
 mod fused_check;

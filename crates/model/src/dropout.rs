@@ -14,7 +14,8 @@
 //! A mask is a pure function of `(seed, salt, i)`: elements are generated in any order and in
 //! parallel, the same function serves every device, and the backward (or a recomputed forward
 //! under gradient checkpointing) regenerates the mask rather than keeping it. [`apply`] fuses
-//! the cast to f32, the mask and the scale into one pass over the input.
+//! the cast to f32, the mask and the scale into one pass over the input: rayon tasks on the CPU,
+//! `kernels/dropout.cu` on CUDA (`rtune_kernels::dropout`), the same bits on both.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
@@ -141,13 +142,57 @@ impl CustomOp1 for Dropout {
         };
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaDType;
+        use rtune_kernels::dropout::lora_dropout;
+        use rtune_kernels::FusedFloat;
+        fn run<T: CudaDType + FusedFloat>(
+            key: &DropoutKey,
+            s: &candle_core::CudaStorage,
+            (a, b): (usize, usize),
+        ) -> Result<candle_core::CudaStorage> {
+            let dev = &s.device;
+            let n = b - a;
+            // SAFETY: the kernel writes all n elements before anything reads them.
+            let mut y = unsafe { dev.alloc::<f32>(n) }?;
+            lora_dropout::<T>(
+                &dev.cuda_stream(),
+                &s.as_cuda_slice::<T>()?.slice(a..b),
+                &mut y.as_view_mut(),
+                n,
+                key.seed,
+                key.salt,
+                key.threshold(),
+                key.scale(),
+            )
+            .map_err(|e| candle_core::Error::Msg(format!("lora-dropout (cuda): {e}")).bt())?;
+            Ok(candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        }
+        let range = crate::fused::contiguous("lora-dropout", "x", l)?;
+        let y = match s.dtype() {
+            DType::F32 => run::<f32>(&self.0, s, range)?,
+            DType::BF16 => run::<bf16>(&self.0, s, range)?,
+            DType::F16 => run::<f16>(&self.0, s, range)?,
+            other => candle_core::bail!(
+                "lora-dropout: x must be f32, bf16 or f16, got {other:?} of shape {:?}",
+                l.dims()
+            ),
+        };
+        Ok((y, l.shape().clone()))
+    }
 }
 
 /// `dropout(x)` in f32: `x·1/(1−p)` where element `i` (row-major) is kept, `0·x` elsewhere;
-/// `x` of any float dtype, any shape. On the CPU one fused parallel pass; on another device the
-/// same factors made on the host and uploaded (until a device kernel exists).
+/// `x` of any float dtype, any shape. One fused pass on the CPU and on CUDA; on another device
+/// the same factors made on the host and uploaded.
 pub fn apply(x: &Tensor, key: &DropoutKey) -> Result<Tensor> {
-    if x.device().is_cpu() {
+    if x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda()) {
         return x.contiguous()?.apply_op1_no_bwd(&Dropout(*key));
     }
     let ones = vec![1f32; x.elem_count()];
@@ -187,6 +232,21 @@ mod tests {
         }
     }
 
+    /// The definition pinned: seed 1, salt 0, p 0.3 keeps elements 0..10 but element 8 (the same
+    /// ten factors came out of `kernels/dropout.cu`'s body compiled for the host).
+    #[test]
+    fn known_mask() {
+        let key = DropoutKey {
+            p: 0.3,
+            seed: 1,
+            salt: 0,
+        };
+        assert_eq!(key.threshold(), 5_033_165);
+        let kept: Vec<bool> = (0..10).map(|i| key.factor(i) != 0.0).collect();
+        let want: Vec<bool> = (0..10).map(|i| i != 8).collect();
+        assert_eq!(kept, want);
+    }
+
     /// The fused parallel op equals the element-by-element reference exactly (the same f32
     /// product), over several tasks and a tail that is not a whole block, in f32 and bf16.
     #[test]
@@ -208,6 +268,32 @@ mod tests {
                     "element {i}"
                 );
             }
+        }
+        Ok(())
+    }
+
+    /// The CUDA kernel draws the CPU's masks: the same f32 bits for every element, f32 and bf16
+    /// inputs, a length that is not a whole Philox block. Skips where there is no GPU.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_equals_cpu_bit_for_bit() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device; skipped");
+            return Ok(());
+        };
+        let key = DropoutKey {
+            p: 0.1,
+            seed: 99,
+            salt: u64::MAX - 5,
+        };
+        let x = Tensor::randn(0f32, 1.0, (333, 77), &Device::Cpu)?;
+        for xt in [x.clone(), x.to_dtype(DType::BF16)?] {
+            let want = apply(&xt, &key)?.flatten_all()?.to_vec1::<f32>()?;
+            let got = apply(&xt.to_device(&gpu)?, &key)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want));
         }
         Ok(())
     }
