@@ -32,6 +32,8 @@ pub use nf4::{
 #[cfg(feature = "cuda")]
 pub mod attn;
 #[cfg(feature = "cuda")]
+pub mod dropout;
+#[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
 pub mod fused_check;

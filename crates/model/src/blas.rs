@@ -7,6 +7,14 @@
 //! is absent, when `RTUNE_BLAS=off`, or for any operand it does not cover (not f32, not on the CPU,
 //! strides that are neither row- nor column-major).
 //!
+//! Every matmul of the training path comes through [`matmul`], on every device, and every operand
+//! there is first held to candle's CUDA rule ([`cuda_gemm_ok`], a copy of `gemm_config` in
+//! candle-core 0.11.1's `cuda_backend`): the last two dims packed row- or column-major (leading
+//! dimension equal to the column or row count), at most two batch dims that a strided-batched GEMM
+//! can step through. An operand that fails it is made contiguous before the GEMM, whatever the
+//! device, so a layout that cuBLAS would refuse never reaches it; [`layout_audit`] records the
+//! operands the callers pass that fail it, so a CPU test proves the training path produces none.
+//!
 //! `RTUNE_BLAS`: unset → `libopenblas.so.0` / `libopenblas.so` from the loader's path; `off` → never;
 //! a path → that library (any CBLAS exporting `cblas_sgemm`, e.g. MKL's `libmkl_rt.so`).
 //!
@@ -18,6 +26,7 @@
 //! `OPENBLAS_CORETYPE` as the environment has it; any other value → that core name.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use std::borrow::Cow;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::OnceLock;
 
@@ -234,8 +243,23 @@ impl CustomOp2 for Gemm {
 }
 
 /// `a·b` as `Tensor::matmul` (`a: (..., M, K)`, `b: (..., K, N)`, same batch dims), through BLAS
-/// when [`init`] loaded one and the operands suit it; candle's matmul otherwise.
+/// when [`init`] loaded one and the operands suit it; candle's matmul otherwise. An operand that
+/// fails [`cuda_gemm_ok`]'s rule is made contiguous first, on every device (see the module note);
+/// [`layout_audit`] records it under the caller's file and line.
+#[track_caller]
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let site = std::panic::Location::caller();
+    let (a, b) = if cuda_gemm_ok(a.layout(), b.layout()) {
+        (Cow::Borrowed(a), Cow::Borrowed(b))
+    } else {
+        layout_audit::record(site, layout_audit::Stage::Passed, a.layout(), b.layout());
+        let (a, b) = gemm_ready(a, b)?;
+        if !cuda_gemm_ok(a.layout(), b.layout()) {
+            layout_audit::record(site, layout_audit::Stage::AtGemm, a.layout(), b.layout());
+        }
+        (a, b)
+    };
+    let (a, b) = (a.as_ref(), b.as_ref());
     let Some(blas) = BLAS.get().and_then(Option::as_ref) else {
         return a.matmul(b);
     };
@@ -257,6 +281,161 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return a.matmul(b);
     }
     a.apply_op2_no_bwd(b, &Gemm(blas))
+}
+
+/// The operands with each one that fails [`cuda_gemm_ok`]'s rule replaced by a contiguous copy
+/// (a row-major packed matrix with packed batches passes it whatever the other operand is).
+fn gemm_ready<'a>(a: &'a Tensor, b: &'a Tensor) -> Result<(Cow<'a, Tensor>, Cow<'a, Tensor>)> {
+    let fix = |t: &'a Tensor, rows: usize, cols: usize| -> Result<Cow<'a, Tensor>> {
+        if operand_ok(t.layout(), rows, cols) {
+            Ok(Cow::Borrowed(t))
+        } else {
+            Ok(Cow::Owned(t.contiguous()?))
+        }
+    };
+    let (da, db) = (a.dims(), b.dims());
+    if da.len() < 2 || db.len() < 2 {
+        return Ok((Cow::Borrowed(a), Cow::Borrowed(b)));
+    }
+    let (m, k) = (da[da.len() - 2], da[da.len() - 1]);
+    let n = db[db.len() - 1];
+    Ok((fix(a, m, k)?, fix(b, k, n)?))
+}
+
+/// Whether candle 0.11.1's CUDA matmul accepts `lhs: (..., M, K)` times `rhs: (..., K, N)` as laid
+/// out: `gemm_config` in `candle-core/src/cuda_backend/mod.rs`, rule for rule. Each operand's
+/// matrix must be packed row-major (unit column stride, row stride = its column count) or
+/// column-major (unit row stride, column stride = its row count), a dim of size 1 excusing the
+/// stride that steps along it; the batch dims (at most two) must step by one stride (two of
+/// them as one, or one of them of size 1). Shapes that do not multiply are not this rule's business: `true`.
+pub fn cuda_gemm_ok(lhs: &Layout, rhs: &Layout) -> bool {
+    let (dl, dr) = (lhs.dims(), rhs.dims());
+    if dl.len() < 2 || dl.len() != dr.len() {
+        return true;
+    }
+    let r = dl.len();
+    let (m, k, n) = (dl[r - 2], dl[r - 1], dr[r - 1]);
+    operand_ok(lhs, m, k) && operand_ok(rhs, k, n)
+}
+
+/// One operand of [`cuda_gemm_ok`], `rows × cols` being its last two dims: candle's
+/// `(lda, transa)` / `(ldb, transb)` choice and its `stride_a` / `stride_b` match.
+pub fn operand_ok(l: &Layout, rows: usize, cols: usize) -> bool {
+    let st = l.stride();
+    let r = st.len();
+    let (s_row, s_col) = (st[r - 2], st[r - 1]);
+    // candle: `(m1 == 1 || cols == 1) && (m2 == cols || rows == 1)` → no transpose, ld = cols.
+    let row_major = (s_col == 1 || cols == 1) && (s_row == cols || rows == 1);
+    // candle: `(m1 == rows || cols == 1) && (m2 == 1 || rows == 1)` → transpose, ld = rows.
+    let col_major = (s_col == rows || cols == 1) && (s_row == 1 || rows == 1);
+    (row_major || col_major) && batch_ok(l)
+}
+
+/// candle's batch-stride match (`stride_a` / `stride_b`): no batch dim; one; or two that step as
+/// one (outer stride = inner stride × inner size), or of which one has size 1. Three or more batch
+/// dims are refused whatever their strides.
+fn batch_ok(l: &Layout) -> bool {
+    let (d, st) = (l.dims(), l.stride());
+    match st[..st.len() - 2] {
+        [] | [_] => true,
+        [s1, s2] => s1 == s2 * d[1] || d[0] == 1 || d[1] == 1,
+        _ => false,
+    }
+}
+
+/// A record of the matmul operands that fail [`cuda_gemm_ok`]'s rule, for tests: while a
+/// [`layout_audit::Guard`] from [`layout_audit::start`] lives, every [`matmul`] call with such an operand is recorded with its
+/// call site, shapes and strides. Process-wide (any thread's calls count): a test that asserts on
+/// it should be the only one of its binary running model code at the time.
+pub mod layout_audit {
+    use candle_core::Layout;
+    use std::panic::Location;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    /// Where a failing layout was seen.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Stage {
+        /// As the caller passed it to [`super::matmul`] (the code produced it; it was then copied
+        /// to a contiguous tensor before the GEMM).
+        Passed,
+        /// As it reached the GEMM, after that copy: cuBLAS would refuse it. Never expected.
+        AtGemm,
+    }
+
+    /// One matmul whose operands fail the rule.
+    #[derive(Debug, Clone)]
+    pub struct Violation {
+        pub stage: Stage,
+        /// `file:line` of the [`super::matmul`] call.
+        pub site: String,
+        pub lhs_dims: Vec<usize>,
+        pub lhs_stride: Vec<usize>,
+        pub rhs_dims: Vec<usize>,
+        pub rhs_stride: Vec<usize>,
+    }
+
+    impl std::fmt::Display for Violation {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "{:?} at {}: lhs {:?} strides {:?} · rhs {:?} strides {:?}",
+                self.stage,
+                self.site,
+                self.lhs_dims,
+                self.lhs_stride,
+                self.rhs_dims,
+                self.rhs_stride
+            )
+        }
+    }
+
+    static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+    static SEEN: Mutex<Vec<Violation>> = Mutex::new(Vec::new());
+
+    /// Records until the guard drops; what was recorded before is cleared.
+    pub fn start() -> Guard {
+        SEEN.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        ACTIVE.fetch_add(1, Ordering::SeqCst);
+        Guard(())
+    }
+
+    /// Recording is on while one lives.
+    pub struct Guard(());
+
+    impl Guard {
+        /// Everything recorded since [`start`].
+        pub fn violations(&self) -> Vec<Violation> {
+            SEEN.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        }
+
+        /// Everything recorded since [`start`] or the last `take`, cleared.
+        pub fn take(&self) -> Vec<Violation> {
+            std::mem::take(&mut *SEEN.lock().unwrap_or_else(|e| e.into_inner()))
+        }
+    }
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            ACTIVE.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    pub(super) fn record(site: &Location<'_>, stage: Stage, lhs: &Layout, rhs: &Layout) {
+        if ACTIVE.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        SEEN.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Violation {
+                stage,
+                site: format!("{}:{}", site.file(), site.line()),
+                lhs_dims: lhs.dims().to_vec(),
+                lhs_stride: lhs.stride().to_vec(),
+                rhs_dims: rhs.dims().to_vec(),
+                rhs_stride: rhs.stride().to_vec(),
+            });
+    }
 }
 
 /// What [`init`] loaded, for reports: `Some("libopenblas.so.0 (skylakex)")`.
@@ -301,6 +480,73 @@ mod tests {
                 "case {i}: max abs err {err} of {scale}"
             );
         }
+        Ok(())
+    }
+
+    /// candle's CUDA rule on hand-made layouts, each case one clause of `gemm_config`.
+    #[test]
+    fn cuda_rule_matches_gemm_config() -> Result<()> {
+        let c = |d: &[usize]| Layout::contiguous(d);
+        let w = c(&[16, 40]); // (out, in), as a frozen weight
+                              // x·Wᵀ: contiguous lhs, transposed contiguous rhs (column-major, ld = k).
+        assert!(cuda_gemm_ok(&c(&[24, 40]), &w.transpose(0, 1)?));
+        // A column view of (24, 12): ld 12 ≠ its 4 columns, and not column-major either.
+        let xa = c(&[24, 12]).narrow(1, 4, 4)?;
+        assert!(!operand_ok(&xa, 24, 4));
+        assert!(!cuda_gemm_ok(&xa, &c(&[4, 16])));
+        // ... and transposed (the dB product `dyᵀ·xa` takes it as the rhs): still refused.
+        assert!(!cuda_gemm_ok(&c(&[16, 24]), &xa));
+        assert!(!cuda_gemm_ok(&xa.transpose(0, 1)?, &c(&[24, 7])));
+        // A row view (narrow on the row axis) stays packed.
+        assert!(cuda_gemm_ok(
+            &c(&[30, 40]).narrow(0, 3, 24)?,
+            &w.transpose(0, 1)?
+        ));
+        // One column: the column stride is excused, the row stride is not (it must be 1).
+        let one_col = c(&[24, 12]).narrow(1, 5, 1)?;
+        assert!(!operand_ok(&one_col, 24, 1));
+        assert!(operand_ok(
+            &Layout::new((24, 1).into(), vec![1, 7], 0),
+            24,
+            1
+        ));
+        // One row: the row stride is excused, the column stride must be 1.
+        assert!(operand_ok(&c(&[24, 12]).narrow(0, 5, 1)?, 1, 12));
+        assert!(operand_ok(
+            &Layout::new((1, 12).into(), vec![999, 1], 0),
+            1,
+            12
+        ));
+        assert!(!operand_ok(&one_col.transpose(0, 1)?, 1, 24));
+        // Batch dims: one of any stride; two that step as one, or one of size 1; three refused.
+        let b4 = c(&[2, 3, 24, 40]);
+        assert!(operand_ok(&b4, 24, 40));
+        assert!(operand_ok(&b4.narrow(0, 1, 1)?, 24, 40));
+        assert!(operand_ok(&b4.narrow(1, 0, 1)?, 24, 40));
+        assert!(!operand_ok(&b4.narrow(1, 0, 2)?, 24, 40));
+        assert!(operand_ok(&c(&[3, 24, 40]).narrow(0, 1, 2)?, 24, 40));
+        assert!(!operand_ok(&c(&[1, 1, 1, 24, 40]), 24, 40));
+        Ok(())
+    }
+
+    /// An operand the rule refuses is copied, and the product is the product of the views.
+    #[test]
+    fn refused_operands_are_copied_and_audited() -> Result<()> {
+        let dev = Device::Cpu;
+        let xa = Tensor::randn(0f32, 1.0, (24, 12), &dev)?.narrow(1, 4, 4)?;
+        let b = Tensor::randn(0f32, 1.0, (16, 4), &dev)?;
+        let got = matmul(&xa, &b.t()?)?;
+        let want = xa.contiguous()?.matmul(&b.t()?.contiguous()?)?;
+        let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(err <= 1e-5, "max abs err {err}");
+        let bt = b.t()?;
+        let (a2, b2) = gemm_ready(&xa, &bt)?;
+        assert!(a2.is_contiguous());
+        assert!(
+            matches!(b2, Cow::Borrowed(_)),
+            "an accepted operand is not copied"
+        );
+        assert!(cuda_gemm_ok(a2.layout(), b2.layout()));
         Ok(())
     }
 

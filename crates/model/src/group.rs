@@ -5,7 +5,11 @@
 //!   dense weights once at load time and leaves each layer's `w` a row view of the block, so no
 //!   memory is duplicated. In the backward, `dx = [dy₁, dy₂, …]·[W₁; W₂; …]` is again one GEMM.
 //! - LoRA without dropout: the A matrices of the group are stacked, so `x·[A₁; A₂; …]ᵀ` (N, Σr) is
-//!   one GEMM, and so are `dA = dXAᵀ·x` and the LoRA part of `dx = dXA·[A₁; A₂; …]`.
+//!   one GEMM, and so are `dA = dXAᵀ·x` and the LoRA part of `dx = dXA·[A₁; A₂; …]`. Each member
+//!   gets its `(N, r)` columns as a contiguous copy: a column view of the `(N, Σr)` product has
+//!   leading dimension Σr, which candle's CUDA GEMM refuses (see [`crate::blas::cuda_gemm_ok`]).
+//! - LoRA with dropout: each member draws its own mask ([`crate::dropout`]), so each multiplies its
+//!   own dropped input by its A; the frozen GEMM above stays one.
 //!
 //! Small GEMMs run far below the BLAS's peak (bench-small's k/v projections, 2048×512·512×128, at a
 //! quarter of the rate of the fused 2048×512·512×768), and rank-16 LoRA GEMMs even more so. The
@@ -109,7 +113,8 @@ pub fn forward(
     let mut out = Vec::with_capacity(members.len());
     for (m, y) in members.iter().zip(base) {
         let r = ctx.adapter.pairs[m.lora.expect("checked")].a.dim(0)?;
-        out.push(m.finish_with_xa(y, xa.narrow(1, col, r)?, ctx)?);
+        // (N, r), packed: the GEMMs `xa·Bᵀ` and `dyᵀ·xa` take it.
+        out.push(m.finish_with_xa(y, xa.narrow(1, col, r)?.contiguous()?, ctx)?);
         col += r;
     }
     Ok(out)
@@ -190,5 +195,4 @@ pub fn backward(
 }
 
 #[cfg(test)]
-#[path = "group_tests.rs"]
 mod tests;

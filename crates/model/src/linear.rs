@@ -4,9 +4,10 @@
 //!
 //! The backward returns `dx` and accumulates `dA`, `dB`; it never forms a gradient for `W` or `b`.
 //! The LoRA product is taken as `(x·Aᵀ)·Bᵀ` so the intermediate is `(N, r)`, never `(N, out)·(out, in)`.
+//! Dropout masks come from [`crate::dropout`]: the cache keeps the mask's key, and the backward
+//! regenerates the mask from it.
 
 use candle_core::{DType, Device, Result, Tensor};
-use rand::{Rng, SeedableRng};
 use std::borrow::Cow;
 use std::sync::Arc;
 
@@ -15,6 +16,7 @@ use rtune_quant::Nf4Weight;
 use rtune_lora::Adapter;
 
 use crate::blas::matmul as mm;
+use crate::dropout::{self, DropoutKey};
 
 /// The adapter as the forward pass sees it.
 #[derive(Debug, Clone, Copy)]
@@ -125,10 +127,10 @@ pub struct Linear {
 /// What the backward needs besides the input.
 #[derive(Debug, Clone, Default)]
 pub struct LinearCache {
-    /// `x·Aᵀ` (after dropout): `(N, r)`, f32.
+    /// `x·Aᵀ` (after dropout): `(N, r)`, f32, contiguous.
     xa: Option<Tensor>,
-    /// Dropout keep-mask scaled by `1/(1−p)`: `(N, in)`, f32.
-    mask: Option<Tensor>,
+    /// What regenerates the dropout mask of the LoRA input, when dropout is on.
+    dropout: Option<DropoutKey>,
 }
 
 impl Linear {
@@ -162,21 +164,14 @@ impl Linear {
             return Ok((self.add_bias(y)?, LinearCache::default()));
         };
         let pair = &ctx.adapter.pairs[slot];
-        // The LoRA branch runs in f32, the adapter's dtype, whatever the compute dtype: PEFT
-        // casts the input to the adapter weights' dtype (kept f32) and adds in f32.
-        let xf = x.to_dtype(DType::F32)?;
-        let mask = if ctx.dropout > 0.0 {
-            Some(dropout_mask(&xf, ctx.dropout, ctx.seed ^ salt)?)
-        } else {
-            None
-        };
-        let xd = match &mask {
-            Some(m) => (&xf * m)?,
-            None => xf,
-        };
-        let xa = mm(&xd, &pair.a.t()?)?; // (N, r) f32
+        let key = (ctx.dropout > 0.0).then_some(DropoutKey {
+            p: ctx.dropout,
+            seed: ctx.seed,
+            salt,
+        });
+        let xa = mm(&lora_input(x, key.as_ref())?, &pair.a.t()?)?; // (N, r) f32
         let (y, mut cache) = self.finish_with_xa(y, xa, ctx)?;
-        cache.mask = mask;
+        cache.dropout = key;
         Ok((y, cache))
     }
 
@@ -187,7 +182,8 @@ impl Linear {
         }
     }
 
-    /// Bias and `y += scaling · xa·Bᵀ` for a given `xa = dropout(x)·Aᵀ: (N, r)` f32.
+    /// Bias and `y += scaling · xa·Bᵀ` for a given `xa = dropout(x)·Aᵀ: (N, r)` f32 (the cache
+    /// says no dropout; [`Linear::finish`] sets its key).
     pub(crate) fn finish_with_xa(
         &self,
         y: Tensor,
@@ -203,7 +199,7 @@ impl Linear {
             y,
             LinearCache {
                 xa: Some(xa),
-                mask: None,
+                dropout: None,
             },
         ))
     }
@@ -265,30 +261,27 @@ impl Linear {
         };
         let dxa = self.lora_dxa(dy, cache, ctx, grads)?;
         let pair = &ctx.adapter.pairs[slot];
-        let xf = x.to_dtype(DType::F32)?;
-        let xd = match &cache.mask {
-            Some(m) => (&xf * m)?,
-            None => xf,
-        };
-        // dA: (r, in) = dxaᵀ·xd
+        // dA: (r, in) = dxaᵀ·dropout(x), the mask regenerated from its key.
+        let xd = lora_input(x, cache.dropout.as_ref())?;
         Grads::add(&mut grads.a[slot], mm(&dxa.t()?, &xd)?)?;
         if !need_dx {
             return Ok(None);
         }
-        let mut dl = mm(&dxa, &pair.a)?;
-        if let Some(m) = &cache.mask {
-            dl = (dl * m)?;
-        }
-        Ok(Some(dl))
+        // dx of the LoRA branch: (dxa·A) masked as the input was.
+        let dl = mm(&dxa, &pair.a)?;
+        Ok(Some(match &cache.dropout {
+            Some(k) => dropout::apply(&dl, k)?,
+            None => dl,
+        }))
     }
 }
 
-/// Inverted-dropout mask shaped like `x` (f32): `1/(1−p)` with probability `1−p`, else 0.
-fn dropout_mask(x: &Tensor, p: f64, seed: u64) -> Result<Tensor> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let keep = (1.0 / (1.0 - p)) as f32;
-    let v: Vec<f32> = (0..x.elem_count())
-        .map(|_| if rng.random::<f64>() < p { 0.0 } else { keep })
-        .collect();
-    Tensor::from_vec(v, x.shape(), x.device())
+/// The LoRA branch's input `dropout(x)` in f32, the adapter's dtype, whatever the compute dtype:
+/// PEFT casts the input to the adapter weights' dtype (kept f32) and adds in f32. With dropout,
+/// cast and mask are one pass ([`dropout::apply`]).
+fn lora_input(x: &Tensor, key: Option<&DropoutKey>) -> Result<Tensor> {
+    match key {
+        Some(k) => dropout::apply(x, k),
+        None => x.to_dtype(DType::F32),
+    }
 }

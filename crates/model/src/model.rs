@@ -29,7 +29,7 @@ pub struct Model {
     lm_head: Tensor,
     inv_freq: Vec<f32>,
     /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
-    /// pass and comes back one layer ahead of the backward, on a side stream ([`crate::kept`]).
+    /// pass and comes back one layer ahead of the backward, on a side stream (`kept.rs`).
     pub offload_checkpoints: bool,
 }
 
@@ -363,11 +363,13 @@ impl Model {
             }
             let (h, norm_cache) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
             drop(x);
-            // 6 Mi f32 logits (24 MiB) a chunk: below glibc's largest mmap threshold, so the
-            // buffer is reused from the heap instead of faulted in fresh every chunk.
-            let chunk = ((6usize << 20) / self.cfg.vocab_size).clamp(16, 4096);
-            let (loss, dh) =
-                ops::chunked_cross_entropy(&h, &self.lm_head, targets, grad_scale, chunk)?;
+            let (loss, dh) = ops::chunked_cross_entropy(
+                &h,
+                &self.lm_head,
+                targets,
+                grad_scale,
+                self.ce_chunk(),
+            )?;
             drop(h);
             let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {
@@ -400,10 +402,23 @@ impl Model {
                 x = layer.forward(&x, &ctx, lora)?.0;
             }
             let (h, _) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
-            let chunk = ((6usize << 20) / self.cfg.vocab_size).clamp(16, 4096);
-            ops::chunked_cross_entropy_loss(&h, &self.lm_head, targets, chunk)
+            ops::chunked_cross_entropy_loss(&h, &self.lm_head, targets, self.ce_chunk())
         };
         run().map_err(|e| ModelError::candle("eval_loss", e))
+    }
+
+    /// Rows of the logits formed at once by the cross-entropy.
+    ///
+    /// CPU: 6 Mi f32 logits (24 MiB) a chunk, below glibc's largest mmap threshold, so the buffer is
+    /// reused from the heap instead of faulted in fresh every chunk. GPU: 1024 rows, so a step
+    /// reads the lm_head a few times rather than once per ~50 rows (seq 2048: 2 chunks), while the
+    /// logits and their gradient stay transient (1024 × 128256 bf16: 263 MB each).
+    fn ce_chunk(&self) -> usize {
+        if self.device.is_cpu() {
+            ((6usize << 20) / self.cfg.vocab_size).clamp(16, 4096)
+        } else {
+            1024
+        }
     }
 
     /// Bytes held by the frozen weights (4-bit layers at their packed size).

@@ -352,6 +352,7 @@ pub fn segment_mask(
 ///
 /// `h: (N, D)` final hidden states, `w: (V, D)` the lm_head, `targets[i]` the next-token id for row
 /// `i` or `None`. Returns the summed loss (f64) and `dh: (N, D)` = `d(loss_sum · grad_scale)/dh`.
+/// A target `≥ V` is an error naming it (on every device: a GPU kernel would read out of bounds).
 pub fn chunked_cross_entropy(
     h: &Tensor,
     w: &Tensor,
@@ -373,6 +374,21 @@ pub fn chunked_cross_entropy_loss(
     Ok(cross_entropy_impl(h, w, targets, None, chunk)?.0)
 }
 
+/// The first target outside `0..vocab`, as an error naming its row, its value and the vocabulary.
+fn check_targets(targets: &[Option<u32>], vocab: usize) -> Result<()> {
+    match targets
+        .iter()
+        .enumerate()
+        .find_map(|(i, t)| t.filter(|&t| t as usize >= vocab).map(|t| (i, t)))
+    {
+        Some((row, t)) => candle_core::bail!(
+            "cross-entropy: target token id {t} (row {row}) is out of range for the lm_head's \
+             vocabulary of {vocab} (ids 0..{vocab}); the tokenizer and the model do not match"
+        ),
+        None => Ok(()),
+    }
+}
+
 fn cross_entropy_impl(
     h: &Tensor,
     w: &Tensor,
@@ -380,16 +396,16 @@ fn cross_entropy_impl(
     grad_scale: Option<f64>,
     chunk: usize,
 ) -> Result<(f64, Option<Tensor>)> {
+    check_targets(targets, w.dim(0)?)?;
     let dev = h.device();
     let rows: Vec<u32> = (0..targets.len())
         .filter(|&i| targets[i].is_some())
         .map(|i| i as u32)
         .collect();
-    let mut dh = match grad_scale {
-        Some(_) => Some(h.zeros_like()?),
-        None => None,
-    };
-    let mut loss = 0f64;
+    // The summed loss stays on the device (f64, chunk sums added in order): one host read at the
+    // end, not one sync per chunk.
+    let mut loss: Option<Tensor> = None;
+    let mut dparts = Vec::new();
     let wt = w.t()?;
     for part in rows.chunks(chunk.max(1)) {
         let idx = Tensor::new(part, dev)?;
@@ -401,20 +417,36 @@ fn cross_entropy_impl(
                                                      // (n, V) in h's dtype; then (n, 2) f32 [lse, lse − logit[target]], each row's loss second.
         let logits = mm(&h.index_select(&idx, 0)?, &wt)?;
         let stats = crate::fused::ce_fwd(&logits, &tgt)?;
-        loss += stats
-            .narrow(1, 1, 1)?
-            .to_dtype(DType::F64)?
-            .sum_all()?
-            .to_scalar::<f64>()?;
-        let (Some(scale), Some(acc)) = (grad_scale, dh.as_mut()) else {
+        let sum = stats.narrow(1, 1, 1)?.to_dtype(DType::F64)?.sum_all()?;
+        loss = Some(match loss {
+            Some(l) => (l + sum)?,
+            None => sum,
+        });
+        let Some(scale) = grad_scale else {
             continue;
         };
         // dlogits = (softmax − onehot) · grad_scale, in h's dtype
         let lse = stats.narrow(1, 0, 1)?.squeeze(1)?;
         let dlogits = crate::fused::ce_bwd(&logits, &tgt, &lse, scale)?;
-        let dpart = mm(&dlogits, w)?; // (n, D)
-        *acc = acc.index_add(&idx, &dpart, 0)?;
+        dparts.push(mm(&dlogits, w)?); // (n, D)
     }
+    // dh: the rows with a target from their chunks, zero elsewhere; one scatter at the end rather
+    // than a copy of the whole (N, D) gradient per chunk.
+    let dh = match grad_scale {
+        Some(_) if dparts.is_empty() => Some(h.zeros_like()?),
+        Some(_) => {
+            let idx = Tensor::new(rows.as_slice(), dev)?;
+            Some(
+                h.zeros_like()?
+                    .index_add(&idx, &Tensor::cat(&dparts, 0)?, 0)?,
+            )
+        }
+        None => None,
+    };
+    let loss = match loss {
+        Some(l) => l.to_scalar::<f64>()?,
+        None => 0.0,
+    };
     Ok((loss, dh))
 }
 

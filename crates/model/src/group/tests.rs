@@ -1,3 +1,6 @@
+//! The group path ([`super::forward`], [`super::backward`]) against each member computed on its
+//! own, and [`super::fuse`]'s row views.
+
 use super::*;
 use candle_core::Device;
 use rtune_lora::{Adapter, LoraPair, LoraSpec};

@@ -1,0 +1,331 @@
+//! LoRA dropout masks from a counter-based generator: Philox4x32-10 (Salmon, Moraes, Dror, Shaw,
+//! "Parallel random numbers: as easy as 1, 2, 3", SC 2011; Random123's `philox4x32`).
+//!
+//! Element `i` of a module's input is kept iff `u(i) ≥ p`, and then scaled by `1/(1−p)` (inverted
+//! dropout, as `torch.nn.Dropout`), where `u(i)` is a 24-bit uniform in `[0, 1)` read from one
+//! word of one Philox block:
+//!
+//! - key `(k₀, k₁)` = the micro-batch seed ([`crate::LoraCtx::seed`], which the trainer derives
+//!   from the run seed, the step and the micro-batch), low word first;
+//! - counter `(i/4 low, i/4 high, salt low, salt high)`, the salt naming the layer and module;
+//! - `u(i) = (word[i mod 4] >> 8) · 2⁻²⁴`, so `keep ⇔ word >> 8 ≥ ⌈p·2²⁴⌉` in integers, which
+//!   any device evaluates the same way.
+//!
+//! A mask is a pure function of `(seed, salt, i)`: elements are generated in any order and in
+//! parallel, the same function serves every device, and the backward (or a recomputed forward
+//! under gradient checkpointing) regenerates the mask rather than keeping it. [`apply`] fuses
+//! the cast to f32, the mask and the scale into one pass over the input: rayon tasks on the CPU,
+//! `kernels/dropout.cu` on CUDA (`rtune_kernels::dropout`), the same bits on both.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Philox4x32 round multipliers and Weyl key increments (Random123's `PHILOX_M4x32_*`,
+/// `PHILOX_W32_*`).
+const M0: u32 = 0xD251_1F53;
+const M1: u32 = 0xCD9E_8D57;
+const W0: u32 = 0x9E37_79B9;
+const W1: u32 = 0xBB67_AE85;
+
+/// Philox4x32 with 10 rounds: one 128-bit block of output for a 128-bit counter and 64-bit key.
+pub fn philox4x32_10(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    let (mut c, mut k) = (ctr, key);
+    for round in 0..10 {
+        if round > 0 {
+            k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
+        }
+        let p0 = u64::from(M0) * u64::from(c[0]);
+        let p1 = u64::from(M1) * u64::from(c[2]);
+        let (hi0, lo0) = ((p0 >> 32) as u32, p0 as u32);
+        let (hi1, lo1) = ((p1 >> 32) as u32, p1 as u32);
+        c = [hi1 ^ c[1] ^ k[0], lo1, hi0 ^ c[3] ^ k[1], lo0];
+    }
+    c
+}
+
+/// What regenerates one module's mask: never the mask itself.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DropoutKey {
+    /// Drop probability, `0 < p < 1`.
+    pub p: f64,
+    /// The micro-batch seed ([`crate::LoraCtx::seed`]).
+    pub seed: u64,
+    /// The layer and module.
+    pub salt: u64,
+}
+
+impl DropoutKey {
+    /// Kept iff `word >> 8 ≥ threshold`: `⌈p·2²⁴⌉`, so that `P(keep) = 1 − p` up to 2⁻²⁴.
+    pub fn threshold(&self) -> u32 {
+        (self.p * 16_777_216.0).ceil().clamp(0.0, 16_777_216.0) as u32
+    }
+
+    /// `1/(1−p)` in f32, the kept elements' factor.
+    pub fn scale(&self) -> f32 {
+        (1.0 / (1.0 - self.p)) as f32
+    }
+
+    /// The Philox block that holds elements `4·block .. 4·block + 4`.
+    fn block(&self, block: u64) -> [u32; 4] {
+        philox4x32_10(
+            [
+                block as u32,
+                (block >> 32) as u32,
+                self.salt as u32,
+                (self.salt >> 32) as u32,
+            ],
+            [self.seed as u32, (self.seed >> 32) as u32],
+        )
+    }
+
+    /// Element `i`'s factor, one at a time: `0` or [`DropoutKey::scale`] (the reference).
+    pub fn factor(&self, i: u64) -> f32 {
+        let word = self.block(i / 4)[(i % 4) as usize];
+        if word >> 8 >= self.threshold() {
+            self.scale()
+        } else {
+            0.0
+        }
+    }
+
+    /// Factors of elements `start .. start + out.len()`, `start` a multiple of 4.
+    fn fill<T: Copy>(&self, start: u64, src: &[T], out: &mut [f32], f32_of: impl Fn(T) -> f32) {
+        debug_assert_eq!(start % 4, 0);
+        let (thr, scale) = (self.threshold(), self.scale());
+        for (j, (o, s)) in out.chunks_mut(4).zip(src.chunks(4)).enumerate() {
+            let words = self.block(start / 4 + j as u64);
+            for ((o, &x), w) in o.iter_mut().zip(s).zip(words) {
+                let m = if w >> 8 >= thr { scale } else { 0.0 };
+                *o = f32_of(x) * m;
+            }
+        }
+    }
+}
+
+/// Elements a rayon task handles: a multiple of 4 (whole Philox blocks), large enough that a
+/// task's ~40 µs of work dwarfs its scheduling.
+const TASK: usize = 1 << 14;
+
+fn masked<T: Copy + Sync>(
+    key: &DropoutKey,
+    src: &[T],
+    f32_of: impl Fn(T) -> f32 + Sync,
+) -> Vec<f32> {
+    let mut out = vec![0f32; src.len()];
+    out.par_chunks_mut(TASK)
+        .zip(src.par_chunks(TASK))
+        .enumerate()
+        .for_each(|(t, (o, s))| key.fill((t * TASK) as u64, s, o, &f32_of));
+    out
+}
+
+struct Dropout(DropoutKey);
+
+impl CustomOp1 for Dropout {
+    fn name(&self) -> &'static str {
+        "lora-dropout"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = crate::fused::contiguous("lora-dropout", "x", l)?;
+        let out = match s {
+            CpuStorage::F32(v) => masked(&self.0, &v[a..b], |x| x),
+            CpuStorage::BF16(v) => masked(&self.0, &v[a..b], bf16::to_f32),
+            CpuStorage::F16(v) => masked(&self.0, &v[a..b], f16::to_f32),
+            other => candle_core::bail!(
+                "lora-dropout: x must be f32, bf16 or f16, got {:?} of shape {:?}",
+                other.dtype(),
+                l.dims()
+            ),
+        };
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::cuda_backend::CudaDType;
+        use rtune_kernels::dropout::lora_dropout;
+        use rtune_kernels::FusedFloat;
+        fn run<T: CudaDType + FusedFloat>(
+            key: &DropoutKey,
+            s: &candle_core::CudaStorage,
+            (a, b): (usize, usize),
+        ) -> Result<candle_core::CudaStorage> {
+            let dev = &s.device;
+            let n = b - a;
+            // SAFETY: the kernel writes all n elements before anything reads them.
+            let mut y = unsafe { dev.alloc::<f32>(n) }?;
+            lora_dropout::<T>(
+                &dev.cuda_stream(),
+                &s.as_cuda_slice::<T>()?.slice(a..b),
+                &mut y.as_view_mut(),
+                n,
+                key.seed,
+                key.salt,
+                key.threshold(),
+                key.scale(),
+            )
+            .map_err(|e| candle_core::Error::Msg(format!("lora-dropout (cuda): {e}")).bt())?;
+            Ok(candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        }
+        let range = crate::fused::contiguous("lora-dropout", "x", l)?;
+        let y = match s.dtype() {
+            DType::F32 => run::<f32>(&self.0, s, range)?,
+            DType::BF16 => run::<bf16>(&self.0, s, range)?,
+            DType::F16 => run::<f16>(&self.0, s, range)?,
+            other => candle_core::bail!(
+                "lora-dropout: x must be f32, bf16 or f16, got {other:?} of shape {:?}",
+                l.dims()
+            ),
+        };
+        Ok((y, l.shape().clone()))
+    }
+}
+
+/// `dropout(x)` in f32: `x·1/(1−p)` where element `i` (row-major) is kept, `0·x` elsewhere;
+/// `x` of any float dtype, any shape. One fused pass on the CPU and on CUDA; on another device
+/// the same factors made on the host and uploaded.
+pub fn apply(x: &Tensor, key: &DropoutKey) -> Result<Tensor> {
+    if x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda()) {
+        return x.contiguous()?.apply_op1_no_bwd(&Dropout(*key));
+    }
+    let ones = vec![1f32; x.elem_count()];
+    let mask = masked(key, &ones, |x| x);
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?;
+    x.to_dtype(DType::F32)? * mask
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Random123's known-answer vectors (`tests/kat_vectors`, philox4x32 10 rounds): counter
+    /// words, key words, output words.
+    #[test]
+    fn philox_matches_random123_known_answers() {
+        let kat: [([u32; 4], [u32; 2], [u32; 4]); 3] = [
+            (
+                [0, 0, 0, 0],
+                [0, 0],
+                [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8],
+            ),
+            (
+                [u32::MAX; 4],
+                [u32::MAX; 2],
+                [0x408f_276d, 0x41c8_3b0e, 0xa20b_c7c6, 0x6d54_51fd],
+            ),
+            (
+                [0x243f_6a88, 0x85a3_08d3, 0x1319_8a2e, 0x0370_7344],
+                [0xa409_3822, 0x299f_31d0],
+                [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1],
+            ),
+        ];
+        for (ctr, key, want) in kat {
+            assert_eq!(philox4x32_10(ctr, key), want, "ctr {ctr:x?} key {key:x?}");
+        }
+    }
+
+    /// The definition pinned: seed 1, salt 0, p 0.3 keeps elements 0..10 but element 8 (the same
+    /// ten factors came out of `kernels/dropout.cu`'s body compiled for the host).
+    #[test]
+    fn known_mask() {
+        let key = DropoutKey {
+            p: 0.3,
+            seed: 1,
+            salt: 0,
+        };
+        assert_eq!(key.threshold(), 5_033_165);
+        let kept: Vec<bool> = (0..10).map(|i| key.factor(i) != 0.0).collect();
+        let want: Vec<bool> = (0..10).map(|i| i != 8).collect();
+        assert_eq!(kept, want);
+    }
+
+    /// The fused parallel op equals the element-by-element reference exactly (the same f32
+    /// product), over several tasks and a tail that is not a whole block, in f32 and bf16.
+    #[test]
+    fn apply_equals_reference_factors() -> Result<()> {
+        let key = DropoutKey {
+            p: 0.3,
+            seed: 0x1234_5678_9abc_def0,
+            salt: 77,
+        };
+        let n = 2 * TASK + 7;
+        let x = Tensor::randn(0f32, 1.0, (n / 7, 7), &Device::Cpu)?;
+        for xt in [x.clone(), x.to_dtype(DType::BF16)?] {
+            let got = apply(&xt, &key)?.flatten_all()?.to_vec1::<f32>()?;
+            let xs = xt.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            for (i, (g, v)) in got.iter().zip(&xs).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    (v * key.factor(i as u64)).to_bits(),
+                    "element {i}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The CUDA kernel draws the CPU's masks: the same f32 bits for every element, f32 and bf16
+    /// inputs, a length that is not a whole Philox block. Skips where there is no GPU.
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn cuda_equals_cpu_bit_for_bit() -> Result<()> {
+        let Ok(gpu) = Device::new_cuda(0) else {
+            eprintln!("no CUDA device; skipped");
+            return Ok(());
+        };
+        let key = DropoutKey {
+            p: 0.1,
+            seed: 99,
+            salt: u64::MAX - 5,
+        };
+        let x = Tensor::randn(0f32, 1.0, (333, 77), &Device::Cpu)?;
+        for xt in [x.clone(), x.to_dtype(DType::BF16)?] {
+            let want = apply(&xt, &key)?.flatten_all()?.to_vec1::<f32>()?;
+            let got = apply(&xt.to_device(&gpu)?, &key)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want));
+        }
+        Ok(())
+    }
+
+    /// The kept fraction is 1 − p within 4 standard deviations of a binomial over 10⁶ draws
+    /// (σ = √(p(1−p)/n) ≈ 4.6e-4), for each of a few keys; different seeds and salts give
+    /// different masks (agreement near p² + (1−p)², not 1).
+    #[test]
+    fn masks_keep_one_minus_p_and_differ_by_key() {
+        let n = 1_000_000u64;
+        let p = 0.3;
+        let ones = vec![1f32; n as usize];
+        let keys = [(1u64, 0u64), (1, 1), (2, 0), (u64::MAX, 123)];
+        let masks: Vec<Vec<f32>> = keys
+            .iter()
+            .map(|&(seed, salt)| masked(&DropoutKey { p, seed, salt }, &ones, |x| x))
+            .collect();
+        for m in &masks {
+            let kept = m.iter().filter(|&&v| v != 0.0).count() as f64 / n as f64;
+            assert!((kept - (1.0 - p)).abs() < 4.0 * 4.6e-4, "kept {kept}");
+            assert!(m.iter().all(|&v| v == 0.0 || v == (1.0 / (1.0 - p)) as f32));
+        }
+        for i in 0..masks.len() {
+            for j in i + 1..masks.len() {
+                let same = masks[i]
+                    .iter()
+                    .zip(&masks[j])
+                    .filter(|(a, b)| a == b)
+                    .count() as f64
+                    / n as f64;
+                assert!((same - 0.58).abs() < 0.01, "keys {i}, {j} agree on {same}");
+            }
+        }
+    }
+}
