@@ -18,18 +18,17 @@
 //! adapter, AdamW's state and the data cursor are restored exactly, the dropout masks and shuffle
 //! order are functions of (seed, step, epoch), and metrics.jsonl is cut back to its length at step k.
 //!
-//! Files: [`state`] holds the counters, `start` the setup and the choice of checkpoint to resume,
-//! [`output`] every write, `metrics` the metrics lines and the summary, `events` what the caller
-//! is told.
+//! Beside it: [`state`] (the counters), `attempt` (setup, the checkpoint to resume, run.json, the
+//! summary), [`output`] (every write), `metrics` and `events` (what is reported, and to whom).
 //!
 //! Data parallelism (issue 16) has two seams here: `Trainer::gradients` returns a step's complete
 //! gradients before clipping (their all-reduce goes at its end), and [`output::RunFiles`] is the
 //! only writer of the run directory (rank 0 alone writes, decided in `RunFiles::new`).
 
+mod attempt;
 mod events;
 mod metrics;
 pub mod output;
-mod start;
 pub mod state;
 
 use candle_core::Device;
@@ -61,19 +60,9 @@ pub fn train(
 ) -> Result<Outcome, TrainError> {
     let mut t = Trainer::setup(cfg, on_event)?;
     t.resume_or_fresh(opts)?;
-    let mut record = t.begin()?;
+    let record = t.begin()?;
     let result = t.run(opts.stop);
-    let status = match &result {
-        Ok(Outcome::Completed(_)) => "completed".to_string(),
-        Ok(Outcome::Stopped { .. }) => "stopped".to_string(),
-        Err(e) => format!("failed: {e}"),
-    };
-    record.end(&status, t.state.step);
-    // The record is best effort on failure: the error that stopped the run is what matters.
-    let written = t.files.record(&record);
-    let outcome = result?;
-    written?;
-    Ok(outcome)
+    t.end(record, result)
 }
 
 /// One training job: the model and adapter, the optimizer, the data, the run's files and counters.
@@ -104,22 +93,6 @@ pub struct Trainer<'a> {
     fault_nan_steps: Vec<usize>,
 }
 
-/// The adapter as the model applies it: `dropout` on the LoRA path, masks drawn from `seed`.
-fn lora(adapter: &Adapter, dropout: f64, seed: u64) -> LoraCtx<'_> {
-    let scaling = adapter.spec.scaling();
-    LoraCtx {
-        adapter,
-        scaling,
-        dropout,
-        seed,
-    }
-}
-
-/// Seed of one micro-batch's dropout masks.
-fn micro_seed(seed: u64, step: usize, micro: usize) -> u64 {
-    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((step as u64) << 20) ^ micro as u64
-}
-
 impl Trainer<'_> {
     fn warn(&mut self, message: String) {
         (self.on_event)(Event::Warning(message));
@@ -148,11 +121,12 @@ impl Trainer<'_> {
         while self.state.step < cfg.steps {
             self.step()?;
             let step = self.state.step;
-            if (cfg.eval_every > 0 && step % cfg.eval_every == 0) || step == cfg.steps {
+            let due = |every: usize| (every > 0 && step.is_multiple_of(every)) || step == cfg.steps;
+            if due(cfg.eval_every) {
                 self.evaluate()?;
             }
             let stop = stop.is_some_and(|s| s.load(Ordering::SeqCst));
-            if (cfg.save_every > 0 && step % cfg.save_every == 0) || stop || step == cfg.steps {
+            if due(cfg.save_every) || stop {
                 self.checkpoint(stop)?;
                 if stop && step < cfg.steps {
                     let checkpoint = self.files.dir.join(format!("checkpoint-{step}"));
@@ -183,11 +157,10 @@ impl Trainer<'_> {
         let done = self
             .opt
             .step(&mut self.adapter, &grads, lr, clip, loss, unscale)?;
-        let on_event = &mut self.on_event;
-        let mut warn = |w| on_event(Event::Warning(w));
-        let max_bad = cfg.max_bad_steps;
+        let (on_event, max_bad) = (&mut self.on_event, cfg.max_bad_steps);
+        let warn = &mut |w| on_event(Event::Warning(w));
         self.state
-            .count_update(done, loss, loss_scale, max_bad, &mut warn)?;
+            .count_update(done, loss, loss_scale, max_bad, warn)?;
         let secs = t0.elapsed().as_secs_f64();
         let m = StepMetrics {
             step: step + 1,
@@ -203,8 +176,7 @@ impl Trainer<'_> {
             estimated_peak_bytes: self.estimated_peak_bytes,
             elapsed_s: self.wall_s(),
         };
-        self.state
-            .count_step(tokens, m.tokens_per_s, loss, cfg.steps);
+        self.state.count_step(&m, cfg.steps);
         self.state.metrics_bytes += self.files.metrics_line(&m)?;
         (self.on_event)(Event::Step(&m));
         if let Some(w) = self.files.step_scalars(&m) {
@@ -228,11 +200,12 @@ impl Trainer<'_> {
         let mut grads = Grads::new(self.adapter.pairs.len());
         let mut loss_sum = 0.0;
         for (k, mb) in micro.into_iter().enumerate() {
-            let lc = lora(
-                &self.adapter,
-                cfg.dropout,
-                micro_seed(cfg.seed, self.state.step, k),
-            );
+            let lc = LoraCtx {
+                adapter: &self.adapter,
+                scaling: self.adapter.spec.scaling(),
+                dropout: cfg.dropout,
+                seed: self.state.dropout_seed(cfg.seed, k),
+            };
             let inputs = Inputs {
                 ids: mb.input_ids,
                 positions: mb.positions,
@@ -252,9 +225,9 @@ impl Trainer<'_> {
     /// the `eval_prompts` (samples.jsonl).
     pub fn evaluate(&mut self) -> Result<(), TrainError> {
         let (cfg, step) = (self.cfg, self.state.step);
-        let (lc, valid) = (lora(&self.adapter, 0.0, 0), &self.data.valid);
+        let (model, adapter, valid) = (&self.model, &self.adapter, &self.data.valid);
         let (mbs, pad_id) = (cfg.micro_batch_size, self.pad_id);
-        if let Some(ev) = evaluate::validation(step, &self.model, &lc, valid, mbs, pad_id)? {
+        if let Some(ev) = evaluate::validation(step, model, adapter, valid, mbs, pad_id)? {
             self.state.metrics_bytes += self.files.metrics_line(&ev)?;
             (self.on_event)(Event::Eval(&ev));
             if let Some(w) = self.files.eval_scalars(&ev) {
@@ -263,7 +236,7 @@ impl Trainer<'_> {
         }
         if let (Some(tok), false) = (&self.tok, cfg.eval_prompts.is_empty()) {
             let (prompts, max_new) = (&cfg.eval_prompts, cfg.eval_max_new_tokens);
-            let samples = evaluate::samples(step, &self.model, &lc, tok, prompts, max_new)?;
+            let samples = evaluate::samples(step, model, adapter, tok, prompts, max_new)?;
             self.files.samples(&samples)?;
         }
         Ok(())
@@ -290,9 +263,10 @@ impl Trainer<'_> {
             next_lr: cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps),
             settings: self.settings.clone(),
         };
+        let (adapter, opt, keep) = (&self.adapter, &self.opt, cfg.keep_last);
         match self
             .files
-            .checkpoint(&state, &self.adapter, &self.opt, &self.base, cfg.keep_last)
+            .checkpoint(&state, adapter, opt, &self.base, keep)
         {
             Ok(Some(path)) => (self.on_event)(Event::Checkpoint { step, path: &path }),
             Ok(None) => {}

@@ -1,13 +1,10 @@
 //! What a run reports about its numbers: [`StepMetrics`] (one metrics.jsonl line and one set of
-//! TensorBoard scalars a step), [`Summary`] (summary.json, built from the trainer's counters at the
-//! end), and the median the summary's speed is.
+//! TensorBoard scalars a step), [`Summary`] (summary.json), and the median the summary's speed is.
 
 use serde::Serialize;
 use std::path::PathBuf;
 
-use super::Trainer;
 use crate::evaluate::EvalMetrics;
-use crate::memory;
 
 /// One line of metrics.jsonl.
 #[derive(Debug, Clone, Serialize)]
@@ -74,27 +71,6 @@ pub struct Summary {
     /// Steps whose update was skipped for a non-finite loss or gradient.
     pub skipped_steps: usize,
     pub output_dir: PathBuf,
-}
-
-impl Trainer<'_> {
-    /// summary.json's numbers, at the end of the run.
-    pub(super) fn summary(&self) -> Summary {
-        Summary {
-            steps: self.cfg.steps,
-            final_loss: self.state.last_loss,
-            tokens_per_s: median(&self.state.speeds),
-            peak_memory_bytes: memory::peak_bytes(&self.dev),
-            estimated_peak_bytes: self.estimated_peak_bytes,
-            wall_s: self.wall_s(),
-            total_tokens: self.state.total_tokens,
-            lora_params: self.adapter.num_params(),
-            model_bytes: self.model.resident_bytes(),
-            examples: self.examples,
-            epochs_started: self.batcher.position().0 + 1,
-            skipped_steps: self.state.skipped_steps,
-            output_dir: self.files.dir.clone(),
-        }
-    }
 }
 
 /// The median of `v` (the mean of the middle two for an even count; 0 when empty).

@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Deserializer, Serialize};
 
+use super::metrics::StepMetrics;
 use crate::optim::{Applied, LossScaler};
 use crate::TrainError;
 
@@ -68,6 +69,12 @@ impl RunState {
         *self = RunState { scaler, ..saved };
     }
 
+    /// The seed of the dropout masks of this step's micro-batch `micro`: a function of (seed, step),
+    /// so a resumed run draws the masks the uninterrupted one drew.
+    pub fn dropout_seed(&self, seed: u64, micro: usize) -> u64 {
+        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ ((self.step as u64) << 20) ^ micro as u64
+    }
+
     /// The factor this step's loss (and so its gradients) is multiplied by: 1 without a scaler.
     pub fn loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, |s| s.scale)
@@ -126,14 +133,14 @@ impl RunState {
         Ok(())
     }
 
-    /// Counts a finished step of `tokens` tokens at `tokens_per_s`; `steps` is the run's total.
-    pub fn count_step(&mut self, tokens: usize, tokens_per_s: f64, loss: f64, steps: usize) {
+    /// Counts the finished step `m` (of `steps` in the run).
+    pub fn count_step(&mut self, m: &StepMetrics, steps: usize) {
         self.step += 1;
         if self.step > 1 || steps == 1 {
-            self.speeds.push(tokens_per_s);
+            self.speeds.push(m.tokens_per_s);
         }
-        self.total_tokens += tokens;
-        self.last_loss = loss;
+        self.total_tokens += m.tokens;
+        self.last_loss = m.loss;
     }
 }
 
@@ -141,13 +148,30 @@ impl RunState {
 mod tests {
     use super::*;
 
+    fn step_metrics(tokens: usize, tokens_per_s: f64, loss: f64) -> StepMetrics {
+        StepMetrics {
+            step: 0,
+            loss,
+            lr: 0.0,
+            grad_norm: 0.0,
+            tokens,
+            target_tokens: 0,
+            tokens_per_s,
+            skipped: false,
+            loss_scale: None,
+            peak_memory_bytes: 0,
+            estimated_peak_bytes: None,
+            elapsed_s: 0.0,
+        }
+    }
+
     /// A checkpoint's state comes back exactly (the f64s bit for bit, a NaN loss as NaN): resume
     /// is bitwise only if it does.
     #[test]
     fn state_round_trips_through_json() {
         let mut s = RunState::fresh(Some(LossScaler::new(65536.0, 2000)));
-        s.count_step(1234, 0.1 + 0.2, 1.0 / 3.0, 10);
-        s.count_step(99, 7e-310, f64::NAN, 10);
+        s.count_step(&step_metrics(1234, 0.1 + 0.2, 1.0 / 3.0), 10);
+        s.count_step(&step_metrics(99, 7e-310, f64::NAN), 10);
         s.wall_s = 12.345_678_901_234_567;
         let text = serde_json::to_vec(&s).unwrap();
         let back: RunState = serde_json::from_slice(&text).unwrap();

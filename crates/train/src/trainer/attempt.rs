@@ -1,20 +1,20 @@
-//! How an attempt starts: [`Trainer::setup`] loads and checks everything before the run
+//! How an attempt starts and ends: [`Trainer::setup`] loads and checks everything before the run
 //! directory is touched; when resuming, the checkpoint to continue from is the newest that verifies
 //! if its settings equal this run's (the refusals name what is wrong: a finished run, no checkpoint
 //! that verifies, each changed setting); `begin` writes run.json and config.toml and reports the
-//! start.
+//! start; `end` records in run.json how the attempt ended; `summary` gives summary.json's numbers.
 
 use std::time::Instant;
 
 use rtune_config::RunConfig;
 
 use super::output::RunFiles;
-use super::{Event, RunOptions, RunState, Trainer};
+use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
 use crate::checkpoint::{self, Loaded};
 use crate::optim::LoraOptimizer;
 use crate::record::RunRecord;
 use crate::setup::{self, base_model_name, device, prepare, settings_diff, Prepared};
-use crate::TrainError;
+use crate::{memory, TrainError};
 
 impl<'a> Trainer<'a> {
     /// Loads and checks everything (model, data, adapter) before the run directory is touched.
@@ -144,5 +144,43 @@ impl<'a> Trainer<'a> {
             start_step: self.state.step,
         });
         Ok(record)
+    }
+
+    /// Records how the attempt ended in run.json and returns `result`. The record is best effort
+    /// on failure: the error that stopped the run is what matters.
+    pub(super) fn end(
+        &self,
+        mut record: RunRecord,
+        result: Result<Outcome, TrainError>,
+    ) -> Result<Outcome, TrainError> {
+        let status = match &result {
+            Ok(Outcome::Completed(_)) => "completed".to_string(),
+            Ok(Outcome::Stopped { .. }) => "stopped".to_string(),
+            Err(e) => format!("failed: {e}"),
+        };
+        record.end(&status, self.state.step);
+        let written = self.files.record(&record);
+        let outcome = result?;
+        written?;
+        Ok(outcome)
+    }
+
+    /// summary.json's numbers, at the end of the run.
+    pub(super) fn summary(&self) -> Summary {
+        Summary {
+            steps: self.cfg.steps,
+            final_loss: self.state.last_loss,
+            tokens_per_s: metrics::median(&self.state.speeds),
+            peak_memory_bytes: memory::peak_bytes(&self.dev),
+            estimated_peak_bytes: self.estimated_peak_bytes,
+            wall_s: self.wall_s(),
+            total_tokens: self.state.total_tokens,
+            lora_params: self.adapter.num_params(),
+            model_bytes: self.model.resident_bytes(),
+            examples: self.examples,
+            epochs_started: self.batcher.position().0 + 1,
+            skipped_steps: self.state.skipped_steps,
+            output_dir: self.files.dir.clone(),
+        }
     }
 }
