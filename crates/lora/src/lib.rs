@@ -5,9 +5,10 @@
 //! `B: (out, r)` and `scaling = alpha / r` (or `alpha / √r` with rsLoRA, Kalajdzievski 2023).
 //! [`Adapter`] keeps the modules in model order under their checkpoint names
 //! (`model.layers.0.self_attn.q_proj`); PEFT's names (`base_model.model.<name>.lora_A.weight`) appear
-//! only in [`peft`], at the file boundary. Master weights are always f32.
+//! only in [`peft`], at the file boundary ([`peft::lora_a_key`] and its siblings name every tensor
+//! rtune writes for PEFT or beside it). Master weights are always f32.
 
-mod peft;
+pub mod peft;
 
 pub use peft::{
     parse_adapter_config, read_adapter_config, PeftAdapterConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS,

@@ -1,4 +1,6 @@
-//! PEFT's adapter format: `adapter_model.safetensors` + `adapter_config.json`.
+//! PEFT's adapter format: `adapter_model.safetensors` + `adapter_config.json`, and every name
+//! PEFT gives a tensor (`base_model.model.<module>.lora_A.weight`): the rest of rtune asks these
+//! functions for a key and never formats one itself.
 
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -14,6 +16,28 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 const WEIGHTS: &str = ADAPTER_WEIGHTS;
 const CONFIG: &str = ADAPTER_CONFIG;
 const PREFIX: &str = "base_model.model.";
+
+/// `base_model.model.<module>.lora_A.weight`: PEFT's key of a module's A `(r, in)` in
+/// `adapter_model.safetensors`; `module` is the checkpoint name (`model.layers.0.self_attn.q_proj`).
+pub fn lora_a_key(module: &str) -> String {
+    format!("{PREFIX}{module}.lora_A.weight")
+}
+
+/// `base_model.model.<module>.lora_B.weight`: PEFT's key of a module's B `(out, r)`.
+pub fn lora_b_key(module: &str) -> String {
+    format!("{PREFIX}{module}.lora_B.weight")
+}
+
+/// `exp_avg.<key>`: AdamW's first moment of the adapter tensor `key` ([`lora_a_key`] or
+/// [`lora_b_key`]) in a checkpoint's optimizer file — torch's state name on PEFT's key.
+pub fn exp_avg_key(key: &str) -> String {
+    format!("exp_avg.{key}")
+}
+
+/// `exp_avg_sq.<key>`: AdamW's second moment of the adapter tensor `key`.
+pub fn exp_avg_sq_key(key: &str) -> String {
+    format!("exp_avg_sq.{key}")
+}
 
 /// The keys of adapter_config.json that rtune reads and writes (PEFT ignores none of them).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -169,8 +193,7 @@ impl Adapter {
         let mut names = Vec::new();
         let mut pairs = Vec::new();
         for m in modules {
-            let mut take = |which: &str, want: [usize; 2], hint: &str| -> Result<Tensor> {
-                let key = format!("{PREFIX}{}.{which}.weight", m.name);
+            let mut take = |key: String, want: [usize; 2], hint: &str| -> Result<Tensor> {
                 let t = tensors.remove(&key).ok_or_else(|| LoraError::Missing {
                     path: path.clone(),
                     key: key.clone(),
@@ -186,8 +209,16 @@ impl Adapter {
                 }
                 t.to_dtype(DType::F32).map_err(cerr("adapter to f32"))
             };
-            let a = take("lora_A", [spec.r, m.in_features], "[r, in_features]")?;
-            let b = take("lora_B", [m.out_features, spec.r], "[out_features, r]")?;
+            let a = take(
+                lora_a_key(&m.name),
+                [spec.r, m.in_features],
+                "[r, in_features]",
+            )?;
+            let b = take(
+                lora_b_key(&m.name),
+                [m.out_features, spec.r],
+                "[out_features, r]",
+            )?;
             names.push(m.name.clone());
             pairs.push(LoraPair { a, b });
         }
@@ -215,18 +246,14 @@ impl Adapter {
         privacy.create_dir_all(dir)?;
         let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
         for (name, p) in self.names.iter().zip(&self.pairs) {
-            for (which, t) in [("lora_A", &p.a), ("lora_B", &p.b)] {
+            for (key, t) in [(lora_a_key(name), &p.a), (lora_b_key(name), &p.b)] {
                 let v: Vec<f32> = t
                     .to_dtype(DType::F32)
                     .and_then(|t| t.flatten_all())
                     .and_then(|t| t.to_vec1())
                     .map_err(cerr("adapter to host"))?;
                 let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                data.push((
-                    format!("{PREFIX}{name}.{which}.weight"),
-                    bytes,
-                    t.dims().to_vec(),
-                ));
+                data.push((key, bytes, t.dims().to_vec()));
             }
         }
         let views: Vec<(String, safetensors::tensor::TensorView)> = data
@@ -273,6 +300,26 @@ impl Adapter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The keys PEFT writes to adapter_model.safetensors for a Llama module (the parity goldens in
+    /// tests/integration/parity.rs read the same names from PEFT's own output).
+    #[test]
+    fn keys_are_peft_names() {
+        let m = "model.layers.3.mlp.down_proj";
+        assert_eq!(
+            lora_a_key(m),
+            "base_model.model.model.layers.3.mlp.down_proj.lora_A.weight"
+        );
+        assert_eq!(
+            lora_b_key(m),
+            "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"
+        );
+        assert_eq!(
+            exp_avg_sq_key(&lora_b_key(m)),
+            "exp_avg_sq.base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"
+        );
+        assert_eq!(exp_avg_key("k"), "exp_avg.k");
+    }
 
     #[test]
     fn save_then_load_round_trips() {

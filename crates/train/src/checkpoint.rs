@@ -14,45 +14,34 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use rtune_fsio::{fsync_dir, sha256_bytes, sha256_file, write_atomic, Privacy};
+use rtune_lora::peft::{exp_avg_key, exp_avg_sq_key, lora_a_key, lora_b_key};
 use rtune_lora::{Adapter, LoraSpec, ModuleShape, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
 use crate::optim::LoraOptimizer;
+use crate::trainer::state::RunState;
 use crate::TrainError;
 
-pub const FORMAT: &str = "rtune-checkpoint/1";
+/// Version 2: the trainer's counters are one [`RunState`] under `run`.
+pub const FORMAT: &str = "rtune-checkpoint/2";
 const STATE: &str = "trainer_state.json";
 const OPTIM: &str = "optimizer.safetensors";
 const MANIFEST: &str = "manifest.json";
 
-/// trainer_state.json
+/// trainer_state.json: the trainer's counters, where the optimizer and the data stood, and the
+/// settings a resumed run must share.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct TrainerState {
     pub format: String,
-    /// Optimizer steps done.
-    pub step: usize,
+    /// Step, tokens, speeds, last loss, wall time, loss scale, skipped steps, metrics.jsonl length.
+    pub run: RunState,
+    /// AdamW's step count (skipped updates do not advance it).
     pub adamw_step: u64,
     /// Data cursor: epoch and position in that epoch's (seeded) order.
     pub epoch: usize,
     pub cursor: usize,
     pub seed: u64,
-    /// The learning rate the next step will use (the scheduler's position is `step`).
+    /// The learning rate the next step will use (the scheduler's position is `run.step`).
     pub next_lr: f64,
-    /// Dynamic loss scale (f16); none in f32/bf16.
-    pub loss_scale: Option<f64>,
-    /// Clean steps since the scale last changed.
-    #[serde(default)]
-    pub loss_scale_clean_steps: usize,
-    /// Length of metrics.jsonl when the checkpoint was taken; a resumed run cuts it back to this.
-    pub metrics_bytes: u64,
-    pub speeds: Vec<f64>,
-    pub total_tokens: usize,
-    pub wall_s: f64,
-    pub last_loss: f64,
-    /// Consecutive and total updates skipped for a non-finite loss or gradient.
-    #[serde(default)]
-    pub bad_in_a_row: usize,
-    #[serde(default)]
-    pub skipped_steps: usize,
     /// Settings that a resumed run must share to reproduce the uninterrupted one.
     pub settings: BTreeMap<String, String>,
 }
@@ -75,10 +64,6 @@ pub struct Loaded {
     pub adapter: Adapter,
     pub m: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
-}
-
-fn peft_key(name: &str, which: &str) -> String {
-    format!("base_model.model.{name}.{which}.weight")
 }
 
 fn safetensors_bytes(tensors: Vec<(String, Vec<f32>, Vec<usize>)>) -> Vec<u8> {
@@ -107,8 +92,8 @@ pub fn save(
     privacy: Privacy,
     keep_last: usize,
 ) -> Result<PathBuf, TrainError> {
-    let final_dir = run_dir.join(format!("checkpoint-{}", state.step));
-    let tmp = run_dir.join(format!(".checkpoint-{}.tmp", state.step));
+    let final_dir = run_dir.join(format!("checkpoint-{}", state.run.step));
+    let tmp = run_dir.join(format!(".checkpoint-{}.tmp", state.run.step));
     let res = (|| -> Result<(), TrainError> {
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(|e| out(&tmp, e))?;
@@ -118,18 +103,10 @@ pub fn save(
         let (_, m, v) = opt.state();
         let mut tensors = Vec::new();
         for (i, (name, p)) in adapter.names.iter().zip(&adapter.pairs).enumerate() {
-            for (j, (which, t)) in [("lora_A", &p.a), ("lora_B", &p.b)].into_iter().enumerate() {
-                let k = peft_key(name, which);
-                tensors.push((
-                    format!("exp_avg.{k}"),
-                    m[2 * i + j].clone(),
-                    t.dims().to_vec(),
-                ));
-                tensors.push((
-                    format!("exp_avg_sq.{k}"),
-                    v[2 * i + j].clone(),
-                    t.dims().to_vec(),
-                ));
+            let factors = [(lora_a_key(name), &p.a), (lora_b_key(name), &p.b)];
+            for (j, (k, t)) in factors.into_iter().enumerate() {
+                tensors.push((exp_avg_key(&k), m[2 * i + j].clone(), t.dims().to_vec()));
+                tensors.push((exp_avg_sq_key(&k), v[2 * i + j].clone(), t.dims().to_vec()));
             }
         }
         write_atomic(&tmp.join(OPTIM), &safetensors_bytes(tensors), privacy)
@@ -253,10 +230,8 @@ pub fn load(
         .map_err(|e| format!("{OPTIM}: {e}"))?;
     let (mut m, mut v) = (Vec::new(), Vec::new());
     for (name, p) in adapter.names.iter().zip(&adapter.pairs) {
-        for (which, t) in [("lora_A", &p.a), ("lora_B", &p.b)] {
-            let k = peft_key(name, which);
-            for (prefix, dst) in [("exp_avg", &mut m), ("exp_avg_sq", &mut v)] {
-                let key = format!("{prefix}.{k}");
+        for (k, t) in [(lora_a_key(name), &p.a), (lora_b_key(name), &p.b)] {
+            for (key, dst) in [(exp_avg_key(&k), &mut m), (exp_avg_sq_key(&k), &mut v)] {
                 let x = opt
                     .remove(&key)
                     .ok_or_else(|| format!("{OPTIM} has no `{key}`"))?;

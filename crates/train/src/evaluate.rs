@@ -4,6 +4,7 @@
 use serde::Serialize;
 
 use rtune_data::{Example, MicroBatch, Tokenizer};
+use rtune_lora::Adapter;
 use rtune_model::{Inputs, LoraCtx, Model};
 
 use crate::generate::{complete, GenerateOptions};
@@ -27,19 +28,26 @@ pub struct Sample {
     pub completion: String,
 }
 
+/// The adapter as evaluation applies it: no dropout.
+fn no_dropout(adapter: &Adapter) -> LoraCtx<'_> {
+    LoraCtx {
+        adapter,
+        scaling: adapter.spec.scaling(),
+        dropout: 0.0,
+        seed: 0,
+    }
+}
+
 /// Validation loss over `valid`, `micro_batch` rows at a time, in order (no dropout, no gradient).
 pub fn validation(
     step: usize,
     model: &Model,
-    lc: &LoraCtx,
+    adapter: &Adapter,
     valid: &[Example],
     micro_batch: usize,
     pad_id: u32,
 ) -> Result<Option<EvalMetrics>, TrainError> {
-    let lc = LoraCtx {
-        dropout: 0.0,
-        ..*lc
-    };
+    let lc = no_dropout(adapter);
     let (mut sum, mut n) = (0.0, 0usize);
     for chunk in valid.chunks(micro_batch.max(1)) {
         let refs: Vec<&Example> = chunk.iter().collect();
@@ -70,15 +78,12 @@ pub fn validation(
 pub fn samples(
     step: usize,
     model: &Model,
-    lc: &LoraCtx,
+    adapter: &Adapter,
     tok: &Tokenizer,
     prompts: &[String],
     max_new_tokens: usize,
 ) -> Result<Vec<Sample>, TrainError> {
-    let lc = LoraCtx {
-        dropout: 0.0,
-        ..*lc
-    };
+    let lc = no_dropout(adapter);
     let mut stop = model.cfg.eos_token_ids.clone();
     stop.extend(tok.eos_id);
     let opt = GenerateOptions {

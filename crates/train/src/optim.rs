@@ -8,6 +8,7 @@ use candle_core::Tensor;
 use rtune_config::Schedule;
 use rtune_lora::Adapter;
 use rtune_model::Grads;
+use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 
@@ -96,7 +97,7 @@ pub fn clip_factor(grads: &[Vec<f32>], max_norm: f64) -> (f64, f64) {
 /// Dynamic loss scaling for f16, as `torch.amp.GradScaler`: gradients are computed for
 /// `loss · scale` so small ones survive f16; a step whose gradients overflow is skipped and the scale
 /// halved; after `interval` clean steps in a row the scale doubles.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LossScaler {
     pub scale: f64,
     /// Clean steps since the last overflow or growth.

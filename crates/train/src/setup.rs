@@ -7,13 +7,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use rtune_config::RunConfig;
-use rtune_data::Tokenizer;
+use rtune_data::{Batcher, Example, Layout, Tokenizer};
 use rtune_fsio::{sha256_file, Privacy};
-use rtune_lora::{Adapter, LoraSpec, ModuleShape};
+use rtune_lora::{Adapter, LoraSpec};
 use rtune_model::Model;
 
 use crate::checkpoint;
 use crate::dataset::{self, RunData};
+use crate::optim::LossScaler;
 use crate::TrainError;
 
 /// The compute device for a config value. `auto` is the first GPU when this rtune was built with
@@ -63,10 +64,9 @@ pub fn quantize(cfg: &RunConfig) -> rtune_model::Quantize {
     }
 }
 
+/// What [`prepare`] loaded: the model with the adapter attached, and the run's data.
 pub struct Prepared {
     pub model: Model,
-    pub spec: LoraSpec,
-    pub modules: Vec<ModuleShape>,
     pub adapter: Adapter,
     pub data: RunData,
     pub tok: Option<Tokenizer>,
@@ -121,8 +121,6 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     let settings = settings(cfg)?;
     Ok(Prepared {
         model,
-        spec,
-        modules,
         adapter,
         data,
         tok,
@@ -131,62 +129,105 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     })
 }
 
-/// The config values (and input checksums) that determine a run's numbers.
+/// Keys of the config as written that a resumed run may change: they do not decide which rows a
+/// step sees or the numbers it computes. Every other key is serialised into the settings and must
+/// stay equal, so a key added to the config is checked on resume unless it is named here. A name
+/// covers its sub-keys (`output` is the whole section).
+const MAY_CHANGE: [&str; 17] = [
+    // Where and how often files are written, and whether an old run may be replaced.
+    "output",
+    // Pinned by config.json's checksum (below), not by the revision that named it.
+    "model.revision",
+    // Pinned by checksum (below): the files may move. Training files are also listed by path and
+    // weight, as resolved.
+    "data.train",
+    "data.valid",
+    "data.chat_template",
+    // Where tokenized rows are cached, not what they are.
+    "data.cache",
+    "data.cache_dir",
+    // Where and how a step is computed: the same numbers, up to the device's rounding.
+    "train.device",
+    "train.gradient_checkpointing",
+    "train.offload_checkpoints",
+    // f16: the loss scale itself is restored from the checkpoint; the run's patience for bad steps.
+    "train.loss_scale_init",
+    "train.loss_scale_growth_interval",
+    "train.max_bad_steps",
+    // What is printed and evaluated along the way.
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_prompts",
+    "train.eval_max_new_tokens",
+];
+
+/// The settings that determine a run's numbers, `key → value`: the config as written (less
+/// [`MAY_CHANGE`]) flattened to `section.key`, plus the checksums of the files it names.
 fn settings(cfg: &RunConfig) -> Result<BTreeMap<String, String>, TrainError> {
     let sha = |p: &Path| sha256_file(p).map_err(TrainError::from);
-    let f = &cfg.file;
     let mut s = BTreeMap::new();
-    let mut put = |k: &str, v: String| {
-        s.insert(k.to_string(), v);
-    };
-    put("model.path", f.model.path.clone());
-    put(
-        "model.config.json sha256",
-        sha(&cfg.model_path.join("config.json"))?,
-    );
-    put("model.dtype", cfg.dtype.as_str().into());
-    put("model.quantize", f.model.quantize.clone());
-    put("model.double_quant", f.model.double_quant.to_string());
-    put("lora.r", cfg.r.to_string());
-    put("lora.alpha", cfg.alpha.to_string());
-    put("lora.dropout", cfg.dropout.to_string());
-    put("lora.targets", cfg.targets.join(","));
-    put("lora.rslora", cfg.rslora.to_string());
-    put("lora.init_from", f.lora.init_from.clone());
-    let d = &cfg.data;
-    for (i, t) in d.train.iter().enumerate() {
-        put(&format!("data.train[{i}]"), t.path.display().to_string());
-        put(&format!("data.train[{i}] sha256"), sha(&t.path)?);
-        put(&format!("data.train[{i}] weight"), t.weight.to_string());
+    let file = serde_json::to_value(&cfg.file).expect("the config serialises");
+    flatten("", &file, &mut s);
+    s.retain(|k, _| {
+        !MAY_CHANGE.iter().any(|m| {
+            k.strip_prefix(m)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with(['.', '[']))
+        })
+    });
+    // As resolved: `float32` and `f32` are one dtype.
+    s.insert("model.dtype".into(), cfg.dtype.as_str().into());
+    let config_json = cfg.model_path.join("config.json");
+    s.insert("model.config.json sha256".into(), sha(&config_json)?);
+    for (i, t) in cfg.data.train.iter().enumerate() {
+        s.insert(format!("data.train[{i}]"), t.path.display().to_string());
+        s.insert(format!("data.train[{i}] sha256"), sha(&t.path)?);
+        s.insert(format!("data.train[{i}] weight"), t.weight.to_string());
     }
-    if let Some(v) = &d.valid {
-        put("data.valid sha256", sha(v)?);
+    if let Some(v) = &cfg.data.valid {
+        s.insert("data.valid sha256".into(), sha(v)?);
     }
-    if let Some(t) = &d.chat_template {
-        put("data.chat_template sha256", sha(t)?);
+    if let Some(t) = &cfg.data.chat_template {
+        s.insert("data.chat_template sha256".into(), sha(t)?);
     }
-    put("data.valid_fraction", d.valid_fraction.to_string());
-    put("data.format", f.data.format.clone());
-    put("data.train_on", f.data.train_on.clone());
-    put("data.max_seq_len", d.max_seq_len.to_string());
-    put("data.truncation", f.data.truncation.clone());
-    put("data.on_bad_row", f.data.on_bad_row.clone());
-    put("data.shuffle", d.shuffle.to_string());
-    put("data.packing", d.packing.to_string());
-    put("data.group_by_length", d.group_by_length.to_string());
-    put("train.seed", cfg.seed.to_string());
-    put("train.steps", cfg.steps.to_string());
-    put("train.micro_batch_size", cfg.micro_batch_size.to_string());
-    put("train.grad_accum", cfg.grad_accum.to_string());
-    put("train.lr", cfg.lr.to_string());
-    put("train.schedule", f.train.schedule.clone());
-    put("train.warmup_steps", cfg.warmup_steps.to_string());
-    put("train.weight_decay", cfg.weight_decay.to_string());
-    put("train.max_grad_norm", cfg.max_grad_norm.to_string());
-    put("train.adam_beta1", cfg.betas.0.to_string());
-    put("train.adam_beta2", cfg.betas.1.to_string());
-    put("train.adam_eps", cfg.eps.to_string());
     Ok(s)
+}
+
+/// `{"train": {"lr": 0.005}}` → `train.lr = 0.005`. A list of plain values is one comma-joined
+/// value (`lora.targets = q_proj,v_proj`); a list holding tables is indexed (`key[0].path`).
+fn flatten(key: &str, v: &serde_json::Value, out: &mut BTreeMap<String, String>) {
+    use serde_json::Value;
+    match v {
+        Value::Object(map) => {
+            for (k, v) in map {
+                let sub = if key.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{key}.{k}")
+                };
+                flatten(&sub, v, out);
+            }
+        }
+        Value::Array(items) if items.iter().any(|x| x.is_object() || x.is_array()) => {
+            for (i, x) in items.iter().enumerate() {
+                flatten(&format!("{key}[{i}]"), x, out);
+            }
+        }
+        Value::Array(items) => {
+            let parts: Vec<String> = items.iter().map(plain).collect();
+            out.insert(key.to_string(), parts.join(","));
+        }
+        v => {
+            out.insert(key.to_string(), plain(v));
+        }
+    }
+}
+
+/// A string as itself (no quotes), anything else as JSON writes it.
+fn plain(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        v => v.to_string(),
+    }
 }
 
 /// Names every setting that differs between a checkpoint and the current config.
@@ -204,6 +245,37 @@ pub fn settings_diff(
             (a != b).then(|| format!("{k} was {a}, is now {b}"))
         })
         .collect()
+}
+
+/// The training rows in the order the config asks for: packed, grouped by length, or as they come
+/// (each epoch shuffled by seed when `[data] shuffle`).
+pub fn batcher(cfg: &RunConfig, train: Vec<Example>, pad_id: u32) -> Batcher {
+    let layout = if cfg.data.packing {
+        Layout::Packed {
+            max_seq_len: cfg.data.max_seq_len,
+        }
+    } else if cfg.data.group_by_length {
+        Layout::GroupByLength {
+            micro_batch: cfg.micro_batch_size,
+        }
+    } else {
+        Layout::Plain
+    };
+    Batcher::with_layout(train, cfg.data.shuffle, cfg.seed, pad_id, layout)
+}
+
+/// f16's dynamic loss scaler; none in f32/bf16.
+pub fn loss_scaler(cfg: &RunConfig) -> Option<LossScaler> {
+    (cfg.dtype == rtune_config::DType::F16)
+        .then(|| LossScaler::new(cfg.loss_scale_init, cfg.loss_scale_growth_interval))
+}
+
+/// Steps whose loss tests poison with NaN to exercise the skip path: `RTUNE_FAULT_NAN_STEPS`,
+/// comma-separated, 1-based.
+pub fn fault_nan_steps() -> Vec<usize> {
+    std::env::var("RTUNE_FAULT_NAN_STEPS")
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+        .unwrap_or_default()
 }
 
 /// Files of a run directory that a fresh run replaces.
@@ -277,4 +349,91 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy) -> Result<(), TrainError>
 /// What PEFT records as the base model: the path as the user gave it.
 pub fn base_model_name(path: &Path) -> String {
     path.to_string_lossy().trim_end_matches('/').to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> RunConfig {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+        let text = format!(
+            "[model]\npath = \"{}\"\n[data]\ntrain = \"{}\"\n{extra}",
+            fixtures.join("tiny-llama3").display(),
+            fixtures.join("smoke.jsonl").display()
+        );
+        let path = Path::new("settings-test.toml");
+        let file = rtune_config::ConfigFile::parse(&text, path, &[]).unwrap();
+        file.validate(path).unwrap()
+    }
+
+    /// The checked settings are the keys checked when they were listed by hand (before they were
+    /// serialised from the config): a key that appears or vanishes here changes what resume accepts.
+    #[test]
+    fn settings_are_the_config_less_what_may_change() {
+        let s = settings(&config("")).unwrap();
+        let keys: Vec<&str> = s.keys().map(String::as_str).collect();
+        let want = [
+            "data.format",
+            "data.group_by_length",
+            "data.max_seq_len",
+            "data.on_bad_row",
+            "data.packing",
+            "data.shuffle",
+            "data.train[0]",
+            "data.train[0] sha256",
+            "data.train[0] weight",
+            "data.train_on",
+            "data.truncation",
+            "data.valid_fraction",
+            "lora.alpha",
+            "lora.dropout",
+            "lora.init_from",
+            "lora.r",
+            "lora.rslora",
+            "lora.targets",
+            "model.config.json sha256",
+            "model.double_quant",
+            "model.dtype",
+            "model.path",
+            "model.quantize",
+            "train.adam_beta1",
+            "train.adam_beta2",
+            "train.adam_eps",
+            "train.grad_accum",
+            "train.lr",
+            "train.max_grad_norm",
+            "train.micro_batch_size",
+            "train.schedule",
+            "train.seed",
+            "train.steps",
+            "train.warmup_steps",
+            "train.weight_decay",
+        ];
+        assert_eq!(keys, want);
+        assert_eq!(s["data.train[0] sha256"].len(), 64);
+    }
+
+    /// Output, evaluation and device settings may change on resume; a setting that changes the
+    /// numbers is named with both values, as resolved (`float32` is `f32`; a target list is one value).
+    #[test]
+    fn only_settings_that_change_the_numbers_differ() {
+        let base = settings(&config("")).unwrap();
+        let same = config(
+            "[train]\neval_every = 3\ndevice = \"cpu\"\nlog_every = 5\n\
+             [output]\nsave_every = 1\ndir = \"elsewhere\"",
+        );
+        assert!(settings_diff(&base, &settings(&same).unwrap()).is_empty());
+        let mut alias = config("");
+        alias.file.model.dtype = "float32".into();
+        assert!(settings_diff(&base, &settings(&alias).unwrap()).is_empty());
+        let changed = config("[train]\nlr = 1e-3\n[lora]\ntargets = [\"q_proj\", \"v_proj\"]");
+        assert_eq!(
+            settings_diff(&base, &settings(&changed).unwrap()),
+            vec![
+                "lora.targets was all-linear, is now q_proj,v_proj",
+                "train.lr was 0.0002, is now 0.001",
+            ]
+        );
+    }
 }

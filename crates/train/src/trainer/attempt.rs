@@ -1,0 +1,186 @@
+//! How an attempt starts and ends: [`Trainer::setup`] loads and checks everything before the run
+//! directory is touched; when resuming, the checkpoint to continue from is the newest that verifies
+//! if its settings equal this run's (the refusals name what is wrong: a finished run, no checkpoint
+//! that verifies, each changed setting); `begin` writes run.json and config.toml and reports the
+//! start; `end` records in run.json how the attempt ended; `summary` gives summary.json's numbers.
+
+use std::time::Instant;
+
+use rtune_config::RunConfig;
+
+use super::output::RunFiles;
+use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
+use crate::checkpoint::{self, Loaded};
+use crate::optim::LoraOptimizer;
+use crate::record::RunRecord;
+use crate::setup::{self, base_model_name, device, prepare, settings_diff, Prepared};
+use crate::{memory, TrainError};
+
+impl<'a> Trainer<'a> {
+    /// Loads and checks everything (model, data, adapter) before the run directory is touched.
+    pub fn setup(
+        cfg: &'a RunConfig,
+        on_event: &'a mut dyn FnMut(Event),
+    ) -> Result<Self, TrainError> {
+        let started = Instant::now();
+        let dev = device(cfg.device)?;
+        let Prepared {
+            mut model,
+            adapter,
+            mut data,
+            tok,
+            pad_id,
+            settings,
+        } = prepare(cfg, &dev)?;
+        model.offload_checkpoints = cfg.offload_checkpoints;
+        let estimated_peak_bytes = crate::estimate::for_run(cfg, &model.cfg, &data.train, &dev);
+        let opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
+        let examples = data.train.len();
+        let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
+        let state = RunState::fresh(setup::loss_scaler(cfg));
+        Ok(Self {
+            cfg,
+            on_event,
+            started,
+            dev,
+            model,
+            adapter,
+            opt,
+            batcher,
+            data,
+            examples,
+            tok,
+            pad_id,
+            settings,
+            base: base_model_name(&cfg.model_path),
+            estimated_peak_bytes,
+            files: RunFiles::new(cfg),
+            state,
+            fault_nan_steps: setup::fault_nan_steps(),
+        })
+    }
+
+    /// The checkpoint to resume from, when asked to resume (`--resume` or `[output] resume =
+    /// "auto"`) and the directory exists: the newest that verifies, if its settings equal this
+    /// run's (or `--force`). `None` (after a warning) when there is none to use and none is lost.
+    pub(super) fn checkpoint_to_resume(
+        &mut self,
+        opts: &RunOptions,
+    ) -> Result<Option<Loaded>, TrainError> {
+        let cfg = self.cfg;
+        let dir = &cfg.output_dir;
+        if opts.resume && !dir.is_dir() {
+            self.warn(format!(
+                "{} does not exist yet; starting from step 0",
+                dir.display()
+            ));
+        }
+        if !((opts.resume || cfg.resume) && dir.is_dir()) {
+            return Ok(None);
+        }
+        if dir.join("summary.json").exists() {
+            let message = "this run already finished (summary.json); nothing to resume".into();
+            return Err(TrainError::OutputDir {
+                path: dir.clone(),
+                message,
+            });
+        }
+        let partial = self.files.remove_partial_checkpoints();
+        if partial > 0 {
+            self.warn(format!(
+                "removed {partial} incomplete checkpoint(s) left by an interrupted write"
+            ));
+        }
+        let (spec, modules) = (
+            &self.adapter.spec,
+            self.model.lora_modules(&self.adapter.spec),
+        );
+        let on_event = &mut self.on_event;
+        let found = checkpoint::latest(dir, spec, &modules, &self.dev, &mut |w| {
+            on_event(Event::Warning(w))
+        });
+        let Some(l) = found else {
+            let n = checkpoint::list(dir).len();
+            if n > 0 && !cfg.overwrite {
+                return Err(TrainError::Resume(format!(
+                    "{}: none of its {n} checkpoint(s) verifies (see above); set [output] overwrite = true \
+                     to start over",
+                    dir.display()
+                )));
+            }
+            self.warn(format!(
+                "no usable checkpoint in {}; starting from step 0",
+                dir.display()
+            ));
+            return Ok(None);
+        };
+        let diff = settings_diff(&l.state.settings, &self.settings);
+        if !diff.is_empty() && !opts.force {
+            return Err(TrainError::Resume(format!(
+                "cannot resume from {}: {}; the resumed run would not reproduce the original (--force resumes anyway)",
+                l.dir.display(),
+                diff.join("; ")
+            )));
+        }
+        Ok(Some(l))
+    }
+
+    /// Writes run.json and config.toml, opens the metrics, and reports the start.
+    pub(super) fn begin(&mut self) -> Result<RunRecord, TrainError> {
+        let resumed_from = (self.state.step > 0).then_some(self.state.step);
+        let record = RunRecord::begin(self.cfg, &self.files.dir, resumed_from)?;
+        if let Some(w) = self.files.open(self.cfg, &record)? {
+            self.warn(w);
+        }
+        (self.on_event)(Event::Start {
+            examples: self.examples,
+            valid_examples: self.data.valid.len(),
+            counts: self.data.counts(),
+            files: &self.data.files,
+            warnings: self.data.warnings(),
+            lora_params: self.adapter.num_params(),
+            model_params: self.model.num_params(),
+            model_bytes: self.model.resident_bytes(),
+            start_step: self.state.step,
+        });
+        Ok(record)
+    }
+
+    /// Records how the attempt ended in run.json and returns `result`. The record is best effort
+    /// on failure: the error that stopped the run is what matters.
+    pub(super) fn end(
+        &self,
+        mut record: RunRecord,
+        result: Result<Outcome, TrainError>,
+    ) -> Result<Outcome, TrainError> {
+        let status = match &result {
+            Ok(Outcome::Completed(_)) => "completed".to_string(),
+            Ok(Outcome::Stopped { .. }) => "stopped".to_string(),
+            Err(e) => format!("failed: {e}"),
+        };
+        record.end(&status, self.state.step);
+        let written = self.files.record(&record);
+        let outcome = result?;
+        written?;
+        Ok(outcome)
+    }
+
+    /// summary.json's numbers, at the end of the run.
+    pub(super) fn summary(&self) -> Summary {
+        Summary {
+            steps: self.cfg.steps,
+            final_loss: self.state.last_loss,
+            tokens_per_s: metrics::median(&self.state.speeds),
+            peak_memory_bytes: memory::peak_bytes(&self.dev),
+            estimated_peak_bytes: self.estimated_peak_bytes,
+            wall_s: self.wall_s(),
+            total_tokens: self.state.total_tokens,
+            lora_params: self.adapter.num_params(),
+            model_bytes: self.model.resident_bytes(),
+            examples: self.examples,
+            epochs_started: self.batcher.position().0 + 1,
+            skipped_steps: self.state.skipped_steps,
+            output_dir: self.files.dir.clone(),
+        }
+    }
+}
