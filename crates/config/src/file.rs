@@ -146,6 +146,10 @@ pub struct OutputSection {
     /// "stop" | "continue": what a failed checkpoint write does to the run.
     #[serde(default = "d_on_save_error")]
     pub on_save_error: String,
+    /// Refuse to start when the output filesystem cannot hold what the run will write (kept
+    /// checkpoints + one being written, the adapter, logs); `false` skips the check.
+    #[serde(default = "d_true")]
+    pub check_disk: bool,
 }
 
 fn d_main() -> String {

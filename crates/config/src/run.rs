@@ -85,6 +85,8 @@ pub struct RunConfig {
     pub private: bool,
     /// Keep training when a checkpoint cannot be written (warn instead of stopping).
     pub continue_on_save_error: bool,
+    /// Refuse to start without room for the run's outputs (`[output] check_disk`).
+    pub check_disk: bool,
 }
 
 impl ConfigFile {
@@ -307,6 +309,7 @@ impl ConfigFile {
             resume,
             private: o.private,
             continue_on_save_error,
+            check_disk: o.check_disk,
             file: self,
         })
     }

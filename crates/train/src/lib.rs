@@ -17,6 +17,7 @@ pub mod bench;
 pub mod check;
 pub mod checkpoint;
 pub mod dataset;
+pub mod disk;
 pub mod estimate;
 pub mod evaluate;
 pub mod generate;

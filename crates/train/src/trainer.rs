@@ -102,7 +102,10 @@ impl Trainer<'_> {
     /// (adapter, AdamW's moments, data cursor, [`RunState`], metrics.jsonl cut back); otherwise
     /// makes the directory ready for a fresh run.
     pub fn resume_or_fresh(&mut self, opts: &RunOptions) -> Result<(), TrainError> {
-        let Some(l) = self.checkpoint_to_resume(opts)? else {
+        self.preflight()?;
+        let existed = self.cfg.output_dir.is_dir();
+        self.files.lock()?;
+        let Some(l) = self.checkpoint_to_resume(opts, existed)? else {
             return self.files.clear_for_fresh_run(self.cfg);
         };
         self.adapter = l.adapter;

@@ -60,22 +60,72 @@ impl<'a> Trainer<'a> {
         })
     }
 
+    /// Checks made before the run directory is created or touched: room on the
+    /// filesystem for what the run will write (refused with the figures, a warning under 2×), and
+    /// a LoRA rank above a targeted layer's smaller dimension (legal in PEFT, never meant).
+    pub(super) fn preflight(&mut self) -> Result<(), TrainError> {
+        let cfg = self.cfg;
+        let modules = self.model.lora_modules(&self.adapter.spec);
+        if let Some(m) = modules
+            .iter()
+            .find(|m| cfg.r > m.in_features.min(m.out_features))
+        {
+            let n = modules
+                .iter()
+                .filter(|x| cfg.r > x.in_features.min(x.out_features))
+                .count();
+            self.warn(format!(
+                "[lora] r = {} is larger than min(in, out) = {} of {} ({} × {}; {n} module(s) like \
+                 it): those adapters have more parameters than the layer's rank can use",
+                cfg.r,
+                m.in_features.min(m.out_features),
+                m.name,
+                m.out_features,
+                m.in_features
+            ));
+        }
+        if !cfg.check_disk {
+            return Ok(());
+        }
+        let dir = &cfg.output_dir;
+        let need = crate::disk::need(cfg, self.adapter.num_params());
+        let free = crate::disk::free_bytes(dir)?;
+        // A resumed run's checkpoints already hold part of what it needs.
+        let held = checkpoint::list(dir).len() as u64 * need.checkpoint;
+        let more = need.total.saturating_sub(held);
+        if free < more {
+            return Err(TrainError::OutputDir {
+                path: dir.clone(),
+                message: format!(
+                    "not enough free disk: {}; free space, lower [output] keep_last, or set \
+                     [output] check_disk = false",
+                    need.describe(free, dir)
+                ),
+            });
+        }
+        if free < 2 * more {
+            self.warn(format!("little free disk: {}", need.describe(free, dir)));
+        }
+        Ok(())
+    }
+
     /// The checkpoint to resume from, when asked to resume (`--resume` or `[output] resume =
     /// "auto"`) and the directory exists: the newest that verifies, if its settings equal this
     /// run's (or `--force`). `None` (after a warning) when there is none to use and none is lost.
     pub(super) fn checkpoint_to_resume(
         &mut self,
         opts: &RunOptions,
+        existed: bool,
     ) -> Result<Option<Loaded>, TrainError> {
         let cfg = self.cfg;
         let dir = &cfg.output_dir;
-        if opts.resume && !dir.is_dir() {
+        if opts.resume && !existed {
             self.warn(format!(
                 "{} does not exist yet; starting from step 0",
                 dir.display()
             ));
         }
-        if !((opts.resume || cfg.resume) && dir.is_dir()) {
+        if !((opts.resume || cfg.resume) && existed) {
             return Ok(None);
         }
         if dir.join("summary.json").exists() {

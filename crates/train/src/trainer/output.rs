@@ -23,6 +23,7 @@ use crate::evaluate::{EvalMetrics, Sample};
 use crate::optim::LoraOptimizer;
 use crate::record::RunRecord;
 use crate::setup::fresh_output;
+use rtune_fsio::{LockError, RunLock};
 use crate::TrainError;
 
 const METRICS: &str = "metrics.jsonl";
@@ -38,6 +39,8 @@ pub struct RunFiles {
     metrics: Option<File>,
     /// TensorBoard scalars; best effort: `None` after a failure.
     tb: Option<TbWriter>,
+    /// This process's hold on the directory ([`lock`](Self::lock)), released when the run ends.
+    lock: Option<RunLock>,
 }
 
 fn output_err(path: &Path, e: std::io::Error) -> TrainError {
@@ -62,7 +65,36 @@ impl RunFiles {
             writes: true,
             metrics: None,
             tb: None,
+            lock: None,
         }
+    }
+
+    /// Takes the run directory for this process, creating it: a second `rtune train` (or a
+    /// `--resume`) on the same directory is refused at once, naming the holder's pid and host. The
+    /// lock is `flock`'s: it dies with the process, so `kill -9` leaves nothing to clean up.
+    pub fn lock(&mut self) -> Result<(), TrainError> {
+        if !self.writes || self.lock.is_some() {
+            return Ok(());
+        }
+        let out = |message: String| TrainError::OutputDir {
+            path: self.dir.clone(),
+            message,
+        };
+        if self.dir.exists() && !self.dir.is_dir() {
+            return Err(out("exists and is not a directory".into()));
+        }
+        self.privacy
+            .create_dir_all(&self.dir)
+            .map_err(|e| out(format!("cannot create: {}", e.source)))?;
+        let lock = RunLock::acquire(&self.dir, self.privacy).map_err(|e| match e {
+            LockError::Held { pid, host, .. } => out(format!(
+                "in use by another rtune process (pid {pid} on {host}); wait for it to finish, or \
+                 use another [output] dir"
+            )),
+            LockError::Io { op, source, .. } => out(format!("cannot lock ({op}): {source}")),
+        })?;
+        self.lock = Some(lock);
+        Ok(())
     }
 
     /// Makes the directory ready for a fresh run (`setup::fresh_output`: refuses to replace a
