@@ -189,7 +189,7 @@ pub fn train(
     } = prepare(cfg, &dev)?;
     model.offload_checkpoints = cfg.offload_checkpoints;
     let dir = cfg.output_dir.clone();
-    let estimated_peak_bytes = crate::estimate::for_run(cfg, &model.cfg, &data.train, &dev);
+    let estimated_peak_bytes = rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev);
 
     let resuming = (opts.resume || cfg.resume) && dir.is_dir();
     if opts.resume && !dir.is_dir() {
