@@ -186,7 +186,13 @@ pub fn run(device: &str) -> Result<Report, DiagError> {
     }
     let mut report = Report::default();
     #[cfg(feature = "cuda")]
-    crate::selftest_cuda::kernels(&dev, &mut report)?;
+    {
+        let k = crate::selftest_cuda::kernels(&dev)?;
+        report.checks = k.checks;
+        report.nf4_dequant_gb_s = k.nf4_dequant_gb_s;
+        report.copy_gb_s = k.copy_gb_s;
+        report.nf4_vs_copy = k.nf4_dequant_gb_s.zip(k.copy_gb_s).map(|(n, c)| n / c);
+    }
     report.checks.extend(step_parity(&dev)?);
     Ok(report)
 }

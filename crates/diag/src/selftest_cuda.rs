@@ -10,8 +10,15 @@ use std::time::Instant;
 use cudarc::driver::CudaStream;
 use rtune_kernels::{nf4_dequant_cuda_into, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda};
 
-use crate::selftest::Report;
 use crate::{Check, DiagError};
+
+/// What the kernel half measured: its checks and the two bandwidths (GB/s, read + write).
+#[derive(Default)]
+pub struct Kernels {
+    pub checks: Vec<Check>,
+    pub nf4_dequant_gb_s: Option<f64>,
+    pub copy_gb_s: Option<f64>,
+}
 
 fn kerr(op: &'static str) -> impl Fn(rtune_kernels::KernelError) -> DiagError {
     move |source| DiagError::Kernel { op, source }
@@ -41,9 +48,10 @@ fn time(
     Ok(t.elapsed().as_secs_f64() / iters as f64)
 }
 
-pub fn kernels(dev: &Device, report: &mut Report) -> Result<(), DiagError> {
+pub fn kernels(dev: &Device) -> Result<Kernels, DiagError> {
+    let mut report = Kernels::default();
     let Device::Cuda(cd) = dev else {
-        return Ok(());
+        return Ok(report);
     };
     let s = cd.cuda_stream();
     for (name, err, pass) in
@@ -105,6 +113,5 @@ pub fn kernels(dev: &Device, report: &mut Report) -> Result<(), DiagError> {
     })?;
     let copy = 2.0 * bytes as f64 / t / 1e9;
     report.copy_gb_s = Some(copy);
-    report.nf4_vs_copy = report.nf4_dequant_gb_s.map(|g| g / copy);
-    Ok(())
+    Ok(report)
 }
