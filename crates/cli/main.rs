@@ -6,6 +6,10 @@
 //! `progress.rs` draws the training progress. This file: the subcommand list, dispatch, the exit
 //! status.
 
+// The doc comments of the clap types are the commands' help texts, which name config sections as
+// `[output] dir`: not links.
+#![allow(rustdoc::broken_intra_doc_links)]
+
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

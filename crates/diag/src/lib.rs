@@ -1,6 +1,6 @@
 //! The diagnostics around training, each driving the real model and trainer at a small scale:
 //! - [`check`]: `rtune check` — the pre-flight before a long run, on the real config;
-//! - [`bench`]: `rtune bench` — training throughput and peak memory on a random model;
+//! - [`bench`](mod@bench): `rtune bench` — training throughput and peak memory on a random model;
 //! - [`selftest`]: `rtune selftest` — the CUDA path checked against the CPU;
 //! - [`weights`]: the random weights bench and selftest build their models from.
 //!

@@ -25,7 +25,7 @@ pub struct FileHash {
 pub struct Attempt {
     pub started: String,
     pub ended: Option<String>,
-    /// running | completed | stopped (signal; checkpoint written) | failed: <message>
+    /// running | completed | stopped (signal; checkpoint written) | `failed: <message>`
     pub status: String,
     pub resumed_from_step: Option<usize>,
     pub steps_done: usize,
