@@ -187,3 +187,66 @@ impl From<rtune_fsio::IoError> for TrainError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::TrainError;
+    use std::path::PathBuf;
+
+    /// The exit status follows the error: the user's input (2) or the run (1), however nested.
+    #[test]
+    fn input_errors_are_told_from_run_failures() {
+        let model_input = rtune_model::ModelError::MissingTensor {
+            path: PathBuf::from("m"),
+            name: "lm_head.weight".into(),
+        };
+        let model_run =
+            rtune_model::ModelError::candle("matmul", candle_core::Error::Msg("x".into()));
+        let changed = TrainError::ResumeChanged {
+            checkpoint: PathBuf::from("out/checkpoint-2"),
+            changed: vec!["lr: 0.001 → 0.002".into(), "seed: 1 → 2".into()],
+        };
+        assert!(changed.to_string().starts_with(
+            "cannot resume from out/checkpoint-2: lr: 0.001 → 0.002; seed: 1 → 2; the resumed run"
+        ));
+        let none = TrainError::NoVerifiedCheckpoint {
+            dir: PathBuf::from("out"),
+            found: 3,
+        };
+        assert_eq!(
+            none.to_string(),
+            "out: none of its 3 checkpoint(s) verifies (see above); set [output] overwrite = true to start over"
+        );
+        for (e, input) in [
+            (TrainError::from(model_input), true),
+            (TrainError::from(model_run), false),
+            (TrainError::NoCuda { ordinal: 0 }, true),
+            (changed, true),
+            (
+                TrainError::NoVerifiedCheckpoint {
+                    dir: PathBuf::from("out"),
+                    found: 3,
+                },
+                true,
+            ),
+            (
+                TrainError::Output {
+                    path: PathBuf::from("out/metrics.jsonl"),
+                    message: "No space left on device".into(),
+                },
+                false,
+            ),
+            (
+                TrainError::NonFinite {
+                    step: 3,
+                    loss: f64::NAN,
+                    grad_norm: f64::NAN,
+                    in_a_row: 3,
+                },
+                false,
+            ),
+        ] {
+            assert_eq!(e.is_input_error(), input, "{e}");
+        }
+    }
+}
