@@ -1,7 +1,20 @@
-//! Integration tests, one module per concern:
-//! - `parity`: the model, LoRA gradients and AdamW against transformers + PEFT goldens;
-//! - `cli`: `rtune train` / `rtune generate` end to end, the embedded smoke run, bad-input errors;
-//! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT).
+//! Integration tests: one binary, one module per concern, most of them running the `rtune` binary.
+//! - `parity`: the model, LoRA gradients and AdamW against transformers + PEFT goldens
+//!   (`tests/parity/`), with and without checkpointing, rsLoRA, llama3 rope and sharded bf16;
+//! - `qlora`: NF4 and NF4 double-quant bases against PEFT + bitsandbytes goldens, bnb-4bit
+//!   checkpoints as stored, QLoRA smoke run and merges;
+//! - `packing`: packed rows give the loss and LoRA gradients of the same samples one by one;
+//! - `cli`: `rtune train` / `rtune generate` end to end, the embedded smoke run, one-line errors;
+//! - `resume`: exact resume after SIGTERM and kill -9, corrupt checkpoints, a full disk, changed
+//!   settings refused, private files, run.json;
+//! - `data`: `rtune data inspect`, chat masks, packing with validation, the tokenized cache,
+//!   `[data]` config errors;
+//! - `scan`: `rtune data scan` finds planted secrets and personal data, nothing in clean data;
+//! - `check`: `rtune check` runs every pre-flight check and exits 1 when one fails;
+//! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
+//! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
+//! - `smollm2`: the real-model recipe (SmolLM2-135M from GGUF), cut to a few steps;
+//! - `common`: shared helpers (paths, running the binary, golden files, relative errors).
 
 mod bad_inputs;
 mod check;

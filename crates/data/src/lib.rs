@@ -10,12 +10,17 @@
 //!
 //! [`Batcher`] walks the examples epoch after epoch (shuffled per epoch by seed, or in file order)
 //! and cuts micro-batches.
+//!
+//! Looking at data before training: [`inspect`] (`rtune data inspect`: samples with their loss
+//! masks, the length histogram) and [`scan`] (`rtune data scan`: likely secrets and personal data).
 
 mod batch;
 pub mod cache;
 pub mod chat;
 mod formats;
+pub mod inspect;
 mod pyjson;
+pub mod scan;
 mod template;
 mod tokenizer;
 

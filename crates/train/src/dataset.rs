@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use rtune_config::DataConfig;
+use rtune_config::{DataConfig, RunConfig};
 use rtune_data::cache::{self, RowCounts};
 use rtune_data::{
     detect_format, ChatTemplate, DataError, DataOptions, Dataset, Example, Format, OnBadRow,
@@ -352,6 +352,29 @@ pub fn load(
         valid,
         files,
     })
+}
+
+/// The model's tokenizer (when it has one) and vocabulary size, from the config's model path.
+pub fn model_tokenizer(cfg: &RunConfig) -> Result<(Option<Tokenizer>, usize), TrainError> {
+    let cfg_path = cfg.model_path.join("config.json");
+    let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+    let tok = if cfg.model_path.join("tokenizer.json").exists() {
+        Some(Tokenizer::load(
+            &cfg.model_path,
+            mc.eos_token_ids.first().copied(),
+        )?)
+    } else {
+        None
+    };
+    Ok((tok, mc.vocab_size))
+}
+
+/// The config's data loaded as training loads it (through the cache) with the model's tokenizer:
+/// what `rtune data inspect`, `rtune check` and `rtune estimate --data` look at.
+pub fn load_for(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError> {
+    let (tok, vocab) = model_tokenizer(cfg)?;
+    let data = load(&cfg.data, &cfg.model_path, tok.as_ref(), vocab, cfg.seed)?;
+    Ok((data, tok))
 }
 
 #[cfg(test)]

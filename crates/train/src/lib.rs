@@ -1,38 +1,29 @@
 //! Training and inference on top of the model:
-//! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
+//! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
-//! - [`estimate`]: `rtune estimate` — peak memory predicted from config.json and the settings;
-//! - [`check`]: `rtune check` — the pre-flight checks before a long run;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
-//! - [`scan`]: `rtune data scan` — likely secrets and personal data in training files;
+//! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start);
 //! - [`evaluate`]: validation loss and sample completions during a run;
-//! - [`inspect`]: `rtune data inspect` — formatted samples with their loss masks;
 //! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
-//! - [`bench`]: `rtune bench` — training throughput and peak memory on a random model;
-//! - [`memory`]: peak memory (host RSS; device memory on CUDA);
-//! - [`selftest`]: `rtune selftest` — the CUDA path checked against the CPU.
+//! - [`memory`]: measured memory (host RSS and RAM from /proc; device memory on CUDA).
+//!
+//! Below it, `rtune-estimate` predicts a run's memory; above it, `rtune-diag` holds the
+//! diagnostics that drive training (`rtune check`, `bench`, `selftest`). [`TrainError`] is the
+//! one error type; [`TrainError::is_input_error`] decides the CLI's exit status.
 
-pub mod bench;
-pub mod check;
 pub mod checkpoint;
 pub mod dataset;
 pub mod disk;
-pub mod estimate;
 pub mod evaluate;
 pub mod generate;
-pub mod inspect;
 pub mod memory;
 pub mod optim;
 pub mod record;
-pub mod scan;
-pub mod selftest;
-#[cfg(feature = "cuda")]
-mod selftest_cuda;
 mod setup;
 pub mod trainer;
 
-pub use setup::resolve_model;
+pub use setup::{device, quantize, resolve_model};
 pub use trainer::{train, Event, Outcome, RunOptions, StepMetrics, Summary};
 
 use std::path::PathBuf;
@@ -57,10 +48,49 @@ pub enum TrainError {
     /// The output directory cannot be used as asked (before anything is written).
     #[error("{path}: {message}")]
     OutputDir { path: PathBuf, message: String },
+    /// `cuda:N` asked of a build without the `cuda` feature.
+    #[error(
+        "[train] device = \"cuda:{ordinal}\": this rtune was built without CUDA support; use \"cpu\", \
+         or build with `cargo build --release --features cuda` (see benches/gpu/README.md)"
+    )]
+    NoCuda { ordinal: usize },
+    /// GPU `ordinal` would not open (no such device, driver missing).
+    #[error("[train] device = \"cuda:{ordinal}\": cannot open it: {source}")]
+    DeviceOpen {
+        ordinal: usize,
+        source: candle_core::Error,
+    },
+    /// A call into the CUDA kernels crate failed (device memory queries).
+    #[cfg(feature = "cuda")]
+    #[error("cuda:{ordinal}: {source}")]
+    Kernel {
+        ordinal: usize,
+        source: rtune_kernels::KernelError,
+    },
+    /// The checkpoint's settings differ from the config's: resuming would not reproduce the run.
+    #[error(
+        "cannot resume from {}: {}; the resumed run would not reproduce the original (--force resumes anyway)",
+        checkpoint.display(),
+        changed.join("; ")
+    )]
+    ResumeChanged {
+        checkpoint: PathBuf,
+        /// One entry per differing setting, `key: checkpoint → config`.
+        changed: Vec<String>,
+    },
+    /// The output directory holds checkpoints and none of them verifies.
+    #[error(
+        "{}: none of its {found} checkpoint(s) verifies (see above); set [output] overwrite = true \
+         to start over",
+        dir.display()
+    )]
+    NoVerifiedCheckpoint { dir: PathBuf, found: usize },
+    /// The optimizer state in a checkpoint does not fit the adapter it is resumed with.
+    #[error("optimizer state does not match the adapter's shapes")]
+    OptimizerState,
+    /// Superseded by [`TrainError::OptimizerState`]; kept while `optim.rs` still builds it.
     #[error("{0}")]
     Device(String),
-    #[error("{0}")]
-    Resume(String),
     #[error(
         "step {step}: loss {loss} / gradient norm {grad_norm} not finite for {in_a_row} steps in a row; \
          stopped without writing an adapter (the last checkpoint is intact; try a lower [train] lr)"
@@ -78,16 +108,72 @@ pub enum TrainError {
     },
 }
 
-macro_rules! boxed_from {
-    ($($variant:ident: $ty:ty),*) => {$(
-        impl From<$ty> for TrainError {
-            fn from(e: $ty) -> Self {
-                TrainError::$variant(Box::new(e))
-            }
+impl TrainError {
+    /// The input is wrong (exit status 2: config, model, data, adapter, output directory, device,
+    /// checkpoint) rather than the run failing (1: a computation, a write, the network).
+    pub fn is_input_error(&self) -> bool {
+        use rtune_lora::LoraError;
+        use rtune_model::ModelError;
+        match self {
+            TrainError::Config(_) | TrainError::Data(_) => true,
+            TrainError::Model(m) => !matches!(**m, ModelError::Candle { .. }),
+            TrainError::Lora(l) => !matches!(**l, LoraError::Candle { .. }),
+            TrainError::Source(h) => h.is_input_error(),
+            TrainError::OutputDir { .. }
+            | TrainError::NoCuda { .. }
+            | TrainError::DeviceOpen { .. }
+            | TrainError::ResumeChanged { .. }
+            | TrainError::NoVerifiedCheckpoint { .. }
+            | TrainError::OptimizerState
+            | TrainError::Device(_) => true,
+            #[cfg(feature = "cuda")]
+            TrainError::Kernel { .. } => false,
+            TrainError::Output { .. }
+            | TrainError::NonFinite { .. }
+            | TrainError::Candle { .. } => false,
         }
-    )*};
+    }
+
+    pub(crate) fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> TrainError {
+        move |source| TrainError::Candle { op, source }
+    }
 }
-boxed_from!(Config: rtune_config::ConfigError, Model: rtune_model::ModelError, Lora: rtune_lora::LoraError, Data: rtune_data::DataError, Source: rtune_hub::HubError);
+
+impl From<rtune_config::ConfigError> for TrainError {
+    fn from(e: rtune_config::ConfigError) -> Self {
+        TrainError::Config(Box::new(e))
+    }
+}
+
+impl From<rtune_model::ModelError> for TrainError {
+    fn from(e: rtune_model::ModelError) -> Self {
+        TrainError::Model(Box::new(e))
+    }
+}
+
+impl From<rtune_lora::LoraError> for TrainError {
+    fn from(e: rtune_lora::LoraError) -> Self {
+        TrainError::Lora(Box::new(e))
+    }
+}
+
+impl From<Box<rtune_lora::LoraError>> for TrainError {
+    fn from(e: Box<rtune_lora::LoraError>) -> Self {
+        TrainError::Lora(e)
+    }
+}
+
+impl From<rtune_data::DataError> for TrainError {
+    fn from(e: rtune_data::DataError) -> Self {
+        TrainError::Data(Box::new(e))
+    }
+}
+
+impl From<rtune_hub::HubError> for TrainError {
+    fn from(e: rtune_hub::HubError) -> Self {
+        TrainError::Source(Box::new(e))
+    }
+}
 
 impl From<rtune_fsio::IoError> for TrainError {
     fn from(e: rtune_fsio::IoError) -> Self {
@@ -98,8 +184,65 @@ impl From<rtune_fsio::IoError> for TrainError {
     }
 }
 
-impl TrainError {
-    pub(crate) fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> TrainError {
-        move |source| TrainError::Candle { op, source }
+#[cfg(test)]
+mod tests {
+    use super::TrainError;
+    use std::path::PathBuf;
+
+    /// The exit status follows the error: the user's input (2) or the run (1), however nested.
+    #[test]
+    fn input_errors_are_told_from_run_failures() {
+        let model_input = rtune_model::ModelError::MissingTensor {
+            path: PathBuf::from("m"),
+            name: "lm_head.weight".into(),
+        };
+        let model_run =
+            rtune_model::ModelError::candle("matmul", candle_core::Error::Msg("x".into()));
+        let changed = TrainError::ResumeChanged {
+            checkpoint: PathBuf::from("out/checkpoint-2"),
+            changed: vec!["lr: 0.001 → 0.002".into(), "seed: 1 → 2".into()],
+        };
+        assert!(changed.to_string().starts_with(
+            "cannot resume from out/checkpoint-2: lr: 0.001 → 0.002; seed: 1 → 2; the resumed run"
+        ));
+        let none = TrainError::NoVerifiedCheckpoint {
+            dir: PathBuf::from("out"),
+            found: 3,
+        };
+        assert_eq!(
+            none.to_string(),
+            "out: none of its 3 checkpoint(s) verifies (see above); set [output] overwrite = true to start over"
+        );
+        for (e, input) in [
+            (TrainError::from(model_input), true),
+            (TrainError::from(model_run), false),
+            (TrainError::NoCuda { ordinal: 0 }, true),
+            (changed, true),
+            (
+                TrainError::NoVerifiedCheckpoint {
+                    dir: PathBuf::from("out"),
+                    found: 3,
+                },
+                true,
+            ),
+            (
+                TrainError::Output {
+                    path: PathBuf::from("out/metrics.jsonl"),
+                    message: "No space left on device".into(),
+                },
+                false,
+            ),
+            (
+                TrainError::NonFinite {
+                    step: 3,
+                    loss: f64::NAN,
+                    grad_norm: f64::NAN,
+                    in_a_row: 3,
+                },
+                false,
+            ),
+        ] {
+            assert_eq!(e.is_input_error(), input, "{e}");
+        }
     }
 }

@@ -1,5 +1,7 @@
-//! Peak memory: resident set size of this process on the CPU, the device memory pool's
-//! high-water mark on CUDA (see `rtune_kernels::memory`).
+//! Measured memory: the resident set of this process and the machine's RAM on the CPU (Linux's
+//! /proc: `VmHWM`/`VmRSS` of /proc/self/status, `MemTotal`/`MemAvailable` of /proc/meminfo), the
+//! device memory pool's high-water mark and the free device memory on CUDA (see
+//! `rtune_kernels::memory`). Predicted memory is `rtune_estimate`'s.
 
 /// The peak memory that matters for a run on `dev`: device memory on CUDA, host RSS on the CPU.
 pub fn peak_bytes(dev: &candle_core::Device) -> u64 {
@@ -16,12 +18,13 @@ pub fn peak_bytes(dev: &candle_core::Device) -> u64 {
 /// `rtune estimate` fits a CUDA run into.
 #[cfg(feature = "cuda")]
 pub fn device_free_bytes(ordinal: usize) -> Result<u64, crate::TrainError> {
+    use crate::TrainError;
     // The driver answers for the current context: opening the device makes it current.
     let _dev = rtune_model::cuda::open(ordinal)
-        .map_err(|e| crate::TrainError::Device(format!("cuda:{ordinal}: {e}")))?;
+        .map_err(|source| TrainError::DeviceOpen { ordinal, source })?;
     rtune_kernels::memory::free_and_total()
         .map(|(free, _)| free as u64)
-        .map_err(|e| crate::TrainError::Device(format!("cuda:{ordinal}: {e}")))
+        .map_err(|source| TrainError::Kernel { ordinal, source })
 }
 
 /// `VmHWM` from /proc/self/status in bytes (Linux); 0 where it cannot be read.
@@ -34,9 +37,28 @@ pub fn current_rss_bytes() -> u64 {
     read_status_kib("VmRSS:").map_or(0, |k| k * 1024)
 }
 
+/// `MemTotal` of /proc/meminfo in bytes: the machine's RAM (Linux); `None` where it cannot be read.
+pub fn ram_total_bytes() -> Option<u64> {
+    read_kib("/proc/meminfo", "MemTotal:").map(|k| k * 1024)
+}
+
+/// `MemAvailable` of /proc/meminfo in bytes: what can be allocated without swapping (Linux);
+/// `None` where it cannot be read.
+pub fn ram_available_bytes() -> Option<u64> {
+    read_kib("/proc/meminfo", "MemAvailable:").map(|k| k * 1024)
+}
+
 fn read_status_kib(key: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(key))?;
+    read_kib("/proc/self/status", key)
+}
+
+/// The value of the `key` line of a /proc file written as `Key:   1234 kB`.
+fn read_kib(file: &str, key: &str) -> Option<u64> {
+    parse_kib(&std::fs::read_to_string(file).ok()?, key)
+}
+
+fn parse_kib(text: &str, key: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(key))?;
     line[key.len()..]
         .trim()
         .trim_end_matches("kB")
@@ -54,6 +76,17 @@ mod tests {
             let cur = super::current_rss_bytes();
             let peak = super::peak_rss_bytes();
             assert!(cur > 0 && peak >= cur, "peak {peak} current {cur}");
+            let (total, avail) = (super::ram_total_bytes(), super::ram_available_bytes());
+            assert!(total.is_some_and(|t| t > 0 && avail.is_some_and(|a| a <= t)));
         }
+    }
+
+    #[test]
+    fn proc_lines_parse_to_kib() {
+        let text = "MemTotal:       16318480 kB\nMemFree:  1 kB\nMemAvailable:    9000 kB\n";
+        assert_eq!(super::parse_kib(text, "MemTotal:"), Some(16318480));
+        assert_eq!(super::parse_kib(text, "MemAvailable:"), Some(9000));
+        assert_eq!(super::parse_kib(text, "SwapTotal:"), None);
+        assert_eq!(super::parse_kib("VmHWM: lots kB", "VmHWM:"), None);
     }
 }

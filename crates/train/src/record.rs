@@ -25,7 +25,7 @@ pub struct FileHash {
 pub struct Attempt {
     pub started: String,
     pub ended: Option<String>,
-    /// running | completed | stopped (signal; checkpoint written) | failed: <message>
+    /// running | completed | stopped (signal; checkpoint written) | `failed: <message>`
     pub status: String,
     pub resumed_from_step: Option<usize>,
     pub steps_done: usize,
@@ -107,19 +107,7 @@ pub fn hardware(device: &str) -> Hardware {
         .and_then(|l| l.split(':').nth(1))
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let ram_bytes = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .map(str::to_string)
-        })
-        .and_then(|l| {
-            l.split_whitespace()
-                .nth(1)
-                .and_then(|k| k.parse::<u64>().ok())
-        })
-        .map_or(0, |k| k * 1024);
+    let ram_bytes = crate::memory::ram_total_bytes().unwrap_or(0);
     #[allow(unused_mut)]
     let mut simd = Vec::new();
     #[cfg(target_arch = "x86_64")]

@@ -27,14 +27,10 @@ pub fn device(d: rtune_config::Device) -> Result<Device, TrainError> {
         #[cfg(not(feature = "cuda"))]
         rtune_config::Device::Auto => Ok(Device::Cpu),
         #[cfg(feature = "cuda")]
-        rtune_config::Device::Cuda(n) => rtune_model::cuda::open(n).map_err(|e| {
-            TrainError::Device(format!("[train] device = \"cuda:{n}\": cannot open it: {e}"))
-        }),
+        rtune_config::Device::Cuda(n) => rtune_model::cuda::open(n)
+            .map_err(|source| TrainError::DeviceOpen { ordinal: n, source }),
         #[cfg(not(feature = "cuda"))]
-        rtune_config::Device::Cuda(n) => Err(TrainError::Device(format!(
-            "[train] device = \"cuda:{n}\": this rtune was built without CUDA support; use \"cpu\", \
-             or build with `cargo build --release --features cuda` (see benches/gpu/README.md)"
-        ))),
+        rtune_config::Device::Cuda(n) => Err(TrainError::NoCuda { ordinal: n }),
     }
 }
 

@@ -33,7 +33,7 @@ impl<'a> Trainer<'a> {
             settings,
         } = prepare(cfg, &dev)?;
         model.offload_checkpoints = cfg.offload_checkpoints;
-        let estimated_peak_bytes = crate::estimate::for_run(cfg, &model.cfg, &data.train, &dev);
+        let estimated_peak_bytes = rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev);
         let opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
         let examples = data.train.len();
         let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
@@ -152,11 +152,10 @@ impl<'a> Trainer<'a> {
         let Some(l) = found else {
             let n = checkpoint::list(dir).len();
             if n > 0 && !cfg.overwrite {
-                return Err(TrainError::Resume(format!(
-                    "{}: none of its {n} checkpoint(s) verifies (see above); set [output] overwrite = true \
-                     to start over",
-                    dir.display()
-                )));
+                return Err(TrainError::NoVerifiedCheckpoint {
+                    dir: dir.clone(),
+                    found: n,
+                });
             }
             self.warn(format!(
                 "no usable checkpoint in {}; starting from step 0",
@@ -166,11 +165,10 @@ impl<'a> Trainer<'a> {
         };
         let diff = settings_diff(&l.state.settings, &self.settings);
         if !diff.is_empty() && !opts.force {
-            return Err(TrainError::Resume(format!(
-                "cannot resume from {}: {}; the resumed run would not reproduce the original (--force resumes anyway)",
-                l.dir.display(),
-                diff.join("; ")
-            )));
+            return Err(TrainError::ResumeChanged {
+                checkpoint: l.dir.clone(),
+                changed: diff,
+            });
         }
         Ok(Some(l))
     }

@@ -1,10 +1,92 @@
-//! `rtune data inspect`: prints samples as training sees them.
+//! `rtune data scan | prepare | inspect`: the config's data checked for secrets and personal data
+//! (`rtune_data::scan`), tokenised into the cache ahead of training, or printed as training sees
+//! it (`rtune_data::inspect`).
 
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
-use rtune_train::inspect;
+use rtune_data::inspect;
+
+#[derive(Subcommand)]
+pub enum DataCommand {
+    /// Report likely secrets and personal data in the config's training data as `file:line: kind`
+    /// (the matched text is never printed). Exits 1 when anything is found.
+    Scan {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Tokenise the config's data files into the cache (in parallel, memory bounded), so training
+    /// starts at once; prints tokens/s.
+    Prepare {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+    },
+    /// Print the first formatted samples with their loss masks (trained tokens marked), the row
+    /// counts and a length histogram: check template, BOS/EOS and masking before a long run.
+    Inspect {
+        #[arg(long)]
+        config: PathBuf,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        set: Vec<String>,
+        /// How many samples to print.
+        #[arg(short = 'n', long = "samples", default_value_t = 3)]
+        n: usize,
+        /// One JSON object per sample (`text`, `input_ids`, `labels` with -100 where masked).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub fn run(c: DataCommand) -> Result<()> {
+    match c {
+        DataCommand::Scan { config, set } => scan(config, set),
+        DataCommand::Prepare { config, set } => prepare(config, set),
+        DataCommand::Inspect {
+            config,
+            set,
+            n,
+            json,
+        } => inspect(config, set, n, json),
+    }
+}
+
+/// `rtune data scan`: findings on stdout, a count per file on stderr; an error when any.
+fn scan(config: PathBuf, set: Vec<String>) -> Result<()> {
+    let cfg = rtune_config::load(&config, &set)?;
+    let d = &cfg.data;
+    let mut flagged = Vec::new();
+    for path in d.train.iter().map(|f| &f.path).chain(&d.valid) {
+        let findings = rtune_data::scan::scan_file(path)
+            .with_context(|| format!("{}: cannot read data", path.display()))?;
+        for f in &findings {
+            println!("{f}");
+        }
+        let lines: std::collections::BTreeSet<usize> = findings.iter().map(|f| f.line).collect();
+        eprintln!(
+            "{}: {} finding(s) on {} line(s)",
+            path.display(),
+            findings.len(),
+            lines.len()
+        );
+        if !findings.is_empty() {
+            flagged.push(path.display().to_string());
+        }
+    }
+    if flagged.is_empty() {
+        Ok(())
+    } else {
+        bail!(
+            "likely secrets or personal data in {}; review the lines above",
+            flagged.join(", ")
+        )
+    }
+}
 
 /// Trained tokens: green on a terminal, `[[` `]]` otherwise (so a log or a pipe still shows them).
 fn mark(text: &str, trained: bool, colour: bool) -> String {
@@ -15,10 +97,11 @@ fn mark(text: &str, trained: bool, colour: bool) -> String {
     }
 }
 
-pub fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()> {
+/// `rtune data inspect`: samples as training sees them, the counts and a length histogram.
+fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()> {
     let mut cfg = rtune_config::load(&config, &set)?;
-    crate::convert::resolve_model(&mut cfg)?;
-    let (data, tok) = inspect::load(&cfg)?;
+    crate::resolve::resolve_model(&mut cfg)?;
+    let (data, tok) = rtune_train::dataset::load_for(&cfg)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     // The first samples of the first file, in file order (before shuffling and weighting).
@@ -91,13 +174,13 @@ pub fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Resul
 }
 
 /// `rtune data prepare`: tokenise every data file into the cache, reporting tokens/s.
-pub fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
+fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
     let mut cfg = rtune_config::load(&config, &set)?;
-    crate::convert::resolve_model(&mut cfg)?;
+    crate::resolve::resolve_model(&mut cfg)?;
     let Some(root) = &cfg.data.cache_dir else {
-        anyhow::bail!("[data] cache = false: there is no cache to prepare");
+        bail!("[data] cache = false: there is no cache to prepare");
     };
-    let (tok, vocab) = inspect::tokenizer(&cfg)?;
+    let (tok, vocab) = rtune_train::dataset::model_tokenizer(&cfg)?;
     let t0 = std::time::Instant::now();
     let files = rtune_train::dataset::prepare(&cfg.data, &cfg.model_path, tok.as_ref(), vocab)?;
     for f in &files {

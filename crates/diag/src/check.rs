@@ -15,19 +15,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use rtune_config::RunConfig;
+use rtune_data::inspect;
+use rtune_train::generate::GenerateOptions;
+use rtune_train::{train, Event, Outcome, RunOptions, StepMetrics, TrainError};
 
-use crate::generate::GenerateOptions;
-use crate::trainer::{train, Event, Outcome, RunOptions, StepMetrics};
-use crate::{inspect, TrainError};
-
-/// One check's verdict.
-#[derive(Debug, Clone)]
-pub struct Check {
-    pub name: &'static str,
-    pub pass: bool,
-    /// The figure(s) the verdict rests on.
-    pub detail: String,
-}
+use crate::{Check, DiagError};
 
 /// Steps of the overfitting check, and the fraction the loss must fall by.
 pub const OVERFIT_STEPS: usize = 30;
@@ -55,7 +47,7 @@ fn simd() -> (bool, Vec<&'static str>) {
 }
 
 fn runtime(cfg: &RunConfig) -> Check {
-    let device = crate::setup::device(cfg.device);
+    let device = rtune_train::device(cfg.device);
     let (fast, names) = simd();
     let (pass, detail) = match device {
         Err(e) => (false, e.to_string()),
@@ -76,11 +68,7 @@ fn runtime(cfg: &RunConfig) -> Check {
         ),
         Ok(d) => (true, format!("{:?}", d.location())),
     };
-    Check {
-        name: "runtime and device",
-        pass,
-        detail,
-    }
+    Check::new("runtime and device", pass, detail)
 }
 
 /// What a run's outputs need: the final adapter, `keep_last + 1` checkpoints (adapter + AdamW's
@@ -104,22 +92,18 @@ fn disk(cfg: &RunConfig, lora_params: usize) -> Check {
     }
     let need = disk_needed(lora_params, cfg.steps, cfg.keep_last);
     match rtune_fsio::free_bytes(at) {
-        Ok(free) => Check {
-            name: "free disk",
-            pass: free >= need,
-            detail: format!(
+        Ok(free) => Check::new(
+            "free disk",
+            free >= need,
+            format!(
                 "{:.1} MB free in {}, {:.1} MB needed ({} checkpoints kept)",
                 free as f64 / 1e6,
                 at.display(),
                 need as f64 / 1e6,
                 cfg.keep_last
             ),
-        },
-        Err(e) => Check {
-            name: "free disk",
-            pass: false,
-            detail: e.to_string(),
-        },
+        ),
+        Err(e) => Check::new("free disk", false, e.to_string()),
     }
 }
 
@@ -191,7 +175,7 @@ pub fn run_checks(
     cfg: &RunConfig,
     tmp: &Path,
     report: &mut dyn FnMut(&Check),
-) -> Result<Vec<Check>, TrainError> {
+) -> Result<Vec<Check>, DiagError> {
     let mut out = Vec::new();
     let mut push = |c: Check, out: &mut Vec<Check>| {
         report(&c);
@@ -203,14 +187,14 @@ pub fn run_checks(
     }
 
     // 3. Samples (printed by the caller from `inspect`); here: the counts and the first mask.
-    let (data, tok) = inspect::load(cfg)?;
+    let (data, tok) = rtune_train::dataset::load_for(cfg)?;
     let first = inspect::sample(&data.train[0], tok.as_ref())?;
     let c = data.counts();
     push(
-        Check {
-            name: "data and loss masks",
-            pass: first.trained_tokens > 0,
-            detail: format!(
+        Check::new(
+            "data and loss masks",
+            first.trained_tokens > 0,
+            format!(
                 "{} examples ({} rows, {} truncated, {} dropped, {} skipped); first sample: {} tokens, {} trained \
                  (see `rtune data inspect`)",
                 data.train.len(),
@@ -221,7 +205,7 @@ pub fn run_checks(
                 first.input_ids.len(),
                 first.trained_tokens
             ),
-        },
+        ),
         &mut out,
     );
 
@@ -231,18 +215,18 @@ pub fn run_checks(
     let peak = steps.last().map_or(0, |m| m.peak_memory_bytes);
     let cfg_path = cfg.model_path.join("config.json");
     let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
-    let mut s = crate::estimate::settings_for(cfg)?;
-    crate::estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
-    let est = crate::estimate::estimate(&mc, &s).peak_bytes;
+    let mut s = rtune_estimate::settings_for(cfg)?;
+    rtune_estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
+    let est = rtune_estimate::estimate(&mc, &s).peak_bytes;
     let lora_params = match &done {
         Outcome::Completed(s) => s.lora_params,
         Outcome::Stopped { .. } => 0,
     };
     push(
-        Check {
-            name: "forward + backward",
-            pass: steps.last().is_some_and(|m| m.loss.is_finite()),
-            detail: format!(
+        Check::new(
+            "forward + backward",
+            steps.last().is_some_and(|m| m.loss.is_finite()),
+            format!(
                 "loss {:.4}, peak memory {:.1} MB (rtune estimate: {:.1} MB) at micro_batch_size {} × \
                  max_seq_len {}",
                 steps.last().map_or(f64::NAN, |m| m.loss),
@@ -251,7 +235,7 @@ pub fn run_checks(
                 cfg.micro_batch_size,
                 cfg.data.max_seq_len
             ),
-        },
+        ),
         &mut out,
     );
     push(disk(cfg, lora_params), &mut out);
@@ -270,15 +254,15 @@ pub fn run_checks(
     let (_, steps) = run(&o, false, None)?;
     let (l0, l1) = (steps[0].loss, steps.last().map_or(f64::NAN, |m| m.loss));
     push(
-        Check {
-            name: "overfit 4 samples",
-            pass: l1 <= (1.0 - OVERFIT_DROP) * l0,
-            detail: format!(
+        Check::new(
+            "overfit 4 samples",
+            l1 <= (1.0 - OVERFIT_DROP) * l0,
+            format!(
                 "loss {l0:.4} -> {l1:.4} in {OVERFIT_STEPS} steps at lr {} (must fall by {:.0}%)",
                 cfg.lr,
                 OVERFIT_DROP * 100.0
             ),
-        },
+        ),
         &mut out,
     );
 
@@ -292,17 +276,17 @@ pub fn run_checks(
     };
     let (early, late) = (med(&speeds[..half]), med(&speeds[half..]));
     push(
-        Check {
-            name: "sustained throughput",
-            pass: late >= SUSTAINED_MIN * early,
-            detail: format!(
+        Check::new(
+            "sustained throughput",
+            late >= SUSTAINED_MIN * early,
+            format!(
                 "{early:.0} tokens/s in steps 2-{}, {late:.0} tokens/s in steps {}-{} (must stay ≥ {:.0}%)",
                 half + 1,
                 half + 2,
                 speeds.len() + 1,
                 SUSTAINED_MIN * 100.0
             ),
-        },
+        ),
         &mut out,
     );
 
@@ -319,7 +303,7 @@ pub fn run_checks(
     let same = adapter_bytes(&whole.output_dir) == adapter_bytes(&split.output_dir)
         && !adapter_bytes(&split.output_dir).is_empty();
     let prompt = first_prompt(&data.train[0], tok.as_ref())?;
-    let reply = crate::generate::generate(
+    let reply = rtune_train::generate::generate(
         &cfg.model_path,
         Some(&split.output_dir),
         &prompt,
@@ -329,20 +313,20 @@ pub fn run_checks(
             top_p: 1.0,
             seed: 0,
             dump_logits: None,
-            quantize: crate::setup::quantize(cfg),
+            quantize: rtune_train::quantize(cfg),
         },
     )?;
     push(
-        Check {
-            name: "checkpoint, resume, generate",
-            pass: stopped_ok && same,
-            detail: format!(
+        Check::new(
+            "checkpoint, resume, generate",
+            stopped_ok && same,
+            format!(
                 "stopped at step 2 and resumed to 4: adapter {} the uninterrupted run's; reply to the first \
                  prompt: {:?}",
                 if same { "identical to" } else { "DIFFERS from" },
                 reply.chars().take(60).collect::<String>()
             ),
-        },
+        ),
         &mut out,
     );
     Ok(out)
@@ -352,7 +336,7 @@ pub fn run_checks(
 fn first_prompt(
     e: &rtune_data::Example,
     tok: Option<&rtune_data::Tokenizer>,
-) -> Result<String, TrainError> {
+) -> Result<String, DiagError> {
     let end = (1..e.labels.len())
         .find(|&i| e.labels[i] != rtune_data::IGNORE)
         .unwrap_or(e.labels.len());

@@ -5,8 +5,7 @@ use rtune_config::{DType, RunConfig};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use super::{Quant, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
-use crate::TrainError;
+use crate::{Quant, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
 
 impl Settings {
     /// f32, no quantization, LoRA on all linear layers, worst-case rows.
@@ -68,9 +67,11 @@ const TOKENIZER_PER_FILE_BYTE: u64 = 3;
 const DATA_PER_TOKEN: u64 = 12;
 
 /// The settings of a run as its config gives them (worst case: full-length rows, every position
-/// a target). Reads only the sizes of the model's files, not their contents.
-pub fn settings_for(cfg: &RunConfig) -> Result<Settings, TrainError> {
-    let spec = rtune_lora::LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?;
+/// a target). Reads only the sizes of the model's files, not their contents. Fails only on LoRA
+/// targets that name no module (boxed: the error is large, and the trainer boxes it too).
+pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraError>> {
+    let spec = rtune_lora::LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)
+        .map_err(Box::new)?;
     let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
     let files: Vec<PathBuf> = std::fs::read_dir(&cfg.model_path)
         .map(|dir| {
@@ -162,5 +163,5 @@ pub fn for_run(
     }
     let mut s = settings_for(cfg).ok()?;
     fit_to_data(&mut s, examples, cfg.data.max_seq_len);
-    Some(super::estimate(model, &s).peak_bytes)
+    Some(crate::estimate(model, &s).peak_bytes)
 }

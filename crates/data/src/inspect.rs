@@ -1,14 +1,12 @@
 //! `rtune data inspect`: the first formatted samples exactly as training sees them, with the
 //! trained tokens told apart from the masked ones, and the length distribution of the whole set —
 //! the check to make on a few examples before a long run (template, BOS/EOS, loss mask).
+//! Loading the run's data as training does is `rtune_train::dataset::load_for`; this file
+//! only looks at examples already loaded.
 
 use serde::Serialize;
 
-use rtune_config::RunConfig;
-use rtune_data::{Example, Tokenizer, IGNORE};
-
-use crate::dataset::{self, RunData};
-use crate::TrainError;
+use crate::{Example, Tokenizer, IGNORE};
 
 /// A run of consecutive tokens that are all trained or all masked.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -49,8 +47,9 @@ fn trained(e: &Example, i: usize) -> bool {
     i > 0 && e.labels[i] != IGNORE
 }
 
-pub fn sample(e: &Example, tok: Option<&Tokenizer>) -> Result<Sample, TrainError> {
-    let decode = |ids: &[u32]| -> Result<String, TrainError> {
+/// `e` decoded with `tok` (token ids printed as a list without one), split where the mask changes.
+pub fn sample(e: &Example, tok: Option<&Tokenizer>) -> crate::Result<Sample> {
+    let decode = |ids: &[u32]| -> crate::Result<String> {
         Ok(match tok {
             Some(t) => t.decode(ids, false)?,
             None => format!("{ids:?}"),
@@ -75,28 +74,6 @@ pub fn sample(e: &Example, tok: Option<&Tokenizer>) -> Result<Sample, TrainError
         trained_tokens: (0..e.input_ids.len()).filter(|&i| trained(e, i)).count(),
         spans,
     })
-}
-
-/// The model's tokenizer (when it has one) and vocabulary size, from the config's model path.
-pub fn tokenizer(cfg: &RunConfig) -> Result<(Option<Tokenizer>, usize), TrainError> {
-    let cfg_path = cfg.model_path.join("config.json");
-    let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
-    let tok = if cfg.model_path.join("tokenizer.json").exists() {
-        Some(Tokenizer::load(
-            &cfg.model_path,
-            mc.eos_token_ids.first().copied(),
-        )?)
-    } else {
-        None
-    };
-    Ok((tok, mc.vocab_size))
-}
-
-/// Loads the config's data as training would (through the cache) with the model's tokenizer.
-pub fn load(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError> {
-    let (tok, vocab) = tokenizer(cfg)?;
-    let data = dataset::load(&cfg.data, &cfg.model_path, tok.as_ref(), vocab, cfg.seed)?;
-    Ok((data, tok))
 }
 
 #[cfg(test)]

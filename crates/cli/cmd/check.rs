@@ -1,13 +1,23 @@
-//! `rtune check`: the pre-flight checks, one line each; exit 1 when any fails.
+//! `rtune check`: the pre-flight checks (see `rtune_diag::check`), one line each; exit 1 when any
+//! fails.
 
 use anyhow::{bail, Result};
 use std::path::PathBuf;
 
-use rtune_train::check;
+use rtune_diag::check;
 
-pub fn run(config: PathBuf, set: Vec<String>) -> Result<()> {
+#[derive(clap::Args)]
+pub struct CheckArgs {
+    #[arg(long)]
+    config: PathBuf,
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+}
+
+pub fn run(a: CheckArgs) -> Result<()> {
+    let CheckArgs { config, set } = a;
     let mut cfg = rtune_config::load(&config, &set)?;
-    crate::convert::resolve_model(&mut cfg)?;
+    crate::resolve::resolve_model(&mut cfg)?;
     let tmp = check::temp_dir();
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp)?;
@@ -27,7 +37,11 @@ pub fn run(config: PathBuf, set: Vec<String>) -> Result<()> {
     });
     let _ = std::fs::remove_dir_all(&tmp);
     let checks = result?;
-    let failed: Vec<&str> = checks.iter().filter(|c| !c.pass).map(|c| c.name).collect();
+    let failed: Vec<&str> = checks
+        .iter()
+        .filter(|c| !c.pass)
+        .map(|c| c.name.as_str())
+        .collect();
     if failed.is_empty() {
         println!("all {} checks passed", checks.len());
         Ok(())

@@ -1,6 +1,8 @@
-//! `rtune estimate`: the peak resident memory of a training run, predicted from config.json and the
-//! run settings before anything is loaded, and the largest micro-batch and sequence length that fit
-//! a budget.
+//! The memory model behind `rtune estimate`: the peak resident memory of a training run, predicted
+//! from config.json and the run settings before anything is loaded ([`estimate`]), and the largest
+//! micro-batch and sequence length that fit a budget ([`largest_fitting`]). The settings come from
+//! a run config or the data (`run.rs`: [`settings_for`], [`fit_to_data`]); the trainer records
+//! [`for_run`] beside the measured peak.
 //!
 //! The model mirrors what the code keeps alive (`rtune_model`'s hand-written forward/backward), not a
 //! rule of thumb. A run goes through moments ([`Phase`]) at which different tensors are alive: while
@@ -27,7 +29,6 @@ use rtune_config::DType;
 use rtune_model::ops::{keep_probs, AttnShape};
 use rtune_model::ModelConfig;
 
-#[path = "estimate_run.rs"]
 mod run;
 pub use run::{fit_to_data, for_run, matmul_workspace_bytes, settings_for};
 
@@ -600,5 +601,4 @@ fn largest(cap: usize, ok: impl Fn(usize) -> bool) -> usize {
 }
 
 #[cfg(test)]
-#[path = "estimate_tests.rs"]
 mod tests;

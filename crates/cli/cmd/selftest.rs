@@ -1,4 +1,4 @@
-//! `rtune selftest`: the CUDA path against the CPU (see `rtune_train::selftest`).
+//! `rtune selftest`: the CUDA path against the CPU (see `rtune_diag::selftest`).
 
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -15,13 +15,13 @@ pub struct SelftestArgs {
 
 /// Prints one PASS/FAIL line per check; an error (exit 1) when any failed.
 pub fn run(a: SelftestArgs) -> Result<()> {
-    let r = rtune_train::selftest::run(&a.device)?;
+    let r = rtune_diag::selftest::run(&a.device)?;
     for c in &r.checks {
         println!(
-            "{}  {:<64} max rel err {:.2e}",
+            "{}  {:<64} {}",
             if c.pass { "PASS" } else { "FAIL" },
             c.name,
-            c.max_rel_err
+            c.detail
         );
     }
     if let (Some(nf4), Some(copy)) = (r.nf4_dequant_gb_s, r.copy_gb_s) {

@@ -3,19 +3,19 @@
 //! benchmark in `benches/gpu/`), so rtune and PEFT can be run side by side. Each step is forward +
 //! backward + AdamW, as in training.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 use serde::Serialize;
 use std::time::Instant;
 
 use rtune_lora::{Adapter, LoraSpec};
-use rtune_model::weights::TensorSource;
 use rtune_model::{
     Arch, Grads, Inputs, LoraCtx, Model, ModelConfig, ModelError, Quantize, RopeScaling,
 };
-use rtune_quant::Nf4Weight;
+use rtune_train::memory;
+use rtune_train::optim::LoraOptimizer;
 
-use crate::optim::LoraOptimizer;
-use crate::{memory, TrainError};
+use crate::weights::{Draw, RandomWeights};
+use crate::DiagError;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchOptions {
@@ -128,86 +128,6 @@ pub struct BenchResult {
     pub final_loss: f64,
 }
 
-/// Weights drawn from N(0, 0.02²) (norm weights 1), as transformers initialises a Llama; 4-bit
-/// layers are such weights quantized.
-struct RandomWeights {
-    dev: Device,
-    dtype: DType,
-    quantize: Quantize,
-    /// The quantized tile every 4-bit weight repeats (made on first use).
-    tile: std::sync::OnceLock<Nf4Weight>,
-}
-
-impl TensorSource for RandomWeights {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
-        let t = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-            Tensor::ones(shape, self.dtype, &self.dev)
-        } else {
-            Tensor::randn(0f32, 0.02, shape, &self.dev).and_then(|t| t.to_dtype(self.dtype))
-        };
-        t.map_err(|e| ModelError::candle(format!("random {name}"), e))
-    }
-
-    /// Quantizing 7·10⁹ random weights on the CPU would take minutes of an 8B bench; instead one
-    /// tile of 2²⁰ random weights is quantized for real, once, and its codes and scales repeated. The
-    /// tile spans whole nested blocks (64·256 weights), so every block of the result is a block
-    /// bitsandbytes could have produced, and the dequantize kernels do exactly the work they do on
-    /// a real checkpoint.
-    fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Weight>, ModelError> {
-        let Quantize::Nf4 { double_quant } = self.quantize else {
-            return Ok(None);
-        };
-        let err = |source| ModelError::Quant {
-            path: name.into(),
-            source,
-        };
-        const TILE: usize = 1 << 20;
-        let n: usize = shape.iter().product();
-        let tile = match self.tile.get() {
-            Some(t) => t.clone(),
-            None => {
-                let values = Tensor::randn(0f32, 0.02, TILE, &Device::Cpu)
-                    .and_then(|t| t.to_vec1::<f32>())
-                    .map_err(|e| ModelError::candle(format!("random {name}"), e))?;
-                let t = rtune_quant::quantize::quantize_nf4(&values, &[TILE], double_quant)
-                    .map_err(err)?;
-                self.tile.get_or_init(|| t).clone()
-            }
-        };
-        let cycle = |v: &[u8], len: usize| v.iter().copied().cycle().take(len).collect();
-        let blocks = n.div_ceil(tile.blocksize);
-        let absmax = match tile.absmax {
-            rtune_quant::Absmax::Plain(a) => {
-                rtune_quant::Absmax::Plain(a.iter().copied().cycle().take(blocks).collect())
-            }
-            rtune_quant::Absmax::Double {
-                codes,
-                nested_absmax,
-                nested_quant_map,
-                offset,
-                nested_blocksize,
-            } => rtune_quant::Absmax::Double {
-                codes: cycle(&codes, blocks),
-                nested_absmax: nested_absmax
-                    .iter()
-                    .copied()
-                    .cycle()
-                    .take(blocks.div_ceil(nested_blocksize))
-                    .collect(),
-                nested_quant_map,
-                offset,
-                nested_blocksize,
-            },
-        };
-        Ok(Some(Nf4Weight {
-            shape: shape.to_vec(),
-            packed: cycle(&tile.packed, n.div_ceil(2)),
-            absmax,
-            ..tile
-        }))
-    }
-}
-
 /// The bench's random Llama: the options' shape, untied lm_head, no biases.
 pub fn model_config(o: &BenchOptions) -> ModelConfig {
     ModelConfig {
@@ -235,22 +155,29 @@ pub fn model_config(o: &BenchOptions) -> ModelConfig {
 }
 
 /// The memory estimate for the bench's shape (f32, LoRA on all linear layers, full rows).
-pub fn estimate(o: &BenchOptions) -> crate::estimate::Estimate {
-    let s = crate::estimate::Settings::new(o.r, o.batch, o.seq, o.gradient_checkpointing);
-    crate::estimate::estimate(&model_config(o), &s)
+pub fn estimate(o: &BenchOptions) -> rtune_estimate::Estimate {
+    let s = rtune_estimate::Settings::new(o.r, o.batch, o.seq, o.gradient_checkpointing);
+    rtune_estimate::estimate(&model_config(o), &s)
 }
 
 pub fn run(
     o: &BenchOptions,
     on_step: &mut dyn FnMut(usize, f64, bool),
-) -> Result<BenchResult, TrainError> {
-    let bad = |m: String| TrainError::Device(format!("rtune bench: {m}"));
-    let dev = crate::setup::device(rtune_config::parse_device(&o.device).map_err(bad)?)?;
+) -> Result<BenchResult, DiagError> {
+    let bad = |option, value: &str, expected| DiagError::BadOption {
+        command: "bench",
+        option,
+        value: value.to_string(),
+        expected,
+    };
+    let device = rtune_config::parse_device(&o.device)
+        .map_err(|_| bad("--device", &o.device, "auto, cpu, cuda, cuda:N"))?;
+    let dev = rtune_train::device(device)?;
     let dtype = match o.dtype.as_str() {
         "f32" => DType::F32,
         "bf16" => DType::BF16,
         "f16" => DType::F16,
-        other => return Err(bad(format!("--dtype {other}: one of f32, bf16, f16"))),
+        other => return Err(bad("--dtype", other, "f32, bf16, f16")),
     };
     let quantize = match o.quantize.as_str() {
         "none" => Quantize::None,
@@ -258,15 +185,10 @@ pub fn run(
             double_quant: false,
         },
         "nf4-dq" => Quantize::Nf4 { double_quant: true },
-        other => return Err(bad(format!("--quantize {other}: one of none, nf4, nf4-dq"))),
+        other => return Err(bad("--quantize", other, "none, nf4, nf4-dq")),
     };
     let cfg = model_config(o);
-    let source = RandomWeights {
-        dev: dev.clone(),
-        dtype,
-        quantize,
-        tile: Default::default(),
-    };
+    let source = RandomWeights::new(&dev, dtype, quantize, Draw::Normal);
     let mut model = Model::build_with(cfg, &source, dtype, &dev, quantize)?;
     let spec = LoraSpec::new(o.r, o.alpha, 0.0, false, &["all-linear".to_string()])?;
     let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 0, &dev)?;

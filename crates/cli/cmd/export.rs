@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
-use rtune_export::{ExportError, ExportOptions, Format};
+use rtune_export::{ExportOptions, Format};
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum FormatArg {
@@ -114,12 +114,6 @@ pub fn run(a: ExportArgs) -> Result<()> {
         done.files.join(", ")
     );
     Ok(())
-}
-
-/// The exit status for an export error: 2 when the input is at fault, 1 when writing failed.
-pub fn exit_code(e: &anyhow::Error) -> Option<u8> {
-    e.downcast_ref::<ExportError>()
-        .map(|e| if e.is_input_error() { 2 } else { 1 })
 }
 
 #[cfg(test)]

@@ -7,8 +7,9 @@
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 
-use rtune_model::HfConfig;
-use rtune_train::estimate::{self, Estimate, Fit};
+use rtune_estimate::{self as estimate, Estimate, Fit, Settings};
+use rtune_model::{HfConfig, ModelConfig};
+use rtune_train::TrainError;
 
 #[derive(clap::Args)]
 pub struct EstimateArgs {
@@ -32,26 +33,8 @@ pub struct EstimateArgs {
 pub fn run(a: EstimateArgs) -> Result<()> {
     let mut cfg = rtune_config::load(&a.config, &a.set)?;
     // As `rtune train` does: a GGUF file is converted once into the cache, a hub id downloaded.
-    rtune_train::resolve_model(&mut cfg)?;
-    let cfg_path = cfg.model_path.join("config.json");
-    let model = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
-    let mut s = estimate::settings_for(&cfg)?;
-    if a.data {
-        let tok = if cfg.model_path.join("tokenizer.json").exists() {
-            let eos = model.eos_token_ids.first().copied();
-            Some(rtune_data::Tokenizer::load(&cfg.model_path, eos)?)
-        } else {
-            None
-        };
-        let data = rtune_train::dataset::load(
-            &cfg.data,
-            &cfg.model_path,
-            tok.as_ref(),
-            model.vocab_size,
-            cfg.seed,
-        )?;
-        estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
-    }
+    crate::resolve::resolve_model(&mut cfg)?;
+    let (model, s) = settings(&cfg, a.data)?;
     let (budget, source) = match &a.budget {
         Some(b) => (parse_bytes(b)?, "--budget"),
         None => match cfg.device {
@@ -65,7 +48,11 @@ pub fn run(a: EstimateArgs) -> Result<()> {
                 "[train] device is CUDA and this rtune was built without CUDA: give the device \
                  memory with --budget (e.g. 24GiB)"
             ),
-            _ => (mem_available()?, "available RAM"),
+            _ => (
+                rtune_train::memory::ram_available_bytes()
+                    .context("/proc/meminfo: cannot read MemAvailable; give --budget")?,
+                "available RAM",
+            ),
         },
     };
     let est = estimate::estimate(&model, &s);
@@ -94,11 +81,26 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     Ok(())
 }
 
+/// The model's config and the run's settings, narrowed to the data with `data`.
+fn settings(
+    cfg: &rtune_config::RunConfig,
+    data: bool,
+) -> Result<(ModelConfig, Settings), TrainError> {
+    let cfg_path = cfg.model_path.join("config.json");
+    let model = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+    let mut s = estimate::settings_for(cfg)?;
+    if data {
+        let (data, _) = rtune_train::dataset::load_for(cfg)?;
+        estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
+    }
+    Ok((model, s))
+}
+
 #[allow(clippy::too_many_arguments)]
 fn print_table(
     cfg: &rtune_config::RunConfig,
     m: &rtune_model::ModelConfig,
-    s: &estimate::Settings,
+    s: &Settings,
     est: &Estimate,
     budget: u64,
     source: &str,
@@ -196,18 +198,6 @@ fn parse_bytes(text: &str) -> Result<u64> {
         }
     };
     Ok((n * mult) as u64)
-}
-
-/// MemAvailable from /proc/meminfo.
-fn mem_available() -> Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo")
-        .context("/proc/meminfo: cannot read the available memory; give --budget")?;
-    let kib = text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .context("/proc/meminfo has no MemAvailable; give --budget")?;
-    Ok(kib * 1024)
 }
 
 #[cfg(test)]

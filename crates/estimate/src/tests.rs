@@ -16,9 +16,31 @@ fn tiny(layers: usize) -> ModelConfig {
         .unwrap()
 }
 
-/// bench-small: hidden 512, 8 layers, 8/2 heads, intermediate 1376, vocab 32000.
+/// bench-small (`rtune bench`'s default shape, as `rtune_diag::bench::model_config` builds it):
+/// hidden 512, 8 layers, 8/2 heads, intermediate 1376, vocab 32000, untied lm_head, no biases.
 fn bench_small() -> ModelConfig {
-    crate::bench::model_config(&crate::bench::BenchOptions::default())
+    ModelConfig {
+        arch: rtune_model::Arch::Llama,
+        hidden_size: 512,
+        intermediate_size: 1376,
+        num_layers: 8,
+        num_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 64,
+        vocab_size: 32000,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: rtune_model::RopeScaling::None,
+        tie_word_embeddings: false,
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        sliding_window: None,
+        window_layers: vec![false; 8],
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        pad_token_id: None,
+    }
 }
 
 #[test]

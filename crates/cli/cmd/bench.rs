@@ -1,9 +1,9 @@
-//! `rtune bench`: throughput and peak memory on a random model (see `rtune_train::bench`).
+//! `rtune bench`: throughput and peak memory on a random model (see `rtune_diag::bench`).
 
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 
-use rtune_train::bench::BenchOptions;
+use rtune_diag::bench::BenchOptions;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
@@ -82,7 +82,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "bench shape: need steps ≥ 1, heads a multiple of kv_heads, hidden a multiple of heads"
         );
     }
-    let res = rtune_train::bench::run(&o, &mut |i, dt, timed| {
+    let res = rtune_diag::bench::run(&o, &mut |i, dt, timed| {
         eprintln!(
             "step {i:2} {} {dt:7.3}s",
             if timed { "timed " } else { "warmup" }

@@ -1,0 +1,138 @@
+//! `rtune train --config X`: a LoRA run as the config says, with progress on stderr and the
+//! outcome on stdout. The first SIGINT/SIGTERM ends the step and writes a checkpoint.
+
+use anyhow::Result;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use rtune_train::{Event, Outcome, RunOptions};
+
+use crate::progress;
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a config value: --set train.lr=1e-4 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    set: Vec<String>,
+    /// Continue from the newest complete checkpoint in [output] dir.
+    #[arg(long)]
+    resume: bool,
+    /// Resume even if settings changed since the checkpoint (the result then differs from an
+    /// uninterrupted run).
+    #[arg(long)]
+    force: bool,
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    let TrainArgs {
+        config,
+        set,
+        resume,
+        force,
+    } = a;
+    let mut cfg = rtune_config::load(&config, &set)?;
+    crate::resolve::resolve_model(&mut cfg)?;
+    // First SIGINT/SIGTERM: finish the step, write a checkpoint, exit 0. Second: exit at once (all
+    // writes are atomic, so nothing is left half-written).
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_conditional_shutdown(sig, 130, Arc::clone(&stop))?;
+        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+    }
+    let every = cfg.log_every;
+    let steps = cfg.steps;
+    eprintln!(
+        "rtune: loading {} ({})",
+        cfg.model_path.display(),
+        cfg.dtype.as_str()
+    );
+    let opts = RunOptions {
+        resume,
+        force,
+        stop: Some(&stop),
+    };
+    let bar = progress::Progress::new(steps, every);
+    let outcome = rtune_train::train(&cfg, &opts, &mut |ev| match ev {
+        Event::Start {
+            examples,
+            valid_examples,
+            counts,
+            files,
+            warnings,
+            lora_params,
+            model_params,
+            model_bytes,
+            start_step,
+        } => {
+            if start_step > 0 {
+                eprintln!("rtune: resuming at step {start_step}");
+                bar.start_at(start_step);
+            }
+            for f in files {
+                let how = if f.reused_cache {
+                    "from cache".to_string()
+                } else {
+                    format!("tokenised at {:.0} tokens/s", f.tokens_per_s)
+                };
+                eprintln!(
+                    "rtune: {}: {} examples, {} tokens ({how})",
+                    f.path.display(),
+                    f.examples,
+                    f.tokens
+                );
+            }
+            eprintln!(
+                "rtune: {examples} training / {valid_examples} validation examples ({} rows: {} truncated, \
+                 {} dropped, {} skipped); {lora_params} LoRA parameters on a {model_params}-parameter model ({:.1} MB resident)",
+                counts.rows,
+                counts.truncated,
+                counts.dropped,
+                counts.skipped,
+                model_bytes as f64 / 1e6
+            );
+            for w in warnings {
+                tracing::warn!("{w}");
+            }
+        }
+        Event::Step(m) => bar.step(m),
+        Event::Checkpoint { step, path } => {
+            if step % every == 0 || step == steps {
+                bar.line(&format!(
+                    "step {step:>5}/{steps}  checkpoint {}",
+                    path.display()
+                ));
+            }
+        }
+        Event::Eval(e) => bar.line(&format!(
+            "step {:>5}/{steps}  validation loss {:.4}  perplexity {:.2}  ({} tokens)",
+            e.step, e.valid_loss, e.valid_ppl, e.valid_tokens
+        )),
+        Event::Warning(w) => bar.line(&format!("warning: {w}")),
+    });
+    bar.finish();
+    let outcome = outcome?;
+    match outcome {
+        Outcome::Completed(summary) => println!(
+            "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB{}, {:.1}s; adapter in {}",
+            summary.steps,
+            summary.final_loss,
+            summary.tokens_per_s,
+            summary.peak_memory_bytes as f64 / 1e6,
+            summary
+                .estimated_peak_bytes
+                .map(|e| format!(" (estimated {:.1} MB)", e as f64 / 1e6))
+                .unwrap_or_default(),
+            summary.wall_s,
+            summary.output_dir.display()
+        ),
+        Outcome::Stopped { step, checkpoint } => println!(
+            "stopped after step {step}; checkpoint {} (continue with: rtune train --config {} --resume)",
+            checkpoint.display(),
+            config.display()
+        ),
+    }
+    Ok(())
+}
