@@ -11,7 +11,7 @@ use crate::common::{fixture, root, rtune_env, stderr};
 /// A short run that exercises every piece of state: shuffling across epochs, a cursor inside an
 /// epoch (3 rows a micro-batch of 6 examples... 2 micro-batches a step), dropout, clipping, a
 /// cosine schedule with warm-up.
-fn config(dir: &Path, out: &Path, extra: &str) -> PathBuf {
+pub(crate) fn config(dir: &Path, out: &Path, extra: &str) -> PathBuf {
     let cfg = format!(
         r#"[model]
 path = "{model}"
@@ -48,7 +48,7 @@ keep_last = 2
     p
 }
 
-fn train(cfg: &Path, extra: &[&str]) -> Output {
+pub(crate) fn train(cfg: &Path, extra: &[&str]) -> Output {
     let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
     args.extend(extra);
     rtune_env(&args, &[])
@@ -92,7 +92,7 @@ fn reference(tmp: &Path) -> PathBuf {
 }
 
 /// Starts `rtune train` on `cfg` and returns once `steps` lines are in metrics.jsonl.
-fn spawn_until_step(cfg: &Path, out: &Path, steps: usize) -> std::process::Child {
+pub(crate) fn spawn_until_step(cfg: &Path, out: &Path, steps: usize) -> std::process::Child {
     let child = Command::new(env!("CARGO_BIN_EXE_rtune"))
         .args(["train", "--config", cfg.to_str().unwrap()])
         .current_dir(root())

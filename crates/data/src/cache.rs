@@ -240,14 +240,7 @@ fn stream(
                     eof = true;
                     break;
                 }
-                let s = String::from_utf8(buf).map_err(|e| DataError::Row {
-                    path: source.to_path_buf(),
-                    line,
-                    message: format!(
-                        "not valid UTF-8 (byte {} of the line); save the file as UTF-8",
-                        e.utf8_error().valid_up_to() + 1
-                    ),
-                })?;
+                let s = crate::line_utf8(source, line, buf)?;
                 text.push_str(&s);
                 if !s.ends_with('\n') {
                     text.push('\n');

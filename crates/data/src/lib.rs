@@ -187,16 +187,29 @@ pub fn load_jsonl_with(
     let text = String::from_utf8(bytes).map_err(|e| {
         let ok = &e.as_bytes()[..e.utf8_error().valid_up_to()];
         let line_start = ok.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
-        DataError::Row {
-            path: path.to_path_buf(),
-            line: ok.iter().filter(|&&b| b == b'\n').count() + 1,
-            message: format!(
-                "not valid UTF-8 (byte {} of the line); save the file as UTF-8",
-                ok.len() - line_start + 1
-            ),
-        }
+        let line = ok.iter().filter(|&&b| b == b'\n').count() + 1;
+        not_utf8(path, line, ok.len() - line_start)
     })?;
+
     parse_jsonl_with(&text, path, tok, opts, vocab)
+}
+
+/// One line of a data file as text: invalid UTF-8 is an error naming the file, the line and the
+/// byte (a Latin-1 or UTF-16 file is the usual cause).
+pub fn line_utf8(path: &Path, line: usize, bytes: Vec<u8>) -> Result<String> {
+    String::from_utf8(bytes).map_err(|e| not_utf8(path, line, e.utf8_error().valid_up_to()))
+}
+
+/// `valid` bytes of the line decoded before the bad one.
+fn not_utf8(path: &Path, line: usize, valid: usize) -> DataError {
+    DataError::Row {
+        path: path.to_path_buf(),
+        line,
+        message: format!(
+            "not valid UTF-8 (byte {} of the line); save the file as UTF-8",
+            valid + 1
+        ),
+    }
 }
 
 /// [`load_jsonl_with`] on text already read; `path` labels errors. An empty result is an error.

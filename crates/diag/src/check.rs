@@ -71,37 +71,14 @@ fn runtime(cfg: &RunConfig) -> Check {
     Check::new("runtime and device", pass, detail)
 }
 
-/// What a run's outputs need: the final adapter, `keep_last + 1` checkpoints (adapter + AdamW's
-/// two moments) while a new one is written, and metrics lines; 10% headroom for logs and retries.
-pub fn disk_needed(lora_params: usize, steps: usize, keep_last: usize) -> u64 {
-    let adapter = 4 * lora_params as u64;
-    let checkpoint = 3 * adapter + 4096;
-    let metrics = 400 * steps as u64;
-    let total = adapter + (keep_last as u64 + 1) * checkpoint + metrics;
-    total + total / 10
-}
-
 fn disk(cfg: &RunConfig, lora_params: usize) -> Check {
-    // The output directory may not exist yet: measure the nearest existing ancestor.
-    let mut at: &Path = &cfg.output_dir;
-    while !at.exists() {
-        at = at
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-    }
-    let need = disk_needed(lora_params, cfg.steps, cfg.keep_last);
-    match rtune_fsio::free_bytes(at) {
+    // The same figures `rtune train` refuses to start without (rtune_train::disk).
+    let need = rtune_train::disk::need(cfg, lora_params);
+    match rtune_train::disk::free_bytes(&cfg.output_dir) {
         Ok(free) => Check::new(
             "free disk",
-            free >= need,
-            format!(
-                "{:.1} MB free in {}, {:.1} MB needed ({} checkpoints kept)",
-                free as f64 / 1e6,
-                at.display(),
-                need as f64 / 1e6,
-                cfg.keep_last
-            ),
+            free >= need.total,
+            need.describe(free, &rtune_train::disk::existing_ancestor(&cfg.output_dir)),
         ),
         Err(e) => Check::new("free disk", false, e.to_string()),
     }
@@ -349,17 +326,4 @@ fn first_prompt(
 /// A temporary directory for the check's runs.
 pub fn temp_dir() -> PathBuf {
     std::env::temp_dir().join(format!("rtune-check-{}", std::process::id()))
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn disk_need_grows_with_kept_checkpoints() {
-        let a = super::disk_needed(1_000_000, 100, 1);
-        let b = super::disk_needed(1_000_000, 100, 3);
-        // Two more checkpoints: 2 × (3 × 4 MB + 4 KiB) plus 10% (±1 for the integer tenth).
-        let want = (2 * (12_000_000 + 4096)) * 11 / 10;
-        assert!((b - a).abs_diff(want) <= 1, "{} vs {want}", b - a);
-        assert!(a > 4_000_000 * 5);
-    }
 }

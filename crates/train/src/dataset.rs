@@ -176,13 +176,20 @@ fn head_text(path: &Path) -> Result<String, TrainError> {
         path: path.to_path_buf(),
         message: format!("cannot read data: {e}"),
     })?;
+    let mut reader = std::io::BufReader::new(f);
     let mut text = String::new();
-    for line in std::io::BufReader::new(f).lines() {
-        let line = line.map_err(|e| DataError::File {
-            path: path.to_path_buf(),
-            message: format!("cannot read data: {e}"),
-        })?;
-        text.push_str(&line);
+    for line in 1.. {
+        let mut buf = Vec::new();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| DataError::File {
+                path: path.to_path_buf(),
+                message: format!("cannot read data: {e}"),
+            })?;
+        if n == 0 {
+            break;
+        }
+        text.push_str(rtune_data::line_utf8(path, line, buf)?.trim_end_matches(['\n', '\r']));
         text.push('\n');
         if text.len() > 1 << 20 {
             break;

@@ -113,10 +113,16 @@ mod tests {
         let sum = n.adapter + 4 * n.checkpoint + n.logs;
         assert_eq!(n.total, sum + sum / 10);
         // keep_last = 0 keeps every checkpoint the run makes: 10 saves + the final one.
-        let all = need(&cfg("[train]\nsteps = 100\n[output]\nsave_every = 10\nkeep_last = 0\n"), 10);
+        let all = need(
+            &cfg("[train]\nsteps = 100\n[output]\nsave_every = 10\nkeep_last = 0\n"),
+            10,
+        );
         assert_eq!(all.checkpoints, 11);
         // Never more on disk than the run makes.
-        let few = need(&cfg("[train]\nsteps = 5\n[output]\nsave_every = 0\nkeep_last = 3\n"), 10);
+        let few = need(
+            &cfg("[train]\nsteps = 5\n[output]\nsave_every = 0\nkeep_last = 3\n"),
+            10,
+        );
         assert_eq!(few.checkpoints, 1);
     }
 }

@@ -23,8 +23,8 @@ use crate::evaluate::{EvalMetrics, Sample};
 use crate::optim::LoraOptimizer;
 use crate::record::RunRecord;
 use crate::setup::fresh_output;
-use rtune_fsio::{LockError, RunLock};
 use crate::TrainError;
+use rtune_fsio::{LockError, RunLock};
 
 const METRICS: &str = "metrics.jsonl";
 const SAMPLES: &str = "samples.jsonl";
