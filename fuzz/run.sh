@@ -13,12 +13,14 @@ targets=(config jsonl adapter safetensors_index chat_template)
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
-cargo build --release --locked --target-dir target/fuzz "${targets[@]/#/--bin=}"
+# An explicit --target keeps RUSTFLAGS off the build scripts and proc macros (as cargo fuzz does).
+host=$(rustc -vV | sed -n 's/^host: //p')
+cargo build --release --locked --target "$host" --target-dir target/fuzz "${targets[@]/#/--bin=}"
 failed=0
 for t in "${targets[@]}"; do
   mkdir -p "corpus/$t" "artifacts/$t"
   cp -n seeds/$t/* "corpus/$t/" 2>/dev/null || true
-  if ! "target/fuzz/release/$t" "corpus/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
+  if ! "target/fuzz/$host/release/$t" "corpus/$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
       -artifact_prefix="artifacts/$t/" -print_final_stats=0 >"artifacts/$t.log" 2>&1; then
     failed=1
     echo "fuzz: $t FAILED:"; grep -E "panicked|ERROR|SUMMARY|timeout|out-of-memory" "artifacts/$t.log" | head -20

@@ -138,13 +138,11 @@ fn exit_code(e: &anyhow::Error) -> u8 {
     } else if let Some(x) = e.downcast_ref::<rtune_export::ExportError>() {
         x.is_input_error()
     } else if let Some(g) = e.downcast_ref::<rtune_gguf::GgufError>() {
-        !matches!(
-            g,
-            rtune_gguf::GgufError::Io { .. } | rtune_gguf::GgufError::DiskFull { .. }
-        )
+        g.is_input_error()
+    } else if let Some(c) = e.downcast_ref::<rtune_config::ConfigError>() {
+        c.is_input_error()
     } else {
-        e.downcast_ref::<rtune_config::ConfigError>().is_some()
-            || e.downcast_ref::<rtune_data::DataError>().is_some()
+        e.downcast_ref::<rtune_data::DataError>().is_some()
     };
     if input {
         2

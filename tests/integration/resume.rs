@@ -117,6 +117,7 @@ fn sigterm_then_resume_is_bitwise_identical() {
     let out = tmp.path().join("stopped");
     let cfg = config(tmp.path(), &out, "");
     let child = spawn_until_step(&cfg, &out, 6);
+    // SAFETY: kill(2) on the pid of our own live child; no memory is involved.
     unsafe { libc_kill(child.id() as i32, 15) };
     let o = child.wait_with_output().unwrap();
     let said = String::from_utf8_lossy(&o.stdout).into_owned();
@@ -446,6 +447,7 @@ fn second_signal_exits_at_once_without_damage() {
     let out = tmp.path().join("twice");
     let cfg = config(tmp.path(), &out, "");
     let child = spawn_until_step(&cfg, &out, 3);
+    // SAFETY: kill(2) on the pid of our own live child; no memory is involved.
     unsafe {
         libc_kill(child.id() as i32, 2);
         libc_kill(child.id() as i32, 15);

@@ -109,8 +109,8 @@ fn print_table(
 ) {
     let mb = |b: u64| format!("{:.1} MB", b as f64 / 1e6);
     let quant = match s.quantize {
-        estimate::Quant::None => String::new(),
-        estimate::Quant::Nf4 { double_quant } => {
+        estimate::Quantize::None => String::new(),
+        estimate::Quantize::Nf4 { double_quant } => {
             format!(", NF4{}", if double_quant { " double-quant" } else { "" })
         }
     };

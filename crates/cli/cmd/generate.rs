@@ -37,8 +37,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     dump_logits: Option<PathBuf>,
     /// Base weights as trained: `nf4` (or `nf4-dq`) for a QLoRA adapter.
-    #[arg(long, default_value = "none", value_parser = ["none", "nf4", "nf4-dq"])]
-    quantize: String,
+    #[arg(long, default_value = "none")]
+    quantize: rtune_model::Quantize,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -64,13 +64,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         top_p,
         seed,
         dump_logits,
-        quantize: match quantize.as_str() {
-            "nf4" => rtune_model::Quantize::Nf4 {
-                double_quant: false,
-            },
-            "nf4-dq" => rtune_model::Quantize::Nf4 { double_quant: true },
-            _ => rtune_model::Quantize::None,
-        },
+        quantize,
     };
     let model = crate::resolve::resolve_model_path(&model, &revision)?;
     if chat {

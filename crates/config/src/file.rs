@@ -113,7 +113,7 @@ pub struct TrainSection {
     /// Print a progress line every N optimizer steps (metrics.jsonl always has every step).
     #[serde(default = "d_one")]
     pub log_every: usize,
-    /// Validation loss every N steps (0 = only at the end); needs [data] valid or valid_fraction.
+    /// Validation loss every N steps (0 = only at the end); needs `[data] valid` or valid_fraction.
     #[serde(default)]
     pub eval_every: usize,
     /// Prompts completed (greedy) at each evaluation, written to `samples.jsonl` in the run dir.

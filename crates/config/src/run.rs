@@ -44,8 +44,8 @@ pub struct RunConfig {
     pub config_path: PathBuf,
     pub model_path: PathBuf,
     pub dtype: DType,
-    /// `Some(double_quant)`: the frozen linear layers in NF4.
-    pub nf4: Option<bool>,
+    /// How the frozen linear layers are held (`[model] quantize` with `double_quant`).
+    pub quantize: rtune_quant::Quantize,
     pub r: usize,
     pub alpha: f64,
     pub dropout: f64,
@@ -108,13 +108,18 @@ impl ConfigFile {
                 ))
             }
         };
-        let nf4 = match self.model.quantize.as_str() {
-            "none" => None,
-            "nf4" => Some(self.model.double_quant),
-            other => {
+        // `nf4` takes `double_quant` from its own key; `nf4-dq` says it in the name.
+        let quantize = match self.model.quantize.parse() {
+            Ok(rtune_quant::Quantize::Nf4 {
+                double_quant: false,
+            }) if self.model.quantize == "nf4" => rtune_quant::Quantize::Nf4 {
+                double_quant: self.model.double_quant,
+            },
+            Ok(q) => q,
+            Err(_) => {
                 return Err(bad(
                     "model.quantize",
-                    crate::suggest::not_one_of(other, &["none", "nf4"]),
+                    crate::suggest::not_one_of(&self.model.quantize, &rtune_quant::QUANTIZE_NAMES),
                 ))
             }
         };
@@ -273,7 +278,7 @@ impl ConfigFile {
             config_path: path.to_path_buf(),
             model_path: PathBuf::from(&self.model.path),
             dtype,
-            nf4,
+            quantize,
             r: l.r,
             alpha: l.alpha,
             dropout: l.dropout,
@@ -384,7 +389,7 @@ mod tests {
             .to_string();
         assert_eq!(
             e,
-            "c.toml: [model.quantize] `nf` is not one of none, nf4 (did you mean `nf4`?)"
+            "c.toml: [model.quantize] `nf` is not one of none, nf4, nf4-dq (did you mean `nf4`?)"
         );
         let e = ConfigFile::parse(&text.replace("\"nf\"", "\"nf4\""), Path::new("c.toml"), &[])
             .and_then(|f| f.validate(Path::new("c.toml")))

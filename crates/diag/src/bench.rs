@@ -179,14 +179,10 @@ pub fn run(
         "f16" => DType::F16,
         other => return Err(bad("--dtype", other, "f32, bf16, f16")),
     };
-    let quantize = match o.quantize.as_str() {
-        "none" => Quantize::None,
-        "nf4" => Quantize::Nf4 {
-            double_quant: false,
-        },
-        "nf4-dq" => Quantize::Nf4 { double_quant: true },
-        other => return Err(bad("--quantize", other, "none, nf4, nf4-dq")),
-    };
+    let quantize: Quantize = o
+        .quantize
+        .parse()
+        .map_err(|_| bad("--quantize", &o.quantize, "none, nf4, nf4-dq"))?;
     let cfg = model_config(o);
     let source = RandomWeights::new(&dev, dtype, quantize, Draw::Normal);
     let mut model = Model::build_with(cfg, &source, dtype, &dev, quantize)?;

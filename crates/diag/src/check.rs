@@ -30,18 +30,11 @@ pub const SUSTAINED_MIN: f64 = 0.5;
 
 /// CPU features the GEMMs use (x86-64); `(present, names)`.
 fn simd() -> (bool, Vec<&'static str>) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let f = [
-            ("avx2", std::is_x86_feature_detected!("avx2")),
-            ("fma", std::is_x86_feature_detected!("fma")),
-            ("avx512f", std::is_x86_feature_detected!("avx512f")),
-        ];
-        let names: Vec<&str> = f.iter().filter(|x| x.1).map(|x| x.0).collect();
-        (f[0].1 && f[1].1, names)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
+    // The one CPU-feature detection (rtune_model::cpu_features), as the kernels see it.
+    let f = rtune_model::cpu_features::get();
+    if cfg!(target_arch = "x86_64") {
+        (f.avx2 && f.fma, f.list())
+    } else {
         (true, vec![std::env::consts::ARCH])
     }
 }
@@ -290,7 +283,7 @@ pub fn run_checks(
             top_p: 1.0,
             seed: 0,
             dump_logits: None,
-            quantize: rtune_train::quantize(cfg),
+            quantize: cfg.quantize,
         },
     )?;
     push(

@@ -50,21 +50,14 @@ pub fn ce_chunk_rows(vocab: usize) -> usize {
     ((6usize << 20) / vocab.max(1)).clamp(16, 4096)
 }
 
-/// How the frozen linear layers are held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Quant {
-    None,
-    /// bitsandbytes NF4, blocksize 64, optionally double-quantized scales.
-    Nf4 {
-        double_quant: bool,
-    },
-}
+/// How the frozen linear layers are held: the one type, from rtune-quant.
+pub use rtune_quant::Quantize;
 
 /// The run settings the peak depends on.
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub dtype: DType,
-    pub quantize: Quant,
+    pub quantize: Quantize,
     pub r: usize,
     /// Targeted module short names (`q_proj`, ...), `all-linear` already expanded.
     pub targets: Vec<String>,
@@ -177,10 +170,10 @@ fn item(name: &'static str, each: u64, count: u64) -> Item {
 /// NF4 as `rtune_quant::Nf4Weight::resident_bytes`: packed nibbles `n/2`; scales one f32 per 64
 /// (or, double-quantized, one u8 per 64 + one f32 per 256·64 + a 256-entry f32 map + the offset);
 /// the 16-entry code table.
-pub fn frozen_bytes(n: u64, e: u64, q: Quant) -> (u64, u64) {
+pub fn frozen_bytes(n: u64, e: u64, q: Quantize) -> (u64, u64) {
     match q {
-        Quant::None => (n * e, 0),
-        Quant::Nf4 { double_quant } => {
+        Quantize::None => (n * e, 0),
+        Quantize::Nf4 { double_quant } => {
             let blocks = n.div_ceil(64);
             let scales = if double_quant {
                 blocks + 4 * blocks.div_ceil(256) + 4 * 256 + 4
@@ -437,7 +430,7 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
             }
         }
     }
-    if let Quant::Nf4 { .. } = s.quantize {
+    if let Quantize::Nf4 { .. } = s.quantize {
         // Each use dequantizes one weight into the compute dtype; the largest is (I, D).
         let largest = linears(c).iter().map(|(_, i, o)| i * o).max().unwrap_or(0);
         v.push(item(DEQUANT, largest * e, 1));
@@ -460,8 +453,8 @@ fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
     let linear = linears(c).iter().map(|(_, i, o)| i * o).max().unwrap_or(0);
     let convert = |n: u64| if file_e == e { 0 } else { n * file_e };
     let staging = match s.quantize {
-        Quant::None => convert(embed.max(linear)),
-        Quant::Nf4 { .. } => {
+        Quantize::None => convert(embed.max(linear)),
+        Quantize::Nf4 { .. } => {
             let f32_copy = if file_e == 4 { 0 } else { 4 };
             convert(embed).max(linear * (file_e + 4 + f32_copy))
         }

@@ -5,14 +5,14 @@ use rtune_config::{DType, RunConfig};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use crate::{Quant, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
+use crate::{Quantize, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
 
 impl Settings {
     /// f32, no quantization, LoRA on all linear layers, worst-case rows.
     pub fn new(r: usize, micro_batch_size: usize, seq_len: usize, checkpointing: bool) -> Self {
         Self {
             dtype: DType::F32,
-            quantize: Quant::None,
+            quantize: Quantize::None,
             r,
             targets: rtune_lora::ALL_LINEAR
                 .iter()
@@ -85,10 +85,7 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
     let tokenizer = size(&cfg.model_path.join("tokenizer.json"));
     Ok(Settings {
         dtype: cfg.dtype,
-        quantize: match cfg.nf4 {
-            Some(double_quant) => Quant::Nf4 { double_quant },
-            None => Quant::None,
-        },
+        quantize: cfg.quantize,
         r: cfg.r,
         targets: spec.targets,
         dropout: cfg.dropout,

@@ -81,16 +81,16 @@ fn base_weights_by_dtype_and_nf4_constants() {
         frozen_bytes(
             128,
             2,
-            Quant::Nf4 {
+            Quantize::Nf4 {
                 double_quant: false
             }
         ),
         (64, 2 * 4 + 64)
     );
-    assert_eq!(frozen_bytes(4096, 2, Quant::None), (8192, 0));
-    let (_, dq) = frozen_bytes(64 * 512, 2, Quant::Nf4 { double_quant: true });
+    assert_eq!(frozen_bytes(4096, 2, Quantize::None), (8192, 0));
+    let (_, dq) = frozen_bytes(64 * 512, 2, Quantize::Nf4 { double_quant: true });
     assert_eq!(dq, 512 + 4 * 2 + 4 * 256 + 4 + 64);
-    s.quantize = Quant::Nf4 {
+    s.quantize = Quantize::Nf4 {
         double_quant: false,
     };
     let est = estimate(&c, &s);

@@ -199,13 +199,17 @@ impl RunSource {
             let named = r.config.get("model")?.get("path")?.as_str()?;
             (named != r.model_path && looks_like_hub_id(named)).then(|| named.to_string())
         });
+        // As the config resolves it: `nf4` with its `double_quant` key, or `nf4-dq`.
         let trained_nf4 = record.as_ref().and_then(|r| {
             let m = r.config.get("model")?;
-            (m.get("quantize")?.as_str()? == "nf4").then(|| {
-                m.get("double_quant")
-                    .and_then(|d| d.as_bool())
-                    .unwrap_or(true)
-            })
+            let name = m.get("quantize")?.as_str()?;
+            let double_quant = m.get("double_quant").and_then(|d| d.as_bool());
+            match name.parse::<rtune_quant::Quantize>().ok()? {
+                rtune_quant::Quantize::Nf4 { .. } if name == "nf4" => {
+                    Some(double_quant.unwrap_or(true))
+                }
+                q => q.nf4(),
+            }
         });
         let recorded_base = match &record {
             Some(r) => Some(r.model_path.clone()),

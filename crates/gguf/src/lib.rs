@@ -76,4 +76,18 @@ impl From<rtune_fsio::IoError> for GgufError {
     }
 }
 
+impl GgufError {
+    /// The GGUF file (or the directory it converts from) is at fault — exit status 2; a failed
+    /// write or a full disk is the machine's (1).
+    pub fn is_input_error(&self) -> bool {
+        match self {
+            GgufError::File { .. }
+            | GgufError::Metadata { .. }
+            | GgufError::Tensor { .. }
+            | GgufError::Unsupported { .. } => true,
+            GgufError::DiskFull { .. } | GgufError::Io { .. } => false,
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, GgufError>;

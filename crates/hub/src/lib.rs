@@ -90,14 +90,13 @@ impl From<rtune_fsio::IoError> for HubError {
 impl HubError {
     /// The input is wrong (exit status 2) rather than the run failing (1: network, disk, I/O).
     pub fn is_input_error(&self) -> bool {
-        use rtune_gguf::GgufError as G;
-        !matches!(
-            self,
-            HubError::Network { .. }
-                | HubError::Io { .. }
-                | HubError::DiskFull { .. }
-                | HubError::Gguf(G::Io { .. } | G::DiskFull { .. })
-        )
+        match self {
+            HubError::Gguf(g) => g.is_input_error(),
+            e => !matches!(
+                e,
+                HubError::Network { .. } | HubError::Io { .. } | HubError::DiskFull { .. }
+            ),
+        }
     }
 }
 

@@ -5,6 +5,8 @@ use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::sync::Arc;
 
+pub use rtune_quant::Quantize;
+
 use rtune_lora::{Adapter, LoraSpec, ModuleShape};
 
 use crate::config::{HfConfig, ModelConfig};
@@ -31,16 +33,6 @@ pub struct Model {
     /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
     /// pass and comes back one layer ahead of the backward, on a side stream (`kept.rs`).
     pub offload_checkpoints: bool,
-}
-
-/// How the frozen linear layers are held.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Quantize {
-    /// In the compute dtype.
-    None,
-    /// bitsandbytes NF4, blocksize 64; `double_quant` also quantizes the absmax scales (8-bit,
-    /// blocksize 256), saving 0.373 bit/param.
-    Nf4 { double_quant: bool },
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.

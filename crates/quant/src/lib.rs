@@ -1,6 +1,7 @@
 //! 4-bit NF4 weights, bit-for-bit as bitsandbytes 0.50.2 makes and reads them (QLoRA, Dettmers et al.
 //! 2023, arXiv:2305.14314).
 //!
+//! - [`Quantize`]: how the frozen layers are held (none, nf4, nf4-dq), the one type for the choice.
 //! - [`Nf4Weight`]: one quantized weight matrix: packed 4-bit codes, one scale ("absmax") per block of
 //!   64 consecutive elements of the row-major flattening, optionally double-quantized ([`Absmax`]).
 //! - [`quantize_nf4`] makes one from f32 values ([`quantize`]); [`load_bnb_4bit`] reads one from the
@@ -18,11 +19,13 @@
 //! double-quant offset and in rare second-level codes (see [`quantize`]).
 
 pub mod bnb;
+mod choice;
 pub mod dequant;
 pub mod quantize;
 pub mod tables;
 
 pub use bnb::{load_bnb_4bit, BnbParts, RawTensor, BNB_SUFFIXES};
+pub use choice::{Quantize, UnknownQuantize, QUANTIZE_NAMES};
 pub use quantize::{quantize_nf4, quantize_tensor, torch_mean_f32};
 pub use tables::{DYNAMIC_SIGNED, FP4, NF4};
 

@@ -23,7 +23,7 @@ pub mod record;
 mod setup;
 pub mod trainer;
 
-pub use setup::{device, quantize, resolve_model};
+pub use setup::{device, resolve_model};
 pub use trainer::{train, Event, Outcome, RunOptions, StepMetrics, Summary};
 
 use std::path::PathBuf;

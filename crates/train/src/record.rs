@@ -108,23 +108,12 @@ pub fn hardware(device: &str) -> Hardware {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     let ram_bytes = crate::memory::ram_total_bytes().unwrap_or(0);
-    #[allow(unused_mut)]
-    let mut simd = Vec::new();
-    #[cfg(target_arch = "x86_64")]
-    {
-        for (name, on) in [
-            ("sse4.2", std::arch::is_x86_feature_detected!("sse4.2")),
-            ("avx", std::arch::is_x86_feature_detected!("avx")),
-            ("avx2", std::arch::is_x86_feature_detected!("avx2")),
-            ("fma", std::arch::is_x86_feature_detected!("fma")),
-            ("f16c", std::arch::is_x86_feature_detected!("f16c")),
-            ("avx512f", std::arch::is_x86_feature_detected!("avx512f")),
-        ] {
-            if on {
-                simd.push(name.to_string());
-            }
-        }
-    }
+    // The one CPU-feature detection (rtune_model::cpu_features), as the kernels see it.
+    let simd = rtune_model::cpu_features::get()
+        .list()
+        .into_iter()
+        .map(String::from)
+        .collect();
     Hardware {
         cpu_model,
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),

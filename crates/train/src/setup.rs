@@ -52,14 +52,6 @@ pub fn resolve_model(cfg: &mut RunConfig) -> Result<rtune_hub::Resolved, TrainEr
     Ok(r)
 }
 
-/// How the config asks for the frozen linear layers.
-pub fn quantize(cfg: &RunConfig) -> rtune_model::Quantize {
-    match cfg.nf4 {
-        Some(double_quant) => rtune_model::Quantize::Nf4 { double_quant },
-        None => rtune_model::Quantize::None,
-    }
-}
-
 /// What [`prepare`] loaded: the model with the adapter attached, and the run's data.
 pub struct Prepared {
     pub model: Model,
@@ -72,7 +64,7 @@ pub struct Prepared {
 }
 
 pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
-    let mut model = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, quantize(cfg))?;
+    let mut model = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, cfg.quantize)?;
     let tok = if cfg.model_path.join("tokenizer.json").exists() {
         Some(Tokenizer::load(
             &cfg.model_path,

@@ -188,7 +188,7 @@ const VALID_KEYS: [&str; 4] = ["valid_loss", "val_loss", "eval_loss", "validatio
 
 /// Train and validation loss points from a run's `metrics.jsonl`: train `loss` from each step line
 /// (a `skipped` step with a non-finite loss is left out), validation loss from any line with one of
-/// [`VALID_KEYS`]. A last line without its newline (a run killed mid-write) is ignored; any other
+/// `VALID_KEYS`. A last line without its newline (a run killed mid-write) is ignored; any other
 /// line that is not JSON is an error naming the line.
 pub fn read_metrics(path: &Path) -> Result<(Points, Points)> {
     let text = std::fs::read_to_string(path).map_err(|source| rtune_fsio::IoError {

@@ -177,11 +177,12 @@ fn dispatch<K: Kernel>(k: &K, r0: usize, out: K::Out<'_>) {
         #[cfg(not(test))]
         let cap = 2;
         let cpu = crate::cpu_features::get();
-        // SAFETY (both): the CPU has the feature, checked on the same line.
         if cap >= 2 && cpu.avx512f {
+            // SAFETY: the CPU has AVX-512F, checked on the line above.
             return unsafe { run_avx512(k, r0, out) };
         }
         if cap >= 1 && cpu.avx2 {
+            // SAFETY: the CPU has AVX2, checked on the line above.
             return unsafe { run_avx2(k, r0, out) };
         }
     }
