@@ -33,6 +33,11 @@ pub struct DataSection {
     /// A malformed row: `error` (stop, naming file:line) or `skip` (counted).
     #[serde(default = "d_error")]
     pub on_bad_row: String,
+    /// Rows longer than this many bytes are dropped unread (counted with the dropped rows), so one
+    /// stray blob cannot take the machine's memory; 0 = max(8 MiB, 256 bytes × max_seq_len), past
+    /// which no tokenizer fits a row in max_seq_len tokens.
+    #[serde(default)]
+    pub max_row_bytes: usize,
     #[serde(default = "d_true")]
     pub shuffle: bool,
     /// Several samples a row up to `max_seq_len`, each attending only to itself.
@@ -94,6 +99,8 @@ pub struct DataConfig {
     pub max_seq_len: usize,
     /// Drop over-long rows instead of truncating them.
     pub drop_long: bool,
+    /// Rows longer than this (bytes) are dropped unread (`[data] max_row_bytes`, resolved).
+    pub max_row_bytes: usize,
     pub skip_bad_rows: bool,
     pub shuffle: bool,
     pub packing: bool,
@@ -193,6 +200,10 @@ impl DataSection {
             chat_template,
             max_seq_len: self.max_seq_len,
             drop_long,
+            max_row_bytes: match self.max_row_bytes {
+                0 => (8usize << 20).max(256 * self.max_seq_len),
+                n => n,
+            },
             skip_bad_rows,
             shuffle: self.shuffle,
             packing: self.packing,

@@ -103,6 +103,62 @@ fn io_err(path: &Path, message: String) -> DataError {
 /// Parses one chunk of lines; `first_line` is the 1-based line number of the chunk's first line.
 pub trait ChunkParser: Sync {
     fn parse(&self, text: &str, first_line: usize) -> Result<(Vec<Example>, RowCounts)>;
+
+    /// Rows longer than this many bytes are dropped before they are read into memory (counted
+    /// as rows and as dropped); unlimited unless the parser is [`Capped`].
+    fn max_row_bytes(&self) -> usize {
+        usize::MAX
+    }
+}
+
+/// `parser` with a row-size cap ([`ChunkParser::max_row_bytes`]). The cap decides which rows are
+/// kept, so it belongs in the cache key (`inputs`) as well.
+pub struct Capped<P> {
+    pub parser: P,
+    pub max_row_bytes: usize,
+}
+
+impl<P: ChunkParser> ChunkParser for Capped<P> {
+    fn parse(&self, text: &str, first_line: usize) -> Result<(Vec<Example>, RowCounts)> {
+        self.parser.parse(text, first_line)
+    }
+    fn max_row_bytes(&self) -> usize {
+        self.max_row_bytes
+    }
+}
+
+/// Reads one line (through its `\n`) into `buf` unless it is longer than `cap` bytes; a longer
+/// one is consumed without being stored and `Ok((n, true))` returned. `n` = 0 at end of file.
+/// Memory: at most `cap` bytes plus the reader's buffer, whatever the line's length.
+pub fn read_line_capped(
+    r: &mut impl BufRead,
+    buf: &mut Vec<u8>,
+    cap: usize,
+) -> std::io::Result<(usize, bool)> {
+    let (mut n, mut over) = (0usize, false);
+    loop {
+        let chunk = r.fill_buf()?;
+        if chunk.is_empty() {
+            return Ok((n, over));
+        }
+        let (take, done) = match chunk.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (chunk.len(), false),
+        };
+        if !over && buf.len() + take > cap.saturating_add(1) {
+            over = true;
+            buf.clear();
+            buf.shrink_to(0);
+        }
+        if !over {
+            buf.extend_from_slice(&chunk[..take]);
+        }
+        r.consume(take);
+        n += take;
+        if done {
+            return Ok((n, over));
+        }
+    }
 }
 
 impl<F> ChunkParser for F
@@ -233,12 +289,20 @@ fn stream(
             let (mut text, start) = (String::with_capacity(CHUNK_BYTES + 4096), line);
             while text.len() < CHUNK_BYTES {
                 let mut buf = Vec::new();
-                let n = reader
-                    .read_until(b'\n', &mut buf)
+                let (n, over) = read_line_capped(&mut reader, &mut buf, parser.max_row_bytes())
                     .map_err(|e| io_err(source, format!("cannot read data: {e}")))?;
                 if n == 0 {
                     eof = true;
                     break;
+                }
+                if over {
+                    // Dropped unread, as an over-long row would be after tokenizing; the line
+                    // numbers of the rows after it stay right.
+                    counts.rows += 1;
+                    counts.dropped += 1;
+                    text.push('\n');
+                    line += 1;
+                    continue;
                 }
                 let s = crate::line_utf8(source, line, buf)?;
                 text.push_str(&s);

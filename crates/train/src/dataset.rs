@@ -169,9 +169,9 @@ pub fn options(d: &DataConfig, tok: Option<&Tokenizer>) -> Result<DataOptions, T
     Ok(o)
 }
 
-/// The first lines of `path` (up to ~1 MiB), for format detection.
-fn head_text(path: &Path) -> Result<String, TrainError> {
-    use std::io::BufRead;
+/// The first lines of `path` (up to ~1 MiB), for format detection; rows over `max_row_bytes` are
+/// passed over unread (as training drops them), blank lines kept so line numbers stay right.
+fn head_text(path: &Path, max_row_bytes: usize) -> Result<String, TrainError> {
     let f = std::fs::File::open(path).map_err(|e| DataError::File {
         path: path.to_path_buf(),
         message: format!("cannot read data: {e}"),
@@ -180,14 +180,18 @@ fn head_text(path: &Path) -> Result<String, TrainError> {
     let mut text = String::new();
     for line in 1.. {
         let mut buf = Vec::new();
-        let n = reader
-            .read_until(b'\n', &mut buf)
-            .map_err(|e| DataError::File {
+        let (n, over) = cache::read_line_capped(&mut reader, &mut buf, max_row_bytes).map_err(
+            |e| DataError::File {
                 path: path.to_path_buf(),
                 message: format!("cannot read data: {e}"),
-            })?;
+            },
+        )?;
         if n == 0 {
             break;
+        }
+        if over {
+            text.push('\n');
+            continue;
         }
         text.push_str(rtune_data::line_utf8(path, line, buf)?.trim_end_matches(['\n', '\r']));
         text.push('\n');
@@ -209,7 +213,7 @@ fn load_file(
     keep: bool,
 ) -> Result<(Vec<Example>, cache::Loaded, Vec<String>), TrainError> {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let format = detect_format(&head_text(path)?, 1, path, opts)?;
+    let format = detect_format(&head_text(path, d.max_row_bytes)?, 1, path, opts)?;
     let rows = RowParser::new(path, format, tok, opts, vocab)?;
     let samples = std::sync::Mutex::new(Vec::new());
     let parser = |text: &str, first: usize| -> rtune_data::Result<(Vec<Example>, RowCounts)> {
@@ -225,8 +229,13 @@ fn load_file(
         };
         Ok((ds.examples, counts))
     };
+    let parser = cache::Capped {
+        parser,
+        max_row_bytes: d.max_row_bytes,
+    };
     let mut inputs = inputs.clone();
     inputs.insert("format".into(), format.name().into());
+    inputs.insert("max_row_bytes".into(), d.max_row_bytes.to_string());
     let mut loaded = match (&d.cache_dir, keep) {
         (Some(root), false) => cache::prepare(root, path, &inputs, threads, &parser)?,
         (root, _) => cache::load(root.as_deref(), path, &inputs, threads, &parser)?,
