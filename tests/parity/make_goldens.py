@@ -4,7 +4,7 @@
 Run with the reference venv (torch 2.15.0, transformers 5.24.0, peft 0.21.2, bitsandbytes 0.50.2,
 tokenizers 0.23.3, safetensors 0.8.0; CPU only):
 
-    python tests/parity/make_goldens.py --out /tmp/goldens            # everything, ~2 min on 2 cores
+    python tests/parity/make_goldens.py --out /tmp/goldens            # everything, ~40 s on 2 cores
     python tests/parity/make_goldens.py --out /tmp/goldens --check    # ... and compare with the repo
 
 It writes into OUT:
