@@ -166,3 +166,95 @@ fn oversized_rank_warns_and_windows_data_trains() {
     assert_eq!(e.matches("is larger than min(in, out)").count(), 1, "{e}");
     assert!(e.contains("r = 200 is larger than min(in, out) = "), "{e}");
 }
+
+/// Runs `rtune args` and returns its exit code and peak resident memory (wait4's ru_maxrss, KiB),
+/// measured for that child alone.
+fn peak_rss(args: &[&str], cache: &Path) -> (i32, u64) {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+        .args(args)
+        .env("RTUNE_CACHE", cache)
+        .current_dir(crate::common::root())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: a zeroed rusage is a valid value for wait4 to overwrite.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waits for our own child; both out-pointers are valid for the call.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32);
+    (libc::WEXITSTATUS(status), usage.ru_maxrss as u64)
+}
+
+/// One 50 MB row (scraped data with a stray blob) costs a few MB, not gigabytes: it is dropped
+/// unread by `train`, `data inspect`, `data prepare` and `data scan`, and counted as dropped.
+/// Bound: within 16 MB of the same command's peak on the same data without the row (measured:
+/// train +2.8 MB, inspect and prepare +7 MB; before, 9.3 GB).
+#[test]
+fn a_huge_row_costs_megabytes_not_gigabytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows: Vec<String> = std::fs::read_to_string(fixture("fixtures/smoke.jsonl"))
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect();
+    let big = format!(
+        "{{\"prompt\": \"Q: {}\", \"completion\": \" x\"}}",
+        "a".repeat(50_000_000)
+    );
+    let with = tmp.path().join("with.jsonl");
+    let without = tmp.path().join("without.jsonl");
+    let mut lines = rows.clone();
+    lines.insert(3, big);
+    std::fs::write(&with, lines.join("\n") + "\n").unwrap();
+    std::fs::write(&without, rows.join("\n") + "\n").unwrap();
+    let base = std::fs::read_to_string(crate::common::root().join("configs/smoke.toml")).unwrap();
+    let base = base
+        .replace("tests/fixtures", &fixture("fixtures").display().to_string())
+        .replace("steps = 150", "steps = 3")
+        .replace("warmup_steps = 10", "warmup_steps = 1");
+    for (name, data) in [("with", &with), ("without", &without)] {
+        let text = base
+            .replace(
+                &fixture("fixtures/smoke.jsonl").display().to_string(),
+                &data.display().to_string(),
+            )
+            .replace("runs/smoke", &tmp.path().join(name).display().to_string());
+        std::fs::write(tmp.path().join(format!("{name}.toml")), text).unwrap();
+    }
+    let c = |name: &str| {
+        tmp.path()
+            .join(format!("{name}.toml"))
+            .display()
+            .to_string()
+    };
+    // A fresh tokenized-data cache for every command, so none reuses another's work.
+    let mut fresh = 0;
+    for cmd in [
+        vec!["train", "--config"],
+        vec!["data", "inspect", "-n", "1", "--config"],
+        vec!["data", "prepare", "--config"],
+        vec!["data", "scan", "--config"],
+    ] {
+        let mut run = |name: &str| {
+            let cfgp = c(name);
+            let mut args = cmd.clone();
+            args.push(&cfgp);
+            fresh += 1;
+            peak_rss(&args, &tmp.path().join(format!("cache-{fresh}")))
+        };
+        let (code0, small) = run("without");
+        let (code1, large) = run("with");
+        assert_eq!((code0, code1), (0, 0), "{cmd:?}");
+        assert!(
+            large < small + 16 * 1024,
+            "{cmd:?}: {large} KiB with the 50 MB row vs {small} KiB without"
+        );
+    }
+    // Counted like the other dropped rows.
+    let o = rtune_env(&["data", "inspect", "-n", "1", "--config", &c("with")], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &stderr(&o);
+    assert!(text.contains("1 dropped"), "{text}");
+}

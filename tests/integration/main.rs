@@ -13,7 +13,7 @@
 //! - `check`: `rtune check` runs every pre-flight check and exits 1 when one fails;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
-//!   point outside the model directory, an oversized rank, Windows-saved data;
+//!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row;
 //! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
 //! - `smollm2`: the real-model recipe (SmolLM2-135M from GGUF), cut to a few steps;
 //! - `common`: shared helpers (paths, running the binary, golden files, relative errors).

@@ -62,7 +62,7 @@ fn scan(config: PathBuf, set: Vec<String>) -> Result<()> {
     let d = &cfg.data;
     let mut flagged = Vec::new();
     for path in d.train.iter().map(|f| &f.path).chain(&d.valid) {
-        let findings = rtune_data::scan::scan_file(path)
+        let findings = rtune_data::scan::scan_file(path, d.max_row_bytes)
             .with_context(|| format!("{}: cannot read data", path.display()))?;
         for f in &findings {
             println!("{f}");

@@ -136,16 +136,26 @@ pub fn scan_line(line: &str) -> Vec<&'static str> {
     kinds
 }
 
-/// Scans a text file line by line.
-pub fn scan_file(path: &Path) -> std::io::Result<Vec<Finding>> {
-    let text = std::fs::read(path)?;
-    let text = String::from_utf8_lossy(&text);
+/// Scans a text file line by line, streamed: memory is one line, and lines over `max_row_bytes`
+/// (which training drops unread) are passed over unread too.
+pub fn scan_file(path: &Path, max_row_bytes: usize) -> std::io::Result<Vec<Finding>> {
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path)?);
     let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        for kind in scan_line(line) {
+    let mut buf = Vec::new();
+    for i in 1.. {
+        buf.clear();
+        let (n, over) = crate::cache::read_line_capped(&mut reader, &mut buf, max_row_bytes)?;
+        if n == 0 {
+            break;
+        }
+        if over {
+            continue;
+        }
+        let line = String::from_utf8_lossy(&buf);
+        for kind in scan_line(line.trim_end_matches(['\n', '\r'])) {
             out.push(Finding {
                 path: path.to_path_buf(),
-                line: i + 1,
+                line: i,
                 kind,
             });
         }

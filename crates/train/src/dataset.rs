@@ -180,12 +180,13 @@ fn head_text(path: &Path, max_row_bytes: usize) -> Result<String, TrainError> {
     let mut text = String::new();
     for line in 1.. {
         let mut buf = Vec::new();
-        let (n, over) = cache::read_line_capped(&mut reader, &mut buf, max_row_bytes).map_err(
-            |e| DataError::File {
-                path: path.to_path_buf(),
-                message: format!("cannot read data: {e}"),
-            },
-        )?;
+        let (n, over) =
+            cache::read_line_capped(&mut reader, &mut buf, max_row_bytes).map_err(|e| {
+                DataError::File {
+                    path: path.to_path_buf(),
+                    message: format!("cannot read data: {e}"),
+                }
+            })?;
         if n == 0 {
             break;
         }
