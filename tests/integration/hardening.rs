@@ -169,6 +169,7 @@ fn oversized_rank_warns_and_windows_data_trains() {
 
 /// Runs `rtune args` and returns its exit code and peak resident memory (wait4's ru_maxrss, KiB),
 /// measured for that child alone.
+#[allow(clippy::zombie_processes)] // reaped by wait4 below, which std's Child cannot see
 fn peak_rss(args: &[&str], cache: &Path) -> (i32, u64) {
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
         .args(args)
