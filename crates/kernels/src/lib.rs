@@ -29,6 +29,7 @@ pub use nf4::{
     nf4_dequant_cuda, nf4_dequant_cuda_into, DequantOut, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda,
 };
 
+pub mod adamw;
 #[cfg(feature = "cuda")]
 pub mod attn;
 #[cfg(feature = "cuda")]

@@ -129,7 +129,7 @@ impl CustomOp1 for Dropout {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (a, b) = crate::fused::contiguous("lora-dropout", "x", l)?;
+        let (a, b) = crate::fused::common::contiguous("lora-dropout", "x", l)?;
         let out = match s {
             CpuStorage::F32(v) => masked(&self.0, &v[a..b], |x| x),
             CpuStorage::BF16(v) => masked(&self.0, &v[a..b], bf16::to_f32),
@@ -174,7 +174,7 @@ impl CustomOp1 for Dropout {
             .map_err(|e| candle_core::Error::Msg(format!("lora-dropout (cuda): {e}")).bt())?;
             Ok(candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone()))
         }
-        let range = crate::fused::contiguous("lora-dropout", "x", l)?;
+        let range = crate::fused::common::contiguous("lora-dropout", "x", l)?;
         let y = match s.dtype() {
             DType::F32 => run::<f32>(&self.0, s, range)?,
             DType::BF16 => run::<bf16>(&self.0, s, range)?,

@@ -22,7 +22,7 @@
 
 mod attn_softmax;
 mod ce;
-mod common;
+pub(crate) mod common;
 mod cpu;
 mod norm;
 mod rope;
