@@ -15,6 +15,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PinnedHostSlice};
 use rtune_kernels::adamw::{self, AdamWScalars};
+use rtune_kernels::KernelError;
 use rtune_lora::Adapter;
 use rtune_model::Grads;
 use std::sync::Arc;
@@ -22,17 +23,35 @@ use std::sync::Arc;
 use super::{Applied, Hyper};
 use crate::TrainError;
 
-fn drv(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TrainError {
-    move |e| TrainError::Device(format!("optimizer {op} (cuda): {e}"))
+// Errors: `TrainError::Kernel` (a run failure, not an input error), naming the device, the
+// operation and, for a size mismatch, the tensor and its shape.
+
+fn drv(ordinal: usize, op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> TrainError {
+    move |source| TrainError::Kernel {
+        ordinal,
+        source: KernelError::Driver { op, source },
+    }
 }
 
-fn kern(op: &'static str) -> impl Fn(rtune_kernels::KernelError) -> TrainError {
-    move |e| TrainError::Device(format!("optimizer {op} (cuda): {e}"))
+fn kern(ordinal: usize) -> impl Fn(KernelError) -> TrainError {
+    move |source| TrainError::Kernel { ordinal, source }
+}
+
+fn unsupported(ordinal: usize, message: String) -> TrainError {
+    TrainError::Kernel {
+        ordinal,
+        source: KernelError::Unsupported {
+            op: "optimizer step",
+            message,
+        },
+    }
 }
 
 /// The optimizer's device state and the buffers a step reuses.
 pub(super) struct DeviceAdamW {
     dev: CudaDevice,
+    /// The device's CUDA ordinal, for errors.
+    ordinal: usize,
     /// candle's stream for `dev`: the gradients were computed on it and the kernels run on it, so
     /// stream order alone orders them.
     stream: Arc<CudaStream>,
@@ -63,6 +82,8 @@ impl DeviceAdamW {
     /// Zero moments, step 0, master weights `params` (the adapter's, in its order).
     pub fn new(dev: &CudaDevice, params: &[Vec<f32>], hyper: Hyper) -> Result<Self, TrainError> {
         let stream = dev.cuda_stream();
+        let ordinal = stream.context().ordinal();
+        let drv = |op| drv(ordinal, op);
         let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
         let (offsets, total) = adamw::offsets(&sizes);
         let mut chunks = adamw::chunk_table(&sizes);
@@ -72,8 +93,11 @@ impl DeviceAdamW {
         }
         let mut flat: Vec<f32> = params.concat();
         flat.resize(total.max(1), 0.0);
-        let ctx = stream.context().clone();
         let table_len = 4 * sizes.len().max(1);
+        // SAFETY: zeroed at once, before any use.
+        let mut table_host =
+            unsafe { stream.context().alloc_pinned::<u64>(table_len) }.map_err(drv("alloc"))?;
+        table_host.as_mut_slice().map_err(drv("alloc"))?.fill(0);
         Ok(Self {
             master: stream.clone_htod(&flat).map_err(drv("upload"))?,
             m: stream.alloc_zeros(total.max(1)).map_err(drv("alloc"))?,
@@ -81,10 +105,10 @@ impl DeviceAdamW {
             chunks: stream.clone_htod(&chunks).map_err(drv("upload"))?,
             partials: stream.alloc_zeros(n_chunks.max(1)).map_err(drv("alloc"))?,
             norm_coef: stream.alloc_zeros(2).map_err(drv("alloc"))?,
-            // SAFETY: every step writes the whole table before copying it.
-            table_host: unsafe { ctx.alloc_pinned::<u64>(table_len) }.map_err(drv("alloc"))?,
+            table_host,
             table: stream.alloc_zeros(table_len).map_err(drv("alloc"))?,
             dev: dev.clone(),
+            ordinal,
             stream,
             hyper,
             step: 0,
@@ -106,7 +130,8 @@ impl DeviceAdamW {
         loss: f64,
         unscale: f64,
     ) -> Result<Applied, TrainError> {
-        let stream = self.stream.clone();
+        let (stream, ordinal) = (self.stream.clone(), self.ordinal);
+        let drv = |op| drv(ordinal, op);
         let n = self.sizes.len();
         // The gradients as contiguous f32, kept alive until the norm's read synchronizes.
         let mut keep: Vec<Tensor> = Vec::with_capacity(n);
@@ -125,13 +150,17 @@ impl DeviceAdamW {
                         .and_then(|t| t.contiguous())
                         .map_err(TrainError::candle("grad to f32"))?;
                     if t.elem_count() != self.sizes[k] {
-                        return Err(TrainError::Device(format!(
-                            "optimizer: gradient {k} has shape {:?}, the parameter {} elements",
-                            t.dims(),
-                            self.sizes[k]
-                        )));
+                        return Err(unsupported(
+                            ordinal,
+                            format!(
+                                "gradient {k} (A0, B0, A1, ... order) has shape {:?}, its \
+                                 parameter {} elements",
+                                t.dims(),
+                                self.sizes[k]
+                            ),
+                        ));
                     }
-                    let p = grad_ptr(&t, &stream)?;
+                    let p = grad_ptr(&t, &stream, ordinal)?;
                     keep.push(t);
                     p
                 }
@@ -143,6 +172,9 @@ impl DeviceAdamW {
             } else {
                 None
             };
+            // The events cudarc records for these raw pointers (when other streams exist) mark
+            // the launch, not the kernels' end; the norm's read below synchronizes the stream
+            // before any of these buffers is used or freed, so no other stream can race them.
             let optr = out.as_mut().map_or(0, |o| o.device_ptr_mut(&stream).0);
             entries.extend([gptr, optr, self.offsets[k] as u64, self.sizes[k] as u64]);
             outs.push(out);
@@ -168,7 +200,7 @@ impl DeviceAdamW {
                 &mut self.norm_coef,
             )
         }
-        .map_err(kern("norm"))?;
+        .map_err(kern(ordinal))?;
         if loss.is_finite() {
             let h = self.hyper;
             let s = AdamWScalars::new(self.step + 1, lr, h.betas, h.eps, h.weight_decay, unscale);
@@ -185,7 +217,7 @@ impl DeviceAdamW {
                     &s,
                 )
             }
-            .map_err(kern("update"))?;
+            .map_err(kern(ordinal))?;
         }
         // The step's one host sync: the norm, for the metrics and the skip decision (the kernel
         // has already skipped itself on the device when it is not finite).
@@ -225,6 +257,8 @@ impl DeviceAdamW {
 
     /// `(m, v)` per tensor, copied to the host.
     pub fn moments(&self) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), TrainError> {
+        let ordinal = self.ordinal;
+        let drv = |op| drv(ordinal, op);
         let split = |flat: Vec<f32>| -> Vec<Vec<f32>> {
             self.sizes
                 .iter()
@@ -239,6 +273,8 @@ impl DeviceAdamW {
 
     /// Sets the step count and the moments (sizes checked by the caller).
     pub fn restore(&mut self, step: u64, m: &[Vec<f32>], v: &[Vec<f32>]) -> Result<(), TrainError> {
+        let ordinal = self.ordinal;
+        let drv = |op| drv(ordinal, op);
         for (src, dst) in [(m, &mut self.m), (v, &mut self.v)] {
             let mut flat: Vec<f32> = src.concat();
             flat.resize(self.total.max(1), 0.0);
@@ -252,13 +288,14 @@ impl DeviceAdamW {
 }
 
 /// The device address of `t`'s first element (`t` contiguous f32 on a CUDA device).
-fn grad_ptr(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64, TrainError> {
+fn grad_ptr(t: &Tensor, stream: &Arc<CudaStream>, ordinal: usize) -> Result<u64, TrainError> {
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(s) = &*storage else {
-        return Err(TrainError::Device(format!(
-            "optimizer: a gradient of shape {:?} is not on the CUDA device",
+        let message = format!(
+            "a gradient of shape {:?} is not on the CUDA device",
             t.dims()
-        )));
+        );
+        return Err(unsupported(ordinal, message));
     };
     let start = layout.start_offset();
     let slice = s
