@@ -15,6 +15,8 @@
 //! - [`fused_ref`]: the references (always compiled, plain Rust on f32 slices, rounding to a
 //!   [`Precision`]); [`fused_check`] runs each kernel against its reference — `tests/fused_cuda.rs`
 //!   on many shapes, [`fused_check::self_test`] once over every kernel.
+//! - [`adamw`] (`kernels/adamw.cu`): the multi-tensor optimizer (gradient norm, clipping, AdamW);
+//!   its CPU reference is always compiled, the launchers and [`adamw::check`] only with `cuda`.
 //!
 //! Imports run one way: `precision` ← `fused_ref`; `precision` ← `launch` ← `fused`, `attn` ←
 //! `fused_check` (but for `fused::self_test`, an old path kept for one caller).
@@ -29,6 +31,7 @@ pub use nf4::{
     nf4_dequant_cuda, nf4_dequant_cuda_into, DequantOut, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda,
 };
 
+pub mod adamw;
 #[cfg(feature = "cuda")]
 pub mod attn;
 #[cfg(feature = "cuda")]

@@ -100,7 +100,7 @@ pub fn save(
         }
         privacy.create_dir_all(&tmp).map_err(TrainError::from)?;
         adapter.save_peft(&tmp, base_model, privacy)?;
-        let (_, m, v) = opt.state();
+        let (m, v) = opt.moments()?;
         let mut tensors = Vec::new();
         for (i, (name, p)) in adapter.names.iter().zip(&adapter.pairs).enumerate() {
             let factors = [(lora_a_key(name), &p.a), (lora_b_key(name), &p.b)];

@@ -88,9 +88,6 @@ pub enum TrainError {
     /// The optimizer state in a checkpoint does not fit the adapter it is resumed with.
     #[error("optimizer state does not match the adapter's shapes")]
     OptimizerState,
-    /// Superseded by [`TrainError::OptimizerState`]; kept while `optim.rs` still builds it.
-    #[error("{0}")]
-    Device(String),
     #[error(
         "step {step}: loss {loss} / gradient norm {grad_norm} not finite for {in_a_row} steps in a row; \
          stopped without writing an adapter (the last checkpoint is intact; try a lower [train] lr)"
@@ -124,8 +121,7 @@ impl TrainError {
             | TrainError::DeviceOpen { .. }
             | TrainError::ResumeChanged { .. }
             | TrainError::NoVerifiedCheckpoint { .. }
-            | TrainError::OptimizerState
-            | TrainError::Device(_) => true,
+            | TrainError::OptimizerState => true,
             #[cfg(feature = "cuda")]
             TrainError::Kernel { .. } => false,
             TrainError::Output { .. }

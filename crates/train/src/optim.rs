@@ -3,14 +3,27 @@
 //! `v ← β2·v + (1−β2)·g²`, `p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + ε)`; plus the learning-rate
 //! schedules of transformers (`get_{constant,linear,cosine}_schedule_with_warmup`) and global-norm
 //! clipping as `torch.nn.utils.clip_grad_norm_`.
+//!
+//! [`LoraOptimizer`] runs it over an adapter in one of two places. On the CPU: this file's [`AdamW`]
+//! on flat host vectors (the reference; every CPU run uses it, bit for bit as before the device
+//! path existed). When the adapter lives on a CUDA device (feature `cuda`): `optim/device.rs`, the
+//! multi-tensor kernels of `rtune_kernels::adamw` over all LoRA tensors at once, with the moments
+//! and master weights on the device and one host sync a step (the gradient norm). Their CPU
+//! reference, `rtune_kernels::adamw`, is tested against [`AdamW`] in `optim/reference_tests.rs`.
 
 use candle_core::Tensor;
 use rtune_config::Schedule;
 use rtune_lora::Adapter;
 use rtune_model::Grads;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 use crate::TrainError;
+
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(test)]
+mod reference_tests;
 
 /// Optimizer state for a flat list of parameters (f32, host).
 #[derive(Debug, Clone)]
@@ -137,31 +150,64 @@ pub struct Applied {
     pub applied: bool,
 }
 
-/// AdamW over an adapter's weights, kept as flat f32 vectors between steps.
+/// AdamW's hyperparameters, as `torch.optim.AdamW` takes them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Hyper {
+    pub betas: (f64, f64),
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+/// AdamW over an adapter's weights (A0, B0, A1, B1, ...), with its state on the adapter's device.
 pub struct LoraOptimizer {
-    params: Vec<Vec<f32>>,
     sizes: Vec<usize>,
-    adamw: AdamW,
+    hyper: Hyper,
+    store: Store,
+}
+
+/// Where the parameters' f32 master copy and the moments live between steps.
+enum Store {
+    /// Flat f32 vectors on the host, updated by [`AdamW`] (the CPU path).
+    Host { params: Vec<Vec<f32>>, adamw: AdamW },
+    /// On the adapter's CUDA device, updated by the multi-tensor kernels.
+    #[cfg(feature = "cuda")]
+    Device(device::DeviceAdamW),
 }
 
 impl LoraOptimizer {
+    /// A fresh optimizer (zero moments, step 0) for `adapter`'s current weights: on the device
+    /// when the adapter is on a CUDA device (`cuda` builds), else on the host.
     pub fn new(
         adapter: &Adapter,
         betas: (f64, f64),
         eps: f64,
         weight_decay: f64,
     ) -> Result<Self, TrainError> {
+        let hyper = Hyper {
+            betas,
+            eps,
+            weight_decay,
+        };
         let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
         for p in &adapter.pairs {
             params.push(flat(&p.a).map_err(TrainError::candle("adapter to host"))?);
             params.push(flat(&p.b).map_err(TrainError::candle("adapter to host"))?);
         }
         let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
+        #[cfg(feature = "cuda")]
+        if let Some(candle_core::Device::Cuda(dev)) = adapter.pairs.first().map(|p| p.a.device()) {
+            let d = device::DeviceAdamW::new(dev, &params, hyper)?;
+            return Ok(Self {
+                sizes,
+                hyper,
+                store: Store::Device(d),
+            });
+        }
         let adamw = AdamW::new(&sizes, betas, eps, weight_decay);
         Ok(Self {
-            params,
             sizes,
-            adamw,
+            hyper,
+            store: Store::Host { params, adamw },
         })
     }
 
@@ -177,7 +223,12 @@ impl LoraOptimizer {
         loss: f64,
         unscale: f64,
     ) -> Result<Applied, TrainError> {
-        let mut gv: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
+        let (params, adamw) = match &mut self.store {
+            Store::Host { params, adamw } => (params, adamw),
+            #[cfg(feature = "cuda")]
+            Store::Device(d) => return d.step(adapter, grads, lr, max_norm, loss, unscale),
+        };
+        let mut gv: Vec<Vec<f32>> = Vec::with_capacity(params.len());
         for (i, size) in self.sizes.iter().enumerate() {
             let g = if i % 2 == 0 {
                 &grads.a[i / 2]
@@ -209,13 +260,12 @@ impl LoraOptimizer {
                 .flat_map(|g| g.iter_mut())
                 .for_each(|x| *x *= c);
         }
-        self.adamw.update(&mut self.params, &gv, lr);
+        adamw.update(params, &gv, lr);
         for (i, p) in adapter.pairs.iter_mut().enumerate() {
             let dev = p.a.device().clone();
             let mk = |v: &Vec<f32>, like: &Tensor| Tensor::from_vec(v.clone(), like.shape(), &dev);
-            p.a = mk(&self.params[2 * i], &p.a).map_err(TrainError::candle("adapter update"))?;
-            p.b =
-                mk(&self.params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
+            p.a = mk(&params[2 * i], &p.a).map_err(TrainError::candle("adapter update"))?;
+            p.b = mk(&params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
         }
         Ok(Applied {
             grad_norm,
@@ -223,12 +273,30 @@ impl LoraOptimizer {
         })
     }
 
-    /// `(adamw step, m, v)` in the adapter's order (A0, B0, A1, B1, ...), for checkpoints.
-    pub fn state(&self) -> (u64, &[Vec<f32>], &[Vec<f32>]) {
-        (self.adamw.step, &self.adamw.m, &self.adamw.v)
+    /// AdamW's step count (updates made; skipped steps do not count), for checkpoints.
+    pub fn adamw_step(&self) -> u64 {
+        match &self.store {
+            Store::Host { adamw, .. } => adamw.step,
+            #[cfg(feature = "cuda")]
+            Store::Device(d) => d.step,
+        }
     }
 
-    /// Restores the moments saved by [`state`](Self::state); `adapter` must already hold the
+    /// The moments `(m, v)` in the adapter's order (A0, B0, A1, B1, ...), for checkpoints:
+    /// borrowed on the host, copied from the device (a checkpoint's copy, not a step's).
+    #[allow(clippy::type_complexity)]
+    pub fn moments(&self) -> Result<(Cow<'_, [Vec<f32>]>, Cow<'_, [Vec<f32>]>), TrainError> {
+        match &self.store {
+            Store::Host { adamw, .. } => Ok((Cow::Borrowed(&adamw.m), Cow::Borrowed(&adamw.v))),
+            #[cfg(feature = "cuda")]
+            Store::Device(d) => {
+                let (m, v) = d.moments()?;
+                Ok((Cow::Owned(m), Cow::Owned(v)))
+            }
+        }
+    }
+
+    /// Restores the moments saved by [`moments`](Self::moments); `adapter` must already hold the
     /// checkpoint's weights. Sizes are checked.
     pub fn restore(
         &mut self,
@@ -237,29 +305,29 @@ impl LoraOptimizer {
         m: Vec<Vec<f32>>,
         v: Vec<Vec<f32>>,
     ) -> Result<(), TrainError> {
-        let fresh = Self::new(
-            adapter,
-            self.adamw.betas,
-            self.adamw.eps,
-            self.adamw.weight_decay,
-        )?;
+        let h = self.hyper;
+        let mut fresh = Self::new(adapter, h.betas, h.eps, h.weight_decay)?;
         let same = |x: &[Vec<f32>]| {
             x.len() == fresh.sizes.len() && x.iter().zip(&fresh.sizes).all(|(a, &n)| a.len() == n)
         };
         if !same(&m) || !same(&v) {
-            return Err(TrainError::Device(
-                "optimizer state does not match the adapter's shapes".into(),
-            ));
+            return Err(TrainError::OptimizerState);
+        }
+        match &mut fresh.store {
+            Store::Host { adamw, .. } => {
+                adamw.step = step;
+                adamw.m = m;
+                adamw.v = v;
+            }
+            #[cfg(feature = "cuda")]
+            Store::Device(d) => d.restore(step, &m, &v)?,
         }
         *self = fresh;
-        self.adamw.step = step;
-        self.adamw.m = m;
-        self.adamw.v = v;
         Ok(())
     }
 }
 
-fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+pub(crate) fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.flatten_all()?.to_vec1::<f32>()
 }
 

@@ -259,7 +259,7 @@ impl Trainer<'_> {
                 wall_s: self.wall_s(),
                 ..self.state.clone()
             },
-            adamw_step: self.opt.state().0,
+            adamw_step: self.opt.adamw_step(),
             epoch,
             cursor,
             seed: cfg.seed,
