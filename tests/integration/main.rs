@@ -11,6 +11,7 @@
 //!   `[data]` config errors;
 //! - `scan`: `rtune data scan` finds planted secrets and personal data, nothing in clean data;
 //! - `check`: `rtune check` runs every pre-flight check and exits 1 when one fails;
+//! - `diag`: `rtune selftest` reports every check when one fails; `benches/gpu/run.sh --dry-run`;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
 //! - `smollm2`: the real-model recipe (SmolLM2-135M from GGUF), cut to a few steps;
@@ -21,6 +22,7 @@ mod check;
 mod cli;
 mod common;
 mod data;
+mod diag;
 mod export;
 mod packing;
 mod parity;
