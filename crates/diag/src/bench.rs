@@ -128,7 +128,8 @@ pub struct BenchResult {
     pub memory_before_steps_bytes: u64,
     /// Whether the peak was restarted after the build (false: it includes the build).
     pub peak_reset: bool,
-    /// Peak resident set of the process (host memory, also on CUDA).
+    /// Peak resident set (host memory, also on CUDA): on the CPU since the restart, as
+    /// `peak_memory_bytes`; on CUDA the whole process's.
     pub peak_rss_bytes: u64,
     /// What `rtune estimate` predicts for this shape (CPU, f32, unquantized only).
     pub estimated_peak_bytes: Option<u64>,

@@ -1,9 +1,11 @@
 //! `rtune selftest --device cuda:N`: everything the CUDA path computes, checked against the CPU on
 //! fresh random inputs, in one call (what `benches/gpu/run.sh` runs first on a GPU machine):
 //!
-//! 1. every fused kernel against its plain-Rust reference (`rtune_kernels::fused::self_test`);
-//! 2. NF4 / NF4 double-quant dequantization on the GPU against the CPU's, bit for bit, and its
-//!    bandwidth against the card's device-to-device copy;
+//! 1. every fused kernel against its plain-Rust reference, on aligned, odd and offset shapes
+//!    (`rtune_kernels::fused_check::self_test_seeded`), one check per op pair, shape and type;
+//! 2. NF4 / NF4 double-quant dequantization on the GPU against the CPU's, bit for bit, on the
+//!    Llama-8B MLP shape and an odd element count, and its bandwidth against the card's
+//!    device-to-device copy;
 //! 3. whole training steps (forward + backward, checkpointing on and off) of a small random Llama
 //!    on the device against the same step on the CPU: loss and every LoRA gradient, in f32, bf16
 //!    and bf16 with an NF4 base.
@@ -16,7 +18,7 @@
 //! (`rtune selftest` prints its line and rewrites the JSON report then). One seed, printed and
 //! recorded, draws every random input; given again (`--seed`) it reproduces the run's inputs.
 //! Test hook: [`INJECT_ENV`] (`RTUNE_SELFTEST_INJECT_FAIL=<text>`) makes every check whose name
-//! contains `<text>` fail with an injected error before it runs (tests/integration/selftest.rs).
+//! contains `<text>` fail with an injected error before it runs (tests/integration/diag.rs).
 
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
