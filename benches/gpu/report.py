@@ -1,8 +1,15 @@
 #!/usr/bin/env python3
-"""The final table of run.sh: reads DIR/{selftest,roofline,rtune,peft}.json (any may be missing),
-prints rtune vs PEFT and the goals met / not met, writes DIR/summary.json.
+"""The final table of run.sh: reads DIR/{selftest,rtune_tiny,rtune,peft,roofline}.json (any may be
+missing) and DIR/steps.tsv (each step's outcome, written by run.sh), prints rtune vs PEFT and the goals
+met / not met, writes DIR/summary.json and the one report of the run, DIR/report.json:
+
+  {"meta": {...}, "steps": [{name, file, status, seconds}], "selftest": S, "rtune_tiny": S, "rtune": S,
+   "peft": S, "roofline": S, "summary": {...}}
+  S = {"status": "ok" | "FAILED rc=N" | "TIMEOUT" | "skipped: why", "result": <the step's JSON> | null}
+      plus "skipped": why when the step was not run for a known reason (no torch, no binary, budget).
 
   python report.py --dir $OUT [--preset llama3-8b] [--layers N] [--seq 2048] [--batch 1] [--quick]
+                   [--mode full|quick|dry] [--device cuda:0]
 
 Both sides' tokens/s and MFU are computed here the same way: tokens/s = batch*seq / step_s_median,
 MFU = tokens/s * flops_per_token / peak (bench_peft_gpu.flops_per_token and .mfu, the one definition).
@@ -43,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="smaller shape: memory and MFU goals are n/a")
+    ap.add_argument("--mode", default="full", help="run.sh's mode, recorded in report.json")
+    ap.add_argument("--device", default="cuda:0", help="recorded in report.json")
     a = ap.parse_args(argv)
     shape = dict(PRESETS[a.preset])
     if a.layers:
@@ -123,6 +132,45 @@ def main(argv=None):
                "goals": {g: {"value": v, "status": mark(ok)} for g, v, ok in goals}}
     with open(os.path.join(a.dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    write_report(a, summary)
+
+
+SECTIONS = ("selftest", "rtune_tiny", "rtune", "peft", "roofline")
+
+
+def read_steps(d):
+    """steps.tsv: name, file, status, seconds per line (run.sh's step/skip)."""
+    steps = []
+    try:
+        with open(os.path.join(d, "steps.tsv")) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 4:
+                    steps.append({"name": parts[0], "file": parts[1], "status": parts[2], "seconds": int(parts[3])})
+    except FileNotFoundError:
+        pass
+    return steps
+
+
+def write_report(a, summary):
+    """DIR/report.json: every section, whether its step ran or not (see the module doc); atomic."""
+    steps = read_steps(a.dir)
+    by_file = {s["file"]: s["status"] for s in steps}
+    report = {"meta": {"mode": a.mode, "device": a.device, "preset": a.preset, "layers": a.layers,
+                       "seq": a.seq, "batch": a.batch},
+              "steps": steps}
+    for sec in SECTIONS:
+        status = by_file.get(f"{sec}.json", "not run")
+        entry = {"status": status, "result": load(a.dir, sec)}
+        if status.startswith("skipped: "):
+            entry["skipped"] = status[len("skipped: "):]
+        report[sec] = entry
+    report["summary"] = summary
+    path = os.path.join(a.dir, "report.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(path + ".tmp", path)
+    print(f"report: {path} (" + ", ".join(f"{s}: {report[s]['status']}" for s in SECTIONS) + ")")
 
 
 if __name__ == "__main__":

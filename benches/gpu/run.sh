@@ -3,72 +3,105 @@
 #
 #   device run: command "bash benches/gpu/run.sh", carry ["benches/gpu/bin", ".whl"], timeout_s 600
 #   bash benches/gpu/run.sh --quick      # smoke call: 4 layers, seq 1024, 3 steps (< 4 min)
+#   bash benches/gpu/run.sh --dry-run    # this machine, no GPU: the CPU binary, small shapes (< 2 min)
 #
-# In order, each under its own time limit (a failure or timeout is logged and the rest still run):
-# rtune selftest, gpu_roofline.py, rtune bench (8B QLoRA), bench_peft_gpu.py (8B QLoRA); then report.py
-# prints the table. Everything lands in $OUT (6 files: run.log, selftest/roofline/rtune/peft/summary.json).
-# The whole script stays under RUN_BUDGET_S (470 s; quick 240): a call may run 600 s, and the
-# machine's start and the transfers come on top. Exit 1 if a step failed or timed out; goals not met
-# are results, not failures.
+# In order, each under its own time limit (a failure or timeout is recorded and the rest still run):
+#   1. rtune selftest (every check prints and is recorded even when one fails);
+#   2. a tiny rtune bench (bench-small shape, bf16 + NF4, checkpointing): the bench works on the device;
+#   3. the 8B QLoRA rtune bench (seq 2048, batch 1, r 16, bf16, NF4, checkpointing);
+#   4. PEFT + bitsandbytes on the same shape (bench_peft_gpu.py);
+#   5. the roofline (gpu_roofline.py): copy GB/s, GEMM TFLOP/s, bnb NF4 dequant.
+# Then report.py prints the table and writes ONE report, $OUT/report.json: a section per step (its
+# JSON, or {"skipped": why} / {"status": ...} when it gave none), the steps' outcomes, the summary.
+# The step files (selftest/rtune_tiny/rtune/peft/roofline.json, summary.json, run.log) stay beside it.
+# The whole script stays under RUN_BUDGET_S (470 s full; 240 quick; 240 dry run): each step's limit is
+# clipped to what is left. Exit 1 if a step failed or timed out; goals not met are results, not failures.
 #
-# Env (for a dry run on a machine without a GPU: DEVICE=cpu PRESET=tiny RTUNE=path/to/fake):
-#   DEVICE (cuda:0), PRESET (llama3-8b), RTUNE (benches/gpu/bin/rtune), PYTHON (python3), OUT (runs/gpu),
-#   RUN_BUDGET_S (seconds for the whole script; the steps' limits are clipped to what is left).
+# --dry-run runs the same script end to end on a CPU: DEVICE=cpu, the CPU binary (target/release/rtune,
+# else target/debug/rtune, or $RTUNE), `selftest --device cpu` (training-step parity CPU against CPU),
+# small shapes for both benches (the bench_peft_gpu.py "tiny" widths); PEFT and the roofline run on the
+# CPU when `import torch, peft` works here, else their sections say {"skipped": "no torch"}.
+#
+# Env: DEVICE (cuda:0), PRESET (llama3-8b), RTUNE (benches/gpu/bin/rtune), PYTHON (python3),
+#   OUT (runs/gpu), RUN_BUDGET_S (seconds for the whole script).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-quick=0
-[ "${1:-}" = "--quick" ] && quick=1
+mode=full
+case "${1:-}" in
+  --quick) mode=quick ;;
+  --dry-run) mode=dry ;;
+  "") ;;
+  *) echo "usage: run.sh [--quick | --dry-run]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$PWD/runs/gpu}
 mkdir -p "$OUT"
-rm -f "$OUT"/{selftest,roofline,rtune,peft,summary}.json   # no stale result from an earlier local run
-DEVICE=${DEVICE:-cuda:0}
-PRESET=${PRESET:-llama3-8b}
-RTUNE=${RTUNE:-benches/gpu/bin/rtune}
+# no stale result from an earlier local run
+rm -f "$OUT"/{selftest,rtune_tiny,rtune,peft,roofline,summary,report}.json "$OUT/steps.tsv"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-# Full: the goal's shape. Quick: same widths, 4 layers, shorter sequence, fewer steps (explicit flags
-# override the preset, in rtune bench as in bench_peft_gpu.py).
-if [ $quick = 1 ]; then
-  SHAPE=(--preset "$PRESET" --layers 4); SEQ=1024; STEPS=3; WARMUP=1
-  T_SELF=60; T_ROOF=45; T_RTUNE=90; T_PEFT=120
-else
-  SHAPE=(--preset "$PRESET"); SEQ=2048; STEPS=10; WARMUP=3
-  T_SELF=60; T_ROOF=60; T_RTUNE=180; T_PEFT=150
-fi
-BUDGET=${RUN_BUDGET_S:-$([ $quick = 1 ] && echo 240 || echo 470)}
-RUN=(--seq "$SEQ" --batch 1 --r 16 --steps "$STEPS" --warmup "$WARMUP")
+RUN_COMMON=(--batch 1 --r 16)
+TINY=(--preset bench-small --seq 256 --steps 3 --warmup 1)
+case $mode in
+  full)
+    DEVICE=${DEVICE:-cuda:0}; PRESET=${PRESET:-llama3-8b}; RTUNE=${RTUNE:-benches/gpu/bin/rtune}
+    SHAPE=(--preset "$PRESET"); SEQ=2048; STEPS=10; WARMUP=3; BUDGET=${RUN_BUDGET_S:-470}
+    T_SELF=60; T_TINY=40; T_RTUNE=160; T_PEFT=150; T_ROOF=45 ;;
+  quick)
+    DEVICE=${DEVICE:-cuda:0}; PRESET=${PRESET:-llama3-8b}; RTUNE=${RTUNE:-benches/gpu/bin/rtune}
+    SHAPE=(--preset "$PRESET" --layers 4); SEQ=1024; STEPS=3; WARMUP=1; BUDGET=${RUN_BUDGET_S:-240}
+    T_SELF=50; T_TINY=30; T_RTUNE=70; T_PEFT=90; T_ROOF=30 ;;
+  dry)
+    DEVICE=cpu; PRESET=tiny
+    if [ -z "${RTUNE:-}" ]; then
+      RTUNE=target/release/rtune; [ -x "$RTUNE" ] || RTUNE=target/debug/rtune
+    fi
+    # bench_peft_gpu.py's "tiny" widths (rtune bench takes them as flags), 3 layers: a small 8B stand-in.
+    SHAPE=(--hidden 128 --layers 3 --heads 4 --kv-heads 2 --intermediate 384 --vocab 1024)
+    TINY=(--hidden 64 --layers 2 --heads 4 --kv-heads 2 --intermediate 96 --vocab 256 --seq 32 --steps 2 --warmup 1)
+    SEQ=128; STEPS=2; WARMUP=1; BUDGET=${RUN_BUDGET_S:-240}
+    T_SELF=120; T_TINY=30; T_RTUNE=60; T_PEFT=90; T_ROOF=60 ;;
+esac
+RUN=(--seq "$SEQ" "${RUN_COMMON[@]}" --steps "$STEPS" --warmup "$WARMUP")
 
 failed=0
-summary=()
-# step NAME LIMIT_S CMD...: runs CMD under `timeout`, clipped to what is left of BUDGET; records the outcome.
+# step NAME FILE LIMIT_S CMD...: runs CMD under `timeout`, clipped to what is left of BUDGET; the
+# outcome goes to steps.tsv (name, file, status, seconds) for the report.
 step() {
-  local name=$1 limit=$2 t0=$SECONDS rc=0 how=ok left
-  shift 2
+  local name=$1 file=$2 limit=$3 t0=$SECONDS rc=0 how=ok left
+  shift 3
   left=$((BUDGET - SECONDS - 15))   # 15 s kept for the report
   if [ "$left" -lt "$limit" ]; then limit=$left; fi
-  if [ "$limit" -lt 15 ]; then
-    echo "=== $name: SKIPPED, budget spent ==="; summary+=("$name: skipped (budget)"); failed=1; return 0
+  if [ "$limit" -lt 10 ]; then
+    echo "=== $name: SKIPPED, budget spent ==="
+    printf '%s\t%s\t%s\t%s\n' "$name" "$file" "skipped: budget spent" 0 >> "$OUT/steps.tsv"
+    failed=1; return 0
   fi
   echo; echo "=== $name (limit ${limit}s, at ${SECONDS}s): $* ==="
   timeout -k 5 "$limit" "$@" || rc=$?
   if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then how="TIMEOUT"; elif [ $rc -ne 0 ]; then how="FAILED rc=$rc"; fi
   [ $rc -eq 0 ] || failed=1
   echo "=== $name: $how after $((SECONDS - t0))s ==="
-  summary+=("$name: $how ($((SECONDS - t0))s)")
+  printf '%s\t%s\t%s\t%s\n' "$name" "$file" "$how" $((SECONDS - t0)) >> "$OUT/steps.tsv"
+}
+# skip NAME FILE WHY: a step not run for a known reason (not a failure).
+skip() {
+  echo "=== $1: skipped: $3 ==="
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "skipped: $3" 0 >> "$OUT/steps.tsv"
 }
 
 main() {
-  echo "rtune GPU bench $(date -u +%FT%TZ), mode $([ $quick = 1 ] && echo quick || echo full)," \
+  echo "rtune GPU bench $(date -u +%FT%TZ), mode $mode, device $DEVICE," \
     "git $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  nvidia-smi || echo "nvidia-smi failed"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit,temperature.gpu \
-    --format=csv 2>/dev/null || true
+  if [ $mode != dry ]; then
+    nvidia-smi || echo "nvidia-smi failed"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit,temperature.gpu \
+      --format=csv 2>/dev/null || true
 
-  # rtune (cudarc, dynamically linked) needs libcublas/cublasLt/curand/cudart/nvrtc .so.13: take the
-  # ones torch's cu130 install brings (site-packages/nvidia/cu13/lib on that image).
-  local nvlibs
-  nvlibs=$("$PY" - <<'PY' || true
+    # rtune (cudarc, dynamically linked) needs libcublas/cublasLt/curand/cudart/nvrtc .so.13: take the
+    # ones torch's cu130 install brings (site-packages/nvidia/cu13/lib on that image).
+    local nvlibs
+    nvlibs=$("$PY" - <<'PY' || true
 import glob, os
 try:
     import nvidia
@@ -83,21 +116,27 @@ for root in nvidia.__path__:
 print(":".join(dirs))
 PY
 )
-  echo "CUDA libraries from torch's install: ${nvlibs:-none found}"
-  [ -n "$nvlibs" ] && export LD_LIBRARY_PATH="$nvlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "CUDA libraries from torch's install: ${nvlibs:-none found}"
+    [ -n "$nvlibs" ] && export LD_LIBRARY_PATH="$nvlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # bitsandbytes travels as a wheel (fetch-wheels.sh).
+    if compgen -G ".whl/*.whl" >/dev/null; then
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+  fi
 
-  # bitsandbytes travels as a wheel (fetch-wheels.sh); without it PEFT runs on a bf16 base, labelled so.
-  local peft_quant=()
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  local have_torch=0 peft_quant=()
+  if "$PY" -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"transformers", transformers.__version__, "peft", peft.__version__)'; then
+    have_torch=1
+    # Without bitsandbytes PEFT runs on a bf16 base, labelled so (on the CPU: always, bnb's CPU path is slow).
+    if [ $mode = dry ] || ! "$PY" -c 'import bitsandbytes' 2>/dev/null; then
+      [ $mode = dry ] || echo "WARNING: no bitsandbytes (run benches/gpu/fetch-wheels.sh here and carry .whl): PEFT on a bf16 base"
+      peft_quant=(--no-quant)
+    fi
+  else
+    echo "no torch/transformers/peft importable with $PY: the PEFT and roofline sections are skipped"
   fi
-  if ! "$PY" -c 'import bitsandbytes' 2>/dev/null; then
-    echo "WARNING: no bitsandbytes (run benches/gpu/fetch-wheels.sh here and carry .whl): PEFT on a bf16 base"
-    peft_quant=(--no-quant)
-  fi
-  "$PY" -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
-"transformers", transformers.__version__, "peft", peft.__version__)' || true
 
   # The binary travels xz-compressed (63 MB stripped, mostly candle's PTX; 9 MB compressed).
   if [ ! -f "$RTUNE" ] && [ -f "$RTUNE.xz" ]; then
@@ -111,28 +150,44 @@ PY
     echo "$RTUNE: $(du -h "$RTUNE" | cut -f1); unresolved libraries:"
     { ldd "$RTUNE" 2>&1 | grep -i "not found"; } || echo "  none"
   else
-    echo "NO $RTUNE: build it on the CPU machine with benches/gpu/build.sh and carry benches/gpu/bin."
-    echo "Running the Python parts only."
-    summary+=("rtune: not built (benches/gpu/build.sh)")
+    echo "NO $RTUNE: build it with benches/gpu/build.sh (dry run: cargo build) and carry benches/gpu/bin."
+    failed=1
   fi
 
+  # 1-3: rtune.
   if [ $have_rtune = 1 ]; then
-    step selftest "$T_SELF" "$RTUNE" selftest --device "$DEVICE" --json-out "$OUT/selftest.json"
+    step selftest selftest.json "$T_SELF" "$RTUNE" selftest --device "$DEVICE" --json-out "$OUT/selftest.json"
+    step "rtune bench tiny" rtune_tiny.json "$T_TINY" "$RTUNE" bench --device "$DEVICE" "${TINY[@]}" \
+      --dtype bf16 --quantize nf4 --gradient-checkpointing --json-out "$OUT/rtune_tiny.json"
+    step "rtune bench" rtune.json "$T_RTUNE" "$RTUNE" bench --device "$DEVICE" "${SHAPE[@]}" --dtype bf16 \
+      --quantize nf4 "${RUN[@]}" --gradient-checkpointing --json-out "$OUT/rtune.json"
+  else
+    skip selftest selftest.json "no rtune binary"
+    skip "rtune bench tiny" rtune_tiny.json "no rtune binary"
+    skip "rtune bench" rtune.json "no rtune binary"
   fi
-  local small=()
-  [ "$DEVICE" = cpu ] && small=(--small --reps 3)
-  step roofline "$T_ROOF" "$PY" benches/gpu/gpu_roofline.py --device "$DEVICE" "${small[@]}" --json-out "$OUT/roofline.json"
-  if [ $have_rtune = 1 ]; then
-    step "rtune bench" "$T_RTUNE" "$RTUNE" bench --device "$DEVICE" "${SHAPE[@]}" --dtype bf16 --quantize nf4 \
-      "${RUN[@]}" --gradient-checkpointing --json-out "$OUT/rtune.json"
+  # 4-5: PEFT + bitsandbytes, the roofline.
+  if [ $have_torch = 1 ]; then
+    local threads=() small=()
+    [ $mode = dry ] && threads=(--threads 2) && small=(--small --reps 3)
+    local peft_shape=("${SHAPE[@]}")
+    [ $mode = dry ] && peft_shape=(--preset tiny --layers 3)
+    step "peft bench" peft.json "$T_PEFT" "$PY" benches/gpu/bench_peft_gpu.py --device "$DEVICE" "${peft_shape[@]}" \
+      "${RUN[@]}" --alpha 32 "${peft_quant[@]}" "${threads[@]}" --json-out "$OUT/peft.json"
+    step roofline roofline.json "$T_ROOF" "$PY" benches/gpu/gpu_roofline.py --device "$DEVICE" "${small[@]}" \
+      --json-out "$OUT/roofline.json"
+  else
+    skip "peft bench" peft.json "no torch"
+    skip roofline roofline.json "no torch"
   fi
-  step "peft bench" "$T_PEFT" "$PY" benches/gpu/bench_peft_gpu.py --device "$DEVICE" "${SHAPE[@]}" "${RUN[@]}" \
-    --alpha 32 "${peft_quant[@]}" --json-out "$OUT/peft.json"
 
   echo
-  printf '%s\n' "${summary[@]}"
-  local rep=(--dir "$OUT" --preset "$PRESET" --seq "$SEQ" --batch 1)
-  [ $quick = 1 ] && rep+=(--quick --layers 4)
+  local rep=(--dir "$OUT" --seq "$SEQ" --batch 1 --mode "$mode" --device "$DEVICE")
+  case $mode in
+    full) rep+=(--preset "$PRESET") ;;
+    quick) rep+=(--preset "$PRESET" --quick --layers 4) ;;
+    dry) rep+=(--preset tiny --quick --layers 3) ;;
+  esac
   "$PY" benches/gpu/report.py "${rep[@]}" || failed=1
   echo "total ${SECONDS}s; files in \$OUT: $(cd "$OUT" && echo *)"
   return $failed

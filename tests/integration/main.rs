@@ -11,6 +11,7 @@
 //!   `[data]` config errors;
 //! - `scan`: `rtune data scan` finds planted secrets and personal data, nothing in clean data;
 //! - `check`: `rtune check` runs every pre-flight check and exits 1 when one fails;
+//! - `diag`: `rtune selftest` reports every check when one fails; `benches/gpu/run.sh --dry-run`;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row;
@@ -23,6 +24,7 @@ mod check;
 mod cli;
 mod common;
 mod data;
+mod diag;
 mod export;
 mod hardening;
 mod packing;

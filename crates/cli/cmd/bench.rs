@@ -89,18 +89,27 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     })?;
     let what = if o.device == "cpu" {
-        "peak RSS"
+        "RSS"
     } else {
-        "peak device memory"
+        "device memory"
     };
     println!(
-        "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), {what} {:.1} MB, {} threads, BLAS: {}",
+        "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), {} threads, BLAS: {}",
         res.tokens_per_s,
         res.step_s_median,
         res.step_s.len(),
-        res.peak_memory_bytes as f64 / 1e6,
         res.threads,
         res.blas.as_deref().unwrap_or("none (candle's gemm)")
+    );
+    println!(
+        "memory: {what} before the first step {:.1} MB, peak during the steps {:.1} MB{}",
+        res.memory_before_steps_bytes as f64 / 1e6,
+        res.peak_memory_bytes as f64 / 1e6,
+        if res.peak_reset {
+            ""
+        } else {
+            " (peak not restarted after the build: it includes it)"
+        }
     );
     if let Some(est) = res.estimated_peak_bytes {
         println!(
@@ -111,7 +120,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     if let Some(p) = a.json_out {
-        std::fs::write(&p, serde_json::to_string_pretty(&res)?)
+        let bytes = serde_json::to_vec_pretty(&res)?;
+        rtune_fsio::write_atomic(&p, &bytes, rtune_fsio::Privacy::SHARED)
             .with_context(|| format!("{}", p.display()))?;
     }
     Ok(())

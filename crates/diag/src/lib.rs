@@ -1,7 +1,7 @@
 //! The diagnostics around training, each driving the real model and trainer at a small scale:
 //! - [`check`]: `rtune check` — the pre-flight before a long run, on the real config;
 //! - [`bench`](mod@bench): `rtune bench` — training throughput and peak memory on a random model;
-//! - [`selftest`]: `rtune selftest` — the CUDA path checked against the CPU;
+//! - [`selftest`]: `rtune selftest` — the CUDA path checked against the CPU, every check reported;
 //! - [`weights`]: the random weights bench and selftest build their models from.
 //!
 //! Every verdict is a [`Check`]; every failure a [`DiagError`]. The memory model they compare the
@@ -64,9 +64,6 @@ pub enum DiagError {
         value: String,
         expected: &'static str,
     },
-    /// `rtune selftest` compares a GPU with the CPU: it was given the CPU.
-    #[error("rtune selftest checks the CUDA path against the CPU; `{device}` is the CPU")]
-    NotAGpu { device: String },
     /// A kernel of `rtune_kernels` (launch, module load, self-test) failed.
     #[cfg(feature = "cuda")]
     #[error("{op}: {source}")]
@@ -95,7 +92,7 @@ impl DiagError {
     pub fn is_input_error(&self) -> bool {
         match self {
             DiagError::Train(t) => t.is_input_error(),
-            DiagError::BadOption { .. } | DiagError::NotAGpu { .. } => true,
+            DiagError::BadOption { .. } => true,
             #[cfg(feature = "cuda")]
             DiagError::Kernel { .. } | DiagError::Driver { .. } | DiagError::Quant { .. } => false,
         }

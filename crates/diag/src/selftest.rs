@@ -1,15 +1,24 @@
 //! `rtune selftest --device cuda:N`: everything the CUDA path computes, checked against the CPU on
 //! fresh random inputs, in one call (what `benches/gpu/run.sh` runs first on a GPU machine):
 //!
-//! 1. every fused kernel against its plain-Rust reference (`rtune_kernels::fused::self_test`);
-//! 2. NF4 / NF4 double-quant dequantization on the GPU against the CPU's, bit for bit, and its
-//!    bandwidth against the card's device-to-device copy;
+//! 1. every fused kernel against its plain-Rust reference, on aligned, odd and offset shapes
+//!    (`rtune_kernels::fused_check::self_test_seeded`), one check per op pair, shape and type;
+//! 2. NF4 / NF4 double-quant dequantization on the GPU against the CPU's, bit for bit, on the
+//!    Llama-8B MLP shape and an odd element count, and its bandwidth against the card's
+//!    device-to-device copy;
 //! 3. whole training steps (forward + backward, checkpointing on and off) of a small random Llama
 //!    on the device against the same step on the CPU: loss and every LoRA gradient, in f32, bf16
 //!    and bf16 with an NF4 base.
 //!
-//! Step 3 is device-generic and also runs CPU-against-CPU in the unit tests, so the harness itself
-//! is tested where there is no GPU.
+//! Step 3 is device-generic: `--device cpu` (and a CPU-only build) runs it CPU against CPU, which
+//! tests the harness itself where there is no GPU.
+//!
+//! Every check runs through [`Runner::attempt`]: an error or a panic inside one becomes that
+//! check's FAIL with its text and the next check still runs; the caller is told after each check
+//! (`rtune selftest` prints its line and rewrites the JSON report then). One seed, printed and
+//! recorded, draws every random input; given again (`--seed`) it reproduces the run's inputs.
+//! Test hook: [`INJECT_ENV`] (`RTUNE_SELFTEST_INJECT_FAIL=<text>`) makes every check whose name
+//! contains `<text>` fail with an injected error before it runs (tests/integration/diag.rs).
 
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
@@ -20,14 +29,79 @@ use rtune_model::{Grads, Inputs, LoraCtx, Model, ModelError, Quantize};
 use crate::weights::{Draw, RandomWeights};
 use crate::{Check, DiagError};
 
+/// The test hook's variable: checks whose name contains its value fail with an injected error.
+pub const INJECT_ENV: &str = "RTUNE_SELFTEST_INJECT_FAIL";
+
 #[derive(Debug, Clone, Serialize, Default)]
 pub struct Report {
+    /// The device checked (`cuda:N`, or `cpu` for the harness run CPU against CPU).
+    pub device: String,
+    /// The seed of every random input of the run.
+    pub seed: u64,
     pub checks: Vec<Check>,
     /// Bytes moved by the dequantize kernel per second (codes + scales read, bf16 written).
     pub nf4_dequant_gb_s: Option<f64>,
     /// Device-to-device copy, read + write.
     pub copy_gb_s: Option<f64>,
     pub nf4_vs_copy: Option<f64>,
+}
+
+/// Runs the checks one by one into a [`Report`], telling `on_check` after each.
+pub struct Runner<'a> {
+    pub(crate) report: Report,
+    inject: Option<String>,
+    on_check: &'a mut dyn FnMut(&Check, &Report),
+}
+
+impl<'a> Runner<'a> {
+    pub fn new(
+        device: &str,
+        seed: u64,
+        inject: Option<String>,
+        on_check: &'a mut dyn FnMut(&Check, &Report),
+    ) -> Self {
+        Self {
+            report: Report {
+                device: device.to_string(),
+                seed,
+                ..Report::default()
+            },
+            inject: inject.filter(|s| !s.is_empty()),
+            on_check,
+        }
+    }
+
+    /// Runs `f`, the check(s) named `name`, and records what it returns; an error or a panic
+    /// (or an injected failure, see [`INJECT_ENV`]) is recorded as `name`'s FAIL with its text.
+    pub fn attempt(&mut self, name: &str, f: impl FnOnce() -> Result<Vec<Check>, DiagError>) {
+        let injected = self.inject.as_deref().is_some_and(|i| name.contains(i));
+        let result = if injected {
+            Err(format!("injected failure ({INJECT_ENV})"))
+        } else {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                Ok(Ok(checks)) if checks.is_empty() => Err("no result".to_string()),
+                Ok(Ok(checks)) => Ok(checks),
+                Ok(Err(e)) => Err(format!("error: {e}")),
+                Err(p) => Err(format!(
+                    "panicked: {}",
+                    p.downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| p.downcast_ref::<&str>().copied())
+                        .unwrap_or("(no message)")
+                )),
+            }
+        };
+        let checks = result.unwrap_or_else(|e| vec![Check::new(name, false, e)]);
+        for c in checks {
+            self.report.checks.push(c);
+            let last = self.report.checks.last().expect("pushed");
+            (self.on_check)(last, &self.report);
+        }
+    }
+
+    pub fn finish(self) -> Report {
+        self.report
+    }
 }
 
 fn cerr(op: &str) -> impl FnOnce(candle_core::Error) -> DiagError + '_ {
@@ -51,6 +125,7 @@ fn parity_config() -> rtune_model::ModelConfig {
 /// One forward + backward on `dev`: the summed loss and the LoRA gradients (f32, on the CPU).
 fn step(
     dev: &Device,
+    seed: u64,
     dtype: DType,
     quantize: Quantize,
     checkpoint: bool,
@@ -59,17 +134,17 @@ fn step(
     let (b, t) = (2usize, 96usize);
     let cfg = parity_config();
     let vocab = cfg.vocab_size as u64;
-    let src = RandomWeights::new(dev, dtype, quantize, Draw::Seeded);
+    let src = RandomWeights::new(dev, dtype, quantize, Draw::Seeded(seed));
     let mut model = Model::build_with(cfg, &src, dtype, dev, quantize)?;
     model.offload_checkpoints = offload;
     let spec = LoraSpec::new(8, 16.0, 0.0, false, &["all-linear".to_string()])?;
     // B is zero at init, which would leave every A gradient zero: give B values too.
-    let init = Adapter::init(spec.clone(), &model.lora_modules(&spec), 7, &Device::Cpu)?;
+    let init = Adapter::init(spec.clone(), &model.lora_modules(&spec), seed, &Device::Cpu)?;
     let mut pairs = Vec::with_capacity(init.pairs.len());
     for (i, p) in init.pairs.iter().enumerate() {
         let n = p.b.elem_count();
         let bv = Tensor::from_vec(
-            RandomWeights::seeded_values(&format!("lora_b.{i}"), n),
+            RandomWeights::seeded_values(seed, &format!("lora_b.{i}"), n),
             p.b.shape(),
             &Device::Cpu,
         )
@@ -132,69 +207,75 @@ fn rel_err(x: &[Tensor], y: &[Tensor]) -> Result<f64, DiagError> {
 }
 
 /// Training-step parity of `dev` against the CPU, in f32, bf16 and bf16 over NF4, with and
-/// without checkpointing (and, in 16 bits, with the checkpoints offloaded to host memory).
+/// without checkpointing (and, in 16 bits, with the checkpoints offloaded to host memory): one
+/// check each, through `runner`.
 /// Tolerances: f32 1e-4 (cuBLAS and the fused kernels sum in other orders than the CPU: ~1e-6 per
 /// op, grown through two layers and the loss); bf16 3e-2 (activations are rounded to 8 bits of
 /// mantissa, 4e-3 each, at places that differ between the two backends).
-pub fn step_parity(dev: &Device) -> Result<Vec<Check>, DiagError> {
+pub fn step_parity(dev: &Device, runner: &mut Runner) {
+    let seed = runner.report.seed;
     let nf4 = Quantize::Nf4 { double_quant: true };
     let cases = [
         ("f32", DType::F32, Quantize::None, 1e-4),
         ("bf16", DType::BF16, Quantize::None, 3e-2),
         ("bf16 + nf4-dq", DType::BF16, nf4, 3e-2),
     ];
-    let mut checks = Vec::new();
     for (label, dtype, q, tol) in cases {
         // (checkpointing, offloading the kept inputs to host memory)
         for (ckpt, offload) in [(false, false), (true, false), (true, true)] {
             if offload && dtype == DType::F32 {
                 continue;
             }
-            let (l_ref, g_ref) = step(&Device::Cpu, dtype, q, ckpt, false)?;
-            let (l_dev, g_dev) = step(dev, dtype, q, ckpt, offload)?;
-            let loss_err = (l_dev - l_ref).abs() / l_ref.abs().max(f64::MIN_POSITIVE);
-            let grad_err = rel_err(&g_dev, &g_ref)?;
-            let err = loss_err.max(grad_err);
             let ck = match (ckpt, offload) {
                 (true, true) => ", checkpoints offloaded",
                 (true, false) => ", checkpointing",
                 _ => "",
             };
-            checks.push(Check::measured(
-                format!("train step {label}{ck}: loss and LoRA grads vs CPU"),
-                err,
-                err <= tol && !g_dev.is_empty(),
-            ));
+            let name = format!("train step {label}{ck}: loss and LoRA grads vs CPU");
+            runner.attempt(&name.clone(), || {
+                let (l_ref, g_ref) = step(&Device::Cpu, seed, dtype, q, ckpt, false)?;
+                let (l_dev, g_dev) = step(dev, seed, dtype, q, ckpt, offload)?;
+                let loss_err = (l_dev - l_ref).abs() / l_ref.abs().max(f64::MIN_POSITIVE);
+                let err = loss_err.max(rel_err(&g_dev, &g_ref)?);
+                Ok(vec![Check::measured(
+                    name,
+                    err,
+                    err <= tol && !g_dev.is_empty(),
+                )])
+            });
         }
     }
-    Ok(checks)
 }
 
-/// Runs every check on `device` (`cuda:N`).
-pub fn run(device: &str) -> Result<Report, DiagError> {
+/// A seed from the clock (nanoseconds since the epoch), for a run not given one.
+pub fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Runs every check on `device` (`cuda:N`; `cpu`: the parity loop CPU against CPU, the harness
+/// only) under `seed`, telling `on_check` after each; checks named in `inject` fail (see
+/// [`INJECT_ENV`]). Errors only when the device cannot be opened: every check's own error is its
+/// FAIL in the report.
+pub fn run(
+    device: &str,
+    seed: u64,
+    inject: Option<String>,
+    on_check: &mut dyn FnMut(&Check, &Report),
+) -> Result<Report, DiagError> {
     let d = rtune_config::parse_device(device).map_err(|_| DiagError::BadOption {
         command: "selftest",
         option: "--device",
         value: device.to_string(),
-        expected: "cuda, cuda:N",
+        expected: "cpu, cuda, cuda:N",
     })?;
     let dev = rtune_train::device(d)?;
-    if dev.is_cpu() {
-        return Err(DiagError::NotAGpu {
-            device: device.to_string(),
-        });
-    }
-    let mut report = Report::default();
+    let mut runner = Runner::new(device, seed, inject, on_check);
     #[cfg(feature = "cuda")]
-    {
-        let k = crate::selftest_cuda::kernels(&dev)?;
-        report.checks = k.checks;
-        report.nf4_dequant_gb_s = k.nf4_dequant_gb_s;
-        report.copy_gb_s = k.copy_gb_s;
-        report.nf4_vs_copy = k.nf4_dequant_gb_s.zip(k.copy_gb_s).map(|(n, c)| n / c);
-    }
-    report.checks.extend(step_parity(&dev)?);
-    Ok(report)
+    crate::selftest_cuda::kernels(&dev, &mut runner);
+    step_parity(&dev, &mut runner);
+    Ok(runner.finish())
 }
 
 #[cfg(test)]
@@ -203,8 +284,8 @@ mod tests {
 
     #[test]
     fn cpu_against_itself_is_exact_and_grads_are_nonzero() -> Result<(), DiagError> {
-        let (l1, g1) = step(&Device::Cpu, DType::F32, Quantize::None, false, false)?;
-        let (l2, g2) = step(&Device::Cpu, DType::F32, Quantize::None, true, false)?;
+        let (l1, g1) = step(&Device::Cpu, 7, DType::F32, Quantize::None, false, false)?;
+        let (l2, g2) = step(&Device::Cpu, 7, DType::F32, Quantize::None, true, false)?;
         assert!(l1.is_finite() && l1 > 0.0);
         assert_eq!(g1.len(), 2 * 7 * 2, "A and B for 7 modules × 2 layers");
         // Checkpointing recomputes the same ops: equal to f32 rounding.
@@ -222,20 +303,76 @@ mod tests {
         Ok(())
     }
 
-    /// The whole parity loop, CPU against CPU: every case runs, and equal computations pass.
+    /// The whole parity loop, CPU against CPU: every case runs, equal computations pass, and
+    /// the caller is told after each check with the report so far.
     #[test]
-    fn step_parity_runs_every_case() -> Result<(), DiagError> {
-        let checks = step_parity(&Device::Cpu)?;
-        assert_eq!(checks.len(), 2 + 3 + 3);
-        for c in &checks {
+    fn step_parity_runs_every_case() {
+        let mut seen = Vec::new();
+        let mut on_check = |c: &Check, r: &Report| seen.push((c.name.clone(), r.checks.len()));
+        let mut runner = Runner::new("cpu", 3, None, &mut on_check);
+        step_parity(&Device::Cpu, &mut runner);
+        let r = runner.finish();
+        assert_eq!(r.checks.len(), 2 + 3 + 3);
+        for c in &r.checks {
             assert!(c.pass && c.max_rel_err == Some(0.0), "{c:?}");
         }
+        assert_eq!(
+            seen.iter().map(|s| s.1).collect::<Vec<_>>(),
+            (1..=8).collect::<Vec<_>>()
+        );
+    }
+
+    /// An error, a panic and an injected failure each become their own check's FAIL with the
+    /// text; the checks around them still run and pass.
+    #[test]
+    fn a_failing_check_is_recorded_and_the_rest_run() {
+        let mut on_check = |_: &Check, _: &Report| {};
+        let mut runner = Runner::new("cpu", 0, Some("poisoned".into()), &mut on_check);
+        let ok = |n: &str| Ok(vec![Check::new(n, true, "fine".into())]);
+        runner.attempt("first", || ok("first"));
+        runner.attempt("errs", || {
+            Err(DiagError::BadOption {
+                command: "selftest",
+                option: "--x",
+                value: "y".into(),
+                expected: "z",
+            })
+        });
+        runner.attempt("panics", || panic!("boom"));
+        runner.attempt("a poisoned check", || ok("a poisoned check"));
+        runner.attempt("last", || ok("last"));
+        let r = runner.finish();
+        let got: Vec<(&str, bool)> = r.checks.iter().map(|c| (c.name.as_str(), c.pass)).collect();
+        assert_eq!(
+            got,
+            [
+                ("first", true),
+                ("errs", false),
+                ("panics", false),
+                ("a poisoned check", false),
+                ("last", true)
+            ]
+        );
+        assert!(r.checks[1]
+            .detail
+            .starts_with("error: rtune selftest: --x y"));
+        assert_eq!(r.checks[2].detail, "panicked: boom");
+        assert!(r.checks[3].detail.contains(INJECT_ENV));
+    }
+
+    /// The seed reaches the inputs: another seed, another loss.
+    #[test]
+    fn the_seed_draws_the_inputs() -> Result<(), DiagError> {
+        let (a, _) = step(&Device::Cpu, 1, DType::F32, Quantize::None, false, false)?;
+        let (b, _) = step(&Device::Cpu, 1, DType::F32, Quantize::None, false, false)?;
+        let (c, _) = step(&Device::Cpu, 2, DType::F32, Quantize::None, false, false)?;
+        assert!(a == b && a != c, "{a} {b} {c}");
         Ok(())
     }
 
     #[test]
     fn rel_err_sees_a_wrong_gradient() -> Result<(), DiagError> {
-        let (_, g) = step(&Device::Cpu, DType::F32, Quantize::None, false, false)?;
+        let (_, g) = step(&Device::Cpu, 7, DType::F32, Quantize::None, false, false)?;
         let mut bad = g.clone();
         bad[3] = (&bad[3] * 1.01).map_err(cerr("scale"))?;
         assert!(rel_err(&bad, &g)? > 1e-4);

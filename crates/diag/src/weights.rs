@@ -1,8 +1,16 @@
 //! Random weights for the diagnostics' models: no checkpoint on disk, any shape. Two draws:
 //! - [`Draw::Normal`]: N(0, 0.02²) drawn on the device (norm weights 1), as transformers
-//!   initialises a Llama — fast at 8B scale, different every run: `rtune bench`;
-//! - [`Draw::Seeded`]: uniform values from a ChaCha stream seeded by the tensor's name (norm
-//!   weights 1 ± 0.1), the same on every device: `rtune selftest`'s GPU-vs-CPU parity.
+//!   initialises a Llama — fast at 8B scale, different every run: `rtune bench`. Drawn in the
+//!   final dtype: where the device cannot draw it directly (candle's CUDA `randn` is f32/f64 only)
+//!   it is drawn in f32 slices of at most [`CHUNK`] elements, each rounded and copied into the
+//!   result, so no full-size f32 copy of a weight ever exists (lm_head of Llama 3 8B: 2.1 GB);
+//! - [`Draw::Seeded`]: uniform values from a ChaCha stream seeded by the run's seed and the
+//!   tensor's name (norm weights 1 ± 0.1), the same on every device: `rtune selftest`'s
+//!   GPU-vs-CPU parity.
+//!
+//! The embedding table is made in host memory whatever the device: the model keeps an untied
+//! table on the host on a GPU (it is only gathered from), so it never visits the device. Both
+//! diagnostics build untied models (`bench::model_config`).
 //!
 //! With a 4-bit [`Quantize`], a normal draw serves its linear layers pre-quantized from one tile
 //! (see its [`TensorSource::quantized`]); a seeded draw lets the model quantize its stored values, as
@@ -20,8 +28,15 @@ use rtune_quant::Nf4Weight;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Draw {
     Normal,
-    Seeded,
+    /// Seeded by this value and each tensor's name.
+    Seeded(u64),
 }
+
+/// The most f32 elements a normal draw holds at once before rounding to the final dtype (64 MB).
+pub const CHUNK: usize = 1 << 24;
+
+/// The table the model only gathers from: made on the host.
+const EMBED: &str = "model.embed_tokens.weight";
 
 /// A [`TensorSource`] of random weights in `dtype` on `dev`.
 pub struct RandomWeights {
@@ -44,12 +59,17 @@ impl RandomWeights {
         }
     }
 
-    /// `n` values of the seeded draw for `name` (FNV-1a of the name seeds the stream).
-    pub fn seeded_values(name: &str, n: usize) -> Vec<f32> {
-        let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-        });
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    /// `n` values of the seeded draw for `name` under `seed` (FNV-1a of the seed's bytes, then
+    /// the name's, seeds the stream).
+    pub fn seeded_values(seed: u64, name: &str, n: usize) -> Vec<f32> {
+        let key = seed
+            .to_le_bytes()
+            .into_iter()
+            .chain(name.bytes())
+            .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+            });
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(key);
         if name.ends_with("norm.weight") {
             return (0..n)
                 .map(|_| 1.0 + 0.1 * rng.random_range(-1.0..1.0f32))
@@ -61,22 +81,58 @@ impl RandomWeights {
     }
 }
 
+/// N(0, 0.02²) of `shape` in `dtype` on `dev`: directly where the device draws `dtype` (any on
+/// the CPU; f32/f64 on CUDA), else in f32 slices of at most [`CHUNK`] elements along dim 0, each
+/// rounded and copied into the preallocated result.
+fn normal(shape: &[usize], dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+    if dev.is_cpu() || matches!(dtype, DType::F32 | DType::F64) {
+        return Tensor::randn(0f64, 0.02, shape, dev)?.to_dtype(dtype);
+    }
+    normal_in_slices(shape, dtype, dev, CHUNK)
+}
+
+/// [`normal`]'s slice path: f32 slices of at most `chunk` elements (at least one row each).
+fn normal_in_slices(
+    shape: &[usize],
+    dtype: DType,
+    dev: &Device,
+    chunk: usize,
+) -> candle_core::Result<Tensor> {
+    let rows = shape.first().copied().unwrap_or(1);
+    let row: usize = shape.iter().skip(1).product();
+    let per = (chunk / row.max(1)).max(1);
+    let out = Tensor::zeros(shape, dtype, dev)?;
+    let mut at = 0;
+    while at < rows {
+        let n = per.min(rows - at);
+        let mut part = shape.to_vec();
+        if let Some(p) = part.first_mut() {
+            *p = n;
+        }
+        let piece = Tensor::randn(0f32, 0.02, part, dev)?.to_dtype(dtype)?;
+        out.slice_set(&piece, 0, at)?;
+        at += n;
+    }
+    Ok(out)
+}
+
 impl TensorSource for RandomWeights {
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+        let dev = if name == EMBED {
+            &Device::Cpu
+        } else {
+            &self.dev
+        };
         let t = match self.draw {
-            Draw::Seeded => {
+            Draw::Seeded(_) => {
                 return self
                     .stored(name, shape)?
                     .to_dtype(self.dtype)
-                    .and_then(|t| t.to_device(&self.dev))
+                    .and_then(|t| t.to_device(dev))
                     .map_err(|e| ModelError::candle(format!("seeded {name}"), e))
             }
-            Draw::Normal if name.ends_with("norm.weight") => {
-                Tensor::ones(shape, self.dtype, &self.dev)
-            }
-            Draw::Normal => {
-                Tensor::randn(0f32, 0.02, shape, &self.dev).and_then(|t| t.to_dtype(self.dtype))
-            }
+            Draw::Normal if name.ends_with("norm.weight") => Tensor::ones(shape, self.dtype, dev),
+            Draw::Normal => normal(shape, self.dtype, dev),
         };
         t.map_err(|e| ModelError::candle(format!("random {name}"), e))
     }
@@ -85,9 +141,9 @@ impl TensorSource for RandomWeights {
     /// [`TensorSource::tensor`].
     fn stored(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
         match self.draw {
-            Draw::Seeded => {
+            Draw::Seeded(seed) => {
                 let n = shape.iter().product();
-                Tensor::from_vec(Self::seeded_values(name, n), shape, &Device::Cpu)
+                Tensor::from_vec(Self::seeded_values(seed, name, n), shape, &Device::Cpu)
                     .map_err(|e| ModelError::candle(format!("seeded {name}"), e))
             }
             Draw::Normal => self.tensor(name, shape),
@@ -159,18 +215,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn seeded_values_depend_on_the_name_only() {
-        let a = RandomWeights::seeded_values("model.layers.0.mlp.up_proj.weight", 64);
-        assert_eq!(
+    fn seeded_values_depend_on_the_seed_and_name_only() {
+        let up0 = "model.layers.0.mlp.up_proj.weight";
+        let a = RandomWeights::seeded_values(5, up0, 64);
+        assert_eq!(a, RandomWeights::seeded_values(5, up0, 64));
+        assert_ne!(
             a,
-            RandomWeights::seeded_values("model.layers.0.mlp.up_proj.weight", 64)
+            RandomWeights::seeded_values(6, up0, 64),
+            "the seed counts"
         );
         assert_ne!(
             a,
-            RandomWeights::seeded_values("model.layers.1.mlp.up_proj.weight", 64)
+            RandomWeights::seeded_values(5, "model.layers.1.mlp.up_proj.weight", 64)
         );
         assert!(a.iter().all(|v| v.abs() <= 0.05));
-        let norm = RandomWeights::seeded_values("model.norm.weight", 64);
+        let norm = RandomWeights::seeded_values(5, "model.norm.weight", 64);
         assert!(norm.iter().all(|v| (v - 1.0).abs() <= 0.1));
     }
 
@@ -183,8 +242,34 @@ mod tests {
             (q.shape.as_slice(), q.packed.len()),
             (&[512, 4096][..], 512 * 4096 / 2)
         );
-        let seeded = RandomWeights::new(&Device::Cpu, DType::F32, nf4, Draw::Seeded);
+        let seeded = RandomWeights::new(&Device::Cpu, DType::F32, nf4, Draw::Seeded(0));
         assert!(seeded.quantized("q_proj.weight", &[8, 8])?.is_none());
+        Ok(())
+    }
+
+    /// A normal draw comes out in the asked dtype and shape with the spread it promises
+    /// (std 0.02 ± 10% over 16k values: the sample std's relative error is ~0.6% here).
+    #[test]
+    fn a_normal_draw_is_in_its_final_dtype() -> Result<(), crate::DiagError> {
+        let w = RandomWeights::new(&Device::Cpu, DType::BF16, Quantize::None, Draw::Normal);
+        let t = w.tensor("lm_head.weight", &[128, 128])?;
+        assert_eq!((t.dtype(), t.dims()), (DType::BF16, &[128, 128][..]));
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .and_then(|t| t.flatten_all()?.to_vec1())
+            .map_err(|e| ModelError::candle("test", e))?;
+        let std = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+        assert!((std - 0.02).abs() < 0.002, "std {std}");
+        Ok(())
+    }
+
+    /// The slice path (what CUDA takes for bf16) fills every row: 37 rows in slices of 4.
+    #[test]
+    fn the_slice_path_fills_every_row() -> Result<(), candle_core::Error> {
+        let t = normal_in_slices(&[37, 16], DType::BF16, &Device::Cpu, 64)?;
+        assert_eq!((t.dtype(), t.dims()), (DType::BF16, &[37, 16][..]));
+        let rows: Vec<Vec<f32>> = t.to_dtype(DType::F32)?.to_vec2()?;
+        assert!(rows.iter().all(|r| r.iter().any(|v| *v != 0.0)));
         Ok(())
     }
 }

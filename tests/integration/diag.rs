@@ -1,0 +1,125 @@
+//! The diagnostics end to end on the CPU-only build:
+//! - `rtune selftest --device cpu` with one check made to fail (the `RTUNE_SELFTEST_INJECT_FAIL`
+//!   test hook) prints every other check's line, writes the JSON with all checks and exits 1;
+//! - `benches/gpu/run.sh --dry-run` (the device script, small shapes, this binary) runs end to end
+//!   and writes `report.json` with every section.
+
+use std::process::Command;
+
+use crate::common::{root, rtune_env, stderr};
+
+const INJECTED: &str = "train step bf16 + nf4-dq, checkpointing:";
+
+#[test]
+fn selftest_reports_every_check_when_one_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("selftest.json");
+    let json_s = json.to_str().unwrap();
+    let o = rtune_env(
+        &[
+            "selftest",
+            "--device",
+            "cpu",
+            "--seed",
+            "42",
+            "--json-out",
+            json_s,
+        ],
+        &[("RTUNE_SELFTEST_INJECT_FAIL", INJECTED)],
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(o.status.code(), Some(1), "{out}\n{}", stderr(&o));
+    assert!(out.contains("seed 42"), "the seed is printed: {out}");
+    // f32 (2 cases) + bf16 (3) + bf16 over NF4 (3): the 7 others pass, the injected one fails.
+    let lines: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("PASS") || l.starts_with("FAIL"))
+        .collect();
+    assert_eq!(lines.len(), 8, "{out}");
+    let failed: Vec<&&str> = lines.iter().filter(|l| l.starts_with("FAIL")).collect();
+    assert_eq!(failed.len(), 1, "{out}");
+    assert!(failed[0].contains(INJECTED) && failed[0].contains("injected failure"));
+    assert!(
+        stderr(&o).contains("1 of 8 checks failed"),
+        "{}",
+        stderr(&o)
+    );
+
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(r["seed"], 42);
+    let checks = r["checks"].as_array().unwrap();
+    assert_eq!(checks.len(), 8);
+    let fails: Vec<&str> = checks
+        .iter()
+        .filter(|c| c["pass"] == false)
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(fails.len(), 1);
+    assert!(fails[0].starts_with(INJECTED));
+    // CPU against CPU: the computations are identical.
+    assert!(checks
+        .iter()
+        .filter(|c| c["pass"] == true)
+        .all(|c| c["max_rel_err"] == 0.0));
+}
+
+#[test]
+fn gpu_script_dry_run_writes_every_section() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = Command::new("bash")
+        .arg("benches/gpu/run.sh")
+        .arg("--dry-run")
+        .current_dir(root())
+        .env("RTUNE", env!("CARGO_BIN_EXE_rtune"))
+        .env("OUT", tmp.path())
+        .output()
+        .expect("run bash");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    let report = std::fs::read(tmp.path().join("report.json")).expect("report.json");
+    let r: serde_json::Value = serde_json::from_slice(&report).unwrap();
+    assert_eq!(r["meta"]["mode"], "dry");
+    let names: Vec<&str> = r["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "selftest",
+            "rtune bench tiny",
+            "rtune bench",
+            "peft bench",
+            "roofline"
+        ],
+        "the steps, in order"
+    );
+    // rtune's three sections ran and hold their results.
+    assert_eq!(r["selftest"]["status"], "ok", "{out}");
+    assert_eq!(
+        r["selftest"]["result"]["checks"].as_array().unwrap().len(),
+        8
+    );
+    for sec in ["rtune_tiny", "rtune"] {
+        assert_eq!(r[sec]["status"], "ok", "{sec}: {out}");
+        let res = &r[sec]["result"];
+        assert!(res["tokens_per_s"].as_f64().unwrap() > 0.0, "{sec}");
+        assert!(res["peak_memory_bytes"].as_u64().unwrap() > 0, "{sec}");
+        assert!(
+            res["memory_before_steps_bytes"].as_u64().unwrap() > 0,
+            "{sec}"
+        );
+    }
+    assert_eq!(r["rtune"]["result"]["options"]["seq"], 128);
+    // PEFT and the roofline: run where torch is importable, else skipped with the reason.
+    for sec in ["peft", "roofline"] {
+        let s = &r[sec];
+        assert!(
+            s["status"] == "ok" || s["skipped"] == "no torch",
+            "{sec}: {s}"
+        );
+    }
+    assert!(r["summary"]["goals"].is_object());
+}
