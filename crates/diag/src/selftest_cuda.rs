@@ -96,6 +96,16 @@ pub fn kernels(dev: &Device, runner: &mut Runner) {
                 .collect())
         });
     }
+    // The device optimizer (multi-tensor norm, clip, AdamW) against its CPU reference, on 37
+    // odd-sized tensors (one empty, one without a gradient, one at an offset).
+    runner.attempt("kernel adamw (multi-tensor norm, clip, update)", || {
+        let results = rtune_kernels::adamw::check::self_test_seeded(&s, seed)
+            .map_err(kerr("adamw kernels self-test"))?;
+        Ok(results
+            .into_iter()
+            .map(|(name, err, pass)| Check::measured(format!("kernel {name}"), err, pass))
+            .collect())
+    });
     let k = match Nf4Kernels::load(s.context()) {
         Ok(k) => k,
         Err(e) => {

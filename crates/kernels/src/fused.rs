@@ -17,11 +17,6 @@ use crate::launch::{
 };
 use crate::{drv, Result};
 
-/// The old path of [`crate::fused_check::self_test`], for `crates/train/src/selftest_cuda.rs`
-/// (`rtune_kernels::fused::self_test`). The one import of the checks from the launchers: remove it
-/// once that caller names `rtune_kernels::fused_check::self_test`.
-pub use crate::fused_check::self_test;
-
 /// RMSNorm forward: `y = T(T(x·r)·w)`, `r = 1/sqrt(mean(x²) + eps)` per row. `x, y: (rows, dim)`,
 /// `w: (dim)`.
 #[allow(clippy::too_many_arguments)]

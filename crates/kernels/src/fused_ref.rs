@@ -400,7 +400,7 @@ pub fn compare(got: &[f32], want: &[f32], p: Precision, tol: Tolerance) -> Compa
 // Random inputs
 
 /// A small deterministic generator (SplitMix64) for the checks' inputs, so that
-/// `fused::self_test` needs no dependency beyond this crate.
+/// `fused_check::self_test` needs no dependency beyond this crate.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
 

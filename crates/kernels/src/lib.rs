@@ -19,7 +19,7 @@
 //!   its CPU reference is always compiled, the launchers and [`adamw::check`] only with `cuda`.
 //!
 //! Imports run one way: `precision` ← `fused_ref`; `precision` ← `launch` ← `fused`, `attn` ←
-//! `fused_check` (but for `fused::self_test`, an old path kept for one caller).
+//! `fused_check`.
 
 // Without `cuda` the items the overview links to do not exist; the links resolve in a cuda build.
 #![cfg_attr(not(feature = "cuda"), allow(rustdoc::broken_intra_doc_links))]
