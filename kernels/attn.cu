@@ -140,7 +140,8 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ scores, const flo
                                          float* __restrict__ p, int rows, int t, int mrows, float scale,
                                          int cached) {
     __shared__ float scratch[64];
-    extern __shared__ float cache[];  // t floats when cached, else none
+    // t floats when cached, else none; read as float4 by the vector path, so 16-byte aligned.
+    extern __shared__ __align__(16) float cache[];
     constexpr int N = Vec<T>::N;
     const float sc = round_t<T>(scale);  // candle's affine holds the scale as a T
     const bool vec = t % N == 0 && aligned16(scores) && aligned16(mask) && aligned16(p);
