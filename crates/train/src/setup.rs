@@ -364,6 +364,8 @@ mod tests {
         let want = [
             "data.format",
             "data.group_by_length",
+            // Which rows are dropped unread: decides the data like max_seq_len (new in round 4).
+            "data.max_row_bytes",
             "data.max_seq_len",
             "data.on_bad_row",
             "data.packing",
