@@ -23,7 +23,7 @@
 //! (batch row, head, chunk of query tiles), each task summing its dK/dV into its own buffer of the
 //! keys it sees, the buffers then reduced per kv head (a fixed order: the result does not depend on
 //! the thread count). The tile products are tight f32 loops (dot products over the head dim with
-//! [`LANES`] partial sums, and `y += a·x` rows) compiled for AVX-512F or AVX2 when the CPU has it;
+//! 16 (`LANES`) partial sums, and `y += a·x` rows) compiled for AVX-512F or AVX2 when the CPU has it;
 //! a `BR × Dh` query tile and a `BC × Dh` key tile stay in L1/L2 while every pair is formed.
 //!
 //! The plain path ([`crate::ops::attention_keeping`] with [`crate::fused::attn_softmax`]) stays the
@@ -39,6 +39,9 @@ use super::cpu::{exp, Elem, LANES};
 pub const BR: usize = 64;
 /// Keys per tile.
 pub const BC: usize = 64;
+/// Backward tasks to aim for (twice the cores of a 16-core machine): (batch row, head) pairs are
+/// split into chunks of query tiles until there are this many.
+const BWD_TASKS: usize = 32;
 
 /// The sizes of one call: `q: (b, h, t, dh)`, `k, v: (b, hkv, t, dh)`, `starts: (sb, t)`.
 #[derive(Debug, Clone, Copy)]
@@ -581,9 +584,10 @@ fn backward<T: Elem>(
     let [q, k, v, o, d_o] = x;
     let (t, dh) = (d.t, d.dh);
     let ntiles = t.div_ceil(BR);
-    // Enough tasks for every thread (twice over, for balance), no more: each holds a dK/dV buffer.
+    // At least BWD_TASKS tasks, no more than needed: each holds a dK/dV buffer. Fixed by the shape
+    // alone, so the summation order (and the bits) do not depend on the thread count.
     let heads = d.b * d.h;
-    let want = (2 * rayon::current_num_threads()).div_ceil(heads.max(1));
+    let want = BWD_TASKS.div_ceil(heads.max(1));
     let tiles = ntiles.div_ceil(want.clamp(1, ntiles.max(1))).max(1);
     let chunks = ntiles.div_ceil(tiles);
     let mut dq = vec![T::of(0.0); heads * t * dh];
