@@ -268,6 +268,57 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `[Σ a[0]·b, .., Σ a[3]·b]`: four [`dot`]s sharing the loads of `b` (the same sums in the same
+/// order, so the same bits as four calls).
+#[inline(always)]
+fn dot4(a: [&[f32]; 4], b: &[f32]) -> [f32; 4] {
+    let mut acc = [[0f32; LANES]; 4];
+    let (cb, rb) = b.as_chunks::<LANES>();
+    let [c0, c1, c2, c3] = a.map(|x| x.as_chunks::<LANES>().0);
+    for ((((x0, x1), x2), x3), xb) in c0.iter().zip(c1).zip(c2).zip(c3).zip(cb) {
+        for i in 0..LANES {
+            acc[0][i] += x0[i] * xb[i];
+            acc[1][i] += x1[i] * xb[i];
+            acc[2][i] += x2[i] * xb[i];
+            acc[3][i] += x3[i] * xb[i];
+        }
+    }
+    let done = cb.len() * LANES;
+    let mut out = [0f32; 4];
+    for r in 0..4 {
+        let mut tail = 0f32;
+        for (x, y) in a[r][done..].iter().zip(rb) {
+            tail += x * y;
+        }
+        out[r] = acc[r].iter().sum::<f32>() + tail;
+    }
+    out
+}
+
+/// `out[r·BC + c] = dot(a_r, b_c)` for the `a.len() / dh` rows of `a` and the `nc` rows of `b`
+/// (a tile product `A·Bᵀ`), four rows of `a` at a time.
+#[inline(always)]
+fn tile_dots(a: &[f32], b: &[f32], dh: usize, nc: usize, out: &mut [f32]) {
+    let nr = a.len() / dh;
+    let row = |r: usize| &a[r * dh..(r + 1) * dh];
+    let mut r = 0;
+    while r + 4 <= nr {
+        let rows = [row(r), row(r + 1), row(r + 2), row(r + 3)];
+        for c in 0..nc {
+            let x = dot4(rows, &b[c * dh..(c + 1) * dh]);
+            for (k, x) in x.into_iter().enumerate() {
+                out[(r + k) * BC + c] = x;
+            }
+        }
+        r += 4;
+    }
+    for r in r..nr {
+        for c in 0..nc {
+            out[r * BC + c] = dot(row(r), &b[c * dh..(c + 1) * dh]);
+        }
+    }
+}
+
 /// `y += a·x`.
 #[inline(always)]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
@@ -370,6 +421,7 @@ impl<T: Elem> Task for Fwd<'_, T> {
         let mut l = vec![0f32; nr];
         let mut acc = vec![0f32; nr * dh];
         let mut s = [0f32; BC];
+        let mut sq = vec![0f32; BR * BC];
         for h in 0..nh {
             let hk = h / d.g();
             load(&mut qt, self.q, d.at(d.h, b, h, i0), nr, dh);
@@ -382,6 +434,8 @@ impl<T: Elem> Task for Fwd<'_, T> {
                 let nc = j1 - j0;
                 load(&mut kt, self.k, d.at(d.hkv, b, hk, j0), nc, dh);
                 load(&mut vt, self.v, d.at(d.hkv, b, hk, j0), nc, dh);
+                // Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs' ends cut).
+                tile_dots(&qt, &kt, dh, nc, &mut sq);
                 for r in 0..nr {
                     let i = i0 + r;
                     // Visible keys of query i in this tile: (st[i] ..= i) ∩ (j0..j1).
@@ -390,10 +444,9 @@ impl<T: Elem> Task for Fwd<'_, T> {
                     if c0 >= c1 {
                         continue;
                     }
-                    let qr = &qt[r * dh..(r + 1) * dh];
                     let mut mt = f32::NEG_INFINITY;
                     for c in c0..c1 {
-                        let x = dot(qr, &kt[c * dh..(c + 1) * dh]) * self.scale;
+                        let x = sq[r * BC + c] * self.scale;
                         s[c] = x;
                         mt = if x > mt { x } else { mt };
                     }
@@ -509,6 +562,7 @@ impl<T: Elem> Task for Bwd<'_, T> {
         let mut ot = Vec::new();
         let mut p = [0f32; BC];
         let mut ds = [0f32; BC];
+        let (mut sq, mut sdp) = (vec![0f32; BR * BC], vec![0f32; BR * BC]);
         for n in n0..n0 + self.tiles {
             let i0 = n * BR;
             if i0 >= d.t {
@@ -538,6 +592,9 @@ impl<T: Elem> Task for Bwd<'_, T> {
                 let poff = (j0 - lo_all) * dh;
                 let pk = &mut pk[poff..poff + nc * dh];
                 let pv = &mut pv[poff..poff + nc * dh];
+                // Q·Kᵀ and dO·Vᵀ of the whole tile.
+                tile_dots(&qt, &kt, dh, nc, &mut sq);
+                tile_dots(&dot_, &vt, dh, nc, &mut sdp);
                 for r in 0..nr {
                     let i = i0 + r;
                     let (c0, c1) = (
@@ -550,9 +607,8 @@ impl<T: Elem> Task for Bwd<'_, T> {
                     let qr = &qt[r * dh..(r + 1) * dh];
                     let dor = &dot_[r * dh..(r + 1) * dh];
                     for c in c0..c1 {
-                        let kc = &kt[c * dh..(c + 1) * dh];
-                        let pc = exp(dot(qr, kc) * self.scale - lse[r]);
-                        let dp = dot(dor, &vt[c * dh..(c + 1) * dh]);
+                        let pc = exp(sq[r * BC + c] * self.scale - lse[r]);
+                        let dp = sdp[r * BC + c];
                         p[c] = pc;
                         ds[c] = pc * (dp - dd[r]) * self.scale;
                     }
