@@ -287,7 +287,7 @@ impl Model {
             sin,
             mask,
             sliding,
-            path: ops::AttnPath::for_device(&self.device)?,
+            path: ops::AttnPath::for_device(&self.device, inp.t)?,
         })
     }
 

@@ -33,7 +33,9 @@
 //! profile, bench-small with 2 layers, seq 2048, batch 1, `RTUNE_ATTN=plain` vs `tiled`):
 //! 67.2 vs 100.5 tokens/s, peak RSS 819 vs 418 MB; with gradient checkpointing 72.9 vs 88.5
 //! tokens/s, 820 vs 384 MB. Full bench-small at seq 512 (batch 4, 8 layers, before the four-row
-//! tile products): 46.0 vs 51.7 tokens/s, 1149 vs 856 MB. Hence the default on the CPU
+//! tile products): 46.0 vs 51.7 tokens/s, 1149 vs 856 MB; after them, on a less loaded box,
+//! 105.7 vs 102.8 tokens/s, 1135 vs 850 MB, and with checkpointing 62.0 vs 53.3 tokens/s, 509 vs
+//! 462 MB. Hence the default on the CPU from [`crate::ops::TILED_MIN_T`] tokens on
 //! ([`crate::ops::AttnPath::for_device`]).
 
 use candle_core::{bail, DType, Layout, Result, Storage, Tensor, WithDType};
