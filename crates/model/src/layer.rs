@@ -8,7 +8,7 @@ use candle_core::{Result, Tensor};
 
 use crate::group;
 use crate::linear::{Grads, Linear, LinearCache, LoraCtx};
-use crate::ops::{self, AttnCache, AttnShape, NormCache};
+use crate::ops::{self, AttnCache, AttnMask, AttnPath, AttnShape, NormCache};
 
 #[derive(Debug, Clone)]
 pub struct Layer {
@@ -57,14 +57,17 @@ pub struct BatchCtx {
     /// `(B, 1, T, Dh)`
     pub cos: Tensor,
     pub sin: Tensor,
-    /// `(B or 1, 1, 1, T, T)` additive f32.
-    pub mask: Tensor,
+    /// Causal (and packed-row) visibility: starts for the tiled path, the dense `(B or 1, 1, 1, T,
+    /// T)` additive f32 mask for the plain one.
+    pub mask: AttnMask,
     /// Causal and sliding-window mask, present when a window is shorter than the batch.
-    pub sliding: Option<Tensor>,
+    pub sliding: Option<AttnMask>,
+    /// The attention every layer runs ([`AttnPath::for_device`]).
+    pub path: AttnPath,
 }
 
 impl BatchCtx {
-    fn mask_for(&self, sliding: bool) -> &Tensor {
+    fn mask_for(&self, sliding: bool) -> &AttnMask {
         match (&self.sliding, sliding) {
             (Some(m), true) => m,
             _ => &self.mask,
@@ -120,7 +123,7 @@ impl Layer {
         )?;
         let [(q, cq), (k, ck), (v, cv)]: [(Tensor, LinearCache); 3] =
             qkv.try_into().expect("three members");
-        let (o_in, attn) = ops::attention(
+        let (o_in, attn) = ops::attend(
             &q,
             &k,
             &v,
@@ -128,6 +131,7 @@ impl Layer {
             &ctx.cos,
             &ctx.sin,
             ctx.mask_for(self.sliding),
+            ctx.path,
         )?;
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
         let h = (x + a)?;

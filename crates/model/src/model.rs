@@ -265,9 +265,8 @@ impl Model {
             self.dtype,
             &self.device,
         )?;
-        let mask_of = |window| match &inp.segments {
-            Some(seg) => ops::segment_mask(seg, inp.b, inp.t, window, &self.device),
-            None => ops::causal_mask(inp.t, window, &self.device),
+        let mask_of = |window| {
+            ops::AttnMask::new(inp.segments.as_deref(), inp.b, inp.t, window, &self.device)
         };
         let mask = mask_of(None)?;
         let sliding = match self.cfg.sliding_window {
@@ -280,6 +279,7 @@ impl Model {
             sin,
             mask,
             sliding,
+            path: ops::AttnPath::for_device(&self.device, inp.t)?,
         })
     }
 

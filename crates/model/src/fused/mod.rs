@@ -24,6 +24,7 @@ mod attn_softmax;
 mod ce;
 pub(crate) mod common;
 mod cpu;
+pub mod flash;
 mod norm;
 mod rope;
 mod swiglu;
@@ -32,6 +33,7 @@ mod tests;
 
 pub use attn_softmax::{attn_softmax, attn_softmax_bwd};
 pub use ce::{ce_bwd, ce_fwd};
+pub(crate) use common::contiguous;
 pub use norm::{rms_norm, rms_norm_bwd};
 pub use rope::{rope, rope_bwd};
 pub use swiglu::{swiglu, swiglu_bwd};

@@ -433,3 +433,172 @@ fn every_instruction_set_gives_the_same_bits() {
         }
     }
 }
+
+/// One shape of [`tiled_attention_matches_plain`]: `(b, t, heads, kv_heads, head_dim)`, a sliding
+/// window, packed rows (sample lengths of each row).
+struct AttnCase {
+    dims: (usize, usize, usize, usize, usize),
+    window: Option<usize>,
+    packed: Option<Vec<Vec<usize>>>,
+    what: &'static str,
+}
+
+/// `(out, dq, dk, dv)` of the model's attention ([`ops::attend`]) on `path`, inputs of dtype `dt`
+/// (rounded through bf16 first when `via_bf16`).
+fn attend_on(c: &AttnCase, dt: DType, path: ops::AttnPath, via_bf16: bool) -> [Tensor; 4] {
+    let (b, t, h, hkv, dh) = c.dims;
+    let s = ops::AttnShape {
+        b,
+        t,
+        heads: h,
+        kv_heads: hkv,
+        head_dim: dh,
+    };
+    let n = b * t;
+    let cast = |x: Tensor| {
+        let x = if via_bf16 { bf16(&x) } else { x };
+        x.to_dtype(dt).unwrap()
+    };
+    let q = cast(randn(&[n, h * dh], 70, 1.5));
+    let k = cast(randn(&[n, hkv * dh], 71, 1.5));
+    let v = cast(randn(&[n, hkv * dh], 72, 1.0));
+    let d_out = cast(randn(&[n, h * dh], 73, 1.0));
+    let (cos, sin) = tables(b, t, dh);
+    let (cos, sin) = (cast(cos), cast(sin));
+    let segs: Option<Vec<u32>> = c.packed.as_ref().map(|rows| {
+        rows.iter()
+            .flat_map(|lens| {
+                assert_eq!(lens.iter().sum::<usize>(), t);
+                lens.iter()
+                    .enumerate()
+                    .flat_map(|(i, &l)| std::iter::repeat_n(i as u32, l))
+            })
+            .collect()
+    });
+    let mask = ops::AttnMask::new(segs.as_deref(), b, t, c.window, &Device::Cpu).unwrap();
+    let (o, cache) = ops::attend(&q, &k, &v, &s, &cos, &sin, &mask, path).unwrap();
+    let (dq, dk, dv) = ops::attention_backward(&d_out, &cache, &s, &cos, &sin).unwrap();
+    [o, dq, dk, dv]
+}
+
+#[test]
+fn tiled_attention_matches_plain() {
+    // Odd T everywhere (not a multiple of the 64-query/64-key tiles), several tiles per head.
+    let cases = [
+        AttnCase {
+            dims: (2, 77, 8, 2, 16),
+            window: None,
+            packed: None,
+            what: "causal GQA 8/2",
+        },
+        AttnCase {
+            dims: (1, 130, 4, 1, 24),
+            window: None,
+            packed: None,
+            what: "causal MQA",
+        },
+        AttnCase {
+            dims: (2, 12, 4, 2, 8),
+            window: Some(5),
+            packed: None,
+            what: "sliding window 5 over 12",
+        },
+        AttnCase {
+            dims: (2, 141, 4, 2, 16),
+            window: Some(50),
+            packed: None,
+            what: "sliding window 50 over 141",
+        },
+        AttnCase {
+            dims: (2, 99, 4, 2, 16),
+            window: None,
+            packed: Some(vec![vec![30, 50, 19], vec![1, 70, 28]]),
+            what: "packed rows of 3 samples",
+        },
+        AttnCase {
+            dims: (2, 99, 4, 1, 16),
+            window: Some(20),
+            packed: Some(vec![vec![10, 60, 29], vec![65, 33, 1]]),
+            what: "packed rows of 3 samples, window 20, MQA",
+        },
+    ];
+    // f32: both paths compute in f32; the tiled one sums scores in another order, rescales by
+    // e^(m_old − m_new) and takes P = e^(s − lse) in the backward, D = rowsum(dO∘O) for
+    // Σ dP∘P: a few f32 ulps of each term, far under 1e-5 of the largest element.
+    const TOL: f32 = 1e-5;
+    for c in &cases {
+        let plain = attend_on(c, DType::F32, ops::AttnPath::Plain, false);
+        let tiled = attend_on(c, DType::F32, ops::AttnPath::Tiled, false);
+        for (name, (got, want)) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(tiled.iter().zip(&plain))
+        {
+            let e = rel_err(got, want);
+            eprintln!("{} {name}: relative error {e:.2e}", c.what);
+            assert!(
+                e <= TOL,
+                "{} {name}: relative error {e:e} > {TOL:e}",
+                c.what
+            );
+        }
+    }
+}
+
+#[test]
+fn tiled_attention_bf16_matches_plain_within_its_rounding() {
+    // bf16 inputs (and rotary tables, and the rotated q/k), f32 accumulation on the tiled path.
+    // The reference is the plain path in f32 on the same bf16-rounded inputs. The plain bf16 path
+    // rounds P to bf16 before P·V and dP, dS between its products: a few bf16 roundings (2^-8
+    // relative each) of terms as large as the result. The tiled path is held to the plain bf16
+    // path's own error against the reference plus one rounding of the largest element (2^-8: its
+    // rotated q/k are bf16 as the plain path's are, its output is rounded once), and to 2% overall.
+    const TOL: f32 = 2e-2;
+    const ONE_ROUNDING: f32 = 1.0 / 256.0;
+    for c in [
+        AttnCase {
+            dims: (2, 77, 8, 2, 16),
+            window: None,
+            packed: None,
+            what: "bf16 causal GQA 8/2",
+        },
+        AttnCase {
+            dims: (2, 99, 4, 1, 16),
+            window: Some(20),
+            packed: Some(vec![vec![10, 60, 29], vec![65, 33, 1]]),
+            what: "bf16 packed, window, MQA",
+        },
+    ] {
+        let reference = attend_on(&c, DType::F32, ops::AttnPath::Plain, true);
+        let plain = attend_on(&c, DType::BF16, ops::AttnPath::Plain, false);
+        let tiled = attend_on(&c, DType::BF16, ops::AttnPath::Tiled, false);
+        for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
+            assert_eq!(tiled[i].dtype(), DType::BF16);
+            let e = rel_err(&tiled[i], &reference[i]);
+            let e_plain = rel_err(&plain[i], &reference[i]);
+            eprintln!(
+                "{} {name}: relative error {e:.2e} (plain bf16: {e_plain:.2e})",
+                c.what
+            );
+            assert!(
+                e <= TOL && e <= e_plain + ONE_ROUNDING,
+                "{} {name}: relative error {e:e} (plain bf16 {e_plain:e})",
+                c.what
+            );
+        }
+    }
+}
+
+#[test]
+fn tiled_attention_bad_inputs_are_errors() {
+    let q = randn(&[1, 4, 10, 8], 1, 1.0);
+    let k = randn(&[1, 2, 10, 8], 2, 1.0);
+    let starts = Tensor::new(&[[0u32, 0, 0, 0, 0, 0, 0, 0, 9, 9]], &Device::Cpu).unwrap();
+    let e = fused::flash::flash_attn(&q, &k, &k, &starts, 0.3).unwrap_err();
+    assert!(format!("{e}").contains("query 8 starts at key 9"), "{e}");
+    let k3 = randn(&[1, 3, 10, 8], 2, 1.0);
+    let e = fused::flash::flash_attn(&q, &k3, &k3, &starts, 0.3).unwrap_err();
+    assert!(format!("{e}").contains("Hkv dividing H"), "{e}");
+    let short = Tensor::new(&[[0u32, 1, 2]], &Device::Cpu).unwrap();
+    let e = fused::flash::flash_attn(&q, &k, &k, &short, 0.3).unwrap_err();
+    assert!(format!("{e}").contains("`starts`"), "{e}");
+}
