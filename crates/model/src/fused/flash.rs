@@ -371,11 +371,12 @@ fn dispatch<K: Task>(k: &K, job: K::Job<'_>) {
     #[cfg(target_arch = "x86_64")]
     {
         let cpu = crate::cpu_features::get();
-        // SAFETY (both): the CPU has the feature, checked on the same line.
         if cpu.avx512f {
+            // SAFETY: the CPU has AVX-512F, checked on the line above.
             return unsafe { run_avx512(k, job) };
         }
         if cpu.avx2 {
+            // SAFETY: the CPU has AVX2, checked on the line above.
             return unsafe { run_avx2(k, job) };
         }
     }

@@ -33,7 +33,6 @@ mod tests;
 
 pub use attn_softmax::{attn_softmax, attn_softmax_bwd};
 pub use ce::{ce_bwd, ce_fwd};
-pub(crate) use common::contiguous;
 pub use norm::{rms_norm, rms_norm_bwd};
 pub use rope::{rope, rope_bwd};
 pub use swiglu::{swiglu, swiglu_bwd};
