@@ -88,6 +88,24 @@ pub(crate) enum K {
     AttnBwd,
 }
 
+/// The kernel set `load` makes for `ctx`, loaded on first use and cached in `cache` for the life of
+/// the process, keyed by the raw context (`CUcontext`, shared by every `CudaContext` of a device's
+/// primary context; an entry keeps its context alive, so a key is never reused).
+pub(crate) fn per_context<K>(
+    cache: &Mutex<Vec<(usize, Arc<K>)>>,
+    ctx: &Arc<CudaContext>,
+    load: impl FnOnce(&Arc<CudaContext>) -> Result<K>,
+) -> Result<Arc<K>> {
+    let key = ctx.cu_ctx() as usize;
+    let mut loaded = cache.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, k)) = loaded.iter().find(|(c, _)| *c == key) {
+        return Ok(k.clone());
+    }
+    let k = Arc::new(load(ctx)?);
+    loaded.push((key, k.clone()));
+    Ok(k)
+}
+
 /// Every kernel of `kernels/fused.cu` and `kernels/attn.cu`, loaded into one CUDA context.
 pub struct FusedKernels {
     /// `[kernel × 3 + type index]`, kernels as in `KERNELS`, types as [`FusedFloat::INDEX`].
@@ -124,14 +142,7 @@ impl FusedKernels {
 
     /// The kernels of `ctx`, loaded on first use and cached for the life of the process.
     pub fn get(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
-        let key = ctx.cu_ctx() as usize;
-        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, k)) = loaded.iter().find(|(c, _)| *c == key) {
-            return Ok(k.clone());
-        }
-        let k = Arc::new(Self::load(ctx)?);
-        loaded.push((key, k.clone()));
-        Ok(k)
+        crate::launch::per_context(&LOADED, ctx, Self::load)
     }
 
     pub(crate) fn f<T: FusedFloat>(&self, k: K) -> &CudaFunction {

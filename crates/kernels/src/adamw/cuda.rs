@@ -47,14 +47,7 @@ impl AdamWKernels {
 
     /// The kernels of `ctx`, loaded on first use and cached for the life of the process.
     pub fn get(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
-        let key = ctx.cu_ctx() as usize;
-        let mut loaded = LOADED.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, k)) = loaded.iter().find(|(c, _)| *c == key) {
-            return Ok(k.clone());
-        }
-        let k = Arc::new(Self::load(ctx)?);
-        loaded.push((key, k.clone()));
-        Ok(k)
+        crate::launch::per_context(&LOADED, ctx, Self::load)
     }
 }
 
