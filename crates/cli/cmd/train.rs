@@ -3,7 +3,7 @@
 
 use anyhow::Result;
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rtune_train::{Event, Outcome, RunOptions};
@@ -36,11 +36,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
     // First SIGINT/SIGTERM: finish the step, write a checkpoint, exit 0. Second: exit at once (all
-    // writes are atomic, so nothing is left half-written).
+    // writes are atomic, so nothing is left half-written). One counter for both signals, bumped with
+    // one atomic `fetch_add`: two signals landing on two threads at the same instant still count as
+    // two (a check-then-set pair of handlers lets both see "first").
     let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register_conditional_shutdown(sig, 130, Arc::clone(&stop))?;
-        signal_hook::flag::register(sig, Arc::clone(&stop))?;
+        let (stop, count) = (Arc::clone(&stop), Arc::clone(&count));
+        let on_signal = move || {
+            if count.fetch_add(1, Ordering::SeqCst) > 0 {
+                signal_hook::low_level::exit(130);
+            }
+            stop.store(true, Ordering::SeqCst);
+        };
+        // SAFETY: the handler only does async-signal-safe work: two atomic operations and
+        // `low_level::exit` (which calls `_exit`); it allocates nothing and takes no lock.
+        unsafe { signal_hook::low_level::register(sig, on_signal)? };
     }
     let every = cfg.log_every;
     let steps = cfg.steps;
