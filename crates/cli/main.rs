@@ -25,8 +25,27 @@ mod cmd {
     pub mod selftest;
     pub mod train;
 }
+#[cfg(feature = "mpi")]
+mod mpi;
 mod progress;
 mod resolve;
+
+/// The data-parallel world of this process: over MPI when built with the `mpi` feature and
+/// started by a launcher (`mpirun`, `srun`), else a single process. A build without the feature
+/// started as one of several ranks is refused: each rank would train alone into the same directory.
+fn world() -> Result<rtune_dist::World> {
+    #[cfg(feature = "mpi")]
+    return mpi::init();
+    #[cfg(not(feature = "mpi"))]
+    match rtune_dist::launched_size() {
+        Some(n) if n > 1 => anyhow::bail!(
+            "started by an MPI launcher as one of {n} ranks, but this rtune was built without the \
+             `mpi` feature; build it with `cargo build --release --features mpi` (README: Many \
+             processes and machines)"
+        ),
+        _ => Ok(rtune_dist::World::single()),
+    }
+}
 
 // Training allocates and frees the same large activation buffers every step. By default glibc
 // serves blocks above a moving threshold with mmap and hands them back to the kernel when freed,

@@ -1,5 +1,6 @@
 //! `rtune check`: the pre-flight checks (see `rtune_diag::check`), one line each; exit 1 when any
-//! fails.
+//! fails. Under `mpirun` (feature `mpi`) every rank runs them in its own scratch directory, its
+//! lines prefixed by its rank, then all take part in the all-reduce check.
 
 use anyhow::{bail, Result};
 use std::path::PathBuf;
@@ -15,28 +16,50 @@ pub struct CheckArgs {
 }
 
 pub fn run(a: CheckArgs) -> Result<()> {
+    let world = crate::world()?;
+    let result = check_as(a, &world);
+    if let (Err(e), true) = (&result, world.is_distributed()) {
+        // A rank failing before the all-reduce check would leave the others waiting in it.
+        eprintln!("error: rank {} of {}: {e:#}", world.rank, world.size);
+        world.abort(i32::from(crate::exit_code(e)));
+    }
+    result
+}
+
+fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
     let CheckArgs { config, set } = a;
+    let who = if world.is_distributed() {
+        format!("rank {}/{} ({}): ", world.rank, world.size, world.host)
+    } else {
+        String::new()
+    };
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
     let tmp = check::temp_dir();
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp)?;
     eprintln!(
-        "rtune check: {} on {} (scratch runs in {})",
+        "{who}rtune check: {} on {} (scratch runs in {})",
         config.display(),
         cfg.model_path.display(),
         tmp.display()
     );
-    let result = check::run_checks(&cfg, &tmp, &mut |c| {
+    let print = |c: &rtune_diag::Check| {
         println!(
-            "{}  {:<30} {}",
+            "{who}{}  {:<30} {}",
             if c.pass { "PASS" } else { "FAIL" },
             c.name,
             c.detail
         );
-    });
+    };
+    let result = check::run_checks(&cfg, &tmp, &mut |c| print(c));
     let _ = std::fs::remove_dir_all(&tmp);
-    let checks = result?;
+    let mut checks = result?;
+    if world.is_distributed() {
+        let c = check::all_reduce(world);
+        print(&c);
+        checks.push(c);
+    }
     let failed: Vec<&str> = checks
         .iter()
         .filter(|c| !c.pass)

@@ -3,6 +3,11 @@
 //! model's files (a GGUF or hub model is resolved first, as `rtune train` resolves it: converted or
 //! downloaded once into the cache); `--data` also tokenizes the data to size the batch the data
 //! can actually form.
+//!
+//! `--world N` (data parallelism, issue 16): each rank holds the whole frozen base, the adapter and
+//! AdamW's state (DDP replicates them) and computes `micro_batch_size` rows at a time, so a rank's
+//! peak is the single process's at the same shape plus the gradient all-reduce's two flat f32
+//! copies of the LoRA gradients (the send and the receive buffer, 8 bytes per LoRA parameter).
 
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -28,6 +33,24 @@ pub struct EstimateArgs {
     /// full-length rows where every position is a target. Tokenizes the data (cached).
     #[arg(long)]
     data: bool,
+    /// Ranks of a data-parallel run (`mpirun -np N`): the peak is per rank, and the global batch
+    /// is micro_batch_size × grad_accum × N.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    world: u64,
+}
+
+/// Breakdown name of the all-reduce buffers (a `--json` key).
+const ALL_REDUCE: &str = "all-reduce buffers (data parallel)";
+
+/// A rank's estimate: `est` plus the all-reduce's send and receive copies of the LoRA gradients.
+fn per_rank(m: &ModelConfig, s: &Settings, mut est: Estimate, world: usize) -> Estimate {
+    if world > 1 {
+        let bytes = 8 * estimate::lora_params(m, s);
+        est.peak_bytes += bytes;
+        est.step_peak_bytes += bytes;
+        est.breakdown.push((ALL_REDUCE.to_string(), bytes));
+    }
+    est
 }
 
 pub fn run(a: EstimateArgs) -> Result<()> {
@@ -55,7 +78,8 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             ),
         },
     };
-    let est = estimate::estimate(&model, &s);
+    let world = a.world as usize;
+    let est = per_rank(&model, &s, estimate::estimate(&model, &s), world);
     let fit = estimate::largest_fitting(&model, &s, budget);
     if a.json {
         let breakdown: serde_json::Map<String, serde_json::Value> = est
@@ -73,11 +97,23 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "max_seq_len": fit.max_seq_len,
             "micro_batch_size": s.micro_batch_size,
             "seq_len": s.seq_len,
+            "world": world,
+            "global_batch": s.micro_batch_size * s.grad_accum * world,
         });
         println!("{out}");
         return Ok(());
     }
     print_table(&cfg, &model, &s, &est, budget, source, &fit, a.data);
+    if world > 1 {
+        println!(
+            "world {world}: the peak above is per rank (each holds the whole model: {:.1} MB on {world} \
+             ranks in all); global batch {} × {} × {world} = {} rows a step",
+            (est.peak_bytes * world as u64) as f64 / 1e6,
+            s.micro_batch_size,
+            s.grad_accum,
+            s.micro_batch_size * s.grad_accum * world
+        );
+    }
     Ok(())
 }
 

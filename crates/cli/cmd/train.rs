@@ -1,5 +1,11 @@
 //! `rtune train --config X`: a LoRA run as the config says, with progress on stderr and the
 //! outcome on stdout. The first SIGINT/SIGTERM ends the step and writes a checkpoint.
+//!
+//! Under `mpirun` (feature `mpi`) every rank runs this; rank 0 alone prints progress and the
+//! outcome. SIGUSR1 is a stop request too there: Open MPI's `mpirun` forwards SIGUSR1/SIGUSR2 to
+//! every rank but answers SIGTERM/SIGINT by killing the job (SIGTERM to each rank after
+//! `odls_base_sigkill_timeout`, SIGKILL after as long again). An error on one rank ends the whole
+//! job (`MPI_Abort`) with the error's exit status, the line naming the rank.
 
 use anyhow::Result;
 use std::path::PathBuf;
@@ -27,6 +33,17 @@ pub struct TrainArgs {
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
+    let world = crate::world()?;
+    let result = train_as(a, &world);
+    if let (Err(e), true) = (&result, world.is_distributed()) {
+        // Other ranks may be waiting for this one in a collective: end them all.
+        eprintln!("error: rank {} of {}: {e:#}", world.rank, world.size);
+        world.abort(i32::from(crate::exit_code(e)));
+    }
+    result
+}
+
+fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
     let TrainArgs {
         config,
         set,
@@ -41,7 +58,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
     // two (a check-then-set pair of handlers lets both see "first").
     let stop = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicUsize::new(0));
-    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+    let mut signals = vec![signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM];
+    if world.is_distributed() {
+        signals.push(signal_hook::consts::SIGUSR1);
+    }
+    for sig in signals {
         let (stop, count) = (Arc::clone(&stop), Arc::clone(&count));
         let on_signal = move || {
             if count.fetch_add(1, Ordering::SeqCst) > 0 {
@@ -64,9 +85,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
         resume,
         force,
         stop: Some(&stop),
+        world: Some(world),
     };
+    let root = world.is_root();
+    if world.is_distributed() && root {
+        eprintln!(
+            "rtune: {} ranks over {}; micro-batches per step {} × {} ranks",
+            world.size,
+            world.describe(),
+            cfg.grad_accum,
+            world.size
+        );
+    }
     let bar = progress::Progress::new(steps, every);
     let outcome = rtune_train::train(&cfg, &opts, &mut |ev| match ev {
+        // Rank 0 speaks for the run.
+        _ if !root => {}
         Event::Start {
             examples,
             valid_examples,
@@ -125,6 +159,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     });
     bar.finish();
     let outcome = outcome?;
+    if !root {
+        return Ok(());
+    }
     match outcome {
         Outcome::Completed(summary) => println!(
             "done: {} steps, final loss {:.4}, {:.0} tokens/s, peak memory {:.1} MB{}, {:.1}s; adapter in {}",

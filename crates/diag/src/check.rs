@@ -7,7 +7,9 @@
 //! 5. overfitting a 4-sample subset: the loss must fall;
 //! 6. save a checkpoint, resume from it (identical adapter to an uninterrupted run), load the
 //!    adapter and generate a reply;
-//! 7. sustained throughput: the later steps are not slower than the first ones.
+//! 7. sustained throughput: the later steps are not slower than the first ones;
+//! 8. under `mpirun` (every rank runs 1-7 on its own): [`all_reduce`], a sum all-reduce of a known
+//!    buffer checked exactly, with its bandwidth and latency.
 //!
 //! Every run goes to a temporary directory; the configured output directory is never written.
 
@@ -106,6 +108,7 @@ fn run(
         resume,
         force: false,
         stop: Some(&stop),
+        world: None,
     };
     let mut steps = Vec::new();
     let outcome = train(cfg, &opts, &mut |ev| {
@@ -317,6 +320,63 @@ fn first_prompt(
 }
 
 /// A temporary directory for the check's runs.
+/// Elements of the all-reduce check's buffer (16 MiB of f32, about a 7B model's rank-16 LoRA
+/// gradients on q and v), and how many times each measurement repeats.
+const ALL_REDUCE_LEN: usize = 4 << 20;
+const ALL_REDUCE_REPS: usize = 5;
+const LATENCY_REPS: usize = 200;
+
+/// The data-parallel check: every rank fills `x[i] = (rank + 1) · (i mod 1000)` and the sum must
+/// be `W(W+1)/2 · (i mod 1000)` exactly (integers below 2^24 are exact in f32, in any order of
+/// addition). Reports the median time of a 16 MiB all-reduce as algorithm bandwidth (bytes / time)
+/// and bus bandwidth (× 2(W−1)/W, what a ring moves per rank: NCCL-tests' convention), and the
+/// latency of a one-element all-reduce. Collective: every rank calls it.
+pub fn all_reduce(world: &rtune_dist::World) -> Check {
+    let w = world.size;
+    let fill = |x: &mut Vec<f32>| {
+        x.clear();
+        x.extend((0..ALL_REDUCE_LEN).map(|i| ((world.rank + 1) * (i % 1000)) as f32));
+    };
+    let mut x = Vec::with_capacity(ALL_REDUCE_LEN);
+    let mut times = Vec::new();
+    let mut exact = true;
+    for _ in 0..ALL_REDUCE_REPS {
+        fill(&mut x);
+        let t = std::time::Instant::now();
+        world.all_reduce_sum_f32("rtune check's all-reduce", &mut x);
+        times.push(t.elapsed().as_secs_f64());
+        let total = (w * (w + 1) / 2) as f32;
+        exact &= x
+            .iter()
+            .enumerate()
+            .all(|(i, v)| *v == total * (i % 1000) as f32);
+    }
+    let mut one = [1.0f64];
+    let t = std::time::Instant::now();
+    for _ in 0..LATENCY_REPS {
+        world.all_reduce_sum_f64("rtune check's latency all-reduce", &mut one);
+    }
+    let latency = t.elapsed().as_secs_f64() / LATENCY_REPS as f64;
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let bytes = (ALL_REDUCE_LEN * 4) as f64;
+    let algbw = bytes / median / 1e9;
+    let busbw = algbw * 2.0 * (w as f64 - 1.0) / w as f64;
+    Check::new(
+        "all-reduce across ranks",
+        exact,
+        format!(
+            "{w} ranks over {}: {:.1} MiB sum {} in {:.2} ms (median of {ALL_REDUCE_REPS}): \
+             {algbw:.2} GB/s algorithm, {busbw:.2} GB/s bus; latency {:.1} µs (8 bytes)",
+            world.describe(),
+            bytes / (1 << 20) as f64,
+            if exact { "exact" } else { "WRONG" },
+            median * 1e3,
+            latency * 1e6
+        ),
+    )
+}
+
 pub fn temp_dir() -> PathBuf {
     std::env::temp_dir().join(format!("rtune-check-{}", std::process::id()))
 }

@@ -85,6 +85,9 @@ pub enum TrainError {
         dir.display()
     )]
     NoVerifiedCheckpoint { dir: PathBuf, found: usize },
+    /// The ranks of a data-parallel run do not run the same thing (config, model or data).
+    #[error(transparent)]
+    Ranks(Box<rtune_dist::Disagreement>),
     /// The optimizer state in a checkpoint does not fit the adapter it is resumed with.
     #[error("optimizer state does not match the adapter's shapes")]
     OptimizerState,
@@ -121,6 +124,7 @@ impl TrainError {
             | TrainError::DeviceOpen { .. }
             | TrainError::ResumeChanged { .. }
             | TrainError::NoVerifiedCheckpoint { .. }
+            | TrainError::Ranks(_)
             | TrainError::OptimizerState => true,
             #[cfg(feature = "cuda")]
             TrainError::Kernel { .. } => false,

@@ -44,6 +44,17 @@ pub struct RunRecord {
     pub data: Vec<FileHash>,
     pub hardware: Hardware,
     pub attempts: Vec<Attempt>,
+    /// A data-parallel run (issue 16): the world size and each rank's host and device, as of the
+    /// latest attempt. Absent for a single process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world: Option<WorldRecord>,
+}
+
+/// The ranks of a data-parallel attempt.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorldRecord {
+    pub size: usize,
+    pub ranks: Vec<crate::trainer::RankInfo>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -179,7 +190,35 @@ impl RunRecord {
                 .collect::<Result<_, _>>()?,
             hardware: hardware("cpu"),
             attempts: vec![attempt],
+            world: None,
         })
+    }
+
+    /// The record a data-parallel rank other than 0 keeps (it writes no run.json): nothing hashed.
+    pub fn placeholder(cfg: &RunConfig) -> Self {
+        Self {
+            rtune_version: env!("CARGO_PKG_VERSION").to_string(),
+            git_commit: String::new(),
+            cargo_lock_sha256: String::new(),
+            config: toml::Value::Table(Default::default()),
+            seed: cfg.seed,
+            model_path: cfg.model_path.display().to_string(),
+            model_files: Vec::new(),
+            data: Vec::new(),
+            hardware: hardware("cpu"),
+            attempts: Vec::new(),
+            world: None,
+        }
+    }
+
+    /// Records the world of this attempt (nothing for a single process).
+    pub fn set_world(&mut self, size: usize, ranks: &[crate::trainer::RankInfo]) {
+        if size > 1 {
+            self.world = Some(WorldRecord {
+                size,
+                ranks: ranks.to_vec(),
+            });
+        }
     }
 
     pub fn end(&mut self, status: &str, steps_done: usize) {

@@ -21,11 +21,14 @@
 //! Beside it: [`state`] (the counters), `attempt` (setup, the checkpoint to resume, run.json, the
 //! summary), [`output`] (every write), `metrics` and `events` (what is reported, and to whom).
 //!
-//! Data parallelism (issue 16) has two seams here: `Trainer::gradients` returns a step's complete
-//! gradients before clipping (their all-reduce goes at its end), and [`output::RunFiles`] is the
-//! only writer of the run directory (rank 0 alone writes, decided in `RunFiles::new`).
+//! Data parallelism (issue 16; see `dist`): with W ranks a step draws W × `grad_accum`
+//! micro-batches on every rank and each rank computes its share; `Trainer::gradients` ends with
+//! the all-reduce of the gradients and loss sum, before clipping; [`output::RunFiles`] is the only
+//! writer of the run directory (rank 0 alone writes, decided in `RunFiles::new`); evaluation runs
+//! on rank 0; the ranks agree on a stop request after every step.
 
 mod attempt;
+mod dist;
 mod events;
 mod metrics;
 pub mod output;
@@ -38,6 +41,7 @@ use std::time::Instant;
 
 use rtune_config::RunConfig;
 use rtune_data::{Batcher, MicroBatch, Tokenizer};
+use rtune_dist::World;
 use rtune_lora::Adapter;
 use rtune_model::{Grads, Inputs, LoraCtx, Model};
 
@@ -48,6 +52,7 @@ use crate::{evaluate, memory, TrainError};
 use output::RunFiles;
 
 pub use crate::setup::{device, dtype};
+pub use dist::RankInfo;
 pub use events::{Event, Outcome, RunOptions};
 pub use metrics::{StepMetrics, Summary};
 pub use state::RunState;
@@ -58,7 +63,8 @@ pub fn train(
     opts: &RunOptions,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Outcome, TrainError> {
-    let mut t = Trainer::setup(cfg, on_event)?;
+    let world = opts.world.cloned().unwrap_or_else(World::single);
+    let mut t = Trainer::setup_in(cfg, world, on_event)?;
     t.resume_or_fresh(opts)?;
     let record = t.begin()?;
     let result = t.run(opts.stop);
@@ -91,6 +97,10 @@ pub struct Trainer<'a> {
     state: RunState,
     /// Tests poison the loss of these steps (`RTUNE_FAULT_NAN_STEPS`, 1-based) to exercise the NaN path.
     fault_nan_steps: Vec<usize>,
+    /// The ranks of a data-parallel run (a single process otherwise), and each rank's host and
+    /// device once they agreed (run.json).
+    world: World,
+    ranks: Vec<RankInfo>,
 }
 
 impl Trainer<'_> {
@@ -102,8 +112,10 @@ impl Trainer<'_> {
     /// (adapter, AdamW's moments, data cursor, [`RunState`], metrics.jsonl cut back); otherwise
     /// makes the directory ready for a fresh run.
     pub fn resume_or_fresh(&mut self, opts: &RunOptions) -> Result<(), TrainError> {
-        self.preflight()?;
+        // Seen by every rank before rank 0 creates the directory; `agree` is also a barrier.
         let existed = self.cfg.output_dir.is_dir();
+        self.agree()?;
+        self.preflight()?;
         self.files.lock()?;
         let Some(l) = self.checkpoint_to_resume(opts, existed)? else {
             return self.files.clear_for_fresh_run(self.cfg);
@@ -129,6 +141,8 @@ impl Trainer<'_> {
                 self.evaluate()?;
             }
             let stop = stop.is_some_and(|s| s.load(Ordering::SeqCst));
+            // A signal may reach one rank only, or the ranks at different steps: all stop together.
+            let stop = self.world.any("the stop agreement", stop);
             if due(cfg.save_every) || stop {
                 self.checkpoint(stop)?;
                 if stop && step < cfg.steps {
@@ -140,17 +154,26 @@ impl Trainer<'_> {
         self.finish().map(Outcome::Completed)
     }
 
-    /// One optimizer step: `grad_accum` micro-batches forward and backward, then clipping and
-    /// AdamW (or a skipped update), then the step's metrics line.
+    /// One optimizer step: `grad_accum` micro-batches forward and backward (× the world size, each
+    /// rank computing its share), then clipping and AdamW (or a skipped update), then the step's
+    /// metrics line.
     pub fn step(&mut self) -> Result<(), TrainError> {
         let (t0, cfg, step) = (Instant::now(), self.cfg, self.state.step);
-        let micro: Vec<MicroBatch> = (0..cfg.grad_accum)
+        let (w, rank) = (self.world.size, self.world.rank);
+        let micro: Vec<MicroBatch> = (0..cfg.grad_accum * w)
             .map(|_| self.batcher.next_batch(cfg.micro_batch_size))
             .collect();
         let n_target: usize = micro.iter().map(MicroBatch::target_tokens).sum();
         let tokens: usize = micro.iter().map(|m| m.tokens).sum();
         let loss_scale = self.state.loss_scale();
-        let (grads, loss_sum) = self.gradients(micro, n_target, loss_scale)?;
+        // This rank's micro-batches k ≡ rank (mod w), with their index in the global step.
+        let mine = micro
+            .into_iter()
+            .enumerate()
+            .skip(rank)
+            .step_by(w)
+            .collect();
+        let (grads, loss_sum) = self.gradients(mine, n_target, loss_scale)?;
         let mut loss = loss_sum / n_target as f64;
         if self.fault_nan_steps.contains(&(step + 1)) {
             loss = f64::NAN;
@@ -188,21 +211,21 @@ impl Trainer<'_> {
         Ok(())
     }
 
-    /// Forward and backward over one step's micro-batches into one set of gradients (of
-    /// `loss_scale · loss`), and the sum of their losses. Each micro-batch is normalised by the
-    /// whole step's `n_target` target tokens, so accumulation equals one big batch. When this
-    /// returns the gradients are complete and nothing has read them: issue 16's all-reduce of the
-    /// gradients and the loss sum goes here, before clipping and the NaN/Inf skip decide.
+    /// Forward and backward over this rank's micro-batches of the step (`(index in the step,
+    /// batch)`) into one set of gradients (of `loss_scale · loss`), and the sum of their losses,
+    /// both summed over the ranks. Each micro-batch is normalised by the whole step's `n_target`
+    /// target tokens, so accumulation (and data parallelism) equals one big batch. The all-reduce
+    /// ends this function: clipping and the NaN/Inf skip decide on the step's whole gradients.
     fn gradients(
         &self,
-        micro: Vec<MicroBatch>,
+        micro: Vec<(usize, MicroBatch)>,
         n_target: usize,
         loss_scale: f64,
     ) -> Result<(Grads, f64), TrainError> {
         let cfg = self.cfg;
         let mut grads = Grads::new(self.adapter.pairs.len());
         let mut loss_sum = 0.0;
-        for (k, mb) in micro.into_iter().enumerate() {
+        for (k, mb) in micro {
             let lc = LoraCtx {
                 adapter: &self.adapter,
                 scaling: self.adapter.spec.scaling(),
@@ -221,13 +244,17 @@ impl Trainer<'_> {
                 self.model
                     .forward_backward(&inputs, &mb.targets, &lc, scale, ckpt, &mut grads)?;
         }
-        Ok((grads, loss_sum))
+        self.all_reduce(grads, loss_sum)
     }
 
     /// Validation loss over the held-out rows (a metrics.jsonl line), and greedy completions of
     /// the `eval_prompts` (samples.jsonl).
     pub fn evaluate(&mut self) -> Result<(), TrainError> {
         let (cfg, step) = (self.cfg, self.state.step);
+        // Rank 0 alone evaluates (the others wait at the next step's all-reduce): same numbers.
+        if !self.world.is_root() {
+            return Ok(());
+        }
         let (model, adapter, valid) = (&self.model, &self.adapter, &self.data.valid);
         let (mbs, pad_id) = (cfg.micro_batch_size, self.pad_id);
         if let Some(ev) = evaluate::validation(step, model, adapter, valid, mbs, pad_id)? {

@@ -7,6 +7,7 @@
 use std::time::Instant;
 
 use rtune_config::RunConfig;
+use rtune_dist::World;
 
 use super::output::RunFiles;
 use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
@@ -22,6 +23,16 @@ impl<'a> Trainer<'a> {
         cfg: &'a RunConfig,
         on_event: &'a mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
+        Self::setup_in(cfg, World::single(), on_event)
+    }
+
+    /// [`setup`](Self::setup) as one rank of `world` (a data-parallel run): the world size is a
+    /// setting a resume checks, and only rank 0's files are written.
+    pub fn setup_in(
+        cfg: &'a RunConfig,
+        world: World,
+        on_event: &'a mut dyn FnMut(Event),
+    ) -> Result<Self, TrainError> {
         let started = Instant::now();
         let dev = device(cfg.device)?;
         let Prepared {
@@ -30,8 +41,11 @@ impl<'a> Trainer<'a> {
             mut data,
             tok,
             pad_id,
-            settings,
+            mut settings,
         } = prepare(cfg, &dev)?;
+        if world.is_distributed() {
+            settings.insert(super::dist::WORLD_SIZE.into(), world.size.to_string());
+        }
         model.offload_checkpoints = cfg.offload_checkpoints;
         let estimated_peak_bytes = rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev);
         let opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
@@ -54,9 +68,11 @@ impl<'a> Trainer<'a> {
             settings,
             base: base_model_name(&cfg.model_path),
             estimated_peak_bytes,
-            files: RunFiles::new(cfg),
+            files: RunFiles::new(cfg, world.is_root()),
             state,
             fault_nan_steps: setup::fault_nan_steps(),
+            world,
+            ranks: Vec::new(),
         })
     }
 
@@ -84,7 +100,7 @@ impl<'a> Trainer<'a> {
                 m.in_features
             ));
         }
-        if !cfg.check_disk {
+        if !cfg.check_disk || !self.world.is_root() {
             return Ok(());
         }
         let dir = &cfg.output_dir;
@@ -164,6 +180,7 @@ impl<'a> Trainer<'a> {
             return Ok(None);
         };
         let diff = settings_diff(&l.state.settings, &self.settings);
+        let diff = super::dist::resume_diff(&l.state.settings, &self.settings, diff);
         if !diff.is_empty() && !opts.force {
             return Err(TrainError::ResumeChanged {
                 checkpoint: l.dir.clone(),
@@ -176,7 +193,13 @@ impl<'a> Trainer<'a> {
     /// Writes run.json and config.toml, opens the metrics, and reports the start.
     pub(super) fn begin(&mut self) -> Result<RunRecord, TrainError> {
         let resumed_from = (self.state.step > 0).then_some(self.state.step);
-        let record = RunRecord::begin(self.cfg, &self.files.dir, resumed_from)?;
+        let mut record = if self.world.is_root() {
+            RunRecord::begin(self.cfg, &self.files.dir, resumed_from)?
+        } else {
+            // Other ranks write nothing: no need to hash the model.
+            RunRecord::placeholder(self.cfg)
+        };
+        record.set_world(self.world.size, &self.ranks);
         if let Some(w) = self.files.open(self.cfg, &record)? {
             self.warn(w);
         }

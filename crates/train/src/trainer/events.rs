@@ -54,4 +54,6 @@ pub struct RunOptions<'a> {
     pub force: bool,
     /// Set (e.g. by a signal handler) to stop after the current step with a checkpoint.
     pub stop: Option<&'a AtomicBool>,
+    /// This process's rank in a data-parallel run (`None`: a single process).
+    pub world: Option<&'a rtune_dist::World>,
 }

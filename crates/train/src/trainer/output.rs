@@ -51,9 +51,9 @@ fn output_err(path: &Path, e: std::io::Error) -> TrainError {
 }
 
 impl RunFiles {
-    /// `cfg`'s output directory. Every process of a run writes today; issue 16 sets `writes` to
-    /// "this is rank 0" here and nowhere else.
-    pub fn new(cfg: &RunConfig) -> Self {
+    /// `cfg`'s output directory, written only when `writes` (a single process, or rank 0 of a
+    /// data-parallel run): decided here and nowhere else.
+    pub fn new(cfg: &RunConfig, writes: bool) -> Self {
         let privacy = if cfg.private {
             Privacy::PRIVATE
         } else {
@@ -62,7 +62,7 @@ impl RunFiles {
         Self {
             dir: cfg.output_dir.clone(),
             privacy,
-            writes: true,
+            writes,
             metrics: None,
             tb: None,
             lock: None,

@@ -1,0 +1,103 @@
+//! The MPI transport of data-parallel runs (feature `mpi`): [`init`] starts MPI when a launcher
+//! (`mpirun`, `srun --mpi=pmix`) started this process and returns the [`World`] over
+//! `MPI_COMM_WORLD`; [`Mpi`] implements rtune-dist's [`Collective`] with rsmpi (`MPI_Allreduce`
+//! with `MPI_SUM`, `MPI_Allgatherv`, `MPI_Bcast`, `MPI_Abort`).
+//!
+//! MPI is initialised with `MPI_THREAD_FUNNELED`: only the main thread calls MPI (rayon's and
+//! BLAS's threads never do; the watchdog thread only `_exit`s). The node-local rank is the rank in
+//! `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Dropping the last [`World`] clone finalises MPI.
+
+use std::sync::Arc;
+
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use mpi::Count;
+use rtune_dist::{Collective, World};
+
+/// MPI_COMM_WORLD, and the universe whose drop calls `MPI_Finalize`.
+pub struct Mpi {
+    world: SimpleCommunicator,
+    // Dropped after `world` (fields drop in order): the communicator handle first, then finalise.
+    _universe: Universe,
+}
+
+/// The world this process belongs to: over MPI when a launcher started it, else a single process.
+pub fn init() -> anyhow::Result<World> {
+    if rtune_dist::launched_size().is_none() {
+        return Ok(World::single());
+    }
+    let (universe, _threading) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+        .ok_or_else(|| anyhow::anyhow!("MPI was already initialised"))?;
+    let world = universe.world();
+    let (rank, size) = (world.rank() as usize, world.size() as usize);
+    let local_rank = world.split_shared(world.rank()).rank() as usize;
+    if size == 1 {
+        return Ok(World::single());
+    }
+    let comm = Mpi {
+        world,
+        _universe: universe,
+    };
+    let timeout = rtune_dist::timeout_from_env();
+    Ok(World::new(rank, size, local_rank, Arc::new(comm), timeout))
+}
+
+impl Collective for Mpi {
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) {
+        let send = buf.to_vec();
+        self.world
+            .all_reduce_into(&send[..], buf, mpi::collective::SystemOperation::sum());
+    }
+
+    fn all_reduce_sum_f64(&self, buf: &mut [f64]) {
+        let send = buf.to_vec();
+        self.world
+            .all_reduce_into(&send[..], buf, mpi::collective::SystemOperation::sum());
+    }
+
+    fn all_gather_bytes(&self, mine: &[u8]) -> Vec<Vec<u8>> {
+        let size = self.world.size() as usize;
+        let mut counts: Vec<Count> = vec![0; size];
+        self.world
+            .all_gather_into(&(mine.len() as Count), &mut counts[..]);
+        let displs: Vec<Count> = counts
+            .iter()
+            .scan(0, |acc, &n| {
+                let at = *acc;
+                *acc += n;
+                Some(at)
+            })
+            .collect();
+        let total: usize = counts.iter().map(|&n| n as usize).sum();
+        let mut all = vec![0u8; total];
+        {
+            let mut part = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+            self.world.all_gather_varcount_into(mine, &mut part);
+        }
+        counts
+            .iter()
+            .zip(&displs)
+            .map(|(&n, &at)| all[at as usize..(at + n) as usize].to_vec())
+            .collect()
+    }
+
+    fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) {
+        let root = self.world.process_at_rank(root as i32);
+        let mut len = buf.len() as u64;
+        root.broadcast_into(&mut len);
+        buf.resize(len as usize, 0);
+        root.broadcast_into(&mut buf[..]);
+    }
+
+    fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+
+    fn describe(&self) -> String {
+        let v = mpi::environment::library_version().unwrap_or_default();
+        let first = v.lines().next().unwrap_or("").trim().trim_end_matches(',');
+        format!("MPI ({first})")
+    }
+}

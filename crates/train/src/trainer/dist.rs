@@ -1,0 +1,244 @@
+//! Data parallelism in the trainer (issue 16): what the ranks of a run agree on, and the one
+//! reduction of a step.
+//!
+//! **One big batch.** Step s of a run with W ranks and accumulation A is the step of one process
+//! with accumulation W·A: every rank draws the step's W·A micro-batches from its own copy of the
+//! batcher (same rows, same order, same cursor everywhere) and computes micro-batches k ≡ rank
+//! (mod W). Since every rank sees every row of the step, the step's global target-token count —
+//! the loss's denominator — is known on every rank before the backward without any message. The
+//! dropout seed of micro-batch k is the single process's. After the backward, the gradients (one
+//! flat f32 buffer: lora_A then lora_B of each module, in adapter order) and the loss sum (f64) are
+//! summed over the ranks; clipping, the NaN/Inf skip and the f16 loss scale then decide on the same
+//! numbers on every rank, and every rank applies the same update.
+//!
+//! Bitwise: with W = 2 and A = 1 each rank holds one micro-batch's gradient and the all-reduce
+//! adds the two, which is the single process's `g0 + g1` (f32 addition commutes), so the adapter
+//! equals the single process's bit for bit. With more terms per element the sum is re-associated
+//! (`(g0 + g2) + (g1 + g3)` against `((g0 + g1) + g2) + g3`): equal up to f32 rounding.
+//!
+//! **Agreement.** At start every rank's settings (those a resume checks: the config less output
+//! and evaluation keys, the checksums of config.json and the data files) plus the model files'
+//! names and sizes must equal rank 0's; a difference is refused on every rank naming the rank and
+//! the setting. **Resume** with another world size is accepted when the global batch
+//! (micro_batch_size × grad_accum × world size) is unchanged, refused naming the numbers otherwise.
+
+use candle_core::Tensor;
+use std::collections::BTreeMap;
+
+use rtune_model::Grads;
+
+use super::Trainer;
+use crate::TrainError;
+
+/// The settings key holding the world size (only present when it is above 1, so single-process
+/// checkpoints are unchanged).
+pub const WORLD_SIZE: &str = "dist.world_size";
+
+/// One rank's host and device, for run.json.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct RankInfo {
+    pub rank: usize,
+    pub host: String,
+    pub device: String,
+}
+
+impl Trainer<'_> {
+    /// Every rank's settings and model files equal rank 0's, or the same refusal on every rank.
+    /// Also gathers each rank's host and device for run.json. Collective: every rank calls it.
+    pub(super) fn agree(&mut self) -> Result<(), TrainError> {
+        if !self.world.is_distributed() {
+            return Ok(());
+        }
+        let mut mine = self.settings.clone();
+        for p in model_files(&self.cfg.model_path) {
+            let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            mine.insert(
+                format!("model file {}", name.unwrap_or_default()),
+                format!("{bytes} bytes"),
+            );
+        }
+        rtune_dist::check_agreement(&self.world, &mine)
+            .map_err(|e| TrainError::Ranks(Box::new(e)))?;
+        let me = format!("{}\u{1f}{}", self.world.host, device_name(&self.dev));
+        self.ranks = self
+            .world
+            .all_gather("the rank list", me.as_bytes())
+            .iter()
+            .enumerate()
+            .map(|(rank, b)| {
+                let s = String::from_utf8_lossy(b);
+                let (host, device) = s.split_once('\u{1f}').unwrap_or((&s, ""));
+                RankInfo {
+                    rank,
+                    host: host.into(),
+                    device: device.into(),
+                }
+            })
+            .collect();
+        Ok(())
+    }
+
+    /// Sums this rank's gradients and loss sum over the ranks (the identity in one process).
+    pub(super) fn all_reduce(
+        &self,
+        grads: Grads,
+        loss_sum: f64,
+    ) -> Result<(Grads, f64), TrainError> {
+        if !self.world.is_distributed() {
+            return Ok((grads, loss_sum));
+        }
+        let step = self.state.step + 1;
+        let shapes: Vec<(Vec<usize>, Vec<usize>)> = self
+            .adapter
+            .pairs
+            .iter()
+            .map(|p| (p.a.dims().to_vec(), p.b.dims().to_vec()))
+            .collect();
+        let mut flat: Vec<f32> = Vec::new();
+        for (i, (sa, sb)) in shapes.iter().enumerate() {
+            for (g, shape) in [(&grads.a[i], sa), (&grads.b[i], sb)] {
+                match g {
+                    Some(t) => flat.extend(to_host(t)?),
+                    None => flat.resize(flat.len() + shape.iter().product::<usize>(), 0.0),
+                }
+            }
+        }
+        drop(grads);
+        self.world
+            .all_reduce_sum_f32(&format!("step {step}'s gradient all-reduce"), &mut flat);
+        let mut loss = [loss_sum];
+        self.world
+            .all_reduce_sum_f64(&format!("step {step}'s loss all-reduce"), &mut loss);
+        let mut out = Grads::new(shapes.len());
+        let mut at = 0;
+        for (i, (sa, sb)) in shapes.iter().enumerate() {
+            let dev = self.adapter.pairs[i].a.device();
+            for (slot, shape) in [(&mut out.a[i], sa), (&mut out.b[i], sb)] {
+                let n: usize = shape.iter().product();
+                let t = Tensor::from_slice(&flat[at..at + n], shape.as_slice(), dev)
+                    .map_err(TrainError::candle("reduced gradient to device"))?;
+                *slot = Some(t);
+                at += n;
+            }
+        }
+        Ok((out, loss[0]))
+    }
+}
+
+fn to_host(t: &Tensor) -> Result<Vec<f32>, TrainError> {
+    t.to_dtype(candle_core::DType::F32)
+        .and_then(|t| t.flatten_all())
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(TrainError::candle("gradient to host"))
+}
+
+/// The device as run.json names it (`cpu`, `cuda:0`).
+pub(super) fn device_name(dev: &candle_core::Device) -> String {
+    match dev.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// The model directory's weight, config and tokenizer files, sorted.
+fn model_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            let n = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            n.ends_with(".safetensors") || n.ends_with(".json")
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// The settings diff of a resume, with a change of world size judged by the global batch: when
+/// the checkpoint's and this run's world sizes differ, the entries for `micro_batch_size`,
+/// `grad_accum` and the world size are replaced by nothing (same global batch) or by one entry
+/// naming both products.
+pub fn resume_diff(
+    saved: &BTreeMap<String, String>,
+    now: &BTreeMap<String, String>,
+    diff: Vec<String>,
+) -> Vec<String> {
+    let num = |m: &BTreeMap<String, String>, k: &str, default: usize| {
+        m.get(k)
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(default)
+    };
+    let (w0, w1) = (num(saved, WORLD_SIZE, 1), num(now, WORLD_SIZE, 1));
+    if w0 == w1 {
+        return diff;
+    }
+    let batch = |m| {
+        let (mb, ga) = (
+            num(m, "train.micro_batch_size", 1),
+            num(m, "train.grad_accum", 1),
+        );
+        (mb, ga, mb * ga)
+    };
+    let ((m0, a0, p0), (m1, a1, p1)) = (batch(saved), batch(now));
+    let shape_keys = [
+        "train.micro_batch_size ",
+        "train.grad_accum ",
+        "dist.world_size ",
+    ];
+    let mut out: Vec<String> = diff
+        .into_iter()
+        .filter(|d| !shape_keys.iter().any(|k| d.starts_with(k)))
+        .collect();
+    if p0 * w0 != p1 * w1 {
+        out.push(format!(
+            "global batch (micro_batch_size × grad_accum × world size) was {m0} × {a0} × {w0} = {}, \
+             is now {m1} × {a1} × {w1} = {} (a different world size needs the same global batch)",
+            p0 * w0,
+            p1 * w1
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// Same world: the diff as it was. Another world, same global batch: accepted. Another global
+    /// batch: one entry naming both products.
+    #[test]
+    fn a_new_world_size_needs_the_same_global_batch() {
+        let two = m(&[
+            ("train.micro_batch_size", "2"),
+            ("train.grad_accum", "1"),
+            (WORLD_SIZE, "2"),
+        ]);
+        let one = m(&[("train.micro_batch_size", "2"), ("train.grad_accum", "2")]);
+        let diff = crate::setup::settings_diff(&two, &one);
+        assert_eq!(diff.len(), 2);
+        assert!(resume_diff(&two, &one, diff).is_empty());
+        let small = m(&[("train.micro_batch_size", "2"), ("train.grad_accum", "1")]);
+        let diff = crate::setup::settings_diff(&two, &small);
+        assert_eq!(
+            resume_diff(&two, &small, diff),
+            vec!["global batch (micro_batch_size × grad_accum × world size) was 2 × 1 × 2 = 4, is now \
+                  2 × 1 × 1 = 2 (a different world size needs the same global batch)"]
+        );
+        let same = crate::setup::settings_diff(&one, &small);
+        assert_eq!(resume_diff(&one, &small, same.clone()), same);
+    }
+}

@@ -1,0 +1,373 @@
+//! Data-parallel training under `mpirun -np 2` (issue 16), on the CPU with the tiny Llama 3:
+//! - two ranks with `grad_accum = 1` train the adapter of one process with `grad_accum = 2`, bit
+//!   for bit, with the same metrics lines, and only rank 0 writes (the run directory holds what a
+//!   single process's holds; run.json lists both ranks);
+//! - a rank whose data file differs is refused at start, naming the rank and the setting;
+//! - `kill -9` of one rank ends `mpirun` non-zero within 60 s, and `--resume` on two ranks ends
+//!   with the uninterrupted run's adapter;
+//! - SIGUSR1 to `mpirun` (which forwards it; it kills the job on SIGTERM) finishes the step,
+//!   checkpoints, exits 0, and the resumed run is again the uninterrupted one;
+//! - a rank that hangs (SIGSTOP) makes the other exit through the watchdog, naming what it waited
+//!   for.
+//!
+//! A separate test target (`required-features = ["mpi"]`): scripts/test.sh runs it with
+//! `cargo test --features mpi --test dist`. Needs `mpirun` (Open MPI; scripts/deps/openmpi.sh).
+
+#[allow(dead_code)]
+#[path = "common.rs"]
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{fixture, root, stderr};
+
+/// 4 steps (8 for the interrupted runs) over the smoke data, shuffled, with dropout: the rows of a
+/// step and the dropout masks of each micro-batch must follow the global batch exactly.
+fn config(dir: &Path, name: &str, grad_accum: usize, steps: usize, data: &Path) -> PathBuf {
+    let out = dir.join(name);
+    let text = format!(
+        r#"[model]
+path = "{model}"
+[lora]
+r = 4
+alpha = 8
+dropout = 0.1
+[data]
+train = "{data}"
+max_seq_len = 64
+shuffle = true
+[train]
+seed = 11
+steps = {steps}
+micro_batch_size = 2
+grad_accum = {grad_accum}
+lr = 5e-3
+warmup_steps = 1
+max_grad_norm = 0.5
+[output]
+dir = "{out}"
+save_every = 1
+keep_last = 2
+"#,
+        model = fixture("fixtures/tiny-llama3").display(),
+        data = data.display(),
+        out = out.display(),
+    );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn smoke() -> PathBuf {
+    fixture("fixtures/smoke.jsonl")
+}
+
+/// `mpirun` with what a root CI machine and 2 cores need (each rank keeps both cores, as the
+/// single-process reference does); ranks inherit the environment.
+fn mpirun_base() -> Command {
+    let mut c = Command::new("mpirun");
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+    ])
+    .current_dir(root())
+    .env(
+        "RTUNE_CACHE",
+        std::env::temp_dir().join(format!("rtune-dist-cache-{}", std::process::id())),
+    );
+    c
+}
+
+fn mpirun(np: usize) -> Command {
+    let mut c = mpirun_base();
+    c.args(["-np", &np.to_string()]);
+    c
+}
+
+fn train_args(cfg: &Path) -> Vec<String> {
+    let bin = env!("CARGO_BIN_EXE_rtune").to_string();
+    vec![
+        bin,
+        "train".into(),
+        "--config".into(),
+        cfg.display().to_string(),
+    ]
+}
+
+fn run(mut c: Command) -> Output {
+    c.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run mpirun")
+}
+
+fn single(cfg: &Path, extra: &[&str]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+    c.args(["train", "--config", cfg.to_str().unwrap()])
+        .args(extra)
+        .current_dir(root());
+    run(c)
+}
+
+fn two_ranks(cfg: &Path, extra: &[&str]) -> Output {
+    let mut c = mpirun(2);
+    c.args(train_args(cfg)).args(extra);
+    run(c)
+}
+
+/// metrics.jsonl without the wall-clock and memory fields, which no two runs share.
+fn metrics(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let o = v.as_object_mut().unwrap();
+            for k in [
+                "tokens_per_s",
+                "elapsed_s",
+                "peak_memory_bytes",
+                "estimated_peak_bytes",
+            ] {
+                o.remove(k);
+            }
+            v
+        })
+        .collect()
+}
+
+fn adapter(out: &Path) -> Vec<u8> {
+    std::fs::read(out.join("adapter_model.safetensors")).unwrap()
+}
+
+/// Every path under `dir`, relative, TensorBoard event files by their directory only (their names
+/// hold a time and a pid).
+fn files(dir: &Path) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+            if p.is_dir() {
+                todo.push(p);
+            } else if rel.contains("events.out.tfevents") {
+                out.insert(format!(
+                    "{}/<events>",
+                    Path::new(&rel).parent().unwrap().display()
+                ));
+            } else {
+                out.insert(rel);
+            }
+        }
+    }
+    out
+}
+
+/// One process with grad_accum 2 — the run every two-rank run here must equal.
+fn reference(dir: &Path, steps: usize) -> PathBuf {
+    let cfg = config(dir, "reference", 2, steps, &smoke());
+    let o = single(&cfg, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    dir.join("reference")
+}
+
+#[test]
+fn two_ranks_train_the_adapter_of_one_process_with_twice_the_accumulation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 4);
+    let cfg = config(tmp.path(), "dist", 1, 4, &smoke());
+    let o = two_ranks(&cfg, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(
+        said.matches("done:").count(),
+        1,
+        "rank 0 alone reports: {said}"
+    );
+    let out = tmp.path().join("dist");
+    // Bitwise: each rank holds one micro-batch's gradient, and their f32 sum is the single
+    // process's g0 + g1 (addition commutes); the loss sum likewise in f64.
+    assert!(adapter(&out) == adapter(&reference), "adapters differ");
+    assert_eq!(metrics(&out), metrics(&reference));
+    assert_eq!(metrics(&out).len(), 4);
+    // Only rank 0 wrote: the directory holds exactly what a single process's holds.
+    assert_eq!(files(&out), files(&reference));
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(record["world"]["size"], 2, "{record}");
+    let ranks = record["world"]["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    assert_eq!(
+        (ranks[1]["rank"].as_u64(), ranks[1]["device"].as_str()),
+        (Some(1), Some("cpu"))
+    );
+    assert!(record.get("world").is_some() && reference.join("run.json").exists());
+    let single_record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(reference.join("run.json")).unwrap()).unwrap();
+    assert!(
+        single_record.get("world").is_none(),
+        "a single process records no world"
+    );
+}
+
+#[test]
+fn a_rank_whose_data_differs_is_refused_at_start_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tmp.path().join("other.jsonl");
+    let mut text = std::fs::read_to_string(smoke()).unwrap();
+    text.push_str("{\"prompt\": \"Q: Extra?\\nA:\", \"completion\": \" Yes.\"}\n");
+    std::fs::write(&other, text).unwrap();
+    let a = config(tmp.path(), "same", 1, 4, &smoke());
+    let b = config(tmp.path(), "same-b", 1, 4, &other);
+    // Rank 1's config: the same run but its own data file (same output dir).
+    std::fs::write(
+        &b,
+        std::fs::read_to_string(&b)
+            .unwrap()
+            .replace("same-b", "same"),
+    )
+    .unwrap();
+    // MPMD: `mpirun -np 1 A : -np 1 B`.
+    let mut c = mpirun_base();
+    c.args(["-np", "1"]).args(train_args(&a)).arg(":");
+    c.args(["-np", "1"]).args(train_args(&b));
+    let o = run(c);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("rank 1 (of 2) does not run what rank 0 runs: data.train[0]"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("same").exists(), "nothing is written");
+}
+
+/// The pid of rank `rank` among the processes `mpirun` (pid `launcher`) started.
+fn rank_pid(launcher: u32, rank: usize) -> Option<i32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let ppid = stat
+            .rsplit(')')
+            .next()
+            .and_then(|s| s.split_whitespace().nth(1));
+        if ppid != Some(&launcher.to_string()) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+        if env.split(|&b| b == 0).any(|v| v == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+/// Starts the two-rank run of `cfg` and returns once `steps` lines are in metrics.jsonl.
+fn spawn_until_step(cfg: &Path, out: &Path, steps: usize, env: &[(&str, &str)]) -> Child {
+    let mut c = mpirun(2);
+    c.args(train_args(cfg))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let child = c.spawn().unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+        < steps
+    {
+        assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: kill(2) on a live process this test started (directly or through mpirun).
+    assert_eq!(unsafe { libc_kill(pid, sig) }, 0);
+}
+
+fn wait_timed(child: Child) -> (Output, Duration) {
+    let t0 = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    (o, t0.elapsed())
+}
+
+#[test]
+fn kill_9_of_a_rank_ends_the_job_and_resume_on_two_ranks_is_the_uninterrupted_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 8);
+    let cfg = config(tmp.path(), "killed", 1, 8, &smoke());
+    let out = tmp.path().join("killed");
+    let child = spawn_until_step(&cfg, &out, 3, &[]);
+    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
+    signal(pid, 9);
+    let (o, took) = wait_timed(child);
+    assert!(!o.status.success(), "mpirun exits non-zero");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    assert!(
+        stderr(&o).contains("rank 1"),
+        "the dead rank is named: {}",
+        stderr(&o)
+    );
+    assert!(!out.join("summary.json").exists());
+    let o = two_ranks(&cfg, &["--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(adapter(&out) == adapter(&reference), "adapters differ");
+    assert_eq!(metrics(&out), metrics(&reference));
+}
+
+#[test]
+fn sigusr1_to_mpirun_checkpoints_exits_0_and_resumes_to_the_same_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = reference(tmp.path(), 8);
+    let cfg = config(tmp.path(), "stopped", 1, 8, &smoke());
+    let out = tmp.path().join("stopped");
+    let child = spawn_until_step(&cfg, &out, 2, &[]);
+    signal(child.id() as i32, libc_sigusr1());
+    let (o, _) = wait_timed(child);
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(said.matches("stopped after step").count(), 1, "{said}");
+    assert!(!out.join("summary.json").exists());
+    let o = two_ranks(&cfg, &["--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
+    assert!(adapter(&out) == adapter(&reference), "adapters differ");
+    assert_eq!(metrics(&out), metrics(&reference));
+}
+
+fn libc_sigusr1() -> i32 {
+    10 // Linux x86-64 and aarch64.
+}
+
+#[test]
+fn a_hung_rank_ends_the_job_through_the_watchdog() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(tmp.path(), "hung", 1, 200, &smoke());
+    let out = tmp.path().join("hung");
+    let child = spawn_until_step(&cfg, &out, 2, &[("RTUNE_DIST_TIMEOUT", "3")]);
+    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
+    signal(pid, 19); // SIGSTOP: alive, but never reaches the next all-reduce.
+    let (o, took) = wait_timed(child);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    assert!(
+        err.contains("rank 0: waited") && err.contains("a rank died or hangs"),
+        "{err}"
+    );
+}
