@@ -7,7 +7,7 @@
 //! BLAS's threads never do; the watchdog thread only `_exit`s). The node-local rank is the rank in
 //! `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Dropping the last [`World`] clone finalises MPI.
 
-use std::sync::Arc;
+use std::rc::Rc;
 
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
@@ -41,7 +41,7 @@ pub fn init() -> anyhow::Result<World> {
         _universe: universe,
     };
     let timeout = rtune_dist::timeout_from_env();
-    Ok(World::new(rank, size, local_rank, Arc::new(comm), timeout))
+    Ok(World::new(rank, size, local_rank, Rc::new(comm), timeout))
 }
 
 impl Collective for Mpi {
@@ -97,7 +97,8 @@ impl Collective for Mpi {
 
     fn describe(&self) -> String {
         let v = mpi::environment::library_version().unwrap_or_default();
-        let first = v.lines().next().unwrap_or("").trim().trim_end_matches(',');
+        // "Open MPI v4.1.4, package: Debian OpenMPI, ident: ...": the name and version.
+        let first = v.split([',', '\n']).next().unwrap_or("").trim();
         format!("MPI ({first})")
     }
 }

@@ -6,7 +6,8 @@
 //! - `kill -9` of one rank ends `mpirun` non-zero within 60 s, and `--resume` on two ranks ends
 //!   with the uninterrupted run's adapter;
 //! - SIGUSR1 to `mpirun` (which forwards it; it kills the job on SIGTERM) finishes the step,
-//!   checkpoints, exits 0, and the resumed run is again the uninterrupted one;
+//!   checkpoints and exits 0; one process resumes it only with the same global batch, and then
+//!   ends with the uninterrupted run's adapter;
 //! - a rank that hangs (SIGSTOP) makes the other exit through the watchdog, naming what it waited
 //!   for.
 //!
@@ -343,7 +344,16 @@ fn sigusr1_to_mpirun_checkpoints_exits_0_and_resumes_to_the_same_adapter() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(said.matches("stopped after step").count(), 1, "{said}");
     assert!(!out.join("summary.json").exists());
-    let o = two_ranks(&cfg, &["--resume"]);
+    // One process may continue a two-rank run only with the same global batch (2 × 1 × 2 rows):
+    // grad_accum 1 is refused naming both products, grad_accum 2 continues it.
+    let o = single(&cfg, &["--resume"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("global batch (micro_batch_size × grad_accum × world size) was 2 × 1 × 2 = 4, is now 2 × 1 × 1 = 2"),
+        "{}",
+        stderr(&o)
+    );
+    let o = single(&cfg, &["--resume", "--set", "train.grad_accum=2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
     assert!(adapter(&out) == adapter(&reference), "adapters differ");

@@ -20,6 +20,7 @@ mod watchdog;
 pub use agree::{check_agreement, Disagreement};
 pub use watchdog::Watchdog;
 
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,7 +50,8 @@ pub struct World {
     pub local_rank: usize,
     /// This host's name.
     pub host: String,
-    comm: Option<Arc<dyn Collective>>,
+    // Rc: the transport stays on the thread that made it (MPI is initialised FUNNELED).
+    comm: Option<Rc<dyn Collective>>,
     watchdog: Option<Arc<Watchdog>>,
 }
 
@@ -71,7 +73,7 @@ impl World {
         rank: usize,
         size: usize,
         local_rank: usize,
-        comm: Arc<dyn Collective>,
+        comm: Rc<dyn Collective>,
         timeout: Duration,
     ) -> Self {
         Self {

@@ -34,7 +34,7 @@ impl<'a> Trainer<'a> {
         on_event: &'a mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
         let started = Instant::now();
-        let dev = device(cfg.device)?;
+        let dev = device(super::dist::rank_device(cfg.device, &world))?;
         let Prepared {
             mut model,
             adapter,

@@ -25,6 +25,7 @@
 use candle_core::Tensor;
 use std::collections::BTreeMap;
 
+use rtune_dist::World;
 use rtune_model::Grads;
 
 use super::Trainer;
@@ -131,6 +132,25 @@ fn to_host(t: &Tensor) -> Result<Vec<f32>, TrainError> {
         .and_then(|t| t.flatten_all())
         .and_then(|t| t.to_vec1::<f32>())
         .map_err(TrainError::candle("gradient to host"))
+}
+
+/// The device of this rank: a data-parallel CUDA rank takes GPU `local_rank` (its place among
+/// the ranks of its host), or GPU 0 when the launcher gave it one visible GPU
+/// (`CUDA_VISIBLE_DEVICES=3`, as Slurm's `--gpus-per-task=1` does); `cpu` and `auto` as configured.
+pub(super) fn rank_device(d: rtune_config::Device, world: &World) -> rtune_config::Device {
+    match d {
+        rtune_config::Device::Cuda(_) if world.is_distributed() => {
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES")
+                .map(|v| v.split(',').filter(|s| !s.trim().is_empty()).count())
+                .ok();
+            rtune_config::Device::Cuda(if visible == Some(1) {
+                0
+            } else {
+                world.local_rank
+            })
+        }
+        d => d,
+    }
 }
 
 /// The device as run.json names it (`cpu`, `cuda:0`).
