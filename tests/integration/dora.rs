@@ -191,12 +191,32 @@ fn check_run(out: &Path, g: &Golden) {
             .filter(|k| k.starts_with("adamw.base_model"))
             .count();
     assert_eq!(adapter.len(), n_golden);
-    let mut worst = 0f64;
+    let (mut worst, mut degenerate) = (0f64, 0);
+    let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let lr = g.meta["adamw"]["lr"].as_f64().unwrap();
     for (k, t) in &adapter {
-        let e = rel_err(t, g.get(&format!("adamw.{k}")));
-        worst = worst.max(e);
-        assert!(e <= 1e-4, "{k}: rel err {e:e}");
+        let (got, want) = (flat(t), flat(g.get(&format!("adamw.{k}"))));
+        let g0 = flat(g.get(&format!("grad.{k}")));
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        let gmax = g0.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+        for i in 0..want.len() {
+            let err = (got[i] - want[i]).abs() as f64;
+            // As parity.rs: a first gradient entry within 10× of f32 summation noise (1e-5 of its
+            // tensor's largest) has a noise sign, and AdamW's first step moves it by ±lr whatever
+            // its size; such an entry must stay within AdamW's reach, and be rare.
+            if (g0[i].abs() as f64) < 1e-5 * gmax {
+                degenerate += 1;
+                assert!(
+                    err <= 2.0 * 3.0 * lr,
+                    "{k}[{i}]: {err:e} beyond AdamW's reach"
+                );
+            } else {
+                worst = worst.max(err / scale);
+                assert!(err / scale <= 1e-4, "{k}[{i}]: rel err {:e}", err / scale);
+            }
+        }
     }
+    assert!(degenerate <= 4, "{degenerate} degenerate gradient entries");
     assert!(adapter
         .keys()
         .any(|k| k.ends_with(".lora_magnitude_vector")));
@@ -217,7 +237,7 @@ fn check_run(out: &Path, g: &Golden) {
             "loss {l} vs {w}"
         );
     }
-    eprintln!("  losses {losses:?}, adapter worst rel err {worst:e}");
+    eprintln!("  losses {losses:?}, adapter worst rel err {worst:e}, {degenerate} degenerate");
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
             .unwrap();
