@@ -12,6 +12,7 @@
 //! - `scan`: `rtune data scan` finds planted secrets and personal data, nothing in clean data;
 //! - `check`: `rtune check` runs every pre-flight check and exits 1 when one fails;
 //! - `diag`: `rtune selftest` reports every check when one fails; `benches/gpu/run.sh --dry-run`;
+//! - `dora`: DoRA / QDoRA against PEFT goldens (model and `rtune train`), bad `init_from`, exports;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row;
@@ -25,6 +26,7 @@ mod cli;
 mod common;
 mod data;
 mod diag;
+mod dora;
 mod export;
 mod hardening;
 mod packing;

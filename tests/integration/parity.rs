@@ -37,6 +37,7 @@ pub(crate) fn case_with(
 ) -> Case {
     let golden = Golden::load(&fixture(golden));
     let m = &golden.meta;
+    let dora = m["use_dora"].as_bool().unwrap_or(false);
     let targets: Vec<String> = m["target_modules"]
         .as_array()
         .unwrap()
@@ -50,7 +51,8 @@ pub(crate) fn case_with(
         m["use_rslora"].as_bool().unwrap(),
         &targets,
     )
-    .unwrap();
+    .unwrap()
+    .with_dora(dora);
     assert!((spec.scaling() - m["scaling"].as_f64().unwrap()).abs() < 1e-12);
     let mut model = Model::load_with(model_dir, dtype, &Device::Cpu, quantize).unwrap();
     let modules = model.lora_modules(&spec);
@@ -67,6 +69,15 @@ pub(crate) fn case_with(
             b: golden
                 .get(&format!("init.base_model.model.{}.lora_B.weight", md.name))
                 .clone(),
+            // DoRA goldens (tests/integration/dora.rs) carry the magnitudes.
+            m: dora.then(|| {
+                golden
+                    .get(&format!(
+                        "init.base_model.model.{}.lora_magnitude_vector",
+                        md.name
+                    ))
+                    .clone()
+            }),
         })
         .collect();
     let adapter = Adapter {

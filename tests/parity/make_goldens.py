@@ -250,6 +250,9 @@ ADAMW_NOTE = ("torch.optim.AdamW (decoupled wd; p -= lr*wd*p; m,v EMA; "
 QLORA_NOTE = ("base Linear weights (not lm_head/embeddings/norms) NF4-quantized by bitsandbytes, blocksize 64, "
               "row-major flatten of [out,in]; forward = x @ dequant(W)^T in compute dtype + LoRA")
 
+DORA_NOTE = ("DoRA (peft/tuners/lora/dora.py): n = ||W + s*B@A||_row detached, k = m/n, "
+             "y = base(x) + (k-1)*(x @ W^T) + k*s*(x @ A^T) @ B^T")
+
 SEED = 1234          # batch tokens
 LORA_SEED = 1235     # LoRA A/B draws
 B_STD = 0.05         # B ~ N(0,1)*0.05, non-zero so that dL/dA != 0
@@ -260,7 +263,9 @@ STEPS, LR = 3, 1e-3
 def adapter_key(param_name):
     # 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight'
     #  -> 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' (PEFT's saved name)
-    return param_name.replace(".default.", ".")
+    # DoRA: '....q_proj.lora_magnitude_vector.default.weight' -> '....q_proj.lora_magnitude_vector'
+    key = param_name.replace(".default.", ".")
+    return key[:-len(".weight")] if key.endswith(".lora_magnitude_vector.weight") else key
 
 
 def nf4_dequantize_by_definition():
@@ -287,8 +292,13 @@ def nf4_dequantize_by_definition():
         return values.reshape(-1)[:n].reshape(shape).to(dtype)
 
 
-def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, save_adapter=None):
-    """`model_dir` is a directory name relative to the current directory (it is recorded as is)."""
+def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, save_adapter=None,
+           dora=False, targets=LINEARS, weight_decay=0.0):
+    """`model_dir` is a directory name relative to the current directory (it is recorded as is).
+
+    `dora`: PEFT's use_dora. After A and B are drawn, each magnitude is set to PEFT's init formula
+    on them, the row norms of W + scaling*B@A (W dequantized when NF4), so the golden's m is not
+    just ||W||; the magnitudes are trained (and weight-decayed) like A and B."""
     import peft
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -321,8 +331,8 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
                     tensors["q.%s.weight.%s" % (name, field)] = t.clone()
 
     model = get_peft_model(model, LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=LINEARS, bias="none",
-        task_type="CAUSAL_LM", use_rslora=rslora, init_lora_weights=True))
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, bias="none",
+        task_type="CAUSAL_LM", use_rslora=rslora, init_lora_weights=True, use_dora=dora))
 
     # LoRA weights: one generator; modules in named_modules() order (layer 0 q,k,v,o,gate,up,down,
     # layer 1, ...); per module first A ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's kaiming bound), then B.
@@ -335,9 +345,16 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
                 bound = 1.0 / (a.shape[1] ** 0.5)
                 a.copy_((torch.rand(a.shape, generator=g, dtype=torch.float32) * 2 - 1) * bound)
                 b.copy_(torch.randn(b.shape, generator=g, dtype=torch.float32) * B_STD)
+                if dora:
+                    from peft.utils.integrations import dequantize_module_weight
+                    w = dequantize_module_weight(module.get_base_layer()).float()
+                    s = module.scaling["default"]
+                    module.lora_magnitude_vector["default"].weight.copy_(
+                        torch.linalg.norm(w + s * (b @ a), dim=1))
                 n_modules += 1
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    assert all(".lora_A." in n or ".lora_B." in n for n, _ in params)
+    assert all(".lora_A." in n or ".lora_B." in n or (dora and ".lora_magnitude_vector." in n)
+               for n, _ in params)
     init = {"init." + adapter_key(n): p.detach().float().clone() for n, p in params}
     if save_adapter:
         model.save_pretrained(save_adapter)
@@ -372,7 +389,8 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
         tensors["base_logits"] = model(input_ids=ids, attention_mask=mask).logits.float()
 
     # 3 steps of torch.optim.AdamW on the same batch; adamw.loss[k] is the loss before update k.
-    opt = torch.optim.AdamW([p for _, p in params], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for _, p in params], lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=weight_decay)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -392,18 +410,21 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
         "model_config": config.to_dict(),
         "r": r, "lora_alpha": alpha, "use_rslora": rslora,
         "scaling": alpha / (r ** 0.5 if rslora else r),
-        "target_modules": LINEARS, "lora_dropout": 0.0,
+        "target_modules": targets, "lora_dropout": 0.0,
         "seed": SEED, "lora_seed": LORA_SEED, "b_std": B_STD,
         "batch": batch, "seq": seq, "mask_prefix": MASK_PREFIX,
         "dtype": "f32", "attn_implementation": "eager",
         "loss": LOSS_NOTE, "lora_forward": FORWARD_NOTE,
-        "adamw": {"steps": STEPS, "lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
+        "adamw": {"steps": STEPS, "lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay,
                   "impl": ADAMW_NOTE},
         "n_lora_modules": n_modules,
         "qlora": qlora or "none", "qlora_note": QLORA_NOTE,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "peft": peft.__version__, "bitsandbytes": bnb_version},
     }
+    if dora:  # only in the DoRA goldens, so the older files' metadata stays byte-identical
+        meta["use_dora"] = True
+        meta["lora_forward"] = DORA_NOTE
     save_file({k: v.contiguous() for k, v in tensors.items()}, out,
               metadata={"config": json.dumps(meta, default=str)})
     print("%s: loss %.5f, %d tensors" % (out, out_.loss.item(), len(tensors)), flush=True)
@@ -416,6 +437,14 @@ GOLDENS = {
     "golden_tiny_l3_rslora": ("tiny_l3", dict(r=4, alpha=8.0, batch=3, seq=40, rslora=True)),
     "golden_tiny_qlora_nf4": ("tiny", dict(r=8, alpha=16, batch=2, seq=16, qlora="nf4")),
     "golden_tiny_qlora_nf4dq": ("tiny", dict(r=8, alpha=16, batch=2, seq=16, qlora="nf4-dq")),
+    # DoRA (tests/integration/dora.rs): all-linear on the untied GQA tiny model; a subset with
+    # rsLoRA and weight decay on the tied tiny_l3 (GQA 4/1); QDoRA over NF4 double quant.
+    "golden_tiny_dora": ("tiny", dict(r=8, alpha=16, batch=2, seq=16, dora=True)),
+    "golden_tiny_l3_dora_rslora_wd": ("tiny_l3", dict(
+        r=4, alpha=8.0, batch=3, seq=40, dora=True, rslora=True, weight_decay=0.1,
+        targets=["q_proj", "v_proj", "o_proj", "down_proj"])),
+    "golden_tiny_qdora_nf4dq": ("tiny", dict(r=8, alpha=16, batch=2, seq=16, qlora="nf4-dq",
+                                             dora=True)),
 }
 
 # What --check compares: file in OUT -> the committed file.
@@ -426,6 +455,9 @@ COMMITTED = {
     "golden_tiny_l3_rslora.safetensors": "parity/golden_tiny_l3_rslora.safetensors",
     "golden_tiny_qlora_nf4.safetensors": "parity/golden_tiny_qlora_nf4.safetensors",
     "golden_tiny_qlora_nf4dq.safetensors": "parity/golden_tiny_qlora_nf4dq.safetensors",
+    "golden_tiny_dora.safetensors": "parity/golden_tiny_dora.safetensors",
+    "golden_tiny_l3_dora_rslora_wd.safetensors": "parity/golden_tiny_l3_dora_rslora_wd.safetensors",
+    "golden_tiny_qdora_nf4dq.safetensors": "parity/golden_tiny_qdora_nf4dq.safetensors",
 }
 for _d, _fixture in [("tiny", "tiny-llama"), ("tiny_l3", "tiny-llama3")]:
     for _f in os.listdir(os.path.join(REPO_TESTS, "fixtures", _fixture)):

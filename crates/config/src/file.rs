@@ -63,6 +63,14 @@ pub struct LoraSection {
     /// A PEFT adapter directory to continue from ("" = fresh init).
     #[serde(default)]
     pub init_from: String,
+    /// DoRA (PEFT's `use_dora`): a trained magnitude per output row. Left out of the saved config
+    /// when off, so runs saved before the key existed resume unchanged.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub dora: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -53,6 +53,8 @@ pub struct RunConfig {
     pub targets: Vec<String>,
     pub rslora: bool,
     pub init_from: Option<PathBuf>,
+    /// `[lora] dora`.
+    pub dora: bool,
     pub data: crate::DataConfig,
     pub seed: u64,
     pub steps: usize,
@@ -285,6 +287,7 @@ impl ConfigFile {
             targets,
             rslora: l.rslora,
             init_from,
+            dora: l.dora,
             data,
             seed: t.seed,
             steps: t.steps,

@@ -152,6 +152,7 @@ fn step(
         pairs.push(LoraPair {
             a: p.a.to_device(dev).map_err(cerr("lora a"))?,
             b: bv.to_device(dev).map_err(cerr("lora b"))?,
+            m: None,
         });
     }
     let adapter = Adapter {

@@ -197,6 +197,19 @@ pub fn gguf_lora_bytes(cfg: &ModelConfig, adapter: &Adapter) -> Result<Vec<u8>> 
     Ok(out)
 }
 
+/// llama.cpp has no DoRA (no magnitude tensors in its LoRA format): a DoRA adapter is refused,
+/// before anything is written, with the format that does carry it.
+pub fn refuse_dora(adapter_dir: &Path) -> Result<()> {
+    if adapter_spec(adapter_dir)?.dora {
+        return Err(ExportError::input(
+            &adapter_dir.join(rtune_lora::ADAPTER_CONFIG),
+            "use_dora = true: llama.cpp's LoRA format has no DoRA magnitudes; export with \
+             --format merged (the magnitudes folded into the weights) and convert that to GGUF",
+        ));
+    }
+    Ok(())
+}
+
 /// Reads the adapter in `adapter_dir` (checked against `base`'s config.json) and writes it to
 /// `out` as GGUF, atomically.
 pub fn write_gguf_lora(
@@ -206,6 +219,7 @@ pub fn write_gguf_lora(
     privacy: Privacy,
 ) -> Result<()> {
     let cfg = base_config(base)?;
+    refuse_dora(adapter_dir)?;
     let spec = adapter_spec(adapter_dir)?;
     let modules = module_shapes(&cfg, &spec);
     let adapter = Adapter::load_peft(adapter_dir, &spec, &modules, &Device::Cpu)?;

@@ -182,6 +182,7 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
         }
         Format::GgufLora => {
             let base = src.require_base("gguf-lora")?;
+            gguf::refuse_dora(&src.adapter)?;
             gguf::write_gguf_lora(base, &src.adapter, &opts.out, src.privacy)?;
             vec![opts
                 .out
@@ -231,6 +232,7 @@ pub fn adapter_spec(adapter_dir: &Path) -> Result<LoraSpec> {
         cfg.use_rslora,
         &targets,
     )
+    .map(|s| s.with_dora(cfg.use_dora))
     .map_err(|e| ExportError::input(&cfg_path, e.to_string()))
 }
 

@@ -1,6 +1,8 @@
 //! The merged model: every adapted linear layer's weight replaced by `W' = W + scaling·B·A`
 //! (`W: (out, in)`, `B: (out, r)`, `A: (r, in)`), computed in f32 and rounded once to the base's
-//! dtype; every other tensor copied byte for byte. This is PEFT's `merge_and_unload()`: the weights
+//! dtype; every other tensor copied byte for byte. A DoRA adapter folds its magnitude in as PEFT's
+//! `merge_and_unload()` does (`DoraLinearVariant.merge_unsafe`): `W' = (m / ‖W + ΔW‖) ⊙ (W + ΔW)`
+//! row-wise, `ΔW = scaling·B·A`, all in f32 and rounded once. This is PEFT's `merge_and_unload()`: the weights
 //! came out bit-identical to PEFT 0.21's for an f32 and a bf16 base (scripts/check_export.py).
 //!
 //! The base is read through mmap one tensor at a time and each output shard is streamed to disk, so
@@ -327,7 +329,18 @@ fn merged_weight(
             .and_then(|q| q.to_tensor(DType::F32, &Device::Cpu))
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
     };
-    let merged = (base + delta)?.to_dtype(w.dtype())?;
+    let merged = (base + delta)?; // (out, in) f32
+    let merged = match &pair.m {
+        // PEFT: weight_norm = ‖W + ΔW‖ (dim 1, f32, detached); factor = m / weight_norm as a
+        // column; new = factor * (W + ΔW).
+        Some(m) => {
+            let norm = merged.sqr()?.sum_keepdim(1)?.sqrt()?; // (out, 1)
+            let factor = m.unsqueeze(1)?.div(&norm)?;
+            merged.broadcast_mul(&factor)?
+        }
+        None => merged,
+    };
+    let merged = merged.to_dtype(w.dtype())?;
     Ok(safetensors::View::data(&merged).into_owned())
 }
 

@@ -7,6 +7,9 @@
 //! (`model.layers.0.self_attn.q_proj`); PEFT's names (`base_model.model.<name>.lora_A.weight`) appear
 //! only in [`peft`], at the file boundary ([`peft::lora_a_key`] and its siblings name every tensor
 //! rtune writes for PEFT or beside it). Master weights are always f32.
+//!
+//! DoRA (Liu et al. 2024, PEFT's `use_dora`) adds a magnitude vector `m: (out,)` per module
+//! ([`LoraPair::m`]); the model side (`rtune_model::dora`) holds its math.
 
 pub mod peft;
 
@@ -69,6 +72,8 @@ pub struct LoraSpec {
     pub rslora: bool,
     /// Short module names (`q_proj`, ...), already expanded from `all-linear`.
     pub targets: Vec<String>,
+    /// DoRA (PEFT's `use_dora`): every pair carries a magnitude vector `m`.
+    pub dora: bool,
 }
 
 impl LoraSpec {
@@ -107,7 +112,14 @@ impl LoraSpec {
             dropout,
             rslora,
             targets,
+            dora: false,
         })
+    }
+
+    /// The same spec with DoRA on or off.
+    pub fn with_dora(mut self, dora: bool) -> Self {
+        self.dora = dora;
+        self
     }
 
     /// `alpha / r`, or `alpha / √r` with rsLoRA.
@@ -129,6 +141,9 @@ impl LoraSpec {
 pub struct LoraPair {
     pub a: Tensor,
     pub b: Tensor,
+    /// DoRA's magnitude `(out,)` f32, trained; `None` for plain LoRA. Initialised by the model
+    /// (it needs `W`: `rtune_model::Model::init_dora`).
+    pub m: Option<Tensor>,
 }
 
 /// Where a module lives and its shape: `name` like `model.layers.0.self_attn.q_proj`.
@@ -167,7 +182,7 @@ impl Adapter {
             let b = Tensor::zeros((m.out_features, spec.r), DType::F32, device)
                 .map_err(cerr("init B"))?;
             names.push(m.name.clone());
-            pairs.push(LoraPair { a, b });
+            pairs.push(LoraPair { a, b, m: None });
         }
         Ok(Self { spec, names, pairs })
     }
@@ -177,10 +192,38 @@ impl Adapter {
     }
 
     pub fn num_params(&self) -> usize {
-        self.pairs
-            .iter()
-            .map(|p| p.a.elem_count() + p.b.elem_count())
-            .sum()
+        self.trainable().iter().map(|(_, t)| t.elem_count()).sum()
+    }
+
+    /// Every trained tensor with its PEFT key, in the optimizer's order: `A0, B0, A1, B1, …`, then
+    /// the DoRA magnitudes `m0, m1, …` (after all pairs, so a plain adapter's order is unchanged).
+    pub fn trainable(&self) -> Vec<(String, &Tensor)> {
+        let mut out = Vec::with_capacity(self.pairs.len() * 3);
+        for (name, p) in self.names.iter().zip(&self.pairs) {
+            out.push((peft::lora_a_key(name), &p.a));
+            out.push((peft::lora_b_key(name), &p.b));
+        }
+        for (name, p) in self.names.iter().zip(&self.pairs) {
+            if let Some(m) = &p.m {
+                out.push((peft::magnitude_key(name), m));
+            }
+        }
+        out
+    }
+
+    /// [`trainable`](Self::trainable)'s tensors, mutable, in the same order.
+    pub fn trainable_mut(&mut self) -> Vec<&mut Tensor> {
+        let mut out = Vec::with_capacity(self.pairs.len() * 3);
+        let mut ms = Vec::new();
+        for p in self.pairs.iter_mut() {
+            out.push(&mut p.a);
+            out.push(&mut p.b);
+            if let Some(m) = p.m.as_mut() {
+                ms.push(m);
+            }
+        }
+        out.extend(ms);
+        out
     }
 }
 

@@ -28,6 +28,12 @@ pub fn lora_b_key(module: &str) -> String {
     format!("{PREFIX}{module}.lora_B.weight")
 }
 
+/// `base_model.model.<module>.lora_magnitude_vector`: PEFT's key of a DoRA magnitude `(out,)` —
+/// no `.weight` suffix, as PEFT saves it.
+pub fn magnitude_key(module: &str) -> String {
+    format!("{PREFIX}{module}.lora_magnitude_vector")
+}
+
 /// `exp_avg.<key>`: AdamW's first moment of the adapter tensor `key` ([`lora_a_key`] or
 /// [`lora_b_key`]) in a checkpoint's optimizer file — torch's state name on PEFT's key.
 pub fn exp_avg_key(key: &str) -> String {
@@ -108,12 +114,6 @@ pub fn parse_adapter_config(text: &[u8], path: &Path) -> Result<PeftAdapterConfi
             ),
         ));
     }
-    if cfg.use_dora {
-        return Err(file_err(
-            &path,
-            "use_dora = true: DoRA adapters are not supported",
-        ));
-    }
     if cfg.fan_in_fan_out {
         return Err(file_err(
             &path,
@@ -187,6 +187,19 @@ impl Adapter {
                 ),
             ));
         }
+        if spec.dora && !cfg.use_dora {
+            return Err(file_err(
+                &cfg_path,
+                "is a plain LoRA adapter (use_dora false, no lora_magnitude_vector): [lora] dora = true \
+                 needs a DoRA adapter to continue from; set dora = false or drop init_from",
+            ));
+        }
+        if cfg.use_dora && !spec.dora {
+            return Err(file_err(
+                &cfg_path,
+                "is a DoRA adapter (use_dora true): set [lora] dora = true to continue it",
+            ));
+        }
         let path = dir.join(WEIGHTS);
         let mut tensors = candle_core::safetensors::load_buffer(weights, device)
             .map_err(|e| file_err(&path, format!("cannot read safetensors: {e}")))?;
@@ -219,8 +232,27 @@ impl Adapter {
                 [m.out_features, spec.r],
                 "[out_features, r]",
             )?;
+            let mag = if spec.dora {
+                let key = magnitude_key(&m.name);
+                let t = tensors.remove(&key).ok_or_else(|| LoraError::Missing {
+                    path: path.clone(),
+                    key: key.clone(),
+                })?;
+                if t.dims() != [m.out_features] {
+                    return Err(LoraError::Shape {
+                        path: path.clone(),
+                        key,
+                        got: t.dims().to_vec(),
+                        want: vec![m.out_features],
+                        hint: "[out_features]".into(),
+                    });
+                }
+                Some(t.to_dtype(DType::F32).map_err(cerr("magnitude to f32"))?)
+            } else {
+                None
+            };
             names.push(m.name.clone());
-            pairs.push(LoraPair { a, b });
+            pairs.push(LoraPair { a, b, m: mag });
         }
         if let Some(key) = tensors.keys().min() {
             return Err(LoraError::Unexpected {
@@ -245,8 +277,8 @@ impl Adapter {
     ) -> Result<()> {
         privacy.create_dir_all(dir)?;
         let mut data: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
-        for (name, p) in self.names.iter().zip(&self.pairs) {
-            for (key, t) in [(lora_a_key(name), &p.a), (lora_b_key(name), &p.b)] {
+        for (key, t) in self.trainable() {
+            {
                 let v: Vec<f32> = t
                     .to_dtype(DType::F32)
                     .and_then(|t| t.flatten_all())
@@ -282,7 +314,7 @@ impl Adapter {
             target_modules: serde_json::json!(self.spec.targets),
             bias: "none".into(),
             use_rslora: self.spec.rslora,
-            use_dora: false,
+            use_dora: self.spec.dora,
             fan_in_fan_out: false,
             base_model_name_or_path: Some(base_model_name_or_path.to_string()),
             inference_mode: true,

@@ -146,6 +146,8 @@ pub fn backward(
         }
         return Ok(dx);
     }
+    // DoRA: dm, and each member's gradient as the rest of its backward takes it.
+    let dys = &crate::dora::prepare_all(members, dys, caches, grads)?;
     let mut dx = match (need_dx, block) {
         // dx: (N, in) = [dy₁, dy₂, …]·[W₁; W₂; …]
         (true, Some(w)) => Some(mm(&Tensor::cat(dys, 1)?, w)?),

@@ -14,6 +14,7 @@ pub mod config;
 pub mod cpu_features;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dora;
 pub mod dropout;
 pub mod fused;
 pub mod group;

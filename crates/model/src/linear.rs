@@ -6,6 +6,9 @@
 //! The LoRA product is taken as `(x·Aᵀ)·Bᵀ` so the intermediate is `(N, r)`, never `(N, out)·(out, in)`.
 //! Dropout masks come from [`crate::dropout`]: the cache keeps the mask's key, and the backward
 //! regenerates the mask from it.
+//!
+//! A pair with a magnitude (`LoraPair::m`) is DoRA: [`crate::dora`] holds that math; the hooks here
+//! scale the output and the incoming gradient.
 
 use candle_core::{DType, Device, Result, Tensor};
 use std::borrow::Cow;
@@ -16,6 +19,7 @@ use rtune_quant::Nf4Weight;
 use rtune_lora::Adapter;
 
 use crate::blas::matmul as mm;
+use crate::dora::{self, DoraCache, NormCache};
 use crate::dropout::{self, DropoutKey};
 
 /// The adapter as the forward pass sees it.
@@ -34,6 +38,8 @@ pub struct LoraCtx<'a> {
 pub struct Grads {
     pub a: Vec<Option<Tensor>>,
     pub b: Vec<Option<Tensor>>,
+    /// DoRA magnitudes' gradients `(out,)` (stay `None` for plain LoRA).
+    pub m: Vec<Option<Tensor>>,
 }
 
 impl Grads {
@@ -41,7 +47,26 @@ impl Grads {
         Self {
             a: vec![None; modules],
             b: vec![None; modules],
+            m: vec![None; modules],
         }
+    }
+
+    /// The gradients in [`Adapter::trainable`]'s order: `A0, B0, A1, B1, …`, then the DoRA
+    /// magnitudes' of the pairs that have one (`has_m[i]`).
+    pub fn ordered(&self, has_m: &[bool]) -> Vec<&Option<Tensor>> {
+        let mut out: Vec<&Option<Tensor>> = Vec::with_capacity(self.a.len() * 3);
+        for (a, b) in self.a.iter().zip(&self.b) {
+            out.push(a);
+            out.push(b);
+        }
+        out.extend(
+            self.m
+                .iter()
+                .zip(has_m)
+                .filter(|(_, h)| **h)
+                .map(|(m, _)| m),
+        );
+        out
     }
 
     pub(crate) fn add(slot: &mut Option<Tensor>, g: Tensor) -> Result<()> {
@@ -122,6 +147,8 @@ pub struct Linear {
     pub bias: Option<Tensor>,
     /// Index of this module's LoRA pair in the attached adapter.
     pub lora: Option<usize>,
+    /// DoRA's row norms `‖W + s·B·A‖`, computed once per optimizer step.
+    pub dora_norm: NormCache,
 }
 
 /// What the backward needs besides the input.
@@ -131,6 +158,8 @@ pub struct LinearCache {
     xa: Option<Tensor>,
     /// What regenerates the dropout mask of the LoRA input, when dropout is on.
     dropout: Option<DropoutKey>,
+    /// DoRA's scale and pre-scale output, for a pair with a magnitude.
+    dora: Option<DoraCache>,
 }
 
 impl Linear {
@@ -169,8 +198,15 @@ impl Linear {
             seed: ctx.seed,
             salt,
         });
-        let xa = mm(&lora_input(x, key.as_ref())?, &pair.a.t()?)?; // (N, r) f32
-        let (y, mut cache) = self.finish_with_xa(y, xa, ctx)?;
+        let xd = lora_input(x, key.as_ref())?; // (N, in) f32
+        let xa = mm(&xd, &pair.a.t()?)?; // (N, r) f32
+                                         // DoRA with dropout recomputes the base product on the dropped input (PEFT), f32.
+        let base_d = match (&pair.m, &key) {
+            (Some(_), Some(_)) => Some(mm(&xd, &self.w.dense()?.to_dtype(DType::F32)?.t()?)?),
+            _ => None,
+        };
+        drop(xd);
+        let (y, mut cache) = self.finish_lora(y, xa, base_d, ctx)?;
         cache.dropout = key;
         Ok((y, cache))
     }
@@ -190,18 +226,55 @@ impl Linear {
         xa: Tensor,
         ctx: &LoraCtx,
     ) -> Result<(Tensor, LinearCache)> {
-        let y = self.add_bias(y)?;
+        self.finish_lora(y, xa, None, ctx)
+    }
+
+    /// [`Linear::finish_with_xa`]; a DoRA pair with dropout also takes `base_d = d(x)·Wᵀ` f32.
+    fn finish_lora(
+        &self,
+        y: Tensor,
+        xa: Tensor,
+        base_d: Option<Tensor>,
+        ctx: &LoraCtx,
+    ) -> Result<(Tensor, LinearCache)> {
         let pair = &ctx.adapter.pairs[self.lora.expect("adapted layer")];
-        let dt = y.dtype();
         let yl = (mm(&xa, &pair.b.t()?)? * ctx.scaling)?;
+        if pair.m.is_some() {
+            let (y, d) = dora::output(self, y, yl, base_d, ctx)?;
+            return Ok((
+                y,
+                LinearCache {
+                    xa: Some(xa),
+                    dropout: None,
+                    dora: Some(d),
+                },
+            ));
+        }
+        let y = self.add_bias(y)?;
+        let dt = y.dtype();
         let y = (y.to_dtype(DType::F32)? + yl)?.to_dtype(dt)?;
         Ok((
             y,
             LinearCache {
                 xa: Some(xa),
                 dropout: None,
+                dora: None,
             },
         ))
+    }
+
+    /// DoRA's first step of the backward (accumulates `dm`); the gradient the rest of the
+    /// layer's backward takes (see [`DoraCache::prepare`]). `dy` itself for plain LoRA.
+    pub(crate) fn dora_dy(
+        &self,
+        dy: &Tensor,
+        cache: &LinearCache,
+        grads: &mut Grads,
+    ) -> Result<Tensor> {
+        match (&cache.dora, self.lora) {
+            (Some(d), Some(slot)) => d.prepare(dy, slot, grads),
+            _ => Ok(dy.clone()),
+        }
     }
 
     /// Accumulates `dA, dB` into `grads`; returns `dx: (N, in)` when `need_dx`.
@@ -214,6 +287,7 @@ impl Linear {
         grads: &mut Grads,
         need_dx: bool,
     ) -> Result<Option<Tensor>> {
+        let dy = &self.dora_dy(dy, cache, grads)?;
         let dx = if need_dx {
             Some(mm(dy, &*self.w.dense()?)?)
         } else {
@@ -240,6 +314,10 @@ impl Linear {
         let s = ctx.scaling;
         // In f32, as the forward's LoRA branch.
         let dyf = dy.to_dtype(DType::F32)?;
+        let dyf = match &cache.dora {
+            Some(d) => d.lora_dy(dyf)?,
+            None => dyf,
+        };
         // dB: (out, r) = s · dyᵀ·xa
         Grads::add(&mut grads.b[slot], (mm(&dyf.t()?, xa)? * s)?)?;
         mm(&dyf, &pair.b)? * s
@@ -267,8 +345,17 @@ impl Linear {
         if !need_dx {
             return Ok(None);
         }
-        // dx of the LoRA branch: (dxa·A) masked as the input was.
+        // dx of the LoRA branch: (dxa·A) masked as the input was; DoRA with dropout adds the
+        // recomputed base product's (dy⊙(k−1))·W before the mask.
         let dl = mm(&dxa, &pair.a)?;
+        let extra = match &cache.dora {
+            Some(d) => d.extra_dx(dy, &*self.w.dense()?)?,
+            None => None,
+        };
+        let dl = match extra {
+            Some(e) => (dl + e)?,
+            None => dl,
+        };
         Ok(Some(match &cache.dropout {
             Some(k) => dropout::apply(&dl, k)?,
             None => dl,

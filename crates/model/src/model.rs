@@ -166,6 +166,7 @@ impl Model {
                 w: wt,
                 bias,
                 lora: None,
+                dora_norm: Default::default(),
             })
         };
         let mut layers = Vec::with_capacity(cfg.num_layers);
@@ -238,6 +239,27 @@ impl Model {
             }
         }
         out
+    }
+
+    /// DoRA: sets each attached pair's magnitude to PEFT's init, the row norms `‖W + s·B·A‖`
+    /// (an NF4 `W` dequantized first, one layer at a time). Call after [`Model::attach`].
+    pub fn init_dora(&self, adapter: &mut Adapter) -> Result<()> {
+        let s = adapter.spec.scaling();
+        for layer in &self.layers {
+            for lin in layer.linears() {
+                let Some(i) = lin.lora else { continue };
+                let p = &mut adapter.pairs[i];
+                let m = lin
+                    .w
+                    .dense()
+                    .and_then(|w| crate::dora::weight_norm(&w, &p.a, &p.b, s))
+                    .map_err(|e| {
+                        ModelError::candle(format!("DoRA magnitude of {}", lin.name), e)
+                    })?;
+                p.m = Some(m);
+            }
+        }
+        Ok(())
     }
 
     /// Routes each targeted linear layer to its pair in `adapter` (by name).

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use rtune_fsio::{fsync_dir, sha256_bytes, sha256_file, write_atomic, Privacy};
-use rtune_lora::peft::{exp_avg_key, exp_avg_sq_key, lora_a_key, lora_b_key};
+use rtune_lora::peft::{exp_avg_key, exp_avg_sq_key};
 use rtune_lora::{Adapter, LoraSpec, ModuleShape, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
 use crate::optim::LoraOptimizer;
@@ -102,12 +102,10 @@ pub fn save(
         adapter.save_peft(&tmp, base_model, privacy)?;
         let (m, v) = opt.moments()?;
         let mut tensors = Vec::new();
-        for (i, (name, p)) in adapter.names.iter().zip(&adapter.pairs).enumerate() {
-            let factors = [(lora_a_key(name), &p.a), (lora_b_key(name), &p.b)];
-            for (j, (k, t)) in factors.into_iter().enumerate() {
-                tensors.push((exp_avg_key(&k), m[2 * i + j].clone(), t.dims().to_vec()));
-                tensors.push((exp_avg_sq_key(&k), v[2 * i + j].clone(), t.dims().to_vec()));
-            }
+        // A0, B0, A1, B1, …, then DoRA's magnitudes: the optimizer's order.
+        for (i, (k, t)) in adapter.trainable().into_iter().enumerate() {
+            tensors.push((exp_avg_key(&k), m[i].clone(), t.dims().to_vec()));
+            tensors.push((exp_avg_sq_key(&k), v[i].clone(), t.dims().to_vec()));
         }
         write_atomic(&tmp.join(OPTIM), &safetensors_bytes(tensors), privacy)
             .map_err(TrainError::from)?;
@@ -229,8 +227,8 @@ pub fn load(
     let mut opt: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join(OPTIM), dev)
         .map_err(|e| format!("{OPTIM}: {e}"))?;
     let (mut m, mut v) = (Vec::new(), Vec::new());
-    for (name, p) in adapter.names.iter().zip(&adapter.pairs) {
-        for (k, t) in [(lora_a_key(name), &p.a), (lora_b_key(name), &p.b)] {
+    {
+        for (k, t) in adapter.trainable() {
             for (key, dst) in [(exp_avg_key(&k), &mut m), (exp_avg_sq_key(&k), &mut v)] {
                 let x = opt
                     .remove(&key)

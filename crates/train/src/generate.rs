@@ -47,7 +47,8 @@ fn load(
                     .collect(),
                 _ => Vec::new(),
             };
-            let spec = LoraSpec::new(c.r, c.lora_alpha, 0.0, c.use_rslora, &targets)?;
+            let spec = LoraSpec::new(c.r, c.lora_alpha, 0.0, c.use_rslora, &targets)?
+                .with_dora(c.use_dora);
             let modules = model.lora_modules(&spec);
             Some(Adapter::load_peft(dir, &spec, &modules, &dev)?)
         }

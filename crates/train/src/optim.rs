@@ -188,10 +188,10 @@ impl LoraOptimizer {
             eps,
             weight_decay,
         };
+        // A0, B0, A1, B1, …, then DoRA's magnitudes (Adapter::trainable's order).
         let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
-        for p in &adapter.pairs {
-            params.push(flat(&p.a).map_err(TrainError::candle("adapter to host"))?);
-            params.push(flat(&p.b).map_err(TrainError::candle("adapter to host"))?);
+        for (_, t) in adapter.trainable() {
+            params.push(flat(t).map_err(TrainError::candle("adapter to host"))?);
         }
         let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
         #[cfg(feature = "cuda")]
@@ -229,12 +229,8 @@ impl LoraOptimizer {
             Store::Device(d) => return d.step(adapter, grads, lr, max_norm, loss, unscale),
         };
         let mut gv: Vec<Vec<f32>> = Vec::with_capacity(params.len());
-        for (i, size) in self.sizes.iter().enumerate() {
-            let g = if i % 2 == 0 {
-                &grads.a[i / 2]
-            } else {
-                &grads.b[i / 2]
-            };
+        let ordered = grads.ordered(&has_magnitude(adapter));
+        for (size, g) in self.sizes.iter().zip(ordered) {
             gv.push(match g {
                 Some(t) => flat(t).map_err(TrainError::candle("grad to host"))?,
                 None => vec![0.0; *size],
@@ -261,11 +257,9 @@ impl LoraOptimizer {
                 .for_each(|x| *x *= c);
         }
         adamw.update(params, &gv, lr);
-        for (i, p) in adapter.pairs.iter_mut().enumerate() {
-            let dev = p.a.device().clone();
-            let mk = |v: &Vec<f32>, like: &Tensor| Tensor::from_vec(v.clone(), like.shape(), &dev);
-            p.a = mk(&params[2 * i], &p.a).map_err(TrainError::candle("adapter update"))?;
-            p.b = mk(&params[2 * i + 1], &p.b).map_err(TrainError::candle("adapter update"))?;
+        for (t, v) in adapter.trainable_mut().into_iter().zip(params.iter()) {
+            *t = Tensor::from_vec(v.clone(), t.shape(), t.device())
+                .map_err(TrainError::candle("adapter update"))?;
         }
         Ok(Applied {
             grad_norm,
@@ -325,6 +319,11 @@ impl LoraOptimizer {
         *self = fresh;
         Ok(())
     }
+}
+
+/// Which pairs carry a DoRA magnitude (for [`Grads::ordered`]).
+pub(crate) fn has_magnitude(adapter: &Adapter) -> Vec<bool> {
+    adapter.pairs.iter().map(|p| p.m.is_some()).collect()
 }
 
 pub(crate) fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {

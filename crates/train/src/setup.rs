@@ -80,7 +80,8 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         model.cfg.vocab_size,
         cfg.seed,
     )?;
-    let spec = LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?;
+    let spec =
+        LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?.with_dora(cfg.dora);
     let modules = model.lora_modules(&spec);
     let adapter = match &cfg.init_from {
         Some(dir) => {
@@ -100,7 +101,12 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         }
         None => Adapter::init(spec.clone(), &modules, cfg.seed, dev)?,
     };
+    let mut adapter = adapter;
     model.attach(&adapter);
+    if spec.dora && cfg.init_from.is_none() {
+        // PEFT's init: m = ‖W + s·B·A‖ row-wise (B = 0, so ‖W‖).
+        model.init_dora(&mut adapter)?;
+    }
     let pad_id = tok
         .as_ref()
         .and_then(|t| t.pad_id)

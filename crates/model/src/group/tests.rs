@@ -24,10 +24,12 @@ fn setup() -> Result<(Vec<Linear>, Adapter)> {
             w: Frozen::Dense(randn(&[o, 40], 10 + i as u64)?),
             bias: (i == 1).then(|| randn(&[o], 20)).transpose()?,
             lora: Some(i),
+            dora_norm: Default::default(),
         });
         pairs.push(LoraPair {
             a: randn(&[4, 40], 30 + i as u64)?,
             b: randn(&[o, 4], 40 + i as u64)?,
+            m: None,
         });
     }
     let spec = LoraSpec::new(4, 8.0, 0.0, false, &["all-linear".to_string()])

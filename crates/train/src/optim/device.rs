@@ -137,12 +137,8 @@ impl DeviceAdamW {
         let mut keep: Vec<Tensor> = Vec::with_capacity(n);
         let mut outs: Vec<Option<CudaSlice<f32>>> = Vec::with_capacity(n);
         let mut entries: Vec<u64> = Vec::with_capacity(4 * n);
-        for k in 0..n {
-            let g = if k % 2 == 0 {
-                &grads.a[k / 2]
-            } else {
-                &grads.b[k / 2]
-            };
+        let ordered = grads.ordered(&super::has_magnitude(adapter));
+        for (k, g) in ordered.into_iter().enumerate().take(n) {
             let gptr = match g {
                 Some(t) => {
                     let t = t
@@ -235,8 +231,8 @@ impl DeviceAdamW {
         }
         self.step += 1;
         let mut outs = outs.into_iter();
-        for p in adapter.pairs.iter_mut() {
-            for t in [&mut p.a, &mut p.b] {
+        {
+            for t in adapter.trainable_mut() {
                 if let Some(o) = outs.next().flatten() {
                     let storage = CudaStorage::wrap_cuda_slice(o, self.dev.clone());
                     let shape = t.shape().clone();

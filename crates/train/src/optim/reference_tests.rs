@@ -55,6 +55,7 @@ fn compare_ten_steps() -> (f64, f64) {
         .map(|&(a, b)| LoraPair {
             a: t(a, &mut rng),
             b: t(b, &mut rng),
+            m: None,
         })
         .collect();
     let mut adapter = Adapter {
@@ -64,6 +65,7 @@ fn compare_ten_steps() -> (f64, f64) {
             dropout: 0.0,
             rslora: false,
             targets: vec!["q_proj".into()],
+            dora: false,
         },
         names: (0..shapes.len()).map(|i| format!("m{i}")).collect(),
         pairs,
