@@ -96,12 +96,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
                 );
             }
             eprintln!(
-                "rtune: {examples} training / {valid_examples} validation examples ({} rows: {} truncated, \
-                 {} dropped, {} skipped); {lora_params} LoRA parameters on a {model_params}-parameter model ({:.1} MB resident)",
+                "rtune: {examples} training / {valid_examples} validation examples ({} rows: {}); \
+                 {lora_params} LoRA parameters on a {model_params}-parameter model ({:.1} MB resident)",
                 counts.rows,
-                counts.truncated,
-                counts.dropped,
-                counts.skipped,
+                counts.summary(),
                 model_bytes as f64 / 1e6
             );
             for w in warnings {
