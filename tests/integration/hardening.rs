@@ -289,7 +289,8 @@ fn a_huge_row_costs_megabytes_not_gigabytes() {
 /// A 5 MB row under `max_row_bytes` is cut to a byte budget before tokenizing (only max_seq_len
 /// tokens of it are kept): `train` and `data inspect` stay within 40 MB of their peak without the
 /// row (the row itself is held a few times: the line, its chunk, the parsed JSON, the prompt;
-/// measured +12 MB for train, +18 MB for inspect), and the row is counted as truncated.
+/// measured +12 MB for train, +18 MB for inspect; tokenized whole, main at 10905b2 took 1.04 GB
+/// and 42 s for either), and the row is counted as truncated.
 #[test]
 fn a_long_row_under_the_cap_is_cut_before_tokenizing() {
     let tmp = tempfile::tempdir().unwrap();
