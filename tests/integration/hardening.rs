@@ -167,11 +167,14 @@ fn oversized_rank_warns_and_windows_data_trains() {
     assert!(e.contains("r = 200 is larger than min(in, out) = "), "{e}");
 }
 
-/// Runs `rtune args` and returns its exit code and peak resident memory (wait4's ru_maxrss, KiB),
-/// measured for that child alone.
-#[allow(clippy::zombie_processes)] // reaped by wait4 below, which std's Child cannot see
+/// Runs `rtune args` and returns its exit code and peak resident memory in KiB: the largest
+/// `VmHWM` of `/proc/<pid>/status`, read every millisecond until the child exits. (Not wait4's
+/// `ru_maxrss`: the child is spawned with `CLONE_VM` and exec keeps the parent's high-water mark as
+/// the child's, so it reported this test process's own peak, the same for every command.) The
+/// peaks measured here come mid-run; only a peak within the last millisecond before exit could be
+/// missed.
 fn peak_rss(args: &[&str], cache: &Path) -> (i32, u64) {
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
         .args(args)
         .env("RTUNE_CACHE", cache)
         .current_dir(crate::common::root())
@@ -179,35 +182,37 @@ fn peak_rss(args: &[&str], cache: &Path) -> (i32, u64) {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let mut status = 0;
-    // SAFETY: a zeroed rusage is a valid value for wait4 to overwrite.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: waits for our own child; both out-pointers are valid for the call.
-    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
-    assert_eq!(pid, child.id() as i32);
-    (libc::WEXITSTATUS(status), usage.ru_maxrss as u64)
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak = 0u64;
+    loop {
+        let hwm = std::fs::read_to_string(&status_file).ok().and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        });
+        peak = peak.max(hwm.unwrap_or(0));
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status.code().unwrap_or(-1), peak);
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// One 50 MB row (scraped data with a stray blob) costs a few MB, not gigabytes: it is dropped
 /// unread by `train`, `data inspect`, `data prepare` and `data scan`, and counted as dropped.
 /// Bound: within 16 MB of the same command's peak on the same data without the row (measured:
 /// train +2.8 MB, inspect and prepare +7 MB; before, 9.3 GB).
-#[test]
-fn a_huge_row_costs_megabytes_not_gigabytes() {
-    let tmp = tempfile::tempdir().unwrap();
+/// Two smoke configs for `rtune`, one whose data holds `big` as its 4th row and one without it;
+/// returns their paths.
+fn configs_with_row(tmp: &Path, big: &str) -> (String, String) {
     let rows: Vec<String> = std::fs::read_to_string(fixture("fixtures/smoke.jsonl"))
         .unwrap()
         .lines()
         .map(String::from)
         .collect();
-    let big = format!(
-        "{{\"prompt\": \"Q: {}\", \"completion\": \" x\"}}",
-        "a".repeat(50_000_000)
-    );
-    let with = tmp.path().join("with.jsonl");
-    let without = tmp.path().join("without.jsonl");
+    let with = tmp.join("with.jsonl");
+    let without = tmp.join("without.jsonl");
     let mut lines = rows.clone();
-    lines.insert(3, big);
+    lines.insert(3, big.to_string());
     std::fs::write(&with, lines.join("\n") + "\n").unwrap();
     std::fs::write(&without, rows.join("\n") + "\n").unwrap();
     let base = std::fs::read_to_string(crate::common::root().join("configs/smoke.toml")).unwrap();
@@ -221,14 +226,27 @@ fn a_huge_row_costs_megabytes_not_gigabytes() {
                 &fixture("fixtures/smoke.jsonl").display().to_string(),
                 &data.display().to_string(),
             )
-            .replace("runs/smoke", &tmp.path().join(name).display().to_string());
-        std::fs::write(tmp.path().join(format!("{name}.toml")), text).unwrap();
+            .replace("runs/smoke", &tmp.join(name).display().to_string());
+        std::fs::write(tmp.join(format!("{name}.toml")), text).unwrap();
     }
+    let c = |name: &str| tmp.join(format!("{name}.toml")).display().to_string();
+    (c("with"), c("without"))
+}
+
+#[test]
+fn a_huge_row_costs_megabytes_not_gigabytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let big = format!(
+        "{{\"prompt\": \"Q: {}\", \"completion\": \" x\"}}",
+        "a".repeat(50_000_000)
+    );
+    let (with, without) = configs_with_row(tmp.path(), &big);
     let c = |name: &str| {
-        tmp.path()
-            .join(format!("{name}.toml"))
-            .display()
-            .to_string()
+        if name == "with" {
+            with.clone()
+        } else {
+            without.clone()
+        }
     };
     // A fresh tokenized-data cache for every command, so none reuses another's work.
     let mut fresh = 0;
@@ -253,9 +271,97 @@ fn a_huge_row_costs_megabytes_not_gigabytes() {
             "{cmd:?}: {large} KiB with the 50 MB row vs {small} KiB without"
         );
     }
-    // Counted like the other dropped rows.
+    // Counted apart from the rows dropped at max_seq_len, and warned about.
     let o = rtune_env(&["data", "inspect", "-n", "1", "--config", &c("with")], &[]);
     assert!(o.status.success(), "{}", stderr(&o));
     let text = String::from_utf8_lossy(&o.stdout).to_string() + &stderr(&o);
-    assert!(text.contains("1 dropped"), "{text}");
+    assert!(
+        text.contains("0 dropped, 0 skipped, 1 over max_row_bytes"),
+        "{text}"
+    );
+    assert!(
+        text.contains("1 of 7 rows were longer than [data] max_row_bytes and dropped unread"),
+        "{text}"
+    );
+    assert!(!text.contains("at max_seq_len"), "{text}");
+}
+
+/// A 5 MB row under `max_row_bytes` is cut to a byte budget before tokenizing (only max_seq_len
+/// tokens of it are kept): `train` and `data inspect` stay within 40 MB of their peak without the
+/// row (the row itself is held a few times: the line, its chunk, the parsed JSON, the prompt;
+/// measured +12 MB for train, +18 MB for inspect; tokenized whole, main at 10905b2 took 1.04 GB
+/// and 42 s for either), and the row is counted as truncated.
+#[test]
+fn a_long_row_under_the_cap_is_cut_before_tokenizing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prose = "The quick brown fox jumps over the lazy dog; 12345 don't stop. ";
+    let big = format!(
+        "{{\"prompt\": \"Q: {}\", \"completion\": \" x\"}}",
+        prose.repeat(5_000_000 / prose.len())
+    );
+    let (with, without) = configs_with_row(tmp.path(), &big);
+    let mut fresh = 0;
+    for cmd in [
+        vec!["train", "--config"],
+        vec!["data", "inspect", "-n", "1", "--config"],
+    ] {
+        let mut run = |cfg: &str| {
+            let mut args = cmd.clone();
+            args.push(cfg);
+            fresh += 1;
+            let t0 = Instant::now();
+            let r = peak_rss(&args, &tmp.path().join(format!("cache-{fresh}")));
+            (r, t0.elapsed())
+        };
+        let ((code0, small), t_small) = run(&without);
+        let ((code1, large), t_large) = run(&with);
+        assert_eq!((code0, code1), (0, 0), "{cmd:?}");
+        eprintln!(
+            "{cmd:?}: {small} KiB / {t_small:?} without the 5 MB row, {large} KiB / {t_large:?} with"
+        );
+        assert!(
+            large < small + 40 * 1024,
+            "{cmd:?}: {large} KiB with the 5 MB row vs {small} KiB without"
+        );
+    }
+    let o = rtune_env(&["data", "inspect", "-n", "1", "--config", &with], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &stderr(&o);
+    assert!(text.contains("1 truncated"), "{text}");
+}
+
+/// `rtune export` reads a run directory under a shared lock: while a training process holds the
+/// directory, export is refused at once (exit 2, the trainer's pid named, nothing written); once
+/// the run has finished, the same export succeeds.
+#[test]
+fn export_is_refused_while_the_run_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let cfg = config(tmp.path(), &out, "");
+    let mut first = spawn_until_step(&cfg, &out, 2);
+    let peft = tmp.path().join("peft");
+    let args = [
+        "export",
+        "--run",
+        out.to_str().unwrap(),
+        "--format",
+        "peft",
+        "--out",
+        peft.to_str().unwrap(),
+    ];
+    let t0 = Instant::now();
+    let o = rtune_env(&args, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains(&format!("in use by a training process (pid {}", first.id())),
+        "{e}"
+    );
+    assert_eq!(e.trim().lines().count(), 1, "one line: {e}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "refused at once");
+    assert!(!peft.exists(), "nothing written");
+    assert!(first.wait().unwrap().success());
+    let o = rtune_env(&args, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(peft.join("adapter_model.safetensors").exists());
 }

@@ -140,14 +140,12 @@ fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()
         let c = &f.counts;
         writeln!(
             out,
-            "{}: {} rows, {} examples, {} tokens; {} truncated, {} dropped, {} skipped{}",
+            "{}: {} rows, {} examples, {} tokens; {}{}",
             f.path.display(),
             c.rows,
             f.examples,
             f.tokens,
-            c.truncated,
-            c.dropped,
-            c.skipped,
+            c.summary(),
             if f.reused_cache { " (from cache)" } else { "" }
         )?;
     }
@@ -191,13 +189,11 @@ fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
             format!("tokenised at {:.0} tokens/s", f.tokens_per_s)
         };
         println!(
-            "{}: {} rows, {} tokens ({how}); {} truncated, {} dropped, {} skipped",
+            "{}: {} rows, {} tokens ({how}); {}",
             f.path.display(),
             c.rows,
             f.tokens,
-            c.truncated,
-            c.dropped,
-            c.skipped
+            c.summary()
         );
     }
     println!(

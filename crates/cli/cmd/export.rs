@@ -87,6 +87,7 @@ pub fn run(a: ExportArgs) -> Result<()> {
         FormatArg::Merged => Format::Merged,
         FormatArg::GgufLora => Format::GgufLora,
     };
+    let _lock = lock_run(&a.run)?;
     let opts = ExportOptions {
         run: a.run,
         format,
@@ -114,6 +115,34 @@ pub fn run(a: ExportArgs) -> Result<()> {
         done.files.join(", ")
     );
     Ok(())
+}
+
+/// A run directory is read under a shared lock (`rtune_fsio::RunLock::acquire_shared`): while a
+/// training process holds it, export is refused at once with exit 2 naming the holder (not made
+/// to wait: a run can last hours, and a checkpoint it rotates away could vanish mid-read), and a
+/// training started during the export is refused in turn. Only directories with a `run.json` (a
+/// training's `[output] dir`) are locked; an adapter directory is read as it is.
+fn lock_run(dir: &std::path::Path) -> Result<Option<rtune_fsio::RunLock>> {
+    if !dir.join("run.json").is_file() {
+        return Ok(None);
+    }
+    let input = |message: String| rtune_export::ExportError::Input {
+        path: dir.to_path_buf(),
+        message,
+    };
+    Ok(
+        rtune_fsio::RunLock::acquire_shared(dir, rtune_fsio::Privacy::PRIVATE).map_err(
+            |e| match e {
+                rtune_fsio::LockError::Held { pid, host, .. } => input(format!(
+                    "in use by a training process (pid {pid} on {host}); export once it has \
+                     finished, or copy a checkpoint-N directory elsewhere and export that"
+                )),
+                rtune_fsio::LockError::Io { op, source, .. } => {
+                    input(format!("cannot lock ({op}): {source}"))
+                }
+            },
+        )?,
+    )
 }
 
 #[cfg(test)]

@@ -130,12 +130,10 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
                 );
             }
             eprintln!(
-                "rtune: {examples} training / {valid_examples} validation examples ({} rows: {} truncated, \
-                 {} dropped, {} skipped); {lora_params} LoRA parameters on a {model_params}-parameter model ({:.1} MB resident)",
+                "rtune: {examples} training / {valid_examples} validation examples ({} rows: {}); \
+                 {lora_params} LoRA parameters on a {model_params}-parameter model ({:.1} MB resident)",
                 counts.rows,
-                counts.truncated,
-                counts.dropped,
-                counts.skipped,
+                counts.summary(),
                 model_bytes as f64 / 1e6
             );
             for w in warnings {

@@ -33,9 +33,9 @@ pub struct DataSection {
     /// A malformed row: `error` (stop, naming file:line) or `skip` (counted).
     #[serde(default = "d_error")]
     pub on_bad_row: String,
-    /// Rows longer than this many bytes are dropped unread (counted with the dropped rows), so one
-    /// stray blob cannot take the machine's memory; 0 = max(8 MiB, 256 bytes × max_seq_len), past
-    /// which no tokenizer fits a row in max_seq_len tokens.
+    /// Rows longer than this many bytes are dropped unread (counted apart: `over max_row_bytes`),
+    /// so one stray blob cannot take the machine's memory; 0 = max(8 MiB, 256 bytes ×
+    /// max_seq_len), past which no tokenizer fits a row in max_seq_len tokens.
     #[serde(default)]
     pub max_row_bytes: usize,
     #[serde(default = "d_true")]

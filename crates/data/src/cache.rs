@@ -40,10 +40,15 @@ pub struct RowCounts {
     pub rows: usize,
     /// Rows longer than `max_seq_len`, cut to it.
     pub truncated: usize,
-    /// Rows dropped: over-long (with `truncation = "drop"`) or left with no target token.
+    /// Rows dropped after tokenizing: over `max_seq_len` (with `truncation = "drop"`) or left with
+    /// no target token.
     pub dropped: usize,
     /// Malformed rows skipped (`on_bad_row = "skip"`).
     pub skipped: usize,
+    /// Rows longer than `max_row_bytes`, dropped unread (not in `dropped`: the remedy differs).
+    /// No serde default: a manifest written before this field fails to read and is rebuilt, as
+    /// its `dropped` still holds these rows.
+    pub oversized: usize,
 }
 
 impl RowCounts {
@@ -52,6 +57,24 @@ impl RowCounts {
         self.truncated += o.truncated;
         self.dropped += o.dropped;
         self.skipped += o.skipped;
+        self.oversized += o.oversized;
+    }
+
+    /// Rows that gave no example, for any reason.
+    pub fn left_out(&self) -> usize {
+        self.dropped + self.skipped + self.oversized
+    }
+
+    /// `"3 truncated, 1 dropped, 0 skipped"`, and `", 2 over max_row_bytes"` when there are any.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "{} truncated, {} dropped, {} skipped",
+            self.truncated, self.dropped, self.skipped
+        );
+        if self.oversized > 0 {
+            s.push_str(&format!(", {} over max_row_bytes", self.oversized));
+        }
+        s
     }
 }
 
@@ -299,7 +322,7 @@ fn stream(
                     // Dropped unread, as an over-long row would be after tokenizing; the line
                     // numbers of the rows after it stay right.
                     counts.rows += 1;
-                    counts.dropped += 1;
+                    counts.oversized += 1;
                     text.push('\n');
                     line += 1;
                     continue;

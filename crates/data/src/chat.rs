@@ -341,17 +341,21 @@ pub fn render_spans(
 /// are `-100` elsewhere. The tokenizer adds its special tokens (BOS) only when the render does not
 /// already start with the template's `bos_token`, so BOS is never doubled (transformers'
 /// `apply_chat_template(tokenize=True)` never adds them; the two agree whenever the template emits
-/// BOS itself or the tokenizer adds none).
+/// BOS itself or the tokenizer adds none). `keep`: only the first `keep` tokens are needed (a long
+/// render is cut before tokenizing, [`Tokenizer::encode_prefix`]); `usize::MAX` for all.
 pub fn tokenize(
     tok: &Tokenizer,
     t: &ChatTemplate,
     r: &RenderedChat,
     train_on: TrainOn,
+    keep: usize,
 ) -> crate::Result<Example> {
     let has_bos = t
         .bos_token()
         .is_some_and(|b| !b.is_empty() && r.text.starts_with(b));
-    let (ids, offsets) = tok.encode_with_offsets(&r.text, !has_bos)?;
+    // At least the first `keep` tokens (all of them for a text that is not long): a token's label
+    // depends only on its id and offsets, which a harmless cut leaves as they are.
+    let (ids, offsets) = tok.encode_prefix(&r.text, !has_bos, keep)?;
     let labels = ids
         .iter()
         .zip(&offsets)

@@ -357,22 +357,25 @@ impl<'a> RowParser<'a> {
             ))
         })?;
         let fatal = |e: DataError| RowError::Fatal(e.to_string());
+        // Tokens worth computing: `max_seq_len` kept, one more to tell "too long" (truncate or
+        // drop). A longer row's text is cut before tokenizing (`Tokenizer::encode_prefix`), which
+        // yields the same first `keep` tokens, so `parse_chunk` cuts or drops it as before.
+        let keep = self.opts.max_seq_len.saturating_add(1);
         match self.format {
             Format::Text => {
-                let ids = tok
-                    .encode(str_field(&obj, "text").map_err(RowError::Bad)?, true)
-                    .map_err(fatal)?;
+                let text = str_field(&obj, "text").map_err(RowError::Bad)?;
+                let (ids, _) = tok.encode_prefix(text, true, keep).map_err(fatal)?;
                 let labels = ids.iter().map(|&i| i as i64).collect();
                 with_eos(tok, ids, labels)
             }
             Format::PromptCompletion => {
                 let p = str_field(&obj, "prompt").map_err(RowError::Bad)?;
                 let c = str_field(&obj, "completion").map_err(RowError::Bad)?;
-                completion_example(tok, p, c)
+                completion_example(tok, p, c, keep)
             }
             Format::Alpaca => {
                 let (p, c) = alpaca(&obj).map_err(RowError::Bad)?;
-                completion_example(tok, &p, c)
+                completion_example(tok, &p, c, keep)
             }
             Format::Chat => {
                 let t = self
@@ -390,7 +393,7 @@ impl<'a> RowParser<'a> {
                         other => RowError::Fatal(other.to_string()),
                     },
                 )?;
-                chat::tokenize(tok, t, &r, self.opts.train_on).map_err(fatal)
+                chat::tokenize(tok, t, &r, self.opts.train_on, keep).map_err(fatal)
             }
             Format::Tokens => unreachable!("handled above"),
         }
@@ -445,14 +448,21 @@ fn alpaca(obj: &Map<String, Value>) -> std::result::Result<(String, &str), Strin
 
 /// `prompt` (with the tokenizer's BOS) then `completion` (and EOS), loss on the completion and EOS.
 /// The two are tokenised apart, so the prompt's tokens are the same with or without an answer.
+/// Only the first `keep` tokens are sure to be computed: a prompt of `keep` tokens or more leaves
+/// the completion untokenized, and a long completion is tokenized up to `keep` in all (the
+/// tokens and labels that `keep` covers are those of the whole row; the caller cuts at `keep - 1`).
 fn completion_example(
     tok: &Tokenizer,
     prompt: &str,
     completion: &str,
+    keep: usize,
 ) -> std::result::Result<Example, RowError> {
     let fatal = |e: DataError| RowError::Fatal(e.to_string());
-    let mut ids = tok.encode(prompt, true).map_err(fatal)?;
-    let completion = tok.encode(completion, false).map_err(fatal)?;
+    let (mut ids, _) = tok.encode_prefix(prompt, true, keep).map_err(fatal)?;
+    let completion = match keep.saturating_sub(ids.len()) {
+        0 => Vec::new(),
+        rest => tok.encode_prefix(completion, false, rest).map_err(fatal)?.0,
+    };
     let mut labels = vec![IGNORE; ids.len()];
     labels.extend(completion.iter().map(|&i| i as i64));
     ids.extend(completion);

@@ -28,7 +28,7 @@ pub use batch::{Batcher, Layout, MicroBatch, PAD_SEGMENT};
 pub use chat::{Conversation, RenderedChat, Role};
 pub use formats::{detect_format, DataOptions, Format, OnBadRow, RowParser, TrainOn, Truncation};
 pub use template::{ChatTemplate, TemplateError};
-pub use tokenizer::{ByteRange, Tokenizer};
+pub use tokenizer::{ByteRange, Tokenizer, PREFIX_MARGIN};
 
 use std::path::{Path, PathBuf};
 

@@ -8,6 +8,11 @@ use crate::{DataError, Result};
 /// A token's `(start, end)` byte offsets in the text it was encoded from.
 pub type ByteRange = (usize, usize);
 
+/// Bytes before a cut within which [`Tokenizer::encode_prefix`] does not trust a prefix's tokens
+/// (a cut can change the last words' tokens; 256 bytes is far more than any pre-token look-ahead
+/// or BPE merge chain seen in the test tokenizers, and the two-cut check guards the rest).
+pub const PREFIX_MARGIN: usize = 256;
+
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     pub bos_id: Option<u32>,
@@ -101,6 +106,75 @@ impl Tokenizer {
         Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 
+    /// The first `need` tokens of `encode_with_offsets(text, add_special)`, found without
+    /// tokenizing all of a long `text` (issue 19: a 5 MB row of which `max_seq_len` tokens are
+    /// kept). Returns either the whole encoding (when `text` is short, or when the cut could not be
+    /// shown harmless) or exactly its first `need` tokens, so the caller also learns the whole has
+    /// at least `need` tokens.
+    ///
+    /// How a cut is shown harmless: the prefix `text[..b]` (cut on a char boundary) is encoded, and
+    /// its *settled* tokens are those that end at least [`PREFIX_MARGIN`] bytes before the cut (the
+    /// pre-tokenizer's last words, a whitespace run's look-ahead, a BPE merge chain and a
+    /// normalizer's window all sit inside that margin). When the prefix has `need` settled tokens,
+    /// a second, twice-as-long prefix is encoded and must give the same first `need` ids and
+    /// offsets: two cuts far apart that agree are not seeing the cut. Otherwise `b` doubles; past
+    /// half the text, the whole text is encoded. Cost: about 3× the bytes the kept tokens cover.
+    pub fn encode_prefix(
+        &self,
+        text: &str,
+        add_special: bool,
+        need: usize,
+    ) -> Result<(Vec<u32>, Vec<ByteRange>)> {
+        // ~4 bytes a token for prose; 8 leaves room for code and non-Latin scripts.
+        let mut budget = need.saturating_mul(8).saturating_add(2 * PREFIX_MARGIN);
+        while budget.saturating_mul(2) < text.len() {
+            let (ids, offsets) = self.settled(text, budget, add_special)?;
+            if ids.len() >= need {
+                let (ids2, offsets2) = self.settled(text, 2 * budget, add_special)?;
+                if ids2.len() >= need
+                    && ids2[..need] == ids[..need]
+                    && offsets2[..need] == offsets[..need]
+                {
+                    let (mut ids, mut offsets) = (ids, offsets);
+                    ids.truncate(need);
+                    offsets.truncate(need);
+                    return Ok((ids, offsets));
+                }
+                break;
+            }
+            budget = budget.saturating_mul(2);
+        }
+        self.encode_with_offsets(text, add_special)
+    }
+
+    /// The settled tokens of `text[..cut]` (cut moved back to a char boundary): the leading tokens
+    /// that end at least [`PREFIX_MARGIN`] bytes before the cut. Empty unless some token ends past
+    /// that line, so tokens a post-processor appends (an EOS with empty offsets) never count.
+    fn settled(
+        &self,
+        text: &str,
+        cut: usize,
+        add_special: bool,
+    ) -> Result<(Vec<u32>, Vec<ByteRange>)> {
+        let mut cut = cut.min(text.len());
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let line = cut.saturating_sub(PREFIX_MARGIN);
+        let (mut ids, mut offsets) = self.encode_with_offsets(&text[..cut], add_special)?;
+        match offsets.iter().position(|&(_, end)| end > line) {
+            Some(n) => {
+                ids.truncate(n);
+                offsets.truncate(n);
+            }
+            None => {
+                ids.clear();
+                offsets.clear();
+            }
+        }
+        Ok((ids, offsets))
+    }
+
     /// Token ids of `text`; `add_special` applies the tokenizer's post-processor (e.g. BOS).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         Ok(self.encoding(text, add_special)?.get_ids().to_vec())
@@ -126,5 +200,54 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The repository's tokenizers, and tiny-llama with no pre-tokenizer split (the whole text one
+    /// BPE word, the hardest case for a cut).
+    fn tokenizers(tmp: &Path) -> Vec<Tokenizer> {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(root.join("tests/chat/models"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        let tiny = root.join("../../tests/fixtures/tiny-llama");
+        dirs.push(tiny.clone());
+        let mut j: Value =
+            serde_json::from_str(&std::fs::read_to_string(tiny.join("tokenizer.json")).unwrap())
+                .unwrap();
+        j["pre_tokenizer"]["use_regex"] = Value::Bool(false);
+        std::fs::write(tmp.join("tokenizer.json"), j.to_string()).unwrap();
+        dirs.push(tmp.to_path_buf());
+        dirs.iter()
+            .map(|d| Tokenizer::load(d, Some(2)).unwrap())
+            .collect()
+    }
+
+    /// The settled tokens of a prefix are the whole text's first tokens, wherever the cut falls
+    /// (inside a word, a space run, a multi-byte character, a literal `</s>`). Fails without the
+    /// margin: a cut inside a word changes that word's tokens.
+    #[test]
+    fn settled_tokens_of_any_cut_are_the_whole_texts() {
+        let tmp = tempfile::tempdir().unwrap();
+        let text =
+            "The quick brown fox   jumps\n\nover 12345 日本語 😀 don't </s>aaaaaaaaaaaaaaaa \
+                    fn main() { let x = 1; }\t"
+                .repeat(60);
+        for tok in tokenizers(tmp.path()) {
+            let (whole, whole_off) = tok.encode_with_offsets(&text, true).unwrap();
+            let mut settled = 0;
+            for cut in (0..text.len()).step_by(7) {
+                let (ids, off) = tok.settled(&text, cut, true).unwrap();
+                assert_eq!(ids[..], whole[..ids.len()], "cut at {cut}");
+                assert_eq!(off[..], whole_off[..ids.len()], "cut at {cut}");
+                settled += ids.len();
+            }
+            assert!(settled > 10_000, "{settled} tokens settled in all");
+        }
     }
 }

@@ -153,7 +153,7 @@ fn masks_train_exactly_the_assistant_turns() {
             let t = with_vars(&m.template, case);
             let conv = Conversation::from_json(case["row"].as_str().unwrap()).unwrap();
             let r = render_spans(&t, &conv, TrainOn::Assistant, &specials).unwrap();
-            let ex = tokenize(&m.tok, &t, &r, TrainOn::Assistant).unwrap();
+            let ex = tokenize(&m.tok, &t, &r, TrainOn::Assistant, usize::MAX).unwrap();
             assert_eq!(ex.input_ids, ints::<u32>(&case["input_ids"]), "{name}: ids");
             assert_eq!(ex.labels, ints::<i64>(&case["labels"]), "{name}: labels");
             // Each trained run of tokens decodes to one assistant turn, end token included.

@@ -168,13 +168,11 @@ pub fn run_checks(
             "data and loss masks",
             first.trained_tokens > 0,
             format!(
-                "{} examples ({} rows, {} truncated, {} dropped, {} skipped); first sample: {} tokens, {} trained \
+                "{} examples ({} rows, {}); first sample: {} tokens, {} trained \
                  (see `rtune data inspect`)",
                 data.train.len(),
                 c.rows,
-                c.truncated,
-                c.dropped,
-                c.skipped,
+                c.summary(),
                 first.input_ids.len(),
                 first.trained_tokens
             ),

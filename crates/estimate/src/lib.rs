@@ -21,16 +21,21 @@
 //! The mapped checkpoint counts because RSS counts it, though the kernel can reclaim those pages.
 //! CPU only: on CUDA the activations live in device memory (not modelled yet).
 //!
+//! The attention path is the model's ([`attn_path`]: `RTUNE_ATTN`, by default tiled on the CPU from
+//! 1024 tokens); the tiled path's terms are in `tiled.rs` (no `T × T` tensor, dK/dV partials).
+//!
 //! Shapes: `B` micro-batch rows, `T` sequence length, `N = B·T` tokens, `D` hidden, `Dq = H·Dh`,
 //! `Dkv = Hkv·Dh`, `I` intermediate, `V` vocab, `L` layers, `e` bytes per element of the compute
 //! dtype. Checked against measured peaks by `benches/estimate_vs_measured.sh` (±10%).
 
 use rtune_config::DType;
-use rtune_model::ops::{keep_probs, AttnShape};
+use rtune_model::ops::{keep_probs, AttnPath, AttnShape};
 use rtune_model::ModelConfig;
 
 mod run;
+mod tiled;
 pub use run::{fit_to_data, for_run, matmul_workspace_bytes, settings_for};
+pub use tiled::{attn_path, partial_bytes};
 
 /// glibc's `M_MMAP_THRESHOLD` as the binary sets it: blocks at least this big are mmapped.
 pub const MMAP_THRESHOLD: u64 = 32 << 20;
@@ -120,6 +125,7 @@ pub mod names {
     pub const ACTS_ONE: &str = "one layer's activations (recomputed)";
     pub const PROBS: &str = "attention probabilities (kept)";
     pub const SCORES: &str = "attention scores (transient)";
+    pub const PARTIALS: &str = "attention dK/dV partials (tiled)";
     pub const LOGITS: &str = "logits chunks (cross-entropy)";
     pub const WORKSPACE: &str = "workspace (gradients, transients)";
     pub const MATMUL: &str = "matmul workspace (per thread)";
@@ -156,13 +162,13 @@ impl Phase {
 
 /// `count` tensors of `each` bytes under one breakdown name.
 #[derive(Debug, Clone, Copy)]
-struct Item {
+pub(crate) struct Item {
     name: &'static str,
     each: u64,
     count: u64,
 }
 
-fn item(name: &'static str, each: u64, count: u64) -> Item {
+pub(crate) fn item(name: &'static str, each: u64, count: u64) -> Item {
     Item { name, each, count }
 }
 
@@ -259,7 +265,7 @@ fn elem(d: DType) -> u64 {
 }
 
 /// The sizes one micro-batch works with.
-struct Dims {
+pub(crate) struct Dims {
     b: u64,
     t: u64,
     n: u64,
@@ -275,15 +281,17 @@ struct Dims {
     keep: bool,
 }
 
-fn dims(c: &ModelConfig, s: &Settings) -> Dims {
+fn dims(c: &ModelConfig, s: &Settings, path: AttnPath) -> Dims {
     let (b, t) = (s.micro_batch_size as u64, s.seq_len as u64);
-    let keep = keep_probs(&AttnShape {
-        b: s.micro_batch_size,
-        t: s.seq_len,
-        heads: c.num_heads,
-        kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
-    });
+    // The tiled path keeps no probabilities.
+    let keep = path == AttnPath::Plain
+        && keep_probs(&AttnShape {
+            b: s.micro_batch_size,
+            t: s.seq_len,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        });
     Dims {
         b,
         t,
@@ -330,9 +338,9 @@ fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> V
 }
 
 /// The tensors of each phase besides the static ones.
-fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
+fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> Vec<Item> {
     use names::*;
-    let k = dims(c, s);
+    let k = dims(c, s, path);
     let (n, e, d) = (k.n, k.e, k.d);
     let mut v = Vec::new();
     // LoRA gradients (f32): each step starts without any; the first micro-batch's backward has
@@ -351,7 +359,9 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
         _ => 1,
     };
     let mask_rows = if s.packing { k.b } else { 1 };
-    v.push(item(BATCH, mask_rows * k.t * k.t * 4, masks));
+    // The tiled path reads the visible-key starts, (1 or B, T) u32, and never builds the mask.
+    let mask_cols = if path == AttnPath::Tiled { 1 } else { k.t };
+    v.push(item(BATCH, mask_rows * k.t * mask_cols * 4, masks));
     v.push(item(BATCH, n * c.head_dim as u64 * e, 2));
     // ids, positions, targets on the host.
     v.push(item(BATCH, n * 16, 1));
@@ -404,10 +414,14 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
             }
         }
         Phase::AttentionBackward | Phase::RopeBackward => {
-            // d_out, dh2 and dh (N, D); dm, dg, du (N, I) alive to the layer's end; d_o and its
-            // (B, Hkv, G·T, Dh) copy.
+            // d_out, dh2 and dh (N, D); dm, dg, du (N, I) alive to the layer's end.
             v.push(item(WORKSPACE, n * d * e, 3));
             v.push(item(WORKSPACE, n * k.i * e, 3));
+            if path == AttnPath::Tiled {
+                v.extend(tiled::backward_items(c, s, &k, phase));
+                return with_dequant(c, s, v);
+            }
+            // d_o and its (B, Hkv, G·T, Dh) copy.
             v.push(item(WORKSPACE, n * k.dq * e, 2));
             if phase == Phase::AttentionBackward {
                 // At the last batch row (measured peak): its p (kept, or recomputed by the fused
@@ -430,10 +444,15 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
             }
         }
     }
+    with_dequant(c, s, v)
+}
+
+/// `v` and, for NF4, the one dequantized weight a use makes in the compute dtype (the largest is
+/// (I, D)).
+fn with_dequant(c: &ModelConfig, s: &Settings, mut v: Vec<Item>) -> Vec<Item> {
     if let Quantize::Nf4 { .. } = s.quantize {
-        // Each use dequantizes one weight into the compute dtype; the largest is (I, D).
         let largest = linears(c).iter().map(|(_, i, o)| i * o).max().unwrap_or(0);
-        v.push(item(DEQUANT, largest * e, 1));
+        v.push(item(names::DEQUANT, largest * elem(s.dtype), 1));
     }
     v
 }
@@ -487,11 +506,17 @@ fn split(items: &[Item]) -> (u64, u64) {
     })
 }
 
-/// Predicts the peak resident memory of training `c` with `s`.
+/// Predicts the peak resident memory of training `c` with `s`, on the attention path the model
+/// takes for rows of `s.seq_len` tokens ([`attn_path`]).
 pub fn estimate(c: &ModelConfig, s: &Settings) -> Estimate {
+    estimate_on(c, s, attn_path(s.seq_len))
+}
+
+/// [`estimate`] on the attention path `path`.
+pub fn estimate_on(c: &ModelConfig, s: &Settings, path: AttnPath) -> Estimate {
     let fixed = static_items(c, s);
     let base: u64 = s.runtime_bytes + fixed.iter().map(|i| i.each * i.count).sum::<u64>();
-    let k = dims(c, s);
+    let k = dims(c, s, path);
     // With checkpointing, L − 1 kept inputs each pin a hole of their size in the heap (measured on
     // bench-small: 20 MB at T=512, 118 MB at T=2048; L−1 inputs: 29 MB, 117 MB). Inputs big
     // enough to be mmapped leave no hole.
@@ -509,7 +534,7 @@ pub fn estimate(c: &ModelConfig, s: &Settings) -> Estimate {
         Phase::AttentionBackward,
         Phase::RopeBackward,
     ] {
-        let items = phase_items(c, s, phase);
+        let items = phase_items(c, s, phase, path);
         let (heap, mapped) = split(&items);
         heap_hwm = heap_hwm.max(heap);
         // RSS at this moment: the heap as large as it ever grew, plus what is mmapped now.

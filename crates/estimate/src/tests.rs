@@ -211,3 +211,66 @@ fn data_sizes_the_batch_by_its_longest_rows() {
     fit_to_data(&mut s, &data, 12); // packed rows fill up to max_seq_len
     assert_eq!((s.seq_len, s.target_rows), (12, Some(7)));
 }
+
+#[test]
+fn tiled_backward_partials_follow_the_task_split() {
+    // 32 (row, head) pairs or more: one chunk each, its partial over all T keys.
+    assert_eq!(partial_bytes(2048, 4, 8, 64, None), vec![2048 * 64 * 4]);
+    // 8 pairs: 4 chunks of 8 query tiles (512 queries), each over the keys 0..q_end.
+    assert_eq!(
+        partial_bytes(2048, 1, 8, 64, None),
+        (1..=4).map(|c| c * 512 * 64 * 4).collect::<Vec<u64>>()
+    );
+    // Odd T: the last chunk ends at T. A sliding window of 100: each chunk's keys start 99
+    // before its first query.
+    assert_eq!(
+        partial_bytes(1000, 1, 8, 64, Some(100)),
+        vec![
+            256 * 256,
+            (512 - 157) * 256,
+            (768 - 413) * 256,
+            (1000 - 669) * 256
+        ]
+    );
+}
+
+#[test]
+fn tiled_attention_keeps_no_t_squared_tensor() {
+    let c = bench_small();
+    for ckpt in [false, true] {
+        let s = Settings::new(16, 4, 2048, ckpt);
+        let plain = estimate_on(&c, &s, AttnPath::Plain);
+        let tiled = estimate_on(&c, &s, AttnPath::Tiled);
+        assert_eq!(tiled.get(names::PROBS) + tiled.get(names::SCORES), 0);
+        // The starts (1, T) u32, cos and sin (B, 1, T, Dh) f32, ids/positions/targets.
+        assert_eq!(
+            tiled.get(names::BATCH),
+            2048 * 4 + 2 * 4 * 2048 * 64 * 4 + 4 * 2048 * 16
+        );
+        assert!(plain.get(names::BATCH) > 2048 * 2048 * 4);
+        assert!(
+            tiled.peak_bytes < plain.peak_bytes,
+            "ckpt {ckpt}: {} vs {}",
+            tiled.peak_bytes,
+            plain.peak_bytes
+        );
+        if tiled.phase == Phase::AttentionBackward.name() {
+            // 4·8 (row, head) pairs: one dK and one dV partial of T × Dh f32 each, and the
+            // reduction's pair per working thread.
+            let threads = candle_core::utils::get_num_threads().min(8) as u64;
+            let want = (2 * 32 + 2 * threads) * 2048 * 64 * 4;
+            assert_eq!(tiled.get(names::PARTIALS), want);
+        }
+    }
+    // The default path is the model's: tiled from 1024 tokens on the CPU, unless RTUNE_ATTN says.
+    let env = std::env::var("RTUNE_ATTN").ok();
+    if env.is_none() {
+        assert_eq!(attn_path(1023), AttnPath::Plain);
+        assert_eq!(attn_path(1024), AttnPath::Tiled);
+        let s = Settings::new(16, 4, 2048, true);
+        assert_eq!(
+            estimate(&c, &s).peak_bytes,
+            estimate_on(&c, &s, AttnPath::Tiled).peak_bytes
+        );
+    }
+}

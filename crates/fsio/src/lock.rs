@@ -1,13 +1,16 @@
 //! One process per run directory: an exclusive advisory lock (`flock`, through std's
 //! [`File::try_lock`]) on `<dir>/.rtune.lock`, held for as long as the [`RunLock`] lives.
 //!
+//! `rtune export` takes the same lock shared ([`RunLock::acquire_shared`]): readers of a run
+//! directory exclude a training process, not each other.
+//!
 //! The kernel drops the lock with the process, so `kill -9` leaves nothing to clean up: the lock
 //! file may stay, but a stale file is never "held". The file records the holder's pid and host so a
 //! refused process can name them.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::Privacy;
@@ -62,18 +65,7 @@ impl RunLock {
             .map_err(io("open"))?;
         match file.try_lock() {
             Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                let mut text = String::new();
-                let _ = file.read_to_string(&mut text);
-                let mut it = text.split_whitespace();
-                let pid = it.next().unwrap_or("unknown").to_string();
-                let host = it.next().unwrap_or("unknown host").to_string();
-                return Err(LockError::Held {
-                    dir: dir.to_path_buf(),
-                    pid,
-                    host,
-                });
-            }
+            Err(TryLockError::WouldBlock) => return Err(held(dir, &mut file)),
             Err(TryLockError::Error(e)) => return Err(io("flock")(e)),
         }
         // Ours now: record who holds it for the next one to name.
@@ -85,10 +77,68 @@ impl RunLock {
         Ok(RunLock { _file: file, path })
     }
 
+    /// Shares `dir` with other readers (`rtune export`) without waiting: refused with
+    /// [`LockError::Held`] while a training process holds it exclusively, and a training started
+    /// meanwhile is refused in turn. Readers do not exclude each other. `Ok(None)`: the directory
+    /// is not writable and holds no lock file, so no training can hold it either.
+    pub fn acquire_shared(dir: &Path, privacy: Privacy) -> Result<Option<RunLock>, LockError> {
+        let path = dir.join(LOCK_FILE);
+        let io = |op: &'static str| {
+            let path = path.clone();
+            move |source| LockError::Io { path, op, source }
+        };
+        let opened = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(privacy.file_mode())
+            .open(&path);
+        let (mut file, writable) = match opened {
+            Ok(f) => (f, true),
+            Err(e) if read_only(&e) => match File::open(&path) {
+                Ok(f) => (f, false),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(io("open")(e)),
+            },
+            Err(e) => return Err(io("open")(e)),
+        };
+        match file.try_lock_shared() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => return Err(held(dir, &mut file)),
+            Err(TryLockError::Error(e)) => return Err(io("flock")(e)),
+        }
+        // Named to a training refused meanwhile (with several readers, the last one to start).
+        if writable {
+            let me = format!("{} {}\n", std::process::id(), hostname());
+            file.set_len(0).map_err(io("truncate"))?;
+            file.write_all_at(me.as_bytes(), 0).map_err(io("write"))?;
+        }
+        Ok(Some(RunLock { _file: file, path }))
+    }
+
     /// The lock file.
     pub fn path(&self) -> &Path {
         &self.path
     }
+}
+
+/// [`LockError::Held`], naming the holder recorded in the lock file.
+fn held(dir: &Path, file: &mut File) -> LockError {
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    let mut it = text.split_whitespace();
+    LockError::Held {
+        dir: dir.to_path_buf(),
+        pid: it.next().unwrap_or("unknown").to_string(),
+        host: it.next().unwrap_or("unknown host").to_string(),
+    }
+}
+
+/// An open for writing refused because the directory or filesystem is read-only.
+fn read_only(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{PermissionDenied, ReadOnlyFilesystem};
+    matches!(e.kind(), PermissionDenied | ReadOnlyFilesystem)
 }
 
 /// This machine's host name (`/proc/sys/kernel/hostname`), or "unknown host".
@@ -123,6 +173,37 @@ mod tests {
         let again = RunLock::acquire(&d, Privacy::PRIVATE).unwrap();
         assert!(again.path().ends_with(LOCK_FILE));
         drop(again);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn readers_share_and_exclude_a_writer() {
+        let d = std::env::temp_dir().join(format!("rtune-lock-shared-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let writer = RunLock::acquire(&d, Privacy::PRIVATE).unwrap();
+        assert!(matches!(
+            RunLock::acquire_shared(&d, Privacy::PRIVATE),
+            Err(LockError::Held { .. })
+        ));
+        drop(writer);
+        let r1 = RunLock::acquire_shared(&d, Privacy::PRIVATE)
+            .unwrap()
+            .unwrap();
+        let r2 = RunLock::acquire_shared(&d, Privacy::PRIVATE)
+            .unwrap()
+            .unwrap();
+        match RunLock::acquire(&d, Privacy::PRIVATE) {
+            Err(LockError::Held { pid, .. }) => assert_eq!(pid, std::process::id().to_string()),
+            other => panic!("expected Held, got {other:?}"),
+        }
+        drop(r1);
+        assert!(
+            RunLock::acquire(&d, Privacy::PRIVATE).is_err(),
+            "r2 still reads"
+        );
+        drop(r2);
+        drop(RunLock::acquire(&d, Privacy::PRIVATE).unwrap());
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -66,7 +66,8 @@ impl RunData {
         c
     }
 
-    /// Warnings a user should see before a long run (more than 1% of rows cut or dropped).
+    /// Warnings a user should see before a long run: more than 1% of rows cut or dropped at
+    /// `max_seq_len`; any row over `max_row_bytes` (apart: its remedy is another setting).
     pub fn warnings(&self) -> Vec<String> {
         let mut w = Vec::new();
         for f in &self.files {
@@ -82,6 +83,15 @@ impl RunData {
                     100.0 * affected as f64 / c.rows as f64,
                     c.truncated,
                     c.dropped
+                ));
+            }
+            if c.oversized > 0 {
+                w.push(format!(
+                    "{}: {} of {} rows were longer than [data] max_row_bytes and dropped unread; \
+                     raise max_row_bytes if they are wanted",
+                    f.path.display(),
+                    c.oversized,
+                    c.rows
                 ));
             }
             if c.skipped > 0 {
@@ -227,6 +237,7 @@ fn load_file(
             truncated: ds.truncated,
             dropped: ds.dropped + ds.skipped,
             skipped: ds.bad_rows,
+            oversized: 0,
         };
         Ok((ds.examples, counts))
     };
@@ -244,7 +255,7 @@ fn load_file(
     let usable = if keep {
         !loaded.examples.is_empty()
     } else {
-        loaded.counts.rows > loaded.counts.dropped + loaded.counts.skipped
+        loaded.counts.rows > loaded.counts.left_out()
     };
     if !usable {
         return Err(DataError::File {
@@ -254,8 +265,11 @@ fn load_file(
             } else {
                 format!(
                     "no usable example ({} rows read: {} dropped as too long or without a target token, \
-                     {} malformed rows skipped)",
-                    loaded.counts.rows, loaded.counts.dropped, loaded.counts.skipped
+                     {} over max_row_bytes, {} malformed rows skipped)",
+                    loaded.counts.rows,
+                    loaded.counts.dropped,
+                    loaded.counts.oversized,
+                    loaded.counts.skipped
                 )
             },
         }
@@ -313,7 +327,7 @@ pub fn prepare(
             path: path.clone(),
             weight,
             counts: loaded.counts,
-            examples: loaded.counts.rows - loaded.counts.dropped - loaded.counts.skipped,
+            examples: loaded.counts.rows - loaded.counts.left_out(),
             tokens: loaded.tokens,
             reused_cache: loaded.reused,
             tokens_per_s: loaded.tokens_per_s,
