@@ -8,6 +8,7 @@
 //! - SIGUSR1 to `mpirun` (which forwards it; it kills the job on SIGTERM) finishes the step,
 //!   checkpoints and exits 0; one process resumes it only with the same global batch, and then
 //!   ends with the uninterrupted run's adapter;
+//! - SIGTERM to one rank only stops every rank after the same step, with a checkpoint;
 //! - a rank that hangs (SIGSTOP) makes the other exit through the watchdog, naming what it waited
 //!   for.
 //!
@@ -358,6 +359,30 @@ fn sigusr1_to_mpirun_checkpoints_exits_0_and_resumes_to_the_same_adapter() {
     assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
     assert!(adapter(&out) == adapter(&reference), "adapters differ");
     assert_eq!(metrics(&out), metrics(&reference));
+}
+
+/// A stop request that reaches one rank only (SIGTERM to rank 1, as `srun` would forward it to
+/// every task) stops every rank after the same step: they agree on it through an all-reduce.
+#[test]
+fn sigterm_to_one_rank_stops_every_rank_after_the_same_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(tmp.path(), "one-signal", 1, 200, &smoke());
+    let out = tmp.path().join("one-signal");
+    let child = spawn_until_step(&cfg, &out, 2, &[]);
+    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
+    signal(pid, 15);
+    let (o, took) = wait_timed(child);
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    let step: usize = said
+        .split("stopped after step ")
+        .nth(1)
+        .and_then(|r| r.split(';').next())
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(out.join(format!("checkpoint-{step}")).is_dir(), "{said}");
+    assert_eq!(metrics(&out).len(), step);
 }
 
 fn libc_sigusr1() -> i32 {
