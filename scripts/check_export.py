@@ -10,6 +10,8 @@
 2. base + adapter in PEFT (PeftModel.from_pretrained, f32) -> logits_peft
 3. PEFT's own merge_and_unload() in the base's stored dtype: its weights vs the exported ones
    (where they differ, also each one's distance to the merge done in f32)
+4. the adapter's keys as PEFT loads them: missing (adapter parameters of the PEFT model the file
+   lacks, DoRA magnitudes included) and unexpected (file keys PEFT does not use), both must be empty
 Prints the numbers as JSON; exit 1 if max|logits_merged - logits_peft| / max|logits_peft| > --tol.
 """
 import argparse
@@ -61,6 +63,13 @@ def main():
         logits_base = base(input_ids=ids).logits.float()
         peft = PeftModel.from_pretrained(base, args.adapter).eval()
         logits_peft = peft(input_ids=ids).logits.float()
+        from peft.utils import set_peft_model_state_dict
+        saved = load_file(os.path.join(args.adapter, "adapter_model.safetensors"))
+        keys = set_peft_model_state_dict(peft, saved)
+        res["use_dora"] = bool(peft.peft_config["default"].use_dora)
+        res["adapter_tensors"] = len(saved)
+        res["adapter_missing_keys"] = [k for k in keys.missing_keys if "lora_" in k]
+        res["adapter_unexpected_keys"] = list(keys.unexpected_keys)
         scale = logits_peft.abs().max().item()
         res["max|merged-peft|"] = (logits_merged - logits_peft).abs().max().item()
         res["rel|merged-peft|"] = res["max|merged-peft|"] / scale
@@ -103,7 +112,8 @@ def main():
                 "peft": {"max": ep.max().item(), "mean": ep.mean().item()},
                 "elements where rtune is closer / farther": [(eo < ep).sum().item(), (eo > ep).sum().item()],
             }
-    ok = res["rel|merged-peft|"] <= args.tol and not missing and "dtype_or_shape_mismatch" not in res
+    ok = (res["rel|merged-peft|"] <= args.tol and not missing and "dtype_or_shape_mismatch" not in res
+          and not res["adapter_missing_keys"] and not res["adapter_unexpected_keys"])
     print(json.dumps(res, indent=1))
     print("RESULT:", "OK" if ok else "FAIL")
     sys.exit(0 if ok else 1)

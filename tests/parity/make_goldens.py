@@ -17,6 +17,9 @@ It writes into OUT:
     golden_tiny_l3_rslora.safetensors                      (the same with rsLoRA)
     golden_tiny_qlora_nf4.safetensors                      (tiny, base linears in bnb NF4)
     golden_tiny_qlora_nf4dq.safetensors                    (the same with double quant)
+    golden_tiny_dora.safetensors                           (tiny, DoRA, all-linear)
+    golden_tiny_l3_dora_rslora_wd.safetensors              (tiny_l3, DoRA subset, rsLoRA, wd 0.1)
+    golden_tiny_qdora_nf4dq.safetensors                    (tiny, QDoRA over NF4 double quant)
 
 The files committed under tests/ were first made by the reference scripts in shared/reference/
 (make_tiny.py, peft_reference.py; not part of rtune). This script is an independent rewrite that

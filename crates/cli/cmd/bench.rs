@@ -45,6 +45,9 @@ pub struct BenchArgs {
     /// The frozen linear layers: none, nf4 or nf4-dq (QLoRA, double-quantized scales).
     #[arg(long, default_value = "none")]
     quantize: String,
+    /// DoRA (`[lora] dora = true`) instead of plain LoRA.
+    #[arg(long)]
+    dora: bool,
     /// Also write the result as JSON to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -71,6 +74,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         device: a.device,
         dtype: a.dtype,
         quantize: a.quantize,
+        dora: a.dora,
     };
     if o.steps == 0
         || o.heads == 0

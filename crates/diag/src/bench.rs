@@ -45,6 +45,8 @@ pub struct BenchOptions {
     pub dtype: String,
     /// `none | nf4 | nf4-dq`: the frozen linear layers as QLoRA holds them.
     pub quantize: String,
+    /// DoRA on every adapted layer (magnitudes trained, the norm computed once per step).
+    pub dora: bool,
 }
 
 impl Default for BenchOptions {
@@ -66,6 +68,7 @@ impl Default for BenchOptions {
             device: "cpu".into(),
             dtype: "f32".into(),
             quantize: "none".into(),
+            dora: false,
         }
     }
 }
@@ -215,9 +218,13 @@ pub fn run(
     let cfg = model_config(o);
     let source = RandomWeights::new(&dev, dtype, quantize, Draw::Normal);
     let mut model = Model::build_with(cfg, &source, dtype, &dev, quantize)?;
-    let spec = LoraSpec::new(o.r, o.alpha, 0.0, false, &["all-linear".to_string()])?;
+    let spec =
+        LoraSpec::new(o.r, o.alpha, 0.0, false, &["all-linear".to_string()])?.with_dora(o.dora);
     let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 0, &dev)?;
     model.attach(&adapter);
+    if o.dora {
+        model.init_dora(&mut adapter)?;
+    }
     let rss_after_model_bytes = memory::current_rss_bytes();
     let mut opt = LoraOptimizer::new(&adapter, (0.9, 0.999), 1e-8, 0.0)?;
     dev.synchronize()

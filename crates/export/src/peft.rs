@@ -18,7 +18,7 @@ pub fn export_peft(
     base_name: &str,
     privacy: Privacy,
 ) -> Result<Vec<String>> {
-    // Refuses what rtune cannot vouch for (DoRA, other PEFT types, ...) before copying anything.
+    // Refuses what rtune cannot vouch for (other PEFT types, ...) before copying anything.
     rtune_lora::read_adapter_config(adapter_dir)?;
     let wpath = adapter_dir.join(ADAPTER_WEIGHTS);
     let weights = std::fs::read(&wpath)

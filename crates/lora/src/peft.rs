@@ -385,4 +385,45 @@ mod tests {
         assert!(e.contains("lora_A") && e.contains("[4, 6]"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
+
+    /// A DoRA adapter: the magnitude saved under PEFT's key (no `.weight`), `use_dora: true`, read
+    /// back equal; a plain adapter refused for a DoRA spec and the other way round.
+    #[test]
+    fn dora_magnitudes_round_trip() {
+        let spec = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()])
+            .unwrap()
+            .with_dora(true);
+        let mods = vec![ModuleShape {
+            name: "model.layers.0.self_attn.q_proj".into(),
+            in_features: 6,
+            out_features: 5,
+        }];
+        let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
+        let m = Tensor::new(&[1.0f32, 2.0, 3.0, 4.0, 5.0], &Device::Cpu).unwrap();
+        ad.pairs[0].m = Some(m.clone());
+        assert_eq!(ad.trainable().len(), 3);
+        assert_eq!(ad.num_params(), 4 * 6 + 5 * 4 + 5);
+        let dir = std::env::temp_dir().join(format!("rtune-lora-dora-{}", std::process::id()));
+        ad.save_peft(&dir, "base", Privacy::PRIVATE).unwrap();
+        let st = candle_core::safetensors::load(dir.join(WEIGHTS), &Device::Cpu).unwrap();
+        let key = "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector";
+        assert!(st.contains_key(key), "{:?}", st.keys());
+        let cfg = read_adapter_config(&dir).unwrap();
+        assert!(cfg.use_dora);
+        let back = Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu).unwrap();
+        let got: Vec<f32> = back.pairs[0].m.as_ref().unwrap().to_vec1().unwrap();
+        assert_eq!(got, m.to_vec1::<f32>().unwrap());
+        let plain = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
+        let e = Adapter::load_peft(&dir, &plain, &mods, &Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("dora = true"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        let pdir = std::env::temp_dir().join(format!("rtune-lora-plain-{}", std::process::id()));
+        Adapter::init(plain, &mods, 3, &Device::Cpu)
+            .unwrap()
+            .save_peft(&pdir, "base", Privacy::PRIVATE)
+            .unwrap();
+        let e = Adapter::load_peft(&pdir, &spec, &mods, &Device::Cpu).unwrap_err();
+        assert!(e.to_string().contains("use_dora false"), "{e}");
+        std::fs::remove_dir_all(&pdir).unwrap();
+    }
 }

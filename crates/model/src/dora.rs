@@ -36,7 +36,10 @@ use crate::linear::{Grads, Linear, LoraCtx};
 /// The cached row norms `n = ‖W + s·B·A‖: (out,)` f32 of one layer, valid while its A and B are the
 /// same tensors (ids) and the scaling the same. A clone of the layer starts with an empty cache.
 #[derive(Debug, Default)]
-pub struct NormCache(Arc<Mutex<Option<(TensorId, TensorId, u64, Tensor)>>>);
+pub struct NormCache(Arc<Mutex<Option<Cached>>>);
+
+/// `(A's id, B's id, scaling's bits, n)`.
+type Cached = (TensorId, TensorId, u64, Tensor);
 
 impl Clone for NormCache {
     fn clone(&self) -> Self {
