@@ -8,7 +8,10 @@
 //! only in [`peft`], at the file boundary ([`peft::lora_a_key`] and its siblings name every tensor
 //! rtune writes for PEFT or beside it). Master weights are always f32.
 
+pub mod init;
 pub mod peft;
+
+pub use init::{Init, INIT_NAMES};
 
 pub use peft::{
     parse_adapter_config, read_adapter_config, PeftAdapterConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS,

@@ -50,21 +50,36 @@ impl AdamW {
 
     /// One update of every parameter in place. `params[i]` and `grads[i]` have `sizes[i]` elements.
     pub fn update(&mut self, params: &mut [Vec<f32>], grads: &[Vec<f32>], lr: f64) {
+        self.update_grouped(params, grads, lr, &[]);
+    }
+
+    /// [`update`](Self::update) with torch's parameter groups: tensor `i` trains at
+    /// `lr · lr_scale[i]` (missing entries: 1, as one group). A scale of 1 gives the same bits as
+    /// one group (`lr · 1.0 = lr`).
+    pub fn update_grouped(
+        &mut self,
+        params: &mut [Vec<f32>],
+        grads: &[Vec<f32>],
+        lr: f64,
+        lr_scale: &[f64],
+    ) {
         self.step += 1;
         let (b1, b2) = self.betas;
         let t = self.step as i32;
         let bc1 = 1.0 - b1.powi(t);
         let bc2_sqrt = (1.0 - b2.powi(t)).sqrt();
-        let step_size = (lr / bc1) as f32;
-        let decay = (1.0 - lr * self.weight_decay) as f32;
         let (w1, b2f, w2) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
         let (eps, bc2_sqrt) = (self.eps as f32, bc2_sqrt as f32);
-        for (((p, g), m), v) in params
+        for (k, (((p, g), m), v)) in params
             .iter_mut()
             .zip(grads)
             .zip(&mut self.m)
             .zip(&mut self.v)
+            .enumerate()
         {
+            let lr = lr * lr_scale.get(k).copied().unwrap_or(1.0);
+            let step_size = (lr / bc1) as f32;
+            let decay = (1.0 - lr * self.weight_decay) as f32;
             for i in 0..p.len() {
                 if self.weight_decay != 0.0 {
                     p[i] *= decay;
@@ -156,6 +171,23 @@ pub(crate) struct Hyper {
     pub betas: (f64, f64),
     pub eps: f64,
     pub weight_decay: f64,
+    /// LoRA+ (Hayou et al. 2024; PEFT's `create_loraplus_optimizer`): the B matrices' learning
+    /// rate is `lr · b_lr_ratio` (1 = plain LoRA, one group).
+    pub b_lr_ratio: f64,
+}
+
+impl Hyper {
+    /// The learning-rate multiplier of each tensor in the adapter's order (A0, B0, A1, B1, ...).
+    /// PEFT's groups for a LoRA on linear layers: every `lora_A` at `lr` (groupA), every `lora_B`
+    /// at `lr · ratio` (groupB); both take the same weight decay (`lora_B.weight` is in
+    /// transformers' decay list: not a bias, not a norm), so groupB_no_decay is empty. The
+    /// embedding group (`loraplus_lr_embedding`) holds LoRA on embedding layers, which rtune
+    /// never creates.
+    pub(crate) fn lr_scales(&self, n_tensors: usize) -> Vec<f64> {
+        (0..n_tensors)
+            .map(|k| if k % 2 == 1 { self.b_lr_ratio } else { 1.0 })
+            .collect()
+    }
 }
 
 /// AdamW over an adapter's weights (A0, B0, A1, B1, ...), with its state on the adapter's device.
@@ -183,10 +215,22 @@ impl LoraOptimizer {
         eps: f64,
         weight_decay: f64,
     ) -> Result<Self, TrainError> {
+        Self::with_loraplus(adapter, betas, eps, weight_decay, 1.0)
+    }
+
+    /// [`new`](Self::new) with LoRA+'s groups: the B matrices train at `lr · b_lr_ratio`.
+    pub fn with_loraplus(
+        adapter: &Adapter,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+        b_lr_ratio: f64,
+    ) -> Result<Self, TrainError> {
         let hyper = Hyper {
             betas,
             eps,
             weight_decay,
+            b_lr_ratio,
         };
         let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
         for p in &adapter.pairs {
@@ -260,7 +304,7 @@ impl LoraOptimizer {
                 .flat_map(|g| g.iter_mut())
                 .for_each(|x| *x *= c);
         }
-        adamw.update(params, &gv, lr);
+        adamw.update_grouped(params, &gv, lr, &self.hyper.lr_scales(gv.len()));
         for (i, p) in adapter.pairs.iter_mut().enumerate() {
             let dev = p.a.device().clone();
             let mk = |v: &Vec<f32>, like: &Tensor| Tensor::from_vec(v.clone(), like.shape(), &dev);
@@ -306,7 +350,7 @@ impl LoraOptimizer {
         v: Vec<Vec<f32>>,
     ) -> Result<(), TrainError> {
         let h = self.hyper;
-        let mut fresh = Self::new(adapter, h.betas, h.eps, h.weight_decay)?;
+        let mut fresh = Self::with_loraplus(adapter, h.betas, h.eps, h.weight_decay, h.b_lr_ratio)?;
         let same = |x: &[Vec<f32>]| {
             x.len() == fresh.sizes.len() && x.iter().zip(&fresh.sizes).all(|(a, &n)| a.len() == n)
         };
@@ -375,6 +419,43 @@ mod tests {
             // f32 arithmetic in a different order than torch's kernels: a few ulp.
             assert!((a - b).abs() < 1e-6, "{a} vs torch {b}");
         }
+    }
+
+    /// LoRA+'s groups: in the first update every weight moves by lr·sign(g) (Adam's first step),
+    /// so A moves by lr and B by lr·ratio; weight decay uses each group's lr. A ratio of 1 is the
+    /// plain update, bit for bit.
+    #[test]
+    fn loraplus_groups_scale_the_b_lr() {
+        let init = vec![vec![1.0f32, -1.0], vec![0.5f32, 2.0]];
+        let g = vec![vec![0.3f32, -0.2], vec![-1.0f32, 4.0]];
+        let (lr, ratio, wd) = (0.01, 16.0, 0.1);
+        let mut p = init.clone();
+        let mut opt = AdamW::new(&[2, 2], (0.9, 0.999), 1e-8, wd);
+        opt.update_grouped(&mut p, &g, lr, &[1.0, ratio]);
+        for (k, scale) in [(0, 1.0), (1, ratio)] {
+            let lr = lr * scale;
+            for i in 0..2 {
+                let want = init[k][i] as f64 * (1.0 - lr * wd) - lr * (g[k][i] as f64).signum();
+                assert!(
+                    (p[k][i] as f64 - want).abs() < 1e-6,
+                    "{k},{i}: {} vs {want}",
+                    p[k][i]
+                );
+            }
+        }
+        let (mut a, mut b) = (init.clone(), init.clone());
+        let mut oa = AdamW::new(&[2, 2], (0.9, 0.999), 1e-8, wd);
+        let mut ob = oa.clone();
+        oa.update(&mut a, &g, lr);
+        ob.update_grouped(&mut b, &g, lr, &[1.0, 1.0]);
+        assert_eq!(a, b);
+        let h = Hyper {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            b_lr_ratio: 4.0,
+        };
+        assert_eq!(h.lr_scales(4), vec![1.0, 4.0, 1.0, 4.0]);
     }
 
     #[test]

@@ -91,6 +91,8 @@ pub struct Trainer<'a> {
     state: RunState,
     /// Tests poison the loss of these steps (`RTUNE_FAULT_NAN_STEPS`, 1-based) to exercise the NaN path.
     fault_nan_steps: Vec<usize>,
+    /// PiSSA / OLoRA: the initial factors; the final adapter is saved against the original base.
+    initial: Option<crate::variants::InitialAdapter>,
 }
 
 impl Trainer<'_> {
@@ -283,7 +285,8 @@ impl Trainer<'_> {
 
     /// The PEFT adapter, the loss plot and summary.json (written last: a finished run).
     pub fn finish(&mut self) -> Result<Summary, TrainError> {
-        self.files.adapter(&self.adapter, &self.base)?;
+        let saved = crate::variants::for_saving(&self.adapter, self.initial.as_ref())?;
+        self.files.adapter(&saved, &self.base)?;
         if let Some(w) = self.files.flush_tb() {
             self.warn(w);
         }

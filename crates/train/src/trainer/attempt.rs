@@ -31,10 +31,12 @@ impl<'a> Trainer<'a> {
             tok,
             pad_id,
             settings,
+            initial,
         } = prepare(cfg, &dev)?;
         model.offload_checkpoints = cfg.offload_checkpoints;
         let estimated_peak_bytes = rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev);
-        let opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
+        let (betas, eps, wd) = (cfg.betas, cfg.eps, cfg.weight_decay);
+        let opt = LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.loraplus_lr_ratio)?;
         let examples = data.train.len();
         let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
         let state = RunState::fresh(setup::loss_scaler(cfg));
@@ -57,6 +59,7 @@ impl<'a> Trainer<'a> {
             files: RunFiles::new(cfg),
             state,
             fault_nan_steps: setup::fault_nan_steps(),
+            initial,
         })
     }
 
