@@ -241,6 +241,6 @@ fn bad_variant_settings_are_one_line_errors() {
         tmp.path(),
         &bnb,
         "init = \"pissa\"",
-        &["bnb-4bit", "quantize = \\\"nf4\\\""],
+        &["bnb-4bit", "quantize = \"nf4\""],
     );
 }

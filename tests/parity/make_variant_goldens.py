@@ -16,9 +16,9 @@ golden_tiny's batch) for 3 steps of torch.optim.AdamW (lr 1e-3, constant, no cli
     golden_tiny_pissa_niter_4  init_lora_weights="pissa_niter_4"
     golden_tiny_olora          init_lora_weights="olora"
 
-The PiSSA / OLoRA goldens train on `tiny-llama` with every targeted weight's spectrum cut after the
-8th singular value (sigma_i *= 0.01 for i >= 8: `base.<module>.weight`, f32), so the top-8 subspace is
-determined and torch's randomized SVD (svd_lowrank, niter 4, from torch's random stream) finds it to
+The PiSSA / OLoRA goldens train on `tiny-llama` with every targeted weight's spectrum reshaped: the top 8
+singular values 5% apart (sigma_i = sigma_0 * (1 - 0.05 i)), the rest cut by 100x (`base.<module>.weight`,
+f32), so the top-8 singular vectors are determined to f32 precision and torch's randomized SVD (svd_lowrank, niter 4, from torch's random stream) finds it to
 ~1e-16 — the same subspace rtune's randomized SVD finds from its own random draws. Their `adamw.*`
 tensors are PEFT's converted adapter (`save_pretrained(..., path_initial_model_for_weight_conversion=)`,
 rank 16 against the original base); `init.*` are PEFT's initial A0, B0. Keys: `input_ids`, `labels`,
@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 R, ALPHA, BATCH, SEQ = 8, 16, 2, 16
 GAP = 0.01            # sigma_i *= GAP for i >= R in the PiSSA / OLoRA base
+SPACING = 0.05        # sigma_i = sigma_0 * (1 - SPACING * i) for i < R
 LORAPLUS_RATIO, LORAPLUS_WD = 16.0, 0.01
 
 
@@ -64,6 +65,9 @@ def gapped_model(src, dst):
     for name, t in w.items():
         if name.endswith(".weight") and any(".%s." % m in name for m in mg.LINEARS):
             u, s, vh = torch.linalg.svd(t.double(), full_matrices=False)
+            # Top R spaced 5% apart: with random spectra two of them can be 0.1% apart, and then
+            # torch's f32 SVD rotates their vectors by ~1e-4 (measured), more than the tolerance.
+            s[:R] = s[0] * (1.0 - SPACING * torch.arange(R, dtype=torch.float64))
             s[R:] *= GAP
             w[name] = (u @ torch.diag(s) @ vh).float().contiguous()
             changed["base." + name] = w[name].clone()

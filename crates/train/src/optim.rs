@@ -458,6 +458,54 @@ mod tests {
         assert_eq!(h.lr_scales(4), vec![1.0, 4.0, 1.0, 4.0]);
     }
 
+    /// A LoRA+ optimizer restored from a checkpoint's moments keeps its groups: its next step is
+    /// bit for bit the step of the optimizer that never stopped.
+    #[test]
+    fn loraplus_groups_survive_restore() {
+        use candle_core::Device;
+        use rtune_lora::{LoraPair, LoraSpec};
+        let t = |v: Vec<f32>, d: (usize, usize)| Tensor::from_vec(v, d, &Device::Cpu).unwrap();
+        let spec = LoraSpec::new(2, 4.0, 0.0, false, &["q_proj".into()]).unwrap();
+        let adapter = Adapter {
+            spec,
+            names: vec!["m".into()],
+            pairs: vec![LoraPair {
+                a: t(vec![0.1, -0.2, 0.3, 0.4, -0.5, 0.6], (2, 3)),
+                b: t(vec![0.05, -0.05, 0.1, 0.2, -0.1, 0.3, 0.0, 0.02], (4, 2)),
+            }],
+        };
+        let mut grads = Grads::new(1);
+        grads.a[0] = Some(t(vec![0.3, -0.1, 0.2, 0.5, 0.1, -0.4], (2, 3)));
+        grads.b[0] = Some(t(vec![-0.2, 0.1, 0.3, -0.3, 0.2, 0.1, -0.1, 0.4], (4, 2)));
+        let hyper = ((0.9, 0.999), 1e-8, 0.01, 8.0);
+        let new = |a: &Adapter| {
+            LoraOptimizer::with_loraplus(a, hyper.0, hyper.1, hyper.2, hyper.3).unwrap()
+        };
+        let (mut a1, mut o1) = (adapter.clone(), new(&adapter));
+        o1.step(&mut a1, &grads, 1e-3, 0.0, 1.0, 1.0).unwrap();
+        let (m, v) = o1.moments().unwrap();
+        let (m, v) = (m.into_owned(), v.into_owned());
+        let mut a2 = a1.clone();
+        let mut o2 = new(&a2);
+        o2.restore(&a2, o1.adamw_step(), m, v).unwrap();
+        o1.step(&mut a1, &grads, 1e-3, 0.0, 1.0, 1.0).unwrap();
+        o2.step(&mut a2, &grads, 1e-3, 0.0, 1.0, 1.0).unwrap();
+        for (x, y) in [
+            (&a1.pairs[0].a, &a2.pairs[0].a),
+            (&a1.pairs[0].b, &a2.pairs[0].b),
+        ] {
+            assert_eq!(flat(x).unwrap(), flat(y).unwrap());
+        }
+        // And B did move faster than A: the first step moved B by lr·ratio per element.
+        let b0 = flat(&adapter.pairs[0].b).unwrap();
+        let mut a3 = adapter.clone();
+        new(&adapter)
+            .step(&mut a3, &grads, 1e-3, 0.0, 1.0, 1.0)
+            .unwrap();
+        let moved = (flat(&a3.pairs[0].b).unwrap()[0] - b0[0] * (1.0 - 8e-3 * 0.01)).abs();
+        assert!((moved - 8e-3).abs() < 1e-6, "{moved}");
+    }
+
     #[test]
     fn schedules_match_transformers() {
         use Schedule::*;
