@@ -18,6 +18,8 @@
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row;
 //! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
 //! - `smollm2`: the real-model recipe (SmolLM2-135M from GGUF), cut to a few steps;
+//! - `variants`: LoRA+, PiSSA, pissa_niter_N and OLoRA through `rtune train` against PEFT goldens;
+//!   bad variant settings;
 //! - `common`: shared helpers (paths, running the binary, golden files, relative errors).
 
 mod bad_inputs;
@@ -35,3 +37,4 @@ mod qlora;
 mod resume;
 mod scan;
 mod smollm2;
+mod variants;

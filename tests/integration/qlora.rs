@@ -39,7 +39,7 @@ fn quantized_on_load_matches_peft_bitsandbytes() {
 /// Writes a bnb-4bit checkpoint directory (as `save_pretrained` of a 4-bit model stores it): the
 /// golden's `q.*` tensors for the linear layers, the fixture's other tensors, and config.json
 /// with the golden's `quantization_config`.
-fn bnb_checkpoint(golden: &str, dir: &std::path::Path) {
+pub(crate) fn bnb_checkpoint(golden: &str, dir: &std::path::Path) {
     let src = fixture("fixtures/tiny-llama");
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();

@@ -67,6 +67,13 @@ pub struct LoraSection {
     /// when off, so runs saved before the key existed resume unchanged.
     #[serde(default, skip_serializing_if = "is_false")]
     pub dora: bool,
+    /// How a fresh adapter starts (PEFT's `init_lora_weights`): default | gaussian | pissa |
+    /// pissa_niter_N | olora. Unset = default; written to the settings only when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<String>,
+    /// PEFT's `trainable_token_indices`: tokens whose embedding rows train (and lm_head's, tied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trainable_tokens: Option<Vec<String>>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -129,6 +136,12 @@ pub struct TrainSection {
     pub eval_prompts: Vec<String>,
     #[serde(default = "d_eval_tokens")]
     pub eval_max_new_tokens: usize,
+    /// LoRA+ (PEFT's `create_loraplus_optimizer`): B matrices train at `lr × ratio`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loraplus_lr_ratio: Option<f64>,
+    /// LoRA+: the learning rate of LoRA on embedding layers (PEFT's default 1e-6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loraplus_lr_embedding: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -89,6 +89,15 @@ pub struct RunConfig {
     pub continue_on_save_error: bool,
     /// Refuse to start without room for the run's outputs (`[output] check_disk`).
     pub check_disk: bool,
+    /// `[lora] init`, checked: how a fresh adapter starts.
+    pub init: rtune_lora::Init,
+    /// `[lora] trainable_tokens`: tokens whose embedding rows train (checked against the
+    /// tokenizer when the model is loaded).
+    pub trainable_tokens: Vec<String>,
+    /// `[train] loraplus_lr_ratio`: the B matrices train at `lr ×` this (1 = plain LoRA).
+    pub loraplus_lr_ratio: f64,
+    /// `[train] loraplus_lr_embedding`: LoRA+'s lr of LoRA on embedding layers (none in rtune).
+    pub loraplus_lr_embedding: f64,
 }
 
 impl ConfigFile {
@@ -276,6 +285,8 @@ impl ConfigFile {
         } else {
             Some(PathBuf::from(&l.init_from))
         };
+        let (init, trainable_tokens, loraplus_lr_ratio, loraplus_lr_embedding) =
+            self.validate_variants(path)?;
         Ok(RunConfig {
             config_path: path.to_path_buf(),
             model_path: PathBuf::from(&self.model.path),
@@ -318,8 +329,71 @@ impl ConfigFile {
             private: o.private,
             continue_on_save_error,
             check_disk: o.check_disk,
+            init,
+            trainable_tokens,
+            loraplus_lr_ratio,
+            loraplus_lr_embedding,
             file: self,
         })
+    }
+}
+
+impl ConfigFile {
+    /// The LoRA variants' keys (`[lora] init`, `trainable_tokens`; `[train] loraplus_*`), checked.
+    #[allow(clippy::type_complexity)]
+    fn validate_variants(&self, path: &Path) -> Result<(rtune_lora::Init, Vec<String>, f64, f64)> {
+        let bad = |key: &str, message: String| ConfigError::Invalid {
+            path: path.to_path_buf(),
+            key: key.to_string(),
+            message,
+        };
+        let init = match self.lora.init.as_deref() {
+            None => rtune_lora::Init::Default,
+            Some(s) => s.parse().map_err(|_| {
+                bad(
+                    "lora.init",
+                    crate::suggest::not_one_of(s, &rtune_lora::INIT_NAMES),
+                )
+            })?,
+        };
+        if init != rtune_lora::Init::Default && !self.lora.init_from.trim().is_empty() {
+            return Err(bad(
+                "lora.init",
+                format!(
+                    "= \"{}\" initialises a fresh adapter; it cannot be combined with [lora] init_from",
+                    init
+                ),
+            ));
+        }
+        let tokens = self.lora.trainable_tokens.clone().unwrap_or_default();
+        if self.lora.trainable_tokens.is_some() {
+            // Reserved for PEFT's trainable_token_indices (issue 17); refused rather than ignored.
+            return Err(bad(
+                "lora.trainable_tokens",
+                "is not supported yet (PEFT's trainable_token_indices); remove the key".into(),
+            ));
+        }
+        let ratio = self.train.loraplus_lr_ratio.unwrap_or(1.0);
+        if !(ratio.is_finite() && ratio > 0.0) {
+            return Err(bad(
+                "train.loraplus_lr_ratio",
+                format!("must be a positive number (usually 2 to 16), got {ratio}"),
+            ));
+        }
+        let emb = self.train.loraplus_lr_embedding.unwrap_or(1e-6);
+        if !(emb.is_finite() && emb > 0.0) {
+            return Err(bad(
+                "train.loraplus_lr_embedding",
+                format!("must be a positive number, got {emb}"),
+            ));
+        }
+        if self.train.loraplus_lr_embedding.is_some() && self.train.loraplus_lr_ratio.is_none() {
+            return Err(bad(
+                "train.loraplus_lr_embedding",
+                "is LoRA+'s setting; set train.loraplus_lr_ratio too".into(),
+            ));
+        }
+        Ok((init, tokens, ratio, emb))
     }
 }
 
@@ -381,6 +455,42 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{extra}: {e}");
         }
+    }
+
+    /// `[lora] init` and LoRA+'s keys: parsed, defaulted, and bad values named with what is allowed.
+    #[test]
+    fn variant_keys_validate() {
+        let c = parse("").unwrap();
+        assert_eq!(c.init, rtune_lora::Init::Default);
+        assert_eq!(c.loraplus_lr_ratio, 1.0);
+        let c =
+            parse("[lora]\ninit = \"pissa_niter_16\"\n[train]\nloraplus_lr_ratio = 8.0\n").unwrap();
+        assert_eq!(c.init, rtune_lora::Init::Pissa { niter: Some(16) });
+        assert_eq!(c.loraplus_lr_ratio, 8.0);
+        for (extra, want) in [
+            (
+                "[lora]\ninit = \"olor\"\n",
+                "c.toml: [lora.init] `olor` is not one of default, gaussian, pissa, pissa_niter_N, olora (did you mean `olora`?)",
+            ),
+            (
+                "[lora]\ninit = \"pissa\"\ninit_from = \"a\"\n",
+                "c.toml: [lora.init] = \"pissa\" initialises a fresh adapter; it cannot be combined with [lora] init_from",
+            ),
+            (
+                "[train]\nloraplus_lr_ratio = 0.0\n",
+                "c.toml: [train.loraplus_lr_ratio] must be a positive number (usually 2 to 16), got 0",
+            ),
+            (
+                "[train]\nloraplus_lr_embedding = 1e-5\n",
+                "c.toml: [train.loraplus_lr_embedding] is LoRA+'s setting; set train.loraplus_lr_ratio too",
+            ),
+        ] {
+            assert_eq!(parse(extra).unwrap_err().to_string(), want, "{extra}");
+        }
+        let e = parse("[lora]\ntrainable_tokens = [\"<s>\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("lora.trainable_tokens"), "{e}");
     }
 
     #[test]

@@ -137,6 +137,24 @@ fn read_record(path: &Path) -> Result<Option<RecordView>> {
     }
 }
 
+/// A checkpoint of a PiSSA / OLoRA run (`[lora] init`, issue 17) holds the adapter trained against
+/// the residual base `W − s·B₀·A₀`, which no other tool has; only the final adapter is converted to
+/// the original base. Refused rather than exported wrong.
+fn refuse_residual_checkpoint(record: Option<&RecordView>, dir: &Path, step: usize) -> Result<()> {
+    let init = record.and_then(|r| r.config.get("lora")?.get("init")?.as_str());
+    match init.and_then(|i| i.parse::<rtune_lora::Init>().ok()) {
+        Some(i) if i.mutates_base() => Err(ExportError::input(
+            dir,
+            format!(
+                "checkpoint-{step} of an init = \"{i}\" run is relative to the residual base, which \
+                 only rtune rebuilds; export the finished run, whose adapter is converted to the \
+                 original base (`rtune train --resume` finishes an interrupted one)"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 impl RunSource {
     /// Resolves `run` (a run directory, or any PEFT adapter directory) for export.
     pub fn open(run: &Path, checkpoint: Option<usize>, base: Option<&Path>) -> Result<Self> {
@@ -188,6 +206,9 @@ impl RunSource {
             if let Some(parent) = run.parent() {
                 record = read_record(&parent.join(RUN_JSON))?;
             }
+        }
+        if let Some(n) = checkpoint {
+            refuse_residual_checkpoint(record.as_ref(), &adapter, n)?;
         }
         let privacy = record
             .as_ref()

@@ -11,7 +11,10 @@
 //! DoRA (Liu et al. 2024, PEFT's `use_dora`) adds a magnitude vector `m: (out,)` per module
 //! ([`LoraPair::m`]); the model side (`rtune_model::dora`) holds its math.
 
+pub mod init;
 pub mod peft;
+
+pub use init::{Init, INIT_NAMES};
 
 pub use peft::{
     parse_adapter_config, read_adapter_config, PeftAdapterConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS,

@@ -147,6 +147,16 @@ impl Weights {
         })
     }
 
+    /// The compute dtype [`TensorSource::tensor`] converts to.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Where tensors are loaded.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.st.get(name).is_ok()
     }

@@ -22,6 +22,7 @@ pub mod optim;
 pub mod record;
 mod setup;
 pub mod trainer;
+pub mod variants;
 
 pub use setup::{device, resolve_model};
 pub use trainer::{train, Event, Outcome, RunOptions, StepMetrics, Summary};

@@ -50,21 +50,36 @@ impl AdamW {
 
     /// One update of every parameter in place. `params[i]` and `grads[i]` have `sizes[i]` elements.
     pub fn update(&mut self, params: &mut [Vec<f32>], grads: &[Vec<f32>], lr: f64) {
+        self.update_grouped(params, grads, lr, &[]);
+    }
+
+    /// [`update`](Self::update) with torch's parameter groups: tensor `i` trains at
+    /// `lr · lr_scale[i]` (missing entries: 1, as one group). A scale of 1 gives the same bits as
+    /// one group (`lr · 1.0 = lr`).
+    pub fn update_grouped(
+        &mut self,
+        params: &mut [Vec<f32>],
+        grads: &[Vec<f32>],
+        lr: f64,
+        lr_scale: &[f64],
+    ) {
         self.step += 1;
         let (b1, b2) = self.betas;
         let t = self.step as i32;
         let bc1 = 1.0 - b1.powi(t);
         let bc2_sqrt = (1.0 - b2.powi(t)).sqrt();
-        let step_size = (lr / bc1) as f32;
-        let decay = (1.0 - lr * self.weight_decay) as f32;
         let (w1, b2f, w2) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
         let (eps, bc2_sqrt) = (self.eps as f32, bc2_sqrt as f32);
-        for (((p, g), m), v) in params
+        for (k, (((p, g), m), v)) in params
             .iter_mut()
             .zip(grads)
             .zip(&mut self.m)
             .zip(&mut self.v)
+            .enumerate()
         {
+            let lr = lr * lr_scale.get(k).copied().unwrap_or(1.0);
+            let step_size = (lr / bc1) as f32;
+            let decay = (1.0 - lr * self.weight_decay) as f32;
             for i in 0..p.len() {
                 if self.weight_decay != 0.0 {
                     p[i] *= decay;
@@ -156,6 +171,33 @@ pub(crate) struct Hyper {
     pub betas: (f64, f64),
     pub eps: f64,
     pub weight_decay: f64,
+    /// LoRA+ (Hayou et al. 2024; PEFT's `create_loraplus_optimizer`): the B matrices' learning
+    /// rate is `lr · b_lr_ratio` (1 = plain LoRA, one group).
+    pub b_lr_ratio: f64,
+    /// How many (A, B) pairs lead the adapter's tensor list; what follows them (DoRA's
+    /// magnitude vectors) is one-dimensional.
+    pub n_pairs: usize,
+}
+
+impl Hyper {
+    /// The learning-rate multiplier of each tensor in the adapter's order (A0, B0, A1, B1, ...,
+    /// then DoRA's magnitudes). PEFT's groups for a LoRA on linear layers: every `lora_A` at `lr`
+    /// (groupA), every `lora_B` and every one-dimensional parameter (`param.ndim == 1`: DoRA's
+    /// `lora_magnitude_vector`) at `lr · ratio` (groupB); all take the same weight decay (none of
+    /// them is a bias or a norm in transformers' decay list), so groupB_no_decay is empty. The
+    /// embedding group (`loraplus_lr_embedding`) holds LoRA on embedding layers, which rtune
+    /// never creates.
+    pub(crate) fn lr_scales(&self, n_tensors: usize) -> Vec<f64> {
+        (0..n_tensors)
+            .map(|k| {
+                if k % 2 == 1 || k >= 2 * self.n_pairs {
+                    self.b_lr_ratio
+                } else {
+                    1.0
+                }
+            })
+            .collect()
+    }
 }
 
 /// AdamW over an adapter's weights (A0, B0, A1, B1, ...), with its state on the adapter's device.
@@ -183,10 +225,23 @@ impl LoraOptimizer {
         eps: f64,
         weight_decay: f64,
     ) -> Result<Self, TrainError> {
+        Self::with_loraplus(adapter, betas, eps, weight_decay, 1.0)
+    }
+
+    /// [`new`](Self::new) with LoRA+'s groups: the B matrices train at `lr · b_lr_ratio`.
+    pub fn with_loraplus(
+        adapter: &Adapter,
+        betas: (f64, f64),
+        eps: f64,
+        weight_decay: f64,
+        b_lr_ratio: f64,
+    ) -> Result<Self, TrainError> {
         let hyper = Hyper {
             betas,
             eps,
             weight_decay,
+            b_lr_ratio,
+            n_pairs: adapter.pairs.len(),
         };
         // A0, B0, A1, B1, …, then DoRA's magnitudes (Adapter::trainable's order).
         let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
@@ -256,7 +311,7 @@ impl LoraOptimizer {
                 .flat_map(|g| g.iter_mut())
                 .for_each(|x| *x *= c);
         }
-        adamw.update(params, &gv, lr);
+        adamw.update_grouped(params, &gv, lr, &self.hyper.lr_scales(gv.len()));
         for (t, v) in adapter.trainable_mut().into_iter().zip(params.iter()) {
             *t = Tensor::from_vec(v.clone(), t.shape(), t.device())
                 .map_err(TrainError::candle("adapter update"))?;
@@ -300,7 +355,7 @@ impl LoraOptimizer {
         v: Vec<Vec<f32>>,
     ) -> Result<(), TrainError> {
         let h = self.hyper;
-        let mut fresh = Self::new(adapter, h.betas, h.eps, h.weight_decay)?;
+        let mut fresh = Self::with_loraplus(adapter, h.betas, h.eps, h.weight_decay, h.b_lr_ratio)?;
         let same = |x: &[Vec<f32>]| {
             x.len() == fresh.sizes.len() && x.iter().zip(&fresh.sizes).all(|(a, &n)| a.len() == n)
         };
@@ -374,6 +429,94 @@ mod tests {
             // f32 arithmetic in a different order than torch's kernels: a few ulp.
             assert!((a - b).abs() < 1e-6, "{a} vs torch {b}");
         }
+    }
+
+    /// LoRA+'s groups: in the first update every weight moves by lr·sign(g) (Adam's first step),
+    /// so A moves by lr and B by lr·ratio; weight decay uses each group's lr. A ratio of 1 is the
+    /// plain update, bit for bit.
+    #[test]
+    fn loraplus_groups_scale_the_b_lr() {
+        let init = vec![vec![1.0f32, -1.0], vec![0.5f32, 2.0]];
+        let g = vec![vec![0.3f32, -0.2], vec![-1.0f32, 4.0]];
+        let (lr, ratio, wd) = (0.01, 16.0, 0.1);
+        let mut p = init.clone();
+        let mut opt = AdamW::new(&[2, 2], (0.9, 0.999), 1e-8, wd);
+        opt.update_grouped(&mut p, &g, lr, &[1.0, ratio]);
+        for (k, scale) in [(0, 1.0), (1, ratio)] {
+            let lr = lr * scale;
+            for i in 0..2 {
+                let want = init[k][i] as f64 * (1.0 - lr * wd) - lr * (g[k][i] as f64).signum();
+                assert!(
+                    (p[k][i] as f64 - want).abs() < 1e-6,
+                    "{k},{i}: {} vs {want}",
+                    p[k][i]
+                );
+            }
+        }
+        let (mut a, mut b) = (init.clone(), init.clone());
+        let mut oa = AdamW::new(&[2, 2], (0.9, 0.999), 1e-8, wd);
+        let mut ob = oa.clone();
+        oa.update(&mut a, &g, lr);
+        ob.update_grouped(&mut b, &g, lr, &[1.0, 1.0]);
+        assert_eq!(a, b);
+        let h = Hyper {
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            b_lr_ratio: 4.0,
+            n_pairs: 2,
+        };
+        assert_eq!(h.lr_scales(4), vec![1.0, 4.0, 1.0, 4.0]);
+        // DoRA's magnitudes follow the pairs and join B's group (PEFT: `param.ndim == 1`).
+        assert_eq!(h.lr_scales(6), vec![1.0, 4.0, 1.0, 4.0, 4.0, 4.0]);
+    }
+
+    /// A LoRA+ optimizer restored from a checkpoint's moments keeps its groups: its next step is
+    /// bit for bit the step of the optimizer that never stopped.
+    #[test]
+    fn loraplus_groups_survive_restore() {
+        use candle_core::Device;
+        use rtune_lora::{LoraPair, LoraSpec};
+        let t = |v: Vec<f32>, d: (usize, usize)| Tensor::from_vec(v, d, &Device::Cpu).unwrap();
+        let spec = LoraSpec::new(2, 4.0, 0.0, false, &["q_proj".into()]).unwrap();
+        let adapter = Adapter {
+            spec,
+            names: vec!["m".into()],
+            pairs: vec![LoraPair {
+                a: t(vec![0.1, -0.2, 0.3, 0.4, -0.5, 0.6], (2, 3)),
+                b: t(vec![0.05, -0.05, 0.1, 0.2, -0.1, 0.3, 0.0, 0.02], (4, 2)),
+            }],
+        };
+        let mut grads = Grads::new(1);
+        grads.a[0] = Some(t(vec![0.3, -0.1, 0.2, 0.5, 0.1, -0.4], (2, 3)));
+        grads.b[0] = Some(t(vec![-0.2, 0.1, 0.3, -0.3, 0.2, 0.1, -0.1, 0.4], (4, 2)));
+        let hyper = ((0.9, 0.999), 1e-8, 0.01, 8.0);
+        let new = |a: &Adapter| {
+            LoraOptimizer::with_loraplus(a, hyper.0, hyper.1, hyper.2, hyper.3).unwrap()
+        };
+        let (mut a1, mut o1) = (adapter.clone(), new(&adapter));
+        o1.step(&mut a1, &grads, 1e-3, 0.0, 1.0, 1.0).unwrap();
+        let (m, v) = o1.moments().unwrap();
+        let (m, v) = (m.into_owned(), v.into_owned());
+        let mut a2 = a1.clone();
+        let mut o2 = new(&a2);
+        o2.restore(&a2, o1.adamw_step(), m, v).unwrap();
+        o1.step(&mut a1, &grads, 1e-3, 0.0, 1.0, 1.0).unwrap();
+        o2.step(&mut a2, &grads, 1e-3, 0.0, 1.0, 1.0).unwrap();
+        for (x, y) in [
+            (&a1.pairs[0].a, &a2.pairs[0].a),
+            (&a1.pairs[0].b, &a2.pairs[0].b),
+        ] {
+            assert_eq!(flat(x).unwrap(), flat(y).unwrap());
+        }
+        // And B did move faster than A: the first step moved B by lr·ratio per element.
+        let b0 = flat(&adapter.pairs[0].b).unwrap();
+        let mut a3 = adapter.clone();
+        new(&adapter)
+            .step(&mut a3, &grads, 1e-3, 0.0, 1.0, 1.0)
+            .unwrap();
+        let moved = (flat(&a3.pairs[0].b).unwrap()[0] - b0[0] * (1.0 - 8e-3 * 0.01)).abs();
+        assert!((moved - 8e-3).abs() < 1e-6, "{moved}");
     }
 
     #[test]

@@ -61,10 +61,21 @@ pub struct Prepared {
     pub pad_id: u32,
     /// Settings a resumed run must share with the original to reproduce it.
     pub settings: BTreeMap<String, String>,
+    /// PiSSA / OLoRA: the initial factors, for saving the adapter against the original base.
+    pub initial: Option<crate::variants::InitialAdapter>,
 }
 
 pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
-    let mut model = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, cfg.quantize)?;
+    let spec =
+        LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?.with_dora(cfg.dora);
+    // `[lora] init` (issue 17): PiSSA / OLoRA load the model with the residual base.
+    let (mut model, fresh, initial) = if cfg.init_from.is_none() {
+        let (m, a, i) = crate::variants::fresh(cfg, &spec, dev)?;
+        (m, Some(a), i)
+    } else {
+        let m = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, cfg.quantize)?;
+        (m, None, None)
+    };
     let tok = if cfg.model_path.join("tokenizer.json").exists() {
         Some(Tokenizer::load(
             &cfg.model_path,
@@ -80,8 +91,6 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         model.cfg.vocab_size,
         cfg.seed,
     )?;
-    let spec =
-        LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?.with_dora(cfg.dora);
     let modules = model.lora_modules(&spec);
     let adapter = match &cfg.init_from {
         Some(dir) => {
@@ -99,7 +108,10 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
             }
             a
         }
-        None => Adapter::init(spec.clone(), &modules, cfg.seed, dev)?,
+        None => match fresh {
+            Some(a) => a,
+            None => Adapter::init(spec.clone(), &modules, cfg.seed, dev)?,
+        },
     };
     let mut adapter = adapter;
     model.attach(&adapter);
@@ -120,6 +132,7 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         tok,
         pad_id,
         settings,
+        initial,
     })
 }
 

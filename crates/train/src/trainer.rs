@@ -101,6 +101,8 @@ pub struct Trainer<'a> {
     /// device once they agreed (run.json).
     world: World,
     ranks: Vec<RankInfo>,
+    /// PiSSA / OLoRA: the initial factors; the final adapter is saved against the original base.
+    initial: Option<crate::variants::InitialAdapter>,
 }
 
 impl Trainer<'_> {
@@ -310,7 +312,8 @@ impl Trainer<'_> {
 
     /// The PEFT adapter, the loss plot and summary.json (written last: a finished run).
     pub fn finish(&mut self) -> Result<Summary, TrainError> {
-        self.files.adapter(&self.adapter, &self.base)?;
+        let saved = crate::variants::for_saving(&self.adapter, self.initial.as_ref())?;
+        self.files.adapter(&saved, &self.base)?;
         if let Some(w) = self.files.flush_tb() {
             self.warn(w);
         }

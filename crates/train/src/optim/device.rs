@@ -68,6 +68,10 @@ pub(super) struct DeviceAdamW {
     master: CudaSlice<f32>,
     m: CudaSlice<f32>,
     v: CudaSlice<f32>,
+    /// LoRA+'s parameter groups: per group its chunks (a subset of `chunks`), their count and the
+    /// group's learning-rate multiplier; the update is one launch per group. Without LoRA+ none:
+    /// one launch over `chunks` at the step's lr.
+    groups: Vec<(CudaSlice<u64>, usize, f64)>,
     /// One f64 per chunk: `mt_sq_norm_partial`'s output.
     partials: CudaSlice<f64>,
     /// `[norm, coef]` of the last step.
@@ -93,6 +97,27 @@ impl DeviceAdamW {
         }
         let mut flat: Vec<f32> = params.concat();
         flat.resize(total.max(1), 0.0);
+        // LoRA+: the chunks of the A tensors (even indices) and of the B tensors (odd), each
+        // group updated at its own lr by the same kernel.
+        let mut groups = Vec::new();
+        if hyper.b_lr_ratio != 1.0 {
+            let scales = hyper.lr_scales(sizes.len());
+            for want in [1.0, hyper.b_lr_ratio] {
+                let mut sub: Vec<u64> = chunks
+                    .chunks_exact(2)
+                    .take(n_chunks)
+                    .filter(|c| scales[c[0] as usize] == want)
+                    .flatten()
+                    .copied()
+                    .collect();
+                let n = sub.len() / 2;
+                if n == 0 {
+                    continue;
+                }
+                sub.shrink_to_fit();
+                groups.push((stream.clone_htod(&sub).map_err(drv("upload"))?, n, want));
+            }
+        }
         let table_len = 4 * sizes.len().max(1);
         // SAFETY: zeroed at once, before any use.
         let mut table_host =
@@ -103,6 +128,7 @@ impl DeviceAdamW {
             m: stream.alloc_zeros(total.max(1)).map_err(drv("alloc"))?,
             v: stream.alloc_zeros(total.max(1)).map_err(drv("alloc"))?,
             chunks: stream.clone_htod(&chunks).map_err(drv("upload"))?,
+            groups,
             partials: stream.alloc_zeros(n_chunks.max(1)).map_err(drv("alloc"))?,
             norm_coef: stream.alloc_zeros(2).map_err(drv("alloc"))?,
             table_host,
@@ -199,21 +225,32 @@ impl DeviceAdamW {
         .map_err(kern(ordinal))?;
         if loss.is_finite() {
             let h = self.hyper;
-            let s = AdamWScalars::new(self.step + 1, lr, h.betas, h.eps, h.weight_decay, unscale);
-            // SAFETY: as above.
-            unsafe {
-                adamw::mt_adamw(
-                    &stream,
-                    &self.table,
-                    &self.chunks,
-                    self.n_chunks,
-                    &self.norm_coef,
-                    (&mut self.master, &mut self.m, &mut self.v),
-                    self.total,
-                    &s,
-                )
+            let whole = [(&self.chunks, self.n_chunks, 1.0)];
+            let groups: Vec<(&CudaSlice<u64>, usize, f64)> = if self.groups.is_empty() {
+                whole.to_vec()
+            } else {
+                self.groups.iter().map(|(c, n, x)| (c, *n, *x)).collect()
+            };
+            for (chunks, n_chunks, scale) in groups {
+                let lr = lr * scale;
+                let s =
+                    AdamWScalars::new(self.step + 1, lr, h.betas, h.eps, h.weight_decay, unscale);
+                // SAFETY: as above; a group's chunks are a subset of `chunks`, so every tensor is
+                // written by exactly one launch.
+                unsafe {
+                    adamw::mt_adamw(
+                        &stream,
+                        &self.table,
+                        chunks,
+                        n_chunks,
+                        &self.norm_coef,
+                        (&mut self.master, &mut self.m, &mut self.v),
+                        self.total,
+                        &s,
+                    )
+                }
+                .map_err(kern(ordinal))?;
             }
-            .map_err(kern(ordinal))?;
         }
         // The step's one host sync: the norm, for the metrics and the skip decision (the kernel
         // has already skipped itself on the device when it is not finite).

@@ -42,13 +42,15 @@ impl<'a> Trainer<'a> {
             tok,
             pad_id,
             mut settings,
+            initial,
         } = prepare(cfg, &dev)?;
         if world.is_distributed() {
             settings.insert(super::dist::WORLD_SIZE.into(), world.size.to_string());
         }
         model.offload_checkpoints = cfg.offload_checkpoints;
         let estimated_peak_bytes = rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev);
-        let opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
+        let (betas, eps, wd) = (cfg.betas, cfg.eps, cfg.weight_decay);
+        let opt = LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.loraplus_lr_ratio)?;
         let examples = data.train.len();
         let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
         let state = RunState::fresh(setup::loss_scaler(cfg));
@@ -73,6 +75,7 @@ impl<'a> Trainer<'a> {
             fault_nan_steps: setup::fault_nan_steps(),
             world,
             ranks: Vec::new(),
+            initial,
         })
     }
 
