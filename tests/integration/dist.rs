@@ -9,6 +9,7 @@
 //!   checkpoints and exits 0; one process resumes it only with the same global batch, and then
 //!   ends with the uninterrupted run's adapter;
 //! - SIGTERM to one rank only stops every rank after the same step, with a checkpoint;
+//! - `rtune estimate --world 2` adds the all-reduce buffers to the per-rank peak;
 //! - a rank that hangs (SIGSTOP) makes the other exit through the watchdog, naming what it waited
 //!   for.
 //!
@@ -215,6 +216,41 @@ fn two_ranks_train_the_adapter_of_one_process_with_twice_the_accumulation() {
     assert!(
         single_record.get("world").is_none(),
         "a single process records no world"
+    );
+}
+
+/// `rtune estimate --world 2`: the per-rank peak is one process's plus the all-reduce's two f32
+/// copies of the LoRA gradients (8 bytes per LoRA parameter), and the global batch is named.
+#[test]
+fn estimate_per_rank_adds_the_all_reduce_buffers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(tmp.path(), "estimate", 1, 4, &smoke());
+    let json = |world: &str| -> serde_json::Value {
+        let o = common::rtune(&[
+            "estimate",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--json",
+            "--world",
+            world,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let (one, two) = (json("1"), json("2"));
+    // 27,264 LoRA parameters: the tiny Llama 3 at r = 4 on every linear (the adapter file's count).
+    let buffers = &two["breakdown"]["all-reduce buffers (data parallel)"];
+    assert_eq!(buffers.as_u64(), Some(8 * 27_264), "{two}");
+    assert!(one["breakdown"]
+        .get("all-reduce buffers (data parallel)")
+        .is_none());
+    assert_eq!(
+        two["peak_bytes"].as_u64().unwrap(),
+        one["peak_bytes"].as_u64().unwrap() + 8 * 27_264
+    );
+    assert_eq!(
+        (one["global_batch"].as_u64(), two["global_batch"].as_u64()),
+        (Some(2), Some(4))
     );
 }
 
