@@ -90,19 +90,30 @@ impl Trainer<'_> {
             return Ok((grads, loss_sum));
         }
         let step = self.state.step + 1;
-        let shapes: Vec<(Vec<usize>, Vec<usize>)> = self
-            .adapter
-            .pairs
-            .iter()
-            .map(|p| (p.a.dims().to_vec(), p.b.dims().to_vec()))
-            .collect();
+        // Every trainable tensor in `Adapter::trainable`'s order: (which, pair, shape) with which
+        // = 0 for A, 1 for B, 2 for a DoRA magnitude. A missing gradient travels as zeros so
+        // every rank's buffer has the same layout.
+        let pairs = &self.adapter.pairs;
+        let mut slots: Vec<(usize, usize, Vec<usize>)> = Vec::with_capacity(pairs.len() * 3);
+        for (i, p) in pairs.iter().enumerate() {
+            slots.push((0, i, p.a.dims().to_vec()));
+            slots.push((1, i, p.b.dims().to_vec()));
+        }
+        for (i, p) in pairs.iter().enumerate() {
+            if let Some(m) = &p.m {
+                slots.push((2, i, m.dims().to_vec()));
+            }
+        }
+        let pick = |g: &Grads, which: usize, i: usize| match which {
+            0 => g.a[i].clone(),
+            1 => g.b[i].clone(),
+            _ => g.m[i].clone(),
+        };
         let mut flat: Vec<f32> = Vec::new();
-        for (i, (sa, sb)) in shapes.iter().enumerate() {
-            for (g, shape) in [(&grads.a[i], sa), (&grads.b[i], sb)] {
-                match g {
-                    Some(t) => flat.extend(to_host(t)?),
-                    None => flat.resize(flat.len() + shape.iter().product::<usize>(), 0.0),
-                }
+        for (which, i, shape) in &slots {
+            match pick(&grads, *which, *i) {
+                Some(t) => flat.extend(to_host(&t)?),
+                None => flat.resize(flat.len() + shape.iter().product::<usize>(), 0.0),
             }
         }
         drop(grads);
@@ -119,17 +130,19 @@ impl Trainer<'_> {
             flat.len(),
             t0.elapsed().as_secs_f64() * 1e6
         );
-        let mut out = Grads::new(shapes.len());
+        let mut out = Grads::new(pairs.len());
         let mut at = 0;
-        for (i, (sa, sb)) in shapes.iter().enumerate() {
-            let dev = self.adapter.pairs[i].a.device();
-            for (slot, shape) in [(&mut out.a[i], sa), (&mut out.b[i], sb)] {
-                let n: usize = shape.iter().product();
-                let t = Tensor::from_slice(&flat[at..at + n], shape.as_slice(), dev)
-                    .map_err(TrainError::candle("reduced gradient to device"))?;
-                *slot = Some(t);
-                at += n;
-            }
+        for (which, i, shape) in &slots {
+            let n: usize = shape.iter().product();
+            let t = Tensor::from_slice(&flat[at..at + n], shape.as_slice(), pairs[*i].a.device())
+                .map_err(TrainError::candle("reduced gradient to device"))?;
+            let slot = match which {
+                0 => &mut out.a[*i],
+                1 => &mut out.b[*i],
+                _ => &mut out.m[*i],
+            };
+            *slot = Some(t);
+            at += n;
         }
         Ok((out, loss[0]))
     }
