@@ -366,12 +366,19 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
     // ids, positions, targets on the host.
     v.push(item(BATCH, n * 16, 1));
     // Layer inputs (the checkpoints) for all L layers; without checkpointing every layer's cache
-    // too, with it the cache of the layer being recomputed (backward phases only).
+    // too, with it one layer's (the last layer's, then the one being recomputed).
     v.push(item(INPUTS, n * d * e, k.l));
-    let caches = match (s.gradient_checkpointing, phase) {
-        (false, _) => k.l,
-        (true, Phase::CrossEntropy) => 0,
-        (true, _) => 1,
+    // With checkpointing the last layer keeps its activations from the forward (it is the first
+    // the backward needs: `Model::forward_backward` recomputes only the L − 1 others), so one
+    // cache is alive at the cross-entropy too. Counted on the tiled path, where the measured peak
+    // needs it (bench-small with 2 layers, batch 1, seq 2048: 377.8 MB measured, 379.0 estimated
+    // with it, 329.8 without); not yet on the plain path, where bench-small at seq 512 measured
+    // 501.5 MB, 499 estimated without it and 544 with it (the forward's freed per-row scores
+    // likely leave the heap room the cross-entropy reuses; not modelled).
+    let caches = match (s.gradient_checkpointing, phase, path) {
+        (false, _, _) => k.l,
+        (true, Phase::CrossEntropy, AttnPath::Plain) => 0,
+        (true, _, _) => 1,
     };
     let acts = if s.gradient_checkpointing {
         ACTS_ONE
