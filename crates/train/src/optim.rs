@@ -200,7 +200,8 @@ impl Hyper {
     }
 }
 
-/// AdamW over an adapter's weights (A0, B0, A1, B1, ...), with its state on the adapter's device.
+/// AdamW over an adapter's weights (A0, B0, A1, B1, ..., then the DoRA magnitudes), with its
+/// state on the adapter's device.
 pub struct LoraOptimizer {
     sizes: Vec<usize>,
     hyper: Hyper,
@@ -331,8 +332,9 @@ impl LoraOptimizer {
         }
     }
 
-    /// The moments `(m, v)` in the adapter's order (A0, B0, A1, B1, ...), for checkpoints:
-    /// borrowed on the host, copied from the device (a checkpoint's copy, not a step's).
+    /// The moments `(m, v)` in the adapter's order (A0, B0, A1, B1, ..., then the DoRA
+    /// magnitudes), for checkpoints: borrowed on the host, copied from the device (a checkpoint's
+    /// copy, not a step's).
     #[allow(clippy::type_complexity)]
     pub fn moments(&self) -> Result<(Cow<'_, [Vec<f32>]>, Cow<'_, [Vec<f32>]>), TrainError> {
         match &self.store {

@@ -268,18 +268,12 @@ impl DeviceAdamW {
         }
         self.step += 1;
         let mut outs = outs.into_iter();
-        {
-            for t in adapter.trainable_mut() {
-                if let Some(o) = outs.next().flatten() {
-                    let storage = CudaStorage::wrap_cuda_slice(o, self.dev.clone());
-                    let shape = t.shape().clone();
-                    *t = Tensor::from_storage(
-                        Storage::Cuda(storage),
-                        shape,
-                        BackpropOp::none(),
-                        false,
-                    );
-                }
+        // A0, B0, A1, B1, …, then DoRA's magnitudes: the order the gradients came in.
+        for t in adapter.trainable_mut() {
+            if let Some(o) = outs.next().flatten() {
+                let storage = CudaStorage::wrap_cuda_slice(o, self.dev.clone());
+                let shape = t.shape().clone();
+                *t = Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false);
             }
         }
         Ok(Applied {
