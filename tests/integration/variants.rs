@@ -2,7 +2,9 @@
 //! `tests/parity/make_variant_goldens.py` (tiny-llama, r 8, α 16, all-linear, golden_tiny's batch, 3
 //! AdamW steps at lr 1e-3, f32): every step's loss within 1e-5 relative and the saved adapter within
 //! 1e-4 relative (max |diff| / max |golden|; f32 arithmetic in another order over 3 steps, as
-//! `cli.rs`), and the one-line errors of bad variant settings.
+//! `cli.rs`), and the one-line errors of bad variant settings. PEFT loading the converted adapters
+//! on the original base (0 missing / unexpected keys, logits within 1e-5) and `export --format
+//! merged` against PEFT's merge were checked by hand with scripts/check_export.py (needs torch).
 //!
 //! PiSSA's singular vectors have arbitrary signs (LAPACK's and nalgebra's differ), so PiSSA adapters
 //! are compared after aligning each rank component's sign with the golden's (B·A does not depend
@@ -186,6 +188,22 @@ fn pissa_and_olora_match_peft() {
         .unwrap();
         assert_eq!(cfg["r"], 16, "{init}");
         assert_eq!(cfg["lora_alpha"].as_f64(), Some(32.0), "{init}");
+        // A checkpoint is relative to the residual base: exporting one is refused, not done wrong.
+        let dest = tmp.path().join("export");
+        let o = rtune(&[
+            "export",
+            "--run",
+            &path_str(&out),
+            "--checkpoint",
+            "3",
+            "--format",
+            "peft",
+            "--out",
+            &path_str(&dest),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains("residual base"), "{}", stderr(&o));
+        assert!(!dest.exists());
     }
 }
 

@@ -48,19 +48,25 @@ impl SplitSource<'_> {
         (module.starts_with("model.layers.") && self.spec.targets_module(short)).then_some(module)
     }
 
-    /// The residual of `name` in f32, splitting it on first use.
-    fn residual(&self, module: &str, name: &str, shape: &[usize]) -> rtune_model::Result<Tensor> {
+    /// The residual of `name` in f32, splitting it on first use (the error boxed: ModelError is
+    /// large, and this is not the trait's signature).
+    fn residual(
+        &self,
+        module: &str,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Tensor, Box<ModelError>> {
         if let Some((d, [o, i])) = self.split.borrow().get(module) {
             return Tensor::from_vec(d.residual.clone(), (*o, *i), &Device::Cpu)
-                .map_err(|e| ModelError::candle(format!("residual {name}"), e));
+                .map_err(|e| Box::new(ModelError::candle(format!("residual {name}"), e)));
         }
-        let w = self.inner.stored(name, shape)?;
+        let w = self.inner.stored(name, shape).map_err(Box::new)?;
         let (o, i) = (shape[0], shape[1]);
         let v: Vec<f32> = w
             .to_dtype(DType::F32)
             .and_then(|t| t.flatten_all())
             .and_then(|t| t.to_vec1())
-            .map_err(|e| ModelError::candle(format!("read {name}"), e))?;
+            .map_err(|e| Box::new(ModelError::candle(format!("read {name}"), e)))?;
         let scaling = self.spec.scaling();
         let mut rng = self.rng.borrow_mut();
         let d = init::decompose(
@@ -77,7 +83,7 @@ impl SplitSource<'_> {
             message: e.to_string(),
         })?;
         let t = Tensor::from_vec(d.residual.clone(), (o, i), &Device::Cpu)
-            .map_err(|e| ModelError::candle(format!("residual {name}"), e))?;
+            .map_err(|e| Box::new(ModelError::candle(format!("residual {name}"), e)))?;
         self.split
             .borrow_mut()
             .insert(module.to_string(), (d, [o, i]));
@@ -89,7 +95,8 @@ impl TensorSource for SplitSource<'_> {
     fn tensor(&self, name: &str, shape: &[usize]) -> rtune_model::Result<Tensor> {
         match self.target(name) {
             Some(module) => self
-                .residual(module, name, shape)?
+                .residual(module, name, shape)
+                .map_err(|e| *e)?
                 .to_dtype(self.inner_dtype())
                 .and_then(|t| t.to_device(self.inner_device()))
                 .map_err(|e| ModelError::candle(format!("convert {name}"), e)),
@@ -100,7 +107,8 @@ impl TensorSource for SplitSource<'_> {
     fn stored(&self, name: &str, shape: &[usize]) -> rtune_model::Result<Tensor> {
         match self.target(name) {
             Some(module) => self
-                .residual(module, name, shape)?
+                .residual(module, name, shape)
+                .map_err(|e| *e)?
                 .to_device(self.inner_device())
                 .map_err(|e| ModelError::candle(format!("residual {name}"), e)),
             None => self.inner.stored(name, shape),
