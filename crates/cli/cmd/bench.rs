@@ -45,6 +45,9 @@ pub struct BenchArgs {
     /// The frozen linear layers: none, nf4 or nf4-dq (QLoRA, double-quantized scales).
     #[arg(long, default_value = "none")]
     quantize: String,
+    /// Skip the GEMM-ceiling probe (the best matmul rate on the bench's own shapes).
+    #[arg(long)]
+    no_ceiling: bool,
     /// Also write the result as JSON to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -71,6 +74,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         device: a.device,
         dtype: a.dtype,
         quantize: a.quantize,
+        ceiling: !a.no_ceiling,
     };
     if o.steps == 0
         || o.heads == 0
@@ -88,6 +92,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
             if timed { "timed " } else { "warmup" }
         );
     })?;
+    if let Some(c) = &res.ceiling {
+        for g in c.f32.iter().chain(&c.compute) {
+            println!(
+                "gemm ceiling: {:<9} {}×{}·{}×{} {:<4} {:7.1} GFLOP/s",
+                g.what, g.m, g.k, g.k, g.n, g.dtype, g.gflops
+            );
+        }
+    }
+    let ceiling = match &res.ceiling {
+        Some(c) => format!(
+            ", {:.1}% of the GEMM ceiling ({:.1} GFLOP/s)",
+            100.0 * c.fraction,
+            c.best_gflops
+        ),
+        None => String::new(),
+    };
     let what = if o.device == "cpu" {
         "RSS"
     } else {
@@ -100,6 +120,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         res.step_s.len(),
         res.threads,
         res.blas.as_deref().unwrap_or("none (candle's gemm)")
+    );
+    println!(
+        "rtune bench: {:.1} GFLOP/s achieved ({:.1} MFLOP/token){ceiling}",
+        res.achieved_gflops,
+        res.flops_per_token / 1e6
     );
     println!(
         "memory: {what} before the first step {:.1} MB, peak during the steps {:.1} MB{}",

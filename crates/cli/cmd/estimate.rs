@@ -55,6 +55,15 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             ),
         },
     };
+    // `gradient_checkpointing = "auto"`: decided as `rtune train` decides it, against this budget.
+    let mut s = s;
+    let choice = estimate::choose_checkpointing(
+        cfg.gradient_checkpointing,
+        &model,
+        &s,
+        Some((budget, source)),
+    );
+    s.gradient_checkpointing = choice.on;
     let est = estimate::estimate(&model, &s);
     let fit = estimate::largest_fitting(&model, &s, budget);
     if a.json {
@@ -73,11 +82,13 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "max_seq_len": fit.max_seq_len,
             "micro_batch_size": s.micro_batch_size,
             "seq_len": s.seq_len,
+            "gradient_checkpointing": choice,
         });
         println!("{out}");
         return Ok(());
     }
     print_table(&cfg, &model, &s, &est, budget, source, &fit, a.data);
+    println!("{}", choice.describe());
     Ok(())
 }
 

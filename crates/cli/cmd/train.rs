@@ -77,7 +77,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             model_params,
             model_bytes,
             start_step,
+            checkpointing,
         } => {
+            eprintln!("rtune: {}", checkpointing.describe());
             if start_step > 0 {
                 eprintln!("rtune: resuming at step {start_step}");
                 bar.start_at(start_step);

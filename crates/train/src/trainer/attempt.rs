@@ -33,7 +33,9 @@ impl<'a> Trainer<'a> {
             settings,
         } = prepare(cfg, &dev)?;
         model.offload_checkpoints = cfg.offload_checkpoints;
-        let estimated_peak_bytes = rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev);
+        let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
+        let estimated_peak_bytes =
+            rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
         let opt = LoraOptimizer::new(&adapter, cfg.betas, cfg.eps, cfg.weight_decay)?;
         let examples = data.train.len();
         let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
@@ -54,6 +56,7 @@ impl<'a> Trainer<'a> {
             settings,
             base: base_model_name(&cfg.model_path),
             estimated_peak_bytes,
+            checkpointing,
             files: RunFiles::new(cfg),
             state,
             fault_nan_steps: setup::fault_nan_steps(),
@@ -176,7 +179,10 @@ impl<'a> Trainer<'a> {
     /// Writes run.json and config.toml, opens the metrics, and reports the start.
     pub(super) fn begin(&mut self) -> Result<RunRecord, TrainError> {
         let resumed_from = (self.state.step > 0).then_some(self.state.step);
-        let record = RunRecord::begin(self.cfg, &self.files.dir, resumed_from)?;
+        let mut record = RunRecord::begin(self.cfg, &self.files.dir, resumed_from)?;
+        if let Some(a) = record.attempts.last_mut() {
+            a.gradient_checkpointing = Some(self.checkpointing.clone());
+        }
         if let Some(w) = self.files.open(self.cfg, &record)? {
             self.warn(w);
         }
@@ -190,6 +196,7 @@ impl<'a> Trainer<'a> {
             model_params: self.model.num_params(),
             model_bytes: self.model.resident_bytes(),
             start_step: self.state.step,
+            checkpointing: &self.checkpointing,
         });
         Ok(record)
     }
