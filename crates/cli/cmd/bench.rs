@@ -48,6 +48,9 @@ pub struct BenchArgs {
     /// DoRA (`[lora] dora = true`) instead of plain LoRA.
     #[arg(long)]
     dora: bool,
+    /// Skip the GEMM-ceiling probe (the best matmul rate on the bench's own shapes).
+    #[arg(long)]
+    no_ceiling: bool,
     /// Also write the result as JSON to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
@@ -75,6 +78,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         dtype: a.dtype,
         quantize: a.quantize,
         dora: a.dora,
+        ceiling: !a.no_ceiling,
     };
     if o.steps == 0
         || o.heads == 0
@@ -92,6 +96,22 @@ pub fn run(a: BenchArgs) -> Result<()> {
             if timed { "timed " } else { "warmup" }
         );
     })?;
+    if let Some(c) = &res.ceiling {
+        for g in c.f32.iter().chain(&c.compute) {
+            println!(
+                "gemm ceiling: {:<9} {}×{}·{}×{} {:<4} {:7.1} GFLOP/s",
+                g.what, g.m, g.k, g.k, g.n, g.dtype, g.gflops
+            );
+        }
+    }
+    let ceiling = match &res.ceiling {
+        Some(c) => format!(
+            ", {:.1}% of the GEMM ceiling ({:.1} GFLOP/s)",
+            100.0 * c.fraction,
+            c.best_gflops
+        ),
+        None => String::new(),
+    };
     let what = if o.device == "cpu" {
         "RSS"
     } else {
@@ -104,6 +124,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         res.step_s.len(),
         res.threads,
         res.blas.as_deref().unwrap_or("none (candle's gemm)")
+    );
+    println!(
+        "rtune bench: {:.1} GFLOP/s achieved ({:.1} MFLOP/token){ceiling}",
+        res.achieved_gflops,
+        res.flops_per_token / 1e6
     );
     println!(
         "memory: {what} before the first step {:.1} MB, peak during the steps {:.1} MB{}",

@@ -78,6 +78,15 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             ),
         },
     };
+    // `gradient_checkpointing = "auto"`: decided as `rtune train` decides it, against this budget.
+    let mut s = s;
+    let choice = estimate::choose_checkpointing(
+        cfg.gradient_checkpointing,
+        &model,
+        &s,
+        Some((budget, source)),
+    );
+    s.gradient_checkpointing = choice.on;
     let world = a.world as usize;
     let est = per_rank(&model, &s, estimate::estimate(&model, &s), world);
     let fit = estimate::largest_fitting(&model, &s, budget);
@@ -99,6 +108,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "seq_len": s.seq_len,
             "world": world,
             "global_batch": s.micro_batch_size * s.grad_accum * world,
+            "gradient_checkpointing": choice,
         });
         println!("{out}");
         return Ok(());
@@ -114,6 +124,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             s.micro_batch_size * s.grad_accum * world
         );
     }
+    println!("{}", choice.describe());
     Ok(())
 }
 

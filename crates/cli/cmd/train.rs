@@ -111,7 +111,9 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
             model_params,
             model_bytes,
             start_step,
+            checkpointing,
         } => {
+            eprintln!("rtune: {}", checkpointing.describe());
             if start_step > 0 {
                 eprintln!("rtune: resuming at step {start_step}");
                 bar.start_at(start_step);

@@ -47,6 +47,14 @@ pub enum Targets {
     List(Vec<String>),
 }
 
+/// A setting that is `true`, `false` or a word (`"auto"`), as written; checked in `validate`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Switch {
+    Bool(bool),
+    Word(String),
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoraSection {
@@ -110,9 +118,11 @@ pub struct TrainSection {
     /// auto | cpu | cuda:N
     #[serde(default = "d_device")]
     pub device: String,
-    /// Keep only each decoder layer's input in the forward pass and recompute the layer in backward.
-    #[serde(default = "d_true")]
-    pub gradient_checkpointing: bool,
+    /// Keep only each decoder layer's input in the forward pass and recompute the layer in backward:
+    /// `true`, `false`, or `"auto"` (on when `rtune estimate` says the run would not fit the memory
+    /// without it; see `rtune_estimate::choose_checkpointing`).
+    #[serde(default = "d_auto")]
+    pub gradient_checkpointing: Switch,
     /// CUDA with checkpointing: keep the layer inputs in host memory instead of device memory,
     /// copied out and back on a side stream overlapping with compute.
     #[serde(default)]
@@ -190,6 +200,9 @@ fn d_targets() -> Targets {
 }
 fn d_true() -> bool {
     true
+}
+fn d_auto() -> Switch {
+    Switch::Word("auto".into())
 }
 fn d_eval_tokens() -> usize {
     48

@@ -13,8 +13,10 @@ mod suggest;
 pub use data::{
     default_cache_dir, DataConfig, DataSection, RowFormat, TrainFile, TrainFiles, WeightedFile,
 };
-pub use file::{ConfigFile, LoraSection, ModelSection, OutputSection, Targets, TrainSection};
-pub use run::{parse_device, DType, Device, RunConfig, Schedule};
+pub use file::{
+    ConfigFile, LoraSection, ModelSection, OutputSection, Switch, Targets, TrainSection,
+};
+pub use run::{parse_device, Checkpointing, DType, Device, RunConfig, Schedule};
 
 use std::path::{Path, PathBuf};
 

@@ -29,6 +29,25 @@ pub enum Device {
     Cuda(usize),
 }
 
+/// `[train] gradient_checkpointing`: fixed by the user, or decided per run from the memory
+/// estimate (`rtune_estimate::choose_checkpointing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Checkpointing {
+    Auto,
+    On,
+    Off,
+}
+
+impl Checkpointing {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Checkpointing::Auto => "auto",
+            Checkpointing::On => "true",
+            Checkpointing::Off => "false",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Schedule {
     Constant,
@@ -68,7 +87,8 @@ pub struct RunConfig {
     pub betas: (f64, f64),
     pub eps: f64,
     pub device: Device,
-    pub gradient_checkpointing: bool,
+    /// As configured; a run decides `Auto` at start (`rtune_estimate::choose_checkpointing`).
+    pub gradient_checkpointing: Checkpointing,
     /// Layer inputs kept in host memory during the forward pass (CUDA, with checkpointing).
     pub offload_checkpoints: bool,
     pub log_every: usize,
@@ -242,7 +262,23 @@ impl ConfigFile {
             t.loss_scale_growth_interval,
         )?;
         let device = parse_device(&t.device).map_err(|m| bad("train.device", m))?;
-        if t.offload_checkpoints && !t.gradient_checkpointing {
+        let gradient_checkpointing = match &t.gradient_checkpointing {
+            crate::Switch::Bool(true) => Checkpointing::On,
+            crate::Switch::Bool(false) => Checkpointing::Off,
+            crate::Switch::Word(w) if w == "auto" => Checkpointing::Auto,
+            crate::Switch::Word(w) => {
+                return Err(bad(
+                    "train.gradient_checkpointing",
+                    crate::suggest::not_one_of(w, &["true", "false", "auto"]),
+                ))
+            }
+        };
+        // Offloading moves the checkpointed inputs: `auto` becomes on.
+        let gradient_checkpointing = match gradient_checkpointing {
+            Checkpointing::Auto if t.offload_checkpoints => Checkpointing::On,
+            g => g,
+        };
+        if t.offload_checkpoints && gradient_checkpointing == Checkpointing::Off {
             return Err(bad(
                 "train.offload_checkpoints",
                 "needs gradient_checkpointing = true (only checkpointed layer inputs are offloaded)"
@@ -312,7 +348,7 @@ impl ConfigFile {
             betas: (t.adam_beta1, t.adam_beta2),
             eps: t.adam_eps,
             device,
-            gradient_checkpointing: t.gradient_checkpointing,
+            gradient_checkpointing,
             offload_checkpoints: t.offload_checkpoints,
             log_every: t.log_every,
             eval_every: t.eval_every,
@@ -429,6 +465,43 @@ mod tests {
         assert_eq!(c.targets, vec!["all-linear"]);
         assert_eq!(c.schedule, Schedule::Cosine);
         assert_eq!(c.device, Device::Auto);
+    }
+
+    /// `gradient_checkpointing`: `"auto"` by default; `true`/`false` keep their meaning (also
+    /// through `--set`, where `auto` arrives as a bare word); anything else names the key and the
+    /// closest value; offloading the checkpoints turns `auto` on.
+    #[test]
+    fn gradient_checkpointing_is_auto_true_or_false() {
+        assert_eq!(
+            parse("").unwrap().gradient_checkpointing,
+            Checkpointing::Auto
+        );
+        for (v, want) in [
+            ("true", Checkpointing::On),
+            ("false", Checkpointing::Off),
+            ("\"auto\"", Checkpointing::Auto),
+        ] {
+            let c = parse(&format!("[train]\ngradient_checkpointing = {v}\n")).unwrap();
+            assert_eq!(c.gradient_checkpointing, want, "{v}");
+        }
+        let text = "[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\n";
+        for (set, want) in [
+            ("train.gradient_checkpointing=auto", Checkpointing::Auto),
+            ("train.gradient_checkpointing=false", Checkpointing::Off),
+        ] {
+            let f = ConfigFile::parse(text, Path::new("c.toml"), &[set.to_string()]).unwrap();
+            let c = f.validate(Path::new("c.toml")).unwrap();
+            assert_eq!(c.gradient_checkpointing, want, "{set}");
+        }
+        let e = parse("[train]\ngradient_checkpointing = \"atuo\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.gradient_checkpointing") && e.contains("did you mean `auto`"),
+            "{e}"
+        );
+        let c = parse("[train]\ndevice = \"cuda:0\"\noffload_checkpoints = true\n").unwrap();
+        assert_eq!(c.gradient_checkpointing, Checkpointing::On);
     }
 
     #[test]

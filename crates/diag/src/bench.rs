@@ -9,6 +9,10 @@
 //! writing 5 to /proc/self/clear_refs — where that is refused the peak is the process's and
 //! `peak_reset` says so). The random weights are drawn in their final dtype and the embedding
 //! table is made in host memory (`weights`), so the build leaves nothing behind on the device.
+//!
+//! The GEMM ceiling ([`gemm_rates`], after the steps): the best rate the training path's matmul
+//! (`rtune_model::blas::matmul`) reaches on the bench's own GEMM shapes, in f32 and in the compute
+//! dtype; the step's achieved rate (`tokens/s × flops_per_token`) is reported as a fraction of it.
 
 use candle_core::DType;
 use serde::Serialize;
@@ -47,6 +51,8 @@ pub struct BenchOptions {
     pub quantize: String,
     /// DoRA on every adapted layer (magnitudes trained, the norm computed once per step).
     pub dora: bool,
+    /// Measure the GEMM ceiling ([`gemm_rates`]) after the steps.
+    pub ceiling: bool,
 }
 
 impl Default for BenchOptions {
@@ -69,6 +75,7 @@ impl Default for BenchOptions {
             dtype: "f32".into(),
             quantize: "none".into(),
             dora: false,
+            ceiling: true,
         }
     }
 }
@@ -143,6 +150,97 @@ pub struct BenchResult {
     /// The CBLAS the CPU matmuls went through, if one was loaded.
     pub blas: Option<String>,
     pub final_loss: f64,
+    /// `tokens_per_s · flops_per_token`, in GFLOP/s.
+    pub achieved_gflops: f64,
+    /// The GEMM rates on this shape's own matmuls (`None` with `--no-ceiling`).
+    pub ceiling: Option<Ceiling>,
+}
+
+/// The GEMM ceiling: the best rate the matmul path reaches on the bench's own GEMM shapes, for
+/// f32 and for the compute dtype (what "near the hardware's speed" is measured against).
+#[derive(Debug, Clone, Serialize)]
+pub struct Ceiling {
+    /// Each shape's best rate, f32.
+    pub f32: Vec<GemmRate>,
+    /// The same in the compute dtype when it is not f32.
+    pub compute: Vec<GemmRate>,
+    /// The best of `compute` (of `f32` for an f32 bench), GFLOP/s.
+    pub best_gflops: f64,
+    /// `achieved_gflops / best_gflops`.
+    pub fraction: f64,
+}
+
+/// One GEMM shape `(m, k)·(k, n)` and the best of its timed repetitions.
+#[derive(Debug, Clone, Serialize)]
+pub struct GemmRate {
+    pub what: &'static str,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub dtype: String,
+    pub gflops: f64,
+}
+
+/// The forward GEMMs of a bench step as the model runs them (`N = batch·seq` rows): fused q/k/v,
+/// o_proj, fused gate/up, down_proj, lm_head. The backward's are these shapes transposed.
+pub fn gemm_shapes(o: &BenchOptions) -> Vec<(&'static str, usize, usize, usize)> {
+    let c = model_config(o);
+    let n = o.batch * o.seq;
+    let (d, i) = (c.hidden_size, c.intermediate_size);
+    let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    vec![
+        ("q/k/v", n, d, q + 2 * kv),
+        ("o_proj", n, q, d),
+        ("gate/up", n, d, 2 * i),
+        ("down_proj", n, i, d),
+        ("lm_head", n, d, c.vocab_size),
+    ]
+}
+
+/// Times `rtune_model::blas::matmul` (the training path's GEMM) on each shape in `dtype`: one
+/// untimed call, then the best of up to 5 calls within about a quarter second per shape.
+pub fn gemm_rates(
+    o: &BenchOptions,
+    dev: &candle_core::Device,
+    dtype: DType,
+) -> Result<Vec<GemmRate>, DiagError> {
+    let ce = |e| ModelError::candle("gemm ceiling", e);
+    let mut out = Vec::new();
+    for (what, m, k, n) in gemm_shapes(o) {
+        let a = candle_core::Tensor::randn(0f32, 1.0, (m, k), dev)
+            .and_then(|t| t.to_dtype(dtype))
+            .map_err(ce)?;
+        // (k, n) as the model passes a weight: the transpose of a packed (n, k).
+        let w = candle_core::Tensor::randn(0f32, 1.0, (n, k), dev)
+            .and_then(|t| t.to_dtype(dtype))
+            .map_err(ce)?;
+        let run = || -> Result<f64, DiagError> {
+            let t0 = Instant::now();
+            let y = rtune_model::blas::matmul(&a, &w.t().map_err(ce)?).map_err(ce)?;
+            dev.synchronize().map_err(ce)?;
+            drop(y);
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        run()?;
+        let (mut best, mut spent) = (f64::INFINITY, 0.0);
+        for _ in 0..5 {
+            let dt = run()?;
+            best = best.min(dt);
+            spent += dt;
+            if spent > 0.25 {
+                break;
+            }
+        }
+        out.push(GemmRate {
+            what,
+            m,
+            k,
+            n,
+            dtype: format!("{dtype:?}").to_lowercase(),
+            gflops: 2.0 * (m * k * n) as f64 / best / 1e9,
+        });
+    }
+    Ok(out)
 }
 
 /// The bench's random Llama: the options' shape, untied lm_head, no biases.
@@ -282,9 +380,30 @@ pub fn run(
     let mut sorted = step_s.clone();
     sorted.sort_by(|a, b| a.total_cmp(b));
     let step_s_median = sorted[sorted.len() / 2];
+    let tokens_per_s = n as f64 / step_s_median;
+    let achieved_gflops = tokens_per_s * o.flops_per_token() / 1e9;
+    // After the steps, so that its buffers do not count in the measured peak.
+    let ceiling = if o.ceiling {
+        let f32 = gemm_rates(o, &dev, DType::F32)?;
+        let compute = if dtype == DType::F32 || quantize != Quantize::None {
+            Vec::new()
+        } else {
+            gemm_rates(o, &dev, dtype)?
+        };
+        let best = if compute.is_empty() { &f32 } else { &compute };
+        let best_gflops = best.iter().map(|r| r.gflops).fold(0.0, f64::max);
+        Some(Ceiling {
+            fraction: achieved_gflops / best_gflops,
+            f32,
+            compute,
+            best_gflops,
+        })
+    } else {
+        None
+    };
     Ok(BenchResult {
         options: o.clone(),
-        tokens_per_s: n as f64 / step_s_median,
+        tokens_per_s,
         step_s_median,
         step_s,
         peak_memory_bytes: memory::peak_bytes(&dev),
@@ -299,6 +418,8 @@ pub fn run(
         flops_per_token: o.flops_per_token(),
         blas: rtune_model::blas::loaded().map(str::to_string),
         final_loss,
+        achieved_gflops,
+        ceiling,
     })
 }
 
@@ -328,6 +449,17 @@ mod tests {
         let mut steps = 0;
         let r = run(&o, &mut |_, _, _| steps += 1)?;
         assert_eq!((steps, r.step_s.len()), (3, 2));
+        // The ceiling: every shape timed in f32 and in the compute dtype, the fraction theirs.
+        let c = r.ceiling.as_ref().expect("measured by default");
+        assert_eq!((c.f32.len(), c.compute.len()), (5, 5));
+        assert!(c
+            .compute
+            .iter()
+            .all(|g| g.gflops > 0.0 && g.dtype == "bf16"));
+        let best = c.compute.iter().map(|g| g.gflops).fold(0.0, f64::max);
+        assert_eq!(c.best_gflops, best);
+        assert!((c.fraction - r.achieved_gflops / best).abs() < 1e-12);
+        assert_eq!(c.f32[4].n, 256, "lm_head: vocab columns");
         assert!(r.final_loss.is_finite() && r.tokens_per_s > 0.0);
         if cfg!(target_os = "linux") {
             assert!(r.peak_reset, "VmHWM restarted via /proc/self/clear_refs");

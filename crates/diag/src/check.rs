@@ -49,7 +49,7 @@ fn runtime(cfg: &RunConfig) -> Check {
         Ok(candle_core::Device::Cpu) => (
             true,
             format!(
-                "cpu, {} threads, SIMD: {}{}; BLAS: {}",
+                "cpu, {} threads, SIMD: {}{}; BLAS: {}; bf16 GEMM: {}",
                 std::thread::available_parallelism().map_or(1, |n| n.get()),
                 names.join(" "),
                 if fast {
@@ -58,7 +58,8 @@ fn runtime(cfg: &RunConfig) -> Check {
                     " (no AVX2/FMA: matrix products will be several times slower)"
                 },
                 rtune_model::blas::loaded()
-                    .unwrap_or("none (candle's gemm; install libopenblas0 for ~2x faster matmuls)")
+                    .unwrap_or("none (candle's gemm; install libopenblas0 for ~2x faster matmuls)"),
+                rtune_model::onednn::describe()
             ),
         ),
         Ok(d) => (true, format!("{:?}", d.location())),
@@ -188,7 +189,11 @@ pub fn run_checks(
     let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
     let mut s = rtune_estimate::settings_for(cfg)?;
     rtune_estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
-    let est = rtune_estimate::estimate(&mc, &s).peak_bytes;
+    // The run's own estimate (checkpointing as it decided it); the CPU-side one on CUDA.
+    let est = steps
+        .last()
+        .and_then(|m| m.estimated_peak_bytes)
+        .unwrap_or_else(|| rtune_estimate::estimate(&mc, &s).peak_bytes);
     let lora_params = match &done {
         Outcome::Completed(s) => s.lora_params,
         Outcome::Stopped { .. } => 0,

@@ -32,9 +32,11 @@ use rtune_config::DType;
 use rtune_model::ops::{keep_probs, AttnPath, AttnShape};
 use rtune_model::ModelConfig;
 
+mod checkpointing;
 mod run;
 mod tiled;
-pub use run::{fit_to_data, for_run, matmul_workspace_bytes, settings_for};
+pub use checkpointing::{choose_checkpointing, Budget, CheckpointingChoice, HEADROOM};
+pub use run::{checkpointing_for, fit_to_data, for_run, matmul_workspace_bytes, settings_for};
 pub use tiled::{attn_path, partial_bytes};
 
 /// glibc's `M_MMAP_THRESHOLD` as the binary sets it: blocks at least this big are mmapped.

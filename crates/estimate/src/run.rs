@@ -5,7 +5,7 @@ use rtune_config::{DType, RunConfig};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use crate::{Quantize, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
+use crate::{choose_checkpointing, Quantize, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
 
 impl Settings {
     /// f32, no quantization, LoRA on all linear layers, worst-case rows.
@@ -67,7 +67,7 @@ const TOKENIZER_PER_FILE_BYTE: u64 = 3;
 const DATA_PER_TOKEN: u64 = 12;
 
 /// The settings of a run as its config gives them (worst case: full-length rows, every position
-/// a target). Reads only the sizes of the model's files, not their contents. Fails only on LoRA
+/// a target; `gradient_checkpointing = "auto"` as on until [`choose_checkpointing`] decides). Reads only the sizes of the model's files, not their contents. Fails only on LoRA
 /// targets that name no module (boxed: the error is large, and the trainer boxes it too).
 pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraError>> {
     let spec = rtune_lora::LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)
@@ -94,7 +94,7 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         seq_len: cfg.data.max_seq_len,
         target_rows: None,
         packing: cfg.data.packing,
-        gradient_checkpointing: cfg.gradient_checkpointing,
+        gradient_checkpointing: cfg.gradient_checkpointing != rtune_config::Checkpointing::Off,
         checkpoint_bytes,
         checkpoint_elem_bytes: files.first().map_or(0, |f| stored_elem_bytes(f)),
         runtime_bytes: RUNTIME_BYTES + TRAIN_RUNTIME_BYTES + TOKENIZER_PER_FILE_BYTE * tokenizer,
@@ -146,19 +146,42 @@ pub fn fit_to_data(s: &mut Settings, examples: &[rtune_data::Example], max_seq_l
     s.runtime_bytes += DATA_PER_TOKEN * total as u64;
 }
 
-/// The estimate of a run about to train on the CPU, fitted to its data: what `rtune estimate`
-/// prints, written into metrics.jsonl and summary.json beside the measured peak. `None` on CUDA
-/// (the estimator models host memory only) or when the settings cannot be read.
+/// The estimate of a run about to train on the CPU, fitted to its data, with checkpointing as
+/// decided (`checkpointing`): what `rtune estimate` prints, written into metrics.jsonl and
+/// summary.json beside the measured peak. `None` on CUDA (the estimator models host memory only)
+/// or when the settings cannot be read.
 pub fn for_run(
     cfg: &RunConfig,
     model: &rtune_model::ModelConfig,
     examples: &[rtune_data::Example],
     dev: &candle_core::Device,
+    checkpointing: bool,
 ) -> Option<u64> {
     if !dev.is_cpu() {
         return None;
     }
     let mut s = settings_for(cfg).ok()?;
     fit_to_data(&mut s, examples, cfg.data.max_seq_len);
+    s.gradient_checkpointing = checkpointing;
     Some(crate::estimate(model, &s).peak_bytes)
+}
+
+/// [`choose_checkpointing`] for a run config, fitted to its data: what `rtune train` decides at
+/// start (and `rtune estimate` prints).
+pub fn checkpointing_for(
+    cfg: &RunConfig,
+    model: &rtune_model::ModelConfig,
+    examples: Option<&[rtune_data::Example]>,
+    budget: crate::Budget,
+) -> Result<crate::CheckpointingChoice, Box<rtune_lora::LoraError>> {
+    let mut s = settings_for(cfg)?;
+    if let Some(e) = examples {
+        fit_to_data(&mut s, e, cfg.data.max_seq_len);
+    }
+    Ok(choose_checkpointing(
+        cfg.gradient_checkpointing,
+        model,
+        &s,
+        budget,
+    ))
 }

@@ -292,3 +292,38 @@ fn tiled_checkpointing_counts_the_last_layers_cache_at_the_cross_entropy() {
         e.get(names::ACTS_ONE)
     );
 }
+
+/// `auto` leaves checkpointing off exactly when the run's estimate without it, times the
+/// headroom, fits the budget (the boundary checked on both sides), turns it on when the budget
+/// cannot be read, and `true`/`false` are obeyed whatever the budget.
+#[test]
+fn auto_checkpointing_follows_the_estimate_and_the_budget() {
+    use rtune_config::Checkpointing;
+    let c = bench_small();
+    // The settings' own flag must not matter: the decision estimates the run without it.
+    let s = Settings::new(16, 4, 512, true);
+    let mut off = s.clone();
+    off.gradient_checkpointing = false;
+    let peak = estimate(&c, &off).peak_bytes;
+    assert!(
+        peak > estimate(&c, &s).peak_bytes,
+        "checkpointing saves memory here"
+    );
+    let need = (peak as f64 * HEADROOM).ceil() as u64;
+    let auto = |b: Budget| choose_checkpointing(Checkpointing::Auto, &c, &s, b);
+    let fits = auto(Some((need, "available RAM")));
+    assert!(!fits.on, "{}", fits.describe());
+    assert!(fits.reason.contains("fits in"), "{}", fits.reason);
+    assert_eq!(fits.setting, "auto");
+    let tight = auto(Some((need - 2, "available RAM")));
+    assert!(tight.on, "{}", tight.describe());
+    assert!(tight.reason.contains("does not fit"), "{}", tight.reason);
+    assert!(auto(None).on);
+    for (setting, on) in [(Checkpointing::On, true), (Checkpointing::Off, false)] {
+        for b in [Some((1, "x")), Some((u64::MAX, "x")), None] {
+            let ch = choose_checkpointing(setting, &c, &s, b);
+            assert_eq!(ch.on, on);
+            assert_eq!(ch.reason, "set in the config");
+        }
+    }
+}

@@ -260,6 +260,13 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         (a, b)
     };
     let (a, b) = (a.as_ref(), b.as_ref());
+    // bf16 on the CPU: oneDNN's bf16 kernels where the CPU has them (f32 accumulation, bf16 out,
+    // as candle's matmul), candle's gemm otherwise.
+    if a.dtype() == DType::BF16 {
+        if let Some(y) = crate::onednn::matmul(a, b, DType::BF16) {
+            return y;
+        }
+    }
     let Some(blas) = BLAS.get().and_then(Option::as_ref) else {
         return a.matmul(b);
     };

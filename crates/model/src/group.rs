@@ -8,8 +8,12 @@
 //!   one GEMM, and so are `dA = dXAᵀ·x` and the LoRA part of `dx = dXA·[A₁; A₂; …]`. Each member
 //!   gets its `(N, r)` columns as a contiguous copy: a column view of the `(N, Σr)` product has
 //!   leading dimension Σr, which candle's CUDA GEMM refuses (see [`crate::blas::cuda_gemm_ok`]).
-//! - LoRA with dropout: each member draws its own mask ([`crate::dropout`]), so each multiplies its
-//!   own dropped input by its A; the frozen GEMM above stays one.
+//! - LoRA with dropout: each member draws its own mask ([`crate::dropout`]), so the inputs differ;
+//!   they are made in one parallel pass as `(G, N, in)` ([`dropout::apply_each`]) and multiplied
+//!   by the `(G, in, r)` stack of the Aᵀ in one batched GEMM call (members of one rank). The
+//!   backward regenerates them the same way for `dA = dXAᵀ·dropout(x)` (batched), and adds the
+//!   masked `dXA·A` terms into `dx` in one pass ([`dropout::add_each`]). No mask is kept; the
+//!   results are those of each member on its own bit for bit (the same GEMM per member).
 //!
 //! Small GEMMs run far below the BLAS's peak (bench-small's k/v projections, 2048×512·512×128, at a
 //! quarter of the rate of the fused 2048×512·512×768), and rank-16 LoRA GEMMs even more so. The
@@ -18,6 +22,7 @@
 use candle_core::{DType, Result, Tensor};
 
 use crate::blas::matmul as mm;
+use crate::dropout::{self, DropoutKey};
 use crate::linear::{Frozen, Grads, Linear, LinearCache, LoraCtx};
 
 /// Concatenates the members' dense weights into one `(Σout, in)` block and makes each member's
@@ -50,11 +55,35 @@ pub fn fuse(members: &mut [&mut Linear]) -> Result<Option<Tensor>> {
     Ok(Some(block))
 }
 
-/// Whether the group's LoRA matmuls can be stacked: every member adapted, no dropout (each member
-/// draws its own mask, so their inputs differ).
+/// Whether the group's LoRA matmuls can be stacked: every member adapted; with dropout also of
+/// one rank (the batched GEMM's `(G, N, r)`).
 fn stacked_lora<'a>(members: &[&Linear], lora: Option<&'a LoraCtx<'a>>) -> Option<&'a LoraCtx<'a>> {
     let ctx = lora?;
-    (ctx.dropout == 0.0 && members.iter().all(|m| m.lora.is_some())).then_some(ctx)
+    if !members.iter().all(|m| m.lora.is_some()) {
+        return None;
+    }
+    let rank = |m: &&Linear| ctx.adapter.pairs[m.lora.expect("checked")].a.dims()[0];
+    let one_rank = members.iter().all(|m| rank(m) == rank(&members[0]));
+    (ctx.dropout == 0.0 || one_rank).then_some(ctx)
+}
+
+/// The dropout keys of the members' LoRA inputs: `(p, seed, salt)` as [`Linear::finish`] makes them.
+fn dropout_keys(ctx: &LoraCtx, salts: &[u64]) -> Vec<DropoutKey> {
+    salts
+        .iter()
+        .map(|&salt| DropoutKey {
+            p: ctx.dropout,
+            seed: ctx.seed,
+            salt,
+        })
+        .collect()
+}
+
+/// `[A₁; A₂; …]` as `(G, r, in)`, members of one rank `r`.
+fn batched_a(members: &[&Linear], ctx: &LoraCtx) -> Result<Tensor> {
+    let a = stacked_a(members, ctx)?;
+    let (rows, cols) = a.dims2()?;
+    a.reshape((members.len(), rows / members.len(), cols))
 }
 
 /// `[A₁; A₂; …]`: `(Σr, in)` f32.
@@ -107,6 +136,21 @@ pub fn forward(
             .map(|((m, y), &s)| m.finish(x, y, lora, s))
             .collect();
     };
+    if ctx.dropout > 0.0 {
+        let keys = dropout_keys(ctx, salts);
+        // xd: (G, N, in) f32, each member's dropped input; xa: (G, N, r) = xd·Aᵀ per member.
+        let xd = dropout::apply_each(x, &keys)?;
+        let xa = mm(&xd, &batched_a(members, ctx)?.t()?)?;
+        drop(xd);
+        let mut out = Vec::with_capacity(members.len());
+        for (g, ((m, y), key)) in members.iter().zip(base).zip(keys).enumerate() {
+            // (N, r), packed: a batch of the packed (G, N, r).
+            let (y, mut cache) = m.finish_with_xa(y, xa.get(g)?, ctx)?;
+            cache.dropout = Some(key);
+            out.push((y, cache));
+        }
+        return Ok(out);
+    }
     // xa: (N, Σr) f32 — one GEMM for the LoRA down-projections.
     let xa = mm(&x.to_dtype(DType::F32)?, &stacked_a(members, ctx)?.t()?)?;
     let mut col = 0;
@@ -177,6 +221,26 @@ pub fn backward(
     let mut dxas = Vec::with_capacity(members.len());
     for ((m, dy), c) in members.iter().zip(dys).zip(caches) {
         dxas.push(m.lora_dxa(dy, c, ctx, grads)?);
+    }
+    if ctx.dropout > 0.0 {
+        let keys: Vec<DropoutKey> = caches
+            .iter()
+            .map(|c| c.dropout.expect("the forward ran with dropout"))
+            .collect();
+        // dxa: (G, N, r); dA: (G, r, in) = dxaᵀ·dropout(x) per member, the masks regenerated.
+        let dxa = Tensor::stack(&dxas, 0)?;
+        let xd = dropout::apply_each(x, &keys)?;
+        let da = mm(&dxa.t()?, &xd)?;
+        drop(xd);
+        for (g, m) in members.iter().enumerate() {
+            Grads::add(&mut grads.a[m.lora.expect("checked")], da.get(g)?)?;
+        }
+        if let Some(d) = dx.as_mut() {
+            // dx += Σ mask_g ⊙ (dxa_g·A_g): (G, N, in) f32 from one batched GEMM, one pass.
+            let dl = mm(&dxa, &batched_a(members, ctx)?)?;
+            *d = dropout::add_each(d, &dl, &keys)?;
+        }
+        return Ok(dx);
     }
     let dxa = Tensor::cat(&dxas, 1)?;
     let xf = x.to_dtype(DType::F32)?;

@@ -22,6 +22,7 @@ mod kept;
 pub mod layer;
 pub mod linear;
 mod model;
+pub mod onednn;
 pub mod ops;
 pub mod rope;
 pub mod weights;

@@ -157,7 +157,7 @@ pub struct LinearCache {
     /// `x·Aᵀ` (after dropout): `(N, r)`, f32, contiguous.
     xa: Option<Tensor>,
     /// What regenerates the dropout mask of the LoRA input, when dropout is on.
-    dropout: Option<DropoutKey>,
+    pub(crate) dropout: Option<DropoutKey>,
     /// DoRA's scale and pre-scale output, for a pair with a magnitude.
     dora: Option<DoraCache>,
 }

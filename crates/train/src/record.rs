@@ -29,6 +29,10 @@ pub struct Attempt {
     pub status: String,
     pub resumed_from_step: Option<usize>,
     pub steps_done: usize,
+    /// Gradient checkpointing as this attempt decided it (`auto` resolved), with the reason;
+    /// absent in records written before `auto` existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gradient_checkpointing: Option<rtune_estimate::CheckpointingChoice>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -68,6 +72,10 @@ pub struct Hardware {
     /// The CBLAS the CPU matmuls went through (`libopenblas.so.0 (skylakex)`), if any.
     #[serde(default)]
     pub blas: Option<String>,
+    /// What bf16 GEMMs go through: `oneDNN (libdnnl.so.2, oneDNN 2.6.3)` or `candle's gemm
+    /// (why)`; absent in records written before it was recorded.
+    #[serde(default)]
+    pub bf16_gemm: Option<String>,
 }
 
 pub fn now() -> String {
@@ -133,6 +141,7 @@ pub fn hardware(device: &str) -> Hardware {
         os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
         device: device.to_string(),
         blas: rtune_model::blas::loaded().map(str::to_string),
+        bf16_gemm: Some(rtune_model::onednn::describe()),
     }
 }
 
@@ -149,6 +158,7 @@ impl RunRecord {
             status: "running".into(),
             resumed_from_step,
             steps_done: 0,
+            gradient_checkpointing: None,
         };
         if resumed_from_step.is_some() {
             if let Some(mut r) = std::fs::read(dir.join(RUN_JSON))

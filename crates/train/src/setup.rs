@@ -136,6 +136,34 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     })
 }
 
+/// Decides `[train] gradient_checkpointing` for this attempt (`auto`: from the memory estimate
+/// of the run without it, fitted to the data, against the memory budget). Called with the model
+/// and data loaded, so the budget is what is free plus what this process already holds (the
+/// estimate counts both): available RAM + resident set on the CPU, free device memory + the
+/// device pool's high-water mark on CUDA. A resumed run decides again: checkpointing changes
+/// memory, not the numbers (it is in [`MAY_CHANGE`]).
+pub fn checkpointing(
+    cfg: &RunConfig,
+    model: &rtune_model::ModelConfig,
+    examples: &[Example],
+    dev: &Device,
+) -> Result<rtune_estimate::CheckpointingChoice, TrainError> {
+    let budget = match dev.location() {
+        #[cfg(feature = "cuda")]
+        candle_core::DeviceLocation::Cuda { gpu_id } => crate::memory::device_free_bytes(gpu_id)
+            .ok()
+            .map(|free| (free + crate::memory::peak_bytes(dev), "free device memory")),
+        _ => crate::memory::ram_available_bytes()
+            .map(|free| (free + crate::memory::current_rss_bytes(), "available RAM")),
+    };
+    Ok(rtune_estimate::checkpointing_for(
+        cfg,
+        model,
+        Some(examples),
+        budget,
+    )?)
+}
+
 /// Keys of the config as written that a resumed run may change: they do not decide which rows a
 /// step sees or the numbers it computes. Every other key is serialised into the settings and must
 /// stay equal, so a key added to the config is checked on resume unless it is named here. A name

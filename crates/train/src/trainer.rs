@@ -93,6 +93,8 @@ pub struct Trainer<'a> {
     /// The base model as PEFT records it.
     base: String,
     estimated_peak_bytes: Option<u64>,
+    /// `[train] gradient_checkpointing` as decided for this attempt (`auto` resolved).
+    checkpointing: rtune_estimate::CheckpointingChoice,
     files: RunFiles,
     state: RunState,
     /// Tests poison the loss of these steps (`RTUNE_FAULT_NAN_STEPS`, 1-based) to exercise the NaN path.
@@ -241,7 +243,7 @@ impl Trainer<'_> {
                 t: mb.t,
                 segments: mb.segments,
             };
-            let (scale, ckpt) = (loss_scale / n_target as f64, cfg.gradient_checkpointing);
+            let (scale, ckpt) = (loss_scale / n_target as f64, self.checkpointing.on);
             loss_sum +=
                 self.model
                     .forward_backward(&inputs, &mb.targets, &lc, scale, ckpt, &mut grads)?;

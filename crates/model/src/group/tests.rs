@@ -141,3 +141,107 @@ fn fuse_leaves_row_views_of_one_block() -> Result<()> {
     }
     Ok(())
 }
+
+fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(v.iter().map(|x| x.to_bits()).collect())
+}
+
+/// With dropout the group path (masks made together, batched GEMMs, one masked-sum pass) equals
+/// each member's own LoRA branch bit for bit — outputs, dA, dB and dx — in f32 and in bf16 (the
+/// frozen part in the compute dtype, dx rounded after each member's term as the member path
+/// does): the same GEMM per member and the same masks. Unfused weights, so that the frozen
+/// GEMMs are the members' own too.
+#[test]
+fn group_with_dropout_equals_members_bit_for_bit() -> Result<()> {
+    for dtype in [DType::F32, DType::BF16] {
+        let (mut lins, adapter) = setup()?;
+        for l in lins.iter_mut() {
+            l.w = Frozen::Dense(l.w.dense()?.to_dtype(dtype)?);
+            l.bias = l.bias.as_ref().map(|b| b.to_dtype(dtype)).transpose()?;
+        }
+        let ctx = LoraCtx {
+            adapter: &adapter,
+            scaling: 2.0,
+            dropout: 0.25,
+            seed: 11,
+        };
+        let x = randn(&[24, 40], 2)?.to_dtype(dtype)?;
+        let salts = [7u64, 8, 9];
+        let members: Vec<&Linear> = lins.iter().collect();
+        assert!(stacked_lora(&members, Some(&ctx)).is_some());
+        let got = forward(&members, None, &x, Some(&ctx), &salts)?;
+        let want: Vec<(Tensor, LinearCache)> = members
+            .iter()
+            .zip(salts)
+            .map(|(m, s)| m.forward(&x, Some(&ctx), s))
+            .collect::<Result<_>>()?;
+        for ((g, _), (w, _)) in got.iter().zip(&want) {
+            assert_eq!(bits(g)?, bits(w)?, "forward {dtype:?}");
+        }
+        let dys: Vec<Tensor> = [48usize, 16, 16]
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| randn(&[24, o], 60 + i as u64)?.to_dtype(dtype))
+            .collect::<Result<_>>()?;
+        let caches: Vec<&LinearCache> = got.iter().map(|(_, c)| c).collect();
+        let mut g_grads = Grads::new(3);
+        let dx = backward(
+            &members,
+            None,
+            &dys,
+            &x,
+            &caches,
+            Some(&ctx),
+            &mut g_grads,
+            true,
+        )?
+        .expect("need_dx");
+        // The member path of the same sum: the frozen dx, then each member's LoRA term.
+        let mut w_grads = Grads::new(3);
+        let mut wdx: Option<Tensor> = None;
+        for (m, dy) in members.iter().zip(&dys) {
+            let d = mm(dy, &*m.w.dense()?)?;
+            wdx = Some(match wdx {
+                Some(a) => (a + d)?,
+                None => d,
+            });
+        }
+        let mut wdx = wdx.expect("three members");
+        for ((m, dy), (_, c)) in members.iter().zip(&dys).zip(&want) {
+            let dl = m
+                .lora_backward(dy, &x, c, Some(&ctx), &mut w_grads, true)?
+                .expect("adapted");
+            wdx = (&wdx + dl.to_dtype(wdx.dtype())?)?;
+        }
+        assert_eq!(bits(&dx)?, bits(&wdx)?, "dx {dtype:?}");
+        for i in 0..3 {
+            let (ga, wa) = (g_grads.a[i].as_ref(), w_grads.a[i].as_ref());
+            let (gb, wb) = (g_grads.b[i].as_ref(), w_grads.b[i].as_ref());
+            assert_eq!(bits(ga.unwrap())?, bits(wa.unwrap())?, "dA {i} {dtype:?}");
+            assert_eq!(bits(gb.unwrap())?, bits(wb.unwrap())?, "dB {i} {dtype:?}");
+        }
+    }
+    Ok(())
+}
+
+/// Members of different ranks cannot share the batched `(G, N, r)` GEMM: with dropout the group
+/// leaves their LoRA branches to each member (without dropout the stacked GEMM takes any ranks).
+#[test]
+fn dropout_with_mixed_ranks_is_not_stacked() -> Result<()> {
+    let (lins, mut adapter) = setup()?;
+    adapter.pairs[1] = LoraPair {
+        a: randn(&[2, 40], 70)?,
+        b: randn(&[16, 2], 71)?,
+    };
+    let members: Vec<&Linear> = lins.iter().collect();
+    let ctx = |dropout| LoraCtx {
+        adapter: &adapter,
+        scaling: 2.0,
+        dropout,
+        seed: 1,
+    };
+    assert!(stacked_lora(&members, Some(&ctx(0.1))).is_none());
+    assert!(stacked_lora(&members, Some(&ctx(0.0))).is_some());
+    Ok(())
+}

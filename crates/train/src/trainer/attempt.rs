@@ -48,7 +48,9 @@ impl<'a> Trainer<'a> {
             settings.insert(super::dist::WORLD_SIZE.into(), world.size.to_string());
         }
         model.offload_checkpoints = cfg.offload_checkpoints;
-        let estimated_peak_bytes = rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev);
+        let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
+        let estimated_peak_bytes =
+            rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
         let (betas, eps, wd) = (cfg.betas, cfg.eps, cfg.weight_decay);
         let opt = LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.loraplus_lr_ratio)?;
         let examples = data.train.len();
@@ -70,6 +72,7 @@ impl<'a> Trainer<'a> {
             settings,
             base: base_model_name(&cfg.model_path),
             estimated_peak_bytes,
+            checkpointing,
             files: RunFiles::new(cfg, world.is_root()),
             state,
             fault_nan_steps: setup::fault_nan_steps(),
@@ -203,6 +206,9 @@ impl<'a> Trainer<'a> {
             RunRecord::placeholder(self.cfg)
         };
         record.set_world(self.world.size, &self.ranks);
+        if let Some(a) = record.attempts.last_mut() {
+            a.gradient_checkpointing = Some(self.checkpointing.clone());
+        }
         if let Some(w) = self.files.open(self.cfg, &record)? {
             self.warn(w);
         }
@@ -216,6 +222,7 @@ impl<'a> Trainer<'a> {
             model_params: self.model.num_params(),
             model_bytes: self.model.resident_bytes(),
             start_step: self.state.step,
+            checkpointing: &self.checkpointing,
         });
         Ok(record)
     }

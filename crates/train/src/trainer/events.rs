@@ -34,6 +34,8 @@ pub enum Event<'a> {
         /// Bytes of the frozen weights as held (4-bit layers at their packed size).
         model_bytes: usize,
         start_step: usize,
+        /// Whether this attempt checkpoints, and why (`auto` decided from the estimate).
+        checkpointing: &'a rtune_estimate::CheckpointingChoice,
     },
     Step(&'a StepMetrics),
     /// Validation loss and perplexity (every `eval_every` steps and at the end).

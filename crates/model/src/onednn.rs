@@ -1,0 +1,626 @@
+//! bf16 matrix products on the CPU through oneDNN (Debian's `libdnnl2`, oneDNN 2.x C API), loaded at
+//! run time like the BLAS ([`crate::blas`]): no build-time dependency, and the library PyTorch runs
+//! its CPU bf16 GEMMs through under `torch.autocast` (its AVX-512 BF16 `vdpbf16ps` and AMX kernels).
+//!
+//! The matmul primitive takes bf16 `A (…, M, K)` and `B (…, K, N)` in any strides (a transposed
+//! weight is a stride, not a copy) and writes a packed `C (…, M, N)` in bf16 or f32, accumulating
+//! in f32 (oneDNN's matmul accumulates bf16 products in f32 and rounds once into `C`) — the
+//! semantics of `torch.matmul` on bf16 inputs and of candle's own bf16 matmul. Primitives are
+//! created once per shape, strides and output dtype and cached.
+//!
+//! Used when the CPU has AVX-512 BF16 or AMX-BF16 ([`crate::cpu_features`]) and `libdnnl.so.2`
+//! loads; otherwise bf16 matmuls stay on candle's gemm, with one notice the first time one runs.
+//! `RTUNE_ONEDNN`: unset → `libdnnl.so.2` / `libdnnl.so`; `off` → never; a path → that library;
+//! `force` → use it even without the bf16 instructions (oneDNN then converts to f32 itself).
+//! [`describe`] says which path bf16 GEMMs take, for `rtune check` and run.json.
+//!
+//! The C API is declared here from `oneapi/dnnl/dnnl.h` of oneDNN 2.6: the memory and matmul
+//! descriptors are structs the library fills (696 and 2800 bytes there), held here in buffers
+//! with room to spare; the enum values are the header's (`dnnl_bf16 = 2`, `dnnl_f32 = 3`,
+//! `dnnl_cpu = 1`, `DNNL_ARG_SRC = 1`, `DNNL_ARG_DST = 17`, `DNNL_ARG_WEIGHTS = 33`).
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use half::bf16;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::{Mutex, Once, OnceLock};
+
+type Status = c_int;
+type Handle = *mut c_void;
+
+const SUCCESS: Status = 0;
+const DT_BF16: c_int = 2;
+const DT_F32: c_int = 3;
+const ENGINE_CPU: c_int = 1;
+const STREAM_DEFAULT: u32 = 1;
+const ARG_SRC: c_int = 1;
+const ARG_DST: c_int = 17;
+const ARG_WEIGHTS: c_int = 33;
+const QUERY_IMPL_INFO_STR: c_int = 8;
+/// `DNNL_MAX_NDIMS`.
+const MAX_NDIMS: usize = 12;
+
+/// Room for a `dnnl_memory_desc_t` (696 bytes in 2.6) and a `dnnl_matmul_desc_t` (2800), 8-aligned.
+#[repr(C, align(8))]
+struct Md([u8; 1024]);
+#[repr(C, align(8))]
+struct MatmulDesc([u8; 4096]);
+
+#[repr(C)]
+struct ExecArg {
+    arg: c_int,
+    memory: Handle,
+}
+
+#[repr(C)]
+struct Version {
+    major: c_int,
+    minor: c_int,
+    patch: c_int,
+    hash: *const c_char,
+}
+
+/// The entry points rtune calls, from `dnnl.h`.
+struct Api {
+    engine_create: unsafe extern "C" fn(*mut Handle, c_int, usize) -> Status,
+    stream_create: unsafe extern "C" fn(*mut Handle, Handle, u32) -> Status,
+    stream_wait: unsafe extern "C" fn(Handle) -> Status,
+    md_init_by_strides:
+        unsafe extern "C" fn(*mut Md, c_int, *const i64, c_int, *const i64) -> Status,
+    matmul_desc_init:
+        unsafe extern "C" fn(*mut MatmulDesc, *const Md, *const Md, *const Md, *const Md) -> Status,
+    pd_create:
+        unsafe extern "C" fn(*mut Handle, *const MatmulDesc, Handle, Handle, Handle) -> Status,
+    pd_query: unsafe extern "C" fn(Handle, c_int, c_int, *mut c_void) -> Status,
+    pd_destroy: unsafe extern "C" fn(Handle) -> Status,
+    primitive_create: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
+    primitive_execute: unsafe extern "C" fn(Handle, Handle, c_int, *const ExecArg) -> Status,
+    memory_create: unsafe extern "C" fn(*mut Handle, *const Md, Handle, *mut c_void) -> Status,
+    memory_destroy: unsafe extern "C" fn(Handle) -> Status,
+    version: unsafe extern "C" fn() -> *const Version,
+}
+
+/// A cached primitive: what it multiplies and the implementation oneDNN chose for it.
+struct Primitive {
+    handle: Handle,
+    src: Md,
+    weights: Md,
+    dst: Md,
+    /// oneDNN's implementation name (`brg:avx512_core_bf16`, ...).
+    imp: String,
+}
+
+/// A primitive's operands: dims and strides of `A`, `B`, and the output dtype.
+type Key = (Vec<i64>, Vec<i64>, Vec<i64>, Vec<i64>, c_int);
+
+/// The loaded library with its CPU engine, one stream and the primitive cache.
+pub struct OneDnn {
+    api: Api,
+    engine: Handle,
+    /// The stream and the cache under one lock: a stream runs one primitive at a time.
+    state: Mutex<(Handle, HashMap<Key, Primitive>)>,
+    /// `libdnnl.so.2 (oneDNN 2.6.3)`.
+    pub name: String,
+}
+
+// SAFETY: the engine is immutable after creation and oneDNN's CPU engine may be used from any
+// thread; the stream and the primitives are only touched under `state`'s lock.
+unsafe impl Send for OneDnn {}
+// SAFETY: as for Send.
+unsafe impl Sync for OneDnn {}
+
+/// Why bf16 GEMMs do not go through oneDNN (the fallback's notice).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fallback {
+    /// `RTUNE_ONEDNN=off`.
+    Off,
+    /// The CPU has neither AVX-512 BF16 nor AMX-BF16.
+    NoBf16Instructions,
+    /// The library did not load or a call failed; the message says which.
+    Library(String),
+}
+
+impl std::fmt::Display for Fallback {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fallback::Off => write!(f, "RTUNE_ONEDNN=off"),
+            Fallback::NoBf16Instructions => {
+                write!(f, "the CPU has neither AVX-512 BF16 nor AMX-BF16")
+            }
+            Fallback::Library(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+static ONEDNN: OnceLock<std::result::Result<OneDnn, Fallback>> = OnceLock::new();
+
+/// Decides from `RTUNE_ONEDNN` and the CPU whether to load oneDNN, and which files to try.
+pub fn choose(env: Option<&str>, bf16_cpu: bool) -> std::result::Result<Vec<String>, Fallback> {
+    match env.unwrap_or("") {
+        "off" | "0" => Err(Fallback::Off),
+        "force" => Ok(vec!["libdnnl.so.2".into(), "libdnnl.so".into()]),
+        _ if !bf16_cpu => Err(Fallback::NoBf16Instructions),
+        "" | "auto" => Ok(vec!["libdnnl.so.2".into(), "libdnnl.so".into()]),
+        path => Ok(vec![path.to_string()]),
+    }
+}
+
+/// The library for bf16 GEMMs, loaded once; `Err` says why not (see [`choose`]).
+pub fn get() -> std::result::Result<&'static OneDnn, &'static Fallback> {
+    ONEDNN
+        .get_or_init(|| {
+            let f = crate::cpu_features::get();
+            let env = std::env::var("RTUNE_ONEDNN").ok();
+            let names = choose(env.as_deref(), f.avx512_bf16 || f.amx_bf16)?;
+            load(&names)
+        })
+        .as_ref()
+}
+
+/// Which path bf16 GEMMs take: `oneDNN (libdnnl.so.2, oneDNN 2.6.3)` or `candle's gemm (...)`.
+pub fn describe() -> String {
+    match get() {
+        Ok(d) => format!("oneDNN ({})", d.name),
+        Err(why) => format!("candle's gemm ({why})"),
+    }
+}
+
+/// Prints the fallback's one-line notice, once per process.
+fn notice(why: &Fallback) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| tracing::info!("bf16 matmuls use candle's gemm, not oneDNN: {why}"));
+}
+
+/// A looked-up symbol as the function pointer type `F`.
+///
+/// # Safety
+/// `F` must be a function pointer type whose signature is the symbol's.
+unsafe fn as_fn<F: Copy>(p: *mut c_void) -> F {
+    debug_assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: `F` is a function pointer (the caller's contract): the same size as `p`.
+    unsafe { std::mem::transmute_copy(&p) }
+}
+
+fn load(names: &[String]) -> std::result::Result<OneDnn, Fallback> {
+    let mut tried = Vec::new();
+    for name in names {
+        let Ok(c) = CString::new(name.clone()) else {
+            continue;
+        };
+        // SAFETY: dlopen with a valid C string; the handle is never closed, so the symbols stay
+        // valid for the life of the process.
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if h.is_null() {
+            tried.push(name.clone());
+            continue;
+        }
+        let sym = |s: &str| -> std::result::Result<*mut c_void, Fallback> {
+            let cs = CString::new(s).expect("symbol names have no NUL");
+            // SAFETY: a valid handle and C string.
+            let p = unsafe { libc::dlsym(h, cs.as_ptr()) };
+            if p.is_null() {
+                Err(Fallback::Library(format!("{name} has no {s}")))
+            } else {
+                Ok(p)
+            }
+        };
+        // SAFETY: each symbol has the C signature declared in `Api` (oneDNN 2.x's dnnl.h).
+        let api = unsafe {
+            Api {
+                engine_create: as_fn(sym("dnnl_engine_create")?),
+                stream_create: as_fn(sym("dnnl_stream_create")?),
+                stream_wait: as_fn(sym("dnnl_stream_wait")?),
+                md_init_by_strides: as_fn(sym("dnnl_memory_desc_init_by_strides")?),
+                matmul_desc_init: as_fn(sym("dnnl_matmul_desc_init")?),
+                pd_create: as_fn(sym("dnnl_primitive_desc_create")?),
+                pd_query: as_fn(sym("dnnl_primitive_desc_query")?),
+                pd_destroy: as_fn(sym("dnnl_primitive_desc_destroy")?),
+                primitive_create: as_fn(sym("dnnl_primitive_create")?),
+                primitive_execute: as_fn(sym("dnnl_primitive_execute")?),
+                memory_create: as_fn(sym("dnnl_memory_create")?),
+                memory_destroy: as_fn(sym("dnnl_memory_destroy")?),
+                version: as_fn(sym("dnnl_version")?),
+            }
+        };
+        // SAFETY: dnnl_version returns a pointer to a static struct.
+        let v = unsafe { &*(api.version)() };
+        if v.major != 2 {
+            return Err(Fallback::Library(format!(
+                "{name} is oneDNN {}.{}; rtune speaks the 2.x C API",
+                v.major, v.minor
+            )));
+        }
+        let (mut engine, mut stream) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: out-pointers to handles; the engine outlives the stream (neither is destroyed).
+        let ok = unsafe {
+            (api.engine_create)(&mut engine, ENGINE_CPU, 0) == SUCCESS
+                && (api.stream_create)(&mut stream, engine, STREAM_DEFAULT) == SUCCESS
+        };
+        if !ok {
+            return Err(Fallback::Library(format!(
+                "{name}: cannot create a CPU engine"
+            )));
+        }
+        return Ok(OneDnn {
+            name: format!("{name}, oneDNN {}.{}.{}", v.major, v.minor, v.patch),
+            api,
+            engine,
+            state: Mutex::new((stream, HashMap::new())),
+        });
+    }
+    Err(Fallback::Library(format!(
+        "{} not found (Debian: apt install libdnnl2)",
+        tried.join(" / ")
+    )))
+}
+
+/// The `(dims, strides)` of a layout's matrices, batch dims first, at most [`MAX_NDIMS`].
+fn dims_strides(l: &Layout) -> (Vec<i64>, Vec<i64>) {
+    (
+        l.dims().iter().map(|&d| d as i64).collect(),
+        l.stride().iter().map(|&s| s as i64).collect(),
+    )
+}
+
+impl OneDnn {
+    /// The cached primitive for these operands, made on first use.
+    fn primitive<'a>(
+        &self,
+        cache: &'a mut HashMap<Key, Primitive>,
+        key: Key,
+    ) -> Result<&'a Primitive> {
+        if !cache.contains_key(&key) {
+            let p = self.create(&key)?;
+            cache.insert(key.clone(), p);
+        }
+        Ok(&cache[&key])
+    }
+
+    fn create(&self, (ad, as_, bd, bs, dst): &Key) -> Result<Primitive> {
+        let api = &self.api;
+        let r = ad.len();
+        let mut cd: Vec<i64> = ad[..r - 2].to_vec();
+        cd.extend([ad[r - 2], bd[r - 1]]);
+        // The output packed row-major.
+        let mut cs = vec![1i64; r];
+        for i in (0..r - 1).rev() {
+            cs[i] = cs[i + 1] * cd[i + 1];
+        }
+        let fail = |what: &str, st: Status| {
+            candle_core::Error::Msg(format!(
+                "onednn matmul {ad:?}·{bd:?}: {what} returned status {st}"
+            ))
+        };
+        let (mut src, mut weights, mut out) = (Md([0; 1024]), Md([0; 1024]), Md([0; 1024]));
+        let mut desc = MatmulDesc([0; 4096]);
+        let mut pd: Handle = std::ptr::null_mut();
+        let mut handle: Handle = std::ptr::null_mut();
+        // SAFETY: the descriptors are buffers larger than oneDNN 2.x's structs, the dims and
+        // strides arrays hold `r ≤ MAX_NDIMS` entries, and the handles are out-pointers.
+        unsafe {
+            let r = r as c_int;
+            let st = (api.md_init_by_strides)(&mut src, r, ad.as_ptr(), DT_BF16, as_.as_ptr());
+            if st != SUCCESS {
+                return Err(fail("memory_desc_init (A)", st));
+            }
+            let st = (api.md_init_by_strides)(&mut weights, r, bd.as_ptr(), DT_BF16, bs.as_ptr());
+            if st != SUCCESS {
+                return Err(fail("memory_desc_init (B)", st));
+            }
+            let st = (api.md_init_by_strides)(&mut out, r, cd.as_ptr(), *dst, cs.as_ptr());
+            if st != SUCCESS {
+                return Err(fail("memory_desc_init (C)", st));
+            }
+            let st = (api.matmul_desc_init)(&mut desc, &src, &weights, std::ptr::null(), &out);
+            if st != SUCCESS {
+                return Err(fail("matmul_desc_init", st));
+            }
+            let null = std::ptr::null_mut();
+            let st = (api.pd_create)(&mut pd, &desc, null, self.engine, null);
+            if st != SUCCESS {
+                return Err(fail("primitive_desc_create", st));
+            }
+            let mut info: *const c_char = std::ptr::null();
+            let imp = if (api.pd_query)(pd, QUERY_IMPL_INFO_STR, 0, &mut info as *mut _ as _)
+                == SUCCESS
+                && !info.is_null()
+            {
+                std::ffi::CStr::from_ptr(info)
+                    .to_string_lossy()
+                    .into_owned()
+            } else {
+                String::new()
+            };
+            let st = (api.primitive_create)(&mut handle, pd);
+            (api.pd_destroy)(pd);
+            if st != SUCCESS {
+                return Err(fail("primitive_create", st));
+            }
+            Ok(Primitive {
+                handle,
+                src,
+                weights,
+                dst: out,
+                imp,
+            })
+        }
+    }
+
+    /// `C = A·B` for bf16 slices laid out as `la`, `lb` (offsets applied by the caller), into a
+    /// new packed output of `dst` dtype (`BF16` or `F32`). Returns the output and the
+    /// implementation oneDNN chose.
+    fn run(
+        &self,
+        a: &[bf16],
+        la: &Layout,
+        b: &[bf16],
+        lb: &Layout,
+        dst: DType,
+    ) -> Result<(CpuStorage, String)> {
+        let (ad, as_) = dims_strides(la);
+        let (bd, bs) = dims_strides(lb);
+        let r = ad.len();
+        let elems: usize = la.dims()[..r - 1].iter().product::<usize>() * lb.dims()[r - 1];
+        let dt = if dst == DType::F32 { DT_F32 } else { DT_BF16 };
+        let mut guard = self.state.lock().expect("onednn lock");
+        let (stream, cache) = &mut *guard;
+        let p = self.primitive(cache, (ad, as_, bd, bs, dt))?;
+        let mut out_f32: Vec<f32> = Vec::new();
+        let mut out_bf16: Vec<bf16> = Vec::new();
+        let out_ptr: *mut c_void = if dst == DType::F32 {
+            out_f32.reserve_exact(elems);
+            out_f32.as_mut_ptr().cast()
+        } else {
+            out_bf16.reserve_exact(elems);
+            out_bf16.as_mut_ptr().cast()
+        };
+        let api = &self.api;
+        let mut mems: [Handle; 3] = [std::ptr::null_mut(); 3];
+        // SAFETY: the memory objects wrap the caller's buffers, which the layouts describe and
+        // which outlive the call (executed and waited for before returning); oneDNN only reads A
+        // and B and writes every element of the packed output, whose capacity is `elems`.
+        unsafe {
+            let wrap = |m: &mut Handle, md: &Md, ptr: *mut c_void| {
+                (api.memory_create)(m, md, self.engine, ptr)
+            };
+            let [ma, mb, mc] = &mut mems;
+            let st = [
+                wrap(ma, &p.src, a.as_ptr() as *mut c_void),
+                wrap(mb, &p.weights, b.as_ptr() as *mut c_void),
+                wrap(mc, &p.dst, out_ptr),
+            ];
+            let created = st.iter().all(|&s| s == SUCCESS);
+            let st = if created {
+                let args = [
+                    ExecArg {
+                        arg: ARG_SRC,
+                        memory: mems[0],
+                    },
+                    ExecArg {
+                        arg: ARG_WEIGHTS,
+                        memory: mems[1],
+                    },
+                    ExecArg {
+                        arg: ARG_DST,
+                        memory: mems[2],
+                    },
+                ];
+                let st = (api.primitive_execute)(p.handle, *stream, 3, args.as_ptr());
+                if st == SUCCESS {
+                    (api.stream_wait)(*stream)
+                } else {
+                    st
+                }
+            } else {
+                -1
+            };
+            for m in mems {
+                if !m.is_null() {
+                    (api.memory_destroy)(m);
+                }
+            }
+            if st != SUCCESS {
+                candle_core::bail!(
+                    "onednn matmul {:?}·{:?}: execute returned status {st}",
+                    la.dims(),
+                    lb.dims()
+                );
+            }
+            if dst == DType::F32 {
+                out_f32.set_len(elems);
+            } else {
+                out_bf16.set_len(elems);
+            }
+        }
+        let imp = p.imp.clone();
+        Ok(if dst == DType::F32 {
+            (CpuStorage::F32(out_f32), imp)
+        } else {
+            (CpuStorage::BF16(out_bf16), imp)
+        })
+    }
+}
+
+/// The matmul as a candle op: bf16 operands, `dst` output.
+struct Gemm {
+    lib: &'static OneDnn,
+    dst: DType,
+}
+
+impl CustomOp2 for Gemm {
+    fn name(&self) -> &'static str {
+        "onednn-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::BF16(a), CpuStorage::BF16(b)) = (s1, s2) else {
+            candle_core::bail!("onednn-matmul: bf16 operands only");
+        };
+        let (a, b) = (&a[l1.start_offset()..], &b[l2.start_offset()..]);
+        let (out, _) = self.lib.run(a, l1, b, l2, self.dst)?;
+        let (da, db) = (l1.dims(), l2.dims());
+        let r = da.len();
+        let mut dims = da[..r - 1].to_vec();
+        dims.push(db[r - 1]);
+        Ok((out, Shape::from(dims)))
+    }
+}
+
+/// Whether oneDNN takes these operands: CPU, bf16, same rank 2..=12, equal batch dims, inner
+/// dims matching, every dim and stride nonzero-sized and positive.
+fn takes(a: &Tensor, b: &Tensor) -> bool {
+    let (da, db) = (a.dims(), b.dims());
+    let r = da.len();
+    a.device().is_cpu()
+        && b.device().is_cpu()
+        && a.dtype() == DType::BF16
+        && b.dtype() == DType::BF16
+        && (2..=MAX_NDIMS).contains(&r)
+        && db.len() == r
+        && da[..r - 2] == db[..r - 2]
+        && da[r - 1] == db[r - 2]
+        && da.iter().chain(db).all(|&d| d > 0)
+        // No broadcast (stride 0) dims: oneDNN's plain formats want real strides.
+        && [a, b].iter().all(|t| {
+            t.dims()
+                .iter()
+                .zip(t.stride())
+                .all(|(&d, &s)| s > 0 || d == 1)
+        })
+}
+
+/// `a·b` for bf16 CPU tensors through oneDNN, in `dst` (`BF16` as `Tensor::matmul` returns, or
+/// `F32`: the accumulator unrounded); `None` when oneDNN is not in use (the notice printed once)
+/// or does not take the operands, so that the caller falls back.
+pub fn matmul(a: &Tensor, b: &Tensor, dst: DType) -> Option<Result<Tensor>> {
+    if !takes(a, b) {
+        return None;
+    }
+    match get() {
+        Ok(lib) => Some(a.apply_op2_no_bwd(b, &Gemm { lib, dst })),
+        Err(why) => {
+            notice(why);
+            None
+        }
+    }
+}
+
+/// The implementation oneDNN picks for a `(m, k)·(k, n)` bf16 GEMM (`brg:avx512_core_bf16`, ...),
+/// for reports; `None` without oneDNN.
+pub fn implementation(m: usize, k: usize, n: usize) -> Option<String> {
+    let lib = get().ok()?;
+    let a = Layout::contiguous((m, k));
+    let b = Layout::contiguous((k, n));
+    let (ad, as_) = dims_strides(&a);
+    let (bd, bs) = dims_strides(&b);
+    let mut guard = lib.state.lock().ok()?;
+    let p = lib
+        .primitive(&mut guard.1, (ad, as_, bd, bs, DT_BF16))
+        .ok()?;
+    Some(p.imp.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The choice: `off` always falls back, `force` loads whatever the CPU, no bf16 instructions
+    /// fall back (the path the fallback test below forces), a path is tried as given.
+    #[test]
+    fn fallback_is_chosen_without_instructions_or_when_off() {
+        assert_eq!(choose(Some("off"), true), Err(Fallback::Off));
+        assert_eq!(choose(None, false), Err(Fallback::NoBf16Instructions));
+        assert!(choose(Some("force"), false).is_ok());
+        assert_eq!(
+            choose(Some("/x/libdnnl.so.2"), true),
+            Ok(vec!["/x/libdnnl.so.2".into()])
+        );
+        assert_eq!(choose(None, true).unwrap()[0], "libdnnl.so.2");
+        // A library that is not there: the fallback's reason names it and the package.
+        let Err(Fallback::Library(m)) = load(&["libdnnl-nonexistent.so".into()]) else {
+            panic!("a missing library loads");
+        };
+        assert!(
+            m.contains("libdnnl-nonexistent.so") && m.contains("libdnnl2"),
+            "{m}"
+        );
+    }
+
+    /// The forced fallback: with oneDNN unavailable the caller gets `None` and computes the
+    /// product itself (candle's bf16 matmul), which is what `blas::matmul` then returns.
+    #[test]
+    fn forced_fallback_leaves_the_product_to_candle() -> Result<()> {
+        let a = Tensor::randn(0f32, 1.0, (8, 16), &Device::Cpu)?.to_dtype(DType::BF16)?;
+        let b = Tensor::randn(0f32, 1.0, (16, 4), &Device::Cpu)?.to_dtype(DType::BF16)?;
+        // f32 operands are never taken, whatever the library.
+        assert!(matmul(
+            &a.to_dtype(DType::F32)?,
+            &b.to_dtype(DType::F32)?,
+            DType::F32
+        )
+        .is_none());
+        if get().is_err() {
+            assert!(matmul(&a, &b, DType::BF16).is_none());
+            assert!(describe().starts_with("candle's gemm ("), "{}", describe());
+        }
+        Ok(())
+    }
+
+    /// oneDNN against the plain product of the same bf16 values in f32 (f64-exact products of
+    /// bf16 numbers, f32 sums): f32 output within 1e-5 relative of the largest |entry| (only the
+    /// summation order differs), bf16 output within one bf16 rounding (2⁻⁸ relative) of it; in
+    /// plain, transposed-weight and batched layouts. Skips where oneDNN is not in use.
+    #[test]
+    fn onednn_matches_the_plain_matmul_within_bf16_rounding() -> Result<()> {
+        let Ok(lib) = get() else {
+            eprintln!("oneDNN not in use ({}); nothing to compare", describe());
+            return Ok(());
+        };
+        let dev = Device::Cpu;
+        let bf = |t: Tensor| t.to_dtype(DType::BF16);
+        let a = bf(Tensor::randn(0f32, 1.0, (37, 300), &dev)?)?;
+        let w = bf(Tensor::randn(0f32, 1.0, (45, 300), &dev)?)?;
+        let a3 = bf(Tensor::randn(0f32, 1.0, (3, 20, 33), &dev)?)?;
+        let b3 = bf(Tensor::randn(0f32, 1.0, (3, 33, 17), &dev)?)?;
+        let cases = [
+            (a.clone(), w.t()?.contiguous()?),
+            (a.clone(), w.t()?),
+            (a3.clone(), b3.clone()),
+            (a3.narrow(1, 2, 10)?, b3.clone()),
+        ];
+        for (x, y) in cases {
+            let want = x.to_dtype(DType::F32)?.matmul(&y.to_dtype(DType::F32)?)?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            let got = matmul(&x, &y, DType::F32).expect("taken")?;
+            assert_eq!(got.dtype(), DType::F32);
+            let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()? / scale;
+            assert!(err < 1e-5, "f32 out {:?}·{:?}: {err}", x.dims(), y.dims());
+            let got = matmul(&x, &y, DType::BF16).expect("taken")?;
+            assert_eq!(got.dtype(), DType::BF16);
+            let err = (got.to_dtype(DType::F32)? - &want)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?
+                / scale;
+            assert!(
+                err < 1.0 / 256.0,
+                "bf16 out {:?}·{:?}: {err}",
+                x.dims(),
+                y.dims()
+            );
+        }
+        assert!(!lib.name.is_empty());
+        eprintln!(
+            "oneDNN: {}",
+            implementation(2048, 512, 1376).unwrap_or_default()
+        );
+        Ok(())
+    }
+}
