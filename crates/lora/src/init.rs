@@ -281,7 +281,7 @@ pub fn gaussian(
         let a = Tensor::from_vec(a, (spec.r, m.in_features), device).map_err(cerr("init A"))?;
         let b = Tensor::zeros((m.out_features, spec.r), candle_core::DType::F32, device)
             .map_err(cerr("init B"))?;
-        pairs.push(LoraPair { a, b });
+        pairs.push(LoraPair { a, b, m: None });
     }
     let names = modules.iter().map(|m| m.name.clone()).collect();
     Ok(Adapter { spec, names, pairs })
@@ -300,7 +300,7 @@ pub fn converted(adapter: &Adapter, init: &[LoraPair]) -> Result<Adapter> {
         let a = Tensor::cat(&[&p.a, &p0.a], 0).map_err(cerr("convert A"))?;
         let neg_b0 = p0.b.neg().map_err(cerr("convert B"))?;
         let b = Tensor::cat(&[&p.b, &neg_b0], 1).map_err(cerr("convert B"))?;
-        pairs.push(LoraPair { a, b });
+        pairs.push(LoraPair { a, b, m: None });
     }
     Ok(Adapter {
         spec,

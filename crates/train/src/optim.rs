@@ -487,6 +487,7 @@ mod tests {
             pairs: vec![LoraPair {
                 a: t(vec![0.1, -0.2, 0.3, 0.4, -0.5, 0.6], (2, 3)),
                 b: t(vec![0.05, -0.05, 0.1, 0.2, -0.1, 0.3, 0.0, 0.02], (4, 2)),
+                m: None,
             }],
         };
         let mut grads = Grads::new(1);

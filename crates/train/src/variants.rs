@@ -188,8 +188,9 @@ pub fn fresh(
         initial.push(LoraPair {
             a: a.clone(),
             b: b.clone(),
+            m: None,
         });
-        pairs.push(LoraPair { a, b });
+        pairs.push(LoraPair { a, b, m: None });
     }
     let adapter = Adapter {
         spec: spec.clone(),

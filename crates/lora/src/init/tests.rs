@@ -262,11 +262,13 @@ fn conversion_is_the_difference_at_the_same_scaling() {
             pairs: vec![LoraPair {
                 a: t(1, 2, 5),
                 b: t(2, 3, 2),
+                m: None,
             }],
         };
         let init = vec![LoraPair {
             a: t(3, 2, 5),
             b: t(4, 3, 2),
+            m: None,
         }];
         let c = converted(&ad, &init).unwrap();
         assert_eq!(c.spec.r, 4);

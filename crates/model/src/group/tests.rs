@@ -233,6 +233,7 @@ fn dropout_with_mixed_ranks_is_not_stacked() -> Result<()> {
     adapter.pairs[1] = LoraPair {
         a: randn(&[2, 40], 70)?,
         b: randn(&[16, 2], 71)?,
+        m: None,
     };
     let members: Vec<&Linear> = lins.iter().collect();
     let ctx = |dropout| LoraCtx {
