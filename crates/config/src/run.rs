@@ -401,6 +401,22 @@ impl ConfigFile {
                 ),
             ));
         }
+        if self.lora.dora
+            && matches!(
+                init,
+                rtune_lora::Init::Pissa { .. } | rtune_lora::Init::Olora
+            )
+        {
+            // A PiSSA / OLoRA adapter is saved converted to a plain LoRA of the original base
+            // (rank 2r); DoRA's magnitudes are relative to the residual base and do not convert.
+            return Err(bad(
+                "lora.init",
+                format!(
+                    "= \"{init}\" cannot be combined with [lora] dora = true (the adapter is saved \
+                     converted to the original base, which DoRA's magnitudes do not survive)"
+                ),
+            ));
+        }
         let tokens = self.lora.trainable_tokens.clone().unwrap_or_default();
         if self.lora.trainable_tokens.is_some() {
             // Reserved for PEFT's trainable_token_indices (issue 17); refused rather than ignored.
@@ -548,6 +564,10 @@ mod tests {
             (
                 "[lora]\ninit = \"pissa\"\ninit_from = \"a\"\n",
                 "c.toml: [lora.init] = \"pissa\" initialises a fresh adapter; it cannot be combined with [lora] init_from",
+            ),
+            (
+                "[lora]\ninit = \"olora\"\ndora = true\n",
+                "c.toml: [lora.init] = \"olora\" cannot be combined with [lora] dora = true (the adapter is saved converted to the original base, which DoRA's magnitudes do not survive)",
             ),
             (
                 "[train]\nloraplus_lr_ratio = 0.0\n",

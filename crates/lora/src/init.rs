@@ -6,7 +6,7 @@
 //! | `gaussian` | N(0, (1/r)²) | 0 | W |
 //! | `pissa` | diag(√(S_r/s))·V_rᵀ | U_r·diag(√(S_r/s)) | W − s·B·A |
 //! | `pissa_niter_N` | the same from a randomized SVD (N subspace iterations) | | W − s·B·A |
-//! | `olora` | R[:r] of W = Q·R | Q[:, :r] | W − s·B·A |
+//! | `olora` | `R[:r]` of W = Q·R | `Q[:, :r]` | W − s·B·A |
 //!
 //! `s` is the adapter's scaling; W is taken in f32 (PEFT's `weight.to(torch.float32)`), the
 //! factorisations run in f64 and their factors are rounded to f32 before the residual is formed.

@@ -6,7 +6,9 @@
 //! [`Adapter`] keeps the modules in model order under their checkpoint names
 //! (`model.layers.0.self_attn.q_proj`); PEFT's names (`base_model.model.<name>.lora_A.weight`) appear
 //! only in [`peft`], at the file boundary ([`peft::lora_a_key`] and its siblings name every tensor
-//! rtune writes for PEFT or beside it). Master weights are always f32.
+//! rtune writes for PEFT or beside it). Master weights are always f32. [`init`] holds the other
+//! starts PEFT offers (`[lora] init`: gaussian, PiSSA, OLoRA) and the conversion of a PiSSA / OLoRA
+//! adapter back to the original base.
 //!
 //! DoRA (Liu et al. 2024, PEFT's `use_dora`) adds a magnitude vector `m: (out,)` per module
 //! ([`LoraPair::m`]); the model side (`rtune_model::dora`) holds its math.

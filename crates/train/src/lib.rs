@@ -6,7 +6,9 @@
 //! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start);
 //! - [`evaluate`]: validation loss and sample completions during a run;
 //! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
-//! - [`memory`]: measured memory (host RSS and RAM from /proc; device memory on CUDA).
+//! - [`memory`]: measured memory (host RSS and RAM from /proc; device memory on CUDA);
+//! - [`variants`]: `[lora] init` at setup (PiSSA / OLoRA: the residual base, the adapter saved
+//!   against the original one); LoRA+'s groups are in [`optim`].
 //!
 //! Below it, `rtune-estimate` predicts a run's memory; above it, `rtune-diag` holds the
 //! diagnostics that drive training (`rtune check`, `bench`, `selftest`). [`TrainError`] is the
