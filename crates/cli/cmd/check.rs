@@ -27,6 +27,18 @@ pub fn run(a: CheckArgs) -> Result<()> {
         cfg.model_path.display(),
         tmp.display()
     );
+    // `[output] remote`: the probe a run makes at start (write, read back, delete an object).
+    let mut remote_failed = false;
+    if let Some(url) = cfg.remote.as_deref() {
+        let probe = rtune_remote::Remote::open(url).and_then(|r| r.probe());
+        remote_failed = probe.is_err();
+        let detail = match probe {
+            Ok(()) => format!("{url}: wrote, read back and deleted an object"),
+            Err(e) => e.to_string(),
+        };
+        let verdict = if remote_failed { "FAIL" } else { "PASS" };
+        println!("{verdict}  {:<30} {detail}", "remote store");
+    }
     let result = check::run_checks(&cfg, &tmp, &mut |c| {
         println!(
             "{}  {:<30} {}",
@@ -37,11 +49,14 @@ pub fn run(a: CheckArgs) -> Result<()> {
     });
     let _ = std::fs::remove_dir_all(&tmp);
     let checks = result?;
-    let failed: Vec<&str> = checks
+    let mut failed: Vec<&str> = checks
         .iter()
         .filter(|c| !c.pass)
         .map(|c| c.name.as_str())
         .collect();
+    if remote_failed {
+        failed.push("remote store");
+    }
     if failed.is_empty() {
         println!("all {} checks passed", checks.len());
         Ok(())

@@ -29,6 +29,7 @@ mod attempt;
 mod events;
 mod metrics;
 pub mod output;
+mod remote;
 pub mod state;
 
 use candle_core::Device;
@@ -62,7 +63,8 @@ pub fn train(
     t.resume_or_fresh(opts)?;
     let record = t.begin()?;
     let result = t.run(opts.stop);
-    t.end(record, result)
+    let outcome = t.end(record, result);
+    t.finish_remote(outcome)
 }
 
 /// One training job: the model and adapter, the optimizer, the data, the run's files and counters.
@@ -103,8 +105,10 @@ impl Trainer<'_> {
     /// makes the directory ready for a fresh run.
     pub fn resume_or_fresh(&mut self, opts: &RunOptions) -> Result<(), TrainError> {
         self.preflight()?;
+        self.files.connect_remote(self.cfg)?;
         let existed = self.cfg.output_dir.is_dir();
         self.files.lock()?;
+        let existed = self.fetch_remote_checkpoint(opts, existed)?;
         let Some(l) = self.checkpoint_to_resume(opts, existed)? else {
             return self.files.clear_for_fresh_run(self.cfg);
         };
@@ -185,6 +189,7 @@ impl Trainer<'_> {
         if let Some(w) = self.files.step_scalars(&m) {
             self.warn(w);
         }
+        self.report_remote();
         Ok(())
     }
 
