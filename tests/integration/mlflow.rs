@@ -6,8 +6,8 @@
 //! restart.
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
 use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -51,7 +51,13 @@ impl Mlflow {
     fn restart(&mut self) {
         let db = format!("sqlite:///{}", self.dir.join("mlflow.db").display());
         let child = Command::new(mlflow_bin())
-            .args(["server", "--host", "127.0.0.1", "--port", &self.port.to_string()])
+            .args([
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &self.port.to_string(),
+            ])
             .args(["--workers", "1", "--backend-store-uri", &db])
             .arg("--artifacts-destination")
             .arg(self.dir.join("artifacts"))
@@ -64,8 +70,14 @@ impl Mlflow {
         wait_for_port(self.port, "mlflow server", Duration::from_secs(180));
         // The port opens before the app answers.
         let t0 = std::time::Instant::now();
-        while self.get("experiments/search", &[("max_results", "1")]).is_none() {
-            assert!(t0.elapsed() < Duration::from_secs(120), "mlflow server does not answer");
+        while self
+            .get("experiments/search", &[("max_results", "1")])
+            .is_none()
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "mlflow server does not answer"
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
     }
@@ -98,8 +110,14 @@ impl Mlflow {
 
     /// The only run of `experiment`.
     fn run(&self, experiment: &str) -> Value {
-        let exp = self.get_ok("experiments/get-by-name", &[("experiment_name", experiment)]);
-        let id = exp["experiment"]["experiment_id"].as_str().unwrap().to_string();
+        let exp = self.get_ok(
+            "experiments/get-by-name",
+            &[("experiment_name", experiment)],
+        );
+        let id = exp["experiment"]["experiment_id"]
+            .as_str()
+            .unwrap()
+            .to_string();
         let body = serde_json::json!({ "experiment_ids": [id] });
         let found: Value = ureq::post(format!("{}/api/2.0/mlflow/runs/search", self.url()))
             .send_json(&body)
@@ -116,13 +134,22 @@ impl Mlflow {
     fn history(&self, run_id: &str, key: &str) -> Vec<(u64, f64)> {
         let h = self.get_ok(
             "metrics/get-history",
-            &[("run_id", run_id), ("metric_key", key), ("max_results", "10000")],
+            &[
+                ("run_id", run_id),
+                ("metric_key", key),
+                ("max_results", "10000"),
+            ],
         );
         let mut v: Vec<(u64, f64)> = h["metrics"]
             .as_array()
             .map(|a| {
                 a.iter()
-                    .map(|m| (m["step"].as_u64().unwrap_or(0), m["value"].as_f64().unwrap()))
+                    .map(|m| {
+                        (
+                            m["step"].as_u64().unwrap_or(0),
+                            m["value"].as_f64().unwrap(),
+                        )
+                    })
                     .collect()
             })
             .unwrap_or_default();
@@ -131,8 +158,13 @@ impl Mlflow {
     }
 
     fn artifact(&self, artifact_uri: &str, rel: &str) -> Vec<u8> {
-        let path = artifact_uri.trim_start_matches("mlflow-artifacts:").trim_start_matches('/');
-        let url = format!("{}/api/2.0/mlflow-artifacts/artifacts/{path}/{rel}", self.url());
+        let path = artifact_uri
+            .trim_start_matches("mlflow-artifacts:")
+            .trim_start_matches('/');
+        let url = format!(
+            "{}/api/2.0/mlflow-artifacts/artifacts/{path}/{rel}",
+            self.url()
+        );
         ureq::get(&url)
             .call()
             .unwrap_or_else(|e| panic!("GET {url}: {e}"))
@@ -187,7 +219,10 @@ fn a_run_is_tracked_in_mlflow() {
     let tmp = tempfile::tempdir().unwrap();
     let server = Mlflow::start(&tmp.path().join("mlflow"));
     let out = tmp.path().join("tracked");
-    let extra = format!("mlflow = \"{}\"\nmlflow_experiment = \"rtune-it\"", server.url());
+    let extra = format!(
+        "mlflow = \"{}\"\nmlflow_experiment = \"rtune-it\"",
+        server.url()
+    );
     let cfg = config(tmp.path(), &out, &extra);
     let o = spawn(&cfg).wait_with_output().unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
@@ -196,21 +231,33 @@ fn a_run_is_tracked_in_mlflow() {
     let info = &run["info"];
     assert_eq!(info["status"], "FINISHED", "{run}");
     let run_id = info["run_id"].as_str().unwrap();
-    let saved: Value = serde_json::from_slice(&std::fs::read(out.join("mlflow.json")).unwrap()).unwrap();
+    let saved: Value =
+        serde_json::from_slice(&std::fs::read(out.join("mlflow.json")).unwrap()).unwrap();
     assert_eq!(saved["run_id"], run_id);
     assert_eq!(param(&run, "train.lr"), "0.005");
     assert_eq!(param(&run, "train.steps"), "30");
     assert_eq!(param(&run, "lora.r"), "4");
     let tags = run["data"]["tags"].as_array().unwrap();
-    assert!(tags.iter().any(|t| t["key"] == "rtune.version" && t["value"] == env!("CARGO_PKG_VERSION")));
+    assert!(tags
+        .iter()
+        .any(|t| t["key"] == "rtune.version" && t["value"] == env!("CARGO_PKG_VERSION")));
     assert!(tags.iter().any(|t| t["key"] == "rtune.data.0.sha256"));
     // f64 → MLflow's double → JSON: the same number.
     assert_eq!(server.history(run_id, "loss"), losses(&out));
     assert_eq!(server.history(run_id, "grad_norm").len(), 30);
     assert_eq!(server.history(run_id, "target_tokens").len(), 30);
     let uri = info["artifact_uri"].as_str().unwrap();
-    for f in ["adapter_model.safetensors", "adapter_config.json", "loss.svg", "run.json"] {
-        assert_eq!(server.artifact(uri, f), std::fs::read(out.join(f)).unwrap(), "{f}");
+    for f in [
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "loss.svg",
+        "run.json",
+    ] {
+        assert_eq!(
+            server.artifact(uri, f),
+            std::fs::read(out.join(f)).unwrap(),
+            "{f}"
+        );
     }
 }
 
@@ -221,20 +268,30 @@ fn metrics_arrive_after_the_server_returns() {
     let tmp = tempfile::tempdir().unwrap();
     let mut server = Mlflow::start(&tmp.path().join("mlflow"));
     let out = tmp.path().join("interrupted");
-    let extra = format!("mlflow = \"{}\"\nmlflow_experiment = \"rtune-kill\"", server.url());
+    let extra = format!(
+        "mlflow = \"{}\"\nmlflow_experiment = \"rtune-kill\"",
+        server.url()
+    );
     let cfg = config(tmp.path(), &out, &extra);
     let child = spawn(&cfg);
     let t0 = std::time::Instant::now();
     while !out.join("mlflow.json").exists() {
-        assert!(t0.elapsed() < Duration::from_secs(120), "the MLflow run was not created");
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the MLflow run was not created"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     server.stop();
-    let steps = || std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
+    let steps =
+        || std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
     let down_at = steps();
     let t0 = std::time::Instant::now();
     while steps() < (down_at + 3).min(30) {
-        assert!(t0.elapsed() < Duration::from_secs(120), "training stopped with the server down");
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "training stopped with the server down"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     server.restart();

@@ -95,7 +95,10 @@ impl S3 {
         vec![
             ("AWS_ACCESS_KEY_ID".into(), KEY.into()),
             ("AWS_SECRET_ACCESS_KEY".into(), secret.into()),
-            ("AWS_ENDPOINT_URL".into(), format!("http://127.0.0.1:{}", self.port)),
+            (
+                "AWS_ENDPOINT_URL".into(),
+                format!("http://127.0.0.1:{}", self.port),
+            ),
             ("AWS_ALLOW_HTTP".into(), "true".into()),
             ("AWS_REGION".into(), "us-east-1".into()),
         ]
@@ -177,7 +180,10 @@ fn a_run_is_mirrored_checkpoints_and_final_files() {
     let remote = s3.dir("team/a");
     let log = stderr(&o);
     for step in (4..=28).step_by(4).chain([30]) {
-        let (local, there) = (out.join(format!("checkpoint-{step}")), remote.join(format!("checkpoint-{step}")));
+        let (local, there) = (
+            out.join(format!("checkpoint-{step}")),
+            remote.join(format!("checkpoint-{step}")),
+        );
         if !there.join("manifest.json").exists() {
             assert!(
                 log.contains(&format!("checkpoint-{step} not uploaded (checkpoint-")) && step != 30,
@@ -187,7 +193,11 @@ fn a_run_is_mirrored_checkpoints_and_final_files() {
         }
         assert_eq!(manifest_sums(&there), manifest_sums(&local));
         for (f, e) in manifest_sums(&there).as_object().unwrap() {
-            assert_eq!(sha256(&there.join(f)), e["sha256"].as_str().unwrap(), "{step}/{f}");
+            assert_eq!(
+                sha256(&there.join(f)),
+                e["sha256"].as_str().unwrap(),
+                "{step}/{f}"
+            );
         }
     }
     for f in [
@@ -199,23 +209,43 @@ fn a_run_is_mirrored_checkpoints_and_final_files() {
         "summary.json",
         "loss.svg",
     ] {
-        assert_eq!(std::fs::read(remote.join(f)).unwrap(), std::fs::read(out.join(f)).unwrap(), "{f}");
+        assert_eq!(
+            std::fs::read(remote.join(f)).unwrap(),
+            std::fs::read(out.join(f)).unwrap(),
+            "{f}"
+        );
     }
     let events: Vec<_> = std::fs::read_dir(remote.join("tb")).unwrap().collect();
     assert_eq!(events.len(), 1, "TensorBoard events uploaded");
     let run_json = std::fs::read_to_string(out.join("run.json")).unwrap();
-    assert!(run_json.contains(&url("team/a")) && !run_json.contains(SECRET) && !log.contains(SECRET));
+    assert!(
+        run_json.contains(&url("team/a")) && !run_json.contains(SECRET) && !log.contains(SECRET)
+    );
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
-    assert!(last["remote_step"].is_u64() || last["remote_step"].is_null(), "{last}");
+    assert!(
+        last["remote_step"].is_u64() || last["remote_step"].is_null(),
+        "{last}"
+    );
     assert_eq!(last["remote_failures"], 0, "{last}");
 
     let exported = tmp.path().join("exported");
     let owned = s3.env(SECRET);
-    let env2: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let env2: Vec<(&str, &str)> = owned
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     let u = url("team/a");
     let o = rtune_env(
-        &["export", "--run", &u, "--format", "peft", "--out", exported.to_str().unwrap()],
+        &[
+            "export",
+            "--run",
+            &u,
+            "--format",
+            "peft",
+            "--out",
+            exported.to_str().unwrap(),
+        ],
         &env2,
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -243,7 +273,11 @@ fn resume_from_the_store_after_kill_9_skips_a_corrupt_checkpoint() {
     let mut child = spawn(&cfg, &[], &s3.env(SECRET));
     wait_for("two remote checkpoints", Duration::from_secs(120), || {
         (4..30)
-            .filter(|s| remote.join(format!("checkpoint-{s}/manifest.json")).exists())
+            .filter(|s| {
+                remote
+                    .join(format!("checkpoint-{s}/manifest.json"))
+                    .exists()
+            })
             .count()
             >= 2
     });
@@ -252,7 +286,11 @@ fn resume_from_the_store_after_kill_9_skips_a_corrupt_checkpoint() {
     std::fs::remove_dir_all(&out).unwrap();
     let newest = (4..=30)
         .rev()
-        .find(|s| remote.join(format!("checkpoint-{s}/manifest.json")).exists())
+        .find(|s| {
+            remote
+                .join(format!("checkpoint-{s}/manifest.json"))
+                .exists()
+        })
         .unwrap();
     let adapter = remote.join(format!("checkpoint-{newest}/adapter_model.safetensors"));
     let mut bytes = std::fs::read(&adapter).unwrap();
@@ -288,7 +326,11 @@ fn uploads_catch_up_after_the_store_returns() {
     let child = spawn(&cfg, &[], &s3.env(SECRET));
     wait_for("step 2", Duration::from_secs(60), || steps_done(&out) >= 2);
     s3.stop();
-    wait_for("step 20 with the store down", Duration::from_secs(120), || steps_done(&out) >= 20);
+    wait_for(
+        "step 20 with the store down",
+        Duration::from_secs(120),
+        || steps_done(&out) >= 20,
+    );
     std::thread::sleep(Duration::from_secs(1));
     s3.restart();
     let o = child.wait_with_output().unwrap();
@@ -323,9 +365,16 @@ fn a_store_that_never_returns_fails_the_run_after_the_timeout() {
     assert_eq!(o.status.code(), Some(1), "{log}");
     assert!(t0.elapsed() >= Duration::from_secs(3));
     assert!(log.contains("within [output] remote_timeout"), "{log}");
-    assert!(log.contains("summary.json") && log.contains("adapter_model.safetensors"), "{log}");
+    assert!(
+        log.contains("summary.json") && log.contains("adapter_model.safetensors"),
+        "{log}"
+    );
     assert!(log.contains("the local run in"), "{log}");
-    for f in ["summary.json", "adapter_model.safetensors", "checkpoint-30/manifest.json"] {
+    for f in [
+        "summary.json",
+        "adapter_model.safetensors",
+        "checkpoint-30/manifest.json",
+    ] {
         assert!(out.join(f).exists(), "{f} missing locally");
     }
 }
@@ -342,7 +391,13 @@ fn a_wrong_secret_key_is_refused_at_start() {
     let o = run_with(&cfg, &[], &s3.env("not-the-secret"));
     let log = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{log}");
-    assert!(log.contains(&url("refused")) && log.contains("bad credentials"), "{log}");
-    assert!(!log.contains("not-the-secret"), "the secret is never printed");
+    assert!(
+        log.contains(&url("refused")) && log.contains("bad credentials"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("not-the-secret"),
+        "the secret is never printed"
+    );
     assert!(!out.exists(), "nothing written");
 }

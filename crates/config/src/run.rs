@@ -337,7 +337,9 @@ impl ConfigFile {
 /// credentials in it (they come from the environment only, so they never reach run.json), a
 /// duration such as "10m", an `http(s)://` URL. Errors are `(key, message)`.
 type RemoteKeys = (Option<String>, std::time::Duration, Option<String>);
-fn remote_keys(o: &crate::file::OutputSection) -> std::result::Result<RemoteKeys, (&'static str, String)> {
+fn remote_keys(
+    o: &crate::file::OutputSection,
+) -> std::result::Result<RemoteKeys, (&'static str, String)> {
     let remote = match o.remote.trim() {
         "" => None,
         url => {
@@ -362,7 +364,10 @@ fn remote_keys(o: &crate::file::OutputSection) -> std::result::Result<RemoteKeys
     };
     let remote_timeout = parse_duration(&o.remote_timeout).ok_or((
         "output.remote_timeout",
-        format!("`{}` is not a duration such as \"10m\" or \"90s\"", o.remote_timeout),
+        format!(
+            "`{}` is not a duration such as \"10m\" or \"90s\"",
+            o.remote_timeout
+        ),
     ))?;
     let mlflow = match o.mlflow.trim() {
         "" => None,
@@ -447,7 +452,13 @@ mod tests {
         assert_eq!(c.remote.as_deref(), Some("s3://b/runs/x"));
         assert_eq!(c.remote_timeout, std::time::Duration::from_secs(90));
         assert_eq!(c.mlflow.as_deref(), Some("http://h:5000"));
-        assert_eq!(parse("[output]\nremote_timeout = \"5\"").unwrap().remote_timeout.as_secs(), 5);
+        assert_eq!(
+            parse("[output]\nremote_timeout = \"5\"")
+                .unwrap()
+                .remote_timeout
+                .as_secs(),
+            5
+        );
         for (extra, key) in [
             ("remote = \"b/x\"", "output.remote"),
             ("remote = \"s3://\"", "output.remote"),
@@ -455,7 +466,9 @@ mod tests {
             ("remote_timeout = \"soon\"", "output.remote_timeout"),
             ("mlflow = \"h:5000\"", "output.mlflow"),
         ] {
-            let e = parse(&format!("[output]\n{extra}")).unwrap_err().to_string();
+            let e = parse(&format!("[output]\n{extra}"))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(key), "{extra}: {e}");
             assert!(!e.contains("secret@"), "credentials are not echoed: {e}");
         }

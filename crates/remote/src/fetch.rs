@@ -15,7 +15,12 @@ use crate::{Manifest, Remote, RemoteError, MANIFEST};
 
 /// Downloads `checkpoint-<step>/` into `run_dir/.checkpoint-<step>.tmp/`, verifying every file
 /// against the remote manifest, then renames it to `checkpoint-<step>`.
-fn checkpoint(remote: &Remote, step: usize, run_dir: &Path, privacy: Privacy) -> Result<(), RemoteError> {
+fn checkpoint(
+    remote: &Remote,
+    step: usize,
+    run_dir: &Path,
+    privacy: Privacy,
+) -> Result<(), RemoteError> {
     let name = format!("checkpoint-{step}");
     let mbytes = remote.get_bytes(&format!("{name}/{MANIFEST}"))?;
     let manifest = Manifest::parse(&mbytes, &format!("{}/{name}/{MANIFEST}", remote.url()))?;
@@ -84,7 +89,9 @@ pub fn newest_checkpoint(
             if matches!(e, RemoteError::Local { .. }) {
                 return Err(e);
             }
-            warn(format!("{url}: unusable ({e}); trying the previous checkpoint"));
+            warn(format!(
+                "{url}: unusable ({e}); trying the previous checkpoint"
+            ));
             continue;
         }
         let ckpt = run_dir.join(format!("checkpoint-{step}"));
@@ -115,7 +122,11 @@ pub fn newest_checkpoint(
 /// The files of a finished run an export reads, into `dir`: the adapter, run.json,
 /// config.toml, summary.json; with `checkpoint`, that checkpoint too (verified). A file the
 /// store does not have is skipped (the export then says what is missing).
-pub fn run_files(remote: &Remote, dir: &Path, checkpoint_step: Option<usize>) -> Result<(), RemoteError> {
+pub fn run_files(
+    remote: &Remote,
+    dir: &Path,
+    checkpoint_step: Option<usize>,
+) -> Result<(), RemoteError> {
     let privacy = Privacy::PRIVATE;
     privacy.create_dir_all(dir)?;
     for f in [

@@ -68,7 +68,10 @@ impl RemoteError {
         !matches!(self, RemoteError::Local { .. })
     }
 
-    fn local<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -> RemoteError + 'a {
+    fn local<'a>(
+        path: &'a Path,
+        op: &'static str,
+    ) -> impl FnOnce(std::io::Error) -> RemoteError + 'a {
         move |e| RemoteError::Local {
             path: path.to_path_buf(),
             op,
@@ -98,18 +101,29 @@ fn describe(e: &object_store::Error) -> String {
         }
         src = s.source();
     }
-    let hint = if ["SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403"]
-        .iter()
-        .any(|p| chain.contains(p))
+    let hint = if [
+        "SignatureDoesNotMatch",
+        "InvalidAccessKeyId",
+        "AccessDenied",
+        "403",
+    ]
+    .iter()
+    .any(|p| chain.contains(p))
     {
         "bad credentials (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)"
     } else if chain.contains("NoSuchBucket") {
         "no such bucket"
     } else if matches!(e, object_store::Error::NotFound { .. }) {
         "not found"
-    } else if ["connect", "Connection refused", "timed out", "error sending request", "dns"]
-        .iter()
-        .any(|p| chain.contains(p))
+    } else if [
+        "connect",
+        "Connection refused",
+        "timed out",
+        "error sending request",
+        "dns",
+    ]
+    .iter()
+    .any(|p| chain.contains(p))
     {
         "unreachable"
     } else {
@@ -196,7 +210,11 @@ impl Remote {
         }
     }
 
-    fn store_err(&self, op: &'static str, rel: &str) -> impl FnOnce(object_store::Error) -> RemoteError + '_ {
+    fn store_err(
+        &self,
+        op: &'static str,
+        rel: &str,
+    ) -> impl FnOnce(object_store::Error) -> RemoteError + '_ {
         let key = rel.to_string();
         move |e| RemoteError::Store {
             url: self.url.clone(),
@@ -235,7 +253,12 @@ impl Remote {
     /// Uploads the local file `local` as `rel`, in parts above [`MULTIPART_BYTES`]. With
     /// `sha256`, the bytes sent must have that SHA-256: a mismatch aborts the upload (nothing
     /// replaces the object) with [`RemoteError::Checksum`].
-    pub fn put_file(&self, rel: &str, local: &Path, sha256: Option<&str>) -> Result<(), RemoteError> {
+    pub fn put_file(
+        &self,
+        rel: &str,
+        local: &Path,
+        sha256: Option<&str>,
+    ) -> Result<(), RemoteError> {
         let mut f = std::fs::File::open(local).map_err(RemoteError::local(local, "open"))?;
         let len = f
             .metadata()

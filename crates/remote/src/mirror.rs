@@ -110,7 +110,11 @@ impl Mirror {
     /// Uploads `files` (`(name, local path)`; missing ones are skipped) after any waiting
     /// checkpoint, and waits until all of it is in the store or `timeout` has passed; the error
     /// names what was not uploaded. The uploader stops either way.
-    pub fn finish(&mut self, files: Vec<(String, PathBuf)>, timeout: Duration) -> Result<(), String> {
+    pub fn finish(
+        &mut self,
+        files: Vec<(String, PathBuf)>,
+        timeout: Duration,
+    ) -> Result<(), String> {
         let Some(tx) = self.tx.take() else {
             return Ok(());
         };
@@ -177,7 +181,9 @@ impl Worker {
             } else {
                 // Wake for the retry, or for the finish deadline if that comes first.
                 let until = retry_at.map(|r| finish.as_ref().map_or(r, |f| r.min(f.deadline)));
-                let wait = until.map_or(Duration::ZERO, |t| t.saturating_duration_since(Instant::now()));
+                let wait = until.map_or(Duration::ZERO, |t| {
+                    t.saturating_duration_since(Instant::now())
+                });
                 match rx.recv_timeout(wait) {
                     Ok(m) => Some(m),
                     Err(RecvTimeoutError::Timeout) => None,
@@ -202,13 +208,23 @@ impl Worker {
             }
             if let Some(f) = &finish {
                 if Instant::now() >= f.deadline {
-                    let mut missing: Vec<String> = want.iter().map(|(s, _)| format!("checkpoint-{s}")).collect();
+                    let mut missing: Vec<String> = want
+                        .iter()
+                        .map(|(s, _)| format!("checkpoint-{s}"))
+                        .collect();
                     missing.extend(f.files.iter().map(|(n, _)| n.clone()));
                     let _ = f.reply.send(Err(format!(
                         "not uploaded to {} within [output] remote_timeout: {}{}",
                         self.remote.url(),
                         missing.join(", "),
-                        self.status.lock().map(|s| s.notices.last().map(|n| format!(" (last error: {n})")).unwrap_or_default()).unwrap_or_default()
+                        self.status
+                            .lock()
+                            .map(|s| s
+                                .notices
+                                .last()
+                                .map(|n| format!(" (last error: {n})"))
+                                .unwrap_or_default())
+                            .unwrap_or_default()
                     )));
                     return;
                 }
@@ -237,7 +253,12 @@ impl Worker {
             match result {
                 Ok(()) => {
                     if failing {
-                        self.note(|s| s.notices.push(format!("remote: {} reachable again; uploads resumed", self.remote.url())));
+                        self.note(|s| {
+                            s.notices.push(format!(
+                                "remote: {} reachable again; uploads resumed",
+                                self.remote.url()
+                            ))
+                        });
                     }
                     failing = false;
                     backoff = FIRST_BACKOFF;
@@ -248,7 +269,8 @@ impl Worker {
                     self.note(|s| {
                         s.failures += 1;
                         if !failing || s.failures.is_multiple_of(10) {
-                            s.notices.push(format!("remote: upload failed, retrying: {e}"));
+                            s.notices
+                                .push(format!("remote: upload failed, retrying: {e}"));
                         }
                     });
                     failing = true;
@@ -267,7 +289,8 @@ impl Worker {
         let name = format!("checkpoint-{step}");
         for (f, entry) in &manifest.files {
             let rel = format!("{name}/{f}");
-            self.remote.put_file(&rel, &dir.join(f), Some(&entry.sha256))?;
+            self.remote
+                .put_file(&rel, &dir.join(f), Some(&entry.sha256))?;
         }
         for f in WITH_CHECKPOINT {
             let p = self.run_dir.join(f);
@@ -275,7 +298,8 @@ impl Worker {
                 self.remote.put_file(f, &p, None)?;
             }
         }
-        self.remote.put_bytes(&format!("{name}/{MANIFEST}"), mbytes)?;
+        self.remote
+            .put_bytes(&format!("{name}/{MANIFEST}"), mbytes)?;
         if self.keep_last > 0 {
             let older: Vec<usize> = self
                 .remote

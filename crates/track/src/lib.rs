@@ -147,9 +147,12 @@ impl Client {
             .map(|m| json!({ "key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step }))
             .collect();
         let kv = |xs: &[(String, String)]| -> Vec<Value> {
-            xs.iter().map(|(k, v)| json!({ "key": k, "value": v })).collect()
+            xs.iter()
+                .map(|(k, v)| json!({ "key": k, "value": v }))
+                .collect()
         };
-        let body = json!({ "run_id": run_id, "metrics": metrics, "params": kv(params), "tags": kv(tags) });
+        let body =
+            json!({ "run_id": run_id, "metrics": metrics, "params": kv(params), "tags": kv(tags) });
         self.post("runs/log-batch", &body).map(|_| ())
     }
 
@@ -169,11 +172,19 @@ impl Client {
             .strip_prefix("mlflow-artifacts:")
             .unwrap_or(artifact_uri)
             .trim_start_matches('/');
-        format!("{}/api/2.0/mlflow-artifacts/artifacts/{path}/{rel}", self.base)
+        format!(
+            "{}/api/2.0/mlflow-artifacts/artifacts/{path}/{rel}",
+            self.base
+        )
     }
 
     /// Uploads `bytes` as the run's artifact `rel`.
-    pub fn put_artifact(&self, artifact_uri: &str, rel: &str, bytes: &[u8]) -> Result<(), TrackError> {
+    pub fn put_artifact(
+        &self,
+        artifact_uri: &str,
+        rel: &str,
+        bytes: &[u8],
+    ) -> Result<(), TrackError> {
         let url = self.artifact_url(artifact_uri, rel);
         let r = self
             .agent
@@ -237,7 +248,9 @@ pub fn flatten_params(prefix: &str, v: &Value, out: &mut Vec<(String, String)>) 
             }
         }
         Value::String(s) => out.push((prefix.to_string(), s.chars().take(6000).collect())),
-        other => out.push((prefix.to_string(), other.to_string().chars().take(6000).collect())),
+        other => out.push((
+            prefix.to_string(),
+            other.to_string().chars().take(6000).collect(),
+        )),
     }
 }
-

@@ -108,7 +108,12 @@ impl Tracker {
 
     /// Sends what is buffered, uploads `artifacts` (`(name, local path)`, missing ones skipped)
     /// and sets `status`, waiting at most `timeout`; the error says what did not get there.
-    pub fn finish(&mut self, status: &str, artifacts: Vec<(String, PathBuf)>, timeout: Duration) -> Result<(), String> {
+    pub fn finish(
+        &mut self,
+        status: &str,
+        artifacts: Vec<(String, PathBuf)>,
+        timeout: Duration,
+    ) -> Result<(), String> {
         let Some(tx) = self.tx.take() else {
             return Ok(());
         };
@@ -149,7 +154,12 @@ impl Worker {
     }
 
     fn run_id(&self) -> Option<String> {
-        self.shared.lock().expect("tracker").ids.as_ref().map(|(_, r)| r.clone())
+        self.shared
+            .lock()
+            .expect("tracker")
+            .ids
+            .as_ref()
+            .map(|(_, r)| r.clone())
     }
 
     fn run(mut self, rx: Receiver<Msg>) {
@@ -159,7 +169,9 @@ impl Worker {
         loop {
             let busy = !buffer.is_empty() || ending.is_some() || self.run_id().is_none();
             let msg = if busy {
-                let wait = retry_at.map_or(Duration::ZERO, |t| t.saturating_duration_since(Instant::now()));
+                let wait = retry_at.map_or(Duration::ZERO, |t| {
+                    t.saturating_duration_since(Instant::now())
+                });
                 match rx.recv_timeout(wait) {
                     Ok(m) => Some(m),
                     Err(RecvTimeoutError::Timeout) => None,
@@ -234,7 +246,11 @@ impl Worker {
 
     /// One round: the run, its params, the buffered metrics, and (ending) the artifacts and the
     /// status. `Ok(true)` when the run is finished.
-    fn work(&mut self, buffer: &mut Vec<Metric>, ending: &mut Option<Ending>) -> Result<bool, TrackError> {
+    fn work(
+        &mut self,
+        buffer: &mut Vec<Metric>,
+        ending: &mut Option<Ending>,
+    ) -> Result<bool, TrackError> {
         let run_id = match self.run_id() {
             Some(r) => r,
             None => self.open_run()?,
@@ -250,10 +266,13 @@ impl Worker {
                 // One param refused (a `--force`d resume that changed a setting: MLflow keeps the
                 // first value; or a value it does not take): the others one by one.
                 for p in chunk {
-                    match self.client.log_batch(&run_id, &[], std::slice::from_ref(p), &[]) {
-                        Err(TrackError::Status { status: 400, body, .. }) => {
-                            self.notice(format!("MLflow did not take param {}: {body}", p.0))
-                        }
+                    match self
+                        .client
+                        .log_batch(&run_id, &[], std::slice::from_ref(p), &[])
+                    {
+                        Err(TrackError::Status {
+                            status: 400, body, ..
+                        }) => self.notice(format!("MLflow did not take param {}: {body}", p.0)),
                         r => r?,
                     }
                 }

@@ -310,7 +310,9 @@ impl RunFiles {
 fn with_remote_fields(mut line: String, s: &rtune_remote::Status) -> String {
     if line.ends_with('}') {
         line.pop();
-        let step = s.uploaded_step.map_or("null".to_string(), |s| s.to_string());
+        let step = s
+            .uploaded_step
+            .map_or("null".to_string(), |s| s.to_string());
         line += &format!(
             ",\"remote_step\":{step},\"remote_pending\":{},\"remote_failures\":{}}}",
             s.pending, s.failures
@@ -359,7 +361,12 @@ impl RunFiles {
             .as_ref()
             .map(Mirror::take_notices)
             .unwrap_or_default();
-        n.extend(self.tracker.as_ref().map(Tracker::take_notices).unwrap_or_default());
+        n.extend(
+            self.tracker
+                .as_ref()
+                .map(Tracker::take_notices)
+                .unwrap_or_default(),
+        );
         n
     }
 
@@ -385,7 +392,13 @@ impl RunFiles {
             .into_iter()
             .flatten()
             .flatten()
-            .map(|e| format!("{}/{}", rtune_watch::TB_DIR, e.file_name().to_string_lossy()))
+            .map(|e| {
+                format!(
+                    "{}/{}",
+                    rtune_watch::TB_DIR,
+                    e.file_name().to_string_lossy()
+                )
+            })
             .collect();
         events.sort();
         names.extend(events);
@@ -431,11 +444,16 @@ impl RunFiles {
         let mut tags = vec![
             ("rtune.version".to_string(), record.rtune_version.clone()),
             ("rtune.git_commit".to_string(), record.git_commit.clone()),
-            ("rtune.cargo_lock_sha256".to_string(), record.cargo_lock_sha256.clone()),
+            (
+                "rtune.cargo_lock_sha256".to_string(),
+                record.cargo_lock_sha256.clone(),
+            ),
             ("rtune.model_path".to_string(), record.model_path.clone()),
         ];
         for f in &record.model_files {
-            let name = Path::new(&f.path).file_name().map_or(f.path.clone(), |n| n.to_string_lossy().into_owned());
+            let name = Path::new(&f.path)
+                .file_name()
+                .map_or(f.path.clone(), |n| n.to_string_lossy().into_owned());
             tags.push((format!("rtune.model.{name}.sha256"), f.sha256.clone()));
         }
         for (i, f) in record.data.iter().enumerate() {
@@ -479,14 +497,19 @@ impl RunFiles {
             if let Some((exp, run)) = t.ids() {
                 let text = serde_json::json!({ "experiment_id": exp, "run_id": run }).to_string();
                 self.tracker_id_saved =
-                    write_atomic(&self.dir.join(MLFLOW_JSON), text.as_bytes(), self.privacy).is_ok();
+                    write_atomic(&self.dir.join(MLFLOW_JSON), text.as_bytes(), self.privacy)
+                        .is_ok();
             }
         }
     }
 
     /// The end of the run for MLflow: what is buffered, the adapter, loss.svg and run.json as
     /// artifacts, and `status` (FINISHED, KILLED, FAILED), within `timeout`; a warning on failure.
-    pub fn finish_tracking(&mut self, status: &str, timeout: std::time::Duration) -> Option<String> {
+    pub fn finish_tracking(
+        &mut self,
+        status: &str,
+        timeout: std::time::Duration,
+    ) -> Option<String> {
         let t = self.tracker.as_mut()?;
         let artifacts = [
             rtune_lora::ADAPTER_WEIGHTS,

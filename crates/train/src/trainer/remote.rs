@@ -52,12 +52,17 @@ impl Trainer<'_> {
             Ok(Outcome::Stopped { .. }) => "KILLED",
             Err(_) => "FAILED",
         };
-        if let Some(w) = self.files.finish_tracking(status, timeout.min(Duration::from_secs(60))) {
+        if let Some(w) = self
+            .files
+            .finish_tracking(status, timeout.min(Duration::from_secs(60)))
+        {
             self.warn(w);
         }
         let done = match &outcome {
             Ok(_) => self.files.finish_remote(timeout),
-            Err(_) => self.files.finish_remote(timeout.min(Duration::from_secs(60))),
+            Err(_) => self
+                .files
+                .finish_remote(timeout.min(Duration::from_secs(60))),
         };
         self.report_remote();
         let outcome = outcome?;
