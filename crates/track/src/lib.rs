@@ -119,11 +119,26 @@ impl Client {
         }
     }
 
-    /// A new run in `experiment_id`; its id.
-    pub fn create_run(&self, experiment_id: &str, run_name: &str) -> Result<String, TrackError> {
+    /// A new run in `experiment_id` tagged `rtune_uid = uid`; its id. A run with that tag made by
+    /// an earlier attempt whose answer was lost (a timeout) is reused, not duplicated.
+    pub fn create_run(
+        &self,
+        experiment_id: &str,
+        run_name: &str,
+        uid: &str,
+    ) -> Result<String, TrackError> {
+        let found = self.post(
+            "runs/search",
+            &json!({ "experiment_ids": [experiment_id], "filter": format!("tags.rtune_uid = '{uid}'") }),
+        )?;
+        let existing = str_at(&found, &["runs", "0", "info", "run_id"]);
+        if !existing.is_empty() {
+            return Ok(existing);
+        }
         let v = self.post(
             "runs/create",
-            &json!({ "experiment_id": experiment_id, "run_name": run_name, "start_time": now_ms() }),
+            &json!({ "experiment_id": experiment_id, "run_name": run_name, "start_time": now_ms(),
+                     "tags": [{ "key": "rtune_uid", "value": uid }] }),
         )?;
         Ok(str_at(&v, &["run", "info", "run_id"]))
     }
@@ -228,7 +243,10 @@ impl Client {
 pub fn str_at(v: &Value, path: &[&str]) -> String {
     let mut v = v;
     for p in path {
-        v = &v[*p];
+        v = match p.parse::<usize>() {
+            Ok(i) => &v[i],
+            Err(_) => &v[*p],
+        };
     }
     v.as_str().unwrap_or_default().to_string()
 }

@@ -62,11 +62,12 @@ impl Tracker {
         let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Mutex::new(Shared::default()));
         let w = Worker {
-            client: Client::new(&s.url, Duration::from_secs(10)),
+            client: Client::new(&s.url, Duration::from_secs(30)),
             shared: Arc::clone(&shared),
             start: s,
             artifact_uri: String::new(),
             logged_params: false,
+            uid: format!("{}-{}", std::process::id(), now_ms()),
         };
         std::thread::Builder::new()
             .name("rtune-mlflow".into())
@@ -139,6 +140,8 @@ struct Worker {
     start: Start,
     artifact_uri: String,
     logged_params: bool,
+    /// Tags the run this process creates, so a retried create finds it.
+    uid: String,
 }
 
 struct Ending {
@@ -310,7 +313,8 @@ impl Worker {
             }
             None => {
                 let exp = self.client.experiment(&self.start.experiment)?;
-                self.client.create_run(&exp, &self.start.run_name)?
+                self.client
+                    .create_run(&exp, &self.start.run_name, &self.uid)?
             }
         };
         let info = self.client.get_run(&run_id)?;
