@@ -153,7 +153,7 @@ impl Mlflow {
                     .collect()
             })
             .unwrap_or_default();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.sort_by_key(|a| a.0);
         v
     }
 
