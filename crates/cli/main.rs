@@ -158,6 +158,8 @@ fn exit_code(e: &anyhow::Error) -> u8 {
         x.is_input_error()
     } else if let Some(g) = e.downcast_ref::<rtune_gguf::GgufError>() {
         g.is_input_error()
+    } else if let Some(r) = e.downcast_ref::<rtune_remote::RemoteError>() {
+        r.is_input_error()
     } else if let Some(c) = e.downcast_ref::<rtune_config::ConfigError>() {
         c.is_input_error()
     } else {

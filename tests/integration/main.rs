@@ -17,6 +17,10 @@
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row;
 //! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
+//! - `remote`: `[output] remote` against a real S3 server (s3s-fs): mirrored checkpoints and final
+//!   files, resume from the store after kill -9, a store that goes away, bad credentials;
+//! - `mlflow`: `[output] mlflow` against a real `mlflow server`: params, metrics, artifacts, status,
+//!   and a server killed mid-run;
 //! - `smollm2`: the real-model recipe (SmolLM2-135M from GGUF), cut to a few steps;
 //! - `variants`: LoRA+, PiSSA, pissa_niter_N and OLoRA through `rtune train` against PEFT goldens;
 //!   bad variant settings;
@@ -31,9 +35,11 @@ mod diag;
 mod dora;
 mod export;
 mod hardening;
+mod mlflow;
 mod packing;
 mod parity;
 mod qlora;
+mod remote;
 mod resume;
 mod scan;
 mod smollm2;

@@ -44,6 +44,18 @@ fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
         cfg.model_path.display(),
         tmp.display()
     );
+    // `[output] remote`: the probe a run makes at start (write, read back, delete an object).
+    let mut remote_failed = false;
+    if let Some(url) = cfg.remote.as_deref().filter(|_| world.is_root()) {
+        let probe = rtune_remote::Remote::open(url).and_then(|r| r.probe());
+        remote_failed = probe.is_err();
+        let detail = match probe {
+            Ok(()) => format!("{url}: wrote, read back and deleted an object"),
+            Err(e) => e.to_string(),
+        };
+        let verdict = if remote_failed { "FAIL" } else { "PASS" };
+        println!("{who}{verdict}  {:<30} {detail}", "remote store");
+    }
     let print = |c: &rtune_diag::Check| {
         println!(
             "{who}{}  {:<30} {}",
@@ -60,11 +72,14 @@ fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
         print(&c);
         checks.push(c);
     }
-    let failed: Vec<&str> = checks
+    let mut failed: Vec<&str> = checks
         .iter()
         .filter(|c| !c.pass)
         .map(|c| c.name.as_str())
         .collect();
+    if remote_failed {
+        failed.push("remote store");
+    }
     if failed.is_empty() {
         println!("all {} checks passed", checks.len());
         Ok(())

@@ -88,8 +88,20 @@ pub fn run(a: ExportArgs) -> Result<()> {
         FormatArg::GgufLora => Format::GgufLora,
     };
     let _lock = lock_run(&a.run)?;
+    // `--run s3://bucket/prefix`: the run's files (and the checkpoint asked for, verified)
+    // are fetched into a private temporary directory first.
+    let remote_copy = match a.run.to_str().filter(|r| r.starts_with("s3://")) {
+        Some(url) => {
+            let tmp = std::env::temp_dir().join(format!("rtune-export-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            let remote = rtune_remote::Remote::open(url.trim_end_matches('/'))?;
+            rtune_remote::fetch::run_files(&remote, &tmp, a.checkpoint)?;
+            Some(tmp)
+        }
+        None => None,
+    };
     let opts = ExportOptions {
-        run: a.run,
+        run: remote_copy.clone().unwrap_or(a.run),
         format,
         out: a.out,
         checkpoint: a.checkpoint,
@@ -99,7 +111,11 @@ pub fn run(a: ExportArgs) -> Result<()> {
         max_shard_bytes: a.max_shard_size,
         merge_into_original: a.merge_into == "original",
     };
-    let done = rtune_export::export(&opts)?;
+    let done = rtune_export::export(&opts);
+    if let Some(tmp) = &remote_copy {
+        let _ = std::fs::remove_dir_all(tmp);
+    }
+    let done = done?;
     for w in &done.warnings {
         tracing::warn!("{w}");
     }

@@ -181,6 +181,26 @@ pub struct OutputSection {
     /// checkpoints + one being written, the adapter, logs); `false` skips the check.
     #[serde(default = "d_true")]
     pub check_disk: bool,
+    /// Mirror the run directory to S3-compatible storage: "s3://bucket/prefix" ("" = no mirror).
+    /// Credentials and endpoint come from the AWS_* environment only.
+    #[serde(default)]
+    pub remote: String,
+    /// How long the end of a run waits for the final uploads ("10m", "90s").
+    #[serde(default = "d_remote_timeout")]
+    pub remote_timeout: String,
+    /// MLflow tracking server, "http://host:5000" ("" = no tracking).
+    #[serde(default)]
+    pub mlflow: String,
+    /// MLflow experiment the run is logged under (created if missing).
+    #[serde(default = "d_mlflow_experiment")]
+    pub mlflow_experiment: String,
+}
+
+fn d_remote_timeout() -> String {
+    "10m".into()
+}
+fn d_mlflow_experiment() -> String {
+    "rtune".into()
 }
 
 fn d_main() -> String {

@@ -118,6 +118,13 @@ pub struct RunConfig {
     pub loraplus_lr_ratio: f64,
     /// `[train] loraplus_lr_embedding`: LoRA+'s lr of LoRA on embedding layers (none in rtune).
     pub loraplus_lr_embedding: f64,
+    /// `[output] remote`: the S3 URL the run directory is mirrored to.
+    pub remote: Option<String>,
+    /// `[output] remote_timeout`: how long the end of a run waits for its uploads.
+    pub remote_timeout: std::time::Duration,
+    /// `[output] mlflow`: the tracking server's URL, and the experiment.
+    pub mlflow: Option<String>,
+    pub mlflow_experiment: String,
 }
 
 impl ConfigFile {
@@ -316,6 +323,8 @@ impl ConfigFile {
                 ))
             }
         };
+        let (remote, remote_timeout, mlflow) = remote_keys(o).map_err(|(k, m)| bad(k, m))?;
+        let mlflow_experiment = o.mlflow_experiment.clone();
         let init_from = if l.init_from.trim().is_empty() {
             None
         } else {
@@ -369,6 +378,10 @@ impl ConfigFile {
             trainable_tokens,
             loraplus_lr_ratio,
             loraplus_lr_embedding,
+            remote,
+            remote_timeout,
+            mlflow,
+            mlflow_experiment,
             file: self,
         })
     }
@@ -449,6 +462,85 @@ impl ConfigFile {
     }
 }
 
+/// `[output] remote`, `remote_timeout` and `mlflow`, checked: an `s3://bucket[/prefix]` URL without
+/// credentials in it (they come from the environment only, so they never reach run.json), a
+/// duration such as "10m", an `http(s)://` URL. Errors are `(key, message)`.
+type RemoteKeys = (Option<String>, std::time::Duration, Option<String>);
+fn remote_keys(
+    o: &crate::file::OutputSection,
+) -> std::result::Result<RemoteKeys, (&'static str, String)> {
+    let remote = match o.remote.trim() {
+        "" => None,
+        url => {
+            let rest = url.strip_prefix("s3://").ok_or((
+                "output.remote",
+                format!("`{url}` is not an s3://bucket/prefix URL"),
+            ))?;
+            let bucket = rest.split('/').next().unwrap_or("");
+            if bucket.is_empty() {
+                return Err(("output.remote", format!("`{url}` names no bucket")));
+            }
+            if bucket.contains('@') || bucket.contains(':') {
+                return Err((
+                    "output.remote",
+                    "must not carry credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY \
+                     in the environment"
+                        .into(),
+                ));
+            }
+            Some(url.trim_end_matches('/').to_string())
+        }
+    };
+    let remote_timeout = parse_duration(&o.remote_timeout).ok_or((
+        "output.remote_timeout",
+        format!(
+            "`{}` is not a duration such as \"10m\" or \"90s\"",
+            o.remote_timeout
+        ),
+    ))?;
+    let mlflow = match o.mlflow.trim() {
+        "" => None,
+        url if url.starts_with("http://") || url.starts_with("https://") => {
+            Some(url.trim_end_matches('/').to_string())
+        }
+        url => {
+            return Err((
+                "output.mlflow",
+                format!("`{url}` is not an http:// or https:// URL"),
+            ))
+        }
+    };
+    if mlflow.is_some() && o.mlflow_experiment.trim().is_empty() {
+        return Err(("output.mlflow_experiment", "is empty".into()));
+    }
+    Ok((remote, remote_timeout, mlflow))
+}
+
+/// "90s", "10m", "1h", "1h30m", or a bare number of seconds.
+fn parse_duration(s: &str) -> Option<std::time::Duration> {
+    let s = s.trim();
+    if let Ok(secs) = s.parse::<f64>() {
+        return (secs >= 0.0 && secs.is_finite()).then(|| std::time::Duration::from_secs_f64(secs));
+    }
+    let (mut total, mut num) = (0.0f64, String::new());
+    for c in s.chars() {
+        match c {
+            '0'..='9' | '.' => num.push(c),
+            'h' | 'm' | 's' => {
+                let n: f64 = num.parse().ok()?;
+                total += n * match c {
+                    'h' => 3600.0,
+                    'm' => 60.0,
+                    _ => 1.0,
+                };
+                num.clear();
+            }
+            _ => return None,
+        }
+    }
+    (num.is_empty() && !s.is_empty()).then(|| std::time::Duration::from_secs_f64(total))
+}
+
 /// `auto | cpu | cuda | cuda:N`.
 pub fn parse_device(s: &str) -> std::result::Result<Device, String> {
     match s {
@@ -472,6 +564,43 @@ mod tests {
     fn parse(extra: &str) -> Result<RunConfig> {
         let text = format!("[model]\npath = \"m\"\n[data]\ntrain = \"d.jsonl\"\n{extra}");
         ConfigFile::parse(&text, Path::new("c.toml"), &[])?.validate(Path::new("c.toml"))
+    }
+
+    /// `[output] remote`, `remote_timeout`, `mlflow`: defaults, accepted forms, and one-line
+    /// refusals naming the key (a URL carrying credentials among them).
+    #[test]
+    fn remote_and_mlflow_keys() {
+        let c = parse("").unwrap();
+        assert_eq!((c.remote, c.mlflow), (None, None));
+        assert_eq!(c.remote_timeout, std::time::Duration::from_secs(600));
+        assert_eq!(c.mlflow_experiment, "rtune");
+        let c = parse(
+            "[output]\nremote = \"s3://b/runs/x/\"\nremote_timeout = \"1m30s\"\nmlflow = \"http://h:5000/\"",
+        )
+        .unwrap();
+        assert_eq!(c.remote.as_deref(), Some("s3://b/runs/x"));
+        assert_eq!(c.remote_timeout, std::time::Duration::from_secs(90));
+        assert_eq!(c.mlflow.as_deref(), Some("http://h:5000"));
+        assert_eq!(
+            parse("[output]\nremote_timeout = \"5\"")
+                .unwrap()
+                .remote_timeout
+                .as_secs(),
+            5
+        );
+        for (extra, key) in [
+            ("remote = \"b/x\"", "output.remote"),
+            ("remote = \"s3://\"", "output.remote"),
+            ("remote = \"s3://key:secret@b/x\"", "output.remote"),
+            ("remote_timeout = \"soon\"", "output.remote_timeout"),
+            ("mlflow = \"h:5000\"", "output.mlflow"),
+        ] {
+            let e = parse(&format!("[output]\n{extra}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(key), "{extra}: {e}");
+            assert!(!e.contains("secret@"), "credentials are not echoed: {e}");
+        }
     }
 
     #[test]

@@ -95,6 +95,9 @@ fn scratch(cfg: &RunConfig, out: &Path, steps: usize) -> RunConfig {
     c.data.valid = None;
     c.data.valid_fraction = 0.0;
     c.data.cache_dir = None;
+    // Scratch runs stay on this machine: no mirror, no tracking (the remote is probed apart).
+    c.remote = None;
+    c.mlflow = None;
     c
 }
 

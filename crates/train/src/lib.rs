@@ -109,6 +109,12 @@ pub enum TrainError {
         op: &'static str,
         source: candle_core::Error,
     },
+    /// `[output] remote` cannot be used: the probe at start (write, read back, delete) failed.
+    #[error("[output] remote: {0}")]
+    Remote(Box<rtune_remote::RemoteError>),
+    /// The final uploads did not reach the store within `[output] remote_timeout`.
+    #[error("[output] remote: {message}; the local run in {} is complete", dir.display())]
+    RemoteUpload { dir: PathBuf, message: String },
 }
 
 impl TrainError {
@@ -128,12 +134,14 @@ impl TrainError {
             | TrainError::ResumeChanged { .. }
             | TrainError::NoVerifiedCheckpoint { .. }
             | TrainError::Ranks(_)
-            | TrainError::OptimizerState => true,
+            | TrainError::OptimizerState
+            | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
             TrainError::Kernel { .. } => false,
             TrainError::Output { .. }
             | TrainError::NonFinite { .. }
-            | TrainError::Candle { .. } => false,
+            | TrainError::Candle { .. }
+            | TrainError::RemoteUpload { .. } => false,
         }
     }
 

@@ -32,6 +32,7 @@ mod dist;
 mod events;
 mod metrics;
 pub mod output;
+mod remote;
 pub mod state;
 
 use candle_core::Device;
@@ -68,7 +69,8 @@ pub fn train(
     t.resume_or_fresh(opts)?;
     let record = t.begin()?;
     let result = t.run(opts.stop);
-    t.end(record, result)
+    let outcome = t.end(record, result);
+    t.finish_remote(outcome)
 }
 
 /// One training job: the model and adapter, the optimizer, the data, the run's files and counters.
@@ -120,7 +122,12 @@ impl Trainer<'_> {
         let existed = self.cfg.output_dir.is_dir();
         self.agree()?;
         self.preflight()?;
+        // Rank 0 alone talks to the remote store (RunFiles writes only there).
+        self.files.connect_remote(self.cfg)?;
         self.files.lock()?;
+        let existed = self.fetch_remote_checkpoint(opts, existed)?;
+        // A barrier: the other ranks read the checkpoint rank 0 may just have fetched.
+        self.world.any("the remote checkpoint fetch", false);
         let Some(l) = self.checkpoint_to_resume(opts, existed)? else {
             return self.files.clear_for_fresh_run(self.cfg);
         };
@@ -212,6 +219,7 @@ impl Trainer<'_> {
         if let Some(w) = self.files.step_scalars(&m) {
             self.warn(w);
         }
+        self.report_remote();
         Ok(())
     }
 

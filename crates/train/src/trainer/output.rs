@@ -25,6 +25,8 @@ use crate::record::RunRecord;
 use crate::setup::fresh_output;
 use crate::TrainError;
 use rtune_fsio::{LockError, RunLock};
+use rtune_remote::{Mirror, Remote};
+use rtune_track::{Start, Tracker};
 
 const METRICS: &str = "metrics.jsonl";
 const SAMPLES: &str = "samples.jsonl";
@@ -41,6 +43,13 @@ pub struct RunFiles {
     tb: Option<TbWriter>,
     /// This process's hold on the directory ([`lock`](Self::lock)), released when the run ends.
     lock: Option<RunLock>,
+    /// `[output] remote`, probed at start ([`connect_remote`](Self::connect_remote)) until the
+    /// run opens; then the background uploader.
+    remote: Option<Remote>,
+    mirror: Option<Mirror>,
+    /// `[output] mlflow`: the MLflow run fed from metrics.jsonl's lines; whether its id is saved.
+    tracker: Option<Tracker>,
+    tracker_id_saved: bool,
 }
 
 fn output_err(path: &Path, e: std::io::Error) -> TrainError {
@@ -66,6 +75,10 @@ impl RunFiles {
             metrics: None,
             tb: None,
             lock: None,
+            remote: None,
+            mirror: None,
+            tracker: None,
+            tracker_id_saved: false,
         }
     }
 
@@ -137,6 +150,10 @@ impl RunFiles {
             return Ok(None);
         }
         self.record(record)?;
+        if let Some(remote) = self.remote.take() {
+            self.mirror = Some(Mirror::start(remote, &self.dir, cfg.keep_last));
+        }
+        self.start_tracking(cfg, record);
         let resolved = toml::to_string(&cfg.file).expect("config serialises");
         write_atomic(
             &self.dir.join("config.toml"),
@@ -164,7 +181,12 @@ impl RunFiles {
     /// Appends one JSON line to metrics.jsonl; returns its length (the resume offset grows by it,
     /// on every rank).
     pub fn metrics_line(&mut self, v: &impl Serialize) -> Result<u64, TrainError> {
-        let line = serde_json::to_string(v).expect("metrics serialise") + "\n";
+        let mut line = serde_json::to_string(v).expect("metrics serialise");
+        if let Some(m) = &self.mirror {
+            line = with_remote_fields(line, &m.status());
+        }
+        self.track_line(&line);
+        line.push('\n');
         if let Some(f) = self.metrics.as_mut() {
             f.write_all(line.as_bytes())
                 .map_err(|e| output_err(&self.dir.join(METRICS), e))?;
@@ -235,7 +257,7 @@ impl RunFiles {
             return Ok(None);
         }
         let dir = &self.dir;
-        checkpoint::save(
+        let path = checkpoint::save(
             dir,
             state,
             adapter,
@@ -243,8 +265,11 @@ impl RunFiles {
             base_model,
             self.privacy,
             keep_last,
-        )
-        .map(Some)
+        )?;
+        if let Some(m) = &self.mirror {
+            m.checkpoint(state.run.step, &path);
+        }
+        Ok(Some(path))
     }
 
     /// The PEFT adapter: `adapter_model.safetensors` and `adapter_config.json`.
@@ -276,5 +301,232 @@ impl RunFiles {
             self.privacy,
         )
         .map_err(TrainError::from)
+    }
+}
+
+/// A metrics.jsonl line (a JSON object) with the mirror's state appended: `remote_step` (the
+/// newest checkpoint in the store, null before the first), `remote_pending` (one is waiting or
+/// being uploaded), `remote_failures` (failed attempts so far).
+fn with_remote_fields(mut line: String, s: &rtune_remote::Status) -> String {
+    if line.ends_with('}') {
+        line.pop();
+        let step = s
+            .uploaded_step
+            .map_or("null".to_string(), |s| s.to_string());
+        line += &format!(
+            ",\"remote_step\":{step},\"remote_pending\":{},\"remote_failures\":{}}}",
+            s.pending, s.failures
+        );
+    }
+    line
+}
+
+/// `[output] remote`: the store, its probe at start, the fetch on resume, the final uploads.
+impl RunFiles {
+    /// Opens `[output] remote` and probes it (write, read back, delete a small object) before
+    /// the run directory is touched; a failure is an input error naming the URL and the reason.
+    pub fn connect_remote(&mut self, cfg: &RunConfig) -> Result<(), TrainError> {
+        let Some(url) = cfg.remote.as_deref().filter(|_| self.writes) else {
+            return Ok(());
+        };
+        let remote = Remote::open(url).map_err(|e| TrainError::Remote(Box::new(e)))?;
+        remote
+            .probe()
+            .map_err(|e| TrainError::Remote(Box::new(e)))?;
+        self.remote = Some(remote);
+        Ok(())
+    }
+
+    /// For a resume: the newest verified remote checkpoint newer than every complete local one,
+    /// brought into the run directory (see `rtune_remote::fetch::newest_checkpoint`); its step.
+    pub fn fetch_remote_checkpoint(
+        &self,
+        warn: &mut dyn FnMut(String),
+    ) -> Result<Option<usize>, TrainError> {
+        let Some(remote) = &self.remote else {
+            return Ok(None);
+        };
+        let local = checkpoint::list(&self.dir)
+            .into_iter()
+            .find(|(_, d)| d.join(rtune_remote::MANIFEST).is_file())
+            .map(|(s, _)| s);
+        rtune_remote::fetch::newest_checkpoint(remote, &self.dir, local, self.privacy, warn)
+            .map_err(|e| TrainError::Remote(Box::new(e)))
+    }
+
+    /// The mirror's and the MLflow tracker's notices since the last call.
+    pub fn remote_notices(&self) -> Vec<String> {
+        let mut n = self
+            .mirror
+            .as_ref()
+            .map(Mirror::take_notices)
+            .unwrap_or_default();
+        n.extend(
+            self.tracker
+                .as_ref()
+                .map(Tracker::take_notices)
+                .unwrap_or_default(),
+        );
+        n
+    }
+
+    /// Uploads the run's files after the last checkpoint (summary.json last) and waits up to
+    /// `timeout`; the error names what is not in the store.
+    pub fn finish_remote(&mut self, timeout: std::time::Duration) -> Result<(), TrainError> {
+        let Some(mirror) = self.mirror.as_mut() else {
+            return Ok(());
+        };
+        let mut names: Vec<String> = [
+            rtune_lora::ADAPTER_WEIGHTS,
+            rtune_lora::ADAPTER_CONFIG,
+            "config.toml",
+            METRICS,
+            SAMPLES,
+            "loss.svg",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let tb = self.dir.join(rtune_watch::TB_DIR);
+        let mut events: Vec<String> = std::fs::read_dir(&tb)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| {
+                format!(
+                    "{}/{}",
+                    rtune_watch::TB_DIR,
+                    e.file_name().to_string_lossy()
+                )
+            })
+            .collect();
+        events.sort();
+        names.extend(events);
+        names.extend(["mlflow.json", "run.json", "summary.json"].map(String::from));
+        let files = names
+            .into_iter()
+            .map(|n| {
+                let p = self.dir.join(&n);
+                (n, p)
+            })
+            .collect();
+        mirror
+            .finish(files, timeout)
+            .map_err(|message| TrainError::RemoteUpload {
+                dir: self.dir.clone(),
+                message,
+            })
+    }
+}
+
+/// The file that keeps a run's MLflow ids, so a resume continues the same MLflow run.
+pub const MLFLOW_JSON: &str = "mlflow.json";
+
+/// `[output] mlflow`: one MLflow run per rtune run.
+impl RunFiles {
+    /// Starts the tracker: the resolved config as params, the record's version, commit and
+    /// checksums as tags, the run continued when mlflow.json names one.
+    fn start_tracking(&mut self, cfg: &RunConfig, record: &RunRecord) {
+        let Some(url) = cfg.mlflow.as_deref().filter(|_| self.writes) else {
+            return;
+        };
+        let saved = std::fs::read(self.dir.join(MLFLOW_JSON))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        let run_id = saved
+            .as_ref()
+            .map(|v| rtune_track::str_at(v, &["run_id"]))
+            .filter(|r| !r.is_empty());
+        self.tracker_id_saved = run_id.is_some();
+        let mut params = Vec::new();
+        let config = serde_json::to_value(&cfg.file).expect("config serialises");
+        rtune_track::flatten_params("", &config, &mut params);
+        let mut tags = vec![
+            ("rtune.version".to_string(), record.rtune_version.clone()),
+            ("rtune.git_commit".to_string(), record.git_commit.clone()),
+            (
+                "rtune.cargo_lock_sha256".to_string(),
+                record.cargo_lock_sha256.clone(),
+            ),
+            ("rtune.model_path".to_string(), record.model_path.clone()),
+        ];
+        for f in &record.model_files {
+            let name = Path::new(&f.path)
+                .file_name()
+                .map_or(f.path.clone(), |n| n.to_string_lossy().into_owned());
+            tags.push((format!("rtune.model.{name}.sha256"), f.sha256.clone()));
+        }
+        for (i, f) in record.data.iter().enumerate() {
+            tags.push((format!("rtune.data.{i}.path"), f.path.clone()));
+            tags.push((format!("rtune.data.{i}.sha256"), f.sha256.clone()));
+        }
+        let run_name = self
+            .dir
+            .file_name()
+            .map_or("rtune".into(), |n| n.to_string_lossy().into_owned());
+        self.tracker = Some(Tracker::start(Start {
+            url: url.to_string(),
+            experiment: cfg.mlflow_experiment.clone(),
+            run_name,
+            run_id,
+            params,
+            tags,
+        }));
+    }
+
+    /// Sends one metrics.jsonl line's numbers (booleans as 0/1) at its `step`, and saves the
+    /// MLflow ids once the run exists.
+    fn track_line(&mut self, line: &str) {
+        let Some(t) = &self.tracker else {
+            return;
+        };
+        let Ok(serde_json::Value::Object(map)) = serde_json::from_str(line) else {
+            return;
+        };
+        let step = map.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
+        let values = map
+            .iter()
+            .filter(|(k, _)| k.as_str() != "step")
+            .filter_map(|(k, v)| {
+                let x = v.as_f64().or_else(|| v.as_bool().map(|b| b as u8 as f64))?;
+                Some((k.clone(), x))
+            })
+            .collect();
+        t.metrics(step, values);
+        if !self.tracker_id_saved {
+            if let Some((exp, run)) = t.ids() {
+                let text = serde_json::json!({ "experiment_id": exp, "run_id": run }).to_string();
+                self.tracker_id_saved =
+                    write_atomic(&self.dir.join(MLFLOW_JSON), text.as_bytes(), self.privacy)
+                        .is_ok();
+            }
+        }
+    }
+
+    /// The end of the run for MLflow: what is buffered, the adapter, loss.svg and run.json as
+    /// artifacts, and `status` (FINISHED, KILLED, FAILED), within `timeout`; a warning on failure.
+    pub fn finish_tracking(
+        &mut self,
+        status: &str,
+        timeout: std::time::Duration,
+    ) -> Option<String> {
+        let t = self.tracker.as_mut()?;
+        let artifacts = [
+            rtune_lora::ADAPTER_WEIGHTS,
+            rtune_lora::ADAPTER_CONFIG,
+            "loss.svg",
+            "run.json",
+        ]
+        .iter()
+        .map(|n| (n.to_string(), self.dir.join(n)))
+        .collect();
+        let r = t.finish(status, artifacts, timeout).err();
+        if !self.tracker_id_saved {
+            if let Some((exp, run)) = t.ids() {
+                let text = serde_json::json!({ "experiment_id": exp, "run_id": run }).to_string();
+                let _ = write_atomic(&self.dir.join(MLFLOW_JSON), text.as_bytes(), self.privacy);
+            }
+        }
+        r.map(|e| format!("MLflow: {e}"))
     }
 }

@@ -1,0 +1,403 @@
+//! `[output] remote` against a real S3 server: `s3s-fs` (the S3 protocol with signature checks over
+//! a directory; installed by scripts/deps/s3s-fs.sh), started by each test on a free 127.0.0.1
+//! port. The bucket is a directory of the server's root, so the tests read (and corrupt) what the
+//! store holds directly. Cases: every checkpoint and the final files uploaded, verified against
+//! the local manifests, and `rtune export --run s3://…`; kill -9, the local directory deleted, the
+//! newest remote checkpoint corrupted, `--resume` → the previous remote checkpoint, and an adapter
+//! identical to an uninterrupted run's; the server down for part of the run → uploads catch up;
+//! never back → exit 1 after `remote_timeout` with the local run complete; a wrong secret key →
+//! exit 2 before anything is written.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::{root, rtune_env, stderr};
+use crate::resume::config;
+
+const KEY: &str = "rtune-test-key";
+const SECRET: &str = "rtune-test-secret-0123456789";
+const BUCKET: &str = "runs";
+
+/// Where scripts/deps/s3s-fs.sh installs the server.
+fn s3s_fs() -> PathBuf {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache"));
+    let bin = cache.join("rtune-deps/s3s-fs/bin/s3s-fs");
+    assert!(
+        bin.is_file(),
+        "{} is missing: run scripts/test.sh (or scripts/deps/s3s-fs.sh) to install the S3 test server",
+        bin.display()
+    );
+    bin
+}
+
+pub(crate) fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Waits until something accepts connections on `port`.
+pub(crate) fn wait_for_port(port: u16, what: &str, limit: Duration) {
+    let t0 = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t0.elapsed() < limit, "{what} did not start on port {port}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// An s3s-fs process over `root` (the bucket `runs` is `root/runs`); killed when dropped.
+struct S3 {
+    child: Option<Child>,
+    port: u16,
+    root: PathBuf,
+}
+
+impl S3 {
+    fn start(root: &Path) -> Self {
+        std::fs::create_dir_all(root.join(BUCKET)).unwrap();
+        let mut s = Self {
+            child: None,
+            port: free_port(),
+            root: root.to_path_buf(),
+        };
+        s.restart();
+        s
+    }
+
+    fn restart(&mut self) {
+        let child = Command::new(s3s_fs())
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--access-key", KEY, "--secret-key", SECRET])
+            .arg(&self.root)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start s3s-fs");
+        self.child = Some(child);
+        wait_for_port(self.port, "s3s-fs", Duration::from_secs(20));
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The environment rtune reads its store settings from.
+    fn env(&self, secret: &str) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID".into(), KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), secret.into()),
+            (
+                "AWS_ENDPOINT_URL".into(),
+                format!("http://127.0.0.1:{}", self.port),
+            ),
+            ("AWS_ALLOW_HTTP".into(), "true".into()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+        ]
+    }
+
+    /// What the store holds under `prefix`, as files.
+    fn dir(&self, prefix: &str) -> PathBuf {
+        self.root.join(BUCKET).join(prefix)
+    }
+}
+
+impl Drop for S3 {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn url(prefix: &str) -> String {
+    format!("s3://{BUCKET}/{prefix}")
+}
+
+fn run_with(cfg: &Path, args: &[&str], env: &[(String, String)]) -> Output {
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap()];
+    a.extend(args);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    rtune_env(&a, &env)
+}
+
+/// `rtune train` in the background with `env`.
+fn spawn(cfg: &Path, args: &[&str], env: &[(String, String)]) -> Child {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+    c.args(["train", "--config", cfg.to_str().unwrap()])
+        .args(args)
+        .current_dir(root())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.spawn().unwrap()
+}
+
+fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn steps_done(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+}
+
+fn manifest_sums(dir: &Path) -> serde_json::Value {
+    let text = std::fs::read(dir.join("manifest.json")).unwrap();
+    serde_json::from_slice::<serde_json::Value>(&text).unwrap()["files"].clone()
+}
+
+fn sha256(path: &Path) -> String {
+    rtune_fsio::sha256_file(path).unwrap()
+}
+
+/// Every checkpoint reaches the store (or is reported as skipped for a newer one), each file
+/// matching the local manifest; the final files are there, byte for byte; metrics.jsonl carries
+/// the mirror's state; `rtune export --run s3://…` exports the remote run.
+#[test]
+fn a_run_is_mirrored_checkpoints_and_final_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s3 = S3::start(&tmp.path().join("store"));
+    let out = tmp.path().join("mirrored");
+    let extra = format!("remote = \"{}\"", url("team/a"));
+    let cfg = config(tmp.path(), &out, &extra);
+    // Every checkpoint kept, here and in the store.
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, text.replace("keep_last = 2\n", "keep_last = 0\n")).unwrap();
+    let o = run_with(&cfg, &[], &s3.env(SECRET));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let remote = s3.dir("team/a");
+    let log = stderr(&o);
+    for step in (4..=28).step_by(4).chain([30]) {
+        let (local, there) = (
+            out.join(format!("checkpoint-{step}")),
+            remote.join(format!("checkpoint-{step}")),
+        );
+        if !there.join("manifest.json").exists() {
+            assert!(
+                log.contains(&format!("checkpoint-{step} not uploaded (checkpoint-")) && step != 30,
+                "checkpoint-{step} neither uploaded nor reported skipped:\n{log}"
+            );
+            continue;
+        }
+        assert_eq!(manifest_sums(&there), manifest_sums(&local));
+        for (f, e) in manifest_sums(&there).as_object().unwrap() {
+            assert_eq!(
+                sha256(&there.join(f)),
+                e["sha256"].as_str().unwrap(),
+                "{step}/{f}"
+            );
+        }
+    }
+    for f in [
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "run.json",
+        "config.toml",
+        "metrics.jsonl",
+        "summary.json",
+        "loss.svg",
+    ] {
+        assert_eq!(
+            std::fs::read(remote.join(f)).unwrap(),
+            std::fs::read(out.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    let events: Vec<_> = std::fs::read_dir(remote.join("tb")).unwrap().collect();
+    assert_eq!(events.len(), 1, "TensorBoard events uploaded");
+    let run_json = std::fs::read_to_string(out.join("run.json")).unwrap();
+    assert!(
+        run_json.contains(&url("team/a")) && !run_json.contains(SECRET) && !log.contains(SECRET)
+    );
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert!(
+        last["remote_step"].is_u64() || last["remote_step"].is_null(),
+        "{last}"
+    );
+    assert_eq!(last["remote_failures"], 0, "{last}");
+
+    let exported = tmp.path().join("exported");
+    let owned = s3.env(SECRET);
+    let env2: Vec<(&str, &str)> = owned
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let u = url("team/a");
+    let o = rtune_env(
+        &[
+            "export",
+            "--run",
+            &u,
+            "--format",
+            "peft",
+            "--out",
+            exported.to_str().unwrap(),
+        ],
+        &env2,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(exported.join("adapter_model.safetensors")).unwrap(),
+        std::fs::read(out.join("adapter_model.safetensors")).unwrap()
+    );
+}
+
+/// kill -9 mid-run, the local directory deleted, the newest remote checkpoint's adapter flipped:
+/// `--resume` reports it, takes the previous remote checkpoint, and ends with the adapter of a run
+/// never interrupted.
+#[test]
+fn resume_from_the_store_after_kill_9_skips_a_corrupt_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    let o = run_with(&config(tmp.path(), &reference, ""), &[], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let s3 = S3::start(&tmp.path().join("store"));
+    let out = tmp.path().join("spot");
+    let extra = format!("remote = \"{}\"", url("spot"));
+    let cfg = config(tmp.path(), &out, &extra);
+    let remote = s3.dir("spot");
+    let mut child = spawn(&cfg, &[], &s3.env(SECRET));
+    wait_for("two remote checkpoints", Duration::from_secs(120), || {
+        (4..30)
+            .filter(|s| {
+                remote
+                    .join(format!("checkpoint-{s}/manifest.json"))
+                    .exists()
+            })
+            .count()
+            >= 2
+    });
+    child.kill().unwrap(); // SIGKILL
+    let _ = child.wait();
+    std::fs::remove_dir_all(&out).unwrap();
+    let newest = (4..=30)
+        .rev()
+        .find(|s| {
+            remote
+                .join(format!("checkpoint-{s}/manifest.json"))
+                .exists()
+        })
+        .unwrap();
+    let adapter = remote.join(format!("checkpoint-{newest}/adapter_model.safetensors"));
+    let mut bytes = std::fs::read(&adapter).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&adapter, bytes).unwrap();
+
+    let o = run_with(&cfg, &["--resume"], &s3.env(SECRET));
+    let log = stderr(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(
+        log.contains(&format!("{}/checkpoint-{newest}: unusable", url("spot"))),
+        "the corrupt checkpoint is reported:\n{log}"
+    );
+    assert!(log.contains("fetched checkpoint-"), "{log}");
+    assert!(log.contains("resuming at step"), "{log}");
+    assert_eq!(
+        std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
+        std::fs::read(reference.join("adapter_model.safetensors")).unwrap(),
+        "the resumed run's adapter differs from the uninterrupted run's"
+    );
+}
+
+/// The store goes away after the first steps and comes back: training never waits, failures are
+/// reported, and the uploads catch up (the final checkpoint and files are in the store).
+#[test]
+fn uploads_catch_up_after_the_store_returns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s3 = S3::start(&tmp.path().join("store"));
+    let out = tmp.path().join("flaky");
+    let extra = format!("remote = \"{}\"\nremote_timeout = \"2m\"", url("flaky"));
+    let cfg = config(tmp.path(), &out, &extra);
+    let child = spawn(&cfg, &[], &s3.env(SECRET));
+    wait_for("step 2", Duration::from_secs(60), || steps_done(&out) >= 2);
+    s3.stop();
+    wait_for(
+        "step 20 with the store down",
+        Duration::from_secs(120),
+        || steps_done(&out) >= 20,
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    s3.restart();
+    let o = child.wait_with_output().unwrap();
+    let log = stderr(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(log.contains("remote: upload failed, retrying"), "{log}");
+    assert!(log.contains("reachable again"), "{log}");
+    let remote = s3.dir("flaky");
+    assert!(remote.join("checkpoint-30/manifest.json").exists());
+    assert_eq!(
+        std::fs::read(remote.join("adapter_model.safetensors")).unwrap(),
+        std::fs::read(out.join("adapter_model.safetensors")).unwrap()
+    );
+    assert!(remote.join("summary.json").exists());
+}
+
+/// The store goes away for good: the run completes locally, waits `remote_timeout`, and exits 1
+/// naming what was not uploaded.
+#[test]
+fn a_store_that_never_returns_fails_the_run_after_the_timeout() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut s3 = S3::start(&tmp.path().join("store"));
+    let out = tmp.path().join("gone");
+    let extra = format!("remote = \"{}\"\nremote_timeout = \"3s\"", url("gone"));
+    let cfg = config(tmp.path(), &out, &extra);
+    let child = spawn(&cfg, &[], &s3.env(SECRET));
+    wait_for("step 1", Duration::from_secs(60), || steps_done(&out) >= 1);
+    s3.stop();
+    let t0 = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    let log = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{log}");
+    assert!(t0.elapsed() >= Duration::from_secs(3));
+    assert!(log.contains("within [output] remote_timeout"), "{log}");
+    assert!(
+        log.contains("summary.json") && log.contains("adapter_model.safetensors"),
+        "{log}"
+    );
+    assert!(log.contains("the local run in"), "{log}");
+    for f in [
+        "summary.json",
+        "adapter_model.safetensors",
+        "checkpoint-30/manifest.json",
+    ] {
+        assert!(out.join(f).exists(), "{f} missing locally");
+    }
+}
+
+/// A wrong secret key is refused at start (exit 2), naming the URL and the reason, before the run
+/// directory is created.
+#[test]
+fn a_wrong_secret_key_is_refused_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s3 = S3::start(&tmp.path().join("store"));
+    let out = tmp.path().join("refused");
+    let extra = format!("remote = \"{}\"", url("refused"));
+    let cfg = config(tmp.path(), &out, &extra);
+    let o = run_with(&cfg, &[], &s3.env("not-the-secret"));
+    let log = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{log}");
+    assert!(
+        log.contains(&url("refused")) && log.contains("bad credentials"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("not-the-secret"),
+        "the secret is never printed"
+    );
+    assert!(!out.exists(), "nothing written");
+}
