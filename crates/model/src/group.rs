@@ -56,15 +56,19 @@ pub fn fuse(members: &mut [&mut Linear]) -> Result<Option<Tensor>> {
 }
 
 /// Whether the group's LoRA matmuls can be stacked: every member adapted; with dropout also of
-/// one rank (the batched GEMM's `(G, N, r)`).
+/// one rank (the batched GEMM's `(G, N, r)`) and no DoRA member (DoRA with dropout recomputes the
+/// base product on each member's dropped-out input: [`crate::dora`], per member).
 fn stacked_lora<'a>(members: &[&Linear], lora: Option<&'a LoraCtx<'a>>) -> Option<&'a LoraCtx<'a>> {
     let ctx = lora?;
     if !members.iter().all(|m| m.lora.is_some()) {
         return None;
     }
-    let rank = |m: &&Linear| ctx.adapter.pairs[m.lora.expect("checked")].a.dims()[0];
-    let one_rank = members.iter().all(|m| rank(m) == rank(&members[0]));
-    (ctx.dropout == 0.0 || one_rank).then_some(ctx)
+    let pair = |m: &&Linear| &ctx.adapter.pairs[m.lora.expect("checked")];
+    let one_rank = members
+        .iter()
+        .all(|m| pair(m).a.dims()[0] == pair(&members[0]).a.dims()[0]);
+    let dora = members.iter().any(|m| pair(m).m.is_some());
+    (ctx.dropout == 0.0 || (one_rank && !dora)).then_some(ctx)
 }
 
 /// The dropout keys of the members' LoRA inputs: `(p, seed, salt)` as [`Linear::finish`] makes them.
