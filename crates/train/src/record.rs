@@ -96,8 +96,9 @@ fn hash(path: &Path) -> Result<FileHash, TrainError> {
     })
 }
 
-/// The model's files that determine its numbers: config and weights.
-fn model_files(dir: &Path) -> Vec<std::path::PathBuf> {
+/// The model's files that determine its numbers: config, weights (and their index), tokenizer.
+/// Hashed into run.json; also what data-parallel ranks compare at start.
+pub(crate) fn model_files(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()

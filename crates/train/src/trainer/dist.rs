@@ -51,7 +51,7 @@ impl Trainer<'_> {
             return Ok(());
         }
         let mut mine = self.settings.clone();
-        for p in model_files(&self.cfg.model_path) {
+        for p in crate::record::model_files(&self.cfg.model_path) {
             let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
             let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
             mine.insert(
@@ -181,25 +181,6 @@ pub(super) fn device_name(dev: &candle_core::Device) -> String {
         candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
         candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
     }
-}
-
-/// The model directory's weight, config and tokenizer files, sorted.
-fn model_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            let n = p
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            n.ends_with(".safetensors") || n.ends_with(".json")
-        })
-        .collect();
-    files.sort();
-    files
 }
 
 /// The settings diff of a resume, with a change of world size judged by the global batch: when
