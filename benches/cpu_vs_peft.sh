@@ -7,22 +7,26 @@
 #
 # PYTHON: a python with torch/transformers/peft (default: python3); PEFT_BENCH: path of
 # bench_peft_cpu.py (default ../shared/reference/bench_peft_cpu.py); OUT: where the JSON goes.
+# RTUNE_ARGS / PEFT_ARGS: extra arguments for one side only, e.g. the bf16 comparison
+#   RTUNE_ARGS="--dtype bf16" PEFT_ARGS="--bf16-autocast" benches/cpu_vs_peft.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 PEFT_BENCH=${PEFT_BENCH:-../shared/reference/bench_peft_cpu.py}
 RUNS=${RUNS:-3}
 STEPS=${STEPS:-6}
+read -r -a rtune_args <<<"${RTUNE_ARGS:-}"
+read -r -a peft_args <<<"${PEFT_ARGS:-}"
 out=${OUT:-runs/bench}
 mkdir -p "$out"
 cargo build --release --quiet
 for i in $(seq 1 "$RUNS"); do
-  ./target/release/rtune bench --steps "$STEPS" "$@" --json-out "$out/rtune.$i.json" | grep '^rtune bench'
-  ./target/release/rtune bench --steps "$STEPS" --gradient-checkpointing "$@" \
+  ./target/release/rtune bench --steps "$STEPS" "${rtune_args[@]}" "$@" --json-out "$out/rtune.$i.json" | grep '^rtune bench'
+  ./target/release/rtune bench --steps "$STEPS" --gradient-checkpointing "${rtune_args[@]}" "$@" \
     --json-out "$out/rtune_ckpt.$i.json" | grep '^rtune bench'
   for mode in peft peft_ckpt; do
     flag=(); [ "$mode" = peft_ckpt ] && flag=(--grad-ckpt)
-    "$PYTHON" "$PEFT_BENCH" --steps "$STEPS" "${flag[@]}" "$@" --json-out "$out/$mode.$i.json" \
+    "$PYTHON" "$PEFT_BENCH" --steps "$STEPS" "${flag[@]}" "${peft_args[@]}" "$@" --json-out "$out/$mode.$i.json" \
       > "$out/$mode.$i.log" 2>&1 || { cat "$out/$mode.$i.log"; exit 1; }
     echo "$mode run $i done"
   done
