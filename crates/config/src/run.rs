@@ -10,6 +10,10 @@ pub enum DType {
     F32,
     BF16,
     F16,
+    /// `bf16-autocast`: an f32 model whose products take bf16-rounded operands with f32
+    /// accumulation (PEFT under `torch.autocast('cpu', dtype=torch.bfloat16)`); the frozen
+    /// weights are held in bf16.
+    Bf16Autocast,
 }
 
 impl DType {
@@ -18,6 +22,7 @@ impl DType {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::F16 => "f16",
+            DType::Bf16Autocast => "bf16-autocast",
         }
     }
 }
@@ -139,10 +144,11 @@ impl ConfigFile {
             "f32" | "float32" => DType::F32,
             "bf16" | "bfloat16" => DType::BF16,
             "f16" | "float16" => DType::F16,
+            "bf16-autocast" | "autocast" => DType::Bf16Autocast,
             other => {
                 return Err(bad(
                     "model.dtype",
-                    crate::suggest::not_one_of(other, &["f32", "bf16", "f16"]),
+                    crate::suggest::not_one_of(other, &["f32", "bf16", "f16", "bf16-autocast"]),
                 ))
             }
         };
