@@ -655,6 +655,26 @@ mod tests {
         assert_eq!(c.gradient_checkpointing, Checkpointing::On);
     }
 
+    /// `bf16-autocast` (and its alias `autocast`) is its own dtype; `bf16` keeps its meaning; a
+    /// near miss is named with the closest value.
+    #[test]
+    fn autocast_dtype_parses() {
+        let with = |d: &str| {
+            ConfigFile::parse(
+                &format!("[model]\npath = \"m\"\ndtype = \"{d}\"\n[data]\ntrain = \"d\"\n"),
+                Path::new("c.toml"),
+                &[],
+            )
+            .and_then(|f| f.validate(Path::new("c.toml")))
+        };
+        assert_eq!(with("bf16-autocast").unwrap().dtype, DType::Bf16Autocast);
+        assert_eq!(with("autocast").unwrap().dtype, DType::Bf16Autocast);
+        assert_eq!(with("bf16").unwrap().dtype, DType::BF16);
+        assert_eq!(DType::Bf16Autocast.as_str(), "bf16-autocast");
+        let e = with("bf16-autocats").unwrap_err().to_string();
+        assert!(e.contains("did you mean `bf16-autocast`"), "{e}");
+    }
+
     #[test]
     fn bad_values_name_the_key() {
         for (extra, key) in [
