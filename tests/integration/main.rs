@@ -24,8 +24,10 @@
 //! - `smollm2`: the real-model recipe (SmolLM2-135M from GGUF), cut to a few steps;
 //! - `variants`: LoRA+, PiSSA, pissa_niter_N and OLoRA through `rtune train` against PEFT goldens;
 //!   bad variant settings;
+//! - `autocast`: `dtype = "bf16-autocast"` against PEFT under torch.autocast (model and `rtune train`);
 //! - `common`: shared helpers (paths, running the binary, golden files, relative errors).
 
+mod autocast;
 mod bad_inputs;
 mod check;
 mod cli;

@@ -296,12 +296,16 @@ def nf4_dequantize_by_definition():
 
 
 def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, save_adapter=None,
-           dora=False, targets=LINEARS, weight_decay=0.0):
+           dora=False, targets=LINEARS, weight_decay=0.0, autocast=False):
     """`model_dir` is a directory name relative to the current directory (it is recorded as is).
 
     `dora`: PEFT's use_dora. After A and B are drawn, each magnitude is set to PEFT's init formula
     on them, the row norms of W + scaling*B@A (W dequantized when NF4), so the golden's m is not
-    just ||W||; the magnitudes are trained (and weight-decayed) like A and B."""
+    just ||W||; the magnitudes are trained (and weight-decayed) like A and B.
+
+    `autocast`: every forward and backward (the golden's, the base logits', the AdamW steps') runs
+    under torch.autocast('cpu', dtype=torch.bfloat16) on the f32 model (f32 master weights, bf16
+    products: linear, matmul, bmm, sdpa, the LoRA A/B linears included)."""
     import peft
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -374,8 +378,12 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
     labels = ids.clone()
     labels[:, :MASK_PREFIX] = -100
 
+    def amp():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
     model.train()  # no dropout anywhere, so the same numbers as eval
-    out_ = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
+    with amp():
+        out_ = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
     out_.loss.backward()
     logits = out_.logits.detach().float()
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size),
@@ -388,7 +396,7 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
     tensors.update(init)
     for n, p in params:
         tensors["grad." + adapter_key(n)] = p.grad.detach().float().clone()
-    with torch.no_grad(), model.disable_adapter():
+    with torch.no_grad(), model.disable_adapter(), amp():
         tensors["base_logits"] = model(input_ids=ids, attention_mask=mask).logits.float()
 
     # 3 steps of torch.optim.AdamW on the same batch; adamw.loss[k] is the loss before update k.
@@ -397,7 +405,8 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
     losses = []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        with amp():
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -428,6 +437,8 @@ def golden(model_dir, out, *, r, alpha, batch, seq, rslora=False, qlora=None, sa
     if dora:  # only in the DoRA goldens, so the older files' metadata stays byte-identical
         meta["use_dora"] = True
         meta["lora_forward"] = DORA_NOTE
+    if autocast:  # likewise only in the autocast golden
+        meta["autocast_bf16"] = True
     save_file({k: v.contiguous() for k, v in tensors.items()}, out,
               metadata={"config": json.dumps(meta, default=str)})
     print("%s: loss %.5f, %d tensors" % (out, out_.loss.item(), len(tensors)), flush=True)
@@ -448,6 +459,9 @@ GOLDENS = {
         targets=["q_proj", "v_proj", "o_proj", "down_proj"])),
     "golden_tiny_qdora_nf4dq": ("tiny", dict(r=8, alpha=16, batch=2, seq=16, qlora="nf4-dq",
                                              dora=True)),
+    # bf16 autocast (issue 20): golden_tiny's model, init (adapter_tiny_init) and batch, every
+    # forward/backward under torch.autocast('cpu', bfloat16); read by tests/integration/autocast.rs.
+    "golden_tiny_autocast": ("tiny", dict(r=8, alpha=16, batch=2, seq=16, autocast=True)),
 }
 
 # What --check compares: file in OUT -> the committed file.
@@ -461,6 +475,7 @@ COMMITTED = {
     "golden_tiny_dora.safetensors": "parity/golden_tiny_dora.safetensors",
     "golden_tiny_l3_dora_rslora_wd.safetensors": "parity/golden_tiny_l3_dora_rslora_wd.safetensors",
     "golden_tiny_qdora_nf4dq.safetensors": "parity/golden_tiny_qdora_nf4dq.safetensors",
+    "golden_tiny_autocast.safetensors": "parity/golden_tiny_autocast.safetensors",
 }
 for _d, _fixture in [("tiny", "tiny-llama"), ("tiny_l3", "tiny-llama3")]:
     for _f in os.listdir(os.path.join(REPO_TESTS, "fixtures", _fixture)):

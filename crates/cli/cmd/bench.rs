@@ -39,7 +39,8 @@ pub struct BenchArgs {
     /// cpu or cuda:N (CUDA needs a build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Compute dtype: f32, bf16 or f16 (LoRA weights and AdamW stay f32).
+    /// Compute dtype: f32, bf16, f16 or bf16-autocast (f32 with bf16 products, as torch.autocast;
+    /// LoRA weights and AdamW stay f32).
     #[arg(long, default_value = "f32")]
     dtype: String,
     /// The frozen linear layers: none, nf4 or nf4-dq (QLoRA, double-quantized scales).

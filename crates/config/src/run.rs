@@ -10,6 +10,10 @@ pub enum DType {
     F32,
     BF16,
     F16,
+    /// `bf16-autocast`: an f32 model whose products take bf16-rounded operands with f32
+    /// accumulation (PEFT under `torch.autocast('cpu', dtype=torch.bfloat16)`); the frozen
+    /// weights are held in bf16.
+    Bf16Autocast,
 }
 
 impl DType {
@@ -18,6 +22,7 @@ impl DType {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::F16 => "f16",
+            DType::Bf16Autocast => "bf16-autocast",
         }
     }
 }
@@ -139,10 +144,11 @@ impl ConfigFile {
             "f32" | "float32" => DType::F32,
             "bf16" | "bfloat16" => DType::BF16,
             "f16" | "float16" => DType::F16,
+            "bf16-autocast" | "autocast" => DType::Bf16Autocast,
             other => {
                 return Err(bad(
                     "model.dtype",
-                    crate::suggest::not_one_of(other, &["f32", "bf16", "f16"]),
+                    crate::suggest::not_one_of(other, &["f32", "bf16", "f16", "bf16-autocast"]),
                 ))
             }
         };
@@ -647,6 +653,26 @@ mod tests {
         );
         let c = parse("[train]\ndevice = \"cuda:0\"\noffload_checkpoints = true\n").unwrap();
         assert_eq!(c.gradient_checkpointing, Checkpointing::On);
+    }
+
+    /// `bf16-autocast` (and its alias `autocast`) is its own dtype; `bf16` keeps its meaning; a
+    /// near miss is named with the closest value.
+    #[test]
+    fn autocast_dtype_parses() {
+        let with = |d: &str| {
+            ConfigFile::parse(
+                &format!("[model]\npath = \"m\"\ndtype = \"{d}\"\n[data]\ntrain = \"d\"\n"),
+                Path::new("c.toml"),
+                &[],
+            )
+            .and_then(|f| f.validate(Path::new("c.toml")))
+        };
+        assert_eq!(with("bf16-autocast").unwrap().dtype, DType::Bf16Autocast);
+        assert_eq!(with("autocast").unwrap().dtype, DType::Bf16Autocast);
+        assert_eq!(with("bf16").unwrap().dtype, DType::BF16);
+        assert_eq!(DType::Bf16Autocast.as_str(), "bf16-autocast");
+        let e = with("bf16-autocats").unwrap_err().to_string();
+        assert!(e.contains("did you mean `bf16-autocast`"), "{e}");
     }
 
     #[test]

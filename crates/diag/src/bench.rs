@@ -45,7 +45,9 @@ pub struct BenchOptions {
     pub gradient_checkpointing: bool,
     /// `cpu` or `cuda:N` (as `[train] device`).
     pub device: String,
-    /// `f32 | bf16 | f16`: the compute dtype (LoRA weights and optimizer stay f32).
+    /// `f32 | bf16 | f16 | bf16-autocast`: the compute dtype (LoRA weights and optimizer stay
+    /// f32); `bf16-autocast`: an f32 model with bf16 frozen weights and every product on
+    /// bf16-rounded operands (`Model::set_autocast`).
     pub dtype: String,
     /// `none | nf4 | nf4-dq`: the frozen linear layers as QLoRA holds them.
     pub quantize: String,
@@ -303,11 +305,12 @@ pub fn run(
     let device = rtune_config::parse_device(&o.device)
         .map_err(|_| bad("--device", &o.device, "auto, cpu, cuda, cuda:N"))?;
     let dev = rtune_train::device(device)?;
-    let dtype = match o.dtype.as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        other => return Err(bad("--dtype", other, "f32, bf16, f16")),
+    let (dtype, autocast) = match o.dtype.as_str() {
+        "f32" => (DType::F32, false),
+        "bf16" => (DType::BF16, false),
+        "f16" => (DType::F16, false),
+        "bf16-autocast" => (DType::F32, true),
+        other => return Err(bad("--dtype", other, "f32, bf16, f16, bf16-autocast")),
     };
     let quantize: Quantize = o
         .quantize
@@ -316,6 +319,9 @@ pub fn run(
     let cfg = model_config(o);
     let source = RandomWeights::new(&dev, dtype, quantize, Draw::Normal);
     let mut model = Model::build_with(cfg, &source, dtype, &dev, quantize)?;
+    if autocast {
+        model.set_autocast()?;
+    }
     let spec =
         LoraSpec::new(o.r, o.alpha, 0.0, false, &["all-linear".to_string()])?.with_dora(o.dora);
     let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 0, &dev)?;
@@ -385,7 +391,9 @@ pub fn run(
     // After the steps, so that its buffers do not count in the measured peak.
     let ceiling = if o.ceiling {
         let f32 = gemm_rates(o, &dev, DType::F32)?;
-        let compute = if dtype == DType::F32 || quantize != Quantize::None {
+        let compute = if autocast {
+            gemm_rates(o, &dev, DType::BF16)?
+        } else if dtype == DType::F32 || quantize != Quantize::None {
             Vec::new()
         } else {
             gemm_rates(o, &dev, dtype)?
@@ -408,7 +416,10 @@ pub fn run(
         step_s,
         peak_memory_bytes: memory::peak_bytes(&dev),
         peak_rss_bytes: memory::peak_rss_bytes(),
-        estimated_peak_bytes: (dev.is_cpu() && dtype == DType::F32 && quantize == Quantize::None)
+        estimated_peak_bytes: (dev.is_cpu()
+            && dtype == DType::F32
+            && !autocast
+            && quantize == Quantize::None)
             .then(|| estimate(o).peak_bytes),
         memory_before_steps_bytes,
         peak_reset,

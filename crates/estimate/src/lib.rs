@@ -263,6 +263,9 @@ fn elem(d: DType) -> u64 {
     match d {
         DType::F32 => 4,
         DType::BF16 | DType::F16 => 2,
+        // Activations f32; the frozen weights (bf16 in the model) are counted as f32 (they are
+        // loaded so, then rounded): an upper bound.
+        DType::Bf16Autocast => 4,
     }
 }
 

@@ -24,6 +24,11 @@
 //! `SkylakeX` when the CPU has AVX-512 F/BW/DQ/VL (2× the Haswell kernels' rate on the dev box),
 //! otherwise whatever `OPENBLAS_CORETYPE` says or OpenBLAS detects; `inherit` → leave
 //! `OPENBLAS_CORETYPE` as the environment has it; any other value → that core name.
+//!
+//! bf16 autocast ([`autocast`], `[model] dtype = "bf16-autocast"`): while an [`autocast::Scope`]
+//! is on (and for any product of an f32 and a bf16 operand), [`matmul`] rounds both operands to
+//! bf16 and accumulates in f32, as `torch.autocast('cpu', dtype=torch.bfloat16)` runs `linear`,
+//! `matmul`, `bmm` and `scaled_dot_product_attention`.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use std::borrow::Cow;
@@ -260,6 +265,14 @@ pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         (a, b)
     };
     let (a, b) = (a.as_ref(), b.as_ref());
+    if autocast::on() || a.dtype() != b.dtype() {
+        return autocast::matmul(a, b);
+    }
+    plain(a, b)
+}
+
+/// [`matmul`] of operands already laid out for it, in their own dtype (no autocast).
+fn plain(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     // bf16 on the CPU: oneDNN's bf16 kernels where the CPU has them (f32 accumulation, bf16 out,
     // as candle's matmul), candle's gemm otherwise.
     if a.dtype() == DType::BF16 {
@@ -444,6 +457,8 @@ pub mod layout_audit {
             });
     }
 }
+
+pub mod autocast;
 
 /// What [`init`] loaded, for reports: `Some("libopenblas.so.0 (skylakex)")`.
 pub fn loaded() -> Option<&'static str> {

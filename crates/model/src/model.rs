@@ -33,6 +33,9 @@ pub struct Model {
     /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
     /// pass and comes back one layer ahead of the backward, on a side stream (`kept.rs`).
     pub offload_checkpoints: bool,
+    /// bf16 autocast ([`Model::set_autocast`]): frozen weights bf16, activations f32, every
+    /// product on bf16-rounded operands with f32 accumulation ([`crate::blas::autocast`]).
+    pub autocast: bool,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -220,7 +223,49 @@ impl Model {
             lm_head,
             inv_freq,
             offload_checkpoints: false,
+            autocast: false,
         })
+    }
+
+    /// Switches an f32 model to bf16 autocast (`[model] dtype = "bf16-autocast"`, PEFT under
+    /// `torch.autocast('cpu', dtype=torch.bfloat16)`): the frozen linear weights (re-fused into
+    /// their q/k/v and gate/up blocks) and the lm_head are rounded to bf16 once, here; the
+    /// embedding table, norms, biases and everything computed stay f32, and every forward and
+    /// backward runs its products in autocast ([`crate::blas::autocast`]). A tied lm_head becomes
+    /// a bf16 copy of the f32 embedding table. NF4 layers dequantize into bf16.
+    pub fn set_autocast(&mut self) -> Result<()> {
+        if self.dtype != DType::F32 {
+            return Err(ModelError::candle(
+                "set_autocast",
+                candle_core::Error::Msg(format!(
+                    "bf16 autocast needs an f32 model, this one is {:?}",
+                    self.dtype
+                )),
+            ));
+        }
+        let bf16 = |what: &str, t: &Tensor| {
+            t.to_dtype(DType::BF16)
+                .map_err(|e| ModelError::candle(format!("{what} to bf16"), e))
+        };
+        for layer in &mut self.layers {
+            // The blocks are rebuilt from the members' rounded weights (the f32 block is freed
+            // once its row views are replaced).
+            layer.qkv = None;
+            layer.gate_up = None;
+            for lin in layer.linears_mut() {
+                match &mut lin.w {
+                    Frozen::Dense(t) => *t = bf16(&lin.name, t)?,
+                    Frozen::Quant { dtype, .. } => *dtype = DType::BF16,
+                }
+            }
+            let index = layer.index;
+            layer.fuse().map_err(|e| {
+                ModelError::candle(format!("layer {index}: fusing q/k/v and gate/up"), e)
+            })?;
+        }
+        self.lm_head = bf16("lm_head", &self.lm_head)?;
+        self.autocast = true;
+        Ok(())
     }
 
     /// The modules a LoRA spec targets, in model order (layer 0's q, k, v, o, gate, up, down, ...).
@@ -317,6 +362,7 @@ impl Model {
         lora: Option<&LoraCtx>,
         keep_hidden: bool,
     ) -> Result<Forward> {
+        let _autocast = crate::blas::autocast::scope(self.autocast);
         let run = || -> candle_core::Result<Forward> {
             let (b, t, d) = (inp.b, inp.t, self.cfg.hidden_size);
             let ctx = self.batch_ctx(inp)?;
@@ -332,10 +378,10 @@ impl Model {
             if keep_hidden {
                 hidden.push(h.reshape((b, t, d))?.to_dtype(DType::F32)?);
             }
-            let logits = h
-                .matmul(&self.lm_head.t()?)?
-                .to_dtype(DType::F32)?
-                .reshape((b, t, self.cfg.vocab_size))?;
+            let logits =
+                self.head(&h)?
+                    .to_dtype(DType::F32)?
+                    .reshape((b, t, self.cfg.vocab_size))?;
             Ok(Forward { logits, hidden })
         };
         run().map_err(|e| ModelError::candle("forward", e))
@@ -356,6 +402,7 @@ impl Model {
         checkpoint: bool,
         grads: &mut Grads,
     ) -> Result<f64> {
+        let _autocast = crate::blas::autocast::scope(self.autocast);
         let mut run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
             let mut caches = Vec::with_capacity(self.layers.len());
@@ -409,6 +456,7 @@ impl Model {
         targets: &[Option<u32>],
         lora: Option<&LoraCtx>,
     ) -> Result<f64> {
+        let _autocast = crate::blas::autocast::scope(self.autocast);
         let run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed(inp)?;
@@ -419,6 +467,16 @@ impl Model {
             ops::chunked_cross_entropy_loss(&h, &self.lm_head, targets, self.ce_chunk())
         };
         run().map_err(|e| ModelError::candle("eval_loss", e))
+    }
+
+    /// `h·lm_headᵀ` for inference; under autocast through [`crate::blas::matmul`] (a bf16 head
+    /// times f32 rows), otherwise candle's matmul as always.
+    fn head(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        if self.autocast {
+            crate::blas::matmul(h, &self.lm_head.t()?)
+        } else {
+            h.matmul(&self.lm_head.t()?)
+        }
     }
 
     /// Rows of the logits formed at once by the cross-entropy.
@@ -439,7 +497,8 @@ impl Model {
     pub fn resident_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let mut n = dense(&self.embed) + dense(&self.norm);
-        if !self.cfg.tie_word_embeddings {
+        // Autocast keeps a bf16 lm_head beside a tied f32 embedding table.
+        if !self.cfg.tie_word_embeddings || self.autocast {
             n += dense(&self.lm_head);
         }
         for l in &self.layers {

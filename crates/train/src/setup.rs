@@ -39,6 +39,8 @@ pub fn dtype(d: rtune_config::DType) -> DType {
         rtune_config::DType::F32 => DType::F32,
         rtune_config::DType::BF16 => DType::BF16,
         rtune_config::DType::F16 => DType::F16,
+        // Loaded in f32, then `Model::set_autocast` (see `prepare`).
+        rtune_config::DType::Bf16Autocast => DType::F32,
     }
 }
 
@@ -76,6 +78,9 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         let m = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, cfg.quantize)?;
         (m, None, None)
     };
+    if cfg.dtype == rtune_config::DType::Bf16Autocast {
+        model.set_autocast()?;
+    }
     let tok = if cfg.model_path.join("tokenizer.json").exists() {
         Some(Tokenizer::load(
             &cfg.model_path,

@@ -100,6 +100,7 @@ impl Model {
         cache: &mut KvCache,
         lora: Option<&LoraCtx>,
     ) -> Result<Tensor> {
+        let _autocast = crate::blas::autocast::scope(self.autocast);
         let mut run = || -> candle_core::Result<Tensor> {
             let (n, start) = (ids.len(), cache.len);
             let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
@@ -134,7 +135,7 @@ impl Model {
                 x = out;
             }
             let (h, _) = ops::rms_norm(&x.i(n - 1..n)?, &self.norm, self.cfg.rms_norm_eps)?;
-            let logits = h.matmul(&self.lm_head.t()?)?.to_dtype(DType::F32)?;
+            let logits = self.head(&h)?.to_dtype(DType::F32)?;
             cache.layers = next;
             cache.len = start + n;
             logits.squeeze(0)
