@@ -259,10 +259,7 @@ pub fn check_case<T: FusedFloat>(
 
 /// One group per case and type (f32, bf16, f16): `(label, results)`, so a failing launch loses
 /// only its own group.
-pub fn self_test_seeded(
-    s: &Arc<CudaStream>,
-    seed: u64,
-) -> Vec<(String, Result<Vec<(String, f64, bool)>>)> {
+pub fn self_test_seeded(s: &Arc<CudaStream>, seed: u64) -> Vec<crate::fused_check::SelfTestGroup> {
     let mut all = Vec::new();
     for (n, c) in CASES.iter().enumerate() {
         let seed = seed.wrapping_add(1000 + n as u64);
