@@ -1,7 +1,8 @@
-//! The kernel half of `rtune selftest` (feature `cuda`): the fused kernels against their CPU
-//! references, NF4 dequantization against the CPU bit for bit, and NF4 bandwidth against the
-//! card's copy bandwidth. Each kernel group, each NF4 variant and the bandwidth are one attempt of
-//! the [`Runner`]: a failing launch fails that check only. NF4 is checked on the Llama-8B MLP shape
+//! The kernel half of `rtune selftest` (feature `cuda`): the fused kernels and the tiled
+//! attention (forward and backward) against their CPU references, NF4 dequantization against the
+//! CPU bit for bit, and NF4 bandwidth against the card's copy bandwidth. Each kernel group, each
+//! NF4 variant and the bandwidth are one attempt of the [`Runner`]: a failing launch fails that
+//! check only. NF4 is checked on the Llama-8B MLP shape
 //! and on an odd element count (not a multiple of the 64-element block nor even, so a half-filled
 //! last byte and a short last block).
 
@@ -90,6 +91,18 @@ pub fn kernels(dev: &Device, runner: &mut Runner) {
     for (label, group) in rtune_kernels::fused_check::self_test_seeded(&s, seed) {
         runner.attempt(&format!("kernel {label}"), || {
             let group = group.map_err(kerr("fused kernels self-test"))?;
+            Ok(group
+                .into_iter()
+                .map(|(name, err, pass)| Check::measured(format!("kernel {name}"), err, pass))
+                .collect())
+        });
+    }
+    // The tiled attention (kernels/flash_attn.cu), forward and backward, against its CPU
+    // reference with the same tiling (rtune_kernels::flash_ref): odd T, GQA/MQA, sliding window,
+    // packed rows, head dims 64/96/128, an unaligned offset; f32, bf16, f16.
+    for (label, group) in rtune_kernels::flash_check::self_test_seeded(&s, seed) {
+        runner.attempt(&format!("kernel {label}"), || {
+            let group = group.map_err(kerr("flash attention self-test"))?;
             Ok(group
                 .into_iter()
                 .map(|(name, err, pass)| Check::measured(format!("kernel {name}"), err, pass))

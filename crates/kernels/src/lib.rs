@@ -15,6 +15,9 @@
 //! - [`fused_ref`]: the references (always compiled, plain Rust on f32 slices, rounding to a
 //!   [`Precision`]); [`fused_check`] runs each kernel against its reference — `tests/fused_cuda.rs`
 //!   on many shapes, [`fused_check::self_test`] once over every kernel.
+//! - [`flash`] (`kernels/flash_attn.cu`): tiled attention (FlashAttention-2), forward and
+//!   backward, bf16/f16 on tensor cores and f32; [`flash_ref`] is its CPU reference with the same
+//!   tiling (always compiled), [`flash_check`] runs one against the other.
 //! - [`adamw`] (`kernels/adamw.cu`): the multi-tensor optimizer (gradient norm, clipping, AdamW);
 //!   its CPU reference is always compiled, the launchers and [`adamw::check`] only with `cuda`.
 //!
@@ -36,6 +39,11 @@ pub mod adamw;
 pub mod attn;
 #[cfg(feature = "cuda")]
 pub mod dropout;
+#[cfg(feature = "cuda")]
+pub mod flash;
+#[cfg(feature = "cuda")]
+pub mod flash_check;
+pub mod flash_ref;
 #[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
@@ -64,6 +72,10 @@ pub const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"))
 /// PTX of `kernels/attn.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
 #[cfg(feature = "cuda")]
 pub const ATTN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn.ptx"));
+
+/// PTX of `kernels/flash_attn.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "cuda")]
+pub const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

@@ -346,7 +346,7 @@ impl Model {
             sin,
             mask,
             sliding,
-            path: ops::AttnPath::for_device(&self.device, inp.t)?,
+            path: ops::AttnPath::for_shape(&self.device, inp.t, Some(self.cfg.head_dim))?,
         })
     }
 

@@ -134,26 +134,49 @@ pub enum AttnPath {
 }
 
 impl AttnPath {
-    /// The path for a batch of rows of `t` tokens on `dev`: env `RTUNE_ATTN=plain|tiled` forces one
-    /// (read once per process); unset (or `auto`), the tiled path on the CPU from
-    /// [`TILED_MIN_T`] tokens on (faster and O(T) memory there, see the bench figures in
-    /// `fused/flash.rs`), the plain one for shorter rows and on other devices (the tiled op has
-    /// no CUDA kernel yet).
+    /// The path for a batch of rows of `t` tokens on `dev`, the head dim not known:
+    /// [`Self::for_shape`] with `head_dim: None`.
     pub fn for_device(dev: &candle_core::Device, t: usize) -> Result<AttnPath> {
+        Self::for_shape(dev, t, None)
+    }
+
+    /// The path for a batch of rows of `t` tokens of heads of `head_dim` on `dev`: env
+    /// `RTUNE_ATTN=plain|tiled` forces one (read once per process); unset (or `auto`), on the CPU
+    /// the tiled path from [`TILED_MIN_T`] tokens on (faster and O(T) memory there, see the bench
+    /// figures in `fused/flash.rs`) and the plain one for shorter rows; on CUDA the tiled path
+    /// (`kernels/flash_attn.cu`: O(T) memory, no T × T scores in global memory) wherever the
+    /// kernels are built for the head dim (`rtune_kernels::flash::HEAD_DIMS`; `None`: assumed),
+    /// else the plain one; on other devices the plain one.
+    pub fn for_shape(
+        dev: &candle_core::Device,
+        t: usize,
+        head_dim: Option<usize>,
+    ) -> Result<AttnPath> {
         static CHOICE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
         let choice = CHOICE.get_or_init(|| std::env::var("RTUNE_ATTN").ok());
+        #[cfg(feature = "cuda")]
+        let cuda_kernel =
+            dev.is_cuda() && head_dim.is_none_or(|d| rtune_kernels::flash::HEAD_DIMS.contains(&d));
+        #[cfg(not(feature = "cuda"))]
+        let cuda_kernel = {
+            let _ = head_dim;
+            false
+        };
         match choice.as_deref() {
             Some("plain") => Ok(AttnPath::Plain),
-            Some("tiled") if dev.is_cpu() => Ok(AttnPath::Tiled),
+            Some("tiled") if dev.is_cpu() || cuda_kernel => Ok(AttnPath::Tiled),
             Some("tiled") => candle_core::bail!(
-                "RTUNE_ATTN=tiled: the tiled attention runs on the CPU only, not on {:?}",
+                "RTUNE_ATTN=tiled: the tiled attention runs on the CPU and on CUDA for head dims \
+                 64, 96, 128, not on {:?} with head dim {head_dim:?}",
                 dev.location()
             ),
-            None | Some("") | Some("auto") => Ok(if dev.is_cpu() && t >= TILED_MIN_T {
-                AttnPath::Tiled
-            } else {
-                AttnPath::Plain
-            }),
+            None | Some("") | Some("auto") => {
+                Ok(if (dev.is_cpu() && t >= TILED_MIN_T) || cuda_kernel {
+                    AttnPath::Tiled
+                } else {
+                    AttnPath::Plain
+                })
+            }
             Some(other) => {
                 candle_core::bail!("RTUNE_ATTN={other:?}: expected plain, tiled or auto")
             }

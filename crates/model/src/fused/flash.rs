@@ -26,6 +26,8 @@
 //! 16 (`LANES`) partial sums, and `y += a·x` rows) compiled for AVX-512F or AVX2 when the CPU has it;
 //! a `BR × Dh` query tile and a `BC × Dh` key tile stay in L1/L2 while every pair is formed.
 //!
+//! On CUDA both functions run `kernels/flash_attn.cu` instead (`flash_cuda.rs`, feature `cuda`).
+//!
 //! The plain path ([`crate::ops::attention_keeping`] with [`crate::fused::attn_softmax`]) stays the
 //! reference; `tests.rs` compares the two.
 //!
@@ -75,6 +77,18 @@ impl Dims {
     /// Offset of row `i` of head `h` of batch row `b` in a `(b, t, h, dh)` tensor.
     fn at_bthd(&self, b: usize, h: usize, i: usize) -> usize {
         ((b * self.t + i) * self.h + h) * self.dh
+    }
+    /// The same sizes for the CUDA kernels.
+    #[cfg(feature = "cuda")]
+    fn kernel_shape(&self) -> rtune_kernels::flash::FlashShape {
+        rtune_kernels::flash::FlashShape {
+            b: self.b,
+            h: self.h,
+            hkv: self.hkv,
+            t: self.t,
+            dh: self.dh,
+            sb: self.sb,
+        }
     }
     /// The visible-key starts of batch row `b`.
     fn starts<'a>(&self, starts: &'a [u32], b: usize) -> &'a [u32] {
@@ -156,6 +170,10 @@ pub fn flash_attn(
         v.contiguous()?,
         starts.contiguous()?,
     );
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return super::flash_cuda::fwd(&d.kernel_shape(), [&q, &k, &v, &starts], scale, dt);
+    }
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
@@ -225,6 +243,11 @@ pub fn flash_attn_bwd(
     }
     let c = |x: &Tensor| x.contiguous();
     let (q, k, v, o, lse, d_o, starts) = (c(q)?, c(k)?, c(v)?, c(o)?, c(lse)?, c(d_o)?, c(starts)?);
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        let x = [&q, &k, &v, &o, &d_o];
+        return super::flash_cuda::bwd(&d.kernel_shape(), x, &lse, &starts, scale, dt);
+    }
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();

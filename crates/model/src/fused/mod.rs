@@ -25,6 +25,8 @@ mod ce;
 pub(crate) mod common;
 mod cpu;
 pub mod flash;
+#[cfg(feature = "cuda")]
+mod flash_cuda;
 mod norm;
 mod rope;
 mod swiglu;

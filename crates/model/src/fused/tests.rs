@@ -602,3 +602,5 @@ fn tiled_attention_bad_inputs_are_errors() {
     let e = fused::flash::flash_attn(&q, &k, &k, &short, 0.3).unwrap_err();
     assert!(format!("{e}").contains("`starts`"), "{e}");
 }
+
+mod flash_ref;

@@ -1,0 +1,37 @@
+// CUDA built-ins for the host emulation of scripts/flash-emu.sh (force-included before the kernel).
+#pragma once
+#include <barrier>
+#include <type_traits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <cstdio>
+#include <algorithm>
+struct dim3e { unsigned x = 0, y = 0, z = 0; };
+extern thread_local dim3e threadIdx;
+extern dim3e blockIdx, gridDim, blockDim;
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__
+#define __restrict__
+#define __launch_bounds__(x)
+#define __align__(n) __attribute__((aligned(n)))
+struct uint4 { uint32_t x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct int2 { int x, y; };
+struct float2 { float x, y; };
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline int2 make_int2(int a, int b) { return {a, b}; }
+inline uint4 __ldg(const uint4* p) { return *p; }
+inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+inline void __trap() { fprintf(stderr, "TRAP\n"); abort(); }
+using std::min; using std::max;
+void __syncthreads();
+void __syncwarp();
+float __shfl_xor_sync(unsigned, float v, int o);
+extern unsigned emu_smem_bytes;
