@@ -84,6 +84,7 @@ pub(crate) fn case_with(
         spec,
         names: modules.iter().map(|m| m.name.clone()).collect(),
         pairs,
+        tokens: None,
     };
     model.attach(&adapter);
     let ids = golden.get("input_ids");

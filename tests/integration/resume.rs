@@ -55,7 +55,7 @@ pub(crate) fn train(cfg: &Path, extra: &[&str]) -> Output {
 }
 
 /// metrics.jsonl without the wall-clock and memory fields, which no two runs share.
-fn metrics(out: &Path) -> Vec<serde_json::Value> {
+pub(crate) fn metrics(out: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(out.join("metrics.jsonl"))
         .unwrap()
         .lines()

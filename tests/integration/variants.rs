@@ -2,7 +2,8 @@
 //! `tests/parity/make_variant_goldens.py` (tiny-llama, r 8, α 16, all-linear, golden_tiny's batch, 3
 //! AdamW steps at lr 1e-3, f32): every step's loss within 1e-5 relative and the saved adapter within
 //! 1e-4 relative (max |diff| / max |golden|; f32 arithmetic in another order over 3 steps, as
-//! `cli.rs`), and the one-line errors of bad variant settings. PEFT loading the converted adapters
+//! `cli.rs`), and the one-line errors of bad variant settings. Trainable tokens (tied tiny-llama3
+//! and untied tiny-llama) also compare the trained model's logits with PEFT's, within 1e-5. PEFT loading the converted adapters
 //! on the original base (0 missing / unexpected keys, logits within 1e-5) and `export --format
 //! merged` against PEFT's merge were checked by hand with scripts/check_export.py (needs torch).
 //!
@@ -205,6 +206,173 @@ fn pissa_and_olora_match_peft() {
         assert!(stderr(&o).contains("residual base"), "{}", stderr(&o));
         assert!(!dest.exists());
     }
+}
+
+/// `init_from` for a trainable-tokens golden: PEFT's own saved adapter before training (`init.*`
+/// and the adapter_config.json it wrote), token rows included.
+fn peft_init_adapter(g: &Golden, dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let init: HashMap<String, Tensor> =
+        g.t.iter()
+            .filter_map(|(k, t)| k.strip_prefix("init.").map(|k| (k.to_string(), t.clone())))
+            .collect();
+    candle_core::safetensors::save(&init, dir.join("adapter_model.safetensors")).unwrap();
+    let cfg = g.meta["adapter_config"].as_str().unwrap();
+    std::fs::write(dir.join("adapter_config.json"), cfg).unwrap();
+}
+
+/// Trainable tokens (PEFT's `trainable_token_indices`, two ids of the batch's inputs and `</s>`)
+/// with weight decay 0.01, from PEFT's init adapter: on tiny-llama3 (tied: the lm_head is the same
+/// rows, so `</s>` trains through the logits alone) given as token text, and on tiny-llama (untied:
+/// the lm_head is not adapted and `</s>` only decays) given as ids. Every step's loss (1e-5), the
+/// saved adapter (1e-4; the same keys as PEFT's own save, so none missing or unexpected) and
+/// `trainable_token_indices`, and the trained model's logits on the batch against PEFT's (1e-5
+/// relative to the largest: f32 in another order, after 3 steps).
+#[test]
+fn trainable_tokens_match_peft() {
+    use rtune_lora::{Adapter, LoraSpec};
+    use rtune_model::{Inputs, LoraCtx, Model};
+    for (name, model_dir, as_text) in [
+        ("golden_tiny_l3_tokens", "fixtures/tiny-llama3", true),
+        ("golden_tiny_tokens", "fixtures/tiny-llama", false),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let g = Golden::load(&fixture(&format!("parity/{name}.safetensors")));
+        assert_eq!(g.meta["tied"].as_bool(), Some(as_text), "{name}");
+        let init = tmp.path().join("init");
+        peft_init_adapter(&g, &init);
+        let tokens: Vec<String> = if as_text {
+            g.meta["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| serde_json::to_string(t.as_str().unwrap()).unwrap())
+                .collect()
+        } else {
+            g.meta["token_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.to_string())
+                .collect()
+        };
+        let lora = format!(
+            "init_from = \"{}\"\ntrainable_tokens = [{}]",
+            path_str(&init),
+            tokens.join(", ")
+        );
+        let model = fixture(model_dir);
+        let out = run(tmp.path(), &g, &model, &lora, "weight_decay = 0.01");
+        check_losses(&out, &g);
+        check_adapter(&out, &g, false);
+        let cfg: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join("adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            cfg["trainable_token_indices"], g.meta["token_ids"],
+            "{name}"
+        );
+        // The trained model's logits through the library, as `rtune generate` runs it.
+        let spec = LoraSpec::new(8, 16.0, 0.0, false, &["all-linear".into()]).unwrap();
+        let mut m = Model::load(&model, candle_core::DType::F32, &Device::Cpu).unwrap();
+        let modules = m.lora_modules(&spec);
+        let adapter = Adapter::load_peft(&out, &spec, &modules, &Device::Cpu).unwrap();
+        assert!(adapter.tokens.is_some());
+        m.attach(&adapter);
+        let ids = g.get("input_ids").to_vec2::<i64>().unwrap();
+        let flat: Vec<u32> = ids.iter().flatten().map(|&i| i as u32).collect();
+        let lc = LoraCtx {
+            adapter: &adapter,
+            scaling: spec.scaling(),
+            dropout: 0.0,
+            seed: 0,
+        };
+        let f = m
+            .forward(
+                &Inputs::new(flat, ids.len(), ids[0].len()),
+                Some(&lc),
+                false,
+            )
+            .unwrap();
+        let e = rel_err(&f.logits, g.get("adamw.logits"));
+        assert!(e <= 1e-5, "{name}: logits rel err {e:e}");
+        eprintln!("{name}: logits rel err {e:e}");
+    }
+}
+
+/// Trainable token rows and their AdamW moments survive a checkpoint: resume.rs's run (tied
+/// tiny-llama3, dropout, accumulation, clipping, warm-up) with three token rows, SIGTERM after
+/// step 6 and `--resume`, ends with the adapter byte for byte and the metrics equal to an
+/// uninterrupted run's.
+#[test]
+fn trainable_tokens_resume_bitwise() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg_for = |out: &Path| {
+        let p = crate::resume::config(tmp.path(), out, "");
+        let text = std::fs::read_to_string(&p).unwrap().replace(
+            "[lora]\n",
+            "[lora]\ntrainable_tokens = [\"</s>\", \"<s>\", 105]\n",
+        );
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let reference = tmp.path().join("reference");
+    let o = crate::resume::train(&cfg_for(&reference), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = tmp.path().join("stopped");
+    let cfg = cfg_for(&out);
+    let child = crate::resume::spawn_until_step(&cfg, &out, 6);
+    // SAFETY: kill(2) on the pid of our own live child; no memory is involved.
+    unsafe { libc_kill(child.id() as i32, 15) };
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "SIGTERM exits 0: {}", stderr(&o));
+    let o = crate::resume::train(&cfg, &["--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
+    let weights = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+    assert_eq!(weights(&reference), weights(&out), "adapters differ");
+    let st =
+        candle_core::safetensors::load(reference.join("adapter_model.safetensors"), &Device::Cpu)
+            .unwrap();
+    assert_eq!(st[rtune_lora::peft::TOKENS_KEY].dims(), &[3, 128]);
+    let metrics = crate::resume::metrics(&reference);
+    assert_eq!(metrics.len(), 30);
+    assert_eq!(metrics, crate::resume::metrics(&out), "metrics differ");
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+/// `[lora] trainable_tokens` naming text that is not one token: one-line errors naming it.
+#[test]
+fn bad_trainable_tokens_are_one_line_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let llama = fixture("fixtures/tiny-llama");
+    assert_fails(
+        tmp.path(),
+        &llama,
+        "trainable_tokens = [\"</s>\", \"<|im_nope|>\"]",
+        &["lora.trainable_tokens", "\"<|im_nope|>\"", "splits it into"],
+    );
+    assert_fails(
+        tmp.path(),
+        &llama,
+        "trainable_tokens = [512]",
+        &[
+            "lora.trainable_tokens",
+            "512",
+            "outside the model's vocabulary",
+        ],
+    );
+    assert_fails(
+        tmp.path(),
+        &llama,
+        "trainable_tokens = [\"</s>\", 2]",
+        &["lora.trainable_tokens", "token 2", "entry 1"],
+    );
 }
 
 /// Runs `rtune train` on a config that must fail: exit 2, one `error:` line with every needle,

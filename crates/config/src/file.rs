@@ -81,7 +81,25 @@ pub struct LoraSection {
     pub init: Option<String>,
     /// PEFT's `trainable_token_indices`: tokens whose embedding rows train (and lm_head's, tied).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub trainable_tokens: Option<Vec<String>>,
+    pub trainable_tokens: Option<Vec<TokenName>>,
+}
+
+/// One entry of `[lora] trainable_tokens`: a token as text (`"<|im_end|>"`, resolved through the
+/// tokenizer) or its id (as PEFT's `trainable_token_indices` takes it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TokenName {
+    Id(u32),
+    Text(String),
+}
+
+impl std::fmt::Display for TokenName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenName::Id(i) => write!(f, "{i}"),
+            TokenName::Text(t) => write!(f, "{t:?}"),
+        }
+    }
 }
 
 fn is_false(b: &bool) -> bool {

@@ -14,7 +14,7 @@ pub use data::{
     default_cache_dir, DataConfig, DataSection, RowFormat, TrainFile, TrainFiles, WeightedFile,
 };
 pub use file::{
-    ConfigFile, LoraSection, ModelSection, OutputSection, Switch, Targets, TrainSection,
+    ConfigFile, LoraSection, ModelSection, OutputSection, Switch, Targets, TokenName, TrainSection,
 };
 pub use run::{parse_device, Checkpointing, DType, Device, RunConfig, Schedule};
 

@@ -116,9 +116,9 @@ pub struct RunConfig {
     pub check_disk: bool,
     /// `[lora] init`, checked: how a fresh adapter starts.
     pub init: rtune_lora::Init,
-    /// `[lora] trainable_tokens`: tokens whose embedding rows train (checked against the
-    /// tokenizer when the model is loaded).
-    pub trainable_tokens: Vec<String>,
+    /// `[lora] trainable_tokens`: tokens whose embedding rows train (PEFT's
+    /// `trainable_token_indices`; resolved through the tokenizer when the model is loaded).
+    pub trainable_tokens: Vec<crate::TokenName>,
     /// `[train] loraplus_lr_ratio`: the B matrices train at `lr ×` this (1 = plain LoRA).
     pub loraplus_lr_ratio: f64,
     /// `[train] loraplus_lr_embedding`: LoRA+'s lr of LoRA on embedding layers (none in rtune).
@@ -396,7 +396,10 @@ impl ConfigFile {
 impl ConfigFile {
     /// The LoRA variants' keys (`[lora] init`, `trainable_tokens`; `[train] loraplus_*`), checked.
     #[allow(clippy::type_complexity)]
-    fn validate_variants(&self, path: &Path) -> Result<(rtune_lora::Init, Vec<String>, f64, f64)> {
+    fn validate_variants(
+        &self,
+        path: &Path,
+    ) -> Result<(rtune_lora::Init, Vec<crate::TokenName>, f64, f64)> {
         let bad = |key: &str, message: String| ConfigError::Invalid {
             path: path.to_path_buf(),
             key: key.to_string(),
@@ -437,11 +440,26 @@ impl ConfigFile {
             ));
         }
         let tokens = self.lora.trainable_tokens.clone().unwrap_or_default();
-        if self.lora.trainable_tokens.is_some() {
-            // Reserved for PEFT's trainable_token_indices (issue 17); refused rather than ignored.
+        if self.lora.trainable_tokens.is_some() && tokens.is_empty() {
             return Err(bad(
                 "lora.trainable_tokens",
-                "is not supported yet (PEFT's trainable_token_indices); remove the key".into(),
+                "is an empty list; name at least one token (\"<|im_end|>\" or an id) or remove \
+                 the key"
+                    .into(),
+            ));
+        }
+        if let Some((i, t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(i, t)| tokens[..*i].contains(t))
+        {
+            return Err(bad(
+                "lora.trainable_tokens",
+                format!(
+                    "lists {t} twice (entries {} and {})",
+                    tokens.iter().position(|u| u == t).unwrap_or(0) + 1,
+                    i + 1
+                ),
             ));
         }
         let ratio = self.train.loraplus_lr_ratio.unwrap_or(1.0);
@@ -735,10 +753,26 @@ mod tests {
         ] {
             assert_eq!(parse(extra).unwrap_err().to_string(), want, "{extra}");
         }
-        let e = parse("[lora]\ntrainable_tokens = [\"<s>\"]\n")
+        let e = parse("[lora]\ntrainable_tokens = []\n")
             .unwrap_err()
             .to_string();
-        assert!(e.contains("lora.trainable_tokens"), "{e}");
+        assert!(
+            e.contains("lora.trainable_tokens") && e.contains("empty"),
+            "{e}"
+        );
+        let e = parse("[lora]\ntrainable_tokens = [\"<s>\", 5, \"<s>\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"<s>\" twice (entries 1 and 3)"), "{e}");
+        // Text and ids mix, as written.
+        let c = parse("[lora]\ntrainable_tokens = [\"<|im_end|>\", 7]\n").unwrap();
+        assert_eq!(
+            c.trainable_tokens,
+            vec![
+                crate::TokenName::Text("<|im_end|>".into()),
+                crate::TokenName::Id(7)
+            ]
+        );
     }
 
     #[test]

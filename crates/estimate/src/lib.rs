@@ -70,6 +70,11 @@ pub struct Settings {
     pub targets: Vec<String>,
     /// LoRA dropout > 0 keeps one f32 mask per targeted module.
     pub dropout: f64,
+    /// DoRA (`[lora] dora`): a magnitude `(out,)` per module, trained, its cached row norms, and
+    /// the `(N, out)` f32 product each layer keeps for its backward (`rtune_model::dora`).
+    pub dora: bool,
+    /// `[lora] trainable_tokens`: how many `(hidden,)` embedding rows train.
+    pub trainable_tokens: usize,
     pub micro_batch_size: usize,
     /// Micro-batches per optimizer step: from the second on, every layer's LoRA gradients exist
     /// during the backward.
@@ -119,6 +124,7 @@ pub mod names {
     pub const WEIGHTS: &str = "base weights";
     pub const QUANT: &str = "quantization constants";
     pub const LORA: &str = "LoRA params";
+    pub const DORA: &str = "DoRA norms and kept products";
     pub const GRADS: &str = "LoRA grads";
     pub const ADAMW: &str = "AdamW states";
     pub const MASTER: &str = "optimizer master copy";
@@ -209,14 +215,27 @@ fn linears(c: &ModelConfig) -> [(&'static str, u64, u64); 7] {
     ]
 }
 
-/// LoRA parameters of the whole model: `r·(in + out)` per targeted module and layer.
+/// Trained parameters of the whole model: `r·(in + out)` per targeted module and layer (`+ out`
+/// with DoRA: the magnitude), and `hidden` per trainable token row.
 pub fn lora_params(c: &ModelConfig, s: &Settings) -> u64 {
     let per_layer: u64 = linears(c)
         .iter()
         .filter(|(n, _, _)| s.targets.iter().any(|t| t == n))
-        .map(|(_, i, o)| s.r as u64 * (i + o))
+        .map(|(_, i, o)| s.r as u64 * (i + o) + if s.dora { *o } else { 0 })
         .sum();
-    per_layer * c.num_layers as u64
+    per_layer * c.num_layers as u64 + s.trainable_tokens as u64 * c.hidden_size as u64
+}
+
+/// DoRA's `out` features summed over the targeted modules of one layer (0 without DoRA).
+fn dora_outs(c: &ModelConfig, s: &Settings) -> u64 {
+    if !s.dora {
+        return 0;
+    }
+    linears(c)
+        .iter()
+        .filter(|(n, _, _)| s.targets.iter().any(|t| t == n))
+        .map(|(_, _, o)| o)
+        .sum()
 }
 
 /// Everything alive the whole run: weights and the LoRA/optimizer state.
@@ -253,6 +272,8 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
         item(names::WEIGHTS, values, 1),
         item(names::QUANT, consts, 1),
         item(names::LORA, lora, 1),
+        // DoRA: each module's row norms `‖W + s·B·A‖: (out,)` f32, cached for the whole step.
+        item(names::DORA, dora_outs(c, s) * 4, l),
         item(names::ADAMW, lora, 2),
         item(names::MASTER, lora, 1),
         item(names::MATMUL, s.matmul_workspace, 1),
@@ -327,6 +348,11 @@ fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> V
     ];
     if e != 4 {
         v.push(item(name, n * k.d * 4, 1)); // pre-norm input in f32 (shared with x in f32)
+    }
+    // DoRA (`DoraCache`): z = base + s·l (N, out) f32, and k, n (1, out) f32, per module.
+    let outs = dora_outs(c, s);
+    if outs > 0 {
+        v.push(item(names::DORA, n * outs * 4 + 2 * outs * 4, 1));
     }
     for (module, inp, _) in linears(c) {
         if s.targets.iter().any(|t| t == module) {

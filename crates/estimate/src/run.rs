@@ -19,6 +19,8 @@ impl Settings {
                 .map(|s| s.to_string())
                 .collect(),
             dropout: 0.0,
+            dora: false,
+            trainable_tokens: 0,
             micro_batch_size,
             grad_accum: 1,
             seq_len,
@@ -89,6 +91,8 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         r: cfg.r,
         targets: spec.targets,
         dropout: cfg.dropout,
+        dora: cfg.dora,
+        trainable_tokens: cfg.trainable_tokens.len(),
         micro_batch_size: cfg.micro_batch_size,
         grad_accum: cfg.grad_accum,
         seq_len: cfg.data.max_seq_len,

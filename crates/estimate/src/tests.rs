@@ -327,3 +327,60 @@ fn auto_checkpointing_follows_the_estimate_and_the_budget() {
         }
     }
 }
+
+/// DoRA, as `rtune_model::dora` holds it: per module and layer a magnitude `(out,)` that trains
+/// (parameter, gradient, AdamW's m and v, the master copy), its cached row norms `(out,)` f32 for
+/// the whole step, and in each kept layer cache `z: (N, out)` f32 with `k, n: (1, out)` f32.
+/// Trainable token rows: `hidden` f32 per row, with the same optimizer state.
+#[test]
+fn dora_and_trainable_tokens_are_counted() {
+    let c = bench_small();
+    let plain = Settings::new(16, 4, 512, false);
+    let dora = Settings {
+        dora: true,
+        ..plain.clone()
+    };
+    let (p, d) = (estimate(&c, &plain), estimate(&c, &dora));
+    let (dd, dq, dkv, i) = (512u64, 512u64, 128u64, 1376u64);
+    let outs = dq + 2 * dkv + dd + 2 * i + dd; // q, k, v, o, gate, up, down
+    let (l, n) = (8u64, 4 * 512u64);
+    assert_eq!(d.phase, p.phase);
+    assert_eq!(d.get(names::LORA) - p.get(names::LORA), l * outs * 4);
+    assert_eq!(d.get(names::ADAMW) - p.get(names::ADAMW), 2 * l * outs * 4);
+    assert_eq!(d.get(names::MASTER) - p.get(names::MASTER), l * outs * 4);
+    // At the cross-entropy without checkpointing every layer's cache is alive.
+    assert_eq!(d.phase, Phase::CrossEntropy.name());
+    assert_eq!(
+        d.get(names::DORA),
+        l * outs * 4 + l * (n * outs * 4 + 2 * outs * 4)
+    );
+    assert!(d.peak_bytes >= p.peak_bytes + l * n * outs * 4);
+    // With checkpointing one layer's cache is alive at a time.
+    let ck = |s: &Settings| {
+        estimate(
+            &c,
+            &Settings {
+                gradient_checkpointing: true,
+                ..s.clone()
+            },
+        )
+    };
+    let (pc, dc) = (ck(&plain), ck(&dora));
+    assert_eq!(dc.phase, pc.phase);
+    assert_eq!(
+        dc.get(names::DORA),
+        l * outs * 4 + n * outs * 4 + 2 * outs * 4
+    );
+    let tokens = estimate(
+        &c,
+        &Settings {
+            trainable_tokens: 3,
+            ..plain.clone()
+        },
+    );
+    assert_eq!(tokens.get(names::LORA) - p.get(names::LORA), 3 * 512 * 4);
+    assert_eq!(
+        tokens.get(names::ADAMW) - p.get(names::ADAMW),
+        2 * 3 * 512 * 4
+    );
+}

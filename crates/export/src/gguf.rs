@@ -223,6 +223,13 @@ pub fn write_gguf_lora(
     let spec = adapter_spec(adapter_dir)?;
     let modules = module_shapes(&cfg, &spec);
     let adapter = Adapter::load_peft(adapter_dir, &spec, &modules, &Device::Cpu)?;
+    if adapter.tokens.is_some() {
+        return Err(ExportError::input(
+            &adapter_dir.join(rtune_lora::ADAPTER_CONFIG),
+            "trainable_token_indices is set: llama.cpp's LoRA format has no token rows; export \
+             with --format peft",
+        ));
+    }
     let bytes = gguf_lora_bytes(&cfg, &adapter)?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         privacy.create_dir_all(parent)?;

@@ -131,6 +131,13 @@ pub fn merge_into(
     let spec = adapter_spec(adapter_dir)?;
     let modules = module_shapes(&cfg, &spec);
     let adapter = Adapter::load_peft(adapter_dir, &spec, &modules, &Device::Cpu)?;
+    if adapter.tokens.is_some() {
+        return Err(ExportError::input(
+            &adapter_dir.join(rtune_lora::ADAPTER_CONFIG),
+            "trainable_token_indices is set: merging trainable token rows is not supported yet; \
+             export with --format peft (PEFT's merge_and_unload() folds them in)",
+        ));
+    }
     let scaling = spec.scaling();
 
     let files = base_files(base)?;

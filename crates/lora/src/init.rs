@@ -284,7 +284,12 @@ pub fn gaussian(
         pairs.push(LoraPair { a, b, m: None });
     }
     let names = modules.iter().map(|m| m.name.clone()).collect();
-    Ok(Adapter { spec, names, pairs })
+    Ok(Adapter {
+        spec,
+        names,
+        pairs,
+        tokens: None,
+    })
 }
 
 /// The adapter as a plain LoRA against the original base (PEFT's
@@ -306,6 +311,7 @@ pub fn converted(adapter: &Adapter, init: &[LoraPair]) -> Result<Adapter> {
         spec,
         names: adapter.names.clone(),
         pairs,
+        tokens: adapter.tokens.clone(),
     })
 }
 

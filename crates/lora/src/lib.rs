@@ -12,6 +12,11 @@
 //!
 //! DoRA (Liu et al. 2024, PEFT's `use_dora`) adds a magnitude vector `m: (out,)` per module
 //! ([`LoraPair::m`]); the model side (`rtune_model::dora`) holds its math.
+//!
+//! Trainable tokens (PEFT's `trainable_token_indices`) train a few rows of the input embedding
+//! ([`TokenRows`]: the rows themselves, not a difference, as PEFT's `trainable_tokens_delta`); the
+//! model (`rtune_model::tokens`) puts them in place of the embedding's rows and, when the lm_head
+//! is tied to the embedding, of the lm_head's.
 
 pub mod init;
 pub mod peft;
@@ -159,12 +164,22 @@ pub struct ModuleShape {
     pub out_features: usize,
 }
 
-/// All LoRA modules of a model, in model order.
+/// PEFT's trainable tokens: `rows[k]` replaces row `ids[k]` of the input embedding (and of the
+/// tied lm_head). `rows: (n, hidden)` f32, trained; initialised to the embedding's own rows.
+#[derive(Debug, Clone)]
+pub struct TokenRows {
+    pub ids: Vec<u32>,
+    pub rows: Tensor,
+}
+
+/// All LoRA modules of a model, in model order, and the trainable token rows if any.
 #[derive(Debug, Clone)]
 pub struct Adapter {
     pub spec: LoraSpec,
     pub names: Vec<String>,
     pub pairs: Vec<LoraPair>,
+    /// `[lora] trainable_tokens`; `None` when the run trains no token rows.
+    pub tokens: Option<TokenRows>,
 }
 
 impl Adapter {
@@ -189,7 +204,12 @@ impl Adapter {
             names.push(m.name.clone());
             pairs.push(LoraPair { a, b, m: None });
         }
-        Ok(Self { spec, names, pairs })
+        Ok(Self {
+            spec,
+            names,
+            pairs,
+            tokens: None,
+        })
     }
 
     pub fn index_of(&self, name: &str) -> Option<usize> {
@@ -201,7 +221,8 @@ impl Adapter {
     }
 
     /// Every trained tensor with its PEFT key, in the optimizer's order: `A0, B0, A1, B1, …`, then
-    /// the DoRA magnitudes `m0, m1, …` (after all pairs, so a plain adapter's order is unchanged).
+    /// the DoRA magnitudes `m0, m1, …` (after all pairs, so a plain adapter's order is unchanged),
+    /// then the trainable token rows.
     pub fn trainable(&self) -> Vec<(String, &Tensor)> {
         let mut out = Vec::with_capacity(self.pairs.len() * 3);
         for (name, p) in self.names.iter().zip(&self.pairs) {
@@ -212,6 +233,9 @@ impl Adapter {
             if let Some(m) = &p.m {
                 out.push((peft::magnitude_key(name), m));
             }
+        }
+        if let Some(t) = &self.tokens {
+            out.push((peft::TOKENS_KEY.to_string(), &t.rows));
         }
         out
     }
@@ -228,6 +252,9 @@ impl Adapter {
             }
         }
         out.extend(ms);
+        if let Some(t) = self.tokens.as_mut() {
+            out.push(&mut t.rows);
+        }
         out
     }
 }

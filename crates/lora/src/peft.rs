@@ -9,7 +9,7 @@ use std::path::Path;
 
 use rtune_fsio::{write_atomic, Privacy};
 
-use crate::{cerr, Adapter, LoraError, LoraPair, LoraSpec, ModuleShape, Result};
+use crate::{cerr, Adapter, LoraError, LoraPair, LoraSpec, ModuleShape, Result, TokenRows};
 
 pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -33,6 +33,12 @@ pub fn lora_b_key(module: &str) -> String {
 pub fn magnitude_key(module: &str) -> String {
     format!("{PREFIX}{module}.lora_magnitude_vector")
 }
+
+/// PEFT's key of the trainable token rows `(n, hidden)` (LoRA's `trainable_token_indices` on the
+/// input embedding): the rows themselves, named `…delta` by PEFT. A tied lm_head has no key of its
+/// own (PEFT's tied wrapper saves nothing; it shares these rows).
+pub const TOKENS_KEY: &str =
+    "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta";
 
 /// `exp_avg.<key>`: AdamW's first moment of the adapter tensor `key` ([`lora_a_key`] or
 /// [`lora_b_key`]) in a checkpoint's optimizer file — torch's state name on PEFT's key.
@@ -77,6 +83,34 @@ pub struct PeftAdapterConfig {
     pub rank_pattern: HashMap<String, serde_json::Value>,
     #[serde(default)]
     pub alpha_pattern: HashMap<String, serde_json::Value>,
+    /// PEFT's `trainable_token_indices`: a list of ids (the input embedding's), or
+    /// `{"embed_tokens": [ids]}`; `null` when no token rows train.
+    #[serde(default)]
+    pub trainable_token_indices: Option<serde_json::Value>,
+}
+
+impl PeftAdapterConfig {
+    /// The trainable token ids (`trainable_token_indices`), `None` when unset; `path` labels
+    /// errors (another layer than the input embedding, or not a list of ids).
+    pub fn token_ids(&self, path: &Path) -> Result<Option<Vec<u32>>> {
+        let v = match &self.trainable_token_indices {
+            None | Some(serde_json::Value::Null) => return Ok(None),
+            Some(serde_json::Value::Object(m)) => match (m.len(), m.get("embed_tokens")) {
+                (1, Some(v)) => v,
+                _ => {
+                    return Err(file_err(
+                        path,
+                        "trainable_token_indices names layers other than embed_tokens; rtune \
+                         trains the input embedding's rows only",
+                    ))
+                }
+            },
+            Some(v) => v,
+        };
+        serde_json::from_value::<Vec<u32>>(v.clone())
+            .map(Some)
+            .map_err(|e| file_err(path, format!("trainable_token_indices: {e}")))
+    }
 }
 
 fn none_str() -> String {
@@ -254,6 +288,27 @@ impl Adapter {
             names.push(m.name.clone());
             pairs.push(LoraPair { a, b, m: mag });
         }
+        let tokens = match cfg.token_ids(&cfg_path)? {
+            None => None,
+            Some(ids) => {
+                let key = TOKENS_KEY.to_string();
+                let t = tensors.remove(&key).ok_or_else(|| LoraError::Missing {
+                    path: path.clone(),
+                    key: key.clone(),
+                })?;
+                if t.rank() != 2 || t.dim(0).ok() != Some(ids.len()) {
+                    return Err(LoraError::Shape {
+                        path: path.clone(),
+                        key,
+                        got: t.dims().to_vec(),
+                        want: vec![ids.len(), t.dims().last().copied().unwrap_or(0)],
+                        hint: "[trainable tokens, hidden]".into(),
+                    });
+                }
+                let rows = t.to_dtype(DType::F32).map_err(cerr("token rows to f32"))?;
+                Some(TokenRows { ids, rows })
+            }
+        };
         if let Some(key) = tensors.keys().min() {
             return Err(LoraError::Unexpected {
                 path,
@@ -264,6 +319,7 @@ impl Adapter {
             spec: spec.clone(),
             names,
             pairs,
+            tokens,
         })
     }
 
@@ -322,6 +378,7 @@ impl Adapter {
             modules_to_save: None,
             rank_pattern: HashMap::new(),
             alpha_pattern: HashMap::new(),
+            trainable_token_indices: self.tokens.as_ref().map(|t| serde_json::json!(t.ids)),
         };
         let text = serde_json::to_string_pretty(&cfg).expect("config serialises");
         write_atomic(&dir.join(CONFIG), text.as_bytes(), privacy)?;
@@ -383,6 +440,64 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("lora_A") && e.contains("[4, 6]"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Trainable token rows: saved under PEFT's key (the rows, `(n, hidden)`) with
+    /// `trainable_token_indices` in the config, read back equal; PEFT's dict form naming the input
+    /// embedding is read too, another layer refused; the rows without the config key are
+    /// unexpected.
+    #[test]
+    fn token_rows_round_trip() {
+        let spec = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
+        let mods = vec![ModuleShape {
+            name: "model.layers.0.self_attn.q_proj".into(),
+            in_features: 6,
+            out_features: 5,
+        }];
+        let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
+        let rows = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((2, 6))
+            .unwrap();
+        ad.tokens = Some(TokenRows {
+            ids: vec![9, 4],
+            rows: rows.clone(),
+        });
+        assert_eq!(ad.num_params(), 4 * 6 + 5 * 4 + 12);
+        let dir = std::env::temp_dir().join(format!("rtune-lora-tok-{}", std::process::id()));
+        ad.save_peft(&dir, "base", Privacy::PRIVATE).unwrap();
+        let st = candle_core::safetensors::load(dir.join(WEIGHTS), &Device::Cpu).unwrap();
+        assert_eq!(
+            st[TOKENS_KEY].to_vec2::<f32>().unwrap(),
+            rows.to_vec2::<f32>().unwrap()
+        );
+        let text = std::fs::read_to_string(dir.join(CONFIG)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["trainable_token_indices"], serde_json::json!([9, 4]));
+        let back = Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu).unwrap();
+        let t = back.tokens.expect("token rows");
+        assert_eq!(t.ids, vec![9, 4]);
+        assert_eq!(
+            t.rows.to_vec2::<f32>().unwrap(),
+            rows.to_vec2::<f32>().unwrap()
+        );
+        let with = |tti: serde_json::Value| {
+            let mut v = v.clone();
+            v["trainable_token_indices"] = tti;
+            std::fs::write(dir.join(CONFIG), v.to_string()).unwrap();
+            Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu)
+        };
+        let t = with(serde_json::json!({"embed_tokens": [9, 4]}))
+            .unwrap()
+            .tokens;
+        assert_eq!(t.unwrap().ids, vec![9, 4]);
+        let e = with(serde_json::json!({"lm_head": [9, 4]})).unwrap_err();
+        assert!(e.to_string().contains("embed_tokens"), "{e}");
+        let e = with(serde_json::json!([9])).unwrap_err();
+        assert!(e.to_string().contains("[2, 6]"), "{e}");
+        let e = with(serde_json::Value::Null).unwrap_err();
+        assert!(e.to_string().contains(TOKENS_KEY), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -5,6 +5,8 @@
 //! - [`Model`]: the network. [`Model::forward`] is the inference path; [`Model::forward_backward`]
 //!   trains: a hand-written backward ([`ops`], [`linear`], [`layer`]) that forms gradients for LoRA
 //!   weights only — never for a frozen weight — and can recompute each decoder layer from its input.
+//! - [`tokens`]: trainable token rows (PEFT's `trainable_token_indices`) in the embedding and the
+//!   tied lm_head.
 //!
 //! Reference: transformers' `modeling_llama.py` (eager attention) and PEFT's `lora.Linear`; parity
 //! with both is tested against golden files in `tests/parity`.
@@ -25,6 +27,7 @@ mod model;
 pub mod onednn;
 pub mod ops;
 pub mod rope;
+pub mod tokens;
 pub mod weights;
 
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling};

@@ -40,6 +40,8 @@ pub struct Grads {
     pub b: Vec<Option<Tensor>>,
     /// DoRA magnitudes' gradients `(out,)` (stay `None` for plain LoRA).
     pub m: Vec<Option<Tensor>>,
+    /// The trainable token rows' gradient `(n, hidden)` (`None` without trainable tokens).
+    pub tokens: Option<Tensor>,
 }
 
 impl Grads {
@@ -48,12 +50,14 @@ impl Grads {
             a: vec![None; modules],
             b: vec![None; modules],
             m: vec![None; modules],
+            tokens: None,
         }
     }
 
     /// The gradients in [`Adapter::trainable`]'s order: `A0, B0, A1, B1, …`, then the DoRA
-    /// magnitudes' of the pairs that have one (`has_m[i]`).
-    pub fn ordered(&self, has_m: &[bool]) -> Vec<&Option<Tensor>> {
+    /// magnitudes' of the pairs that have one (`has_m[i]`), then the token rows' when the adapter
+    /// trains some (`has_tokens`).
+    pub fn ordered(&self, has_m: &[bool], has_tokens: bool) -> Vec<&Option<Tensor>> {
         let mut out: Vec<&Option<Tensor>> = Vec::with_capacity(self.a.len() * 3);
         for (a, b) in self.a.iter().zip(&self.b) {
             out.push(a);
@@ -66,6 +70,9 @@ impl Grads {
                 .filter(|(_, h)| **h)
                 .map(|(m, _)| m),
         );
+        if has_tokens {
+            out.push(&self.tokens);
+        }
         out
     }
 

@@ -1,5 +1,6 @@
 //! The whole causal LM: embeddings, decoder layers, final norm, lm_head; a forward for inference and
-//! a forward + backward for training that computes gradients for the LoRA weights only.
+//! a forward + backward for training that computes gradients for the LoRA weights only (and for
+//! the adapter's trainable token rows, `crate::tokens`).
 
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
@@ -350,9 +351,69 @@ impl Model {
         })
     }
 
-    fn embed(&self, inp: &Inputs) -> candle_core::Result<Tensor> {
-        let ids = Tensor::new(inp.ids.as_slice(), self.embed.device())?;
-        self.embed.index_select(&ids, 0)?.to_device(&self.device) // (N, D)
+    /// `(N, D)`: the embedding rows of `ids`, on the compute device.
+    fn embed_ids(&self, ids: &[u32]) -> candle_core::Result<Tensor> {
+        let ids = Tensor::new(ids, self.embed.device())?;
+        self.embed.index_select(&ids, 0)?.to_device(&self.device)
+    }
+
+    /// The embedding of `ids` with the adapter's trainable token rows in place (`crate::tokens`),
+    /// and where they were used (for their backward).
+    fn embed_tokens(
+        &self,
+        ids: &[u32],
+        lora: Option<&LoraCtx>,
+    ) -> candle_core::Result<(Tensor, Option<crate::tokens::TokenHits>)> {
+        let x = self.embed_ids(ids)?;
+        let Some(t) = lora.and_then(|l| l.adapter.tokens.as_ref()) else {
+            return Ok((x, None));
+        };
+        match crate::tokens::hits(ids, &t.ids, &self.device)? {
+            Some(h) => Ok((crate::tokens::embed(&x, &h, &t.rows)?, Some(h))),
+            None => Ok((x, None)),
+        }
+    }
+
+    /// The trainable token rows as the lm_head sees them: only a tied lm_head is adapted (PEFT
+    /// wraps the modules tied to the embedding; an untied lm_head stays as stored).
+    fn head_rows(&self, lora: Option<&LoraCtx>) -> candle_core::Result<Option<ops::HeadRows>> {
+        match lora.and_then(|l| l.adapter.tokens.as_ref()) {
+            Some(t) if self.cfg.tie_word_embeddings => {
+                Ok(Some(ops::HeadRows::new(&t.ids, &t.rows, self.dtype)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// `h: (n, D)` → logits `(n, V)` in the compute dtype, through the (token-adapted) lm_head.
+    pub(crate) fn lm_logits(
+        &self,
+        h: &Tensor,
+        head: Option<&ops::HeadRows>,
+    ) -> candle_core::Result<Tensor> {
+        let logits = self.head(h)?;
+        match head {
+            Some(hr) => hr.fix_logits(logits, h),
+            None => Ok(logits),
+        }
+    }
+
+    /// The trainable token rows' starting values, PEFT's `init_weights=True`: a copy of the
+    /// embedding's rows `ids`, f32 `(n, D)` on the compute device. An id outside the vocabulary
+    /// is an error naming it.
+    pub fn token_rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let v = self.cfg.vocab_size;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= v) {
+            return Err(ModelError::candle(
+                "trainable tokens",
+                candle_core::Error::Msg(format!(
+                    "token id {bad} is outside the embedding's {v} rows (ids 0..{v})"
+                )),
+            ));
+        }
+        self.embed_ids(ids)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .map_err(|e| ModelError::candle("trainable token rows", e))
     }
 
     /// Inference forward: logits for every position (and the hidden states if `keep_hidden`).
@@ -366,7 +427,7 @@ impl Model {
         let run = || -> candle_core::Result<Forward> {
             let (b, t, d) = (inp.b, inp.t, self.cfg.hidden_size);
             let ctx = self.batch_ctx(inp)?;
-            let mut x = self.embed(inp)?;
+            let mut x = self.embed_tokens(&inp.ids, lora)?.0;
             let mut hidden = Vec::new();
             for layer in &self.layers {
                 if keep_hidden {
@@ -378,10 +439,11 @@ impl Model {
             if keep_hidden {
                 hidden.push(h.reshape((b, t, d))?.to_dtype(DType::F32)?);
             }
-            let logits =
-                self.head(&h)?
-                    .to_dtype(DType::F32)?
-                    .reshape((b, t, self.cfg.vocab_size))?;
+            let head = self.head_rows(lora)?;
+            let logits = self
+                .lm_logits(&h, head.as_ref())?
+                .to_dtype(DType::F32)?
+                .reshape((b, t, self.cfg.vocab_size))?;
             Ok(Forward { logits, hidden })
         };
         run().map_err(|e| ModelError::candle("forward", e))
@@ -406,7 +468,7 @@ impl Model {
         let mut run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
             let mut caches = Vec::with_capacity(self.layers.len());
-            let mut x = self.embed(inp)?;
+            let (mut x, hits) = self.embed_tokens(&inp.ids, Some(lora))?;
             let offload = checkpoint && self.offload_checkpoints;
             let mut inputs = KeptInputs::new(&self.device, offload, self.layers.len())?;
             let last = self.layers.len().saturating_sub(1);
@@ -424,24 +486,35 @@ impl Model {
             }
             let (h, norm_cache) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
             drop(x);
-            let (loss, dh) = ops::chunked_cross_entropy(
+            let head = self.head_rows(Some(lora))?;
+            let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
                 &h,
                 &self.lm_head,
+                head.as_ref(),
                 targets,
                 grad_scale,
                 self.ce_chunk(),
             )?;
             drop(h);
+            if let Some(g) = head_grad {
+                Grads::add(&mut grads.tokens, g)?;
+            }
             let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {
                 let cache = match caches.pop() {
                     Some(c) => c,
                     None => layer.forward(&inputs.pop()?, &ctx, Some(lora))?.1,
                 };
-                match layer.backward(&dx, &cache, &ctx, Some(lora), grads, i > 0)? {
+                // Layer 0's input gradient is needed only for trainable token rows.
+                let need_dx = i > 0 || hits.is_some();
+                match layer.backward(&dx, &cache, &ctx, Some(lora), grads, need_dx)? {
                     Some(d) => dx = d,
                     None => break,
                 }
+            }
+            if let (Some(hits), Some(t)) = (&hits, lora.adapter.tokens.as_ref()) {
+                let g = crate::tokens::embed_backward(&dx, hits, t.ids.len())?;
+                Grads::add(&mut grads.tokens, g)?;
             }
             Ok(loss)
         };
@@ -459,12 +532,19 @@ impl Model {
         let _autocast = crate::blas::autocast::scope(self.autocast);
         let run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
-            let mut x = self.embed(inp)?;
+            let mut x = self.embed_tokens(&inp.ids, lora)?.0;
             for layer in &self.layers {
                 x = layer.forward(&x, &ctx, lora)?.0;
             }
             let (h, _) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
-            ops::chunked_cross_entropy_loss(&h, &self.lm_head, targets, self.ce_chunk())
+            let head = self.head_rows(lora)?;
+            ops::chunked_cross_entropy_loss_with(
+                &h,
+                &self.lm_head,
+                head.as_ref(),
+                targets,
+                self.ce_chunk(),
+            )
         };
         run().map_err(|e| ModelError::candle("eval_loss", e))
     }

@@ -9,6 +9,7 @@
 use candle_core::{DType, Result, Tensor, D};
 
 use crate::blas::matmul as mm;
+pub use crate::tokens::HeadRows;
 
 /// What [`rms_norm`]'s backward needs: the input (the backward recomputes `r` from it).
 #[derive(Debug, Clone)]
@@ -596,8 +597,23 @@ pub fn chunked_cross_entropy(
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor)> {
-    let (loss, dh) = cross_entropy_impl(h, w, targets, Some(grad_scale), chunk)?;
+    let (loss, dh, _) = cross_entropy_impl(h, w, None, targets, Some(grad_scale), chunk)?;
     Ok((loss, dh.expect("asked for the gradient")))
+}
+
+/// [`chunked_cross_entropy`] with trainable token rows in the (tied) lm_head: the logits' columns
+/// `head.ids` come from `head.rows` (`crate::tokens`), and the third value is those rows'
+/// gradient `(n, D)` f32, summed over the chunks (`None` without `head`).
+pub fn chunked_cross_entropy_with(
+    h: &Tensor,
+    w: &Tensor,
+    head: Option<&HeadRows>,
+    targets: &[Option<u32>],
+    grad_scale: f64,
+    chunk: usize,
+) -> Result<(f64, Tensor, Option<Tensor>)> {
+    let (loss, dh, drows) = cross_entropy_impl(h, w, head, targets, Some(grad_scale), chunk)?;
+    Ok((loss, dh.expect("asked for the gradient"), drows))
 }
 
 /// [`chunked_cross_entropy`]'s summed loss alone (evaluation: no gradient is formed).
@@ -607,7 +623,18 @@ pub fn chunked_cross_entropy_loss(
     targets: &[Option<u32>],
     chunk: usize,
 ) -> Result<f64> {
-    Ok(cross_entropy_impl(h, w, targets, None, chunk)?.0)
+    Ok(cross_entropy_impl(h, w, None, targets, None, chunk)?.0)
+}
+
+/// [`chunked_cross_entropy_loss`] with trainable token rows in the lm_head.
+pub fn chunked_cross_entropy_loss_with(
+    h: &Tensor,
+    w: &Tensor,
+    head: Option<&HeadRows>,
+    targets: &[Option<u32>],
+    chunk: usize,
+) -> Result<f64> {
+    Ok(cross_entropy_impl(h, w, head, targets, None, chunk)?.0)
 }
 
 /// The first target outside `0..vocab`, as an error naming its row, its value and the vocabulary.
@@ -625,13 +652,15 @@ fn check_targets(targets: &[Option<u32>], vocab: usize) -> Result<()> {
     }
 }
 
+#[allow(clippy::type_complexity)]
 fn cross_entropy_impl(
     h: &Tensor,
     w: &Tensor,
+    head: Option<&HeadRows>,
     targets: &[Option<u32>],
     grad_scale: Option<f64>,
     chunk: usize,
-) -> Result<(f64, Option<Tensor>)> {
+) -> Result<(f64, Option<Tensor>, Option<Tensor>)> {
     check_targets(targets, w.dim(0)?)?;
     let dev = h.device();
     let rows: Vec<u32> = (0..targets.len())
@@ -642,6 +671,7 @@ fn cross_entropy_impl(
     // end, not one sync per chunk.
     let mut loss: Option<Tensor> = None;
     let mut dparts = Vec::new();
+    let mut drows: Option<Tensor> = None;
     let wt = w.t()?;
     for part in rows.chunks(chunk.max(1)) {
         let idx = Tensor::new(part, dev)?;
@@ -651,7 +681,11 @@ fn cross_entropy_impl(
             .collect();
         let tgt = Tensor::new(tgt.as_slice(), dev)?; // (n)
                                                      // (n, V) in h's dtype; then (n, 2) f32 [lse, lse − logit[target]], each row's loss second.
-        let logits = mm(&h.index_select(&idx, 0)?, &wt)?;
+        let hc = h.index_select(&idx, 0)?; // (n, D)
+        let mut logits = mm(&hc, &wt)?;
+        if let Some(hr) = head {
+            logits = hr.fix_logits(logits, &hc)?;
+        }
         let stats = crate::fused::ce_fwd(&logits, &tgt)?;
         let sum = stats.narrow(1, 1, 1)?.to_dtype(DType::F64)?.sum_all()?;
         loss = Some(match loss {
@@ -664,7 +698,25 @@ fn cross_entropy_impl(
         // dlogits = (softmax − onehot) · grad_scale, in h's dtype
         let lse = stats.narrow(1, 0, 1)?.squeeze(1)?;
         let dlogits = crate::fused::ce_bwd(&logits, &tgt, &lse, scale)?;
-        dparts.push(mm(&dlogits, w)?); // (n, D)
+        match head {
+            None => dparts.push(mm(&dlogits, w)?), // (n, D)
+            Some(hr) => {
+                let (dh, dr) = hr.backward(&dlogits, &hc, w)?;
+                dparts.push(dh);
+                drows = Some(match drows {
+                    Some(prev) => (prev + dr)?,
+                    None => dr,
+                });
+            }
+        }
+    }
+    // Rows of a tied lm_head with no target in the batch still have a zero gradient.
+    if let (Some(hr), Some(_), None) = (head, grad_scale, &drows) {
+        drows = Some(Tensor::zeros(
+            (hr.ids.dim(0)?, h.dim(1)?),
+            DType::F32,
+            h.device(),
+        )?);
     }
     // dh: the rows with a target from their chunks, zero elsewhere; one scatter at the end rather
     // than a copy of the whole (N, D) gradient per chunk.
@@ -683,7 +735,7 @@ fn cross_entropy_impl(
         Some(l) => l.to_scalar::<f64>()?,
         None => 0.0,
     };
-    Ok((loss, dh))
+    Ok((loss, dh, drows))
 }
 
 /// The cross-entropy of each row of `logits: (n, V)` against `targets: (n)` u32 as candle ops, in

@@ -23,6 +23,7 @@ pub mod memory;
 pub mod optim;
 pub mod record;
 mod setup;
+pub mod tokens;
 pub mod trainer;
 pub mod variants;
 

@@ -177,6 +177,9 @@ pub(crate) struct Hyper {
     /// How many (A, B) pairs lead the adapter's tensor list; what follows them (DoRA's
     /// magnitude vectors) is one-dimensional.
     pub n_pairs: usize,
+    /// The list ends with the trainable token rows (two-dimensional, not `lora_B`: LoRA+'s
+    /// groupA, at `lr`).
+    pub token_rows: bool,
 }
 
 impl Hyper {
@@ -186,11 +189,14 @@ impl Hyper {
     /// `lora_magnitude_vector`) at `lr · ratio` (groupB); all take the same weight decay (none of
     /// them is a bias or a norm in transformers' decay list), so groupB_no_decay is empty. The
     /// embedding group (`loraplus_lr_embedding`) holds LoRA on embedding layers, which rtune
-    /// never creates.
+    /// never creates. The trainable token rows (`…token_adapter.trainable_tokens_delta`, held by
+    /// PEFT's TrainableTokensLayer, not a LoRA Embedding, and two-dimensional) are groupA's.
     pub(crate) fn lr_scales(&self, n_tensors: usize) -> Vec<f64> {
         (0..n_tensors)
             .map(|k| {
-                if k % 2 == 1 || k >= 2 * self.n_pairs {
+                if self.token_rows && k + 1 == n_tensors {
+                    1.0
+                } else if k % 2 == 1 || k >= 2 * self.n_pairs {
                     self.b_lr_ratio
                 } else {
                     1.0
@@ -243,6 +249,7 @@ impl LoraOptimizer {
             weight_decay,
             b_lr_ratio,
             n_pairs: adapter.pairs.len(),
+            token_rows: adapter.tokens.is_some(),
         };
         // A0, B0, A1, B1, …, then DoRA's magnitudes (Adapter::trainable's order).
         let mut params = Vec::with_capacity(adapter.pairs.len() * 2);
@@ -285,7 +292,7 @@ impl LoraOptimizer {
             Store::Device(d) => return d.step(adapter, grads, lr, max_norm, loss, unscale),
         };
         let mut gv: Vec<Vec<f32>> = Vec::with_capacity(params.len());
-        let ordered = grads.ordered(&has_magnitude(adapter));
+        let ordered = grads.ordered(&has_magnitude(adapter), adapter.tokens.is_some());
         for (size, g) in self.sizes.iter().zip(ordered) {
             gv.push(match g {
                 Some(t) => flat(t).map_err(TrainError::candle("grad to host"))?,
@@ -467,10 +474,17 @@ mod tests {
             weight_decay: 0.0,
             b_lr_ratio: 4.0,
             n_pairs: 2,
+            token_rows: false,
         };
         assert_eq!(h.lr_scales(4), vec![1.0, 4.0, 1.0, 4.0]);
         // DoRA's magnitudes follow the pairs and join B's group (PEFT: `param.ndim == 1`).
         assert_eq!(h.lr_scales(6), vec![1.0, 4.0, 1.0, 4.0, 4.0, 4.0]);
+        // Trainable token rows come last, in groupA (PEFT: 2-D and not `lora_B`).
+        let h = Hyper {
+            token_rows: true,
+            ..h
+        };
+        assert_eq!(h.lr_scales(7), vec![1.0, 4.0, 1.0, 4.0, 4.0, 4.0, 1.0]);
     }
 
     /// A LoRA+ optimizer restored from a checkpoint's moments keeps its groups: its next step is
@@ -489,6 +503,7 @@ mod tests {
                 b: t(vec![0.05, -0.05, 0.1, 0.2, -0.1, 0.3, 0.0, 0.02], (4, 2)),
                 m: None,
             }],
+            tokens: None,
         };
         let mut grads = Grads::new(1);
         grads.a[0] = Some(t(vec![0.3, -0.1, 0.2, 0.5, 0.1, -0.4], (2, 3)));

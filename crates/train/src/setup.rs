@@ -89,6 +89,8 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     } else {
         None
     };
+    // `[lora] trainable_tokens` resolved before the data is read: a bad token fails fast.
+    let token_ids = crate::tokens::resolve(cfg, tok.as_ref(), model.cfg.vocab_size)?;
     let data = dataset::load(
         &cfg.data,
         &cfg.model_path,
@@ -119,6 +121,7 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         },
     };
     let mut adapter = adapter;
+    crate::tokens::attach(cfg, &model, &mut adapter, &token_ids)?;
     model.attach(&adapter);
     if spec.dora && cfg.init_from.is_none() {
         // PEFT's init: m = ‖W + s·B·A‖ row-wise (B = 0, so ‖W‖).

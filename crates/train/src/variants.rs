@@ -196,6 +196,7 @@ pub fn fresh(
         spec: spec.clone(),
         names: modules.iter().map(|m| m.name.clone()).collect(),
         pairs,
+        tokens: None,
     };
     Ok((
         model,

@@ -264,6 +264,7 @@ fn conversion_is_the_difference_at_the_same_scaling() {
                 b: t(2, 3, 2),
                 m: None,
             }],
+            tokens: None,
         };
         let init = vec![LoraPair {
             a: t(3, 2, 5),

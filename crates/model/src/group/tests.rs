@@ -38,6 +38,7 @@ fn setup() -> Result<(Vec<Linear>, Adapter)> {
         spec,
         names: (0..3).map(|i| format!("m{i}")).collect(),
         pairs,
+        tokens: None,
     };
     Ok((lins, adapter))
 }

@@ -114,10 +114,7 @@ impl Model {
                 _ => None,
             };
             let shape = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
-            let mut x = self
-                .embed
-                .index_select(&Tensor::new(ids, self.embed.device())?, 0)?
-                .to_device(&self.device)?;
+            let mut x = self.embed_tokens(ids, lora)?.0;
             let mut next = Vec::with_capacity(self.layers.len());
             for (i, layer) in self.layers.iter().enumerate() {
                 let m = match (&sliding, layer.sliding) {
@@ -135,7 +132,8 @@ impl Model {
                 x = out;
             }
             let (h, _) = ops::rms_norm(&x.i(n - 1..n)?, &self.norm, self.cfg.rms_norm_eps)?;
-            let logits = self.head(&h)?.to_dtype(DType::F32)?;
+            let head = self.head_rows(lora)?;
+            let logits = self.lm_logits(&h, head.as_ref())?.to_dtype(DType::F32)?;
             cache.layers = next;
             cache.len = start + n;
             logits.squeeze(0)

@@ -163,7 +163,7 @@ impl DeviceAdamW {
         let mut keep: Vec<Tensor> = Vec::with_capacity(n);
         let mut outs: Vec<Option<CudaSlice<f32>>> = Vec::with_capacity(n);
         let mut entries: Vec<u64> = Vec::with_capacity(4 * n);
-        let ordered = grads.ordered(&super::has_magnitude(adapter));
+        let ordered = grads.ordered(&super::has_magnitude(adapter), adapter.tokens.is_some());
         for (k, g) in ordered.into_iter().enumerate().take(n) {
             let gptr = match g {
                 Some(t) => {

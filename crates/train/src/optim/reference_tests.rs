@@ -69,6 +69,7 @@ fn compare_ten_steps() -> (f64, f64) {
         },
         names: (0..shapes.len()).map(|i| format!("m{i}")).collect(),
         pairs,
+        tokens: None,
     };
     let (betas, eps, wd, max_norm) = ((0.9, 0.999), 1e-8, 0.01, 1.0);
     let mut opt = LoraOptimizer::new(&adapter, betas, eps, wd).unwrap();

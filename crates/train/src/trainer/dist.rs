@@ -91,8 +91,8 @@ impl Trainer<'_> {
         }
         let step = self.state.step + 1;
         // Every trainable tensor in `Adapter::trainable`'s order: (which, pair, shape) with which
-        // = 0 for A, 1 for B, 2 for a DoRA magnitude. A missing gradient travels as zeros so
-        // every rank's buffer has the same layout.
+        // = 0 for A, 1 for B, 2 for a DoRA magnitude, 3 for the trainable token rows (pair 0). A
+        // missing gradient travels as zeros so every rank's buffer has the same layout.
         let pairs = &self.adapter.pairs;
         let mut slots: Vec<(usize, usize, Vec<usize>)> = Vec::with_capacity(pairs.len() * 3);
         for (i, p) in pairs.iter().enumerate() {
@@ -104,10 +104,14 @@ impl Trainer<'_> {
                 slots.push((2, i, m.dims().to_vec()));
             }
         }
+        if let Some(t) = &self.adapter.tokens {
+            slots.push((3, 0, t.rows.dims().to_vec()));
+        }
         let pick = |g: &Grads, which: usize, i: usize| match which {
             0 => g.a[i].clone(),
             1 => g.b[i].clone(),
-            _ => g.m[i].clone(),
+            2 => g.m[i].clone(),
+            _ => g.tokens.clone(),
         };
         let mut flat: Vec<f32> = Vec::new();
         for (which, i, shape) in &slots {
@@ -139,7 +143,8 @@ impl Trainer<'_> {
             let slot = match which {
                 0 => &mut out.a[*i],
                 1 => &mut out.b[*i],
-                _ => &mut out.m[*i],
+                2 => &mut out.m[*i],
+                _ => &mut out.tokens,
             };
             *slot = Some(t);
             at += n;
