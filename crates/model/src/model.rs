@@ -33,6 +33,10 @@ pub struct Model {
     /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
     /// pass and comes back one layer ahead of the backward, on a side stream (`kept.rs`).
     pub offload_checkpoints: bool,
+    /// The side stream and pinned-buffer pool of checkpoint offload: created by the first
+    /// offloading step and kept for the rest of the run (`offload.rs`).
+    #[cfg(feature = "cuda")]
+    offloader: std::sync::Mutex<Option<Arc<crate::offload::Offloader>>>,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -220,6 +224,8 @@ impl Model {
             lm_head,
             inv_freq,
             offload_checkpoints: false,
+            #[cfg(feature = "cuda")]
+            offloader: Default::default(),
         })
     }
 
@@ -341,6 +347,26 @@ impl Model {
         run().map_err(|e| ModelError::candle("forward", e))
     }
 
+    /// The run's checkpoint offloader (CUDA): made on first use, then the same side stream and
+    /// pinned-buffer pool for every later micro-batch.
+    #[cfg(feature = "cuda")]
+    fn offloader(&self) -> candle_core::Result<Arc<crate::offload::Offloader>> {
+        let mut slot = self.offloader.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(o) = &*slot {
+            return Ok(o.clone());
+        }
+        let o = Arc::new(crate::offload::Offloader::new(&self.device)?);
+        *slot = Some(o.clone());
+        Ok(o)
+    }
+
+    /// What checkpoint offload's pinned-buffer pool has done so far (`None`: nothing offloaded).
+    #[cfg(feature = "cuda")]
+    pub fn offload_pool_stats(&self) -> Option<crate::host_pool::PoolStats> {
+        let slot = self.offloader.lock().unwrap_or_else(|e| e.into_inner());
+        slot.as_ref().map(|o| o.pool_stats())
+    }
+
     /// One micro-batch of training: forward, chunked cross-entropy against `targets` (the next-token
     /// id per position, already shifted; `None` = no loss), backward into `grads` scaled by
     /// `grad_scale` (1 / target tokens of the whole optimizer step). Returns the summed loss.
@@ -360,8 +386,11 @@ impl Model {
             let ctx = self.batch_ctx(inp)?;
             let mut caches = Vec::with_capacity(self.layers.len());
             let mut x = self.embed(inp)?;
-            let offload = checkpoint && self.offload_checkpoints;
-            let mut inputs = KeptInputs::new(&self.device, offload, self.layers.len())?;
+            let mut inputs = KeptInputs::new(self.layers.len());
+            #[cfg(feature = "cuda")]
+            if checkpoint && self.offload_checkpoints && self.device.is_cuda() {
+                inputs.offload_to(self.offloader()?);
+            }
             let last = self.layers.len().saturating_sub(1);
             for (i, layer) in self.layers.iter().enumerate() {
                 let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
