@@ -14,8 +14,8 @@
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
 use cudarc::driver::{
-    result, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, HostSlice,
-    PinnedHostSlice,
+    result, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+    HostSlice, PinnedHostSlice,
 };
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex, MutexGuard};
