@@ -68,19 +68,22 @@ pub fn dequantize(q: &DeviceNf4, dtype: DType, device: &Device) -> Result<Tensor
     let k = kernels(dev)?;
     let stream = dev.cuda_stream();
     let n = q.w.numel();
-    // SAFETY (each alloc): the kernel writes all n elements before anything reads them.
+    // Each alloc below: the kernel writes all n elements before anything reads them.
     let storage = match dtype {
         DType::BF16 => {
+            // SAFETY: written in full by the kernel before any read.
             let mut out = unsafe { dev.alloc::<bf16>(n)? };
             nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }
         DType::F16 => {
+            // SAFETY: written in full by the kernel before any read.
             let mut out = unsafe { dev.alloc::<f16>(n)? };
             nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }
         DType::F32 => {
+            // SAFETY: written in full by the kernel before any read.
             let mut out = unsafe { dev.alloc::<f32>(n)? };
             nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
