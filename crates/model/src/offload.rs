@@ -1,7 +1,7 @@
 //! Checkpoint offload on CUDA (feature `cuda`): the layer inputs gradient checkpointing keeps are
 //! copied to page-locked host memory during the forward pass and back one layer ahead of the
 //! backward (`kept.rs`), on ONE side stream created with the model's first offloading step and
-//! used for the rest of the run, into pinned buffers taken from a pool ([`HostPool`]) and given
+//! used for the rest of the run, into pinned buffers taken from a pool (`host_pool.rs`) and given
 //! back once restored, so the steady state allocates neither streams nor pinned memory.
 //!
 //! Ordering: cudarc records an event on every device buffer and every pinned buffer it copies
