@@ -1,9 +1,11 @@
-//! With the `cuda` feature: compiles every `kernels/*.cu` of the repository to PTX with nvcc into
-//! OUT_DIR (embedded by `src/lib.rs`). Without it: does nothing, so the CPU build never needs CUDA.
+//! With the `cuda` feature: compiles every `kernels/*.cu` of the repository with nvcc into OUT_DIR
+//! (embedded by `src/image.rs`), once to PTX and once to a cubin (SASS) per architecture of
+//! `CUBIN_ARCHS`. Without it: does nothing, so the CPU build never needs CUDA.
 //!
-//! nvcc comes from PATH, or `$CUDA_ROOT/bin` / `$CUDA_PATH/bin`; the PTX targets
-//! `compute_$CUDA_COMPUTE_CAP` (default 80: Ampere, JIT-compiled by the driver for newer GPUs).
-//! Warnings are errors, as in `scripts/check-kernels.sh`.
+//! At run time the cubin matching the device's compute capability is loaded (no JIT); any other
+//! GPU JIT-compiles the PTX, which targets `compute_$CUDA_COMPUTE_CAP` (default 80: Ampere).
+//! nvcc comes from `$NVCC`, `$CUDA_ROOT/bin` / `$CUDA_PATH/bin`, or PATH. Warnings are errors (the
+//! assembler's too), as in `scripts/check-kernels.sh`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,24 +32,48 @@ fn main() {
     sources.sort();
     for src in &sources {
         println!("cargo:rerun-if-changed={}", src.display());
-        let ptx = out.join(src.file_stem().unwrap()).with_extension("ptx");
-        let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", "-Werror", "all-warnings"])
-            .arg(format!("-arch=compute_{cap}"))
-            .arg("-o")
-            .arg(&ptx)
-            .arg(src)
-            .status()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run `{}` ({e}). The `cuda` feature needs the CUDA toolkit's nvcc on PATH \
-                     or in $CUDA_ROOT/bin (see scripts/check-kernels.sh for a pip-installed one)",
-                    nvcc.display()
-                )
-            });
-        if !status.success() {
-            panic!("nvcc failed on {} ({status})", src.display());
+        let stem = src.file_stem().unwrap().to_str().unwrap();
+        let ptx = out.join(format!("{stem}.ptx"));
+        run_nvcc(
+            &nvcc,
+            src,
+            &["--ptx".into(), format!("-arch=compute_{cap}")],
+            &ptx,
+        );
+        for arch in CUBIN_ARCHS {
+            let cubin = out.join(format!("{stem}.sm_{arch}.cubin"));
+            let args = [
+                "--cubin".into(),
+                format!("-arch=sm_{arch}"),
+                "-Xptxas".into(),
+                "-Werror".into(),
+            ];
+            run_nvcc(&nvcc, src, &args, &cubin);
         }
+    }
+}
+
+/// The architectures a cubin of every kernel file is built for (A100, H100/H200); `src/image.rs`
+/// embeds exactly these.
+const CUBIN_ARCHS: [u32; 2] = [80, 90];
+
+fn run_nvcc(nvcc: &Path, src: &Path, args: &[String], out: &Path) {
+    let status = Command::new(nvcc)
+        .args(["-O3", "-std=c++17", "-Werror", "all-warnings"])
+        .args(args)
+        .arg("-o")
+        .arg(out)
+        .arg(src)
+        .status()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run `{}` ({e}). The `cuda` feature needs the CUDA toolkit's nvcc on PATH \
+                 or in $CUDA_ROOT/bin (see scripts/check-kernels.sh for a pip-installed one)",
+                nvcc.display()
+            )
+        });
+    if !status.success() {
+        panic!("nvcc {args:?} failed on {} ({status})", src.display());
     }
 }
 

@@ -276,6 +276,10 @@ pub fn run(
     #[cfg(feature = "cuda")]
     crate::selftest_cuda::kernels(&dev, &mut runner);
     step_parity(&dev, &mut runner);
+    #[cfg(feature = "cuda")]
+    if dev.is_cuda() {
+        crate::selftest_cuda::deferred(&dev, &mut runner, "the training steps");
+    }
     Ok(runner.finish())
 }
 

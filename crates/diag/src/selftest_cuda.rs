@@ -1,10 +1,12 @@
-//! The kernel half of `rtune selftest` (feature `cuda`): the fused kernels and the tiled
-//! attention (forward and backward) against their CPU references, NF4 dequantization against the
-//! CPU bit for bit, and NF4 bandwidth against the card's copy bandwidth. Each kernel group, each
-//! NF4 variant and the bandwidth are one attempt of the [`Runner`]: a failing launch fails that
-//! check only. NF4 is checked on the Llama-8B MLP shape
+//! The kernel half of `rtune selftest` (feature `cuda`): every kernel file loads (as the cubin for
+//! the GPU, or its PTX: which is reported), the fused kernels and the tiled attention (forward and
+//! backward) against their CPU references, NF4 dequantization against the CPU bit for bit, and NF4
+//! bandwidth against the card's copy bandwidth. Each kernel group, each NF4 variant and the
+//! bandwidth are one attempt of the [`Runner`]: a failing launch fails that check only. NF4 is
+//! checked on the Llama-8B MLP shape
 //! and on an odd element count (not a multiple of the 64-element block nor even, so a half-filled
-//! last byte and a short last block).
+//! last byte and a short last block). After the kernel checks and after the training steps, the
+//! driver errors cudarc recorded in a `Drop` are read: none may have been.
 
 use candle_core::Device;
 use half::bf16;
@@ -83,11 +85,54 @@ fn nf4_mismatch(
 
 /// The kernel checks on `dev` (nothing on a non-CUDA device), under the runner's seed.
 pub fn kernels(dev: &Device, runner: &mut Runner) {
+    kernels_on(dev, runner);
+    deferred(dev, runner, "the kernel checks");
+}
+
+/// The driver errors cudarc recorded where it could not return them (frees, stream and event
+/// destruction in `Drop`; `rtune_model::cuda::deferred_error`): none after `after`.
+pub fn deferred(dev: &Device, runner: &mut Runner, after: &str) {
+    let name = format!("no deferred driver errors after {after}");
+    runner.attempt(&name.clone(), || {
+        let r = rtune_model::cuda::deferred_error(dev);
+        Ok(vec![Check::new(
+            name,
+            r.is_ok(),
+            match r {
+                Ok(()) => "none recorded".to_string(),
+                Err(e) => format!("cudarc recorded: {e}"),
+            },
+        )])
+    });
+}
+
+fn kernels_on(dev: &Device, runner: &mut Runner) {
     let Device::Cuda(cd) = dev else {
         return;
     };
     let seed = runner.report.seed;
     let s = cd.cuda_stream();
+    // Every kernel file loads, as the cubin for this GPU (no JIT) or else its PTX.
+    runner.attempt("kernel modules load", || {
+        let cc = s
+            .context()
+            .compute_capability()
+            .map_err(derr("compute capability"))?;
+        let t = Instant::now();
+        for image in rtune_kernels::image::ALL {
+            rtune_kernels::image::load(s.context(), image).map_err(kerr(image.name))?;
+        }
+        Ok(vec![Check::new(
+            "kernel modules load",
+            true,
+            format!(
+                "{} modules as {} in {:.0} ms",
+                rtune_kernels::image::ALL.len(),
+                rtune_kernels::image::describe_choice(cc),
+                t.elapsed().as_secs_f64() * 1e3
+            ),
+        )])
+    });
     for (label, group) in rtune_kernels::fused_check::self_test_seeded(&s, seed) {
         runner.attempt(&format!("kernel {label}"), || {
             let group = group.map_err(kerr("fused kernels self-test"))?;

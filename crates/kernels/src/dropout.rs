@@ -6,7 +6,6 @@
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::Ptx;
 use std::sync::{Arc, Mutex};
 
 use crate::{drv, FusedFloat, KernelError, Result};
@@ -24,11 +23,9 @@ pub struct DropoutKernels {
 static LOADED: Mutex<Vec<(usize, Arc<DropoutKernels>)>> = Mutex::new(Vec::new());
 
 impl DropoutKernels {
-    /// Loads `dropout.ptx` into `ctx` (use [`Self::get`]).
+    /// Loads `dropout.cu`'s cubin or PTX into `ctx` ([`crate::image::load`]; use [`Self::get`]).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = ctx
-            .load_module(Ptx::from_src(DROPOUT_PTX))
-            .map_err(drv("loading dropout.ptx"))?;
+        let module = crate::image::load(ctx, &crate::image::DROPOUT)?;
         let funcs = ["f32", "bf16", "f16"]
             .into_iter()
             .map(|s| {

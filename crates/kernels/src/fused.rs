@@ -5,7 +5,7 @@
 //!
 //! Every launcher takes the stream to run on and views of row-major contiguous buffers (each view
 //! holds at least the elements its shape names; any beyond are ignored), checks the sizes, and
-//! launches asynchronously. The PTX is loaded once per CUDA context and cached for the process
+//! launches asynchronously. The module (cubin or PTX) is loaded once per CUDA context and cached for the process
 //! ([`crate::FusedKernels::get`]). Semantics: those of `crates/model/src/ops.rs` and `rope.rs`, restated in
 //! [`crate::fused_ref`]; [`crate::fused_check::self_test`] and `tests/fused_cuda.rs` compare the two.
 

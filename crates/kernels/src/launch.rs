@@ -5,12 +5,11 @@
 //! grid-stride loop). A leaf: it imports neither launcher file.
 
 use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr, LaunchConfig, ValidAsZeroBits};
-use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex};
 
 use crate::precision::Precision;
-use crate::{drv, KernelError, Result, ATTN_PTX, FUSED_PTX};
+use crate::{drv, KernelError, Result};
 
 /// An element type of the fused kernels: f32, bf16, f16.
 pub trait FusedFloat: DeviceRepr + ValidAsZeroBits + Copy {
@@ -117,15 +116,11 @@ pub struct FusedKernels {
 static LOADED: Mutex<Vec<(usize, Arc<FusedKernels>)>> = Mutex::new(Vec::new());
 
 impl FusedKernels {
-    /// Loads `fused.ptx` and `attn.ptx` into `ctx` (JIT-compiled by the driver: tens of ms; use
-    /// [`Self::get`]).
+    /// Loads `fused.cu` and `attn.cu` into `ctx`, each as the cubin for the device or else its PTX
+    /// ([`crate::image::load`]; the PTX is JIT-compiled by the driver); use [`Self::get`].
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let fused = ctx
-            .load_module(Ptx::from_src(FUSED_PTX))
-            .map_err(drv("loading fused.ptx"))?;
-        let attn = ctx
-            .load_module(Ptx::from_src(ATTN_PTX))
-            .map_err(drv("loading attn.ptx"))?;
+        let fused = crate::image::load(ctx, &crate::image::FUSED)?;
+        let attn = crate::image::load(ctx, &crate::image::ATTN)?;
         let mut funcs = Vec::with_capacity(KERNELS.len() * SUFFIXES.len());
         for (i, k) in KERNELS.into_iter().enumerate() {
             let module = if i < IN_FUSED { &fused } else { &attn };

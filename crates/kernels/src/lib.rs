@@ -1,6 +1,8 @@
-//! rtune's CUDA kernels: the `.cu` sources in the repository's `kernels/`, compiled to PTX by nvcc
-//! in `build.rs` and loaded through cudarc — only with the `cuda` feature. Without it this crate
-//! builds anywhere, exports [`CUDA_COMPILED`]` = false` and [`KernelError`], and nothing else.
+//! rtune's CUDA kernels: the `.cu` sources in the repository's `kernels/`, compiled by nvcc in
+//! `build.rs` to PTX and to cubins for sm_80 and sm_90, and loaded through cudarc ([`image`]: the
+//! device's cubin, else the PTX) — only with the `cuda` feature. Without it this crate builds
+//! anywhere, exports [`CUDA_COMPILED`]` = false`, [`KernelError`], the CPU references and
+//! [`image::pick_cubin`].
 //!
 //! - [`Nf4Kernels`] (`kernels/nf4.cu`): NF4/FP4 dequantization, plain and double quant, to f32, f16
 //!   and bf16. [`Nf4WeightCuda::upload`] copies an [`rtune_quant::Nf4Weight`] to the GPU;
@@ -49,6 +51,7 @@ pub mod fused;
 #[cfg(feature = "cuda")]
 pub mod fused_check;
 pub mod fused_ref;
+pub mod image;
 #[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]

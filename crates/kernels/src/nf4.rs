@@ -4,12 +4,11 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
-use cudarc::nvrtc::Ptx;
 use half::{bf16, f16};
 use rtune_quant::{Absmax, Nf4Weight, BLOCKSIZE};
 use std::sync::Arc;
 
-use crate::{drv, KernelError, Result, NF4_PTX};
+use crate::{drv, KernelError, Result};
 
 /// Outputs written by one thread (8 packed bytes); see the work split in `kernels/nf4.cu`.
 const PER_THREAD: usize = 16;
@@ -44,9 +43,7 @@ pub struct Nf4Kernels {
 
 impl Nf4Kernels {
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = ctx
-            .load_module(Ptx::from_src(NF4_PTX))
-            .map_err(drv("loading nf4.ptx"))?;
+        let module = crate::image::load(ctx, &crate::image::NF4)?;
         let get = |kind: &str, sfx: &str| {
             module
                 .load_function(&format!("nf4_dequant_{kind}_{sfx}"))

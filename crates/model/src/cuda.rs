@@ -1,5 +1,6 @@
 //! CUDA-only parts of the model (feature `cuda`): 4-bit weights resident on the GPU, dequantized by
-//! rtune's kernel (`kernels/nf4.cu`) straight into a candle tensor, and the memory pool set-up.
+//! rtune's kernel (`kernels/nf4.cu`) straight into a candle tensor, the memory pool set-up, and the
+//! read-out of the driver errors cudarc records where it cannot return them ([`deferred_error`]).
 //!
 //! A QLoRA base lives on the device as packed NF4 (0.5 byte a weight plus its scales); each use
 //! dequantizes one weight into a fresh compute-dtype buffer that is dropped after the matmul, so the
@@ -7,7 +8,6 @@
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
-use cudarc::driver::PinnedHostSlice;
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -16,10 +16,6 @@ use rtune_quant::Nf4Weight;
 
 fn kerr(e: rtune_kernels::KernelError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
-}
-
-fn derr(op: &'static str) -> impl Fn(cudarc::driver::DriverError) -> candle_core::Error + Copy {
-    move |e| candle_core::Error::Msg(format!("{op}: {e}"))
 }
 
 /// The CUDA device behind a candle device.
@@ -72,19 +68,22 @@ pub fn dequantize(q: &DeviceNf4, dtype: DType, device: &Device) -> Result<Tensor
     let k = kernels(dev)?;
     let stream = dev.cuda_stream();
     let n = q.w.numel();
-    // SAFETY (each alloc): the kernel writes all n elements before anything reads them.
+    // Each alloc below: the kernel writes all n elements before anything reads them.
     let storage = match dtype {
         DType::BF16 => {
+            // SAFETY: written in full by the kernel before any read.
             let mut out = unsafe { dev.alloc::<bf16>(n)? };
             nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }
         DType::F16 => {
+            // SAFETY: written in full by the kernel before any read.
             let mut out = unsafe { dev.alloc::<f16>(n)? };
             nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
         }
         DType::F32 => {
+            // SAFETY: written in full by the kernel before any read.
             let mut out = unsafe { dev.alloc::<f32>(n)? };
             nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
             CudaStorage::wrap_cuda_slice(out, dev.clone())
@@ -108,98 +107,14 @@ pub fn open(ordinal: usize) -> Result<Device> {
     Ok(d)
 }
 
-/// A layer input kept in page-locked host memory ([`Offloader`]).
-pub struct Offloaded {
-    host: HostBuf,
-    dims: Vec<usize>,
-}
-
-enum HostBuf {
-    F32(PinnedHostSlice<f32>),
-    Bf16(PinnedHostSlice<bf16>),
-    F16(PinnedHostSlice<f16>),
-}
-
-/// Moves checkpointed layer inputs to host memory and back on a side stream, so the copies overlap
-/// with the layers computing on candle's stream. cudarc orders the two streams by the events it
-/// records on every buffer once a second stream exists: the copy out waits for the layer that wrote
-/// the input, freeing the device buffer waits for the copy out (stream-ordered, the CPU never
-/// blocks), and the first kernel that reads a restored input waits for its copy in.
-pub struct Offloader {
-    side: Arc<cudarc::driver::CudaStream>,
-    dev: CudaDevice,
-}
-
-impl Offloader {
-    pub fn new(device: &Device) -> Result<Self> {
-        let dev = cuda_device(device)?.clone();
-        let side = dev.cuda_stream().fork().map_err(derr("offload stream"))?;
-        Ok(Self { side, dev })
-    }
-
-    /// Starts copying `x` (contiguous, on the device) to host memory; `x` may be dropped at once.
-    pub fn offload(&self, x: &Tensor) -> Result<Offloaded> {
-        let x = x.contiguous()?;
-        let n = x.elem_count();
-        let (storage, layout) = x.storage_and_layout();
-        let Storage::Cuda(s) = &*storage else {
-            candle_core::bail!("offload: the tensor is not on a CUDA device");
-        };
-        let from = layout.start_offset();
-        let ctx = self.side.context();
-        let derr = derr("offload");
-        // SAFETY (each alloc_pinned): the copy enqueued next writes all n elements before any read
-        // (reads of a pinned slice wait for its event).
-        let host = match x.dtype() {
-            DType::F32 => {
-                let mut h = unsafe { ctx.alloc_pinned::<f32>(n) }.map_err(derr)?;
-                let src = s.as_cuda_slice::<f32>()?.slice(from..from + n);
-                self.side.memcpy_dtoh(&src, &mut h).map_err(derr)?;
-                HostBuf::F32(h)
-            }
-            DType::BF16 => {
-                let mut h = unsafe { ctx.alloc_pinned::<bf16>(n) }.map_err(derr)?;
-                let src = s.as_cuda_slice::<bf16>()?.slice(from..from + n);
-                self.side.memcpy_dtoh(&src, &mut h).map_err(derr)?;
-                HostBuf::Bf16(h)
-            }
-            DType::F16 => {
-                let mut h = unsafe { ctx.alloc_pinned::<f16>(n) }.map_err(derr)?;
-                let src = s.as_cuda_slice::<f16>()?.slice(from..from + n);
-                self.side.memcpy_dtoh(&src, &mut h).map_err(derr)?;
-                HostBuf::F16(h)
-            }
-            other => candle_core::bail!("offload: no {other:?} layer inputs"),
-        };
-        Ok(Offloaded {
-            host,
-            dims: x.dims().to_vec(),
-        })
-    }
-
-    /// Starts copying an offloaded input back; the tensor can be used at once (its first reader on
-    /// candle's stream waits for the copy).
-    pub fn restore(&self, o: &Offloaded) -> Result<Tensor> {
-        let derr = derr("restore");
-        let storage = match &o.host {
-            HostBuf::F32(h) => CudaStorage::wrap_cuda_slice(
-                self.side.clone_htod(h).map_err(derr)?,
-                self.dev.clone(),
-            ),
-            HostBuf::Bf16(h) => CudaStorage::wrap_cuda_slice(
-                self.side.clone_htod(h).map_err(derr)?,
-                self.dev.clone(),
-            ),
-            HostBuf::F16(h) => CudaStorage::wrap_cuda_slice(
-                self.side.clone_htod(h).map_err(derr)?,
-                self.dev.clone(),
-            ),
-        };
-        Ok(Tensor::from_storage(
-            Storage::Cuda(storage),
-            o.dims.as_slice(),
-            BackpropOp::none(),
-            false,
-        ))
+/// The driver error cudarc recorded, if any, since the last call (then clears it). cudarc cannot
+/// return errors from `Drop` (freeing a device or pinned buffer, destroying an event or stream,
+/// the stream waits it inserts for event tracking): it stores the last one in the context's error
+/// slot (`CudaContext::record_err`), where nothing reads it unless asked. The trainer asks at every
+/// step boundary and at the end of the run. `Ok` on a non-CUDA device.
+pub fn deferred_error(device: &Device) -> std::result::Result<(), cudarc::driver::DriverError> {
+    match device {
+        Device::Cuda(d) => d.cuda_stream().context().check_err(),
+        _ => Ok(()),
     }
 }

@@ -1,40 +1,43 @@
 //! The layer inputs kept through the forward pass for the backward (gradient checkpointing): in
-//! device memory, or with `offload_checkpoints` on CUDA in host memory, copied out on a side
-//! stream while the next layers compute and brought back one layer ahead of the backward pass.
+//! device memory, or with `offload_checkpoints` on CUDA in host memory, copied out on the model's
+//! side stream while the next layers compute and brought back one layer ahead of the backward pass
+//! (`offload.rs`).
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Result, Tensor};
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
 
 enum Kept {
     Device(Tensor),
     #[cfg(feature = "cuda")]
-    Host(crate::cuda::Offloaded),
+    Host(crate::offload::Offloaded),
 }
 
 pub(crate) struct KeptInputs {
     items: Vec<Kept>,
     #[cfg(feature = "cuda")]
-    offloader: Option<crate::cuda::Offloader>,
+    offloader: Option<Arc<crate::offload::Offloader>>,
     /// The next input `pop` returns, already on its way back to the device.
     #[cfg(feature = "cuda")]
     prefetched: Option<Tensor>,
 }
 
 impl KeptInputs {
-    /// `offload` applies on CUDA devices only (elsewhere the inputs already are in host memory).
-    pub fn new(device: &Device, offload: bool, layers: usize) -> Result<Self> {
-        #[cfg(not(feature = "cuda"))]
-        let _ = (device, offload);
-        Ok(Self {
+    /// Inputs kept where they are (device memory; on the CPU that is host memory).
+    pub fn new(layers: usize) -> Self {
+        Self {
             items: Vec::with_capacity(layers),
             #[cfg(feature = "cuda")]
-            offloader: if offload && device.is_cuda() {
-                Some(crate::cuda::Offloader::new(device)?)
-            } else {
-                None
-            },
+            offloader: None,
             #[cfg(feature = "cuda")]
             prefetched: None,
-        })
+        }
+    }
+
+    /// Keeps the inputs in host memory through `offloader` (the model's, one for the run).
+    #[cfg(feature = "cuda")]
+    pub fn offload_to(&mut self, offloader: Arc<crate::offload::Offloader>) {
+        self.offloader = Some(offloader);
     }
 
     pub fn push(&mut self, x: Tensor) -> Result<()> {
@@ -49,6 +52,7 @@ impl KeptInputs {
 
     /// The input of the last layer not taken yet (layers are taken last to first); with offloading,
     /// also starts copying back the one before it, so that copy overlaps this layer's backward.
+    /// A restored input's pinned buffer goes back to the pool here (its reuse waits for the copy).
     pub fn pop(&mut self) -> Result<Tensor> {
         let kept = self.items.pop();
         #[cfg(feature = "cuda")]

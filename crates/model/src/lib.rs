@@ -20,10 +20,15 @@ pub mod dora;
 pub mod dropout;
 pub mod fused;
 pub mod group;
+// The pool's bookkeeping is device-agnostic (tested everywhere); only CUDA offload uses it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub mod host_pool;
 mod kept;
 pub mod layer;
 pub mod linear;
 mod model;
+#[cfg(feature = "cuda")]
+pub mod offload;
 pub mod onednn;
 pub mod ops;
 pub mod rope;

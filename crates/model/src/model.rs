@@ -37,6 +37,10 @@ pub struct Model {
     /// bf16 autocast ([`Model::set_autocast`]): frozen weights bf16, activations f32, every
     /// product on bf16-rounded operands with f32 accumulation ([`crate::blas::autocast`]).
     pub autocast: bool,
+    /// The side stream and pinned-buffer pool of checkpoint offload: created by the first
+    /// offloading step and kept for the rest of the run (`offload.rs`).
+    #[cfg(feature = "cuda")]
+    offloader: std::sync::Mutex<Option<Arc<crate::offload::Offloader>>>,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -225,6 +229,8 @@ impl Model {
             inv_freq,
             offload_checkpoints: false,
             autocast: false,
+            #[cfg(feature = "cuda")]
+            offloader: Default::default(),
         })
     }
 
@@ -449,6 +455,26 @@ impl Model {
         run().map_err(|e| ModelError::candle("forward", e))
     }
 
+    /// The run's checkpoint offloader (CUDA): made on first use, then the same side stream and
+    /// pinned-buffer pool for every later micro-batch.
+    #[cfg(feature = "cuda")]
+    fn offloader(&self) -> candle_core::Result<Arc<crate::offload::Offloader>> {
+        let mut slot = self.offloader.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(o) = &*slot {
+            return Ok(o.clone());
+        }
+        let o = Arc::new(crate::offload::Offloader::new(&self.device)?);
+        *slot = Some(o.clone());
+        Ok(o)
+    }
+
+    /// What checkpoint offload's pinned-buffer pool has done so far (`None`: nothing offloaded).
+    #[cfg(feature = "cuda")]
+    pub fn offload_pool_stats(&self) -> Option<crate::host_pool::PoolStats> {
+        let slot = self.offloader.lock().unwrap_or_else(|e| e.into_inner());
+        slot.as_ref().map(|o| o.pool_stats())
+    }
+
     /// One micro-batch of training: forward, chunked cross-entropy against `targets` (the next-token
     /// id per position, already shifted; `None` = no loss), backward into `grads` scaled by
     /// `grad_scale` (1 / target tokens of the whole optimizer step). Returns the summed loss.
@@ -469,8 +495,11 @@ impl Model {
             let ctx = self.batch_ctx(inp)?;
             let mut caches = Vec::with_capacity(self.layers.len());
             let (mut x, hits) = self.embed_tokens(&inp.ids, Some(lora))?;
-            let offload = checkpoint && self.offload_checkpoints;
-            let mut inputs = KeptInputs::new(&self.device, offload, self.layers.len())?;
+            let mut inputs = KeptInputs::new(self.layers.len());
+            #[cfg(feature = "cuda")]
+            if checkpoint && self.offload_checkpoints && self.device.is_cuda() {
+                inputs.offload_to(self.offloader()?);
+            }
             let last = self.layers.len().saturating_sub(1);
             for (i, layer) in self.layers.iter().enumerate() {
                 let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;

@@ -71,6 +71,19 @@ pub enum TrainError {
         ordinal: usize,
         source: rtune_kernels::KernelError,
     },
+    /// A driver error cudarc recorded where it could not return it (in a `Drop`: freeing memory,
+    /// destroying a stream or event), read at a step boundary or the end of the run.
+    #[cfg(feature = "cuda")]
+    #[error(
+        "cuda:{ordinal}: after step {step}, the driver had reported an error while freeing or \
+         synchronising (recorded by cudarc in a drop, where it could not be returned): {source}"
+    )]
+    DeviceDeferred {
+        ordinal: usize,
+        /// The last step that completed (the error happened during the next one or at the end).
+        step: usize,
+        source: cudarc::driver::DriverError,
+    },
     /// The checkpoint's settings differ from the config's: resuming would not reproduce the run.
     #[error(
         "cannot resume from {}: {}; the resumed run would not reproduce the original (--force resumes anyway)",
@@ -138,7 +151,7 @@ impl TrainError {
             | TrainError::OptimizerState
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
-            TrainError::Kernel { .. } => false,
+            TrainError::Kernel { .. } | TrainError::DeviceDeferred { .. } => false,
             TrainError::Output { .. }
             | TrainError::NonFinite { .. }
             | TrainError::Candle { .. }

@@ -220,7 +220,7 @@ enum Store {
     Host { params: Vec<Vec<f32>>, adamw: AdamW },
     /// On the adapter's CUDA device, updated by the multi-tensor kernels.
     #[cfg(feature = "cuda")]
-    Device(device::DeviceAdamW),
+    Device(Box<device::DeviceAdamW>),
 }
 
 impl LoraOptimizer {
@@ -259,7 +259,7 @@ impl LoraOptimizer {
         let sizes: Vec<usize> = params.iter().map(Vec::len).collect();
         #[cfg(feature = "cuda")]
         if let Some(candle_core::Device::Cuda(dev)) = adapter.pairs.first().map(|p| p.a.device()) {
-            let d = device::DeviceAdamW::new(dev, &params, hyper)?;
+            let d = Box::new(device::DeviceAdamW::new(dev, &params, hyper)?);
             return Ok(Self {
                 sizes,
                 hyper,

@@ -157,12 +157,33 @@ impl Trainer<'_> {
             if due(cfg.save_every) || stop {
                 self.checkpoint(stop)?;
                 if stop && step < cfg.steps {
+                    self.check_device()?;
                     let checkpoint = self.files.dir.join(format!("checkpoint-{step}"));
                     return Ok(Outcome::Stopped { step, checkpoint });
                 }
             }
         }
+        // The end of the run: what the last step, evaluation and checkpoint freed is checked
+        // before the adapter and summary.json mark the run finished.
+        self.check_device()?;
         self.finish().map(Outcome::Completed)
+    }
+
+    /// Fails with the driver error cudarc recorded, since the last check, where it could not
+    /// return it (in a `Drop`: a free, a stream or event destroyed; `rtune_model::cuda::
+    /// deferred_error`). Read at every step boundary and at the end of the run. A no-op off CUDA.
+    fn check_device(&self) -> Result<(), TrainError> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::DeviceLocation::Cuda { gpu_id } = self.dev.location() {
+            rtune_model::cuda::deferred_error(&self.dev).map_err(|source| {
+                TrainError::DeviceDeferred {
+                    ordinal: gpu_id,
+                    step: self.state.step,
+                    source,
+                }
+            })?;
+        }
+        Ok(())
     }
 
     /// One optimizer step: `grad_accum` micro-batches forward and backward (× the world size, each
@@ -194,6 +215,9 @@ impl Trainer<'_> {
         let done = self
             .opt
             .step(&mut self.adapter, &grads, lr, clip, loss, unscale)?;
+        // The step boundary: everything the step freed has been enqueued (not `state.step + 1`
+        // yet: an error names the last step that completed cleanly).
+        self.check_device()?;
         let (on_event, max_bad) = (&mut self.on_event, cfg.max_bad_steps);
         let warn = &mut |w| on_event(Event::Warning(w));
         self.state

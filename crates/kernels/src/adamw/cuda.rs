@@ -8,7 +8,6 @@
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::Ptx;
 use std::sync::{Arc, Mutex};
 
 use super::{AdamWScalars, THREADS};
@@ -28,11 +27,9 @@ pub struct AdamWKernels {
 static LOADED: Mutex<Vec<(usize, Arc<AdamWKernels>)>> = Mutex::new(Vec::new());
 
 impl AdamWKernels {
-    /// Loads `adamw.ptx` into `ctx` (use [`Self::get`]).
+    /// Loads `adamw.cu`'s cubin or PTX into `ctx` ([`crate::image::load`]; use [`Self::get`]).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let module = ctx
-            .load_module(Ptx::from_src(ADAMW_PTX))
-            .map_err(drv("loading adamw.ptx"))?;
+        let module = crate::image::load(ctx, &crate::image::ADAMW)?;
         let f = |name: &str| {
             module
                 .load_function(name)

@@ -207,7 +207,7 @@ impl DeviceAdamW {
         stream
             .memcpy_htod(&self.table_host, &mut self.table)
             .map_err(drv("table upload"))?;
-        // SAFETY (both launches): the table holds the pointers of `keep` (numel f32 each, alive
+        // SAFETY: (and for the update launches below) the table holds the pointers of `keep` (numel f32 each, alive
         // until the read below synchronizes the stream) and of `outs` (numel each, written by
         // nothing else); offsets are prefix sums of the sizes (≤ total); chunks name tensors < n.
         unsafe {
@@ -283,6 +283,7 @@ impl DeviceAdamW {
     }
 
     /// `(m, v)` per tensor, copied to the host.
+    #[allow(clippy::type_complexity)]
     pub fn moments(&self) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>), TrainError> {
         let ordinal = self.ordinal;
         let drv = |op| drv(ordinal, op);
