@@ -20,6 +20,8 @@ pub mod disk;
 pub mod evaluate;
 pub mod generate;
 pub mod memory;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod optim;
 pub mod record;
 mod setup;
@@ -69,6 +71,14 @@ pub enum TrainError {
     Kernel {
         ordinal: usize,
         source: rtune_kernels::KernelError,
+    },
+    /// An NCCL call (or the CUDA call around it) of a data-parallel CUDA run failed.
+    #[cfg(feature = "cuda")]
+    #[error("NCCL {op} on cuda:{ordinal}: {message}")]
+    Nccl {
+        op: &'static str,
+        ordinal: usize,
+        message: String,
     },
     /// The checkpoint's settings differ from the config's: resuming would not reproduce the run.
     #[error(
@@ -137,7 +147,7 @@ impl TrainError {
             | TrainError::OptimizerState
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
-            TrainError::Kernel { .. } => false,
+            TrainError::Kernel { .. } | TrainError::Nccl { .. } => false,
             TrainError::Output { .. }
             | TrainError::NonFinite { .. }
             | TrainError::Candle { .. }
