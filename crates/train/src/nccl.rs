@@ -138,9 +138,12 @@ impl Drop for Nccl {
     fn drop(&mut self) {
         if self.shared.swap(0, Ordering::SeqCst) != 0 {
             let _ = self.stream.synchronize();
+            // ncclCommAbort rather than ncclCommDestroy (as cudarc's own `Comm` does): it frees
+            // this rank's resources without waiting on the other ranks, which may still be busy
+            // (rank 0 writing the adapter) or gone.
             // SAFETY: the handle is live (the abort hook has not taken it) and no collective is
             // pending on it (its stream was just synchronised); nothing uses it afterwards.
-            let _ = unsafe { result::comm_destroy(self.raw) };
+            let _ = unsafe { result::comm_abort(self.raw) };
         }
     }
 }
@@ -169,7 +172,7 @@ impl InplaceOp1 for AllReduce<'_> {
         // SAFETY: `ptr` addresses `end − start` f32 of device memory on this communicator's GPU,
         // alive until the recorded write completes (cudarc frees a buffer only after its events);
         // in place (send = receive) is allowed by NCCL; the stream is the communicator's.
-        unsafe {
+        let launched = unsafe {
             result::all_reduce(
                 ptr as *const c_void,
                 ptr as *mut c_void,
@@ -179,8 +182,8 @@ impl InplaceOp1 for AllReduce<'_> {
                 nccl.raw,
                 nccl.stream.cu_stream() as sys::cudaStream_t,
             )
-        }
-        .map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
+        };
+        launched.map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
         Ok(())
     }
 }
