@@ -40,8 +40,7 @@ pub fn init() -> anyhow::Result<World> {
         world,
         _universe: universe,
     };
-    let timeout = rtune_dist::timeout_from_env();
-    Ok(World::new(rank, size, local_rank, Rc::new(comm), timeout))
+    Ok(World::new(rank, size, local_rank, Rc::new(comm)))
 }
 
 impl Collective for Mpi {

@@ -6,7 +6,9 @@
 //! 2. NF4 / NF4 double-quant dequantization on the GPU against the CPU's, bit for bit, on the
 //!    Llama-8B MLP shape and an odd element count, and its bandwidth against the card's
 //!    device-to-device copy;
-//! 3. whole training steps (forward + backward, checkpointing on and off) of a small random Llama
+//! 3. (CUDA) NCCL as data-parallel training uses it: a world of one rank, a known buffer
+//!    all-reduced in place on the second stream, which must come back bit for bit;
+//! 4. whole training steps (forward + backward, checkpointing on and off) of a small random Llama
 //!    on the device against the same step on the CPU: loss and every LoRA gradient, in f32, bf16
 //!    and bf16 with an NF4 base.
 //!
@@ -275,6 +277,8 @@ pub fn run(
     let mut runner = Runner::new(device, seed, inject, on_check);
     #[cfg(feature = "cuda")]
     crate::selftest_cuda::kernels(&dev, &mut runner);
+    #[cfg(feature = "cuda")]
+    crate::selftest_cuda::nccl(&dev, &mut runner);
     step_parity(&dev, &mut runner);
     #[cfg(feature = "cuda")]
     if dev.is_cuda() {

@@ -10,16 +10,26 @@
 //!
 //! Faults: MPI's default error handler aborts the whole job on a transport error, and `mpirun`
 //! kills every rank when one dies. A rank whose peer *hangs* would wait in a collective forever,
-//! so every collective runs under a [`Watchdog`]: past its timeout (`RTUNE_DIST_TIMEOUT`, seconds,
-//! default 600) the waiting rank prints what it waited for and exits with status 1, which makes the
-//! launcher end the job.
+//! so every collective runs under a [`Watchdog`] that ends this rank when the wait is longer than
+//! allowed, and the launcher then ends the job. What is allowed ([`World`]'s pace):
+//! - a collective in the ordinary course (a step's all-reduce, where the ranks differ only by how
+//!   long their own micro-batches took): `RTUNE_DIST_TIMEOUT` seconds (default 30), or twice the
+//!   slowest step seen so far when that is longer (a slow model must not look hung), so a hung
+//!   rank is caught within 60 s with the default;
+//! - the one collective that follows a long phase every rank knows of — the start-up (ranks load
+//!   the model at their disks' pace), the first step (warm-up) ([`World::expect_long`]), rank 0's
+//!   evaluation or checkpoint ([`World::expect_root_phase`]: on the other ranks only; rank 0 finds
+//!   them waiting), announced on every rank before the phase, which every rank knows from the same
+//!   config and step — `RTUNE_DIST_PHASE_TIMEOUT` seconds (default 1800). A rank that hangs *in*
+//!   such a phase is caught after that long, not 30 s.
 
 mod agree;
 mod watchdog;
 
 pub use agree::{check_agreement, Disagreement};
-pub use watchdog::Watchdog;
+pub use watchdog::{AbortHook, Watchdog};
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,6 +63,60 @@ pub struct World {
     // Rc: the transport stays on the thread that made it (MPI is initialised FUNNELED).
     comm: Option<Rc<dyn Collective>>,
     watchdog: Option<Arc<Watchdog>>,
+    /// How long the next collective may wait (shared by the clones of this world).
+    pace: Rc<RefCell<Pace>>,
+}
+
+/// What decides how long a collective may wait (see the module's overview).
+struct Pace {
+    timeout: Duration,
+    phase_timeout: Duration,
+    /// The slowest step so far (the first, warm-up, step excluded).
+    slowest_step: Duration,
+    /// The long phase the next collective follows, announced by [`World::expect_long`].
+    after: Option<String>,
+}
+
+impl Pace {
+    fn new() -> Self {
+        Self {
+            timeout: timeout_from_env(),
+            phase_timeout: env_secs("RTUNE_DIST_PHASE_TIMEOUT", 1800.0),
+            slowest_step: Duration::ZERO,
+            // Ranks reach the first collective after loading the model, each at its own pace.
+            after: Some("the start-up".into()),
+        }
+    }
+
+    /// How long the collective starting now may wait, and why; consumes an announced phase.
+    fn next(&mut self) -> (Duration, String) {
+        let s = |d: Duration| d.as_secs_f64();
+        if let Some(phase) = self.after.take() {
+            return (
+                self.phase_timeout,
+                format!(
+                    "after {phase}: RTUNE_DIST_PHASE_TIMEOUT = {:.0} s",
+                    s(self.phase_timeout)
+                ),
+            );
+        }
+        let twice = 2 * self.slowest_step;
+        if twice > self.timeout {
+            (
+                twice,
+                format!(
+                    "twice the slowest step, {:.1} s; RTUNE_DIST_TIMEOUT = {:.0} s",
+                    s(self.slowest_step),
+                    s(self.timeout)
+                ),
+            )
+        } else {
+            (
+                self.timeout,
+                format!("RTUNE_DIST_TIMEOUT = {:.0} s", s(self.timeout)),
+            )
+        }
+    }
 }
 
 impl World {
@@ -65,25 +129,70 @@ impl World {
             host: hostname(),
             comm: None,
             watchdog: None,
+            pace: Rc::new(RefCell::new(Pace::new())),
         }
     }
 
-    /// A distributed world over `comm`; collectives time out after `timeout` (see [`Watchdog`]).
-    pub fn new(
-        rank: usize,
-        size: usize,
-        local_rank: usize,
-        comm: Rc<dyn Collective>,
-        timeout: Duration,
-    ) -> Self {
+    /// A distributed world over `comm`; its collectives run under a [`Watchdog`], paced by
+    /// `RTUNE_DIST_TIMEOUT` and `RTUNE_DIST_PHASE_TIMEOUT` (see the module's overview).
+    pub fn new(rank: usize, size: usize, local_rank: usize, comm: Rc<dyn Collective>) -> Self {
         Self {
             rank,
             size,
             local_rank,
             host: hostname(),
             comm: Some(comm),
-            watchdog: Some(Arc::new(Watchdog::start(rank, timeout))),
+            watchdog: Some(Arc::new(Watchdog::start(rank, size))),
+            pace: Rc::new(RefCell::new(Pace::new())),
         }
+    }
+
+    /// Announces, on every rank, that the next collective follows a long phase `what` on some
+    /// rank (`step 5's evaluation on rank 0`): that collective alone may wait
+    /// `RTUNE_DIST_PHASE_TIMEOUT`. Every rank must announce it alike (they decide it from the same
+    /// config and step).
+    pub fn expect_long(&self, what: &str) {
+        self.pace.borrow_mut().after = Some(what.to_string());
+    }
+
+    /// [`expect_long`](Self::expect_long) for a phase rank 0 alone goes through (its evaluation,
+    /// its checkpoint write): the other ranks' next collective may wait long; rank 0's own, which
+    /// finds them waiting already, keeps the ordinary deadline, so a rank that hangs meanwhile is
+    /// still caught in time.
+    pub fn expect_root_phase(&self, what: &str) {
+        if !self.is_root() {
+            self.expect_long(what);
+        }
+    }
+
+    /// Tells the pace how long a step took on this rank (the ordinary wait is at least twice the
+    /// slowest). `first`: the attempt's first step, whose warm-up is not counted.
+    pub fn step_took(&self, took: Duration, first: bool) {
+        let mut p = self.pace.borrow_mut();
+        if !first {
+            p.slowest_step = p.slowest_step.max(took);
+        }
+    }
+
+    /// Runs `f`, a wait on the other ranks outside this world's collectives (a GPU stream
+    /// synchronised on an NCCL collective), under the watchdog as collective `what`.
+    pub fn watch<T>(&self, what: &str, f: impl FnOnce() -> T) -> T {
+        let _guard = self.enter(what);
+        f()
+    }
+
+    /// Adds `hook`, run just before the watchdog ends this rank (NCCL's `ncclCommAbort`). A single
+    /// process has no watchdog: the hook is dropped.
+    pub fn on_timeout(&self, hook: AbortHook) {
+        if let Some(w) = &self.watchdog {
+            w.on_timeout(hook);
+        }
+    }
+
+    fn enter(&self, what: &str) -> Option<watchdog::Entered<'_>> {
+        let w = self.watchdog.as_ref()?;
+        let (allowed, why) = self.pace.borrow_mut().next();
+        Some(w.enter(what, allowed, why))
     }
 
     /// Rank 0: the one that writes the run directory and prints.
@@ -107,7 +216,7 @@ impl World {
     /// Runs one collective `what` under the watchdog.
     fn guarded<T>(&self, what: &str, f: impl FnOnce(&dyn Collective) -> T) -> Option<T> {
         let comm = self.comm.as_deref()?;
-        let _guard = self.watchdog.as_ref().map(|w| w.enter(what));
+        let _guard = self.enter(what);
         Some(f(comm))
     }
 
@@ -159,14 +268,19 @@ pub fn launched_size() -> Option<usize> {
         .or_else(|| std::env::var_os("PMIX_RANK").map(|_| 0))
 }
 
-/// The watchdog's timeout: `RTUNE_DIST_TIMEOUT` seconds, default 600 (a step, an evaluation on
-/// rank 0 or a checkpoint write must fit in it).
+/// The watchdog's ordinary timeout: `RTUNE_DIST_TIMEOUT` seconds, default 30 (see the module's
+/// overview for when a collective may wait longer).
 pub fn timeout_from_env() -> Duration {
-    let s = std::env::var("RTUNE_DIST_TIMEOUT")
+    env_secs("RTUNE_DIST_TIMEOUT", 30.0)
+}
+
+/// `var` as a positive number of seconds, or `default`.
+fn env_secs(var: &str, default: f64) -> Duration {
+    let s = std::env::var(var)
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .unwrap_or(600.0);
+        .filter(|s| *s > 0.0 && s.is_finite())
+        .unwrap_or(default);
     Duration::from_secs_f64(s)
 }
 
@@ -201,5 +315,34 @@ mod tests {
         w.broadcast("b", 0, &mut b);
         assert_eq!(b, b"xyz");
         assert_eq!(w.describe(), "single process");
+    }
+
+    /// The first collective follows the start-up; an announced phase lengthens the next wait
+    /// only; the ordinary wait grows to twice the slowest step (the first step not counted).
+    #[test]
+    fn pace_lengthens_one_wait_after_a_long_phase_and_follows_slow_steps() {
+        let secs = Duration::from_secs;
+        let mut p = Pace {
+            timeout: secs(30),
+            phase_timeout: secs(1800),
+            slowest_step: Duration::ZERO,
+            after: Some("the start-up".into()),
+        };
+        let (d, why) = p.next();
+        assert_eq!(d, secs(1800));
+        assert!(why.starts_with("after the start-up"), "{why}");
+        assert_eq!(p.next().0, secs(30));
+        p.after = Some("step 4's evaluation on rank 0".into());
+        assert_eq!(p.next().0, secs(1800));
+        assert_eq!(p.next().0, secs(30));
+        p.slowest_step = secs(40);
+        let (d, why) = p.next();
+        assert_eq!(d, secs(80));
+        assert!(why.starts_with("twice the slowest step, 40.0 s"), "{why}");
+        let w = World::single();
+        w.step_took(secs(100), true);
+        assert_eq!(w.pace.borrow().slowest_step, Duration::ZERO, "warm-up");
+        w.step_took(secs(7), false);
+        assert_eq!(w.pace.borrow().slowest_step, secs(7));
     }
 }

@@ -490,6 +490,26 @@ impl Model {
         checkpoint: bool,
         grads: &mut Grads,
     ) -> Result<f64> {
+        let mut none = |_: usize, _: &Grads| Ok(());
+        self.forward_backward_layers(inp, targets, lora, grad_scale, checkpoint, grads, &mut none)
+    }
+
+    /// [`forward_backward`](Self::forward_backward), calling `after_layer(i, grads)` as soon as
+    /// layer i's backward has added its LoRA gradients (layers in reverse order; a layer whose
+    /// backward ends the pass early is not reported, see [`layer_slots`](Self::layer_slots)).
+    /// Data parallelism launches layer i's gradient all-reduce there, on another stream, while
+    /// the backward of layer i − 1 runs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_backward_layers(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: &LoraCtx,
+        grad_scale: f64,
+        checkpoint: bool,
+        grads: &mut Grads,
+        after_layer: &mut dyn FnMut(usize, &Grads) -> candle_core::Result<()>,
+    ) -> Result<f64> {
         let _autocast = crate::blas::autocast::scope(self.autocast);
         let mut run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
@@ -536,7 +556,9 @@ impl Model {
                 };
                 // Layer 0's input gradient is needed only for trainable token rows.
                 let need_dx = i > 0 || hits.is_some();
-                match layer.backward(&dx, &cache, &ctx, Some(lora), grads, need_dx)? {
+                let d = layer.backward(&dx, &cache, &ctx, Some(lora), grads, need_dx)?;
+                after_layer(i, grads)?;
+                match d {
                     Some(d) => dx = d,
                     None => break,
                 }
@@ -600,6 +622,19 @@ impl Model {
         } else {
             1024
         }
+    }
+
+    /// How many decoder layers the model has.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// The adapter slots (indices of `Grads::a`, `b`, `m`) of layer `i`'s LoRA modules.
+    pub fn layer_slots(&self, i: usize) -> Vec<usize> {
+        self.layers
+            .get(i)
+            .map(|l| l.linears().iter().filter_map(|lin| lin.lora).collect())
+            .unwrap_or_default()
     }
 
     /// Bytes held by the frozen weights (4-bit layers at their packed size).

@@ -20,6 +20,8 @@ pub mod disk;
 pub mod evaluate;
 pub mod generate;
 pub mod memory;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod optim;
 pub mod record;
 mod setup;
@@ -83,6 +85,14 @@ pub enum TrainError {
         /// The last step that completed (the error happened during the next one or at the end).
         step: usize,
         source: cudarc::driver::DriverError,
+    },
+    /// An NCCL call (or the CUDA call around it) of a data-parallel CUDA run failed.
+    #[cfg(feature = "cuda")]
+    #[error("NCCL {op} on cuda:{ordinal}: {message}")]
+    Nccl {
+        op: &'static str,
+        ordinal: usize,
+        message: String,
     },
     /// The checkpoint's settings differ from the config's: resuming would not reproduce the run.
     #[error(
@@ -152,6 +162,8 @@ impl TrainError {
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
             TrainError::Kernel { .. } | TrainError::DeviceDeferred { .. } => false,
+    },
+            TrainError::Kernel { .. } | TrainError::Nccl { .. } => false,
             TrainError::Output { .. }
             | TrainError::NonFinite { .. }
             | TrainError::Candle { .. }

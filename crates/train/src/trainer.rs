@@ -31,6 +31,8 @@ mod attempt;
 mod dist;
 mod events;
 mod metrics;
+#[cfg(feature = "cuda")]
+mod nccl;
 pub mod output;
 mod remote;
 pub mod state;
@@ -105,6 +107,9 @@ pub struct Trainer<'a> {
     /// device once they agreed (run.json).
     world: World,
     ranks: Vec<RankInfo>,
+    /// A data-parallel CUDA rank's NCCL communicator and gradient buckets (see `nccl`).
+    #[cfg(feature = "cuda")]
+    nccl: Option<nccl::LayerBuckets>,
     /// PiSSA / OLoRA: the initial factors; the final adapter is saved against the original base.
     initial: Option<crate::variants::InitialAdapter>,
 }
@@ -121,12 +126,15 @@ impl Trainer<'_> {
         // Seen by every rank before rank 0 creates the directory; `agree` is also a barrier.
         let existed = self.cfg.output_dir.is_dir();
         self.agree()?;
+        self.init_nccl()?;
         self.preflight()?;
         // Rank 0 alone talks to the remote store (RunFiles writes only there).
         self.files.connect_remote(self.cfg)?;
         self.files.lock()?;
         let existed = self.fetch_remote_checkpoint(opts, existed)?;
         // A barrier: the other ranks read the checkpoint rank 0 may just have fetched.
+        self.world
+            .expect_root_phase("rank 0's remote checkpoint fetch");
         self.world.any("the remote checkpoint fetch", false);
         let Some(l) = self.checkpoint_to_resume(opts, existed)? else {
             return self.files.clear_for_fresh_run(self.cfg);
@@ -144,18 +152,33 @@ impl Trainer<'_> {
     /// `stop` flag ends it after the current step with a checkpoint.
     fn run(&mut self, stop: Option<&AtomicBool>) -> Result<Outcome, TrainError> {
         let cfg = self.cfg;
+        // How long the ranks wait on each other (rtune_dist's pace): announced long phases, and
+        // the step times, the first one (warm-up) apart.
+        let mut first = true;
+        self.world.expect_long("the first step (warm-up)");
         while self.state.step < cfg.steps {
+            let t0 = Instant::now();
             self.step()?;
+            self.world.step_took(t0.elapsed(), first);
+            first = false;
             let step = self.state.step;
             let due = |every: usize| (every > 0 && step.is_multiple_of(every)) || step == cfg.steps;
             if due(cfg.eval_every) {
+                let phase = format!("step {step}'s evaluation on rank 0");
+                self.world.expect_root_phase(&phase);
+                self.fault_slow_root_phase();
                 self.evaluate()?;
             }
             let stop = stop.is_some_and(|s| s.load(Ordering::SeqCst));
             // A signal may reach one rank only, or the ranks at different steps: all stop together.
             let stop = self.world.any("the stop agreement", stop);
             if due(cfg.save_every) || stop {
+                self.fault_slow_root_phase();
                 self.checkpoint(stop)?;
+                // Only the wait for rank 0's write is long: the next step's all-reduce is not.
+                let phase = format!("the checkpoint of step {step} on rank 0");
+                self.world.expect_root_phase(&phase);
+                self.world.any("the checkpoint barrier", false);
                 if stop && step < cfg.steps {
                     self.check_device()?;
                     let checkpoint = self.files.dir.join(format!("checkpoint-{step}"));
@@ -261,7 +284,8 @@ impl Trainer<'_> {
         let cfg = self.cfg;
         let mut grads = Grads::new(self.adapter.pairs.len());
         let mut loss_sum = 0.0;
-        for (k, mb) in micro {
+        let last = micro.len().saturating_sub(1);
+        for (j, (k, mb)) in micro.into_iter().enumerate() {
             let lc = LoraCtx {
                 adapter: &self.adapter,
                 scaling: self.adapter.spec.scaling(),
@@ -276,9 +300,14 @@ impl Trainer<'_> {
                 segments: mb.segments,
             };
             let (scale, ckpt) = (loss_scale / n_target as f64, self.checkpointing.on);
-            loss_sum +=
-                self.model
-                    .forward_backward(&inputs, &mb.targets, &lc, scale, ckpt, &mut grads)?;
+            loss_sum += self.backward(
+                &inputs,
+                &mb.targets,
+                &lc,
+                (scale, ckpt),
+                &mut grads,
+                j == last,
+            )?;
         }
         self.all_reduce(grads, loss_sum)
     }

@@ -78,6 +78,8 @@ impl<'a> Trainer<'a> {
             fault_nan_steps: setup::fault_nan_steps(),
             world,
             ranks: Vec::new(),
+            #[cfg(feature = "cuda")]
+            nccl: None,
             initial,
         })
     }

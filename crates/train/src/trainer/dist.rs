@@ -26,7 +26,7 @@ use candle_core::Tensor;
 use std::collections::BTreeMap;
 
 use rtune_dist::World;
-use rtune_model::Grads;
+use rtune_model::{Grads, Inputs, LoraCtx};
 
 use super::Trainer;
 use crate::TrainError;
@@ -80,6 +80,55 @@ impl Trainer<'_> {
         Ok(())
     }
 
+    /// Test hook: `RTUNE_FAULT_SLOW_ROOT_PHASE_S=<s>` makes rank 0 sleep that long before each
+    /// evaluation and checkpoint (long phases the other ranks wait for; tests/integration/dist.rs).
+    pub(super) fn fault_slow_root_phase(&self) {
+        let secs = std::env::var("RTUNE_FAULT_SLOW_ROOT_PHASE_S")
+            .ok()
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0);
+        if let (Some(s), true) = (secs, self.world.is_root() && self.world.is_distributed()) {
+            std::thread::sleep(std::time::Duration::from_secs_f64(s));
+        }
+    }
+
+    /// A CUDA rank of a data-parallel run joins the NCCL communicator (collective; a no-op
+    /// otherwise).
+    pub(super) fn init_nccl(&mut self) -> Result<(), TrainError> {
+        #[cfg(feature = "cuda")]
+        if let (candle_core::Device::Cuda(d), true) = (&self.dev, self.world.is_distributed()) {
+            let nccl = crate::nccl::Nccl::init(&self.world, d)?;
+            self.nccl = Some(super::nccl::LayerBuckets::new(nccl));
+        }
+        Ok(())
+    }
+
+    /// One micro-batch's forward and backward into `grads` (`(scale, checkpointing)` as
+    /// `Model::forward_backward` takes them). On a CUDA rank with NCCL, the step's `last`
+    /// micro-batch launches each layer's gradient all-reduce as soon as its backward ends.
+    pub(super) fn backward(
+        &self,
+        inputs: &Inputs,
+        targets: &[Option<u32>],
+        lc: &LoraCtx,
+        (scale, ckpt): (f64, bool),
+        grads: &mut Grads,
+        last: bool,
+    ) -> Result<f64, TrainError> {
+        #[cfg(feature = "cuda")]
+        if let (Some(b), true) = (&self.nccl, last) {
+            let (model, adapter) = (&self.model, &self.adapter);
+            let mut launch = |i: usize, g: &Grads| b.launch(adapter, g, &model.layer_slots(i));
+            let m =
+                model.forward_backward_layers(inputs, targets, lc, scale, ckpt, grads, &mut launch);
+            return Ok(m?);
+        }
+        let _ = last;
+        Ok(self
+            .model
+            .forward_backward(inputs, targets, lc, scale, ckpt, grads)?)
+    }
+
     /// Sums this rank's gradients and loss sum over the ranks (the identity in one process).
     pub(super) fn all_reduce(
         &self,
@@ -90,6 +139,15 @@ impl Trainer<'_> {
             return Ok((grads, loss_sum));
         }
         let step = self.state.step + 1;
+        #[cfg(feature = "cuda")]
+        if let Some(b) = &self.nccl {
+            let what = format!("step {step}'s NCCL gradient all-reduce");
+            let grads = b.finish(&self.world, &what, &self.adapter, grads)?;
+            let mut loss = [loss_sum];
+            self.world
+                .all_reduce_sum_f64(&format!("step {step}'s loss all-reduce"), &mut loss);
+            return Ok((grads, loss[0]));
+        }
         // Every trainable tensor in `Adapter::trainable`'s order: (which, pair, shape) with which
         // = 0 for A, 1 for B, 2 for a DoRA magnitude, 3 for the trainable token rows (pair 0). A
         // missing gradient travels as zeros so every rank's buffer has the same layout.

@@ -1,0 +1,189 @@
+//! NCCL for data-parallel CUDA ranks (issue 16; feature `cuda`): [`Nccl`], this rank's
+//! communicator, bound to a CUDA stream of its own — the second stream beside candle's compute
+//! stream — and [`Nccl::all_reduce_sum`], the in-place sum all-reduce of an f32 candle tensor on
+//! that stream.
+//!
+//! Set-up (`ncclCommInitRank`): rank 0 draws the unique id (`ncclGetUniqueId`), MPI broadcasts
+//! its 128 bytes (rtune-dist's byte broadcast), and every rank joins with it on the GPU candle
+//! opened for it (`local_rank`, see `trainer::dist::rank_device`). A world of one (`rtune
+//! selftest`) needs no broadcast. The communicator is made through cudarc's `nccl::result` layer,
+//! not its safe `Comm`: the watchdog must reach the raw handle from its own thread to call
+//! `ncclCommAbort` on a hang, and cudarc's `Comm` neither exposes the handle nor is `Send`.
+//!
+//! Order between the two streams is cudarc's event tracking (on once the context has a second
+//! stream): the all-reduce waits for the last write of the tensor's buffer on the compute stream,
+//! and a later read of it on the compute stream waits for the all-reduce. The host waits only in
+//! [`Nccl::synchronize`], which the trainer runs under the watchdog.
+
+use std::ffi::{c_char, c_void};
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CudaDevice, CudaStorage, InplaceOp1, Layout, Tensor};
+use cudarc::driver::{CudaStream, DevicePtrMut, DriverError};
+use cudarc::nccl::{result, sys};
+use rtune_dist::World;
+
+use crate::TrainError;
+
+/// This rank's NCCL communicator and its stream.
+pub struct Nccl {
+    raw: sys::ncclComm_t,
+    /// The handle as the watchdog's abort hook sees it (0 once destroyed).
+    shared: Arc<AtomicUsize>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+    pub rank: usize,
+    pub size: usize,
+}
+
+impl Nccl {
+    /// Joins the communicator of `world` on `dev`. Collective: every rank of `world` calls it at
+    /// the same point. The watchdog aborts the communicator before ending a hung rank.
+    pub fn init(world: &World, dev: &CudaDevice) -> Result<Self, TrainError> {
+        let ctx = dev.cuda_stream().context().clone();
+        let ordinal = ctx.ordinal();
+        let nerr = |op| {
+            move |e: result::NcclError| TrainError::Nccl {
+                op,
+                ordinal,
+                message: format!("{e:?}"),
+            }
+        };
+        let derr = |op| {
+            move |e: DriverError| TrainError::Nccl {
+                op,
+                ordinal,
+                message: e.to_string(),
+            }
+        };
+        let mut bytes: Vec<u8> = if world.is_root() {
+            let id = result::get_uniqueid().map_err(nerr("ncclGetUniqueId"))?;
+            id.internal.iter().map(|&c| c as u8).collect()
+        } else {
+            Vec::new()
+        };
+        world.broadcast("the NCCL unique id", 0, &mut bytes);
+        let mut internal: [c_char; 128] = [0; 128];
+        if bytes.len() != internal.len() {
+            return Err(TrainError::Nccl {
+                op: "the unique id's broadcast",
+                ordinal,
+                message: format!("{} bytes received, 128 expected", bytes.len()),
+            });
+        }
+        for (d, s) in internal.iter_mut().zip(&bytes) {
+            *d = *s as c_char;
+        }
+        let id = sys::ncclUniqueId { internal };
+        let stream = ctx.new_stream().map_err(derr("a second stream"))?;
+        ctx.bind_to_thread().map_err(derr("binding the device"))?;
+        let (rank, size) = (world.rank, world.size);
+        let mut raw = MaybeUninit::<sys::ncclComm_t>::uninit();
+        // Every rank joins here; NCCL's own bootstrap may take seconds on many hosts.
+        world.expect_long("the NCCL set-up");
+        world
+            .watch("the NCCL communicator's set-up (ncclCommInitRank)", || {
+                // SAFETY: `raw` is writable for one handle; `id` is rank 0's, and `size`, `rank`
+                // this world's, as NCCL requires of every joining rank.
+                unsafe { result::comm_init_rank(raw.as_mut_ptr(), size as i32, id, rank as i32) }
+            })
+            .map_err(nerr("ncclCommInitRank"))?;
+        // SAFETY: ncclCommInitRank succeeded, so it wrote the handle.
+        let raw = unsafe { raw.assume_init() };
+        let shared = Arc::new(AtomicUsize::new(raw as usize));
+        let hook = Arc::clone(&shared);
+        world.on_timeout(Box::new(move || {
+            let h = hook.swap(0, Ordering::SeqCst);
+            if h != 0 {
+                // SAFETY: `h` is a live communicator (Drop zeroes `shared` before destroying it).
+                // ncclCommAbort is meant to be called while the owner waits on a collective that
+                // will not complete, from another thread: it releases the spinning kernels.
+                let _ = unsafe { result::comm_abort(h as sys::ncclComm_t) };
+            }
+        }));
+        Ok(Self {
+            raw,
+            shared,
+            stream,
+            ordinal,
+            rank,
+            size,
+        })
+    }
+
+    /// Launches `t = Σ_ranks t` (f32, contiguous) on this communicator's stream, in place; returns
+    /// at once. `t` must own its buffer (no other tensor may share it): it is written in place.
+    pub fn all_reduce_sum(&self, t: &Tensor) -> candle_core::Result<()> {
+        t.inplace_op1(&AllReduce(self))
+    }
+
+    /// Waits until every all-reduce launched so far is done.
+    pub fn synchronize(&self) -> Result<(), TrainError> {
+        self.stream.synchronize().map_err(|e| TrainError::Nccl {
+            op: "stream synchronize",
+            ordinal: self.ordinal,
+            message: e.to_string(),
+        })
+    }
+
+    /// The NCCL library's version (`ncclGetVersion`: 22307 for 2.23.7, 23007 for 2.30.7).
+    pub fn version() -> Option<i32> {
+        result::get_nccl_version().ok()
+    }
+}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        if self.shared.swap(0, Ordering::SeqCst) != 0 {
+            let _ = self.stream.synchronize();
+            // ncclCommAbort rather than ncclCommDestroy (as cudarc's own `Comm` does): it frees
+            // this rank's resources without waiting on the other ranks, which may still be busy
+            // (rank 0 writing the adapter) or gone.
+            // SAFETY: the handle is live (the abort hook has not taken it) and no collective is
+            // pending on it (its stream was just synchronised); nothing uses it afterwards.
+            let _ = unsafe { result::comm_abort(self.raw) };
+        }
+    }
+}
+
+/// The sum all-reduce as a candle in-place op (candle hands it the tensor's CUDA buffer).
+struct AllReduce<'a>(&'a Nccl);
+
+impl InplaceOp1 for AllReduce<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-reduce-sum"
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("an NCCL all-reduce needs a CUDA tensor, not a CPU one")
+    }
+
+    fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("an NCCL all-reduce needs a contiguous tensor")
+        };
+        let nccl = self.0;
+        let slice = storage.as_cuda_slice_mut::<f32>()?;
+        let mut view = slice.slice_mut(start..end);
+        // Waits (on the NCCL stream) for the buffer's last write; records this write when dropped.
+        let (ptr, _written) = view.device_ptr_mut(&nccl.stream);
+        // SAFETY: `ptr` addresses `end − start` f32 of device memory on this communicator's GPU,
+        // alive until the recorded write completes (cudarc frees a buffer only after its events);
+        // in place (send = receive) is allowed by NCCL; the stream is the communicator's.
+        let launched = unsafe {
+            result::all_reduce(
+                ptr as *const c_void,
+                ptr as *mut c_void,
+                end - start,
+                sys::ncclDataType_t::ncclFloat32,
+                sys::ncclRedOp_t::ncclSum,
+                nccl.raw,
+                nccl.stream.cu_stream() as sys::cudaStream_t,
+            )
+        };
+        launched.map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
+        Ok(())
+    }
+}
