@@ -161,9 +161,9 @@ impl TrainError {
             | TrainError::OptimizerState
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
-            TrainError::Kernel { .. } | TrainError::DeviceDeferred { .. } => false,
-    },
-            TrainError::Kernel { .. } | TrainError::Nccl { .. } => false,
+            TrainError::Kernel { .. }
+            | TrainError::DeviceDeferred { .. }
+            | TrainError::Nccl { .. } => false,
             TrainError::Output { .. }
             | TrainError::NonFinite { .. }
             | TrainError::Candle { .. }

@@ -144,9 +144,25 @@ impl LayerBuckets {
             .collect();
         self.launch(adapter, &grads, &rest)
             .map_err(TrainError::candle("NCCL gradient bucket"))?;
+        // The trainable token rows (embedding backward and the tied lm_head's, both after the
+        // last layer's hook): one f32 bucket of their own.
+        let tokens = match &grads.tokens {
+            Some(t) => {
+                let bucket = t
+                    .to_dtype(DType::F32)
+                    .and_then(|t| t.copy())
+                    .map_err(TrainError::candle("NCCL token-rows bucket"))?;
+                self.nccl
+                    .all_reduce_sum(&bucket)
+                    .map_err(TrainError::candle("NCCL token-rows bucket"))?;
+                Some(bucket)
+            }
+            None => None,
+        };
         drop(grads);
         world.watch(what, || self.nccl.synchronize())?;
         let mut out = Grads::new(adapter.pairs.len());
+        out.tokens = tokens;
         for (slots, bucket) in self.launched.take() {
             let mut at = 0;
             for s in slots {
