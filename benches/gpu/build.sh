@@ -10,6 +10,16 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 eval "$(../shared/cuda/toolchain.sh)"
 export CUDA_COMPUTE_CAP=90
+# The data-parallel NCCL path (crates/train/src/nccl.rs) links libnccl: NVIDIA's wheel gives it for
+# the link here; on the H200 run.sh points LD_LIBRARY_PATH at torch's own copy.
+venv=${RTUNE_CUDA_HOME:-$HOME/.cache/rtune-cuda}/venv
+nccl=$(ls -d "$venv"/lib/python3*/site-packages/nvidia/nccl/lib 2>/dev/null | head -1 || true)
+if [ -z "$nccl" ]; then
+  "$venv/bin/pip" install -q "nvidia-nccl-cu13==2.*" >&2
+  nccl=$(ls -d "$venv"/lib/python3*/site-packages/nvidia/nccl/lib | head -1)
+fi
+[ -e "$nccl/libnccl.so" ] || ln -sf libnccl.so.2 "$nccl/libnccl.so"
+export LIBRARY_PATH="$nccl${LIBRARY_PATH:+:$LIBRARY_PATH}"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 CARGO_PROFILE_RELEASE_DEBUG=0 cargo build --release --features cuda --bin rtune
 mkdir -p benches/gpu/bin

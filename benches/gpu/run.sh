@@ -109,7 +109,7 @@ try:
     import nvidia
 except ImportError:
     raise SystemExit(0)
-want = ("libcublas.so", "libcublasLt.so", "libcurand.so", "libcudart.so", "libnvrtc.so")
+want = ("libcublas.so", "libcublasLt.so", "libcurand.so", "libcudart.so", "libnvrtc.so", "libnccl.so")
 dirs = []
 for root in nvidia.__path__:
     for f in sorted(glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True)):
