@@ -481,6 +481,56 @@ fn attend_on(c: &AttnCase, dt: DType, path: ops::AttnPath, via_bf16: bool) -> [T
     [o, dq, dk, dv]
 }
 
+/// Names of the four tensors [`attend_on`] returns.
+const ATTN_OUTPUTS: [&str; 4] = ["out", "dq", "dk", "dv"];
+
+/// The f32 rule for a tiled attention against the plain path: both compute in f32; the tiled one
+/// sums scores in another order, rescales by e^(m_old − m_new) and takes P = e^(s − lse) in the
+/// backward, D = rowsum(dO∘O) for Σ dP∘P: a few f32 ulps of each term, far under 1e-5 of the
+/// largest element.
+fn assert_attention_f32(c: &AttnCase, got: &[Tensor; 4], plain: &[Tensor; 4]) {
+    const TOL: f32 = 1e-5;
+    for (name, (g, w)) in ATTN_OUTPUTS.iter().zip(got.iter().zip(plain)) {
+        let e = rel_err(g, w);
+        eprintln!("{} {name}: relative error {e:.2e}", c.what);
+        assert!(
+            e <= TOL,
+            "{} {name}: relative error {e:e} > {TOL:e}",
+            c.what
+        );
+    }
+}
+
+/// The bf16 rule: `got` (bf16 inputs, f32 accumulation) against `truth` (the plain path in f32 on
+/// the same bf16-rounded inputs). The plain bf16 path rounds P to bf16 before P·V and dP, dS
+/// between its products: a few bf16 roundings (2^-8 relative each) of terms as large as the
+/// result. `got` is held to the plain bf16 path's own error against the truth plus one rounding of
+/// the largest element (2^-8: its rotated q/k are bf16 as the plain path's are, its output is
+/// rounded once), and to 2% overall.
+fn assert_attention_bf16(
+    c: &AttnCase,
+    got: &[Tensor; 4],
+    plain: &[Tensor; 4],
+    truth: &[Tensor; 4],
+) {
+    const TOL: f32 = 2e-2;
+    const ONE_ROUNDING: f32 = 1.0 / 256.0;
+    for (i, name) in ATTN_OUTPUTS.iter().enumerate() {
+        assert_eq!(got[i].dtype(), DType::BF16);
+        let e = rel_err(&got[i], &truth[i]);
+        let e_plain = rel_err(&plain[i], &truth[i]);
+        eprintln!(
+            "{} {name}: relative error {e:.2e} (plain bf16: {e_plain:.2e})",
+            c.what
+        );
+        assert!(
+            e <= TOL && e <= e_plain + ONE_ROUNDING,
+            "{} {name}: relative error {e:e} (plain bf16 {e_plain:e})",
+            c.what
+        );
+    }
+}
+
 #[test]
 fn tiled_attention_matches_plain() {
     // Odd T everywhere (not a multiple of the 64-query/64-key tiles), several tiles per head.
@@ -522,38 +572,17 @@ fn tiled_attention_matches_plain() {
             what: "packed rows of 3 samples, window 20, MQA",
         },
     ];
-    // f32: both paths compute in f32; the tiled one sums scores in another order, rescales by
-    // e^(m_old − m_new) and takes P = e^(s − lse) in the backward, D = rowsum(dO∘O) for
-    // Σ dP∘P: a few f32 ulps of each term, far under 1e-5 of the largest element.
-    const TOL: f32 = 1e-5;
     for c in &cases {
         let plain = attend_on(c, DType::F32, ops::AttnPath::Plain, false);
         let tiled = attend_on(c, DType::F32, ops::AttnPath::Tiled, false);
-        for (name, (got, want)) in ["out", "dq", "dk", "dv"]
-            .iter()
-            .zip(tiled.iter().zip(&plain))
-        {
-            let e = rel_err(got, want);
-            eprintln!("{} {name}: relative error {e:.2e}", c.what);
-            assert!(
-                e <= TOL,
-                "{} {name}: relative error {e:e} > {TOL:e}",
-                c.what
-            );
-        }
+        assert_attention_f32(c, &tiled, &plain);
     }
 }
 
 #[test]
 fn tiled_attention_bf16_matches_plain_within_its_rounding() {
-    // bf16 inputs (and rotary tables, and the rotated q/k), f32 accumulation on the tiled path.
-    // The reference is the plain path in f32 on the same bf16-rounded inputs. The plain bf16 path
-    // rounds P to bf16 before P·V and dP, dS between its products: a few bf16 roundings (2^-8
-    // relative each) of terms as large as the result. The tiled path is held to the plain bf16
-    // path's own error against the reference plus one rounding of the largest element (2^-8: its
-    // rotated q/k are bf16 as the plain path's are, its output is rounded once), and to 2% overall.
-    const TOL: f32 = 2e-2;
-    const ONE_ROUNDING: f32 = 1.0 / 256.0;
+    // bf16 inputs (and rotary tables, and the rotated q/k), f32 accumulation on the tiled path;
+    // the rule is assert_attention_bf16's.
     for c in [
         AttnCase {
             dims: (2, 77, 8, 2, 16),
@@ -568,23 +597,10 @@ fn tiled_attention_bf16_matches_plain_within_its_rounding() {
             what: "bf16 packed, window, MQA",
         },
     ] {
-        let reference = attend_on(&c, DType::F32, ops::AttnPath::Plain, true);
+        let truth = attend_on(&c, DType::F32, ops::AttnPath::Plain, true);
         let plain = attend_on(&c, DType::BF16, ops::AttnPath::Plain, false);
         let tiled = attend_on(&c, DType::BF16, ops::AttnPath::Tiled, false);
-        for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
-            assert_eq!(tiled[i].dtype(), DType::BF16);
-            let e = rel_err(&tiled[i], &reference[i]);
-            let e_plain = rel_err(&plain[i], &reference[i]);
-            eprintln!(
-                "{} {name}: relative error {e:.2e} (plain bf16: {e_plain:.2e})",
-                c.what
-            );
-            assert!(
-                e <= TOL && e <= e_plain + ONE_ROUNDING,
-                "{} {name}: relative error {e:e} (plain bf16 {e_plain:e})",
-                c.what
-            );
-        }
+        assert_attention_bf16(&c, &tiled, &plain, &truth);
     }
 }
 
