@@ -95,14 +95,7 @@ fn train(
     name: &str,
     env: &[(&str, &str)],
 ) -> std::path::PathBuf {
-    let ids = g.get("input_ids").to_vec2::<i64>().unwrap();
-    let labels = g.get("labels").to_vec2::<i64>().unwrap();
-    let mut jsonl = String::new();
-    for (i, l) in ids.iter().zip(&labels) {
-        jsonl += &serde_json::json!({"input_ids": i, "labels": l}).to_string();
-        jsonl.push('\n');
-    }
-    std::fs::write(tmp.join("batch.jsonl"), jsonl).unwrap();
+    g.write_batch(&tmp.join("batch.jsonl"));
     let out = tmp.join(name);
     let cfg = format!(
         r#"[model]

@@ -120,14 +120,7 @@ fn smoke_run_memorises_and_generates() {
 /// golden's init adapter exactly as peft_reference.py's AdamW loop does.
 fn golden_run(tmp: &Path, micro_batch_size: usize, grad_accum: usize) -> (PathBuf, Golden) {
     let g = Golden::load(&fixture("parity/golden_tiny.safetensors"));
-    let ids = g.get("input_ids").to_vec2::<i64>().unwrap();
-    let labels = g.get("labels").to_vec2::<i64>().unwrap();
-    let mut jsonl = String::new();
-    for (i, l) in ids.iter().zip(&labels) {
-        jsonl += &serde_json::json!({"input_ids": i, "labels": l}).to_string();
-        jsonl.push('\n');
-    }
-    std::fs::write(tmp.join("batch.jsonl"), jsonl).unwrap();
+    g.write_batch(&tmp.join("batch.jsonl"));
     let out = tmp.join("out");
     let cfg = format!(
         r#"[model]

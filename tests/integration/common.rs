@@ -39,6 +39,19 @@ impl Golden {
     pub fn get(&self, k: &str) -> &Tensor {
         self.t.get(k).unwrap_or_else(|| panic!("golden has no {k}"))
     }
+
+    /// The golden's batch as a JSONL data file (`input_ids` and `labels` per row, already
+    /// tokenized), what the CLI trains on to repeat the golden's AdamW loop.
+    pub fn write_batch(&self, path: &Path) {
+        let ids = self.get("input_ids").to_vec2::<i64>().unwrap();
+        let labels = self.get("labels").to_vec2::<i64>().unwrap();
+        let mut jsonl = String::new();
+        for (i, l) in ids.iter().zip(&labels) {
+            jsonl += &serde_json::json!({"input_ids": i, "labels": l}).to_string();
+            jsonl.push('\n');
+        }
+        std::fs::write(path, jsonl).unwrap();
+    }
 }
 
 /// `max|got − want| / max|want|`.

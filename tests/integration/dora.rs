@@ -117,14 +117,7 @@ fn init_adapter(g: &Golden, dir: &Path) {
 /// A config training on the golden's batch from its init adapter as the golden's AdamW loop.
 fn golden_config(tmp: &Path, golden: &str, model: &str, quantize: Quantize) -> (PathBuf, Golden) {
     let g = Golden::load(&fixture(golden));
-    let ids = g.get("input_ids").to_vec2::<i64>().unwrap();
-    let labels = g.get("labels").to_vec2::<i64>().unwrap();
-    let mut jsonl = String::new();
-    for (i, l) in ids.iter().zip(&labels) {
-        jsonl += &serde_json::json!({"input_ids": i, "labels": l}).to_string();
-        jsonl.push('\n');
-    }
-    std::fs::write(tmp.join("batch.jsonl"), jsonl).unwrap();
+    g.write_batch(&tmp.join("batch.jsonl"));
     init_adapter(&g, &tmp.join("init"));
     let m = &g.meta;
     let targets: Vec<String> = m["target_modules"]

@@ -48,14 +48,7 @@ fn model_with_golden_base(g: &Golden, dir: &Path) {
 
 /// Trains on the golden's batch as the golden's PEFT loop does; `model` is the base directory.
 fn run(tmp: &Path, g: &Golden, model: &Path, lora: &str, train: &str) -> PathBuf {
-    let ids = g.get("input_ids").to_vec2::<i64>().unwrap();
-    let labels = g.get("labels").to_vec2::<i64>().unwrap();
-    let mut jsonl = String::new();
-    for (i, l) in ids.iter().zip(&labels) {
-        jsonl += &serde_json::json!({"input_ids": i, "labels": l}).to_string();
-        jsonl.push('\n');
-    }
-    std::fs::write(tmp.join("batch.jsonl"), jsonl).unwrap();
+    g.write_batch(&tmp.join("batch.jsonl"));
     let out = tmp.join("out");
     let cfg = format!(
         "[model]\npath = \"{model}\"\n[lora]\nr = 8\nalpha = 16\ntargets = \"all-linear\"\n{lora}\n\
