@@ -41,6 +41,14 @@ const ADAPTER_TOL: f64 = 5e-2;
 /// above; f32 summation-order noise is ~1e-7).
 const ROUNDS_AT_LEAST: f64 = 1e-3;
 
+/// The forced fallback against oneDNN on the first step's loss and gradient norm, relative: the
+/// same operands summed in another order (f32 noise, measured ≤ 3e-9).
+const SAME_STEP_TOL: f64 = 1e-6;
+/// The forced fallback's adapter after 3 steps against oneDNN's, relative to each tensor's largest
+/// entry (measured 1.7e-3 on AMX, < 1e-4 on AVX-512-BF16; see the test), 5× under the f32 mode's
+/// distance from autocast.
+const FALLBACK_ADAPTER_TOL: f64 = 5e-3;
+
 /// Logits, loss and the worst LoRA gradient error of a case against its golden.
 fn measure(c: &Case) -> (Tensor, f64, f64) {
     let g = &c.golden;
@@ -132,6 +140,20 @@ dir = "{out}"
     out
 }
 
+/// The first step's `(loss, grad_norm)` from a finished run's metrics.
+fn first_step(out: &Path) -> (f64, f64) {
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let step = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|v| v["step"] == 1 && v["loss"].is_f64())
+        .expect("a step-1 metrics line");
+    (
+        step["loss"].as_f64().unwrap(),
+        step["grad_norm"].as_f64().unwrap(),
+    )
+}
+
 /// A finished run's adapter tensors by PEFT key.
 fn adapter(out: &Path) -> std::collections::HashMap<String, Tensor> {
     let a = candle_core::safetensors::load(
@@ -166,9 +188,16 @@ fn errors(out: &Path, g: &Golden) -> (f64, f64) {
 
 /// `rtune train` with `dtype = "bf16-autocast"`: every step's loss and the adapter after 3 AdamW
 /// steps against PEFT's under autocast; the config records the dtype; the forced fallback
-/// (`RTUNE_ONEDNN=off`: the rounded operands multiplied in f32) gives the same adapter up to
-/// summation order (1e-4 of each tensor's largest entry, as the f32 parity tests), while the f32
-/// mode's adapter is a bf16-sized step away.
+/// (`RTUNE_ONEDNN=off`: the rounded operands multiplied in f32) computes the same numbers as
+/// oneDNN up to summation order, while the f32 mode's adapter is a bf16-sized step away.
+///
+/// The fallback is held to [`SAME_STEP_TOL`] on the first step (loss and gradient norm: the same
+/// bf16 operands, only the order of the f32 sums differs) and to [`FALLBACK_ADAPTER_TOL`] on the
+/// adapter after 3 steps: from step 2 on the masters differ by that summation noise, and a master
+/// that sits near a bf16 rounding boundary rounds to the neighbouring bf16 value on one side (a
+/// 2⁻⁸ relative change of that operand), which the next steps carry on. How much depends on the
+/// GEMM kernels: measured 1.7e-3 with oneDNN's AMX kernels (Xeon, `brg:avx512_core_amx_bf16`),
+/// under 1e-4 with its AVX-512-BF16 ones (EPYC); f32 vs autocast is 2.6e-2 apart.
 #[test]
 fn cli_autocast_training_matches_peft_autocast() {
     let tmp = tempfile::tempdir().unwrap();
@@ -196,7 +225,14 @@ fn cli_autocast_training_matches_peft_autocast() {
         apart = apart.max(rel_err(&a32[k], t));
     }
     eprintln!("fallback vs oneDNN adapter {e_fb:e}; f32 vs autocast adapter {apart:e}");
-    assert!(e_fb <= 1e-4, "fallback adapter differs by {e_fb:e}");
+    let (m, m_fb) = (first_step(&out), first_step(&fallback));
+    let e_step = ((m.0 - m_fb.0) / m.0).abs().max(((m.1 - m_fb.1) / m.1).abs());
+    eprintln!("fallback vs oneDNN first step (loss, grad norm) {e_step:e}");
+    assert!(e_step <= SAME_STEP_TOL, "first step {m:?} vs fallback {m_fb:?}");
+    assert!(
+        e_fb <= FALLBACK_ADAPTER_TOL,
+        "fallback adapter differs by {e_fb:e}"
+    );
     assert!(
         apart >= ROUNDS_AT_LEAST,
         "autocast adapter equals f32's to {apart:e}"
