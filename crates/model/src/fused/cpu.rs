@@ -19,6 +19,11 @@ use std::mem::MaybeUninit;
 pub(crate) trait Elem: candle_core::WithDType + Copy + Send + Sync {
     fn f(self) -> f32;
     fn of(v: f32) -> Self;
+    /// The slice itself when `Self` is f32 (read in place, no converted copy).
+    #[inline(always)]
+    fn f32s(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Elem for f32 {
@@ -29,6 +34,10 @@ impl Elem for f32 {
     #[inline(always)]
     fn of(v: f32) -> Self {
         v
+    }
+    #[inline(always)]
+    fn f32s(a: &[f32]) -> Option<&[f32]> {
+        Some(a)
     }
 }
 

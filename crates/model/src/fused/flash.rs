@@ -22,9 +22,12 @@
 //! task: its output rows are one contiguous block); in the backward over
 //! (batch row, head, chunk of query tiles), each task summing its dK/dV into its own buffer of the
 //! keys it sees, the buffers then reduced per kv head (a fixed order: the result does not depend on
-//! the thread count). The tile products are tight f32 loops (dot products over the head dim with
-//! 16 (`LANES`) partial sums, and `y += a·x` rows) compiled for AVX-512F or AVX2 when the CPU has it;
-//! a `BR × Dh` query tile and a `BC × Dh` key tile stay in L1/L2 while every pair is formed.
+//! the thread count). The tile products (`S = Q·Kᵀ`, `P·V`; in the backward `dO·Vᵀ`, `dS·K`, `dSᵀ·Q`,
+//! `Pᵀ·dO`) are GEMMs on one thread through the `gemm` crate ([`mm`]: candle's own CPU GEMM, packed
+//! FMA micro-kernels), over f32 copies of the `BR × Dh` query and `BC × Dh` key/value tiles, which
+//! stay in L1/L2; the softmax between them is one vectorized pass over the `BR × BC` scores (the
+//! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
+//! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
 //! On CUDA both functions run `kernels/flash_attn.cu` instead (`flash_cuda.rs`, feature `cuda`).
 //!
@@ -44,7 +47,7 @@ use candle_core::{bail, DType, Layout, Result, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
 use super::common::{by_dtype, contiguous, float_dtype};
-use super::cpu::{exp, Elem, LANES};
+use super::cpu::{exp, max, sum1, Elem, LANES};
 
 /// Queries per tile.
 pub const BR: usize = 64;
@@ -300,85 +303,118 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// `[Σ a[0]·b, .., Σ a[3]·b]`: four [`dot`]s sharing the loads of `b` (the same sums in the same
-/// order, so the same bits as four calls).
-#[inline(always)]
-fn dot4(a: [&[f32]; 4], b: &[f32]) -> [f32; 4] {
-    let mut acc = [[0f32; LANES]; 4];
-    let (cb, rb) = b.as_chunks::<LANES>();
-    let [c0, c1, c2, c3] = a.map(|x| x.as_chunks::<LANES>().0);
-    for ((((x0, x1), x2), x3), xb) in c0.iter().zip(c1).zip(c2).zip(c3).zip(cb) {
-        for i in 0..LANES {
-            acc[0][i] += x0[i] * xb[i];
-            acc[1][i] += x1[i] * xb[i];
-            acc[2][i] += x2[i] * xb[i];
-            acc[3][i] += x3[i] * xb[i];
-        }
-    }
-    let done = cb.len() * LANES;
-    let mut out = [0f32; 4];
-    for r in 0..4 {
-        let mut tail = 0f32;
-        for (x, y) in a[r][done..].iter().zip(rb) {
-            tail += x * y;
-        }
-        out[r] = acc[r].iter().sum::<f32>() + tail;
-    }
-    out
+/// A tile operand: `x(i, k) = data[i·rs + k·cs]` (`rs`, `cs`: row and column strides).
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
 }
 
-/// `out[r·BC + c] = dot(a_r, b_c)` for the `a.len() / dh` rows of `a` and the `nc` rows of `b`
-/// (a tile product `A·Bᵀ`), four rows of `a` at a time.
-#[inline(always)]
-fn tile_dots(a: &[f32], b: &[f32], dh: usize, nc: usize, out: &mut [f32]) {
-    let nr = a.len() / dh;
-    let row = |r: usize| &a[r * dh..(r + 1) * dh];
-    let mut r = 0;
-    while r + 4 <= nr {
-        let rows = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-        for c in 0..nc {
-            let x = dot4(rows, &b[c * dh..(c + 1) * dh]);
-            for (k, x) in x.into_iter().enumerate() {
-                out[(r + k) * BC + c] = x;
-            }
+impl<'a> Mat<'a> {
+    /// Row-major with `ld` elements a row.
+    fn rows(data: &'a [f32], ld: usize) -> Self {
+        Mat {
+            data,
+            rs: ld,
+            cs: 1,
         }
-        r += 4;
     }
-    for r in r..nr {
-        for c in 0..nc {
-            out[r * BC + c] = dot(row(r), &b[c * dh..(c + 1) * dh]);
+    /// The transpose of a row-major matrix with `ld` elements a row.
+    fn cols(data: &'a [f32], ld: usize) -> Self {
+        Mat {
+            data,
+            rs: 1,
+            cs: ld,
         }
+    }
+    /// The transpose.
+    fn t(self) -> Self {
+        Mat {
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+    /// The first `n` elements of row `r` (of a view with unit column stride).
+    fn row(&self, r: usize, n: usize) -> &'a [f32] {
+        debug_assert_eq!(self.cs, 1);
+        &self.data[r * self.rs..r * self.rs + n]
+    }
+    /// Whether every element of an `m × n` view lies inside `data`.
+    fn covers(&self, m: usize, n: usize) -> bool {
+        m == 0 || n == 0 || (m - 1) * self.rs + (n - 1) * self.cs < self.data.len()
     }
 }
 
-/// `y += a·x`.
+/// The tile product `c (m × n, row stride ldc) = [c +] a (m × k) · b (k × n)` on one thread, through
+/// the `gemm` crate (candle's CPU GEMM: packed AVX2/FMA micro-kernels, ~10× the tight loops this
+/// replaced on the attention tiles). `accumulate`: add to `c`, else overwrite it.
 #[inline(always)]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+fn mm(
+    c: &mut [f32],
+    ldc: usize,
+    accumulate: bool,
+    a: Mat<'_>,
+    b: Mat<'_>,
+    (m, n, k): (usize, usize, usize),
+) {
+    // The bounds the raw pointers below are read and written within (a real check, not a debug
+    // one: the call is unsafe and a wrong tile size must not become an out-of-bounds write).
+    assert!(
+        a.covers(m, k) && b.covers(k, n) && Mat::rows(c, ldc).covers(m, n) && n <= ldc,
+        "flash: tile product {m}×{k}·{k}×{n} out of its buffers"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: every element of the three views is in bounds (checked above), `c` is borrowed
+    // mutably and does not alias `a` or `b` (shared borrows), and `gemm` reads/writes only the
+    // `m × n`, `m × k`, `k × n` elements the strides describe.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
     }
 }
 
-/// `rows` rows of `dh` from offset `base`, as f32 into `buf`.
+/// `rows` rows of `dh` elements, `stride` apart, from offset `base` of `src`, as an f32 tile:
+/// read in place when `T` is f32, else converted into `buf` (packed, row stride `dh`).
 #[inline(always)]
-fn load<T: Elem>(buf: &mut Vec<f32>, src: &[T], base: usize, rows: usize, dh: usize) {
-    buf.clear();
-    buf.extend(src[base..base + rows * dh].iter().map(|x| x.f()));
-}
-
-/// `rows` rows of `dh`, `stride` apart, from offset `base`, as f32 into `buf`.
-#[inline(always)]
-fn load_strided<T: Elem>(
-    buf: &mut Vec<f32>,
-    src: &[T],
+fn tile<'a, T: Elem>(
+    buf: &'a mut Vec<f32>,
+    src: &'a [T],
     base: usize,
     (rows, dh, stride): (usize, usize, usize),
-) {
+) -> Mat<'a> {
+    let end = base + rows.saturating_sub(1) * stride + dh;
+    if let Some(x) = T::f32s(&src[base..end]) {
+        return Mat::rows(x, stride);
+    }
     buf.clear();
     for r in 0..rows {
         let a = base + r * stride;
         buf.extend(src[a..a + dh].iter().map(|x| x.f()));
     }
+    Mat::rows(buf, dh)
 }
 
 /// The query tiles of each (batch row, head) and the key range `lo..hi` a tile of queries
@@ -449,15 +485,14 @@ impl<T: Elem> Task for Fwd<'_, T> {
         let i1 = i0 + nr;
         let st = d.starts(self.st, b);
         let (lo, hi) = key_range(st, i0, i1);
-        let (mut qt, mut kt, mut vt) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut qbuf, mut kbuf, mut vbuf) = (Vec::new(), Vec::new(), Vec::new());
         let mut m = vec![0f32; nr];
         let mut l = vec![0f32; nr];
         let mut acc = vec![0f32; nr * dh];
-        let mut s = [0f32; BC];
         let mut sq = vec![0f32; BR * BC];
         for h in 0..nh {
             let hk = h / d.g();
-            load(&mut qt, self.q, d.at(d.h, b, h, i0), nr, dh);
+            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
             m.fill(f32::NEG_INFINITY);
             l.fill(0.0);
             acc.fill(0.0);
@@ -465,40 +500,41 @@ impl<T: Elem> Task for Fwd<'_, T> {
             while j0 < hi {
                 let j1 = (j0 + BC).min(hi);
                 let nc = j1 - j0;
-                load(&mut kt, self.k, d.at(d.hkv, b, hk, j0), nc, dh);
-                load(&mut vt, self.v, d.at(d.hkv, b, hk, j0), nc, dh);
-                // Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs' ends cut).
-                tile_dots(&qt, &kt, dh, nc, &mut sq);
+                let kv = d.at(d.hkv, b, hk, j0);
+                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
+                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
+                // S = Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs' ends
+                // cut), (nr, nc) with row stride BC.
+                mm(&mut sq, BC, false, qm, km.t(), (nr, nc, dh));
+                // S → P = e^(S·scale − m_new) in place, masked pairs 0; rescale acc and l.
                 for r in 0..nr {
                     let i = i0 + r;
                     // Visible keys of query i in this tile: (st[i] ..= i) ∩ (j0..j1).
-                    let c0 = (st[i] as usize).max(j0) - j0;
-                    let c1 = (i + 1).min(j1).saturating_sub(j0);
-                    if c0 >= c1 {
+                    let c0 = ((st[i] as usize).max(j0) - j0).min(nc);
+                    let c1 = (i + 1).min(j1).saturating_sub(j0).max(c0);
+                    let row = &mut sq[r * BC..r * BC + nc];
+                    row[..c0].fill(0.0);
+                    row[c1..].fill(0.0);
+                    if c0 == c1 {
                         continue;
                     }
-                    let mut mt = f32::NEG_INFINITY;
-                    for c in c0..c1 {
-                        let x = sq[r * BC + c] * self.scale;
-                        s[c] = x;
-                        mt = if x > mt { x } else { mt };
-                    }
+                    let vis = &mut row[c0..c1];
+                    vis.iter_mut().for_each(|x| *x *= self.scale);
+                    let mt = max(vis);
                     let mn = if mt > m[r] { mt } else { m[r] };
                     // m[r] = −∞ before the first visible key: alpha = 0 (acc and l are 0 anyway).
                     let alpha = exp(m[r] - mn);
-                    let ar = &mut acc[r * dh..(r + 1) * dh];
                     if alpha != 1.0 {
-                        ar.iter_mut().for_each(|x| *x *= alpha);
+                        acc[r * dh..(r + 1) * dh]
+                            .iter_mut()
+                            .for_each(|x| *x *= alpha);
                     }
-                    let mut sum = 0f32;
-                    for c in c0..c1 {
-                        let p = exp(s[c] - mn);
-                        sum += p;
-                        axpy(ar, p, &vt[c * dh..(c + 1) * dh]);
-                    }
-                    l[r] = l[r] * alpha + sum;
+                    vis.iter_mut().for_each(|x| *x = exp(*x - mn));
+                    l[r] = l[r] * alpha + sum1(vis, |x| x);
                     m[r] = mn;
                 }
+                // acc += P·V: (nr, nc)·(nc, dh).
+                mm(&mut acc, dh, true, Mat::rows(&sq, BC), vm, (nr, dh, nc));
                 j0 = j1;
             }
             for r in 0..nr {
@@ -591,10 +627,8 @@ impl<T: Elem> Task for Bwd<'_, T> {
         *plo = lo_all;
         *pk = vec![0f32; (q_end - lo_all) * dh];
         *pv = vec![0f32; (q_end - lo_all) * dh];
-        let (mut qt, mut dot_, mut kt, mut vt) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut ot = Vec::new();
-        let mut p = [0f32; BC];
-        let mut ds = [0f32; BC];
+        let (mut qbuf, mut dobuf, mut obuf) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
         let (mut sq, mut sdp) = (vec![0f32; BR * BC], vec![0f32; BR * BC]);
         for n in n0..n0 + self.tiles {
             let i0 = n * BR;
@@ -603,16 +637,16 @@ impl<T: Elem> Task for Bwd<'_, T> {
             }
             let i1 = (i0 + BR).min(d.t);
             let nr = i1 - i0;
-            load(&mut qt, self.q, d.at(d.h, b, h, i0), nr, dh);
+            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
             let (base, hd) = (d.at_bthd(b, h, i0), d.h * dh);
-            load_strided(&mut dot_, self.d_o, base, (nr, dh, hd));
-            load_strided(&mut ot, self.o, base, (nr, dh, hd));
+            let dom = tile(&mut dobuf, self.d_o, base, (nr, dh, hd));
+            let om = tile(&mut obuf, self.o, base, (nr, dh, hd));
             let lse: Vec<f32> = (0..nr)
                 .map(|r| self.lse[(b * d.t + i0 + r) * d.h + h])
                 .collect();
             // D = rowsum(dO ∘ O)
             let dd: Vec<f32> = (0..nr)
-                .map(|r| dot(&dot_[r * dh..(r + 1) * dh], &ot[r * dh..(r + 1) * dh]))
+                .map(|r| dot(dom.row(r, dh), om.row(r, dh)))
                 .collect();
             let mut dqt = vec![0f32; nr * dh];
             let (lo, hi) = key_range(st, i0, i1);
@@ -620,38 +654,35 @@ impl<T: Elem> Task for Bwd<'_, T> {
             while j0 < hi {
                 let j1 = (j0 + BC).min(hi);
                 let nc = j1 - j0;
-                load(&mut kt, self.k, d.at(d.hkv, b, hk, j0), nc, dh);
-                load(&mut vt, self.v, d.at(d.hkv, b, hk, j0), nc, dh);
+                let kv = d.at(d.hkv, b, hk, j0);
+                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
+                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
                 let poff = (j0 - lo_all) * dh;
                 let pk = &mut pk[poff..poff + nc * dh];
                 let pv = &mut pv[poff..poff + nc * dh];
-                // Q·Kᵀ and dO·Vᵀ of the whole tile.
-                tile_dots(&qt, &kt, dh, nc, &mut sq);
-                tile_dots(&dot_, &vt, dh, nc, &mut sdp);
+                // S = Q·Kᵀ and dP = dO·Vᵀ of the whole tile, (nr, nc) with row stride BC.
+                mm(&mut sq, BC, false, qm, km.t(), (nr, nc, dh));
+                mm(&mut sdp, BC, false, dom, vm.t(), (nr, nc, dh));
+                // In place: S → P = e^(S·scale − L), dP → dS = P ∘ (dP − D)·scale; masked pairs 0.
                 for r in 0..nr {
                     let i = i0 + r;
-                    let (c0, c1) = (
-                        (st[i] as usize).max(j0) - j0,
-                        (i + 1).min(j1).saturating_sub(j0),
-                    );
-                    if c0 >= c1 {
-                        continue;
-                    }
-                    let qr = &qt[r * dh..(r + 1) * dh];
-                    let dor = &dot_[r * dh..(r + 1) * dh];
-                    for c in c0..c1 {
-                        let pc = exp(sq[r * BC + c] * self.scale - lse[r]);
-                        let dp = sdp[r * BC + c];
-                        p[c] = pc;
-                        ds[c] = pc * (dp - dd[r]) * self.scale;
-                    }
-                    let dqr = &mut dqt[r * dh..(r + 1) * dh];
-                    for c in c0..c1 {
-                        axpy(dqr, ds[c], &kt[c * dh..(c + 1) * dh]);
-                        axpy(&mut pk[c * dh..(c + 1) * dh], ds[c], qr);
-                        axpy(&mut pv[c * dh..(c + 1) * dh], p[c], dor);
+                    let c0 = ((st[i] as usize).max(j0) - j0).min(nc);
+                    let c1 = (i + 1).min(j1).saturating_sub(j0).max(c0);
+                    let (pr, dsr) = (&mut sq[r * BC..r * BC + nc], &mut sdp[r * BC..r * BC + nc]);
+                    pr[..c0].fill(0.0);
+                    pr[c1..].fill(0.0);
+                    dsr[..c0].fill(0.0);
+                    dsr[c1..].fill(0.0);
+                    for (p, ds) in pr[c0..c1].iter_mut().zip(&mut dsr[c0..c1]) {
+                        *p = exp(*p * self.scale - lse[r]);
+                        *ds = *p * (*ds - dd[r]) * self.scale;
                     }
                 }
+                // dQ += dS·K, dK += dSᵀ·Q, dV += Pᵀ·dO: (nr, nc)·(nc, dh) and (nc, nr)·(nr, dh).
+                let (pt, dsm, dst) = (Mat::cols(&sq, BC), Mat::rows(&sdp, BC), Mat::cols(&sdp, BC));
+                mm(&mut dqt, dh, true, dsm, km, (nr, dh, nc));
+                mm(pk, dh, true, dst, qm, (nc, dh, nr));
+                mm(pv, dh, true, pt, dom, (nc, dh, nr));
                 j0 = j1;
             }
             let off = (i0 - n0 * BR) * dh;
