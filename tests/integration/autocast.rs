@@ -226,9 +226,14 @@ fn cli_autocast_training_matches_peft_autocast() {
     }
     eprintln!("fallback vs oneDNN adapter {e_fb:e}; f32 vs autocast adapter {apart:e}");
     let (m, m_fb) = (first_step(&out), first_step(&fallback));
-    let e_step = ((m.0 - m_fb.0) / m.0).abs().max(((m.1 - m_fb.1) / m.1).abs());
+    let e_step = ((m.0 - m_fb.0) / m.0)
+        .abs()
+        .max(((m.1 - m_fb.1) / m.1).abs());
     eprintln!("fallback vs oneDNN first step (loss, grad norm) {e_step:e}");
-    assert!(e_step <= SAME_STEP_TOL, "first step {m:?} vs fallback {m_fb:?}");
+    assert!(
+        e_step <= SAME_STEP_TOL,
+        "first step {m:?} vs fallback {m_fb:?}"
+    );
     assert!(
         e_fb <= FALLBACK_ADAPTER_TOL,
         "fallback adapter differs by {e_fb:e}"
