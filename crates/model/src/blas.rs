@@ -1,8 +1,9 @@
 //! f32 matrix products on the CPU through a system CBLAS (OpenBLAS), loaded at run time.
 //!
-//! candle's CPU matmul (the `gemm` crate) uses AVX2 kernels only; OpenBLAS has AVX-512 ones and on
-//! the bench-small shapes runs ~2× faster on an AVX-512 machine (measured on the 2-core EPYC dev
-//! box: 2048×512·512×1376 at 131 vs ~60 GFLOP/s). The library is optional: rtune builds and runs
+//! candle's CPU matmul (the `gemm` crate) ran AVX2 kernels only, and OpenBLAS's AVX-512 ones were
+//! ~2× faster on the bench-small shapes (2-core EPYC dev box: 2048×512·512×1376 at 131 vs ~60
+//! GFLOP/s). rtune-model now enables the crate's `x86-v4` feature (for the tiled attention's tile
+//! products, [`crate::fused::flash`]), so candle's matmul has AVX-512 kernels too. The library is optional: rtune builds and runs
 //! without it (no build-time dependency, no C toolchain), and falls back to candle's matmul when it
 //! is absent, when `RTUNE_BLAS=off`, or for any operand it does not cover (not f32, not on the CPU,
 //! strides that are neither row- nor column-major).

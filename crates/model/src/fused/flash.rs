@@ -23,7 +23,7 @@
 //! (batch row, head, chunk of query tiles), each task summing its dK/dV into its own buffer of the
 //! keys it sees, the buffers then reduced per kv head (a fixed order: the result does not depend on
 //! the thread count). The tile products (`S = Q·Kᵀ`, `P·V`; in the backward `dO·Vᵀ`, `dS·K`, `dSᵀ·Q`,
-//! `Pᵀ·dO`) are GEMMs on one thread through the `gemm` crate ([`mm`]: candle's own CPU GEMM, packed
+//! `Pᵀ·dO`) are GEMMs on one thread through the `gemm` crate (`mm`: candle's own CPU GEMM, packed
 //! FMA micro-kernels), over f32 copies of the `BR × Dh` query and `BC × Dh` key/value tiles, which
 //! stay in L1/L2; the softmax between them is one vectorized pass over the `BR × BC` scores (the
 //! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
