@@ -188,7 +188,9 @@ impl AttnPath {
 /// The row length from which [`AttnPath::for_device`] picks the tiled path on the CPU by default:
 /// at seq 2048 it measured 1.5× (1.2× with checkpointing) the plain path's tokens/s at half the
 /// peak memory; at seq 512 the two were within the machine's noise (−3%, −14% with
-/// checkpointing) for a quarter less memory.
+/// checkpointing) for a quarter less memory. Since its tile products became GEMMs (2026-12-02) the
+/// tiled path measured 1.32× the plain one's tokens/s at 512 and 1.99× at 2048 (benches/README.md);
+/// the threshold stays until the estimate's live-tensor references at 512 are re-measured on it.
 pub const TILED_MIN_T: usize = 1024;
 
 /// Which keys each query of a batch sees: one run `starts[r, i] ..= i` per query `i` of row `r`
