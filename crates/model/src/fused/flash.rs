@@ -24,8 +24,8 @@
 //! keys it sees, the buffers then reduced per kv head (a fixed order: the result does not depend on
 //! the thread count). The tile products (`S = Q·Kᵀ`, `P·V`; in the backward `dO·Vᵀ`, `dS·K`, `dSᵀ·Q`,
 //! `Pᵀ·dO`) are GEMMs on one thread through the `gemm` crate (`mm`: candle's own CPU GEMM, packed
-//! FMA micro-kernels), over f32 copies of the `BR × Dh` query and `BC × Dh` key/value tiles, which
-//! stay in L1/L2; the softmax between them is one vectorized pass over the `BR × BC` scores (the
+//! FMA micro-kernels), over the `BR × Dh` query and `BC × Dh` key/value tiles (read in place when
+//! the inputs are f32, as f32 copies otherwise), which stay in L1/L2; the softmax between them is one vectorized pass over the `BR × BC` scores (the
 //! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
 //! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
@@ -350,8 +350,9 @@ impl<'a> Mat<'a> {
 }
 
 /// The tile product `c (m × n, row stride ldc) = [c +] a (m × k) · b (k × n)` on one thread, through
-/// the `gemm` crate (candle's CPU GEMM: packed AVX2/FMA micro-kernels, ~10× the tight loops this
-/// replaced on the attention tiles). `accumulate`: add to `c`, else overwrite it.
+/// the `gemm` crate (candle's CPU GEMM: packed AVX-512 or AVX2/FMA micro-kernels, chosen at run
+/// time; the AVX-512 ones need the crate's `x86-v4` feature, which rtune-model enables).
+/// `accumulate`: add to `c`, else overwrite it.
 #[inline(always)]
 fn mm(
     c: &mut [f32],
