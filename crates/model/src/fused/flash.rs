@@ -322,14 +322,6 @@ impl<'a> Mat<'a> {
             cs: 1,
         }
     }
-    /// The transpose of a row-major matrix with `ld` elements a row.
-    fn cols(data: &'a [f32], ld: usize) -> Self {
-        Mat {
-            data,
-            rs: 1,
-            cs: ld,
-        }
-    }
     /// The transpose.
     fn t(self) -> Self {
         Mat {
@@ -427,6 +419,15 @@ fn key_range(st: &[u32], i0: usize, i1: usize) -> (usize, usize) {
     (lo, i1)
 }
 
+/// The visible keys of query `i` in the key tile `j0..j0 + nc`, as tile columns `c0..c1`:
+/// `(st[i] ..= i) ∩ (j0..j0 + nc)`, empty (`c0 == c1`) when the two do not meet.
+#[inline(always)]
+fn visible(st: &[u32], i: usize, j0: usize, nc: usize) -> (usize, usize) {
+    let c0 = ((st[i] as usize).max(j0) - j0).min(nc);
+    let c1 = (i + 1).min(j0 + nc).saturating_sub(j0).max(c0);
+    (c0, c1)
+}
+
 /// Runs `f` compiled for AVX-512F or AVX2 when the CPU has it, else for the baseline.
 #[inline(always)]
 fn dispatch<K: Task>(k: &K, job: K::Job<'_>) {
@@ -512,9 +513,7 @@ impl<T: Elem> Task for Fwd<'_, T> {
                 // S → P = e^(S·scale − m_new) in place, masked pairs 0; rescale acc and l.
                 for r in 0..nr {
                     let i = i0 + r;
-                    // Visible keys of query i in this tile: (st[i] ..= i) ∩ (j0..j1).
-                    let c0 = ((st[i] as usize).max(j0) - j0).min(nc);
-                    let c1 = (i + 1).min(j1).saturating_sub(j0).max(c0);
+                    let (c0, c1) = visible(st, i, j0, nc);
                     let row = &mut sq[r * BC..r * BC + nc];
                     row[..c0].fill(0.0);
                     row[c1..].fill(0.0);
@@ -669,8 +668,7 @@ impl<T: Elem> Task for Bwd<'_, T> {
                 // In place: S → P = e^(S·scale − L), dP → dS = P ∘ (dP − D)·scale; masked pairs 0.
                 for r in 0..nr {
                     let i = i0 + r;
-                    let c0 = ((st[i] as usize).max(j0) - j0).min(nc);
-                    let c1 = (i + 1).min(j1).saturating_sub(j0).max(c0);
+                    let (c0, c1) = visible(st, i, j0, nc);
                     let (pr, dsr) = (&mut sq[r * BC..r * BC + nc], &mut sdp[r * BC..r * BC + nc]);
                     pr[..c0].fill(0.0);
                     pr[c1..].fill(0.0);
@@ -682,10 +680,10 @@ impl<T: Elem> Task for Bwd<'_, T> {
                     }
                 }
                 // dQ += dS·K, dK += dSᵀ·Q, dV += Pᵀ·dO: (nr, nc)·(nc, dh) and (nc, nr)·(nr, dh).
-                let (pt, dsm, dst) = (Mat::cols(&sq, BC), Mat::rows(&sdp, BC), Mat::cols(&sdp, BC));
+                let (pm, dsm) = (Mat::rows(&sq, BC), Mat::rows(&sdp, BC));
                 mm(&mut dqt, dh, true, dsm, km, (nr, dh, nc));
-                mm(pk, dh, true, dst, qm, (nc, dh, nr));
-                mm(pv, dh, true, pt, dom, (nc, dh, nr));
+                mm(pk, dh, true, dsm.t(), qm, (nc, dh, nr));
+                mm(pv, dh, true, pm.t(), dom, (nc, dh, nr));
                 j0 = j1;
             }
             let off = (i0 - n0 * BR) * dh;
