@@ -8,6 +8,8 @@
 //! - SIGUSR1 to `mpirun` (which forwards it; it kills the job on SIGTERM) finishes the step,
 //!   checkpoints and exits 0; one process resumes it only with the same global batch, and then
 //!   ends with the uninterrupted run's adapter;
+//! - SIGTERM to `mpirun`, given `odls_base_sigkill_timeout` seconds of grace, reaches the ranks as
+//!   a stop request: rank 0 checkpoints and two ranks resume from it (`mpirun` itself exits 1);
 //! - SIGTERM to one rank only stops every rank after the same step, with a checkpoint;
 //! - `rtune estimate --world 2` adds the all-reduce buffers to the per-rank peak;
 //! - a rank that hangs (SIGSTOP) makes the other exit through the watchdog within 60 s, naming
@@ -319,9 +321,7 @@ fn spawn_until_step(cfg: &Path, out: &Path, steps: usize, env: &[(&str, &str)]) 
     }
     let child = c.spawn().unwrap();
     let t0 = Instant::now();
-    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
-        < steps
-    {
+    while metrics_lines(out) < steps {
         assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -419,6 +419,64 @@ fn sigterm_to_one_rank_stops_every_rank_after_the_same_step() {
         .unwrap_or_else(|| panic!("{said}"));
     assert!(out.join(format!("checkpoint-{step}")).is_dir(), "{said}");
     assert_eq!(metrics(&out).len(), step);
+}
+
+/// SIGTERM to `mpirun` (what a scheduler or `kill` sends the launcher): Open MPI 4.1 answers it
+/// itself — SIGTERM to the ranks after `odls_base_sigkill_timeout` seconds, SIGKILL as long
+/// after — and exits 1 whatever the ranks do. Given a grace period long enough for a step and a
+/// checkpoint, the ranks take that SIGTERM as a stop request: rank 0 checkpoints the step they
+/// agree on, and two ranks resume from it.
+#[test]
+fn sigterm_to_mpirun_with_a_grace_period_checkpoints_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Enough steps that the run cannot end in the grace period before the ranks' SIGTERM.
+    let cfg = config(tmp.path(), "terminated", 1, 100_000, &smoke());
+    let out = tmp.path().join("terminated");
+    let grace = [("OMPI_MCA_odls_base_sigkill_timeout", "10")];
+    let child = spawn_until_step(&cfg, &out, 2, &grace);
+    signal(child.id() as i32, 15);
+    let (o, took) = wait_timed(child);
+    let said = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "Open MPI 4.1's own status: {}",
+        stderr(&o)
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    assert_eq!(said.matches("stopped after step").count(), 1, "{said}");
+    let before = metrics(&out);
+    let step = before.len();
+    assert!(out.join(format!("checkpoint-{step}")).is_dir(), "{said}");
+    // The checkpoint is whole: two ranks resume from it (its steps kept as they were), and stop
+    // again on SIGUSR1 a step later.
+    let mut c = mpirun(2);
+    c.args(train_args(&cfg))
+        .arg("--resume")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = c.spawn().unwrap();
+    let t0 = Instant::now();
+    while metrics_lines(&out) < step + 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the resume did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal(child.id() as i32, libc_sigusr1());
+    let (o, _) = wait_timed(child);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains(&format!("resuming at step {step}")),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(metrics(&out)[..step], before[..]);
+}
+
+fn metrics_lines(out: &Path) -> usize {
+    std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
 }
 
 fn libc_sigusr1() -> i32 {
