@@ -29,7 +29,17 @@
 //! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
 //! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
-//! On CUDA both functions run `kernels/flash_attn.cu` instead (`flash_cuda.rs`, feature `cuda`).
+//! Under bf16 autocast ([`crate::blas::autocast`], f32 inputs) the operands of every tile product
+//! are rounded to bf16 once, as the plain path's products round theirs: the `Q`, `K`, `V` and `dO`
+//! tiles as they are read, `P` (after its row sum is taken) before `P·V` and `Pᵀ·dO`, and `dS`
+//! before `dS·K` and `dSᵀ·Q`; the sums stay f32 and so do the outputs. Without it the tiled path
+//! computed attention in f32 while every other product of the step was rounded: f32 summation noise
+//! in `q, k, v` or `dO` (oneDNN vs the fallback, say) then went through instead of vanishing in
+//! the rounding, and the tiled and plain paths differed by a bf16-sized amount (8e-3 of the
+//! logits on golden_tiny).
+//!
+//! On CUDA both functions run `kernels/flash_attn.cu` instead (`flash_cuda.rs`, feature `cuda`);
+//! that kernel does not round f32 inputs under autocast.
 //!
 //! The plain path ([`crate::ops::attention_keeping`] with [`crate::fused::attn_softmax`]) stays the
 //! reference; `tests.rs` compares the two.
@@ -158,7 +168,8 @@ fn check_starts(op: &str, st: &[u32], t: usize) -> Result<()> {
 
 /// Tiled attention forward. `q: (B, H, T, Dh)`, `k, v: (B, Hkv, T, Dh)` (contiguous, one float
 /// dtype), `starts: (B or 1, T)` u32. Returns `o: (B, T, H, Dh)` in the inputs' dtype and the
-/// log-sum-exp of each query's scaled scores, `lse: (B, T, H)` f32.
+/// log-sum-exp of each query's scaled scores, `lse: (B, T, H)` f32. Under autocast (f32 inputs)
+/// the tile products take bf16-rounded operands (see the module note).
 pub fn flash_attn(
     q: &Tensor,
     k: &Tensor,
@@ -187,6 +198,7 @@ pub fn flash_attn(
     check_starts(op, st, d.t)?;
     let dev = q.device();
     let shape = (d.b, d.t, d.h, d.dh);
+    let round = autocast_rounds(dt);
     let o = by_dtype!(dt, T => {
         let (o, lse) = forward::<T>(
             &d,
@@ -194,7 +206,7 @@ pub fn flash_attn(
             host(op, "k", &sk, lk)?,
             host(op, "v", &sv, lv)?,
             st,
-            scale as f32,
+            (scale as f32, round),
         );
         (Tensor::from_vec(o, shape, dev)?, lse)
     });
@@ -204,7 +216,8 @@ pub fn flash_attn(
 
 /// Tiled attention backward. `q, k, v, starts` as given to [`flash_attn`], `o, lse` what it
 /// returned (`o: (B, T, H, Dh)`, `lse: (B, T, H)`), `d_o: (B, T, H, Dh)` in the inputs' dtype.
-/// Returns `(dq, dk, dv)` shaped and typed like `q, k, v`.
+/// Returns `(dq, dk, dv)` shaped and typed like `q, k, v`. Under autocast (f32 inputs) the tile
+/// products take bf16-rounded operands, as in [`flash_attn`].
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_bwd(
     q: &Tensor,
@@ -265,6 +278,7 @@ pub fn flash_attn_bwd(
     let lse_h = host::<f32>(op, "lse", &sl, ll)?;
     let dev = q.device();
     let kv_shape = (d.b, d.hkv, d.t, d.dh);
+    let round = autocast_rounds(dt);
     by_dtype!(dt, T => {
         let (dq, dk, dv) = backward::<T>(
             &d,
@@ -277,7 +291,7 @@ pub fn flash_attn_bwd(
             ],
             lse_h,
             st,
-            scale as f32,
+            (scale as f32, round),
         );
         Ok((
             Tensor::from_vec(dq, (d.b, d.h, d.t, d.dh), dev)?,
@@ -303,6 +317,19 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         tail += x * y;
     }
     acc.iter().sum::<f32>() + tail
+}
+
+/// Whether the tile products round their operands to bf16: f32 inputs under autocast (this
+/// thread's mode, as [`crate::blas::matmul`] reads it; bf16 inputs are bf16 already).
+fn autocast_rounds(dt: DType) -> bool {
+    dt == DType::F32 && crate::blas::autocast::on()
+}
+
+/// `x` rounded to bf16 in place (nearest even), kept as f32: an autocast GEMM operand.
+#[inline(always)]
+fn round_bf16(x: &mut [f32]) {
+    x.iter_mut()
+        .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
 }
 
 /// A tile operand: `x(i, k) = data[i·rs + k·cs]` (`rs`, `cs`: row and column strides).
@@ -392,22 +419,29 @@ fn mm(
 }
 
 /// `rows` rows of `dh` elements, `stride` apart, from offset `base` of `src`, as an f32 tile:
-/// read in place when `T` is f32, else converted into `buf` (packed, row stride `dh`).
+/// read in place when `T` is f32 and `round` is off, else converted into `buf` (packed, row
+/// stride `dh`), rounded to bf16 when `round` (autocast).
 #[inline(always)]
 fn tile<'a, T: Elem>(
     buf: &'a mut Vec<f32>,
     src: &'a [T],
     base: usize,
     (rows, dh, stride): (usize, usize, usize),
+    round: bool,
 ) -> Mat<'a> {
     let end = base + rows.saturating_sub(1) * stride + dh;
-    if let Some(x) = T::f32s(&src[base..end]) {
-        return Mat::rows(x, stride);
+    if !round {
+        if let Some(x) = T::f32s(&src[base..end]) {
+            return Mat::rows(x, stride);
+        }
     }
     buf.clear();
     for r in 0..rows {
         let a = base + r * stride;
         buf.extend(src[a..a + dh].iter().map(|x| x.f()));
+    }
+    if round {
+        round_bf16(buf);
     }
     Mat::rows(buf, dh)
 }
@@ -472,6 +506,8 @@ struct Fwd<'a, T> {
     v: &'a [T],
     st: &'a [u32],
     scale: f32,
+    /// Autocast: the tile products' operands rounded to bf16.
+    round: bool,
 }
 
 /// One forward job: (batch row, first query) and the tile's output rows `(nr, H, Dh)` and lse
@@ -496,7 +532,13 @@ impl<T: Elem> Task for Fwd<'_, T> {
         let mut sq = vec![0f32; BR * BC];
         for h in 0..nh {
             let hk = h / d.g();
-            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
+            let qm = tile(
+                &mut qbuf,
+                self.q,
+                d.at(d.h, b, h, i0),
+                (nr, dh, dh),
+                self.round,
+            );
             m.fill(f32::NEG_INFINITY);
             l.fill(0.0);
             acc.fill(0.0);
@@ -505,8 +547,8 @@ impl<T: Elem> Task for Fwd<'_, T> {
                 let j1 = (j0 + BC).min(hi);
                 let nc = j1 - j0;
                 let kv = d.at(d.hkv, b, hk, j0);
-                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
-                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
+                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh), self.round);
+                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh), self.round);
                 // S = Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs' ends
                 // cut), (nr, nc) with row stride BC.
                 mm(&mut sq, BC, false, qm, km.t(), (nr, nc, dh));
@@ -534,6 +576,11 @@ impl<T: Elem> Task for Fwd<'_, T> {
                     vis.iter_mut().for_each(|x| *x = exp(*x - mn));
                     l[r] = l[r] * alpha + sum1(vis, |x| x);
                     m[r] = mn;
+                    // The sum takes P as computed; P·V its bf16 values (torch's CPU flash
+                    // attention in bf16 rounds the same unnormalised P).
+                    if self.round {
+                        round_bf16(vis);
+                    }
                 }
                 // acc += P·V: (nr, nc)·(nc, dh).
                 mm(&mut acc, dh, true, Mat::rows(&sq, BC), vm, (nr, dh, nc));
@@ -552,13 +599,14 @@ impl<T: Elem> Task for Fwd<'_, T> {
 }
 
 /// The forward loops: `(o, lse)`, `(B, T, H, Dh)` and `(B, T, H)`.
+/// `(scale, round)`: the score scale and whether the tile products round to bf16 (autocast).
 fn forward<T: Elem>(
     d: &Dims,
     q: &[T],
     k: &[T],
     v: &[T],
     st: &[u32],
-    scale: f32,
+    (scale, round): (f32, bool),
 ) -> (Vec<T>, Vec<f32>) {
     let (t, hd) = (d.t, d.h * d.dh);
     let mut o = vec![T::of(0.0); d.b * t * hd];
@@ -584,6 +632,7 @@ fn forward<T: Elem>(
         v,
         st,
         scale,
+        round,
     };
     // Latest query tiles first: under the causal mask they see the most keys.
     jobs.reverse();
@@ -601,6 +650,8 @@ struct Bwd<'a, T> {
     lse: &'a [f32],
     st: &'a [u32],
     scale: f32,
+    /// Autocast: the tile products' operands rounded to bf16.
+    round: bool,
     /// Query tiles per task.
     tiles: usize,
 }
@@ -639,10 +690,17 @@ impl<T: Elem> Task for Bwd<'_, T> {
             }
             let i1 = (i0 + BR).min(d.t);
             let nr = i1 - i0;
-            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
+            let qm = tile(
+                &mut qbuf,
+                self.q,
+                d.at(d.h, b, h, i0),
+                (nr, dh, dh),
+                self.round,
+            );
             let (base, hd) = (d.at_bthd(b, h, i0), d.h * dh);
-            let dom = tile(&mut dobuf, self.d_o, base, (nr, dh, hd));
-            let om = tile(&mut obuf, self.o, base, (nr, dh, hd));
+            let dom = tile(&mut dobuf, self.d_o, base, (nr, dh, hd), self.round);
+            // O is no product's operand (D only): never rounded.
+            let om = tile(&mut obuf, self.o, base, (nr, dh, hd), false);
             let lse: Vec<f32> = (0..nr)
                 .map(|r| self.lse[(b * d.t + i0 + r) * d.h + h])
                 .collect();
@@ -657,8 +715,8 @@ impl<T: Elem> Task for Bwd<'_, T> {
                 let j1 = (j0 + BC).min(hi);
                 let nc = j1 - j0;
                 let kv = d.at(d.hkv, b, hk, j0);
-                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
-                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
+                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh), self.round);
+                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh), self.round);
                 let poff = (j0 - lo_all) * dh;
                 let pk = &mut pk[poff..poff + nc * dh];
                 let pv = &mut pv[poff..poff + nc * dh];
@@ -678,6 +736,11 @@ impl<T: Elem> Task for Bwd<'_, T> {
                         *p = exp(*p * self.scale - lse[r]);
                         *ds = *p * (*ds - dd[r]) * self.scale;
                     }
+                    // dS from P as computed; the products take their bf16 values.
+                    if self.round {
+                        round_bf16(&mut pr[c0..c1]);
+                        round_bf16(&mut dsr[c0..c1]);
+                    }
                 }
                 // dQ += dS·K, dK += dSᵀ·Q, dV += Pᵀ·dO: (nr, nc)·(nc, dh) and (nc, nr)·(nr, dh).
                 let (pm, dsm) = (Mat::rows(&sq, BC), Mat::rows(&sdp, BC));
@@ -694,13 +757,13 @@ impl<T: Elem> Task for Bwd<'_, T> {
     }
 }
 
-/// The backward loops: `(dq, dk, dv)`. `x = [q, k, v, o, d_o]`.
+/// The backward loops: `(dq, dk, dv)`. `x = [q, k, v, o, d_o]`; `(scale, round)` as [`forward`].
 fn backward<T: Elem>(
     d: &Dims,
     x: [&[T]; 5],
     lse: &[f32],
     st: &[u32],
-    scale: f32,
+    (scale, round): (f32, bool),
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let [q, k, v, o, d_o] = x;
     let (t, dh) = (d.t, d.dh);
@@ -739,6 +802,7 @@ fn backward<T: Elem>(
         lse,
         st,
         scale,
+        round,
         tiles,
     };
     jobs.reverse();

@@ -604,6 +604,55 @@ fn tiled_attention_bf16_matches_plain_within_its_rounding() {
     }
 }
 
+/// Under bf16 autocast the tiled attention's tile products take bf16-rounded operands, as every
+/// other product of an autocast step (regression: it computed in f32, so f32 noise in `q, k, v, dO`
+/// — oneDNN vs the fallback's summation order — reached the gradients instead of vanishing in the
+/// rounding). Checked as what rounding means: f32 inputs give the same bits as the same inputs
+/// rounded to bf16 first (tolerance 0: rounding is idempotent, the kernel's sums run in a fixed
+/// order). Without autocast the two differ (the f32 kernel reads the unrounded values), so the
+/// check is not vacuous. Three key tiles (T = 150), GQA 4/2.
+#[test]
+fn tiled_attention_under_autocast_rounds_its_operands_to_bf16() {
+    let (b, h, hkv, t, dh) = (2, 4, 2, 150, 16);
+    let q = randn(&[b, h, t, dh], 80, 1.5);
+    let k = randn(&[b, hkv, t, dh], 81, 1.5);
+    let v = randn(&[b, hkv, t, dh], 82, 1.0);
+    let d_o = randn(&[b, t, h, dh], 83, 1.0);
+    let starts = Tensor::zeros((1, t), DType::U32, &Device::Cpu).unwrap();
+    let r = |x: &Tensor| bf16(x).to_dtype(DType::F32).unwrap();
+    let (qr, kr, vr, d_or) = (r(&q), r(&k), r(&v), r(&d_o));
+    let run = |[q, k, v, d_o]: [&Tensor; 4]| -> [Tensor; 5] {
+        let (o, lse) = fused::flash::flash_attn(q, k, v, &starts, 0.25).unwrap();
+        let (dq, dk, dv) =
+            fused::flash::flash_attn_bwd(q, k, v, &o, &lse, d_o, &starts, 0.25).unwrap();
+        [o, lse, dq, dk, dv]
+    };
+    let names = ["o", "lse", "dq", "dk", "dv"];
+    {
+        let _autocast = crate::blas::autocast::scope(true);
+        let raw = run([&q, &k, &v, &d_o]);
+        let rounded = run([&qr, &kr, &vr, &d_or]);
+        for (name, (a, b)) in names.iter().zip(raw.iter().zip(&rounded)) {
+            assert_eq!(a.dtype(), DType::F32, "{name}");
+            let e = rel_err(a, b);
+            assert!(
+                e == 0.0,
+                "autocast {name}: f32 vs bf16-rounded inputs differ by {e:e}"
+            );
+        }
+    }
+    let raw = run([&q, &k, &v, &d_o]);
+    let rounded = run([&qr, &kr, &vr, &d_or]);
+    for (name, (a, b)) in names.iter().zip(raw.iter().zip(&rounded)) {
+        let e = rel_err(a, b);
+        eprintln!("f32 {name}: unrounded vs rounded inputs {e:.2e}");
+        assert!(
+            e > 1e-4,
+            "f32 {name}: rounding the inputs changes nothing ({e:e})"
+        );
+    }
+}
+
 #[test]
 fn tiled_attention_bad_inputs_are_errors() {
     let q = randn(&[1, 4, 10, 8], 1, 1.0);
