@@ -41,9 +41,15 @@ const ADAPTER_TOL: f64 = 5e-2;
 /// above; f32 summation-order noise is ~1e-7).
 const ROUNDS_AT_LEAST: f64 = 1e-3;
 
-/// The forced fallback against oneDNN on the first step's loss and gradient norm, relative: the
-/// same operands summed in another order (f32 noise, measured ≤ 3e-9).
-const SAME_STEP_TOL: f64 = 1e-6;
+/// The forced fallback against oneDNN on the first step's loss, relative: the same bf16 operands
+/// summed in another order (f32 noise, measured 3.2e-9; f32 vs autocast: 8.9e-5).
+const SAME_STEP_LOSS_TOL: f64 = 1e-6;
+/// The same on the first step's gradient norm. The f32 noise of another summation order can move
+/// an activation gradient across a bf16 rounding boundary before it is a product's operand: one
+/// element one bf16 ulp apart, which moves the whole gradient of the layer below. Measured: 3.2e-9
+/// (no such flip), 1.3e-4 with `RTUNE_ATTN=tiled` (one flip in layer 1's `dh`); f32 vs autocast
+/// is 2.2e-3 apart, so this still tells a product that skips its rounding from noise.
+const SAME_STEP_NORM_TOL: f64 = 5e-4;
 /// The forced fallback's adapter after 3 steps against oneDNN's, relative to each tensor's largest
 /// entry (measured 1.7e-3 on AMX, < 1e-4 on AVX-512-BF16; see the test), 5× under the f32 mode's
 /// distance from autocast.
@@ -191,13 +197,15 @@ fn errors(out: &Path, g: &Golden) -> (f64, f64) {
 /// (`RTUNE_ONEDNN=off`: the rounded operands multiplied in f32) computes the same numbers as
 /// oneDNN up to summation order, while the f32 mode's adapter is a bf16-sized step away.
 ///
-/// The fallback is held to [`SAME_STEP_TOL`] on the first step (loss and gradient norm: the same
-/// bf16 operands, only the order of the f32 sums differs) and to [`FALLBACK_ADAPTER_TOL`] on the
+/// The fallback is held to [`SAME_STEP_LOSS_TOL`] and [`SAME_STEP_NORM_TOL`] on the first step (the
+/// same bf16 operands, only the order of the f32 sums differs) and to [`FALLBACK_ADAPTER_TOL`] on the
 /// adapter after 3 steps: from step 2 on the masters differ by that summation noise, and a master
 /// that sits near a bf16 rounding boundary rounds to the neighbouring bf16 value on one side (a
 /// 2⁻⁸ relative change of that operand), which the next steps carry on. How much depends on the
 /// GEMM kernels: measured 1.7e-3 with oneDNN's AMX kernels (Xeon, `brg:avx512_core_amx_bf16`),
-/// under 1e-4 with its AVX-512-BF16 ones (EPYC); f32 vs autocast is 2.6e-2 apart.
+/// under 1e-4 with its AVX-512-BF16 ones (EPYC); f32 vs autocast is 2.6e-2 apart. With
+/// `RTUNE_ATTN=tiled` forced, the first step's one flip (see [`SAME_STEP_NORM_TOL`]) grows to
+/// 1.5e-2 in 3 steps (Adam's update is the gradient's sign where it is small) and fails this bound.
 #[test]
 fn cli_autocast_training_matches_peft_autocast() {
     let tmp = tempfile::tempdir().unwrap();
@@ -226,12 +234,10 @@ fn cli_autocast_training_matches_peft_autocast() {
     }
     eprintln!("fallback vs oneDNN adapter {e_fb:e}; f32 vs autocast adapter {apart:e}");
     let (m, m_fb) = (first_step(&out), first_step(&fallback));
-    let e_step = ((m.0 - m_fb.0) / m.0)
-        .abs()
-        .max(((m.1 - m_fb.1) / m.1).abs());
-    eprintln!("fallback vs oneDNN first step (loss, grad norm) {e_step:e}");
+    let (e_loss, e_norm) = (((m.0 - m_fb.0) / m.0).abs(), ((m.1 - m_fb.1) / m.1).abs());
+    eprintln!("fallback vs oneDNN first step: loss {e_loss:e}, grad norm {e_norm:e}");
     assert!(
-        e_step <= SAME_STEP_TOL,
+        e_loss <= SAME_STEP_LOSS_TOL && e_norm <= SAME_STEP_NORM_TOL,
         "first step {m:?} vs fallback {m_fb:?}"
     );
     assert!(
