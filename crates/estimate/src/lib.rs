@@ -22,7 +22,7 @@
 //! CPU only: on CUDA the activations live in device memory (not modelled yet).
 //!
 //! The attention path is the model's ([`attn_path`]: `RTUNE_ATTN`, by default tiled on the CPU from
-//! 1024 tokens); the tiled path's terms are in `tiled.rs` (no `T × T` tensor, dK/dV partials).
+//! 64 tokens); the tiled path's terms are in `tiled.rs` (no `T × T` tensor, dK/dV partials).
 //!
 //! Shapes: `B` micro-batch rows, `T` sequence length, `N = B·T` tokens, `D` hidden, `Dq = H·Dh`,
 //! `Dkv = Hkv·Dh`, `I` intermediate, `V` vocab, `L` layers, `e` bytes per element of the compute

@@ -185,13 +185,14 @@ impl AttnPath {
     }
 }
 
-/// The row length from which [`AttnPath::for_device`] picks the tiled path on the CPU by default:
-/// at seq 2048 it measured 1.5× (1.2× with checkpointing) the plain path's tokens/s at half the
-/// peak memory; at seq 512 the two were within the machine's noise (−3%, −14% with
-/// checkpointing) for a quarter less memory. Since its tile products became GEMMs (2026-12-02) the
-/// tiled path measured 1.32× the plain one's tokens/s at 512 and 1.99× at 2048 (benches/README.md);
-/// the threshold stays until the estimate's live-tensor references at 512 are re-measured on it.
-pub const TILED_MIN_T: usize = 1024;
+/// The row length from which [`AttnPath::for_device`] picks the tiled path on the CPU by default.
+/// With its tile products as GEMMs (2026-12-02, 2-core Xeon, OpenBLAS, release build, bench-small
+/// at 2048 tokens a step, two interleaved rounds, `RTUNE_ATTN=plain` vs `tiled`) the tiled path ran
+/// at 1.06/1.04× the plain one's tokens/s at 64 tokens, 1.06/0.97× at 128, 0.92/1.06× at 256,
+/// 1.15/1.14× at 512 and 1.99× at 2048 (benches/README.md), with less memory at every length (853
+/// vs 875 MB at 64, 863 vs 1143 MB at 512). Below 64 tokens a row is one partial tile: unmeasured,
+/// so the plain path (the reference) stays there.
+pub const TILED_MIN_T: usize = 64;
 
 /// Which keys each query of a batch sees: one run `starts[r, i] ..= i` per query `i` of row `r`
 /// (causal; Mistral's sliding window `i − j < w`; packed rows: the query's own sample only). The
