@@ -320,12 +320,19 @@ fn spawn_until_step(cfg: &Path, out: &Path, steps: usize, env: &[(&str, &str)]) 
         c.env(k, v);
     }
     let child = c.spawn().unwrap();
+    wait_for_steps(out, steps);
+    child
+}
+
+/// Returns once `steps` lines are in `out`'s metrics.jsonl (at most 120 s).
+fn wait_for_steps(out: &Path, steps: usize) {
     let t0 = Instant::now();
-    while metrics_lines(out) < steps {
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+        < steps
+    {
         assert!(t0.elapsed() < Duration::from_secs(120), "run did not start");
         std::thread::sleep(Duration::from_millis(5));
     }
-    child
 }
 
 extern "C" {
@@ -456,14 +463,7 @@ fn sigterm_to_mpirun_with_a_grace_period_checkpoints_and_resumes() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let child = c.spawn().unwrap();
-    let t0 = Instant::now();
-    while metrics_lines(&out) < step + 1 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "the resume did not start"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_steps(&out, step + 1);
     signal(child.id() as i32, libc_sigusr1());
     let (o, _) = wait_timed(child);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -473,10 +473,6 @@ fn sigterm_to_mpirun_with_a_grace_period_checkpoints_and_resumes() {
         stderr(&o)
     );
     assert_eq!(metrics(&out)[..step], before[..]);
-}
-
-fn metrics_lines(out: &Path) -> usize {
-    std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
 }
 
 fn libc_sigusr1() -> i32 {
