@@ -653,35 +653,61 @@ fn tiled_attention_under_autocast_rounds_its_operands_to_bf16() {
     }
 }
 
-/// Under autocast the forward's `P·V` takes the unnormalised `P` rounded to bf16 (as torch's CPU
-/// flash kernel), the row sum the unrounded one: one query tile and one key tile (T = 40, causal)
-/// against that formula in plain ops, `o = bf16(exp(S − m))·bf16(V) / Σ exp(S − m)` with
-/// `S = bf16(Q)·bf16(K)ᵀ·scale`. Tolerance 1e-5: f32 summation order and the kernel's own `exp`
-/// (a P entry that lands on the other side of a bf16 boundary would move `o` by ~1e-3; none does
-/// here). Without P's rounding the kernel is 7.8e-4 away from the formula (checked below).
+/// Under autocast the tile products take bf16 operands, `P` and `dS` included: one tile (T = 40,
+/// causal) against the formulas in plain ops with `Q, K, V, dO` rounded and `S = Q·Kᵀ·scale`.
+/// Forward: `o = bf16(e^(S − m))·V / Σ e^(S − m)` (the unnormalised `P` rounded, as torch's CPU
+/// flash kernel; the row sum unrounded). Backward, with `P = e^(S − L)` from the forward's
+/// log-sum-exp, `D = rowsum(dO ∘ O)`, `dS = P ∘ (dO·Vᵀ − D)·scale`: `dQ = bf16(dS)·K`,
+/// `dK = bf16(dS)ᵀ·Q`, `dV = bf16(P)ᵀ·dO`. Tolerance 1e-5: f32 summation order and the kernel's
+/// own `exp` (an entry that lands on the other side of a bf16 boundary would move a result by
+/// ~1e-3; none does here). The same formulas on unrounded `P` and `dS` are > 1e-4 away (checked):
+/// without `P`'s rounding `o` is 7.8e-4 off, `dV` 1.3e-3; without `dS`'s `dQ` 2.3e-3.
 #[test]
-fn tiled_attention_under_autocast_rounds_p_before_p_v() -> Result<()> {
+fn tiled_attention_under_autocast_rounds_p_and_ds() -> Result<()> {
     let (t, dh, scale) = (40, 16, 0.25);
-    let q = randn(&[1, 1, t, dh], 90, 1.5);
-    let k = randn(&[1, 1, t, dh], 91, 1.5);
-    let v = randn(&[1, 1, t, dh], 92, 1.0);
+    let q = randn(&[1, 1, t, dh], 93, 1.5);
+    let k = randn(&[1, 1, t, dh], 94, 1.5);
+    let v = randn(&[1, 1, t, dh], 95, 1.0);
+    let d_o = randn(&[1, t, 1, dh], 96, 1.0);
     let starts = Tensor::zeros((1, t), DType::U32, &Device::Cpu)?;
-    let o = {
+    let (o, lse, got) = {
         let _autocast = crate::blas::autocast::scope(true);
-        fused::flash::flash_attn(&q, &k, &v, &starts, scale)?.0
+        let (o, lse) = fused::flash::flash_attn(&q, &k, &v, &starts, scale)?;
+        let g = fused::flash::flash_attn_bwd(&q, &k, &v, &o, &lse, &d_o, &starts, scale)?;
+        (o, lse, g)
     };
     let r = |x: &Tensor| bf16(x).to_dtype(DType::F32);
-    let s = (r(&q)?.matmul(&r(&k)?.t()?)? * scale)?;
-    let s = s.broadcast_add(&ops::causal_mask(t, None, &Device::Cpu)?.reshape((1, 1, t, t))?)?;
-    let p = s.broadcast_sub(&s.max_keepdim(3)?)?.exp()?;
-    let l = p.sum_keepdim(3)?;
-    let formula =
-        |p: &Tensor| -> Result<Tensor> { p.matmul(&r(&v)?)?.broadcast_div(&l)?.transpose(1, 2) };
-    let want = formula(&r(&p)?)?;
-    let e = rel_err(&o, &want);
-    assert!(e < 1e-5, "o vs bf16(P)·bf16(V)/l: {e:e}");
-    let unrounded = rel_err(&o, &formula(&p)?);
-    assert!(unrounded > 1e-4, "P's rounding is visible: {unrounded:e}");
+    let (qr, kr, vr) = (r(&q)?, r(&k)?, r(&v)?);
+    let dor = r(&d_o)?.transpose(1, 2)?.contiguous()?; // (1, 1, T, Dh)
+    let o = o.transpose(1, 2)?.contiguous()?;
+    let lse = lse.reshape((1, 1, t, 1))?;
+    let mask = ops::causal_mask(t, None, &Device::Cpu)?.reshape((1, 1, t, t))?;
+    let s = (qr.matmul(&kr.t()?)? * scale)?.broadcast_add(&mask)?;
+    let e = s.broadcast_sub(&s.max_keepdim(3)?)?.exp()?;
+    let l = e.sum_keepdim(3)?;
+    let fwd = |e: &Tensor| e.matmul(&vr)?.broadcast_div(&l);
+    let err = rel_err(&o, &fwd(&r(&e)?)?);
+    assert!(err < 1e-5, "o vs its formula on bf16 operands: {err:e}");
+    let err = rel_err(&o, &fwd(&e)?);
+    assert!(err > 1e-4, "o: the rounding of P is visible: {err:e}");
+    let p = s.broadcast_sub(&lse)?.exp()?;
+    let dd = (&dor * &o)?.sum_keepdim(3)?;
+    let ds = (p.clone() * dor.matmul(&vr.t()?)?.broadcast_sub(&dd)?)?.affine(scale, 0.0)?;
+    let formulas = |p: &Tensor, ds: &Tensor| -> Result<[Tensor; 3]> {
+        Ok([ds.matmul(&kr)?, ds.t()?.matmul(&qr)?, p.t()?.matmul(&dor)?])
+    };
+    let want = formulas(&r(&p)?, &r(&ds)?)?;
+    let unrounded = formulas(&p, &ds)?;
+    for (name, (g, (w, u))) in ["dq", "dk", "dv"].iter().zip(
+        [&got.0, &got.1, &got.2]
+            .into_iter()
+            .zip(want.iter().zip(&unrounded)),
+    ) {
+        let e = rel_err(g, w);
+        assert!(e < 1e-5, "{name} vs its formula on bf16 operands: {e:e}");
+        let eu = rel_err(g, u);
+        assert!(eu > 1e-4, "{name}: the rounding of P/dS is visible: {eu:e}");
+    }
     Ok(())
 }
 
