@@ -30,8 +30,9 @@
 //! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
 //! Under bf16 autocast ([`crate::blas::autocast`], f32 inputs) the operands of every tile product
-//! are rounded to bf16 once, as the plain path's products round theirs: the `Q`, `K`, `V` and `dO`
-//! tiles as they are read, `P` (after its row sum is taken) before `P·V` and `Pᵀ·dO`, and `dS`
+//! are rounded to bf16 once, as the plain path's products round theirs: the inputs `Q`, `K`, `V` and
+//! `dO` once per call (not per tile read: a key tile is read once per query tile), `P` (after its
+//! row sum is taken) before `P·V` and `Pᵀ·dO`, and `dS`
 //! before `dS·K` and `dSᵀ·Q`; the sums stay f32 and so do the outputs. Without it the tiled path
 //! computed attention in f32 while every other product of the step was rounded: f32 summation noise
 //! in `q, k, v` or `dO` (oneDNN vs the fallback, say) then went through instead of vanishing in
@@ -190,6 +191,8 @@ pub fn flash_attn(
     if q.device().is_cuda() {
         return super::flash_cuda::fwd(&d.kernel_shape(), [&q, &k, &v, &starts], scale, dt);
     }
+    let round = autocast_rounds(dt);
+    let (q, k, v) = (rounded(q, round)?, rounded(k, round)?, rounded(v, round)?);
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
@@ -198,7 +201,6 @@ pub fn flash_attn(
     check_starts(op, st, d.t)?;
     let dev = q.device();
     let shape = (d.b, d.t, d.h, d.dh);
-    let round = autocast_rounds(dt);
     let o = by_dtype!(dt, T => {
         let (o, lse) = forward::<T>(
             &d,
@@ -266,6 +268,10 @@ pub fn flash_attn_bwd(
         let x = [&q, &k, &v, &o, &d_o];
         return super::flash_cuda::bwd(&d.kernel_shape(), x, &lse, &starts, scale, dt);
     }
+    // O is no product's operand (it enters D only): never rounded.
+    let round = autocast_rounds(dt);
+    let r = |x: Tensor| rounded(x, round);
+    let (q, k, v, d_o) = (r(q)?, r(k)?, r(v)?, r(d_o)?);
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
@@ -278,7 +284,6 @@ pub fn flash_attn_bwd(
     let lse_h = host::<f32>(op, "lse", &sl, ll)?;
     let dev = q.device();
     let kv_shape = (d.b, d.hkv, d.t, d.dh);
-    let round = autocast_rounds(dt);
     by_dtype!(dt, T => {
         let (dq, dk, dv) = backward::<T>(
             &d,
@@ -323,6 +328,16 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// thread's mode, as [`crate::blas::matmul`] reads it; bf16 inputs are bf16 already).
 fn autocast_rounds(dt: DType) -> bool {
     dt == DType::F32 && crate::blas::autocast::on()
+}
+
+/// `x` rounded to bf16 (nearest even) when `round`, kept as f32: an input that every tile product
+/// takes as an operand, rounded once per call rather than once per tile read.
+fn rounded(x: Tensor, round: bool) -> Result<Tensor> {
+    if round {
+        x.to_dtype(DType::BF16)?.to_dtype(DType::F32)
+    } else {
+        Ok(x)
+    }
 }
 
 /// `x` rounded to bf16 in place (nearest even), kept as f32: an autocast GEMM operand.
@@ -419,29 +434,22 @@ fn mm(
 }
 
 /// `rows` rows of `dh` elements, `stride` apart, from offset `base` of `src`, as an f32 tile:
-/// read in place when `T` is f32 and `round` is off, else converted into `buf` (packed, row
-/// stride `dh`), rounded to bf16 when `round` (autocast).
+/// read in place when `T` is f32, else converted into `buf` (packed, row stride `dh`).
 #[inline(always)]
 fn tile<'a, T: Elem>(
     buf: &'a mut Vec<f32>,
     src: &'a [T],
     base: usize,
     (rows, dh, stride): (usize, usize, usize),
-    round: bool,
 ) -> Mat<'a> {
     let end = base + rows.saturating_sub(1) * stride + dh;
-    if !round {
-        if let Some(x) = T::f32s(&src[base..end]) {
-            return Mat::rows(x, stride);
-        }
+    if let Some(x) = T::f32s(&src[base..end]) {
+        return Mat::rows(x, stride);
     }
     buf.clear();
     for r in 0..rows {
         let a = base + r * stride;
         buf.extend(src[a..a + dh].iter().map(|x| x.f()));
-    }
-    if round {
-        round_bf16(buf);
     }
     Mat::rows(buf, dh)
 }
@@ -506,7 +514,7 @@ struct Fwd<'a, T> {
     v: &'a [T],
     st: &'a [u32],
     scale: f32,
-    /// Autocast: the tile products' operands rounded to bf16.
+    /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
 }
 
@@ -532,13 +540,7 @@ impl<T: Elem> Task for Fwd<'_, T> {
         let mut sq = vec![0f32; BR * BC];
         for h in 0..nh {
             let hk = h / d.g();
-            let qm = tile(
-                &mut qbuf,
-                self.q,
-                d.at(d.h, b, h, i0),
-                (nr, dh, dh),
-                self.round,
-            );
+            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
             m.fill(f32::NEG_INFINITY);
             l.fill(0.0);
             acc.fill(0.0);
@@ -547,8 +549,8 @@ impl<T: Elem> Task for Fwd<'_, T> {
                 let j1 = (j0 + BC).min(hi);
                 let nc = j1 - j0;
                 let kv = d.at(d.hkv, b, hk, j0);
-                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh), self.round);
-                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh), self.round);
+                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
+                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
                 // S = Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs' ends
                 // cut), (nr, nc) with row stride BC.
                 mm(&mut sq, BC, false, qm, km.t(), (nr, nc, dh));
@@ -599,7 +601,8 @@ impl<T: Elem> Task for Fwd<'_, T> {
 }
 
 /// The forward loops: `(o, lse)`, `(B, T, H, Dh)` and `(B, T, H)`.
-/// `(scale, round)`: the score scale and whether the tile products round to bf16 (autocast).
+/// `(scale, round)`: the score scale and whether `P` (and `dS`) are rounded to bf16 before their
+/// products (autocast; the inputs arrive rounded).
 fn forward<T: Elem>(
     d: &Dims,
     q: &[T],
@@ -650,7 +653,7 @@ struct Bwd<'a, T> {
     lse: &'a [f32],
     st: &'a [u32],
     scale: f32,
-    /// Autocast: the tile products' operands rounded to bf16.
+    /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
     /// Query tiles per task.
     tiles: usize,
@@ -690,17 +693,10 @@ impl<T: Elem> Task for Bwd<'_, T> {
             }
             let i1 = (i0 + BR).min(d.t);
             let nr = i1 - i0;
-            let qm = tile(
-                &mut qbuf,
-                self.q,
-                d.at(d.h, b, h, i0),
-                (nr, dh, dh),
-                self.round,
-            );
+            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
             let (base, hd) = (d.at_bthd(b, h, i0), d.h * dh);
-            let dom = tile(&mut dobuf, self.d_o, base, (nr, dh, hd), self.round);
-            // O is no product's operand (D only): never rounded.
-            let om = tile(&mut obuf, self.o, base, (nr, dh, hd), false);
+            let dom = tile(&mut dobuf, self.d_o, base, (nr, dh, hd));
+            let om = tile(&mut obuf, self.o, base, (nr, dh, hd));
             let lse: Vec<f32> = (0..nr)
                 .map(|r| self.lse[(b * d.t + i0 + r) * d.h + h])
                 .collect();
@@ -715,8 +711,8 @@ impl<T: Elem> Task for Bwd<'_, T> {
                 let j1 = (j0 + BC).min(hi);
                 let nc = j1 - j0;
                 let kv = d.at(d.hkv, b, hk, j0);
-                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh), self.round);
-                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh), self.round);
+                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
+                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
                 let poff = (j0 - lo_all) * dh;
                 let pk = &mut pk[poff..poff + nc * dh];
                 let pv = &mut pv[poff..poff + nc * dh];
