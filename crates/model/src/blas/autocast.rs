@@ -61,7 +61,8 @@ pub(super) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// [`matmul`]; `use_onednn = false` forces the fallback (tests).
 fn product(a: &Tensor, b: &Tensor, use_onednn: bool) -> Result<Tensor> {
-    let (a16, b16) = (a.to_dtype(DType::BF16)?, b.to_dtype(DType::BF16)?);
+    let bf16 = |t: &Tensor| crate::fused::cast(t, DType::BF16);
+    let (a16, b16) = (bf16(a)?, bf16(b)?);
     if !a.device().is_cpu() {
         // CUDA: candle's bf16 GEMM (cuBLAS, f32 compute, bf16 out: torch's autocast exactly).
         return super::plain(&a16, &b16)?.to_dtype(DType::F32);
@@ -72,7 +73,8 @@ fn product(a: &Tensor, b: &Tensor, use_onednn: bool) -> Result<Tensor> {
         }
     }
     // The same bf16 values, widened exactly, multiplied in f32.
-    super::plain(&a16.to_dtype(DType::F32)?, &b16.to_dtype(DType::F32)?)
+    let f32 = |t: &Tensor| crate::fused::cast(t, DType::F32);
+    super::plain(&f32(&a16)?, &f32(&b16)?)
 }
 
 #[cfg(test)]

@@ -46,9 +46,16 @@ impl Elem for bf16 {
     fn f(self) -> f32 {
         self.to_f32()
     }
+    /// `bf16::from_f32`'s bits (nearest even; a NaN keeps its top bits and is made quiet), without
+    /// its branches, so loops of it vectorise.
     #[inline(always)]
     fn of(v: f32) -> Self {
-        bf16::from_f32(v)
+        let x = v.to_bits();
+        // Adding 0x7fff plus the kept part's lowest bit carries into bit 16 exactly when the
+        // dropped half is above one half, or is one half and the kept part is odd.
+        let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+        let nan = x & 0x7fff_ffff > 0x7f80_0000;
+        bf16::from_bits(if nan { (x >> 16) | 0x40 } else { rounded } as u16)
     }
 }
 
@@ -238,6 +245,28 @@ where
             .enumerate()
             .for_each(|(i, piece)| dispatch(k, i * rows, piece));
     })
+}
+
+/// `x` cast to `D` element by element (`D::of(x.f())`: `to_dtype`'s bits), in parallel.
+pub(crate) fn cast<S: Elem, D: Elem>(x: &[S]) -> Vec<D> {
+    par_rows(x.len(), 1, 1, &Cast(x, |v| D::of(v)))
+}
+
+/// f32 values rounded to bf16 and back, in parallel.
+pub(crate) fn round_bf16(x: &[f32]) -> Vec<f32> {
+    par_rows(x.len(), 1, 1, &Cast(x, rt::<bf16>))
+}
+
+struct Cast<'a, S, F>(&'a [S], F);
+
+impl<S: Elem, D: Elem, F: Fn(f32) -> D + Sync> Kernel for Cast<'_, S, F> {
+    type Out<'o> = &'o mut [MaybeUninit<D>];
+    #[inline(always)]
+    fn run(&self, r0: usize, ys: Self::Out<'_>) {
+        for (o, x) in ys.iter_mut().zip(&self.0[r0..]) {
+            o.write((self.1)(x.f()));
+        }
+    }
 }
 
 /// RMSNorm of rows of `w.len()`: `y = T(T(x·r)·w)`, `r = 1/sqrt(mean(x²) + eps)` in f32.

@@ -334,7 +334,7 @@ fn autocast_rounds(dt: DType) -> bool {
 /// takes as an operand, rounded once per call rather than once per tile read.
 fn rounded(x: Tensor, round: bool) -> Result<Tensor> {
     if round {
-        x.to_dtype(DType::BF16)?.to_dtype(DType::F32)
+        super::round_bf16(&x)
     } else {
         Ok(x)
     }
