@@ -23,6 +23,7 @@ use candle_core::{DType, Result, Tensor};
 
 use crate::blas::matmul as mm;
 use crate::dropout::{self, DropoutKey};
+use crate::fused::{add, cast};
 use crate::linear::{Frozen, Grads, Linear, LinearCache, LoraCtx};
 
 /// Concatenates the members' dense weights into one `(Σout, in)` block and makes each member's
@@ -156,7 +157,7 @@ pub fn forward(
         return Ok(out);
     }
     // xa: (N, Σr) f32 — one GEMM for the LoRA down-projections.
-    let xa = mm(&x.to_dtype(DType::F32)?, &stacked_a(members, ctx)?.t()?)?;
+    let xa = mm(&cast(x, DType::F32)?, &stacked_a(members, ctx)?.t()?)?;
     let mut col = 0;
     let mut out = Vec::with_capacity(members.len());
     for (m, y) in members.iter().zip(base) {
@@ -216,7 +217,7 @@ pub fn backward(
         for ((m, dy), c) in members.iter().zip(dys).zip(caches) {
             if let Some(dl) = m.lora_backward(dy, x, c, lora, grads, need_dx)? {
                 let d = dx.take().expect("need_dx");
-                dx = Some((&d + dl.to_dtype(d.dtype())?)?);
+                dx = Some(add(&d, &dl)?);
             }
         }
         return Ok(dx);
@@ -247,7 +248,7 @@ pub fn backward(
         return Ok(dx);
     }
     let dxa = Tensor::cat(&dxas, 1)?;
-    let xf = x.to_dtype(DType::F32)?;
+    let xf = cast(x, DType::F32)?;
     // dA: (Σr, in) = dxaᵀ·x, split by rows into each member's (r, in).
     let da = mm(&dxa.t()?, &xf)?;
     let mut row = 0;
@@ -259,7 +260,7 @@ pub fn backward(
     }
     if let Some(d) = dx.as_mut() {
         let dl = mm(&dxa, &stacked_a(members, ctx)?)?;
-        *d = (&*d + dl.to_dtype(d.dtype())?)?;
+        *d = add(d, &dl)?;
     }
     Ok(dx)
 }

@@ -6,6 +6,7 @@
 
 use candle_core::{Result, Tensor};
 
+use crate::fused;
 use crate::group;
 use crate::linear::{Grads, Linear, LinearCache, LoraCtx};
 use crate::ops::{self, AttnCache, AttnMask, AttnPath, AttnShape, NormCache};
@@ -134,7 +135,7 @@ impl Layer {
             ctx.path,
         )?;
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
-        let h = (x + a)?;
+        let h = fused::add(x, &a)?;
         let (h2, n2) = ops::rms_norm(&h, &self.post_norm, self.eps)?;
         let gu = group::forward(
             &[&self.gate, &self.up],
@@ -146,7 +147,7 @@ impl Layer {
         let [(g, cg), (u, cu)]: [(Tensor, LinearCache); 2] = gu.try_into().expect("two members");
         let m = ops::swiglu(&g, &u)?;
         let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
-        let out = (h + d)?;
+        let out = fused::add(&h, &d)?;
         Ok((
             out,
             LayerCache {
@@ -196,7 +197,10 @@ impl Layer {
             true,
         )?
         .expect("dx requested");
-        let dh = (d_out + ops::rms_norm_backward(&dh2, &self.post_norm, &c.n2)?)?;
+        let dh = fused::add(
+            d_out,
+            &ops::rms_norm_backward(&dh2, &self.post_norm, &c.n2)?,
+        )?;
         let d_o = self
             .o
             .backward(&dh, &c.o_in, &c.co, lora, grads, true)?
@@ -216,8 +220,9 @@ impl Layer {
         let Some(dh1) = dh1 else {
             return Ok(None);
         };
-        Ok(Some(
-            (dh + ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?)?,
-        ))
+        Ok(Some(fused::add(
+            &dh,
+            &ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?,
+        )?))
     }
 }

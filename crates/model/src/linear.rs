@@ -21,6 +21,7 @@ use rtune_lora::Adapter;
 use crate::blas::matmul as mm;
 use crate::dora::{self, DoraCache, NormCache};
 use crate::dropout::{self, DropoutKey};
+use crate::fused::{add, add_wide, cast};
 
 /// The adapter as the forward pass sees it.
 #[derive(Debug, Clone, Copy)]
@@ -258,8 +259,7 @@ impl Linear {
             ));
         }
         let y = self.add_bias(y)?;
-        let dt = y.dtype();
-        let y = (y.to_dtype(DType::F32)? + yl)?.to_dtype(dt)?;
+        let y = add_wide(&y, &yl)?;
         Ok((
             y,
             LinearCache {
@@ -302,7 +302,7 @@ impl Linear {
         };
         let dl = self.lora_backward(dy, x, cache, lora, grads, need_dx)?;
         Ok(match (dx, dl) {
-            (Some(d), Some(l)) => Some((&d + l.to_dtype(d.dtype())?)?),
+            (Some(d), Some(l)) => Some(add(&d, &l)?),
             (d, _) => d,
         })
     }
@@ -320,7 +320,7 @@ impl Linear {
         let xa = cache.xa.as_ref().expect("forward ran with LoRA");
         let s = ctx.scaling;
         // In f32, as the forward's LoRA branch.
-        let dyf = dy.to_dtype(DType::F32)?;
+        let dyf = cast(dy, DType::F32)?;
         let dyf = match &cache.dora {
             Some(d) => d.lora_dy(dyf)?,
             None => dyf,
@@ -376,6 +376,6 @@ impl Linear {
 fn lora_input(x: &Tensor, key: Option<&DropoutKey>) -> Result<Tensor> {
     match key {
         Some(k) => dropout::apply(x, k),
-        None => x.to_dtype(DType::F32),
+        None => cast(x, DType::F32),
     }
 }

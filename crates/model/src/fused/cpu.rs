@@ -269,6 +269,27 @@ impl<S: Elem, D: Elem, F: Fn(f32) -> D + Sync> Kernel for Cast<'_, S, F> {
     }
 }
 
+/// `T(a + b')`, `b' = T(b)` when `round_b` else `b`, the sum in f32, in parallel.
+pub(crate) fn add<T: Elem, U: Elem>(a: &[T], b: &[U], round_b: bool) -> Vec<T> {
+    if round_b {
+        par_rows(a.len(), 1, 2, &Sum(a, b, |a, b| T::of(a + rt::<T>(b))))
+    } else {
+        par_rows(a.len(), 1, 2, &Sum(a, b, |a, b| T::of(a + b)))
+    }
+}
+
+struct Sum<'a, T, U, F>(&'a [T], &'a [U], F);
+
+impl<T: Elem, U: Elem, F: Fn(f32, f32) -> T + Sync> Kernel for Sum<'_, T, U, F> {
+    type Out<'o> = &'o mut [MaybeUninit<T>];
+    #[inline(always)]
+    fn run(&self, r0: usize, ys: Self::Out<'_>) {
+        for (o, (a, b)) in ys.iter_mut().zip(self.0[r0..].iter().zip(&self.1[r0..])) {
+            o.write((self.2)(a.f(), b.f()));
+        }
+    }
+}
+
 /// RMSNorm of rows of `w.len()`: `y = T(T(x·r)·w)`, `r = 1/sqrt(mean(x²) + eps)` in f32.
 pub(crate) fn rms_norm<T: Elem>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
     let d = w.len();

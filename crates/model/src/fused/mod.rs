@@ -1,7 +1,7 @@
 //! Fused ops of the training step, each forward and backward as one candle custom op, one file per
 //! op: RMSNorm (`norm.rs`), SwiGLU (`swiglu.rs`), rotate-half RoPE (`rope.rs`), the cross-entropy of
-//! a chunk of rows (`ce.rs`), the attention softmax (`attn_softmax.rs`) and float casts (`cast.rs`,
-//! CPU only: candle's CUDA cast is a kernel already). Each op's file holds the
+//! a chunk of rows (`ce.rs`), the attention softmax (`attn_softmax.rs`), and on the CPU only float casts (`cast.rs`) and sums
+//! (`add.rs`), where candle's CUDA ops are kernels already. Each op's file holds the
 //! functions the model calls, the op structs with their shape and dtype checks, `cpu_fwd`, and with
 //! the `cuda` feature `cuda_fwd` (launching `rtune_kernels`' kernels on candle's stream, so they are
 //! ordered with every other candle op). What the ops share — reading contiguous storage, the dtype
@@ -21,6 +21,7 @@
 //!
 //! Imports run one way: `common`, `cpu` ← each op file ← this file.
 
+mod add;
 mod attn_softmax;
 mod cast;
 mod ce;
@@ -35,6 +36,7 @@ mod swiglu;
 #[cfg(test)]
 mod tests;
 
+pub use add::{add, add_wide};
 pub use attn_softmax::{attn_softmax, attn_softmax_bwd};
 pub use cast::{cast, round_bf16};
 pub use ce::{ce_bwd, ce_fwd};
