@@ -23,7 +23,7 @@ use candle_core::{DType, Result, Tensor};
 
 use crate::blas::matmul as mm;
 use crate::dropout::{self, DropoutKey};
-use crate::fused::{add, cast};
+use crate::fused::{cast, lora_up};
 use crate::linear::{Frozen, Grads, Linear, LinearCache, LoraCtx};
 
 /// Concatenates the members' dense weights into one `(Σout, in)` block and makes each member's
@@ -215,10 +215,7 @@ pub fn backward(
     };
     let Some(ctx) = ctx else {
         for ((m, dy), c) in members.iter().zip(dys).zip(caches) {
-            if let Some(dl) = m.lora_backward(dy, x, c, lora, grads, need_dx)? {
-                let d = dx.take().expect("need_dx");
-                dx = Some(add(&d, &dl)?);
-            }
+            dx = m.lora_backward(dy, x, c, lora, grads, dx)?;
         }
         return Ok(dx);
     };
@@ -258,11 +255,9 @@ pub fn backward(
         Grads::add(&mut grads.a[slot], da.narrow(0, row, r)?)?;
         row += r;
     }
-    if let Some(d) = dx.as_mut() {
-        let dl = mm(&dxa, &stacked_a(members, ctx)?)?;
-        *d = add(d, &dl)?;
-    }
-    Ok(dx)
+    // dx + T(dxa·[A₁; A₂; …]): the rank-Σr product and the add as one pass.
+    dx.map(|d| lora_up(&d, &dxa, &stacked_a(members, ctx)?, None, true))
+        .transpose()
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use rtune_lora::Adapter;
 use crate::blas::matmul as mm;
 use crate::dora::{self, DoraCache, NormCache};
 use crate::dropout::{self, DropoutKey};
-use crate::fused::{add, add_wide, cast};
+use crate::fused::{add, cast, lora_up};
 
 /// The adapter as the forward pass sees it.
 #[derive(Debug, Clone, Copy)]
@@ -246,8 +246,8 @@ impl Linear {
         ctx: &LoraCtx,
     ) -> Result<(Tensor, LinearCache)> {
         let pair = &ctx.adapter.pairs[self.lora.expect("adapted layer")];
-        let yl = (mm(&xa, &pair.b.t()?)? * ctx.scaling)?;
         if pair.m.is_some() {
+            let yl = (mm(&xa, &pair.b.t()?)? * ctx.scaling)?;
             let (y, d) = dora::output(self, y, yl, base_d, ctx)?;
             return Ok((
                 y,
@@ -258,8 +258,14 @@ impl Linear {
                 },
             ));
         }
-        let y = self.add_bias(y)?;
-        let y = add_wide(&y, &yl)?;
+        // y + s·xa·Bᵀ in f32, rounded once (the GEMM, its scale and the add as one pass).
+        let y = lora_up(
+            &self.add_bias(y)?,
+            &xa,
+            &pair.b.t()?,
+            Some(ctx.scaling),
+            false,
+        )?;
         Ok((
             y,
             LinearCache {
@@ -300,11 +306,7 @@ impl Linear {
         } else {
             None
         };
-        let dl = self.lora_backward(dy, x, cache, lora, grads, need_dx)?;
-        Ok(match (dx, dl) {
-            (Some(d), Some(l)) => Some(add(&d, &l)?),
-            (d, _) => d,
-        })
+        self.lora_backward(dy, x, cache, lora, grads, dx)
     }
 
     /// Accumulates `dB` and returns `dxa = scaling · dy·B: (N, r)` f32.
@@ -330,8 +332,9 @@ impl Linear {
         mm(&dyf, &pair.b)? * s
     }
 
-    /// The LoRA half of the backward: accumulates `dA, dB`; returns the LoRA part of `dx` (f32)
-    /// when `need_dx`. `None` when the layer has no LoRA branch.
+    /// The LoRA half of the backward: accumulates `dA, dB`; returns `dx` (the frozen path's
+    /// input gradient, `Some` when the caller needs one) plus the LoRA branch's, `dx` itself
+    /// when the layer has no LoRA branch.
     pub(crate) fn lora_backward(
         &self,
         dy: &Tensor,
@@ -339,18 +342,23 @@ impl Linear {
         cache: &LinearCache,
         lora: Option<&LoraCtx>,
         grads: &mut Grads,
-        need_dx: bool,
+        dx: Option<Tensor>,
     ) -> Result<Option<Tensor>> {
         let (Some(slot), Some(ctx), Some(_)) = (self.lora, lora, &cache.xa) else {
-            return Ok(None);
+            return Ok(dx);
         };
         let dxa = self.lora_dxa(dy, cache, ctx, grads)?;
         let pair = &ctx.adapter.pairs[slot];
         // dA: (r, in) = dxaᵀ·dropout(x), the mask regenerated from its key.
         let xd = lora_input(x, cache.dropout.as_ref())?;
         Grads::add(&mut grads.a[slot], mm(&dxa.t()?, &xd)?)?;
-        if !need_dx {
+        drop(xd);
+        let Some(dx) = dx else {
             return Ok(None);
+        };
+        if cache.dora.is_none() && cache.dropout.is_none() {
+            // dx + T(dxa·A): the rank-r product and the add as one pass.
+            return Ok(Some(lora_up(&dx, &dxa, &pair.a, None, true)?));
         }
         // dx of the LoRA branch: (dxa·A) masked as the input was; DoRA with dropout adds the
         // recomputed base product's (dy⊙(k−1))·W before the mask.
@@ -363,10 +371,11 @@ impl Linear {
             Some(e) => (dl + e)?,
             None => dl,
         };
-        Ok(Some(match &cache.dropout {
+        let dl = match &cache.dropout {
             Some(k) => dropout::apply(&dl, k)?,
             None => dl,
-        }))
+        };
+        Ok(Some(add(&dx, &dl)?))
     }
 }
 

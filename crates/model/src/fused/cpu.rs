@@ -290,6 +290,83 @@ impl<T: Elem, U: Elem, F: Fn(f32, f32) -> T + Sync> Kernel for Sum<'_, T, U, F> 
     }
 }
 
+/// `T(y + R(s · xa·m))` row by row (`crate::fused::lora_up`): `y` rows of `n` at stride `ld`,
+/// `xa: (N, r)`, `m: (r, n)`, all f32 but `y`; `R` rounds to `T` when `round`.
+pub(crate) fn lora_up<T: Elem>(
+    y: &[T],
+    ld: usize,
+    xa: &[f32],
+    m: &[f32],
+    (rows, n, r): (usize, usize, usize),
+    scale: Option<f32>,
+    round: bool,
+) -> Vec<T> {
+    let k = LoraUp {
+        y,
+        ld,
+        xa,
+        m,
+        n,
+        r,
+        scale,
+        round,
+    };
+    par_rows(rows * n, n, n * r.max(1), &k)
+}
+
+struct LoraUp<'a, T> {
+    y: &'a [T],
+    ld: usize,
+    xa: &'a [f32],
+    m: &'a [f32],
+    n: usize,
+    r: usize,
+    scale: Option<f32>,
+    round: bool,
+}
+
+/// Columns of `m` a [`LoraUp`] pass keeps in L1 (`r` rows of them, about 32 KiB), 16-aligned.
+fn lora_cols(r: usize) -> usize {
+    ((8192 / r.max(1)) / 16 * 16).max(16)
+}
+
+impl<T: Elem> Kernel for LoraUp<'_, T> {
+    type Out<'o> = &'o mut [MaybeUninit<T>];
+    #[inline(always)]
+    fn run(&self, r0: usize, ys: Self::Out<'_>) {
+        let n = self.n;
+        let rows = ys.len() / n; // par_rows hands whole rows, n > 0
+        let cols = lora_cols(self.r);
+        let mut acc = vec![0f32; cols.min(n)];
+        // Column blocks outside, rows inside: the block of `m` stays in L1 for every row.
+        for c0 in (0..n).step_by(cols) {
+            let c1 = (c0 + cols).min(n);
+            let acc = &mut acc[..c1 - c0];
+            for i in 0..rows {
+                let row = r0 + i;
+                acc.fill(0.0);
+                for (k, &a) in self.xa[row * self.r..(row + 1) * self.r].iter().enumerate() {
+                    let mk = &self.m[k * n + c0..k * n + c1];
+                    for (s, &w) in acc.iter_mut().zip(mk) {
+                        *s += a * w;
+                    }
+                }
+                let y = &self.y[row * self.ld + c0..row * self.ld + c1];
+                let out = &mut ys[i * n + c0..i * n + c1];
+                for ((o, &s), yv) in out.iter_mut().zip(acc.iter()).zip(y) {
+                    // As candle's `p * s` (affine: `v·s + 0`) and `to_dtype` would.
+                    let v = match self.scale {
+                        Some(sc) => s * sc + 0.0,
+                        None => s,
+                    };
+                    let v = if self.round { rt::<T>(v) } else { v };
+                    o.write(T::of(yv.f() + v));
+                }
+            }
+        }
+    }
+}
+
 /// RMSNorm of rows of `w.len()`: `y = T(T(x·r)·w)`, `r = 1/sqrt(mean(x²) + eps)` in f32.
 pub(crate) fn rms_norm<T: Elem>(x: &[T], w: &[T], eps: f32) -> Vec<T> {
     let d = w.len();

@@ -30,6 +30,7 @@ mod cpu;
 pub mod flash;
 #[cfg(feature = "cuda")]
 mod flash_cuda;
+mod lora;
 mod norm;
 mod rope;
 mod swiglu;
@@ -40,6 +41,7 @@ pub use add::{add, add_wide};
 pub use attn_softmax::{attn_softmax, attn_softmax_bwd};
 pub use cast::{cast, round_bf16};
 pub use ce::{ce_bwd, ce_fwd};
+pub use lora::lora_up;
 pub use norm::{rms_norm, rms_norm_bwd};
 pub use rope::{rope, rope_bwd};
 pub use swiglu::{swiglu, swiglu_bwd};

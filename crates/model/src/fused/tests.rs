@@ -727,3 +727,4 @@ fn tiled_attention_bad_inputs_are_errors() {
 }
 
 mod flash_ref;
+mod lora;
