@@ -167,11 +167,20 @@ pub fn get() -> std::result::Result<&'static OneDnn, &'static Fallback> {
 /// Call early in `main`, before threads start (setting the environment is only sound while one
 /// thread runs) and before oneDNN loads (libgomp reads it when it loads).
 pub fn init_env() {
-    if std::env::var_os("OMP_WAIT_POLICY").is_none() && std::env::var_os("GOMP_SPINCOUNT").is_none()
-    {
+    let get = |k| std::env::var_os(k);
+    if let Some(policy) = wait_policy(get("OMP_WAIT_POLICY"), get("GOMP_SPINCOUNT")) {
         // Sound only while one thread runs: the contract above.
-        std::env::set_var("OMP_WAIT_POLICY", "passive");
+        std::env::set_var("OMP_WAIT_POLICY", policy);
     }
+}
+
+/// The `OMP_WAIT_POLICY` [`init_env`] sets given the environment's `OMP_WAIT_POLICY` and
+/// `GOMP_SPINCOUNT`: `passive` when neither is set, nothing (the user's choice) otherwise.
+fn wait_policy(
+    omp: Option<std::ffi::OsString>,
+    spin: Option<std::ffi::OsString>,
+) -> Option<&'static str> {
+    (omp.is_none() && spin.is_none()).then_some("passive")
 }
 
 /// Which path bf16 GEMMs take: `oneDNN (libdnnl.so.2, oneDNN 2.6.3)` or `candle's gemm (...)`.
@@ -568,6 +577,16 @@ mod tests {
             m.contains("libdnnl-nonexistent.so") && m.contains("libdnnl2"),
             "{m}"
         );
+    }
+
+    /// OpenMP's threads sleep when idle unless the environment says how they wait.
+    #[test]
+    fn wait_policy_is_passive_unless_the_environment_chooses() {
+        let some = |v: &str| Some(std::ffi::OsString::from(v));
+        assert_eq!(wait_policy(None, None), Some("passive"));
+        assert_eq!(wait_policy(some("active"), None), None);
+        assert_eq!(wait_policy(None, some("100000")), None);
+        assert_eq!(wait_policy(some("passive"), some("0")), None);
     }
 
     /// The forced fallback: with oneDNN unavailable the caller gets `None` and computes the
