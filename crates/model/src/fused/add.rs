@@ -124,10 +124,14 @@ mod tests {
             }
         }
         ISA_CAP.store(2, Ordering::Relaxed);
-        // A broadcast goes to candle.
-        let row = Tensor::randn(0f32, 1.0, (1, 130), &dev)?;
-        let m = Tensor::randn(0f32, 1.0, (70, 130), &dev)?;
-        assert!(add(&m, &row).is_err(), "candle's add does not broadcast");
+        // A broadcast view (stride 0) of the other's shape is read as the row repeated.
+        let row = Tensor::randn(0f32, 1.0, (1, 130), &dev)?.to_dtype(DType::BF16)?;
+        let m = Tensor::randn(0f32, 1.0, (70, 130), &dev)?.to_dtype(DType::BF16)?;
+        let got = add(&m, &row.broadcast_as(m.shape())?)?;
+        assert!(
+            bits(&got) == bits(&m.broadcast_add(&row)?),
+            "broadcast view"
+        );
         Ok(())
     }
 }

@@ -10,7 +10,7 @@
 //! its memory order and handed back with the same permutation (no gather). Other layouts, other
 //! dtypes and other devices go to `to_dtype` (on CUDA a kernel already).
 //!
-//! The plain reference is `to_dtype` itself; `tests.rs` holds this op to it bit for bit.
+//! The plain reference is `to_dtype` itself; the tests below hold this op to it bit for bit.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, WithDType};

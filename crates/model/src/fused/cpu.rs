@@ -249,7 +249,7 @@ where
 
 /// `x` cast to `D` element by element (`D::of(x.f())`: `to_dtype`'s bits), in parallel.
 pub(crate) fn cast<S: Elem, D: Elem>(x: &[S]) -> Vec<D> {
-    par_rows(x.len(), 1, 1, &Cast(x, |v| D::of(v)))
+    par_rows(x.len(), 1, 1, &Cast(x, D::of))
 }
 
 /// f32 values rounded to bf16 and back, in parallel.

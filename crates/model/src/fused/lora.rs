@@ -106,10 +106,14 @@ impl CustomOp3 for LoraUp {
         if dx[0] != rows || dm != [r, n] {
             bail!("{op}: y {dy:?} = xa {dx:?} · m {dm:?} does not hold");
         }
-        float_dtype(op, &[("xa", sx.dtype()), ("m", sm.dtype())])?;
-        if sx.dtype() != DType::F32 {
-            bail!("{op}: xa and m must be f32, got {:?}", sx.dtype());
+        if (sx.dtype(), sm.dtype()) != (DType::F32, DType::F32) {
+            bail!(
+                "{op}: xa and m must be f32, got {:?} and {:?}",
+                sx.dtype(),
+                sm.dtype()
+            );
         }
+        let dt = float_dtype(op, &[("y", sy.dtype())])?;
         let (xa, m) = (
             slice::<f32>(op, "xa", sx, lx)?,
             slice::<f32>(op, "m", sm, lm)?,
@@ -121,7 +125,7 @@ impl CustomOp3 for LoraUp {
         } else {
             start + (rows - 1) * ld + n
         };
-        let out = by_dtype!(sy.dtype(), T => {
+        let out = by_dtype!(dt, T => {
             let y = &sy.as_slice::<T>()?[start..end];
             T::to_cpu_storage_owned(cpu::lora_up(y, ld, xa, m, (rows, n, r), self.scale, self.round))
         });
