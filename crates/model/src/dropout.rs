@@ -129,78 +129,102 @@ impl DropoutKey {
         }
     }
 
-    /// Calls `f(j, factors)` for each run of `4·LANES` elements (the last one shorter) of
-    /// elements `start .. start + len`, `start` a multiple of 4; `j` is the run's offset.
-    #[inline(always)]
-    fn runs(&self, start: u64, len: usize, mut f: impl FnMut(usize, &[f32])) {
-        debug_assert_eq!(start % 4, 0);
-        let (thr, scale) = (self.threshold(), self.scale());
-        let mut buf = [0f32; 4 * LANES];
-        for j in (0..len).step_by(4 * LANES) {
-            self.factors((start + j as u64) / 4, thr, scale, &mut buf);
-            f(j, &buf[..(len - j).min(4 * LANES)]);
-        }
-    }
-
     /// `out = f32(src) · factor` for elements `start .. start + out.len()`, `start` a multiple of 4.
-    fn fill<T: Copy>(&self, start: u64, src: &[T], out: &mut [f32], f32_of: impl Fn(T) -> f32) {
-        with_isa(|| {
-            self.runs(start, out.len(), |j, m| {
-                let (o, s) = (&mut out[j..j + m.len()], &src[j..j + m.len()]);
-                for ((o, &x), &m) in o.iter_mut().zip(s).zip(m) {
-                    *o = f32_of(x) * m;
-                }
-            })
-        })
+    fn fill<T: Copy + Sync>(
+        &self,
+        start: u64,
+        src: &[T],
+        out: &mut [f32],
+        f32_of: impl Fn(T) -> f32 + Sync,
+    ) {
+        crate::fused::dispatch(
+            &Fill {
+                key: self,
+                start,
+                src,
+                f32_of,
+            },
+            0,
+            out,
+        )
     }
 
     /// `acc = round(acc + round(d · factor))` for elements `start .. start + acc.len()`, `start`
     /// a multiple of 4: one masked term added as candle adds `acc + dropout(d).to_dtype(..)`.
-    fn add_into(&self, start: u64, d: &[f32], acc: &mut [f32], round: impl Fn(f32) -> f32) {
-        with_isa(|| {
-            self.runs(start, acc.len(), |j, m| {
-                let (a, d) = (&mut acc[j..j + m.len()], &d[j..j + m.len()]);
-                for ((a, &x), &m) in a.iter_mut().zip(d).zip(m) {
-                    *a = round(*a + round(x * m));
-                }
-            })
-        })
+    fn add_into(&self, start: u64, d: &[f32], acc: &mut [f32], round: impl Fn(f32) -> f32 + Sync) {
+        crate::fused::dispatch(
+            &AddInto {
+                key: self,
+                start,
+                d,
+                round,
+            },
+            0,
+            acc,
+        )
+    }
+}
+
+/// [`DropoutKey::fill`]'s loop as a [`crate::fused::Kernel`]: its `run` is inlined into the
+/// dispatcher's AVX-512F and AVX2 copies, Philox rounds included (as a closure it was compiled
+/// once, out of line, for the SSE2 baseline: 11% of a SmolLM2 recipe step).
+struct Fill<'a, T, F> {
+    key: &'a DropoutKey,
+    start: u64,
+    src: &'a [T],
+    f32_of: F,
+}
+
+impl<T: Copy + Sync, F: Fn(T) -> f32 + Sync> crate::fused::Kernel for Fill<'_, T, F> {
+    type Out<'o> = &'o mut [f32];
+    #[inline(always)]
+    fn run(&self, _: usize, out: Self::Out<'_>) {
+        let k = self.key;
+        debug_assert_eq!(self.start % 4, 0);
+        let (thr, scale) = (k.threshold(), k.scale());
+        let mut m = [0f32; 4 * LANES];
+        for j in (0..out.len()).step_by(4 * LANES) {
+            k.factors((self.start + j as u64) / 4, thr, scale, &mut m);
+            let n = (out.len() - j).min(4 * LANES);
+            for ((o, &x), &m) in out[j..j + n]
+                .iter_mut()
+                .zip(&self.src[j..j + n])
+                .zip(&m[..n])
+            {
+                *o = (self.f32_of)(x) * m;
+            }
+        }
+    }
+}
+
+/// [`DropoutKey::add_into`]'s loop as a [`crate::fused::Kernel`] (see [`Fill`]).
+struct AddInto<'a, F> {
+    key: &'a DropoutKey,
+    start: u64,
+    d: &'a [f32],
+    round: F,
+}
+
+impl<F: Fn(f32) -> f32 + Sync> crate::fused::Kernel for AddInto<'_, F> {
+    type Out<'o> = &'o mut [f32];
+    #[inline(always)]
+    fn run(&self, _: usize, acc: Self::Out<'_>) {
+        let k = self.key;
+        debug_assert_eq!(self.start % 4, 0);
+        let (thr, scale) = (k.threshold(), k.scale());
+        let mut m = [0f32; 4 * LANES];
+        for j in (0..acc.len()).step_by(4 * LANES) {
+            k.factors((self.start + j as u64) / 4, thr, scale, &mut m);
+            let n = (acc.len() - j).min(4 * LANES);
+            for ((a, &x), &m) in acc[j..j + n].iter_mut().zip(&self.d[j..j + n]).zip(&m[..n]) {
+                *a = (self.round)(*a + (self.round)(x * m));
+            }
+        }
     }
 }
 
 /// Philox blocks generated together (see [`DropoutKey::factors`]).
 const LANES: usize = 16;
-
-/// Runs `f` compiled for AVX-512F or AVX2 when the CPU has it (the mask loops vectorize wider),
-/// else as built.
-#[inline(always)]
-fn with_isa<R>(f: impl FnOnce() -> R) -> R {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let cpu = crate::cpu_features::get();
-        if cpu.avx512f {
-            // SAFETY: the CPU has AVX-512F, checked on the line above.
-            return unsafe { run_avx512(f) };
-        }
-        if cpu.avx2 {
-            // SAFETY: the CPU has AVX2, checked on the line above.
-            return unsafe { run_avx2(f) };
-        }
-    }
-    f()
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn run_avx512<R>(f: impl FnOnce() -> R) -> R {
-    f()
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn run_avx2<R>(f: impl FnOnce() -> R) -> R {
-    f()
-}
 
 /// Elements a rayon task handles: a multiple of `4·LANES` (whole batches of Philox blocks), large
 /// enough that a task's work dwarfs its scheduling.
@@ -473,7 +497,9 @@ pub fn add_each(acc: &Tensor, d: &Tensor, keys: &[DropoutKey]) -> Result<Tensor>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fused::ISA_CAP;
     use candle_core::Device;
+    use std::sync::atomic::Ordering;
 
     /// Random123's known-answer vectors (`tests/kat_vectors`, philox4x32 10 rounds): counter
     /// words, key words, output words.
@@ -527,17 +553,22 @@ mod tests {
         };
         let n = 2 * TASK + 7;
         let x = Tensor::randn(0f32, 1.0, (n / 7, 7), &Device::Cpu)?;
-        for xt in [x.clone(), x.to_dtype(DType::BF16)?] {
-            let got = apply(&xt, &key)?.flatten_all()?.to_vec1::<f32>()?;
-            let xs = xt.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            for (i, (g, v)) in got.iter().zip(&xs).enumerate() {
-                assert_eq!(
-                    g.to_bits(),
-                    (v * key.factor(i as u64)).to_bits(),
-                    "element {i}"
-                );
+        // Every instruction-set build of the mask loop (AVX-512F, AVX2, baseline).
+        for cap in [2, 1, 0] {
+            ISA_CAP.store(cap, Ordering::Relaxed);
+            for xt in [x.clone(), x.to_dtype(DType::BF16)?] {
+                let got = apply(&xt, &key)?.flatten_all()?.to_vec1::<f32>()?;
+                let xs = xt.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                for (i, (g, v)) in got.iter().zip(&xs).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        (v * key.factor(i as u64)).to_bits(),
+                        "element {i}, ISA cap {cap}"
+                    );
+                }
             }
         }
+        ISA_CAP.store(2, Ordering::Relaxed);
         Ok(())
     }
 
@@ -617,7 +648,10 @@ mod tests {
             let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             Ok(v.iter().map(|x| x.to_bits()).collect())
         };
-        for xt in [x.clone(), x.to_dtype(DType::BF16)?] {
+        for (cap, xt) in [(2, &x), (1, &x), (0, &x), (2, &x.to_dtype(DType::BF16)?)] {
+            // Every instruction-set build of the mask loops, f32; bf16 on the widest.
+            ISA_CAP.store(cap, Ordering::Relaxed);
+            let xt = xt.clone();
             let got = apply_each(&xt, &keys)?;
             assert_eq!(got.dims(), &[3, n / 5, 5]);
             for (g, k) in keys.iter().enumerate() {
@@ -629,8 +663,9 @@ mod tests {
                 want = (&want + apply(&d.get(g)?, k)?.to_dtype(xt.dtype())?)?;
             }
             assert_eq!(got.dtype(), xt.dtype());
-            assert_eq!(bits(&got)?, bits(&want)?);
+            assert_eq!(bits(&got)?, bits(&want)?, "ISA cap {cap}");
         }
+        ISA_CAP.store(2, Ordering::Relaxed);
         Ok(())
     }
 

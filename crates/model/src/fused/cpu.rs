@@ -185,7 +185,7 @@ pub(crate) static ISA_CAP: std::sync::atomic::AtomicU8 = std::sync::atomic::Atom
 
 /// Runs `k` compiled for AVX-512F or AVX2 when the CPU has it, else for the baseline.
 #[inline(always)]
-fn dispatch<K: Kernel>(k: &K, r0: usize, out: K::Out<'_>) {
+pub(crate) fn dispatch<K: Kernel>(k: &K, r0: usize, out: K::Out<'_>) {
     #[cfg(target_arch = "x86_64")]
     {
         #[cfg(test)]

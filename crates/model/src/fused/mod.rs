@@ -38,9 +38,13 @@ mod swiglu;
 mod tests;
 
 pub use add::{add, add_wide};
+// The ISA dispatch of the CPU loops, for the LoRA dropout's mask passes (`crate::dropout`).
 pub use attn_softmax::{attn_softmax, attn_softmax_bwd};
 pub use cast::{cast, round_bf16};
 pub use ce::{ce_bwd, ce_fwd};
+#[cfg(test)]
+pub(crate) use cpu::ISA_CAP;
+pub(crate) use cpu::{dispatch, Kernel};
 pub use lora::lora_up;
 pub use norm::{rms_norm, rms_norm_bwd};
 pub use rope::{rope, rope_bwd};
