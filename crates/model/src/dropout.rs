@@ -25,6 +25,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Philox4x32 round multipliers and Weyl key increments (Random123's `PHILOX_M4x32_*`,
 /// `PHILOX_W32_*`).
@@ -115,11 +116,16 @@ impl DropoutKey {
                 k = [k[0].wrapping_add(W0), k[1].wrapping_add(W1)];
             }
             for l in 0..LANES {
-                let p0 = u64::from(M0) * u64::from(c[0][l]);
-                let p1 = u64::from(M1) * u64::from(c[2][l]);
-                let n0 = (p1 >> 32) as u32 ^ c[1][l] ^ k[0];
-                let n2 = (p0 >> 32) as u32 ^ c[3][l] ^ k[1];
-                (c[0][l], c[1][l], c[2][l], c[3][l]) = (n0, p1 as u32, n2, p0 as u32);
+                // The products' high words as u64 products shifted, their low words as 32-bit
+                // wrapping products: written so, the vectorizer emits `vpmuludq` on even and odd
+                // lanes for the high words and `vpmulld` for the low ones, with no widening of the
+                // lanes to 64 bits and back.
+                let hi0 = ((u64::from(M0) * u64::from(c[0][l])) >> 32) as u32;
+                let hi1 = ((u64::from(M1) * u64::from(c[2][l])) >> 32) as u32;
+                let (lo0, lo1) = (M0.wrapping_mul(c[0][l]), M1.wrapping_mul(c[2][l]));
+                let n0 = hi1 ^ c[1][l] ^ k[0];
+                let n2 = hi0 ^ c[3][l] ^ k[1];
+                (c[0][l], c[1][l], c[2][l], c[3][l]) = (n0, lo1, n2, lo0);
             }
         }
         for l in 0..LANES {
@@ -129,12 +135,13 @@ impl DropoutKey {
         }
     }
 
-    /// `out = f32(src) · factor` for elements `start .. start + out.len()`, `start` a multiple of 4.
+    /// `out = f32(src) · factor` for elements `start .. start + out.len()` (every one written),
+    /// `start` a multiple of 4.
     fn fill<T: Copy + Sync>(
         &self,
         start: u64,
         src: &[T],
-        out: &mut [f32],
+        out: &mut [MaybeUninit<f32>],
         f32_of: impl Fn(T) -> f32 + Sync,
     ) {
         crate::fused::dispatch(
@@ -176,7 +183,7 @@ struct Fill<'a, T, F> {
 }
 
 impl<T: Copy + Sync, F: Fn(T) -> f32 + Sync> crate::fused::Kernel for Fill<'_, T, F> {
-    type Out<'o> = &'o mut [f32];
+    type Out<'o> = &'o mut [MaybeUninit<f32>];
     #[inline(always)]
     fn run(&self, _: usize, out: Self::Out<'_>) {
         let k = self.key;
@@ -191,7 +198,7 @@ impl<T: Copy + Sync, F: Fn(T) -> f32 + Sync> crate::fused::Kernel for Fill<'_, T
                 .zip(&self.src[j..j + n])
                 .zip(&m[..n])
             {
-                *o = (self.f32_of)(x) * m;
+                o.write((self.f32_of)(x) * m);
             }
         }
     }
@@ -235,12 +242,12 @@ fn masked<T: Copy + Sync>(
     src: &[T],
     f32_of: impl Fn(T) -> f32 + Sync,
 ) -> Vec<f32> {
-    let mut out = vec![0f32; src.len()];
-    out.par_chunks_mut(TASK)
-        .zip(src.par_chunks(TASK))
-        .enumerate()
-        .for_each(|(t, (o, s))| key.fill((t * TASK) as u64, s, o, &f32_of));
-    out
+    crate::fused::filled(src.len(), |out| {
+        out.par_chunks_mut(TASK)
+            .zip(src.par_chunks(TASK))
+            .enumerate()
+            .for_each(|(t, (o, s))| key.fill((t * TASK) as u64, s, o, &f32_of))
+    })
 }
 
 /// Every key's mask over the same `src`, member after member: `(G·n)` f32 (see [`apply_each`]).
@@ -250,17 +257,17 @@ fn masked_each<T: Copy + Sync>(
     f32_of: impl Fn(T) -> f32 + Sync,
 ) -> Vec<f32> {
     let n = src.len();
-    let mut out = vec![0f32; keys.len() * n];
-    if n == 0 {
-        return out;
-    }
-    out.par_chunks_mut(n).zip(keys).for_each(|(o, key)| {
-        o.par_chunks_mut(TASK)
-            .zip(src.par_chunks(TASK))
-            .enumerate()
-            .for_each(|(t, (o, s))| key.fill((t * TASK) as u64, s, o, &f32_of))
-    });
-    out
+    crate::fused::filled(keys.len() * n, |out| {
+        if n == 0 {
+            return;
+        }
+        out.par_chunks_mut(n).zip(keys).for_each(|(o, key)| {
+            o.par_chunks_mut(TASK)
+                .zip(src.par_chunks(TASK))
+                .enumerate()
+                .for_each(|(t, (o, s))| key.fill((t * TASK) as u64, s, o, &f32_of))
+        })
+    })
 }
 
 /// `acc + Σ_g dropout_g(d[g])`, added member after member with `round` after each addition

@@ -221,11 +221,11 @@ unsafe fn run_avx2<K: Kernel>(k: &K, r0: usize, out: K::Out<'_>) {
 const TASK: usize = 1 << 14;
 
 /// A `Vec` of `n` elements, every one of which `fill` writes.
-fn filled<T>(n: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+pub(crate) fn filled<T>(n: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
     let mut v = Vec::with_capacity(n);
     fill(&mut v.spare_capacity_mut()[..n]);
     // SAFETY: every caller's `fill` writes each of the n elements (each kernel writes whole rows,
-    // and `par_rows` hands it every row).
+    // and `par_rows` hands it every row; the dropout's mask passes write every element of theirs).
     unsafe { v.set_len(n) };
     v
 }

@@ -44,7 +44,7 @@ pub use cast::{cast, round_bf16};
 pub use ce::{ce_bwd, ce_fwd};
 #[cfg(test)]
 pub(crate) use cpu::ISA_CAP;
-pub(crate) use cpu::{dispatch, Kernel};
+pub(crate) use cpu::{dispatch, filled, Kernel};
 pub use lora::lora_up;
 pub use norm::{rms_norm, rms_norm_bwd};
 pub use rope::{rope, rope_bwd};
