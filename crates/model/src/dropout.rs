@@ -16,8 +16,8 @@
 //! under gradient checkpointing) regenerates the mask rather than keeping it. [`apply`] fuses
 //! the cast to f32, the mask and the scale into one pass over the input: rayon tasks on the CPU,
 //! `kernels/dropout.cu` on CUDA (`rtune_kernels::dropout`), the same bits on both. On the CPU the
-//! blocks are generated 16 at a time in struct-of-arrays form, compiled for AVX-512F/AVX2 when
-//! the CPU has them, so the rounds vectorize. For a group of modules reading one input
+//! blocks are generated 16 at a time in struct-of-arrays form, and the passes are
+//! [`crate::fused::Kernel`]s, built for AVX-512F/AVX2 when the CPU has them, so the rounds vectorize. For a group of modules reading one input
 //! ([`crate::group`]), [`apply_each`] makes every member's dropped input in one pass and
 //! [`add_each`] adds the members' masked input gradients into `dx` in one pass.
 
@@ -97,7 +97,7 @@ impl DropoutKey {
 
     /// Factors of the `4·LANES` elements from block `first` on, into `out`: [`LANES`] Philox
     /// blocks at once, their words kept as struct-of-arrays so that the rounds vectorize
-    /// (`u32 × u32 → u64` is one `vpmuludq` per 8 lanes on AVX-512).
+    /// (on AVX-512 the high words are `vpmuludq` on even and odd lanes, the low ones `vpmulld`).
     #[inline(always)]
     // Lanes index four arrays at once (the struct-of-arrays layout the vectorizer wants).
     #[allow(clippy::needless_range_loop)]
