@@ -16,10 +16,11 @@
 //! under gradient checkpointing) regenerates the mask rather than keeping it. [`apply`] fuses
 //! the cast to f32, the mask and the scale into one pass over the input: rayon tasks on the CPU,
 //! `kernels/dropout.cu` on CUDA (`rtune_kernels::dropout`), the same bits on both. On the CPU the
-//! blocks are generated 16 at a time in struct-of-arrays form, and the passes are
-//! [`crate::fused::Kernel`]s, built for AVX-512F/AVX2 when the CPU has them, so the rounds vectorize. For a group of modules reading one input
-//! ([`crate::group`]), [`apply_each`] makes every member's dropped input in one pass and
-//! [`add_each`] adds the members' masked input gradients into `dx` in one pass.
+//! blocks are generated 16 at a time in struct-of-arrays form, and the passes are the fused ops'
+//! `Kernel`s (`fused/cpu.rs`), built for AVX-512F/AVX2 when the CPU has them, so the rounds
+//! vectorize. For a group of modules reading one input ([`crate::group`]), [`apply_each`] makes
+//! every member's dropped input in one pass and [`add_each`] adds the members' masked input
+//! gradients into `dx` in one pass.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
