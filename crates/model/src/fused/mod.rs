@@ -38,14 +38,16 @@ mod swiglu;
 mod tests;
 
 pub use add::{add, add_wide};
-// The ISA dispatch of the CPU loops, for the LoRA dropout's mask passes (`crate::dropout`).
 pub use attn_softmax::{attn_softmax, attn_softmax_bwd};
 pub use cast::{cast, round_bf16};
 pub use ce::{ce_bwd, ce_fwd};
-#[cfg(test)]
-pub(crate) use cpu::ISA_CAP;
-pub(crate) use cpu::{dispatch, filled, Kernel};
 pub use lora::lora_up;
 pub use norm::{rms_norm, rms_norm_bwd};
 pub use rope::{rope, rope_bwd};
 pub use swiglu::{swiglu, swiglu_bwd};
+
+// The CPU loops' ISA dispatch and output buffers, for the LoRA dropout's mask passes too
+// (`crate::dropout`: outside this module, it imports them from here).
+#[cfg(test)]
+pub(crate) use cpu::ISA_CAP;
+pub(crate) use cpu::{dispatch, filled, Kernel};
