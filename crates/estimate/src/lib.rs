@@ -129,6 +129,7 @@ pub mod names {
     pub const ADAMW: &str = "AdamW states";
     pub const MASTER: &str = "optimizer master copy";
     pub const INPUTS: &str = "kept checkpoints (layer inputs)";
+    pub const KEPT_ATTN: &str = "kept checkpoints (attention outputs)";
     pub const ACTS: &str = "layer activations (all layers)";
     pub const ACTS_ONE: &str = "one layer's activations (recomputed)";
     pub const PROBS: &str = "attention probabilities (kept)";
@@ -399,6 +400,13 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
     // Layer inputs (the checkpoints) for all L layers; without checkpointing every layer's cache
     // too, with it one layer's (the last layer's, then the one being recomputed).
     v.push(item(INPUTS, n * d * e, k.l));
+    // With checkpointing on the tiled path, the L − 1 recomputed layers also keep their
+    // attention's output (N, Dq) and log-sum-exp (B, T, H) f32 (`Model::forward_backward`: the
+    // recompute skips the attention).
+    if s.gradient_checkpointing && path == AttnPath::Tiled {
+        let lse = k.n * c.num_heads as u64 * 4;
+        v.push(item(KEPT_ATTN, n * k.dq * e + lse, k.l.saturating_sub(1)));
+    }
     // With checkpointing the last layer keeps its activations from the forward (it is the first
     // the backward needs: `Model::forward_backward` recomputes only the L − 1 others), so one
     // cache is alive at the cross-entropy too. Counted on the tiled path, where the measured peak

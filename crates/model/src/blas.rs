@@ -255,6 +255,7 @@ impl CustomOp2 for Gemm {
 #[track_caller]
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let site = std::panic::Location::caller();
+    layout_audit::call("matmul", a.dims(), b.dims());
     let (a, b) = if cuda_gemm_ok(a.layout(), b.layout()) {
         (Cow::Borrowed(a), Cow::Borrowed(b))
     } else {
@@ -366,8 +367,10 @@ fn batch_ok(l: &Layout) -> bool {
 
 /// A record of the matmul operands that fail [`cuda_gemm_ok`]'s rule, for tests: while a
 /// [`layout_audit::Guard`] from [`layout_audit::start`] lives, every [`matmul`] call with such an operand is recorded with its
-/// call site, shapes and strides. Process-wide (any thread's calls count): a test that asserts on
-/// it should be the only one of its binary running model code at the time.
+/// call site, shapes and strides; so is every product's shapes ([`matmul`]'s and the tiled
+/// attention's, [`layout_audit::Call`]), which tests count. Process-wide (any thread's calls
+/// count): a test that asserts on it should be the only one of its binary running model code at
+/// the time.
 pub mod layout_audit {
     use candle_core::Layout;
     use std::panic::Location;
@@ -411,12 +414,23 @@ pub mod layout_audit {
         }
     }
 
+    /// One product computed while recording: `op` (`matmul`, `flash_attn`) and its first two
+    /// operands' dims.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Call {
+        pub op: &'static str,
+        pub lhs: Vec<usize>,
+        pub rhs: Vec<usize>,
+    }
+
     static ACTIVE: AtomicUsize = AtomicUsize::new(0);
     static SEEN: Mutex<Vec<Violation>> = Mutex::new(Vec::new());
+    static CALLS: Mutex<Vec<Call>> = Mutex::new(Vec::new());
 
     /// Records until the guard drops; what was recorded before is cleared.
     pub fn start() -> Guard {
         SEEN.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        CALLS.lock().unwrap_or_else(|e| e.into_inner()).clear();
         ACTIVE.fetch_add(1, Ordering::SeqCst);
         Guard(())
     }
@@ -434,6 +448,23 @@ pub mod layout_audit {
         pub fn take(&self) -> Vec<Violation> {
             std::mem::take(&mut *SEEN.lock().unwrap_or_else(|e| e.into_inner()))
         }
+
+        /// Every product since [`start`] or the last `take_calls`, in call order, cleared.
+        pub fn take_calls(&self) -> Vec<Call> {
+            std::mem::take(&mut *CALLS.lock().unwrap_or_else(|e| e.into_inner()))
+        }
+    }
+
+    /// Notes a product of operands `lhs`, `rhs` while recording.
+    pub(crate) fn call(op: &'static str, lhs: &[usize], rhs: &[usize]) {
+        if ACTIVE.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        CALLS.lock().unwrap_or_else(|e| e.into_inner()).push(Call {
+            op,
+            lhs: lhs.to_vec(),
+            rhs: rhs.to_vec(),
+        });
     }
 
     impl Drop for Guard {

@@ -2,14 +2,16 @@
 //! `h = x + o_proj(attn(rope(q(n1)), rope(k(n1)), v(n1)))`, `out = h + down(silu(gate(n2))·up(n2))`
 //! with `n1 = rmsnorm(x)`, `n2 = rmsnorm(h)`. Its backward needs only the layer input and the
 //! [`LayerCache`] that [`Layer::forward`] returns, so a layer can be recomputed from its input alone
-//! (gradient checkpointing).
+//! (gradient checkpointing: [`Layer::recompute`], which skips what the backward does not need —
+//! the down projection's frozen product, the last residual add, and with the tiled attention's
+//! kept output and log-sum-exp the attention itself).
 
 use candle_core::{Result, Tensor};
 
 use crate::fused;
 use crate::group;
 use crate::linear::{Grads, Linear, LinearCache, LoraCtx};
-use crate::ops::{self, AttnCache, AttnMask, AttnPath, AttnShape, NormCache};
+use crate::ops::{self, AttnCache, AttnMask, AttnPath, AttnShape, KeptAttn, NormCache};
 
 #[derive(Debug, Clone)]
 pub struct Layer {
@@ -50,6 +52,23 @@ pub struct LayerCache {
     cu: LinearCache,
     m: Tensor,
     cd: LinearCache,
+}
+
+impl LayerCache {
+    /// What [`Layer::recompute`] can reuse of this forward's attention: the tiled path's output
+    /// and log-sum-exp (`(N, H·Dh)` and `(B, T, H)` f32; `None` on the plain path).
+    pub fn kept_attention(&self) -> Option<KeptAttn> {
+        self.attn.kept()
+    }
+}
+
+/// How much of a layer [`Layer::run`] computes.
+enum Pass {
+    /// Output and cache ([`Layer::forward`]).
+    Full,
+    /// The cache only, the attention's output taken from the forward when it was kept
+    /// ([`Layer::recompute`]).
+    Recompute(Option<KeptAttn>),
 }
 
 /// Per-batch inputs shared by all layers.
@@ -114,6 +133,32 @@ impl Layer {
         ctx: &BatchCtx,
         lora: Option<&LoraCtx>,
     ) -> Result<(Tensor, LayerCache)> {
+        let (out, cache) = self.run(x, ctx, lora, Pass::Full)?;
+        Ok((out.expect("a full pass has an output"), cache))
+    }
+
+    /// The cache [`Layer::forward`] returns for `x`, bit for bit, without the layer's output
+    /// (gradient checkpointing: the output is the next layer's kept input). Skips the down
+    /// projection's frozen product (only its LoRA input product is formed) and the residual add;
+    /// given the tiled attention's output and log-sum-exp from the forward (`kept`,
+    /// [`LayerCache::kept_attention`]), the attention is not run again either.
+    pub fn recompute(
+        &self,
+        x: &Tensor,
+        ctx: &BatchCtx,
+        lora: Option<&LoraCtx>,
+        kept: Option<KeptAttn>,
+    ) -> Result<LayerCache> {
+        Ok(self.run(x, ctx, lora, Pass::Recompute(kept))?.1)
+    }
+
+    fn run(
+        &self,
+        x: &Tensor,
+        ctx: &BatchCtx,
+        lora: Option<&LoraCtx>,
+        pass: Pass,
+    ) -> Result<(Option<Tensor>, LayerCache)> {
         let (h1, n1) = ops::rms_norm(x, &self.input_norm, self.eps)?;
         let qkv = group::forward(
             &[&self.q, &self.k, &self.v],
@@ -124,16 +169,20 @@ impl Layer {
         )?;
         let [(q, cq), (k, ck), (v, cv)]: [(Tensor, LinearCache); 3] =
             qkv.try_into().expect("three members");
-        let (o_in, attn) = ops::attend(
-            &q,
-            &k,
-            &v,
-            &ctx.shape,
-            &ctx.cos,
-            &ctx.sin,
-            ctx.mask_for(self.sliding),
-            ctx.path,
-        )?;
+        let mask = ctx.mask_for(self.sliding);
+        let (o_in, attn) = match (&pass, ctx.path) {
+            (Pass::Recompute(Some(kept)), AttnPath::Tiled) => ops::attention_tiled_kept(
+                &q,
+                &k,
+                &v,
+                &ctx.shape,
+                &ctx.cos,
+                &ctx.sin,
+                &mask.starts,
+                kept.clone(),
+            )?,
+            _ => ops::attend(&q, &k, &v, &ctx.shape, &ctx.cos, &ctx.sin, mask, ctx.path)?,
+        };
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
         let h = fused::add(x, &a)?;
         let (h2, n2) = ops::rms_norm(&h, &self.post_norm, self.eps)?;
@@ -146,8 +195,13 @@ impl Layer {
         )?;
         let [(g, cg), (u, cu)]: [(Tensor, LinearCache); 2] = gu.try_into().expect("two members");
         let m = ops::swiglu(&g, &u)?;
-        let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
-        let out = fused::add(&h, &d)?;
+        let (out, cd) = match pass {
+            Pass::Full => {
+                let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
+                (Some(fused::add(&h, &d)?), cd)
+            }
+            Pass::Recompute(_) => (None, self.down.forward_cache(&m, lora, self.salt(6))?),
+        };
         Ok((
             out,
             LayerCache {

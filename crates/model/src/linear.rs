@@ -201,11 +201,7 @@ impl Linear {
             return Ok((self.add_bias(y)?, LinearCache::default()));
         };
         let pair = &ctx.adapter.pairs[slot];
-        let key = (ctx.dropout > 0.0).then_some(DropoutKey {
-            p: ctx.dropout,
-            seed: ctx.seed,
-            salt,
-        });
+        let key = dropout_key(ctx, salt);
         let xd = lora_input(x, key.as_ref())?; // (N, in) f32
         let xa = mm(&xd, &pair.a.t()?)?; // (N, r) f32
                                          // DoRA with dropout recomputes the base product on the dropped input (PEFT), f32.
@@ -217,6 +213,32 @@ impl Linear {
         let (y, mut cache) = self.finish_lora(y, xa, base_d, ctx)?;
         cache.dropout = key;
         Ok((y, cache))
+    }
+
+    /// The cache [`Linear::forward`] returns, without its output: all that a recomputed forward
+    /// (gradient checkpointing) needs of a layer whose output it does not use. A plain LoRA pair
+    /// forms only `xa = dropout(x)·Aᵀ` (the same bits as the forward's), so the frozen product is
+    /// skipped; a DoRA pair's cache holds its pre-scale output, so it runs the whole forward.
+    pub fn forward_cache(
+        &self,
+        x: &Tensor,
+        lora: Option<&LoraCtx>,
+        salt: u64,
+    ) -> Result<LinearCache> {
+        let (Some(slot), Some(ctx)) = (self.lora, lora) else {
+            return Ok(LinearCache::default());
+        };
+        let pair = &ctx.adapter.pairs[slot];
+        if pair.m.is_some() {
+            return Ok(self.forward(x, lora, salt)?.1);
+        }
+        let key = dropout_key(ctx, salt);
+        let xd = lora_input(x, key.as_ref())?; // (N, in) f32
+        Ok(LinearCache {
+            xa: Some(mm(&xd, &pair.a.t()?)?),
+            dropout: key,
+            dora: None,
+        })
     }
 
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
@@ -382,6 +404,15 @@ impl Linear {
 /// The LoRA branch's input `dropout(x)` in f32, the adapter's dtype, whatever the compute dtype:
 /// PEFT casts the input to the adapter weights' dtype (kept f32) and adds in f32. With dropout,
 /// cast and mask are one pass ([`dropout::apply`]).
+/// The key of a LoRA input's dropout mask (`None` when dropout is off).
+fn dropout_key(ctx: &LoraCtx, salt: u64) -> Option<DropoutKey> {
+    (ctx.dropout > 0.0).then_some(DropoutKey {
+        p: ctx.dropout,
+        seed: ctx.seed,
+        salt,
+    })
+}
+
 fn lora_input(x: &Tensor, key: Option<&DropoutKey>) -> Result<Tensor> {
     match key {
         Some(k) => dropout::apply(x, k),

@@ -479,8 +479,10 @@ impl Model {
     /// id per position, already shifted; `None` = no loss), backward into `grads` scaled by
     /// `grad_scale` (1 / target tokens of the whole optimizer step). Returns the summed loss.
     ///
-    /// With `checkpoint`, only each layer's input is kept during the forward pass; each layer is
-    /// recomputed from it just before its backward, so one layer's activations are alive at a time.
+    /// With `checkpoint`, only each layer's input (and on the tiled attention path its attention's
+    /// output and log-sum-exp) is kept during the forward pass; each layer is recomputed from it
+    /// just before its backward ([`crate::layer::Layer::recompute`]: no attention, no down
+    /// projection), so one layer's activations are alive at a time.
     pub fn forward_backward(
         &self,
         inp: &Inputs,
@@ -516,10 +518,17 @@ impl Model {
             let mut caches = Vec::with_capacity(self.layers.len());
             let (mut x, hits) = self.embed_tokens(&inp.ids, Some(lora))?;
             let mut inputs = KeptInputs::new(self.layers.len());
+            // With checkpointing each layer also keeps its tiled attention's output and
+            // log-sum-exp (one more (N, H·Dh) tensor and a (B, T, H) one), so the recompute
+            // skips the attention (O(T²) compute); not when the inputs go to host memory, whose
+            // point is the least device memory.
+            let offload = checkpoint && self.offload_checkpoints && self.device.is_cuda();
             #[cfg(feature = "cuda")]
-            if checkpoint && self.offload_checkpoints && self.device.is_cuda() {
+            if offload {
                 inputs.offload_to(self.offloader()?);
             }
+            let keep_attention = !offload;
+            let mut kept_attn = Vec::with_capacity(self.layers.len());
             let last = self.layers.len().saturating_sub(1);
             for (i, layer) in self.layers.iter().enumerate() {
                 let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
@@ -529,6 +538,7 @@ impl Model {
                 if !checkpoint || i == last {
                     caches.push(cache);
                 } else {
+                    kept_attn.push(cache.kept_attention().filter(|_| keep_attention));
                     inputs.push(x)?;
                 }
                 x = out;
@@ -552,7 +562,10 @@ impl Model {
             for (i, layer) in self.layers.iter().enumerate().rev() {
                 let cache = match caches.pop() {
                     Some(c) => c,
-                    None => layer.forward(&inputs.pop()?, &ctx, Some(lora))?.1,
+                    None => {
+                        let kept = kept_attn.pop().flatten();
+                        layer.recompute(&inputs.pop()?, &ctx, Some(lora), kept)?
+                    }
                 };
                 // Layer 0's input gradient is needed only for trainable token rows.
                 let need_dx = i > 0 || hits.is_some();

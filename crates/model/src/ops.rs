@@ -299,6 +299,66 @@ pub fn attention_tiled(
     sin: &Tensor,
     starts: &Tensor,
 ) -> Result<(Tensor, AttnCache)> {
+    let (q, k, v) = tiled_inputs(q, k, v, s, cos, sin)?;
+    let scale = 1.0 / (s.head_dim as f64).sqrt();
+    // o: (B, T, H, Dh) = (N, H·Dh) as it comes
+    let (o, lse) = crate::fused::flash::flash_attn(&q, &k, &v, starts, scale)?;
+    let o = o.reshape((s.b * s.t, s.heads * s.head_dim))?;
+    let kept = KeptAttn { o, lse };
+    Ok((kept.o.clone(), tiled_cache(q, k, v, s, starts, kept)?))
+}
+
+/// The output and log-sum-exp of a tiled attention forward: all its backward needs besides the
+/// rotated `q, k, v` (which its inputs give again). Gradient checkpointing keeps it with a
+/// layer's input so the recomputed forward skips the attention ([`attention_tiled_kept`]).
+#[derive(Debug, Clone)]
+pub struct KeptAttn {
+    /// `(N, H·Dh)`, the compute dtype.
+    pub o: Tensor,
+    /// `(B, T, H)` f32.
+    pub lse: Tensor,
+}
+
+impl AttnCache {
+    /// What [`attention_tiled_kept`] needs to rebuild this cache (`None` on the plain path).
+    pub fn kept(&self) -> Option<KeptAttn> {
+        match &self.saved {
+            AttnSaved::Tiled { o, lse, .. } => Some(KeptAttn {
+                o: o.clone(),
+                lse: lse.clone(),
+            }),
+            AttnSaved::Plain { .. } => None,
+        }
+    }
+}
+
+/// [`attention_tiled`] of the same `q, k, v` whose output `kept` already holds (a recomputed
+/// forward under gradient checkpointing): the queries and keys rotated again for the backward,
+/// the attention itself not run. Returns the same output and cache, bit for bit.
+pub fn attention_tiled_kept(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+    starts: &Tensor,
+    kept: KeptAttn,
+) -> Result<(Tensor, AttnCache)> {
+    let (q, k, v) = tiled_inputs(q, k, v, s, cos, sin)?;
+    Ok((kept.o.clone(), tiled_cache(q, k, v, s, starts, kept)?))
+}
+
+/// `q: (N, H·Dh)`, `k, v: (N, Hkv·Dh)` → `(B, H, T, Dh)`, `(B, Hkv, T, Dh)` contiguous, `q` and
+/// `k` rotated.
+fn tiled_inputs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
     // (N, H·Dh) -> (B, H, T, Dh)
     let q = q.reshape((b, t, h, dh))?.transpose(1, 2)?.contiguous()?;
@@ -306,26 +366,30 @@ pub fn attention_tiled(
     let v = v.reshape((b, t, hkv, dh))?.transpose(1, 2)?.contiguous()?;
     let q = crate::rope::apply(&q, cos, sin)?.contiguous()?;
     let k = crate::rope::apply(&k, cos, sin)?.contiguous()?;
-    let scale = 1.0 / (dh as f64).sqrt();
-    // o: (B, T, H, Dh) = (N, H·Dh) as it comes
-    let (o, lse) = crate::fused::flash::flash_attn(&q, &k, &v, starts, scale)?;
-    let o = o.reshape((b * t, h * dh))?;
-    let q = q.reshape((b, hkv, (h / hkv) * t, dh))?;
-    let saved = AttnSaved::Tiled {
-        o: o.clone(),
-        lse,
-        starts: starts.clone(),
-    };
-    Ok((
-        o,
-        AttnCache {
-            q,
-            k,
-            v,
-            p: None,
-            saved,
+    Ok((q, k, v))
+}
+
+/// The tiled path's cache: `q` regrouped by kv head, the output and log-sum-exp, the starts.
+fn tiled_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    s: &AttnShape,
+    starts: &Tensor,
+    kept: KeptAttn,
+) -> Result<AttnCache> {
+    let q = q.reshape((s.b, s.kv_heads, (s.heads / s.kv_heads) * s.t, s.head_dim))?;
+    Ok(AttnCache {
+        q,
+        k,
+        v,
+        p: None,
+        saved: AttnSaved::Tiled {
+            o: kept.o,
+            lse: kept.lse,
+            starts: starts.clone(),
         },
-    ))
+    })
 }
 
 /// Shape facts for one batch through attention.

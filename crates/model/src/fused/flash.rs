@@ -179,6 +179,7 @@ pub fn flash_attn(
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
     let op = "flash_attn";
+    crate::blas::layout_audit::call(op, q.dims(), k.dims());
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
     let (q, k, v, starts) = (
