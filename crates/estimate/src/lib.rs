@@ -17,6 +17,9 @@
 //! - with gradient checkpointing, the kept layer inputs leave holes in the heap: each is allocated
 //!   after its layer's transients, which are then freed around it. Measured ≈ one input's size per
 //!   kept input after the first step; steady state at T=2048 is ~90 MB (5%) more, not modelled.
+//!   On the tiled attention path each recomputed layer also keeps its attention's output and
+//!   log-sum-exp ([`names::KEPT_ATTN`]; the recompute skips the attention); their holes are not
+//!   modelled either (bench-small, batch 4, seq 2048: estimate/measured 1.05 after one step).
 //!
 //! The mapped checkpoint counts because RSS counts it, though the kernel can reclaim those pages.
 //! CPU only: on CUDA the activations live in device memory (not modelled yet).
@@ -338,13 +341,16 @@ fn dims(c: &ModelConfig, s: &Settings, path: AttnPath) -> Dims {
 /// What `Layer::forward` keeps for the backward of one layer (`LayerCache`), besides its input.
 fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> Vec<Item> {
     let (n, e) = (k.n, k.e);
+    // gate, up: (N, I); silu(gate)·up too in a recomputed layer's cache (a full forward's
+    // backward makes it again when it needs it).
+    let gate_up_m = if name == names::ACTS_ONE { 3 } else { 2 };
     let mut v = vec![
-        item(name, n * k.d * e, 2),     // h1 = norm(x), h2 = norm(h): (N, D)
-        item(name, n * k.dq * e, 2),    // rotated q (B, Hkv, G·T, Dh), o_in (N, Dq)
-        item(name, n * k.dkv * e, 2),   // rotated k, contiguous v: (B, Hkv, T, Dh)
-        item(name, n * k.i * e, 3),     // gate, up, silu(gate)·up: (N, I)
-        item(name, n * k.d * 4, 1),     // post-norm input h in f32 (NormCache; `h` itself in f32)
-        item(name, n * 4, 2),           // the two norms' 1/rms: (N, 1) f32
+        item(name, n * k.d * e, 2),   // h1 = norm(x), h2 = norm(h): (N, D)
+        item(name, n * k.dq * e, 2),  // rotated q (B, Hkv, G·T, Dh), o_in (N, Dq)
+        item(name, n * k.dkv * e, 2), // rotated k, contiguous v: (B, Hkv, T, Dh)
+        item(name, n * k.i * e, gate_up_m),
+        item(name, n * k.d * 4, 1), // post-norm input h in f32 (NormCache; `h` itself in f32)
+        item(name, n * 4, 2),       // the two norms' 1/rms: (N, 1) f32
         item(name, k.h * k.t * 4, k.b), // log-sum-exp per row: (1, Hkv, G·T, 1) f32
     ];
     if e != 4 {

@@ -50,7 +50,10 @@ pub struct LayerCache {
     u: Tensor,
     cg: LinearCache,
     cu: LinearCache,
-    m: Tensor,
+    /// `silu(g)·u`, the down projection's input: `None` after a full forward, where the backward
+    /// makes it again from `g` and `u` (one elementwise pass, and an `(N, I)` tensor less per
+    /// layer kept through the step); kept by a recompute, which has just made it.
+    m: Option<Tensor>,
     cd: LinearCache,
 }
 
@@ -195,12 +198,15 @@ impl Layer {
         )?;
         let [(g, cg), (u, cu)]: [(Tensor, LinearCache); 2] = gu.try_into().expect("two members");
         let m = ops::swiglu(&g, &u)?;
-        let (out, cd) = match pass {
+        let (out, cd, m) = match pass {
             Pass::Full => {
                 let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
-                (Some(fused::add(&h, &d)?), cd)
+                (Some(fused::add(&h, &d)?), cd, None)
             }
-            Pass::Recompute(_) => (None, self.down.forward_cache(&m, lora, self.salt(6))?),
+            Pass::Recompute(_) => {
+                let cd = self.down.forward_cache(&m, lora, self.salt(6))?;
+                (None, cd, Some(m))
+            }
         };
         Ok((
             out,
@@ -235,10 +241,15 @@ impl Layer {
         grads: &mut Grads,
         need_dx: bool,
     ) -> Result<Option<Tensor>> {
+        let m = match &c.m {
+            Some(m) => m.clone(),
+            None => ops::swiglu(&c.g, &c.u)?, // the same op on the same inputs: the same bits
+        };
         let dm = self
             .down
-            .backward(d_out, &c.m, &c.cd, lora, grads, true)?
+            .backward(d_out, &m, &c.cd, lora, grads, true)?
             .expect("dx requested");
+        drop(m);
         let (dg, du) = ops::swiglu_backward(&dm, &c.g, &c.u)?;
         let dh2 = group::backward(
             &[&self.gate, &self.up],

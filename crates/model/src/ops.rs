@@ -335,6 +335,7 @@ impl AttnCache {
 /// [`attention_tiled`] of the same `q, k, v` whose output `kept` already holds (a recomputed
 /// forward under gradient checkpointing): the queries and keys rotated again for the backward,
 /// the attention itself not run. Returns the same output and cache, bit for bit.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_tiled_kept(
     q: &Tensor,
     k: &Tensor,
