@@ -172,7 +172,9 @@ fn bench_small_phases_match_measured_live_tensors() {
     // Live heap bytes at the peak, counted by a tracking allocator on this code (f32, r 16, the
     // plain attention path): T=512 without checkpointing 1145.6 MB (at the cross-entropy), with
     // it 461.2 MB (attention backward). The estimate adds the runtime and allocator terms on top
-    // of these.
+    // of these. Since the layers stopped keeping `silu(gate)·up` (8 × (2048, 1376) f32 = 90.2 MB)
+    // the full figure is 1145.6 − 90.2 MB (derived, not re-counted; RSS measured 1152.3 → 1091.8
+    // MB with `RTUNE_ATTN=plain rtune bench --steps 1`, the estimate within 2.2% of it).
     let c = bench_small();
     let live = |ckpt| {
         let e = estimate_on(&c, &Settings::new(16, 4, 512, ckpt), AttnPath::Plain);
@@ -180,7 +182,7 @@ fn bench_small_phases_match_measured_live_tensors() {
         (e.peak_bytes - extra, e.phase)
     };
     let (full, phase) = live(false);
-    assert!((full as f64 / 1145.6e6 - 1.0).abs() < 0.01, "{full}");
+    assert!((full as f64 / (1145.6e6 - 90.2e6) - 1.0).abs() < 0.01, "{full}");
     assert_eq!(phase, Phase::CrossEntropy.name());
     let (ckpt, phase) = live(true);
     assert!((ckpt as f64 / 461.2e6 - 1.0).abs() < 0.01, "{ckpt}");
