@@ -182,7 +182,10 @@ fn bench_small_phases_match_measured_live_tensors() {
         (e.peak_bytes - extra, e.phase)
     };
     let (full, phase) = live(false);
-    assert!((full as f64 / (1145.6e6 - 90.2e6) - 1.0).abs() < 0.01, "{full}");
+    assert!(
+        (full as f64 / (1145.6e6 - 90.2e6) - 1.0).abs() < 0.01,
+        "{full}"
+    );
     assert_eq!(phase, Phase::CrossEntropy.name());
     let (ckpt, phase) = live(true);
     assert!((ckpt as f64 / 461.2e6 - 1.0).abs() < 0.01, "{ckpt}");
