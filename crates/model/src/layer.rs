@@ -174,7 +174,7 @@ impl Layer {
             qkv.try_into().expect("three members");
         let mask = ctx.mask_for(self.sliding);
         let (o_in, attn) = match (&pass, ctx.path) {
-            (Pass::Recompute(Some(kept)), AttnPath::Tiled) => ops::attention_tiled_kept(
+            (Pass::Recompute(kept), AttnPath::Tiled) => ops::attention_tiled_kept(
                 &q,
                 &k,
                 &v,

@@ -299,13 +299,7 @@ pub fn attention_tiled(
     sin: &Tensor,
     starts: &Tensor,
 ) -> Result<(Tensor, AttnCache)> {
-    let (q, k, v) = tiled_inputs(q, k, v, s, cos, sin)?;
-    let scale = 1.0 / (s.head_dim as f64).sqrt();
-    // o: (B, T, H, Dh) = (N, H·Dh) as it comes
-    let (o, lse) = crate::fused::flash::flash_attn(&q, &k, &v, starts, scale)?;
-    let o = o.reshape((s.b * s.t, s.heads * s.head_dim))?;
-    let kept = KeptAttn { o, lse };
-    Ok((kept.o.clone(), tiled_cache(q, k, v, s, starts, kept)?))
+    attention_tiled_kept(q, k, v, s, cos, sin, starts, None)
 }
 
 /// The output and log-sum-exp of a tiled attention forward: all its backward needs besides the
@@ -332,9 +326,9 @@ impl AttnCache {
     }
 }
 
-/// [`attention_tiled`] of the same `q, k, v` whose output `kept` already holds (a recomputed
-/// forward under gradient checkpointing): the queries and keys rotated again for the backward,
-/// the attention itself not run. Returns the same output and cache, bit for bit.
+/// [`attention_tiled`]; given the output a forward of the same `q, k, v` made (`kept`: a
+/// recomputed forward under gradient checkpointing), the queries and keys are rotated again for
+/// the backward and the attention itself is not run: the same output and cache, bit for bit.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_tiled_kept(
     q: &Tensor,
@@ -344,9 +338,19 @@ pub fn attention_tiled_kept(
     cos: &Tensor,
     sin: &Tensor,
     starts: &Tensor,
-    kept: KeptAttn,
+    kept: Option<KeptAttn>,
 ) -> Result<(Tensor, AttnCache)> {
     let (q, k, v) = tiled_inputs(q, k, v, s, cos, sin)?;
+    let kept = match kept {
+        Some(kept) => kept,
+        None => {
+            let scale = 1.0 / (s.head_dim as f64).sqrt();
+            // o: (B, T, H, Dh) = (N, H·Dh) as it comes
+            let (o, lse) = crate::fused::flash::flash_attn(&q, &k, &v, starts, scale)?;
+            let o = o.reshape((s.b * s.t, s.heads * s.head_dim))?;
+            KeptAttn { o, lse }
+        }
+    };
     Ok((kept.o.clone(), tiled_cache(q, k, v, s, starts, kept)?))
 }
 
