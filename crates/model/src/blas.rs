@@ -95,6 +95,14 @@ fn load() -> Option<Blas> {
             }
         }
     }
+    if let Some(t) = thread_timeout(
+        std::env::var_os("OPENBLAS_THREAD_TIMEOUT"),
+        std::env::var_os("GOTO_THREAD_TIMEOUT"),
+    ) {
+        // Sound only while one thread runs (the contract of `init`); OpenBLAS reads it when it
+        // loads, below.
+        std::env::set_var("OPENBLAS_THREAD_TIMEOUT", t)
+    }
     for name in names {
         let Ok(c) = CString::new(name.clone()) else {
             continue;
@@ -132,6 +140,24 @@ fn load() -> Option<Blas> {
         }
     }
     None
+}
+
+/// The `OPENBLAS_THREAD_TIMEOUT` [`init`] sets given the environment's `OPENBLAS_THREAD_TIMEOUT`
+/// and `GOTO_THREAD_TIMEOUT`: `20` when neither is set, nothing (the user's choice) otherwise.
+///
+/// An idle OpenBLAS worker calls `sched_yield` in a loop for 2^timeout cycles before it sleeps;
+/// OpenBLAS 0.3.21's default is 2^28 (~0.1 s), so between two products the step's other work
+/// (rayon's fused ops, oneDNN's bf16 GEMMs) shares its cores with spinning threads. 2^20 cycles
+/// (~0.4 ms) still covers the gap between back-to-back products. Measured on 2 cores (bench-small,
+/// `rtune bench --steps 4 --warmup 1 --no-ceiling`, interleaved rounds, 2026-12-03): `--dtype
+/// bf16` 1654 / 1674 tokens/s with the default, 1934–2034 with 16 or 22 (`sched_yield` was 21% of
+/// the step's samples); f32 seq 512 unchanged (953–1050 either way); f32 seq 2048 768.7 / 778.2 →
+/// 798.0 / 812.7.
+fn thread_timeout(
+    openblas: Option<std::ffi::OsString>,
+    goto: Option<std::ffi::OsString>,
+) -> Option<&'static str> {
+    (openblas.is_none() && goto.is_none()).then_some("20")
 }
 
 /// AVX-512 F/BW/DQ/VL: what OpenBLAS's SkylakeX kernels use.
@@ -501,6 +527,14 @@ pub fn loaded() -> Option<&'static str> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    #[test]
+    fn thread_timeout_is_short_unless_the_environment_chooses() {
+        let some = |s: &str| Some(std::ffi::OsString::from(s));
+        assert_eq!(thread_timeout(None, None), Some("20"));
+        assert_eq!(thread_timeout(some("28"), None), None);
+        assert_eq!(thread_timeout(None, some("4")), None);
+    }
 
     /// BLAS and candle's gemm sum in different orders: 1e-5 relative on sums of ≤ 300 products of
     /// O(1) values is ~100 f32 ulps of slack, far below any layout or transposition mistake (O(1)).
