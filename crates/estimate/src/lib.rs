@@ -71,7 +71,10 @@ pub struct Settings {
     pub r: usize,
     /// Targeted module short names (`q_proj`, ...), `all-linear` already expanded.
     pub targets: Vec<String>,
-    /// LoRA dropout > 0 keeps one f32 mask per targeted module.
+    /// LoRA dropout probability. It keeps nothing for the backward (the model regenerates each
+    /// mask from its key: `rtune_model::dropout`); the dropped inputs a module makes in its
+    /// forward and again in its backward live only while its products run, outside the phases
+    /// the estimate's peak is taken at.
     pub dropout: f64,
     /// DoRA (`[lora] dora`): a magnitude `(out,)` per module, trained, its cached row norms, and
     /// the `(N, out)` f32 product each layer keeps for its backward (`rtune_model::dora`).
@@ -361,12 +364,9 @@ fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> V
     if outs > 0 {
         v.push(item(names::DORA, n * outs * 4 + 2 * outs * 4, 1));
     }
-    for (module, inp, _) in linears(c) {
+    for (module, _, _) in linears(c) {
         if s.targets.iter().any(|t| t == module) {
             v.push(item(name, n * s.r as u64 * 4, 1)); // x·Aᵀ: (N, r) f32
-            if s.dropout > 0.0 {
-                v.push(item(name, n * inp * 4, 1)); // dropout mask: (N, in) f32
-            }
         }
     }
     if k.keep {
