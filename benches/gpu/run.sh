@@ -23,7 +23,9 @@
 # CPU when `import torch, peft` works here, else their sections say {"skipped": "no torch"}.
 #
 # Env: DEVICE (cuda:0), PRESET (llama3-8b), RTUNE (benches/gpu/bin/rtune), PYTHON (python3),
-#   OUT (runs/gpu), RUN_BUDGET_S (seconds for the whole script).
+#   OUT (runs/gpu), RUN_BUDGET_S (seconds for the whole script), RTUNE_ONLY=1 (steps 1-3 only: a
+#   first call on a card that has never run rtune, cheap enough to leave time for a fix and a rerun),
+#   PYTHON_ONLY=1 (steps 4-5 only, the second half of such a pair).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mode=full
@@ -157,7 +159,11 @@ PY
   fi
 
   # 1-3: rtune.
-  if [ $have_rtune = 1 ]; then
+  if [ "${PYTHON_ONLY:-0}" = 1 ]; then
+    skip selftest selftest.json "PYTHON_ONLY=1"
+    skip "rtune bench tiny" rtune_tiny.json "PYTHON_ONLY=1"
+    skip "rtune bench" rtune.json "PYTHON_ONLY=1"
+  elif [ $have_rtune = 1 ]; then
     step selftest selftest.json "$T_SELF" "$RTUNE" selftest --device "$DEVICE" --json-out "$OUT/selftest.json"
     step "rtune bench tiny" rtune_tiny.json "$T_TINY" "$RTUNE" bench --device "$DEVICE" "${TINY[@]}" \
       --dtype bf16 --quantize nf4 --gradient-checkpointing --json-out "$OUT/rtune_tiny.json"
@@ -169,7 +175,10 @@ PY
     skip "rtune bench" rtune.json "no rtune binary"
   fi
   # 4-5: PEFT + bitsandbytes, the roofline.
-  if [ $have_torch = 1 ]; then
+  if [ "${RTUNE_ONLY:-0}" = 1 ]; then
+    skip "peft bench" peft.json "RTUNE_ONLY=1"
+    skip roofline roofline.json "RTUNE_ONLY=1"
+  elif [ $have_torch = 1 ]; then
     local threads=() small=()
     [ $mode = dry ] && threads=(--threads 2) && small=(--small --reps 3)
     local peft_shape=("${SHAPE[@]}")

@@ -118,13 +118,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
     } else {
         "device memory"
     };
+    // Where the matmuls ran: the CPU's threads and CBLAS, or the card.
+    let ran_on = if o.device == "cpu" {
+        format!(
+            "{} threads, BLAS: {}",
+            res.threads,
+            res.blas.as_deref().unwrap_or("none (candle's gemm)")
+        )
+    } else {
+        res.device.clone()
+    };
     println!(
-        "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), {} threads, BLAS: {}",
+        "rtune bench: {:.1} tokens/s (median step {:.3}s over {} steps), {ran_on}",
         res.tokens_per_s,
         res.step_s_median,
         res.step_s.len(),
-        res.threads,
-        res.blas.as_deref().unwrap_or("none (candle's gemm)")
     );
     println!(
         "rtune bench: {:.1} GFLOP/s achieved ({:.1} MFLOP/token){ceiling}",

@@ -151,6 +151,8 @@ pub struct BenchResult {
     pub flops_per_token: f64,
     /// The CBLAS the CPU matmuls went through, if one was loaded.
     pub blas: Option<String>,
+    /// The device in words: `cpu`, or on CUDA the card's name, compute capability and memory.
+    pub device: String,
     pub final_loss: f64,
     /// `tokens_per_s · flops_per_token`, in GFLOP/s.
     pub achieved_gflops: f64,
@@ -395,7 +397,7 @@ pub fn run(
         let f32 = gemm_rates(o, &dev, DType::F32)?;
         let compute = if autocast {
             gemm_rates(o, &dev, DType::BF16)?
-        } else if dtype == DType::F32 || quantize != Quantize::None {
+        } else if dtype == DType::F32 {
             Vec::new()
         } else {
             gemm_rates(o, &dev, dtype)?
@@ -430,6 +432,11 @@ pub fn run(
         matmul_params: o.matmul_params(),
         flops_per_token: o.flops_per_token(),
         blas: rtune_model::blas::loaded().map(str::to_string),
+        device: if dev.is_cpu() {
+            "cpu".to_string()
+        } else {
+            crate::check::device_line(&dev).1
+        },
         final_loss,
         achieved_gflops,
         ceiling,
@@ -462,6 +469,7 @@ mod tests {
         let mut steps = 0;
         let r = run(&o, &mut |_, _, _| steps += 1)?;
         assert_eq!((steps, r.step_s.len()), (3, 2));
+        assert_eq!(r.device, "cpu");
         // The ceiling: every shape timed in f32 and in the compute dtype, the fraction theirs.
         let c = r.ceiling.as_ref().expect("measured by default");
         assert_eq!((c.f32.len(), c.compute.len()), (5, 5));
@@ -482,6 +490,36 @@ mod tests {
                 "{r:?}"
             );
         }
+        Ok(())
+    }
+
+    /// A QLoRA bench's ceiling is its compute dtype's: the dequantized weights meet the
+    /// activations in bf16 products. (It was f32's, which made the CUDA bf16 + NF4 bench report
+    /// 292% of its "ceiling" on an H200.)
+    #[test]
+    fn a_quantized_bench_measures_the_compute_dtype_ceiling() -> Result<(), DiagError> {
+        let o = BenchOptions {
+            hidden: 64,
+            layers: 1,
+            heads: 4,
+            kv_heads: 2,
+            intermediate: 128,
+            vocab: 256,
+            seq: 16,
+            batch: 1,
+            r: 4,
+            steps: 1,
+            warmup: 0,
+            dtype: "bf16".into(),
+            quantize: "nf4".into(),
+            ..BenchOptions::default()
+        };
+        let r = run(&o, &mut |_, _, _| ())?;
+        let c = r.ceiling.as_ref().expect("measured by default");
+        assert_eq!(c.compute.len(), 5);
+        assert!(c.compute.iter().all(|g| g.dtype == "bf16"));
+        let best = c.compute.iter().map(|g| g.gflops).fold(0.0, f64::max);
+        assert_eq!(c.best_gflops, best);
         Ok(())
     }
 }

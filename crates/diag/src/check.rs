@@ -62,9 +62,22 @@ fn runtime(cfg: &RunConfig) -> Check {
                 rtune_model::onednn::describe()
             ),
         ),
-        Ok(d) => (true, format!("{:?}", d.location())),
+        Ok(d) => device_line(&d),
     };
     Check::new("runtime and device", pass, detail)
+}
+
+/// A device other than the CPU in words: on CUDA the card's name, compute capability and memory
+/// (failing the check when the driver cannot say), else candle's name for it.
+pub fn device_line(d: &candle_core::Device) -> (bool, String) {
+    #[cfg(feature = "cuda")]
+    if d.is_cuda() {
+        return match rtune_model::cuda::describe(d) {
+            Ok(s) => (true, s),
+            Err(e) => (false, e.to_string()),
+        };
+    }
+    (true, format!("{:?}", d.location()))
 }
 
 fn disk(cfg: &RunConfig, lora_params: usize) -> Check {

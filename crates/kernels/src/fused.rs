@@ -1,13 +1,14 @@
 //! Host side of `kernels/fused.cu`: RMSNorm, SwiGLU, RoPE and cross-entropy, forward and backward,
-//! for f32, bf16 and f16 tensors already on the GPU. (The attention softmax of `kernels/attn.cu` is
-//! [`crate::attn`]; what both share — element types, the loaded kernels, size checks — is in
-//! `launch.rs`.)
+//! and the widening cast to f32, for f32, bf16 and f16 tensors already on the GPU. (The attention
+//! softmax of `kernels/attn.cu` is [`crate::attn`]; what both share — element types, the loaded
+//! kernels, size checks — is in `launch.rs`.)
 //!
 //! Every launcher takes the stream to run on and views of row-major contiguous buffers (each view
 //! holds at least the elements its shape names; any beyond are ignored), checks the sizes, and
-//! launches asynchronously. The module (cubin or PTX) is loaded once per CUDA context and cached for the process
-//! ([`crate::FusedKernels::get`]). Semantics: those of `crates/model/src/ops.rs` and `rope.rs`, restated in
-//! [`crate::fused_ref`]; [`crate::fused_check::self_test`] and `tests/fused_cuda.rs` compare the two.
+//! launches asynchronously. The module (cubin or PTX) is loaded once per CUDA context and cached for
+//! the process ([`crate::FusedKernels::get`]). Semantics: those of `crates/model/src/ops.rs` and
+//! `rope.rs`, restated in [`crate::fused_ref`]; [`crate::fused_check::self_test`] and
+//! `tests/fused_cuda.rs` compare the two.
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
@@ -300,5 +301,28 @@ pub fn ce_bwd<T: FusedFloat>(
     };
     // SAFETY: as above, for ce_bwd_<T>.
     unsafe { b.launch(cfg) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// Widening to f32: `y = f32(x)`, exact (every bf16 and f16 value is an f32; a NaN keeps its
+/// payload, as candle's CUDA cast keeps it). `x, y: (n)`. For `T = f32` a copy.
+pub fn widen<T: FusedFloat>(
+    stream: &Arc<CudaStream>,
+    x: &CudaView<'_, T>,
+    y: &mut CudaViewMut<'_, f32>,
+    n: usize,
+) -> Result<()> {
+    const OP: &str = "widen";
+    need(OP, "x", x.len(), n)?;
+    need(OP, "y", y.len(), n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let n_i = n as i64;
+    let k = FusedKernels::get(stream.context())?;
+    let mut b = stream.launch_builder(k.f::<T>(K::Widen));
+    b.arg(x).arg(y).arg(&n_i);
+    // SAFETY: as above, for widen_<T>; sizes checked above.
+    unsafe { b.launch(elementwise_cfg(n.div_ceil(vec_width::<T>()))) }.map_err(drv(OP))?;
     Ok(())
 }

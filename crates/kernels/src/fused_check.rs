@@ -179,6 +179,46 @@ pub fn check_swiglu<T: FusedFloat>(
     ])
 }
 
+/// widen on `(n)`: x ~ N(0, 1) in `T`, then the values a cast must carry unchanged — ±0, ±∞, NaN,
+/// the type's largest and smallest (subnormal) magnitudes — written over the first elements.
+pub fn check_widen<T: FusedFloat>(
+    s: &Arc<CudaStream>,
+    n: usize,
+    offset: usize,
+    seed: u64,
+) -> Result<Vec<CheckResult>> {
+    let (p, mut rng) = (T::PRECISION, Rng::new(seed));
+    let mut x = rng.normals(n, 1.0, p);
+    let (max, tiny) = match p {
+        Precision::Bf16 => (f32::from_bits(0x7f7f_0000), f32::from_bits(0x0001_0000)),
+        Precision::F16 => (65504.0, 2f32.powi(-24)),
+        Precision::F32 => (f32::MAX, f32::from_bits(1)),
+    };
+    let special = [
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        -f32::INFINITY,
+        f32::NAN,
+        max,
+        -max,
+        tiny,
+        -tiny,
+    ];
+    for (v, sp) in x.iter_mut().zip(special) {
+        *v = sp;
+    }
+    let xd = up::<T>(s, &x, offset)?;
+    let mut y = out::<f32>(s, n, offset)?;
+    fused::widen(s, &xd.slice(offset..), &mut y.slice_mut(offset..), n)?;
+    Ok(vec![CheckResult::new::<T>(
+        Op::Widen,
+        format!("({n}){}", at(offset)),
+        &down(s, &y, offset)?,
+        &fused_ref::widen(&x),
+    )])
+}
+
 /// rope_fwd and rope_bwd on `(b, h, t, dh)`: real cos/sin tables (random positions per batch row,
 /// Llama's frequencies, rounded to T as rope.rs's tables are), x, dy ~ N(0, 1).
 pub fn check_rope<T: FusedFloat>(
@@ -348,8 +388,8 @@ pub fn self_test(stream: &Arc<CudaStream>) -> Result<Vec<(String, f64, bool)>> {
 /// and (3, 97) at offset 3; SwiGLU 2^20 + 3 and 1001 at offset 5; RoPE (2, 8, 65, 128) and
 /// (1, 3, 33, 64) at offset 1; cross-entropy (16, 32000), (4, 128256) and (5, 1001) at offset 3;
 /// attention softmax (32·128, 128), (2·3, 16384) (rows too long for shared memory) and (3·7, 333)
-/// at offset 1. The odd sizes are multiples of none of 4, 32, 64; the odd offsets take the
-/// kernels' unaligned paths.
+/// at offset 1; the widening cast 2^20 + 5 and 1001 at offset 3. The odd sizes are multiples of
+/// none of 4, 32, 64; the odd offsets take the kernels' unaligned paths.
 pub fn self_test_seeded(stream: &Arc<CudaStream>, seed: u64) -> Vec<SelfTestGroup> {
     let mut all = self_test_type::<f32>(stream, seed);
     all.extend(self_test_type::<half::bf16>(stream, seed));
@@ -379,6 +419,14 @@ fn self_test_type<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> Vec<SelfTest
         (
             format!("swiglu_{t} (1001)+5"),
             check_swiglu::<T>(s, 1001, 5, seed + 9),
+        ),
+        (
+            format!("widen_{t} (2^20+5)"),
+            check_widen::<T>(s, (1 << 20) + 5, 0, seed + 13),
+        ),
+        (
+            format!("widen_{t} (1001)+3"),
+            check_widen::<T>(s, 1001, 3, seed + 14),
         ),
         (
             format!("rope_{t} (2, 8, 65, 128)"),

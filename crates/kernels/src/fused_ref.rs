@@ -80,6 +80,12 @@ fn silu(g: f32) -> f32 {
     g / (1.0 + (-g).exp())
 }
 
+/// The widening cast: the values of `x` (already of the input type, held as f32) as f32 — the
+/// identity. The kernel's check is that nothing is lost or rounded on the way.
+pub fn widen(x: &[f32]) -> Vec<f32> {
+    x.to_vec()
+}
+
 /// `h = T(T(silu(g))·u)`: (n).
 pub fn swiglu_fwd(g: &[f32], u: &[f32], p: Precision) -> Vec<f32> {
     assert_eq!(g.len(), u.len());
@@ -282,6 +288,7 @@ pub enum Op {
     CeBwd,
     AttnSoftmaxFwd,
     AttnSoftmaxBwd,
+    Widen,
 }
 
 impl Op {
@@ -297,12 +304,14 @@ impl Op {
             Op::CeBwd => "ce_bwd",
             Op::AttnSoftmaxFwd => "attn_softmax_fwd",
             Op::AttnSoftmaxBwd => "attn_softmax_bwd",
+            Op::Widen => "widen",
         }
     }
 
-    /// Whether the output is f32 whatever the inputs' type (`ce_fwd`, `attn_softmax_fwd`).
+    /// Whether the output is f32 whatever the inputs' type (`ce_fwd`, `attn_softmax_fwd`,
+    /// `widen`).
     pub fn f32_output(self) -> bool {
-        matches!(self, Op::CeFwd | Op::AttnSoftmaxFwd)
+        matches!(self, Op::CeFwd | Op::AttnSoftmaxFwd | Op::Widen)
     }
 }
 
@@ -329,9 +338,18 @@ pub struct Tolerance {
 ///   bits, the rounding can land one ulp apart, and the next product carries that into the output,
 ///   which then rounds once more. Plus the f32 terms above for cancelling outputs.
 /// - `ce_fwd` and `attn_softmax_fwd` write f32 whatever the input's type: the f32 tolerance.
+/// - `widen`: none (every bf16 and f16 value is an f32).
 ///   (The softmax's scaled scores are rounded to the type exactly alike on both sides: the product
 ///   of two bf16/f16 values is exact in f32.)
 pub fn tolerance(op: Op, p: Precision) -> Tolerance {
+    if op == Op::Widen {
+        // Exact: a widened value is the input's own value.
+        return Tolerance {
+            ulps: 0.0,
+            rtol: 0.0,
+            atol: 0.0,
+        };
+    }
     let out = if op.f32_output() { Precision::F32 } else { p };
     let (rtol, atol) = match op {
         Op::RopeFwd | Op::RopeBwd => (1e-6, 1e-6),

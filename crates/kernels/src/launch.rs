@@ -57,7 +57,7 @@ impl FusedFloat for f16 {
 }
 
 /// The kernels of `fused.cu`, then those of `attn.cu`, in [`FusedKernels`]' order (that of `K`).
-const KERNELS: [&str; 10] = [
+const KERNELS: [&str; 11] = [
     "rms_norm_fwd",
     "rms_norm_bwd",
     "swiglu_fwd",
@@ -66,11 +66,12 @@ const KERNELS: [&str; 10] = [
     "rope_bwd",
     "ce_fwd",
     "ce_bwd",
+    "widen",
     "attn_softmax_fwd",
     "attn_softmax_bwd",
 ];
 /// How many of `KERNELS` are in `fused.ptx` (the rest are in `attn.ptx`).
-const IN_FUSED: usize = 8;
+const IN_FUSED: usize = 9;
 const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
 
 #[derive(Clone, Copy)]
@@ -83,6 +84,7 @@ pub(crate) enum K {
     RopeBwd,
     CeFwd,
     CeBwd,
+    Widen,
     AttnFwd,
     AttnBwd,
 }

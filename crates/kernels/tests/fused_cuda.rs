@@ -8,7 +8,8 @@
 //! output's largest value for outputs that are differences of larger terms (RoPE 1e-6: its
 //! roundings equal the reference's); bf16/f16: 2 ulps of the type plus those f32 terms — both
 //! sides round the same intermediates to the type, and one rounding landing an ulp apart is carried
-//! into the output once. `ce_fwd`'s output is f32 for every logit type.
+//! into the output once. `ce_fwd`'s output is f32 for every logit type. The widening cast to f32 is
+//! exact: no tolerance.
 //!
 //! Skips, saying so, where there is no CUDA driver or GPU; compiled only with `--features cuda`.
 #![cfg(feature = "cuda")]
@@ -16,7 +17,8 @@
 use cudarc::driver::{CudaContext, CudaStream};
 use half::{bf16, f16};
 use rtune_kernels::fused_check::{
-    self, check_attn_softmax, check_ce, check_rms_norm, check_rope, check_swiglu, CheckResult,
+    self, check_attn_softmax, check_ce, check_rms_norm, check_rope, check_swiglu, check_widen,
+    CheckResult,
 };
 use rtune_kernels::{fused, FusedFloat, FusedKernels};
 use std::sync::Arc;
@@ -114,6 +116,26 @@ fn swiglu_matches_reference() {
     for (i, &(n, off)) in sizes.iter().enumerate() {
         let sd = seed + i as u64;
         all.extend(each_type!(check_swiglu(&s, n, off, sd)));
+    }
+    report(all);
+}
+
+#[test]
+fn widen_is_exact() {
+    let Some(s) = gpu("widen") else { return };
+    let seed = seed();
+    let sizes = [
+        (1, 0),
+        (9, 0),
+        (1000, 0),
+        (4099, 1),
+        (4096, 2),
+        ((1 << 20) + 5, 0),
+    ];
+    let mut all = Vec::new();
+    for (i, &(n, off)) in sizes.iter().enumerate() {
+        let sd = seed + i as u64;
+        all.extend(each_type!(check_widen(&s, n, off, sd)));
     }
     report(all);
 }

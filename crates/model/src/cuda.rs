@@ -107,6 +107,29 @@ pub fn open(ordinal: usize) -> Result<Device> {
     Ok(d)
 }
 
+/// `cuda:N`'s card in words for `rtune check` and `rtune bench`: name, compute capability and
+/// memory, e.g. `cuda:0, NVIDIA H200 (sm_90), 149.4 GB of which 148.9 GB free`.
+pub fn describe(device: &Device) -> Result<String> {
+    let d = cuda_device(device)?;
+    let ctx = d.cuda_stream().context().clone();
+    let e = |what: &str, err: cudarc::driver::DriverError| {
+        candle_core::Error::Msg(format!("describing cuda:{}: {what}: {err}", ctx.ordinal()))
+    };
+    let name = ctx.name().map_err(|err| e("cuDeviceGetName", err))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|err| e("compute capability", err))?;
+    ctx.bind_to_thread()
+        .map_err(|err| e("cuCtxSetCurrent", err))?;
+    let (free, total) = rtune_kernels::memory::free_and_total().map_err(kerr)?;
+    Ok(format!(
+        "cuda:{}, {name} (sm_{major}{minor}), {:.1} GB of which {:.1} GB free",
+        ctx.ordinal(),
+        total as f64 / 1e9,
+        free as f64 / 1e9
+    ))
+}
+
 /// The driver error cudarc recorded, if any, since the last call (then clears it). cudarc cannot
 /// return errors from `Drop` (freeing a device or pinned buffer, destroying an event or stream,
 /// the stream waits it inserts for event tracking): it stores the last one in the context's error

@@ -7,8 +7,10 @@
 //! bench-small step's main-thread time (`perf`, 2026-12-02) while the other core waited. Here the
 //! pass is parallel over rows with rayon and vectorised (`cpu::cast`; bf16's rounding is
 //! branch-free, [`cpu::Elem::of`]). A transposed or otherwise permuted dense input is converted in
-//! its memory order and handed back with the same permutation (no gather). Other layouts, other
-//! dtypes and other devices go to `to_dtype` (on CUDA a kernel already).
+//! its memory order and handed back with the same permutation (no gather). On CUDA a contiguous
+//! bf16/f16 → f32 cast is rtune's `widen` kernel (`kernels/fused.cu`: candle's ran bf16 → f32 at
+//! ~15% of an H200's copy bandwidth, and the LoRA branch widens its input and output gradient at
+//! every module). Other layouts, other dtypes and other devices go to `to_dtype`.
 //!
 //! The plain reference is `to_dtype` itself; the tests below hold this op to it bit for bit.
 
@@ -21,7 +23,15 @@ use super::cpu;
 /// `x.to_dtype(dt)`, the same bits; a parallel, vectorised pass for CPU casts between f32, bf16
 /// and f16.
 pub fn cast(x: &Tensor, dt: DType) -> Result<Tensor> {
-    if x.dtype() == dt || !x.device().is_cpu() || !float(x.dtype()) || !float(dt) {
+    if x.dtype() == dt || !float(x.dtype()) || !float(dt) {
+        return x.to_dtype(dt);
+    }
+    if x.device().is_cuda() && dt == DType::F32 && x.is_contiguous() {
+        // bf16/f16 → f32 through `kernels/fused.cu`'s `widen` (candle's kernel ran bf16 → f32 at
+        // ~15% of an H200's copy bandwidth); the other CUDA casts are candle's.
+        return x.apply_op1_no_bwd(&Cast::To(dt));
+    }
+    if !x.device().is_cpu() {
         return x.to_dtype(dt);
     }
     in_memory_order(x, |x| x.apply_op1_no_bwd(&Cast::To(dt)), |x| x.to_dtype(dt))
@@ -93,6 +103,41 @@ impl CustomOp1 for Cast {
             }),
         };
         Ok((out, l.shape().clone()))
+    }
+
+    /// bf16/f16 → f32 only ([`cast`] sends nothing else here): `rtune_kernels::fused::widen`, the
+    /// same bits as candle's CUDA cast (a NaN keeps its payload).
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use super::common::{kerr, output, stream, view};
+        use candle_core::cuda_backend::CudaDType;
+        use rtune_kernels::{fused as k, FusedFloat};
+
+        fn run<T: CudaDType + FusedFloat>(
+            s: &candle_core::CudaStorage,
+            l: &Layout,
+        ) -> Result<candle_core::CudaStorage> {
+            let (dev, n) = (&s.device, l.shape().elem_count());
+            let mut y = output::<f32>(dev, n)?;
+            k::widen::<T>(
+                &stream(dev),
+                &view::<T>("cast", "x", s, l)?,
+                &mut y.as_view_mut(),
+                n,
+            )
+            .map_err(kerr("cast"))?;
+            Ok(candle_core::CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        }
+        let y = match (self, s.dtype()) {
+            (Cast::To(DType::F32), DType::BF16) => run::<half::bf16>(s, l)?,
+            (Cast::To(DType::F32), DType::F16) => run::<half::f16>(s, l)?,
+            (_, dt) => candle_core::bail!("cast (cuda): {dt:?} → f32 only reaches this op"),
+        };
+        Ok((y, l.shape().clone()))
     }
 }
 
