@@ -338,9 +338,9 @@ pub struct Tolerance {
 ///   bits, the rounding can land one ulp apart, and the next product carries that into the output,
 ///   which then rounds once more. Plus the f32 terms above for cancelling outputs.
 /// - `ce_fwd` and `attn_softmax_fwd` write f32 whatever the input's type: the f32 tolerance.
-/// - `widen`: none (every bf16 and f16 value is an f32).
 ///   (The softmax's scaled scores are rounded to the type exactly alike on both sides: the product
 ///   of two bf16/f16 values is exact in f32.)
+/// - `widen`: none (every bf16 and f16 value is an f32).
 pub fn tolerance(op: Op, p: Precision) -> Tolerance {
     if op == Op::Widen {
         // Exact: a widened value is the input's own value.
