@@ -1,6 +1,7 @@
-# benches/gpu/env.sh — sourced by probe.sh and e2e.sh on the device machine: points LD_LIBRARY_PATH
-# at the CUDA 13 libraries of torch's install (as run.sh does) and sets RTUNE to the binary,
-# unpacked from benches/gpu/bin/rtune.xz when only that travelled. Needs PY (a python3).
+# benches/gpu/env.sh — sourced by run.sh, probe.sh and e2e.sh on the device machine: points
+# LD_LIBRARY_PATH at the CUDA 13 libraries of torch's install (`nvlibs`: their folders) and sets
+# RTUNE to the binary, unpacked from benches/gpu/bin/rtune.xz when only that travelled. Needs PY
+# (a python3).
 nvlibs=$("$PY" -c 'import glob, os, nvidia
 d = []
 for r in nvidia.__path__:

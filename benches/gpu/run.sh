@@ -103,25 +103,10 @@ main() {
       --format=csv 2>/dev/null || true
 
     # rtune (cudarc, dynamically linked) needs libcublas/cublasLt/curand/cudart/nvrtc .so.13: take the
-    # ones torch's cu130 install brings (site-packages/nvidia/cu13/lib on that image).
-    local nvlibs
-    nvlibs=$("$PY" - <<'PY' || true
-import glob, os
-try:
-    import nvidia
-except ImportError:
-    raise SystemExit(0)
-want = ("libcublas.so", "libcublasLt.so", "libcurand.so", "libcudart.so", "libnvrtc.so", "libnccl.so")
-dirs = []
-for root in nvidia.__path__:
-    for f in sorted(glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True)):
-        if os.path.basename(f).startswith(want) and os.path.dirname(f) not in dirs:
-            dirs.append(os.path.dirname(f))
-print(":".join(dirs))
-PY
-)
+    # ones torch's cu130 install brings (site-packages/nvidia/cu13/lib on that image); env.sh also
+    # unpacks the binary, which travels xz-compressed (63 MB stripped, mostly candle's PTX; 9 MB).
+    . benches/gpu/env.sh
     echo "CUDA libraries from torch's install: ${nvlibs:-none found}"
-    [ -n "$nvlibs" ] && export LD_LIBRARY_PATH="$nvlibs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     # bitsandbytes travels as a wheel (fetch-wheels.sh).
     if compgen -G ".whl/*.whl" >/dev/null; then
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -142,11 +127,6 @@ PY
     echo "no torch/transformers/peft importable with $PY: the PEFT and roofline sections are skipped"
   fi
 
-  # The binary travels xz-compressed (63 MB stripped, mostly candle's PTX; 9 MB compressed).
-  if [ ! -f "$RTUNE" ] && [ -f "$RTUNE.xz" ]; then
-    "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-      "$RTUNE.xz" /tmp/rtune && RTUNE=/tmp/rtune
-  fi
   local have_rtune=0
   if [ -f "$RTUNE" ]; then
     chmod +x "$RTUNE" 2>/dev/null || true
