@@ -1,7 +1,7 @@
 // Multi-tensor gradient norm, clipping and AdamW over every LoRA tensor of a step, in three launches
 // (the torch.optim.AdamW rule as crates/train/src/optim.rs implements it on the CPU, with
 // torch.nn.utils.clip_grad_norm_'s coefficient). CPU reference, loop for loop:
-// crates/kernels/src/adamw.rs (`multi_tensor_sq_norm`, `clip_coef`, `multi_tensor_adamw`).
+// crates/ops/src/adamw/mod.rs (`multi_tensor_sq_norm`, `clip_coef`, `multi_tensor_adamw`).
 //
 // Tables (built on the host, copied to the device):
 //   tensors[4·k .. 4·k+4] = (grad ptr, out ptr, offset, numel) of tensor k: its f32 gradient (0: a

@@ -1,9 +1,9 @@
 // The attention softmax of rtune's training step, forward and backward (one batch row of
-// crates/model/src/ops.rs `attention` at a time).
+// crates/ops/src (each op folder) `attention` at a time).
 //
-// Reference: the CPU op in crates/model/src/fused/attn_softmax.rs (itself tested against ops.rs's
+// Reference: the CPU op in crates/ops/src/attention/softmax.rs (itself tested against ops.rs's
 // candle chain `attention_probs_reference` / `attention_grad_reference`), restated on f32 slices in
-// crates/kernels/src/fused_ref.rs (`attn_softmax_fwd`, `attn_softmax_bwd`).
+// crates/ops/src/attention/reference.rs (`attn_softmax_fwd`, `attn_softmax_bwd`).
 //
 // Forward: scores (rows, t) in T (raw, unscaled q·kᵀ), mask (mrows, t) additive f32, row r taking
 // mask row r % mrows (the G query heads of a kv head are stacked along the rows: rows = Hkv·G·Tq,
@@ -16,7 +16,7 @@
 // Backward: p (rows, t) f32, dp (rows, t) in T; ds (rows, t) in T:
 //   ds = T((p·(dp − Σ_row dp·p))·scale)
 //
-// Launch (crates/kernels/src/attn.rs): one block per row (grid-stride over rows), blockDim.x a
+// Launch (crates/ops/src/attention/softmax_cuda.rs): one block per row (grid-stride over rows), blockDim.x a
 // multiple of 32 and <= 1024. The forward keeps the row's s, then its exps, in dynamic shared memory
 // when `cached` (t·4 bytes; the launcher sets it when that fits in the default 48 KiB), else it
 // recomputes s from global memory in each of its three passes (same values, same results).

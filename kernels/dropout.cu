@@ -1,6 +1,6 @@
 // LoRA dropout on the GPU: y = f32(x) · m(i), m(i) = 1/(1−p) if element i is kept, else 0, with the
 // mask drawn from Philox4x32-10 (Salmon et al., SC 2011; Random123's philox4x32) exactly as
-// crates/model/src/dropout.rs does on the CPU, so both devices draw the same masks:
+// crates/backend/src/dropout.rs does on the CPU, so both devices draw the same masks:
 //   key     (seed low, seed high)           the micro-batch seed
 //   counter (i/4 low, i/4 high, salt low, salt high)   salt: the layer and module
 //   keep    (word[i % 4] >> 8) >= threshold  threshold = ceil(p · 2^24), computed on the host

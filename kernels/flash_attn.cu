@@ -1,10 +1,10 @@
 // Tiled attention with an online softmax (FlashAttention-2's algorithm), forward and backward, for
-// sm_80+: the CUDA side of crates/model/src/fused/flash.rs (same inputs, outputs and visibility).
+// sm_80+: the CUDA side of crates/ops/src/attention/tiled.rs (same inputs, outputs and visibility).
 //
-// Reference: crates/kernels/src/flash_ref.rs restates these kernels step by step on the CPU — the
+// Reference: crates/ops/src/attention/flash_ref.rs restates these kernels step by step on the CPU — the
 // same tiles (BR queries × BC keys), the same key ranges, the same roundings to T — and is itself
-// tested against the plain attention path of crates/model/src/ops.rs (crates/model/src/fused/
-// flash_ref_tests.rs). `rtune selftest` runs these kernels against it (crates/kernels/src/
+// tested against the plain attention path of crates/ops/src (each op folder) (crates/ops/src/attention/tests/
+// flash_ref_tests.rs). `rtune selftest` runs these kernels against it (crates/ops/src/attention/
 // flash_check.rs).
 //
 // Layouts (element strides in FlashParams; the head dim DH is contiguous):
@@ -49,7 +49,7 @@
 // BC key rows and need the whole P, dS: __syncthreads between.
 //
 // Shared memory (dynamic, carved by `Carve` in 128-byte aligned regions; the launcher in
-// crates/kernels/src/flash.rs computes the same sizes and opts the kernel in above 48 KiB; each
+// crates/ops/src/attention/flash_kernel.rs computes the same sizes and opts the kernel in above 48 KiB; each
 // kernel traps if it was given less): T tiles with leading dimension DH + 16/sizeof(T) (one 16-byte
 // pad per row: rows stay 16-byte aligned for uint4 loads and shift banks between rows), f32 tiles
 // with BC + 4 or DH + 4. wmma needs 256-bit aligned fragment pointers and leading dimensions that
@@ -63,8 +63,8 @@
 
 using namespace nvcuda;
 
-// Queries per tile (16 rows per warp), keys per tile. crates/kernels/src/flash_ref.rs and
-// crates/kernels/src/flash.rs use the same values.
+// Queries per tile (16 rows per warp), keys per tile. crates/ops/src/attention/flash_ref.rs and
+// crates/ops/src/attention/flash_kernel.rs use the same values.
 constexpr int BR = 32;
 constexpr int BC = 32;
 constexpr int WARPS = BR / 16;
@@ -72,7 +72,7 @@ constexpr int THREADS = WARPS * 32;
 static_assert(BR % 16 == 0 && BC % 16 == 0 && BC % 32 == 0, "tiles are whole wmma fragments");
 
 // Element strides (the kernels index with 64-bit offsets). Mirrored by `FlashParams` in
-// crates/kernels/src/flash.rs (repr(C), same field order).
+// crates/ops/src/attention/flash_kernel.rs (repr(C), same field order).
 struct FlashParams {
     long long q_b, q_h, q_t;  // q, dq
     long long k_b, k_h, k_t;  // k, v, dk, dv

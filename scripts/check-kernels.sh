@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Compiles every kernels/*.cu with nvcc, warnings as errors, and fails on any error:
-#   - to PTX for compute_90 and compute_80 (what crates/kernels/build.rs embeds), and
+#   - to PTX for compute_90 and compute_80 (what crates/backend/build.rs embeds), and
 #   - through ptxas to SASS for sm_90 and sm_80 (catches what only the assembler sees).
 # Needs no GPU and no CUDA install: nvcc, cicc, ptxas and the headers come from NVIDIA's PyPI wheels
 # (CUDA 13.0, ~300 MB), installed once into $RTUNE_NVCC_HOME (default ~/.cache/rtune-nvcc).
 # Measured on the 2-core dev machine (shared, load ~9): 63 s from a clean cache, 3-15 s warm.
 #
 #   scripts/check-kernels.sh            # the .cu files only
-#   scripts/check-kernels.sh --cargo    # also `cargo check -p rtune-kernels --features cuda --tests`
+#   scripts/check-kernels.sh --cargo    # also `cargo check -p rtune-backend -p rtune-ops --tests`
+#                                       # with their `kernels` feature (the launchers and checks)
 #                                       # (cudarc + build.rs with this nvcc; ~3 CPU-min from a
 #                                       # clean target dir, 6 min wall on the loaded dev box; ~40 s warm)
 set -euo pipefail
@@ -43,6 +44,7 @@ for f in "${sources[@]}"; do
   echo "check-kernels: $f ok (compute/sm 90, 80)"
 done
 if [ "${1:-}" = "--cargo" ]; then
-  cargo check -p rtune-kernels --features cuda --tests --locked
-  echo "check-kernels: cargo check -p rtune-kernels --features cuda ok"
+  cargo check -p rtune-backend -p rtune-ops --features rtune-backend/kernels,rtune-ops/kernels \
+    --tests --benches --locked
+  echo "check-kernels: cargo check -p rtune-backend -p rtune-ops --features kernels ok"
 fi

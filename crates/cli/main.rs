@@ -112,8 +112,8 @@ fn main() -> ExitCode {
     tune_allocator();
     // Before any thread exists: loading the optional CBLAS may set OPENBLAS_CORETYPE, and
     // oneDNN's OpenMP threads are told to sleep when idle.
-    rtune_model::blas::init();
-    rtune_model::onednn::init_env();
+    rtune_backend::blas::init();
+    rtune_backend::onednn::init_env();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("RTUNE_LOG")

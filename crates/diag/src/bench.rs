@@ -5,13 +5,13 @@
 //!
 //! Memory is measured over the steps, not the build: once the model, adapter and optimizer exist,
 //! the figure "before the first step" is taken and the peak restarted (CUDA: the pool's
-//! high-water mark, `rtune_kernels::memory::reset_peak`; CPU: Linux's `VmHWM`, restarted by
+//! high-water mark, `rtune_backend::memory::reset_peak`; CPU: Linux's `VmHWM`, restarted by
 //! writing 5 to /proc/self/clear_refs — where that is refused the peak is the process's and
 //! `peak_reset` says so). The random weights are drawn in their final dtype and the embedding
 //! table is made in host memory (`weights`), so the build leaves nothing behind on the device.
 //!
 //! The GEMM ceiling ([`gemm_rates`], after the steps): the best rate the training path's matmul
-//! (`rtune_model::blas::matmul`) reaches on the bench's own GEMM shapes, in f32 and in the compute
+//! (`rtune_backend::blas::matmul`) reaches on the bench's own GEMM shapes, in f32 and in the compute
 //! dtype; the step's achieved rate (`tokens/s × flops_per_token`) is reported as a fraction of it.
 
 use candle_core::DType;
@@ -201,7 +201,7 @@ pub fn gemm_shapes(o: &BenchOptions) -> Vec<(&'static str, usize, usize, usize)>
     ]
 }
 
-/// Times `rtune_model::blas::matmul` (the training path's GEMM) on each shape in `dtype`: one
+/// Times `rtune_backend::blas::matmul` (the training path's GEMM) on each shape in `dtype`: one
 /// untimed call, then the best of up to 5 calls within about a quarter second per shape.
 pub fn gemm_rates(
     o: &BenchOptions,
@@ -220,7 +220,7 @@ pub fn gemm_rates(
             .map_err(ce)?;
         let run = || -> Result<f64, DiagError> {
             let t0 = Instant::now();
-            let y = rtune_model::blas::matmul(&a, &w.t().map_err(ce)?).map_err(ce)?;
+            let y = rtune_backend::blas::matmul(&a, &w.t().map_err(ce)?).map_err(ce)?;
             dev.synchronize().map_err(ce)?;
             drop(y);
             Ok(t0.elapsed().as_secs_f64())
@@ -278,8 +278,8 @@ fn restart_peak(dev: &candle_core::Device) -> (u64, bool) {
     match dev.location() {
         #[cfg(feature = "cuda")]
         candle_core::DeviceLocation::Cuda { gpu_id } => {
-            let used = rtune_kernels::memory::used_bytes(gpu_id).unwrap_or(0);
-            (used, rtune_kernels::memory::reset_peak(gpu_id).is_ok())
+            let used = rtune_backend::memory::used_bytes(gpu_id).unwrap_or(0);
+            (used, rtune_backend::memory::reset_peak(gpu_id).is_ok())
         }
         _ => {
             let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
@@ -431,7 +431,7 @@ pub fn run(
         threads: candle_core::utils::get_num_threads(),
         matmul_params: o.matmul_params(),
         flops_per_token: o.flops_per_token(),
-        blas: rtune_model::blas::loaded().map(str::to_string),
+        blas: rtune_backend::blas::loaded().map(str::to_string),
         device: if dev.is_cpu() {
             "cpu".to_string()
         } else {

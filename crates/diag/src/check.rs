@@ -32,8 +32,8 @@ pub const SUSTAINED_MIN: f64 = 0.5;
 
 /// CPU features the GEMMs use (x86-64); `(present, names)`.
 fn simd() -> (bool, Vec<&'static str>) {
-    // The one CPU-feature detection (rtune_model::cpu_features), as the kernels see it.
-    let f = rtune_model::cpu_features::get();
+    // The one CPU-feature detection (rtune_backend::cpu_features), as the kernels see it.
+    let f = rtune_backend::cpu_features::get();
     if cfg!(target_arch = "x86_64") {
         (f.avx2 && f.fma, f.list())
     } else {
@@ -57,9 +57,9 @@ fn runtime(cfg: &RunConfig) -> Check {
                 } else {
                     " (no AVX2/FMA: matrix products will be several times slower)"
                 },
-                rtune_model::blas::loaded()
+                rtune_backend::blas::loaded()
                     .unwrap_or("none (candle's gemm; install libopenblas0 for ~2x faster matmuls)"),
-                rtune_model::onednn::describe()
+                rtune_backend::onednn::describe()
             ),
         ),
         Ok(d) => device_line(&d),
@@ -72,7 +72,7 @@ fn runtime(cfg: &RunConfig) -> Check {
 pub fn device_line(d: &candle_core::Device) -> (bool, String) {
     #[cfg(feature = "cuda")]
     if d.is_cuda() {
-        return match rtune_model::cuda::describe(d) {
+        return match rtune_backend::cuda::describe(d) {
             Ok(s) => (true, s),
             Err(e) => (false, e.to_string()),
         };

@@ -64,12 +64,12 @@ pub enum DiagError {
         value: String,
         expected: &'static str,
     },
-    /// A kernel of `rtune_kernels` (launch, module load, self-test) failed.
+    /// A kernel of `rtune_ops` / `rtune_backend` (launch, module load, self-test) failed.
     #[cfg(feature = "cuda")]
     #[error("{op}: {source}")]
     Kernel {
         op: &'static str,
-        source: rtune_kernels::KernelError,
+        source: rtune_backend::KernelError,
     },
     /// A CUDA driver call of the selftest itself (allocation, copy, synchronisation) failed.
     #[cfg(feature = "cuda")]

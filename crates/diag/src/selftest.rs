@@ -2,7 +2,7 @@
 //! fresh random inputs, in one call (what `benches/gpu/run.sh` runs first on a GPU machine):
 //!
 //! 1. every fused kernel against its plain-Rust reference, on aligned, odd and offset shapes
-//!    (`rtune_kernels::fused_check::self_test_seeded`), one check per op pair, shape and type;
+//!    (`rtune_ops::selftest::self_test_seeded`), one check per op pair, shape and type;
 //! 2. NF4 / NF4 double-quant dequantization on the GPU against the CPU's, bit for bit, on the
 //!    Llama-8B MLP shape and an odd element count, and its bandwidth against the card's
 //!    device-to-device copy;

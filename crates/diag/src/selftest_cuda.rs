@@ -16,12 +16,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaStream};
-use rtune_kernels::{nf4_dequant_cuda_into, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda};
+use rtune_ops::nf4::{nf4_dequant_cuda_into, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda};
 
 use crate::selftest::Runner;
 use crate::{Check, DiagError};
 
-fn kerr(op: &'static str) -> impl Fn(rtune_kernels::KernelError) -> DiagError {
+fn kerr(op: &'static str) -> impl Fn(rtune_backend::KernelError) -> DiagError {
     move |source| DiagError::Kernel { op, source }
 }
 
@@ -92,11 +92,11 @@ pub fn kernels(dev: &Device, runner: &mut Runner) {
 }
 
 /// The driver errors cudarc recorded where it could not return them (frees, stream and event
-/// destruction in `Drop`; `rtune_model::cuda::deferred_error`): none after `after`.
+/// destruction in `Drop`; `rtune_backend::cuda::deferred_error`): none after `after`.
 pub fn deferred(dev: &Device, runner: &mut Runner, after: &str) {
     let name = format!("no deferred driver errors after {after}");
     runner.attempt(&name.clone(), || {
-        let r = rtune_model::cuda::deferred_error(dev);
+        let r = rtune_backend::cuda::deferred_error(dev);
         Ok(vec![Check::new(
             name,
             r.is_ok(),
@@ -121,21 +121,21 @@ fn kernels_on(dev: &Device, runner: &mut Runner) {
             .compute_capability()
             .map_err(derr("compute capability"))?;
         let t = Instant::now();
-        for image in rtune_kernels::image::ALL {
-            rtune_kernels::image::load(s.context(), image).map_err(kerr(image.name))?;
+        for image in rtune_backend::image::ALL {
+            rtune_backend::image::load(s.context(), image).map_err(kerr(image.name))?;
         }
         Ok(vec![Check::new(
             "kernel modules load",
             true,
             format!(
                 "{} modules as {} in {:.0} ms",
-                rtune_kernels::image::ALL.len(),
-                rtune_kernels::image::describe_choice(cc),
+                rtune_backend::image::ALL.len(),
+                rtune_backend::image::describe_choice(cc),
                 t.elapsed().as_secs_f64() * 1e3
             ),
         )])
     });
-    for (label, group) in rtune_kernels::fused_check::self_test_seeded(&s, seed) {
+    for (label, group) in rtune_ops::selftest::self_test_seeded(&s, seed) {
         runner.attempt(&format!("kernel {label}"), || {
             let group = group.map_err(kerr("fused kernels self-test"))?;
             Ok(group
@@ -145,9 +145,9 @@ fn kernels_on(dev: &Device, runner: &mut Runner) {
         });
     }
     // The tiled attention (kernels/flash_attn.cu), forward and backward, against its CPU
-    // reference with the same tiling (rtune_kernels::flash_ref): odd T, GQA/MQA, sliding window,
+    // reference with the same tiling (rtune_ops::attention::flash_ref): odd T, GQA/MQA, sliding window,
     // packed rows, head dims 64/96/128, an unaligned offset; f32, bf16, f16.
-    for (label, group) in rtune_kernels::flash_check::self_test_seeded(&s, seed) {
+    for (label, group) in rtune_ops::attention::flash_check::self_test_seeded(&s, seed) {
         runner.attempt(&format!("kernel {label}"), || {
             let group = group.map_err(kerr("flash attention self-test"))?;
             Ok(group
@@ -159,7 +159,7 @@ fn kernels_on(dev: &Device, runner: &mut Runner) {
     // The device optimizer (multi-tensor norm, clip, AdamW) against its CPU reference, on 37
     // odd-sized tensors (one empty, one without a gradient, one at an offset).
     runner.attempt("kernel adamw (multi-tensor norm, clip, update)", || {
-        let results = rtune_kernels::adamw::check::self_test_seeded(&s, seed)
+        let results = rtune_ops::adamw::check::self_test_seeded(&s, seed)
             .map_err(kerr("adamw kernels self-test"))?;
         Ok(results
             .into_iter()

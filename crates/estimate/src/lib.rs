@@ -32,8 +32,8 @@
 //! dtype. Checked against measured peaks by `benches/estimate_vs_measured.sh` (±10%).
 
 use rtune_config::DType;
-use rtune_model::ops::{keep_probs, AttnPath, AttnShape};
 use rtune_model::ModelConfig;
+use rtune_ops::{keep_probs, AttnPath, AttnShape};
 
 mod checkpointing;
 mod run;
@@ -72,7 +72,7 @@ pub struct Settings {
     /// Targeted module short names (`q_proj`, ...), `all-linear` already expanded.
     pub targets: Vec<String>,
     /// LoRA dropout probability. It keeps nothing for the backward (the model regenerates each
-    /// mask from its key: `rtune_model::dropout`); the dropped inputs a module makes in its
+    /// mask from its key: `rtune_backend::dropout`); the dropped inputs a module makes in its
     /// forward and again in its backward live only while its products run, outside the phases
     /// the estimate's peak is taken at.
     pub dropout: f64,

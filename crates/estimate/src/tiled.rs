@@ -1,7 +1,7 @@
-//! The memory of the tiled attention path (`rtune_model::fused::flash`, FlashAttention-2 on the
+//! The memory of the tiled attention path (`rtune_ops::attention::tiled`, FlashAttention-2 on the
 //! CPU), and which path a run takes ([`attn_path`]: as the model picks it).
 //!
-//! What the tiled path holds, against the plain one (`rtune_model::ops::attention`):
+//! What the tiled path holds, against the plain one (`rtune_ops::attention`):
 //! - no `T × T` tensor at all: no kept probabilities, no per-row scores in the backward; the
 //!   layer keeps the log-sum-exp `(B, T, H)` f32 (the plain path's per-row log-sum-exp, the same
 //!   size) and the output `O`, which is the tensor the output projection keeps anyway;
@@ -15,9 +15,9 @@
 //! The task split mirrors `flash::backward`: `want = ⌈BWD_TASKS / (B·H)⌉` chunks per (row, head),
 //! `tiles = ⌈ntiles / want⌉` query tiles of [`BR`] rows per chunk.
 
-use rtune_model::fused::flash::BR;
-use rtune_model::ops::AttnPath;
 use rtune_model::ModelConfig;
+use rtune_ops::attention::tiled::BR;
+use rtune_ops::AttnPath;
 
 use crate::{item, names, Dims, Item, Phase, Settings};
 
@@ -25,17 +25,15 @@ use crate::{item, names, Dims, Item, Phase, Settings};
 const BWD_TASKS: usize = 32;
 
 /// The attention path the model takes for rows of `t` tokens on the CPU: `RTUNE_ATTN`
-/// (`plain`, `tiled`, `auto`) or, by default, tiled from `rtune_model::ops::TILED_MIN_T` tokens
+/// (`plain`, `tiled`, `auto`) or, by default, tiled from `rtune_ops::TILED_MIN_T` tokens
 /// on ([`AttnPath::for_device`] itself, so the two cannot disagree). An invalid `RTUNE_ATTN`
 /// (which the run itself refuses) counts as the default.
 pub fn attn_path(t: usize) -> AttnPath {
-    AttnPath::for_device(&candle_core::Device::Cpu, t).unwrap_or(
-        if t >= rtune_model::ops::TILED_MIN_T {
-            AttnPath::Tiled
-        } else {
-            AttnPath::Plain
-        },
-    )
+    AttnPath::for_device(&candle_core::Device::Cpu, t).unwrap_or(if t >= rtune_ops::TILED_MIN_T {
+        AttnPath::Tiled
+    } else {
+        AttnPath::Plain
+    })
 }
 
 /// Bytes of each partial dK (and dV) buffer of the tiled backward, one entry per chunk of query

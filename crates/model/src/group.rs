@@ -7,8 +7,8 @@
 //! - LoRA without dropout: the A matrices of the group are stacked, so `x·[A₁; A₂; …]ᵀ` (N, Σr) is
 //!   one GEMM, and so are `dA = dXAᵀ·x` and the LoRA part of `dx = dXA·[A₁; A₂; …]`. Each member
 //!   gets its `(N, r)` columns as a contiguous copy: a column view of the `(N, Σr)` product has
-//!   leading dimension Σr, which candle's CUDA GEMM refuses (see [`crate::blas::cuda_gemm_ok`]).
-//! - LoRA with dropout: each member draws its own mask ([`crate::dropout`]), so the inputs differ;
+//!   leading dimension Σr, which candle's CUDA GEMM refuses (see [`rtune_backend::blas::cuda_gemm_ok`]).
+//! - LoRA with dropout: each member draws its own mask ([`rtune_backend::dropout`]), so the inputs differ;
 //!   they are made in one parallel pass as `(G, N, in)` ([`dropout::apply_each`]) and multiplied
 //!   by the `(G, in, r)` stack of the Aᵀ in one batched GEMM call (members of one rank). The
 //!   backward regenerates them the same way for `dA = dXAᵀ·dropout(x)` (batched), and adds the
@@ -21,10 +21,11 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::blas::matmul as mm;
-use crate::dropout::{self, DropoutKey};
-use crate::fused::{cast, lora_up};
 use crate::linear::{Frozen, Grads, Linear, LinearCache, LoraCtx};
+use rtune_backend::blas::matmul as mm;
+use rtune_backend::cast::cast;
+use rtune_backend::dropout::{self, DropoutKey};
+use rtune_ops::lora_up;
 
 /// Concatenates the members' dense weights into one `(Σout, in)` block and makes each member's
 /// weight a row view of it. Returns the block, or `None` (nothing changed) when a member is 4-bit or
@@ -196,7 +197,7 @@ pub fn backward(
         return Ok(dx);
     }
     // DoRA: dm, and each member's gradient as the rest of its backward takes it.
-    let dys = &crate::dora::prepare_all(members, dys, caches, grads)?;
+    let dys = &crate::linear::dora::prepare_all(members, dys, caches, grads)?;
     let mut dx = match (need_dx, block) {
         // dx: (N, in) = [dy₁, dy₂, …]·[W₁; W₂; …]
         (true, Some(w)) => Some(mm(&Tensor::cat(dys, 1)?, w)?),

@@ -10,13 +10,13 @@ use std::sync::Arc;
 enum Kept {
     Device(Tensor),
     #[cfg(feature = "cuda")]
-    Host(crate::offload::Offloaded),
+    Host(rtune_backend::offload::Offloaded),
 }
 
 pub(crate) struct KeptInputs {
     items: Vec<Kept>,
     #[cfg(feature = "cuda")]
-    offloader: Option<Arc<crate::offload::Offloader>>,
+    offloader: Option<Arc<rtune_backend::offload::Offloader>>,
     /// The next input `pop` returns, already on its way back to the device.
     #[cfg(feature = "cuda")]
     prefetched: Option<Tensor>,
@@ -36,7 +36,7 @@ impl KeptInputs {
 
     /// Keeps the inputs in host memory through `offloader` (the model's, one for the run).
     #[cfg(feature = "cuda")]
-    pub fn offload_to(&mut self, offloader: Arc<crate::offload::Offloader>) {
+    pub fn offload_to(&mut self, offloader: Arc<rtune_backend::offload::Offloader>) {
         self.offloader = Some(offloader);
     }
 

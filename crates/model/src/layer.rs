@@ -8,10 +8,9 @@
 
 use candle_core::{Result, Tensor};
 
-use crate::fused;
 use crate::group;
 use crate::linear::{Grads, Linear, LinearCache, LoraCtx};
-use crate::ops::{self, AttnCache, AttnMask, AttnPath, AttnShape, KeptAttn, NormCache};
+use rtune_ops::{self as ops, AttnCache, AttnMask, AttnPath, AttnShape, KeptAttn, NormCache};
 
 #[derive(Debug, Clone)]
 pub struct Layer {
@@ -187,7 +186,7 @@ impl Layer {
             _ => ops::attend(&q, &k, &v, &ctx.shape, &ctx.cos, &ctx.sin, mask, ctx.path)?,
         };
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
-        let h = fused::add(x, &a)?;
+        let h = ops::add(x, &a)?;
         let (h2, n2) = ops::rms_norm(&h, &self.post_norm, self.eps)?;
         let gu = group::forward(
             &[&self.gate, &self.up],
@@ -201,7 +200,7 @@ impl Layer {
         let (out, cd, m) = match pass {
             Pass::Full => {
                 let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
-                (Some(fused::add(&h, &d)?), cd, None)
+                (Some(ops::add(&h, &d)?), cd, None)
             }
             Pass::Recompute(_) => {
                 let cd = self.down.forward_cache(&m, lora, self.salt(6))?;
@@ -262,7 +261,7 @@ impl Layer {
             true,
         )?
         .expect("dx requested");
-        let dh = fused::add(
+        let dh = ops::add(
             d_out,
             &ops::rms_norm_backward(&dh2, &self.post_norm, &c.n2)?,
         )?;
@@ -285,7 +284,7 @@ impl Layer {
         let Some(dh1) = dh1 else {
             return Ok(None);
         };
-        Ok(Some(fused::add(
+        Ok(Some(ops::add(
             &dh,
             &ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?,
         )?))

@@ -3,40 +3,31 @@
 //! - [`config`]: `config.json` → [`ModelConfig`] (Llama 2/3/3.1/3.2, SmolLM, Mistral, Qwen2).
 //! - [`weights`]: memory-mapped safetensors, one file or sharded.
 //! - [`Model`]: the network. [`Model::forward`] is the inference path; [`Model::forward_backward`]
-//!   trains: a hand-written backward ([`ops`], [`linear`], [`layer`]) that forms gradients for LoRA
-//!   weights only — never for a frozen weight — and can recompute each decoder layer from its input.
+//!   trains: a hand-written backward ([`linear`], [`layer`], and each op's in `rtune_ops`) that
+//!   forms gradients for LoRA weights only — never for a frozen weight — and can recompute each
+//!   decoder layer from its input.
+//! - [`rope`]: the rotary tables from the config (the rotation itself is `rtune_ops::rope`).
 //! - [`tokens`]: trainable token rows (PEFT's `trainable_token_indices`) in the embedding and the
 //!   tied lm_head.
 //!
 //! Reference: transformers' `modeling_llama.py` (eager attention) and PEFT's `lora.Linear`; parity
 //! with both is tested against golden files in `tests/parity`.
 
-pub mod blas;
 pub mod config;
-pub mod cpu_features;
-#[cfg(feature = "cuda")]
-pub mod cuda;
-pub mod dora;
-pub mod dropout;
-pub mod fused;
+
 pub mod group;
-// The pool's bookkeeping is device-agnostic (tested everywhere); only CUDA offload uses it.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub mod host_pool;
 mod kept;
 pub mod layer;
 pub mod linear;
 mod model;
-#[cfg(feature = "cuda")]
-pub mod offload;
-pub mod onednn;
-pub mod ops;
 pub mod rope;
+#[cfg(test)]
+mod test_util;
 pub mod tokens;
 pub mod weights;
 
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling};
-pub use linear::{Frozen, Grads, LoraCtx};
+pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::KvCache;
 pub use model::{Forward, Inputs, Model, Quantize};
 

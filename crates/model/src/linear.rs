@@ -4,11 +4,13 @@
 //!
 //! The backward returns `dx` and accumulates `dA`, `dB`; it never forms a gradient for `W` or `b`.
 //! The LoRA product is taken as `(x·Aᵀ)·Bᵀ` so the intermediate is `(N, r)`, never `(N, out)·(out, in)`.
-//! Dropout masks come from [`crate::dropout`]: the cache keeps the mask's key, and the backward
+//! Dropout masks come from [`rtune_backend::dropout`]: the cache keeps the mask's key, and the backward
 //! regenerates the mask from it.
 //!
 //! A pair with a magnitude (`LoraPair::m`) is DoRA: [`crate::dora`] holds that math; the hooks here
 //! scale the output and the incoming gradient.
+
+pub mod dora;
 
 use candle_core::{DType, Device, Result, Tensor};
 use std::borrow::Cow;
@@ -18,10 +20,11 @@ use rtune_quant::Nf4Weight;
 
 use rtune_lora::Adapter;
 
-use crate::blas::matmul as mm;
-use crate::dora::{self, DoraCache, NormCache};
-use crate::dropout::{self, DropoutKey};
-use crate::fused::{add, cast, lora_up};
+use dora::{DoraCache, NormCache};
+use rtune_backend::blas::matmul as mm;
+use rtune_backend::cast::cast;
+use rtune_backend::dropout::{self, DropoutKey};
+use rtune_ops::{add, lora_up};
 
 /// The adapter as the forward pass sees it.
 #[derive(Debug, Clone, Copy)]
@@ -100,7 +103,7 @@ pub enum Frozen {
         /// The same weight resident on the GPU when `device` is CUDA (dequantized there by
         /// rtune's kernel; `q` stays for its shape and for exports).
         #[cfg(feature = "cuda")]
-        gpu: Option<Arc<crate::cuda::DeviceNf4>>,
+        gpu: Option<Arc<rtune_ops::nf4::DeviceNf4>>,
     },
 }
 
@@ -136,7 +139,7 @@ impl Frozen {
                 dtype,
                 device,
                 ..
-            } => crate::cuda::dequantize(g, *dtype, device).map(Cow::Owned),
+            } => rtune_ops::nf4::dequantize(g, *dtype, device).map(Cow::Owned),
             Frozen::Quant {
                 q, dtype, device, ..
             } => q

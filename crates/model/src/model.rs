@@ -14,9 +14,9 @@ use crate::config::{HfConfig, ModelConfig};
 use crate::kept::KeptInputs;
 use crate::layer::{BatchCtx, Layer};
 use crate::linear::{Frozen, Grads, Linear, LoraCtx};
-use crate::ops::{self, AttnShape};
 use crate::weights::{TensorSource, Weights};
 use crate::{ModelError, Result};
+use rtune_ops::{self as ops, AttnShape};
 
 pub(crate) mod decode;
 
@@ -35,12 +35,12 @@ pub struct Model {
     /// pass and comes back one layer ahead of the backward, on a side stream (`kept.rs`).
     pub offload_checkpoints: bool,
     /// bf16 autocast ([`Model::set_autocast`]): frozen weights bf16, activations f32, every
-    /// product on bf16-rounded operands with f32 accumulation ([`crate::blas::autocast`]).
+    /// product on bf16-rounded operands with f32 accumulation ([`rtune_backend::blas::autocast`]).
     pub autocast: bool,
     /// The side stream and pinned-buffer pool of checkpoint offload: created by the first
     /// offloading step and kept for the rest of the run (`offload.rs`).
     #[cfg(feature = "cuda")]
-    offloader: std::sync::Mutex<Option<Arc<crate::offload::Offloader>>>,
+    offloader: std::sync::Mutex<Option<Arc<rtune_backend::offload::Offloader>>>,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -137,7 +137,7 @@ impl Model {
                 #[cfg(feature = "cuda")]
                 let gpu = match device {
                     Device::Cuda(_) => Some(
-                        crate::cuda::upload(&q, device)
+                        rtune_ops::nf4::upload(&q, device)
                             .map_err(|e| ModelError::candle(format!("upload {wname}"), e))?,
                     ),
                     _ => None,
@@ -238,7 +238,7 @@ impl Model {
     /// `torch.autocast('cpu', dtype=torch.bfloat16)`): the frozen linear weights (re-fused into
     /// their q/k/v and gate/up blocks) and the lm_head are rounded to bf16 once, here; the
     /// embedding table, norms, biases and everything computed stay f32, and every forward and
-    /// backward runs its products in autocast ([`crate::blas::autocast`]). A tied lm_head becomes
+    /// backward runs its products in autocast ([`rtune_backend::blas::autocast`]). A tied lm_head becomes
     /// a bf16 copy of the f32 embedding table. NF4 layers dequantize into bf16.
     pub fn set_autocast(&mut self) -> Result<()> {
         if self.dtype != DType::F32 {
@@ -331,7 +331,7 @@ impl Model {
             kv_heads: self.cfg.num_kv_heads,
             head_dim: self.cfg.head_dim,
         };
-        let (cos, sin) = crate::rope::tables(
+        let (cos, sin) = rtune_ops::rope::tables(
             &self.inv_freq,
             &inp.positions,
             inp.b,
@@ -429,7 +429,7 @@ impl Model {
         lora: Option<&LoraCtx>,
         keep_hidden: bool,
     ) -> Result<Forward> {
-        let _autocast = crate::blas::autocast::scope(self.autocast);
+        let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
         let run = || -> candle_core::Result<Forward> {
             let (b, t, d) = (inp.b, inp.t, self.cfg.hidden_size);
             let ctx = self.batch_ctx(inp)?;
@@ -458,19 +458,19 @@ impl Model {
     /// The run's checkpoint offloader (CUDA): made on first use, then the same side stream and
     /// pinned-buffer pool for every later micro-batch.
     #[cfg(feature = "cuda")]
-    fn offloader(&self) -> candle_core::Result<Arc<crate::offload::Offloader>> {
+    fn offloader(&self) -> candle_core::Result<Arc<rtune_backend::offload::Offloader>> {
         let mut slot = self.offloader.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(o) = &*slot {
             return Ok(o.clone());
         }
-        let o = Arc::new(crate::offload::Offloader::new(&self.device)?);
+        let o = Arc::new(rtune_backend::offload::Offloader::new(&self.device)?);
         *slot = Some(o.clone());
         Ok(o)
     }
 
     /// What checkpoint offload's pinned-buffer pool has done so far (`None`: nothing offloaded).
     #[cfg(feature = "cuda")]
-    pub fn offload_pool_stats(&self) -> Option<crate::host_pool::PoolStats> {
+    pub fn offload_pool_stats(&self) -> Option<rtune_backend::host_pool::PoolStats> {
         let slot = self.offloader.lock().unwrap_or_else(|e| e.into_inner());
         slot.as_ref().map(|o| o.pool_stats())
     }
@@ -512,7 +512,7 @@ impl Model {
         grads: &mut Grads,
         after_layer: &mut dyn FnMut(usize, &Grads) -> candle_core::Result<()>,
     ) -> Result<f64> {
-        let _autocast = crate::blas::autocast::scope(self.autocast);
+        let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
         let mut run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
             let mut caches = Vec::with_capacity(self.layers.len());
@@ -593,7 +593,7 @@ impl Model {
         targets: &[Option<u32>],
         lora: Option<&LoraCtx>,
     ) -> Result<f64> {
-        let _autocast = crate::blas::autocast::scope(self.autocast);
+        let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
         let run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
@@ -613,11 +613,11 @@ impl Model {
         run().map_err(|e| ModelError::candle("eval_loss", e))
     }
 
-    /// `h·lm_headᵀ` for inference; under autocast through [`crate::blas::matmul`] (a bf16 head
+    /// `h·lm_headᵀ` for inference; under autocast through [`rtune_backend::blas::matmul`] (a bf16 head
     /// times f32 rows), otherwise candle's matmul as always.
     fn head(&self, h: &Tensor) -> candle_core::Result<Tensor> {
         if self.autocast {
-            crate::blas::matmul(h, &self.lm_head.t()?)
+            rtune_backend::blas::matmul(h, &self.lm_head.t()?)
         } else {
             h.matmul(&self.lm_head.t()?)
         }

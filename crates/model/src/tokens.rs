@@ -16,8 +16,6 @@
 
 use candle_core::{DType, Result, Tensor};
 
-use crate::blas::matmul as mm;
-
 /// The positions of a batch whose input id is a trainable token, and which row each takes.
 pub(crate) struct TokenHits {
     /// `(m,)` u32: positions into the flattened `(N,)` batch.
@@ -66,50 +64,6 @@ pub(crate) fn embed(x: &Tensor, hits: &TokenHits, rows: &Tensor) -> Result<Tenso
 pub(crate) fn embed_backward(dx: &Tensor, hits: &TokenHits, n: usize) -> Result<Tensor> {
     let picked = dx.index_select(&hits.pos, 0)?.to_dtype(DType::F32)?; // (m, D)
     Tensor::zeros((n, dx.dim(1)?), DType::F32, dx.device())?.index_add(&hits.which, &picked, 0)
-}
-
-/// The trained rows as the tied lm_head sees them: `ids: (n,)` u32 and `rows: (n, D)` in the
-/// compute dtype (the lm_head's).
-pub struct HeadRows {
-    pub ids: Tensor,
-    pub rows: Tensor,
-}
-
-impl HeadRows {
-    /// `ids` with their `rows` (f32 master copy) cast to `dtype`.
-    pub fn new(ids: &[u32], rows: &Tensor, dtype: DType) -> Result<Self> {
-        Ok(Self {
-            ids: Tensor::new(ids, rows.device())?,
-            rows: rows.to_dtype(dtype)?,
-        })
-    }
-
-    /// `(c, n)` u32: every row of a `(c, V)` block pointing at the columns `ids`.
-    fn column_index(&self, c: usize) -> Result<Tensor> {
-        let n = self.ids.dim(0)?;
-        self.ids.unsqueeze(0)?.broadcast_as((c, n))?.contiguous()
-    }
-
-    /// Logits `(c, V) = h·Wᵀ` with the columns `ids` replaced by `h·rowsᵀ`: `h·W'ᵀ` exactly as
-    /// PEFT's `F.linear(h, W')` forms them (same products, same dtype).
-    pub fn fix_logits(&self, logits: Tensor, h: &Tensor) -> Result<Tensor> {
-        let cols = mm(h, &self.rows.t()?)?.to_dtype(logits.dtype())?; // (c, n)
-        let idx = self.column_index(logits.dim(0)?)?;
-        logits.scatter(&idx, &cols, 1)
-    }
-
-    /// The backward of [`fix_logits`](Self::fix_logits) for `dlogits: (c, V)`: returns
-    /// `dh = dlogits·W'` `(c, D)` (the columns `ids` through `rows`, the others through `w`) and
-    /// the rows' gradient `dlogits[:, ids]ᵀ·h` `(n, D)` f32.
-    pub fn backward(&self, dlogits: &Tensor, h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
-        let sel = dlogits.index_select(&self.ids, 1)?; // (c, n)
-        let drows = mm(&sel.t()?.contiguous()?, h)?.to_dtype(DType::F32)?; // (n, D)
-        let c = dlogits.dim(0)?;
-        let zeros = Tensor::zeros((c, self.ids.dim(0)?), dlogits.dtype(), dlogits.device())?;
-        let rest = dlogits.scatter(&self.column_index(c)?, &zeros, 1)?;
-        let dh = (mm(&rest, w)? + mm(&sel, &self.rows)?)?;
-        Ok((dh, drows))
-    }
 }
 
 #[cfg(test)]

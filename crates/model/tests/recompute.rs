@@ -11,8 +11,8 @@ mod common;
 
 use candle_core::{DType, Device, Tensor};
 use common::{config, RandomWeights};
+use rtune_backend::blas::{self, layout_audit};
 use rtune_lora::{Adapter, LoraSpec};
-use rtune_model::blas::{self, layout_audit};
 use rtune_model::{Grads, Inputs, LoraCtx, Model, Quantize};
 
 const LAYERS: usize = 3;

@@ -89,7 +89,7 @@ impl Nf4Weight {
     }
 
     /// The dequantized weight as a tensor of `shape` in `dtype` on `device` (dequantized on the CPU;
-    /// the CUDA kernels live in `rtune-kernels`). F32/BF16/F16 are produced directly; other float
+    /// the CUDA kernels live in `rtune-ops`). F32/BF16/F16 are produced directly; other float
     /// dtypes go through f32.
     pub fn to_tensor(&self, dtype: DType, device: &Device) -> Result<Tensor> {
         let n = self.numel();

@@ -71,7 +71,7 @@ pub enum TrainError {
     #[error("cuda:{ordinal}: {source}")]
     Kernel {
         ordinal: usize,
-        source: rtune_kernels::KernelError,
+        source: rtune_backend::KernelError,
     },
     /// A driver error cudarc recorded where it could not return it (in a `Drop`: freeing memory,
     /// destroying a stream or event), read at a step boundary or the end of the run.

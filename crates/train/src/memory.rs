@@ -1,14 +1,14 @@
 //! Measured memory: the resident set of this process and the machine's RAM on the CPU (Linux's
 //! /proc: `VmHWM`/`VmRSS` of /proc/self/status, `MemTotal`/`MemAvailable` of /proc/meminfo), the
 //! device memory pool's high-water mark and the free device memory on CUDA (see
-//! `rtune_kernels::memory`). Predicted memory is `rtune_estimate`'s.
+//! `rtune_backend::memory`). Predicted memory is `rtune_estimate`'s.
 
 /// The peak memory that matters for a run on `dev`: device memory on CUDA, host RSS on the CPU.
 pub fn peak_bytes(dev: &candle_core::Device) -> u64 {
     match dev.location() {
         #[cfg(feature = "cuda")]
         candle_core::DeviceLocation::Cuda { gpu_id } => {
-            rtune_kernels::memory::peak_bytes(gpu_id).unwrap_or(0)
+            rtune_backend::memory::peak_bytes(gpu_id).unwrap_or(0)
         }
         _ => peak_rss_bytes(),
     }
@@ -20,9 +20,9 @@ pub fn peak_bytes(dev: &candle_core::Device) -> u64 {
 pub fn device_free_bytes(ordinal: usize) -> Result<u64, crate::TrainError> {
     use crate::TrainError;
     // The driver answers for the current context: opening the device makes it current.
-    let _dev = rtune_model::cuda::open(ordinal)
+    let _dev = rtune_backend::cuda::open(ordinal)
         .map_err(|source| TrainError::DeviceOpen { ordinal, source })?;
-    rtune_kernels::memory::free_and_total()
+    rtune_backend::memory::free_and_total()
         .map(|(free, _)| free as u64)
         .map_err(|source| TrainError::Kernel { ordinal, source })
 }

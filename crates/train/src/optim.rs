@@ -7,9 +7,9 @@
 //! [`LoraOptimizer`] runs it over an adapter in one of two places. On the CPU: this file's [`AdamW`]
 //! on flat host vectors (the reference; every CPU run uses it, bit for bit as before the device
 //! path existed). When the adapter lives on a CUDA device (feature `cuda`): `optim/device.rs`, the
-//! multi-tensor kernels of `rtune_kernels::adamw` over all LoRA tensors at once, with the moments
+//! multi-tensor kernels of `rtune_ops::adamw` over all LoRA tensors at once, with the moments
 //! and master weights on the device and one host sync a step (the gradient norm). Their CPU
-//! reference, `rtune_kernels::adamw`, is tested against [`AdamW`] in `optim/reference_tests.rs`.
+//! reference, `rtune_ops::adamw`, is tested against [`AdamW`] in `optim/reference_tests.rs`.
 
 use candle_core::Tensor;
 use rtune_config::Schedule;

@@ -128,8 +128,8 @@ pub fn hardware(device: &str) -> Hardware {
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     let ram_bytes = crate::memory::ram_total_bytes().unwrap_or(0);
-    // The one CPU-feature detection (rtune_model::cpu_features), as the kernels see it.
-    let simd = rtune_model::cpu_features::get()
+    // The one CPU-feature detection (rtune_backend::cpu_features), as the kernels see it.
+    let simd = rtune_backend::cpu_features::get()
         .list()
         .into_iter()
         .map(String::from)
@@ -141,8 +141,8 @@ pub fn hardware(device: &str) -> Hardware {
         simd,
         os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
         device: device.to_string(),
-        blas: rtune_model::blas::loaded().map(str::to_string),
-        bf16_gemm: Some(rtune_model::onednn::describe()),
+        blas: rtune_backend::blas::loaded().map(str::to_string),
+        bf16_gemm: Some(rtune_backend::onednn::describe()),
     }
 }
 

@@ -23,11 +23,11 @@ pub fn device(d: rtune_config::Device) -> Result<Device, TrainError> {
     match d {
         rtune_config::Device::Cpu => Ok(Device::Cpu),
         #[cfg(feature = "cuda")]
-        rtune_config::Device::Auto => Ok(rtune_model::cuda::open(0).unwrap_or(Device::Cpu)),
+        rtune_config::Device::Auto => Ok(rtune_backend::cuda::open(0).unwrap_or(Device::Cpu)),
         #[cfg(not(feature = "cuda"))]
         rtune_config::Device::Auto => Ok(Device::Cpu),
         #[cfg(feature = "cuda")]
-        rtune_config::Device::Cuda(n) => rtune_model::cuda::open(n)
+        rtune_config::Device::Cuda(n) => rtune_backend::cuda::open(n)
             .map_err(|source| TrainError::DeviceOpen { ordinal: n, source }),
         #[cfg(not(feature = "cuda"))]
         rtune_config::Device::Cuda(n) => Err(TrainError::NoCuda { ordinal: n }),

@@ -193,12 +193,12 @@ impl Trainer<'_> {
     }
 
     /// Fails with the driver error cudarc recorded, since the last check, where it could not
-    /// return it (in a `Drop`: a free, a stream or event destroyed; `rtune_model::cuda::
+    /// return it (in a `Drop`: a free, a stream or event destroyed; `rtune_backend::cuda::
     /// deferred_error`). Read at every step boundary and at the end of the run. A no-op off CUDA.
     fn check_device(&self) -> Result<(), TrainError> {
         #[cfg(feature = "cuda")]
         if let candle_core::DeviceLocation::Cuda { gpu_id } = self.dev.location() {
-            rtune_model::cuda::deferred_error(&self.dev).map_err(|source| {
+            rtune_backend::cuda::deferred_error(&self.dev).map_err(|source| {
                 TrainError::DeviceDeferred {
                     ordinal: gpu_id,
                     step: self.state.step,

@@ -2,16 +2,8 @@
 //! own, and [`super::fuse`]'s row views.
 
 use super::*;
-use candle_core::Device;
+use crate::test_util::randn;
 use rtune_lora::{Adapter, LoraPair, LoraSpec};
-
-fn randn(shape: &[usize], seed: u64) -> Result<Tensor> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let n = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0f32)).collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
-}
 
 /// q/k/v-like members (outputs 48, 16, 16 of input 40; one with a bias) and their adapter.
 fn setup() -> Result<(Vec<Linear>, Adapter)> {

@@ -7,7 +7,8 @@ use candle_core::{DType, IndexOp, Tensor, D};
 use super::Model;
 use crate::layer::Layer;
 use crate::linear::LoraCtx;
-use crate::{ops, ModelError, Result};
+use crate::{ModelError, Result};
+use rtune_ops as ops;
 
 /// Rotated keys and values of every layer for the tokens seen so far: each `(1, Hkv, len, Dh)`.
 #[derive(Default)]
@@ -59,8 +60,8 @@ impl Layer {
         let q = q.reshape((1, n, h, dh))?.transpose(1, 2)?.contiguous()?;
         let k = k.reshape((1, n, hkv, dh))?.transpose(1, 2)?.contiguous()?;
         let v = v.reshape((1, n, hkv, dh))?.transpose(1, 2)?.contiguous()?;
-        let q = crate::rope::apply(&q, cos, sin)?.reshape((1, hkv, g * n, dh))?;
-        let k = crate::rope::apply(&k, cos, sin)?;
+        let q = rtune_ops::rope::apply(&q, cos, sin)?.reshape((1, hkv, g * n, dh))?;
+        let k = rtune_ops::rope::apply(&k, cos, sin)?;
         let (k, v) = match kv {
             Some((ck, cv)) => (Tensor::cat(&[ck, &k], 2)?, Tensor::cat(&[cv, &v], 2)?),
             None => (k, v),
@@ -100,12 +101,18 @@ impl Model {
         cache: &mut KvCache,
         lora: Option<&LoraCtx>,
     ) -> Result<Tensor> {
-        let _autocast = crate::blas::autocast::scope(self.autocast);
+        let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
         let mut run = || -> candle_core::Result<Tensor> {
             let (n, start) = (ids.len(), cache.len);
             let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-            let (cos, sin) =
-                crate::rope::tables(&self.inv_freq, &positions, 1, n, self.dtype, &self.device)?;
+            let (cos, sin) = rtune_ops::rope::tables(
+                &self.inv_freq,
+                &positions,
+                1,
+                n,
+                self.dtype,
+                &self.device,
+            )?;
             let full = ops::causal_mask_from(n, start, None, &self.device)?;
             let sliding = match self.cfg.sliding_window {
                 Some(w) if w < start + n => {

@@ -4,22 +4,9 @@
 //! f32; tolerance 1e-5 relative (the same products summed in another order).
 
 use super::*;
-use crate::ops::{chunked_cross_entropy_loss_with, chunked_cross_entropy_with};
+use crate::test_util::randn;
 use candle_core::{Device, Var, D};
-
-fn randn(shape: &[usize], seed: u64) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let mut x = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            ((x >> 33) as f32 / (1u64 << 31) as f32) - 0.5
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
-}
+use rtune_ops::{chunked_cross_entropy_loss_with, chunked_cross_entropy_with, HeadRows};
 
 fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
     let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();

@@ -1,23 +1,23 @@
 //! AdamW on the CUDA device (feature `cuda`): the LoRA optimizer's state — f32 master weights, the
 //! moments `exp_avg` and `exp_avg_sq` — lives on the adapter's device as three flat buffers
 //! (tensor `k` at `offsets[k]`, the adapter's order A0, B0, A1, B1, ...), and a step is three
-//! kernel launches over every tensor at once (`kernels/adamw.cu` through `rtune_kernels::adamw`):
+//! kernel launches over every tensor at once (`kernels/adamw.cu` through `rtune_ops::adamw`):
 //! the gradients' squared norm in chunk partials, the norm and the clipping coefficient, then the
 //! update, which reads the coefficient from device memory and writes each tensor's new weights
 //! both into the master buffer and into a fresh buffer that becomes the adapter's tensor. The one
 //! host sync of a step is the read of the norm (for metrics.jsonl and the skip decision).
 //!
-//! The arithmetic is `rtune_kernels::adamw`'s reference, which `reference_tests.rs` checks against
-//! the CPU [`AdamW`](super::AdamW); `rtune_kernels::adamw::check` checks the kernels against the
+//! The arithmetic is `rtune_ops::adamw`'s reference, which `reference_tests.rs` checks against
+//! the CPU [`AdamW`](super::AdamW); `rtune_ops::adamw::check` checks the kernels against the
 //! reference on a GPU.
 
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PinnedHostSlice};
-use rtune_kernels::adamw::{self, AdamWScalars};
-use rtune_kernels::KernelError;
+use rtune_backend::KernelError;
 use rtune_lora::Adapter;
 use rtune_model::Grads;
+use rtune_ops::adamw::{self, AdamWScalars};
 use std::sync::Arc;
 
 use super::{Applied, Hyper};

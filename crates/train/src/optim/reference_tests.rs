@@ -1,16 +1,16 @@
-//! The device optimizer's CPU reference (`rtune_kernels::adamw`: the loop order and arithmetic of
+//! The device optimizer's CPU reference (`rtune_ops::adamw`: the loop order and arithmetic of
 //! `kernels/adamw.cu`) against this crate's CPU optimizer ([`LoraOptimizer`] on the host, i.e.
 //! [`clip_factor`] + [`AdamW`]) over ten steps with clipping active, a loss-scaled step, a skipped
 //! (NaN-loss) step, a missing gradient and an empty tensor, on odd sizes.
 
 use super::*;
 use candle_core::Device;
-use rtune_kernels::adamw::{
+use rtune_backend::check::Rng;
+use rtune_backend::Precision;
+use rtune_lora::{LoraPair, LoraSpec};
+use rtune_ops::adamw::{
     clip_coef, multi_tensor_adamw, multi_tensor_sq_norm, offsets, AdamWScalars,
 };
-use rtune_kernels::fused_ref::Rng;
-use rtune_kernels::Precision;
-use rtune_lora::{LoraPair, LoraSpec};
 
 /// `|a − b| / |b|`, 0 when equal.
 fn rel(a: f64, b: f64) -> f64 {

@@ -1,0 +1,645 @@
+//! f32 matrix products on the CPU through a system CBLAS (OpenBLAS), loaded at run time.
+//!
+//! candle's CPU matmul (the `gemm` crate) ran AVX2 kernels only, and OpenBLAS's AVX-512 ones were
+//! ~2× faster on the bench-small shapes (2-core EPYC dev box: 2048×512·512×1376 at 131 vs ~60
+//! GFLOP/s). rtune-model now enables the crate's `x86-v4` feature (for the tiled attention's tile
+//! products, `rtune_ops::attention::tiled`), so candle's matmul has AVX-512 kernels too. The library is optional: rtune builds and runs
+//! without it (no build-time dependency, no C toolchain), and falls back to candle's matmul when it
+//! is absent, when `RTUNE_BLAS=off`, or for any operand it does not cover (not f32, not on the CPU,
+//! strides that are neither row- nor column-major).
+//!
+//! Every matmul of the training path comes through [`matmul`], on every device, and every operand
+//! there is first held to candle's CUDA rule ([`cuda_gemm_ok`], a copy of `gemm_config` in
+//! candle-core 0.11.1's `cuda_backend`): the last two dims packed row- or column-major (leading
+//! dimension equal to the column or row count), at most two batch dims that a strided-batched GEMM
+//! can step through. An operand that fails it is made contiguous before the GEMM, whatever the
+//! device, so a layout that cuBLAS would refuse never reaches it; [`layout_audit`] records the
+//! operands the callers pass that fail it, so a CPU test proves the training path produces none.
+//!
+//! `RTUNE_BLAS`: unset → `libopenblas.so.0` / `libopenblas.so` from the loader's path; `off` → never;
+//! a path → that library (any CBLAS exporting `cblas_sgemm`, e.g. MKL's `libmkl_rt.so`).
+//!
+//! The kernel set: Debian's OpenBLAS 0.3.21 does not know Zen 4/5 and picks its AVX2 "Haswell"
+//! kernels there, and some environments pin `OPENBLAS_CORETYPE=Haswell` (this project's dev and CI
+//! machines do). rtune chooses for its own process with `RTUNE_BLAS_CORE`: unset or `auto` →
+//! `SkylakeX` when the CPU has AVX-512 F/BW/DQ/VL (2× the Haswell kernels' rate on the dev box),
+//! otherwise whatever `OPENBLAS_CORETYPE` says or OpenBLAS detects; `inherit` → leave
+//! `OPENBLAS_CORETYPE` as the environment has it; any other value → that core name.
+//!
+//! bf16 autocast ([`autocast`], `[model] dtype = "bf16-autocast"`): while an [`autocast::Scope`]
+//! is on (and for any product of an f32 and a bf16 operand), [`matmul`] rounds both operands to
+//! bf16 and accumulates in f32, as `torch.autocast('cpu', dtype=torch.bfloat16)` runs `linear`,
+//! `matmul`, `bmm` and `scaled_dot_product_attention`.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use std::borrow::Cow;
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::sync::OnceLock;
+
+type Sgemm = unsafe extern "C" fn(
+    c_int, // order
+    c_int, // transa
+    c_int, // transb
+    c_int, // m
+    c_int, // n
+    c_int, // k
+    f32,   // alpha
+    *const f32,
+    c_int, // lda
+    *const f32,
+    c_int, // ldb
+    f32,   // beta
+    *mut f32,
+    c_int, // ldc
+);
+
+const ROW_MAJOR: c_int = 101;
+const NO_TRANS: c_int = 111;
+const TRANS: c_int = 112;
+
+/// A loaded CBLAS.
+pub struct Blas {
+    sgemm: Sgemm,
+    /// What was loaded (for `run.json` and `rtune check`).
+    pub name: String,
+}
+
+static BLAS: OnceLock<Option<Blas>> = OnceLock::new();
+
+/// Loads the library (once). Call early in `main`, before threads start: it may set
+/// `OPENBLAS_CORETYPE`, and setting the environment is only sound while one thread runs.
+pub fn init() -> Option<&'static Blas> {
+    BLAS.get_or_init(load).as_ref()
+}
+
+fn load() -> Option<Blas> {
+    let choice = std::env::var("RTUNE_BLAS").unwrap_or_default();
+    if choice == "off" || choice == "0" {
+        return None;
+    }
+    let names: Vec<String> = if choice.is_empty() {
+        vec!["libopenblas.so.0".into(), "libopenblas.so".into()]
+    } else {
+        vec![choice]
+    };
+    match std::env::var("RTUNE_BLAS_CORE").as_deref() {
+        Ok("inherit") => {}
+        Ok(core) if !core.is_empty() && core != "auto" => {
+            // Sound only while one thread runs: the contract of `init` (a later call finds the
+            // OnceLock filled and does not come here).
+            std::env::set_var("OPENBLAS_CORETYPE", core)
+        }
+        _ => {
+            if avx512() {
+                std::env::set_var("OPENBLAS_CORETYPE", "SkylakeX")
+            }
+        }
+    }
+    if let Some(t) = thread_timeout(
+        std::env::var_os("OPENBLAS_THREAD_TIMEOUT"),
+        std::env::var_os("GOTO_THREAD_TIMEOUT"),
+    ) {
+        // Sound only while one thread runs (the contract of `init`); OpenBLAS reads it when it
+        // loads, below.
+        std::env::set_var("OPENBLAS_THREAD_TIMEOUT", t)
+    }
+    for name in names {
+        let Ok(c) = CString::new(name.clone()) else {
+            continue;
+        };
+        // SAFETY: dlopen/dlsym with valid C strings; the handle is never closed, so the function
+        // pointer stays valid for the life of the process.
+        unsafe {
+            let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
+            if h.is_null() {
+                continue;
+            }
+            let sym = libc::dlsym(h, c"cblas_sgemm".as_ptr());
+            if sym.is_null() {
+                continue;
+            }
+            let core = libc::dlsym(h, c"openblas_get_corename".as_ptr());
+            let core = if core.is_null() {
+                String::new()
+            } else {
+                let f: unsafe extern "C" fn() -> *const c_char = std::mem::transmute(core);
+                let p = f();
+                if p.is_null() {
+                    String::new()
+                } else {
+                    format!(
+                        " ({})",
+                        std::ffi::CStr::from_ptr(p).to_string_lossy().to_lowercase()
+                    )
+                }
+            };
+            return Some(Blas {
+                sgemm: std::mem::transmute::<*mut c_void, Sgemm>(sym),
+                name: format!("{name}{core}"),
+            });
+        }
+    }
+    None
+}
+
+/// The `OPENBLAS_THREAD_TIMEOUT` [`init`] sets given the environment's `OPENBLAS_THREAD_TIMEOUT`
+/// and `GOTO_THREAD_TIMEOUT`: `20` when neither is set, nothing (the user's choice) otherwise.
+///
+/// An idle OpenBLAS worker calls `sched_yield` in a loop for 2^timeout cycles before it sleeps;
+/// OpenBLAS 0.3.21's default is 2^28 (~0.1 s), so between two products the step's other work
+/// (rayon's fused ops, oneDNN's bf16 GEMMs) shares its cores with spinning threads. 2^20 cycles
+/// (~0.4 ms) still covers the gap between back-to-back products. Measured on 2 cores (bench-small,
+/// `rtune bench --steps 4 --warmup 1 --no-ceiling`, interleaved rounds, 2026-12-03): `--dtype
+/// bf16` 1654 / 1674 tokens/s with the default, 1934–2034 with 16 or 22 (`sched_yield` was 21% of
+/// the step's samples); f32 seq 512 unchanged (953–1050 either way); f32 seq 2048 768.7 / 778.2 →
+/// 798.0 / 812.7.
+fn thread_timeout(
+    openblas: Option<std::ffi::OsString>,
+    goto: Option<std::ffi::OsString>,
+) -> Option<&'static str> {
+    (openblas.is_none() && goto.is_none()).then_some("20")
+}
+
+/// AVX-512 F/BW/DQ/VL: what OpenBLAS's SkylakeX kernels use.
+fn avx512() -> bool {
+    crate::cpu_features::get().avx512_skylake()
+}
+
+/// One operand's matrix view: BLAS transposition flag and leading dimension.
+#[derive(Debug, Clone, Copy)]
+struct Mat {
+    trans: c_int,
+    ld: usize,
+}
+
+/// `(rows, cols)` with strides `(s0, s1)` as a BLAS operand, if it is one.
+fn as_mat(rows: usize, cols: usize, s0: usize, s1: usize) -> Option<Mat> {
+    if s1 == 1 || cols == 1 {
+        Some(Mat {
+            trans: NO_TRANS,
+            ld: if rows == 1 { cols.max(1) } else { s0.max(cols) },
+        })
+    } else if s0 == 1 || rows == 1 {
+        Some(Mat {
+            trans: TRANS,
+            ld: if cols == 1 { rows.max(1) } else { s1.max(rows) },
+        })
+    } else {
+        None
+    }
+}
+
+/// Batch offsets of a `(..., R, C)` layout, one per matrix, in row-major batch order.
+fn batch_offsets(l: &Layout) -> Vec<usize> {
+    let dims = l.dims();
+    let st = l.stride();
+    let nb = dims.len() - 2;
+    let count: usize = dims[..nb].iter().product();
+    let mut offs = Vec::with_capacity(count);
+    let mut idx = vec![0usize; nb];
+    for _ in 0..count {
+        offs.push(l.start_offset() + idx.iter().zip(st).map(|(i, s)| i * s).sum::<usize>());
+        for d in (0..nb).rev() {
+            idx[d] += 1;
+            if idx[d] < dims[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    offs
+}
+
+fn plan(l: &Layout) -> Option<Mat> {
+    let d = l.dims();
+    let s = l.stride();
+    let r = d.len();
+    as_mat(d[r - 2], d[r - 1], s[r - 2], s[r - 1])
+}
+
+struct Gemm(&'static Blas);
+
+impl CustomOp2 for Gemm {
+    fn name(&self) -> &'static str {
+        "blas-sgemm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(a), CpuStorage::F32(b)) = (s1, s2) else {
+            candle_core::bail!("blas-sgemm: f32 operands only");
+        };
+        let (da, db) = (l1.dims(), l2.dims());
+        let r = da.len();
+        let (m, k, n) = (da[r - 2], da[r - 1], db[r - 1]);
+        let (ma, mb) = match (plan(l1), plan(l2)) {
+            (Some(x), Some(y)) => (x, y),
+            _ => candle_core::bail!("blas-sgemm: strides {:?} / {:?}", l1.stride(), l2.stride()),
+        };
+        let (oa, ob) = (batch_offsets(l1), batch_offsets(l2));
+        let mut out_dims = da[..r - 2].to_vec();
+        out_dims.extend([m, n]);
+        let total = oa.len() * m * n;
+        let mut c: Vec<f32> = Vec::with_capacity(total);
+        for (i, (&pa, &pb)) in oa.iter().zip(&ob).enumerate() {
+            // SAFETY: the layouts were checked by `matmul` (dims, strides within the storage); with
+            // beta = 0 sgemm writes every element of the (m, n) block and reads none of it.
+            unsafe {
+                (self.0.sgemm)(
+                    ROW_MAJOR,
+                    ma.trans,
+                    mb.trans,
+                    m as c_int,
+                    n as c_int,
+                    k as c_int,
+                    1.0,
+                    a.as_ptr().add(pa),
+                    ma.ld as c_int,
+                    b.as_ptr().add(pb),
+                    mb.ld as c_int,
+                    0.0,
+                    c.as_mut_ptr().add(i * m * n),
+                    n as c_int,
+                );
+            }
+        }
+        // SAFETY: every element was written above.
+        unsafe { c.set_len(total) };
+        Ok((CpuStorage::F32(c), Shape::from(out_dims)))
+    }
+}
+
+/// `a·b` as `Tensor::matmul` (`a: (..., M, K)`, `b: (..., K, N)`, same batch dims), through BLAS
+/// when [`init`] loaded one and the operands suit it; candle's matmul otherwise. An operand that
+/// fails [`cuda_gemm_ok`]'s rule is made contiguous first, on every device (see the module note);
+/// [`layout_audit`] records it under the caller's file and line.
+#[track_caller]
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let site = std::panic::Location::caller();
+    layout_audit::call("matmul", a.dims(), b.dims());
+    let (a, b) = if cuda_gemm_ok(a.layout(), b.layout()) {
+        (Cow::Borrowed(a), Cow::Borrowed(b))
+    } else {
+        layout_audit::record(site, layout_audit::Stage::Passed, a.layout(), b.layout());
+        let (a, b) = gemm_ready(a, b)?;
+        if !cuda_gemm_ok(a.layout(), b.layout()) {
+            layout_audit::record(site, layout_audit::Stage::AtGemm, a.layout(), b.layout());
+        }
+        (a, b)
+    };
+    let (a, b) = (a.as_ref(), b.as_ref());
+    if autocast::on() || a.dtype() != b.dtype() {
+        return autocast::matmul(a, b);
+    }
+    plain(a, b)
+}
+
+/// [`matmul`] of operands already laid out for it, in their own dtype (no autocast).
+fn plain(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    // bf16 on the CPU: oneDNN's bf16 kernels where the CPU has them (f32 accumulation, bf16 out,
+    // as candle's matmul), candle's gemm otherwise.
+    if a.dtype() == DType::BF16 {
+        if let Some(y) = crate::onednn::matmul(a, b, DType::BF16) {
+            return y;
+        }
+    }
+    let Some(blas) = BLAS.get().and_then(Option::as_ref) else {
+        return a.matmul(b);
+    };
+    let (da, db) = (a.dims(), b.dims());
+    let ok = a.device().is_cpu()
+        && a.dtype() == DType::F32
+        && b.dtype() == DType::F32
+        && da.len() >= 2
+        && da.len() == db.len()
+        && da[..da.len() - 2] == db[..db.len() - 2]
+        && da[da.len() - 1] == db[db.len() - 2]
+        && da
+            .iter()
+            .chain(db)
+            .all(|&d| d > 0 && d < c_int::MAX as usize)
+        && plan(a.layout()).is_some()
+        && plan(b.layout()).is_some();
+    if !ok {
+        return a.matmul(b);
+    }
+    a.apply_op2_no_bwd(b, &Gemm(blas))
+}
+
+/// The operands with each one that fails [`cuda_gemm_ok`]'s rule replaced by a contiguous copy
+/// (a row-major packed matrix with packed batches passes it whatever the other operand is).
+fn gemm_ready<'a>(a: &'a Tensor, b: &'a Tensor) -> Result<(Cow<'a, Tensor>, Cow<'a, Tensor>)> {
+    let fix = |t: &'a Tensor, rows: usize, cols: usize| -> Result<Cow<'a, Tensor>> {
+        if operand_ok(t.layout(), rows, cols) {
+            Ok(Cow::Borrowed(t))
+        } else {
+            Ok(Cow::Owned(t.contiguous()?))
+        }
+    };
+    let (da, db) = (a.dims(), b.dims());
+    if da.len() < 2 || db.len() < 2 {
+        return Ok((Cow::Borrowed(a), Cow::Borrowed(b)));
+    }
+    let (m, k) = (da[da.len() - 2], da[da.len() - 1]);
+    let n = db[db.len() - 1];
+    Ok((fix(a, m, k)?, fix(b, k, n)?))
+}
+
+/// Whether candle 0.11.1's CUDA matmul accepts `lhs: (..., M, K)` times `rhs: (..., K, N)` as laid
+/// out: `gemm_config` in `candle-core/src/cuda_backend/mod.rs`, rule for rule. Each operand's
+/// matrix must be packed row-major (unit column stride, row stride = its column count) or
+/// column-major (unit row stride, column stride = its row count), a dim of size 1 excusing the
+/// stride that steps along it; the batch dims (at most two) must step by one stride (two of
+/// them as one, or one of them of size 1). Shapes that do not multiply are not this rule's business: `true`.
+pub fn cuda_gemm_ok(lhs: &Layout, rhs: &Layout) -> bool {
+    let (dl, dr) = (lhs.dims(), rhs.dims());
+    if dl.len() < 2 || dl.len() != dr.len() {
+        return true;
+    }
+    let r = dl.len();
+    let (m, k, n) = (dl[r - 2], dl[r - 1], dr[r - 1]);
+    operand_ok(lhs, m, k) && operand_ok(rhs, k, n)
+}
+
+/// One operand of [`cuda_gemm_ok`], `rows × cols` being its last two dims: candle's
+/// `(lda, transa)` / `(ldb, transb)` choice and its `stride_a` / `stride_b` match.
+pub fn operand_ok(l: &Layout, rows: usize, cols: usize) -> bool {
+    let st = l.stride();
+    let r = st.len();
+    let (s_row, s_col) = (st[r - 2], st[r - 1]);
+    // candle: `(m1 == 1 || cols == 1) && (m2 == cols || rows == 1)` → no transpose, ld = cols.
+    let row_major = (s_col == 1 || cols == 1) && (s_row == cols || rows == 1);
+    // candle: `(m1 == rows || cols == 1) && (m2 == 1 || rows == 1)` → transpose, ld = rows.
+    let col_major = (s_col == rows || cols == 1) && (s_row == 1 || rows == 1);
+    (row_major || col_major) && batch_ok(l)
+}
+
+/// candle's batch-stride match (`stride_a` / `stride_b`): no batch dim; one; or two that step as
+/// one (outer stride = inner stride × inner size), or of which one has size 1. Three or more batch
+/// dims are refused whatever their strides.
+fn batch_ok(l: &Layout) -> bool {
+    let (d, st) = (l.dims(), l.stride());
+    match st[..st.len() - 2] {
+        [] | [_] => true,
+        [s1, s2] => s1 == s2 * d[1] || d[0] == 1 || d[1] == 1,
+        _ => false,
+    }
+}
+
+/// A record of the matmul operands that fail [`cuda_gemm_ok`]'s rule, for tests: while a
+/// [`layout_audit::Guard`] from [`layout_audit::start`] lives, every [`matmul`] call with such an operand is recorded with its
+/// call site, shapes and strides; so is every product's shapes ([`matmul`]'s and the tiled
+/// attention's, [`layout_audit::Call`]), which tests count. Process-wide (any thread's calls
+/// count): a test that asserts on it should be the only one of its binary running model code at
+/// the time.
+pub mod layout_audit {
+    use candle_core::Layout;
+    use std::panic::Location;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    /// Where a failing layout was seen.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Stage {
+        /// As the caller passed it to [`super::matmul`] (the code produced it; it was then copied
+        /// to a contiguous tensor before the GEMM).
+        Passed,
+        /// As it reached the GEMM, after that copy: cuBLAS would refuse it. Never expected.
+        AtGemm,
+    }
+
+    /// One matmul whose operands fail the rule.
+    #[derive(Debug, Clone)]
+    pub struct Violation {
+        pub stage: Stage,
+        /// `file:line` of the [`super::matmul`] call.
+        pub site: String,
+        pub lhs_dims: Vec<usize>,
+        pub lhs_stride: Vec<usize>,
+        pub rhs_dims: Vec<usize>,
+        pub rhs_stride: Vec<usize>,
+    }
+
+    impl std::fmt::Display for Violation {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "{:?} at {}: lhs {:?} strides {:?} · rhs {:?} strides {:?}",
+                self.stage,
+                self.site,
+                self.lhs_dims,
+                self.lhs_stride,
+                self.rhs_dims,
+                self.rhs_stride
+            )
+        }
+    }
+
+    /// One product computed while recording: `op` (`matmul`, `flash_attn`) and its first two
+    /// operands' dims.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Call {
+        pub op: &'static str,
+        pub lhs: Vec<usize>,
+        pub rhs: Vec<usize>,
+    }
+
+    static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+    static SEEN: Mutex<Vec<Violation>> = Mutex::new(Vec::new());
+    static CALLS: Mutex<Vec<Call>> = Mutex::new(Vec::new());
+
+    /// Records until the guard drops; what was recorded before is cleared.
+    pub fn start() -> Guard {
+        SEEN.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        CALLS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        ACTIVE.fetch_add(1, Ordering::SeqCst);
+        Guard(())
+    }
+
+    /// Recording is on while one lives.
+    pub struct Guard(());
+
+    impl Guard {
+        /// Everything recorded since [`start`].
+        pub fn violations(&self) -> Vec<Violation> {
+            SEEN.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        }
+
+        /// Everything recorded since [`start`] or the last `take`, cleared.
+        pub fn take(&self) -> Vec<Violation> {
+            std::mem::take(&mut *SEEN.lock().unwrap_or_else(|e| e.into_inner()))
+        }
+
+        /// Every product since [`start`] or the last `take_calls`, in call order, cleared.
+        pub fn take_calls(&self) -> Vec<Call> {
+            std::mem::take(&mut *CALLS.lock().unwrap_or_else(|e| e.into_inner()))
+        }
+    }
+
+    /// Notes a product of operands `lhs`, `rhs` while recording.
+    pub fn call(op: &'static str, lhs: &[usize], rhs: &[usize]) {
+        if ACTIVE.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        CALLS.lock().unwrap_or_else(|e| e.into_inner()).push(Call {
+            op,
+            lhs: lhs.to_vec(),
+            rhs: rhs.to_vec(),
+        });
+    }
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            ACTIVE.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    pub(super) fn record(site: &Location<'_>, stage: Stage, lhs: &Layout, rhs: &Layout) {
+        if ACTIVE.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        SEEN.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Violation {
+                stage,
+                site: format!("{}:{}", site.file(), site.line()),
+                lhs_dims: lhs.dims().to_vec(),
+                lhs_stride: lhs.stride().to_vec(),
+                rhs_dims: rhs.dims().to_vec(),
+                rhs_stride: rhs.stride().to_vec(),
+            });
+    }
+}
+
+pub mod autocast;
+
+/// What [`init`] loaded, for reports: `Some("libopenblas.so.0 (skylakex)")`.
+pub fn loaded() -> Option<&'static str> {
+    BLAS.get().and_then(Option::as_ref).map(|b| b.name.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn thread_timeout_is_short_unless_the_environment_chooses() {
+        let some = |s: &str| Some(std::ffi::OsString::from(s));
+        assert_eq!(thread_timeout(None, None), Some("20"));
+        assert_eq!(thread_timeout(some("28"), None), None);
+        assert_eq!(thread_timeout(None, some("4")), None);
+    }
+
+    /// BLAS and candle's gemm sum in different orders: 1e-5 relative on sums of ≤ 300 products of
+    /// O(1) values is ~100 f32 ulps of slack, far below any layout or transposition mistake (O(1)).
+    #[test]
+    fn matches_candle_matmul_in_every_layout() -> Result<()> {
+        if init().is_none() {
+            eprintln!("no CBLAS found (install libopenblas0); nothing to compare");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 1.0, (2, 3, 37, 29), &dev)?;
+        let y = Tensor::randn(0f32, 1.0, (2, 3, 29, 41), &dev)?;
+        let w = Tensor::randn(0f32, 1.0, (41, 29), &dev)?;
+        let cases: Vec<(Tensor, Tensor)> = vec![
+            (x.clone(), y.clone()),
+            (col_major(&x)?, y.clone()),
+            (x.clone(), y.t()?.contiguous()?.t()?),
+            (x.narrow(1, 1, 2)?, y.narrow(1, 0, 2)?),
+            (x.get(1)?.get(2)?, w.t()?),
+            (x.get(0)?.get(0)?.narrow(0, 3, 1)?, w.t()?),
+            (w.t()?.narrow(1, 5, 1)?.t()?, w.t()?),
+        ];
+        for (i, (a, b)) in cases.iter().enumerate() {
+            let want = a.contiguous()?.matmul(&b.contiguous()?)?;
+            let got = matmul(a, b)?;
+            assert_eq!(got.dims(), want.dims(), "case {i}");
+            let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                err <= 1e-5 * scale,
+                "case {i}: max abs err {err} of {scale}"
+            );
+        }
+        Ok(())
+    }
+
+    /// candle's CUDA rule on hand-made layouts, each case one clause of `gemm_config`.
+    #[test]
+    fn cuda_rule_matches_gemm_config() -> Result<()> {
+        let c = |d: &[usize]| Layout::contiguous(d);
+        let w = c(&[16, 40]); // (out, in), as a frozen weight
+                              // x·Wᵀ: contiguous lhs, transposed contiguous rhs (column-major, ld = k).
+        assert!(cuda_gemm_ok(&c(&[24, 40]), &w.transpose(0, 1)?));
+        // A column view of (24, 12): ld 12 ≠ its 4 columns, and not column-major either.
+        let xa = c(&[24, 12]).narrow(1, 4, 4)?;
+        assert!(!operand_ok(&xa, 24, 4));
+        assert!(!cuda_gemm_ok(&xa, &c(&[4, 16])));
+        // ... and transposed (the dB product `dyᵀ·xa` takes it as the rhs): still refused.
+        assert!(!cuda_gemm_ok(&c(&[16, 24]), &xa));
+        assert!(!cuda_gemm_ok(&xa.transpose(0, 1)?, &c(&[24, 7])));
+        // A row view (narrow on the row axis) stays packed.
+        assert!(cuda_gemm_ok(
+            &c(&[30, 40]).narrow(0, 3, 24)?,
+            &w.transpose(0, 1)?
+        ));
+        // One column: the column stride is excused, the row stride is not (it must be 1).
+        let one_col = c(&[24, 12]).narrow(1, 5, 1)?;
+        assert!(!operand_ok(&one_col, 24, 1));
+        assert!(operand_ok(
+            &Layout::new((24, 1).into(), vec![1, 7], 0),
+            24,
+            1
+        ));
+        // One row: the row stride is excused, the column stride must be 1.
+        assert!(operand_ok(&c(&[24, 12]).narrow(0, 5, 1)?, 1, 12));
+        assert!(operand_ok(
+            &Layout::new((1, 12).into(), vec![999, 1], 0),
+            1,
+            12
+        ));
+        assert!(!operand_ok(&one_col.transpose(0, 1)?, 1, 24));
+        // Batch dims: one of any stride; two that step as one, or one of size 1; three refused.
+        let b4 = c(&[2, 3, 24, 40]);
+        assert!(operand_ok(&b4, 24, 40));
+        assert!(operand_ok(&b4.narrow(0, 1, 1)?, 24, 40));
+        assert!(operand_ok(&b4.narrow(1, 0, 1)?, 24, 40));
+        assert!(!operand_ok(&b4.narrow(1, 0, 2)?, 24, 40));
+        assert!(operand_ok(&c(&[3, 24, 40]).narrow(0, 1, 2)?, 24, 40));
+        assert!(!operand_ok(&c(&[1, 1, 1, 24, 40]), 24, 40));
+        Ok(())
+    }
+
+    /// An operand the rule refuses is copied, and the product is the product of the views.
+    #[test]
+    fn refused_operands_are_copied_and_audited() -> Result<()> {
+        let dev = Device::Cpu;
+        let xa = Tensor::randn(0f32, 1.0, (24, 12), &dev)?.narrow(1, 4, 4)?;
+        let b = Tensor::randn(0f32, 1.0, (16, 4), &dev)?;
+        let got = matmul(&xa, &b.t()?)?;
+        let want = xa.contiguous()?.matmul(&b.t()?.contiguous()?)?;
+        let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(err <= 1e-5, "max abs err {err}");
+        let bt = b.t()?;
+        let (a2, b2) = gemm_ready(&xa, &bt)?;
+        assert!(a2.is_contiguous());
+        assert!(
+            matches!(b2, Cow::Borrowed(_)),
+            "an accepted operand is not copied"
+        );
+        assert!(cuda_gemm_ok(a2.layout(), b2.layout()));
+        Ok(())
+    }
+
+    /// The same values with the last two dims' strides swapped (column-major matrices).
+    fn col_major(t: &Tensor) -> Result<Tensor> {
+        t.transpose(2, 3)?.contiguous()?.transpose(2, 3)
+    }
+}

@@ -1,0 +1,100 @@
+//! How rtune computes, below the ops: the engines and the machinery every op shares, with no op's
+//! semantics in it (those are `rtune-ops`, one folder per op, and the network is `rtune-model`).
+//!
+//! - [`blas`]: the training path's GEMM ([`blas::matmul`]): OpenBLAS loaded at run time, candle's
+//!   gemm otherwise, cuBLAS on CUDA; [`blas::autocast`] (bf16 products, f32 accumulation, as
+//!   `torch.autocast`); [`onednn`]: oneDNN's bf16 GEMMs, loaded at run time; [`cpu_features`]:
+//!   what the CPU can do, as the kernels see it.
+//! - [`cpu`]: the CPU row loops' machinery: element types ([`cpu::Elem`]), the AVX-512F / AVX2
+//!   dispatch ([`cpu::dispatch`]), parallel rows; [`storage`]: reading candle's storage, the
+//!   dtype rule and shape checks of every fused op, and with `cuda` its CUDA buffers.
+//! - [`cast`]: float casts (an op folder of its own here because [`blas::autocast`] needs it).
+//! - [`dropout`]: the LoRA dropout's Philox masks, the same bits on the CPU and on CUDA.
+//! - CUDA (feature `kernels`: cudarc and nvcc only): the kernels' images ([`image`]: `build.rs`
+//!   compiles every `kernels/*.cu`), the loaded fused kernels and the launch preamble every
+//!   launcher shares ([`launch`]), device memory figures ([`memory`]); [`check`] (always built):
+//!   the references' rounding ([`Precision`]), tolerances, comparison and seeded inputs of every
+//!   kernel check.
+//! - With `cuda` (candle's CUDA backend too): device handles ([`cuda`]), offload of kept
+//!   activations to pinned host memory ([`offload`], [`host_pool`]).
+//!
+//! Imports run one way: `cpu_features` ← `cpu`, `storage` ← `cast` ← `blas` (`onednn`) ←
+//! `dropout`; `precision` ← `check`; `launch` ← each launcher.
+
+// Without `kernels` the items the overview links to do not exist; the links resolve with it.
+#![cfg_attr(not(feature = "kernels"), allow(rustdoc::broken_intra_doc_links))]
+
+pub mod blas;
+pub mod cast;
+pub mod check;
+pub mod cpu;
+pub mod cpu_features;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod dropout;
+// The pool's bookkeeping is device-agnostic (tested everywhere); only CUDA offload uses it.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub mod host_pool;
+pub mod image;
+#[cfg(feature = "kernels")]
+pub mod launch;
+#[cfg(feature = "kernels")]
+pub mod memory;
+#[cfg(feature = "cuda")]
+pub mod offload;
+pub mod onednn;
+mod precision;
+pub mod storage;
+
+#[cfg(feature = "kernels")]
+pub use launch::{FusedFloat, FusedKernels};
+pub use precision::Precision;
+
+/// Whether this build has the CUDA kernels (the `kernels` feature).
+pub const CUDA_COMPILED: bool = cfg!(feature = "kernels");
+
+/// PTX of `kernels/nf4.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "kernels")]
+pub const NF4_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nf4.ptx"));
+
+/// PTX of `kernels/fused.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "kernels")]
+pub const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+
+/// PTX of `kernels/attn.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "kernels")]
+pub const ATTN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn.ptx"));
+
+/// PTX of `kernels/flash_attn.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "kernels")]
+pub const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
+
+/// PTX of `kernels/adamw.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "kernels")]
+pub const ADAMW_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
+
+/// PTX of `kernels/dropout.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
+#[cfg(feature = "kernels")]
+pub const DROPOUT_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dropout.ptx"));
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("rtune was built without CUDA kernels; rebuild with `--features cuda`")]
+    NotCompiled,
+    #[cfg(feature = "kernels")]
+    #[error("cuda {op}: {source}")]
+    Driver {
+        op: &'static str,
+        source: cudarc::driver::DriverError,
+    },
+    #[error("{op}: {message}")]
+    Unsupported { op: &'static str, message: String },
+}
+
+pub type Result<T> = std::result::Result<T, KernelError>;
+
+/// Maps a driver error to [`KernelError::Driver`] naming the operation.
+#[cfg(feature = "kernels")]
+pub fn drv(op: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> KernelError {
+    move |source| KernelError::Driver { op, source }
+}

@@ -1,0 +1,88 @@
+//! Launchers of the cross-entropy of a chunk's CUDA kernels (`kernels/ce.cuh`, compiled into `kernels/fused.cu`'s
+//! module) for f32, bf16 and f16 buffers already on the GPU: each takes the stream and views of
+//! row-major contiguous buffers, checks the sizes and launches asynchronously.
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+#[allow(unused_imports)]
+use rtune_backend::launch::{
+    bad, elementwise_cfg, int, need, numel, row_cfg, vec_width, FusedFloat, FusedKernels, K,
+};
+use rtune_backend::{drv, Result};
+
+/// Cross-entropy forward over a chunk of logits. `logits: (n, v)`, `targets: (n)`; `out: (n, 2)`
+/// f32 = `[lse, lse − logit[target]]` per row (NaN loss for a target `>= v`).
+pub fn ce_fwd<T: FusedFloat>(
+    stream: &Arc<CudaStream>,
+    logits: &CudaView<'_, T>,
+    targets: &CudaView<'_, u32>,
+    out: &mut CudaViewMut<'_, f32>,
+    n: usize,
+    v: usize,
+) -> Result<()> {
+    const OP: &str = "ce_fwd";
+    if v == 0 {
+        return Err(bad(OP, "vocabulary of 0".into()));
+    }
+    need(OP, "logits", logits.len(), numel(OP, &[n, v])?)?;
+    need(OP, "targets", targets.len(), n)?;
+    need(OP, "out (n, 2)", out.len(), numel(OP, &[n, 2])?)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    let k = FusedKernels::get(stream.context())?;
+    let mut b = stream.launch_builder(k.f::<T>(K::CeFwd));
+    b.arg(logits).arg(targets).arg(out).arg(&n_i).arg(&v_i);
+    // SAFETY: as above, for ce_fwd_<T>.
+    unsafe { b.launch(row_cfg::<T>(n, v)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// Cross-entropy backward: `dlogits = T((exp(logit − lse) − onehot(target))·scale)`.
+/// `logits, dlogits: (n, v)`; `targets: (n)`; `lse: (n)` f32 (column 0 of [`ce_fwd`]'s output).
+#[allow(clippy::too_many_arguments)]
+pub fn ce_bwd<T: FusedFloat>(
+    stream: &Arc<CudaStream>,
+    logits: &CudaView<'_, T>,
+    targets: &CudaView<'_, u32>,
+    lse: &CudaView<'_, f32>,
+    scale: f32,
+    dlogits: &mut CudaViewMut<'_, T>,
+    n: usize,
+    v: usize,
+) -> Result<()> {
+    const OP: &str = "ce_bwd";
+    let nv = numel(OP, &[n, v])?;
+    need(OP, "logits", logits.len(), nv)?;
+    need(OP, "targets", targets.len(), n)?;
+    need(OP, "lse", lse.len(), n)?;
+    need(OP, "dlogits", dlogits.len(), nv)?;
+    if nv == 0 {
+        return Ok(());
+    }
+    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    let k = FusedKernels::get(stream.context())?;
+    let mut b = stream.launch_builder(k.f::<T>(K::CeBwd));
+    b.arg(logits)
+        .arg(targets)
+        .arg(lse)
+        .arg(&scale)
+        .arg(dlogits)
+        .arg(&n_i)
+        .arg(&v_i);
+    // grid.x spans a row's vectors, grid.y the rows (grid-stride beyond 65535).
+    let cfg = LaunchConfig {
+        grid_dim: (
+            v.div_ceil(vec_width::<T>()).div_ceil(256) as u32,
+            n.min(65535) as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as above, for ce_bwd_<T>.
+    unsafe { b.launch(cfg) }.map_err(drv(OP))?;
+    Ok(())
+}

@@ -1,0 +1,219 @@
+//! Cross-entropy over the lm_head in chunks of tokens, so the full `(N, V)` logits never exist:
+//! per chunk the logits, their log-sum-exp and `dlogits = softmax − onehot` (fused), and `dh`
+//! accumulated through the lm_head; trainable token rows of a tied lm_head ([`HeadRows`]).
+//!
+//! The op's files: this one (what the model calls), `op.rs` (the candle ops of one chunk),
+//! `cpu.rs` (the loops), `reference.rs` (plain formulations), `cuda.rs` (launchers of
+//! `kernels/ce.cuh`), `check.rs` (for `rtune selftest`), `tests.rs`.
+
+#[cfg(feature = "kernels")]
+pub mod check;
+pub(crate) mod cpu;
+#[cfg(feature = "kernels")]
+pub mod cuda;
+pub mod op;
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use candle_core::{DType, Result, Tensor};
+use rtune_backend::blas::matmul as mm;
+
+pub use reference::{cross_entropy_grad_reference, cross_entropy_reference};
+
+/// Cross-entropy over the lm_head in chunks of tokens, so the full `(N, V)` logits never exist.
+///
+/// `h: (N, D)` final hidden states, `w: (V, D)` the lm_head, `targets[i]` the next-token id for row
+/// `i` or `None`. Returns the summed loss (f64) and `dh: (N, D)` = `d(loss_sum · grad_scale)/dh`.
+/// A target `≥ V` is an error naming it (on every device: a GPU kernel would read out of bounds).
+pub fn chunked_cross_entropy(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[Option<u32>],
+    grad_scale: f64,
+    chunk: usize,
+) -> Result<(f64, Tensor)> {
+    let (loss, dh, _) = cross_entropy_impl(h, w, None, targets, Some(grad_scale), chunk)?;
+    Ok((loss, dh.expect("asked for the gradient")))
+}
+
+/// [`chunked_cross_entropy`] with trainable token rows in the (tied) lm_head: the logits' columns
+/// `head.ids` come from `head.rows` (`crate::tokens`), and the third value is those rows'
+/// gradient `(n, D)` f32, summed over the chunks (`None` without `head`).
+pub fn chunked_cross_entropy_with(
+    h: &Tensor,
+    w: &Tensor,
+    head: Option<&HeadRows>,
+    targets: &[Option<u32>],
+    grad_scale: f64,
+    chunk: usize,
+) -> Result<(f64, Tensor, Option<Tensor>)> {
+    let (loss, dh, drows) = cross_entropy_impl(h, w, head, targets, Some(grad_scale), chunk)?;
+    Ok((loss, dh.expect("asked for the gradient"), drows))
+}
+
+/// [`chunked_cross_entropy`]'s summed loss alone (evaluation: no gradient is formed).
+pub fn chunked_cross_entropy_loss(
+    h: &Tensor,
+    w: &Tensor,
+    targets: &[Option<u32>],
+    chunk: usize,
+) -> Result<f64> {
+    Ok(cross_entropy_impl(h, w, None, targets, None, chunk)?.0)
+}
+
+/// [`chunked_cross_entropy_loss`] with trainable token rows in the lm_head.
+pub fn chunked_cross_entropy_loss_with(
+    h: &Tensor,
+    w: &Tensor,
+    head: Option<&HeadRows>,
+    targets: &[Option<u32>],
+    chunk: usize,
+) -> Result<f64> {
+    Ok(cross_entropy_impl(h, w, head, targets, None, chunk)?.0)
+}
+
+/// The first target outside `0..vocab`, as an error naming its row, its value and the vocabulary.
+fn check_targets(targets: &[Option<u32>], vocab: usize) -> Result<()> {
+    match targets
+        .iter()
+        .enumerate()
+        .find_map(|(i, t)| t.filter(|&t| t as usize >= vocab).map(|t| (i, t)))
+    {
+        Some((row, t)) => candle_core::bail!(
+            "cross-entropy: target token id {t} (row {row}) is out of range for the lm_head's \
+             vocabulary of {vocab} (ids 0..{vocab}); the tokenizer and the model do not match"
+        ),
+        None => Ok(()),
+    }
+}
+
+#[allow(clippy::type_complexity)]
+fn cross_entropy_impl(
+    h: &Tensor,
+    w: &Tensor,
+    head: Option<&HeadRows>,
+    targets: &[Option<u32>],
+    grad_scale: Option<f64>,
+    chunk: usize,
+) -> Result<(f64, Option<Tensor>, Option<Tensor>)> {
+    check_targets(targets, w.dim(0)?)?;
+    let dev = h.device();
+    let rows: Vec<u32> = (0..targets.len())
+        .filter(|&i| targets[i].is_some())
+        .map(|i| i as u32)
+        .collect();
+    // The summed loss stays on the device (f64, chunk sums added in order): one host read at the
+    // end, not one sync per chunk.
+    let mut loss: Option<Tensor> = None;
+    let mut dparts = Vec::new();
+    let mut drows: Option<Tensor> = None;
+    let wt = w.t()?;
+    for part in rows.chunks(chunk.max(1)) {
+        let idx = Tensor::new(part, dev)?;
+        let tgt: Vec<u32> = part
+            .iter()
+            .map(|&i| targets[i as usize].expect("filtered"))
+            .collect();
+        let tgt = Tensor::new(tgt.as_slice(), dev)?; // (n)
+                                                     // (n, V) in h's dtype; then (n, 2) f32 [lse, lse − logit[target]], each row's loss second.
+        let hc = h.index_select(&idx, 0)?; // (n, D)
+        let mut logits = mm(&hc, &wt)?;
+        if let Some(hr) = head {
+            logits = hr.fix_logits(logits, &hc)?;
+        }
+        let stats = crate::ce::op::ce_fwd(&logits, &tgt)?;
+        let sum = stats.narrow(1, 1, 1)?.to_dtype(DType::F64)?.sum_all()?;
+        loss = Some(match loss {
+            Some(l) => (l + sum)?,
+            None => sum,
+        });
+        let Some(scale) = grad_scale else {
+            continue;
+        };
+        // dlogits = (softmax − onehot) · grad_scale, in h's dtype
+        let lse = stats.narrow(1, 0, 1)?.squeeze(1)?;
+        let dlogits = crate::ce::op::ce_bwd(&logits, &tgt, &lse, scale)?;
+        match head {
+            None => dparts.push(mm(&dlogits, w)?), // (n, D)
+            Some(hr) => {
+                let (dh, dr) = hr.backward(&dlogits, &hc, w)?;
+                dparts.push(dh);
+                drows = Some(match drows {
+                    Some(prev) => (prev + dr)?,
+                    None => dr,
+                });
+            }
+        }
+    }
+    // Rows of a tied lm_head with no target in the batch still have a zero gradient.
+    if let (Some(hr), Some(_), None) = (head, grad_scale, &drows) {
+        drows = Some(Tensor::zeros(
+            (hr.ids.dim(0)?, h.dim(1)?),
+            DType::F32,
+            h.device(),
+        )?);
+    }
+    // dh: the rows with a target from their chunks, zero elsewhere; one scatter at the end rather
+    // than a copy of the whole (N, D) gradient per chunk.
+    let dh = match grad_scale {
+        Some(_) if dparts.is_empty() => Some(h.zeros_like()?),
+        Some(_) => {
+            let idx = Tensor::new(rows.as_slice(), dev)?;
+            Some(
+                h.zeros_like()?
+                    .index_add(&idx, &Tensor::cat(&dparts, 0)?, 0)?,
+            )
+        }
+        None => None,
+    };
+    let loss = match loss {
+        Some(l) => l.to_scalar::<f64>()?,
+        None => 0.0,
+    };
+    Ok((loss, dh, drows))
+}
+
+/// The trained rows as the tied lm_head sees them: `ids: (n,)` u32 and `rows: (n, D)` in the
+/// compute dtype (the lm_head's).
+pub struct HeadRows {
+    pub ids: Tensor,
+    pub rows: Tensor,
+}
+
+impl HeadRows {
+    /// `ids` with their `rows` (f32 master copy) cast to `dtype`.
+    pub fn new(ids: &[u32], rows: &Tensor, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            ids: Tensor::new(ids, rows.device())?,
+            rows: rows.to_dtype(dtype)?,
+        })
+    }
+
+    /// `(c, n)` u32: every row of a `(c, V)` block pointing at the columns `ids`.
+    fn column_index(&self, c: usize) -> Result<Tensor> {
+        let n = self.ids.dim(0)?;
+        self.ids.unsqueeze(0)?.broadcast_as((c, n))?.contiguous()
+    }
+
+    /// Logits `(c, V) = h·Wᵀ` with the columns `ids` replaced by `h·rowsᵀ`: `h·W'ᵀ` exactly as
+    /// PEFT's `F.linear(h, W')` forms them (same products, same dtype).
+    pub fn fix_logits(&self, logits: Tensor, h: &Tensor) -> Result<Tensor> {
+        let cols = mm(h, &self.rows.t()?)?.to_dtype(logits.dtype())?; // (c, n)
+        let idx = self.column_index(logits.dim(0)?)?;
+        logits.scatter(&idx, &cols, 1)
+    }
+
+    /// The backward of [`fix_logits`](Self::fix_logits) for `dlogits: (c, V)`: returns
+    /// `dh = dlogits·W'` `(c, D)` (the columns `ids` through `rows`, the others through `w`) and
+    /// the rows' gradient `dlogits[:, ids]ᵀ·h` `(n, D)` f32.
+    pub fn backward(&self, dlogits: &Tensor, h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
+        let sel = dlogits.index_select(&self.ids, 1)?; // (c, n)
+        let drows = mm(&sel.t()?.contiguous()?, h)?.to_dtype(DType::F32)?; // (n, D)
+        let c = dlogits.dim(0)?;
+        let zeros = Tensor::zeros((c, self.ids.dim(0)?), dlogits.dtype(), dlogits.device())?;
+        let rest = dlogits.scatter(&self.column_index(c)?, &zeros, 1)?;
+        let dh = (mm(&rest, w)? + mm(&sel, &self.rows)?)?;
+        Ok((dh, drows))
+    }
+}

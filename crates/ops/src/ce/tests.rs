@@ -1,0 +1,144 @@
+//! the cross-entropy of a chunk: the fused op against its plain reference (f32 and bf16), the backward against candle's
+//! autograd, and the slice reference against textbook formulas in f64.
+
+use super::reference::*;
+use super::*;
+use crate::test_util::*;
+use candle_core::{DType, Device, IndexOp, Tensor, Var};
+use rtune_backend::check::Rng;
+
+/// Random targets in `0..v`, with the first and last ids present.
+
+#[test]
+fn cross_entropy_matches_plain() {
+    // (5, 13); (37, 1001): several tasks in both ops, a 9-element tail per row.
+    for (i, &(n, v)) in [(5, 13), (37, 1001)].iter().enumerate() {
+        let s = 10 * i as u64;
+        let logits = randn(&[n, v], s + 10, 8.0);
+        let tgt = targets(n, v, s + 11);
+        for logits in [logits.clone(), bf16(&logits)] {
+            let dt = logits.dtype();
+            let stats = crate::ce::op::ce_fwd(&logits, &tgt).unwrap();
+            let want = crate::ce::cross_entropy_reference(&logits, &tgt).unwrap();
+            assert_f32(&stats, &want, &format!("ce_fwd {dt:?}"));
+            let lse = stats.i((.., 0)).unwrap();
+            let d = crate::ce::op::ce_bwd(&logits, &tgt, &lse, 0.37).unwrap();
+            let want = crate::ce::cross_entropy_grad_reference(&logits, &tgt, 0.37).unwrap();
+            match dt {
+                DType::F32 => assert_f32(&d, &want, "ce_bwd f32"),
+                _ => assert_bf16(&d, &want, "ce_bwd bf16"),
+            }
+        }
+    }
+}
+
+/// The whole chunked cross-entropy (`mod.rs`) on bf16: the loss and `dh` of the fused path against
+/// the plain chain on the same bf16 hidden states and lm_head.
+#[test]
+fn chunked_cross_entropy_bf16_matches_plain() {
+    let h = bf16(&randn(&[11, 16], 40, 1.0));
+    let w = bf16(&randn(&[50, 16], 41, 2.0));
+    let tgt: Vec<Option<u32>> = (0..11u32)
+        .map(|i| (i % 3 != 1).then_some(i * 7 % 50))
+        .collect();
+    let (loss, dh) = crate::chunked_cross_entropy(&h, &w, &tgt, 0.5, 4).unwrap();
+    let mut want_loss = 0f64;
+    let mut want_dh = h.zeros_like().unwrap().to_dtype(DType::F32).unwrap();
+    for (i, t) in tgt.iter().enumerate() {
+        let Some(t) = *t else { continue };
+        let logits = h.i(i..i + 1).unwrap().matmul(&w.t().unwrap()).unwrap();
+        let tt = Tensor::new(&[t], &Device::Cpu).unwrap();
+        let st = crate::ce::cross_entropy_reference(&logits, &tt).unwrap();
+        want_loss += st.i((0, 1)).unwrap().to_scalar::<f32>().unwrap() as f64;
+        let d = crate::ce::cross_entropy_grad_reference(&logits, &tt, 0.5).unwrap();
+        let row = d.matmul(&w).unwrap().to_dtype(DType::F32).unwrap();
+        want_dh = want_dh.slice_assign(&[i..i + 1, 0..16], &row).unwrap();
+    }
+    assert!(
+        (loss - want_loss).abs() / want_loss < 1e-6,
+        "{loss} vs {want_loss}"
+    );
+    // dh: one bf16 matmul of the same bf16 dlogits in both.
+    assert_bf16(
+        &dh,
+        &want_dh.to_dtype(DType::BF16).unwrap(),
+        "chunked ce dh bf16",
+    );
+}
+
+#[test]
+fn chunked_cross_entropy_matches_autograd() {
+    let h = Var::from_tensor(&randn(&[7, 8], 11, 1.0)).unwrap();
+    let w = (randn(&[13, 8], 12, 1.0) * 3.0).unwrap();
+    let targets = [Some(3u32), None, Some(12), Some(0), None, Some(5), Some(5)];
+    // Plain: full logits, log-softmax, pick, sum.
+    let logits = h.matmul(&w.t().unwrap()).unwrap();
+    let max = logits.max_keepdim(1).unwrap().detach();
+    let z = logits.broadcast_sub(&max).unwrap();
+    let lse = z.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap();
+    let logp = z.broadcast_sub(&lse).unwrap();
+    let mut total = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
+    for (i, t) in targets.iter().enumerate() {
+        if let Some(t) = t {
+            total = (total - logp.get(i).unwrap().get(*t as usize).unwrap()).unwrap();
+        }
+    }
+    let grads = (&total * 0.25).unwrap().backward().unwrap();
+    for chunk in [1, 2, 3, 100] {
+        let (loss, dh) = chunked_cross_entropy(&h, &w, &targets, 0.25, chunk).unwrap();
+        let want = total.to_scalar::<f32>().unwrap() as f64;
+        assert!(
+            (loss - want).abs() / want < 1e-5,
+            "chunk {chunk}: loss {loss} vs {want}"
+        );
+        assert_close_t(&dh, grads.get(&h).unwrap(), "cross-entropy dh");
+    }
+}
+
+#[test]
+fn ce_fwd_is_log_sum_exp_and_ce_bwd_its_gradient() {
+    let mut rng = Rng::new(5);
+    let (n, v) = (3, 11);
+    let logits = rng.normals(n * v, 3.0, F32);
+    let targets: Vec<u32> = (0..n).map(|_| rng.below(v as u32)).collect();
+    let out = ce_fwd(&logits, &targets, n, v);
+    let lse: Vec<f32> = (0..n).map(|i| out[2 * i]).collect();
+    let scale = 0.25f32;
+    let d = ce_bwd(&logits, &targets, &lse, scale, n, v, F32);
+    let lf = f64s(&logits);
+    for i in 0..n {
+        let row = &lf[i * v..(i + 1) * v];
+        let naive = row.iter().map(|x| x.exp()).sum::<f64>().ln();
+        assert_close(out[2 * i], naive, 1e-6, "lse");
+        assert_close(
+            out[2 * i + 1],
+            naive - row[targets[i] as usize],
+            1e-6,
+            "nll",
+        );
+        assert!(
+            d[i * v..(i + 1) * v]
+                .iter()
+                .map(|&x| x as f64)
+                .sum::<f64>()
+                .abs()
+                < 1e-6
+        );
+    }
+    // scale · Σ nll, differentiated by each logit
+    let loss = |x: &[f64]| -> f64 {
+        (0..n)
+            .map(|i| {
+                let row = &x[i * v..(i + 1) * v];
+                row.iter().map(|x| x.exp()).sum::<f64>().ln() - row[targets[i] as usize]
+            })
+            .sum::<f64>()
+            * scale as f64
+    };
+    for (j, &g) in d.iter().enumerate() {
+        assert_close(g, fd(&loss, &lf, j), 1e-5, "ce_bwd");
+    }
+    // Out-of-range target: NaN loss, lse still right, no one-hot.
+    let bad = ce_fwd(&logits[..v], &[v as u32], 1, v);
+    assert!(bad[1].is_nan() && bad[0] == out[0]);
+}

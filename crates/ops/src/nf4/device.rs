@@ -1,0 +1,90 @@
+//! A QLoRA base weight resident on the GPU (feature `cuda`): packed NF4 (0.5 byte a weight plus its
+//! scales), dequantized by `kernels/nf4.cu` straight into a fresh compute-dtype candle tensor at
+//! each use and dropped after the matmul, so the full-precision copy of a layer exists only while
+//! that layer computes (as on the CPU).
+
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tensor};
+use half::{bf16, f16};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rtune_backend::cuda::cuda_device;
+use rtune_quant::Nf4Weight;
+
+use super::cuda::{nf4_dequant_cuda_into, Nf4Kernels, Nf4WeightCuda};
+
+fn kerr(e: rtune_backend::KernelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// An NF4/FP4 weight on the GPU.
+pub struct DeviceNf4 {
+    w: Nf4WeightCuda,
+}
+
+impl std::fmt::Debug for DeviceNf4 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceNf4({:?})", self.w.shape)
+    }
+}
+
+/// Kernels loaded so far, one entry per device.
+type Loaded = Mutex<Vec<(candle_core::cuda::DeviceId, Arc<Nf4Kernels>)>>;
+
+/// The dequantize kernels, loaded once per device.
+fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
+    let mut l = LOADED
+        .get_or_init(Default::default)
+        .lock()
+        .expect("poisoned");
+    if let Some((_, k)) = l.iter().find(|(id, _)| *id == dev.id()) {
+        return Ok(k.clone());
+    }
+    let k = Arc::new(Nf4Kernels::load(dev.cuda_stream().context()).map_err(kerr)?);
+    l.push((dev.id(), k.clone()));
+    Ok(k)
+}
+
+/// Copies a quantized weight to the device.
+pub fn upload(q: &Nf4Weight, device: &Device) -> Result<Arc<DeviceNf4>> {
+    let dev = cuda_device(device)?;
+    let w = Nf4WeightCuda::upload(&dev.cuda_stream(), q).map_err(kerr)?;
+    Ok(Arc::new(DeviceNf4 { w }))
+}
+
+/// The weight dequantized into a new `(out, in)` tensor of `dtype` on `device`.
+pub fn dequantize(q: &DeviceNf4, dtype: DType, device: &Device) -> Result<Tensor> {
+    let dev = cuda_device(device)?;
+    let k = kernels(dev)?;
+    let stream = dev.cuda_stream();
+    let n = q.w.numel();
+    // Each alloc below: the kernel writes all n elements before anything reads them.
+    let storage = match dtype {
+        DType::BF16 => {
+            // SAFETY: written in full by the kernel before any read.
+            let mut out = unsafe { dev.alloc::<bf16>(n)? };
+            nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }
+        DType::F16 => {
+            // SAFETY: written in full by the kernel before any read.
+            let mut out = unsafe { dev.alloc::<f16>(n)? };
+            nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }
+        DType::F32 => {
+            // SAFETY: written in full by the kernel before any read.
+            let mut out = unsafe { dev.alloc::<f32>(n)? };
+            nf4_dequant_cuda_into(&k, &stream, &q.w, &mut out).map_err(kerr)?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }
+        other => candle_core::bail!("nf4 dequantize: no {other:?} output"),
+    };
+    Ok(Tensor::from_storage(
+        Storage::Cuda(storage),
+        q.w.shape.as_slice(),
+        BackpropOp::none(),
+        false,
+    ))
+}

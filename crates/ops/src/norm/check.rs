@@ -1,0 +1,65 @@
+//! RMSNorm's CUDA kernels (`cuda.rs`) against the reference (`reference.rs`) on seeded inputs, for
+//! `rtune selftest` and `tests/fused_cuda.rs`.
+
+use cudarc::driver::CudaStream;
+use std::sync::Arc;
+
+use super::{cuda, reference};
+use rtune_backend::check::{at, down, out, up, CheckResult, Op, Rng};
+use rtune_backend::launch::FusedFloat;
+use rtune_backend::Result;
+
+/// rms_norm_fwd and rms_norm_bwd on `(rows, dim)`: x with a different scale per row (0.03 to 30),
+/// w around 1, eps 1e-5.
+pub fn check_rms_norm<T: FusedFloat>(
+    s: &Arc<CudaStream>,
+    rows: usize,
+    dim: usize,
+    offset: usize,
+    seed: u64,
+) -> Result<Vec<CheckResult>> {
+    let (p, eps, mut rng) = (T::PRECISION, 1e-5f32, Rng::new(seed));
+    let mut x = Vec::with_capacity(rows * dim);
+    for _ in 0..rows {
+        let scale = 10f32.powf(3.0 * rng.uniform() - 1.5);
+        x.extend(rng.normals(dim, scale, p));
+    }
+    let w: Vec<f32> = (0..dim)
+        .map(|_| p.round(1.0 + 0.2 * rng.normal()))
+        .collect();
+    let dy = rng.normals(rows * dim, 1.0, p);
+    let (dx_, dw, ddy) = (
+        up::<T>(s, &x, offset)?,
+        up::<T>(s, &w, offset)?,
+        up::<T>(s, &dy, offset)?,
+    );
+    let (xv, wv, dyv) = (dx_.slice(offset..), dw.slice(offset..), ddy.slice(offset..));
+    let mut y = out::<T>(s, rows * dim, offset)?;
+    cuda::rms_norm_fwd(s, &xv, &wv, &mut y.slice_mut(offset..), rows, dim, eps)?;
+    let mut dx = out::<T>(s, rows * dim, offset)?;
+    cuda::rms_norm_bwd(
+        s,
+        &dyv,
+        &xv,
+        &wv,
+        &mut dx.slice_mut(offset..),
+        rows,
+        dim,
+        eps,
+    )?;
+    let shape = format!("({rows}, {dim}){}", at(offset));
+    Ok(vec![
+        CheckResult::new::<T>(
+            Op::RmsNormFwd,
+            shape.clone(),
+            &down(s, &y, offset)?,
+            &reference::rms_norm_fwd(&x, &w, rows, dim, eps, p),
+        ),
+        CheckResult::new::<T>(
+            Op::RmsNormBwd,
+            shape,
+            &down(s, &dx, offset)?,
+            &reference::rms_norm_bwd(&dy, &x, &w, rows, dim, eps, p),
+        ),
+    ])
+}

@@ -1,0 +1,61 @@
+//! RoPE's CUDA kernels (`cuda.rs`) against the reference (`reference.rs`) on seeded inputs, for
+//! `rtune selftest` and `tests/fused_cuda.rs`.
+
+use cudarc::driver::CudaStream;
+use std::sync::Arc;
+
+use super::{cuda, reference};
+use rtune_backend::check::{at, down, out, up, CheckResult, Op, Rng};
+use rtune_backend::launch::FusedFloat;
+use rtune_backend::Result;
+
+/// rope_fwd and rope_bwd on `(b, h, t, dh)`: real cos/sin tables (random positions per batch row,
+/// Llama's frequencies, rounded to T as rope.rs's tables are), x, dy ~ N(0, 1).
+pub fn check_rope<T: FusedFloat>(
+    s: &Arc<CudaStream>,
+    (b, h, t, dh): (usize, usize, usize, usize),
+    offset: usize,
+    seed: u64,
+) -> Result<Vec<CheckResult>> {
+    let (p, mut rng) = (T::PRECISION, Rng::new(seed));
+    let half = dh / 2;
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for _ in 0..b {
+        let start = rng.below(8192);
+        for ti in 0..t {
+            for d in 0..dh {
+                let f = 1.0 / 500000f32.powf((2 * (d % half)) as f32 / dh as f32);
+                let a = (start + ti as u32) as f32 * f;
+                cos.push(p.round(a.cos()));
+                sin.push(p.round(a.sin()));
+            }
+        }
+    }
+    let n = b * h * t * dh;
+    let (x, dy) = (rng.normals(n, 1.0, p), rng.normals(n, 1.0, p));
+    let (xd, dyd) = (up::<T>(s, &x, offset)?, up::<T>(s, &dy, offset)?);
+    let (cd, sd) = (up::<T>(s, &cos, offset)?, up::<T>(s, &sin, offset)?);
+    let (cv, sv) = (cd.slice(offset..), sd.slice(offset..));
+    let mut y = out::<T>(s, n, offset)?;
+    let mut dx = out::<T>(s, n, offset)?;
+    let ys = &mut y.slice_mut(offset..);
+    cuda::rope_fwd(s, &xd.slice(offset..), &cv, &sv, ys, b, h, t, dh)?;
+    let dxs = &mut dx.slice_mut(offset..);
+    cuda::rope_bwd(s, &dyd.slice(offset..), &cv, &sv, dxs, b, h, t, dh)?;
+    let shape4 = (b, h, t, dh);
+    let shape = format!("({b}, {h}, {t}, {dh}){}", at(offset));
+    Ok(vec![
+        CheckResult::new::<T>(
+            Op::RopeFwd,
+            shape.clone(),
+            &down(s, &y, offset)?,
+            &reference::rope_fwd(&x, &cos, &sin, shape4, p),
+        ),
+        CheckResult::new::<T>(
+            Op::RopeBwd,
+            shape,
+            &down(s, &dx, offset)?,
+            &reference::rope_bwd(&dy, &cos, &sin, shape4, p),
+        ),
+    ])
+}

@@ -1,0 +1,85 @@
+//! Plain formulations of RoPE: on tensors (a chain of candle ops, differentiable by candle's
+//! autograd: what `op.rs` and the backward are tested against) and on f32 slices with the CUDA
+//! kernels' rounding to a [`Precision`] (what `check.rs` compares the kernels with).
+
+use candle_core::{Result, Tensor, D};
+use rtune_backend::Precision;
+
+use super::halves;
+
+/// [`apply`] as candle ops: the reference for the fused op (and differentiable by autograd).
+pub fn apply_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (x1, x2) = halves(x)?;
+    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
+}
+
+/// Backward of [`apply_reference`]: the rotation's transpose, `dx = dy·cos + rotate_halfᵀ(dy·sin)`
+/// with `rotate_halfᵀ([z1, z2]) = [z2, -z1]`.
+pub fn apply_backward_reference(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let z = dy.broadcast_mul(sin)?;
+    let (z1, z2) = halves(&z)?;
+    let rot_t = Tensor::cat(&[&z2, &z1.neg()?], D::Minus1)?;
+    dy.broadcast_mul(cos)? + rot_t
+}
+
+fn rope(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    (b, h, t, dh): (usize, usize, usize, usize),
+    p: Precision,
+    backward: bool,
+) -> Vec<f32> {
+    assert!(dh % 2 == 0, "head_dim {dh} is odd");
+    assert_eq!(
+        (x.len(), cos.len(), sin.len()),
+        (b * h * t * dh, b * t * dh, b * t * dh)
+    );
+    let half = dh / 2;
+    let mut y = vec![0f32; x.len()];
+    for row in 0..b * h * t {
+        let (bi, ti) = (row / (h * t), row % t);
+        let (xo, co) = (row * dh, (bi * t + ti) * dh);
+        for c in 0..half {
+            let (a1, a2) = (x[xo + c], x[xo + half + c]);
+            let (c1, c2) = (cos[co + c], cos[co + half + c]);
+            let (s1, s2) = (sin[co + c], sin[co + half + c]);
+            let r = |v: f32| p.round(v);
+            let (o1, o2) = if backward {
+                // dx = dy·cos + [z2, −z1], z = T(dy·sin)
+                let (z1, z2) = (r(a1 * s1), r(a2 * s2));
+                (r(a1 * c1) + z2, r(a2 * c2) - z1)
+            } else {
+                // y = x·cos + [−x2, x1]·sin
+                (r(a1 * c1) + r(-a2 * s1), r(a2 * c2) + r(a1 * s2))
+            };
+            y[xo + c] = r(o1);
+            y[xo + half + c] = r(o2);
+        }
+    }
+    y
+}
+
+/// `y = T(T(x·cos) + T(rotate_half(x)·sin))`, `rotate_half([x1, x2]) = [−x2, x1]`: (b, h, t, dh).
+pub fn rope_fwd(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    shape: (usize, usize, usize, usize),
+    p: Precision,
+) -> Vec<f32> {
+    rope(x, cos, sin, shape, p, false)
+}
+
+/// `dx = T(T(dy·cos) + rotate_halfᵀ(T(dy·sin)))`, `rotate_halfᵀ([z1, z2]) = [z2, −z1]` (rope.rs
+/// `apply_backward`): (b, h, t, dh).
+pub fn rope_bwd(
+    dy: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    shape: (usize, usize, usize, usize),
+    p: Precision,
+) -> Vec<f32> {
+    rope(dy, cos, sin, shape, p, true)
+}
