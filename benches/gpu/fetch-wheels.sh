@@ -18,7 +18,10 @@ BNB_VERSION=${BNB_VERSION:-0.50.2}
 KEEP=${KEEP:-cpu cuda130}
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/rtune-wheels
 mkdir -p .whl "$cache"
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+# git's own path for it: .git is a file in a worktree or submodule, and info/ may be missing.
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
 
 # The platform list of device/README.md, plus manylinux_2_24 (what bitsandbytes publishes: pip matches
 # the N of manylinux_2_N exactly).

@@ -25,6 +25,8 @@
 //! - `variants`: LoRA+, PiSSA, pissa_niter_N and OLoRA through `rtune train` against PEFT goldens;
 //!   bad variant settings;
 //! - `autocast`: `dtype = "bf16-autocast"` against PEFT under torch.autocast (model and `rtune train`);
+//! - `layering`: the sources' layering, read from the files: no import circle between the files of a
+//!   crate, no crate over 18% of the project's Rust lines;
 //! - `common`: shared helpers (paths, running the binary, golden files, relative errors).
 
 mod autocast;
@@ -37,6 +39,7 @@ mod diag;
 mod dora;
 mod export;
 mod hardening;
+mod layering;
 mod mlflow;
 mod packing;
 mod parity;

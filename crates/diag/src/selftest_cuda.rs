@@ -18,7 +18,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaSlice, CudaStream};
 use rtune_ops::nf4::{nf4_dequant_cuda_into, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda};
 
-use crate::selftest::Runner;
+use crate::selftest::runner::Runner;
 use crate::{Check, DiagError};
 
 fn kerr(op: &'static str) -> impl Fn(rtune_backend::KernelError) -> DiagError {

@@ -271,12 +271,26 @@ pub fn gaussian(
     seed: u64,
     device: &Device,
 ) -> Result<Adapter> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let std = 1.0 / spec.r as f64;
+    fresh(spec, modules, seed, device, |rng, _| {
+        (normal(rng) * std) as f32
+    })
+}
+
+/// A fresh adapter of the default and gaussian inits: every A drawn from one ChaCha8 stream seeded
+/// with `seed` — `draw(rng, module)` for each element, module by module, row-major — and B = 0.
+pub(crate) fn fresh(
+    spec: LoraSpec,
+    modules: &[ModuleShape],
+    seed: u64,
+    device: &Device,
+    mut draw: impl FnMut(&mut rand_chacha::ChaCha8Rng, &ModuleShape) -> f32,
+) -> Result<Adapter> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut pairs = Vec::with_capacity(modules.len());
     for m in modules {
         let a: Vec<f32> = (0..spec.r * m.in_features)
-            .map(|_| (normal(&mut rng) * std) as f32)
+            .map(|_| draw(&mut rng, m))
             .collect();
         let a = Tensor::from_vec(a, (spec.r, m.in_features), device).map_err(cerr("init A"))?;
         let b = Tensor::zeros((m.out_features, spec.r), candle_core::DType::F32, device)

@@ -20,6 +20,8 @@
 
 pub mod init;
 pub mod peft;
+#[cfg(test)]
+mod test_util;
 
 pub use init::{Init, INIT_NAMES};
 
@@ -27,8 +29,8 @@ pub use peft::{
     parse_adapter_config, read_adapter_config, PeftAdapterConfig, ADAPTER_CONFIG, ADAPTER_WEIGHTS,
 };
 
-use candle_core::{DType, Device, Tensor};
-use rand::{Rng, SeedableRng};
+use candle_core::{Device, Tensor};
+use rand::Rng;
 use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
@@ -190,25 +192,9 @@ impl Adapter {
         seed: u64,
         device: &Device,
     ) -> Result<Self> {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let mut names = Vec::with_capacity(modules.len());
-        let mut pairs = Vec::with_capacity(modules.len());
-        for m in modules {
+        init::fresh(spec, modules, seed, device, |rng, m| {
             let bound = 1.0 / (m.in_features as f64).sqrt();
-            let a: Vec<f32> = (0..spec.r * m.in_features)
-                .map(|_| rng.random_range(-bound..bound) as f32)
-                .collect();
-            let a = Tensor::from_vec(a, (spec.r, m.in_features), device).map_err(cerr("init A"))?;
-            let b = Tensor::zeros((m.out_features, spec.r), DType::F32, device)
-                .map_err(cerr("init B"))?;
-            names.push(m.name.clone());
-            pairs.push(LoraPair { a, b, m: None });
-        }
-        Ok(Self {
-            spec,
-            names,
-            pairs,
-            tokens: None,
+            rng.random_range(-bound..bound) as f32
         })
     }
 

@@ -389,6 +389,7 @@ impl Adapter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::{max_abs_diff, one_q_proj};
 
     /// The keys PEFT writes to adapter_model.safetensors for a Llama module (the parity goldens in
     /// tests/integration/parity.rs read the same names from PEFT's own output).
@@ -412,24 +413,13 @@ mod tests {
 
     #[test]
     fn save_then_load_round_trips() {
-        let spec = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
-        let mods = vec![ModuleShape {
-            name: "model.layers.0.self_attn.q_proj".into(),
-            in_features: 6,
-            out_features: 5,
-        }];
+        let (spec, mods) = one_q_proj();
         let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
         ad.pairs[0].b = Tensor::ones((5, 4), DType::F32, &Device::Cpu).unwrap();
         let dir = std::env::temp_dir().join(format!("rtune-lora-rt-{}", std::process::id()));
         ad.save_peft(&dir, "base", Privacy::PRIVATE).unwrap();
         let back = Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu).unwrap();
-        let d = (back.pairs[0].a.clone() - ad.pairs[0].a.clone())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap();
-        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+        assert_eq!(max_abs_diff(&back.pairs[0].a, &ad.pairs[0].a), 0.0);
         // A model with another shape is refused, naming the tensor.
         let other = vec![ModuleShape {
             name: mods[0].name.clone(),
@@ -449,12 +439,7 @@ mod tests {
     /// unexpected.
     #[test]
     fn token_rows_round_trip() {
-        let spec = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
-        let mods = vec![ModuleShape {
-            name: "model.layers.0.self_attn.q_proj".into(),
-            in_features: 6,
-            out_features: 5,
-        }];
+        let (spec, mods) = one_q_proj();
         let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
         let rows = Tensor::arange(0f32, 12.0, &Device::Cpu)
             .unwrap()
@@ -505,14 +490,8 @@ mod tests {
     /// back equal; a plain adapter refused for a DoRA spec and the other way round.
     #[test]
     fn dora_magnitudes_round_trip() {
-        let spec = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()])
-            .unwrap()
-            .with_dora(true);
-        let mods = vec![ModuleShape {
-            name: "model.layers.0.self_attn.q_proj".into(),
-            in_features: 6,
-            out_features: 5,
-        }];
+        let (plain, mods) = one_q_proj();
+        let spec = plain.clone().with_dora(true);
         let mut ad = Adapter::init(spec.clone(), &mods, 3, &Device::Cpu).unwrap();
         let m = Tensor::new(&[1.0f32, 2.0, 3.0, 4.0, 5.0], &Device::Cpu).unwrap();
         ad.pairs[0].m = Some(m.clone());
@@ -528,7 +507,6 @@ mod tests {
         let back = Adapter::load_peft(&dir, &spec, &mods, &Device::Cpu).unwrap();
         let got: Vec<f32> = back.pairs[0].m.as_ref().unwrap().to_vec1().unwrap();
         assert_eq!(got, m.to_vec1::<f32>().unwrap());
-        let plain = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
         let e = Adapter::load_peft(&dir, &plain, &mods, &Device::Cpu).unwrap_err();
         assert!(e.to_string().contains("dora = true"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();

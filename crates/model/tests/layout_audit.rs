@@ -4,11 +4,11 @@
 //! packed row-major nor column-major (e.g. a column view `t.narrow(1, c, r)` of a wider tensor),
 //! while the CPU paths accept any strides: a layout bug there shows on the first GPU step only.
 //! This test runs full training steps on a tiny random model on the CPU with
-//! [`rtune_model::blas::layout_audit`] on, over every path that shapes the operands — grouped
+//! [`rtune_backend::blas::layout_audit`] on, over every path that shapes the operands — grouped
 //! (q/k/v, gate/up) with all members adapted and with a subset, dense and NF4 frozen weights,
 //! gradient checkpointing on and off, LoRA dropout on and off, packed and unpacked rows, f32 and
 //! bf16 — plus an evaluation pass and an inference forward, and asserts that no operand reaching
-//! [`rtune_model::blas::matmul`] fails the rule ([`rtune_model::blas::cuda_gemm_ok`]).
+//! [`rtune_backend::blas::matmul`] fails the rule ([`rtune_backend::blas::cuda_gemm_ok`]).
 
 mod common;
 

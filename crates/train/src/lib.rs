@@ -15,6 +15,7 @@
 //! one error type; [`TrainError::is_input_error`] decides the CLI's exit status.
 
 pub mod checkpoint;
+mod compute;
 pub mod dataset;
 pub mod disk;
 pub mod evaluate;
@@ -29,7 +30,8 @@ pub mod tokens;
 pub mod trainer;
 pub mod variants;
 
-pub use setup::{device, resolve_model};
+pub use compute::device;
+pub use setup::resolve_model;
 pub use trainer::{train, Event, Outcome, RunOptions, StepMetrics, Summary};
 
 use std::path::PathBuf;

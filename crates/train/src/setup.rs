@@ -2,7 +2,7 @@
 //! `init_from`, or from a checkpoint), and the run directory. Inputs are all checked before the
 //! directory is touched, so bad input never leaves a directory behind.
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -13,36 +13,10 @@ use rtune_lora::{Adapter, LoraSpec};
 use rtune_model::Model;
 
 use crate::checkpoint;
+use crate::compute::dtype;
 use crate::dataset::{self, RunData};
 use crate::optim::LossScaler;
 use crate::TrainError;
-
-/// The compute device for a config value. `auto` is the first GPU when this rtune was built with
-/// the `cuda` feature and one opens, else the CPU; `cuda:N` needs that build.
-pub fn device(d: rtune_config::Device) -> Result<Device, TrainError> {
-    match d {
-        rtune_config::Device::Cpu => Ok(Device::Cpu),
-        #[cfg(feature = "cuda")]
-        rtune_config::Device::Auto => Ok(rtune_backend::cuda::open(0).unwrap_or(Device::Cpu)),
-        #[cfg(not(feature = "cuda"))]
-        rtune_config::Device::Auto => Ok(Device::Cpu),
-        #[cfg(feature = "cuda")]
-        rtune_config::Device::Cuda(n) => rtune_backend::cuda::open(n)
-            .map_err(|source| TrainError::DeviceOpen { ordinal: n, source }),
-        #[cfg(not(feature = "cuda"))]
-        rtune_config::Device::Cuda(n) => Err(TrainError::NoCuda { ordinal: n }),
-    }
-}
-
-pub fn dtype(d: rtune_config::DType) -> DType {
-    match d {
-        rtune_config::DType::F32 => DType::F32,
-        rtune_config::DType::BF16 => DType::BF16,
-        rtune_config::DType::F16 => DType::F16,
-        // Loaded in f32, then `Model::set_autocast` (see `prepare`).
-        rtune_config::DType::Bf16Autocast => DType::F32,
-    }
-}
 
 /// Turns `[model] path` into a local model directory: a directory as is, a llama `.gguf` file
 /// converted once into the rtune cache, a hub id (`org/name`) at `[model] revision` downloaded

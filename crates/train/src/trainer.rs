@@ -54,8 +54,8 @@ use crate::optim::{lr_factor, LoraOptimizer};
 use crate::{evaluate, memory, TrainError};
 use output::RunFiles;
 
-pub use crate::setup::{device, dtype};
-pub use dist::RankInfo;
+pub use crate::compute::{device, dtype};
+pub use crate::record::RankInfo;
 pub use events::{Event, Outcome, RunOptions};
 pub use metrics::{StepMetrics, Summary};
 pub use state::RunState;

@@ -20,7 +20,7 @@ use rtune_model::weights::{TensorSource, Weights};
 use rtune_model::{HfConfig, Model, ModelError};
 use rtune_quant::Nf4Weight;
 
-use crate::setup::dtype;
+use crate::compute::dtype;
 use crate::TrainError;
 
 /// What a base-mutating init leaves for saving: each module's `(A₀, B₀)`, in adapter order.

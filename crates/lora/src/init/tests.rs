@@ -1,6 +1,7 @@
 //! [`super`]'s factorisations against their definitions and against torch.
 
 use super::*;
+use crate::test_util::max_abs_diff;
 
 fn rng() -> rand_chacha::ChaCha8Rng {
     rand_chacha::ChaCha8Rng::seed_from_u64(5)
@@ -280,14 +281,7 @@ fn conversion_is_the_difference_at_the_same_scaling() {
         .unwrap()
             * spec.scaling())
         .unwrap();
-        let d: f32 = (got - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar()
-            .unwrap();
+        let d = max_abs_diff(&got, &want);
         assert!(d < 1e-5, "{d}");
     }
 }

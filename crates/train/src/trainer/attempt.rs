@@ -12,9 +12,10 @@ use rtune_dist::World;
 use super::output::RunFiles;
 use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
 use crate::checkpoint::{self, Loaded};
+use crate::compute::device;
 use crate::optim::LoraOptimizer;
 use crate::record::RunRecord;
-use crate::setup::{self, base_model_name, device, prepare, settings_diff, Prepared};
+use crate::setup::{self, base_model_name, prepare, settings_diff, Prepared};
 use crate::{memory, TrainError};
 
 impl<'a> Trainer<'a> {

@@ -29,19 +29,12 @@ use rtune_dist::World;
 use rtune_model::{Grads, Inputs, LoraCtx};
 
 use super::Trainer;
+use crate::record::RankInfo;
 use crate::TrainError;
 
 /// The settings key holding the world size (only present when it is above 1, so single-process
 /// checkpoints are unchanged).
 pub const WORLD_SIZE: &str = "dist.world_size";
-
-/// One rank's host and device, for run.json.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct RankInfo {
-    pub rank: usize,
-    pub host: String,
-    pub device: String,
-}
 
 impl Trainer<'_> {
     /// Every rank's settings and model files equal rank 0's, or the same refusal on every rank.
