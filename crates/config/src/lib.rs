@@ -6,8 +6,8 @@
 //! under the file's names — `model` ([`BaseModelConfig`]), `lora` ([`LoraConfig`]), `data`
 //! ([`DataConfig`]), `train` ([`TrainConfig`]), `output` ([`OutputConfig`]) — whose fields are ready
 //! to use (enums instead of strings, ranges checked). Each section is checked by its own `validate`
-//! in its own file. Every error names the file and the key (and the line, where the TOML parser
-//! knows it).
+//! in its own file; [`LoraConfig::spec`] is where the run's `LoraSpec` is built. Every error names
+//! the file and the key (and the line, where the TOML parser knows it).
 
 mod data;
 mod file;

@@ -1,5 +1,7 @@
 //! The `[lora]` section, checked (as written: [`crate::LoraSection`]): the adapter's rank,
 //! scale, dropout and targets, its variant (DoRA, `init`, trainable tokens) and where it starts.
+//! [`LoraConfig::spec`] is the one place a run's [`rtune_lora::LoraSpec`] is built; the trainer
+//! and the memory estimate both take it from there.
 
 use std::path::{Path, PathBuf};
 
@@ -12,7 +14,7 @@ pub struct LoraConfig {
     pub r: usize,
     pub alpha: f64,
     pub dropout: f64,
-    /// Module names (`q_proj`, ...) or `["all-linear"]`.
+    /// Module names (`q_proj`, ...) or `["all-linear"]`, as written (expanded by [`Self::spec`]).
     pub targets: Vec<String>,
     pub rslora: bool,
     /// `[lora] dora`.
@@ -23,6 +25,19 @@ pub struct LoraConfig {
     /// `[lora] trainable_tokens`: tokens whose embedding rows train (PEFT's
     /// `trainable_token_indices`; resolved through the tokenizer when the model is loaded).
     pub trainable_tokens: Vec<TokenName>,
+}
+
+impl LoraConfig {
+    /// The adapter's spec: `all-linear` expanded, targets in model order, DoRA on or off. Fails on
+    /// a target that names no module (`[lora] targets: unknown module …`), which the run reports
+    /// when it sets up (exit 2), as the estimate does. Boxed: the error is large (the trainer boxes
+    /// it too).
+    pub fn spec(&self) -> Result<rtune_lora::LoraSpec, Box<rtune_lora::LoraError>> {
+        let spec =
+            rtune_lora::LoraSpec::new(self.r, self.alpha, self.dropout, self.rslora, &self.targets)
+                .map_err(Box::new)?;
+        Ok(spec.with_dora(self.dora))
+    }
 }
 
 impl LoraSection {

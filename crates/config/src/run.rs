@@ -18,7 +18,7 @@ pub struct RunConfig {
     pub config_path: PathBuf,
     /// `[model]`: the base model's path, dtype and quantization.
     pub model: BaseModelConfig,
-    /// `[lora]`: the adapter.
+    /// `[lora]`: the adapter; [`LoraConfig::spec`] builds its `LoraSpec`.
     pub lora: LoraConfig,
     /// `[data]`: the training and validation files and how rows become examples.
     pub data: DataConfig,

@@ -72,9 +72,7 @@ const DATA_PER_TOKEN: u64 = 12;
 /// a target; `gradient_checkpointing = "auto"` as on until [`choose_checkpointing`] decides). Reads only the sizes of the model's files, not their contents. Fails only on LoRA
 /// targets that name no module (boxed: the error is large, and the trainer boxes it too).
 pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraError>> {
-    let l = &cfg.lora;
-    let spec = rtune_lora::LoraSpec::new(l.r, l.alpha, l.dropout, l.rslora, &l.targets)
-        .map_err(Box::new)?;
+    let spec = cfg.lora.spec()?;
     let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
     let files: Vec<PathBuf> = std::fs::read_dir(&cfg.model.path)
         .map(|dir| {

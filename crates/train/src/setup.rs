@@ -9,7 +9,7 @@ use std::path::Path;
 use rtune_config::RunConfig;
 use rtune_data::{Batcher, Example, Layout, Tokenizer};
 use rtune_fsio::{sha256_file, Privacy};
-use rtune_lora::{Adapter, LoraSpec};
+use rtune_lora::Adapter;
 use rtune_model::Model;
 
 use crate::checkpoint;
@@ -68,8 +68,7 @@ pub struct Prepared {
 }
 
 pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
-    let l = &cfg.lora;
-    let spec = LoraSpec::new(l.r, l.alpha, l.dropout, l.rslora, &l.targets)?.with_dora(l.dora);
+    let spec = cfg.lora.spec()?;
     // `[lora] init` (issue 17): PiSSA / OLoRA load the model with the residual base.
     let (mut model, fresh, initial) = if cfg.lora.init_from.is_none() {
         let (m, a, i) = crate::variants::fresh(cfg, &spec, dev)?;
