@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use rtune_config::RunConfig;
 
-/// Resolves the config's `[model] path` to a local model directory and sets `cfg.model_path` to it.
+/// Resolves the config's `[model] path` to a local model directory and sets `cfg.model.path` to it.
 pub fn resolve_model(cfg: &mut RunConfig) -> Result<rtune_hub::Resolved> {
     let r = rtune_train::resolve_model(cfg)?;
     report(&r);

@@ -396,7 +396,7 @@ fn every_shipped_config_loads() {
                 p.display()
             );
             // A model directory here, or a GGUF a script in scripts/ fetches (models/ is not tracked).
-            let model = root().join(&cfg.model_path);
+            let model = root().join(&cfg.model.path);
             assert!(
                 model.join("config.json").exists()
                     || (model.extension().is_some_and(|e| e == "gguf")

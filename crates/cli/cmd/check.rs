@@ -41,12 +41,12 @@ fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
     eprintln!(
         "{who}rtune check: {} on {} (scratch runs in {})",
         config.display(),
-        cfg.model_path.display(),
+        cfg.model.path.display(),
         tmp.display()
     );
     // `[output] remote`: the probe a run makes at start (write, read back, delete an object).
     let mut remote_failed = false;
-    if let Some(url) = cfg.remote.as_deref().filter(|_| world.is_root()) {
+    if let Some(url) = cfg.output.remote.as_deref().filter(|_| world.is_root()) {
         let probe = rtune_remote::Remote::open(url).and_then(|r| r.probe());
         remote_failed = probe.is_err();
         let detail = match probe {

@@ -180,7 +180,7 @@ fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
     };
     let (tok, vocab) = rtune_train::dataset::model_tokenizer(&cfg)?;
     let t0 = std::time::Instant::now();
-    let files = rtune_train::dataset::prepare(&cfg.data, &cfg.model_path, tok.as_ref(), vocab)?;
+    let files = rtune_train::dataset::prepare(&cfg.data, &cfg.model.path, tok.as_ref(), vocab)?;
     for f in &files {
         let c = &f.counts;
         let how = if f.reused_cache {

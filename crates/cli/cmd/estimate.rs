@@ -60,7 +60,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     let (model, s) = settings(&cfg, a.data)?;
     let (budget, source) = match &a.budget {
         Some(b) => (parse_bytes(b)?, "--budget"),
-        None => match cfg.device {
+        None => match cfg.train.device {
             #[cfg(feature = "cuda")]
             rtune_config::Device::Cuda(n) => (
                 rtune_train::memory::device_free_bytes(n)?,
@@ -81,7 +81,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     // `gradient_checkpointing = "auto"`: decided as `rtune train` decides it, against this budget.
     let mut s = s;
     let choice = estimate::choose_checkpointing(
-        cfg.gradient_checkpointing,
+        cfg.train.gradient_checkpointing,
         &model,
         &s,
         Some((budget, source)),
@@ -133,7 +133,7 @@ fn settings(
     cfg: &rtune_config::RunConfig,
     data: bool,
 ) -> Result<(ModelConfig, Settings), TrainError> {
-    let cfg_path = cfg.model_path.join("config.json");
+    let cfg_path = cfg.model.path.join("config.json");
     let model = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
     let mut s = estimate::settings_for(cfg)?;
     if data {
@@ -163,7 +163,7 @@ fn print_table(
     };
     println!(
         "{}: {} layers, hidden {}, vocab {}; {}{quant}; LoRA r {} on {}",
-        cfg.model_path.display(),
+        cfg.model.path.display(),
         m.num_layers,
         m.hidden_size,
         m.vocab_size,

@@ -74,12 +74,12 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
         // `low_level::exit` (which calls `_exit`); it allocates nothing and takes no lock.
         unsafe { signal_hook::low_level::register(sig, on_signal)? };
     }
-    let every = cfg.log_every;
-    let steps = cfg.steps;
+    let every = cfg.train.log_every;
+    let steps = cfg.train.steps;
     eprintln!(
         "rtune: loading {} ({})",
-        cfg.model_path.display(),
-        cfg.dtype.as_str()
+        cfg.model.path.display(),
+        cfg.model.dtype.as_str()
     );
     let opts = RunOptions {
         resume,
@@ -93,7 +93,7 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
             "rtune: {} ranks over {}; micro-batches per step {} × {} ranks",
             world.size,
             world.describe(),
-            cfg.grad_accum,
+            cfg.train.grad_accum,
             world.size
         );
     }

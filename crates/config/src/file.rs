@@ -1,4 +1,6 @@
-//! The config as written: one struct per TOML section, defaults included.
+//! The config as written: one struct per TOML section, defaults included (`[data]`'s in `data.rs`).
+//! Each section's `validate` (in `model.rs`, `lora.rs`, `data.rs`, `train.rs`, `output.rs`) turns it
+//! into its checked form in [`crate::RunConfig`].
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;

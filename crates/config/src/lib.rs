@@ -1,14 +1,22 @@
 //! The run configuration: what a user writes in `lora.toml`, and the checked form the trainer runs on.
 //!
-//! Two layers, as in candle's `into_config`: [`ConfigFile`] mirrors the TOML exactly (serde,
-//! `deny_unknown_fields`, defaults), and [`ConfigFile::validate`] turns it into [`RunConfig`], whose
-//! fields are ready to use (enums instead of strings, ranges checked). Every error names the file and
-//! the key (and the line, where the TOML parser knows it).
+//! Two layers, as in candle's `into_config` and ripgrep's `LowArgs` → `HiArgs`: [`ConfigFile`]
+//! mirrors the TOML exactly (one serde struct per section, `deny_unknown_fields`, defaults), and
+//! [`ConfigFile::validate`] turns it into [`RunConfig`], which holds one checked struct per section
+//! under the file's names — `model` ([`BaseModelConfig`]), `lora` ([`LoraConfig`]), `data`
+//! ([`DataConfig`]), `train` ([`TrainConfig`]), `output` ([`OutputConfig`]) — whose fields are ready
+//! to use (enums instead of strings, ranges checked). Each section is checked by its own `validate`
+//! in its own file; [`LoraConfig::spec`] is where the run's `LoraSpec` is built. Every error names
+//! the file and the key (and the line, where the TOML parser knows it).
 
 mod data;
 mod file;
+mod lora;
+mod model;
+mod output;
 mod run;
 mod suggest;
+mod train;
 
 pub use data::{
     default_cache_dir, DataConfig, DataSection, RowFormat, TrainFile, TrainFiles, WeightedFile,
@@ -16,7 +24,11 @@ pub use data::{
 pub use file::{
     ConfigFile, LoraSection, ModelSection, OutputSection, Switch, Targets, TokenName, TrainSection,
 };
-pub use run::{parse_device, Checkpointing, DType, Device, RunConfig, Schedule};
+pub use lora::LoraConfig;
+pub use model::{BaseModelConfig, DType};
+pub use output::OutputConfig;
+pub use run::RunConfig;
+pub use train::{parse_device, Checkpointing, Device, Schedule, TrainConfig};
 
 use std::path::{Path, PathBuf};
 
@@ -64,6 +76,15 @@ impl ConfigError {
 }
 
 pub type Result<T> = std::result::Result<T, ConfigError>;
+
+/// A value that parses but is not allowed: `key` is `section.name`.
+pub(crate) fn invalid(path: &Path, key: &str, message: String) -> ConfigError {
+    ConfigError::Invalid {
+        path: path.to_path_buf(),
+        key: key.to_string(),
+        message,
+    }
+}
 
 /// Reads `path`, applies `--set section.key=value` overrides and validates the result.
 pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {

@@ -42,7 +42,7 @@ fn simd() -> (bool, Vec<&'static str>) {
 }
 
 fn runtime(cfg: &RunConfig) -> Check {
-    let device = rtune_train::device(cfg.device);
+    let device = rtune_train::device(cfg.train.device);
     let (fast, names) = simd();
     let (pass, detail) = match device {
         Err(e) => (false, e.to_string()),
@@ -83,11 +83,11 @@ pub fn device_line(d: &candle_core::Device) -> (bool, String) {
 fn disk(cfg: &RunConfig, lora_params: usize) -> Check {
     // The same figures `rtune train` refuses to start without (rtune_train::disk).
     let need = rtune_train::disk::need(cfg, lora_params);
-    match rtune_train::disk::free_bytes(&cfg.output_dir) {
+    match rtune_train::disk::free_bytes(&cfg.output.dir) {
         Ok(free) => Check::new(
             "free disk",
             free >= need.total,
-            need.describe(free, &rtune_train::disk::existing_ancestor(&cfg.output_dir)),
+            need.describe(free, &rtune_train::disk::existing_ancestor(&cfg.output.dir)),
         ),
         Err(e) => Check::new("free disk", false, e.to_string()),
     }
@@ -96,21 +96,21 @@ fn disk(cfg: &RunConfig, lora_params: usize) -> Check {
 /// The config, pointed at `out` with checkpoints, evaluation and the data cache turned off.
 fn scratch(cfg: &RunConfig, out: &Path, steps: usize) -> RunConfig {
     let mut c = cfg.clone();
-    c.output_dir = out.to_path_buf();
-    c.steps = steps;
-    c.warmup_steps = 0;
-    c.save_every = 0;
-    c.keep_last = 2;
-    c.overwrite = true;
-    c.resume = false;
-    c.eval_every = 0;
-    c.eval_prompts.clear();
+    c.output.dir = out.to_path_buf();
+    c.train.steps = steps;
+    c.train.warmup_steps = 0;
+    c.output.save_every = 0;
+    c.output.keep_last = 2;
+    c.output.overwrite = true;
+    c.output.resume = false;
+    c.train.eval_every = 0;
+    c.train.eval_prompts.clear();
     c.data.valid = None;
     c.data.valid_fraction = 0.0;
     c.data.cache_dir = None;
     // Scratch runs stay on this machine: no mirror, no tracking (the remote is probed apart).
-    c.remote = None;
-    c.mlflow = None;
+    c.output.remote = None;
+    c.output.mlflow = None;
     c
 }
 
@@ -201,7 +201,7 @@ pub fn run_checks(
     let one = scratch(cfg, &tmp.join("one-step"), 1);
     let (done, steps) = run(&one, false, None)?;
     let peak = steps.last().map_or(0, |m| m.peak_memory_bytes);
-    let cfg_path = cfg.model_path.join("config.json");
+    let cfg_path = cfg.model.path.join("config.json");
     let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
     let mut s = rtune_estimate::settings_for(cfg)?;
     rtune_estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
@@ -224,7 +224,7 @@ pub fn run_checks(
                 steps.last().map_or(f64::NAN, |m| m.loss),
                 peak as f64 / 1e6,
                 est as f64 / 1e6,
-                cfg.micro_batch_size,
+                cfg.train.micro_batch_size,
                 cfg.data.max_seq_len
             ),
         ),
@@ -240,9 +240,9 @@ pub fn run_checks(
         path: subset.clone(),
         weight: 1.0,
     }];
-    o.micro_batch_size = o.micro_batch_size.min(4);
-    o.grad_accum = 1;
-    o.schedule = rtune_config::Schedule::Constant;
+    o.train.micro_batch_size = o.train.micro_batch_size.min(4);
+    o.train.grad_accum = 1;
+    o.train.schedule = rtune_config::Schedule::Constant;
     let (_, steps) = run(&o, false, None)?;
     let (l0, l1) = (steps[0].loss, steps.last().map_or(f64::NAN, |m| m.loss));
     push(
@@ -251,7 +251,7 @@ pub fn run_checks(
             l1 <= (1.0 - OVERFIT_DROP) * l0,
             format!(
                 "loss {l0:.4} -> {l1:.4} in {OVERFIT_STEPS} steps at lr {} (must fall by {:.0}%)",
-                cfg.lr,
+                cfg.train.lr,
                 OVERFIT_DROP * 100.0
             ),
         ),
@@ -285,19 +285,19 @@ pub fn run_checks(
     // 6. Save, resume, reload, generate.
     let mut whole = scratch(cfg, &tmp.join("whole"), 4);
     whole.data.train = o.data.train.clone();
-    whole.micro_batch_size = o.micro_batch_size;
+    whole.train.micro_batch_size = o.train.micro_batch_size;
     let mut split = whole.clone();
-    split.output_dir = tmp.join("split");
+    split.output.dir = tmp.join("split");
     run(&whole, false, None)?;
     let (stopped, _) = run(&split, false, Some(2))?;
     let stopped_ok = matches!(stopped, Outcome::Stopped { step: 2, .. });
     run(&split, true, None)?;
-    let same = adapter_bytes(&whole.output_dir) == adapter_bytes(&split.output_dir)
-        && !adapter_bytes(&split.output_dir).is_empty();
+    let same = adapter_bytes(&whole.output.dir) == adapter_bytes(&split.output.dir)
+        && !adapter_bytes(&split.output.dir).is_empty();
     let prompt = first_prompt(&data.train[0], tok.as_ref())?;
     let reply = rtune_train::generate::generate(
-        &cfg.model_path,
-        Some(&split.output_dir),
+        &cfg.model.path,
+        Some(&split.output.dir),
         &prompt,
         &GenerateOptions {
             max_new_tokens: 16,
@@ -305,7 +305,7 @@ pub fn run_checks(
             top_p: 1.0,
             seed: 0,
             dump_logits: None,
-            quantize: cfg.quantize,
+            quantize: cfg.model.quantize,
         },
     )?;
     push(

@@ -72,10 +72,9 @@ const DATA_PER_TOKEN: u64 = 12;
 /// a target; `gradient_checkpointing = "auto"` as on until [`choose_checkpointing`] decides). Reads only the sizes of the model's files, not their contents. Fails only on LoRA
 /// targets that name no module (boxed: the error is large, and the trainer boxes it too).
 pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraError>> {
-    let spec = rtune_lora::LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)
-        .map_err(Box::new)?;
+    let spec = cfg.lora.spec()?;
     let size = |p: &Path| std::fs::metadata(p).map_or(0, |m| m.len());
-    let files: Vec<PathBuf> = std::fs::read_dir(&cfg.model_path)
+    let files: Vec<PathBuf> = std::fs::read_dir(&cfg.model.path)
         .map(|dir| {
             dir.flatten()
                 .map(|f| f.path())
@@ -84,21 +83,22 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         })
         .unwrap_or_default();
     let checkpoint_bytes = files.iter().map(|f| size(f)).sum();
-    let tokenizer = size(&cfg.model_path.join("tokenizer.json"));
+    let tokenizer = size(&cfg.model.path.join("tokenizer.json"));
     Ok(Settings {
-        dtype: cfg.dtype,
-        quantize: cfg.quantize,
-        r: cfg.r,
+        dtype: cfg.model.dtype,
+        quantize: cfg.model.quantize,
+        r: cfg.lora.r,
         targets: spec.targets,
-        dropout: cfg.dropout,
-        dora: cfg.dora,
-        trainable_tokens: cfg.trainable_tokens.len(),
-        micro_batch_size: cfg.micro_batch_size,
-        grad_accum: cfg.grad_accum,
+        dropout: cfg.lora.dropout,
+        dora: cfg.lora.dora,
+        trainable_tokens: cfg.lora.trainable_tokens.len(),
+        micro_batch_size: cfg.train.micro_batch_size,
+        grad_accum: cfg.train.grad_accum,
         seq_len: cfg.data.max_seq_len,
         target_rows: None,
         packing: cfg.data.packing,
-        gradient_checkpointing: cfg.gradient_checkpointing != rtune_config::Checkpointing::Off,
+        gradient_checkpointing: cfg.train.gradient_checkpointing
+            != rtune_config::Checkpointing::Off,
         checkpoint_bytes,
         checkpoint_elem_bytes: files.first().map_or(0, |f| stored_elem_bytes(f)),
         runtime_bytes: RUNTIME_BYTES + TRAIN_RUNTIME_BYTES + TOKENIZER_PER_FILE_BYTE * tokenizer,
@@ -183,7 +183,7 @@ pub fn checkpointing_for(
         fit_to_data(&mut s, e, cfg.data.max_seq_len);
     }
     Ok(choose_checkpointing(
-        cfg.gradient_checkpointing,
+        cfg.train.gradient_checkpointing,
         model,
         &s,
         budget,

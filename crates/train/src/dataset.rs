@@ -387,11 +387,11 @@ pub fn load(
 
 /// The model's tokenizer (when it has one) and vocabulary size, from the config's model path.
 pub fn model_tokenizer(cfg: &RunConfig) -> Result<(Option<Tokenizer>, usize), TrainError> {
-    let cfg_path = cfg.model_path.join("config.json");
+    let cfg_path = cfg.model.path.join("config.json");
     let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
-    let tok = if cfg.model_path.join("tokenizer.json").exists() {
+    let tok = if cfg.model.path.join("tokenizer.json").exists() {
         Some(Tokenizer::load(
-            &cfg.model_path,
+            &cfg.model.path,
             mc.eos_token_ids.first().copied(),
         )?)
     } else {
@@ -404,7 +404,13 @@ pub fn model_tokenizer(cfg: &RunConfig) -> Result<(Option<Tokenizer>, usize), Tr
 /// what `rtune data inspect`, `rtune check` and `rtune estimate --data` look at.
 pub fn load_for(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError> {
     let (tok, vocab) = model_tokenizer(cfg)?;
-    let data = load(&cfg.data, &cfg.model_path, tok.as_ref(), vocab, cfg.seed)?;
+    let data = load(
+        &cfg.data,
+        &cfg.model.path,
+        tok.as_ref(),
+        vocab,
+        cfg.train.seed,
+    )?;
     Ok((data, tok))
 }
 

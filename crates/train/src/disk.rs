@@ -29,15 +29,15 @@ pub struct DiskNeed {
 pub fn need(cfg: &RunConfig, lora_params: usize) -> DiskNeed {
     let adapter = 4 * lora_params as u64 + 4096;
     let checkpoint = 3 * 4 * lora_params as u64 + 16 * 1024;
-    let made = match cfg.save_every {
+    let made = match cfg.output.save_every {
         0 => 1,
-        every => cfg.steps.div_ceil(every) as u64 + 1,
+        every => cfg.train.steps.div_ceil(every) as u64 + 1,
     };
-    let checkpoints = match cfg.keep_last {
+    let checkpoints = match cfg.output.keep_last {
         0 => made,
         k => (k as u64 + 1).min(made),
     };
-    let logs = LOG_BYTES_PER_STEP * cfg.steps as u64;
+    let logs = LOG_BYTES_PER_STEP * cfg.train.steps as u64;
     let sum = adapter + checkpoints * checkpoint + logs;
     DiskNeed {
         checkpoint,

@@ -178,7 +178,7 @@ impl RunRecord {
                 return Ok(r);
             }
         }
-        let files = model_files(&cfg.model_path);
+        let files = model_files(&cfg.model.path);
         let total: u64 = files
             .iter()
             .filter_map(|p| std::fs::metadata(p).ok())
@@ -196,8 +196,8 @@ impl RunRecord {
             git_commit: env!("RTUNE_GIT_COMMIT").to_string(),
             cargo_lock_sha256: env!("RTUNE_CARGO_LOCK_SHA256").to_string(),
             config: toml::Value::try_from(&cfg.file).expect("config serialises"),
-            seed: cfg.seed,
-            model_path: cfg.model_path.display().to_string(),
+            seed: cfg.train.seed,
+            model_path: cfg.model.path.display().to_string(),
             model_files,
             data: cfg
                 .data
@@ -220,8 +220,8 @@ impl RunRecord {
             git_commit: String::new(),
             cargo_lock_sha256: String::new(),
             config: toml::Value::Table(Default::default()),
-            seed: cfg.seed,
-            model_path: cfg.model_path.display().to_string(),
+            seed: cfg.train.seed,
+            model_path: cfg.model.path.display().to_string(),
             model_files: Vec::new(),
             data: Vec::new(),
             hardware: hardware("cpu"),

@@ -9,7 +9,7 @@ use std::path::Path;
 use rtune_config::RunConfig;
 use rtune_data::{Batcher, Example, Layout, Tokenizer};
 use rtune_fsio::{sha256_file, Privacy};
-use rtune_lora::{Adapter, LoraSpec};
+use rtune_lora::Adapter;
 use rtune_model::Model;
 
 use crate::checkpoint;
@@ -20,11 +20,11 @@ use crate::TrainError;
 
 /// Turns `[model] path` into a local model directory: a directory as is, a llama `.gguf` file
 /// converted once into the rtune cache, a hub id (`org/name`) at `[model] revision` downloaded
-/// into the Hugging Face cache. Sets `cfg.model_path` to it and returns what was resolved (the hub
+/// into the Hugging Face cache. Sets `cfg.model.path` to it and returns what was resolved (the hub
 /// commit, the GGUF's sha256) for the run record.
 pub fn resolve_model(cfg: &mut RunConfig) -> Result<rtune_hub::Resolved, TrainError> {
     let r = rtune_hub::resolve(&cfg.file.model.path, &cfg.file.model.revision)?;
-    cfg.model_path = r.dir.clone();
+    cfg.model.path = r.dir.clone();
     Ok(r)
 }
 
@@ -42,22 +42,26 @@ pub struct Prepared {
 }
 
 pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
-    let spec =
-        LoraSpec::new(cfg.r, cfg.alpha, cfg.dropout, cfg.rslora, &cfg.targets)?.with_dora(cfg.dora);
+    let spec = cfg.lora.spec()?;
     // `[lora] init` (issue 17): PiSSA / OLoRA load the model with the residual base.
-    let (mut model, fresh, initial) = if cfg.init_from.is_none() {
+    let (mut model, fresh, initial) = if cfg.lora.init_from.is_none() {
         let (m, a, i) = crate::variants::fresh(cfg, &spec, dev)?;
         (m, Some(a), i)
     } else {
-        let m = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, cfg.quantize)?;
+        let m = Model::load_with(
+            &cfg.model.path,
+            dtype(cfg.model.dtype),
+            dev,
+            cfg.model.quantize,
+        )?;
         (m, None, None)
     };
-    if cfg.dtype == rtune_config::DType::Bf16Autocast {
+    if cfg.model.dtype == rtune_config::DType::Bf16Autocast {
         model.set_autocast()?;
     }
-    let tok = if cfg.model_path.join("tokenizer.json").exists() {
+    let tok = if cfg.model.path.join("tokenizer.json").exists() {
         Some(Tokenizer::load(
-            &cfg.model_path,
+            &cfg.model.path,
             model.cfg.eos_token_ids.first().copied(),
         )?)
     } else {
@@ -67,37 +71,37 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     let token_ids = crate::tokens::resolve(cfg, tok.as_ref(), model.cfg.vocab_size)?;
     let data = dataset::load(
         &cfg.data,
-        &cfg.model_path,
+        &cfg.model.path,
         tok.as_ref(),
         model.cfg.vocab_size,
-        cfg.seed,
+        cfg.train.seed,
     )?;
     let modules = model.lora_modules(&spec);
-    let adapter = match &cfg.init_from {
+    let adapter = match &cfg.lora.init_from {
         Some(dir) => {
             let a = Adapter::load_peft(dir, &spec, &modules, dev)?;
             let saved = rtune_lora::read_adapter_config(dir)?;
-            if saved.lora_alpha != cfg.alpha || saved.use_rslora != cfg.rslora {
+            if saved.lora_alpha != cfg.lora.alpha || saved.use_rslora != cfg.lora.rslora {
                 tracing::warn!(
                     "{}: adapter was saved with lora_alpha {} / use_rslora {}; training uses the config's {} / {}",
                     dir.display(),
                     saved.lora_alpha,
                     saved.use_rslora,
-                    cfg.alpha,
-                    cfg.rslora
+                    cfg.lora.alpha,
+                    cfg.lora.rslora
                 );
             }
             a
         }
         None => match fresh {
             Some(a) => a,
-            None => Adapter::init(spec.clone(), &modules, cfg.seed, dev)?,
+            None => Adapter::init(spec.clone(), &modules, cfg.train.seed, dev)?,
         },
     };
     let mut adapter = adapter;
     crate::tokens::attach(cfg, &model, &mut adapter, &token_ids)?;
     model.attach(&adapter);
-    if spec.dora && cfg.init_from.is_none() {
+    if spec.dora && cfg.lora.init_from.is_none() {
         // PEFT's init: m = ‖W + s·B·A‖ row-wise (B = 0, so ‖W‖).
         model.init_dora(&mut adapter)?;
     }
@@ -192,8 +196,8 @@ fn settings(cfg: &RunConfig) -> Result<BTreeMap<String, String>, TrainError> {
         })
     });
     // As resolved: `float32` and `f32` are one dtype.
-    s.insert("model.dtype".into(), cfg.dtype.as_str().into());
-    let config_json = cfg.model_path.join("config.json");
+    s.insert("model.dtype".into(), cfg.model.dtype.as_str().into());
+    let config_json = cfg.model.path.join("config.json");
     s.insert("model.config.json sha256".into(), sha(&config_json)?);
     for (i, t) in cfg.data.train.iter().enumerate() {
         s.insert(format!("data.train[{i}]"), t.path.display().to_string());
@@ -273,18 +277,22 @@ pub fn batcher(cfg: &RunConfig, train: Vec<Example>, pad_id: u32) -> Batcher {
         }
     } else if cfg.data.group_by_length {
         Layout::GroupByLength {
-            micro_batch: cfg.micro_batch_size,
+            micro_batch: cfg.train.micro_batch_size,
         }
     } else {
         Layout::Plain
     };
-    Batcher::with_layout(train, cfg.data.shuffle, cfg.seed, pad_id, layout)
+    Batcher::with_layout(train, cfg.data.shuffle, cfg.train.seed, pad_id, layout)
 }
 
 /// f16's dynamic loss scaler; none in f32/bf16.
 pub fn loss_scaler(cfg: &RunConfig) -> Option<LossScaler> {
-    (cfg.dtype == rtune_config::DType::F16)
-        .then(|| LossScaler::new(cfg.loss_scale_init, cfg.loss_scale_growth_interval))
+    (cfg.model.dtype == rtune_config::DType::F16).then(|| {
+        LossScaler::new(
+            cfg.train.loss_scale_init,
+            cfg.train.loss_scale_growth_interval,
+        )
+    })
 }
 
 /// Steps whose loss tests poison with NaN to exercise the skip path: `RTUNE_FAULT_NAN_STEPS`,
@@ -310,7 +318,7 @@ pub const RUN_FILES: [&str; 8] = [
 /// Makes `dir` ready for a fresh run: refuses to replace a finished or resumable run unless
 /// `overwrite`, then clears the old run's files and checkpoints.
 pub fn fresh_output(cfg: &RunConfig, privacy: Privacy) -> Result<(), TrainError> {
-    let dir = &cfg.output_dir;
+    let dir = &cfg.output.dir;
     let out = |message: String| TrainError::OutputDir {
         path: dir.clone(),
         message,
@@ -323,12 +331,12 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy) -> Result<(), TrainError>
             .iter()
             .any(|f| dir.join(f).exists());
         let checkpoints = checkpoint::list(dir);
-        if finished && !cfg.overwrite {
+        if finished && !cfg.output.overwrite {
             return Err(out(
                 "already holds a finished run; choose another [output] dir or set [output] overwrite = true".into(),
             ));
         }
-        if !checkpoints.is_empty() && !cfg.overwrite {
+        if !checkpoints.is_empty() && !cfg.output.overwrite {
             return Err(out(format!(
                 "holds checkpoints of an unfinished run (newest: step {}); pass --resume to continue it, or set \
                  [output] overwrite = true to start over",
@@ -355,7 +363,7 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy) -> Result<(), TrainError>
     privacy
         .create_dir_all(dir)
         .map_err(|e| out(format!("cannot create: {}", e.source)))?;
-    if cfg.private {
+    if cfg.output.private {
         privacy
             .apply_to_dir(dir)
             .map_err(|e| out(e.source.to_string()))?;

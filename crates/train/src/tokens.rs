@@ -27,15 +27,15 @@ fn bad(path: &Path, message: String) -> TrainError {
     }))
 }
 
-/// The ids of `cfg.trainable_tokens`, in the order written (empty when the key is unset).
+/// The ids of `cfg.lora.trainable_tokens`, in the order written (empty when the key is unset).
 pub fn resolve(
     cfg: &RunConfig,
     tok: Option<&Tokenizer>,
     vocab: usize,
 ) -> Result<Vec<u32>, TrainError> {
     let path = &cfg.config_path;
-    let mut ids: Vec<u32> = Vec::with_capacity(cfg.trainable_tokens.len());
-    for name in &cfg.trainable_tokens {
+    let mut ids: Vec<u32> = Vec::with_capacity(cfg.lora.trainable_tokens.len());
+    for name in &cfg.lora.trainable_tokens {
         let id = match name {
             TokenName::Id(i) => *i,
             TokenName::Text(text) => {

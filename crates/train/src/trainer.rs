@@ -124,7 +124,7 @@ impl Trainer<'_> {
     /// makes the directory ready for a fresh run.
     pub fn resume_or_fresh(&mut self, opts: &RunOptions) -> Result<(), TrainError> {
         // Seen by every rank before rank 0 creates the directory; `agree` is also a barrier.
-        let existed = self.cfg.output_dir.is_dir();
+        let existed = self.cfg.output.dir.is_dir();
         self.agree()?;
         self.init_nccl()?;
         self.preflight()?;
@@ -156,14 +156,15 @@ impl Trainer<'_> {
         // the step times, the first one (warm-up) apart.
         let mut first = true;
         self.world.expect_long("the first step (warm-up)");
-        while self.state.step < cfg.steps {
+        while self.state.step < cfg.train.steps {
             let t0 = Instant::now();
             self.step()?;
             self.world.step_took(t0.elapsed(), first);
             first = false;
             let step = self.state.step;
-            let due = |every: usize| (every > 0 && step.is_multiple_of(every)) || step == cfg.steps;
-            if due(cfg.eval_every) {
+            let due =
+                |every: usize| (every > 0 && step.is_multiple_of(every)) || step == cfg.train.steps;
+            if due(cfg.train.eval_every) {
                 let phase = format!("step {step}'s evaluation on rank 0");
                 self.world.expect_root_phase(&phase);
                 self.fault_slow_root_phase();
@@ -172,14 +173,14 @@ impl Trainer<'_> {
             let stop = stop.is_some_and(|s| s.load(Ordering::SeqCst));
             // A signal may reach one rank only, or the ranks at different steps: all stop together.
             let stop = self.world.any("the stop agreement", stop);
-            if due(cfg.save_every) || stop {
+            if due(cfg.output.save_every) || stop {
                 self.fault_slow_root_phase();
                 self.checkpoint(stop)?;
                 // Only the wait for rank 0's write is long: the next step's all-reduce is not.
                 let phase = format!("the checkpoint of step {step} on rank 0");
                 self.world.expect_root_phase(&phase);
                 self.world.any("the checkpoint barrier", false);
-                if stop && step < cfg.steps {
+                if stop && step < cfg.train.steps {
                     self.check_device()?;
                     let checkpoint = self.files.dir.join(format!("checkpoint-{step}"));
                     return Ok(Outcome::Stopped { step, checkpoint });
@@ -215,8 +216,8 @@ impl Trainer<'_> {
     pub fn step(&mut self) -> Result<(), TrainError> {
         let (t0, cfg, step) = (Instant::now(), self.cfg, self.state.step);
         let (w, rank) = (self.world.size, self.world.rank);
-        let micro: Vec<MicroBatch> = (0..cfg.grad_accum * w)
-            .map(|_| self.batcher.next_batch(cfg.micro_batch_size))
+        let micro: Vec<MicroBatch> = (0..cfg.train.grad_accum * w)
+            .map(|_| self.batcher.next_batch(cfg.train.micro_batch_size))
             .collect();
         let n_target: usize = micro.iter().map(MicroBatch::target_tokens).sum();
         let tokens: usize = micro.iter().map(|m| m.tokens).sum();
@@ -233,15 +234,21 @@ impl Trainer<'_> {
         if self.fault_nan_steps.contains(&(step + 1)) {
             loss = f64::NAN;
         }
-        let lr = cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps);
-        let (clip, unscale) = (cfg.max_grad_norm, 1.0 / loss_scale);
+        let lr = cfg.train.lr
+            * lr_factor(
+                cfg.train.schedule,
+                step,
+                cfg.train.steps,
+                cfg.train.warmup_steps,
+            );
+        let (clip, unscale) = (cfg.train.max_grad_norm, 1.0 / loss_scale);
         let done = self
             .opt
             .step(&mut self.adapter, &grads, lr, clip, loss, unscale)?;
         // The step boundary: everything the step freed has been enqueued (not `state.step + 1`
         // yet: an error names the last step that completed cleanly).
         self.check_device()?;
-        let (on_event, max_bad) = (&mut self.on_event, cfg.max_bad_steps);
+        let (on_event, max_bad) = (&mut self.on_event, cfg.train.max_bad_steps);
         let warn = &mut |w| on_event(Event::Warning(w));
         self.state
             .count_update(done, loss, loss_scale, max_bad, warn)?;
@@ -260,7 +267,7 @@ impl Trainer<'_> {
             estimated_peak_bytes: self.estimated_peak_bytes,
             elapsed_s: self.wall_s(),
         };
-        self.state.count_step(&m, cfg.steps);
+        self.state.count_step(&m, cfg.train.steps);
         self.state.metrics_bytes += self.files.metrics_line(&m)?;
         (self.on_event)(Event::Step(&m));
         if let Some(w) = self.files.step_scalars(&m) {
@@ -289,8 +296,8 @@ impl Trainer<'_> {
             let lc = LoraCtx {
                 adapter: &self.adapter,
                 scaling: self.adapter.spec.scaling(),
-                dropout: cfg.dropout,
-                seed: self.state.dropout_seed(cfg.seed, k),
+                dropout: cfg.lora.dropout,
+                seed: self.state.dropout_seed(cfg.train.seed, k),
             };
             let inputs = Inputs {
                 ids: mb.input_ids,
@@ -321,7 +328,7 @@ impl Trainer<'_> {
             return Ok(());
         }
         let (model, adapter, valid) = (&self.model, &self.adapter, &self.data.valid);
-        let (mbs, pad_id) = (cfg.micro_batch_size, self.pad_id);
+        let (mbs, pad_id) = (cfg.train.micro_batch_size, self.pad_id);
         if let Some(ev) = evaluate::validation(step, model, adapter, valid, mbs, pad_id)? {
             self.state.metrics_bytes += self.files.metrics_line(&ev)?;
             (self.on_event)(Event::Eval(&ev));
@@ -329,8 +336,8 @@ impl Trainer<'_> {
                 (self.on_event)(Event::Warning(w));
             }
         }
-        if let (Some(tok), false) = (&self.tok, cfg.eval_prompts.is_empty()) {
-            let (prompts, max_new) = (&cfg.eval_prompts, cfg.eval_max_new_tokens);
+        if let (Some(tok), false) = (&self.tok, cfg.train.eval_prompts.is_empty()) {
+            let (prompts, max_new) = (&cfg.train.eval_prompts, cfg.train.eval_max_new_tokens);
             let samples = evaluate::samples(step, model, adapter, tok, prompts, max_new)?;
             self.files.samples(&samples)?;
         }
@@ -354,20 +361,28 @@ impl Trainer<'_> {
             adamw_step: self.opt.adamw_step(),
             epoch,
             cursor,
-            seed: cfg.seed,
-            next_lr: cfg.lr * lr_factor(cfg.schedule, step, cfg.steps, cfg.warmup_steps),
+            seed: cfg.train.seed,
+            next_lr: cfg.train.lr
+                * lr_factor(
+                    cfg.train.schedule,
+                    step,
+                    cfg.train.steps,
+                    cfg.train.warmup_steps,
+                ),
             settings: self.settings.clone(),
         };
-        let (adapter, opt, keep) = (&self.adapter, &self.opt, cfg.keep_last);
+        let (adapter, opt, keep) = (&self.adapter, &self.opt, cfg.output.keep_last);
         match self
             .files
             .checkpoint(&state, adapter, opt, &self.base, keep)
         {
             Ok(Some(path)) => (self.on_event)(Event::Checkpoint { step, path: &path }),
             Ok(None) => {}
-            Err(e) if cfg.continue_on_save_error && !stopping && step < cfg.steps => self.warn(
-                format!("checkpoint at step {step} not written: {e}; continuing"),
-            ),
+            Err(e) if cfg.output.continue_on_save_error && !stopping && step < cfg.train.steps => {
+                self.warn(format!(
+                    "checkpoint at step {step} not written: {e}; continuing"
+                ))
+            }
             Err(e) => return Err(e),
         }
         Ok(())

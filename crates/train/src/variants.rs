@@ -149,27 +149,38 @@ pub fn fresh(
     spec: &LoraSpec,
     dev: &Device,
 ) -> Result<(Model, Adapter, Option<InitialAdapter>), TrainError> {
-    if !cfg.init.mutates_base() {
-        let model = Model::load_with(&cfg.model_path, dtype(cfg.dtype), dev, cfg.quantize)?;
+    if !cfg.lora.init.mutates_base() {
+        let model = Model::load_with(
+            &cfg.model.path,
+            dtype(cfg.model.dtype),
+            dev,
+            cfg.model.quantize,
+        )?;
         let modules = model.lora_modules(spec);
-        let adapter = match cfg.init {
-            Init::Gaussian => init::gaussian(spec.clone(), &modules, cfg.seed, dev)?,
-            _ => Adapter::init(spec.clone(), &modules, cfg.seed, dev)?,
+        let adapter = match cfg.lora.init {
+            Init::Gaussian => init::gaussian(spec.clone(), &modules, cfg.train.seed, dev)?,
+            _ => Adapter::init(spec.clone(), &modules, cfg.train.seed, dev)?,
         };
         return Ok((model, adapter, None));
     }
-    let dir = &cfg.model_path;
+    let dir = &cfg.model.path;
     let cfg_path = dir.join("config.json");
     let mcfg = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
-    let weights = Weights::open(dir, dtype(cfg.dtype), dev)?;
+    let weights = Weights::open(dir, dtype(cfg.model.dtype), dev)?;
     let source = SplitSource {
         inner: &weights,
-        init: cfg.init,
+        init: cfg.lora.init,
         spec,
-        rng: RefCell::new(rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed)),
+        rng: RefCell::new(rand_chacha::ChaCha8Rng::seed_from_u64(cfg.train.seed)),
         split: RefCell::new(HashMap::new()),
     };
-    let model = Model::build_with(mcfg, &source, dtype(cfg.dtype), dev, cfg.quantize)?;
+    let model = Model::build_with(
+        mcfg,
+        &source,
+        dtype(cfg.model.dtype),
+        dev,
+        cfg.model.quantize,
+    )?;
     let modules: Vec<ModuleShape> = model.lora_modules(spec);
     let mut split = source.split.into_inner();
     let (mut pairs, mut initial) = (Vec::new(), Vec::new());
@@ -202,7 +213,7 @@ pub fn fresh(
         model,
         adapter,
         Some(InitialAdapter {
-            init: cfg.init,
+            init: cfg.lora.init,
             pairs: initial,
         }),
     ))

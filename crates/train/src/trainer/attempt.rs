@@ -35,7 +35,7 @@ impl<'a> Trainer<'a> {
         on_event: &'a mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
         let started = Instant::now();
-        let dev = device(super::dist::rank_device(cfg.device, &world))?;
+        let dev = device(super::dist::rank_device(cfg.train.device, &world))?;
         let Prepared {
             mut model,
             adapter,
@@ -48,12 +48,13 @@ impl<'a> Trainer<'a> {
         if world.is_distributed() {
             settings.insert(super::dist::WORLD_SIZE.into(), world.size.to_string());
         }
-        model.offload_checkpoints = cfg.offload_checkpoints;
+        model.offload_checkpoints = cfg.train.offload_checkpoints;
         let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
         let estimated_peak_bytes =
             rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
-        let (betas, eps, wd) = (cfg.betas, cfg.eps, cfg.weight_decay);
-        let opt = LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.loraplus_lr_ratio)?;
+        let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
+        let opt =
+            LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.train.loraplus_lr_ratio)?;
         let examples = data.train.len();
         let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
         let state = RunState::fresh(setup::loss_scaler(cfg));
@@ -71,7 +72,7 @@ impl<'a> Trainer<'a> {
             tok,
             pad_id,
             settings,
-            base: base_model_name(&cfg.model_path),
+            base: base_model_name(&cfg.model.path),
             estimated_peak_bytes,
             checkpointing,
             files: RunFiles::new(cfg, world.is_root()),
@@ -93,26 +94,26 @@ impl<'a> Trainer<'a> {
         let modules = self.model.lora_modules(&self.adapter.spec);
         if let Some(m) = modules
             .iter()
-            .find(|m| cfg.r > m.in_features.min(m.out_features))
+            .find(|m| cfg.lora.r > m.in_features.min(m.out_features))
         {
             let n = modules
                 .iter()
-                .filter(|x| cfg.r > x.in_features.min(x.out_features))
+                .filter(|x| cfg.lora.r > x.in_features.min(x.out_features))
                 .count();
             self.warn(format!(
                 "[lora] r = {} is larger than min(in, out) = {} of {} ({} × {}; {n} module(s) like \
                  it): those adapters have more parameters than the layer's rank can use",
-                cfg.r,
+                cfg.lora.r,
                 m.in_features.min(m.out_features),
                 m.name,
                 m.out_features,
                 m.in_features
             ));
         }
-        if !cfg.check_disk || !self.world.is_root() {
+        if !cfg.output.check_disk || !self.world.is_root() {
             return Ok(());
         }
-        let dir = &cfg.output_dir;
+        let dir = &cfg.output.dir;
         let need = crate::disk::need(cfg, self.adapter.num_params());
         let free = crate::disk::free_bytes(dir)?;
         // A resumed run's checkpoints already hold part of what it needs.
@@ -143,14 +144,14 @@ impl<'a> Trainer<'a> {
         existed: bool,
     ) -> Result<Option<Loaded>, TrainError> {
         let cfg = self.cfg;
-        let dir = &cfg.output_dir;
+        let dir = &cfg.output.dir;
         if opts.resume && !existed {
             self.warn(format!(
                 "{} does not exist yet; starting from step 0",
                 dir.display()
             ));
         }
-        if !((opts.resume || cfg.resume) && existed) {
+        if !((opts.resume || cfg.output.resume) && existed) {
             return Ok(None);
         }
         if dir.join("summary.json").exists() {
@@ -176,7 +177,7 @@ impl<'a> Trainer<'a> {
         });
         let Some(l) = found else {
             let n = checkpoint::list(dir).len();
-            if n > 0 && !cfg.overwrite {
+            if n > 0 && !cfg.output.overwrite {
                 return Err(TrainError::NoVerifiedCheckpoint {
                     dir: dir.clone(),
                     found: n,
@@ -252,7 +253,7 @@ impl<'a> Trainer<'a> {
     /// summary.json's numbers, at the end of the run.
     pub(super) fn summary(&self) -> Summary {
         Summary {
-            steps: self.cfg.steps,
+            steps: self.cfg.train.steps,
             final_loss: self.state.last_loss,
             tokens_per_s: metrics::median(&self.state.speeds),
             peak_memory_bytes: memory::peak_bytes(&self.dev),

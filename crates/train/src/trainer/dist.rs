@@ -44,7 +44,7 @@ impl Trainer<'_> {
             return Ok(());
         }
         let mut mine = self.settings.clone();
-        for p in crate::record::model_files(&self.cfg.model_path) {
+        for p in crate::record::model_files(&self.cfg.model.path) {
             let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
             let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
             mine.insert(

@@ -63,13 +63,13 @@ impl RunFiles {
     /// `cfg`'s output directory, written only when `writes` (a single process, or rank 0 of a
     /// data-parallel run): decided here and nowhere else.
     pub fn new(cfg: &RunConfig, writes: bool) -> Self {
-        let privacy = if cfg.private {
+        let privacy = if cfg.output.private {
             Privacy::PRIVATE
         } else {
             Privacy::SHARED
         };
         Self {
-            dir: cfg.output_dir.clone(),
+            dir: cfg.output.dir.clone(),
             privacy,
             writes,
             metrics: None,
@@ -151,7 +151,7 @@ impl RunFiles {
         }
         self.record(record)?;
         if let Some(remote) = self.remote.take() {
-            self.mirror = Some(Mirror::start(remote, &self.dir, cfg.keep_last));
+            self.mirror = Some(Mirror::start(remote, &self.dir, cfg.output.keep_last));
         }
         self.start_tracking(cfg, record);
         let resolved = toml::to_string(&cfg.file).expect("config serialises");
@@ -326,7 +326,7 @@ impl RunFiles {
     /// Opens `[output] remote` and probes it (write, read back, delete a small object) before
     /// the run directory is touched; a failure is an input error naming the URL and the reason.
     pub fn connect_remote(&mut self, cfg: &RunConfig) -> Result<(), TrainError> {
-        let Some(url) = cfg.remote.as_deref().filter(|_| self.writes) else {
+        let Some(url) = cfg.output.remote.as_deref().filter(|_| self.writes) else {
             return Ok(());
         };
         let remote = Remote::open(url).map_err(|e| TrainError::Remote(Box::new(e)))?;
@@ -427,7 +427,7 @@ impl RunFiles {
     /// Starts the tracker: the resolved config as params, the record's version, commit and
     /// checksums as tags, the run continued when mlflow.json names one.
     fn start_tracking(&mut self, cfg: &RunConfig, record: &RunRecord) {
-        let Some(url) = cfg.mlflow.as_deref().filter(|_| self.writes) else {
+        let Some(url) = cfg.output.mlflow.as_deref().filter(|_| self.writes) else {
             return;
         };
         let saved = std::fs::read(self.dir.join(MLFLOW_JSON))
@@ -466,7 +466,7 @@ impl RunFiles {
             .map_or("rtune".into(), |n| n.to_string_lossy().into_owned());
         self.tracker = Some(Tracker::start(Start {
             url: url.to_string(),
-            experiment: cfg.mlflow_experiment.clone(),
+            experiment: cfg.output.mlflow_experiment.clone(),
             run_name,
             run_id,
             params,

@@ -18,7 +18,7 @@ impl Trainer<'_> {
         opts: &RunOptions,
         existed: bool,
     ) -> Result<bool, TrainError> {
-        if !(opts.resume || self.cfg.resume) || self.cfg.remote.is_none() {
+        if !(opts.resume || self.cfg.output.resume) || self.cfg.output.remote.is_none() {
             return Ok(existed);
         }
         let on_event = &mut self.on_event;
@@ -26,7 +26,7 @@ impl Trainer<'_> {
             .files
             .fetch_remote_checkpoint(&mut |w| on_event(Event::Warning(w)))?;
         if let Some(step) = fetched {
-            let url = self.cfg.remote.as_deref().unwrap_or_default();
+            let url = self.cfg.output.remote.as_deref().unwrap_or_default();
             self.warn(format!("fetched checkpoint-{step} from {url}"));
         }
         Ok(existed || fetched.is_some())
@@ -46,7 +46,7 @@ impl Trainer<'_> {
         &mut self,
         outcome: Result<Outcome, TrainError>,
     ) -> Result<Outcome, TrainError> {
-        let timeout = self.cfg.remote_timeout;
+        let timeout = self.cfg.output.remote_timeout;
         let status = match &outcome {
             Ok(Outcome::Completed(_)) => "FINISHED",
             Ok(Outcome::Stopped { .. }) => "KILLED",
