@@ -320,3 +320,24 @@ fn device_name(dev: &candle_core::Device) -> String {
         candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A single process: joining is free and gathers nothing, the configured GPU is kept, the
+    /// settings gain no world size, the backward is not hooked.
+    #[test]
+    fn a_single_process_is_left_as_it_is() {
+        let mut dp = DataParallel::new(World::single());
+        let mut settings = BTreeMap::from([("train.lr".to_string(), "0.1".to_string())]);
+        let before = settings.clone();
+        dp.add_settings(&mut settings);
+        assert_eq!(settings, before);
+        dp.join(&settings, &candle_core::Device::Cpu).unwrap();
+        assert!(dp.ranks().is_empty());
+        assert_eq!(dp.gpu(3), 3);
+        assert!(!dp.overlaps_backward());
+        assert_eq!(device_name(&candle_core::Device::Cpu), "cpu");
+    }
+}
