@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 eval "$(../shared/cuda/toolchain.sh)"
 export CUDA_COMPUTE_CAP=90
-# The data-parallel NCCL path (crates/train/src/nccl.rs) links libnccl: NVIDIA's wheel gives it for
+# The data-parallel NCCL path (crates/dist/src/nccl.rs) links libnccl: NVIDIA's wheel gives it for
 # the link here; on the H200 run.sh points LD_LIBRARY_PATH at torch's own copy.
 venv=${RTUNE_CUDA_HOME:-$HOME/.cache/rtune-cuda}/venv
 nccl=$(ls -d "$venv"/lib/python3*/site-packages/nvidia/nccl/lib 2>/dev/null | head -1 || true)

@@ -25,7 +25,11 @@ mod cmd {
     pub mod selftest;
     pub mod train;
 }
+// The MPI transport lives with the rest of data parallelism in crates/dist but is compiled into
+// this binary only (not into rtune-dist): turning on `mpi` then rebuilds the binary and its tests,
+// not the libraries (crates/dist/src/mpi.rs says why).
 #[cfg(feature = "mpi")]
+#[path = "../dist/src/mpi.rs"]
 mod mpi;
 mod progress;
 mod resolve;

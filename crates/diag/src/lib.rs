@@ -105,6 +105,12 @@ impl From<TrainError> for DiagError {
     }
 }
 
+impl From<rtune_dist::DistError> for DiagError {
+    fn from(e: rtune_dist::DistError) -> Self {
+        TrainError::from(e).into()
+    }
+}
+
 impl From<rtune_model::ModelError> for DiagError {
     fn from(e: rtune_model::ModelError) -> Self {
         TrainError::from(e).into()

@@ -8,7 +8,7 @@
 //! last byte and a short last block). After the kernel checks and after the training steps, the
 //! driver errors cudarc recorded in a `Drop` are read: none may have been. [`nccl`]: a one-GPU
 //! NCCL all-reduce (world of 1) of a known buffer through the trainer's own NCCL path
-//! (`rtune_train::nccl`).
+//! (`rtune_dist::nccl`).
 
 use candle_core::Device;
 use half::bf16;
@@ -231,7 +231,7 @@ fn kernels_on(dev: &Device, runner: &mut Runner) {
     runner.report.nf4_vs_copy = nf4_gb_s.zip(copy).map(|(n, c)| n / c);
 }
 
-/// NCCL as a data-parallel CUDA run uses it (`rtune_train::nccl`: the communicator made from a
+/// NCCL as a data-parallel CUDA run uses it (`rtune_dist::nccl`: the communicator made from a
 /// unique id, the in-place sum all-reduce of a candle tensor on the second stream), in a world of
 /// one rank: the sum over one rank is the buffer itself, so 2^20 + 3 known f32 (not a multiple of
 /// NCCL's chunk sizes) must come back bit for bit. Catches a missing or mismatched libnccl, a
@@ -245,7 +245,7 @@ pub fn nccl(dev: &Device, runner: &mut Runner) {
             move |e: candle_core::Error| DiagError::from(rtune_model::ModelError::candle(op, e))
         };
         let world = rtune_dist::World::single();
-        let comm = rtune_train::nccl::Nccl::init(&world, cuda)?;
+        let comm = rtune_dist::nccl::Nccl::init(&world, cuda)?;
         let n = (1usize << 20) + 3;
         let want: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 * 0.25 - 100.0).collect();
         let t = candle_core::Tensor::from_vec(want.clone(), n, dev).map_err(cerr("upload"))?;
@@ -259,7 +259,7 @@ pub fn nccl(dev: &Device, runner: &mut Runner) {
             .zip(&want)
             .filter(|(g, w)| g.to_bits() != w.to_bits())
             .count();
-        let version = rtune_train::nccl::Nccl::version().unwrap_or(0);
+        let version = rtune_dist::nccl::Nccl::version().unwrap_or(0);
         Ok(vec![Check::new(
             "nccl all-reduce (world of 1)",
             differ == 0,

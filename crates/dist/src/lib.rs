@@ -1,7 +1,29 @@
-//! rtune's data-parallel world (issue 16): which rank this process is, how many there are, and the
-//! few collectives data parallelism needs — a sum all-reduce of gradients (f32) and loss sums
+//! rtune's data parallelism (issue 16), all of it: which rank this process is, how many there are,
+//! the few collectives data parallelism needs — a sum all-reduce of gradients (f32) and loss sums
 //! (f64), an all-gather of small byte strings (the start-up agreement check, run.json's list of
-//! ranks) and a broadcast.
+//! ranks) and a broadcast — and what the trainer does with them.
+//!
+//! - `lib.rs`: [`World`] (rank, size, host; the collectives under the watchdog and their pace),
+//!   the [`Collective`] transport trait, the launcher's environment, [`DistError`];
+//! - `data_parallel.rs`: [`DataParallel`], the trainer's one door — the start-up agreement and the
+//!   rank list ([`RankInfo`]), the GPU a rank takes, the step's gradient and loss all-reduce, the
+//!   world size as a resume setting;
+//! - `agree.rs`: the start-up agreement check ([`Disagreement`]);
+//! - `watchdog.rs`: [`Watchdog`], which ends a rank whose collective waited too long, after its
+//!   abort hooks ([`AbortHook`]: NCCL's `ncclCommAbort`);
+//! - `nccl.rs` (feature `cuda`): `Nccl`, this rank's NCCL communicator on a second stream, and the
+//!   in-place sum all-reduce of a candle tensor;
+//! - `buckets.rs` (feature `cuda`): the per-layer gradient buckets a CUDA rank all-reduces during
+//!   the backward;
+//! - `mpi.rs` (the binary's feature `mpi`): the MPI transport and its `init`, compiled into the
+//!   rtune binary, not into this crate, so that `--features mpi` rebuilds only the binary (the
+//!   file says why).
+//!
+//! The trainer holds one [`DataParallel`] and calls it at start (`join`), in the step (after the
+//! backward, `all_reduce`; on a CUDA rank `launch_layer` during the last micro-batch's backward)
+//! and through its [`World`] (`world`) for the run loop's agreements and announced phases. This
+//! crate sits above rtune-model and rtune-lora (what it reduces is their `Grads`, laid out by the
+//! `Adapter`) and below rtune-train; `rtune check` (rtune-diag) and the binary use [`World`].
 //!
 //! [`World::single`] is one process, where every collective is the identity and costs nothing: a
 //! run without a launcher runs exactly as before. A distributed [`World`] wraps a [`Collective`],
@@ -24,15 +46,48 @@
 //!   such a phase is caught after that long, not 30 s.
 
 mod agree;
+#[cfg(feature = "cuda")]
+mod buckets;
+mod data_parallel;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod watchdog;
 
 pub use agree::{check_agreement, Disagreement};
+pub use data_parallel::{DataParallel, RankInfo, WORLD_SIZE};
 pub use watchdog::{AbortHook, Watchdog};
 
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// What can go wrong in data parallelism beyond the transport (whose errors end the job).
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// The ranks of a data-parallel run do not run the same thing (config, model or data).
+    #[error(transparent)]
+    Ranks(Box<Disagreement>),
+    /// An NCCL call (or the CUDA call around it) of a data-parallel CUDA run failed.
+    #[error("NCCL {op} on cuda:{ordinal}: {message}")]
+    Nccl {
+        op: &'static str,
+        ordinal: usize,
+        message: String,
+    },
+    /// Moving gradients to or from the reduction's buffers failed.
+    #[error("{op}: {source}")]
+    Candle {
+        op: &'static str,
+        source: candle_core::Error,
+    },
+}
+
+impl DistError {
+    pub(crate) fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> DistError {
+        move |source| DistError::Candle { op, source }
+    }
+}
 
 /// The transport under a distributed [`World`]. Errors are fatal (MPI's default handler aborts the
 /// job), so the calls return nothing to handle.

@@ -21,8 +21,6 @@ pub mod disk;
 pub mod evaluate;
 pub mod generate;
 pub mod memory;
-#[cfg(feature = "cuda")]
-pub mod nccl;
 pub mod optim;
 pub mod record;
 mod setup;
@@ -89,7 +87,6 @@ pub enum TrainError {
         source: cudarc::driver::DriverError,
     },
     /// An NCCL call (or the CUDA call around it) of a data-parallel CUDA run failed.
-    #[cfg(feature = "cuda")]
     #[error("NCCL {op} on cuda:{ordinal}: {message}")]
     Nccl {
         op: &'static str,
@@ -163,10 +160,9 @@ impl TrainError {
             | TrainError::OptimizerState
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
-            TrainError::Kernel { .. }
-            | TrainError::DeviceDeferred { .. }
-            | TrainError::Nccl { .. } => false,
+            TrainError::Kernel { .. } | TrainError::DeviceDeferred { .. } => false,
             TrainError::Output { .. }
+            | TrainError::Nccl { .. }
             | TrainError::NonFinite { .. }
             | TrainError::Candle { .. }
             | TrainError::RemoteUpload { .. } => false,
@@ -181,6 +177,26 @@ impl TrainError {
 impl From<rtune_config::ConfigError> for TrainError {
     fn from(e: rtune_config::ConfigError) -> Self {
         TrainError::Config(Box::new(e))
+    }
+}
+
+/// Each data-parallel error as the variant it always was (same message, same exit status).
+impl From<rtune_dist::DistError> for TrainError {
+    fn from(e: rtune_dist::DistError) -> Self {
+        use rtune_dist::DistError;
+        match e {
+            DistError::Ranks(d) => TrainError::Ranks(d),
+            DistError::Nccl {
+                op,
+                ordinal,
+                message,
+            } => TrainError::Nccl {
+                op,
+                ordinal,
+                message,
+            },
+            DistError::Candle { op, source } => TrainError::Candle { op, source },
+        }
     }
 }
 

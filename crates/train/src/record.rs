@@ -58,15 +58,7 @@ pub struct RunRecord {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct WorldRecord {
     pub size: usize,
-    pub ranks: Vec<RankInfo>,
-}
-
-/// One rank's host and device, for run.json.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct RankInfo {
-    pub rank: usize,
-    pub host: String,
-    pub device: String,
+    pub ranks: Vec<rtune_dist::RankInfo>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -231,7 +223,7 @@ impl RunRecord {
     }
 
     /// Records the world of this attempt (nothing for a single process).
-    pub fn set_world(&mut self, size: usize, ranks: &[RankInfo]) {
+    pub fn set_world(&mut self, size: usize, ranks: &[rtune_dist::RankInfo]) {
         if size > 1 {
             self.world = Some(WorldRecord {
                 size,

@@ -18,21 +18,20 @@
 //! adapter, AdamW's state and the data cursor are restored exactly, the dropout masks and shuffle
 //! order are functions of (seed, step, epoch), and metrics.jsonl is cut back to its length at step k.
 //!
-//! Beside it: [`state`] (the counters), `attempt` (setup, the checkpoint to resume, run.json, the
-//! summary), [`output`] (every write), `metrics` and `events` (what is reported, and to whom).
+//! Beside it: [`state`] (the counters), `attempt` (setup, the ranks' start-up, the checkpoint to
+//! resume, run.json, the summary), [`output`] (every write), `metrics` and `events` (what is
+//! reported, and to whom).
 //!
-//! Data parallelism (issue 16; see `dist`): with W ranks a step draws W × `grad_accum`
-//! micro-batches on every rank and each rank computes its share; `Trainer::gradients` ends with
-//! the all-reduce of the gradients and loss sum, before clipping; [`output::RunFiles`] is the only
-//! writer of the run directory (rank 0 alone writes, decided in `RunFiles::new`); evaluation runs
-//! on rank 0; the ranks agree on a stop request after every step.
+//! Data parallelism (issue 16) lives in `rtune-dist`; the trainer holds one [`DataParallel`]
+//! (`dist`): with W ranks a step draws W × `grad_accum` micro-batches on every rank and each rank
+//! computes its share; `Trainer::gradients` ends with the all-reduce of the gradients and loss
+//! sum, before clipping; [`output::RunFiles`] is the only writer of the run directory (rank 0
+//! alone writes, decided in `RunFiles::new`); evaluation runs on rank 0; the ranks agree on a stop
+//! request after every step.
 
 mod attempt;
-mod dist;
 mod events;
 mod metrics;
-#[cfg(feature = "cuda")]
-mod nccl;
 pub mod output;
 mod remote;
 pub mod state;
@@ -44,7 +43,7 @@ use std::time::Instant;
 
 use rtune_config::RunConfig;
 use rtune_data::{Batcher, MicroBatch, Tokenizer};
-use rtune_dist::World;
+use rtune_dist::{DataParallel, World};
 use rtune_lora::Adapter;
 use rtune_model::{Grads, Inputs, LoraCtx, Model};
 
@@ -55,7 +54,6 @@ use crate::{evaluate, memory, TrainError};
 use output::RunFiles;
 
 pub use crate::compute::{device, dtype};
-pub use crate::record::RankInfo;
 pub use events::{Event, Outcome, RunOptions};
 pub use metrics::{StepMetrics, Summary};
 pub use state::RunState;
@@ -103,13 +101,9 @@ pub struct Trainer<'a> {
     state: RunState,
     /// Tests poison the loss of these steps (`RTUNE_FAULT_NAN_STEPS`, 1-based) to exercise the NaN path.
     fault_nan_steps: Vec<usize>,
-    /// The ranks of a data-parallel run (a single process otherwise), and each rank's host and
-    /// device once they agreed (run.json).
-    world: World,
-    ranks: Vec<RankInfo>,
-    /// A data-parallel CUDA rank's NCCL communicator and gradient buckets (see `nccl`).
-    #[cfg(feature = "cuda")]
-    nccl: Option<nccl::LayerBuckets>,
+    /// The ranks of a data-parallel run (a single process otherwise): the world, each rank's
+    /// host and device once they agreed (run.json), the gradient all-reduce.
+    dist: DataParallel,
     /// PiSSA / OLoRA: the initial factors; the final adapter is saved against the original base.
     initial: Option<crate::variants::InitialAdapter>,
 }
@@ -123,19 +117,19 @@ impl Trainer<'_> {
     /// (adapter, AdamW's moments, data cursor, [`RunState`], metrics.jsonl cut back); otherwise
     /// makes the directory ready for a fresh run.
     pub fn resume_or_fresh(&mut self, opts: &RunOptions) -> Result<(), TrainError> {
-        // Seen by every rank before rank 0 creates the directory; `agree` is also a barrier.
+        // Seen by every rank before rank 0 creates the directory; `join_ranks` is also a barrier.
         let existed = self.cfg.output.dir.is_dir();
-        self.agree()?;
-        self.init_nccl()?;
+        self.join_ranks()?;
         self.preflight()?;
         // Rank 0 alone talks to the remote store (RunFiles writes only there).
         self.files.connect_remote(self.cfg)?;
         self.files.lock()?;
         let existed = self.fetch_remote_checkpoint(opts, existed)?;
         // A barrier: the other ranks read the checkpoint rank 0 may just have fetched.
-        self.world
+        self.dist
+            .world
             .expect_root_phase("rank 0's remote checkpoint fetch");
-        self.world.any("the remote checkpoint fetch", false);
+        self.dist.world.any("the remote checkpoint fetch", false);
         let Some(l) = self.checkpoint_to_resume(opts, existed)? else {
             return self.files.clear_for_fresh_run(self.cfg);
         };
@@ -155,31 +149,31 @@ impl Trainer<'_> {
         // How long the ranks wait on each other (rtune_dist's pace): announced long phases, and
         // the step times, the first one (warm-up) apart.
         let mut first = true;
-        self.world.expect_long("the first step (warm-up)");
+        self.dist.world.expect_long("the first step (warm-up)");
         while self.state.step < cfg.train.steps {
             let t0 = Instant::now();
             self.step()?;
-            self.world.step_took(t0.elapsed(), first);
+            self.dist.world.step_took(t0.elapsed(), first);
             first = false;
             let step = self.state.step;
             let due =
                 |every: usize| (every > 0 && step.is_multiple_of(every)) || step == cfg.train.steps;
             if due(cfg.train.eval_every) {
                 let phase = format!("step {step}'s evaluation on rank 0");
-                self.world.expect_root_phase(&phase);
-                self.fault_slow_root_phase();
+                self.dist.world.expect_root_phase(&phase);
+                self.dist.fault_slow_root_phase();
                 self.evaluate()?;
             }
             let stop = stop.is_some_and(|s| s.load(Ordering::SeqCst));
             // A signal may reach one rank only, or the ranks at different steps: all stop together.
-            let stop = self.world.any("the stop agreement", stop);
+            let stop = self.dist.world.any("the stop agreement", stop);
             if due(cfg.output.save_every) || stop {
-                self.fault_slow_root_phase();
+                self.dist.fault_slow_root_phase();
                 self.checkpoint(stop)?;
                 // Only the wait for rank 0's write is long: the next step's all-reduce is not.
                 let phase = format!("the checkpoint of step {step} on rank 0");
-                self.world.expect_root_phase(&phase);
-                self.world.any("the checkpoint barrier", false);
+                self.dist.world.expect_root_phase(&phase);
+                self.dist.world.any("the checkpoint barrier", false);
                 if stop && step < cfg.train.steps {
                     self.check_device()?;
                     let checkpoint = self.files.dir.join(format!("checkpoint-{step}"));
@@ -215,7 +209,7 @@ impl Trainer<'_> {
     /// metrics line.
     pub fn step(&mut self) -> Result<(), TrainError> {
         let (t0, cfg, step) = (Instant::now(), self.cfg, self.state.step);
-        let (w, rank) = (self.world.size, self.world.rank);
+        let (w, rank) = (self.dist.world.size, self.dist.world.rank);
         let micro: Vec<MicroBatch> = (0..cfg.train.grad_accum * w)
             .map(|_| self.batcher.next_batch(cfg.train.micro_batch_size))
             .collect();
@@ -316,7 +310,33 @@ impl Trainer<'_> {
                 j == last,
             )?;
         }
-        self.all_reduce(grads, loss_sum)
+        let step = self.state.step + 1;
+        Ok(self.dist.all_reduce(step, &self.adapter, grads, loss_sum)?)
+    }
+
+    /// One micro-batch's forward and backward into `grads` (`(scale, checkpointing)` as
+    /// `Model::forward_backward` takes them). On a CUDA rank with NCCL, the step's `last`
+    /// micro-batch launches each layer's gradient all-reduce as soon as its backward ends.
+    fn backward(
+        &self,
+        inputs: &Inputs,
+        targets: &[Option<u32>],
+        lc: &LoraCtx,
+        (scale, ckpt): (f64, bool),
+        grads: &mut Grads,
+        last: bool,
+    ) -> Result<f64, TrainError> {
+        if last && self.dist.overlaps_backward() {
+            let (model, adapter, dist) = (&self.model, &self.adapter, &self.dist);
+            let mut launch =
+                |i: usize, g: &Grads| dist.launch_layer(adapter, g, &model.layer_slots(i));
+            let m =
+                model.forward_backward_layers(inputs, targets, lc, scale, ckpt, grads, &mut launch);
+            return Ok(m?);
+        }
+        Ok(self
+            .model
+            .forward_backward(inputs, targets, lc, scale, ckpt, grads)?)
     }
 
     /// Validation loss over the held-out rows (a metrics.jsonl line), and greedy completions of
@@ -324,7 +344,7 @@ impl Trainer<'_> {
     pub fn evaluate(&mut self) -> Result<(), TrainError> {
         let (cfg, step) = (self.cfg, self.state.step);
         // Rank 0 alone evaluates (the others wait at the next step's all-reduce): same numbers.
-        if !self.world.is_root() {
+        if !self.dist.world.is_root() {
             return Ok(());
         }
         let (model, adapter, valid) = (&self.model, &self.adapter, &self.data.valid);

@@ -1,13 +1,15 @@
 //! How an attempt starts and ends: [`Trainer::setup`] loads and checks everything before the run
-//! directory is touched; when resuming, the checkpoint to continue from is the newest that verifies
-//! if its settings equal this run's (the refusals name what is wrong: a finished run, no checkpoint
-//! that verifies, each changed setting); `begin` writes run.json and config.toml and reports the
-//! start; `end` records in run.json how the attempt ended; `summary` gives summary.json's numbers.
+//! directory is touched; the ranks of a data-parallel run agree (`join_ranks`); when resuming, the
+//! checkpoint to continue from is the newest that verifies if its settings equal this run's (the
+//! refusals name what is wrong: a finished run, no checkpoint that verifies, each changed setting;
+//! a new world size needs the same global batch); `begin` writes run.json and config.toml and
+//! reports the start; `end` records in run.json how the attempt ended; `summary` gives
+//! summary.json's numbers.
 
 use std::time::Instant;
 
 use rtune_config::RunConfig;
-use rtune_dist::World;
+use rtune_dist::{DataParallel, World};
 
 use super::output::RunFiles;
 use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
@@ -35,7 +37,11 @@ impl<'a> Trainer<'a> {
         on_event: &'a mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
         let started = Instant::now();
-        let dev = device(super::dist::rank_device(cfg.train.device, &world))?;
+        let dist = DataParallel::new(world);
+        let dev = device(match cfg.train.device {
+            rtune_config::Device::Cuda(n) => rtune_config::Device::Cuda(dist.gpu(n)),
+            d => d,
+        })?;
         let Prepared {
             mut model,
             adapter,
@@ -45,9 +51,7 @@ impl<'a> Trainer<'a> {
             mut settings,
             initial,
         } = prepare(cfg, &dev)?;
-        if world.is_distributed() {
-            settings.insert(super::dist::WORLD_SIZE.into(), world.size.to_string());
-        }
+        dist.add_settings(&mut settings);
         model.offload_checkpoints = cfg.train.offload_checkpoints;
         let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
         let estimated_peak_bytes =
@@ -75,15 +79,31 @@ impl<'a> Trainer<'a> {
             base: base_model_name(&cfg.model.path),
             estimated_peak_bytes,
             checkpointing,
-            files: RunFiles::new(cfg, world.is_root()),
+            files: RunFiles::new(cfg, dist.world.is_root()),
             state,
             fault_nan_steps: setup::fault_nan_steps(),
-            world,
-            ranks: Vec::new(),
-            #[cfg(feature = "cuda")]
-            nccl: None,
+            dist,
             initial,
         })
+    }
+
+    /// A data-parallel run's start-up (collective: every rank calls it; a no-op in one process):
+    /// every rank's settings and model files equal rank 0's, or the same refusal on every rank;
+    /// each rank's host and device are gathered for run.json; a CUDA rank joins NCCL.
+    pub(super) fn join_ranks(&mut self) -> Result<(), TrainError> {
+        if !self.dist.world.is_distributed() {
+            return Ok(());
+        }
+        let mut mine = self.settings.clone();
+        for p in crate::record::model_files(&self.cfg.model.path) {
+            let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            mine.insert(
+                format!("model file {}", name.unwrap_or_default()),
+                format!("{bytes} bytes"),
+            );
+        }
+        Ok(self.dist.join(&mine, &self.dev)?)
     }
 
     /// Checks made before the run directory is created or touched: room on the
@@ -110,7 +130,7 @@ impl<'a> Trainer<'a> {
                 m.in_features
             ));
         }
-        if !cfg.output.check_disk || !self.world.is_root() {
+        if !cfg.output.check_disk || !self.dist.world.is_root() {
             return Ok(());
         }
         let dir = &cfg.output.dir;
@@ -190,7 +210,7 @@ impl<'a> Trainer<'a> {
             return Ok(None);
         };
         let diff = settings_diff(&l.state.settings, &self.settings);
-        let diff = super::dist::resume_diff(&l.state.settings, &self.settings, diff);
+        let diff = DataParallel::resume_diff(&l.state.settings, &self.settings, diff);
         if !diff.is_empty() && !opts.force {
             return Err(TrainError::ResumeChanged {
                 checkpoint: l.dir.clone(),
@@ -203,13 +223,13 @@ impl<'a> Trainer<'a> {
     /// Writes run.json and config.toml, opens the metrics, and reports the start.
     pub(super) fn begin(&mut self) -> Result<RunRecord, TrainError> {
         let resumed_from = (self.state.step > 0).then_some(self.state.step);
-        let mut record = if self.world.is_root() {
+        let mut record = if self.dist.world.is_root() {
             RunRecord::begin(self.cfg, &self.files.dir, resumed_from)?
         } else {
             // Other ranks write nothing: no need to hash the model.
             RunRecord::placeholder(self.cfg)
         };
-        record.set_world(self.world.size, &self.ranks);
+        record.set_world(self.dist.world.size, self.dist.ranks());
         if let Some(a) = record.attempts.last_mut() {
             a.gradient_checkpointing = Some(self.checkpointing.clone());
         }
@@ -267,5 +287,44 @@ impl<'a> Trainer<'a> {
             skipped_steps: self.state.skipped_steps,
             output_dir: self.files.dir.clone(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use rtune_dist::{DataParallel, WORLD_SIZE};
+
+    fn m(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// Same world: the diff as it was. Another world, same global batch: accepted. Another global
+    /// batch: one entry naming both products.
+    #[test]
+    fn a_new_world_size_needs_the_same_global_batch() {
+        let resume_diff = DataParallel::resume_diff;
+        let two = m(&[
+            ("train.micro_batch_size", "2"),
+            ("train.grad_accum", "1"),
+            (WORLD_SIZE, "2"),
+        ]);
+        let one = m(&[("train.micro_batch_size", "2"), ("train.grad_accum", "2")]);
+        let diff = crate::setup::settings_diff(&two, &one);
+        assert_eq!(diff.len(), 2);
+        assert!(resume_diff(&two, &one, diff).is_empty());
+        let small = m(&[("train.micro_batch_size", "2"), ("train.grad_accum", "1")]);
+        let diff = crate::setup::settings_diff(&two, &small);
+        assert_eq!(
+            resume_diff(&two, &small, diff),
+            vec!["global batch (micro_batch_size × grad_accum × world size) was 2 × 1 × 2 = 4, is now \
+                  2 × 1 × 1 = 2 (a different world size needs the same global batch)"]
+        );
+        let same = crate::setup::settings_diff(&one, &small);
+        assert_eq!(resume_diff(&one, &small, same.clone()), same);
     }
 }

@@ -18,12 +18,11 @@ use std::cell::RefCell;
 use std::collections::HashSet;
 
 use candle_core::{DType, Tensor};
-use rtune_dist::World;
 use rtune_lora::Adapter;
 use rtune_model::Grads;
 
 use crate::nccl::Nccl;
-use crate::TrainError;
+use crate::{DistError, World};
 
 /// One trainable tensor: `which` 0 = A, 1 = B, 2 = the DoRA magnitude, of pair `pair`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -75,14 +74,14 @@ fn slots(adapter: &Adapter, pairs: &[usize]) -> Vec<Slot> {
 }
 
 /// The communicator and the buckets launched in the current step.
-pub(super) struct LayerBuckets {
+pub(crate) struct LayerBuckets {
     nccl: Nccl,
     /// Each bucket's slots and its flat f32 buffer (reduced in place once its all-reduce ran).
     launched: RefCell<Vec<(Vec<Slot>, Tensor)>>,
 }
 
 impl LayerBuckets {
-    pub(super) fn new(nccl: Nccl) -> Self {
+    pub(crate) fn new(nccl: Nccl) -> Self {
         Self {
             nccl,
             launched: RefCell::new(Vec::new()),
@@ -90,7 +89,7 @@ impl LayerBuckets {
     }
 
     /// Launches the all-reduce of `pairs`' gradients as one bucket; returns without waiting.
-    pub(super) fn launch(
+    pub(crate) fn launch(
         &self,
         adapter: &Adapter,
         grads: &Grads,
@@ -126,13 +125,13 @@ impl LayerBuckets {
 
     /// After the step's backward: launches the pairs no layer reported, waits for every bucket
     /// (under the watchdog, as `what`), and returns the summed gradients.
-    pub(super) fn finish(
+    pub(crate) fn finish(
         &self,
         world: &World,
         what: &str,
         adapter: &Adapter,
         grads: Grads,
-    ) -> Result<Grads, TrainError> {
+    ) -> Result<Grads, DistError> {
         let done: HashSet<Slot> = self
             .launched
             .borrow()
@@ -143,7 +142,7 @@ impl LayerBuckets {
             .filter(|&pair| !done.contains(&Slot { which: 0, pair }))
             .collect();
         self.launch(adapter, &grads, &rest)
-            .map_err(TrainError::candle("NCCL gradient bucket"))?;
+            .map_err(DistError::candle("NCCL gradient bucket"))?;
         // The trainable token rows (embedding backward and the tied lm_head's, both after the
         // last layer's hook): one f32 bucket of their own.
         let tokens = match &grads.tokens {
@@ -151,10 +150,10 @@ impl LayerBuckets {
                 let bucket = t
                     .to_dtype(DType::F32)
                     .and_then(|t| t.copy())
-                    .map_err(TrainError::candle("NCCL token-rows bucket"))?;
+                    .map_err(DistError::candle("NCCL token-rows bucket"))?;
                 self.nccl
                     .all_reduce_sum(&bucket)
-                    .map_err(TrainError::candle("NCCL token-rows bucket"))?;
+                    .map_err(DistError::candle("NCCL token-rows bucket"))?;
                 Some(bucket)
             }
             None => None,
@@ -172,7 +171,7 @@ impl LayerBuckets {
                     .narrow(0, at, n)
                     .and_then(|t| t.reshape(shape.as_slice()))
                     .and_then(|t| t.to_dtype(dtype))
-                    .map_err(TrainError::candle("reduced gradient from its bucket"))?;
+                    .map_err(DistError::candle("reduced gradient from its bucket"))?;
                 s.set(&mut out, t);
                 at += n;
             }

@@ -6,6 +6,13 @@
 //! MPI is initialised with `MPI_THREAD_FUNNELED`: only the main thread calls MPI (rayon's and
 //! BLAS's threads never do; the watchdog thread only `_exit`s). The node-local rank is the rank in
 //! `MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)`. Dropping the last [`World`] clone finalises MPI.
+//!
+//! Where it is built: this file lives with the rest of data parallelism in crates/dist, but it is
+//! not a module of rtune-dist: the rtune binary compiles it (`#[path]` in crates/cli/main.rs), and
+//! the rsmpi dependency is the binary's, behind its `mpi` feature. rtune-dist's features, hence its
+//! build and those of rtune-train and rtune-diag above it, are the same with and without `mpi`, so
+//! `cargo test --features mpi --test dist` rebuilds only the binary and its tests. (rtune-dist with
+//! an `mpi` feature of its own would change rtune-dist's hash and rebuild every crate above it.)
 
 use std::rc::Rc;
 

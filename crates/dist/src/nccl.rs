@@ -4,16 +4,17 @@
 //! that stream.
 //!
 //! Set-up (`ncclCommInitRank`): rank 0 draws the unique id (`ncclGetUniqueId`), MPI broadcasts
-//! its 128 bytes (rtune-dist's byte broadcast), and every rank joins with it on the GPU candle
-//! opened for it (`local_rank`, see `trainer::dist::rank_device`). A world of one (`rtune
-//! selftest`) needs no broadcast. The communicator is made through cudarc's `nccl::result` layer,
-//! not its safe `Comm`: the watchdog must reach the raw handle from its own thread to call
-//! `ncclCommAbort` on a hang, and cudarc's `Comm` neither exposes the handle nor is `Send`.
+//! its 128 bytes ([`World::broadcast`]), and every rank joins with it on the GPU candle opened
+//! for it (`local_rank`, see [`DataParallel::gpu`](crate::DataParallel::gpu)). A world of one
+//! (`rtune selftest`) needs no broadcast. The communicator is made through cudarc's
+//! `nccl::result` layer, not its safe `Comm`: the watchdog must reach the raw handle from its own
+//! thread to call `ncclCommAbort` on a hang, and cudarc's `Comm` neither exposes the handle nor
+//! is `Send`.
 //!
 //! Order between the two streams is cudarc's event tracking (on once the context has a second
 //! stream): the all-reduce waits for the last write of the tensor's buffer on the compute stream,
 //! and a later read of it on the compute stream waits for the all-reduce. The host waits only in
-//! [`Nccl::synchronize`], which the trainer runs under the watchdog.
+//! [`Nccl::synchronize`], which the gradient buckets (`buckets.rs`) run under the watchdog.
 
 use std::ffi::{c_char, c_void};
 use std::mem::MaybeUninit;
@@ -23,9 +24,8 @@ use std::sync::Arc;
 use candle_core::{CpuStorage, CudaDevice, CudaStorage, InplaceOp1, Layout, Tensor};
 use cudarc::driver::{CudaStream, DevicePtrMut, DriverError};
 use cudarc::nccl::{result, sys};
-use rtune_dist::World;
 
-use crate::TrainError;
+use crate::{DistError, World};
 
 /// This rank's NCCL communicator and its stream.
 pub struct Nccl {
@@ -41,18 +41,18 @@ pub struct Nccl {
 impl Nccl {
     /// Joins the communicator of `world` on `dev`. Collective: every rank of `world` calls it at
     /// the same point. The watchdog aborts the communicator before ending a hung rank.
-    pub fn init(world: &World, dev: &CudaDevice) -> Result<Self, TrainError> {
+    pub fn init(world: &World, dev: &CudaDevice) -> Result<Self, DistError> {
         let ctx = dev.cuda_stream().context().clone();
         let ordinal = ctx.ordinal();
         let nerr = |op| {
-            move |e: result::NcclError| TrainError::Nccl {
+            move |e: result::NcclError| DistError::Nccl {
                 op,
                 ordinal,
                 message: format!("{e:?}"),
             }
         };
         let derr = |op| {
-            move |e: DriverError| TrainError::Nccl {
+            move |e: DriverError| DistError::Nccl {
                 op,
                 ordinal,
                 message: e.to_string(),
@@ -67,7 +67,7 @@ impl Nccl {
         world.broadcast("the NCCL unique id", 0, &mut bytes);
         let mut internal: [c_char; 128] = [0; 128];
         if bytes.len() != internal.len() {
-            return Err(TrainError::Nccl {
+            return Err(DistError::Nccl {
                 op: "the unique id's broadcast",
                 ordinal,
                 message: format!("{} bytes received, 128 expected", bytes.len()),
@@ -120,8 +120,8 @@ impl Nccl {
     }
 
     /// Waits until every all-reduce launched so far is done.
-    pub fn synchronize(&self) -> Result<(), TrainError> {
-        self.stream.synchronize().map_err(|e| TrainError::Nccl {
+    pub fn synchronize(&self) -> Result<(), DistError> {
+        self.stream.synchronize().map_err(|e| DistError::Nccl {
             op: "stream synchronize",
             ordinal: self.ordinal,
             message: e.to_string(),
