@@ -20,12 +20,17 @@ fn s(p: &Path) -> String {
 /// A 4-step run on tests/fixtures/tiny-llama (f32) with checkpoints at 2 and 4; lr 1e-2 moves B
 /// well away from its zero init.
 fn train_tiny(run: &Path) {
+    train_tiny_on(run, "tests/fixtures/tiny-llama");
+}
+
+/// [`train_tiny`] on the base at `model` (a path relative to the repository root, or absolute).
+fn train_tiny_on(run: &Path, model: &str) {
     let o = rtune(&[
         "train",
         "--config",
         "configs/smoke.toml",
         "--set",
-        "model.path=tests/fixtures/tiny-llama",
+        &format!("model.path={model}"),
         "--set",
         "train.steps=4",
         "--set",
@@ -569,4 +574,202 @@ fn bad_input_exits_2_with_the_reason() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("lora_A"), "{}", stderr(&o));
     assert!(!PathBuf::from(out("x.gguf")).exists());
+}
+
+/// Every file under `dir` (recursively) with its bytes: what must be unchanged after a refusal.
+/// The run's lock file is left out: each export takes the lock, and writes its pid there.
+fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if e.file_name() == rtune_fsio::LOCK_FILE {
+            continue;
+        }
+        if e.file_type().unwrap().is_dir() {
+            v.extend(snapshot(&p));
+        } else {
+            v.push((p.clone(), std::fs::read(&p).unwrap()));
+        }
+    }
+    v.sort();
+    v
+}
+
+/// Issue 35, a hostile trial: `--out RUN/adapter_model.safetensors --force` replaced the trained
+/// adapter with a GGUF file, and `--out MODEL/config.json` (or a weight file of the base) the
+/// base's file. Any `--out` inside (or equal to) the run or the base model directory, reached
+/// directly, through `..` or through a symlink, is refused in every format, with or without
+/// --force: exit 2, one line naming the path, nothing written. `--force` still replaces a file an
+/// earlier export wrote, but not a symlink to a file elsewhere.
+#[test]
+fn export_never_writes_into_the_run_or_the_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A copy of the base: a bug here must not damage the repository's fixture.
+    let base = tmp.path().join("models/base");
+    std::fs::create_dir_all(&base).unwrap();
+    for e in std::fs::read_dir(fixture("fixtures/tiny-llama")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), base.join(e.file_name())).unwrap();
+    }
+    let run = tmp.path().join("run");
+    train_tiny_on(&run, &s(&base));
+    std::os::unix::fs::symlink(&run, tmp.path().join("run-link")).unwrap();
+    let (run_before, base_before) = (snapshot(&run), snapshot(&base));
+    let targets = [
+        run.join("adapter_model.safetensors"),
+        run.join("adapter_config.json"),
+        run.join("checkpoint-2/adapter_model.safetensors"),
+        run.join("new/sub/lora.gguf"),
+        run.join("export"),
+        base.join("config.json"),
+        base.join("model.safetensors"),
+        base.join("merged"),
+        tmp.path().join("run-link/adapter_model.safetensors"),
+        tmp.path().join("models/other/../base/config.json"),
+        tmp.path().join("nope/../run/summary.json"),
+    ];
+    let r = s(&run);
+    for format in ["gguf-lora", "peft", "merged"] {
+        for out in &targets {
+            for force in [true, false] {
+                let mut args = vec!["--run", &r, "--format", format];
+                let o_s = s(out);
+                args.extend(["--out", &o_s]);
+                if force {
+                    args.push("--force");
+                }
+                let o = export(&args);
+                let e = stderr(&o);
+                assert_eq!(o.status.code(), Some(2), "{format} {out:?} {force}: {e}");
+                assert_eq!(e.trim().lines().count(), 1, "one line: {e}");
+                assert!(
+                    e.contains(&o_s) && (e.contains("is inside") || e.contains("holds one")),
+                    "{format} {out:?}: {e}"
+                );
+            }
+        }
+    }
+    assert!(snapshot(&run) == run_before, "the run changed");
+    assert!(snapshot(&base) == base_before, "the base changed");
+    assert!(!tmp.path().join("nope").exists() && !tmp.path().join("models/other").exists());
+
+    // --force replaces a file an earlier export wrote ...
+    let gguf = tmp.path().join("lora.gguf");
+    let gguf_s = s(&gguf);
+    let args = ["--run", &r, "--format", "gguf-lora", "--out", &gguf_s];
+    let o = export(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = export(&[&args[..], &["--force"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    // ... but neither a symlink to a file elsewhere nor a directory.
+    let mine = tmp.path().join("mine.txt");
+    std::fs::write(&mine, "mine").unwrap();
+    let link = tmp.path().join("link.gguf");
+    std::os::unix::fs::symlink(&mine, &link).unwrap();
+    let dir = tmp.path().join("dir.gguf");
+    std::fs::create_dir(&dir).unwrap();
+    for out in [&link, &dir] {
+        let o = export(&[
+            "--run",
+            &r,
+            "--format",
+            "gguf-lora",
+            "--out",
+            &s(out),
+            "--force",
+        ]);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{out:?}: {e}");
+        assert!(e.contains("not a file of its own"), "{e}");
+    }
+    assert_eq!(std::fs::read_to_string(&mine).unwrap(), "mine");
+    assert!(link.is_symlink() && dir.is_dir());
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+}
+
+/// Issue 35: export checked a checkpoint against its manifest.json only when there was one, and
+/// the final adapter against nothing, so a flipped byte was exported silently. The final adapter
+/// is checked against the hashes run.json recorded when the run completed, a checkpoint against
+/// its manifest (required): a mismatch, a missing manifest or missing hashes exit 2 with one line
+/// naming the file, and nothing is written.
+#[test]
+fn export_refuses_an_adapter_it_cannot_verify() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    train_tiny(&run);
+    let out = tmp.path().join("out");
+    let refused = |args: &[&str], want: &[&str]| {
+        let mut a = args.to_vec();
+        let o_s = s(&out);
+        a.extend(["--out", &o_s]);
+        let o = export(&a);
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {e}");
+        assert_eq!(e.trim().lines().count(), 1, "one line: {e}");
+        for w in want {
+            assert!(e.contains(w), "{args:?}: no `{w}` in {e}");
+        }
+        assert!(!out.exists(), "{args:?}: nothing written");
+    };
+    let flip = |p: &Path| {
+        let mut b = std::fs::read(p).unwrap();
+        let n = b.len();
+        b[n / 2] ^= 0x10;
+        std::fs::write(p, b).unwrap();
+    };
+    let r = s(&run);
+    let weights = run.join("adapter_model.safetensors");
+    let good = std::fs::read(&weights).unwrap();
+
+    // The run recorded its final adapter's hashes.
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(run.join("run.json")).unwrap()).unwrap();
+    let files = record["adapter_files"].as_array().unwrap();
+    assert_eq!(files.len(), 2, "{files:?}");
+
+    // A flipped byte in the final adapter: refused in every format.
+    flip(&weights);
+    for format in ["peft", "merged", "gguf-lora"] {
+        refused(
+            &["--run", &r, "--format", format],
+            &[&s(&weights), "run.json"],
+        );
+    }
+    std::fs::write(&weights, &good).unwrap();
+    // So is a changed adapter_config.json.
+    let cfg = run.join("adapter_config.json");
+    let cfg_good = std::fs::read(&cfg).unwrap();
+    std::fs::write(&cfg, [&cfg_good[..], b" "].concat()).unwrap();
+    refused(&["--run", &r, "--format", "peft"], &[&s(&cfg), "run.json"]);
+    std::fs::write(&cfg, &cfg_good).unwrap();
+
+    // A run.json without the hashes (an older rtune's): refused, saying what to do.
+    let mut old = record.clone();
+    old.as_object_mut().unwrap().remove("adapter_files");
+    std::fs::write(run.join("run.json"), old.to_string()).unwrap();
+    refused(
+        &["--run", &r, "--format", "peft"],
+        &["run.json", "records no SHA-256", "--checkpoint N"],
+    );
+    std::fs::write(run.join("run.json"), record.to_string()).unwrap();
+
+    // A checkpoint without its manifest: refused, asked for or given as --run.
+    let ck = run.join("checkpoint-2");
+    std::fs::remove_file(ck.join("manifest.json")).unwrap();
+    refused(
+        &["--run", &r, "--format", "peft", "--checkpoint", "2"],
+        &[&s(&ck.join("manifest.json"))],
+    );
+    refused(
+        &["--run", &s(&ck), "--format", "peft"],
+        &[&s(&ck.join("manifest.json"))],
+    );
+
+    // With everything back in place the export goes through.
+    let o = export(&["--run", &r, "--format", "peft", "--out", &s(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
+        good
+    );
 }

@@ -151,6 +151,7 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
     let src = RunSource::open(&opts.run, opts.checkpoint, opts.base.as_deref())?;
     let file_output = opts.format == Format::GgufLora;
     out::check_destination(&opts.out, opts.force, file_output, &src.protected())?;
+    src.verify()?;
     let mut warnings = src.warnings.clone();
     let files = match opts.format {
         Format::Peft => {

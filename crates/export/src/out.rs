@@ -1,7 +1,10 @@
 //! The destination of an export: checked before anything is read, built beside itself in
 //! `.NAME.tmp-PID/` and renamed into place, so a crash leaves no directory that looks complete.
-//! `--force` replaces only an earlier export (a directory holding nothing but the files exports
-//! write), never the run, the adapter or the base, nor a directory of other files.
+//! Nothing is ever written inside (or onto) the run directory, the adapter or the base model
+//! directory, whatever the format and with or without `--force` (paths resolved through symlinks
+//! and `..`). `--force` replaces only an earlier export: a directory holding nothing but the files
+//! exports write, or for a file output a plain file (not a directory, not a symlink) — never a
+//! directory of other files.
 
 use std::path::{Path, PathBuf};
 
@@ -39,17 +42,43 @@ fn looks_like_export(dir: &Path) -> bool {
     })
 }
 
+/// `p` made absolute with every symlink and `..` resolved: its longest existing ancestor
+/// canonicalized, the components that do not exist yet appended (`..` among them taken
+/// lexically: they will be plain directories once created).
 fn absolute(p: &Path) -> PathBuf {
     if let Ok(c) = p.canonicalize() {
         return c;
     }
-    let parent = p
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    match (parent.canonicalize(), p.file_name()) {
-        (Ok(d), Some(n)) => d.join(n),
-        _ => p.to_path_buf(),
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        match std::env::current_dir() {
+            Ok(d) => d.join(p),
+            Err(_) => return p.to_path_buf(),
+        }
+    };
+    let mut rest = Vec::new();
+    let mut at = p.as_path();
+    loop {
+        if let Ok(mut c) = at.canonicalize() {
+            for comp in rest.iter().rev() {
+                match comp {
+                    std::path::Component::ParentDir => {
+                        c.pop();
+                    }
+                    std::path::Component::Normal(n) => c.push(n),
+                    _ => {}
+                }
+            }
+            return c;
+        }
+        match (at.parent(), at.components().next_back()) {
+            (Some(parent), Some(last)) => {
+                rest.push(last);
+                at = parent;
+            }
+            _ => return p.clone(),
+        }
     }
 }
 
@@ -74,19 +103,30 @@ pub(crate) fn check_destination(
             "is the run, its adapter or the base model (or holds one of them); choose another --out",
         ));
     }
-    if !out.exists() {
-        return Ok(());
+    if let Some(p) = protected.iter().find(|p| abs.starts_with(p)) {
+        return Err(ExportError::input(
+            out,
+            format!(
+                "is inside {} (the run, its adapter or the base model), which an export never \
+                 writes into, even with --force; choose another --out",
+                p.display()
+            ),
+        ));
     }
+    let Ok(meta) = std::fs::symlink_metadata(out) else {
+        return Ok(());
+    };
     if !force {
         return Err(ExportError::Exists {
             path: out.to_path_buf(),
         });
     }
     if file_output {
-        if !out.is_file() {
+        if !meta.file_type().is_file() {
             return Err(ExportError::input(
                 out,
-                "exists and is not a file; --out names the .gguf file to write",
+                "exists and is not a file of its own (a directory or a symlink); --force \
+                 replaces only a file an earlier export wrote; --out names the .gguf file",
             ));
         }
     } else if !out.is_dir() {

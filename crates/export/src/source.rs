@@ -7,11 +7,15 @@
 //! recorded — so an export never silently merges into a different model. `--base DIR` overrides
 //! the search (a differing config.json is then reported as a warning). A directory without
 //! `run.json` (a bare PEFT adapter) takes its base from `adapter_config.json`.
+//!
+//! [`RunSource::verify`] checks the adapter's files before anything is exported: a checkpoint's
+//! against its `manifest.json`, a run's final adapter against the `adapter_files` hashes run.json
+//! records when the run completes. Either record missing is a refusal, not a skipped check.
 
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
-use rtune_fsio::{sha256_bytes, sha256_file, Privacy};
+use rtune_fsio::{sha256_file, Privacy};
 use rtune_lora::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
 use crate::{ExportError, Result};
@@ -26,6 +30,17 @@ struct RecordView {
     model_files: Vec<FileHashView>,
     #[serde(default)]
     config: serde_json::Value,
+    /// The final adapter's files as the run hashed them on completing (absent before).
+    #[serde(default)]
+    adapter_files: Vec<ManifestFile>,
+}
+
+/// A file with its size and SHA-256, as run.json's `adapter_files` lists it.
+#[derive(Debug, Clone, Deserialize)]
+struct ManifestFile {
+    path: String,
+    bytes: u64,
+    sha256: String,
 }
 
 #[derive(Debug, Deserialize)]
@@ -34,12 +49,12 @@ struct FileHashView {
     sha256: String,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct ManifestView {
     files: std::collections::BTreeMap<String, ManifestEntry>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct ManifestEntry {
     bytes: u64,
     sha256: String,
@@ -63,6 +78,21 @@ pub struct RunSource {
     pub trained_nf4: Option<bool>,
     /// Where the recorded base was looked for, and why each place was not taken.
     tried: Vec<String>,
+    /// What the adapter's files are checked against before anything is exported.
+    check: Check,
+    /// The run directory above `run` when `run` is one of its `checkpoint-N` directories.
+    run_above: Option<PathBuf>,
+}
+
+/// What [`RunSource::verify`] checks the adapter's files against.
+#[derive(Debug, Clone)]
+enum Check {
+    /// A checkpoint (or any directory with a manifest.json): its manifest, required.
+    Manifest,
+    /// A run's final adapter: the hashes run.json recorded when the run completed (none: refused).
+    Recorded(Vec<ManifestFile>),
+    /// A bare PEFT adapter directory, no run around it: nothing to check against.
+    Nothing,
 }
 
 /// Steps of the `checkpoint-N` directories in `run`, ascending.
@@ -92,27 +122,66 @@ fn list(steps: &[usize]) -> String {
     }
 }
 
-/// Checks a checkpoint's adapter files against its manifest.json (written by the trainer).
+/// Checks `dir/name` has the size and SHA-256 recorded in `source` (`manifest.json`, `run.json`).
+fn check_file(dir: &Path, name: &str, bytes: u64, sha256: &str, source: &str) -> Result<()> {
+    let path = dir.join(name);
+    let len = std::fs::metadata(&path)
+        .map_err(|e| ExportError::input(&path, format!("cannot read: {e}")))?
+        .len();
+    if len != bytes || sha256_file(&path)? != sha256 {
+        return Err(ExportError::input(
+            &path,
+            format!(
+                "does not match its size or SHA-256 in {source} (corrupt or changed since \
+                 training); not exported"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a checkpoint's adapter files against its manifest.json (written by the trainer): the
+/// manifest and an entry for each file are required.
 fn verify_manifest(dir: &Path) -> Result<()> {
     let path = dir.join("manifest.json");
-    let Ok(text) = std::fs::read(&path) else {
-        return Ok(()); // an adapter directory without a manifest: nothing to check against
-    };
+    let text = std::fs::read(&path).map_err(|e| {
+        ExportError::input(
+            &path,
+            format!(
+                "cannot read ({e}): the checkpoint's files cannot be verified, so it is not \
+                 exported; export another one with --checkpoint N"
+            ),
+        )
+    })?;
     let m: ManifestView = serde_json::from_slice(&text)
         .map_err(|e| ExportError::input(&path, format!("not a checkpoint manifest: {e}")))?;
     for f in [ADAPTER_WEIGHTS, ADAPTER_CONFIG] {
-        let Some(entry) = m.files.get(f) else {
-            continue;
-        };
-        let bytes = std::fs::read(dir.join(f))
-            .map_err(|e| ExportError::input(&dir.join(f), format!("cannot read: {e}")))?;
-        if bytes.len() as u64 != entry.bytes || sha256_bytes(&bytes) != entry.sha256 {
+        let entry = m.files.get(f).ok_or_else(|| {
+            ExportError::input(
+                &path,
+                format!("lists no {f}: the checkpoint cannot be verified, so it is not exported"),
+            )
+        })?;
+        check_file(dir, f, entry.bytes, &entry.sha256, "manifest.json")?;
+    }
+    Ok(())
+}
+
+/// Checks a run's final adapter against the hashes run.json recorded when the run completed.
+fn verify_recorded(run: &Path, adapter: &Path, files: &[ManifestFile]) -> Result<()> {
+    for f in [ADAPTER_WEIGHTS, ADAPTER_CONFIG] {
+        let Some(entry) = files.iter().find(|e| e.path == f) else {
             return Err(ExportError::input(
-                &dir.join(f),
-                "does not match its size or checksum in manifest.json (corrupt checkpoint); \
-                 export another one with --checkpoint N",
+                &run.join(RUN_JSON),
+                format!(
+                    "records no SHA-256 for the final {f} (written by an older rtune, or the run's \
+                     end was not recorded), so it cannot be verified and is not exported; export a \
+                     checkpoint with --checkpoint N, or copy {ADAPTER_WEIGHTS} and {ADAPTER_CONFIG} \
+                     into a directory of their own and export that"
+                ),
             ));
-        }
+        };
+        check_file(adapter, f, entry.bytes, &entry.sha256, "run.json")?;
     }
     Ok(())
 }
@@ -195,9 +264,9 @@ impl RunSource {
             };
             return Err(ExportError::input(&adapter, message));
         }
-        verify_manifest(&adapter)?;
         // run.json: in the run dir, or above a checkpoint dir given as --run.
         let mut record = read_record(&run.join(RUN_JSON))?;
+        let mut run_above = None;
         if record.is_none()
             && run
                 .file_name()
@@ -205,8 +274,20 @@ impl RunSource {
         {
             if let Some(parent) = run.parent() {
                 record = read_record(&parent.join(RUN_JSON))?;
+                run_above = record.as_ref().map(|_| parent.to_path_buf());
             }
         }
+        let check = if checkpoint.is_some()
+            || run_above.is_some()
+            || adapter.join("manifest.json").exists()
+        {
+            Check::Manifest
+        } else {
+            match &record {
+                Some(r) => Check::Recorded(r.adapter_files.clone()),
+                None => Check::Nothing,
+            }
+        };
         if let Some(n) = checkpoint {
             refuse_residual_checkpoint(record.as_ref(), &adapter, n)?;
         }
@@ -258,6 +339,8 @@ impl RunSource {
             hub_id,
             trained_nf4,
             tried: Vec::new(),
+            check,
+            run_above,
         };
         match base {
             Some(b) => {
@@ -355,19 +438,37 @@ impl RunSource {
         rec
     }
 
-    /// Paths an export must never overwrite: the run, the adapter, the base.
+    /// Checks every adapter file the export reads: a checkpoint's against its manifest.json
+    /// (required), a run's final adapter against the hashes in run.json (required); only a bare
+    /// PEFT adapter directory, with no run around it, has nothing to check against.
+    pub fn verify(&self) -> Result<()> {
+        match &self.check {
+            Check::Manifest => verify_manifest(&self.adapter),
+            Check::Recorded(files) => verify_recorded(&self.run, &self.adapter, files),
+            Check::Nothing => Ok(()),
+        }
+    }
+
+    /// Paths an export must never write into: the run (and the run above a checkpoint given as
+    /// `--run`), the adapter, the base.
     pub fn protected(&self) -> Vec<PathBuf> {
-        [Some(&self.run), Some(&self.adapter), self.base.as_ref()]
-            .into_iter()
-            .flatten()
-            .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone()))
-            .collect()
+        [
+            Some(&self.run),
+            self.run_above.as_ref(),
+            Some(&self.adapter),
+            self.base.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone()))
+        .collect()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rtune_fsio::sha256_bytes;
 
     #[test]
     fn hub_ids_and_paths() {

@@ -52,6 +52,12 @@ pub struct RunRecord {
     /// latest attempt. Absent for a single process.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world: Option<WorldRecord>,
+    /// The final adapter's files (`adapter_model.safetensors`, `adapter_config.json`, paths
+    /// relative to the run directory), hashed when an attempt completes: what `rtune export`
+    /// checks the final adapter against (a checkpoint has its own manifest.json). Absent until
+    /// the run has completed, and in records written before it was recorded.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapter_files: Vec<FileHash>,
 }
 
 /// The ranks of a data-parallel attempt.
@@ -202,6 +208,7 @@ impl RunRecord {
             hardware: hardware("cpu"),
             attempts: vec![attempt],
             world: None,
+            adapter_files: Vec::new(),
         })
     }
 
@@ -219,6 +226,7 @@ impl RunRecord {
             hardware: hardware("cpu"),
             attempts: Vec::new(),
             world: None,
+            adapter_files: Vec::new(),
         }
     }
 
@@ -230,6 +238,19 @@ impl RunRecord {
                 ranks: ranks.to_vec(),
             });
         }
+    }
+
+    /// Hashes the final adapter's files in `dir` into [`RunRecord::adapter_files`].
+    pub fn record_adapter(&mut self, dir: &Path) -> Result<(), TrainError> {
+        self.adapter_files = [rtune_lora::ADAPTER_WEIGHTS, rtune_lora::ADAPTER_CONFIG]
+            .into_iter()
+            .map(|f| {
+                let mut h = hash(&dir.join(f))?;
+                h.path = f.to_string();
+                Ok(h)
+            })
+            .collect::<Result<_, TrainError>>()?;
+        Ok(())
     }
 
     pub fn end(&mut self, status: &str, steps_done: usize) {

@@ -264,8 +264,15 @@ impl<'a> Trainer<'a> {
             Err(e) => format!("failed: {e}"),
         };
         record.end(&status, self.state.step);
+        // The final adapter's hashes, for `rtune export` to check it against. Best effort as the
+        // record is: without them export refuses the final adapter and says why.
+        let mut hashed = Ok(());
+        if matches!(result, Ok(Outcome::Completed(_))) && self.dist.world.is_root() {
+            hashed = record.record_adapter(&self.files.dir);
+        }
         let written = self.files.record(&record);
         let outcome = result?;
+        hashed?;
         written?;
         Ok(outcome)
     }
