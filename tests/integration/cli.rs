@@ -424,7 +424,8 @@ fn non_finite_steps_are_skipped_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let (cfg, g) = golden_run(tmp.path(), 2, 1);
     let cfg = path_str(&cfg);
-    let sets = ["--set", "train.steps=5", "--set", "train.max_bad_steps=2"];
+    // Two bad steps in a row are skipped; the third stops the run (max_bad_steps = 3).
+    let sets = ["--set", "train.steps=5", "--set", "train.max_bad_steps=3"];
     let mut args = vec!["train", "--config", cfg.as_str()];
     args.extend(sets);
     let o = rtune_env(&args, &[("RTUNE_FAULT_NAN_STEPS", "3,4")]);
@@ -460,7 +461,7 @@ fn non_finite_steps_are_skipped_exactly() {
         assert!(e <= 1e-4, "{k}: rel err {e:e}");
     }
 
-    // One more bad step in a row than allowed stops the run, and no adapter is written.
+    // max_bad_steps bad steps in a row stop the run at the last of them, and no adapter is written.
     let mut args = vec![
         "train",
         "--config",
