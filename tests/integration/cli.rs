@@ -523,3 +523,45 @@ fn f16_loss_scaling_survives_overflow() {
         first_ok
     );
 }
+
+/// Issue 35: a flag value out of range or unreadable is a usage error — exit 2, one `error:` line
+/// naming the flag and what it accepts — found before anything is resolved or written (it was
+/// exit 1, and `--budget` was read only after the config and the model).
+#[test]
+fn bad_flag_values_exit_2_naming_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("logits.safetensors");
+    let dump = path_str(&dump);
+    let gen = [
+        "generate",
+        "--model",
+        "tests/fixtures/tiny-llama",
+        "--prompt",
+        "hi",
+    ];
+    let est = ["estimate", "--config", "configs/smoke.toml"];
+    for (args, needles) in [
+        (&gen[..], &["--top-p", "7", "(0, 1]"][..]),
+        (&gen[..], &["--top-p", "0", "(0, 1]"][..]),
+        (&gen[..], &["--temperature", "-1", "≥ 0"][..]),
+        (&est[..], &["--budget", "abc", "24GiB"][..]),
+        (&est[..], &["--budget", "0", "at least 1 byte"][..]),
+        (&["bench"][..], &["--preset", "huge", "bench-small"][..]),
+    ] {
+        let mut a = args.to_vec();
+        a.extend(&needles[..2]);
+        if a[0] == "generate" {
+            a.extend(["--dump-logits", dump.as_str()]);
+        }
+        let o = rtune(&a);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{a:?}: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{a:?}: {err}");
+        for n in needles {
+            assert!(lines[0].contains(n), "{a:?}: `{n}` not in: {}", lines[0]);
+        }
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!tmp.path().join("logits.safetensors").exists());
+    }
+}
