@@ -565,3 +565,16 @@ fn bad_flag_values_exit_2_naming_the_flag() {
         assert!(!tmp.path().join("logits.safetensors").exists());
     }
 }
+
+/// Issue 35: the OS error of a missing config was printed twice (in the message and again as its
+/// source); the `error:` line holds it once.
+#[test]
+fn missing_config_prints_the_os_error_once() {
+    let o = rtune(&["train", "--config", "tests/no-such-config.toml"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].contains("no-such-config.toml"), "{err}");
+    assert_eq!(lines[0].matches("(os error 2)").count(), 1, "{err}");
+}
