@@ -131,10 +131,29 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", one_line(&e));
             ExitCode::from(exit_code(&e))
         }
     }
+}
+
+/// The error and its causes on one line, `: ` between them, as `{e:#}` prints them but without a
+/// cause whose text the line already holds: the libraries' errors print their source in their own
+/// message (`{path}: {op}: {source}`, so that `to_string()` alone is complete) and also return it
+/// as `source()`, which printed the OS error twice (issue 35).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -175,5 +194,28 @@ fn exit_code(e: &anyhow::Error) -> u8 {
         2
     } else {
         1
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Issue 35: an error whose message holds its source's text printed that text twice.
+    #[test]
+    fn one_line_prints_each_cause_once() {
+        let os = std::io::Error::from_raw_os_error(2);
+        let e = rtune_config::ConfigError::Read {
+            path: "x.toml".into(),
+            source: os,
+        };
+        let e = anyhow::Error::from(e);
+        let line = super::one_line(&e);
+        assert_eq!(line.matches("(os error 2)").count(), 1, "{line}");
+        assert!(line.starts_with("x.toml: cannot read config: "), "{line}");
+        // Causes not in the message are still printed, after it.
+        let e =
+            anyhow::Error::from(std::io::Error::from_raw_os_error(2)).context("model.safetensors");
+        let line = super::one_line(&e);
+        assert!(line.starts_with("model.safetensors: "), "{line}");
+        assert!(line.ends_with("(os error 2)"), "{line}");
     }
 }

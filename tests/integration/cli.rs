@@ -424,7 +424,8 @@ fn non_finite_steps_are_skipped_exactly() {
     let tmp = tempfile::tempdir().unwrap();
     let (cfg, g) = golden_run(tmp.path(), 2, 1);
     let cfg = path_str(&cfg);
-    let sets = ["--set", "train.steps=5", "--set", "train.max_bad_steps=2"];
+    // Two bad steps in a row are skipped; the third stops the run (max_bad_steps = 3).
+    let sets = ["--set", "train.steps=5", "--set", "train.max_bad_steps=3"];
     let mut args = vec!["train", "--config", cfg.as_str()];
     args.extend(sets);
     let o = rtune_env(&args, &[("RTUNE_FAULT_NAN_STEPS", "3,4")]);
@@ -460,7 +461,7 @@ fn non_finite_steps_are_skipped_exactly() {
         assert!(e <= 1e-4, "{k}: rel err {e:e}");
     }
 
-    // One more bad step in a row than allowed stops the run, and no adapter is written.
+    // max_bad_steps bad steps in a row stop the run at the last of them, and no adapter is written.
     let mut args = vec![
         "train",
         "--config",
@@ -521,4 +522,59 @@ fn f16_loss_scaling_survives_overflow() {
         summary["skipped_steps"].as_u64().unwrap() as usize,
         first_ok
     );
+}
+
+/// Issue 35: a flag value out of range or unreadable is a usage error — exit 2, one `error:` line
+/// naming the flag and what it accepts — found before anything is resolved or written (it was
+/// exit 1, and `--budget` was read only after the config and the model).
+#[test]
+fn bad_flag_values_exit_2_naming_the_flag() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dump = tmp.path().join("logits.safetensors");
+    let dump = path_str(&dump);
+    let gen = [
+        "generate",
+        "--model",
+        "tests/fixtures/tiny-llama",
+        "--prompt",
+        "hi",
+    ];
+    let est = ["estimate", "--config", "configs/smoke.toml"];
+    for (args, needles) in [
+        (&gen[..], &["--top-p", "7", "(0, 1]"][..]),
+        (&gen[..], &["--top-p", "0", "(0, 1]"][..]),
+        (&gen[..], &["--temperature", "-1", "≥ 0"][..]),
+        (&est[..], &["--budget", "abc", "24GiB"][..]),
+        (&est[..], &["--budget", "0", "at least 1 byte"][..]),
+        (&["bench"][..], &["--preset", "huge", "bench-small"][..]),
+    ] {
+        let mut a = args.to_vec();
+        a.extend(&needles[..2]);
+        if a[0] == "generate" {
+            a.extend(["--dump-logits", dump.as_str()]);
+        }
+        let o = rtune(&a);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{a:?}: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{a:?}: {err}");
+        for n in needles {
+            assert!(lines[0].contains(n), "{a:?}: `{n}` not in: {}", lines[0]);
+        }
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!tmp.path().join("logits.safetensors").exists());
+    }
+}
+
+/// Issue 35: the OS error of a missing config was printed twice (in the message and again as its
+/// source); the `error:` line holds it once.
+#[test]
+fn missing_config_prints_the_os_error_once() {
+    let o = rtune(&["train", "--config", "tests/no-such-config.toml"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(lines[0].contains("no-such-config.toml"), "{err}");
+    assert_eq!(lines[0].matches("(os error 2)").count(), 1, "{err}");
 }

@@ -9,7 +9,7 @@ use rtune_diag::bench::BenchOptions;
 pub struct BenchArgs {
     /// The shape: bench-small (h512 L8 H8/2 I1376 V32000, seq 512, batch 4) or llama3-8b (h4096
     /// L32 H32/8 I14336 V128256, seq 2048, batch 1). The flags below override its values.
-    #[arg(long, default_value = "bench-small")]
+    #[arg(long, default_value = "bench-small", value_parser = parse_preset)]
     preset: String,
     #[arg(long, default_value_t = 10)]
     steps: usize,
@@ -55,6 +55,14 @@ pub struct BenchArgs {
     /// Also write the result as JSON to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
+}
+
+/// `--preset`: a shape `BenchOptions::preset` knows; checked by clap (a usage error, exit 2).
+fn parse_preset(s: &str) -> std::result::Result<String, String> {
+    match BenchOptions::preset(s) {
+        Some(_) => Ok(s.to_string()),
+        None => Err(format!("`{s}`: one of bench-small, llama3-8b")),
+    }
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {

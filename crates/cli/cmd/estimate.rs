@@ -24,8 +24,8 @@ pub struct EstimateArgs {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     set: Vec<String>,
     /// Memory to fit in, e.g. 24GiB, 16GB, 512MiB (default: the available RAM, MemAvailable).
-    #[arg(long)]
-    budget: Option<String>,
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    budget: Option<u64>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -59,7 +59,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     crate::resolve::resolve_model(&mut cfg)?;
     let (model, s) = settings(&cfg, a.data)?;
     let (budget, source) = match &a.budget {
-        Some(b) => (parse_bytes(b)?, "--budget"),
+        Some(b) => (*b, "--budget"),
         None => match cfg.train.device {
             #[cfg(feature = "cuda")]
             rtune_config::Device::Cuda(n) => (
@@ -220,8 +220,9 @@ fn print_table(
     );
 }
 
-/// `24GiB`, `16GB`, `512MiB`, `2G` (binary), `1000000` (bytes).
-fn parse_bytes(text: &str) -> Result<u64> {
+/// `24GiB`, `16GB`, `512MiB`, `2G` (binary), `1000000` (bytes). Checked by clap, so a bad value
+/// is a usage error (exit 2) before the config is read or a model resolved into the cache.
+fn parse_bytes(text: &str) -> std::result::Result<u64, String> {
     let t = text.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -229,7 +230,7 @@ fn parse_bytes(text: &str) -> Result<u64> {
     let (num, unit) = t.split_at(split);
     let n: f64 = num
         .parse()
-        .with_context(|| format!("--budget {text}: expected a size like 24GiB"))?;
+        .map_err(|_| format!("`{text}`: expected a size like 24GiB, 16GB or 512MiB"))?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kib" => 1024.0,
@@ -241,10 +242,16 @@ fn parse_bytes(text: &str) -> Result<u64> {
         "t" | "tib" => 1024f64.powi(4),
         "tb" => 1e12,
         other => {
-            bail!("--budget {text}: unknown unit `{other}` (use B, KB/KiB, MB/MiB, GB/GiB, TB/TiB)")
+            return Err(format!(
+                "`{text}`: unknown unit `{other}` (use B, KB/KiB, MB/MiB, GB/GiB, TB/TiB)"
+            ))
         }
     };
-    Ok((n * mult) as u64)
+    let bytes = (n * mult) as u64;
+    if bytes == 0 {
+        return Err(format!("`{text}`: must be at least 1 byte"));
+    }
+    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! `rtune generate`: continue a prompt (or hold a chat on stdin) with a model and optionally a
 //! PEFT adapter (see `rtune_train::generate`).
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use std::path::PathBuf;
 
 use rtune_train::generate::GenerateOptions;
@@ -27,9 +27,10 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// 0 = greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = parse_temperature, allow_negative_numbers = true)]
     temperature: f64,
-    #[arg(long, default_value_t = 1.0)]
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P, in (0, 1].
+    #[arg(long, default_value_t = 1.0, value_parser = parse_top_p)]
     top_p: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -39,6 +40,23 @@ pub struct GenerateArgs {
     /// Base weights as trained: `nf4` (or `nf4-dq`) for a QLoRA adapter.
     #[arg(long, default_value = "none")]
     quantize: rtune_model::Quantize,
+}
+
+/// `--top-p`: a number in (0, 1]. Checked by clap, so a bad value is a usage error (exit 2)
+/// before the model is resolved or anything written.
+fn parse_top_p(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("`{s}`: must be a number in (0, 1]")),
+    }
+}
+
+/// `--temperature`: a finite number ≥ 0 (0 = greedy).
+fn parse_temperature(s: &str) -> std::result::Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("`{s}`: must be a finite number ≥ 0 (0 = greedy)")),
+    }
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -55,9 +73,6 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         dump_logits,
         quantize,
     } = a;
-    if !(0.0..=1.0).contains(&top_p) || top_p == 0.0 {
-        bail!("--top-p must be in (0, 1], got {top_p}");
-    }
     let opt = GenerateOptions {
         max_new_tokens,
         temperature,

@@ -406,6 +406,21 @@ fn apply_override(table: &mut toml::Table, set: &str) -> Result<()> {
         set: set.to_string(),
         message: message.to_string(),
     };
+    // A line break would end the TOML value below early and drop the rest silently (issue 35);
+    // the message names the key only, so that it stays one line.
+    if set.contains(['\n', '\r']) {
+        let key = set
+            .split(['=', '\n', '\r'])
+            .next()
+            .unwrap_or_default()
+            .trim();
+        return Err(ConfigError::Override {
+            set: key.to_string(),
+            message: "the value contains a line break; give it on one line (in a TOML string, \
+                      write a newline as \\n)"
+                .into(),
+        });
+    }
     let (key, raw) = set
         .split_once('=')
         .ok_or_else(|| err("expected section.key=value"))?;
@@ -492,5 +507,26 @@ mod tests {
             typo.to_string(),
             "--set train.stpes=1: unknown key `train.stpes` (did you mean `steps`?)"
         );
+    }
+
+    /// Issue 35: `--set 'train.lr=1e-3\nsteps=9'` parsed as two TOML lines, kept the first and
+    /// dropped the rest without a word. A line break anywhere is refused, naming the key on one line.
+    #[test]
+    fn override_with_a_line_break_is_refused() {
+        for set in [
+            "train.lr=1e-3\nsteps=9",
+            "output.dir=runs/x\r\n",
+            "train.eval_prompts=[\"a\",\n\"b\"]",
+        ] {
+            let e = ConfigFile::parse(MIN, Path::new("x.toml"), &[set.into()])
+                .unwrap_err()
+                .to_string();
+            let key = set.split('=').next().unwrap();
+            assert!(e.starts_with(&format!("--set {key}: ")), "{e}");
+            assert!(
+                e.contains("line break") && !e.contains(['\n', '\r']),
+                "{e:?}"
+            );
+        }
     }
 }

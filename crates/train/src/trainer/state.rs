@@ -82,8 +82,8 @@ impl RunState {
 
     /// Books what the optimizer did with step `self.step + 1`, computed at `loss_scale`: a clean
     /// update ends a streak of bad steps; an f16 overflow halves the scale and is retried, as torch's
-    /// GradScaler does; a NaN/Inf loss or gradient is skipped, and more than `max_bad_steps` of them
-    /// in a row stop the run. Each skip is reported through `warn`.
+    /// GradScaler does; a NaN/Inf loss or gradient is skipped, and the `max_bad_steps`-th of them in
+    /// a row stops the run (0 counts as 1: the first bad step stops it). Each skip is reported through `warn`.
     pub fn count_update(
         &mut self,
         done: Applied,
@@ -116,7 +116,7 @@ impl RunState {
         } else {
             self.bad_in_a_row += 1;
             self.skipped_steps += 1;
-            if self.bad_in_a_row > max_bad_steps {
+            if self.bad_in_a_row >= max_bad_steps {
                 return Err(TrainError::NonFinite {
                     step,
                     loss,
@@ -126,7 +126,7 @@ impl RunState {
             }
             warn(format!(
                 "step {step}: loss {loss} / gradient norm {grad_norm} not finite; update skipped ({} in a row, \
-                 the run stops after {max_bad_steps})",
+                 the run stops at {max_bad_steps} in a row: [train] max_bad_steps)",
                 self.bad_in_a_row
             ));
         }
@@ -201,7 +201,7 @@ mod tests {
         assert_eq!(f32_run.scaler, None);
     }
 
-    /// More than `max_bad_steps` non-finite steps in a row stop the run; a clean one resets the streak.
+    /// `max_bad_steps` non-finite steps in a row stop the run; a clean one resets the streak.
     #[test]
     fn bad_steps_are_counted_then_stop_the_run() {
         let mut s = RunState::fresh(None);
@@ -215,16 +215,54 @@ mod tests {
         };
         let mut warnings = Vec::new();
         let mut warn = |w: String| warnings.push(w);
-        s.count_update(bad, f64::NAN, 1.0, 1, &mut warn).unwrap();
-        s.count_update(good, 2.0, 1.0, 1, &mut warn).unwrap();
-        s.count_update(bad, f64::NAN, 1.0, 1, &mut warn).unwrap();
+        s.count_update(bad, f64::NAN, 1.0, 2, &mut warn).unwrap();
+        s.count_update(good, 2.0, 1.0, 2, &mut warn).unwrap();
+        s.count_update(bad, f64::NAN, 1.0, 2, &mut warn).unwrap();
         let e = s
-            .count_update(bad, f64::NAN, 1.0, 1, &mut warn)
+            .count_update(bad, f64::NAN, 1.0, 2, &mut warn)
             .unwrap_err();
         assert!(
             matches!(e, TrainError::NonFinite { in_a_row: 2, .. }),
             "{e}"
         );
         assert_eq!((s.skipped_steps, warnings.len()), (3, 2));
+    }
+
+    /// Issue 35: `max_bad_steps = 5` stopped on the 6th bad step in a row; it stops on the 5th, as
+    /// the README says ("this many in a row stop the run"), and each earlier one warns with the limit.
+    #[test]
+    fn max_bad_steps_5_stops_on_the_5th_bad_step() {
+        let mut s = RunState::fresh(None);
+        let bad = Applied {
+            grad_norm: f64::NAN,
+            applied: false,
+        };
+        let mut warnings = Vec::new();
+        let mut warn = |w: String| warnings.push(w);
+        for _ in 0..4 {
+            s.count_update(bad, f64::NAN, 1.0, 5, &mut warn).unwrap();
+            s.step += 1;
+        }
+        let e = s
+            .count_update(bad, f64::NAN, 1.0, 5, &mut warn)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                TrainError::NonFinite {
+                    step: 5,
+                    in_a_row: 5,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("for 5 steps in a row"), "{e}");
+        assert_eq!(warnings.len(), 4);
+        assert!(
+            warnings[3].contains("4 in a row, the run stops at 5 in a row"),
+            "{}",
+            warnings[3]
+        );
     }
 }
