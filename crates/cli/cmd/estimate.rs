@@ -9,7 +9,7 @@
 //! peak is the single process's at the same shape plus the gradient all-reduce's two flat f32
 //! copies of the LoRA gradients (the send and the receive buffer, 8 bytes per LoRA parameter).
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use std::path::PathBuf;
 
 use rtune_estimate::{self as estimate, Estimate, Fit, Settings};
@@ -67,7 +67,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
                 "free device memory",
             ),
             #[cfg(not(feature = "cuda"))]
-            rtune_config::Device::Cuda(_) => bail!(
+            rtune_config::Device::Cuda(_) => anyhow::bail!(
                 "[train] device is CUDA and this rtune was built without CUDA: give the device \
                  memory with --budget (e.g. 24GiB)"
             ),
