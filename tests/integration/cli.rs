@@ -578,3 +578,65 @@ fn missing_config_prints_the_os_error_once() {
     assert!(lines[0].contains("no-such-config.toml"), "{err}");
     assert_eq!(lines[0].matches("(os error 2)").count(), 1, "{err}");
 }
+
+/// Issue 35: `generate` took a prompt of any length (10k characters used 4.5 GB, 100k was
+/// killed); a prompt whose tokens plus `--max-new-tokens` exceed the model's context
+/// (`max_position_embeddings`, 2048 for tiny-llama) is exit 2 before any forward pass, one line
+/// naming the prompt's tokens, the new tokens asked for and the limit.
+#[test]
+fn generate_prompt_past_the_context_exits_2() {
+    let long = "hello ".repeat(3000);
+    let chat_long = format!("{long}\n");
+    for (args, stdin, needles) in [
+        (
+            vec!["--prompt", long.as_str(), "--max-new-tokens", "1"],
+            None,
+            &["1 new", "2048", "shorten the prompt"][..],
+        ),
+        (
+            vec!["--prompt", "hi", "--max-new-tokens", "5000"],
+            None,
+            &["5000 new", "2048", "--max-new-tokens"][..],
+        ),
+        (
+            vec!["--chat", "--max-new-tokens", "1"],
+            Some(chat_long.as_str()),
+            &["1 new", "2048", "shorten the prompt"][..],
+        ),
+    ] {
+        let mut a = vec!["generate", "--model", "tests/fixtures/tiny-llama"];
+        a.extend(&args);
+        let o = rtune_stdin(&a, stdin.unwrap_or(""));
+        let err = stderr(&o);
+        let shown: Vec<&str> = a.iter().map(|s| &s[..s.len().min(40)]).collect();
+        assert_eq!(o.status.code(), Some(2), "{shown:?}: {err}");
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+        assert_eq!(lines.len(), 1, "{shown:?}: {err}");
+        for n in needles {
+            assert!(
+                lines[0].contains(n),
+                "{shown:?}: `{n}` not in: {}",
+                lines[0]
+            );
+        }
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+/// Runs the `rtune` binary with `input` on its stdin.
+fn rtune_stdin(args: &[&str], input: &str) -> std::process::Output {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+    c.args(args)
+        .current_dir(root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = c.spawn().expect("run rtune");
+    let mut stdin = child.stdin.take().unwrap();
+    // rtune may exit before reading all of it: a broken pipe is not the test's failure.
+    let _ = stdin.write_all(input.as_bytes());
+    drop(stdin);
+    child.wait_with_output().expect("wait for rtune")
+}

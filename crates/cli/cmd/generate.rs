@@ -84,21 +84,80 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let model = crate::resolve::resolve_model_path(&model, &revision)?;
     if chat {
         let stdin = std::io::stdin();
-        let mut turns: Box<dyn Iterator<Item = String>> = match prompt {
+        // A stdin line past MAX_LINE_BYTES ends the turns and is reported after the replies
+        // before it (it is never tokenised, so an endless line cannot take the memory).
+        let too_long = std::cell::Cell::new(false);
+        let mut turns: Box<dyn Iterator<Item = String> + '_> = match prompt {
             Some(p) => Box::new(std::iter::once(p)),
-            None => Box::new(
-                std::io::BufRead::lines(stdin.lock())
-                    .map_while(|l| l.ok())
-                    .filter(|l| !l.trim().is_empty()),
-            ),
+            None => {
+                let mut lines = stdin.lock();
+                Box::new(
+                    std::iter::from_fn(move || read_line(&mut lines))
+                        .map_while(|l| match l {
+                            Line::Text(t) => Some(t),
+                            Line::TooLong => {
+                                too_long.set(true);
+                                None
+                            }
+                        })
+                        .filter(|l| !l.trim().is_empty()),
+                )
+            }
         };
         rtune_train::generate::chat(&model, adapter.as_deref(), &mut turns, &opt, &mut |r| {
             println!("{r}")
         })?;
+        drop(turns);
+        if too_long.get() {
+            return Err(
+                rtune_train::TrainError::Data(Box::new(rtune_data::DataError::File {
+                    path: "<stdin>".into(),
+                    message: format!(
+                        "a line is longer than {} MiB: a chat turn must be one line that fits the \
+                         model's context; shorten it",
+                        MAX_LINE_BYTES >> 20
+                    ),
+                }))
+                .into(),
+            );
+        }
         return Ok(());
     }
     let prompt = prompt.unwrap_or_default();
     let text = rtune_train::generate::generate(&model, adapter.as_deref(), &prompt, &opt)?;
     println!("{text}");
     Ok(())
+}
+
+/// The longest stdin line `--chat` reads as one turn (far past any model's context in tokens;
+/// the token count is checked against the context before the forward pass).
+const MAX_LINE_BYTES: u64 = 16 << 20;
+
+enum Line {
+    Text(String),
+    TooLong,
+}
+
+/// The next line of `r` without its line ending, at most `MAX_LINE_BYTES` read; `None` at the end
+/// (or on a read error, as `lines().map_while(ok)` did).
+fn read_line(r: &mut impl std::io::BufRead) -> Option<Line> {
+    use std::io::{BufRead, Read};
+    let mut buf = Vec::new();
+    let n = r
+        .by_ref()
+        .take(MAX_LINE_BYTES + 1)
+        .read_until(b'\n', &mut buf)
+        .ok()?;
+    if n == 0 {
+        return None;
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        if buf.last() == Some(&b'\r') {
+            buf.pop();
+        }
+    } else if n as u64 > MAX_LINE_BYTES {
+        return Some(Line::TooLong);
+    }
+    String::from_utf8(buf).ok().map(Line::Text)
 }

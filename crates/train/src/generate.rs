@@ -25,8 +25,9 @@ pub struct GenerateOptions {
     pub quantize: rtune_model::Quantize,
 }
 
-/// The model (with the adapter attached), its tokenizer, the adapter, and the stop tokens.
-type Loaded = (Model, Tokenizer, Option<Adapter>, Vec<u32>);
+/// The model (with the adapter attached), its tokenizer, the adapter, the stop tokens, and the
+/// model's context in tokens (config.json's `max_position_embeddings`, when it gives one).
+type Loaded = (Model, Tokenizer, Option<Adapter>, Vec<u32>, Option<usize>);
 
 fn load(
     model_dir: &Path,
@@ -35,6 +36,8 @@ fn load(
 ) -> Result<Loaded, TrainError> {
     let dev = Device::Cpu;
     let mut model = Model::load_with(model_dir, candle_core::DType::F32, &dev, opt.quantize)?;
+    let context = rtune_model::config::HfConfig::from_file(&model_dir.join("config.json"))?
+        .max_position_embeddings;
     let tok = Tokenizer::load(model_dir, model.cfg.eos_token_ids.first().copied())?;
     let adapter = match adapter_dir {
         Some(dir) => {
@@ -61,7 +64,30 @@ fn load(
     let mut stop: Vec<u32> = model.cfg.eos_token_ids.clone();
     stop.extend(rtune_model::config::GenerationConfig::load(model_dir)?.eos_token_ids);
     stop.extend(tok.eos_id);
-    Ok((model, tok, adapter, stop))
+    Ok((model, tok, adapter, stop, context))
+}
+
+/// The prompt's `prompt_tokens` plus `opt.max_new_tokens` must fit the model's context
+/// (`max_position_embeddings`, when config.json gives one): past it a model's positions are
+/// untrained, and the prompt's attention grows with its square (issue 35: 100k characters were
+/// killed for memory). Checked before any forward pass.
+fn check_context(
+    context: Option<usize>,
+    what: &'static str,
+    prompt_tokens: usize,
+    opt: &GenerateOptions,
+) -> Result<(), TrainError> {
+    match context {
+        Some(limit) if prompt_tokens.saturating_add(opt.max_new_tokens) > limit => {
+            Err(TrainError::ContextTooLong {
+                what,
+                prompt_tokens,
+                max_new_tokens: opt.max_new_tokens,
+                limit,
+            })
+        }
+        _ => Ok(()),
+    }
 }
 
 fn ctx(adapter: &Option<Adapter>) -> Option<LoraCtx<'_>> {
@@ -82,7 +108,7 @@ pub fn chat(
     opt: &GenerateOptions,
     on_reply: &mut dyn FnMut(&str),
 ) -> Result<(), TrainError> {
-    let (model, tok, adapter, stop) = load(model_dir, adapter_dir, opt)?;
+    let (model, tok, adapter, stop, context) = load(model_dir, adapter_dir, opt)?;
     let lc = ctx(&adapter);
     let template = rtune_data::ChatTemplate::from_tokenizer(&tok)?.ok_or_else(|| {
         TrainError::Data(Box::new(rtune_data::DataError::File {
@@ -106,6 +132,7 @@ pub fn chat(
         // The template writes BOS itself when it wants one; never add a second.
         let has_bos = template.bos_token().is_some_and(|b| text.starts_with(b));
         let ids = tok.encode(&text, !has_bos)?;
+        check_context(context, "the conversation", ids.len(), opt)?;
         let new = complete(&model, lc.as_ref(), ids, &stop, opt)?;
         let reply = tok.decode(&new, true)?;
         on_reply(&reply);
@@ -121,10 +148,11 @@ pub fn generate(
     prompt: &str,
     opt: &GenerateOptions,
 ) -> Result<String, TrainError> {
-    let (model, tok, adapter, stop) = load(model_dir, adapter_dir, opt)?;
+    let (model, tok, adapter, stop, context) = load(model_dir, adapter_dir, opt)?;
     let lc = ctx(&adapter);
     let dev = Device::Cpu;
     let ids = tok.encode(prompt, true)?;
+    check_context(context, "the prompt", ids.len(), opt)?;
     if let Some(path) = &opt.dump_logits {
         let out = model.forward(&Inputs::new(ids.clone(), 1, ids.len()), lc.as_ref(), false)?;
         let ids64: Vec<i64> = ids.iter().map(|&i| i as i64).collect();

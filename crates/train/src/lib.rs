@@ -133,6 +133,20 @@ pub enum TrainError {
         source: candle_core::Error,
     },
     /// `[output] remote` cannot be used: the probe at start (write, read back, delete) failed.
+    /// `rtune generate`: the prompt (or chat conversation) plus the new tokens asked for do not
+    /// fit the model's context; found before any forward pass.
+    #[error(
+        "{what} is {prompt_tokens} tokens + {max_new_tokens} new (--max-new-tokens) = {} > the \
+         model's context of {limit} tokens (max_position_embeddings); shorten the prompt or lower \
+         --max-new-tokens",
+        prompt_tokens.saturating_add(*max_new_tokens)
+    )]
+    ContextTooLong {
+        what: &'static str,
+        prompt_tokens: usize,
+        max_new_tokens: usize,
+        limit: usize,
+    },
     #[error("[output] remote: {0}")]
     Remote(Box<rtune_remote::RemoteError>),
     /// The final uploads did not reach the store within `[output] remote_timeout`.
@@ -158,6 +172,7 @@ impl TrainError {
             | TrainError::NoVerifiedCheckpoint { .. }
             | TrainError::Ranks(_)
             | TrainError::OptimizerState
+            | TrainError::ContextTooLong { .. }
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
             TrainError::Kernel { .. } | TrainError::DeviceDeferred { .. } => false,
