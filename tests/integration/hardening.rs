@@ -365,3 +365,41 @@ fn export_is_refused_while_the_run_trains() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(peft.join("adapter_model.safetensors").exists());
 }
+
+/// A refusal found after the run directory was locked (exit 2, before step 0) leaves the
+/// directory as it was found: an existing directory keeps exactly its files (no `.rtune.lock`
+/// of this process's making), and a directory this run created is removed again.
+#[test]
+fn a_refused_start_leaves_no_lock_behind() {
+    let tmp = tempfile::tempdir().unwrap();
+    let listing = |d: &Path| {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    // A directory holding a finished run's summary (copied without its lock file): refused
+    // unless [output] overwrite, with and without --resume.
+    let out = tmp.path().join("finished");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("summary.json"), "{}").unwrap();
+    // A directory holding an unfinished run's checkpoint: a fresh start is refused.
+    let ckpt = tmp.path().join("unfinished");
+    std::fs::create_dir_all(ckpt.join("checkpoint-3")).unwrap();
+    std::fs::write(ckpt.join("checkpoint-3/trainer_state.json"), "{}").unwrap();
+    for (dir, extra, refusal) in [
+        (&out, None, "already holds a finished run"),
+        (&out, Some("--resume"), "this run already finished"),
+        (&ckpt, None, "holds checkpoints of an unfinished run"),
+    ] {
+        let before = listing(dir);
+        let cfg = config(tmp.path(), dir, "");
+        let o = train(&cfg, extra.as_slice());
+        assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+        assert!(stderr(&o).contains(refusal), "{}", stderr(&o));
+        assert_eq!(listing(dir), before, "{} left as found", dir.display());
+    }
+}

@@ -68,6 +68,12 @@ impl RunLock {
             Err(TryLockError::WouldBlock) => return Err(held(dir, &mut file)),
             Err(TryLockError::Error(e)) => return Err(io("flock")(e)),
         }
+        // A holder that never used the directory removes the file ([`RunLock::remove`]); a lock
+        // taken on the file it unlinked is no lock on the directory: take the new one.
+        if !still_named(&file, &path) {
+            drop(file);
+            return Self::acquire(dir, privacy);
+        }
         // Ours now: record who holds it for the next one to name.
         let me = format!("{} {}\n", std::process::id(), hostname());
         file.set_len(0).map_err(io("truncate"))?;
@@ -108,6 +114,10 @@ impl RunLock {
             Err(TryLockError::WouldBlock) => return Err(held(dir, &mut file)),
             Err(TryLockError::Error(e)) => return Err(io("flock")(e)),
         }
+        if !still_named(&file, &path) {
+            drop(file);
+            return Self::acquire_shared(dir, privacy);
+        }
         // Named to a training refused meanwhile (with several readers, the last one to start).
         if writable {
             let me = format!("{} {}\n", std::process::id(), hostname());
@@ -120,6 +130,27 @@ impl RunLock {
     /// The lock file.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Releases the lock and deletes its file, for a holder that created the file and leaves the
+    /// directory unused (a run refused before its first step). The file is unlinked while still
+    /// locked, so a process that opened it meanwhile finds, once it gets the lock, that the name
+    /// no longer leads to it and locks the directory afresh.
+    pub fn remove(self) -> std::io::Result<()> {
+        let r = std::fs::remove_file(&self.path);
+        drop(self);
+        r
+    }
+}
+
+/// Whether `path` still names the open `file` (not unlinked or replaced since it was opened).
+fn still_named(file: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (file.metadata(), std::fs::metadata(path)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        (_, Err(e)) => e.kind() != std::io::ErrorKind::NotFound,
+        // Cannot tell: taken as named (acquiring again could loop).
+        (Err(_), Ok(_)) => true,
     }
 }
 
@@ -173,6 +204,25 @@ mod tests {
         let again = RunLock::acquire(&d, Privacy::PRIVATE).unwrap();
         assert!(again.path().ends_with(LOCK_FILE));
         drop(again);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_removed_lock_file_is_not_held_by_whoever_opened_it_meanwhile() {
+        let d = std::env::temp_dir().join(format!("rtune-lock-remove-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let first = RunLock::acquire(&d, Privacy::PRIVATE).unwrap();
+        // Opened before the removal, locked after it: the unlinked file's lock is worthless.
+        let stale = File::open(d.join(LOCK_FILE)).unwrap();
+        first.remove().unwrap();
+        assert!(!d.join(LOCK_FILE).exists());
+        stale.try_lock().unwrap();
+        assert!(!still_named(&stale, &d.join(LOCK_FILE)));
+        let second = RunLock::acquire(&d, Privacy::PRIVATE).unwrap();
+        assert!(still_named(&second._file, second.path()));
+        assert!(RunLock::acquire(&d, Privacy::PRIVATE).is_err());
+        drop((stale, second));
         std::fs::remove_dir_all(&d).unwrap();
     }
 

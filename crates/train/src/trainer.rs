@@ -66,8 +66,9 @@ pub fn train(
 ) -> Result<Outcome, TrainError> {
     let world = opts.world.cloned().unwrap_or_else(World::single);
     let mut t = Trainer::setup_in(cfg, world, on_event)?;
-    t.resume_or_fresh(opts)?;
-    let record = t.begin()?;
+    // Refused before step 0: the run directory is left as it was found (no lock file of ours).
+    let begun = t.resume_or_fresh(opts).and_then(|()| t.begin());
+    let record = begun.inspect_err(|_| t.files.abandon())?;
     let result = t.run(opts.stop);
     let outcome = t.end(record, result);
     t.finish_remote(outcome)

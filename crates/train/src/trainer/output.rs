@@ -43,6 +43,11 @@ pub struct RunFiles {
     tb: Option<TbWriter>,
     /// This process's hold on the directory ([`lock`](Self::lock)), released when the run ends.
     lock: Option<RunLock>,
+    /// Whether [`lock`](Self::lock) created the lock file, and the directories it created (the
+    /// run directory and any missing parents, deepest first): what [`abandon`](Self::abandon)
+    /// removes again.
+    created_lock: bool,
+    created_dirs: Vec<PathBuf>,
     /// `[output] remote`, probed at start ([`connect_remote`](Self::connect_remote)) until the
     /// run opens; then the background uploader.
     remote: Option<Remote>,
@@ -75,6 +80,8 @@ impl RunFiles {
             metrics: None,
             tb: None,
             lock: None,
+            created_lock: false,
+            created_dirs: Vec::new(),
             remote: None,
             mirror: None,
             tracker: None,
@@ -96,9 +103,17 @@ impl RunFiles {
         if self.dir.exists() && !self.dir.is_dir() {
             return Err(out("exists and is not a directory".into()));
         }
+        let created_dirs: Vec<PathBuf> = self
+            .dir
+            .ancestors()
+            .take_while(|d| !d.as_os_str().is_empty() && !d.exists())
+            .map(Path::to_path_buf)
+            .collect();
         self.privacy
             .create_dir_all(&self.dir)
             .map_err(|e| out(format!("cannot create: {}", e.source)))?;
+        self.created_dirs = created_dirs;
+        self.created_lock = !self.dir.join(rtune_fsio::LOCK_FILE).exists();
         let lock = RunLock::acquire(&self.dir, self.privacy).map_err(|e| match e {
             LockError::Held { pid, host, .. } => out(format!(
                 "in use by another rtune process (pid {pid} on {host}); wait for it to finish, or \
@@ -108,6 +123,27 @@ impl RunFiles {
         })?;
         self.lock = Some(lock);
         Ok(())
+    }
+
+    /// For a run that ends before its first step (a refusal found once the directory was
+    /// locked): releases the lock and leaves the directory as it was found: the lock file is
+    /// deleted if this process created it, and the directories [`lock`](Self::lock) created are
+    /// removed while empty. Best effort: the refusal is what the user needs to see.
+    pub fn abandon(&mut self) {
+        let Some(lock) = self.lock.take() else {
+            return;
+        };
+        if !self.created_lock {
+            return;
+        }
+        if lock.remove().is_err() {
+            return;
+        }
+        for d in std::mem::take(&mut self.created_dirs) {
+            if std::fs::remove_dir(&d).is_err() {
+                break;
+            }
+        }
     }
 
     /// Makes the directory ready for a fresh run (`setup::fresh_output`: refuses to replace a
@@ -528,5 +564,53 @@ impl RunFiles {
             }
         }
         r.map(|e| format!("MLflow: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn files(dir: &Path) -> RunFiles {
+        let text = format!(
+            "[model]\npath = \"m\"\n[data]\ntrain = \"d\"\n[output]\ndir = \"{}\"\n",
+            dir.display()
+        );
+        let cfg = rtune_config::ConfigFile::parse(&text, Path::new("c.toml"), &[])
+            .and_then(|f| f.validate(Path::new("c.toml")))
+            .unwrap();
+        RunFiles::new(&cfg, true)
+    }
+
+    #[test]
+    fn abandon_leaves_the_directory_as_found() {
+        let tmp = std::env::temp_dir().join(format!("rtune-abandon-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).unwrap();
+        // Created by the lock, with a missing parent: both removed.
+        let new = tmp.join("a/run");
+        let mut f = files(&new);
+        f.lock().unwrap();
+        assert!(new.join(rtune_fsio::LOCK_FILE).exists());
+        f.abandon();
+        assert!(!tmp.join("a").exists());
+        // Existing, with a file of the user's: the lock file goes, the rest stays.
+        let old = tmp.join("old");
+        std::fs::create_dir(&old).unwrap();
+        std::fs::write(old.join("notes.txt"), "x").unwrap();
+        let mut f = files(&old);
+        f.lock().unwrap();
+        f.abandon();
+        assert!(!old.join(rtune_fsio::LOCK_FILE).exists());
+        assert!(old.join("notes.txt").exists());
+        // A lock file left by an earlier run is not this process's to delete.
+        std::fs::write(old.join(rtune_fsio::LOCK_FILE), "1 host\n").unwrap();
+        let mut f = files(&old);
+        f.lock().unwrap();
+        f.abandon();
+        assert!(old.join(rtune_fsio::LOCK_FILE).exists());
+        // Released either way: the directory can be taken again.
+        files(&old).lock().unwrap();
+        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }
