@@ -1,6 +1,5 @@
 //! Test helpers of the crate: seeded inputs, comparisons with a stated tolerance, finite differences.
 
-#![allow(dead_code)]
 use candle_core::{DType, Device, Tensor};
 use rtune_backend::Precision;
 

@@ -5,10 +5,7 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, PushKernelArg};
 use std::sync::Arc;
 
-#[allow(unused_imports)]
-use rtune_backend::launch::{
-    bad, elementwise_cfg, int, need, numel, row_cfg, vec_width, FusedFloat, FusedKernels, K,
-};
+use rtune_backend::launch::{int, need, numel, row_cfg, FusedFloat, FusedKernels, K};
 use rtune_backend::{drv, Result};
 
 /// RMSNorm forward: `y = T(T(x·r)·w)`, `r = 1/sqrt(mean(x²) + eps)` per row. `x, y: (rows, dim)`,

@@ -5,9 +5,8 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, PushKernelArg};
 use std::sync::Arc;
 
-#[allow(unused_imports)]
 use rtune_backend::launch::{
-    bad, elementwise_cfg, int, need, numel, row_cfg, vec_width, FusedFloat, FusedKernels, K,
+    bad, elementwise_cfg, need, numel, vec_width, FusedFloat, FusedKernels, K,
 };
 use rtune_backend::{drv, Result};
 

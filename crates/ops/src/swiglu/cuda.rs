@@ -5,10 +5,7 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, PushKernelArg};
 use std::sync::Arc;
 
-#[allow(unused_imports)]
-use rtune_backend::launch::{
-    bad, elementwise_cfg, int, need, numel, row_cfg, vec_width, FusedFloat, FusedKernels, K,
-};
+use rtune_backend::launch::{elementwise_cfg, need, numel, vec_width, FusedFloat, FusedKernels, K};
 use rtune_backend::{drv, Result};
 
 /// SwiGLU forward: `h = T(T(silu(g))·u)`. `g, u, h: (n)`.
