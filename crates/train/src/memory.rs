@@ -27,9 +27,17 @@ pub fn device_free_bytes(ordinal: usize) -> Result<u64, crate::TrainError> {
         .map_err(|source| TrainError::Kernel { ordinal, source })
 }
 
-/// `VmHWM` from /proc/self/status in bytes (Linux); 0 where it cannot be read.
+/// The resident set's high-water mark in bytes (Linux); 0 where it cannot be read.
+///
+/// `max(VmHWM, VmRSS)` of one read of /proc/self/status: the kernel folds the per-CPU RSS
+/// counters into `VmHWM` lazily (on unmap and exit), so `VmHWM` alone can trail a `VmRSS` read a
+/// moment earlier by a few pages (seen in CI: 5,500,928 < 5,529,600).
 pub fn peak_rss_bytes() -> u64 {
-    read_status_kib("VmHWM:").map_or(0, |k| k * 1024)
+    let Ok(text) = std::fs::read_to_string("/proc/self/status") else {
+        return 0;
+    };
+    let (hwm, rss) = (parse_kib(&text, "VmHWM:"), parse_kib(&text, "VmRSS:"));
+    hwm.max(rss).map_or(0, |k| k * 1024)
 }
 
 /// Current resident set size in bytes (Linux); 0 where it cannot be read.
@@ -72,10 +80,15 @@ mod tests {
     #[test]
     fn peak_is_at_least_current_and_nonzero_on_linux() {
         if cfg!(target_os = "linux") {
-            // Current first: the high-water mark read afterwards can only be higher.
             let cur = super::current_rss_bytes();
+            assert!(cur > 0, "VmRSS unread");
+            // Grow the resident set by 64 MiB (touched pages) and hold it: the peak read while
+            // it is held is at least the current size before it plus most of the 64 MiB
+            // (others may free some concurrently: 32 MiB of slack).
+            let held = vec![1u8; 64 << 20];
             let peak = super::peak_rss_bytes();
-            assert!(cur > 0 && peak >= cur, "peak {peak} current {cur}");
+            assert!(peak >= cur + (32 << 20), "peak {peak} current before {cur}");
+            drop(std::hint::black_box(held));
             let (total, avail) = (super::ram_total_bytes(), super::ram_available_bytes());
             assert!(total.is_some_and(|t| t > 0 && avail.is_some_and(|a| a <= t)));
         }
