@@ -330,6 +330,23 @@ fn qwen2_bias_and_per_layer_window_match_peft() {
     check_adamw(&c);
 }
 
+/// Qwen3: per-head q/k RMSNorm before RoPE (weights jittered around 1), no bias, head_dim 24 ≠
+/// hidden / heads, tied embeddings, a sliding window (6) on layer 1 only.
+#[test]
+fn qwen3_qk_norm_head_dim_and_window_match_peft() {
+    let c = case(
+        "fixtures/tiny-qwen3",
+        "parity/golden_tiny_qwen3.safetensors",
+    );
+    assert_eq!(c.model.cfg.arch, rtune_model::Arch::Qwen3);
+    assert_eq!(
+        (c.model.cfg.head_dim, c.model.cfg.window_layers.clone()),
+        (24, vec![false, true])
+    );
+    check_forward_and_grads(&c);
+    check_adamw(&c);
+}
+
 /// Mistral: a sliding window (5) on every layer, head_dim 8 ≠ hidden / heads.
 #[test]
 fn mistral_window_and_head_dim_match_peft() {

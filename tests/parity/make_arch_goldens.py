@@ -20,7 +20,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "..", "fixtures")
@@ -36,7 +37,34 @@ MODELS = {
                          tie_word_embeddings=True, rope_theta=10000.0),
     # every layer a window of 5; head_dim 8 while hidden/heads = 16
     "mistral": MistralConfig(**common, sliding_window=5, head_dim=8, rope_theta=1e6),
+    # Qwen3: per-head q/k RMSNorm, no bias, head_dim 24 != hidden/heads = 16, tied, a window of 6
+    # on layer 1 only; every norm weight jittered around 1 (`JITTER_NORMS`)
+    "qwen3": Qwen3Config(**common, head_dim=24, use_sliding_window=True, sliding_window=6,
+                         max_window_layers=1, tie_word_embeddings=True, rope_theta=10000.0),
+    # Gemma 2: (1 + w) norms, four a layer, GeGLU (tanh), embeddings × √hidden, attention scaled by
+    # query_pre_attn_scalar (24, not head_dim 16), attention logits soft-capped at 2 and final
+    # logits at 3 (small enough to act), a window of 6 on layer 0 (the even layers)
+    "gemma2": Gemma2Config(**{**common, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1},
+                           head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+                           attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                           hidden_activation="gelu_pytorch_tanh", rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 10000.0}),
+    # Gemma 3 (text): Gemma 2's layer with q/k norms and no soft-capping; layer 0 local (window 6,
+    # RoPE base 10k), layer 1 global (RoPE base 1M, linear scaling 4); head_dim 24
+    "gemma3": Gemma3TextConfig(**{**common, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1},
+                               head_dim=24, query_pre_attn_scalar=20, sliding_window=6,
+                               layer_types=["sliding_attention", "full_attention"],
+                               hidden_activation="gelu_pytorch_tanh",
+                               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                   "rope_theta": 1e6},
+                                                "sliding_attention": {"rope_type": "default",
+                                                                      "rope_theta": 10000.0}}),
 }
+# Families whose norm weights are drawn as 1 + N(0, 0.1) instead of left at 1, so a norm applied
+# with the wrong weight (or the wrong formula: w vs 1 + w) changes every output.
+JITTER_NORMS = {"qwen3"}
+# Families whose norms multiply by (1 + w) (stored w = 0 is the identity): drawn as N(0, 0.1).
+PLUS_ONE_NORMS = {"gemma2", "gemma3"}
 
 
 def peft_key(name):
@@ -51,6 +79,10 @@ def make(name, cfg):
     with torch.no_grad():  # larger than the default 0.02 so attention is not uniform
         for n, p in model.named_parameters():
             if "norm" not in n:
+                p.normal_(0.0, 0.1)
+            elif name in JITTER_NORMS:
+                p.normal_(1.0, 0.1)
+            elif name in PLUS_ONE_NORMS:
                 p.normal_(0.0, 0.1)
             if n.endswith("bias"):
                 p.normal_(0.0, 0.5)
@@ -112,7 +144,13 @@ def golden(name, model_dir, dtype, vocab):
 
 
 if __name__ == "__main__":
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,llama_bf16)")
+    only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
-        make(name, cfg)
+        if not only or name in only:
+            make(name, cfg)
     # bf16 compute on the plain tiny Llama (f32 weights on disk, cast at load)
-    golden("llama_bf16", os.path.join(FIX, "tiny-llama"), torch.bfloat16, 512)
+    if not only or "llama_bf16" in only:
+        golden("llama_bf16", os.path.join(FIX, "tiny-llama"), torch.bfloat16, 512)

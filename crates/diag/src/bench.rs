@@ -270,6 +270,7 @@ pub fn model_config(o: &BenchOptions) -> ModelConfig {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         pad_token_id: None,
+        variant: Default::default(),
     }
 }
 

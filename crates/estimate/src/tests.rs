@@ -40,6 +40,7 @@ fn bench_small() -> ModelConfig {
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
         pad_token_id: None,
+        variant: Default::default(),
     }
 }
 

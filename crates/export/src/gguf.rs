@@ -85,6 +85,7 @@ fn arch(cfg: &ModelConfig) -> (&'static str, bool) {
     match cfg.arch {
         Arch::Llama | Arch::Mistral => ("llama", true),
         Arch::Qwen2 => ("qwen2", false),
+        Arch::Qwen3 => ("qwen3", false),
     }
 }
 

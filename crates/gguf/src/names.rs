@@ -28,13 +28,17 @@ pub enum Rope {
     K,
 }
 
-const LAYER: [(&str, &str, Rope); 9] = [
+const LAYER: [(&str, &str, Rope); 11] = [
     ("attn_norm", "input_layernorm", Rope::None),
     ("ffn_norm", "post_attention_layernorm", Rope::None),
     ("attn_q", "self_attn.q_proj", Rope::Q),
     ("attn_k", "self_attn.k_proj", Rope::K),
     ("attn_v", "self_attn.v_proj", Rope::None),
     ("attn_output", "self_attn.o_proj", Rope::None),
+    // Qwen3's per-head norms (never permuted: they act after the projection's rows are split
+    // into heads, on each head's `head_dim`).
+    ("attn_q_norm", "self_attn.q_norm", Rope::None),
+    ("attn_k_norm", "self_attn.k_norm", Rope::None),
     ("ffn_gate", "mlp.gate_proj", Rope::None),
     ("ffn_up", "mlp.up_proj", Rope::None),
     ("ffn_down", "mlp.down_proj", Rope::None),

@@ -7,7 +7,12 @@ use std::path::Path;
 
 use crate::{ModelError, Result};
 
-pub const SUPPORTED: [&str; 3] = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"];
+pub const SUPPORTED: [&str; 4] = [
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+];
 
 /// The subset of config.json that rtune reads; other keys are ignored (HF configs carry many).
 #[derive(Debug, Clone, Deserialize)]
@@ -71,6 +76,17 @@ pub enum Arch {
     Llama,
     Mistral,
     Qwen2,
+    /// Qwen2's layer without the q/k/v bias (unless `attention_bias`, which also biases o_proj),
+    /// with a per-head RMSNorm on q and k before RoPE.
+    Qwen3,
+}
+
+/// What a family changes in the Llama layer; all off for Llama, Mistral and Qwen2.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Variant {
+    /// A per-head RMSNorm over `head_dim` on q and on k before RoPE (`self_attn.q_norm`,
+    /// `self_attn.k_norm`: Qwen3).
+    pub qk_norm: bool,
 }
 
 /// Rotary embedding frequencies: `inv_freq[i] = 1 / theta^(2i/d)`, then the scaling rule.
@@ -118,6 +134,7 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
+    pub variant: Variant,
 }
 
 fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
@@ -157,6 +174,7 @@ impl HfConfig {
             "LlamaForCausalLM" => Arch::Llama,
             "MistralForCausalLM" => Arch::Mistral,
             "Qwen2ForCausalLM" => Arch::Qwen2,
+            "Qwen3ForCausalLM" => Arch::Qwen3,
             _ => {
                 let got = if arch_name.is_empty() {
                     format!(
@@ -198,6 +216,8 @@ impl HfConfig {
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
+            // transformers' Qwen3Config defaults head_dim to 128, whatever hidden/heads is.
+            None if arch == Arch::Qwen3 => 128,
             None if self.hidden_size.is_multiple_of(heads) => self.hidden_size / heads,
             None => {
                 return Err(bad(format!(
@@ -215,7 +235,7 @@ impl HfConfig {
         let layers = self.num_hidden_layers;
         let (sliding_window, window_layers) = match (arch, self.sliding_window) {
             (Arch::Mistral, Some(w)) => (Some(w), vec![true; layers]),
-            (Arch::Qwen2, Some(w)) if self.use_sliding_window == Some(true) => {
+            (Arch::Qwen2 | Arch::Qwen3, Some(w)) if self.use_sliding_window == Some(true) => {
                 let marked = match &self.layer_types {
                     Some(types) if types.len() == layers => {
                         types.iter().map(|t| t == "sliding_attention").collect()
@@ -250,13 +270,16 @@ impl HfConfig {
             rope_scaling,
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
-            o_bias: arch == Arch::Llama && attention_bias,
+            o_bias: matches!(arch, Arch::Llama | Arch::Qwen3) && attention_bias,
             mlp_bias: arch == Arch::Llama && self.mlp_bias.unwrap_or(false),
             sliding_window,
             window_layers,
             bos_token_id: ids(&self.bos_token_id).first().copied(),
             eos_token_ids: ids(&self.eos_token_id),
             pad_token_id: ids(&self.pad_token_id).first().copied(),
+            variant: Variant {
+                qk_norm: arch == Arch::Qwen3,
+            },
         })
     }
 }

@@ -24,6 +24,9 @@ pub struct Layer {
     pub gate: Linear,
     pub up: Linear,
     pub down: Linear,
+    /// Qwen3's per-head RMSNorm weights `(Dh)` on q and on k, applied before RoPE
+    /// ([`crate::Variant::qk_norm`]); frozen.
+    pub qk_norm: Option<(Tensor, Tensor)>,
     pub eps: f64,
     /// Uses the sliding-window mask (when the batch is longer than the window).
     pub sliding: bool,
@@ -40,6 +43,8 @@ pub struct LayerCache {
     cq: LinearCache,
     ck: LinearCache,
     cv: LinearCache,
+    /// The q/k norms' inputs (`(N, H, Dh)`, `(N, Hkv, Dh)`) when the layer has them.
+    qk: Option<(NormCache, NormCache)>,
     attn: AttnCache,
     o_in: Tensor,
     co: LinearCache,
@@ -115,11 +120,59 @@ impl Layer {
         ]
     }
 
+    /// The layer's norm weights (frozen): input, post-attention, then the q/k norms if any.
+    pub fn norms(&self) -> impl Iterator<Item = &Tensor> {
+        let qk = self.qk_norm.as_ref().map(|(q, k)| [q, k]);
+        [&self.input_norm, &self.post_norm]
+            .into_iter()
+            .chain(qk.into_iter().flatten())
+    }
+
     /// Concatenates the q/k/v and gate/up weights into blocks (dense weights only).
     pub fn fuse(&mut self) -> Result<()> {
         self.qkv = group::fuse(&mut [&mut self.q, &mut self.k, &mut self.v])?;
         self.gate_up = group::fuse(&mut [&mut self.gate, &mut self.up])?;
         Ok(())
+    }
+
+    /// Qwen3's q/k norms: `q: (N, H·Dh)`, `k: (N, Hkv·Dh)` normed per head over `Dh`, shapes
+    /// kept; the norms' caches (`None` and `q`, `k` as given for a layer without them).
+    pub(crate) fn norm_qk(
+        &self,
+        q: Tensor,
+        k: Tensor,
+    ) -> Result<(Tensor, Tensor, Option<(NormCache, NormCache)>)> {
+        let Some((wq, wk)) = &self.qk_norm else {
+            return Ok((q, k, None));
+        };
+        let per_head = |x: &Tensor, w: &Tensor| -> Result<(Tensor, NormCache)> {
+            let (n, width) = x.dims2()?;
+            let dh = w.dim(0)?;
+            // (N, H·Dh) -> (N, H, Dh): the norm runs over the last dim.
+            let (y, c) = ops::rms_norm(&x.reshape((n, width / dh, dh))?, w, self.eps)?;
+            Ok((y.reshape((n, width))?, c))
+        };
+        let (q, cq) = per_head(&q, wq)?;
+        let (k, ck) = per_head(&k, wk)?;
+        Ok((q, k, Some((cq, ck))))
+    }
+
+    /// The q/k norms' backward: `dq: (N, H·Dh)`, `dk: (N, Hkv·Dh)` through them (as given
+    /// without them).
+    fn norm_qk_backward(
+        &self,
+        dq: Tensor,
+        dk: Tensor,
+        caches: Option<&(NormCache, NormCache)>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (Some((wq, wk)), Some((cq, ck))) = (&self.qk_norm, caches) else {
+            return Ok((dq, dk));
+        };
+        let per_head = |d: &Tensor, w: &Tensor, c: &NormCache| -> Result<Tensor> {
+            let dims = d.dims2()?;
+            ops::rms_norm_backward(&d.reshape(c.x.shape())?, w, c)?.reshape(dims)
+        };
+        Ok((per_head(&dq, wq, cq)?, per_head(&dk, wk, ck)?))
     }
 
     fn salt(&self, module: u64) -> u64 {
@@ -171,6 +224,7 @@ impl Layer {
         )?;
         let [(q, cq), (k, ck), (v, cv)]: [(Tensor, LinearCache); 3] =
             qkv.try_into().expect("three members");
+        let (q, k, qk) = self.norm_qk(q, k)?;
         let mask = ctx.mask_for(self.sliding);
         let (o_in, attn) = match (&pass, ctx.path) {
             (Pass::Recompute(kept), AttnPath::Tiled) => ops::attention_tiled_kept(
@@ -215,6 +269,7 @@ impl Layer {
                 cq,
                 ck,
                 cv,
+                qk,
                 attn,
                 o_in,
                 co,
@@ -270,6 +325,7 @@ impl Layer {
             .backward(&dh, &c.o_in, &c.co, lora, grads, true)?
             .expect("dx requested");
         let (dq, dk, dv) = ops::attention_backward(&d_o, &c.attn, &ctx.shape, &ctx.cos, &ctx.sin)?;
+        let (dq, dk) = self.norm_qk_backward(dq, dk, c.qk.as_ref())?;
         // The q/k/v input gradients are only needed to continue below this layer.
         let dh1 = group::backward(
             &[&self.q, &self.k, &self.v],

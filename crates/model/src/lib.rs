@@ -26,7 +26,7 @@ mod test_util;
 pub mod tokens;
 pub mod weights;
 
-pub use config::{Arch, HfConfig, ModelConfig, RopeScaling};
+pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::KvCache;
 pub use model::{Forward, Inputs, Model, Quantize};

@@ -191,6 +191,15 @@ impl Model {
                 gate: linear(format!("{p}.mlp.gate_proj"), i, d, cfg.mlp_bias)?,
                 up: linear(format!("{p}.mlp.up_proj"), i, d, cfg.mlp_bias)?,
                 down: linear(format!("{p}.mlp.down_proj"), d, i, cfg.mlp_bias)?,
+                qk_norm: if cfg.variant.qk_norm {
+                    let dh = cfg.head_dim;
+                    Some((
+                        w.tensor(&format!("{p}.self_attn.q_norm.weight"), &[dh])?,
+                        w.tensor(&format!("{p}.self_attn.k_norm.weight"), &[dh])?,
+                    ))
+                } else {
+                    None
+                },
                 eps: cfg.rms_norm_eps,
                 sliding: cfg.window_layers[l],
                 qkv: None,
@@ -659,7 +668,7 @@ impl Model {
             n += dense(&self.lm_head);
         }
         for l in &self.layers {
-            n += dense(&l.input_norm) + dense(&l.post_norm);
+            n += l.norms().map(dense).sum::<usize>();
             for lin in l.linears() {
                 n += lin.w.resident_bytes() + lin.bias.as_ref().map_or(0, dense);
             }
@@ -673,7 +682,7 @@ impl Model {
             n += self.lm_head.elem_count();
         }
         for l in &self.layers {
-            n += l.input_norm.elem_count() + l.post_norm.elem_count();
+            n += l.norms().map(Tensor::elem_count).sum::<usize>();
             for lin in l.linears() {
                 n += lin.w.elem_count() + lin.bias.as_ref().map_or(0, |b| b.elem_count());
             }

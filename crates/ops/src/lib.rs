@@ -6,7 +6,8 @@
 //! source is `kernels/<op>.cuh` or `kernels/<op>.cu`), the `rtune selftest` check of the kernel
 //! against its reference (`check.rs`) and the tests (`tests.rs`).
 //!
-//! - [`norm`]: RMSNorm. [`swiglu`]: SwiGLU. [`rope`]: rotate-half RoPE. [`ce`]: the cross-entropy
+//! - [`norm`]: RMSNorm (and Gemma's `(1 + w)` form). [`swiglu`]: SwiGLU. [`geglu`]: Gemma's
+//!   tanh-GELU gate. [`rope`]: rotate-half RoPE. [`ce`]: the cross-entropy
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
 //!   CUDA). [`add`]: sums that round once. [`lora`]: the LoRA up-projection added into the frozen
@@ -38,6 +39,7 @@ pub mod adamw;
 pub mod add;
 pub mod attention;
 pub mod ce;
+pub mod geglu;
 pub mod lora;
 pub mod nf4;
 pub mod norm;
@@ -61,6 +63,9 @@ pub use ce::{
     chunked_cross_entropy, chunked_cross_entropy_loss, chunked_cross_entropy_loss_with,
     chunked_cross_entropy_with, HeadRows,
 };
+pub use geglu::{geglu, geglu_backward};
 pub use lora::lora_up;
-pub use norm::{rms_norm, rms_norm_backward, NormCache};
+pub use norm::{
+    rms_norm, rms_norm_backward, rms_norm_plus_one, rms_norm_plus_one_backward, NormCache,
+};
 pub use swiglu::{swiglu, swiglu_backward};

@@ -56,6 +56,7 @@ impl Layer {
         let q = self.q.forward(&h1, lora, 0)?.0;
         let k = self.k.forward(&h1, lora, 0)?.0;
         let v = self.v.forward(&h1, lora, 0)?.0;
+        let (q, k, _) = self.norm_qk(q, k)?;
         // (n, H·Dh) -> (1, H, n, Dh)
         let q = q.reshape((1, n, h, dh))?.transpose(1, 2)?.contiguous()?;
         let k = k.reshape((1, n, hkv, dh))?.transpose(1, 2)?.contiguous()?;

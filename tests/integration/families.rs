@@ -1,0 +1,109 @@
+//! The model families beyond Llama through `rtune train`, each against its transformers + PEFT
+//! golden (`tests/parity/make_arch_goldens.py`): the golden's init adapter, batch and AdamW loop
+//! (lr 1e-3, constant, no clipping, 3 steps) repeated by the CLI; every step's loss within 1e-5
+//! relative and the trained adapter within 1e-4 of the largest entry (f32 CPU: the goldens'
+//! tolerances, which the rounding of two f32 implementations summing in different orders
+//! stays well inside), the adapter's config naming the family's modules.
+
+use crate::common::{fixture, rel_err, rtune, stderr, Golden};
+use std::path::Path;
+
+/// Writes the golden's `init.*` LoRA weights as a PEFT adapter directory (what `init_from`
+/// reads): `adapter_model.safetensors` under PEFT's names and an `adapter_config.json`.
+fn write_init_adapter(g: &Golden, dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let init: std::collections::HashMap<String, candle_core::Tensor> = g
+        .t
+        .iter()
+        .filter_map(|(k, t)| Some((k.strip_prefix("init.")?.to_string(), t.clone())))
+        .collect();
+    candle_core::safetensors::save(&init, dir.join("adapter_model.safetensors")).unwrap();
+    let cfg = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": g.meta["r"],
+        "lora_alpha": g.meta["lora_alpha"],
+        "target_modules": g.meta["target_modules"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": false,
+        "use_dora": false,
+    });
+    std::fs::write(dir.join("adapter_config.json"), cfg.to_string()).unwrap();
+}
+
+/// Trains `model` (a fixture directory) through the CLI from `golden`'s init adapter on its
+/// batch and checks losses and the adapter against the golden's AdamW loop.
+fn train_matches_golden(model: &str, golden: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let g = Golden::load(&fixture(golden));
+    g.write_batch(&t.join("batch.jsonl"));
+    write_init_adapter(&g, &t.join("init"));
+    let (b, seq) = g.get("input_ids").dims2().unwrap();
+    let cfg = format!(
+        r#"[model]
+path = "{model}"
+[lora]
+r = {r}
+alpha = {alpha}
+targets = "all-linear"
+init_from = "{init}"
+[data]
+train = "{data}"
+max_seq_len = {seq}
+shuffle = false
+[train]
+steps = 3
+micro_batch_size = {b}
+lr = 1e-3
+schedule = "constant"
+max_grad_norm = 0.0
+gradient_checkpointing = true
+[output]
+dir = "{out}"
+"#,
+        model = fixture(model).display(),
+        r = g.meta["r"],
+        alpha = g.meta["lora_alpha"],
+        init = t.join("init").display(),
+        data = t.join("batch.jsonl").display(),
+        out = t.join("out").display(),
+    );
+    std::fs::write(t.join("run.toml"), cfg).unwrap();
+    let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = t.join("out");
+    let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let losses: Vec<f64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|m| m["loss"].as_f64())
+        .collect();
+    assert_eq!(losses.len(), want.len(), "{metrics}");
+    for (l, w) in losses.iter().zip(&want) {
+        let w = *w as f64;
+        assert!((l - w).abs() / w <= 1e-5, "loss {l} vs PEFT's {w}");
+    }
+    let adapter = candle_core::safetensors::load(
+        out.join("adapter_model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let n_golden = g.t.keys().filter(|k| k.starts_with("adamw.base_model")).count();
+    assert_eq!(adapter.len(), n_golden);
+    for (k, t) in &adapter {
+        let e = rel_err(t, g.get(&format!("adamw.{k}")));
+        assert!(e <= 1e-4, "{k}: rel err {e:e}");
+    }
+}
+
+/// Qwen3 (q/k norms, head_dim ≠ hidden / heads, tied, a window on layer 1), with checkpointing.
+#[test]
+fn qwen3_trains_as_peft() {
+    train_matches_golden(
+        "fixtures/tiny-qwen3",
+        "parity/golden_tiny_qwen3.safetensors",
+    );
+}
