@@ -632,5 +632,51 @@ mod tests {
             e.to_string().contains("not prefix-stable at messages[1]"),
             "{e}"
         );
+        // The difference is not inside an earlier assistant turn, so it is not realigned either.
+        assert!(
+            e.to_string()
+                .contains("they do not differ only inside earlier assistant turns"),
+            "{e}"
+        );
+    }
+
+    /// A ChatML template that, like Qwen3's, shows an assistant turn's reasoning only while no user
+    /// message follows it: earlier turns are found in the final render and trained as shown there.
+    #[test]
+    fn earlier_assistant_turns_rewritten_by_the_template_are_realigned() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if plain %}<think></think>{% endif %}{% endif %}",
+            "t",
+            &[],
+        )
+        .unwrap();
+        let c = conv(r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"}, {"role": "user", "content": "r"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]}"#).unwrap();
+        let specials = vec!["<|im_start|>".to_string(), "<|im_end|>".to_string()];
+        let spans = |t: &ChatTemplate| {
+            let r = render_spans(t, &c, TrainOn::Assistant, &specials).unwrap();
+            let s: Vec<String> = r
+                .trained
+                .iter()
+                .map(|s| r.text[s.clone()].to_string())
+                .collect();
+            s
+        };
+        assert_eq!(spans(&t), ["A1<|im_end|>", "<think>R2</think>A2<|im_end|>"]);
+        // A generation prompt the final render does not show whole: from its first line.
+        let plain = t.clone().with_var("plain", &serde_json::Value::Bool(true));
+        assert_eq!(
+            spans(&plain),
+            ["A1<|im_end|>", "<think>R2</think>A2<|im_end|>"]
+        );
+        // Without the end-of-turn token registered as special, the turn cannot be closed.
+        let e = render_spans(&t, &c, TrainOn::Assistant, &specials[..1]).unwrap_err();
+        assert!(
+            matches!(e, ChatError::NotPrefixStable { turn: 1, .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("does not end with a special token"),
+            "{e}"
+        );
     }
 }
