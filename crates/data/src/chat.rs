@@ -453,6 +453,27 @@ pub fn render_spans(
                     ),
                     }
                 })?;
+            // The turns were cut at the first end-of-turn token after their start: exact only if no
+            // assistant message so far holds that token's text itself.
+            let eots: Vec<&str> = located.iter().chain([&l]).map(|l| l.eot.as_str()).collect();
+            let holds = conv.roles[..=i]
+                .iter()
+                .zip(&conv.messages)
+                .filter(|(r, _)| **r == Role::Assistant)
+                .find_map(|(_, m)| {
+                    let m = m.to_string();
+                    eots.iter().find(|e| m.contains(**e))
+                });
+            if let Some(eot) = holds {
+                return Err(ChatError::NotPrefixStable {
+                    turn: i,
+                    detail: format!(
+                        "the render of {upto_what} is not a prefix of the whole conversation's, \
+                         and an assistant message holds the text of the end-of-turn token {eot:?} \
+                         itself, so the turns cannot be told apart exactly"
+                    ),
+                });
+            }
             located.push(l);
             continue;
         }
@@ -676,6 +697,17 @@ mod tests {
         );
         assert!(
             e.to_string().contains("does not end with a special token"),
+            "{e}"
+        );
+        // An assistant message holding the end-of-turn token's text cannot be cut exactly.
+        let c = conv(r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A<|im_end|>\n1", "reasoning_content": "R1"}, {"role": "user", "content": "r"}, {"role": "assistant", "content": "A2"}]}"#).unwrap();
+        let e = render_spans(&t, &c, TrainOn::Assistant, &specials).unwrap_err();
+        assert!(
+            matches!(e, ChatError::NotPrefixStable { turn: 1, .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("cannot be told apart exactly"),
             "{e}"
         );
     }
