@@ -278,3 +278,64 @@ fn chat_training_then_generate_chat_answers() {
         assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), a, "{q}");
     }
 }
+
+/// Qwen3's real template (`tests/fixtures/qwen3-chat/`): `rtune data inspect` shows, for
+/// multi-turn conversations with reasoning and `chat_template_kwargs = { enable_thinking = false }`,
+/// the ids and masks transformers' render gives (`golden.json`, made by
+/// `tests/parity/make_qwen3_chat_golden.py`), position by position.
+#[test]
+fn inspect_shows_qwen3_masks_with_enable_thinking_from_the_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fx = std::path::Path::new("tests/fixtures/qwen3-chat");
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fx.join(f), model.join(f)).unwrap();
+    }
+    // tiny-llama's config with room for Qwen3's added tokens.
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string("tests/fixtures/tiny-llama/config.json").unwrap(),
+    )
+    .unwrap();
+    cfg["vocab_size"] = 600.into();
+    std::fs::write(model.join("config.json"), cfg.to_string()).unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fx.join("golden.json")).unwrap()).unwrap();
+    let want: Vec<&serde_json::Value> = golden["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["enable_thinking"] == false)
+        .collect();
+    let rows: Vec<&str> = want.iter().map(|c| c["row"].as_str().unwrap()).collect();
+    let data = tmp.path().join("d.jsonl");
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let config = tmp.path().join("c.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\npath = {:?}\n[data]\ntrain = {:?}\ncache = false\nmax_seq_len = 2048\n\
+             chat_template_kwargs = {{ enable_thinking = false }}\n",
+            model.display().to_string(),
+            data.display().to_string()
+        ),
+    )
+    .unwrap();
+    let n = want.len().to_string();
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        config.to_str().unwrap(),
+        "--json",
+        "-n",
+        &n,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = lines(&o.stdout);
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g["input_ids"], w["input_ids"], "{}", w["name"]);
+        assert_eq!(g["labels"], w["labels"], "{}", w["name"]);
+    }
+}

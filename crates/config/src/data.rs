@@ -25,6 +25,10 @@ pub struct DataSection {
     /// A `.jinja` file replacing the tokenizer's chat template ("" = the model's own).
     #[serde(default)]
     pub chat_template: String,
+    /// Extra variables for the chat template, as transformers' `apply_chat_template(**kwargs)`
+    /// passes them, e.g. `{ enable_thinking = false }` for Qwen3.
+    #[serde(default)]
+    pub chat_template_kwargs: toml::Table,
     #[serde(default = "d_max_seq_len")]
     pub max_seq_len: usize,
     /// Rows longer than `max_seq_len`: `truncate` them or `drop` them.
@@ -96,6 +100,8 @@ pub struct DataConfig {
     /// Chat rows: loss on every token instead of the assistant turns only.
     pub train_on_all: bool,
     pub chat_template: Option<PathBuf>,
+    /// `[data] chat_template_kwargs`, by name (checked: no variable rtune sets itself, no dates).
+    pub chat_template_kwargs: Vec<(String, toml::Value)>,
     pub max_seq_len: usize,
     /// Drop over-long rows instead of truncating them.
     pub drop_long: bool,
@@ -184,6 +190,25 @@ impl DataSection {
         let skip_bad_rows = pick("on_bad_row", &self.on_bad_row, &["error", "skip"])? == 1;
         let chat_template =
             (!self.chat_template.trim().is_empty()).then(|| PathBuf::from(&self.chat_template));
+        let mut chat_template_kwargs = Vec::new();
+        for (k, v) in &self.chat_template_kwargs {
+            if RESERVED_TEMPLATE_VARS.contains(&k.as_str()) {
+                return Err(bad(
+                    "chat_template_kwargs",
+                    format!(
+                        "`{k}` is set by rtune for every render; the keys are the template's own \
+                         variables (e.g. enable_thinking)"
+                    ),
+                ));
+            }
+            if has_datetime(v) {
+                return Err(bad(
+                    "chat_template_kwargs",
+                    format!("`{k}` holds a TOML date, which a template cannot receive; quote it"),
+                ));
+            }
+            chat_template_kwargs.push((k.clone(), v.clone()));
+        }
         let cache_dir = self.cache.then(|| {
             if self.cache_dir.trim().is_empty() {
                 default_cache_dir()
@@ -198,6 +223,7 @@ impl DataSection {
             format,
             train_on_all,
             chat_template,
+            chat_template_kwargs,
             max_seq_len: self.max_seq_len,
             drop_long,
             max_row_bytes: match self.max_row_bytes {
@@ -210,6 +236,19 @@ impl DataSection {
             group_by_length: self.group_by_length,
             cache_dir,
         })
+    }
+}
+
+/// The variables rtune passes to every chat-template render itself (as transformers does).
+const RESERVED_TEMPLATE_VARS: [&str; 4] =
+    ["messages", "tools", "documents", "add_generation_prompt"];
+
+fn has_datetime(v: &toml::Value) -> bool {
+    match v {
+        toml::Value::Datetime(_) => true,
+        toml::Value::Array(a) => a.iter().any(has_datetime),
+        toml::Value::Table(t) => t.values().any(has_datetime),
+        _ => false,
     }
 }
 

@@ -98,6 +98,40 @@ mod tests {
         }
     }
 
+    /// `[data] chat_template_kwargs`: a table of template variables (Qwen3's `enable_thinking`),
+    /// none by default; the variables rtune sets itself and TOML dates are refused, naming the key.
+    #[test]
+    fn chat_template_kwargs() {
+        assert!(parse("").unwrap().data.chat_template_kwargs.is_empty());
+        let c = parse("chat_template_kwargs = { enable_thinking = false, tag = \"x\" }").unwrap();
+        assert_eq!(
+            c.data.chat_template_kwargs,
+            vec![
+                ("enable_thinking".to_string(), toml::Value::Boolean(false)),
+                ("tag".to_string(), toml::Value::String("x".into())),
+            ]
+        );
+        for (extra, needle) in [
+            (
+                "chat_template_kwargs = { messages = [] }",
+                "`messages` is set by rtune",
+            ),
+            (
+                "chat_template_kwargs = { add_generation_prompt = true }",
+                "`add_generation_prompt` is set by rtune",
+            ),
+            (
+                "chat_template_kwargs = { date = 2024-12-07 }",
+                "a TOML date",
+            ),
+            ("chat_template_kwargs = true", "chat_template_kwargs"),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains("data.chat_template_kwargs"), "{extra}: {e}");
+            assert!(e.contains(needle), "{extra}: {e}");
+        }
+    }
+
     #[test]
     fn defaults_validate() {
         let c = parse("").unwrap();

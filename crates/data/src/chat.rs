@@ -6,7 +6,10 @@
 //! turn's content starts, and the render of `messages[..=i]` ends where the turn ends. Both must be
 //! prefixes of the whole conversation's render: a template for which they are not ("not
 //! prefix-stable", e.g. one that moves the system prompt into the last user turn) is refused, since
-//! its spans could only be guessed. Each span is cut right after its last special token (the
+//! its spans could only be guessed, unless the renders differ from the whole only inside earlier
+//! assistant turns (Qwen3 drops an assistant turn's `<think>` reasoning once a user query follows
+//! it): the turn is then found in the whole render by aligning the partial renders with it turn by
+//! turn ([`render_spans`]), and trained as the whole render shows it. Each span is cut right after its last special token (the
 //! end-of-turn token or EOS), so the separator a template puts between turns (ChatML's "\n" after
 //! `<|im_end|>`) is not trained but the token that teaches the model to stop is. The text is then
 //! tokenised once, with offsets, and a token is trained when its bytes overlap a trained span (as
@@ -260,21 +263,145 @@ fn divergence(part: &str, full: &str) -> String {
 }
 
 /// Ends `span` (a slice of the render) right after its last special token, provided only
-/// whitespace follows it; `None` if it has no such token.
-fn end_of_turn(span: &str, specials: &[String]) -> Option<usize> {
+/// whitespace follows it; `None` if it has no such token. Also says which token it is.
+fn end_of_turn<'s>(span: &str, specials: &'s [String]) -> Option<(usize, &'s str)> {
     specials
         .iter()
         .filter(|s| !s.is_empty())
         .filter_map(|s| {
             let pos = span.rfind(s.as_str())?;
             let end = pos + s.len();
-            span[end..].trim().is_empty().then_some(end)
+            span[end..].trim().is_empty().then_some((end, s.as_str()))
         })
-        .max()
+        .max_by_key(|(end, _)| *end)
+}
+
+/// An assistant turn found in the whole render: `start..end` is trained, and ends with `eot`.
+struct Located {
+    start: usize,
+    end: usize,
+    eot: String,
+}
+
+/// Where `part` (a render of the first messages) ends in `text` (the whole conversation's render),
+/// when the two differ at most inside the earlier assistant turns `located` (e.g. Qwen3, which
+/// shows an assistant turn's reasoning only while no user query follows it). Outside those turns
+/// they must agree byte for byte; inside turn `l`, `text` runs from `l.start` to `l.end` and `part`
+/// from the same place through the first `l.eot` after it.
+fn align(part: &str, text: &str, located: &[Located]) -> Result<usize, String> {
+    let mismatch = |p: usize, t: usize| {
+        let snip = |s: &str, at: usize| {
+            s.get(at..)
+                .unwrap_or("")
+                .chars()
+                .take(40)
+                .collect::<String>()
+        };
+        format!(
+            "outside the earlier assistant turns, the partial render has {:?} where the whole \
+             conversation has {:?} (byte {t})",
+            snip(part, p),
+            snip(text, t)
+        )
+    };
+    let (pb, tb) = (part.as_bytes(), text.as_bytes());
+    let (mut p, mut t) = (0, 0);
+    for l in located {
+        let n = l.start - t;
+        if pb.len() - p <= n {
+            break;
+        }
+        if pb[p..p + n] != tb[t..l.start] {
+            return Err(mismatch(p, t));
+        }
+        p += n;
+        let body = part.get(p..).ok_or_else(|| mismatch(p, t))?;
+        let q = body.find(l.eot.as_str()).ok_or_else(|| {
+            format!(
+                "the partial render has no {:?} closing the assistant turn that starts at byte {} \
+                 of the whole",
+                l.eot, l.start
+            )
+        })?;
+        p += q + l.eot.len();
+        t = l.end;
+    }
+    if tb[t..].starts_with(&pb[p..]) {
+        Ok(t + (pb.len() - p))
+    } else {
+        Err(mismatch(p, t))
+    }
+}
+
+/// Finds assistant turn `turn` in `text` when the renders of the messages before it (`bare`, and
+/// `before` with the generation prompt) or through it (`upto`) are not prefixes of `text`, but
+/// differ from it only inside the earlier assistant turns `located`. The turn starts after the
+/// generation prompt where `text` shows it whole; where it does not (Qwen3's empty think block
+/// with `enable_thinking=false`, which earlier turns do not keep), after the prompt's first line,
+/// its role header, which `text` and `upto` must both show. It ends at the first end-of-turn token
+/// after that (the token that closes the turn in `upto`), which must be followed in `text` by
+/// what follows it in `upto` (the separator). The renders are not guessed at: anything else is
+/// an error.
+fn realign(
+    text: &str,
+    located: &[Located],
+    turn: usize,
+    (bare, before, upto): (&str, &str, &str),
+    specials: &[String],
+) -> Result<Located, String> {
+    let gen = before.strip_prefix(bare).ok_or_else(|| {
+        format!(
+            "the render of messages[..{turn}] with the generation prompt does not extend the one \
+             without it"
+        )
+    })?;
+    let own = upto.strip_prefix(bare).ok_or_else(|| {
+        format!("the render of messages[..={turn}] does not extend that of messages[..{turn}]")
+    })?;
+    let at = align(bare, text, located)?;
+    let shown = &text[at..];
+    let start = if !gen.is_empty() && shown.starts_with(gen) {
+        at + gen.len()
+    } else {
+        let header = gen.find('\n').map(|k| &gen[..=k]).ok_or_else(|| {
+            format!("the whole render does not show the generation prompt {gen:?}")
+        })?;
+        if !(shown.starts_with(header) && own.starts_with(header)) {
+            return Err(format!(
+                "the whole render shows neither the generation prompt {gen:?} nor its first line \
+                 there (it has {:?})",
+                shown.chars().take(40).collect::<String>()
+            ));
+        }
+        at + header.len()
+    };
+    let (own_end, eot) = end_of_turn(own, specials).ok_or_else(|| {
+        format!("its render through messages[..={turn}] does not end with a special token")
+    })?;
+    let q = text[start..]
+        .find(eot)
+        .ok_or_else(|| format!("the whole render has no {eot:?} after the turn's start"))?;
+    let end = start + q + eot.len();
+    let sep = &own[own_end..];
+    if !text[end..].starts_with(sep) {
+        return Err(format!(
+            "the turn's {eot:?} is not followed by {sep:?} in the whole render"
+        ));
+    }
+    Ok(Located {
+        start,
+        end,
+        eot: eot.to_string(),
+    })
 }
 
 /// Renders `conv` and finds the spans to train: every assistant turn (`TrainOn::Assistant`) or the
 /// whole text (`TrainOn::All`). `specials` are the tokenizer's special tokens.
+///
+/// A turn whose prefix renders are not prefixes of the whole (Qwen3 drops the reasoning of an
+/// assistant turn once a user query follows it) is found by [`realign`] when the renders differ
+/// only inside earlier assistant turns; the trained text is then the turn as the whole render shows
+/// it, through its end-of-turn token.
 pub fn render_spans(
     t: &ChatTemplate,
     conv: &Conversation,
@@ -290,7 +417,7 @@ pub fn render_spans(
             trained: vec![all],
         });
     }
-    let mut trained = Vec::new();
+    let mut located: Vec<Located> = Vec::new();
     for (i, _) in conv
         .roles
         .iter()
@@ -305,21 +432,50 @@ pub fn render_spans(
         };
         let before = prefix(i, true)?;
         let upto = prefix(i + 1, false)?;
-        for (part, what) in [(&before, "with the generation prompt"), (&upto, "")] {
-            if !text.starts_with(part.as_str()) {
-                let upto_what = if what.is_empty() {
-                    format!("messages[..={i}]")
-                } else {
-                    format!("messages[..{i}] {what}")
-                };
+        let unstable = [(&before, "with the generation prompt"), (&upto, "")]
+            .into_iter()
+            .find(|(part, _)| !text.starts_with(part.as_str()));
+        if let Some((part, what)) = unstable {
+            let upto_what = if what.is_empty() {
+                format!("messages[..={i}]")
+            } else {
+                format!("messages[..{i}] {what}")
+            };
+            let bare = prefix(i, false)?;
+            let l =
+                realign(&text, &located, i, (&bare, &before, &upto), specials).map_err(|why| {
+                    ChatError::NotPrefixStable {
+                        turn: i,
+                        detail: format!(
+                        "the render of {upto_what} is not a prefix of the whole conversation's \
+                         ({}), and they do not differ only inside earlier assistant turns ({why})",
+                        divergence(part, &text)
+                    ),
+                    }
+                })?;
+            // The turns were cut at the first end-of-turn token after their start: exact only if no
+            // assistant message so far holds that token's text itself.
+            let eots: Vec<&str> = located.iter().chain([&l]).map(|l| l.eot.as_str()).collect();
+            let holds = conv.roles[..=i]
+                .iter()
+                .zip(&conv.messages)
+                .filter(|(r, _)| **r == Role::Assistant)
+                .find_map(|(_, m)| {
+                    let m = m.to_string();
+                    eots.iter().find(|e| m.contains(**e))
+                });
+            if let Some(eot) = holds {
                 return Err(ChatError::NotPrefixStable {
                     turn: i,
                     detail: format!(
-                        "the render of {upto_what} is not a prefix of the whole conversation's ({})",
-                        divergence(part, &text)
+                        "the render of {upto_what} is not a prefix of the whole conversation's, \
+                         and an assistant message holds the text of the end-of-turn token {eot:?} \
+                         itself, so the turns cannot be told apart exactly"
                     ),
                 });
             }
+            located.push(l);
+            continue;
         }
         if upto.len() <= before.len() {
             return Err(ChatError::NotPrefixStable {
@@ -328,12 +484,17 @@ pub fn render_spans(
             });
         }
         let span = &text[before.len()..upto.len()];
-        let end = end_of_turn(span, specials).ok_or_else(|| ChatError::NoEndOfTurn {
+        let (end, eot) = end_of_turn(span, specials).ok_or_else(|| ChatError::NoEndOfTurn {
             turn: i,
             text: span.to_string(),
         })?;
-        trained.push(before.len()..before.len() + end);
+        located.push(Located {
+            start: before.len(),
+            end: before.len() + end,
+            eot: eot.to_string(),
+        });
     }
+    let trained = located.into_iter().map(|l| l.start..l.end).collect();
     Ok(RenderedChat { text, trained })
 }
 
@@ -490,6 +651,63 @@ mod tests {
         );
         assert!(
             e.to_string().contains("not prefix-stable at messages[1]"),
+            "{e}"
+        );
+        // The difference is not inside an earlier assistant turn, so it is not realigned either.
+        assert!(
+            e.to_string()
+                .contains("they do not differ only inside earlier assistant turns"),
+            "{e}"
+        );
+    }
+
+    /// A ChatML template that, like Qwen3's, shows an assistant turn's reasoning only while no user
+    /// message follows it: earlier turns are found in the final render and trained as shown there.
+    #[test]
+    fn earlier_assistant_turns_rewritten_by_the_template_are_realigned() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' and loop.last and m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if plain %}<think></think>{% endif %}{% endif %}",
+            "t",
+            &[],
+        )
+        .unwrap();
+        let c = conv(r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A1", "reasoning_content": "R1"}, {"role": "user", "content": "r"}, {"role": "assistant", "content": "A2", "reasoning_content": "R2"}]}"#).unwrap();
+        let specials = vec!["<|im_start|>".to_string(), "<|im_end|>".to_string()];
+        let spans = |t: &ChatTemplate| {
+            let r = render_spans(t, &c, TrainOn::Assistant, &specials).unwrap();
+            let s: Vec<String> = r
+                .trained
+                .iter()
+                .map(|s| r.text[s.clone()].to_string())
+                .collect();
+            s
+        };
+        assert_eq!(spans(&t), ["A1<|im_end|>", "<think>R2</think>A2<|im_end|>"]);
+        // A generation prompt the final render does not show whole: from its first line.
+        let plain = t.clone().with_var("plain", &serde_json::Value::Bool(true));
+        assert_eq!(
+            spans(&plain),
+            ["A1<|im_end|>", "<think>R2</think>A2<|im_end|>"]
+        );
+        // Without the end-of-turn token registered as special, the turn cannot be closed.
+        let e = render_spans(&t, &c, TrainOn::Assistant, &specials[..1]).unwrap_err();
+        assert!(
+            matches!(e, ChatError::NotPrefixStable { turn: 1, .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("does not end with a special token"),
+            "{e}"
+        );
+        // An assistant message holding the end-of-turn token's text cannot be cut exactly.
+        let c = conv(r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "A<|im_end|>\n1", "reasoning_content": "R1"}, {"role": "user", "content": "r"}, {"role": "assistant", "content": "A2"}]}"#).unwrap();
+        let e = render_spans(&t, &c, TrainOn::Assistant, &specials).unwrap_err();
+        assert!(
+            matches!(e, ChatError::NotPrefixStable { turn: 1, .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("cannot be told apart exactly"),
             "{e}"
         );
     }

@@ -114,6 +114,9 @@ pub struct DataOptions {
     pub max_seq_len: usize,
     /// Replaces the model's own template (e.g. [`ChatTemplate::from_file`] for a base model).
     pub chat_template: Option<ChatTemplate>,
+    /// Extra template variables for every render (`[data] chat_template_kwargs`, e.g.
+    /// `enable_thinking`), set on whichever template chat rows use ([`ChatTemplate::with_var`]).
+    pub chat_template_kwargs: Vec<(String, serde_json::Value)>,
 }
 
 impl DataOptions {
@@ -126,6 +129,7 @@ impl DataOptions {
             on_bad_row: OnBadRow::default(),
             max_seq_len,
             chat_template: None,
+            chat_template_kwargs: Vec::new(),
         }
     }
 }
@@ -254,6 +258,11 @@ impl<'a> RowParser<'a> {
                 Some(t) => Some(t.clone()),
                 None => ChatTemplate::from_tokenizer(tok)?,
             };
+            template = template.map(|t| {
+                opts.chat_template_kwargs
+                    .iter()
+                    .fold(t, |t, (k, v)| t.with_var(k, v))
+            });
             if template.is_none() {
                 return Err(need(
                     "chat rows need a chat template, and the model's tokenizer_config.json has none (a base model?): set [data] chat_template = \"path.jinja\"",

@@ -133,6 +133,14 @@ fn cache_inputs(
             rtune_fsio::sha256_bytes(t.source().as_bytes()),
         );
     }
+    if !opts.chat_template_kwargs.is_empty() {
+        let kw: serde_json::Map<String, serde_json::Value> =
+            opts.chat_template_kwargs.iter().cloned().collect();
+        m.insert(
+            "chat_template_kwargs".into(),
+            serde_json::Value::Object(kw).to_string(),
+        );
+    }
     m.insert("train_on_all".into(), d.train_on_all.to_string());
     m.insert("max_seq_len".into(), d.max_seq_len.to_string());
     m.insert("drop_long".into(), d.drop_long.to_string());
@@ -169,6 +177,12 @@ pub fn options(d: &DataConfig, tok: Option<&Tokenizer>) -> Result<DataOptions, T
     } else {
         OnBadRow::Error
     };
+    // TOML values as JSON (dates are refused by the config check).
+    o.chat_template_kwargs = d
+        .chat_template_kwargs
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::to_value(v).unwrap_or_default()))
+        .collect();
     if let Some(path) = &d.chat_template {
         let tok = tok.ok_or_else(|| DataError::File {
             path: path.clone(),
