@@ -135,6 +135,12 @@ pub fn save(
         .map_err(TrainError::from)?;
         fsync_dir(&tmp).map_err(TrainError::from)?;
         if final_dir.exists() {
+            if !crate::rundir::is_own_checkpoint(&final_dir) {
+                return Err(TrainError::OutputDir {
+                    path: final_dir.clone(),
+                    message: "exists and was not written by rtune; not replaced".into(),
+                });
+            }
             std::fs::remove_dir_all(&final_dir).map_err(|e| out(&final_dir, e))?;
         }
         std::fs::rename(&tmp, &final_dir).map_err(|e| out(&final_dir, e))?;
@@ -159,7 +165,7 @@ fn out(path: &Path, e: std::io::Error) -> TrainError {
     }
 }
 
-/// Complete checkpoints in `run_dir`, newest first.
+/// Complete checkpoints in `run_dir` that rtune wrote (`rundir::is_own_checkpoint`), newest first.
 pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
     let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(run_dir)
         .into_iter()
@@ -167,8 +173,8 @@ pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
-            Some((step, e.path()))
+            let step = crate::rundir::checkpoint_step(&name)?;
+            crate::rundir::is_own_checkpoint(&e.path()).then(|| (step, e.path()))
         })
         .collect();
     found.sort_by_key(|f| std::cmp::Reverse(f.0));
