@@ -203,6 +203,20 @@ pub fn home_dirs() -> Vec<PathBuf> {
     out
 }
 
+/// Whether a process `pid` exists on this machine (`kill(pid, 0)`: a process of another user
+/// counts).
+pub fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 /// The current user's home from the password database (`getpwuid_r`).
 fn passwd_home() -> Option<PathBuf> {
     use std::os::unix::ffi::OsStrExt;
@@ -312,6 +326,13 @@ mod tests {
             assert!(homes.contains(&h), "{homes:?}");
         }
         assert!(!homes.is_empty());
+    }
+
+    #[test]
+    fn this_process_is_alive() {
+        assert!(process_alive(std::process::id()));
+        assert!(!process_alive(0));
+        assert!(!process_alive(u32::MAX));
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::record::RunRecord;
 use crate::setup::fresh_output;
 use crate::TrainError;
 use rtune_fsio::{LockError, RunLock};
-use rtune_remote::{Mirror, Remote};
+use rtune_remote::{Claim, ClaimMode, Mirror, Remote};
 use rtune_track::{Start, Tracker};
 
 const METRICS: &str = "metrics.jsonl";
@@ -154,6 +154,9 @@ impl RunFiles {
         let Some(lock) = self.lock.take() else {
             return;
         };
+        if let Some(r) = self.remote.as_mut() {
+            r.release();
+        }
         if self.created_marker {
             let _ = std::fs::remove_file(self.dir.join(crate::rundir::RUN_MARKER));
         }
@@ -176,7 +179,16 @@ impl RunFiles {
         if !self.writes {
             return Ok(());
         }
-        fresh_output(cfg, self.privacy, self.created_dir)
+        fresh_output(cfg, self.privacy, self.created_dir)?;
+        // What an earlier run left under the remote prefix goes too (the claim allowed it).
+        if let Some(remote) = self.remote.as_ref().filter(|_| cfg.output.overwrite) {
+            let mut files = crate::setup::RUN_FILES.to_vec();
+            files.push(MLFLOW_JSON);
+            remote
+                .clear_run(&files)
+                .map_err(|e| TrainError::Remote(Box::new(e)))?;
+        }
+        Ok(())
     }
 
     /// Removes checkpoints left half-written by a killed run; returns how many.
@@ -395,6 +407,23 @@ impl RunFiles {
             .map_err(|e| TrainError::Remote(Box::new(e)))?;
         self.remote = Some(remote);
         Ok(())
+    }
+
+    /// Claims the remote prefix for this run (`rtune_remote::claim`: a marker object created
+    /// conditionally): refused (exit 2) on a prefix holding a finished run unless `overwrite`, or
+    /// another run's marker or checkpoints unless `resume` or `overwrite`, or a marker of a live
+    /// run on this machine.
+    pub fn claim_remote(&mut self, cfg: &RunConfig, resume: bool) -> Result<(), TrainError> {
+        let Some(remote) = self.remote.as_mut() else {
+            return Ok(());
+        };
+        let mode = ClaimMode {
+            resume,
+            overwrite: cfg.output.overwrite,
+        };
+        remote
+            .claim(&Claim::new(), mode)
+            .map_err(|e| TrainError::Remote(Box::new(e)))
     }
 
     /// For a resume: the newest verified remote checkpoint newer than every complete local one,
