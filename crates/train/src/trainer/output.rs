@@ -133,9 +133,12 @@ impl RunFiles {
         // The run's claim on the directory, from now on recognised as rtune's.
         let marker = self.dir.join(crate::rundir::RUN_MARKER);
         if !marker.exists() {
-            write_atomic(&marker, RUN_MARKER_TEXT.as_bytes(), self.privacy)
-                .map_err(TrainError::from)?;
+            // Its presence is the mark (a torn write still marks the directory): a plain create,
+            // not one of the atomic writes `RTUNE_FAULT_ENOSPC_AFTER` counts.
+            let mut f = self.privacy.create(&marker).map_err(TrainError::from)?;
             self.created_marker = true;
+            f.write_all(RUN_MARKER_TEXT.as_bytes())
+                .map_err(|e| output_err(&marker, e))?;
         }
         self.created_dir = found == crate::rundir::Found::Missing;
         Ok(())
