@@ -141,7 +141,7 @@ pub fn save(
                     message: "exists and was not written by rtune; not replaced".into(),
                 });
             }
-            std::fs::remove_dir_all(&final_dir).map_err(|e| out(&final_dir, e))?;
+            remove(&final_dir).map_err(|e| out(&final_dir, e))?;
         }
         std::fs::rename(&tmp, &final_dir).map_err(|e| out(&final_dir, e))?;
         fsync_dir(run_dir).map_err(TrainError::from)
@@ -152,7 +152,7 @@ pub fn save(
     }
     if keep_last > 0 {
         for (_, old) in list(run_dir).into_iter().skip(keep_last) {
-            std::fs::remove_dir_all(&old).map_err(|e| out(&old, e))?;
+            remove(&old).map_err(|e| out(&old, e))?;
         }
     }
     Ok(final_dir)
@@ -163,6 +163,19 @@ fn out(path: &Path, e: std::io::Error) -> TrainError {
         path: path.to_path_buf(),
         message: e.to_string(),
     }
+}
+
+/// Deletes the checkpoint `dir`: renamed first to `.checkpoint-<step>.old.tmp` (what
+/// [`remove_partial`] clears after a kill), so a checkpoint is whole or gone, never a half-deleted
+/// directory that no longer shows it is rtune's.
+pub fn remove(dir: &Path) -> std::io::Result<()> {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let gone = dir.with_file_name(format!(".{name}.old.tmp"));
+    if gone.exists() {
+        std::fs::remove_dir_all(&gone)?;
+    }
+    std::fs::rename(dir, &gone)?;
+    std::fs::remove_dir_all(&gone)
 }
 
 /// Complete checkpoints in `run_dir` that rtune wrote (`rundir::is_own_checkpoint`), newest first.

@@ -140,16 +140,44 @@ pub fn checkpoint_step(name: &str) -> Option<usize> {
     name.strip_prefix("checkpoint-")?.parse().ok()
 }
 
+/// The files of a checkpoint rtune writes.
+const CHECKPOINT_FILES: [&str; 5] = [
+    "manifest.json",
+    "trainer_state.json",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "optimizer.safetensors",
+];
+
 /// Whether `dir` (a `checkpoint-N/`) is one rtune wrote: its manifest.json or
-/// trainer_state.json names rtune's checkpoint format (either may be damaged, not both).
+/// trainer_state.json names rtune's checkpoint format (either may be damaged, not both), or — a
+/// checkpoint an older rtune was deleting when it was killed — both are gone and nothing but
+/// rtune's checkpoint files is left.
 pub fn is_own_checkpoint(dir: &Path) -> bool {
-    ["manifest.json", "trainer_state.json"].iter().any(|f| {
+    let rtune_format = |f: &str| {
         read_json(&dir.join(f)).is_some_and(|v| {
             v.get("format")
                 .and_then(|x| x.as_str())
                 .is_some_and(|s| s.starts_with("rtune-checkpoint/"))
         })
-    })
+    };
+    if CHECKPOINT_FILES[..2].iter().any(|f| rtune_format(f)) {
+        return true;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    let mut names = Vec::new();
+    for e in entries {
+        let Ok(e) = e else { return false };
+        if !e.file_type().is_ok_and(|t| t.is_file()) {
+            return false;
+        }
+        names.push(e.file_name().to_string_lossy().into_owned());
+    }
+    names
+        .iter()
+        .all(|n| CHECKPOINT_FILES[2..].contains(&n.as_str()))
 }
 
 /// A regular file's JSON, read up to [`MAX_JSON_BYTES`]; `None` for anything else.
@@ -219,7 +247,20 @@ mod tests {
         )
         .unwrap();
         assert_eq!(check(&run).unwrap(), Found::Run);
+        // Half deleted by a killed rtune: only rtune's files left (or none).
+        std::fs::create_dir(run.join("checkpoint-7")).unwrap();
+        std::fs::write(run.join("checkpoint-7/optimizer.safetensors"), "").unwrap();
+        assert_eq!(check(&run).unwrap(), Found::Run);
         std::fs::create_dir(run.join("checkpoint-99")).unwrap();
+        std::fs::write(run.join("checkpoint-99/weights.bin"), "mine").unwrap();
+        assert!(message(check(&run)).contains("checkpoint-99/, which rtune did not write"));
+        // Another trainer's state file: not rtune's, whatever else is there.
+        std::fs::remove_file(run.join("checkpoint-99/weights.bin")).unwrap();
+        std::fs::write(
+            run.join("checkpoint-99/trainer_state.json"),
+            "{\"global_step\": 99}",
+        )
+        .unwrap();
         assert!(message(check(&run)).contains("checkpoint-99/, which rtune did not write"));
         let file = d.join("file");
         std::fs::write(&file, "x").unwrap();

@@ -352,7 +352,7 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy, created: bool) -> Result<
             }
         }
         for (_, c) in checkpoints {
-            std::fs::remove_dir_all(&c)
+            checkpoint::remove(&c)
                 .map_err(|e| out(format!("cannot remove {}: {e}", c.display())))?;
         }
         checkpoint::remove_partial(dir);
