@@ -1,6 +1,8 @@
 //! What an adversarial user tried (issue 19): two runs on one directory, a filesystem too small for
 //! the run, a model index that points outside the model directory, a rank above a layer's size,
 //! a Windows-saved data file. Each is refused at start with exit 2 and the reason, or accepted.
+//! Issue 35's write rules: `/`, the home directory and a directory that is not an rtune run are
+//! refused before anything is written; only what rtune wrote is replaced.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -385,11 +387,17 @@ fn a_refused_start_leaves_no_lock_behind() {
     // unless [output] overwrite, with and without --resume.
     let out = tmp.path().join("finished");
     std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join(".rtune-run"), "").unwrap();
     std::fs::write(out.join("summary.json"), "{}").unwrap();
     // A directory holding an unfinished run's checkpoint: a fresh start is refused.
     let ckpt = tmp.path().join("unfinished");
     std::fs::create_dir_all(ckpt.join("checkpoint-3")).unwrap();
-    std::fs::write(ckpt.join("checkpoint-3/trainer_state.json"), "{}").unwrap();
+    std::fs::write(ckpt.join(".rtune-run"), "").unwrap();
+    std::fs::write(
+        ckpt.join("checkpoint-3/trainer_state.json"),
+        r#"{"format": "rtune-checkpoint/2"}"#,
+    )
+    .unwrap();
     for (dir, extra, refusal) in [
         (&out, None, "already holds a finished run"),
         (&out, Some("--resume"), "this run already finished"),
@@ -402,4 +410,139 @@ fn a_refused_start_leaves_no_lock_behind() {
         assert!(stderr(&o).contains(refusal), "{}", stderr(&o));
         assert_eq!(listing(dir), before, "{} left as found", dir.display());
     }
+}
+
+fn listing_modes(d: &Path) -> Vec<(String, u32)> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut v: Vec<(String, u32)> = std::fs::read_dir(d)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let mode = e.metadata().unwrap().permissions().mode() & 0o777;
+            (e.file_name().to_string_lossy().into_owned(), mode)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn dir_mode(d: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(d).unwrap().permissions().mode() & 0o777
+}
+
+/// Issue 35: `[output] dir = "/"` was accepted (chmod 0700, files written there); any existing
+/// directory was chmodded 0700, and `overwrite = true` deleted a user's own `checkpoint-99/` in
+/// it. Now `/`, `$HOME` and a non-empty directory that is not an rtune run are refused at start
+/// with one line and exit 2, nothing written, no mode changed, with or without `overwrite`.
+#[test]
+fn output_dir_root_home_and_foreign_directories_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(home.join("checkpoint-99")).unwrap();
+    std::fs::write(home.join("checkpoint-99/weights.bin"), "mine").unwrap();
+    std::fs::write(home.join("notes.txt"), "mine").unwrap();
+    std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let user = tmp.path().join("user");
+    std::fs::create_dir_all(user.join("checkpoint-99")).unwrap();
+    std::fs::write(user.join("checkpoint-99/weights.bin"), "mine").unwrap();
+    std::fs::set_permissions(&user, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let home_env = [("HOME", home.to_str().unwrap())];
+    let root_mode = dir_mode(Path::new("/"));
+    for (dir, refusal) in [
+        (Path::new("/"), "is the root directory"),
+        (home.as_path(), "is your home directory"),
+        (
+            user.as_path(),
+            "is a non-empty directory that is not an rtune run",
+        ),
+    ] {
+        for overwrite in ["false", "true"] {
+            let before = (dir != Path::new("/")).then(|| (listing_modes(dir), dir_mode(dir)));
+            let extra = format!("overwrite = {overwrite}");
+            let cfg = if dir == Path::new("/") {
+                let cfg = config(tmp.path(), &tmp.path().join("root"), &extra);
+                let text = std::fs::read_to_string(&cfg).unwrap();
+                let line = format!("dir = \"{}\"", tmp.path().join("root").display());
+                std::fs::write(&cfg, text.replace(&line, "dir = \"/\"")).unwrap();
+                cfg
+            } else {
+                config(tmp.path(), dir, &extra)
+            };
+            let o = rtune_env(&["train", "--config", cfg.to_str().unwrap()], &home_env);
+            let e = stderr(&o);
+            assert_eq!(o.status.code(), Some(2), "{}: {e}", dir.display());
+            let errors: Vec<&str> = e.lines().filter(|l| l.starts_with("error")).collect();
+            assert_eq!(errors.len(), 1, "one line: {e}");
+            assert!(errors[0].contains(refusal), "{}: {e}", dir.display());
+            if let Some(before) = before {
+                assert_eq!(
+                    (listing_modes(dir), dir_mode(dir)),
+                    before,
+                    "{} untouched",
+                    dir.display()
+                );
+            }
+        }
+    }
+    assert_eq!(dir_mode(Path::new("/")), root_mode, "/ not chmodded");
+    assert!(!Path::new("/.rtune.lock").exists() && !Path::new("/.rtune-run").exists());
+    assert_eq!(
+        std::fs::read(user.join("checkpoint-99/weights.bin")).unwrap(),
+        b"mine"
+    );
+}
+
+/// Issue 35: an empty directory that rtune did not create is taken as is (its mode unchanged) and
+/// marked as a run; inside a run, `overwrite` replaces only what rtune wrote: a `checkpoint-N/`
+/// of the user's is never deleted (the start is refused naming it); a run from before the marker
+/// (run.json only) is still recognised.
+#[test]
+fn overwrite_replaces_only_what_rtune_wrote() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("empty");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o750)).unwrap();
+    let steps = ["--set", "train.steps=4"];
+    let cfg = config(tmp.path(), &out, "");
+    let o = train(&cfg, &steps);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        dir_mode(&out),
+        0o750,
+        "an existing directory keeps its mode"
+    );
+    assert!(
+        out.join(".rtune-run").is_file(),
+        "the run marks its directory"
+    );
+    assert!(out.join("checkpoint-4/manifest.json").is_file());
+
+    // A folder of the user's named like a checkpoint, inside the run: never deleted.
+    let mine = out.join("checkpoint-99");
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::write(mine.join("weights.bin"), "mine").unwrap();
+    let cfg = config(tmp.path(), &out, "overwrite = true");
+    let o = train(&cfg, &steps);
+    let e = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("checkpoint-99/, which rtune did not write"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(mine.join("weights.bin")).unwrap(), b"mine");
+    assert!(
+        out.join("summary.json").exists(),
+        "the run is left as it was"
+    );
+    std::fs::remove_dir_all(&mine).unwrap();
+
+    // A run from before the marker: recognised by its run.json, replaced with overwrite.
+    std::fs::remove_file(out.join(".rtune-run")).unwrap();
+    let o = train(&cfg, &steps);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(out.join(".rtune-run").is_file());
+    assert_eq!(dir_mode(&out), 0o750);
 }

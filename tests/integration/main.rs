@@ -16,10 +16,12 @@
 //! - `families`: Qwen3 (and the families after Llama) through `rtune train` against PEFT goldens;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
-//!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row;
+//!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row; `/`,
+//!   `$HOME` and a foreign directory refused as `[output] dir`, overwrite of only what rtune wrote;
 //! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
 //! - `remote`: `[output] remote` against a real S3 server (s3s-fs): mirrored checkpoints and final
-//!   files, resume from the store after kill -9, a store that goes away, bad credentials;
+//!   files, resume from the store after kill -9, a store that goes away, bad credentials, the
+//!   prefix claimed by one run (a finished run's kept, a second run refused, a lease taken over);
 //! - `mlflow`: `[output] mlflow` against a real `mlflow server`: params, metrics, artifacts, status,
 //!   and a server killed mid-run;
 //! - `smollm2`: the real-model recipe (SmolLM2-135M from GGUF), cut to a few steps;

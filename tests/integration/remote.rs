@@ -6,7 +6,9 @@
 //! newest remote checkpoint corrupted, `--resume` → the previous remote checkpoint, and an adapter
 //! identical to an uninterrupted run's; the server down for part of the run → uploads catch up;
 //! never back → exit 1 after `remote_timeout` with the local run complete; a wrong secret key →
-//! exit 2 before anything is written.
+//! exit 2 before anything is written. Issue 35: a finished run's prefix is not reused without
+//! `overwrite`; a second run on a claimed prefix is refused at start; a run whose prefix is taken
+//! over stops uploading.
 
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -400,4 +402,141 @@ fn a_wrong_secret_key_is_refused_at_start() {
         "the secret is never printed"
     );
     assert!(!out.exists(), "nothing written");
+}
+
+/// The run marker in the store, parsed.
+fn marker(s3: &S3, prefix: &str) -> serde_json::Value {
+    let text = std::fs::read(s3.dir(prefix).join("rtune-run.json")).unwrap();
+    serde_json::from_slice(&text).unwrap()
+}
+
+/// Issue 35: a new run pointed at a prefix holding a finished run replaced it silently. Now it is
+/// refused at start (exit 2, nothing written here or there) unless `[output] overwrite = true`,
+/// which replaces the earlier run's objects.
+#[test]
+fn a_finished_runs_prefix_is_not_reused_without_overwrite() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s3 = S3::start(&tmp.path().join("store"));
+    let extra = format!("remote = \"{}\"", url("done"));
+    let short = ["--set", "train.steps=8"];
+    let first = tmp.path().join("first");
+    let o = run_with(&config(tmp.path(), &first, &extra), &short, &s3.env(SECRET));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let remote = s3.dir("done");
+    let summary = std::fs::read(remote.join("summary.json")).unwrap();
+    let first_run = marker(&s3, "done")["run_id"].clone();
+    assert!(first_run.is_string(), "the run marked the prefix");
+
+    let second = tmp.path().join("second");
+    let cfg = config(tmp.path(), &second, &extra);
+    for args in [&short[..], &["--set", "train.steps=8", "--resume"][..]] {
+        let o = run_with(&cfg, args, &s3.env(SECRET));
+        let log = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{log}");
+        assert!(log.contains("holds a finished run"), "{log}");
+        assert!(log.contains(&url("done")), "{log}");
+        assert!(!second.exists(), "nothing written locally");
+        assert_eq!(std::fs::read(remote.join("summary.json")).unwrap(), summary);
+    }
+
+    let o = run_with(
+        &cfg,
+        &["--set", "train.steps=4", "--set", "output.overwrite=true"],
+        &s3.env(SECRET),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    for f in ["summary.json", "adapter_model.safetensors"] {
+        assert_eq!(
+            std::fs::read(remote.join(f)).unwrap(),
+            std::fs::read(second.join(f)).unwrap(),
+            "{f} is the new run's"
+        );
+    }
+    // (s3s-fs keeps a prefix's directory once its objects are deleted.)
+    for f in [
+        "manifest.json",
+        "adapter_model.safetensors",
+        "optimizer.safetensors",
+    ] {
+        assert!(
+            !remote.join("checkpoint-8").join(f).exists(),
+            "the earlier run's checkpoint-8/{f} is gone"
+        );
+    }
+    assert!(remote.join("checkpoint-4/manifest.json").exists());
+    assert_ne!(
+        marker(&s3, "done")["run_id"],
+        first_run,
+        "the prefix is the new run's"
+    );
+}
+
+/// Issue 35: two runs on one prefix at once both exited 0 and the store ended with a mix. Now the
+/// second is refused at start (exit 2, fresh or `--resume`), and the first's run is what the
+/// store holds.
+#[test]
+fn a_second_run_on_a_claimed_prefix_is_refused_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s3 = S3::start(&tmp.path().join("store"));
+    let extra = format!("remote = \"{}\"", url("shared"));
+    let a = tmp.path().join("a");
+    let child = spawn(&config(tmp.path(), &a, &extra), &[], &s3.env(SECRET));
+    let remote = s3.dir("shared");
+    wait_for("the run marker", Duration::from_secs(60), || {
+        remote.join("rtune-run.json").exists()
+    });
+    let pid = child.id();
+    assert_eq!(marker(&s3, "shared")["pid"], pid);
+    let b = tmp.path().join("b");
+    let cfg = config(tmp.path(), &b, &extra);
+    for (args, refusal) in [
+        (&[][..], "is claimed by run"),
+        (&["--resume"][..], "still running on this machine"),
+    ] {
+        let o = run_with(&cfg, args, &s3.env(SECRET));
+        let log = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{log}");
+        assert!(log.contains(refusal), "{log}");
+        assert!(!b.exists(), "nothing written locally");
+    }
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        std::fs::read(remote.join("adapter_model.safetensors")).unwrap(),
+        std::fs::read(a.join("adapter_model.safetensors")).unwrap()
+    );
+    assert_eq!(
+        marker(&s3, "shared")["pid"],
+        pid,
+        "the prefix stayed the first run's"
+    );
+}
+
+/// The lease: a run whose prefix another run claimed meanwhile uploads nothing more and exits 1
+/// saying so (its local run is complete).
+#[test]
+fn a_run_whose_prefix_is_taken_over_stops_uploading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s3 = S3::start(&tmp.path().join("store"));
+    let extra = format!("remote = \"{}\"", url("lease"));
+    let a = tmp.path().join("a");
+    let child = spawn(&config(tmp.path(), &a, &extra), &[], &s3.env(SECRET));
+    let remote = s3.dir("lease");
+    wait_for("the run marker", Duration::from_secs(60), || {
+        remote.join("rtune-run.json").exists()
+    });
+    let mut other = marker(&s3, "lease");
+    other["run_id"] = "another-run".into();
+    other["pid"] = 1.into();
+    std::fs::write(
+        remote.join("rtune-run.json"),
+        serde_json::to_vec(&other).unwrap(),
+    )
+    .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let log = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{log}");
+    assert!(log.contains("taken over by run another-run"), "{log}");
+    assert!(a.join("summary.json").exists(), "the local run is complete");
+    assert!(!remote.join("summary.json").exists(), "{log}");
 }

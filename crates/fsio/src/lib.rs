@@ -184,6 +184,70 @@ pub fn free_bytes(path: &Path) -> Result<u64> {
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
+/// The current user's home directory as `$HOME` names it and as the password database does (they
+/// can differ), each resolved through symlinks: directories rtune never takes as a run directory.
+pub fn home_dirs() -> Vec<PathBuf> {
+    let mut homes: Vec<PathBuf> = std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
+    homes.extend(passwd_home());
+    let mut out: Vec<PathBuf> = Vec::new();
+    for h in homes {
+        let h = std::fs::canonicalize(&h).unwrap_or(h);
+        if !out.contains(&h) {
+            out.push(h);
+        }
+    }
+    out
+}
+
+/// Whether a process `pid` exists on this machine (`kill(pid, 0)`: a process of another user
+/// counts).
+pub fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// The current user's home from the password database (`getpwuid_r`).
+fn passwd_home() -> Option<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut buf = vec![0 as libc::c_char; 16 << 10];
+    let mut pw = std::mem::MaybeUninit::<libc::passwd>::zeroed();
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: `pw` and `buf` are writable and live for the call; `found` receives a pointer to
+    // `pw` or null.
+    let rc = unsafe {
+        libc::getpwuid_r(
+            libc::getuid(),
+            pw.as_mut_ptr(),
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    if rc != 0 || found.is_null() {
+        return None;
+    }
+    // SAFETY: getpwuid_r succeeded and `found` points at `pw`, whose `pw_dir` is null or a
+    // NUL-terminated string inside `buf`, still alive.
+    let dir = unsafe { (*found).pw_dir };
+    if dir.is_null() {
+        return None;
+    }
+    // SAFETY: non-null and NUL-terminated (above).
+    let bytes = unsafe { std::ffi::CStr::from_ptr(dir) }.to_bytes();
+    (!bytes.is_empty()).then(|| PathBuf::from(std::ffi::OsStr::from_bytes(bytes)))
+}
+
 /// Lower-case hex SHA-256 of a file's contents, streamed.
 pub fn sha256_file(path: &Path) -> Result<String> {
     let mut f = File::open(path).map_err(ctx(path, "open"))?;
@@ -252,6 +316,23 @@ mod tests {
             0o644
         );
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn home_dirs_name_the_users_home() {
+        let homes = home_dirs();
+        if let Some(h) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
+            let h = std::fs::canonicalize(&h).unwrap_or(PathBuf::from(h));
+            assert!(homes.contains(&h), "{homes:?}");
+        }
+        assert!(!homes.is_empty());
+    }
+
+    #[test]
+    fn this_process_is_alive() {
+        assert!(process_alive(std::process::id()));
+        assert!(!process_alive(0));
+        assert!(!process_alive(u32::MAX));
     }
 
     #[test]

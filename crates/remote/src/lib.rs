@@ -5,6 +5,8 @@
 //!   blocking operations the trainer needs: [`probe`](Remote::probe) (write, read back, delete),
 //!   uploads checked against a SHA-256 (multipart above [`MULTIPART_BYTES`]), downloads, listing
 //!   and deleting checkpoints;
+//! - [`claim`]: the prefix claimed by one run (a marker object created conditionally), checked as
+//!   a lease before every upload;
 //! - [`mirror`]: the background uploader of checkpoints and of the run's final files;
 //! - [`fetch`]: the newest remote checkpoint that verifies, brought back for `--resume`, and a
 //!   finished run's files for `rtune export --run s3://…`.
@@ -13,6 +15,7 @@
 //! `run.json`, the adapter …). A checkpoint's `manifest.json` is uploaded last, so a remote
 //! checkpoint exists exactly when its manifest does.
 
+pub mod claim;
 pub mod fetch;
 pub mod mirror;
 
@@ -28,6 +31,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use claim::{Claim, ClaimMode, RUN_MARKER};
 pub use mirror::{Mirror, Status};
 
 /// Files above this size are uploaded in parts (S3's minimum part is 5 MiB).
@@ -52,6 +56,12 @@ pub enum RemoteError {
     /// What was read does not match its SHA-256 (an upload refused, or a download rejected).
     #[error("{what} does not match its checksum in manifest.json")]
     Checksum { what: String },
+    /// The prefix belongs to another run (a finished one, or one that holds its marker).
+    #[error("{url}: {message}")]
+    Claimed { url: String, message: String },
+    /// Another run claimed the prefix while this one was uploading: nothing more is uploaded.
+    #[error("{url}: taken over by {by}; this run uploads nothing more there")]
+    TakenOver { url: String, by: String },
     /// A local file could not be read or written.
     #[error("{}: {op}: {message}", path.display())]
     Local {
@@ -141,6 +151,10 @@ pub struct Remote {
     /// The key prefix under the bucket ("" for the bucket's root).
     prefix: String,
     rt: tokio::runtime::Runtime,
+    /// The run id of this process's claim on the prefix, once made ([`claim`]).
+    owner: Option<String>,
+    /// Whether that claim created the marker (rather than took it over).
+    created_marker: bool,
 }
 
 /// `s3://bucket/a/b` → `("bucket", "a/b")`.
@@ -194,6 +208,8 @@ impl Remote {
             store,
             prefix: prefix.to_string(),
             rt,
+            owner: None,
+            created_marker: false,
         })
     }
 

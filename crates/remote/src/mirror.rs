@@ -8,6 +8,9 @@
 //! 3. the checkpoint's `manifest.json`, last: the remote checkpoint exists from this moment;
 //! 4. then, `keep_last` applied remotely (older checkpoints deleted, manifest first).
 //!
+//! Before each upload the prefix's lease is checked ([`Remote::check_lease`]): once another run
+//! has claimed it, this one uploads nothing more and its end reports why.
+//!
 //! When uploads fall behind only the newest waiting checkpoint is kept (intermediate ones are
 //! skipped, never the newest). A failure is retried with exponential backoff (0.5 s doubling to
 //! 30 s) until it succeeds or a newer checkpoint replaces it. [`Mirror::finish`] uploads the run's
@@ -170,6 +173,8 @@ impl Worker {
         let mut retry_at: Option<Instant> = None;
         let mut backoff = FIRST_BACKOFF;
         let mut failing = false;
+        // Set when another run took the prefix over: why nothing more is uploaded.
+        let mut lost: Option<String> = None;
         loop {
             // Take every job waiting; block when there is nothing to do, wait out a backoff.
             let busy = want.is_some() || finish.is_some();
@@ -193,6 +198,12 @@ impl Worker {
             };
             if let Some(m) = msg {
                 match m {
+                    // Taken over: nothing more is uploaded, and the end of the run says so.
+                    Job::Checkpoint { .. } if lost.is_some() => {}
+                    Job::Finish(f) if lost.is_some() => {
+                        let _ = f.reply.send(Err(lost.take().unwrap_or_default()));
+                        return;
+                    }
                     Job::Checkpoint { step, dir } => {
                         if let Some((old, _)) = want.replace((step, dir)) {
                             self.note(|s| {
@@ -228,6 +239,21 @@ impl Worker {
                     )));
                     return;
                 }
+            }
+            // The lease: another run that claimed the prefix since ends this run's uploads.
+            if let Err(e @ RemoteError::TakenOver { .. }) = self.remote.check_lease() {
+                let message = e.to_string();
+                self.note(|s| {
+                    s.pending = false;
+                    s.notices.push(format!("remote: {message}"));
+                });
+                want = None;
+                if let Some(f) = finish.take() {
+                    let _ = f.reply.send(Err(message));
+                    return;
+                }
+                lost = Some(message);
+                continue;
             }
             let result = if let Some((step, dir)) = &want {
                 let r = self.upload_checkpoint(*step, dir);

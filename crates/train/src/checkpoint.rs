@@ -135,7 +135,13 @@ pub fn save(
         .map_err(TrainError::from)?;
         fsync_dir(&tmp).map_err(TrainError::from)?;
         if final_dir.exists() {
-            std::fs::remove_dir_all(&final_dir).map_err(|e| out(&final_dir, e))?;
+            if !crate::rundir::is_own_checkpoint(&final_dir) {
+                return Err(TrainError::OutputDir {
+                    path: final_dir.clone(),
+                    message: "exists and was not written by rtune; not replaced".into(),
+                });
+            }
+            remove(&final_dir).map_err(|e| out(&final_dir, e))?;
         }
         std::fs::rename(&tmp, &final_dir).map_err(|e| out(&final_dir, e))?;
         fsync_dir(run_dir).map_err(TrainError::from)
@@ -146,7 +152,7 @@ pub fn save(
     }
     if keep_last > 0 {
         for (_, old) in list(run_dir).into_iter().skip(keep_last) {
-            std::fs::remove_dir_all(&old).map_err(|e| out(&old, e))?;
+            remove(&old).map_err(|e| out(&old, e))?;
         }
     }
     Ok(final_dir)
@@ -159,7 +165,20 @@ fn out(path: &Path, e: std::io::Error) -> TrainError {
     }
 }
 
-/// Complete checkpoints in `run_dir`, newest first.
+/// Deletes the checkpoint `dir`: renamed first to `.checkpoint-<step>.old.tmp` (what
+/// [`remove_partial`] clears after a kill), so a checkpoint is whole or gone, never a half-deleted
+/// directory that no longer shows it is rtune's.
+pub fn remove(dir: &Path) -> std::io::Result<()> {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let gone = dir.with_file_name(format!(".{name}.old.tmp"));
+    if gone.exists() {
+        std::fs::remove_dir_all(&gone)?;
+    }
+    std::fs::rename(dir, &gone)?;
+    std::fs::remove_dir_all(&gone)
+}
+
+/// Complete checkpoints in `run_dir` that rtune wrote (`rundir::is_own_checkpoint`), newest first.
 pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
     let mut found: Vec<(usize, PathBuf)> = std::fs::read_dir(run_dir)
         .into_iter()
@@ -167,8 +186,8 @@ pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            let step = name.strip_prefix("checkpoint-")?.parse().ok()?;
-            Some((step, e.path()))
+            let step = crate::rundir::checkpoint_step(&name)?;
+            crate::rundir::is_own_checkpoint(&e.path()).then(|| (step, e.path()))
         })
         .collect();
     found.sort_by_key(|f| std::cmp::Reverse(f.0));

@@ -23,6 +23,7 @@ pub mod generate;
 pub mod memory;
 pub mod optim;
 pub mod record;
+pub mod rundir;
 mod setup;
 pub mod tokens;
 pub mod trainer;

@@ -315,9 +315,11 @@ pub const RUN_FILES: [&str; 8] = [
     "run.json",
 ];
 
-/// Makes `dir` ready for a fresh run: refuses to replace a finished or resumable run unless
-/// `overwrite`, then clears the old run's files and checkpoints.
-pub fn fresh_output(cfg: &RunConfig, privacy: Privacy) -> Result<(), TrainError> {
+/// Makes `dir` (an rtune run directory, see `rundir::check`) ready for a fresh run: refuses to
+/// replace a finished or resumable run unless `overwrite`, then clears what the old run wrote —
+/// its files, its checkpoints, its TensorBoard events — and nothing else. The directory's mode is
+/// set only when this run `created` it.
+pub fn fresh_output(cfg: &RunConfig, privacy: Privacy, created: bool) -> Result<(), TrainError> {
     let dir = &cfg.output.dir;
     let out = |message: String| TrainError::OutputDir {
         path: dir.clone(),
@@ -350,24 +352,43 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy) -> Result<(), TrainError>
             }
         }
         for (_, c) in checkpoints {
-            std::fs::remove_dir_all(&c)
+            checkpoint::remove(&c)
                 .map_err(|e| out(format!("cannot remove {}: {e}", c.display())))?;
         }
         checkpoint::remove_partial(dir);
-        let tb = dir.join(rtune_watch::TB_DIR);
-        if tb.is_dir() {
-            std::fs::remove_dir_all(&tb)
-                .map_err(|e| out(format!("cannot remove old {}: {e}", tb.display())))?;
-        }
+        remove_tb_events(&dir.join(rtune_watch::TB_DIR)).map_err(out)?;
     }
     privacy
         .create_dir_all(dir)
         .map_err(|e| out(format!("cannot create: {}", e.source)))?;
-    if cfg.output.private {
+    if cfg.output.private && created {
         privacy
             .apply_to_dir(dir)
             .map_err(|e| out(e.source.to_string()))?;
     }
+    Ok(())
+}
+
+/// Removes the TensorBoard event files rtune wrote in `tb/` (`events.out.tfevents.*`), then
+/// `tb/` itself if that left it empty: anything else in it stays.
+fn remove_tb_events(tb: &Path) -> Result<(), String> {
+    if !tb.is_dir() {
+        return Ok(());
+    }
+    let entries =
+        std::fs::read_dir(tb).map_err(|e| format!("cannot list {}: {e}", tb.display()))?;
+    for e in entries.flatten() {
+        let own = e
+            .file_name()
+            .to_string_lossy()
+            .starts_with("events.out.tfevents.")
+            && e.file_type().is_ok_and(|t| t.is_file());
+        if own {
+            std::fs::remove_file(e.path())
+                .map_err(|err| format!("cannot remove old {}: {err}", e.path().display()))?;
+        }
+    }
+    let _ = std::fs::remove_dir(tb);
     Ok(())
 }
 

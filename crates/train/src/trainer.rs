@@ -125,6 +125,9 @@ impl Trainer<'_> {
         // Rank 0 alone talks to the remote store (RunFiles writes only there).
         self.files.connect_remote(self.cfg)?;
         self.files.lock()?;
+        // The remote prefix is claimed like the directory (after it: a refusal leaves both as found).
+        let resume = opts.resume || self.cfg.output.resume;
+        self.files.claim_remote(self.cfg, resume)?;
         let existed = self.fetch_remote_checkpoint(opts, existed)?;
         // A barrier: the other ranks read the checkpoint rank 0 may just have fetched.
         self.dist

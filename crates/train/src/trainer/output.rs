@@ -25,11 +25,14 @@ use crate::record::RunRecord;
 use crate::setup::fresh_output;
 use crate::TrainError;
 use rtune_fsio::{LockError, RunLock};
-use rtune_remote::{Mirror, Remote};
+use rtune_remote::{Claim, ClaimMode, Mirror, Remote};
 use rtune_track::{Start, Tracker};
 
 const METRICS: &str = "metrics.jsonl";
 const SAMPLES: &str = "samples.jsonl";
+/// What the run marker says to whoever opens it.
+const RUN_MARKER_TEXT: &str =
+    "rtune run directory: rtune writes here, and replaces only what it wrote here\n";
 
 /// The run directory, as written by this process.
 pub struct RunFiles {
@@ -48,6 +51,9 @@ pub struct RunFiles {
     /// removes again.
     created_lock: bool,
     created_dirs: Vec<PathBuf>,
+    /// Whether [`lock`](Self::lock) wrote the run marker, and created the run directory itself.
+    created_marker: bool,
+    created_dir: bool,
     /// `[output] remote`, probed at start ([`connect_remote`](Self::connect_remote)) until the
     /// run opens; then the background uploader.
     remote: Option<Remote>,
@@ -82,6 +88,8 @@ impl RunFiles {
             lock: None,
             created_lock: false,
             created_dirs: Vec::new(),
+            created_marker: false,
+            created_dir: false,
             remote: None,
             mirror: None,
             tracker: None,
@@ -100,9 +108,9 @@ impl RunFiles {
             path: self.dir.clone(),
             message,
         };
-        if self.dir.exists() && !self.dir.is_dir() {
-            return Err(out("exists and is not a directory".into()));
-        }
+        // `/`, the home directory, a non-empty directory that is not a run: refused before
+        // anything is written.
+        let found = crate::rundir::check(&self.dir)?;
         let created_dirs: Vec<PathBuf> = self
             .dir
             .ancestors()
@@ -122,7 +130,23 @@ impl RunFiles {
             LockError::Io { op, source, .. } => out(format!("cannot lock ({op}): {source}")),
         })?;
         self.lock = Some(lock);
+        // The run's claim on the directory, from now on recognised as rtune's.
+        let marker = self.dir.join(crate::rundir::RUN_MARKER);
+        if !marker.exists() {
+            // Its presence is the mark (a torn write still marks the directory): a plain create,
+            // not one of the atomic writes `RTUNE_FAULT_ENOSPC_AFTER` counts.
+            let mut f = self.privacy.create(&marker).map_err(TrainError::from)?;
+            self.created_marker = true;
+            f.write_all(RUN_MARKER_TEXT.as_bytes())
+                .map_err(|e| output_err(&marker, e))?;
+        }
+        self.created_dir = found == crate::rundir::Found::Missing;
         Ok(())
+    }
+
+    /// Whether this process created the run directory (only then is its mode rtune's to set).
+    pub fn created_dir(&self) -> bool {
+        self.created_dir
     }
 
     /// For a run that ends before its first step (a refusal found once the directory was
@@ -133,6 +157,12 @@ impl RunFiles {
         let Some(lock) = self.lock.take() else {
             return;
         };
+        if let Some(r) = self.remote.as_mut() {
+            r.release();
+        }
+        if self.created_marker {
+            let _ = std::fs::remove_file(self.dir.join(crate::rundir::RUN_MARKER));
+        }
         if !self.created_lock {
             return;
         }
@@ -152,7 +182,16 @@ impl RunFiles {
         if !self.writes {
             return Ok(());
         }
-        fresh_output(cfg, self.privacy)
+        fresh_output(cfg, self.privacy, self.created_dir)?;
+        // What an earlier run left under the remote prefix goes too (the claim allowed it).
+        if let Some(remote) = self.remote.as_ref().filter(|_| cfg.output.overwrite) {
+            let mut files = crate::setup::RUN_FILES.to_vec();
+            files.push(MLFLOW_JSON);
+            remote
+                .clear_run(&files)
+                .map_err(|e| TrainError::Remote(Box::new(e)))?;
+        }
+        Ok(())
     }
 
     /// Removes checkpoints left half-written by a killed run; returns how many.
@@ -371,6 +410,23 @@ impl RunFiles {
             .map_err(|e| TrainError::Remote(Box::new(e)))?;
         self.remote = Some(remote);
         Ok(())
+    }
+
+    /// Claims the remote prefix for this run (`rtune_remote::claim`: a marker object created
+    /// conditionally): refused (exit 2) on a prefix holding a finished run unless `overwrite`, or
+    /// another run's marker or checkpoints unless `resume` or `overwrite`, or a marker of a live
+    /// run on this machine.
+    pub fn claim_remote(&mut self, cfg: &RunConfig, resume: bool) -> Result<(), TrainError> {
+        let Some(remote) = self.remote.as_mut() else {
+            return Ok(());
+        };
+        let mode = ClaimMode {
+            resume,
+            overwrite: cfg.output.overwrite,
+        };
+        remote
+            .claim(&Claim::new(), mode)
+            .map_err(|e| TrainError::Remote(Box::new(e)))
     }
 
     /// For a resume: the newest verified remote checkpoint newer than every complete local one,
@@ -594,9 +650,25 @@ mod tests {
         assert!(new.join(rtune_fsio::LOCK_FILE).exists());
         f.abandon();
         assert!(!tmp.join("a").exists());
-        // Existing, with a file of the user's: the lock file goes, the rest stays.
+        // Existing and empty: taken (lock file and marker), then left empty again.
+        let empty = tmp.join("empty");
+        std::fs::create_dir(&empty).unwrap();
+        let mut f = files(&empty);
+        f.lock().unwrap();
+        assert!(empty.join(crate::rundir::RUN_MARKER).exists());
+        assert!(!f.created_dir());
+        f.abandon();
+        assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
+        // Not a run: refused before anything is written.
+        let user = tmp.join("user");
+        std::fs::create_dir(&user).unwrap();
+        std::fs::write(user.join("notes.txt"), "x").unwrap();
+        assert!(files(&user).lock().is_err());
+        assert_eq!(std::fs::read_dir(&user).unwrap().count(), 1);
+        // An existing run with a file of the user's: the lock file goes, the rest stays.
         let old = tmp.join("old");
         std::fs::create_dir(&old).unwrap();
+        std::fs::write(old.join(crate::rundir::RUN_MARKER), "").unwrap();
         std::fs::write(old.join("notes.txt"), "x").unwrap();
         let mut f = files(&old);
         f.lock().unwrap();
