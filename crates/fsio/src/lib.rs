@@ -192,7 +192,12 @@ pub fn free_bytes(path: &Path) -> Result<u64> {
 
 /// Lower-case hex SHA-256 of a file's contents, streamed.
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = File::open(path).map_err(ctx(path, "open"))?;
+    // A device behind the name would be hashed forever: regular files only (issue 35).
+    let kind = FileKind::Sized {
+        cap: u64::MAX,
+        name: "file",
+    };
+    let mut f = open_regular(path, kind).map_err(|e| ctx(path, "open")(e.into_io()))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

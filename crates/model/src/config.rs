@@ -136,10 +136,11 @@ fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
 
 impl HfConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::File {
-            path: path.to_path_buf(),
-            message: format!("cannot read: {e}"),
-        })?;
+        let text = rtune_fsio::read_string_bounded(path, rtune_fsio::FileKind::ModelConfig)
+            .map_err(|e| ModelError::File {
+                path: path.to_path_buf(),
+                message: format!("cannot read: {e}"),
+            })?;
         serde_json::from_str(&text).map_err(|e| ModelError::File {
             path: path.to_path_buf(),
             message: format!("not a model config: {e}"),
@@ -373,8 +374,17 @@ impl GenerationConfig {
     /// Reads `dir/generation_config.json`; a missing file is an empty config, a malformed one an error.
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("generation_config.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            return Ok(Self::default());
+        let text = match rtune_fsio::read_string_bounded(&path, rtune_fsio::FileKind::ModelConfig) {
+            Ok(text) => text,
+            Err(rtune_fsio::ReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Self::default())
+            }
+            Err(e) => {
+                return Err(ModelError::File {
+                    path,
+                    message: format!("cannot read: {e}"),
+                })
+            }
         };
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::File {
             path: path.clone(),

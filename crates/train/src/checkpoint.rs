@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use rtune_fsio::{fsync_dir, sha256_bytes, sha256_file, write_atomic, Privacy};
+use rtune_fsio::{
+    fsync_dir, read_bounded, sha256_bytes, sha256_file, write_atomic, FileKind, Privacy,
+};
 use rtune_lora::peft::{exp_avg_key, exp_avg_sq_key};
 use rtune_lora::{Adapter, LoraSpec, ModuleShape, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
@@ -197,7 +199,8 @@ pub fn load(
     modules: &[ModuleShape],
     dev: &Device,
 ) -> Result<Loaded, String> {
-    let text = std::fs::read(dir.join(MANIFEST)).map_err(|e| format!("{MANIFEST}: {e}"))?;
+    let text = read_bounded(&dir.join(MANIFEST), FileKind::RunRecord)
+        .map_err(|e| format!("{MANIFEST}: {e}"))?;
     let manifest: Manifest =
         serde_json::from_slice(&text).map_err(|e| format!("{MANIFEST}: {e}"))?;
     if manifest.format != FORMAT {
@@ -208,7 +211,12 @@ pub fn load(
             .files
             .get(f)
             .ok_or_else(|| format!("{MANIFEST} does not list {f}"))?;
-        let bytes = std::fs::read(dir.join(f)).map_err(|e| format!("{f}: {e}"))?;
+        // Read no more than the manifest's size (+1 to tell a longer file).
+        let kind = FileKind::Sized {
+            cap: entry.bytes.saturating_add(1),
+            name: "checkpoint file",
+        };
+        let bytes = read_bounded(&dir.join(f), kind).map_err(|e| format!("{f}: {e}"))?;
         if bytes.len() as u64 != entry.bytes {
             return Err(format!(
                 "{f} has {} bytes, the manifest says {}",
@@ -220,9 +228,11 @@ pub fn load(
             return Err(format!("{f} does not match its checksum"));
         }
     }
-    let state: TrainerState =
-        serde_json::from_slice(&std::fs::read(dir.join(STATE)).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("{STATE}: {e}"))?;
+    let state: TrainerState = serde_json::from_slice(
+        &read_bounded(&dir.join(STATE), FileKind::RunRecord)
+            .map_err(|e| format!("{STATE}: {e}"))?,
+    )
+    .map_err(|e| format!("{STATE}: {e}"))?;
     let adapter = Adapter::load_peft(dir, spec, modules, dev).map_err(|e| e.to_string())?;
     let mut opt: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join(OPTIM), dev)
         .map_err(|e| format!("{OPTIM}: {e}"))?;
