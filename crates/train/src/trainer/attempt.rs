@@ -56,6 +56,7 @@ impl<'a> Trainer<'a> {
         let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
         let estimated_peak_bytes =
             rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
+        setup::check_memory(estimated_peak_bytes, setup::memory_budget(&dev))?;
         let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
         let opt =
             LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.train.loraplus_lr_ratio)?;
