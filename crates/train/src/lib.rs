@@ -147,6 +147,18 @@ pub enum TrainError {
         max_new_tokens: usize,
         limit: usize,
     },
+    /// A resume whose `[train] steps` is below the step the checkpoint is already at.
+    #[error(
+        "{}: the checkpoint is at step {step}, past [train] steps = {steps}; a run cannot end \
+         before its adapter's step: set train.steps above {step} to train on, or export this \
+         checkpoint as it is (rtune export --checkpoint {step})",
+        checkpoint.display()
+    )]
+    ResumePastSteps {
+        checkpoint: PathBuf,
+        step: usize,
+        steps: usize,
+    },
     /// The run's estimated peak memory is over what the machine has: found at start.
     #[error(
         "the run is estimated to need {:.1} MB at its peak, over the {:.1} MB of {what}; lower \
@@ -183,6 +195,7 @@ impl TrainError {
             | TrainError::OptimizerState
             | TrainError::ContextTooLong { .. }
             | TrainError::TooLittleMemory { .. }
+            | TrainError::ResumePastSteps { .. }
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
             TrainError::Kernel { .. } | TrainError::DeviceDeferred { .. } => false,

@@ -218,6 +218,15 @@ impl<'a> Trainer<'a> {
                 changed: diff,
             });
         }
+        // Even with --force: a run cannot end before the step its adapter is already at (it
+        // reported "30 steps" for step 62's adapter, issue 35).
+        if l.state.run.step > cfg.train.steps {
+            return Err(TrainError::ResumePastSteps {
+                checkpoint: l.dir.clone(),
+                step: l.state.run.step,
+                steps: cfg.train.steps,
+            });
+        }
         Ok(Some(l))
     }
 
