@@ -68,11 +68,23 @@ pub struct Loaded {
     pub v: Vec<Vec<f32>>,
 }
 
-fn safetensors_bytes(tensors: Vec<(String, Vec<f32>, Vec<usize>)>) -> Vec<u8> {
-    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
-        .into_iter()
-        .map(|(k, v, s)| (k, v.iter().flat_map(|x| x.to_le_bytes()).collect(), s))
-        .collect();
+/// `v` as safetensors stores it (little-endian f32): borrowed, not copied, on a little-endian
+/// machine. The moments are 2× the adapter; a copy of them (and a second of their bytes) made a
+/// checkpoint the run's memory peak at a large rank (issue 35).
+fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: the bytes of `v` (initialised f32s, no padding) viewed as u8 (alignment 1), the
+        // same memory and length, borrowed for as long as `v`.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        })
+    }
+    #[cfg(not(target_endian = "little"))]
+    std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+}
+
+fn safetensors_bytes(data: &[(String, std::borrow::Cow<'_, [u8]>, Vec<usize>)]) -> Vec<u8> {
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
         .map(|(k, b, s)| {
@@ -106,10 +118,10 @@ pub fn save(
         let mut tensors = Vec::new();
         // A0, B0, A1, B1, …, then DoRA's magnitudes: the optimizer's order.
         for (i, (k, t)) in adapter.trainable().into_iter().enumerate() {
-            tensors.push((exp_avg_key(&k), m[i].clone(), t.dims().to_vec()));
-            tensors.push((exp_avg_sq_key(&k), v[i].clone(), t.dims().to_vec()));
+            tensors.push((exp_avg_key(&k), le_bytes(&m[i]), t.dims().to_vec()));
+            tensors.push((exp_avg_sq_key(&k), le_bytes(&v[i]), t.dims().to_vec()));
         }
-        write_atomic(&tmp.join(OPTIM), &safetensors_bytes(tensors), privacy)
+        write_atomic(&tmp.join(OPTIM), &safetensors_bytes(&tensors), privacy)
             .map_err(TrainError::from)?;
         let text = serde_json::to_vec_pretty(state).expect("state serialises");
         write_atomic(&tmp.join(STATE), &text, privacy).map_err(TrainError::from)?;
