@@ -18,6 +18,8 @@
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row; `/`,
 //!   `$HOME` and a foreign directory refused as `[output] dir`, overwrite of only what rtune wrote;
+//! - `limits`: issue 35's start-up refusals beyond the corpus: a resume below its checkpoint's
+//!   step, `rtune check` reporting every check when some error, contradicting `rtune bench` flags;
 //! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
 //! - `remote`: `[output] remote` against a real S3 server (s3s-fs): mirrored checkpoints and final
 //!   files, resume from the store after kill -9, a store that goes away, bad credentials, the
@@ -44,6 +46,7 @@ mod export;
 mod families;
 mod hardening;
 mod layering;
+mod limits;
 mod mlflow;
 mod packing;
 mod parity;

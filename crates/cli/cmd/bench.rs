@@ -89,16 +89,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         dora: a.dora,
         ceiling: !a.no_ceiling,
     };
-    if o.steps == 0
-        || o.heads == 0
-        || o.kv_heads == 0
-        || !o.heads.is_multiple_of(o.kv_heads)
-        || !o.hidden.is_multiple_of(o.heads)
-    {
-        bail!(
-            "bench shape: need steps ≥ 1, heads a multiple of kv_heads, hidden a multiple of heads"
-        );
-    }
+    // Contradicting or empty shapes are usage errors (exit 2), found before anything is built.
+    rtune_diag::bench::check_shape(&o)?;
     let res = rtune_diag::bench::run(&o, &mut |i, dt, timed| {
         eprintln!(
             "step {i:2} {} {dt:7.3}s",

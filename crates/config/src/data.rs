@@ -115,6 +115,9 @@ pub struct DataConfig {
     pub cache_dir: Option<PathBuf>,
 }
 
+/// The longest row rtune tokenizes or trains on (2^24 tokens; no model's context is longer).
+pub const MAX_SEQ_LEN: usize = 1 << 24;
+
 impl DataSection {
     pub(crate) fn validate(&self, path: &Path) -> Result<DataConfig> {
         let bad = |key: &str, message: String| ConfigError::Invalid {
@@ -172,6 +175,15 @@ impl DataSection {
             return Err(bad(
                 "max_seq_len",
                 format!("must be at least 2, got {}", self.max_seq_len),
+            ));
+        }
+        if self.max_seq_len > MAX_SEQ_LEN {
+            return Err(bad(
+                "max_seq_len",
+                format!(
+                    "{} is over {MAX_SEQ_LEN} tokens, beyond any model's context",
+                    self.max_seq_len
+                ),
             ));
         }
         use RowFormat::*;

@@ -88,10 +88,13 @@ pub(crate) fn invalid(path: &Path, key: &str, message: String) -> ConfigError {
 
 /// Reads `path`, applies `--set section.key=value` overrides and validates the result.
 pub fn load(path: &Path, overrides: &[String]) -> Result<RunConfig> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text =
+        rtune_fsio::read_string_bounded(path, rtune_fsio::FileKind::RunConfig).map_err(|e| {
+            ConfigError::Read {
+                path: path.to_path_buf(),
+                source: e.into_io(),
+            }
+        })?;
     let file = ConfigFile::parse(&text, path, overrides)?;
     file.validate(path)
 }

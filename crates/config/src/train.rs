@@ -74,6 +74,11 @@ pub struct TrainConfig {
     pub loraplus_lr_embedding: f64,
 }
 
+/// Bounds on batch sizes (far above what fits any machine: the logits of 65536 rows of one token
+/// over a 32k vocabulary are 8.6 GB).
+pub const MAX_MICRO_BATCH: usize = 1 << 16;
+pub const MAX_GRAD_ACCUM: usize = 1 << 20;
+
 impl TrainSection {
     pub(crate) fn validate(&self, path: &Path) -> Result<TrainConfig> {
         let bad = |key: &str, message: String| invalid(path, key, message);
@@ -87,6 +92,24 @@ impl TrainSection {
         positive("train.steps", self.steps)?;
         positive("train.micro_batch_size", self.micro_batch_size)?;
         positive("train.grad_accum", self.grad_accum)?;
+        // Sizes that reach an allocator are bounded before anything runs (issue 35: a batch of
+        // 1e9 rows ran 85 s and aborted); the memory estimate at start refuses what fits these
+        // bounds but not the machine.
+        for (key, v, max) in [
+            (
+                "train.micro_batch_size",
+                self.micro_batch_size,
+                MAX_MICRO_BATCH,
+            ),
+            ("train.grad_accum", self.grad_accum, MAX_GRAD_ACCUM),
+        ] {
+            if v > max {
+                return Err(bad(
+                    key,
+                    format!("{v} is over {max}; no machine holds such a batch"),
+                ));
+            }
+        }
         positive("train.log_every", self.log_every)?;
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(bad(

@@ -370,7 +370,7 @@ impl<'a> RowParser<'a> {
         // drop). A longer row's text is cut before tokenizing (`Tokenizer::encode_prefix`), which
         // yields the same first `keep` tokens, so `parse_chunk` cuts or drops it as before.
         let keep = self.opts.max_seq_len.saturating_add(1);
-        match self.format {
+        let ex = match self.format {
             Format::Text => {
                 let text = str_field(&obj, "text").map_err(RowError::Bad)?;
                 let (ids, _) = tok.encode_prefix(text, true, keep).map_err(fatal)?;
@@ -405,7 +405,17 @@ impl<'a> RowParser<'a> {
                 chat::tokenize(tok, t, &r, self.opts.train_on, keep).map_err(fatal)
             }
             Format::Tokens => unreachable!("handled above"),
+        }?;
+        // A tokenizer with ids past the model's embedding (added tokens config.json does not
+        // count) fails here, before the run directory exists, not at step 0 (issue 35).
+        if let Some(&id) = ex.input_ids.iter().find(|&&i| i as usize >= self.vocab) {
+            return Err(RowError::Fatal(format!(
+                "the tokenizer gives token id {id}, outside the model's vocabulary (0..{}, \
+                 vocab_size in config.json): tokenizer.json does not match the model",
+                self.vocab
+            )));
         }
+        Ok(ex)
     }
 }
 

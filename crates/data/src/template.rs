@@ -14,6 +14,7 @@
 use minijinja::syntax::SyntaxConfig;
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
+use rtune_fsio::FileKind;
 use std::path::Path;
 
 use crate::pyjson::{self, Dumps};
@@ -137,9 +138,9 @@ impl ChatTemplate {
             }
             Some(serde_json::Value::Null) | None => {
                 let jinja = tok.dir.join("chat_template.jinja");
-                match std::fs::read_to_string(&jinja) {
-                    Ok(s) => (s, jinja),
-                    Err(_) => return Ok(None),
+                match crate::tokenizer::read_optional(&jinja, FileKind::ChatTemplate)? {
+                    Some(s) => (s, jinja),
+                    None => return Ok(None),
                 }
             }
             Some(other) => {
@@ -162,10 +163,13 @@ impl ChatTemplate {
     /// A template from a `.jinja` file (`chat_template = "path.jinja"`, for base models without
     /// one), rendered with `tok`'s special tokens.
     pub fn from_file(path: &Path, tok: &Tokenizer) -> Result<Self, DataError> {
-        let source = std::fs::read_to_string(path).map_err(|e| DataError::File {
-            path: path.to_path_buf(),
-            message: format!("cannot read chat template: {e}"),
-        })?;
+        let source =
+            rtune_fsio::read_string_bounded(path, FileKind::ChatTemplate).map_err(|e| {
+                DataError::File {
+                    path: path.to_path_buf(),
+                    message: format!("cannot read chat template: {e}"),
+                }
+            })?;
         Ok(ChatTemplate::new(
             source,
             path.display().to_string(),

@@ -295,10 +295,55 @@ pub fn estimate(o: &BenchOptions) -> rtune_estimate::Estimate {
     rtune_estimate::estimate(&model_config(o), &s)
 }
 
+/// The flags' shape, checked before anything is built: every size at least 1 (0 panicked or
+/// hung), heads a multiple of kv_heads, hidden a multiple of heads with an even head size (rotary
+/// embeddings), and no size past what any model has.
+pub fn check_shape(o: &BenchOptions) -> Result<(), DiagError> {
+    let bad = |m: String| Err(DiagError::BadShape(m));
+    for (flag, v, max) in [
+        ("--steps", o.steps, 1 << 20),
+        ("--hidden", o.hidden, 1 << 20),
+        ("--layers", o.layers, 4096),
+        ("--heads", o.heads, 1 << 14),
+        ("--kv-heads", o.kv_heads, 1 << 14),
+        ("--intermediate", o.intermediate, 1 << 20),
+        ("--vocab", o.vocab, 1 << 24),
+        ("--seq", o.seq, 1 << 24),
+        ("--batch", o.batch, 1 << 16),
+        ("--r", o.r, 1 << 20),
+    ] {
+        if v == 0 || v > max {
+            return bad(format!("{flag} {v}: must be in 1..={max}"));
+        }
+    }
+    if !o.heads.is_multiple_of(o.kv_heads) {
+        return bad(format!(
+            "--heads {} is not a multiple of --kv-heads {}",
+            o.heads, o.kv_heads
+        ));
+    }
+    if !o.hidden.is_multiple_of(o.heads) {
+        return bad(format!(
+            "--hidden {} is not a multiple of --heads {}",
+            o.hidden, o.heads
+        ));
+    }
+    if (o.hidden / o.heads) % 2 != 0 {
+        return bad(format!(
+            "--hidden {} / --heads {} = head size {}, which must be even (rotary embeddings)",
+            o.hidden,
+            o.heads,
+            o.hidden / o.heads
+        ));
+    }
+    Ok(())
+}
+
 pub fn run(
     o: &BenchOptions,
     on_step: &mut dyn FnMut(usize, f64, bool),
 ) -> Result<BenchResult, DiagError> {
+    check_shape(o)?;
     let bad = |option, value: &str, expected| DiagError::BadOption {
         command: "bench",
         option,

@@ -160,7 +160,15 @@ fn adapter_bytes(dir: &Path) -> Vec<u8> {
     std::fs::read(dir.join("adapter_model.safetensors")).unwrap_or_default()
 }
 
-/// Runs every check, reporting each as soon as it is done.
+/// A check that could not run: FAIL with the error as its detail (the other checks still run).
+fn errored(name: &str, e: &dyn std::fmt::Display) -> Check {
+    Check::new(name, false, format!("error: {e}"))
+}
+
+/// Runs every check, reporting each as soon as it is done. A check whose run errors (bad data, a
+/// step that fails) is reported as FAIL with the error and the others still run (issue 35: the
+/// first error used to end `rtune check`); only a failing runtime check stops the rest, which
+/// would all fail on the same device.
 pub fn run_checks(
     cfg: &RunConfig,
     tmp: &Path,
@@ -177,46 +185,63 @@ pub fn run_checks(
     }
 
     // 3. Samples (printed by the caller from `inspect`); here: the counts and the first mask.
-    let (data, tok) = rtune_train::dataset::load_for(cfg)?;
-    let first = inspect::sample(&data.train[0], tok.as_ref())?;
-    let c = data.counts();
-    push(
-        Check::new(
-            "data and loss masks",
-            first.trained_tokens > 0,
-            format!(
-                "{} examples ({} rows, {}); first sample: {} tokens, {} trained \
-                 (see `rtune data inspect`)",
-                data.train.len(),
-                c.rows,
-                c.summary(),
-                first.input_ids.len(),
-                first.trained_tokens
-            ),
-        ),
-        &mut out,
-    );
+    const DATA: &str = "data and loss masks";
+    let loaded = rtune_train::dataset::load_for(cfg)
+        .map_err(DiagError::from)
+        .and_then(|(data, tok)| {
+            let first = inspect::sample(&data.train[0], tok.as_ref())?;
+            Ok((data, tok, first))
+        });
+    let data = match loaded {
+        Ok((data, tok, first)) => {
+            let c = data.counts();
+            push(
+                Check::new(
+                    DATA,
+                    first.trained_tokens > 0,
+                    format!(
+                        "{} examples ({} rows, {}); first sample: {} tokens, {} trained \
+                         (see `rtune data inspect`)",
+                        data.train.len(),
+                        c.rows,
+                        c.summary(),
+                        first.input_ids.len(),
+                        first.trained_tokens
+                    ),
+                ),
+                &mut out,
+            );
+            Some((data, tok))
+        }
+        Err(e) => {
+            push(errored(DATA, &e), &mut out);
+            None
+        }
+    };
 
     // 4. One step at the configured shape.
-    let one = scratch(cfg, &tmp.join("one-step"), 1);
-    let (done, steps) = run(&one, false, None)?;
-    let peak = steps.last().map_or(0, |m| m.peak_memory_bytes);
-    let cfg_path = cfg.model.path.join("config.json");
-    let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
-    let mut s = rtune_estimate::settings_for(cfg)?;
-    rtune_estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
-    // The run's own estimate (checkpointing as it decided it); the CPU-side one on CUDA.
-    let est = steps
-        .last()
-        .and_then(|m| m.estimated_peak_bytes)
-        .unwrap_or_else(|| rtune_estimate::estimate(&mc, &s).peak_bytes);
-    let lora_params = match &done {
-        Outcome::Completed(s) => s.lora_params,
-        Outcome::Stopped { .. } => 0,
-    };
-    push(
-        Check::new(
-            "forward + backward",
+    const STEP: &str = "forward + backward";
+    let one_step = || -> Result<(Check, usize), DiagError> {
+        let one = scratch(cfg, &tmp.join("one-step"), 1);
+        let (done, steps) = run(&one, false, None)?;
+        let peak = steps.last().map_or(0, |m| m.peak_memory_bytes);
+        let cfg_path = cfg.model.path.join("config.json");
+        let mc = rtune_model::HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+        let mut s = rtune_estimate::settings_for(cfg)?;
+        if let Some((data, _)) = &data {
+            rtune_estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
+        }
+        // The run's own estimate (checkpointing as it decided it); the CPU-side one on CUDA.
+        let est = steps
+            .last()
+            .and_then(|m| m.estimated_peak_bytes)
+            .unwrap_or_else(|| rtune_estimate::estimate(&mc, &s).peak_bytes);
+        let lora_params = match &done {
+            Outcome::Completed(s) => s.lora_params,
+            Outcome::Stopped { .. } => 0,
+        };
+        let check = Check::new(
+            STEP,
             steps.last().is_some_and(|m| m.loss.is_finite()),
             format!(
                 "loss {:.4}, peak memory {:.1} MB (rtune estimate: {:.1} MB) at micro_batch_size {} × \
@@ -227,14 +252,25 @@ pub fn run_checks(
                 cfg.train.micro_batch_size,
                 cfg.data.max_seq_len
             ),
-        ),
-        &mut out,
-    );
+        );
+        Ok((check, lora_params))
+    };
+    let lora_params = match one_step() {
+        Ok((c, n)) => {
+            push(c, &mut out);
+            n
+        }
+        Err(e) => {
+            push(errored(STEP, &e), &mut out);
+            0
+        }
+    };
     push(disk(cfg, lora_params), &mut out);
 
     // 5. Overfit four samples.
+    const OVERFIT: &str = "overfit 4 samples";
+    const SUSTAINED: &str = "sustained throughput";
     let subset = tmp.join("subset.jsonl");
-    head(&cfg.data.train[0].path, &subset, 4)?;
     let mut o = scratch(cfg, &tmp.join("overfit"), OVERFIT_STEPS);
     o.data.train = vec![rtune_config::WeightedFile {
         path: subset.clone(),
@@ -243,22 +279,91 @@ pub fn run_checks(
     o.train.micro_batch_size = o.train.micro_batch_size.min(4);
     o.train.grad_accum = 1;
     o.train.schedule = rtune_config::Schedule::Constant;
-    let (_, steps) = run(&o, false, None)?;
-    let (l0, l1) = (steps[0].loss, steps.last().map_or(f64::NAN, |m| m.loss));
-    push(
-        Check::new(
-            "overfit 4 samples",
-            l1 <= (1.0 - OVERFIT_DROP) * l0,
-            format!(
-                "loss {l0:.4} -> {l1:.4} in {OVERFIT_STEPS} steps at lr {} (must fall by {:.0}%)",
-                cfg.train.lr,
-                OVERFIT_DROP * 100.0
-            ),
-        ),
-        &mut out,
-    );
+    let overfit = head(&cfg.data.train[0].path, &subset, 4)
+        .and_then(|()| run(&o, false, None))
+        .map_err(DiagError::from);
+    match overfit {
+        Ok((_, steps)) => {
+            let (l0, l1) = (
+                steps.first().map_or(f64::NAN, |m| m.loss),
+                steps.last().map_or(f64::NAN, |m| m.loss),
+            );
+            push(
+                Check::new(
+                    OVERFIT,
+                    l1 <= (1.0 - OVERFIT_DROP) * l0,
+                    format!(
+                        "loss {l0:.4} -> {l1:.4} in {OVERFIT_STEPS} steps at lr {} (must fall by {:.0}%)",
+                        cfg.train.lr,
+                        OVERFIT_DROP * 100.0
+                    ),
+                ),
+                &mut out,
+            );
+            // 7. Sustained throughput over the overfit run: second half vs first half (after
+            // step 1).
+            push(sustained(&steps), &mut out);
+        }
+        Err(e) => {
+            push(errored(OVERFIT, &e), &mut out);
+            push(errored(SUSTAINED, &e), &mut out);
+        }
+    }
 
-    // 7. Sustained throughput over the overfit run: second half vs first half (after step 1).
+    // 6. Save, resume, reload, generate.
+    const RESUME: &str = "checkpoint, resume, generate";
+    let resume = || -> Result<Check, DiagError> {
+        let Some((data, tok)) = &data else {
+            return Ok(errored(
+                RESUME,
+                &"needs the data, which did not load (above)",
+            ));
+        };
+        let mut whole = scratch(cfg, &tmp.join("whole"), 4);
+        whole.data.train = o.data.train.clone();
+        whole.train.micro_batch_size = o.train.micro_batch_size;
+        let mut split = whole.clone();
+        split.output.dir = tmp.join("split");
+        run(&whole, false, None)?;
+        let (stopped, _) = run(&split, false, Some(2))?;
+        let stopped_ok = matches!(stopped, Outcome::Stopped { step: 2, .. });
+        run(&split, true, None)?;
+        let same = adapter_bytes(&whole.output.dir) == adapter_bytes(&split.output.dir)
+            && !adapter_bytes(&split.output.dir).is_empty();
+        let prompt = first_prompt(&data.train[0], tok.as_ref())?;
+        let reply = rtune_train::generate::generate(
+            &cfg.model.path,
+            Some(&split.output.dir),
+            &prompt,
+            &GenerateOptions {
+                max_new_tokens: 16,
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: 0,
+                dump_logits: None,
+                quantize: cfg.model.quantize,
+            },
+        )?;
+        Ok(Check::new(
+            RESUME,
+            stopped_ok && same,
+            format!(
+                "stopped at step 2 and resumed to 4: adapter {} the uninterrupted run's; reply to the first \
+                 prompt: {:?}",
+                if same { "identical to" } else { "DIFFERS from" },
+                reply.chars().take(60).collect::<String>()
+            ),
+        ))
+    };
+    match resume() {
+        Ok(c) => push(c, &mut out),
+        Err(e) => push(errored(RESUME, &e), &mut out),
+    }
+    Ok(out)
+}
+
+/// The overfit run's later steps' median speed against its earlier steps' (after step 1).
+fn sustained(steps: &[StepMetrics]) -> Check {
     let speeds: Vec<f64> = steps.iter().skip(1).map(|m| m.tokens_per_s).collect();
     let half = speeds.len() / 2;
     let med = |v: &[f64]| {
@@ -267,61 +372,17 @@ pub fn run_checks(
         v.get(v.len() / 2).copied().unwrap_or(0.0)
     };
     let (early, late) = (med(&speeds[..half]), med(&speeds[half..]));
-    push(
-        Check::new(
-            "sustained throughput",
-            late >= SUSTAINED_MIN * early,
-            format!(
-                "{early:.0} tokens/s in steps 2-{}, {late:.0} tokens/s in steps {}-{} (must stay ≥ {:.0}%)",
-                half + 1,
-                half + 2,
-                speeds.len() + 1,
-                SUSTAINED_MIN * 100.0
-            ),
+    Check::new(
+        "sustained throughput",
+        late >= SUSTAINED_MIN * early,
+        format!(
+            "{early:.0} tokens/s in steps 2-{}, {late:.0} tokens/s in steps {}-{} (must stay ≥ {:.0}%)",
+            half + 1,
+            half + 2,
+            speeds.len() + 1,
+            SUSTAINED_MIN * 100.0
         ),
-        &mut out,
-    );
-
-    // 6. Save, resume, reload, generate.
-    let mut whole = scratch(cfg, &tmp.join("whole"), 4);
-    whole.data.train = o.data.train.clone();
-    whole.train.micro_batch_size = o.train.micro_batch_size;
-    let mut split = whole.clone();
-    split.output.dir = tmp.join("split");
-    run(&whole, false, None)?;
-    let (stopped, _) = run(&split, false, Some(2))?;
-    let stopped_ok = matches!(stopped, Outcome::Stopped { step: 2, .. });
-    run(&split, true, None)?;
-    let same = adapter_bytes(&whole.output.dir) == adapter_bytes(&split.output.dir)
-        && !adapter_bytes(&split.output.dir).is_empty();
-    let prompt = first_prompt(&data.train[0], tok.as_ref())?;
-    let reply = rtune_train::generate::generate(
-        &cfg.model.path,
-        Some(&split.output.dir),
-        &prompt,
-        &GenerateOptions {
-            max_new_tokens: 16,
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-            dump_logits: None,
-            quantize: cfg.model.quantize,
-        },
-    )?;
-    push(
-        Check::new(
-            "checkpoint, resume, generate",
-            stopped_ok && same,
-            format!(
-                "stopped at step 2 and resumed to 4: adapter {} the uninterrupted run's; reply to the first \
-                 prompt: {:?}",
-                if same { "identical to" } else { "DIFFERS from" },
-                reply.chars().take(60).collect::<String>()
-            ),
-        ),
-        &mut out,
-    );
-    Ok(out)
+    )
 }
 
 /// The masked prefix of an example (its prompt), decoded.

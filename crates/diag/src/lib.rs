@@ -64,6 +64,10 @@ pub enum DiagError {
         value: String,
         expected: &'static str,
     },
+    /// `rtune bench`'s flags contradict each other or give an empty shape (heads not dividing
+    /// hidden, `--batch 0`): a usage error, found before anything is built.
+    #[error("rtune bench: {0}")]
+    BadShape(String),
     /// A kernel of `rtune_ops` / `rtune_backend` (launch, module load, self-test) failed.
     #[cfg(feature = "cuda")]
     #[error("{op}: {source}")]
@@ -92,7 +96,7 @@ impl DiagError {
     pub fn is_input_error(&self) -> bool {
         match self {
             DiagError::Train(t) => t.is_input_error(),
-            DiagError::BadOption { .. } => true,
+            DiagError::BadOption { .. } | DiagError::BadShape(_) => true,
             #[cfg(feature = "cuda")]
             DiagError::Kernel { .. } | DiagError::Driver { .. } | DiagError::Quant { .. } => false,
         }

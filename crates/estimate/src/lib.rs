@@ -132,6 +132,9 @@ pub mod names {
     pub const LORA: &str = "LoRA params";
     pub const DORA: &str = "DoRA norms and kept products";
     pub const GRADS: &str = "LoRA grads";
+    pub const GRADS_HOST: &str = "LoRA grads (flat copy for AdamW)";
+    pub const UPDATE: &str = "updated LoRA tensor (transient)";
+    pub const SERIALIZED: &str = "checkpoint being serialised (AdamW moments)";
     pub const ADAMW: &str = "AdamW states";
     pub const MASTER: &str = "optimizer master copy";
     pub const INPUTS: &str = "kept checkpoints (layer inputs)";
@@ -161,6 +164,11 @@ pub enum Phase {
     SwigluBackward,
     AttentionBackward,
     RopeBackward,
+    /// After the backward: every LoRA gradient, their host copy for AdamW, and each updated
+    /// tensor made before the old one is dropped (`LoraOptimizer::step`).
+    OptimizerStep,
+    /// A checkpoint: AdamW's moments serialised into one buffer before it is written.
+    Checkpoint,
 }
 
 impl Phase {
@@ -171,6 +179,8 @@ impl Phase {
             Phase::SwigluBackward => "backward of the last layer: SwiGLU",
             Phase::AttentionBackward => "backward of the last layer: attention",
             Phase::RopeBackward => "backward of the last layer: rotary",
+            Phase::OptimizerStep => "optimizer step (AdamW)",
+            Phase::Checkpoint => "writing a checkpoint",
         }
     }
 }
@@ -378,6 +388,12 @@ fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> V
 /// The tensors of each phase besides the static ones.
 fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> Vec<Item> {
     use names::*;
+    match phase {
+        Phase::OptimizerStep => return optimizer_items(c, s),
+        // One safetensors buffer of m and v (the moments themselves are borrowed).
+        Phase::Checkpoint => return vec![item(SERIALIZED, 2 * lora_params(c, s) * 4, 1)],
+        _ => {}
+    }
     let k = dims(c, s, path);
     let (n, e, d) = (k.n, k.e, k.d);
     let mut v = Vec::new();
@@ -438,7 +454,9 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
     v.push(item(WORKSPACE, n * d * 4, 1));
     v.push(item(WORKSPACE, n * d * e, 1));
     match phase {
-        Phase::Loading => unreachable!("loading has its own items"),
+        Phase::Loading | Phase::OptimizerStep | Phase::Checkpoint => {
+            unreachable!("loading, the optimizer step and a checkpoint have their own items")
+        }
         Phase::CrossEntropy => {
             // The normed h (N, D). Per chunk of (rows, V) f32: five at once while the gradient
             // is formed (logits, z = logits − max, p = exp(z − lse), one-hot targets,
@@ -497,6 +515,45 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
         }
     }
     with_dequant(c, s, v)
+}
+
+/// The trained tensors as `(bytes each, how many)`: A `(r, in)` and B `(out, r)` f32 per targeted
+/// module and layer, DoRA's magnitude `(out,)`, the trainable token rows `(n, hidden)`. Each is
+/// its own allocation, so whether it is mapped or on the heap follows its own size.
+fn lora_tensors(c: &ModelConfig, s: &Settings) -> Vec<(u64, u64)> {
+    let (r, l) = (s.r as u64, c.num_layers as u64);
+    let mut v = Vec::new();
+    for (name, i, o) in linears(c) {
+        if s.targets.iter().any(|t| t == name) {
+            v.push((r * i * 4, l));
+            v.push((r * o * 4, l));
+            if s.dora {
+                v.push((o * 4, l));
+            }
+        }
+    }
+    if s.trainable_tokens > 0 {
+        v.push((s.trainable_tokens as u64 * c.hidden_size as u64 * 4, 1));
+    }
+    v
+}
+
+/// The optimizer step (`LoraOptimizer::step` on the host), after the backward has freed the
+/// activations: the gradients of every layer (f32), their flat f32 copy that is unscaled, clipped
+/// and handed to AdamW, and one parameter's new tensor made while the old one is alive. With the
+/// static params, master copy and two moments that is 6× the LoRA parameters at once, and a
+/// checkpoint's serialised moments come on top of that high-water mark: what dominates at a large
+/// rank (issue 35).
+fn optimizer_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
+    let tensors = lora_tensors(c, s);
+    let largest = tensors.iter().map(|&(b, _)| b).max().unwrap_or(0);
+    let mut v = Vec::new();
+    for &(bytes, n) in &tensors {
+        v.push(item(names::GRADS, bytes, n));
+        v.push(item(names::GRADS_HOST, bytes, n));
+    }
+    v.push(item(names::UPDATE, largest, 1));
+    v
 }
 
 /// `v` and, for NF4, the one dequantized weight a use makes in the compute dtype (the largest is
@@ -585,6 +642,8 @@ pub fn estimate_on(c: &ModelConfig, s: &Settings, path: AttnPath) -> Estimate {
         Phase::SwigluBackward,
         Phase::AttentionBackward,
         Phase::RopeBackward,
+        Phase::OptimizerStep,
+        Phase::Checkpoint,
     ] {
         let items = phase_items(c, s, phase, path);
         let (heap, mapped) = split(&items);

@@ -68,6 +68,30 @@ fn lora_and_adamw_terms_are_r_in_plus_out_times_4_bytes() {
     );
 }
 
+/// Issue 35: at a rank where the adapter dwarfs the activations the peak is a checkpoint after
+/// an optimizer step: params, master copy and two moments (static), the step's gradients and
+/// their flat copy (still the heap's high-water mark), and the serialised moments on top.
+#[test]
+fn a_huge_rank_peaks_at_a_checkpoint_with_eight_adapter_copies() {
+    let c = tiny(3);
+    let mut s = Settings::new(100_000, 1, 4, false);
+    s.targets = vec!["q_proj".into()];
+    s.runtime_bytes = 0;
+    s.matmul_workspace = 0;
+    let est = estimate(&c, &s);
+    // q_proj: in 8 + out 8, three layers, f32.
+    let one = 100_000 * 16 * 4 * 3;
+    assert_eq!(est.phase, Phase::Checkpoint.name());
+    assert_eq!(est.get(names::SERIALIZED), 2 * one);
+    let adapter_copies = est.peak_bytes - est.get(names::WEIGHTS);
+    // 8 copies, and one A (r, 8) being replaced by its update (one / 6) besides the tiny
+    // model's activations.
+    assert!(
+        adapter_copies >= 8 * one && adapter_copies < 8 * one + one / 5,
+        "{adapter_copies} vs 8 × {one}"
+    );
+}
+
 #[test]
 fn base_weights_by_dtype_and_nf4_constants() {
     let c = tiny(2);

@@ -73,7 +73,7 @@ pub struct MergeReport {
 pub fn base_files(base: &Path) -> Result<Vec<PathBuf>> {
     let index = base.join("model.safetensors.index.json");
     if index.exists() {
-        let text = std::fs::read(&index)
+        let text = rtune_fsio::read_bounded(&index, rtune_fsio::FileKind::ShardIndex)
             .map_err(|e| ExportError::input(&index, format!("cannot read: {e}")))?;
         let v: serde_json::Value = serde_json::from_slice(&text)
             .map_err(|e| ExportError::input(&index, format!("not JSON: {e}")))?;
@@ -143,6 +143,12 @@ pub fn merge_into(
     let files = base_files(base)?;
     let mut maps = Vec::with_capacity(files.len());
     for f in &files {
+        let shard = rtune_fsio::FileKind::Sized {
+            cap: u64::MAX,
+            name: "safetensors shard",
+        };
+        rtune_fsio::open_regular(f, shard)
+            .map_err(|e| ExportError::input(f, format!("cannot read: {e}")))?;
         // SAFETY: mapped read-only; the export never writes to the base (check_destination).
         let m = unsafe { MmapedSafetensors::new(f) }
             .map_err(|e| ExportError::input(f, format!("not a safetensors file: {e}")))?;
@@ -249,7 +255,8 @@ pub fn merge_into(
     for f in COPIED_FILES {
         let src = base.join(f);
         if src.is_file() {
-            let bytes = std::fs::read(&src).map_err(io(&src, "read"))?;
+            let bytes = rtune_fsio::read_bounded(&src, rtune_fsio::FileKind::Tokenizer)
+                .map_err(|e| io(&src, "read")(e.into_io()))?;
             write_atomic(&dest.join(f), &bytes, privacy)?;
             written.push(f.to_string());
         }

@@ -21,12 +21,16 @@ pub fn export_peft(
     // Refuses what rtune cannot vouch for (other PEFT types, ...) before copying anything.
     rtune_lora::read_adapter_config(adapter_dir)?;
     let wpath = adapter_dir.join(ADAPTER_WEIGHTS);
-    let weights = std::fs::read(&wpath)
+    let adapter = rtune_fsio::FileKind::Sized {
+        cap: 64 << 30,
+        name: "LoRA adapter",
+    };
+    let weights = rtune_fsio::read_bounded(&wpath, adapter)
         .map_err(|e| ExportError::input(&wpath, format!("cannot read: {e}")))?;
     safetensors::SafeTensors::read_metadata(&weights)
         .map_err(|e| ExportError::input(&wpath, format!("not a safetensors file: {e}")))?;
     let cpath = adapter_dir.join(ADAPTER_CONFIG);
-    let text = std::fs::read(&cpath)
+    let text = rtune_fsio::read_bounded(&cpath, rtune_fsio::FileKind::ModelConfig)
         .map_err(|e| ExportError::input(&cpath, format!("cannot read: {e}")))?;
     let mut cfg: serde_json::Value = serde_json::from_slice(&text)
         .map_err(|e| ExportError::input(&cpath, format!("not JSON: {e}")))?;

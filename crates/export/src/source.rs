@@ -144,7 +144,7 @@ fn check_file(dir: &Path, name: &str, bytes: u64, sha256: &str, source: &str) ->
 /// manifest and an entry for each file are required.
 fn verify_manifest(dir: &Path) -> Result<()> {
     let path = dir.join("manifest.json");
-    let text = std::fs::read(&path).map_err(|e| {
+    let text = rtune_fsio::read_bounded(&path, rtune_fsio::FileKind::RunRecord).map_err(|e| {
         ExportError::input(
             &path,
             format!(
@@ -198,7 +198,7 @@ fn looks_like_hub_id(p: &str) -> bool {
 }
 
 fn read_record(path: &Path) -> Result<Option<RecordView>> {
-    match std::fs::read(path) {
+    match rtune_fsio::read_bounded(path, rtune_fsio::FileKind::RunRecord) {
         Ok(b) => serde_json::from_slice(&b)
             .map(Some)
             .map_err(|e| ExportError::input(path, format!("not a run record: {e}"))),

@@ -6,6 +6,8 @@
 //!   training data and adapters are often personal.
 //! - [`sha256_file`]: checksums for checkpoint manifests and the run record.
 //! - [`RunLock`]: one process per run directory (`flock`, released when the process ends).
+//! - [`read_bounded`]: the one door for every file read whole: a cap per [`FileKind`], checked on
+//!   the open handle; devices and FIFOs refused.
 //! - [`plain_file_name`]: the rule for file names read from untrusted files (model indexes, hub
 //!   listings, GGUF metadata): one plain component inside the directory.
 //!
@@ -14,9 +16,13 @@
 
 mod lock;
 mod names;
+mod read;
 
 pub use lock::{hostname, LockError, RunLock, LOCK_FILE};
 pub use names::plain_file_name;
+pub use read::{
+    check_regular, open_regular, read_bounded, read_string_bounded, FileKind, ReadError,
+};
 
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
@@ -250,7 +256,12 @@ fn passwd_home() -> Option<PathBuf> {
 
 /// Lower-case hex SHA-256 of a file's contents, streamed.
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = File::open(path).map_err(ctx(path, "open"))?;
+    // A device behind the name would be hashed forever: regular files only (issue 35).
+    let kind = FileKind::Sized {
+        cap: u64::MAX,
+        name: "file",
+    };
+    let mut f = open_regular(path, kind).map_err(|e| ctx(path, "open")(e.into_io()))?;
     let mut h = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {

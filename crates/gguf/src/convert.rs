@@ -41,10 +41,14 @@ struct Source {
 
 impl Source {
     fn open(path: &Path) -> Result<Self> {
-        let f = File::open(path).map_err(|source| GgufError::Io {
+        let gguf = rtune_fsio::FileKind::Sized {
+            cap: u64::MAX,
+            name: "GGUF model",
+        };
+        let f = rtune_fsio::open_regular(path, gguf).map_err(|e| GgufError::Io {
             path: path.to_path_buf(),
             op: "open",
-            source,
+            source: e.into_io(),
         })?;
         let mut reader = BufReader::new(f);
         let content = Content::read(&mut reader).map_err(|e| GgufError::File {

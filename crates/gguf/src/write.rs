@@ -16,11 +16,15 @@ use crate::vocab::{CONTROL, NORMAL, USER_DEFINED};
 use crate::{GgufError, Result};
 
 fn read_json(path: &Path) -> Result<Json> {
-    let text = std::fs::read_to_string(path).map_err(|source| GgufError::Io {
-        path: path.to_path_buf(),
-        op: "read",
-        source,
-    })?;
+    // config.json or tokenizer.json: the larger cap of the two.
+    let text =
+        rtune_fsio::read_string_bounded(path, rtune_fsio::FileKind::Tokenizer).map_err(|e| {
+            GgufError::Io {
+                path: path.to_path_buf(),
+                op: "read",
+                source: e.into_io(),
+            }
+        })?;
     serde_json::from_str(&text).map_err(|e| GgufError::File {
         path: path.to_path_buf(),
         message: format!("not JSON: {e}"),

@@ -91,7 +91,11 @@ impl RepoCache {
         if is_commit(revision) {
             return Some(revision.to_string());
         }
-        std::fs::read_to_string(self.ref_path(revision))
+        let ref_file = rtune_fsio::FileKind::Sized {
+            cap: 4096,
+            name: "hub ref",
+        };
+        rtune_fsio::read_string_bounded(&self.ref_path(revision), ref_file)
             .ok()
             .map(|s| s.trim().to_string())
             .filter(|s| !s.is_empty())
@@ -126,7 +130,7 @@ pub fn missing_files(snapshot: &Path) -> Vec<String> {
     }
     let index = snapshot.join("model.safetensors.index.json");
     if index.exists() {
-        match std::fs::read_to_string(&index)
+        match rtune_fsio::read_string_bounded(&index, rtune_fsio::FileKind::ShardIndex)
             .ok()
             .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         {

@@ -298,11 +298,14 @@ pub fn resolve(repo: &str, revision: &str, env: &HubEnv) -> Result<Resolved> {
         .is_some_and(|n| n == "model.safetensors.index.json")
     {
         let p = fetch("model.safetensors.index.json")?;
-        let text = std::fs::read_to_string(&p).map_err(|source| HubError::Io {
-            path: p.clone(),
-            op: "read",
-            source,
-        })?;
+        let text =
+            rtune_fsio::read_string_bounded(&p, rtune_fsio::FileKind::ShardIndex).map_err(|e| {
+                HubError::Io {
+                    path: p.clone(),
+                    op: "read",
+                    source: e.into_io(),
+                }
+            })?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| HubError::Repo {
             repo: repo.into(),
             message: format!("model.safetensors.index.json is not JSON: {e}"),

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
 
-use rtune_fsio::{write_atomic, Privacy};
+use rtune_fsio::{read_bounded, write_atomic, FileKind, Privacy};
 
 use crate::{cerr, Adapter, LoraError, LoraPair, LoraSpec, ModuleShape, Result, TokenRows};
 
@@ -120,6 +120,23 @@ fn yes() -> bool {
     true
 }
 
+/// The largest adapter_model.safetensors an adapter of rank `spec.r` on `modules` can be: every
+/// A and B in f32, a DoRA magnitude per output, and 1 GiB for trainable token rows and the header.
+fn weights_kind(spec: &LoraSpec, modules: &[ModuleShape]) -> FileKind {
+    let r = spec.r as u64;
+    let floats: u64 = modules
+        .iter()
+        .map(|m| {
+            let (i, o) = (m.in_features as u64, m.out_features as u64);
+            r.saturating_mul(i.saturating_add(o)).saturating_add(o)
+        })
+        .fold(0u64, u64::saturating_add);
+    FileKind::Sized {
+        cap: floats.saturating_mul(4).saturating_add(1 << 30),
+        name: "LoRA adapter",
+    }
+}
+
 fn file_err(path: &Path, message: impl Into<String>) -> LoraError {
     LoraError::File {
         path: path.to_path_buf(),
@@ -130,7 +147,8 @@ fn file_err(path: &Path, message: impl Into<String>) -> LoraError {
 /// Reads and checks `dir/adapter_config.json` for what rtune supports.
 pub fn read_adapter_config(dir: &Path) -> Result<PeftAdapterConfig> {
     let path = dir.join(CONFIG);
-    let text = std::fs::read(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+    let text = read_bounded(&path, FileKind::ModelConfig)
+        .map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
     parse_adapter_config(&text, &path)
 }
 
@@ -185,7 +203,7 @@ impl Adapter {
         device: &Device,
     ) -> Result<Self> {
         let cfg_path = dir.join(CONFIG);
-        let config = std::fs::read(&cfg_path)
+        let config = read_bounded(&cfg_path, FileKind::ModelConfig)
             .map_err(|e| file_err(&cfg_path, format!("cannot read: {e}")))?;
         // The config first: a non-LoRA adapter is reported as such, not as a missing file.
         parse_adapter_config(&config, &cfg_path)?;
@@ -196,8 +214,8 @@ impl Adapter {
                 "missing (only safetensors adapters are read; convert .bin with PEFT)",
             ));
         }
-        let weights =
-            std::fs::read(&path).map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
+        let weights = read_bounded(&path, weights_kind(spec, modules))
+            .map_err(|e| file_err(&path, format!("cannot read: {e}")))?;
         Self::from_peft_bytes(&config, &weights, dir, spec, modules, device)
     }
 

@@ -151,12 +151,19 @@ fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
     }
 }
 
+/// Bounds of [`HfConfig::check_sizes`].
+const MAX_LAYERS: usize = 4096;
+const MAX_DIM: usize = 1 << 20;
+const MAX_HEADS: usize = 1 << 14;
+const MAX_VOCAB: usize = 1 << 24;
+
 impl HfConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::File {
-            path: path.to_path_buf(),
-            message: format!("cannot read: {e}"),
-        })?;
+        let text = rtune_fsio::read_string_bounded(path, rtune_fsio::FileKind::ModelConfig)
+            .map_err(|e| ModelError::File {
+                path: path.to_path_buf(),
+                message: format!("cannot read: {e}"),
+            })?;
         serde_json::from_str(&text).map_err(|e| ModelError::File {
             path: path.to_path_buf(),
             message: format!("not a model config: {e}"),
@@ -164,6 +171,30 @@ impl HfConfig {
     }
 
     /// Checks the architecture and every shape; `path` labels errors.
+    /// Sizes that reach an allocator (a `Vec` per layer, tables of `vocab × hidden`) are checked
+    /// before anything is allocated: a corrupt or hostile config.json (`num_hidden_layers:
+    /// 1000000000`) is an error naming the key, not an abort (issue 35). The bounds are far above
+    /// any released model (405B: 126 layers, hidden 16384; vocabularies up to ~260k).
+    fn check_sizes(&self, head_dim: usize) -> std::result::Result<(), String> {
+        let limits: [(&str, usize, usize); 6] = [
+            ("num_hidden_layers", self.num_hidden_layers, MAX_LAYERS),
+            ("hidden_size", self.hidden_size, MAX_DIM),
+            ("intermediate_size", self.intermediate_size, MAX_DIM),
+            ("head_dim", head_dim, MAX_DIM),
+            ("num_attention_heads", self.num_attention_heads, MAX_HEADS),
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+        ];
+        for (key, value, max) in limits {
+            if value == 0 || value > max {
+                return Err(format!(
+                    "{key} = {value} is outside 1..={max}, beyond any model rtune can load; the \
+                     config is corrupt or not this checkpoint's"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub fn into_config(self, path: &Path) -> Result<ModelConfig> {
         let bad = |message: String| ModelError::File {
             path: path.to_path_buf(),
@@ -231,6 +262,7 @@ impl HfConfig {
                 "head_dim {head_dim} must be even for rotary embeddings"
             )));
         }
+        self.check_sizes(head_dim).map_err(bad)?;
         let (rope_theta, rope_scaling) = rope(&self).map_err(bad)?;
         let layers = self.num_hidden_layers;
         let (sliding_window, window_layers) = match (arch, self.sliding_window) {
@@ -396,8 +428,17 @@ impl GenerationConfig {
     /// Reads `dir/generation_config.json`; a missing file is an empty config, a malformed one an error.
     pub fn load(dir: &Path) -> Result<Self> {
         let path = dir.join("generation_config.json");
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            return Ok(Self::default());
+        let text = match rtune_fsio::read_string_bounded(&path, rtune_fsio::FileKind::ModelConfig) {
+            Ok(text) => text,
+            Err(rtune_fsio::ReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Self::default())
+            }
+            Err(e) => {
+                return Err(ModelError::File {
+                    path,
+                    message: format!("cannot read: {e}"),
+                })
+            }
         };
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::File {
             path: path.clone(),

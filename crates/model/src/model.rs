@@ -177,7 +177,23 @@ impl Model {
                 dora_norm: Default::default(),
             })
         };
-        let mut layers = Vec::with_capacity(cfg.num_layers);
+        // The checkpoint must hold the last layer config.json names before any per-layer memory is
+        // taken (a config that claims more layers than the weights have is an error at once).
+        if let Some(last) = cfg.num_layers.checked_sub(1) {
+            let name = format!("model.layers.{last}.input_layernorm.weight");
+            w.stored(&name, &[d]).map_err(|e| match e {
+                ModelError::MissingTensor { path, .. } => ModelError::File {
+                    path,
+                    message: format!(
+                        "checkpoint has no tensor `{name}`: config.json says num_hidden_layers = \
+                         {}, more layers than the checkpoint holds",
+                        cfg.num_layers
+                    ),
+                },
+                other => other,
+            })?;
+        }
+        let mut layers = Vec::with_capacity(cfg.num_layers.min(256));
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
             layers.push(Layer {

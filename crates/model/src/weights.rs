@@ -94,10 +94,11 @@ impl Weights {
         let index = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         let files: Vec<PathBuf> = if index.exists() {
-            let text = std::fs::read_to_string(&index).map_err(|e| ModelError::File {
-                path: index.clone(),
-                message: format!("cannot read: {e}"),
-            })?;
+            let text = rtune_fsio::read_string_bounded(&index, rtune_fsio::FileKind::ShardIndex)
+                .map_err(|e| ModelError::File {
+                    path: index.clone(),
+                    message: format!("cannot read: {e}"),
+                })?;
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| ModelError::File {
                     path: index.clone(),
@@ -133,6 +134,15 @@ impl Weights {
                     message: "shard listed in the index is missing".into(),
                 });
             }
+            // A device or FIFO behind the name is refused before it is mapped (issue 35).
+            let shard = rtune_fsio::FileKind::Sized {
+                cap: u64::MAX,
+                name: "safetensors shard",
+            };
+            rtune_fsio::open_regular(f, shard).map_err(|e| ModelError::File {
+                path: f.clone(),
+                message: format!("cannot read: {e}"),
+            })?;
         }
         // SAFETY: the files are mapped read-only; rtune never writes to a checkpoint it is reading.
         let st = unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| ModelError::File {

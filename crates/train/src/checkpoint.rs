@@ -13,7 +13,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use rtune_fsio::{fsync_dir, sha256_bytes, sha256_file, write_atomic, Privacy};
+use rtune_fsio::{
+    fsync_dir, read_bounded, sha256_bytes, sha256_file, write_atomic, FileKind, Privacy,
+};
 use rtune_lora::peft::{exp_avg_key, exp_avg_sq_key};
 use rtune_lora::{Adapter, LoraSpec, ModuleShape, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
@@ -66,11 +68,23 @@ pub struct Loaded {
     pub v: Vec<Vec<f32>>,
 }
 
-fn safetensors_bytes(tensors: Vec<(String, Vec<f32>, Vec<usize>)>) -> Vec<u8> {
-    let data: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
-        .into_iter()
-        .map(|(k, v, s)| (k, v.iter().flat_map(|x| x.to_le_bytes()).collect(), s))
-        .collect();
+/// `v` as safetensors stores it (little-endian f32): borrowed, not copied, on a little-endian
+/// machine. The moments are 2× the adapter; a copy of them (and a second of their bytes) made a
+/// checkpoint the run's memory peak at a large rank (issue 35).
+fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    #[cfg(target_endian = "little")]
+    {
+        // SAFETY: the bytes of `v` (initialised f32s, no padding) viewed as u8 (alignment 1), the
+        // same memory and length, borrowed for as long as `v`.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v))
+        })
+    }
+    #[cfg(not(target_endian = "little"))]
+    std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+}
+
+fn safetensors_bytes(data: &[(String, std::borrow::Cow<'_, [u8]>, Vec<usize>)]) -> Vec<u8> {
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
         .map(|(k, b, s)| {
@@ -104,10 +118,10 @@ pub fn save(
         let mut tensors = Vec::new();
         // A0, B0, A1, B1, …, then DoRA's magnitudes: the optimizer's order.
         for (i, (k, t)) in adapter.trainable().into_iter().enumerate() {
-            tensors.push((exp_avg_key(&k), m[i].clone(), t.dims().to_vec()));
-            tensors.push((exp_avg_sq_key(&k), v[i].clone(), t.dims().to_vec()));
+            tensors.push((exp_avg_key(&k), le_bytes(&m[i]), t.dims().to_vec()));
+            tensors.push((exp_avg_sq_key(&k), le_bytes(&v[i]), t.dims().to_vec()));
         }
-        write_atomic(&tmp.join(OPTIM), &safetensors_bytes(tensors), privacy)
+        write_atomic(&tmp.join(OPTIM), &safetensors_bytes(&tensors), privacy)
             .map_err(TrainError::from)?;
         let text = serde_json::to_vec_pretty(state).expect("state serialises");
         write_atomic(&tmp.join(STATE), &text, privacy).map_err(TrainError::from)?;
@@ -216,7 +230,8 @@ pub fn load(
     modules: &[ModuleShape],
     dev: &Device,
 ) -> Result<Loaded, String> {
-    let text = std::fs::read(dir.join(MANIFEST)).map_err(|e| format!("{MANIFEST}: {e}"))?;
+    let text = read_bounded(&dir.join(MANIFEST), FileKind::RunRecord)
+        .map_err(|e| format!("{MANIFEST}: {e}"))?;
     let manifest: Manifest =
         serde_json::from_slice(&text).map_err(|e| format!("{MANIFEST}: {e}"))?;
     if manifest.format != FORMAT {
@@ -227,7 +242,12 @@ pub fn load(
             .files
             .get(f)
             .ok_or_else(|| format!("{MANIFEST} does not list {f}"))?;
-        let bytes = std::fs::read(dir.join(f)).map_err(|e| format!("{f}: {e}"))?;
+        // Read no more than the manifest's size (+1 to tell a longer file).
+        let kind = FileKind::Sized {
+            cap: entry.bytes.saturating_add(1),
+            name: "checkpoint file",
+        };
+        let bytes = read_bounded(&dir.join(f), kind).map_err(|e| format!("{f}: {e}"))?;
         if bytes.len() as u64 != entry.bytes {
             return Err(format!(
                 "{f} has {} bytes, the manifest says {}",
@@ -239,9 +259,11 @@ pub fn load(
             return Err(format!("{f} does not match its checksum"));
         }
     }
-    let state: TrainerState =
-        serde_json::from_slice(&std::fs::read(dir.join(STATE)).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("{STATE}: {e}"))?;
+    let state: TrainerState = serde_json::from_slice(
+        &read_bounded(&dir.join(STATE), FileKind::RunRecord)
+            .map_err(|e| format!("{STATE}: {e}"))?,
+    )
+    .map_err(|e| format!("{STATE}: {e}"))?;
     let adapter = Adapter::load_peft(dir, spec, modules, dev).map_err(|e| e.to_string())?;
     let mut opt: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join(OPTIM), dev)
         .map_err(|e| format!("{OPTIM}: {e}"))?;

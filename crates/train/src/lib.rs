@@ -148,6 +148,27 @@ pub enum TrainError {
         max_new_tokens: usize,
         limit: usize,
     },
+    /// A resume whose `[train] steps` is below the step the checkpoint is already at.
+    #[error(
+        "{}: the checkpoint is at step {step}, past [train] steps = {steps}; a run cannot end \
+         before its adapter's step: set train.steps above {step} to train on, or export this \
+         checkpoint as it is (rtune export --checkpoint {step})",
+        checkpoint.display()
+    )]
+    ResumePastSteps {
+        checkpoint: PathBuf,
+        step: usize,
+        steps: usize,
+    },
+    /// The run's estimated peak memory is over what the machine has: found at start.
+    #[error(
+        "the run is estimated to need {:.1} MB at its peak, over the {:.1} MB of {what}; lower \
+         [train] micro_batch_size or [data] max_seq_len (`rtune estimate` shows the breakdown and \
+         what fits)",
+        *need as f64 / 1e6,
+        *have as f64 / 1e6
+    )]
+    TooLittleMemory { need: u64, have: u64, what: String },
     #[error("[output] remote: {0}")]
     Remote(Box<rtune_remote::RemoteError>),
     /// The final uploads did not reach the store within `[output] remote_timeout`.
@@ -174,6 +195,8 @@ impl TrainError {
             | TrainError::Ranks(_)
             | TrainError::OptimizerState
             | TrainError::ContextTooLong { .. }
+            | TrainError::TooLittleMemory { .. }
+            | TrainError::ResumePastSteps { .. }
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]
             TrainError::Kernel { .. } | TrainError::DeviceDeferred { .. } => false,

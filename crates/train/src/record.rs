@@ -168,9 +168,10 @@ impl RunRecord {
             gradient_checkpointing: None,
         };
         if resumed_from_step.is_some() {
-            if let Some(mut r) = std::fs::read(dir.join(RUN_JSON))
-                .ok()
-                .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
+            if let Some(mut r) =
+                rtune_fsio::read_bounded(&dir.join(RUN_JSON), rtune_fsio::FileKind::RunRecord)
+                    .ok()
+                    .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
             {
                 r.attempts.push(attempt);
                 return Ok(r);

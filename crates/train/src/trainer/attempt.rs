@@ -56,6 +56,7 @@ impl<'a> Trainer<'a> {
         let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
         let estimated_peak_bytes =
             rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
+        setup::check_memory(estimated_peak_bytes, setup::memory_budget(&dev))?;
         let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
         let opt =
             LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.train.loraplus_lr_ratio)?;
@@ -215,6 +216,15 @@ impl<'a> Trainer<'a> {
             return Err(TrainError::ResumeChanged {
                 checkpoint: l.dir.clone(),
                 changed: diff,
+            });
+        }
+        // Even with --force: a run cannot end before the step its adapter is already at (it
+        // reported "30 steps" for step 62's adapter, issue 35).
+        if l.state.run.step > cfg.train.steps {
+            return Err(TrainError::ResumePastSteps {
+                checkpoint: l.dir.clone(),
+                step: l.state.run.step,
+                steps: cfg.train.steps,
             });
         }
         Ok(Some(l))
