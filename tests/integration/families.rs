@@ -12,11 +12,10 @@ use std::path::Path;
 /// reads): `adapter_model.safetensors` under PEFT's names and an `adapter_config.json`.
 fn write_init_adapter(g: &Golden, dir: &Path) {
     std::fs::create_dir_all(dir).unwrap();
-    let init: std::collections::HashMap<String, candle_core::Tensor> = g
-        .t
-        .iter()
-        .filter_map(|(k, t)| Some((k.strip_prefix("init.")?.to_string(), t.clone())))
-        .collect();
+    let init: std::collections::HashMap<String, candle_core::Tensor> =
+        g.t.iter()
+            .filter_map(|(k, t)| Some((k.strip_prefix("init.")?.to_string(), t.clone())))
+            .collect();
     candle_core::safetensors::save(&init, dir.join("adapter_model.safetensors")).unwrap();
     let cfg = serde_json::json!({
         "peft_type": "LORA",
@@ -91,7 +90,10 @@ dir = "{out}"
         &candle_core::Device::Cpu,
     )
     .unwrap();
-    let n_golden = g.t.keys().filter(|k| k.starts_with("adamw.base_model")).count();
+    let n_golden =
+        g.t.keys()
+            .filter(|k| k.starts_with("adamw.base_model"))
+            .count();
     assert_eq!(adapter.len(), n_golden);
     for (k, t) in &adapter {
         let e = rel_err(t, g.get(&format!("adamw.{k}")));
@@ -105,5 +107,24 @@ fn qwen3_trains_as_peft() {
     train_matches_golden(
         "fixtures/tiny-qwen3",
         "parity/golden_tiny_qwen3.safetensors",
+    );
+}
+
+/// Gemma 2 (soft caps, sandwich norms, GeGLU, scaled embeddings), with checkpointing: the
+/// recompute forms the down projection again for the post-feed-forward norm.
+#[test]
+fn gemma2_trains_as_peft() {
+    train_matches_golden(
+        "fixtures/tiny-gemma2",
+        "parity/golden_tiny_gemma2.safetensors",
+    );
+}
+
+/// Gemma 3 (local and global RoPE, q/k norms), with checkpointing.
+#[test]
+fn gemma3_trains_as_peft() {
+    train_matches_golden(
+        "fixtures/tiny-gemma3",
+        "parity/golden_tiny_gemma3.safetensors",
     );
 }

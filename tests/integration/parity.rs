@@ -347,6 +347,51 @@ fn qwen3_qk_norm_head_dim_and_window_match_peft() {
     check_adamw(&c);
 }
 
+/// Gemma 2: (1 + w) norms drawn around 0 (four a layer), GeGLU, embeddings × √hidden, scores
+/// scaled by 1/√24 (query_pre_attn_scalar, not head_dim 16), attention logits soft-capped at 2 and
+/// final logits at 3, a window of 6 on layer 0: logits, hidden states, loss, LoRA gradients (with
+/// and without checkpointing) and three AdamW steps as PEFT.
+#[test]
+fn gemma2_softcaps_sandwich_norms_and_geglu_match_peft() {
+    let c = case(
+        "fixtures/tiny-gemma2",
+        "parity/golden_tiny_gemma2.safetensors",
+    );
+    let cfg = &c.model.cfg;
+    assert_eq!(cfg.arch, rtune_model::Arch::Gemma2);
+    assert_eq!(
+        (cfg.variant.attn_softcap, cfg.variant.final_softcap),
+        (Some(2.0), Some(3.0))
+    );
+    assert_eq!(cfg.window_layers, vec![true, false]);
+    check_forward_and_grads(&c);
+    check_adamw(&c);
+}
+
+/// Gemma 3 (text): Gemma 2's layer with (1 + w) q/k norms and no soft caps, head_dim 24, scores
+/// scaled by 1/√20; layer 0 local (window 6, RoPE base 1e4), layer 1 global (base 1e6, linear
+/// scaling 4), from transformers 5's per-layer-type `rope_parameters`.
+#[test]
+fn gemma3_local_global_rope_and_qk_norms_match_peft() {
+    let c = case(
+        "fixtures/tiny-gemma3",
+        "parity/golden_tiny_gemma3.safetensors",
+    );
+    let cfg = &c.model.cfg;
+    assert_eq!(cfg.arch, rtune_model::Arch::Gemma3);
+    assert!(cfg.variant.qk_norm && cfg.variant.attn_softcap.is_none());
+    assert_eq!(
+        cfg.variant.local_rope,
+        Some((1e4, rtune_model::RopeScaling::None))
+    );
+    assert_eq!(
+        (cfg.rope_theta, cfg.window_layers.clone()),
+        (1e6, vec![true, false])
+    );
+    check_forward_and_grads(&c);
+    check_adamw(&c);
+}
+
 /// Mistral: a sliding window (5) on every layer, head_dim 8 ≠ hidden / heads.
 #[test]
 fn mistral_window_and_head_dim_match_peft() {

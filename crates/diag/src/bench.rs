@@ -328,7 +328,7 @@ pub fn check_shape(o: &BenchOptions) -> Result<(), DiagError> {
             o.hidden, o.heads
         ));
     }
-    if (o.hidden / o.heads) % 2 != 0 {
+    if !(o.hidden / o.heads).is_multiple_of(2) {
         return bad(format!(
             "--hidden {} / --heads {} = head size {}, which must be even (rotary embeddings)",
             o.hidden,

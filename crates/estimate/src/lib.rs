@@ -328,13 +328,13 @@ fn dims(c: &ModelConfig, s: &Settings, path: AttnPath) -> Dims {
     let (b, t) = (s.micro_batch_size as u64, s.seq_len as u64);
     // The tiled path keeps no probabilities.
     let keep = path == AttnPath::Plain
-        && keep_probs(&AttnShape {
-            b: s.micro_batch_size,
-            t: s.seq_len,
-            heads: c.num_heads,
-            kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        });
+        && keep_probs(&AttnShape::new(
+            s.micro_batch_size,
+            s.seq_len,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+        ));
     Dims {
         b,
         t,
@@ -616,9 +616,14 @@ fn split(items: &[Item]) -> (u64, u64) {
 }
 
 /// Predicts the peak resident memory of training `c` with `s`, on the attention path the model
-/// takes for rows of `s.seq_len` tokens ([`attn_path`]).
+/// takes for rows of `s.seq_len` tokens ([`attn_path`]; the plain one for soft-capped scores,
+/// which the tiled path does not have: Gemma 2).
 pub fn estimate(c: &ModelConfig, s: &Settings) -> Estimate {
-    estimate_on(c, s, attn_path(s.seq_len))
+    let path = match c.variant.attn_softcap {
+        Some(_) => AttnPath::Plain,
+        None => attn_path(s.seq_len),
+    };
+    estimate_on(c, s, path)
 }
 
 /// [`estimate`] on the attention path `path`.

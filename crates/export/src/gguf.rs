@@ -86,6 +86,9 @@ fn arch(cfg: &ModelConfig) -> (&'static str, bool) {
         Arch::Llama | Arch::Mistral => ("llama", true),
         Arch::Qwen2 => ("qwen2", false),
         Arch::Qwen3 => ("qwen3", false),
+        // llama.cpp's Gemma graphs rotate NeoX-style: the rows stay as transformers has them.
+        Arch::Gemma2 => ("gemma2", false),
+        Arch::Gemma3 => ("gemma3", false),
     }
 }
 

@@ -7,11 +7,13 @@ use std::path::Path;
 
 use crate::{ModelError, Result};
 
-pub const SUPPORTED: [&str; 4] = [
+pub const SUPPORTED: [&str; 6] = [
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 ];
 
 /// The subset of config.json that rtune reads; other keys are ignored (HF configs carry many).
@@ -65,6 +67,25 @@ pub struct HfConfig {
     pub pad_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub quantization_config: Option<serde_json::Value>,
+    /// Gemma's activation name (`hidden_act` in the other families).
+    #[serde(default)]
+    pub hidden_activation: Option<String>,
+    /// Gemma: scores are scaled by `1/√query_pre_attn_scalar`.
+    #[serde(default)]
+    pub query_pre_attn_scalar: Option<f64>,
+    #[serde(default)]
+    pub attn_logit_softcapping: Option<f64>,
+    #[serde(default)]
+    pub final_logit_softcapping: Option<f64>,
+    /// Gemma 3 (transformers 4): the RoPE base of the local (sliding) layers.
+    #[serde(default)]
+    pub rope_local_base_freq: Option<f64>,
+    /// Gemma 3 (transformers 4): every `pattern`-th layer is global, the others sliding.
+    #[serde(default, alias = "_sliding_window_pattern")]
+    pub sliding_window_pattern: Option<usize>,
+    /// Gemma 3 embedding models attend both ways: not a causal LM.
+    #[serde(default)]
+    pub use_bidirectional_attention: Option<bool>,
 }
 
 fn d_eps() -> f64 {
@@ -79,14 +100,39 @@ pub enum Arch {
     /// Qwen2's layer without the q/k/v bias (unless `attention_bias`, which also biases o_proj),
     /// with a per-head RMSNorm on q and k before RoPE.
     Qwen3,
+    /// Gemma 2: (1 + w) norms, four a layer, GeGLU, scaled embeddings, soft-capped attention and
+    /// final logits, a window on the even layers.
+    Gemma2,
+    /// Gemma 3 (text): Gemma 2's layer with q/k norms and no soft-capping; local (sliding) and
+    /// global layers with their own RoPE.
+    Gemma3,
 }
 
 /// What a family changes in the Llama layer; all off for Llama, Mistral and Qwen2.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Variant {
     /// A per-head RMSNorm over `head_dim` on q and on k before RoPE (`self_attn.q_norm`,
-    /// `self_attn.k_norm`: Qwen3).
+    /// `self_attn.k_norm`: Qwen3, Gemma 3).
     pub qk_norm: bool,
+    /// Norms multiply by `1 + w` in f32, one rounding at the end (Gemma's `Gemma2RMSNorm`).
+    pub plus_one_norms: bool,
+    /// Four norms a layer: the attention's and the MLP's outputs are normed before their
+    /// residual adds (`post_attention_layernorm`, `post_feedforward_layernorm`); the MLP's input
+    /// norm is `pre_feedforward_layernorm` (Gemma 2 and 3).
+    pub sandwich_norms: bool,
+    /// The MLP is `down(gelu_tanh(gate)·up)` (GeGLU) instead of SwiGLU.
+    pub geglu: bool,
+    /// The embeddings are multiplied by this (Gemma: `√hidden_size`, rounded to the model dtype).
+    pub embed_scale: Option<f64>,
+    /// Scores scaled by this instead of `1/√head_dim` (Gemma: `1/√query_pre_attn_scalar`).
+    pub attn_scale: Option<f64>,
+    /// Attention scores soft-capped: `cap·tanh(s/cap)` (Gemma 2's `attn_logit_softcapping`).
+    pub attn_softcap: Option<f64>,
+    /// Final logits soft-capped (Gemma 2's `final_logit_softcapping`).
+    pub final_softcap: Option<f64>,
+    /// The RoPE base and scaling of the sliding-window layers when they differ from the global
+    /// one (Gemma 3: `rope_local_base_freq`, or `rope_parameters.sliding_attention`).
+    pub local_rope: Option<(f64, RopeScaling)>,
 }
 
 /// Rotary embedding frequencies: `inv_freq[i] = 1 / theta^(2i/d)`, then the scaling rule.
@@ -206,6 +252,8 @@ impl HfConfig {
             "MistralForCausalLM" => Arch::Mistral,
             "Qwen2ForCausalLM" => Arch::Qwen2,
             "Qwen3ForCausalLM" => Arch::Qwen3,
+            "Gemma2ForCausalLM" => Arch::Gemma2,
+            "Gemma3ForCausalLM" => Arch::Gemma3,
             _ => {
                 let got = if arch_name.is_empty() {
                     format!(
@@ -222,7 +270,27 @@ impl HfConfig {
                 });
             }
         };
-        if let Some(act) = &self.hidden_act {
+        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+        if gemma {
+            // transformers reads hidden_activation (hidden_act only in old Gemma 1 configs).
+            let act = self
+                .hidden_activation
+                .as_deref()
+                .or(self.hidden_act.as_deref())
+                .unwrap_or("gelu_pytorch_tanh");
+            if !matches!(act, "gelu_pytorch_tanh" | "gelu_tanh") {
+                return Err(bad(format!(
+                    "hidden_activation `{act}`: only gelu_pytorch_tanh (GeGLU) is supported for \
+                     {arch_name}"
+                )));
+            }
+            if self.use_bidirectional_attention == Some(true) {
+                return Err(bad(
+                    "use_bidirectional_attention = true: an embedding model, not a causal LM"
+                        .into(),
+                ));
+            }
+        } else if let Some(act) = &self.hidden_act {
             if act != "silu" {
                 return Err(bad(format!(
                     "hidden_act `{act}`: only silu (SwiGLU) is supported"
@@ -247,8 +315,10 @@ impl HfConfig {
         }
         let head_dim = match self.head_dim {
             Some(d) => d,
-            // transformers' Qwen3Config defaults head_dim to 128, whatever hidden/heads is.
+            // transformers' Qwen3Config defaults head_dim to 128, Gemma's to 256, whatever
+            // hidden/heads is.
             None if arch == Arch::Qwen3 => 128,
+            None if gemma => 256,
             None if self.hidden_size.is_multiple_of(heads) => self.hidden_size / heads,
             None => {
                 return Err(bad(format!(
@@ -263,27 +333,41 @@ impl HfConfig {
             )));
         }
         self.check_sizes(head_dim).map_err(bad)?;
-        let (rope_theta, rope_scaling) = rope(&self).map_err(bad)?;
+        let (rope_theta, rope_scaling, local_rope) = rope(&self, arch).map_err(bad)?;
         let layers = self.num_hidden_layers;
+        let marked = |types: &Vec<String>| -> Result<Vec<bool>> {
+            if types.len() != layers {
+                return Err(bad(format!(
+                    "layer_types has {} entries for {layers} layers",
+                    types.len()
+                )));
+            }
+            Ok(types.iter().map(|t| t == "sliding_attention").collect())
+        };
         let (sliding_window, window_layers) = match (arch, self.sliding_window) {
             (Arch::Mistral, Some(w)) => (Some(w), vec![true; layers]),
+            // Gemma: layer_types (transformers 5), else Gemma 2's even layers, Gemma 3's all but
+            // every `sliding_window_pattern`-th.
+            (Arch::Gemma2 | Arch::Gemma3, Some(w)) => {
+                let sliding = match (&self.layer_types, arch) {
+                    (Some(types), _) => marked(types)?,
+                    (None, Arch::Gemma2) => (0..layers).map(|i| i % 2 == 0).collect(),
+                    (None, _) => {
+                        let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
+                        (0..layers).map(|i| (i + 1) % pattern != 0).collect()
+                    }
+                };
+                (Some(w), sliding)
+            }
             (Arch::Qwen2 | Arch::Qwen3, Some(w)) if self.use_sliding_window == Some(true) => {
-                let marked = match &self.layer_types {
-                    Some(types) if types.len() == layers => {
-                        types.iter().map(|t| t == "sliding_attention").collect()
-                    }
-                    Some(types) => {
-                        return Err(bad(format!(
-                            "layer_types has {} entries for {layers} layers",
-                            types.len()
-                        )))
-                    }
+                let sliding = match &self.layer_types {
+                    Some(types) => marked(types)?,
                     None => {
                         let from = self.max_window_layers.unwrap_or(28);
                         (0..layers).map(|i| i >= from).collect()
                     }
                 };
-                (Some(w), marked)
+                (Some(w), sliding)
             }
             _ => (None, vec![false; layers]),
         };
@@ -300,7 +384,8 @@ impl HfConfig {
             rms_norm_eps: self.rms_norm_eps,
             rope_theta,
             rope_scaling,
-            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            // Gemma ties by default (its configs may leave the key out).
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma),
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
             o_bias: matches!(arch, Arch::Llama | Arch::Qwen3) && attention_bias,
             mlp_bias: arch == Arch::Llama && self.mlp_bias.unwrap_or(false),
@@ -310,27 +395,73 @@ impl HfConfig {
             eos_token_ids: ids(&self.eos_token_id),
             pad_token_id: ids(&self.pad_token_id).first().copied(),
             variant: Variant {
-                qk_norm: arch == Arch::Qwen3,
+                qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+                plus_one_norms: gemma,
+                sandwich_norms: gemma,
+                geglu: gemma,
+                embed_scale: gemma.then(|| (self.hidden_size as f64).sqrt()),
+                attn_scale: gemma.then(|| 1.0 / self.query_pre_attn_scalar.unwrap_or(256.0).sqrt()),
+                attn_softcap: self.attn_logit_softcapping.filter(|_| arch == Arch::Gemma2),
+                final_softcap: self.final_logit_softcapping.filter(|_| gemma),
+                local_rope,
             },
         })
     }
 }
 
-/// Reads theta and scaling from `rope_parameters` (v5) or `rope_theta` + `rope_scaling` (v4).
-fn rope(c: &HfConfig) -> std::result::Result<(f64, RopeScaling), String> {
+/// Theta and scaling of the global layers, and of the local (sliding) ones where a family gives
+/// them their own (Gemma 3), from `rope_parameters` (v5: flat, or per layer type) or
+/// `rope_theta` + `rope_scaling` (v4, with Gemma 3's `rope_local_base_freq`).
+#[allow(clippy::type_complexity)]
+fn rope(
+    c: &HfConfig,
+    arch: Arch,
+) -> std::result::Result<(f64, RopeScaling, Option<(f64, RopeScaling)>), String> {
+    // Gemma 3's default global base is 1e6; the others' 1e4.
+    let default_theta = if arch == Arch::Gemma3 { 1e6 } else { 10_000.0 };
+    let per_type = c
+        .rope_parameters
+        .as_ref()
+        .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
+    if let Some(p) = per_type {
+        let global = match p.get("full_attention") {
+            Some(g) => rope_params(Some(g), None, default_theta)?,
+            None => (default_theta, RopeScaling::None),
+        };
+        let local = p
+            .get("sliding_attention")
+            .map(|l| rope_params(Some(l), None, 10_000.0))
+            .transpose()?;
+        return Ok((global.0, global.1, local));
+    }
     let params = c
         .rope_parameters
         .as_ref()
         .filter(|v| !v.is_null())
         .or(c.rope_scaling.as_ref().filter(|v| !v.is_null()));
-    let theta = c
-        .rope_parameters
-        .as_ref()
+    let (theta, scaling) = rope_params(params, c.rope_theta, default_theta)?;
+    let local = (arch == Arch::Gemma3).then(|| {
+        (
+            c.rope_local_base_freq.unwrap_or(10_000.0),
+            RopeScaling::None,
+        )
+    });
+    Ok((theta, scaling, local))
+}
+
+/// One set of RoPE parameters: `rope_theta` from `p` (v5), else `theta` (v4's top-level key),
+/// else `default_theta`; the scaling rule from `p`'s `rope_type` (or `type`).
+fn rope_params(
+    p: Option<&serde_json::Value>,
+    theta: Option<f64>,
+    default_theta: f64,
+) -> std::result::Result<(f64, RopeScaling), String> {
+    let theta = p
         .and_then(|p| p.get("rope_theta"))
         .and_then(|v| v.as_f64())
-        .or(c.rope_theta)
-        .unwrap_or(10_000.0);
-    let Some(p) = params else {
+        .or(theta)
+        .unwrap_or(default_theta);
+    let Some(p) = p else {
         return Ok((theta, RopeScaling::None));
     };
     let kind = p
@@ -408,6 +539,67 @@ mod tests {
                 && s.contains("m/config.json"),
             "{s}"
         );
+    }
+
+    fn gemma(arch: &str, extra: &str) -> Result<ModelConfig> {
+        let text = format!(
+            r#"{{"architectures":["{arch}"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
+            "vocab_size":100,"sliding_window":512,"query_pre_attn_scalar":256{extra}}}"#
+        );
+        serde_json::from_str::<HfConfig>(&text)
+            .unwrap()
+            .into_config(Path::new("config.json"))
+    }
+
+    /// Gemma 3 in transformers 4's keys (global rope_theta/rope_scaling, rope_local_base_freq,
+    /// sliding_window_pattern) and in 5's (rope_parameters per layer type, layer_types) read the
+    /// same; Gemma 2 without layer_types slides on its even layers.
+    #[test]
+    fn gemma_config_layouts_agree() {
+        let v4 = gemma(
+            "Gemma3ForCausalLM",
+            r#","rope_theta":1000000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},
+            "rope_local_base_freq":10000.0,"sliding_window_pattern":6"#,
+        )
+        .unwrap();
+        let v5 = gemma(
+            "Gemma3ForCausalLM",
+            r#","rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
+            "sliding_attention":{"rope_type":"default","rope_theta":10000.0}},
+            "layer_types":["sliding_attention","sliding_attention","sliding_attention",
+            "sliding_attention","sliding_attention","full_attention"]"#,
+        )
+        .unwrap();
+        for c in [&v4, &v5] {
+            assert_eq!(c.rope_theta, 1e6);
+            assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+            assert_eq!(c.variant.local_rope, Some((1e4, RopeScaling::None)));
+            assert_eq!(c.window_layers, [true, true, true, true, true, false]);
+            assert!(c.variant.qk_norm && c.variant.sandwich_norms && c.variant.geglu);
+            assert_eq!(c.variant.attn_scale, Some(1.0 / 16.0));
+            assert_eq!(c.variant.embed_scale, Some(8.0));
+            assert!(c.tie_word_embeddings);
+        }
+        let g2 = gemma(
+            "Gemma2ForCausalLM",
+            r#","attn_logit_softcapping":50.0,"final_logit_softcapping":30.0"#,
+        )
+        .unwrap();
+        assert_eq!(g2.window_layers, [true, false, true, false, true, false]);
+        assert_eq!(
+            (g2.variant.attn_softcap, g2.variant.final_softcap),
+            (Some(50.0), Some(30.0))
+        );
+        assert!(!g2.variant.qk_norm && g2.variant.local_rope.is_none());
+        let e = gemma(
+            "Gemma3ForCausalLM",
+            r#","use_bidirectional_attention":true"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("embedding model"), "{e}");
+        let e = gemma("Gemma2ForCausalLM", r#","hidden_activation":"relu""#).unwrap_err();
+        assert!(e.to_string().contains("gelu_pytorch_tanh"), "{e}");
     }
 
     #[test]

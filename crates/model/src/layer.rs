@@ -5,6 +5,10 @@
 //! (gradient checkpointing: [`Layer::recompute`], which skips what the backward does not need —
 //! the down projection's frozen product, the last residual add, and with the tiled attention's
 //! kept output and log-sum-exp the attention itself).
+//!
+//! Gemma's layer ([`crate::Variant`]) differs in three places: its norms multiply by `1 + w` in
+//! f32 (`plus_one`), the attention's and the MLP's outputs are normed before their residual adds
+//! (`sandwich`: `h = x + n3(attn)`, `out = h + n4(mlp(n2(h)))`), and the MLP is GeGLU.
 
 use candle_core::{Result, Tensor};
 
@@ -27,6 +31,15 @@ pub struct Layer {
     /// Qwen3's per-head RMSNorm weights `(Dh)` on q and on k, applied before RoPE
     /// ([`crate::Variant::qk_norm`]); frozen.
     pub qk_norm: Option<(Tensor, Tensor)>,
+    /// Every norm of the layer is Gemma's: its weight here is `1 + w` in f32 and it runs in f32
+    /// with one rounding ([`ops::rms_norm_plus_one`]).
+    pub plus_one: bool,
+    /// Gemma's post-attention and post-feed-forward norms (`(D)` each): the attention's output
+    /// and the MLP's output are normed before their residual adds. `post_norm` is then the MLP's
+    /// input norm (`pre_feedforward_layernorm`).
+    pub sandwich: Option<(Tensor, Tensor)>,
+    /// The MLP's gate is GeGLU (tanh GELU) instead of SwiGLU.
+    pub geglu: bool,
     pub eps: f64,
     /// Uses the sliding-window mask (when the batch is longer than the window).
     pub sliding: bool,
@@ -36,6 +49,9 @@ pub struct Layer {
     pub gate_up: Option<Tensor>,
 }
 
+/// The q and k norms' caches (`None` for a layer without them).
+type QkCaches = Option<(NormCache, NormCache)>;
+
 /// Everything the backward of one layer needs (the activations of that layer only).
 pub struct LayerCache {
     n1: NormCache,
@@ -43,8 +59,12 @@ pub struct LayerCache {
     cq: LinearCache,
     ck: LinearCache,
     cv: LinearCache,
+    /// The sandwich norms' inputs: the output projection's output and the down projection's
+    /// (`(N, D)` each), when the layer has them.
+    n_attn: Option<NormCache>,
+    n_ff: Option<NormCache>,
     /// The q/k norms' inputs (`(N, H, Dh)`, `(N, Hkv, Dh)`) when the layer has them.
-    qk: Option<(NormCache, NormCache)>,
+    qk: QkCaches,
     attn: AttnCache,
     o_in: Tensor,
     co: LinearCache,
@@ -91,6 +111,8 @@ pub struct BatchCtx {
     pub sliding: Option<AttnMask>,
     /// The attention every layer runs ([`AttnPath::for_device`]).
     pub path: AttnPath,
+    /// The sliding layers' own `(cos, sin)` when their RoPE differs (Gemma 3's local base).
+    pub local_rope: Option<(Tensor, Tensor)>,
 }
 
 impl BatchCtx {
@@ -98,6 +120,14 @@ impl BatchCtx {
         match (&self.sliding, sliding) {
             (Some(m), true) => m,
             _ => &self.mask,
+        }
+    }
+
+    /// `(cos, sin)` of a sliding (`true`) or global layer.
+    fn rope_for(&self, sliding: bool) -> (&Tensor, &Tensor) {
+        match (&self.local_rope, sliding) {
+            (Some((c, s)), true) => (c, s),
+            _ => (&self.cos, &self.sin),
         }
     }
 }
@@ -120,12 +150,74 @@ impl Layer {
         ]
     }
 
-    /// The layer's norm weights (frozen): input, post-attention, then the q/k norms if any.
+    /// The layer's norm weights (frozen): input, post-attention (or pre-feed-forward), then the
+    /// q/k norms and the sandwich norms if any.
     pub fn norms(&self) -> impl Iterator<Item = &Tensor> {
         let qk = self.qk_norm.as_ref().map(|(q, k)| [q, k]);
+        let sandwich = self.sandwich.as_ref().map(|(a, f)| [a, f]);
         [&self.input_norm, &self.post_norm]
             .into_iter()
             .chain(qk.into_iter().flatten())
+            .chain(sandwich.into_iter().flatten())
+    }
+
+    /// This layer's RMSNorm of `x` with weight `w` (Gemma's `1 + w` form when `plus_one`).
+    pub(crate) fn norm(&self, x: &Tensor, w: &Tensor) -> Result<(Tensor, NormCache)> {
+        if self.plus_one {
+            ops::rms_norm_plus_one(x, w, self.eps)
+        } else {
+            ops::rms_norm(x, w, self.eps)
+        }
+    }
+
+    /// [`Layer::norm`]'s backward.
+    fn norm_backward(&self, dy: &Tensor, w: &Tensor, c: &NormCache) -> Result<Tensor> {
+        if self.plus_one {
+            ops::rms_norm_plus_one_backward(dy, w, c)
+        } else {
+            ops::rms_norm_backward(dy, w, c)
+        }
+    }
+
+    /// The MLP's gate: GeGLU or SwiGLU of `g, u: (N, I)`.
+    pub(crate) fn act(&self, g: &Tensor, u: &Tensor) -> Result<Tensor> {
+        if self.geglu {
+            ops::geglu(g, u)
+        } else {
+            ops::swiglu(g, u)
+        }
+    }
+
+    fn act_backward(&self, dm: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
+        if self.geglu {
+            ops::geglu_backward(dm, g, u)
+        } else {
+            ops::swiglu_backward(dm, g, u)
+        }
+    }
+
+    /// The sandwich norm `w` of `x` (`(x, None)` without one).
+    fn sandwich_norm(&self, x: Tensor, w: Option<&Tensor>) -> Result<(Tensor, Option<NormCache>)> {
+        match w {
+            Some(w) => {
+                let (y, c) = self.norm(&x, w)?;
+                Ok((y, Some(c)))
+            }
+            None => Ok((x, None)),
+        }
+    }
+
+    /// [`Layer::sandwich_norm`]'s backward (`dy` as given without one).
+    fn sandwich_backward(
+        &self,
+        dy: &Tensor,
+        w: Option<&Tensor>,
+        c: Option<&NormCache>,
+    ) -> Result<Tensor> {
+        match (w, c) {
+            (Some(w), Some(c)) => self.norm_backward(dy, w, c),
+            _ => Ok(dy.clone()),
+        }
     }
 
     /// Concatenates the q/k/v and gate/up weights into blocks (dense weights only).
@@ -137,11 +229,7 @@ impl Layer {
 
     /// Qwen3's q/k norms: `q: (N, H·Dh)`, `k: (N, Hkv·Dh)` normed per head over `Dh`, shapes
     /// kept; the norms' caches (`None` and `q`, `k` as given for a layer without them).
-    pub(crate) fn norm_qk(
-        &self,
-        q: Tensor,
-        k: Tensor,
-    ) -> Result<(Tensor, Tensor, Option<(NormCache, NormCache)>)> {
+    pub(crate) fn norm_qk(&self, q: Tensor, k: Tensor) -> Result<(Tensor, Tensor, QkCaches)> {
         let Some((wq, wk)) = &self.qk_norm else {
             return Ok((q, k, None));
         };
@@ -149,7 +237,7 @@ impl Layer {
             let (n, width) = x.dims2()?;
             let dh = w.dim(0)?;
             // (N, H·Dh) -> (N, H, Dh): the norm runs over the last dim.
-            let (y, c) = ops::rms_norm(&x.reshape((n, width / dh, dh))?, w, self.eps)?;
+            let (y, c) = self.norm(&x.reshape((n, width / dh, dh))?, w)?;
             Ok((y.reshape((n, width))?, c))
         };
         let (q, cq) = per_head(&q, wq)?;
@@ -170,7 +258,8 @@ impl Layer {
         };
         let per_head = |d: &Tensor, w: &Tensor, c: &NormCache| -> Result<Tensor> {
             let dims = d.dims2()?;
-            ops::rms_norm_backward(&d.reshape(c.x.shape())?, w, c)?.reshape(dims)
+            self.norm_backward(&d.reshape(c.x.shape())?, w, c)?
+                .reshape(dims)
         };
         Ok((per_head(&dq, wq, cq)?, per_head(&dk, wk, ck)?))
     }
@@ -214,7 +303,7 @@ impl Layer {
         lora: Option<&LoraCtx>,
         pass: Pass,
     ) -> Result<(Option<Tensor>, LayerCache)> {
-        let (h1, n1) = ops::rms_norm(x, &self.input_norm, self.eps)?;
+        let (h1, n1) = self.norm(x, &self.input_norm)?;
         let qkv = group::forward(
             &[&self.q, &self.k, &self.v],
             self.qkv.as_ref(),
@@ -226,22 +315,25 @@ impl Layer {
             qkv.try_into().expect("three members");
         let (q, k, qk) = self.norm_qk(q, k)?;
         let mask = ctx.mask_for(self.sliding);
+        let (cos, sin) = ctx.rope_for(self.sliding);
         let (o_in, attn) = match (&pass, ctx.path) {
             (Pass::Recompute(kept), AttnPath::Tiled) => ops::attention_tiled_kept(
                 &q,
                 &k,
                 &v,
                 &ctx.shape,
-                &ctx.cos,
-                &ctx.sin,
+                cos,
+                sin,
                 &mask.starts,
                 kept.clone(),
             )?,
-            _ => ops::attend(&q, &k, &v, &ctx.shape, &ctx.cos, &ctx.sin, mask, ctx.path)?,
+            _ => ops::attend(&q, &k, &v, &ctx.shape, cos, sin, mask, ctx.path)?,
         };
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
+        let sandwich = self.sandwich.as_ref();
+        let (a, n_attn) = self.sandwich_norm(a, sandwich.map(|s| &s.0))?;
         let h = ops::add(x, &a)?;
-        let (h2, n2) = ops::rms_norm(&h, &self.post_norm, self.eps)?;
+        let (h2, n2) = self.norm(&h, &self.post_norm)?;
         let gu = group::forward(
             &[&self.gate, &self.up],
             self.gate_up.as_ref(),
@@ -250,15 +342,23 @@ impl Layer {
             &[self.salt(4), self.salt(5)],
         )?;
         let [(g, cg), (u, cu)]: [(Tensor, LinearCache); 2] = gu.try_into().expect("two members");
-        let m = ops::swiglu(&g, &u)?;
-        let (out, cd, m) = match pass {
-            Pass::Full => {
+        let m = self.act(&g, &u)?;
+        let (out, cd, m, n_ff) = match (pass, sandwich) {
+            (Pass::Full, _) => {
                 let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
-                (Some(ops::add(&h, &d)?), cd, None)
+                let (d, n_ff) = self.sandwich_norm(d, sandwich.map(|s| &s.1))?;
+                (Some(ops::add(&h, &d)?), cd, None, n_ff)
             }
-            Pass::Recompute(_) => {
+            // The post-feed-forward norm's backward needs the down projection's output: the
+            // frozen product is formed again.
+            (Pass::Recompute(_), Some((_, post_ff))) => {
+                let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
+                let (_, n_ff) = self.norm(&d, post_ff)?;
+                (None, cd, Some(m), Some(n_ff))
+            }
+            (Pass::Recompute(_), None) => {
                 let cd = self.down.forward_cache(&m, lora, self.salt(6))?;
-                (None, cd, Some(m))
+                (None, cd, Some(m), None)
             }
         };
         Ok((
@@ -269,6 +369,8 @@ impl Layer {
                 cq,
                 ck,
                 cv,
+                n_attn,
+                n_ff,
                 qk,
                 attn,
                 o_in,
@@ -297,14 +399,16 @@ impl Layer {
     ) -> Result<Option<Tensor>> {
         let m = match &c.m {
             Some(m) => m.clone(),
-            None => ops::swiglu(&c.g, &c.u)?, // the same op on the same inputs: the same bits
+            None => self.act(&c.g, &c.u)?, // the same op on the same inputs: the same bits
         };
+        let sandwich = self.sandwich.as_ref();
+        let dd = self.sandwich_backward(d_out, sandwich.map(|s| &s.1), c.n_ff.as_ref())?;
         let dm = self
             .down
-            .backward(d_out, &m, &c.cd, lora, grads, true)?
+            .backward(&dd, &m, &c.cd, lora, grads, true)?
             .expect("dx requested");
-        drop(m);
-        let (dg, du) = ops::swiglu_backward(&dm, &c.g, &c.u)?;
+        drop((m, dd));
+        let (dg, du) = self.act_backward(&dm, &c.g, &c.u)?;
         let dh2 = group::backward(
             &[&self.gate, &self.up],
             self.gate_up.as_ref(),
@@ -316,15 +420,15 @@ impl Layer {
             true,
         )?
         .expect("dx requested");
-        let dh = ops::add(
-            d_out,
-            &ops::rms_norm_backward(&dh2, &self.post_norm, &c.n2)?,
-        )?;
+        let dh = ops::add(d_out, &self.norm_backward(&dh2, &self.post_norm, &c.n2)?)?;
+        let da = self.sandwich_backward(&dh, sandwich.map(|s| &s.0), c.n_attn.as_ref())?;
         let d_o = self
             .o
-            .backward(&dh, &c.o_in, &c.co, lora, grads, true)?
+            .backward(&da, &c.o_in, &c.co, lora, grads, true)?
             .expect("dx requested");
-        let (dq, dk, dv) = ops::attention_backward(&d_o, &c.attn, &ctx.shape, &ctx.cos, &ctx.sin)?;
+        drop(da);
+        let (cos, sin) = ctx.rope_for(self.sliding);
+        let (dq, dk, dv) = ops::attention_backward(&d_o, &c.attn, &ctx.shape, cos, sin)?;
         let (dq, dk) = self.norm_qk_backward(dq, dk, c.qk.as_ref())?;
         // The q/k/v input gradients are only needed to continue below this layer.
         let dh1 = group::backward(
@@ -342,7 +446,7 @@ impl Layer {
         };
         Ok(Some(ops::add(
             &dh,
-            &ops::rms_norm_backward(&dh1, &self.input_norm, &c.n1)?,
+            &self.norm_backward(&dh1, &self.input_norm, &c.n1)?,
         )?))
     }
 }

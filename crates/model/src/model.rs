@@ -31,6 +31,8 @@ pub struct Model {
     /// `(V, D)`; the embedding matrix itself when tied.
     lm_head: Tensor,
     inv_freq: Vec<f32>,
+    /// The sliding layers' own `inv_freq` (Gemma 3's local RoPE base).
+    local_inv_freq: Option<Vec<f32>>,
     /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
     /// pass and comes back one layer ahead of the backward, on a side stream (`kept.rs`).
     pub offload_checkpoints: bool,
@@ -131,6 +133,18 @@ impl Model {
             cfg.num_kv_heads * cfg.head_dim,
         );
         let embed = w.tensor("model.embed_tokens.weight", &[v, d])?;
+        // Gemma's norms: `1 + w` in f32, formed once here (w read in the compute dtype first,
+        // as transformers computes `1 + w.float()` on the loaded weight).
+        let plus_one = cfg.variant.plus_one_norms;
+        let norm_w = |name: &str, n: usize| -> Result<Tensor> {
+            let t = w.tensor(name, &[n])?;
+            if !plus_one {
+                return Ok(t);
+            }
+            t.to_dtype(DType::F32)
+                .and_then(|t| t + 1.0)
+                .map_err(|e| ModelError::candle(format!("{name}: 1 + w"), e))
+        };
         let linear = |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let wname = format!("{name}.weight");
             let quant = |q: rtune_quant::Nf4Weight| -> Result<Frozen> {
@@ -196,10 +210,16 @@ impl Model {
         let mut layers = Vec::with_capacity(cfg.num_layers.min(256));
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
+            let sandwich = cfg.variant.sandwich_norms;
+            // With sandwich norms the MLP's input norm is the pre-feed-forward one.
+            let post_norm = match sandwich {
+                true => format!("{p}.pre_feedforward_layernorm.weight"),
+                false => format!("{p}.post_attention_layernorm.weight"),
+            };
             layers.push(Layer {
                 index: l,
-                input_norm: w.tensor(&format!("{p}.input_layernorm.weight"), &[d])?,
-                post_norm: w.tensor(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
+                input_norm: norm_w(&format!("{p}.input_layernorm.weight"), d)?,
+                post_norm: norm_w(&post_norm, d)?,
                 q: linear(format!("{p}.self_attn.q_proj"), qd, d, cfg.qkv_bias)?,
                 k: linear(format!("{p}.self_attn.k_proj"), kvd, d, cfg.qkv_bias)?,
                 v: linear(format!("{p}.self_attn.v_proj"), kvd, d, cfg.qkv_bias)?,
@@ -210,12 +230,22 @@ impl Model {
                 qk_norm: if cfg.variant.qk_norm {
                     let dh = cfg.head_dim;
                     Some((
-                        w.tensor(&format!("{p}.self_attn.q_norm.weight"), &[dh])?,
-                        w.tensor(&format!("{p}.self_attn.k_norm.weight"), &[dh])?,
+                        norm_w(&format!("{p}.self_attn.q_norm.weight"), dh)?,
+                        norm_w(&format!("{p}.self_attn.k_norm.weight"), dh)?,
                     ))
                 } else {
                     None
                 },
+                plus_one,
+                sandwich: if sandwich {
+                    Some((
+                        norm_w(&format!("{p}.post_attention_layernorm.weight"), d)?,
+                        norm_w(&format!("{p}.post_feedforward_layernorm.weight"), d)?,
+                    ))
+                } else {
+                    None
+                },
+                geglu: cfg.variant.geglu,
                 eps: cfg.rms_norm_eps,
                 sliding: cfg.window_layers[l],
                 qkv: None,
@@ -227,7 +257,7 @@ impl Model {
                 .fuse()
                 .map_err(|e| ModelError::candle(format!("{p}: fusing q/k/v and gate/up"), e))?;
         }
-        let norm = w.tensor("model.norm.weight", &[d])?;
+        let norm = norm_w("model.norm.weight", d)?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
@@ -243,6 +273,7 @@ impl Model {
             embed
         };
         let inv_freq = crate::rope::inv_freq(&cfg);
+        let local_inv_freq = crate::rope::local_inv_freq(&cfg);
         Ok(Self {
             cfg,
             dtype,
@@ -252,6 +283,7 @@ impl Model {
             norm,
             lm_head,
             inv_freq,
+            local_inv_freq,
             offload_checkpoints: false,
             autocast: false,
             #[cfg(feature = "cuda")]
@@ -348,22 +380,24 @@ impl Model {
         }
     }
 
+    /// The attention's shape for `b` rows of `t` tokens: the family's score scale and soft cap.
+    pub(crate) fn attn_shape(&self, b: usize, t: usize) -> AttnShape {
+        let c = &self.cfg;
+        let mut s = AttnShape::new(b, t, c.num_heads, c.num_kv_heads, c.head_dim);
+        if let Some(scale) = c.variant.attn_scale {
+            s.scale = scale;
+        }
+        s.softcap = c.variant.attn_softcap;
+        s
+    }
+
     fn batch_ctx(&self, inp: &Inputs) -> candle_core::Result<BatchCtx> {
-        let shape = AttnShape {
-            b: inp.b,
-            t: inp.t,
-            heads: self.cfg.num_heads,
-            kv_heads: self.cfg.num_kv_heads,
-            head_dim: self.cfg.head_dim,
+        let shape = self.attn_shape(inp.b, inp.t);
+        let tables = |inv: &[f32]| {
+            rtune_ops::rope::tables(inv, &inp.positions, inp.b, inp.t, self.dtype, &self.device)
         };
-        let (cos, sin) = rtune_ops::rope::tables(
-            &self.inv_freq,
-            &inp.positions,
-            inp.b,
-            inp.t,
-            self.dtype,
-            &self.device,
-        )?;
+        let (cos, sin) = tables(&self.inv_freq)?;
+        let local_rope = self.local_inv_freq.as_deref().map(tables).transpose()?;
         let mask_of = |window| {
             ops::AttnMask::new(inp.segments.as_deref(), inp.b, inp.t, window, &self.device)
         };
@@ -373,13 +407,43 @@ impl Model {
             _ => None,
         };
         Ok(BatchCtx {
-            shape,
             cos,
             sin,
             mask,
             sliding,
-            path: ops::AttnPath::for_shape(&self.device, inp.t, Some(self.cfg.head_dim))?,
+            // Soft-capped scores run on the plain path only (the tiled kernels have no cap).
+            path: match shape.softcap {
+                Some(_) => ops::AttnPath::Plain,
+                None => ops::AttnPath::for_shape(&self.device, inp.t, Some(self.cfg.head_dim))?,
+            },
+            shape,
+            local_rope,
         })
+    }
+
+    /// The final norm of `x: (N, D)` (Gemma's `1 + w` form for its families).
+    fn final_norm(&self, x: &Tensor) -> candle_core::Result<(Tensor, ops::NormCache)> {
+        let eps = self.cfg.rms_norm_eps;
+        match self.cfg.variant.plus_one_norms {
+            true => ops::rms_norm_plus_one(x, &self.norm, eps),
+            false => ops::rms_norm(x, &self.norm, eps),
+        }
+    }
+
+    fn final_norm_backward(&self, dy: &Tensor, c: &ops::NormCache) -> candle_core::Result<Tensor> {
+        match self.cfg.variant.plus_one_norms {
+            true => ops::rms_norm_plus_one_backward(dy, &self.norm, c),
+            false => ops::rms_norm_backward(dy, &self.norm, c),
+        }
+    }
+
+    /// Gemma's embedding scale (√hidden, rounded to the activations' dtype by the product) of
+    /// `x: (N, D)`; `x` as given for the other families.
+    fn scale_embeddings(&self, x: Tensor) -> candle_core::Result<Tensor> {
+        match self.cfg.variant.embed_scale {
+            Some(s) => x.affine(s, 0.0),
+            None => Ok(x),
+        }
     }
 
     /// `(N, D)`: the embedding rows of `ids`, on the compute device.
@@ -397,11 +461,14 @@ impl Model {
     ) -> candle_core::Result<(Tensor, Option<crate::tokens::TokenHits>)> {
         let x = self.embed_ids(ids)?;
         let Some(t) = lora.and_then(|l| l.adapter.tokens.as_ref()) else {
-            return Ok((x, None));
+            return Ok((self.scale_embeddings(x)?, None));
         };
         match crate::tokens::hits(ids, &t.ids, &self.device)? {
-            Some(h) => Ok((crate::tokens::embed(&x, &h, &t.rows)?, Some(h))),
-            None => Ok((x, None)),
+            Some(h) => Ok((
+                self.scale_embeddings(crate::tokens::embed(&x, &h, &t.rows)?)?,
+                Some(h),
+            )),
+            None => Ok((self.scale_embeddings(x)?, None)),
         }
     }
 
@@ -423,8 +490,12 @@ impl Model {
         head: Option<&ops::HeadRows>,
     ) -> candle_core::Result<Tensor> {
         let logits = self.head(h)?;
-        match head {
-            Some(hr) => hr.fix_logits(logits, h),
+        let logits = match head {
+            Some(hr) => hr.fix_logits(logits, h)?,
+            None => logits,
+        };
+        match self.cfg.variant.final_softcap {
+            Some(cap) => ops::softcap_logits(&logits, cap),
             None => Ok(logits),
         }
     }
@@ -466,7 +537,7 @@ impl Model {
                 }
                 x = layer.forward(&x, &ctx, lora)?.0;
             }
-            let (h, _) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
+            let (h, _) = self.final_norm(&x)?;
             if keep_hidden {
                 hidden.push(h.reshape((b, t, d))?.to_dtype(DType::F32)?);
             }
@@ -568,13 +639,14 @@ impl Model {
                 }
                 x = out;
             }
-            let (h, norm_cache) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
+            let (h, norm_cache) = self.final_norm(&x)?;
             drop(x);
             let head = self.head_rows(Some(lora))?;
             let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
                 &h,
                 &self.lm_head,
                 head.as_ref(),
+                self.cfg.variant.final_softcap,
                 targets,
                 grad_scale,
                 self.ce_chunk(),
@@ -583,7 +655,7 @@ impl Model {
             if let Some(g) = head_grad {
                 Grads::add(&mut grads.tokens, g)?;
             }
-            let mut dx = ops::rms_norm_backward(&dh, &self.norm, &norm_cache)?;
+            let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {
                 let cache = match caches.pop() {
                     Some(c) => c,
@@ -602,6 +674,8 @@ impl Model {
                 }
             }
             if let (Some(hits), Some(t)) = (&hits, lora.adapter.tokens.as_ref()) {
+                // Through Gemma's embedding scale (the rows were scaled after the lookup).
+                let dx = self.scale_embeddings(dx)?;
                 let g = crate::tokens::embed_backward(&dx, hits, t.ids.len())?;
                 Grads::add(&mut grads.tokens, g)?;
             }
@@ -625,12 +699,13 @@ impl Model {
             for layer in &self.layers {
                 x = layer.forward(&x, &ctx, lora)?.0;
             }
-            let (h, _) = ops::rms_norm(&x, &self.norm, self.cfg.rms_norm_eps)?;
+            let (h, _) = self.final_norm(&x)?;
             let head = self.head_rows(lora)?;
             ops::chunked_cross_entropy_loss_with(
                 &h,
                 &self.lm_head,
                 head.as_ref(),
+                self.cfg.variant.final_softcap,
                 targets,
                 self.ce_chunk(),
             )

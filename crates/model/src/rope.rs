@@ -7,13 +7,23 @@ use crate::config::{ModelConfig, RopeScaling};
 
 /// `inv_freq: (head_dim / 2)` after the config's scaling rule.
 pub fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    let d = cfg.head_dim;
-    let base = cfg.rope_theta as f32;
+    inv_freq_for(cfg.head_dim, cfg.rope_theta, &cfg.rope_scaling)
+}
+
+/// The sliding-window layers' `inv_freq` when they have their own RoPE (Gemma 3's local base).
+pub fn local_inv_freq(cfg: &ModelConfig) -> Option<Vec<f32>> {
+    let (theta, scaling) = cfg.variant.local_rope.as_ref()?;
+    Some(inv_freq_for(cfg.head_dim, *theta, scaling))
+}
+
+/// `inv_freq: (d / 2)` of base `theta` after `scaling`.
+fn inv_freq_for(d: usize, theta: f64, scaling: &RopeScaling) -> Vec<f32> {
+    let base = theta as f32;
     let raw: Vec<f32> = (0..d)
         .step_by(2)
         .map(|i| 1.0 / base.powf(i as f32 / d as f32))
         .collect();
-    match cfg.rope_scaling {
+    match *scaling {
         RopeScaling::None => raw,
         RopeScaling::Linear { factor } => raw.iter().map(|f| f / factor as f32).collect(),
         RopeScaling::Llama3 {

@@ -84,7 +84,10 @@ fn le_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     std::borrow::Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect())
 }
 
-fn safetensors_bytes(data: &[(String, std::borrow::Cow<'_, [u8]>, Vec<usize>)]) -> Vec<u8> {
+/// One f32 tensor to serialise: its key, its little-endian bytes ([`le_bytes`]), its shape.
+type F32Bytes<'a> = (String, std::borrow::Cow<'a, [u8]>, Vec<usize>);
+
+fn safetensors_bytes(data: &[F32Bytes<'_>]) -> Vec<u8> {
     let views: Vec<(String, safetensors::tensor::TensorView)> = data
         .iter()
         .map(|(k, b, s)| {

@@ -37,6 +37,9 @@ struct StepCtx<'a> {
     mask: &'a Tensor,
     /// `(heads, kv_heads, head_dim)`
     shape: (usize, usize, usize),
+    /// Scores' scale and soft cap ([`ops::AttnShape`]'s).
+    scale: f64,
+    softcap: Option<f64>,
 }
 
 impl Layer {
@@ -52,7 +55,7 @@ impl Layer {
         let (cos, sin, mask) = (st.cos, st.sin, st.mask);
         let (h, hkv, dh) = st.shape;
         let (n, g) = (x.dim(0)?, h / hkv);
-        let (h1, _) = ops::rms_norm(x, &self.input_norm, self.eps)?;
+        let (h1, _) = self.norm(x, &self.input_norm)?;
         let q = self.q.forward(&h1, lora, 0)?.0;
         let k = self.k.forward(&h1, lora, 0)?.0;
         let v = self.v.forward(&h1, lora, 0)?.0;
@@ -68,8 +71,11 @@ impl Layer {
             None => (k, v),
         };
         let total = k.dim(2)?;
-        let scale = 1.0 / (dh as f64).sqrt();
-        let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+        let scores = (q.matmul(&k.t()?)? * st.scale)?.to_dtype(DType::F32)?;
+        let scores = match st.softcap {
+            Some(cap) => ((scores / cap)?.tanh()? * cap)?,
+            None => scores,
+        };
         let scores = scores
             .reshape((1, hkv, g, n, total))?
             .broadcast_add(mask)?
@@ -82,14 +88,26 @@ impl Layer {
             .reshape((1, h, n, dh))?
             .transpose(1, 2)?
             .reshape((n, h * dh))?;
-        let hdn = (x + self.o.forward(&o, lora, 0)?.0)?;
-        let (h2, _) = ops::rms_norm(&hdn, &self.post_norm, self.eps)?;
-        let m = ops::swiglu(
+        let sandwich = self.sandwich.as_ref();
+        let a = self.o.forward(&o, lora, 0)?.0;
+        let a = self.sandwich_post(a, sandwich.map(|s| &s.0))?;
+        let hdn = (x + a)?;
+        let (h2, _) = self.norm(&hdn, &self.post_norm)?;
+        let m = self.act(
             &self.gate.forward(&h2, lora, 0)?.0,
             &self.up.forward(&h2, lora, 0)?.0,
         )?;
-        let out = (hdn + self.down.forward(&m, lora, 0)?.0)?;
+        let d = self.down.forward(&m, lora, 0)?.0;
+        let out = (hdn + self.sandwich_post(d, sandwich.map(|s| &s.1))?)?;
         Ok((out, (k, v)))
+    }
+
+    /// A sandwich norm's output (`x` as given without one).
+    fn sandwich_post(&self, x: Tensor, w: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        match w {
+            Some(w) => Ok(self.norm(&x, w)?.0),
+            None => Ok(x),
+        }
     }
 }
 
@@ -106,14 +124,11 @@ impl Model {
         let mut run = || -> candle_core::Result<Tensor> {
             let (n, start) = (ids.len(), cache.len);
             let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-            let (cos, sin) = rtune_ops::rope::tables(
-                &self.inv_freq,
-                &positions,
-                1,
-                n,
-                self.dtype,
-                &self.device,
-            )?;
+            let tables = |inv: &[f32]| {
+                rtune_ops::rope::tables(inv, &positions, 1, n, self.dtype, &self.device)
+            };
+            let (cos, sin) = tables(&self.inv_freq)?;
+            let local = self.local_inv_freq.as_deref().map(tables).transpose()?;
             let full = ops::causal_mask_from(n, start, None, &self.device)?;
             let sliding = match self.cfg.sliding_window {
                 Some(w) if w < start + n => {
@@ -122,6 +137,7 @@ impl Model {
                 _ => None,
             };
             let shape = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
+            let attn = self.attn_shape(1, n);
             let mut x = self.embed_tokens(ids, lora)?.0;
             let mut next = Vec::with_capacity(self.layers.len());
             for (i, layer) in self.layers.iter().enumerate() {
@@ -129,17 +145,23 @@ impl Model {
                     (Some(s), true) => s,
                     _ => &full,
                 };
+                let (cos, sin) = match (&local, layer.sliding) {
+                    (Some((c, s)), true) => (c, s),
+                    _ => (&cos, &sin),
+                };
                 let st = StepCtx {
-                    cos: &cos,
-                    sin: &sin,
+                    cos,
+                    sin,
                     mask: m,
                     shape,
+                    scale: attn.scale,
+                    softcap: attn.softcap,
                 };
                 let (out, kv) = layer.decode(&x, &st, cache.layers.get(i), lora)?;
                 next.push(kv);
                 x = out;
             }
-            let (h, _) = ops::rms_norm(&x.i(n - 1..n)?, &self.norm, self.cfg.rms_norm_eps)?;
+            let (h, _) = self.final_norm(&x.i(n - 1..n)?)?;
             let head = self.head_rows(lora)?;
             let logits = self.lm_logits(&h, head.as_ref())?.to_dtype(DType::F32)?;
             cache.layers = next;
@@ -171,10 +193,18 @@ mod tests {
     }
 
     /// Prefill then one token at a time gives the full forward's last-position logits, including
-    /// across a sliding window (tiny-mistral: window 5, 12 tokens).
+    /// across a sliding window (tiny-mistral: window 5, 12 tokens), with Qwen3's q/k norms and
+    /// Gemma's sandwich norms, GeGLU, soft caps (Gemma 2) and local RoPE (Gemma 3).
     #[test]
     fn cached_decoding_equals_the_full_forward() {
-        for name in ["tiny-llama3", "tiny-mistral", "tiny-qwen2"] {
+        for name in [
+            "tiny-llama3",
+            "tiny-mistral",
+            "tiny-qwen2",
+            "tiny-qwen3",
+            "tiny-gemma2",
+            "tiny-gemma3",
+        ] {
             let model = Model::load(&fixture(name), DType::F32, &Device::Cpu).unwrap();
             let ids: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 200 + 3).collect();
             let mut cache = KvCache::default();

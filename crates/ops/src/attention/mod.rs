@@ -5,7 +5,7 @@
 //! forms the `(T, T)` scores.
 //!
 //! The op's files: this one (what the model calls), `mask.rs` (causal, windowed and segment
-//! masks), `softmax.rs`, `cpu.rs`, `tiled.rs`, `reference.rs` (plain formulations; `flash_ref.rs`:
+//! masks), `softmax.rs`, `softcap.rs` (Gemma 2's soft-capped scores, plain path only), `cpu.rs`, `tiled.rs`, `reference.rs` (plain formulations; `flash_ref.rs`:
 //! the tiled kernels' CPU reference with their tiling), `softmax_cuda.rs`, `flash_kernel.rs`,
 //! `flash_cuda.rs`, `check.rs` and `flash_check.rs` (for `rtune selftest`), `tests.rs`.
 
@@ -21,6 +21,7 @@ pub mod flash_kernel;
 pub mod flash_ref;
 pub mod mask;
 pub mod reference;
+pub mod softcap;
 pub mod softmax;
 #[cfg(feature = "kernels")]
 pub mod softmax_cuda;
@@ -205,13 +206,17 @@ pub fn attention_tiled_kept(
     starts: &Tensor,
     kept: Option<KeptAttn>,
 ) -> Result<(Tensor, AttnCache)> {
+    if let Some(cap) = s.softcap {
+        candle_core::bail!(
+            "attention: soft-capped scores (cap {cap}) run on the plain path only, not the tiled one"
+        );
+    }
     let (q, k, v) = tiled_inputs(q, k, v, s, cos, sin)?;
     let kept = match kept {
         Some(kept) => kept,
         None => {
-            let scale = 1.0 / (s.head_dim as f64).sqrt();
             // o: (B, T, H, Dh) = (N, H·Dh) as it comes
-            let (o, lse) = crate::attention::tiled::flash_attn(&q, &k, &v, starts, scale)?;
+            let (o, lse) = crate::attention::tiled::flash_attn(&q, &k, &v, starts, s.scale)?;
             let o = o.reshape((s.b * s.t, s.heads * s.head_dim))?;
             KeptAttn { o, lse }
         }
@@ -270,6 +275,27 @@ pub struct AttnShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// What the scores `q·kᵀ` are multiplied by: `1/√head_dim` ([`AttnShape::new`]), or Gemma's
+    /// `1/√query_pre_attn_scalar`.
+    pub scale: f64,
+    /// Gemma 2's `attn_logit_softcapping`: scaled scores become `cap·tanh(s/cap)`
+    /// ([`softcap`]). Only the plain path has it ([`attention_tiled`] refuses it).
+    pub softcap: Option<f64>,
+}
+
+impl AttnShape {
+    /// The usual shape: scores scaled by `1/√head_dim`, no soft-capping.
+    pub fn new(b: usize, t: usize, heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            b,
+            t,
+            heads,
+            kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            softcap: None,
+        }
+    }
 }
 
 /// Causal grouped-query attention with RoPE. `q: (N, H·Dh)`, `k, v: (N, Hkv·Dh)` with `N = B·T`;
@@ -356,10 +382,17 @@ fn row_probs(q: &Tensor, k: &Tensor, mask: &Tensor, s: &AttnShape, i: usize) -> 
     } else {
         mask.clone()
     };
-    let scale = 1.0 / (s.head_dim as f64).sqrt();
     // (1, Hkv, G·T, Dh)·(1, Hkv, Dh, T) -> (1, Hkv, G·T, T) in the compute dtype
-    let raw = mm(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?.t()?)?;
-    crate::attention::softmax::attn_softmax(&raw, &mask_i, scale)
+    let raw = row_scores(q, k, i)?;
+    match s.softcap {
+        Some(cap) => crate::attention::softcap::probs(&raw, &mask_i, s.scale, cap),
+        None => crate::attention::softmax::attn_softmax(&raw, &mask_i, s.scale),
+    }
+}
+
+/// The unscaled scores of batch row `i`: `q_i·k_iᵀ`, `(1, Hkv, G·T, T)` in the compute dtype.
+fn row_scores(q: &Tensor, k: &Tensor, i: usize) -> Result<Tensor> {
+    mm(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?.t()?)
 }
 
 /// Returns `(dq, dk, dv)` shaped like [`attention`]'s inputs.
@@ -375,7 +408,7 @@ pub fn attention_backward(
     let mask = match &c.saved {
         AttnSaved::Plain { mask } => mask,
         AttnSaved::Tiled { o, lse, starts } => {
-            let scale = 1.0 / (dh as f64).sqrt();
+            let scale = s.scale;
             // d_out and o: (N, H·Dh) = (B, T, H, Dh); q: (B, H, T, Dh)
             let bthd = (b, t, h, dh);
             let (dq, dk, dv) = crate::attention::tiled::flash_attn_bwd(
@@ -401,7 +434,7 @@ pub fn attention_backward(
         .transpose(1, 2)?
         .contiguous()?
         .reshape((b, hkv, g * t, dh))?;
-    let scale = 1.0 / (dh as f64).sqrt();
+    let scale = s.scale;
     let (mut dqs, mut dks, mut dvs) = (
         Vec::with_capacity(b),
         Vec::with_capacity(b),
@@ -418,7 +451,13 @@ pub fn attention_backward(
         dvs.push(mm(&p.t()?, &d_oi)?);
         // dp: (1, Hkv, G·T, T) in the compute dtype; softmax backward in f32.
         let dp = mm(&d_oi, &c.v.narrow(0, i, 1)?.t()?)?;
-        let ds = crate::attention::softmax::attn_softmax_bwd(&pf, &dp, scale)?;
+        let ds = match s.softcap {
+            Some(cap) => {
+                let raw = row_scores(&c.q, &c.k, i)?;
+                crate::attention::softcap::probs_bwd(&pf, &dp, &raw, scale, cap)?
+            }
+            None => crate::attention::softmax::attn_softmax_bwd(&pf, &dp, scale)?,
+        };
         dqs.push(mm(&ds, &c.k.narrow(0, i, 1)?)?); // (1, Hkv, G·T, Dh)
         dks.push(mm(&ds.t()?, &c.q.narrow(0, i, 1)?)?); // (1, Hkv, T, Dh)
     }

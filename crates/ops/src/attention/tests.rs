@@ -51,13 +51,7 @@ struct AttnCase {
 /// (rounded through bf16 first when `via_bf16`).
 fn attend_on(c: &AttnCase, dt: DType, path: crate::AttnPath, via_bf16: bool) -> [Tensor; 4] {
     let (b, t, h, hkv, dh) = c.dims;
-    let s = crate::AttnShape {
-        b,
-        t,
-        heads: h,
-        kv_heads: hkv,
-        head_dim: dh,
-    };
+    let s = crate::AttnShape::new(b, t, h, hkv, dh);
     let n = b * t;
     let cast = |x: Tensor| {
         let x = if via_bf16 { bf16(&x) } else { x };
@@ -331,7 +325,8 @@ fn tiled_attention_bad_inputs_are_errors() {
     assert!(format!("{e}").contains("`starts`"), "{e}");
 }
 
-/// The plain attention: repeat_kv, rope via narrow/cat, softmax from exp/sum.
+/// The plain attention: repeat_kv, rope via narrow/cat, scores times `s.scale` (soft-capped as
+/// transformers' Gemma 2 does: `tanh(s/cap)·cap`), softmax from exp/sum.
 fn reference_attention(
     q: &Tensor,
     k: &Tensor,
@@ -362,8 +357,12 @@ fn reference_attention(
         .unwrap()
         .matmul(&k.t().unwrap().contiguous().unwrap())
         .unwrap()
-        / (dh as f64).sqrt())
-    .unwrap();
+        * s.scale)
+        .unwrap();
+    let sc = match s.softcap {
+        Some(cap) => ((sc / cap).unwrap().tanh().unwrap() * cap).unwrap(),
+        None => sc,
+    };
     let sc = sc.broadcast_add(&mask.squeeze(2).unwrap()).unwrap();
     let max = sc.max_keepdim(D::Minus1).unwrap().detach();
     let e = sc.broadcast_sub(&max).unwrap().exp().unwrap();
@@ -374,13 +373,32 @@ fn reference_attention(
 
 #[test]
 fn attention_matches_autograd() {
-    let s = AttnShape {
-        b: 2,
-        t: 5,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 6,
-    };
+    attention_matches_autograd_for(AttnShape::new(2, 5, 4, 2, 6));
+}
+
+/// Gemma's attention: scores scaled by `1/√query_pre_attn_scalar` (not `1/√head_dim`) and
+/// soft-capped at 1.5, small enough that the cap bends most scores (Gemma 2 ships 50 on larger
+/// logits); the plain path, kept and recomputed probabilities.
+#[test]
+fn softcapped_attention_matches_autograd() {
+    let mut s = AttnShape::new(2, 5, 4, 2, 6);
+    s.scale = 1.0 / 20f64.sqrt();
+    s.softcap = Some(1.5);
+    attention_matches_autograd_for(s.clone());
+    // The tiled path has no cap: refused, not run without it.
+    let x = randn(&[10, 24], 1, 1.0);
+    let kv = randn(&[10, 12], 2, 1.0);
+    let inv: Vec<f32> = vec![1.0, 0.1, 0.01];
+    let pos: Vec<u32> = (0..10).map(|i| i % 5).collect();
+    let (cos, sin) = crate::rope::tables(&inv, &pos, 2, 5, DType::F32, &Device::Cpu).unwrap();
+    let starts = Tensor::zeros((1, 5), DType::U32, &Device::Cpu).unwrap();
+    let e = crate::attention_tiled(&x, &kv, &kv, &s, &cos, &sin, &starts).unwrap_err();
+    assert!(e.to_string().contains("plain path"), "{e}");
+}
+
+/// The model's attention (both ways of getting the probabilities in backward) against candle's
+/// autograd of [`reference_attention`], f32, window 3.
+fn attention_matches_autograd_for(s: AttnShape) {
     let n = s.b * s.t;
     let q = Var::from_tensor(&randn(&[n, 24], 7, 1.0)).unwrap();
     let k = Var::from_tensor(&randn(&[n, 12], 8, 1.0)).unwrap();

@@ -33,22 +33,27 @@ pub fn chunked_cross_entropy(
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor)> {
-    let (loss, dh, _) = cross_entropy_impl(h, w, None, targets, Some(grad_scale), chunk)?;
+    let (loss, dh, _) = cross_entropy_impl(h, w, None, None, targets, Some(grad_scale), chunk)?;
     Ok((loss, dh.expect("asked for the gradient")))
 }
 
 /// [`chunked_cross_entropy`] with trainable token rows in the (tied) lm_head: the logits' columns
 /// `head.ids` come from `head.rows` (`crate::tokens`), and the third value is those rows'
-/// gradient `(n, D)` f32, summed over the chunks (`None` without `head`).
+/// gradient `(n, D)` f32, summed over the chunks (`None` without `head`). With `softcap`
+/// (Gemma 2's `final_logit_softcapping`) the loss is taken on `cap·tanh(logits/cap)`
+/// ([`softcap_logits`]).
+#[allow(clippy::too_many_arguments)]
 pub fn chunked_cross_entropy_with(
     h: &Tensor,
     w: &Tensor,
     head: Option<&HeadRows>,
+    softcap: Option<f64>,
     targets: &[Option<u32>],
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor, Option<Tensor>)> {
-    let (loss, dh, drows) = cross_entropy_impl(h, w, head, targets, Some(grad_scale), chunk)?;
+    let (loss, dh, drows) =
+        cross_entropy_impl(h, w, head, softcap, targets, Some(grad_scale), chunk)?;
     Ok((loss, dh.expect("asked for the gradient"), drows))
 }
 
@@ -59,18 +64,34 @@ pub fn chunked_cross_entropy_loss(
     targets: &[Option<u32>],
     chunk: usize,
 ) -> Result<f64> {
-    Ok(cross_entropy_impl(h, w, None, targets, None, chunk)?.0)
+    Ok(cross_entropy_impl(h, w, None, None, targets, None, chunk)?.0)
 }
 
-/// [`chunked_cross_entropy_loss`] with trainable token rows in the lm_head.
+/// [`chunked_cross_entropy_loss`] with trainable token rows in the lm_head and the logits'
+/// soft cap, as [`chunked_cross_entropy_with`].
 pub fn chunked_cross_entropy_loss_with(
     h: &Tensor,
     w: &Tensor,
     head: Option<&HeadRows>,
+    softcap: Option<f64>,
     targets: &[Option<u32>],
     chunk: usize,
 ) -> Result<f64> {
-    Ok(cross_entropy_impl(h, w, head, targets, None, chunk)?.0)
+    Ok(cross_entropy_impl(h, w, head, softcap, targets, None, chunk)?.0)
+}
+
+/// Gemma 2's final-logit soft cap: `cap·tanh(logits/cap)` computed in f32, returned in the
+/// logits' dtype (transformers: `logits / cap; tanh; * cap` on the lm_head's output).
+pub fn softcap_logits(logits: &Tensor, cap: f64) -> Result<Tensor> {
+    ((logits.to_dtype(DType::F32)? / cap)?.tanh()? * cap)?.to_dtype(logits.dtype())
+}
+
+/// [`softcap_logits`]' backward: `dlogits = dcapped·(1 − (capped/cap)²)`, in `dcapped`'s dtype;
+/// `capped` the forward's output.
+pub fn softcap_logits_backward(dcapped: &Tensor, capped: &Tensor, cap: f64) -> Result<Tensor> {
+    let t = (capped.to_dtype(DType::F32)? / cap)?;
+    let slope = (t.sqr()? - 1.0)?.neg()?;
+    (dcapped.to_dtype(DType::F32)? * slope)?.to_dtype(dcapped.dtype())
 }
 
 /// The first target outside `0..vocab`, as an error naming its row, its value and the vocabulary.
@@ -93,6 +114,7 @@ fn cross_entropy_impl(
     h: &Tensor,
     w: &Tensor,
     head: Option<&HeadRows>,
+    softcap: Option<f64>,
     targets: &[Option<u32>],
     grad_scale: Option<f64>,
     chunk: usize,
@@ -122,6 +144,9 @@ fn cross_entropy_impl(
         if let Some(hr) = head {
             logits = hr.fix_logits(logits, &hc)?;
         }
+        if let Some(cap) = softcap {
+            logits = softcap_logits(&logits, cap)?;
+        }
         let stats = crate::ce::op::ce_fwd(&logits, &tgt)?;
         let sum = stats.narrow(1, 1, 1)?.to_dtype(DType::F64)?.sum_all()?;
         loss = Some(match loss {
@@ -133,7 +158,10 @@ fn cross_entropy_impl(
         };
         // dlogits = (softmax − onehot) · grad_scale, in h's dtype
         let lse = stats.narrow(1, 0, 1)?.squeeze(1)?;
-        let dlogits = crate::ce::op::ce_bwd(&logits, &tgt, &lse, scale)?;
+        let mut dlogits = crate::ce::op::ce_bwd(&logits, &tgt, &lse, scale)?;
+        if let Some(cap) = softcap {
+            dlogits = softcap_logits_backward(&dlogits, &logits, cap)?;
+        }
         match head {
             None => dparts.push(mm(&dlogits, w)?), // (n, D)
             Some(hr) => {

@@ -68,11 +68,26 @@ fn chunked_cross_entropy_bf16_matches_plain() {
 
 #[test]
 fn chunked_cross_entropy_matches_autograd() {
+    chunked_cross_entropy_matches_autograd_for(None);
+}
+
+/// Gemma 2's final-logit soft cap (2.5: the logits here reach ±10, so the cap bends most of them):
+/// the loss on `cap·tanh(logits/cap)` and its `dh`, against autograd of that formula.
+#[test]
+fn softcapped_cross_entropy_matches_autograd() {
+    chunked_cross_entropy_matches_autograd_for(Some(2.5));
+}
+
+fn chunked_cross_entropy_matches_autograd_for(softcap: Option<f64>) {
     let h = Var::from_tensor(&randn(&[7, 8], 11, 1.0)).unwrap();
     let w = (randn(&[13, 8], 12, 1.0) * 3.0).unwrap();
     let targets = [Some(3u32), None, Some(12), Some(0), None, Some(5), Some(5)];
-    // Plain: full logits, log-softmax, pick, sum.
+    // Plain: full logits (soft-capped), log-softmax, pick, sum.
     let logits = h.matmul(&w.t().unwrap()).unwrap();
+    let logits = match softcap {
+        Some(cap) => ((logits / cap).unwrap().tanh().unwrap() * cap).unwrap(),
+        None => logits,
+    };
     let max = logits.max_keepdim(1).unwrap().detach();
     let z = logits.broadcast_sub(&max).unwrap();
     let lse = z.exp().unwrap().sum_keepdim(1).unwrap().log().unwrap();
@@ -85,7 +100,10 @@ fn chunked_cross_entropy_matches_autograd() {
     }
     let grads = (&total * 0.25).unwrap().backward().unwrap();
     for chunk in [1, 2, 3, 100] {
-        let (loss, dh) = chunked_cross_entropy(&h, &w, &targets, 0.25, chunk).unwrap();
+        let (loss, dh, _) =
+            chunked_cross_entropy_with(&h, &w, None, softcap, &targets, 0.25, chunk).unwrap();
+        let eval = chunked_cross_entropy_loss_with(&h, &w, None, softcap, &targets, chunk).unwrap();
+        assert_eq!(loss, eval, "the evaluation loss is the training loss");
         let want = total.to_scalar::<f32>().unwrap() as f64;
         assert!(
             (loss - want).abs() / want < 1e-5,

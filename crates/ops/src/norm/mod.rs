@@ -51,7 +51,10 @@ pub fn rms_norm_plus_one(x: &Tensor, w1: &Tensor, eps: f64) -> Result<(Tensor, N
     }
     let xf = x.to_dtype(DType::F32)?;
     let r = inv_rms(&xf, eps)?;
-    let y = xf.broadcast_mul(&r)?.broadcast_mul(w1)?.to_dtype(x.dtype())?;
+    let y = xf
+        .broadcast_mul(&r)?
+        .broadcast_mul(w1)?
+        .to_dtype(x.dtype())?;
     Ok((y, NormCache { x: x.clone(), eps }))
 }
 

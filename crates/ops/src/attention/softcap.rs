@@ -1,0 +1,42 @@
+//! Soft-capped attention scores (Gemma 2's `attn_logit_softcapping`): the scaled scores pass
+//! through `cap·tanh(s/cap)` before the mask and the softmax, so no logit leaves `(−cap, cap)`.
+//! Composed of candle ops in f32 on the plain path (the tiled kernels have no cap): forward and
+//! backward here, their test against candle's autograd of the same formula in `tests.rs`.
+//!
+//! transformers (`Gemma2Attention`, eager): `w = (q·kᵀ)·scaling; w = tanh(w / cap)·cap; w += mask;
+//! softmax(w, f32)`.
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// `p = softmax(cap·tanh(f32(raw)·scale/cap) + mask)`, f32 `(1, Hkv, G·T, T)`. `raw: (1, Hkv, G·T,
+/// T)` the unscaled scores in the compute dtype; `mask: (1, 1, 1, T, T)` additive f32 (0 or −∞),
+/// broadcast over the kv heads and the G query heads of each.
+pub fn probs(raw: &Tensor, mask: &Tensor, scale: f64, cap: f64) -> Result<Tensor> {
+    let (_, hkv, gt, t) = raw.dims4()?;
+    let z = (capped(raw, scale, cap)? * cap)?
+        .reshape((1, hkv, gt / t, t, t))?
+        .broadcast_add(mask)?
+        .reshape((1, hkv, gt, t))?;
+    let max = z.max_keepdim(D::Minus1)?;
+    let e = z.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    e.broadcast_div(&sum)
+}
+
+/// [`probs`]' backward to the unscaled scores: with `dz = p·(dp − Σ_row dp·p)` (the softmax's) and
+/// `t = tanh(f32(raw)·scale/cap)`, `draw = dz·(1 − t²)·scale`, in `dp`'s dtype. `p` f32 from
+/// [`probs`], `dp` and `raw` of its shape (`raw` the same scores the forward saw).
+pub fn probs_bwd(p: &Tensor, dp: &Tensor, raw: &Tensor, scale: f64, cap: f64) -> Result<Tensor> {
+    let dpf = dp.to_dtype(DType::F32)?;
+    let row = (&dpf * p)?.sum_keepdim(D::Minus1)?;
+    let dz = (p * dpf.broadcast_sub(&row)?)?;
+    let t = capped(raw, scale, cap)?;
+    // 1 − t² = −(t² − 1)
+    let slope = (t.sqr()? - 1.0)?.neg()?;
+    ((dz * slope)? * scale)?.to_dtype(dp.dtype())
+}
+
+/// `tanh(f32(raw)·scale/cap)`, f32.
+fn capped(raw: &Tensor, scale: f64, cap: f64) -> Result<Tensor> {
+    (raw.to_dtype(DType::F32)? * (scale / cap))?.tanh()
+}
