@@ -399,7 +399,7 @@ fn realign(
 /// whole text (`TrainOn::All`). `specials` are the tokenizer's special tokens.
 ///
 /// A turn whose prefix renders are not prefixes of the whole (Qwen3 drops the reasoning of an
-/// assistant turn once a user query follows it) is found by [`realign`] when the renders differ
+/// assistant turn once a user query follows it) is found by `realign` when the renders differ
 /// only inside earlier assistant turns; the trained text is then the turn as the whole render shows
 /// it, through its end-of-turn token.
 pub fn render_spans(
