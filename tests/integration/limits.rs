@@ -114,7 +114,7 @@ fn a_huge_rank_is_estimated_within_its_band() {
     let text = std::fs::read_to_string(&cfg)
         .unwrap()
         .replace("r = 4\n", "r = 20000\ntargets = [\"q_proj\"]\n")
-        .replace("steps = 30", "steps = 2");
+        .replace("steps = 30", "steps = 4");
     std::fs::write(&cfg, text).unwrap();
     let o = train(&cfg, &[]);
     assert!(o.status.success(), "{}", stderr(&o));

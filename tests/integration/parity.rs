@@ -452,36 +452,52 @@ fn dropout_masks_survive_recompute() {
 /// largest entry.
 #[test]
 fn bf16_compute_matches_peft_bf16() {
-    let c = case_in(
+    bf16_matches_peft(
         "fixtures/tiny-llama",
         "parity/golden_tiny_llama_bf16.safetensors",
-        DType::BF16,
     );
+}
+
+/// Gemma 2 and 3 in bf16 (`make_arch_goldens.py --only gemma2_bf16,gemma3_bf16`): the (1 + w)
+/// norms computed in f32 and rounded once, GeGLU's f32 gate, the soft caps and the embedding scale
+/// on bf16 activations; the tolerances of [`bf16_compute_matches_peft_bf16`].
+#[test]
+fn gemma_bf16_compute_matches_peft_bf16() {
+    for fam in ["gemma2", "gemma3"] {
+        bf16_matches_peft(
+            &format!("fixtures/tiny-{fam}"),
+            &format!("parity/golden_tiny_{fam}_bf16.safetensors"),
+        );
+    }
+}
+
+fn bf16_matches_peft(model: &str, golden: &str) {
+    let c = case_in(model, golden, DType::BF16);
     let g = &c.golden;
     let lc = ctx(&c.adapter);
     let out = c.model.forward(&c.inputs, Some(&lc), false).unwrap();
     let e = rel_err(&out.logits, g.get("logits"));
-    eprintln!("bf16 logits rel err {e:e}");
-    assert!(e <= 1e-2, "logits rel err {e:e}");
+    eprintln!("{model}: bf16 logits rel err {e:e}");
+    assert!(e <= 1e-2, "{model}: logits rel err {e:e}");
     let (loss, grads) = loss_and_grads(&c, &c.adapter, true);
     let want = g.get("loss").to_vec1::<f32>().unwrap()[0] as f64;
-    eprintln!("bf16 loss {loss} vs {want}");
-    assert!((loss - want).abs() / want <= 1e-3, "loss {loss} vs {want}");
+    eprintln!("{model}: bf16 loss {loss} vs {want}");
+    assert!(
+        (loss - want).abs() / want <= 1e-3,
+        "{model}: loss {loss} vs {want}"
+    );
     let mut worst = 0f64;
     for (i, name) in c.adapter.names.iter().enumerate() {
         for (which, got) in [("lora_A", &grads.a[i]), ("lora_B", &grads.b[i])] {
             let want = g.get(&format!("grad.base_model.model.{name}.{which}.weight"));
             let e = rel_err(got.as_ref().unwrap(), want);
             worst = worst.max(e);
-            assert!(e <= 5e-2, "grad {name}.{which} rel err {e:e}");
+            assert!(e <= 5e-2, "{model}: grad {name}.{which} rel err {e:e}");
         }
     }
-    eprintln!("bf16 worst grad rel err {worst:e}");
+    eprintln!("{model}: bf16 worst grad rel err {worst:e}");
     // And the f32 model is measurably different: the test is not comparing f32 with itself.
-    let f32c = case(
-        "fixtures/tiny-llama",
-        "parity/golden_tiny_llama_bf16.safetensors",
-    );
+    let f32c = case(model, golden);
     let lc32 = ctx(&f32c.adapter);
     let e32 = rel_err(
         &f32c
@@ -491,5 +507,8 @@ fn bf16_compute_matches_peft_bf16() {
             .logits,
         g.get("logits"),
     );
-    assert!(e32 > 1e-4, "f32 logits equal the bf16 golden to {e32:e}");
+    assert!(
+        e32 > 1e-4,
+        "{model}: f32 logits equal the bf16 golden to {e32:e}"
+    );
 }

@@ -146,7 +146,8 @@ def golden(name, model_dir, dtype, vocab):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,llama_bf16)")
+    ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,llama_bf16,"
+                    "gemma2_bf16,gemma3_bf16)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
@@ -154,3 +155,8 @@ if __name__ == "__main__":
     # bf16 compute on the plain tiny Llama (f32 weights on disk, cast at load)
     if not only or "llama_bf16" in only:
         golden("llama_bf16", os.path.join(FIX, "tiny-llama"), torch.bfloat16, 512)
+    # bf16 compute on the Gemma fixtures: (1 + w) norms in f32 rounded once, GeGLU, soft caps and
+    # the embedding scale on bf16 activations
+    for fam in ("gemma2", "gemma3"):
+        if not only or f"{fam}_bf16" in only:
+            golden(f"{fam}_bf16", os.path.join(FIX, f"tiny-{fam}"), torch.bfloat16, 256)

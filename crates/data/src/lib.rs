@@ -225,3 +225,16 @@ pub fn parse_jsonl_with(
     d.check_not_empty(path, opts.max_seq_len)?;
     Ok(d)
 }
+
+/// `path`'s text, bounded as [`rtune_fsio::FileKind`] says; `None` when the file does not exist (an optional
+/// file), an error when it exists but cannot be read or is not a regular file within its cap.
+pub(crate) fn read_optional(path: &Path, kind: rtune_fsio::FileKind) -> Result<Option<String>> {
+    match rtune_fsio::read_string_bounded(path, kind) {
+        Ok(text) => Ok(Some(text)),
+        Err(rtune_fsio::ReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(DataError::File {
+            path: path.to_path_buf(),
+            message: format!("cannot read {kind}: {e}"),
+        }),
+    }
+}

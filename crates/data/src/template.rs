@@ -138,7 +138,7 @@ impl ChatTemplate {
             }
             Some(serde_json::Value::Null) | None => {
                 let jinja = tok.dir.join("chat_template.jinja");
-                match crate::tokenizer::read_optional(&jinja, FileKind::ChatTemplate)? {
+                match crate::read_optional(&jinja, FileKind::ChatTemplate)? {
                     Some(s) => (s, jinja),
                     None => return Ok(None),
                 }

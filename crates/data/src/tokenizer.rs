@@ -1,6 +1,6 @@
 //! The model's tokenizer (`tokenizer.json`) and its special tokens (`tokenizer_config.json`).
 
-use rtune_fsio::{read_bounded, FileKind, ReadError};
+use rtune_fsio::{read_bounded, FileKind};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -58,7 +58,7 @@ impl Tokenizer {
         })?;
         drop(bytes);
         let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: Value = match read_optional(&cfg_path, FileKind::TokenizerConfig)? {
+        let cfg: Value = match crate::read_optional(&cfg_path, FileKind::TokenizerConfig)? {
             Some(text) => serde_json::from_str(&text).map_err(|e| DataError::File {
                 path: cfg_path.clone(),
                 message: format!("not JSON: {e}"),
@@ -211,19 +211,6 @@ impl Tokenizer {
     /// The id of `token` as the vocabulary spells it (added tokens included), if it is one.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
-    }
-}
-
-/// `path`'s text, bounded as [`FileKind`] says; `None` when the file does not exist (an optional
-/// file), an error when it exists but cannot be read or is not a regular file within its cap.
-pub(crate) fn read_optional(path: &Path, kind: FileKind) -> Result<Option<String>> {
-    match rtune_fsio::read_string_bounded(path, kind) {
-        Ok(text) => Ok(Some(text)),
-        Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(DataError::File {
-            path: path.to_path_buf(),
-            message: format!("cannot read {kind}: {e}"),
-        }),
     }
 }
 

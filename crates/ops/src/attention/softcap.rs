@@ -8,12 +8,13 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
-/// `p = softmax(cap·tanh(f32(raw)·scale/cap) + mask)`, f32 `(1, Hkv, G·T, T)`. `raw: (1, Hkv, G·T,
+/// `p = softmax(cap·tanh(raw·scale/cap) + mask)`, f32 `(1, Hkv, G·T, T)` (the steps rounded to
+/// `raw`'s dtype as torch's eager ops round them, see `capped`). `raw: (1, Hkv, G·T,
 /// T)` the unscaled scores in the compute dtype; `mask: (1, 1, 1, T, T)` additive f32 (0 or −∞),
 /// broadcast over the kv heads and the G query heads of each.
 pub fn probs(raw: &Tensor, mask: &Tensor, scale: f64, cap: f64) -> Result<Tensor> {
     let (_, hkv, gt, t) = raw.dims4()?;
-    let z = (capped(raw, scale, cap)? * cap)?
+    let z = rounding(raw.dtype())((capped(raw, scale, cap)? * cap)?)?
         .reshape((1, hkv, gt / t, t, t))?
         .broadcast_add(mask)?
         .reshape((1, hkv, gt, t))?;
@@ -24,7 +25,7 @@ pub fn probs(raw: &Tensor, mask: &Tensor, scale: f64, cap: f64) -> Result<Tensor
 }
 
 /// [`probs`]' backward to the unscaled scores: with `dz = p·(dp − Σ_row dp·p)` (the softmax's) and
-/// `t = tanh(f32(raw)·scale/cap)`, `draw = dz·(1 − t²)·scale`, in `dp`'s dtype. `p` f32 from
+/// `t = tanh(raw·scale/cap)` (as the forward rounded it), `draw = dz·(1 − t²)·scale`, in `dp`'s dtype. `p` f32 from
 /// [`probs`], `dp` and `raw` of its shape (`raw` the same scores the forward saw).
 pub fn probs_bwd(p: &Tensor, dp: &Tensor, raw: &Tensor, scale: f64, cap: f64) -> Result<Tensor> {
     let dpf = dp.to_dtype(DType::F32)?;
@@ -36,7 +37,23 @@ pub fn probs_bwd(p: &Tensor, dp: &Tensor, raw: &Tensor, scale: f64, cap: f64) ->
     ((dz * slope)? * scale)?.to_dtype(dp.dtype())
 }
 
-/// `tanh(f32(raw)·scale/cap)`, f32.
+/// `t = tanh(s/cap)` of the scaled scores `s = raw·scale`, f32, rounded to `raw`'s dtype after
+/// each step as torch's eager ops round them (`w·scaling`, `/ cap`, `tanh`, each a bf16 tensor in
+/// a bf16 model; nothing is rounded for f32 scores). [`probs`] multiplies by `cap` (and rounds).
 fn capped(raw: &Tensor, scale: f64, cap: f64) -> Result<Tensor> {
-    (raw.to_dtype(DType::F32)? * (scale / cap))?.tanh()
+    let round = rounding(raw.dtype());
+    let s = round((raw.to_dtype(DType::F32)? * scale)?)?;
+    let s = round((s / cap)?)?;
+    round(s.tanh()?)
+}
+
+/// `x` (f32) rounded through `dt` and back: what storing an f32 result as a `dt` tensor keeps.
+pub(crate) fn rounding(dt: DType) -> impl Fn(Tensor) -> Result<Tensor> {
+    move |x: Tensor| {
+        if dt == DType::F32 {
+            Ok(x)
+        } else {
+            x.to_dtype(dt)?.to_dtype(DType::F32)
+        }
+    }
 }

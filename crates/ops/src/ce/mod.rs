@@ -80,10 +80,14 @@ pub fn chunked_cross_entropy_loss_with(
     Ok(cross_entropy_impl(h, w, head, softcap, targets, None, chunk)?.0)
 }
 
-/// Gemma 2's final-logit soft cap: `cap·tanh(logits/cap)` computed in f32, returned in the
-/// logits' dtype (transformers: `logits / cap; tanh; * cap` on the lm_head's output).
+/// Gemma 2's final-logit soft cap: `cap·tanh(logits/cap)` in the logits' dtype, each of the three
+/// steps computed in f32 and rounded to that dtype as transformers' `logits / cap; tanh; * cap`
+/// rounds them on a bf16 model.
 pub fn softcap_logits(logits: &Tensor, cap: f64) -> Result<Tensor> {
-    ((logits.to_dtype(DType::F32)? / cap)?.tanh()? * cap)?.to_dtype(logits.dtype())
+    let dt = logits.dtype();
+    let round = crate::attention::softcap::rounding(dt);
+    let t = round(round((logits.to_dtype(DType::F32)? / cap)?)?.tanh()?)?;
+    (t * cap)?.to_dtype(dt)
 }
 
 /// [`softcap_logits`]' backward: `dlogits = dcapped·(1 − (capped/cap)²)`, in `dcapped`'s dtype;
