@@ -369,6 +369,16 @@ fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> V
     if e != 4 {
         v.push(item(name, n * k.d * 4, 1)); // pre-norm input in f32 (shared with x in f32)
     }
+    if c.variant.sandwich_norms {
+        // Gemma's post-attention and post-feed-forward norms keep their inputs (o_proj's and
+        // down_proj's outputs, (N, D) each) and their 1/rms (N, 1) f32.
+        v.push(item(name, n * k.d * e, 2));
+        v.push(item(name, n * 4, 2));
+    }
+    if c.variant.qk_norm {
+        // Qwen3's and Gemma 3's q/k norms keep q and k before the norm, (N, Dq) and (N, Dkv).
+        v.push(item(name, n * (k.dq + k.dkv) * e, 1));
+    }
     // DoRA (`DoraCache`): z = base + s·l (N, out) f32, and k, n (1, out) f32, per module.
     let outs = dora_outs(c, s);
     if outs > 0 {

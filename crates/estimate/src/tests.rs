@@ -460,3 +460,20 @@ fn dora_and_trainable_tokens_are_counted() {
         2 * 3 * 512 * 4
     );
 }
+
+/// Gemma's sandwich norms keep two more `(N, D)` inputs a layer (and their `(N, 1)` f32 1/rms);
+/// q/k norms keep q and k before the norm, `(N, Dq + Dkv)`: every layer's activations grow by
+/// exactly that when nothing is recomputed.
+#[test]
+fn sandwich_and_qk_norms_add_their_inputs_to_each_layer() {
+    let plain = tiny(3);
+    let mut gemma = plain.clone();
+    gemma.variant.sandwich_norms = true;
+    gemma.variant.qk_norm = true;
+    let s = Settings::new(2, 2, 8, false);
+    let (a, b) = (estimate(&plain, &s), estimate(&gemma, &s));
+    // N = 2·8 rows, f32: D = 8, Dq = 2·4, Dkv = 4.
+    let n = 16u64;
+    let per_layer = 2 * n * 8 * 4 + 2 * n * 4 + n * (8 + 4) * 4;
+    assert_eq!(b.get(names::ACTS) - a.get(names::ACTS), 3 * per_layer);
+}
