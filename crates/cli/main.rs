@@ -70,10 +70,19 @@ fn tune_allocator() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn tune_allocator() {}
 
+/// `rtune --version`: the crate version and the compute features built in (`cpu`, or `cuda`; `mpi`
+/// when data parallelism over MPI is in), so a bug report or a pip-installed wheel names its build.
+const VERSION: &str = match (cfg!(feature = "cuda"), cfg!(feature = "mpi")) {
+    (false, false) => concat!(env!("CARGO_PKG_VERSION"), " (cpu)"),
+    (false, true) => concat!(env!("CARGO_PKG_VERSION"), " (cpu, mpi)"),
+    (true, false) => concat!(env!("CARGO_PKG_VERSION"), " (cuda)"),
+    (true, true) => concat!(env!("CARGO_PKG_VERSION"), " (cuda, mpi)"),
+};
+
 #[derive(Parser)]
 #[command(
     name = "rtune",
-    version,
+    version = VERSION,
     about = "LoRA fine-tuning for Llama-family models"
 )]
 struct Cli {

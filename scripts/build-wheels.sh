@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# scripts/build-wheels.sh [--cuda] [--profile NAME] [--out DIR] — the `pip install rtune` wheels.
+#
+# Builds the CPU wheel (pyproject.toml: the `rtune` binary, no cargo features, manylinux_2_35 x86_64)
+# with maturin into DIR (default: $CARGO_TARGET_DIR/wheels, i.e. target/wheels), then prints what the
+# binary links and the newest glibc symbol it uses. maturin (pinned below) is installed into a venv of
+# its own under ~/.cache/rtune-deps/maturin the first time (~10 s). The release wheel is built from the
+# same profile as `cargo build --release` into the same target dir, so after `cargo run --release` only
+# the binary's own crate is compiled again (stripped: ~1 min); from a clean tree it is a full release
+# build (~16 CPU-minutes).
+#
+# --profile NAME: a cargo profile other than release (scripts/test-wheel.sh builds `dev`, to reuse the
+#   debug build scripts/test.sh leaves in target/).
+# --cuda: also the CUDA 13 wheel `rtune-cu13` (python/rtune-cu13/pyproject.toml: feature `cuda`, depends
+#   on NVIDIA's CUDA 13.0 runtime wheels; PTX for compute_80, cubins of rtune's kernels for sm_80 and
+#   sm_90; CUDA_COMPUTE_CAP overrides). nvcc comes from ../shared/cuda/toolchain.sh (as in
+#   benches/gpu/build.sh) or from PATH. A clean build takes ~25 minutes on 2 cores, in its own target dir
+#   ($CARGO_TARGET_DIR/cuda-wheel). NOT RUN YET: the --cuda path was written without building it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+maturin_version=1.16.0
+cuda=0
+profile=release
+out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cuda) cuda=1 ;;
+    --profile) profile=${2:?--profile needs a cargo profile name}; shift ;;
+    --out) out=${2:?--out needs a folder}; shift ;;
+    -h | --help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"; exit 0 ;;
+    *) echo "build-wheels.sh: unknown argument \`$1\` (--cuda, --profile NAME, --out DIR)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+# Absolute paths: the CUDA wheel is built from python/rtune-cu13/.
+target=${CARGO_TARGET_DIR:-target}
+mkdir -p "$target"
+target=$(cd "$target" && pwd)
+out=${out:-$target/wheels}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+venv=${XDG_CACHE_HOME:-$HOME/.cache}/rtune-deps/maturin
+maturin=$venv/bin/maturin
+if [ "$("$maturin" --version 2>/dev/null || true)" != "maturin $maturin_version" ]; then
+  echo "build-wheels.sh: installing maturin $maturin_version into $venv" >&2
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "maturin==$maturin_version"
+fi
+
+# The wheel's binary: its size, the shared libraries it needs, its newest glibc symbol version.
+describe() {
+  local wheel=$1 dir
+  dir=$(mktemp -d)
+  python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$wheel" "$dir"
+  local bin
+  bin=$(find "$dir" -path '*.data/scripts/rtune' | head -1)
+  echo "$wheel: $(stat -c %s "$wheel" | awk '{printf "%.1f MB", $1 / 1e6}') (binary $(stat -c %s "$bin" | awk '{printf "%.1f MB", $1 / 1e6}'))"
+  if command -v readelf >/dev/null 2>&1; then
+    readelf -d "$bin" | awk '/NEEDED/ {printf " %s", $NF} END {print ""}' | sed 's/^/  needs:/'
+    readelf -d "$bin" | awk '/RUNPATH|RPATH/ {print "  runpath: " $NF}'
+    readelf -V "$bin" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1 | sed 's/^/  newest glibc symbol: /'
+  fi
+  rm -rf "$dir"
+}
+
+# The CPU wheel. maturin checks the manylinux policy (pyproject: auditwheel = "check").
+CARGO_TARGET_DIR=$target "$maturin" build --profile "$profile" --out "$out"
+version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
+describe "$(ls -t "$out"/rtune-"$version"-*.whl | head -1)"
+
+if [ "$cuda" = 1 ]; then
+  # NOT RUN YET (issue 35): written on a GPU-less machine; the first run must check the RUNPATH,
+  # the needed libraries and the wheel's tag that `describe` prints, then install the wheel on a GPU
+  # machine into a fresh venv (pip pulls the nvidia-* wheels) and run `rtune selftest`.
+  export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} # PTX the driver JIT-compiles for Ampere and newer
+  if [ -x ../shared/cuda/toolchain.sh ]; then
+    eval "$(../shared/cuda/toolchain.sh)"
+  elif ! command -v nvcc >/dev/null 2>&1; then
+    echo "build-wheels.sh: --cuda needs nvcc 13.0 (../shared/cuda/toolchain.sh or PATH)" >&2
+    exit 2
+  fi
+  # libnccl for the link (crates/dist's NCCL all-reduce), from NVIDIA's wheel in the toolchain's
+  # venv as benches/gpu/build.sh takes it; with nvcc from PATH the system's libnccl is used.
+  cuda_venv=${RTUNE_CUDA_HOME:-$HOME/.cache/rtune-cuda}/venv
+  if [ -x "$cuda_venv/bin/pip" ]; then
+    nccl=$(ls -d "$cuda_venv"/lib/python3*/site-packages/nvidia/nccl/lib 2>/dev/null | head -1 || true)
+    if [ -z "$nccl" ]; then
+      "$cuda_venv/bin/pip" install -q "nvidia-nccl-cu13==2.*" >&2
+      nccl=$(ls -d "$cuda_venv"/lib/python3*/site-packages/nvidia/nccl/lib | head -1)
+    fi
+    [ -e "$nccl/libnccl.so" ] || ln -sf libnccl.so.2 "$nccl/libnccl.so"
+    export LIBRARY_PATH="$nccl${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  fi
+  # Its own target dir (the CPU build's stays valid); no debug info (stripped anyway).
+  (cd python/rtune-cu13 \
+    && CARGO_TARGET_DIR=$target/cuda-wheel CARGO_PROFILE_RELEASE_DEBUG=0 \
+      "$maturin" build --profile "$profile" --out "$out")
+  describe "$(ls -t "$out"/rtune_cu13-"$version"-*.whl | head -1)"
+fi
