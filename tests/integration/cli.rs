@@ -540,8 +540,25 @@ fn bad_flag_values_exit_2_naming_the_flag() {
         "hi",
     ];
     let est = ["estimate", "--config", "configs/smoke.toml"];
+    let chat = [
+        "generate",
+        "--model",
+        "tests/fixtures/tiny-llama",
+        "--chat",
+        "--prompt",
+        "hi",
+    ];
     for (args, needles) in [
         (&gen[..], &["--top-p", "7", "(0, 1]"][..]),
+        (
+            &chat[..],
+            &["--template-var", "enable_thinking", "NAME=VALUE"][..],
+        ),
+        (
+            &chat[..],
+            &["--template-var", "messages=[]", "set by rtune"][..],
+        ),
+        (&gen[..], &["--template-var", "x=1", "--chat"][..]),
         (&gen[..], &["--top-p", "0", "(0, 1]"][..]),
         (&gen[..], &["--temperature", "-1", "≥ 0"][..]),
         (&est[..], &["--budget", "abc", "24GiB"][..]),

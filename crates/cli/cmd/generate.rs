@@ -24,6 +24,12 @@ pub struct GenerateArgs {
     /// turn after turn) is a user message; replies are kept in the conversation.
     #[arg(long)]
     chat: bool,
+    /// With --chat: a variable for the chat template, `NAME=VALUE` (repeatable), as transformers'
+    /// `apply_chat_template(**kwargs)` takes it and as `[data] chat_template_kwargs` gave it in
+    /// training, e.g. `--template-var enable_thinking=false` for Qwen3. VALUE is JSON (`false`,
+    /// `3`, `"text"`), else a plain string.
+    #[arg(long = "template-var", value_name = "NAME=VALUE", value_parser = parse_template_var)]
+    template_vars: Vec<(String, serde_json::Value)>,
     #[arg(long, default_value_t = 64)]
     max_new_tokens: usize,
     /// 0 = greedy.
@@ -51,6 +57,33 @@ fn parse_top_p(s: &str) -> std::result::Result<f64, String> {
     }
 }
 
+/// `--template-var NAME=VALUE`: a template variable (VALUE as JSON, else a string). The names
+/// rtune sets for every render itself are refused, as in `[data] chat_template_kwargs`.
+fn parse_template_var(s: &str) -> std::result::Result<(String, serde_json::Value), String> {
+    let Some((name, value)) = s.split_once('=') else {
+        return Err(format!(
+            "`{s}`: expected NAME=VALUE, e.g. enable_thinking=false"
+        ));
+    };
+    let name = name.trim();
+    let ident = name
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_alphabetic() || c == '_')
+        && name.chars().all(|c| c.is_alphanumeric() || c == '_');
+    if !ident {
+        return Err(format!(
+            "`{name}`: a template variable is a name (letters, digits, _)"
+        ));
+    }
+    if ["messages", "tools", "documents", "add_generation_prompt"].contains(&name) {
+        return Err(format!("`{name}` is set by rtune for every render"));
+    }
+    let value = serde_json::from_str(value.trim())
+        .unwrap_or_else(|_| serde_json::Value::String(value.to_string()));
+    Ok((name.to_string(), value))
+}
+
 /// `--temperature`: a finite number ≥ 0 (0 = greedy).
 fn parse_temperature(s: &str) -> std::result::Result<f64, String> {
     match s.trim().parse::<f64>() {
@@ -66,6 +99,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         adapter,
         prompt,
         chat,
+        template_vars,
         max_new_tokens,
         temperature,
         top_p,
@@ -81,6 +115,17 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         dump_logits,
         quantize,
     };
+    if !chat && !template_vars.is_empty() {
+        // A usage error (exit 2, one line), before the model is resolved.
+        let (name, value) = &template_vars[0];
+        clap::Error::raw(
+            clap::error::ErrorKind::MissingRequiredArgument,
+            format!(
+                "--template-var {name}={value} sets a chat-template variable: it needs --chat\n"
+            ),
+        )
+        .exit();
+    }
     let model = crate::resolve::resolve_model_path(&model, &revision)?;
     if chat {
         let stdin = std::io::stdin();
@@ -104,9 +149,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 )
             }
         };
-        rtune_train::generate::chat(&model, adapter.as_deref(), &mut turns, &opt, &mut |r| {
-            println!("{r}")
-        })?;
+        rtune_train::generate::chat(
+            &model,
+            adapter.as_deref(),
+            &mut turns,
+            &opt,
+            &template_vars,
+            &mut |r| println!("{r}"),
+        )?;
         drop(turns);
         if too_long.get() {
             return Err(

@@ -101,34 +101,23 @@ fn ctx(adapter: &Option<Adapter>) -> Option<LoraCtx<'_>> {
 
 /// A conversation with the model's chat template: each of `turns` is a user message; each reply
 /// (rendered with `add_generation_prompt`, as in training) goes to `on_reply` and into the history.
+/// `vars` are passed to every render as transformers' `apply_chat_template(**kwargs)` passes them
+/// (e.g. Qwen3's `enable_thinking`, as `[data] chat_template_kwargs` gave them in training).
 pub fn chat(
     model_dir: &Path,
     adapter_dir: Option<&Path>,
     turns: &mut dyn Iterator<Item = String>,
     opt: &GenerateOptions,
+    vars: &[(String, serde_json::Value)],
     on_reply: &mut dyn FnMut(&str),
 ) -> Result<(), TrainError> {
     let (model, tok, adapter, stop, context) = load(model_dir, adapter_dir, opt)?;
     let lc = ctx(&adapter);
-    let template = rtune_data::ChatTemplate::from_tokenizer(&tok)?.ok_or_else(|| {
-        TrainError::Data(Box::new(rtune_data::DataError::File {
-            path: model_dir.join("tokenizer_config.json"),
-            message: "has no chat_template: --chat needs one (a base model? use --prompt)".into(),
-        }))
-    })?;
+    let template = chat_template(model_dir, &tok, vars)?;
     let mut history: Vec<serde_json::Value> = Vec::new();
     for user in turns {
         history.push(serde_json::json!({"role": "user", "content": user}));
-        let row = serde_json::json!({ "messages": history }).to_string();
-        let conv = rtune_data::Conversation::from_json(&row).map_err(|m| {
-            TrainError::Data(Box::new(rtune_data::DataError::File {
-                path: "<stdin>".into(),
-                message: m,
-            }))
-        })?;
-        let text = conv
-            .render(&template, conv.len(), true)
-            .map_err(|e| TrainError::Data(Box::new(e.into())))?;
+        let text = chat_prompt(&template, &history)?;
         // The template writes BOS itself when it wants one; never add a second.
         let has_bos = template.bos_token().is_some_and(|b| text.starts_with(b));
         let ids = tok.encode(&text, !has_bos)?;
@@ -139,6 +128,41 @@ pub fn chat(
         history.push(serde_json::json!({"role": "assistant", "content": reply}));
     }
     Ok(())
+}
+
+/// The tokenizer's chat template with `vars` set for every render; an error naming
+/// `tokenizer_config.json` when the model has none.
+pub fn chat_template(
+    model_dir: &Path,
+    tok: &Tokenizer,
+    vars: &[(String, serde_json::Value)],
+) -> Result<rtune_data::ChatTemplate, TrainError> {
+    let template = rtune_data::ChatTemplate::from_tokenizer(tok)?.ok_or_else(|| {
+        TrainError::Data(Box::new(rtune_data::DataError::File {
+            path: model_dir.join("tokenizer_config.json"),
+            message: "has no chat_template: --chat needs one (a base model? use --prompt)".into(),
+        }))
+    })?;
+    Ok(vars
+        .iter()
+        .fold(template, |t, (name, value)| t.with_var(name, value)))
+}
+
+/// The text a chat turn is generated from: `history` (`{"role", "content"}` messages, the last a
+/// user's) rendered with the generation prompt, as in training.
+pub fn chat_prompt(
+    template: &rtune_data::ChatTemplate,
+    history: &[serde_json::Value],
+) -> Result<String, TrainError> {
+    let row = serde_json::json!({ "messages": history }).to_string();
+    let conv = rtune_data::Conversation::from_json(&row).map_err(|m| {
+        TrainError::Data(Box::new(rtune_data::DataError::File {
+            path: "<stdin>".into(),
+            message: m,
+        }))
+    })?;
+    conv.render(template, conv.len(), true)
+        .map_err(|e| TrainError::Data(Box::new(e.into())))
 }
 
 /// Loads `model_dir` (and the PEFT adapter in `adapter_dir`), continues `prompt`, returns the new text.
@@ -241,6 +265,22 @@ fn pick(logits: &[f32], opt: &GenerateOptions, rng: &mut impl Rng) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--template-var enable_thinking=false` reaches Qwen3's real template: the generation
+    /// prompt then holds the empty think block, as transformers renders it; unset, it does not.
+    #[test]
+    fn template_vars_reach_the_generation_prompt() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3-chat");
+        let tok = Tokenizer::load(&dir, None).unwrap();
+        let history = [serde_json::json!({"role": "user", "content": "Hi"})];
+        let off = [("enable_thinking".to_string(), serde_json::json!(false))];
+        let plain = chat_prompt(&chat_template(&dir, &tok, &[]).unwrap(), &history).unwrap();
+        let thinking_off =
+            chat_prompt(&chat_template(&dir, &tok, &off).unwrap(), &history).unwrap();
+        let head = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+        assert_eq!(plain, head);
+        assert_eq!(thinking_off, format!("{head}<think>\n\n</think>\n\n"));
+    }
 
     #[test]
     fn greedy_and_nucleus() {
