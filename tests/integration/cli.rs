@@ -155,30 +155,7 @@ dir = "{out}"
 }
 
 fn check_against_golden(out: &Path, g: &Golden) {
-    let adapter = candle_core::safetensors::load(
-        out.join("adapter_model.safetensors"),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let n_golden =
-        g.t.keys()
-            .filter(|k| k.starts_with("adamw.base_model"))
-            .count();
-    assert_eq!(adapter.len(), n_golden);
-    for (k, t) in &adapter {
-        let e = rel_err(t, g.get(&format!("adamw.{k}")));
-        assert!(e <= 1e-4, "{k}: rel err {e:e}");
-    }
-    let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
-    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    for (line, w) in metrics.lines().zip(&want) {
-        let m: serde_json::Value = serde_json::from_str(line).unwrap();
-        let l = m["loss"].as_f64().unwrap();
-        assert!(
-            (l - *w as f64).abs() / (*w as f64) <= 1e-5,
-            "loss {l} vs {w}"
-        );
-    }
+    crate::common::assert_trained_as_golden(out, g);
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("adapter_config.json")).unwrap())
             .unwrap();

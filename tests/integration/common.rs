@@ -100,3 +100,44 @@ pub fn rtune(args: &[&str]) -> Output {
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
+
+/// The run's `adapter_model.safetensors`, checked to hold as many tensors as the golden's trained
+/// adapter (`adamw.base_model.*`).
+pub fn trained_adapter(
+    out: &Path,
+    g: &Golden,
+) -> std::collections::HashMap<String, candle_core::Tensor> {
+    let adapter = candle_core::safetensors::load(
+        out.join("adapter_model.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let n_golden =
+        g.t.keys()
+            .filter(|k| k.starts_with("adamw.base_model"))
+            .count();
+    assert_eq!(adapter.len(), n_golden);
+    adapter
+}
+
+/// The run in `out` repeated the golden's AdamW loop: each step's loss in metrics.jsonl within
+/// 1e-5 relative of PEFT's, and every trained tensor within 1e-4 of its largest entry (f32 CPU:
+/// two implementations summing in different orders stay well inside).
+pub fn assert_trained_as_golden(out: &Path, g: &Golden) {
+    for (k, t) in &trained_adapter(out, g) {
+        let e = rel_err(t, g.get(&format!("adamw.{k}")));
+        assert!(e <= 1e-4, "{k}: rel err {e:e}");
+    }
+    let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let losses: Vec<f64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|m| m["loss"].as_f64())
+        .collect();
+    assert_eq!(losses.len(), want.len(), "{metrics}");
+    for (l, w) in losses.iter().zip(&want) {
+        let w = *w as f64;
+        assert!((l - w).abs() / w <= 1e-5, "loss {l} vs PEFT's {w}");
+    }
+}

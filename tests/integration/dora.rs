@@ -174,16 +174,7 @@ dir = "{out}"
 }
 
 fn check_run(out: &Path, g: &Golden) {
-    let adapter = candle_core::safetensors::load(
-        out.join("adapter_model.safetensors"),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let n_golden =
-        g.t.keys()
-            .filter(|k| k.starts_with("adamw.base_model"))
-            .count();
-    assert_eq!(adapter.len(), n_golden);
+    let adapter = crate::common::trained_adapter(out, g);
     let (mut worst, mut degenerate) = (0f64, 0);
     let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let lr = g.meta["adamw"]["lr"].as_f64().unwrap();

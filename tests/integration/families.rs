@@ -5,7 +5,7 @@
 //! tolerances, which the rounding of two f32 implementations summing in different orders
 //! stays well inside), the adapter's config naming the family's modules.
 
-use crate::common::{fixture, rel_err, rtune, stderr, Golden};
+use crate::common::{assert_trained_as_golden, fixture, rtune, stderr, Golden};
 use std::path::Path;
 
 /// Writes the golden's `init.*` LoRA weights as a PEFT adapter directory (what `init_from`
@@ -72,33 +72,7 @@ dir = "{out}"
     std::fs::write(t.join("run.toml"), cfg).unwrap();
     let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let out = t.join("out");
-    let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
-    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    let losses: Vec<f64> = metrics
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter_map(|m| m["loss"].as_f64())
-        .collect();
-    assert_eq!(losses.len(), want.len(), "{metrics}");
-    for (l, w) in losses.iter().zip(&want) {
-        let w = *w as f64;
-        assert!((l - w).abs() / w <= 1e-5, "loss {l} vs PEFT's {w}");
-    }
-    let adapter = candle_core::safetensors::load(
-        out.join("adapter_model.safetensors"),
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let n_golden =
-        g.t.keys()
-            .filter(|k| k.starts_with("adamw.base_model"))
-            .count();
-    assert_eq!(adapter.len(), n_golden);
-    for (k, t) in &adapter {
-        let e = rel_err(t, g.get(&format!("adamw.{k}")));
-        assert!(e <= 1e-4, "{k}: rel err {e:e}");
-    }
+    assert_trained_as_golden(&t.join("out"), &g);
 }
 
 /// Qwen3 (q/k norms, head_dim ≠ hidden / heads, tied, a window on layer 1), with checkpointing.
