@@ -84,14 +84,7 @@ fn check_losses(out: &Path, g: &Golden) {
 /// and column k of B, and the same for the initial half k + r) takes the sign that makes its
 /// initial half agree with the golden's.
 fn check_adapter(out: &Path, g: &Golden, align: bool) {
-    let adapter =
-        candle_core::safetensors::load(out.join("adapter_model.safetensors"), &Device::Cpu)
-            .unwrap();
-    let n_golden =
-        g.t.keys()
-            .filter(|k| k.starts_with("adamw.base_model"))
-            .count();
-    assert_eq!(adapter.len(), n_golden);
+    let adapter = crate::common::trained_adapter(out, g);
     let mut signs: HashMap<String, Vec<f32>> = HashMap::new();
     if align {
         for (k, a) in &adapter {

@@ -8,6 +8,8 @@
 //! - the labels, written by the generator from the text each template is known to print for an
 //!   assistant turn (not from rtune's algorithm), compared exactly, and decoded back to those texts.
 
+mod common;
+use common::ints;
 use rtune_data::chat::{render_spans, tokenize, ChatError};
 use rtune_data::{
     parse_jsonl_with, ChatTemplate, Conversation, DataError, DataOptions, OnBadRow, TemplateError,
@@ -58,17 +60,6 @@ fn with_vars(t: &ChatTemplate, case: &Value) -> ChatTemplate {
         t = t.with_var(k, v);
     }
     t
-}
-
-fn ints<T: TryFrom<i64>>(v: &Value) -> Vec<T>
-where
-    T::Error: std::fmt::Debug,
-{
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| T::try_from(x.as_i64().unwrap()).unwrap())
-        .collect()
 }
 
 #[test]

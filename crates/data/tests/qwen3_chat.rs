@@ -5,6 +5,8 @@
 //! conversation and `enable_thinking` (unset, true, false): the text, the ids, and the assistant
 //! spans found in the final render; rtune must equal them position by position.
 
+mod common;
+use common::ints;
 use rtune_data::chat::{render_spans, tokenize};
 use rtune_data::{
     parse_jsonl_with, ChatTemplate, Conversation, DataOptions, Tokenizer, TrainOn, IGNORE,
@@ -26,17 +28,6 @@ fn with_thinking(t: &ChatTemplate, case: &Value) -> ChatTemplate {
         Value::Null => t.clone(),
         v => t.clone().with_var("enable_thinking", v),
     }
-}
-
-fn ints<T: TryFrom<i64>>(v: &Value) -> Vec<T>
-where
-    T::Error: std::fmt::Debug,
-{
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| T::try_from(x.as_i64().unwrap()).unwrap())
-        .collect()
 }
 
 #[test]
