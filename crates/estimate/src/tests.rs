@@ -477,3 +477,18 @@ fn sandwich_and_qk_norms_add_their_inputs_to_each_layer() {
     let per_layer = 2 * n * 8 * 4 + 2 * n * 4 + n * (8 + 4) * 4;
     assert_eq!(b.get(names::ACTS) - a.get(names::ACTS), 3 * per_layer);
 }
+
+/// Gemma 2's soft-capped scores run on the plain attention path whatever the row length (the
+/// tiled one has no cap): the estimate takes that path, whose scores grow with T².
+#[test]
+fn soft_capped_attention_is_estimated_on_the_plain_path() {
+    let mut c = tiny(3);
+    c.variant.attn_softcap = Some(50.0);
+    let s = Settings::new(2, 1, 256, false);
+    let plain = estimate_on(&c, &s, AttnPath::Plain);
+    assert_eq!(estimate(&c, &s).peak_bytes, plain.peak_bytes);
+    assert_ne!(
+        estimate_on(&c, &s, AttnPath::Tiled).peak_bytes,
+        plain.peak_bytes
+    );
+}
