@@ -15,7 +15,8 @@
 #   on NVIDIA's CUDA 13.0 runtime wheels; PTX for compute_80, cubins of rtune's kernels for sm_80 and
 #   sm_90; CUDA_COMPUTE_CAP overrides). nvcc comes from ../shared/cuda/toolchain.sh (as in
 #   benches/gpu/build.sh) or from PATH. A clean build takes ~25 minutes on 2 cores, in its own target dir
-#   ($CARGO_TARGET_DIR/cuda-wheel). NOT RUN YET: the --cuda path was written without building it.
+#   ($CARGO_TARGET_DIR/cuda-wheel). Built with `--profile dev` on a GPU-less machine (17 min clean) and
+#   installed into a fresh venv (pip pulls NVIDIA's wheels; RUNPATH finds them); not run on a GPU yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -73,9 +74,9 @@ version=$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)
 describe "$(ls -t "$out"/rtune-"$version"-*.whl | head -1)"
 
 if [ "$cuda" = 1 ]; then
-  # NOT RUN YET (issue 35): written on a GPU-less machine; the first run must check the RUNPATH,
-  # the needed libraries and the wheel's tag that `describe` prints, then install the wheel on a GPU
-  # machine into a fresh venv (pip pulls the nvidia-* wheels) and run `rtune selftest`.
+  # Built and installed on a GPU-less machine (issue 35): every library but the driver's libcuda.so.1
+  # resolves from NVIDIA's wheels through the RUNPATH `describe` prints; on a GPU machine the next
+  # check is `rtune selftest` from a fresh venv with this wheel installed.
   export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-80} # PTX the driver JIT-compiles for Ampere and newer
   if [ -x ../shared/cuda/toolchain.sh ]; then
     eval "$(../shared/cuda/toolchain.sh)"

@@ -9,6 +9,14 @@ fn kerr(e: crate::KernelError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
+/// `e` without the backtraces candle wraps around errors (the error itself, one line).
+fn without_backtrace(e: candle_core::Error) -> candle_core::Error {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => without_backtrace(*inner),
+        other => other,
+    }
+}
+
 /// The CUDA device behind a candle device.
 pub fn cuda_device(d: &Device) -> Result<&CudaDevice> {
     match d {
@@ -21,7 +29,9 @@ pub fn cuda_device(d: &Device) -> Result<&CudaDevice> {
 /// what it has allocated (by default it returns memory to the driver at every synchronisation,
 /// so each step would allocate its activations from the driver again).
 pub fn open(ordinal: usize) -> Result<Device> {
-    let d = Device::new_cuda(ordinal)?;
+    // No driver or no device is a one-line error (candle attaches a backtrace to the driver's
+    // error, which the CLI would print frame by frame).
+    let d = Device::new_cuda(ordinal).map_err(without_backtrace)?;
     crate::memory::keep_pool(ordinal).map_err(kerr)?;
     Ok(d)
 }
