@@ -163,20 +163,12 @@ impl Layer {
 
     /// This layer's RMSNorm of `x` with weight `w` (Gemma's `1 + w` form when `plus_one`).
     pub(crate) fn norm(&self, x: &Tensor, w: &Tensor) -> Result<(Tensor, NormCache)> {
-        if self.plus_one {
-            ops::rms_norm_plus_one(x, w, self.eps)
-        } else {
-            ops::rms_norm(x, w, self.eps)
-        }
+        norm(self.plus_one, x, w, self.eps)
     }
 
     /// [`Layer::norm`]'s backward.
     fn norm_backward(&self, dy: &Tensor, w: &Tensor, c: &NormCache) -> Result<Tensor> {
-        if self.plus_one {
-            ops::rms_norm_plus_one_backward(dy, w, c)
-        } else {
-            ops::rms_norm_backward(dy, w, c)
-        }
+        norm_backward(self.plus_one, dy, w, c)
     }
 
     /// The MLP's gate: GeGLU or SwiGLU of `g, u: (N, I)`.
@@ -448,5 +440,34 @@ impl Layer {
             &dh,
             &self.norm_backward(&dh1, &self.input_norm, &c.n1)?,
         )?))
+    }
+}
+
+/// RMSNorm of `x` with weight `w`: Llama's, or Gemma's `1 + w` form (`w` then holds `1 + w`, f32)
+/// when `plus_one`. The layers' norms and the model's final one.
+pub(crate) fn norm(
+    plus_one: bool,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, NormCache)> {
+    if plus_one {
+        ops::rms_norm_plus_one(x, w, eps)
+    } else {
+        ops::rms_norm(x, w, eps)
+    }
+}
+
+/// [`norm`]'s backward.
+pub(crate) fn norm_backward(
+    plus_one: bool,
+    dy: &Tensor,
+    w: &Tensor,
+    c: &NormCache,
+) -> Result<Tensor> {
+    if plus_one {
+        ops::rms_norm_plus_one_backward(dy, w, c)
+    } else {
+        ops::rms_norm_backward(dy, w, c)
     }
 }

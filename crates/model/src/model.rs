@@ -423,18 +423,12 @@ impl Model {
 
     /// The final norm of `x: (N, D)` (Gemma's `1 + w` form for its families).
     fn final_norm(&self, x: &Tensor) -> candle_core::Result<(Tensor, ops::NormCache)> {
-        let eps = self.cfg.rms_norm_eps;
-        match self.cfg.variant.plus_one_norms {
-            true => ops::rms_norm_plus_one(x, &self.norm, eps),
-            false => ops::rms_norm(x, &self.norm, eps),
-        }
+        let plus_one = self.cfg.variant.plus_one_norms;
+        crate::layer::norm(plus_one, x, &self.norm, self.cfg.rms_norm_eps)
     }
 
     fn final_norm_backward(&self, dy: &Tensor, c: &ops::NormCache) -> candle_core::Result<Tensor> {
-        match self.cfg.variant.plus_one_norms {
-            true => ops::rms_norm_plus_one_backward(dy, &self.norm, c),
-            false => ops::rms_norm_backward(dy, &self.norm, c),
-        }
+        crate::layer::norm_backward(self.cfg.variant.plus_one_norms, dy, &self.norm, c)
     }
 
     /// Gemma's embedding scale (√hidden, rounded to the activations' dtype by the product) of
