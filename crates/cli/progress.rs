@@ -38,8 +38,13 @@ impl Progress {
     }
 
     pub fn step(&self, m: &StepMetrics) {
+        // A preference step also shows its reward accuracy (the share of pairs ranked right).
+        let acc = m
+            .preference
+            .get("rewards/accuracies")
+            .map_or(String::new(), |a| format!("  reward acc {a:.3}"));
         let text = format!(
-            "loss {:.4}  lr {:.3e}  grad_norm {:.3}  {:.0} tok/s  peak {:.0} MB",
+            "loss {:.4}{acc}  lr {:.3e}  grad_norm {:.3}  {:.0} tok/s  peak {:.0} MB",
             m.loss,
             m.lr,
             m.grad_norm,

@@ -141,3 +141,26 @@ pub fn assert_trained_as_golden(out: &Path, g: &Golden) {
         assert!((l - w).abs() / w <= 1e-5, "loss {l} vs PEFT's {w}");
     }
 }
+
+/// Writes the golden's `init.*` LoRA weights as a PEFT adapter directory (what `init_from`
+/// reads): `adapter_model.safetensors` under PEFT's names and an `adapter_config.json`.
+pub fn write_init_adapter(g: &Golden, dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    let init: std::collections::HashMap<String, candle_core::Tensor> =
+        g.t.iter()
+            .filter_map(|(k, t)| Some((k.strip_prefix("init.")?.to_string(), t.clone())))
+            .collect();
+    candle_core::safetensors::save(&init, dir.join("adapter_model.safetensors")).unwrap();
+    let cfg = serde_json::json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": g.meta["r"],
+        "lora_alpha": g.meta["lora_alpha"],
+        "target_modules": g.meta["target_modules"],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": false,
+        "use_dora": false,
+    });
+    std::fs::write(dir.join("adapter_config.json"), cfg.to_string()).unwrap();
+}

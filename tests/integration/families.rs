@@ -5,31 +5,7 @@
 //! tolerances, which the rounding of two f32 implementations summing in different orders
 //! stays well inside), the adapter's config naming the family's modules.
 
-use crate::common::{assert_trained_as_golden, fixture, rtune, stderr, Golden};
-use std::path::Path;
-
-/// Writes the golden's `init.*` LoRA weights as a PEFT adapter directory (what `init_from`
-/// reads): `adapter_model.safetensors` under PEFT's names and an `adapter_config.json`.
-fn write_init_adapter(g: &Golden, dir: &Path) {
-    std::fs::create_dir_all(dir).unwrap();
-    let init: std::collections::HashMap<String, candle_core::Tensor> =
-        g.t.iter()
-            .filter_map(|(k, t)| Some((k.strip_prefix("init.")?.to_string(), t.clone())))
-            .collect();
-    candle_core::safetensors::save(&init, dir.join("adapter_model.safetensors")).unwrap();
-    let cfg = serde_json::json!({
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": g.meta["r"],
-        "lora_alpha": g.meta["lora_alpha"],
-        "target_modules": g.meta["target_modules"],
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "use_rslora": false,
-        "use_dora": false,
-    });
-    std::fs::write(dir.join("adapter_config.json"), cfg.to_string()).unwrap();
-}
+use crate::common::{assert_trained_as_golden, fixture, rtune, stderr, write_init_adapter, Golden};
 
 /// Trains `model` (a fixture directory) through the CLI from `golden`'s init adapter on its
 /// batch and checks losses and the adapter against the golden's AdamW loop.

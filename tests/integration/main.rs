@@ -14,6 +14,7 @@
 //! - `diag`: `rtune selftest` reports every check when one fails; `benches/gpu/run.sh --dry-run`;
 //! - `dora`: DoRA / QDoRA against PEFT goldens (model and `rtune train`), bad `init_from`, exports;
 //! - `families`: Qwen3, Gemma 2 and Gemma 3 through `rtune train` against PEFT goldens;
+//! - `preference`: DPO (each loss type), SimPO and ORPO through `rtune train` against TRL's trainers;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row; `/`,
@@ -50,6 +51,7 @@ mod limits;
 mod mlflow;
 mod packing;
 mod parity;
+mod preference;
 mod qlora;
 mod remote;
 mod resume;

@@ -151,10 +151,21 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
                 ));
             }
         }
-        Event::Eval(e) => bar.line(&format!(
-            "step {:>5}/{steps}  validation loss {:.4}  perplexity {:.2}  ({} tokens)",
-            e.step, e.valid_loss, e.valid_ppl, e.valid_tokens
-        )),
+        Event::Eval(e) => bar.line(
+            &match (e.valid_ppl, e.preference.get("eval_rewards/accuracies")) {
+                (Some(ppl), _) => format!(
+                    "step {:>5}/{steps}  validation loss {:.4}  perplexity {:.2}  ({} tokens)",
+                    e.step, e.valid_loss, ppl, e.valid_tokens
+                ),
+                (None, acc) => format!(
+                    "step {:>5}/{steps}  validation loss {:.4}  reward accuracy {:.3}  ({} tokens)",
+                    e.step,
+                    e.valid_loss,
+                    acc.copied().unwrap_or(f64::NAN),
+                    e.valid_tokens
+                ),
+            },
+        ),
         Event::Warning(w) => bar.line(&format!("warning: {w}")),
     });
     bar.finish();

@@ -172,6 +172,20 @@ pub struct TrainSection {
     /// LoRA+: the learning rate of LoRA on embedding layers (PEFT's default 1e-6).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loraplus_lr_embedding: Option<f64>,
+    /// `sft` (default) | `dpo` | `simpo` | `orpo` (`crate::objective`), and their knobs under
+    /// TRL's names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objective: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_type: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label_smoothing: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simpo_gamma: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpo_alpha: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -13,6 +13,7 @@ mod data;
 mod file;
 mod lora;
 mod model;
+mod objective;
 mod output;
 mod run;
 mod suggest;
@@ -26,6 +27,7 @@ pub use file::{
 };
 pub use lora::LoraConfig;
 pub use model::{BaseModelConfig, DType};
+pub use objective::{DpoLoss, Objective};
 pub use output::OutputConfig;
 pub use run::RunConfig;
 pub use train::{parse_device, Checkpointing, Device, Schedule, TrainConfig};

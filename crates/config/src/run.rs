@@ -30,14 +30,36 @@ pub struct RunConfig {
 
 impl ConfigFile {
     /// Checks every value and builds the runtime config, section by section in the file's order
-    /// (the first error is reported). `path` labels errors. Every rule today stays within one
-    /// section; a rule spanning sections would be checked here, after them.
+    /// (the first error is reported). `path` labels errors. Rules spanning sections are checked
+    /// after them (a preference objective with packing or trainable token rows).
     pub fn validate(self, path: &Path) -> Result<RunConfig> {
         let model = self.model.validate(path)?;
         let lora = self.lora.validate(path)?;
         let data = self.data.validate(path)?;
         let train = self.train.validate(path)?;
         let output = self.output.validate(path)?;
+        let objective = train.objective;
+        if objective.is_preference() && data.packing {
+            return Err(crate::invalid(
+                path,
+                "data.packing",
+                format!(
+                    "packs SFT examples; objective \"{}\" batches each pair's two sequences as \
+                     rows of their own (set packing = false)",
+                    objective.name()
+                ),
+            ));
+        }
+        if objective.is_preference() && !lora.trainable_tokens.is_empty() {
+            return Err(crate::invalid(
+                path,
+                "lora.trainable_tokens",
+                format!(
+                    "is not supported with objective \"{}\" yet (SFT only)",
+                    objective.name()
+                ),
+            ));
+        }
         Ok(RunConfig {
             config_path: path.to_path_buf(),
             model,
@@ -95,6 +117,62 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{extra}: {e}");
             assert!(!e.contains("secret@"), "credentials are not echoed: {e}");
+        }
+    }
+
+    /// `[train] objective` and its knobs: defaults as TRL's, the knobs of another objective and
+    /// combinations that cannot work refused with the key named.
+    #[test]
+    fn objective_and_its_knobs() {
+        use crate::{DpoLoss, Objective};
+        assert_eq!(parse("").unwrap().train.objective, Objective::Sft);
+        let c = parse("[train]\nobjective = \"dpo\"").unwrap();
+        let want = Objective::Dpo {
+            beta: 0.1,
+            loss: DpoLoss::Sigmoid,
+            label_smoothing: 0.0,
+        };
+        assert_eq!(c.train.objective, want);
+        let c = parse("[train]\nobjective = \"simpo\"\nbeta = 2.0").unwrap();
+        let want = Objective::Simpo {
+            beta: 2.0,
+            gamma: 0.5,
+            cpo_alpha: 1.0,
+            label_smoothing: 0.0,
+        };
+        assert_eq!(c.train.objective, want);
+        for (extra, key) in [
+            ("[train]\nobjective = \"dpp\"", "train.objective"),
+            ("[train]\nobjective = \"kto\"", "train.objective"),
+            ("[train]\nbeta = 0.2", "train.beta"),
+            (
+                "[train]\nobjective = \"dpo\"\nloss_type = \"sigmod\"",
+                "train.loss_type",
+            ),
+            ("[train]\nobjective = \"dpo\"\nbeta = 0.0", "train.beta"),
+            (
+                "[train]\nobjective = \"dpo\"\nsimpo_gamma = 1.0",
+                "train.simpo_gamma",
+            ),
+            (
+                "[train]\nobjective = \"dpo\"\nlabel_smoothing = 0.5",
+                "train.label_smoothing",
+            ),
+            (
+                "[train]\nobjective = \"dpo\"\nloss_type = \"ipo\"\nlabel_smoothing = 0.1",
+                "train.label_smoothing",
+            ),
+            (
+                "packing = true\n[train]\nobjective = \"orpo\"",
+                "data.packing",
+            ),
+            (
+                "[lora]\ntrainable_tokens = [5]\n[train]\nobjective = \"dpo\"",
+                "lora.trainable_tokens",
+            ),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains(key), "{extra}: {e}");
         }
     }
 

@@ -72,6 +72,8 @@ pub struct TrainConfig {
     pub loraplus_lr_ratio: f64,
     /// `[train] loraplus_lr_embedding`: LoRA+'s lr of LoRA on embedding layers (none in rtune).
     pub loraplus_lr_embedding: f64,
+    /// `[train] objective` with its knobs.
+    pub objective: crate::Objective,
 }
 
 /// Bounds on batch sizes (far above what fits any machine: the logits of 65536 rows of one token
@@ -248,6 +250,7 @@ impl TrainSection {
             loss_scale_growth_interval: self.loss_scale_growth_interval,
             loraplus_lr_ratio,
             loraplus_lr_embedding,
+            objective: self.objective(path)?,
         })
     }
 }

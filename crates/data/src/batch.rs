@@ -128,9 +128,27 @@ pub enum Layout {
     Packed { max_seq_len: usize },
 }
 
-/// An endless stream of micro-batches over `examples`, epoch after epoch.
-pub struct Batcher {
-    examples: Vec<Example>,
+/// What a [`Batcher`] orders: its length in tokens sets length grouping and packing.
+pub trait Row {
+    fn tokens(&self) -> usize;
+}
+
+impl Row for Example {
+    fn tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+}
+
+impl Row for crate::Pair {
+    fn tokens(&self) -> usize {
+        self.len()
+    }
+}
+
+/// An endless stream of micro-batches over `examples` (SFT examples, or preference pairs),
+/// epoch after epoch.
+pub struct Batcher<T: Row = Example> {
+    examples: Vec<T>,
     order: Vec<usize>,
     cursor: usize,
     pub epoch: usize,
@@ -140,13 +158,13 @@ pub struct Batcher {
     layout: Layout,
 }
 
-impl Batcher {
-    pub fn new(examples: Vec<Example>, shuffle: bool, seed: u64, pad_id: u32) -> Self {
+impl<T: Row> Batcher<T> {
+    pub fn new(examples: Vec<T>, shuffle: bool, seed: u64, pad_id: u32) -> Self {
         Self::with_layout(examples, shuffle, seed, pad_id, Layout::Plain)
     }
 
     pub fn with_layout(
-        examples: Vec<Example>,
+        examples: Vec<T>,
         shuffle: bool,
         seed: u64,
         pad_id: u32,
@@ -180,7 +198,7 @@ impl Batcher {
             for window in order.chunks(mb * 64) {
                 let mut w = window.to_vec();
                 // Stable, longest first: ties keep the shuffled order.
-                w.sort_by_key(|&i| std::cmp::Reverse(self.examples[i].input_ids.len()));
+                w.sort_by_key(|&i| std::cmp::Reverse(self.examples[i].tokens()));
                 groups.extend(w.chunks(mb).map(<[usize]>::to_vec));
             }
             if self.shuffle {
@@ -208,7 +226,7 @@ impl Batcher {
             self.order = self.epoch_order(self.epoch);
             self.cursor = 0;
         }
-        self.examples[self.order[self.cursor]].input_ids.len()
+        self.examples[self.order[self.cursor]].tokens()
     }
 
     /// `(epoch, position in that epoch's order)` of the next example: with the seed, all a resumed
@@ -232,6 +250,19 @@ impl Batcher {
         self.examples.is_empty()
     }
 
+    /// The rows in their loaded order (e.g. to fill in each pair's reference log-probabilities).
+    pub fn rows_mut(&mut self) -> &mut [T] {
+        &mut self.examples
+    }
+
+    /// The next `size` rows of the stream, one a micro-batch row (no packing).
+    pub fn next_rows(&mut self, size: usize) -> Vec<&T> {
+        let picked: Vec<usize> = (0..size).map(|_| self.take()).collect();
+        picked.iter().map(|&i| &self.examples[i]).collect()
+    }
+}
+
+impl Batcher<Example> {
     /// The next micro-batch of `size` rows (crossing into the next epoch if needed), padded.
     pub fn next_batch(&mut self, size: usize) -> MicroBatch {
         if let Layout::Packed { max_seq_len } = self.layout {

@@ -19,14 +19,16 @@ pub mod cache;
 pub mod chat;
 mod formats;
 pub mod inspect;
+pub mod preference;
 mod pyjson;
 pub mod scan;
 mod template;
 mod tokenizer;
 
-pub use batch::{Batcher, Layout, MicroBatch, PAD_SEGMENT};
+pub use batch::{Batcher, Layout, MicroBatch, Row, PAD_SEGMENT};
 pub use chat::{Conversation, RenderedChat, Role};
 pub use formats::{detect_format, DataOptions, Format, OnBadRow, RowParser, TrainOn, Truncation};
+pub use preference::{Pair, PairBatch, PairSet};
 pub use template::{ChatTemplate, TemplateError};
 pub use tokenizer::{ByteRange, Tokenizer, PREFIX_MARGIN};
 

@@ -29,7 +29,7 @@ pub mod weights;
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::KvCache;
-pub use model::{Forward, Inputs, Model, Quantize};
+pub use model::{Forward, Inputs, Model, Objective, PerTokenLoss, Quantize};
 
 use std::path::PathBuf;
 

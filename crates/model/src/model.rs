@@ -71,6 +71,20 @@ impl Inputs {
     }
 }
 
+/// What a training pass's head computes from the final hidden states.
+pub enum Objective<'a> {
+    /// Next-token cross-entropy summed over the targets, its gradient scaled by `grad_scale`
+    /// (SFT: 1 / target tokens of the whole optimizer step).
+    Tokens { grad_scale: f64 },
+    /// A loss that is a function of each position's target NLL (preference objectives: sums of
+    /// them per sequence): `weigh(nll)` gets every position's `−log p(target)` (0 where there is
+    /// none) and returns the loss and `dloss/dnll` per position.
+    PerToken(PerTokenLoss<'a>),
+}
+
+/// [`Objective::PerToken`]'s function: every position's NLL → (loss, dloss/dnll per position).
+pub type PerTokenLoss<'a> = &'a mut dyn FnMut(&[f32]) -> candle_core::Result<(f64, Vec<f32>)>;
+
 /// What [`Model::forward`] returns.
 pub struct Forward {
     /// `(B, T, V)` f32
@@ -602,6 +616,24 @@ impl Model {
         grads: &mut Grads,
         after_layer: &mut dyn FnMut(usize, &Grads) -> candle_core::Result<()>,
     ) -> Result<f64> {
+        let head = Objective::Tokens { grad_scale };
+        self.train_pass(inp, targets, lora, head, checkpoint, grads, after_layer)
+    }
+
+    /// One micro-batch of training under any [`Objective`]: the forward, the head's loss and its
+    /// gradient, the backward into `grads` (calling `after_layer` as
+    /// [`forward_backward_layers`](Self::forward_backward_layers) does). Returns the loss.
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_pass(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: &LoraCtx,
+        mut objective: Objective,
+        checkpoint: bool,
+        grads: &mut Grads,
+        after_layer: &mut dyn FnMut(usize, &Grads) -> candle_core::Result<()>,
+    ) -> Result<f64> {
         let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
         let mut run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
@@ -635,20 +667,8 @@ impl Model {
             }
             let (h, norm_cache) = self.final_norm(&x)?;
             drop(x);
-            let head = self.head_rows(Some(lora))?;
-            let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
-                &h,
-                &self.lm_head,
-                head.as_ref(),
-                self.cfg.variant.final_softcap,
-                targets,
-                grad_scale,
-                self.ce_chunk(),
-            )?;
+            let (loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
             drop(h);
-            if let Some(g) = head_grad {
-                Grads::add(&mut grads.tokens, g)?;
-            }
             let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
             for (i, layer) in self.layers.iter().enumerate().rev() {
                 let cache = match caches.pop() {
@@ -676,6 +696,103 @@ impl Model {
             Ok(loss)
         };
         run().map_err(|e| ModelError::candle("forward_backward", e))
+    }
+
+    /// The training head: the loss of the final hidden states `h: (N, D)` under `objective` and
+    /// its gradient `dh: (N, D)` (trainable token rows' gradient added to `grads`).
+    fn head_loss(
+        &self,
+        h: &Tensor,
+        targets: &[Option<u32>],
+        lora: &LoraCtx,
+        objective: &mut Objective,
+        grads: &mut Grads,
+    ) -> candle_core::Result<(f64, Tensor)> {
+        let softcap = self.cfg.variant.final_softcap;
+        let head = self.head_rows(Some(lora))?;
+        let weigh = match objective {
+            Objective::Tokens { grad_scale } => {
+                let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
+                    h,
+                    &self.lm_head,
+                    head.as_ref(),
+                    softcap,
+                    targets,
+                    *grad_scale,
+                    self.ce_chunk(),
+                )?;
+                if let Some(g) = head_grad {
+                    Grads::add(&mut grads.tokens, g)?;
+                }
+                return Ok((loss, dh));
+            }
+            Objective::PerToken(weigh) => weigh,
+        };
+        if head.is_some() {
+            candle_core::bail!(
+                "a per-sequence objective (preference training) with trainable token rows in a tied \
+                 lm_head is not supported yet"
+            );
+        }
+        let (nll, dh) = ops::chunked_cross_entropy_rows(
+            h,
+            &self.lm_head,
+            softcap,
+            targets,
+            true,
+            self.ce_chunk(),
+        )?;
+        let (loss, weights) = weigh(&nll.to_vec1::<f32>()?)?;
+        if weights.len() != targets.len() {
+            candle_core::bail!(
+                "objective: {} weights for {} positions",
+                weights.len(),
+                targets.len()
+            );
+        }
+        // d(Σ cᵢ·nllᵢ)/dh = c ⊙ d(Σ nllᵢ)/dh row by row (row i's logits depend on h[i] alone).
+        let c = Tensor::new(weights.as_slice(), h.device())?
+            .to_dtype(h.dtype())?
+            .unsqueeze(1)?;
+        let dh = dh.expect("asked for the gradient").broadcast_mul(&c)?;
+        Ok((loss, dh))
+    }
+
+    /// Every position's next-token NLL `−log p(target)` (0 where `targets[i]` is `None`), no
+    /// gradient: the preference objectives' reference pass (`lora: None`, the base alone) and
+    /// their evaluation. Layer by layer, as [`eval_loss`](Self::eval_loss).
+    pub fn token_nll(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: Option<&LoraCtx>,
+    ) -> Result<Vec<f32>> {
+        let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
+        let run = || -> candle_core::Result<Vec<f32>> {
+            let ctx = self.batch_ctx(inp)?;
+            let mut x = self.embed_tokens(&inp.ids, lora)?.0;
+            for layer in &self.layers {
+                x = layer.forward(&x, &ctx, lora)?.0;
+            }
+            let (h, _) = self.final_norm(&x)?;
+            if self.head_rows(lora)?.is_some() {
+                candle_core::bail!(
+                    "per-position losses with trainable token rows in a tied lm_head are not \
+                     supported yet"
+                );
+            }
+            let softcap = self.cfg.variant.final_softcap;
+            let (nll, _) = ops::chunked_cross_entropy_rows(
+                &h,
+                &self.lm_head,
+                softcap,
+                targets,
+                false,
+                self.ce_chunk(),
+            )?;
+            nll.to_vec1::<f32>()
+        };
+        run().map_err(|e| ModelError::candle("token_nll", e))
     }
 
     /// Summed next-token loss of a batch, no gradient (validation). Layer by layer, so only one

@@ -61,7 +61,7 @@ pub use attention::{
 };
 pub use ce::{
     chunked_cross_entropy, chunked_cross_entropy_loss, chunked_cross_entropy_loss_with,
-    chunked_cross_entropy_with, softcap_logits, HeadRows,
+    chunked_cross_entropy_rows, chunked_cross_entropy_with, softcap_logits, HeadRows,
 };
 pub use geglu::{geglu, geglu_backward};
 pub use lora::lora_up;

@@ -54,9 +54,13 @@ impl FileReport {
 }
 
 pub struct RunData {
+    /// The training examples; a preference run's pairs as their two sequences each (what the
+    /// memory estimate looks at: `pairs` holds the pairs).
     pub train: Vec<Example>,
     pub valid: Vec<Example>,
     pub files: Vec<FileReport>,
+    /// A preference run's pairs (`[train] objective` other than `sft`).
+    pub pairs: Option<crate::pairs::PairData>,
 }
 
 impl RunData {
@@ -105,6 +109,9 @@ impl RunData {
                         .collect::<String>()
                 ));
             }
+        }
+        if let Some(p) = &self.pairs {
+            w.extend(p.warnings());
         }
         w
     }
@@ -293,13 +300,36 @@ fn load_file(
     Ok((ex, loaded, samples.into_inner().expect("not poisoned")))
 }
 
+/// The seed of train file `i`'s hold-out and weighting.
+pub(crate) fn file_seed(seed: u64, i: usize) -> u64 {
+    seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407)
+}
+
+/// A seeded hold-out of `fraction` of `rows` (`(train, valid)`); at least one row stays for
+/// training. Both parts keep file order (inspect shows the first rows as written).
+pub(crate) fn hold_out<T>(rows: Vec<T>, fraction: f64, seed: u64) -> (Vec<T>, Vec<T>) {
+    if fraction <= 0.0 || rows.is_empty() {
+        return (rows, Vec::new());
+    }
+    let n_valid = ((rows.len() as f64 * fraction).round() as usize).min(rows.len() - 1);
+    let mut idx: Vec<usize> = (0..rows.len()).collect();
+    idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed));
+    let mut held = vec![false; rows.len()];
+    idx[..n_valid].iter().for_each(|&k| held[k] = true);
+    let (v, t): (Vec<_>, Vec<_>) = rows.into_iter().zip(held).partition(|(_, h)| *h);
+    (
+        t.into_iter().map(|(r, _)| r).collect(),
+        v.into_iter().map(|(r, _)| r).collect(),
+    )
+}
+
 /// `examples` repeated `weight` times: whole copies, plus a seeded sample for the fraction.
-fn weighted(examples: Vec<Example>, weight: f64, seed: u64) -> Vec<Example> {
+pub(crate) fn weighted<T: Clone>(examples: Vec<T>, weight: f64, seed: u64) -> Vec<T> {
     let whole = weight.floor() as usize;
     let frac = weight - whole as f64;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     // The sampled fraction is cloned; the last whole copy takes the examples themselves.
-    let sampled: Vec<Example> = if frac > 0.0 {
+    let sampled: Vec<T> = if frac > 0.0 {
         examples
             .iter()
             .filter(|_| rng.random::<f64>() < frac)
@@ -365,19 +395,10 @@ pub fn load(
     for (i, f) in d.train.iter().enumerate() {
         let (mut ex, loaded, bad) = load_file(&f.path, tok, &opts, &inputs, d, vocab, true)?;
         files.push(FileReport::of(&f.path, f.weight, &ex, &loaded, bad));
-        let file_seed = seed ^ (i as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
-        if d.valid_fraction > 0.0 {
-            // A seeded, per-file hold-out; at least one example stays for training.
-            let n_valid = ((ex.len() as f64 * d.valid_fraction).round() as usize).min(ex.len() - 1);
-            let mut idx: Vec<usize> = (0..ex.len()).collect();
-            idx.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(file_seed));
-            let mut held = vec![false; ex.len()];
-            idx[..n_valid].iter().for_each(|&k| held[k] = true);
-            // Both parts keep file order (inspect shows the first rows as written).
-            let (v, t): (Vec<_>, Vec<_>) = ex.into_iter().zip(held).partition(|(_, h)| *h);
-            valid.extend(v.into_iter().map(|(e, _)| e));
-            ex = t.into_iter().map(|(e, _)| e).collect();
-        }
+        let file_seed = file_seed(seed, i);
+        let (t, v) = hold_out(ex, d.valid_fraction, file_seed);
+        valid.extend(v);
+        ex = t;
         train.extend(weighted(ex, f.weight, file_seed.rotate_left(17)));
     }
     if let Some(v) = &d.valid {
@@ -396,6 +417,7 @@ pub fn load(
         train,
         valid,
         files,
+        pairs: None,
     })
 }
 
@@ -418,14 +440,26 @@ pub fn model_tokenizer(cfg: &RunConfig) -> Result<(Option<Tokenizer>, usize), Tr
 /// what `rtune data inspect`, `rtune check` and `rtune estimate --data` look at.
 pub fn load_for(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError> {
     let (tok, vocab) = model_tokenizer(cfg)?;
-    let data = load(
-        &cfg.data,
-        &cfg.model.path,
-        tok.as_ref(),
-        vocab,
-        cfg.train.seed,
-    )?;
+    let data = load_run(cfg, tok.as_ref(), vocab)?;
     Ok((data, tok))
+}
+
+/// The run's data as its objective takes it: SFT examples, or preference pairs.
+pub fn load_run(
+    cfg: &RunConfig,
+    tok: Option<&Tokenizer>,
+    vocab: usize,
+) -> Result<RunData, TrainError> {
+    if !cfg.train.objective.is_preference() {
+        return load(&cfg.data, &cfg.model.path, tok, vocab, cfg.train.seed);
+    }
+    let pairs = crate::pairs::load(cfg, tok, vocab)?;
+    Ok(RunData {
+        train: crate::pairs::PairData::as_examples(&pairs.train),
+        valid: Vec::new(),
+        files: Vec::new(),
+        pairs: Some(pairs),
+    })
 }
 
 #[cfg(test)]

@@ -14,10 +14,17 @@ use crate::TrainError;
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalMetrics {
     pub step: usize,
-    /// Mean next-token loss over every target token of the validation set.
+    /// Mean next-token loss over every target token of the validation set (SFT), or the
+    /// objective's mean loss over the validation pairs (preference).
     pub valid_loss: f64,
-    pub valid_ppl: f64,
+    /// `exp(valid_loss)` (SFT only: a preference loss has no perplexity).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub valid_ppl: Option<f64>,
+    /// Target tokens of the validation set (completion tokens of both sides for pairs).
     pub valid_tokens: usize,
+    /// A preference run's metrics on the validation pairs, under TRL's `eval_` names.
+    #[serde(flatten)]
+    pub preference: std::collections::BTreeMap<String, f64>,
 }
 
 /// One `samples.jsonl` line.
@@ -69,8 +76,60 @@ pub fn validation(
     Ok(Some(EvalMetrics {
         step,
         valid_loss,
-        valid_ppl: valid_loss.exp(),
+        valid_ppl: Some(valid_loss.exp()),
         valid_tokens: n,
+        preference: Default::default(),
+    }))
+}
+
+/// The preference objective over the validation `pairs` (their reference log-probs filled in),
+/// `micro_batch` pairs at a time, no dropout, no gradient: the mean loss and TRL's metrics.
+pub fn validation_pairs(
+    step: usize,
+    model: &Model,
+    adapter: &Adapter,
+    objective: rtune_config::Objective,
+    pairs: &[rtune_data::Pair],
+    micro_batch: usize,
+    pad_id: u32,
+) -> Result<Option<EvalMetrics>, TrainError> {
+    if pairs.is_empty() {
+        return Ok(None);
+    }
+    let lc = no_dropout(adapter);
+    let batches: Vec<rtune_data::PairBatch> = pairs
+        .chunks(micro_batch.max(1))
+        .map(|chunk| {
+            let refs: Vec<&rtune_data::Pair> = chunk.iter().collect();
+            rtune_data::PairBatch::new(&refs, pad_id, objective.nll_on_prompt())
+        })
+        .collect();
+    let totals = crate::preference::StepTotals {
+        pairs: pairs.len(),
+        nll_tokens: batches.iter().map(|b| b.chosen_targets()).sum(),
+    };
+    let (mut loss, mut sums, mut tokens) = (0.0, crate::preference::PairSums::default(), 0);
+    for pb in &batches {
+        let mb = &pb.batch;
+        let inputs = Inputs {
+            ids: mb.input_ids.clone(),
+            positions: mb.positions.clone(),
+            b: mb.b,
+            t: mb.t,
+            segments: None,
+        };
+        let nll = model.token_nll(&inputs, &mb.targets, Some(&lc))?;
+        let (l, _, s) = crate::preference::weigh(&objective, pb, &nll, totals);
+        loss += l;
+        sums.add(&s);
+        tokens += pb.batch.target_tokens();
+    }
+    Ok(Some(EvalMetrics {
+        step,
+        valid_loss: loss,
+        valid_ppl: None,
+        valid_tokens: tokens,
+        preference: crate::trainer::preference_metrics(&sums, pairs.len(), objective, "eval_"),
     }))
 }
 

@@ -22,6 +22,8 @@ pub mod evaluate;
 pub mod generate;
 pub mod memory;
 pub mod optim;
+pub mod pairs;
+pub mod preference;
 pub mod record;
 pub mod rundir;
 mod setup;

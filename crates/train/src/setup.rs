@@ -69,13 +69,7 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
     };
     // `[lora] trainable_tokens` resolved before the data is read: a bad token fails fast.
     let token_ids = crate::tokens::resolve(cfg, tok.as_ref(), model.cfg.vocab_size)?;
-    let data = dataset::load(
-        &cfg.data,
-        &cfg.model.path,
-        tok.as_ref(),
-        model.cfg.vocab_size,
-        cfg.train.seed,
-    )?;
+    let data = dataset::load_run(cfg, tok.as_ref(), model.cfg.vocab_size)?;
     let modules = model.lora_modules(&spec);
     let adapter = match &cfg.lora.init_from {
         Some(dir) => {
@@ -307,6 +301,34 @@ pub fn batcher(cfg: &RunConfig, train: Vec<Example>, pad_id: u32) -> Batcher {
         Layout::Plain
     };
     Batcher::with_layout(train, cfg.data.shuffle, cfg.train.seed, pad_id, layout)
+}
+
+/// A preference run's pairs in the order the config asks for (grouped by length, or as they
+/// come; each epoch shuffled by seed when `[data] shuffle`). Packing is refused at setup.
+pub fn pair_batcher(
+    cfg: &RunConfig,
+    pairs: Vec<rtune_data::Pair>,
+    pad_id: u32,
+) -> Batcher<rtune_data::Pair> {
+    let layout = match cfg.data.group_by_length {
+        true => Layout::GroupByLength {
+            micro_batch: cfg.train.micro_batch_size,
+        },
+        false => Layout::Plain,
+    };
+    Batcher::with_layout(pairs, cfg.data.shuffle, cfg.train.seed, pad_id, layout)
+}
+
+/// The config as the memory estimate sizes it: a preference micro-batch holds two rows a pair.
+pub fn as_estimated(cfg: &RunConfig) -> std::borrow::Cow<'_, RunConfig> {
+    match cfg.train.objective.is_preference() {
+        false => std::borrow::Cow::Borrowed(cfg),
+        true => {
+            let mut c = cfg.clone();
+            c.train.micro_batch_size *= 2;
+            std::borrow::Cow::Owned(c)
+        }
+    }
 }
 
 /// f16's dynamic loss scaler; none in f32/bf16.

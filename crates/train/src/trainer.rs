@@ -35,6 +35,7 @@ mod metrics;
 pub mod output;
 mod remote;
 pub mod state;
+mod stream;
 
 use candle_core::Device;
 use std::collections::BTreeMap;
@@ -42,21 +43,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use rtune_config::RunConfig;
-use rtune_data::{Batcher, MicroBatch, Tokenizer};
+use rtune_data::Tokenizer;
 use rtune_dist::{DataParallel, World};
 use rtune_lora::Adapter;
-use rtune_model::{Grads, Inputs, LoraCtx, Model};
+use rtune_model::{Grads, Inputs, LoraCtx, Model, Objective};
 
 use crate::checkpoint::{self, TrainerState};
 use crate::dataset::RunData;
 use crate::optim::{lr_factor, LoraOptimizer};
+use crate::preference::PairSums;
 use crate::{evaluate, memory, TrainError};
 use output::RunFiles;
 
 pub use crate::compute::{device, dtype};
 pub use events::{Event, Outcome, RunOptions};
-pub use metrics::{StepMetrics, Summary};
+pub use metrics::{preference as preference_metrics, StepMetrics, Summary};
 pub use state::RunState;
+use stream::{Micro, Stream, Totals};
 
 /// Runs (or resumes) a whole training job as configured.
 pub fn train(
@@ -84,10 +87,13 @@ pub struct Trainer<'a> {
     model: Model,
     adapter: Adapter,
     opt: LoraOptimizer,
-    /// The training rows in the seeded order of each epoch, with the cursor.
-    batcher: Batcher,
-    /// Validation rows and the per-file reports (the training rows are in `batcher`).
+    /// The training rows (examples, or a preference run's pairs) in the seeded order of each
+    /// epoch, with the cursor.
+    stream: Stream,
+    /// Validation rows and the per-file reports (the training rows are in `stream`).
     data: RunData,
+    /// Forward passes of a preference run's reference log-probabilities (0 otherwise).
+    reference_passes: usize,
     examples: usize,
     tok: Option<Tokenizer>,
     pad_id: u32,
@@ -141,7 +147,7 @@ impl Trainer<'_> {
         self.model.attach(&self.adapter);
         self.opt
             .restore(&self.adapter, l.state.adamw_step, l.m, l.v)?;
-        self.batcher.seek(l.state.epoch, l.state.cursor);
+        self.stream.seek(l.state.epoch, l.state.cursor);
         self.state.resume(l.state.run);
         self.files.cut_metrics(self.state.metrics_bytes)
     }
@@ -214,11 +220,14 @@ impl Trainer<'_> {
     pub fn step(&mut self) -> Result<(), TrainError> {
         let (t0, cfg, step) = (Instant::now(), self.cfg, self.state.step);
         let (w, rank) = (self.dist.world.size, self.dist.world.rank);
-        let micro: Vec<MicroBatch> = (0..cfg.train.grad_accum * w)
-            .map(|_| self.batcher.next_batch(cfg.train.micro_batch_size))
+        let (mbs, pad_id) = (cfg.train.micro_batch_size, self.pad_id);
+        let prompt_nll = cfg.train.objective.nll_on_prompt();
+        let micro: Vec<Micro> = (0..cfg.train.grad_accum * w)
+            .map(|_| self.stream.next(mbs, pad_id, prompt_nll))
             .collect();
-        let n_target: usize = micro.iter().map(MicroBatch::target_tokens).sum();
-        let tokens: usize = micro.iter().map(|m| m.tokens).sum();
+        let n_target: usize = micro.iter().map(|m| m.batch().target_tokens()).sum();
+        let tokens: usize = micro.iter().map(|m| m.batch().tokens).sum();
+        let totals = Micro::totals(&micro);
         let loss_scale = self.state.loss_scale();
         // This rank's micro-batches k ≡ rank (mod w), with their index in the global step.
         let mine = micro
@@ -227,8 +236,12 @@ impl Trainer<'_> {
             .skip(rank)
             .step_by(w)
             .collect();
-        let (grads, loss_sum) = self.gradients(mine, n_target, loss_scale)?;
-        let mut loss = loss_sum / n_target as f64;
+        let (grads, loss_sum, sums) = self.gradients(mine, totals, loss_scale)?;
+        // SFT sums token losses; a preference step's shares are already normalised.
+        let mut loss = match totals {
+            Totals::Tokens(n) => loss_sum / n as f64,
+            Totals::Pairs(_) => loss_sum,
+        };
         if self.fault_nan_steps.contains(&(step + 1)) {
             loss = f64::NAN;
         }
@@ -261,6 +274,10 @@ impl Trainer<'_> {
             tokens_per_s: tokens as f64 / secs.max(1e-9),
             skipped: !done.applied,
             loss_scale: self.state.scaler.is_some().then_some(loss_scale),
+            preference: match totals {
+                Totals::Pairs(t) => metrics::preference(&sums, t.pairs, cfg.train.objective, ""),
+                Totals::Tokens(_) => Default::default(),
+            },
             peak_memory_bytes: memory::peak_bytes(&self.dev),
             estimated_peak_bytes: self.estimated_peak_bytes,
             elapsed_s: self.wall_s(),
@@ -276,19 +293,20 @@ impl Trainer<'_> {
     }
 
     /// Forward and backward over this rank's micro-batches of the step (`(index in the step,
-    /// batch)`) into one set of gradients (of `loss_scale · loss`), and the sum of their losses,
-    /// both summed over the ranks. Each micro-batch is normalised by the whole step's `n_target`
-    /// target tokens, so accumulation (and data parallelism) equals one big batch. The all-reduce
-    /// ends this function: clipping and the NaN/Inf skip decide on the step's whole gradients.
+    /// batch)`) into one set of gradients (of `loss_scale · loss`), the sum of their losses, and
+    /// a preference step's metric sums, all summed over the ranks. Each micro-batch is
+    /// normalised by the whole step's `totals` (SFT: its target tokens; preference: its pairs),
+    /// so accumulation (and data parallelism) equals one big batch. The all-reduce ends this
+    /// function: clipping and the NaN/Inf skip decide on the step's whole gradients.
     fn gradients(
         &self,
-        micro: Vec<(usize, MicroBatch)>,
-        n_target: usize,
+        micro: Vec<(usize, Micro)>,
+        totals: Totals,
         loss_scale: f64,
-    ) -> Result<(Grads, f64), TrainError> {
+    ) -> Result<(Grads, f64, PairSums), TrainError> {
         let cfg = self.cfg;
         let mut grads = Grads::new(self.adapter.pairs.len());
-        let mut loss_sum = 0.0;
+        let (mut loss_sum, mut sums) = (0.0, PairSums::default());
         let last = micro.len().saturating_sub(1);
         for (j, (k, mb)) in micro.into_iter().enumerate() {
             let lc = LoraCtx {
@@ -297,50 +315,69 @@ impl Trainer<'_> {
                 dropout: cfg.lora.dropout,
                 seed: self.state.dropout_seed(cfg.train.seed, k),
             };
+            let b = mb.batch();
             let inputs = Inputs {
-                ids: mb.input_ids,
-                positions: mb.positions,
-                b: mb.b,
-                t: mb.t,
-                segments: mb.segments,
+                ids: b.input_ids.clone(),
+                positions: b.positions.clone(),
+                b: b.b,
+                t: b.t,
+                segments: b.segments.clone(),
             };
-            let (scale, ckpt) = (loss_scale / n_target as f64, self.checkpointing.on);
-            loss_sum += self.backward(
-                &inputs,
-                &mb.targets,
-                &lc,
-                (scale, ckpt),
-                &mut grads,
-                j == last,
-            )?;
+            let ckpt = self.checkpointing.on;
+            loss_sum += match (&mb, totals) {
+                (Micro::Pairs(pb), Totals::Pairs(t)) => {
+                    let objective = &cfg.train.objective;
+                    let mut weigh = |nll: &[f32]| {
+                        let (l, w, s) = crate::preference::weigh(objective, pb, nll, t);
+                        sums.add(&s);
+                        let scaled = w.iter().map(|x| x * loss_scale as f32).collect();
+                        Ok((l, scaled))
+                    };
+                    let head = Objective::PerToken(&mut weigh);
+                    self.backward(&inputs, &b.targets, &lc, head, ckpt, &mut grads, j == last)?
+                }
+                (_, Totals::Tokens(n)) => {
+                    let head = Objective::Tokens {
+                        grad_scale: loss_scale / n as f64,
+                    };
+                    self.backward(&inputs, &b.targets, &lc, head, ckpt, &mut grads, j == last)?
+                }
+                _ => unreachable!("a step's micro-batches are all of one kind"),
+            };
         }
         let step = self.state.step + 1;
-        Ok(self.dist.all_reduce(step, &self.adapter, grads, loss_sum)?)
+        if self.dist.world.is_distributed() {
+            let mut s = sums.to_array();
+            let what = format!("step {step}'s preference metrics all-reduce");
+            self.dist.world.all_reduce_sum_f64(&what, &mut s);
+            sums = PairSums::from_array(s);
+        }
+        let (grads, loss) = self.dist.all_reduce(step, &self.adapter, grads, loss_sum)?;
+        Ok((grads, loss, sums))
     }
 
-    /// One micro-batch's forward and backward into `grads` (`(scale, checkpointing)` as
-    /// `Model::forward_backward` takes them). On a CUDA rank with NCCL, the step's `last`
-    /// micro-batch launches each layer's gradient all-reduce as soon as its backward ends.
+    /// One micro-batch's forward and backward into `grads` under `head` (see
+    /// `Model::train_pass`). On a CUDA rank with NCCL, the step's `last` micro-batch launches
+    /// each layer's gradient all-reduce as soon as its backward ends.
+    #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
         inputs: &Inputs,
         targets: &[Option<u32>],
         lc: &LoraCtx,
-        (scale, ckpt): (f64, bool),
+        head: Objective,
+        ckpt: bool,
         grads: &mut Grads,
         last: bool,
     ) -> Result<f64, TrainError> {
-        if last && self.dist.overlaps_backward() {
-            let (model, adapter, dist) = (&self.model, &self.adapter, &self.dist);
+        let (model, adapter, dist) = (&self.model, &self.adapter, &self.dist);
+        if last && dist.overlaps_backward() {
             let mut launch =
                 |i: usize, g: &Grads| dist.launch_layer(adapter, g, &model.layer_slots(i));
-            let m =
-                model.forward_backward_layers(inputs, targets, lc, scale, ckpt, grads, &mut launch);
-            return Ok(m?);
+            return Ok(model.train_pass(inputs, targets, lc, head, ckpt, grads, &mut launch)?);
         }
-        Ok(self
-            .model
-            .forward_backward(inputs, targets, lc, scale, ckpt, grads)?)
+        let mut none = |_: usize, _: &Grads| Ok(());
+        Ok(model.train_pass(inputs, targets, lc, head, ckpt, grads, &mut none)?)
     }
 
     /// Validation loss over the held-out rows (a metrics.jsonl line), and greedy completions of
@@ -353,7 +390,14 @@ impl Trainer<'_> {
         }
         let (model, adapter, valid) = (&self.model, &self.adapter, &self.data.valid);
         let (mbs, pad_id) = (cfg.train.micro_batch_size, self.pad_id);
-        if let Some(ev) = evaluate::validation(step, model, adapter, valid, mbs, pad_id)? {
+        let ev = match &self.data.pairs {
+            Some(p) => {
+                let obj = cfg.train.objective;
+                evaluate::validation_pairs(step, model, adapter, obj, &p.valid, mbs, pad_id)?
+            }
+            None => evaluate::validation(step, model, adapter, valid, mbs, pad_id)?,
+        };
+        if let Some(ev) = ev {
             self.state.metrics_bytes += self.files.metrics_line(&ev)?;
             (self.on_event)(Event::Eval(&ev));
             if let Some(w) = self.files.eval_scalars(&ev) {
@@ -375,7 +419,7 @@ impl Trainer<'_> {
         if let Some(w) = self.files.sync()? {
             self.warn(w);
         }
-        let (epoch, cursor) = self.batcher.position();
+        let (epoch, cursor) = self.stream.position();
         let state = TrainerState {
             format: checkpoint::FORMAT.into(),
             run: RunState {

@@ -33,8 +33,8 @@ pub fn chunked_cross_entropy(
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor)> {
-    let (loss, dh, _) = cross_entropy_impl(h, w, None, None, targets, Some(grad_scale), chunk)?;
-    Ok((loss, dh.expect("asked for the gradient")))
+    let o = cross_entropy_impl(h, w, None, None, targets, Some(grad_scale), false, chunk)?;
+    Ok((o.loss, o.dh.expect("asked for the gradient")))
 }
 
 /// [`chunked_cross_entropy`] with trainable token rows in the (tied) lm_head: the logits' columns
@@ -52,9 +52,8 @@ pub fn chunked_cross_entropy_with(
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor, Option<Tensor>)> {
-    let (loss, dh, drows) =
-        cross_entropy_impl(h, w, head, softcap, targets, Some(grad_scale), chunk)?;
-    Ok((loss, dh.expect("asked for the gradient"), drows))
+    let o = cross_entropy_impl(h, w, head, softcap, targets, Some(grad_scale), false, chunk)?;
+    Ok((o.loss, o.dh.expect("asked for the gradient"), o.drows))
 }
 
 /// [`chunked_cross_entropy`]'s summed loss alone (evaluation: no gradient is formed).
@@ -64,7 +63,7 @@ pub fn chunked_cross_entropy_loss(
     targets: &[Option<u32>],
     chunk: usize,
 ) -> Result<f64> {
-    Ok(cross_entropy_impl(h, w, None, None, targets, None, chunk)?.0)
+    Ok(cross_entropy_impl(h, w, None, None, targets, None, false, chunk)?.loss)
 }
 
 /// [`chunked_cross_entropy_loss`] with trainable token rows in the lm_head and the logits'
@@ -77,7 +76,33 @@ pub fn chunked_cross_entropy_loss_with(
     targets: &[Option<u32>],
     chunk: usize,
 ) -> Result<f64> {
-    Ok(cross_entropy_impl(h, w, head, softcap, targets, None, chunk)?.0)
+    Ok(cross_entropy_impl(h, w, head, softcap, targets, None, false, chunk)?.loss)
+}
+
+/// Each row's loss rather than their sum, for objectives that are functions of per-sequence
+/// log-probabilities (DPO and kin): `nll: (N,)` f32, `−log p(target)` of row `i`, 0 where
+/// `targets[i]` is `None`; with `grad`, also `dh: (N, D)` = `d(Σ nll)/dh` (unit weights): a loss
+/// `Σ cᵢ·nllᵢ` has `dh` = `c ⊙ dh` row by row, since row `i`'s logits depend on `h[i]` alone.
+pub fn chunked_cross_entropy_rows(
+    h: &Tensor,
+    w: &Tensor,
+    softcap: Option<f64>,
+    targets: &[Option<u32>],
+    grad: bool,
+    chunk: usize,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let scale = grad.then_some(1.0);
+    let o = cross_entropy_impl(h, w, None, softcap, targets, scale, true, chunk)?;
+    Ok((o.rows.expect("asked for the rows' losses"), o.dh))
+}
+
+/// What [`cross_entropy_impl`] formed: the summed loss, `dh` and the head rows' gradient (with a
+/// `grad_scale`), each row's loss (with `per_row`).
+struct CeOut {
+    loss: f64,
+    dh: Option<Tensor>,
+    drows: Option<Tensor>,
+    rows: Option<Tensor>,
 }
 
 /// Gemma 2's final-logit soft cap: `cap·tanh(logits/cap)` in the logits' dtype, each of the three
@@ -113,7 +138,7 @@ fn check_targets(targets: &[Option<u32>], vocab: usize) -> Result<()> {
     }
 }
 
-#[allow(clippy::type_complexity)]
+#[allow(clippy::too_many_arguments)]
 fn cross_entropy_impl(
     h: &Tensor,
     w: &Tensor,
@@ -121,8 +146,9 @@ fn cross_entropy_impl(
     softcap: Option<f64>,
     targets: &[Option<u32>],
     grad_scale: Option<f64>,
+    per_row: bool,
     chunk: usize,
-) -> Result<(f64, Option<Tensor>, Option<Tensor>)> {
+) -> Result<CeOut> {
     check_targets(targets, w.dim(0)?)?;
     let dev = h.device();
     let rows: Vec<u32> = (0..targets.len())
@@ -134,6 +160,7 @@ fn cross_entropy_impl(
     let mut loss: Option<Tensor> = None;
     let mut dparts = Vec::new();
     let mut drows: Option<Tensor> = None;
+    let mut row_parts = Vec::new();
     let wt = w.t()?;
     for part in rows.chunks(chunk.max(1)) {
         let idx = Tensor::new(part, dev)?;
@@ -153,6 +180,15 @@ fn cross_entropy_impl(
         }
         let stats = crate::ce::op::ce_fwd(&logits, &tgt)?;
         let sum = stats.narrow(1, 1, 1)?.to_dtype(DType::F64)?.sum_all()?;
+        if per_row {
+            row_parts.push(
+                stats
+                    .narrow(1, 1, 1)?
+                    .squeeze(1)?
+                    .to_dtype(DType::F32)?
+                    .contiguous()?,
+            );
+        }
         loss = Some(match loss {
             Some(l) => (l + sum)?,
             None => sum,
@@ -203,7 +239,26 @@ fn cross_entropy_impl(
         Some(l) => l.to_scalar::<f64>()?,
         None => 0.0,
     };
-    Ok((loss, dh, drows))
+    // Each row's loss in its place (N,), zero where there is no target.
+    let rows = match per_row {
+        false => None,
+        true => {
+            let all = Tensor::zeros(targets.len(), DType::F32, dev)?;
+            Some(match row_parts.is_empty() {
+                true => all,
+                false => {
+                    let idx = Tensor::new(rows.as_slice(), dev)?;
+                    all.index_add(&idx, &Tensor::cat(&row_parts, 0)?.contiguous()?, 0)?
+                }
+            })
+        }
+    };
+    Ok(CeOut {
+        loss,
+        dh,
+        drows,
+        rows,
+    })
 }
 
 /// The trained rows as the tied lm_head sees them: `ids: (n,)` u32 and `rows: (n, D)` in the

@@ -12,7 +12,7 @@ use rtune_config::RunConfig;
 use rtune_dist::{DataParallel, World};
 
 use super::output::RunFiles;
-use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
+use super::{metrics, Event, Outcome, RunOptions, RunState, Stream, Summary, Trainer};
 use crate::checkpoint::{self, Loaded};
 use crate::compute::device;
 use crate::optim::LoraOptimizer;
@@ -53,15 +53,31 @@ impl<'a> Trainer<'a> {
         } = prepare(cfg, &dev)?;
         dist.add_settings(&mut settings);
         model.offload_checkpoints = cfg.train.offload_checkpoints;
-        let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
+        // A preference micro-batch is 2 rows a pair: the estimate sees data.train's two
+        // sequences a pair in micro-batches of twice the pairs.
+        let sized = setup::as_estimated(cfg);
+        let checkpointing = setup::checkpointing(&sized, &model.cfg, &data.train, &dev)?;
         let estimated_peak_bytes =
-            rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
+            rtune_estimate::for_run(&sized, &model.cfg, &data.train, &dev, checkpointing.on);
         setup::check_memory(estimated_peak_bytes, setup::memory_budget(&dev))?;
         let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
         let opt =
             LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.train.loraplus_lr_ratio)?;
-        let examples = data.train.len();
-        let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
+        let (stream, examples, reference_passes) = match data.pairs.as_mut() {
+            None => {
+                let examples = data.train.len();
+                let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
+                (Stream::Sft(batcher), examples, 0)
+            }
+            Some(p) => {
+                // The reference policy's log-probs of every pair, once, before the first step
+                // (and before a resume replaces the adapter: the reference is the start).
+                let passes = crate::pairs::reference(cfg, &model, &adapter, p, pad_id)?;
+                let examples = p.train.len();
+                let batcher = setup::pair_batcher(cfg, std::mem::take(&mut p.train), pad_id);
+                (Stream::Pairs(batcher), examples, passes)
+            }
+        };
         let state = RunState::fresh(setup::loss_scaler(cfg));
         Ok(Self {
             cfg,
@@ -71,8 +87,9 @@ impl<'a> Trainer<'a> {
             model,
             adapter,
             opt,
-            batcher,
+            stream,
             data,
+            reference_passes,
             examples,
             tok,
             pad_id,
@@ -300,8 +317,9 @@ impl<'a> Trainer<'a> {
             lora_params: self.adapter.num_params(),
             model_bytes: self.model.resident_bytes(),
             examples: self.examples,
-            epochs_started: self.batcher.position().0 + 1,
+            epochs_started: self.stream.position().0 + 1,
             skipped_steps: self.state.skipped_steps,
+            reference_passes: self.reference_passes,
             output_dir: self.files.dir.clone(),
         }
     }

@@ -2,7 +2,12 @@
 //! TensorBoard scalars a step), [`Summary`] (summary.json), and the median the summary's speed is.
 
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
+
+use rtune_config::Objective;
+
+use crate::preference::PairSums;
 
 use crate::evaluate::EvalMetrics;
 
@@ -25,6 +30,9 @@ pub struct StepMetrics {
     /// f16 only: the loss scale this step's gradients were computed with.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
+    /// A preference step's metrics under TRL's names ([`preference`]); empty for SFT.
+    #[serde(flatten)]
+    pub preference: BTreeMap<String, f64>,
     /// Peak memory so far: resident set of the process on the CPU, device memory on CUDA.
     pub peak_memory_bytes: u64,
     /// What `rtune estimate` predicted for this run's peak (CPU runs).
@@ -34,21 +42,64 @@ pub struct StepMetrics {
 }
 
 impl StepMetrics {
-    /// The TensorBoard scalars of a step.
-    pub fn scalars(&self) -> [(&'static str, f64); 5] {
-        [
+    /// The TensorBoard scalars of a step (a preference step's under `train/` too).
+    pub fn scalars(&self) -> Vec<(String, f64)> {
+        let mut v: Vec<(String, f64)> = [
             ("train/loss", self.loss),
             ("train/lr", self.lr),
             ("train/grad_norm", self.grad_norm),
             ("train/tokens_per_s", self.tokens_per_s),
             ("train/peak_memory_mb", self.peak_memory_bytes as f64 / 1e6),
         ]
+        .into_iter()
+        .map(|(k, x)| (k.to_string(), x))
+        .collect();
+        v.extend(
+            self.preference
+                .iter()
+                .map(|(k, &x)| (format!("train/{k}"), x)),
+        );
+        v
     }
 }
 
 /// The TensorBoard scalars of an evaluation.
-pub fn eval_scalars(ev: &EvalMetrics) -> [(&'static str, f64); 2] {
-    [("valid/loss", ev.valid_loss), ("valid/ppl", ev.valid_ppl)]
+pub fn eval_scalars(ev: &EvalMetrics) -> Vec<(String, f64)> {
+    let mut v = vec![("valid/loss".to_string(), ev.valid_loss)];
+    v.extend(ev.valid_ppl.map(|p| ("valid/ppl".to_string(), p)));
+    v.extend(
+        ev.preference
+            .iter()
+            .map(|(k, &x)| (format!("valid/{k}"), x)),
+    );
+    v
+}
+
+/// A preference step's (or evaluation's) metrics under TRL's names, each key after `prefix`
+/// (`""` for a step, `"eval_"` for an evaluation, as TRL logs them): `rewards/chosen`,
+/// `rewards/rejected` (β·log-ratio to the reference; β·average log-prob for SimPO and ORPO),
+/// `rewards/accuracies` (pairs whose chosen reward is higher), `rewards/margins`,
+/// `logps/chosen`, `logps/rejected` (summed over the completion), and `nll_loss` (SimPO, ORPO),
+/// each a mean over the `pairs`.
+pub fn preference(
+    s: &PairSums,
+    pairs: usize,
+    obj: Objective,
+    prefix: &str,
+) -> BTreeMap<String, f64> {
+    let n = pairs.max(1) as f64;
+    let mut m = BTreeMap::new();
+    let mut put = |k: &str, v: f64| m.insert(format!("{prefix}{k}"), v);
+    put("rewards/chosen", s.reward_chosen / n);
+    put("rewards/rejected", s.reward_rejected / n);
+    put("rewards/accuracies", s.correct / n);
+    put("rewards/margins", (s.reward_chosen - s.reward_rejected) / n);
+    put("logps/chosen", s.logps_chosen / n);
+    put("logps/rejected", s.logps_rejected / n);
+    if matches!(obj, Objective::Simpo { .. } | Objective::Orpo { .. }) {
+        put("nll_loss", s.nll);
+    }
+    m
 }
 
 /// summary.json.
@@ -70,7 +121,15 @@ pub struct Summary {
     pub epochs_started: usize,
     /// Steps whose update was skipped for a non-finite loss or gradient.
     pub skipped_steps: usize,
+    /// A preference run's forward passes for the reference log-probabilities (once per pair,
+    /// before training; none for SFT and the reference-free objectives).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub reference_passes: usize,
     pub output_dir: PathBuf,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// The median of `v` (the mean of the middle two for an even count; 0 when empty).

@@ -271,11 +271,9 @@ impl RunFiles {
 
     /// A step's TensorBoard scalars; after a failure (the warning returned) no more are written.
     pub fn step_scalars(&mut self, m: &StepMetrics) -> Option<String> {
-        let e = self
-            .tb
-            .as_mut()?
-            .scalars(m.step as u64, &m.scalars())
-            .err()?;
+        let v = m.scalars();
+        let v: Vec<(&str, f64)> = v.iter().map(|(k, x)| (k.as_str(), *x)).collect();
+        let e = self.tb.as_mut()?.scalars(m.step as u64, &v).err()?;
         self.tb = None;
         Some(format!("TensorBoard events: {e}; no more written"))
     }
@@ -283,7 +281,9 @@ impl RunFiles {
     /// An evaluation's TensorBoard scalars; returns a warning on failure.
     pub fn eval_scalars(&mut self, ev: &EvalMetrics) -> Option<String> {
         let w = self.tb.as_mut()?;
-        let e = w.scalars(ev.step as u64, &eval_scalars(ev)).err()?;
+        let v = eval_scalars(ev);
+        let v: Vec<(&str, f64)> = v.iter().map(|(k, x)| (k.as_str(), *x)).collect();
+        let e = w.scalars(ev.step as u64, &v).err()?;
         Some(format!("TensorBoard events: {e}"))
     }
 

@@ -159,6 +159,7 @@ mod tests {
             tokens_per_s,
             skipped: false,
             loss_scale: None,
+            preference: Default::default(),
             peak_memory_bytes: 0,
             estimated_peak_bytes: None,
             elapsed_s: 0.0,

@@ -1,0 +1,380 @@
+//! The preference objectives' arithmetic (DPO and its loss types, SimPO, ORPO; the formulas in
+//! `rtune_config::objective`), as TRL 1.16 computes them, with their gradients by hand.
+//!
+//! Every objective is a function of each sequence's summed log-probability `π = Σ log p(target)`
+//! over its completion (and its completion length, for the per-token averages), plus for SimPO
+//! and ORPO the mean NLL of the chosen tokens. So the model's head hands over every position's
+//! NLL ([`rtune_model::Objective::PerToken`]), [`weigh`] forms the loss and `dloss/dnll` per
+//! position (`−dloss/dπ` of the position's row, plus the NLL term's share), and the backward
+//! runs once.
+//!
+//! A step's loss is the mean over its pairs (and the NLL term the mean over its chosen tokens),
+//! whatever the micro-batches: each micro-batch is weighted by the step's totals ([`StepTotals`]),
+//! as SFT weights by the step's target tokens, so accumulation equals one big batch.
+
+use rtune_config::{DpoLoss, Objective};
+use rtune_data::PairBatch;
+
+/// The whole step's counts that normalise each micro-batch's share.
+#[derive(Debug, Clone, Copy)]
+pub struct StepTotals {
+    pub pairs: usize,
+    /// Target tokens of the chosen rows (the NLL term's mean: completions; ORPO: prompts too).
+    pub nll_tokens: usize,
+}
+
+/// What a micro-batch adds to the step's metrics (sums over its pairs; divided by the step's
+/// pairs when reported).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PairSums {
+    pub reward_chosen: f64,
+    pub reward_rejected: f64,
+    /// Pairs whose chosen reward is above the rejected one.
+    pub correct: f64,
+    pub logps_chosen: f64,
+    pub logps_rejected: f64,
+    /// The NLL term (SimPO, ORPO) before its weight: Σ chosen NLL / the step's chosen tokens.
+    pub nll: f64,
+}
+
+impl PairSums {
+    /// As six numbers, for the ranks' all-reduce.
+    pub fn to_array(&self) -> [f64; 6] {
+        [
+            self.reward_chosen,
+            self.reward_rejected,
+            self.correct,
+            self.logps_chosen,
+            self.logps_rejected,
+            self.nll,
+        ]
+    }
+
+    pub fn from_array(a: [f64; 6]) -> Self {
+        let [reward_chosen, reward_rejected, correct, logps_chosen, logps_rejected, nll] = a;
+        PairSums {
+            reward_chosen,
+            reward_rejected,
+            correct,
+            logps_chosen,
+            logps_rejected,
+            nll,
+        }
+    }
+
+    pub fn add(&mut self, o: &PairSums) {
+        self.reward_chosen += o.reward_chosen;
+        self.reward_rejected += o.reward_rejected;
+        self.correct += o.correct;
+        self.logps_chosen += o.logps_chosen;
+        self.logps_rejected += o.logps_rejected;
+        self.nll += o.nll;
+    }
+}
+
+/// The loss of one pair and its derivatives: `(loss, dloss/dπc, dloss/dπr, reward c, reward r)`.
+struct PairTerms {
+    loss: f64,
+    d_chosen: f64,
+    d_rejected: f64,
+    reward_chosen: f64,
+    reward_rejected: f64,
+}
+
+fn log_sigmoid(x: f64) -> f64 {
+    // log σ(x) = −log(1 + e^−x), stable on both sides.
+    match x >= 0.0 {
+        true => -(-x).exp().ln_1p(),
+        false => x - x.exp().ln_1p(),
+    }
+}
+
+fn sigmoid(x: f64) -> f64 {
+    match x >= 0.0 {
+        true => 1.0 / (1.0 + (-x).exp()),
+        false => x.exp() / (1.0 + x.exp()),
+    }
+}
+
+/// `−(1 − ls)·log σ(z) − ls·log σ(−z)` and its derivative in `z`.
+fn smoothed_sigmoid_loss(z: f64, ls: f64) -> (f64, f64) {
+    let loss = -(1.0 - ls) * log_sigmoid(z) - ls * log_sigmoid(-z);
+    let d = -(1.0 - ls) * sigmoid(-z) + ls * sigmoid(z);
+    (loss, d)
+}
+
+/// `log(1 − e^x)` for `x < 0` (TRL's `log1mexp`), and its derivative `−e^x / (1 − e^x)`.
+fn log1mexp(x: f64) -> (f64, f64) {
+    let v = match x > -std::f64::consts::LN_2 {
+        true => (-x.exp_m1()).ln(),
+        false => (-x.exp()).ln_1p(),
+    };
+    (v, -1.0 / (-x).exp_m1())
+}
+
+/// One pair's terms. `lp`: the policy's summed log-probs `(chosen, rejected)`, `n`: completion
+/// tokens, `reference`: the reference policy's summed log-probs (DPO).
+fn pair_terms(
+    obj: &Objective,
+    lp: (f64, f64),
+    n: (f64, f64),
+    reference: Option<[f64; 2]>,
+) -> PairTerms {
+    let (pc, pr) = lp;
+    match *obj {
+        Objective::Dpo {
+            beta,
+            loss,
+            label_smoothing: ls,
+        } => {
+            let [rc, rr] = reference.expect("DPO pairs carry their reference log-probs");
+            let (lc, lr) = (pc - rc, pr - rr);
+            let (loss, d_chosen, d_rejected) = match loss {
+                DpoLoss::Sigmoid => {
+                    let (l, d) = smoothed_sigmoid_loss(beta * (lc - lr), 0.0);
+                    (l, beta * d, -beta * d)
+                }
+                DpoLoss::Robust => {
+                    let z = beta * (lc - lr);
+                    let l =
+                        (-(1.0 - ls) * log_sigmoid(z) + ls * log_sigmoid(-z)) / (1.0 - 2.0 * ls);
+                    let d = (-(1.0 - ls) * sigmoid(-z) - ls * sigmoid(z)) / (1.0 - 2.0 * ls);
+                    (l, beta * d, -beta * d)
+                }
+                DpoLoss::Hinge => {
+                    let m = 1.0 - beta * (lc - lr);
+                    // torch's relu has gradient 0 at 0.
+                    let d = if m > 0.0 { -beta } else { 0.0 };
+                    (m.max(0.0), d, -d)
+                }
+                DpoLoss::Ipo => {
+                    // Per-token averages of the log-ratios (TRL: completion tokens, at least 1).
+                    let (nc, nr) = (n.0.max(1.0), n.1.max(1.0));
+                    let e = lc / nc - lr / nr - 1.0 / (2.0 * beta);
+                    (e * e, 2.0 * e / nc, -2.0 * e / nr)
+                }
+            };
+            PairTerms {
+                loss,
+                d_chosen,
+                d_rejected,
+                reward_chosen: beta * lc,
+                reward_rejected: beta * lr,
+            }
+        }
+        Objective::Simpo {
+            beta,
+            gamma,
+            label_smoothing,
+            ..
+        } => {
+            // CPOTrainer: average log-probs, logits = π̄c − π̄r − γ/β, z = β·logits.
+            let (ac, ar) = (pc / n.0, pr / n.1);
+            let (loss, d) = smoothed_sigmoid_loss(beta * (ac - ar - gamma / beta), label_smoothing);
+            PairTerms {
+                loss,
+                d_chosen: beta * d / n.0,
+                d_rejected: -beta * d / n.1,
+                reward_chosen: beta * ac,
+                reward_rejected: beta * ar,
+            }
+        }
+        Objective::Orpo { beta } => {
+            // ORPOTrainer: loss = NLL − β·log σ(log_odds), log_odds = (π̄c − π̄r) −
+            // (log(1 − e^π̄c) − log(1 − e^π̄r)).
+            let (ac, ar) = (pc / n.0, pr / n.1);
+            let ((mc, dmc), (mr, dmr)) = (log1mexp(ac), log1mexp(ar));
+            let odds = (ac - ar) - (mc - mr);
+            let d = -beta * sigmoid(-odds); // d(−β·log σ(odds))/d odds
+            PairTerms {
+                loss: -beta * log_sigmoid(odds),
+                d_chosen: d * (1.0 - dmc) / n.0,
+                d_rejected: d * (-1.0 + dmr) / n.1,
+                reward_chosen: beta * ac,
+                reward_rejected: beta * ar,
+            }
+        }
+        Objective::Sft => unreachable!("SFT has no pairs"),
+    }
+}
+
+/// The NLL term's weight: SimPO's `cpo_alpha`, ORPO's 1, none for DPO.
+fn nll_weight(obj: &Objective) -> f64 {
+    match *obj {
+        Objective::Simpo { cpo_alpha, .. } => cpo_alpha,
+        Objective::Orpo { .. } => 1.0,
+        _ => 0.0,
+    }
+}
+
+/// The micro-batch's share of the step's loss, `dloss/dnll` for every position, and its metric
+/// sums. `nll`: every position's target NLL, as the model's head formed it.
+pub fn weigh(
+    obj: &Objective,
+    batch: &PairBatch,
+    nll: &[f32],
+    totals: StepTotals,
+) -> (f64, Vec<f32>, PairSums) {
+    let (b, t) = (batch.pairs(), batch.batch.t);
+    let logps = batch.row_logps(nll);
+    let ntok = &batch.completion_tokens;
+    let per_pair = 1.0 / totals.pairs.max(1) as f64;
+    let per_token = 1.0 / totals.nll_tokens.max(1) as f64;
+    let alpha = nll_weight(obj);
+    let mut weights = vec![0f32; nll.len()];
+    let (mut loss, mut sums) = (0.0, PairSums::default());
+    for j in 0..b {
+        let (c, r) = (j, b + j);
+        let lp = (logps[c], logps[r]);
+        let n = (ntok[c] as f64, ntok[r] as f64);
+        let pt = pair_terms(obj, lp, n, batch.reference[j]);
+        loss += pt.loss * per_pair;
+        // π = −Σ nll over the row: dloss/dnll = −dloss/dπ on the row's target positions; the
+        // NLL term adds α / (chosen tokens) on the chosen row's.
+        // (row, weight of a completion target, weight of another target (ORPO's prompt)).
+        let rows = [
+            (
+                c,
+                -pt.d_chosen * per_pair + alpha * per_token,
+                alpha * per_token,
+            ),
+            (r, -pt.d_rejected * per_pair, 0.0),
+        ];
+        let mut chosen_nll = 0.0;
+        for (row, w, w_other) in rows {
+            for k in row * t..(row + 1) * t {
+                if batch.batch.targets[k].is_none() {
+                    continue;
+                }
+                weights[k] = if batch.completion[k] { w } else { w_other } as f32;
+                if row == c {
+                    chosen_nll += nll[k] as f64 * per_token;
+                }
+            }
+        }
+        loss += alpha * chosen_nll;
+        // TRL logs SimPO's and ORPO's per-token averages as their logps.
+        let (lc, lr) = match obj {
+            Objective::Dpo { .. } => lp,
+            _ => (lp.0 / n.0, lp.1 / n.1),
+        };
+        sums.add(&PairSums {
+            reward_chosen: pt.reward_chosen,
+            reward_rejected: pt.reward_rejected,
+            correct: f64::from(u8::from(pt.reward_chosen > pt.reward_rejected)),
+            logps_chosen: lc,
+            logps_rejected: lr,
+            nll: chosen_nll,
+        });
+    }
+    (loss, weights, sums)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rtune_data::Pair;
+
+    fn batch() -> PairBatch {
+        let p = |p: &[u32], c: &[u32], r: &[u32], reference| Pair {
+            prompt: p.to_vec(),
+            chosen: c.to_vec(),
+            rejected: r.to_vec(),
+            reference,
+        };
+        let a = p(&[1, 2], &[3, 4, 5], &[6], Some([-4.0, -1.5]));
+        let b = p(&[7], &[8], &[9, 10], Some([-2.0, -3.0]));
+        PairBatch::new(&[&a, &b], 0, false)
+    }
+
+    /// Every objective's hand-written gradient against a central difference of its loss in
+    /// each position's NLL (f64 arithmetic, f32 weights: 1e-4 relative).
+    #[test]
+    fn weights_are_the_loss_gradient() {
+        let pb = batch();
+        let nll: Vec<f32> = (0..pb.batch.targets.len())
+            .map(|i| match pb.batch.targets[i] {
+                Some(_) => 0.3 + 0.17 * (i % 5) as f32,
+                None => 0.0,
+            })
+            .collect();
+        let totals = StepTotals {
+            pairs: 3,
+            nll_tokens: 7,
+        };
+        let objectives = [
+            Objective::Dpo {
+                beta: 0.3,
+                loss: DpoLoss::Sigmoid,
+                label_smoothing: 0.0,
+            },
+            Objective::Dpo {
+                beta: 0.3,
+                loss: DpoLoss::Robust,
+                label_smoothing: 0.2,
+            },
+            Objective::Dpo {
+                beta: 0.3,
+                loss: DpoLoss::Hinge,
+                label_smoothing: 0.0,
+            },
+            Objective::Dpo {
+                beta: 0.3,
+                loss: DpoLoss::Ipo,
+                label_smoothing: 0.0,
+            },
+            Objective::Simpo {
+                beta: 2.0,
+                gamma: 0.5,
+                cpo_alpha: 0.7,
+                label_smoothing: 0.05,
+            },
+            Objective::Orpo { beta: 0.25 },
+        ];
+        for obj in &objectives {
+            let (_, w, _) = weigh(obj, &pb, &nll, totals);
+            let mut checked = 0;
+            for i in 0..nll.len() {
+                if pb.batch.targets[i].is_none() {
+                    assert_eq!(w[i], 0.0);
+                    continue;
+                }
+                let h = 1e-3f32;
+                let at = |d: f32| {
+                    let mut x = nll.clone();
+                    x[i] += d;
+                    weigh(obj, &pb, &x, totals).0
+                };
+                let want = (at(h) - at(-h)) / (2.0 * h as f64);
+                let err = (w[i] as f64 - want).abs() / want.abs().max(1e-3);
+                assert!(err < 1e-3, "{obj:?} position {i}: {} vs {want}", w[i]);
+                checked += 1;
+            }
+            assert_eq!(checked, 3 + 1 + 1 + 2, "every completion token weighed");
+        }
+    }
+
+    /// DPO's sigmoid loss by its definition on one pair: −log σ(β·((πc − rc) − (πr − rr))).
+    #[test]
+    fn dpo_sigmoid_loss_is_its_formula() {
+        let pb = batch();
+        let nll = vec![0.5f32; pb.batch.targets.len()];
+        let obj = Objective::Dpo {
+            beta: 0.1,
+            loss: DpoLoss::Sigmoid,
+            label_smoothing: 0.0,
+        };
+        let totals = StepTotals {
+            pairs: 2,
+            nll_tokens: 4,
+        };
+        let (loss, _, sums) = weigh(&obj, &pb, &nll, totals);
+        let pair = |pc: f64, pr: f64, rc: f64, rr: f64| {
+            let z: f64 = 0.1 * ((pc - rc) - (pr - rr));
+            (1.0 + (-z).exp()).ln()
+        };
+        let want = (pair(-1.5, -0.5, -4.0, -1.5) + pair(-0.5, -1.0, -2.0, -3.0)) / 2.0;
+        assert!((loss - want).abs() < 1e-12, "{loss} vs {want}");
+        assert_eq!(sums.correct, 1.0); // pair 1: 0.25 vs 0.1; pair 2: 0.15 vs 0.2
+    }
+}

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Goldens for rtune's preference objectives against TRL 1.16's trainers. Written for rtune; run with
+the reference venv (torch, transformers, peft, trl):
+
+    python tests/parity/make_pref_goldens.py
+
+Writes tests/parity/golden_pref.safetensors. The model is tests/fixtures/tiny-llama (f32, eager
+attention); the adapter PEFT LoRA r 4, alpha 8 on all seven projections, its A and B drawn from a
+seeded 0.05·N(0, 1) (so the policy differs from the base and every gradient is non-zero), passed to
+the trainer as a PeftModel: TRL then copies it into a frozen "ref" adapter, the reference policy
+rtune uses with `[lora] init_from`.
+
+How the batch is fixed on both sides: TRL tokenizes the text pairs below (`DPOTrainer`'s own
+`_prepare_dataset`: EOS appended, the completion split where the tokenized prompt and prompt +
+completion diverge); its `DataCollatorForPreference` makes one batch of all 4 pairs (chosen rows,
+then rejected); `trainer.compute_loss` is called 3 times on that batch with torch.optim.AdamW (lr
+1e-3, betas (0.9, 0.999), eps 1e-8, no weight decay, no clipping) between. rtune trains on the same
+text rows with micro_batch_size 4, no shuffle, 3 steps: each step is the same 4 pairs.
+
+Keys, for each variant V: `V.loss` [3] (before each step), `V.<metric>` [3] (TRL's logged metrics,
+e.g. `V.rewards/chosen`), `V.adamw.<peft key>` (the adapter after 3 steps); `init.<peft key>`; the
+TRL-tokenized pairs in the metadata (`pairs`), and the variants' settings (`variants`).
+"""
+import json
+import os
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import DPOConfig, DPOTrainer
+from trl.experimental.cpo import CPOConfig, CPOTrainer
+from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = os.path.join(HERE, "..", "fixtures", "tiny-llama")
+OUT = os.path.join(HERE, "golden_pref.safetensors")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+R, ALPHA, STEPS, LR = 4, 8.0, 3, 1e-3
+
+# Text pairs (the tiny byte-level tokenizer: ~1 token a character); also written by the rtune test
+# as its data file.
+PAIRS = [
+    {"prompt": "Q: 2+2?\nA:", "chosen": " 4", "rejected": " five, I think"},
+    {"prompt": "Q: sky?\nA:", "chosen": " blue", "rejected": " green"},
+    {"prompt": "Name a fruit:", "chosen": " apple", "rejected": " a rock"},
+    {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " No."},
+]
+
+# Variant name -> DPOConfig settings.
+VARIANTS = {
+    "dpo_sigmoid": dict(loss_type=["sigmoid"], beta=0.1, label_smoothing=0.0),
+    "dpo_sigmoid_b05": dict(loss_type=["sigmoid"], beta=0.5, label_smoothing=0.0),
+    "dpo_hinge": dict(loss_type=["hinge"], beta=2.0, label_smoothing=0.0),
+    "dpo_ipo": dict(loss_type=["ipo"], beta=0.1, label_smoothing=0.0),
+    "dpo_robust": dict(loss_type=["robust"], beta=0.3, label_smoothing=0.1),
+}
+# The reference-free objectives, through TRL's experimental trainers (their own tokenization: the
+# pairs they trained on are saved per variant, `V.pairs`, and rtune trains on those ids).
+FREE = {
+    "simpo": (CPOTrainer, CPOConfig, dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, cpo_alpha=1.0,
+                                          label_smoothing=0.0)),
+    "simpo_ls": (CPOTrainer, CPOConfig, dict(loss_type="simpo", beta=2.5, simpo_gamma=1.0, cpo_alpha=0.5,
+                                             label_smoothing=0.1)),
+    "orpo": (ORPOTrainer, ORPOConfig, dict(beta=0.2)),
+}
+METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected"]
+
+torch.use_deterministic_algorithms(True)
+
+
+def peft_model():
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, attn_implementation="eager")
+    cfg = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0, bias="none",
+                     task_type="CAUSAL_LM")
+    m = get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for name, p in sorted(m.named_parameters()):
+            if "lora_" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def peft_key(name):
+    # base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight -> PEFT's saved name
+    return name.replace(".default", "")
+
+
+def run(name, settings, tok, out, meta):
+    m = peft_model()
+    if "init.base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" not in out:
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                out["init." + peft_key(n)] = p.detach().clone().contiguous()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = DPOConfig(output_dir=tmp, per_device_train_batch_size=len(PAIRS), learning_rate=LR,
+                         max_length=64, report_to=[], use_cpu=True, **settings)
+        trainer = DPOTrainer(model=m, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
+    rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
+    if "pairs" not in meta:
+        meta["pairs"] = [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows]
+    batch = trainer.data_collator([{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows])
+    model = trainer.model
+    model.train()
+    params = [p for n, p in model.named_parameters() if ".default." in n and p.requires_grad]
+    assert len(params) == 2 * len(TARGETS) * 2, len(params)
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    losses, metrics = [], {k: [] for k in METRICS}
+    for _ in range(STEPS):
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(model, batch)
+        losses.append(loss.item())
+        for k in METRICS:
+            metrics[k].append(trainer._metrics["train"][k][-1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out[f"{name}.loss"] = torch.tensor(losses, dtype=torch.float32)
+    for k, v in metrics.items():
+        out[f"{name}.{k}"] = torch.tensor(v, dtype=torch.float32)
+    for n, p in model.named_parameters():
+        if ".default." in n and "lora_" in n:
+            out[f"{name}.adamw.{peft_key(n)}"] = p.detach().clone().contiguous()
+    print(name, "losses", [f"{x:.6f}" for x in losses], "acc", metrics["rewards/accuracies"])
+
+
+def split_pairs(batch):
+    """TRL's padded (chosen|rejected)_(input_ids|labels) back into prompt / chosen / rejected ids."""
+    out = []
+    for i in range(batch["chosen_input_ids"].shape[0]):
+        sides = []
+        for side in ("chosen", "rejected"):
+            ids = batch[f"{side}_input_ids"][i].tolist()
+            labels = batch[f"{side}_labels"][i].tolist()
+            n = int(batch[f"{side}_attention_mask"][i].sum())
+            ids, labels = ids[:n], labels[:n]
+            k = next(j for j, lab in enumerate(labels) if lab != -100)
+            assert all(lab != -100 for lab in labels[k:]), labels
+            sides.append((ids[:k], ids[k:]))
+        assert sides[0][0] == sides[1][0], "one prompt"
+        out.append({"prompt_ids": sides[0][0], "chosen_ids": sides[0][1], "rejected_ids": sides[1][1]})
+    return out
+
+
+def run_free(name, trainer_cls, config_cls, settings, tok, out, meta):
+    m = peft_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = config_cls(output_dir=tmp, per_device_train_batch_size=len(PAIRS), learning_rate=LR,
+                          max_length=64, report_to=[], use_cpu=True, **settings)
+        trainer = trainer_cls(model=m, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
+    batch = next(iter(trainer.get_train_dataloader()))
+    meta.setdefault("free_pairs", {})[name] = split_pairs(batch)
+    model = trainer.model
+    model.train()
+    params = [p for n, p in model.named_parameters() if "lora_" in n and p.requires_grad]
+    assert len(params) == 2 * len(TARGETS) * 2, len(params)
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    losses, metrics = [], {k: [] for k in METRICS + ["nll_loss"]}
+    for _ in range(STEPS):
+        loss, logged = trainer.get_batch_loss_metrics(model, batch, "train")
+        losses.append(loss.item())
+        for k in metrics:
+            metrics[k].append(float(logged[k]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out[f"{name}.loss"] = torch.tensor(losses, dtype=torch.float32)
+    for k, v in metrics.items():
+        out[f"{name}.{k}"] = torch.tensor(v, dtype=torch.float32)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            out[f"{name}.adamw.{peft_key(n)}"] = p.detach().clone().contiguous()
+    print(name, "losses", [f"{x:.6f}" for x in losses], "acc", metrics["rewards/accuracies"])
+
+
+def main():
+    import trl
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    out, meta = {}, {}
+    for name, settings in VARIANTS.items():
+        run(name, settings, tok, out, meta)
+    for name, (trainer_cls, config_cls, settings) in FREE.items():
+        run_free(name, trainer_cls, config_cls, settings, tok, out, meta)
+    meta["free_variants"] = {k: v[2] for k, v in FREE.items()}
+    meta.update(r=R, lora_alpha=ALPHA, target_modules=TARGETS, steps=STEPS, lr=LR, text_pairs=PAIRS,
+                variants={k: {**v, "loss_type": v["loss_type"][0]} for k, v in VARIANTS.items()},
+                versions={"torch": torch.__version__, "trl": trl.__version__})
+    save_file(out, OUT, metadata={"config": json.dumps(meta)})
+    print("wrote", OUT)
+
+
+if __name__ == "__main__":
+    main()
