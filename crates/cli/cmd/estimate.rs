@@ -114,6 +114,21 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         return Ok(());
     }
     print_table(&cfg, &model, &s, &est, budget, source, &fit, a.data);
+    if cfg.train.objective.is_preference() {
+        println!(
+            "objective {}: each pair is 2 rows (chosen, rejected), so micro_batch_size {} pairs \
+             is {} rows above{}",
+            cfg.train.objective.name(),
+            cfg.train.micro_batch_size,
+            s.micro_batch_size,
+            match cfg.train.objective.needs_reference() {
+                true =>
+                    "; the reference log-probs are one forward pass per pair before training \
+                         (below the step's peak)",
+                false => "",
+            }
+        );
+    }
     if world > 1 {
         println!(
             "world {world}: the peak above is per rank (each holds the whole model: {:.1} MB on {world} \

@@ -39,7 +39,9 @@ mod checkpointing;
 mod run;
 mod tiled;
 pub use checkpointing::{choose_checkpointing, Budget, CheckpointingChoice, HEADROOM};
-pub use run::{checkpointing_for, fit_to_data, for_run, matmul_workspace_bytes, settings_for};
+pub use run::{
+    checkpointing_for, fit_to_data, for_run, matmul_workspace_bytes, rows_per_example, settings_for,
+};
 pub use tiled::{attn_path, partial_bytes};
 
 /// glibc's `M_MMAP_THRESHOLD` as the binary sets it: blocks at least this big are mmapped.

@@ -68,6 +68,14 @@ const TOKENIZER_PER_FILE_BYTE: u64 = 3;
 /// Bytes a tokenized example holds per token (`input_ids` u32, `labels` i64).
 const DATA_PER_TOKEN: u64 = 12;
 
+/// Rows a micro-batch holds per configured example: 2 for a preference pair, 1 for SFT.
+pub fn rows_per_example(cfg: &RunConfig) -> usize {
+    match cfg.train.objective.is_preference() {
+        true => 2,
+        false => 1,
+    }
+}
+
 /// The settings of a run as its config gives them (worst case: full-length rows, every position
 /// a target; `gradient_checkpointing = "auto"` as on until [`choose_checkpointing`] decides). Reads only the sizes of the model's files, not their contents. Fails only on LoRA
 /// targets that name no module (boxed: the error is large, and the trainer boxes it too).
@@ -92,7 +100,9 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         dropout: cfg.lora.dropout,
         dora: cfg.lora.dora,
         trainable_tokens: cfg.lora.trainable_tokens.len(),
-        micro_batch_size: cfg.train.micro_batch_size,
+        // Rows a micro-batch: a preference objective's pair is two (chosen, rejected); its
+        // reference pass is a forward pass of the same rows, below the training step's peak.
+        micro_batch_size: cfg.train.micro_batch_size * rows_per_example(cfg),
         grad_accum: cfg.train.grad_accum,
         seq_len: cfg.data.max_seq_len,
         target_rows: None,

@@ -319,18 +319,6 @@ pub fn pair_batcher(
     Batcher::with_layout(pairs, cfg.data.shuffle, cfg.train.seed, pad_id, layout)
 }
 
-/// The config as the memory estimate sizes it: a preference micro-batch holds two rows a pair.
-pub fn as_estimated(cfg: &RunConfig) -> std::borrow::Cow<'_, RunConfig> {
-    match cfg.train.objective.is_preference() {
-        false => std::borrow::Cow::Borrowed(cfg),
-        true => {
-            let mut c = cfg.clone();
-            c.train.micro_batch_size *= 2;
-            std::borrow::Cow::Owned(c)
-        }
-    }
-}
-
 /// f16's dynamic loss scaler; none in f32/bf16.
 pub fn loss_scaler(cfg: &RunConfig) -> Option<LossScaler> {
     (cfg.model.dtype == rtune_config::DType::F16).then(|| {

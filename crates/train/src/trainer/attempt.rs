@@ -53,12 +53,10 @@ impl<'a> Trainer<'a> {
         } = prepare(cfg, &dev)?;
         dist.add_settings(&mut settings);
         model.offload_checkpoints = cfg.train.offload_checkpoints;
-        // A preference micro-batch is 2 rows a pair: the estimate sees data.train's two
-        // sequences a pair in micro-batches of twice the pairs.
-        let sized = setup::as_estimated(cfg);
-        let checkpointing = setup::checkpointing(&sized, &model.cfg, &data.train, &dev)?;
+        // A preference run's data.train holds each pair's two sequences (the estimate's rows).
+        let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
         let estimated_peak_bytes =
-            rtune_estimate::for_run(&sized, &model.cfg, &data.train, &dev, checkpointing.on);
+            rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
         setup::check_memory(estimated_peak_bytes, setup::memory_budget(&dev))?;
         let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
         let opt =
