@@ -8,8 +8,9 @@
 use crate::common::{assert_trained_as_golden, fixture, rtune, stderr, write_init_adapter, Golden};
 
 /// Trains `model` (a fixture directory) through the CLI from `golden`'s init adapter on its
-/// batch and checks losses and the adapter against the golden's AdamW loop.
-fn train_matches_golden(model: &str, golden: &str) {
+/// batch and checks losses and the adapter against the golden's AdamW loop; the run is in
+/// `<returned>/out`.
+fn train_matches_golden(model: &str, golden: &str) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let g = Golden::load(&fixture(golden));
@@ -49,6 +50,7 @@ dir = "{out}"
     let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_trained_as_golden(&t.join("out"), &g);
+    tmp
 }
 
 /// Qwen3 (q/k norms, head_dim ≠ hidden / heads, tied, a window on layer 1), with checkpointing.
@@ -77,4 +79,62 @@ fn gemma3_trains_as_peft() {
         "fixtures/tiny-gemma3",
         "parity/golden_tiny_gemma3.safetensors",
     );
+}
+
+/// Phi-3 (fused qkv_proj and gate_up_proj, one adapter each, a window on every layer), with
+/// checkpointing; `all-linear` names PEFT's fused modules in the adapter's config.
+#[test]
+fn phi3_trains_as_peft() {
+    let out = train_matches_golden("fixtures/tiny-phi3", "parity/golden_tiny_phi3.safetensors");
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("out/adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        cfg["target_modules"],
+        serde_json::json!(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    );
+}
+
+/// Phi-4-mini's RoPE (partial rotary 0.75, LongRoPE past 8 positions, tied), with checkpointing.
+#[test]
+fn phi4_trains_as_peft() {
+    train_matches_golden("fixtures/tiny-phi4", "parity/golden_tiny_phi4.safetensors");
+}
+
+/// `[lora] targets = ["q_proj"]` on Phi-3, whose q/k/v are one qkv_proj: exit 2 before anything
+/// is written, one line naming the modules Phi-3 has.
+#[test]
+fn phi3_refuses_split_targets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let g = Golden::load(&fixture("parity/golden_tiny_phi3.safetensors"));
+    g.write_batch(&t.join("batch.jsonl"));
+    let cfg = format!(
+        r#"[model]
+path = "{model}"
+[lora]
+targets = ["q_proj", "v_proj"]
+[data]
+train = "{data}"
+[train]
+steps = 1
+[output]
+dir = "{out}"
+"#,
+        model = fixture("fixtures/tiny-phi3").display(),
+        data = t.join("batch.jsonl").display(),
+        out = t.join("out").display(),
+    );
+    std::fs::write(t.join("run.toml"), cfg).unwrap();
+    let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains(
+            "Phi3ForCausalLM has no module `q_proj`; its linear modules are qkv_proj, o_proj, \
+             gate_up_proj, down_proj"
+        ),
+        "{err}"
+    );
+    assert!(!t.join("out").exists());
 }

@@ -13,7 +13,8 @@
 //! - `check`: `rtune check` runs every pre-flight check and exits 1 when one fails;
 //! - `diag`: `rtune selftest` reports every check when one fails; `benches/gpu/run.sh --dry-run`;
 //! - `dora`: DoRA / QDoRA against PEFT goldens (model and `rtune train`), bad `init_from`, exports;
-//! - `families`: Qwen3, Gemma 2 and Gemma 3 through `rtune train` against PEFT goldens;
+//! - `families`: Qwen3, Gemma 2, Gemma 3 and Phi-3 (fused, and Phi-4-mini's RoPE) through
+//!   `rtune train` against PEFT goldens; Phi-3's split-name targets refused;
 //! - `preference`: DPO (each loss type), SimPO and ORPO through `rtune train` against TRL's trainers;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that

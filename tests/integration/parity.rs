@@ -392,6 +392,66 @@ fn gemma3_local_global_rope_and_qk_norms_match_peft() {
     check_adamw(&c);
 }
 
+/// Phi-3: q/k/v in one `qkv_proj` and gate/up in one `gate_up_proj`, each adapted as ONE LoRA
+/// module as PEFT does (`qkv_proj`'s B is `(q + 2·kv, r)`, its A's gradient the sum over q, k and
+/// v), untied, a window of 6 on every layer, norms jittered around 1.
+#[test]
+fn phi3_fused_qkv_gate_up_match_peft() {
+    let c = case("fixtures/tiny-phi3", "parity/golden_tiny_phi3.safetensors");
+    let cfg = &c.model.cfg;
+    assert_eq!(cfg.arch, rtune_model::Arch::Phi3);
+    assert!(cfg.variant.fused_proj && !cfg.tie_word_embeddings);
+    assert_eq!(cfg.window_layers, vec![true, true]);
+    assert_eq!(
+        c.adapter.names[..4],
+        [
+            "model.layers.0.self_attn.qkv_proj",
+            "model.layers.0.self_attn.o_proj",
+            "model.layers.0.mlp.gate_up_proj",
+            "model.layers.0.mlp.down_proj"
+        ]
+    );
+    // One pair over the fused rows: q 64 + k 32 + v 32.
+    assert_eq!(c.adapter.pairs[0].b.dims(), [128, 4]);
+    check_forward_and_grads(&c);
+    check_adamw(&c);
+}
+
+/// Phi-4-mini's RoPE: the first 12 of each head's 16 dims rotate (partial_rotary_factor 0.75),
+/// LongRoPE with original_max_position_embeddings 8: the 16-token batch uses the long factors and
+/// cos/sin × √(1 + ln 32 / ln 8); the first 8 tokens alone use the short factors (the golden's
+/// `short_logits`, 1e-5 as the other logits); tied embeddings.
+#[test]
+fn phi4_partial_rotary_and_longrope_match_peft() {
+    let c = case("fixtures/tiny-phi4", "parity/golden_tiny_phi4.safetensors");
+    let cfg = &c.model.cfg;
+    assert_eq!((cfg.rotary_dim(), cfg.head_dim), (12, 16));
+    assert!(matches!(
+        cfg.rope_scaling,
+        rtune_model::RopeScaling::LongRope {
+            original_max_position_embeddings: 8,
+            ..
+        }
+    ));
+    assert!(cfg.tie_word_embeddings);
+    check_forward_and_grads(&c);
+    check_adamw(&c);
+    let t = c.inputs.t;
+    let short_t = 8;
+    let ids: Vec<u32> = c
+        .inputs
+        .ids
+        .chunks(t)
+        .flat_map(|row| row[..short_t].to_vec())
+        .collect();
+    let short = Inputs::new(ids, c.inputs.b, short_t);
+    let lc = ctx(&c.adapter);
+    let out = c.model.forward(&short, Some(&lc), false).unwrap();
+    let e = rel_err(&out.logits, c.golden.get("short_logits"));
+    eprintln!("short-factor logits rel err {e:e}");
+    assert!(e <= 1e-5, "short-factor logits rel err {e:e}");
+}
+
 /// Mistral: a sliding window (5) on every layer, head_dim 8 ≠ hidden / heads.
 #[test]
 fn mistral_window_and_head_dim_match_peft() {

@@ -6,6 +6,9 @@ peft):
 
     python tests/parity/make_arch_goldens.py
 
+`--only phi3,phi4` makes the Phi-3 fixtures (fused qkv_proj / gate_up_proj, adapted under PEFT's fused
+names; Phi-4-mini's partial rotary and LongRoPE).
+
 Writes tests/fixtures/tiny-{qwen2,mistral}/ (config.json in transformers v5 layout + model.safetensors)
 and tests/parity/golden_tiny_{qwen2,mistral}.safetensors, plus golden_tiny_llama_bf16.safetensors (the
 plain tiny Llama computed in bf16, LoRA weights in f32 as PEFT keeps them), with the same keys and metadata as the other
@@ -20,12 +23,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config,
+                          Qwen2Config, Qwen3Config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "..", "fixtures")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Phi-3 fuses q/k/v and gate/up: PEFT's targets are the fused modules (one adapter each).
+FUSED_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 R, ALPHA, B, T, STEPS, LR = 4, 8.0, 2, 16, 3, 1e-3
 
 common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -59,10 +64,27 @@ MODELS = {
                                                                    "rope_theta": 1e6},
                                                 "sliding_attention": {"rope_type": "default",
                                                                       "rope_theta": 10000.0}}),
+    # Phi-3: fused qkv_proj and gate_up_proj, untied, a window of 6 on every layer, full rotary
+    "phi3": Phi3Config(**common, sliding_window=6, rope_parameters={"rope_type": "default",
+                                                                    "rope_theta": 10000.0}),
+    # Phi-4-mini's shape: RoPE on the first 0.75 of each head (12 of 16 dims), LongRoPE with
+    # original_max_position_embeddings 8 < T = 16 (the long factors; `short_logits` holds the first
+    # 8 positions run alone, the short factors), attention factor √(1 + ln 32 / ln 8) from
+    # max_position_embeddings / original = 256 / 8, tied embeddings
+    "phi4": Phi3Config(**common, tie_word_embeddings=True, original_max_position_embeddings=8,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "partial_rotary_factor": 0.75,
+                                        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
 }
+# Families whose adapters target the fused modules.
+FUSED = {"phi3", "phi4"}
+# Families with LongRoPE: the golden also holds `short_logits` (the first SHORT_T tokens alone).
+LONGROPE = {"phi4"}
+SHORT_T = 8
 # Families whose norm weights are drawn as 1 + N(0, 0.1) instead of left at 1, so a norm applied
 # with the wrong weight (or the wrong formula: w vs 1 + w) changes every output.
-JITTER_NORMS = {"qwen3"}
+JITTER_NORMS = {"qwen3", "phi3", "phi4"}
 # Families whose norms multiply by (1 + w) (stored w = 0 is the identity): drawn as N(0, 0.1).
 PLUS_ONE_NORMS = {"gemma2", "gemma3"}
 
@@ -97,7 +119,8 @@ def golden(name, model_dir, dtype, vocab):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
-    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0,
+    targets = FUSED_TARGETS if name in FUSED else TARGETS
+    model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0,
                                              task_type="CAUSAL_LM"))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -122,6 +145,9 @@ def golden(name, model_dir, dtype, vocab):
         tensors["grad." + peft_key(n)] = p.grad.detach().float().clone()
     with torch.no_grad(), model.disable_adapter():
         tensors["base_logits"] = model(input_ids=ids).logits.float()
+    if name in LONGROPE:
+        with torch.no_grad():  # max position + 1 = SHORT_T <= original: the short factors
+            tensors["short_logits"] = model(input_ids=ids[:, :SHORT_T]).logits.float()
     opt = torch.optim.AdamW([p for _, p in params], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     losses = []
     for _ in range(STEPS):
@@ -133,7 +159,7 @@ def golden(name, model_dir, dtype, vocab):
     tensors["adamw.loss"] = torch.tensor(losses)
     for n, p in params:
         tensors["adamw." + peft_key(n)] = p.detach().clone()
-    meta = {"r": R, "lora_alpha": ALPHA, "use_rslora": False, "scaling": ALPHA / R, "target_modules": TARGETS,
+    meta = {"r": R, "lora_alpha": ALPHA, "use_rslora": False, "scaling": ALPHA / R, "target_modules": targets,
             "n_lora_modules": len(params) // 2, "adamw": {"lr": LR, "weight_decay": 0.0, "steps": STEPS},
             "model": name, "dtype": str(dtype).replace("torch.", ""), "versions": {"torch": torch.__version__,
                                         "transformers": __import__("transformers").__version__,
@@ -146,8 +172,8 @@ def golden(name, model_dir, dtype, vocab):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,llama_bf16,"
-                    "gemma2_bf16,gemma3_bf16)")
+    ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,phi3,phi4,"
+                    "llama_bf16,gemma2_bf16,gemma3_bf16)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:

@@ -218,20 +218,12 @@ pub fn frozen_bytes(n: u64, e: u64, q: Quantize) -> (u64, u64) {
     }
 }
 
-/// The seven linear layers of a decoder layer: `(short name, in, out)`.
-fn linears(c: &ModelConfig) -> [(&'static str, u64, u64); 7] {
-    let (d, i) = (c.hidden_size as u64, c.intermediate_size as u64);
-    let dq = (c.num_heads * c.head_dim) as u64;
-    let dkv = (c.num_kv_heads * c.head_dim) as u64;
-    [
-        ("q_proj", d, dq),
-        ("k_proj", d, dkv),
-        ("v_proj", d, dkv),
-        ("o_proj", dq, d),
-        ("gate_proj", d, i),
-        ("up_proj", d, i),
-        ("down_proj", i, d),
-    ]
+/// The linear layers of a decoder layer (seven; Phi-3's four fused): `(short name, in, out)`.
+fn linears(c: &ModelConfig) -> Vec<(&'static str, u64, u64)> {
+    c.layer_linears()
+        .iter()
+        .map(|m| (m.short(), m.in_features as u64, m.out_features as u64))
+        .collect()
 }
 
 /// Trained parameters of the whole model: `r·(in + out)` per targeted module and layer (`+ out`
@@ -276,7 +268,7 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
         values += l * w;
         consts += l * k;
         let bias = match name {
-            "q_proj" | "k_proj" | "v_proj" => c.qkv_bias,
+            "q_proj" | "k_proj" | "v_proj" | "qkv_proj" => c.qkv_bias,
             "o_proj" => c.o_bias,
             _ => c.mlp_bias,
         };

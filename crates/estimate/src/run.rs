@@ -14,7 +14,7 @@ impl Settings {
             dtype: DType::F32,
             quantize: Quantize::None,
             r,
-            targets: rtune_lora::ALL_LINEAR
+            targets: rtune_lora::KNOWN_LINEAR
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),

@@ -68,6 +68,30 @@ fn lora_and_adamw_terms_are_r_in_plus_out_times_4_bytes() {
     );
 }
 
+/// Phi-3's fused modules are one adapter each, as PEFT's: `all-linear` counts r·(in + out) for
+/// qkv_proj (64 → 128), o_proj, gate_up_proj (64 → 192) and down_proj; the frozen weights are the
+/// split model's (the same rows, fused).
+#[test]
+fn phi3_counts_one_adapter_per_fused_module() {
+    let text = r#"{"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":256}"#;
+    let phi3 = serde_json::from_str::<HfConfig>(text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+        .unwrap();
+    let s = Settings::new(4, 1, 16, false);
+    // The tiny-phi3 adapter PEFT makes: 5888 parameters (tests/parity/golden_tiny_phi3).
+    let per_layer = 4 * ((64 + 128) + (64 + 64) + (64 + 192) + (96 + 64));
+    assert_eq!(lora_params(&phi3, &s), 2 * per_layer);
+    assert_eq!(2 * per_layer, 5888);
+    let mut llama = phi3.clone();
+    llama.arch = rtune_model::Arch::Llama;
+    llama.variant.fused_proj = false;
+    let (a, b) = (estimate(&phi3, &s), estimate(&llama, &s));
+    assert_eq!(a.get(names::WEIGHTS), b.get(names::WEIGHTS));
+    assert!(a.get(names::LORA) < b.get(names::LORA));
+}
+
 /// Issue 35: at a rank where the adapter dwarfs the activations the peak is a checkpoint after
 /// an optimizer step: params, master copy and two moments (static), the step's gradients and
 /// their flat copy (still the heap's high-water mark), and the serialised moments on top.

@@ -51,6 +51,10 @@ pub fn gguf_tensor_name(module: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // Phi-3 (convert_hf_to_gguf.py's Phi3MiniModel keeps them fused): `attn_qkv`, and the
+        // fused gate/up as `ffn_up` (llama.cpp splits its rows gate, up).
+        "self_attn.qkv_proj" => "attn_qkv",
+        "mlp.gate_up_proj" => "ffn_up",
         _ => return None,
     };
     Some(format!("blk.{layer}.{t}.weight"))
@@ -89,6 +93,8 @@ fn arch(cfg: &ModelConfig) -> (&'static str, bool) {
         // llama.cpp's Gemma graphs rotate NeoX-style: the rows stay as transformers has them.
         Arch::Gemma2 => ("gemma2", false),
         Arch::Gemma3 => ("gemma3", false),
+        // NeoX RoPE in llama.cpp's phi3 graph: the fused rows stay as transformers has them.
+        Arch::Phi3 => ("phi3", false),
     }
 }
 

@@ -240,29 +240,15 @@ pub fn adapter_spec(adapter_dir: &Path) -> Result<LoraSpec> {
 /// The adapted modules of a model with this config, in model order, named as in the checkpoint
 /// (the same list [`rtune_model::Model::lora_modules`] gives, without loading any weight).
 pub fn module_shapes(cfg: &ModelConfig, spec: &LoraSpec) -> Vec<ModuleShape> {
-    let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
-    let (qd, kvd) = (
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-    );
+    let linears = cfg.layer_linears();
     let mut out = Vec::new();
     for l in 0..cfg.num_layers {
-        for (part, short, inp, outf) in [
-            ("self_attn", "q_proj", d, qd),
-            ("self_attn", "k_proj", d, kvd),
-            ("self_attn", "v_proj", d, kvd),
-            ("self_attn", "o_proj", qd, d),
-            ("mlp", "gate_proj", d, i),
-            ("mlp", "up_proj", d, i),
-            ("mlp", "down_proj", i, d),
-        ] {
-            if spec.targets_module(short) {
-                out.push(ModuleShape {
-                    name: format!("model.layers.{l}.{part}.{short}"),
-                    in_features: inp,
-                    out_features: outf,
-                });
-            }
+        for m in linears.iter().filter(|m| spec.targets_module(m.short())) {
+            out.push(ModuleShape {
+                name: format!("model.layers.{l}.{}", m.path),
+                in_features: m.in_features,
+                out_features: m.out_features,
+            });
         }
     }
     out
@@ -306,7 +292,7 @@ mod tests {
         assert_eq!(s.targets, vec!["q_proj", "o_proj"]);
         assert_eq!((s.r, s.alpha, s.rslora), (4, 8.0, true));
         write(cfg(r#""all-linear""#, false));
-        assert_eq!(adapter_spec(&d).unwrap().targets.len(), 7);
+        assert_eq!(adapter_spec(&d).unwrap().targets, rtune_lora::KNOWN_LINEAR);
         write(cfg(r#"["lm_head"]"#, false));
         let e = adapter_spec(&d).unwrap_err();
         assert!(

@@ -75,6 +75,24 @@ pub const ALL_LINEAR: [&str; 7] = [
     "down_proj",
 ];
 
+/// The linear modules of a Phi-3 decoder layer, whose q/k/v and gate/up are one weight each: PEFT
+/// adapts `qkv_proj` as one module (`A: (r, hidden)`, `B: (q + 2·kv, r)`), and so does rtune.
+pub const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
+
+/// Every family's module names, in model order: what `all-linear` expands to before a model
+/// narrows it to its own ([`LoraSpec::check_for`]).
+pub const KNOWN_LINEAR: [&str; 9] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "gate_up_proj",
+    "down_proj",
+];
+
 /// Rank, scale and targets of an adapter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraSpec {
@@ -82,14 +100,18 @@ pub struct LoraSpec {
     pub alpha: f64,
     pub dropout: f64,
     pub rslora: bool,
-    /// Short module names (`q_proj`, ...), already expanded from `all-linear`.
+    /// Short module names (`q_proj`, ...), already expanded from `all-linear` (to
+    /// [`KNOWN_LINEAR`]: a model adapts those of its family's names it has).
     pub targets: Vec<String>,
+    /// The targets were `all-linear`: no named module may be missing from a model.
+    pub all_linear: bool,
     /// DoRA (PEFT's `use_dora`): every pair carries a magnitude vector `m`.
     pub dora: bool,
 }
 
 impl LoraSpec {
-    /// Expands `all-linear` and checks names against [`ALL_LINEAR`].
+    /// Expands `all-linear` and checks names against [`KNOWN_LINEAR`] (a model checks them
+    /// against its own with [`LoraSpec::check_for`]).
     pub fn new(
         r: usize,
         alpha: f64,
@@ -98,22 +120,25 @@ impl LoraSpec {
         targets: &[String],
     ) -> Result<Self> {
         let mut out: Vec<String> = Vec::new();
+        let mut all_linear = false;
         for t in targets {
             if t == "all-linear" {
-                out.extend(ALL_LINEAR.iter().map(|s| s.to_string()));
-            } else if ALL_LINEAR.contains(&t.as_str()) {
+                all_linear = true;
+                out.extend(KNOWN_LINEAR.iter().map(|s| s.to_string()));
+            } else if KNOWN_LINEAR.contains(&t.as_str()) {
                 out.push(t.clone());
             } else {
                 return Err(LoraError::File {
                     path: PathBuf::from("[lora] targets"),
                     message: format!(
-                        "unknown module `{t}`; use \"all-linear\" or some of {ALL_LINEAR:?}"
+                        "unknown module `{t}`; use \"all-linear\" or some of {ALL_LINEAR:?} \
+                         (Llama, Mistral, Qwen, Gemma) or {FUSED_LINEAR:?} (Phi-3)"
                     ),
                 });
             }
         }
         // Model order, no duplicates.
-        let targets = ALL_LINEAR
+        let targets = KNOWN_LINEAR
             .iter()
             .filter(|n| out.iter().any(|o| o == *n))
             .map(|s| s.to_string())
@@ -124,8 +149,29 @@ impl LoraSpec {
             dropout,
             rslora,
             targets,
+            all_linear,
             dora: false,
         })
+    }
+
+    /// Checks the targets against the linear modules of a model of architecture `arch` (its
+    /// [`ALL_LINEAR`] or [`FUSED_LINEAR`]): a module named in `[lora] targets` that this model does
+    /// not have is an error naming the ones it has (`q_proj` on Phi-3, whose q/k/v are one
+    /// `qkv_proj`). `all-linear` fits every model.
+    pub fn check_for(&self, arch: &str, modules: &[&str]) -> Result<()> {
+        if self.all_linear {
+            return Ok(());
+        }
+        match self.targets.iter().find(|t| !modules.contains(&t.as_str())) {
+            None => Ok(()),
+            Some(t) => Err(LoraError::File {
+                path: PathBuf::from("[lora] targets"),
+                message: format!(
+                    "{arch} has no module `{t}`; its linear modules are {} (or \"all-linear\")",
+                    modules.join(", ")
+                ),
+            }),
+        }
     }
 
     /// The same spec with DoRA on or off.
@@ -254,7 +300,16 @@ mod tests {
         let s = LoraSpec::new(4, 8.0, 0.0, false, &["v_proj".into(), "q_proj".into()]).unwrap();
         assert_eq!(s.targets, vec!["q_proj", "v_proj"]);
         let s = LoraSpec::new(4, 8.0, 0.0, true, &["all-linear".into()]).unwrap();
-        assert_eq!(s.targets.len(), 7);
+        assert_eq!(s.targets, KNOWN_LINEAR);
+        assert!(s.check_for("Phi3ForCausalLM", &FUSED_LINEAR).is_ok());
+        let q = LoraSpec::new(4, 8.0, 0.0, true, &["q_proj".into(), "o_proj".into()]).unwrap();
+        assert!(q.check_for("LlamaForCausalLM", &ALL_LINEAR).is_ok());
+        let e = q.check_for("Phi3ForCausalLM", &FUSED_LINEAR).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("Phi3ForCausalLM has no module `q_proj`; its linear modules are qkv_proj, o_proj, gate_up_proj, down_proj"),
+            "{e}"
+        );
         assert!((s.scaling() - 4.0).abs() < 1e-12);
         assert!(LoraSpec::new(4, 8.0, 0.0, false, &["qproj".into()]).is_err());
     }

@@ -341,6 +341,26 @@ impl Adapter {
         })
     }
 
+    /// `target_modules` as PEFT writes it: the spec's targets that name a module of this
+    /// adapter (`all-linear` expands to every family's names; a Phi-3 adapter lists only
+    /// `qkv_proj, o_proj, gate_up_proj, down_proj`), the spec's own when it has no module.
+    fn target_modules(&self) -> Vec<&str> {
+        let short = |n: &String| n.rsplit('.').next().unwrap_or_default().to_string();
+        let present: Vec<String> = self.names.iter().map(short).collect();
+        let hit: Vec<&str> = self
+            .spec
+            .targets
+            .iter()
+            .filter(|t| present.contains(t))
+            .map(String::as_str)
+            .collect();
+        if hit.is_empty() {
+            self.spec.targets.iter().map(String::as_str).collect()
+        } else {
+            hit
+        }
+    }
+
     /// Writes `adapter_model.safetensors` and `adapter_config.json` into `dir` (created if needed),
     /// each through a temporary file and a rename, so a reader never sees half a file.
     pub fn save_peft(
@@ -385,7 +405,7 @@ impl Adapter {
             r: self.spec.r,
             lora_alpha: self.spec.alpha,
             lora_dropout: self.spec.dropout,
-            target_modules: serde_json::json!(self.spec.targets),
+            target_modules: serde_json::json!(self.target_modules()),
             bias: "none".into(),
             use_rslora: self.spec.rslora,
             use_dora: self.spec.dora,

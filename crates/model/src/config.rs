@@ -1,19 +1,22 @@
 //! `config.json` as Hugging Face writes it ([`HfConfig`]), and the checked form the model is built
 //! from ([`ModelConfig`]). Both the transformers v4 layout (`rope_theta`, `rope_scaling`) and the v5
-//! layout (`rope_parameters`) are read.
+//! layout (`rope_parameters`) are read; the RoPE keys in `rope`.
+
+mod rope;
 
 use serde::Deserialize;
 use std::path::Path;
 
 use crate::{ModelError, Result};
 
-pub const SUPPORTED: [&str; 6] = [
+pub const SUPPORTED: [&str; 7] = [
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 ];
 
 /// The subset of config.json that rtune reads; other keys are ignored (HF configs carry many).
@@ -86,6 +89,20 @@ pub struct HfConfig {
     /// Gemma 3 embedding models attend both ways: not a causal LM.
     #[serde(default)]
     pub use_bidirectional_attention: Option<bool>,
+    /// RoPE on the first `factor · head_dim` of each head (transformers 4's place for it; 5
+    /// moves it into `rope_parameters`). Phi-4-mini: 0.75.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
+    /// LongRoPE's pre-training length (Phi-3 keeps it at the top level; default 4096 there).
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+    /// Phi-3's dropouts, applied by transformers in training mode only; rtune has none.
+    #[serde(default)]
+    pub resid_pdrop: Option<f64>,
+    #[serde(default)]
+    pub embd_pdrop: Option<f64>,
+    #[serde(default)]
+    pub attention_dropout: Option<f64>,
 }
 
 fn d_eps() -> f64 {
@@ -106,6 +123,33 @@ pub enum Arch {
     /// Gemma 3 (text): Gemma 2's layer with q/k norms and no soft-capping; local (sliding) and
     /// global layers with their own RoPE.
     Gemma3,
+    /// Phi-3 and Phi-4 (dense): Mistral's layer with q/k/v and gate/up fused into one weight each
+    /// (`qkv_proj`, `gate_up_proj`), RoPE on part of each head, LongRoPE scaling.
+    Phi3,
+}
+
+impl Arch {
+    /// The `architectures` name of config.json.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Mistral => "MistralForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Gemma2 => "Gemma2ForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
+            Arch::Phi3 => "Phi3ForCausalLM",
+        }
+    }
+
+    /// The linear modules of a decoder layer, by their checkpoint (and PEFT) names, in model
+    /// order: what `all-linear` adapts.
+    pub fn linear_modules(self) -> &'static [&'static str] {
+        match self {
+            Arch::Phi3 => &rtune_lora::FUSED_LINEAR,
+            _ => &rtune_lora::ALL_LINEAR,
+        }
+    }
 }
 
 /// What a family changes in the Llama layer; all off for Llama, Mistral and Qwen2.
@@ -133,6 +177,12 @@ pub struct Variant {
     /// The RoPE base and scaling of the sliding-window layers when they differ from the global
     /// one (Gemma 3: `rope_local_base_freq`, or `rope_parameters.sliding_attention`).
     pub local_rope: Option<(f64, RopeScaling)>,
+    /// q/k/v and gate/up are one weight each in the checkpoint, `self_attn.qkv_proj` (rows q, k,
+    /// v) and `mlp.gate_up_proj` (rows gate, up), and a LoRA adapts each as one module (Phi-3).
+    pub fused_proj: bool,
+    /// RoPE rotates the first `rotary_dim` of each head and passes the rest through
+    /// (`partial_rotary_factor`); `None`: the whole head.
+    pub rotary_dim: Option<usize>,
 }
 
 /// Rotary embedding frequencies: `inv_freq[i] = 1 / theta^(2i/d)`, then the scaling rule.
@@ -149,6 +199,16 @@ pub enum RopeScaling {
         low_freq_factor: f64,
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
+    },
+    /// LongRoPE (Phi-3 128k, Phi-4-mini): `inv_freq[i] = 1 / (ext[i] · theta^(2i/d))` with `ext`
+    /// the long factors when a batch reaches past `original_max_position_embeddings` (its
+    /// largest position + 1 is greater), the short ones otherwise; cos and sin are multiplied by
+    /// `attention_factor`.
+    LongRope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
     },
 }
 
@@ -181,6 +241,65 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
     pub variant: Variant,
+}
+
+impl ModelConfig {
+    /// The rotated width of a head: `head_dim`, or its first part (`partial_rotary_factor`).
+    pub fn rotary_dim(&self) -> usize {
+        self.variant.rotary_dim.unwrap_or(self.head_dim)
+    }
+
+    /// The linear modules of every decoder layer as the checkpoint holds them, in model order:
+    /// the one list the model's loader, the exports and the memory estimate read.
+    pub fn layer_linears(&self) -> Vec<LayerLinear> {
+        let (d, i) = (self.hidden_size, self.intermediate_size);
+        let (qd, kvd) = (
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+        );
+        let m = |path, in_features, out_features, bias| LayerLinear {
+            path,
+            in_features,
+            out_features,
+            bias,
+        };
+        let (o, mlp) = (self.o_bias, self.mlp_bias);
+        if self.variant.fused_proj {
+            // Phi-3: rows q, k, v of qkv_proj and gate, up of gate_up_proj; no biases.
+            return vec![
+                m("self_attn.qkv_proj", d, qd + 2 * kvd, self.qkv_bias),
+                m("self_attn.o_proj", qd, d, o),
+                m("mlp.gate_up_proj", d, 2 * i, mlp),
+                m("mlp.down_proj", i, d, mlp),
+            ];
+        }
+        vec![
+            m("self_attn.q_proj", d, qd, self.qkv_bias),
+            m("self_attn.k_proj", d, kvd, self.qkv_bias),
+            m("self_attn.v_proj", d, kvd, self.qkv_bias),
+            m("self_attn.o_proj", qd, d, o),
+            m("mlp.gate_proj", d, i, mlp),
+            m("mlp.up_proj", d, i, mlp),
+            m("mlp.down_proj", i, d, mlp),
+        ]
+    }
+}
+
+/// One linear module of a decoder layer: `path` under `model.layers.N.` (`self_attn.q_proj`),
+/// the weight `(out_features, in_features)`, and whether it has a bias.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerLinear {
+    pub path: &'static str,
+    pub in_features: usize,
+    pub out_features: usize,
+    pub bias: bool,
+}
+
+impl LayerLinear {
+    /// The module's short name (`q_proj`): PEFT's target name.
+    pub fn short(&self) -> &'static str {
+        self.path.rsplit('.').next().unwrap_or(self.path)
+    }
 }
 
 fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
@@ -254,6 +373,7 @@ impl HfConfig {
             "Qwen3ForCausalLM" => Arch::Qwen3,
             "Gemma2ForCausalLM" => Arch::Gemma2,
             "Gemma3ForCausalLM" => Arch::Gemma3,
+            "Phi3ForCausalLM" => Arch::Phi3,
             _ => {
                 let got = if arch_name.is_empty() {
                     format!(
@@ -297,6 +417,18 @@ impl HfConfig {
                 )));
             }
         }
+        let dropouts = [
+            ("resid_pdrop", self.resid_pdrop),
+            ("embd_pdrop", self.embd_pdrop),
+            ("attention_dropout", self.attention_dropout),
+        ];
+        if let Some((key, Some(p))) = dropouts.iter().find(|(_, p)| p.is_some_and(|p| p != 0.0)) {
+            // transformers drops out there in training mode; rtune would train another model.
+            return Err(bad(format!(
+                "{key} = {p}: dropout inside the model is not supported (only the LoRA input's, \
+                 [lora] dropout); set it to 0.0"
+            )));
+        }
         if let Some(q) = &self.quantization_config {
             // bitsandbytes 4-bit checkpoints load as stored; other schemes are not read.
             let method = q.get("quant_method").and_then(|v| v.as_str()).unwrap_or("");
@@ -333,7 +465,7 @@ impl HfConfig {
             )));
         }
         self.check_sizes(head_dim).map_err(bad)?;
-        let (rope_theta, rope_scaling, local_rope) = rope(&self, arch).map_err(bad)?;
+        let rope = rope::rope(&self, arch, head_dim).map_err(bad)?;
         let layers = self.num_hidden_layers;
         let marked = |types: &Vec<String>| -> Result<Vec<bool>> {
             if types.len() != layers {
@@ -345,7 +477,7 @@ impl HfConfig {
             Ok(types.iter().map(|t| t == "sliding_attention").collect())
         };
         let (sliding_window, window_layers) = match (arch, self.sliding_window) {
-            (Arch::Mistral, Some(w)) => (Some(w), vec![true; layers]),
+            (Arch::Mistral | Arch::Phi3, Some(w)) => (Some(w), vec![true; layers]),
             // Gemma: layer_types (transformers 5), else Gemma 2's even layers, Gemma 3's all but
             // every `sliding_window_pattern`-th.
             (Arch::Gemma2 | Arch::Gemma3, Some(w)) => {
@@ -382,8 +514,8 @@ impl HfConfig {
             head_dim,
             vocab_size: self.vocab_size,
             rms_norm_eps: self.rms_norm_eps,
-            rope_theta,
-            rope_scaling,
+            rope_theta: rope.theta,
+            rope_scaling: rope.scaling,
             // Gemma ties by default (its configs may leave the key out).
             tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma),
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
@@ -403,212 +535,16 @@ impl HfConfig {
                 attn_scale: gemma.then(|| 1.0 / self.query_pre_attn_scalar.unwrap_or(256.0).sqrt()),
                 attn_softcap: self.attn_logit_softcapping.filter(|_| arch == Arch::Gemma2),
                 final_softcap: self.final_logit_softcapping.filter(|_| gemma),
-                local_rope,
+                local_rope: rope.local,
+                fused_proj: arch == Arch::Phi3,
+                rotary_dim: rope.rotary_dim,
             },
         })
     }
 }
 
-/// Theta and scaling of the global layers, and of the local (sliding) ones where a family gives
-/// them their own (Gemma 3), from `rope_parameters` (v5: flat, or per layer type) or
-/// `rope_theta` + `rope_scaling` (v4, with Gemma 3's `rope_local_base_freq`).
-#[allow(clippy::type_complexity)]
-fn rope(
-    c: &HfConfig,
-    arch: Arch,
-) -> std::result::Result<(f64, RopeScaling, Option<(f64, RopeScaling)>), String> {
-    // Gemma 3's default global base is 1e6; the others' 1e4.
-    let default_theta = if arch == Arch::Gemma3 { 1e6 } else { 10_000.0 };
-    let per_type = c
-        .rope_parameters
-        .as_ref()
-        .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
-    if let Some(p) = per_type {
-        let global = match p.get("full_attention") {
-            Some(g) => rope_params(Some(g), None, default_theta)?,
-            None => (default_theta, RopeScaling::None),
-        };
-        let local = p
-            .get("sliding_attention")
-            .map(|l| rope_params(Some(l), None, 10_000.0))
-            .transpose()?;
-        return Ok((global.0, global.1, local));
-    }
-    let params = c
-        .rope_parameters
-        .as_ref()
-        .filter(|v| !v.is_null())
-        .or(c.rope_scaling.as_ref().filter(|v| !v.is_null()));
-    let (theta, scaling) = rope_params(params, c.rope_theta, default_theta)?;
-    let local = (arch == Arch::Gemma3).then(|| {
-        (
-            c.rope_local_base_freq.unwrap_or(10_000.0),
-            RopeScaling::None,
-        )
-    });
-    Ok((theta, scaling, local))
-}
-
-/// One set of RoPE parameters: `rope_theta` from `p` (v5), else `theta` (v4's top-level key),
-/// else `default_theta`; the scaling rule from `p`'s `rope_type` (or `type`).
-fn rope_params(
-    p: Option<&serde_json::Value>,
-    theta: Option<f64>,
-    default_theta: f64,
-) -> std::result::Result<(f64, RopeScaling), String> {
-    let theta = p
-        .and_then(|p| p.get("rope_theta"))
-        .and_then(|v| v.as_f64())
-        .or(theta)
-        .unwrap_or(default_theta);
-    let Some(p) = p else {
-        return Ok((theta, RopeScaling::None));
-    };
-    let kind = p
-        .get("rope_type")
-        .or_else(|| p.get("type"))
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
-    let num = |k: &str| -> std::result::Result<f64, String> {
-        p.get(k)
-            .and_then(|v| v.as_f64())
-            .ok_or_else(|| format!("rope scaling `{kind}` needs a number `{k}`"))
-    };
-    let scaling = match kind {
-        "default" => RopeScaling::None,
-        "linear" => RopeScaling::Linear {
-            factor: num("factor")?,
-        },
-        "llama3" => RopeScaling::Llama3 {
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")?,
-        },
-        other => {
-            return Err(format!(
-                "rope scaling type `{other}` is not supported (default, linear, llama3 are)"
-            ))
-        }
-    };
-    Ok((theta, scaling))
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn cfg(extra: &str) -> Result<ModelConfig> {
-        let text = format!(
-            r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
-            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
-        );
-        serde_json::from_str::<HfConfig>(&text)
-            .unwrap()
-            .into_config(Path::new("config.json"))
-    }
-
-    #[test]
-    fn v4_and_v5_rope_layouts_agree() {
-        let v4 = cfg(r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
-        let v5 = cfg(r#","rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
-        assert_eq!(v4.rope_theta, 500000.0);
-        assert_eq!(v4.rope_theta, v5.rope_theta);
-        assert_eq!(v4.rope_scaling, v5.rope_scaling);
-        assert!(matches!(v4.rope_scaling, RopeScaling::Llama3 { .. }));
-        let plain =
-            cfg(r#","rope_parameters":{"rope_type":"default","rope_theta":1000.0}"#).unwrap();
-        assert_eq!(
-            (plain.rope_theta, plain.rope_scaling),
-            (1000.0, RopeScaling::None)
-        );
-    }
-
-    #[test]
-    fn unsupported_architecture_lists_supported() {
-        let text = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,
-            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#;
-        let e = serde_json::from_str::<HfConfig>(text)
-            .unwrap()
-            .into_config(Path::new("m/config.json"))
-            .unwrap_err();
-        let s = e.to_string();
-        assert!(
-            s.contains("GPT2LMHeadModel")
-                && s.contains("Qwen2ForCausalLM")
-                && s.contains("m/config.json"),
-            "{s}"
-        );
-    }
-
-    fn gemma(arch: &str, extra: &str) -> Result<ModelConfig> {
-        let text = format!(
-            r#"{{"architectures":["{arch}"],"hidden_size":64,"intermediate_size":128,
-            "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
-            "vocab_size":100,"sliding_window":512,"query_pre_attn_scalar":256{extra}}}"#
-        );
-        serde_json::from_str::<HfConfig>(&text)
-            .unwrap()
-            .into_config(Path::new("config.json"))
-    }
-
-    /// Gemma 3 in transformers 4's keys (global rope_theta/rope_scaling, rope_local_base_freq,
-    /// sliding_window_pattern) and in 5's (rope_parameters per layer type, layer_types) read the
-    /// same; Gemma 2 without layer_types slides on its even layers.
-    #[test]
-    fn gemma_config_layouts_agree() {
-        let v4 = gemma(
-            "Gemma3ForCausalLM",
-            r#","rope_theta":1000000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},
-            "rope_local_base_freq":10000.0,"sliding_window_pattern":6"#,
-        )
-        .unwrap();
-        let v5 = gemma(
-            "Gemma3ForCausalLM",
-            r#","rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
-            "sliding_attention":{"rope_type":"default","rope_theta":10000.0}},
-            "layer_types":["sliding_attention","sliding_attention","sliding_attention",
-            "sliding_attention","sliding_attention","full_attention"]"#,
-        )
-        .unwrap();
-        for c in [&v4, &v5] {
-            assert_eq!(c.rope_theta, 1e6);
-            assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
-            assert_eq!(c.variant.local_rope, Some((1e4, RopeScaling::None)));
-            assert_eq!(c.window_layers, [true, true, true, true, true, false]);
-            assert!(c.variant.qk_norm && c.variant.sandwich_norms && c.variant.geglu);
-            assert_eq!(c.variant.attn_scale, Some(1.0 / 16.0));
-            assert_eq!(c.variant.embed_scale, Some(8.0));
-            assert!(c.tie_word_embeddings);
-        }
-        let g2 = gemma(
-            "Gemma2ForCausalLM",
-            r#","attn_logit_softcapping":50.0,"final_logit_softcapping":30.0"#,
-        )
-        .unwrap();
-        assert_eq!(g2.window_layers, [true, false, true, false, true, false]);
-        assert_eq!(
-            (g2.variant.attn_softcap, g2.variant.final_softcap),
-            (Some(50.0), Some(30.0))
-        );
-        assert!(!g2.variant.qk_norm && g2.variant.local_rope.is_none());
-        let e = gemma(
-            "Gemma3ForCausalLM",
-            r#","use_bidirectional_attention":true"#,
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("embedding model"), "{e}");
-        let e = gemma("Gemma2ForCausalLM", r#","hidden_activation":"relu""#).unwrap_err();
-        assert!(e.to_string().contains("gelu_pytorch_tanh"), "{e}");
-    }
-
-    #[test]
-    fn head_dim_and_yarn() {
-        assert_eq!(cfg("").unwrap().head_dim, 16);
-        assert_eq!(cfg(r#","head_dim":32"#).unwrap().head_dim, 32);
-        assert!(cfg(r#","rope_scaling":{"rope_type":"yarn","factor":4.0}"#).is_err());
-    }
-}
+mod tests;
 
 /// The parts of `generation_config.json` rtune uses: the stop tokens.
 #[derive(Debug, Clone, Default)]

@@ -28,9 +28,13 @@ use rtune_backend::dropout::{self, DropoutKey};
 use rtune_ops::lora_up;
 
 /// Concatenates the members' dense weights into one `(Σout, in)` block and makes each member's
-/// weight a row view of it. Returns the block, or `None` (nothing changed) when a member is 4-bit or
+/// weight a row view of it. Returns the block, or `None` (nothing changed) when there are fewer
+/// than two members (a fused checkpoint's one weight is the block already), a member is 4-bit, or
 /// the weights differ in dtype, device or input size.
 pub fn fuse(members: &mut [&mut Linear]) -> Result<Option<Tensor>> {
+    if members.len() < 2 {
+        return Ok(None);
+    }
     let mut ws = Vec::with_capacity(members.len());
     for m in members.iter() {
         match &m.w {
@@ -55,6 +59,45 @@ pub fn fuse(members: &mut [&mut Linear]) -> Result<Option<Tensor>> {
         row += out;
     }
     Ok(Some(block))
+}
+
+/// The parts of a group's output: the members' outputs as they are when there is one a part (q,
+/// k, v), or one member's `(N, Σ widths)` output split by columns into `widths` (Phi-3's
+/// `qkv_proj`: q, k, v as column views, as the dense block's are).
+pub fn split_outputs(outs: Vec<Tensor>, widths: &[usize]) -> Result<Vec<Tensor>> {
+    if outs.len() == widths.len() {
+        return Ok(outs);
+    }
+    let [y] = <[Tensor; 1]>::try_from(outs).map_err(|o| {
+        candle_core::Error::Msg(format!(
+            "{} outputs for {} parts: a group splits only one fused output",
+            o.len(),
+            widths.len()
+        ))
+    })?;
+    let total: usize = widths.iter().sum();
+    if y.dim(1)? != total {
+        candle_core::bail!(
+            "fused output {:?} does not split into widths {widths:?}",
+            y.dims()
+        );
+    }
+    let mut col = 0;
+    let mut parts = Vec::with_capacity(widths.len());
+    for &w in widths {
+        parts.push(y.narrow(1, col, w)?);
+        col += w;
+    }
+    Ok(parts)
+}
+
+/// The members' output gradients from the parts': as they are when each member is one part, the
+/// parts joined by columns (`(N, Σ widths)`, contiguous) for one fused member.
+pub fn join_grads(dys: Vec<Tensor>, members: &[&Linear]) -> Result<Vec<Tensor>> {
+    if members.len() == dys.len() {
+        return Ok(dys);
+    }
+    Ok(vec![Tensor::cat(&dys, 1)?])
 }
 
 /// Whether the group's LoRA matmuls can be stacked: every member adapted; with dropout also of

@@ -9,6 +9,13 @@
 //! Gemma's layer ([`crate::Variant`]) differs in three places: its norms multiply by `1 + w` in
 //! f32 (`plus_one`), the attention's and the MLP's outputs are normed before their residual adds
 //! (`sandwich`: `h = x + n3(attn)`, `out = h + n4(mlp(n2(h)))`), and the MLP is GeGLU.
+//!
+//! Phi-3's checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, and PEFT
+//! adapts each as one module: the layer then has one member in `attn_in` (`mlp_in`) whose output
+//! `(N, q + 2·kv)` (`(N, 2·I)`) is split by columns into q, k, v (gate, up), and whose gradient is
+//! theirs joined ([`group::split_outputs`], [`group::join_grads`]). One LoRA pair on the fused
+//! module is then exactly PEFT's: `A: (r, D)` shared by q, k and v (its gradient sums theirs),
+//! `B: (q + 2·kv, r)`.
 
 use candle_core::{Result, Tensor};
 
@@ -21,13 +28,16 @@ pub struct Layer {
     pub index: usize,
     pub input_norm: Tensor,
     pub post_norm: Tensor,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    /// `q_proj, k_proj, v_proj`, or Phi-3's one `qkv_proj` (rows q, k, v).
+    pub attn_in: Vec<Linear>,
     pub o: Linear,
-    pub gate: Linear,
-    pub up: Linear,
+    /// `gate_proj, up_proj`, or Phi-3's one `gate_up_proj` (rows gate, up).
+    pub mlp_in: Vec<Linear>,
     pub down: Linear,
+    /// The widths of q, k, v (`H·Dh, Hkv·Dh, Hkv·Dh`) and of gate, up (`I, I`): how a fused
+    /// member's output splits.
+    pub attn_widths: [usize; 3],
+    pub mlp_widths: [usize; 2],
     /// Qwen3's per-head RMSNorm weights `(Dh)` on q and on k, applied before RoPE
     /// ([`crate::Variant::qk_norm`]); frozen.
     pub qk_norm: Option<(Tensor, Tensor)>,
@@ -43,8 +53,9 @@ pub struct Layer {
     pub eps: f64,
     /// Uses the sliding-window mask (when the batch is longer than the window).
     pub sliding: bool,
-    /// `[Wq; Wk; Wv]` and `[Wgate; Wup]` when dense: one GEMM each (see [`crate::group`]); the
-    /// members' weights are then row views of these blocks.
+    /// `[Wq; Wk; Wv]` and `[Wgate; Wup]` when dense and split: one GEMM each (see
+    /// [`crate::group`]); the members' weights are then row views of these blocks. `None` for a
+    /// fused checkpoint, whose one weight is the block already.
     pub qkv: Option<Tensor>,
     pub gate_up: Option<Tensor>,
 }
@@ -56,9 +67,8 @@ type QkCaches = Option<(NormCache, NormCache)>;
 pub struct LayerCache {
     n1: NormCache,
     h1: Tensor,
-    cq: LinearCache,
-    ck: LinearCache,
-    cv: LinearCache,
+    /// `attn_in`'s caches, one a member.
+    c_attn_in: Vec<LinearCache>,
     /// The sandwich norms' inputs: the output projection's output and the down projection's
     /// (`(N, D)` each), when the layer has them.
     n_attn: Option<NormCache>,
@@ -72,8 +82,8 @@ pub struct LayerCache {
     h2: Tensor,
     g: Tensor,
     u: Tensor,
-    cg: LinearCache,
-    cu: LinearCache,
+    /// `mlp_in`'s caches, one a member.
+    c_mlp_in: Vec<LinearCache>,
     /// `silu(g)·u`, the down projection's input: `None` after a full forward, where the backward
     /// makes it again from `g` and `u` (one elementwise pass, and an `(N, I)` tensor less per
     /// layer kept through the step); kept by a recompute, which has just made it.
@@ -133,21 +143,71 @@ impl BatchCtx {
 }
 
 impl Layer {
-    pub fn linears(&self) -> [&Linear; 7] {
-        [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ]
+    /// The layer's linear modules in model order (q, k, v, o, gate, up, down; Phi-3: qkv, o,
+    /// gate_up, down).
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out: Vec<&Linear> = self.attn_in.iter().collect();
+        out.push(&self.o);
+        out.extend(&self.mlp_in);
+        out.push(&self.down);
+        out
     }
-    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
-        [
-            &mut self.q,
-            &mut self.k,
-            &mut self.v,
-            &mut self.o,
-            &mut self.gate,
-            &mut self.up,
-            &mut self.down,
-        ]
+
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut out: Vec<&mut Linear> = self.attn_in.iter_mut().collect();
+        out.push(&mut self.o);
+        out.extend(&mut self.mlp_in);
+        out.push(&mut self.down);
+        out
+    }
+
+    /// `attn_in` as the group functions take it.
+    fn attn_members(&self) -> Vec<&Linear> {
+        self.attn_in.iter().collect()
+    }
+
+    fn mlp_members(&self) -> Vec<&Linear> {
+        self.mlp_in.iter().collect()
+    }
+
+    /// Dropout salts of `attn_in` (0, 1, 2) and `mlp_in` (4, 5): a fused member takes its
+    /// first part's.
+    fn salts(&self, first: u64, n: usize) -> Vec<u64> {
+        (0..n as u64).map(|i| self.salt(first + i)).collect()
+    }
+
+    /// q, k, v of `h1: (N, D)` without caches (decoding).
+    pub(crate) fn project_qkv(
+        &self,
+        h1: &Tensor,
+        lora: Option<&LoraCtx>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let outs = self
+            .attn_in
+            .iter()
+            .map(|m| Ok(m.forward(h1, lora, 0)?.0))
+            .collect::<Result<Vec<_>>>()?;
+        let [q, k, v]: [Tensor; 3] = group::split_outputs(outs, &self.attn_widths)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("q/k/v: three parts".into()))?;
+        Ok((q, k, v))
+    }
+
+    /// gate, up of `h2: (N, D)` without caches (decoding).
+    pub(crate) fn project_gate_up(
+        &self,
+        h2: &Tensor,
+        lora: Option<&LoraCtx>,
+    ) -> Result<(Tensor, Tensor)> {
+        let outs = self
+            .mlp_in
+            .iter()
+            .map(|m| Ok(m.forward(h2, lora, 0)?.0))
+            .collect::<Result<Vec<_>>>()?;
+        let [g, u]: [Tensor; 2] = group::split_outputs(outs, &self.mlp_widths)?
+            .try_into()
+            .map_err(|_| candle_core::Error::Msg("gate/up: two parts".into()))?;
+        Ok((g, u))
     }
 
     /// The layer's norm weights (frozen): input, post-attention (or pre-feed-forward), then the
@@ -212,10 +272,10 @@ impl Layer {
         }
     }
 
-    /// Concatenates the q/k/v and gate/up weights into blocks (dense weights only).
+    /// Concatenates the q/k/v and gate/up weights into blocks (dense, split weights only).
     pub fn fuse(&mut self) -> Result<()> {
-        self.qkv = group::fuse(&mut [&mut self.q, &mut self.k, &mut self.v])?;
-        self.gate_up = group::fuse(&mut [&mut self.gate, &mut self.up])?;
+        self.qkv = group::fuse(&mut self.attn_in.iter_mut().collect::<Vec<_>>())?;
+        self.gate_up = group::fuse(&mut self.mlp_in.iter_mut().collect::<Vec<_>>())?;
         Ok(())
     }
 
@@ -296,15 +356,18 @@ impl Layer {
         pass: Pass,
     ) -> Result<(Option<Tensor>, LayerCache)> {
         let (h1, n1) = self.norm(x, &self.input_norm)?;
-        let qkv = group::forward(
-            &[&self.q, &self.k, &self.v],
+        let (outs, c_attn_in): (Vec<Tensor>, Vec<LinearCache>) = group::forward(
+            &self.attn_members(),
             self.qkv.as_ref(),
             &h1,
             lora,
-            &[self.salt(0), self.salt(1), self.salt(2)],
-        )?;
-        let [(q, cq), (k, ck), (v, cv)]: [(Tensor, LinearCache); 3] =
-            qkv.try_into().expect("three members");
+            &self.salts(0, self.attn_in.len()),
+        )?
+        .into_iter()
+        .unzip();
+        let [q, k, v]: [Tensor; 3] = group::split_outputs(outs, &self.attn_widths)?
+            .try_into()
+            .expect("three parts");
         let (q, k, qk) = self.norm_qk(q, k)?;
         let mask = ctx.mask_for(self.sliding);
         let (cos, sin) = ctx.rope_for(self.sliding);
@@ -326,14 +389,18 @@ impl Layer {
         let (a, n_attn) = self.sandwich_norm(a, sandwich.map(|s| &s.0))?;
         let h = ops::add(x, &a)?;
         let (h2, n2) = self.norm(&h, &self.post_norm)?;
-        let gu = group::forward(
-            &[&self.gate, &self.up],
+        let (outs, c_mlp_in): (Vec<Tensor>, Vec<LinearCache>) = group::forward(
+            &self.mlp_members(),
             self.gate_up.as_ref(),
             &h2,
             lora,
-            &[self.salt(4), self.salt(5)],
-        )?;
-        let [(g, cg), (u, cu)]: [(Tensor, LinearCache); 2] = gu.try_into().expect("two members");
+            &self.salts(4, self.mlp_in.len()),
+        )?
+        .into_iter()
+        .unzip();
+        let [g, u]: [Tensor; 2] = group::split_outputs(outs, &self.mlp_widths)?
+            .try_into()
+            .expect("two parts");
         let m = self.act(&g, &u)?;
         let (out, cd, m, n_ff) = match (pass, sandwich) {
             (Pass::Full, _) => {
@@ -358,9 +425,7 @@ impl Layer {
             LayerCache {
                 n1,
                 h1,
-                cq,
-                ck,
-                cv,
+                c_attn_in,
                 n_attn,
                 n_ff,
                 qk,
@@ -371,8 +436,7 @@ impl Layer {
                 h2,
                 g,
                 u,
-                cg,
-                cu,
+                c_mlp_in,
                 m,
                 cd,
             },
@@ -401,12 +465,13 @@ impl Layer {
             .expect("dx requested");
         drop((m, dd));
         let (dg, du) = self.act_backward(&dm, &c.g, &c.u)?;
+        let mlp = self.mlp_members();
         let dh2 = group::backward(
-            &[&self.gate, &self.up],
+            &mlp,
             self.gate_up.as_ref(),
-            &[dg, du],
+            &group::join_grads(vec![dg, du], &mlp)?,
             &c.h2,
-            &[&c.cg, &c.cu],
+            &c.c_mlp_in.iter().collect::<Vec<_>>(),
             lora,
             grads,
             true,
@@ -423,12 +488,13 @@ impl Layer {
         let (dq, dk, dv) = ops::attention_backward(&d_o, &c.attn, &ctx.shape, cos, sin)?;
         let (dq, dk) = self.norm_qk_backward(dq, dk, c.qk.as_ref())?;
         // The q/k/v input gradients are only needed to continue below this layer.
+        let attn = self.attn_members();
         let dh1 = group::backward(
-            &[&self.q, &self.k, &self.v],
+            &attn,
             self.qkv.as_ref(),
-            &[dq, dk, dv],
+            &group::join_grads(vec![dq, dk, dv], &attn)?,
             &c.h1,
-            &[&c.cq, &c.ck, &c.cv],
+            &c.c_attn_in.iter().collect::<Vec<_>>(),
             lora,
             grads,
             need_dx,

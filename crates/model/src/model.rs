@@ -30,9 +30,10 @@ pub struct Model {
     norm: Tensor,
     /// `(V, D)`; the embedding matrix itself when tied.
     lm_head: Tensor,
-    inv_freq: Vec<f32>,
-    /// The sliding layers' own `inv_freq` (Gemma 3's local RoPE base).
-    local_inv_freq: Option<Vec<f32>>,
+    /// The rotary frequencies (LongRoPE's two sets and attention factor).
+    rope: crate::rope::Freqs,
+    /// The sliding layers' own (Gemma 3's local RoPE base).
+    local_rope: Option<crate::rope::Freqs>,
     /// With checkpointing on a GPU: each layer's kept input goes to host memory in the forward
     /// pass and comes back one layer ahead of the backward, on a side stream (`kept.rs`).
     pub offload_checkpoints: bool,
@@ -146,6 +147,7 @@ impl Model {
             cfg.num_heads * cfg.head_dim,
             cfg.num_kv_heads * cfg.head_dim,
         );
+        let linears = cfg.layer_linears();
         let embed = w.tensor("model.embed_tokens.weight", &[v, d])?;
         // Gemma's norms: `1 + w` in f32, formed once here (w read in the compute dtype first,
         // as transformers computes `1 + w.float()` on the loaded weight).
@@ -230,17 +232,29 @@ impl Model {
                 true => format!("{p}.pre_feedforward_layernorm.weight"),
                 false => format!("{p}.post_attention_layernorm.weight"),
             };
+            // The layer's modules in model order: the attention's inputs (q, k, v or qkv), o, the
+            // MLP's inputs (gate, up or gate_up), down.
+            let mut mods = linears
+                .iter()
+                .map(|m| {
+                    let name = format!("{p}.{}", m.path);
+                    linear(name, m.out_features, m.in_features, m.bias)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let down = mods.pop().expect("down_proj");
+            let n_attn = if cfg.variant.fused_proj { 1 } else { 3 };
+            let mlp_in = mods.split_off(n_attn + 1);
+            let o = mods.pop().expect("o_proj");
             layers.push(Layer {
                 index: l,
                 input_norm: norm_w(&format!("{p}.input_layernorm.weight"), d)?,
                 post_norm: norm_w(&post_norm, d)?,
-                q: linear(format!("{p}.self_attn.q_proj"), qd, d, cfg.qkv_bias)?,
-                k: linear(format!("{p}.self_attn.k_proj"), kvd, d, cfg.qkv_bias)?,
-                v: linear(format!("{p}.self_attn.v_proj"), kvd, d, cfg.qkv_bias)?,
-                o: linear(format!("{p}.self_attn.o_proj"), d, qd, cfg.o_bias)?,
-                gate: linear(format!("{p}.mlp.gate_proj"), i, d, cfg.mlp_bias)?,
-                up: linear(format!("{p}.mlp.up_proj"), i, d, cfg.mlp_bias)?,
-                down: linear(format!("{p}.mlp.down_proj"), d, i, cfg.mlp_bias)?,
+                attn_in: mods,
+                o,
+                mlp_in,
+                down,
+                attn_widths: [qd, kvd, kvd],
+                mlp_widths: [i, i],
                 qk_norm: if cfg.variant.qk_norm {
                     let dh = cfg.head_dim;
                     Some((
@@ -286,8 +300,8 @@ impl Model {
         } else {
             embed
         };
-        let inv_freq = crate::rope::inv_freq(&cfg);
-        let local_inv_freq = crate::rope::local_inv_freq(&cfg);
+        let rope = crate::rope::freqs(&cfg);
+        let local_rope = crate::rope::local_freqs(&cfg);
         Ok(Self {
             cfg,
             dtype,
@@ -296,8 +310,8 @@ impl Model {
             layers,
             norm,
             lm_head,
-            inv_freq,
-            local_inv_freq,
+            rope,
+            local_rope,
             offload_checkpoints: false,
             autocast: false,
             #[cfg(feature = "cuda")]
@@ -344,6 +358,17 @@ impl Model {
         self.lm_head = bf16("lm_head", &self.lm_head)?;
         self.autocast = true;
         Ok(())
+    }
+
+    /// Checks `[lora] targets` against this model's modules: a named module it does not have
+    /// (`q_proj` on Phi-3) is an error naming the ones it has.
+    pub fn check_targets(
+        &self,
+        spec: &LoraSpec,
+    ) -> std::result::Result<(), Box<rtune_lora::LoraError>> {
+        let arch = self.cfg.arch;
+        spec.check_for(arch.hf_name(), arch.linear_modules())
+            .map_err(Box::new)
     }
 
     /// The modules a LoRA spec targets, in model order (layer 0's q, k, v, o, gate, up, down, ...).
@@ -407,11 +432,11 @@ impl Model {
 
     fn batch_ctx(&self, inp: &Inputs) -> candle_core::Result<BatchCtx> {
         let shape = self.attn_shape(inp.b, inp.t);
-        let tables = |inv: &[f32]| {
-            rtune_ops::rope::tables(inv, &inp.positions, inp.b, inp.t, self.dtype, &self.device)
+        let tables = |f: &crate::rope::Freqs| {
+            f.tables(&inp.positions, inp.b, inp.t, self.dtype, &self.device)
         };
-        let (cos, sin) = tables(&self.inv_freq)?;
-        let local_rope = self.local_inv_freq.as_deref().map(tables).transpose()?;
+        let (cos, sin) = tables(&self.rope)?;
+        let local_rope = self.local_rope.as_ref().map(tables).transpose()?;
         let mask_of = |window| {
             ops::AttnMask::new(inp.segments.as_deref(), inp.b, inp.t, window, &self.device)
         };

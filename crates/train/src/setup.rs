@@ -56,6 +56,8 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
         )?;
         (m, None, None)
     };
+    // `[lora] targets` naming a module this architecture does not have (q_proj on Phi-3).
+    model.check_targets(&spec)?;
     if cfg.model.dtype == rtune_config::DType::Bf16Autocast {
         model.set_autocast()?;
     }

@@ -56,9 +56,7 @@ impl Layer {
         let (h, hkv, dh) = st.shape;
         let (n, g) = (x.dim(0)?, h / hkv);
         let (h1, _) = self.norm(x, &self.input_norm)?;
-        let q = self.q.forward(&h1, lora, 0)?.0;
-        let k = self.k.forward(&h1, lora, 0)?.0;
-        let v = self.v.forward(&h1, lora, 0)?.0;
+        let (q, k, v) = self.project_qkv(&h1, lora)?;
         let (q, k, _) = self.norm_qk(q, k)?;
         // (n, H·Dh) -> (1, H, n, Dh)
         let q = q.reshape((1, n, h, dh))?.transpose(1, 2)?.contiguous()?;
@@ -93,10 +91,8 @@ impl Layer {
         let a = self.sandwich_post(a, sandwich.map(|s| &s.0))?;
         let hdn = (x + a)?;
         let (h2, _) = self.norm(&hdn, &self.post_norm)?;
-        let m = self.act(
-            &self.gate.forward(&h2, lora, 0)?.0,
-            &self.up.forward(&h2, lora, 0)?.0,
-        )?;
+        let (g, u) = self.project_gate_up(&h2, lora)?;
+        let m = self.act(&g, &u)?;
         let d = self.down.forward(&m, lora, 0)?.0;
         let out = (hdn + self.sandwich_post(d, sandwich.map(|s| &s.1))?)?;
         Ok((out, (k, v)))
@@ -124,11 +120,12 @@ impl Model {
         let mut run = || -> candle_core::Result<Tensor> {
             let (n, start) = (ids.len(), cache.len);
             let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-            let tables = |inv: &[f32]| {
-                rtune_ops::rope::tables(inv, &positions, 1, n, self.dtype, &self.device)
-            };
-            let (cos, sin) = tables(&self.inv_freq)?;
-            let local = self.local_inv_freq.as_deref().map(tables).transpose()?;
+            // LongRoPE picks its factors from these positions, as transformers does for the
+            // new tokens of a cached step.
+            let tables =
+                |f: &crate::rope::Freqs| f.tables(&positions, 1, n, self.dtype, &self.device);
+            let (cos, sin) = tables(&self.rope)?;
+            let local = self.local_rope.as_ref().map(tables).transpose()?;
             let full = ops::causal_mask_from(n, start, None, &self.device)?;
             let sliding = match self.cfg.sliding_window {
                 Some(w) if w < start + n => {

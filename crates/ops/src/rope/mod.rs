@@ -1,7 +1,13 @@
 //! Rotary position embedding, rotate-half form (transformers' `apply_rotary_pos_emb`):
 //! `y = x·cos + rotate_half(x)·sin`; its backward is the transpose, `dx = dy·cos − rotate_half(dy·sin)`.
-//! [`tables`] makes cos/sin from the frequencies (`rtune_model::rope::inv_freq`, the config's
+//! [`tables`] makes cos/sin from the frequencies (`rtune_model::rope::Freqs`, the config's
 //! scaling rule) and the positions.
+//!
+//! Partial rotary (Phi-4-mini's `partial_rotary_factor`): tables narrower than the head, `(…, R)`
+//! with `R < Dh`, rotate the first `R` of each head (`rotate_half` over those `R`) and pass the
+//! rest through, as transformers' Phi-3 `apply_rotary_pos_emb` does; the backward passes the
+//! rest's gradient through. The fused op runs on the rotated part, copied out (one `(…, R)`
+//! copy and a concatenation more than the full rotation).
 //!
 //! The op's files: this one (what the model calls), `op.rs` (the candle ops), `cpu.rs` (the loops),
 //! `reference.rs` (plain formulations), `cuda.rs` (launchers of `kernels/rope.cuh`), `check.rs`
@@ -29,20 +35,57 @@ fn halves(x: &Tensor) -> Result<(Tensor, Tensor)> {
     ))
 }
 
-/// `x: (B, H, T, Dh)` → rotated, same shape; `cos, sin: (B or 1, 1, T, Dh)`. Fused
-/// ([`crate::rope::op::rope`]); [`apply_reference`] is the plain formulation.
+/// `x: (B, H, T, Dh)` → rotated, same shape; `cos, sin: (B or 1, 1, T, R)`, `R ≤ Dh` even (the
+/// first `R` of each head rotate). Fused ([`crate::rope::op::rope`]); [`apply_reference`] is the
+/// plain formulation.
 pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    crate::rope::op::rope(x, cos, sin)
+    on_rotated(x, cos, |r| crate::rope::op::rope(r, cos, sin))
 }
 
 /// Backward of [`apply`] (fused: [`crate::rope::op::rope_bwd`]).
 pub fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    crate::rope::op::rope_bwd(dy, cos, sin)
+    on_rotated(dy, cos, |r| crate::rope::op::rope_bwd(r, cos, sin))
 }
 
-/// `cos, sin: (B, 1, T, head_dim)` in `dtype` for positions `(B, T)`.
+/// `f` on the first `R` (the tables' width) of `x`'s last dim, the rest passed through; `f` on
+/// `x` itself when `R` is all of it. A table wider than the head is an error naming both.
+fn on_rotated(
+    x: &Tensor,
+    table: &Tensor,
+    f: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (dh, r) = (x.dim(D::Minus1)?, table.dim(D::Minus1)?);
+    if r == dh {
+        return f(x);
+    }
+    if r > dh {
+        candle_core::bail!(
+            "rope: cos/sin {:?} are wider than the head of x {:?}",
+            table.dims(),
+            x.dims()
+        );
+    }
+    let rotated = f(&x.narrow(D::Minus1, 0, r)?)?;
+    Tensor::cat(&[&rotated, &x.narrow(D::Minus1, r, dh - r)?], D::Minus1)
+}
+
+/// `cos, sin: (B, 1, T, 2·inv_freq.len())` in `dtype` for positions `(B, T)`.
 pub fn tables(
     inv_freq: &[f32],
+    positions: &[u32],
+    b: usize,
+    t: usize,
+    dtype: DType,
+    dev: &Device,
+) -> Result<(Tensor, Tensor)> {
+    tables_scaled(inv_freq, 1.0, positions, b, t, dtype, dev)
+}
+
+/// [`tables`] with cos and sin multiplied by `scale` in f32 before the cast to `dtype`
+/// (LongRoPE's attention factor, as transformers' `cos = emb.cos() * attention_scaling`).
+pub fn tables_scaled(
+    inv_freq: &[f32],
+    scale: f32,
     positions: &[u32],
     b: usize,
     t: usize,
@@ -56,8 +99,8 @@ pub fn tables(
         let start = cos.len();
         for &f in inv_freq {
             let a = p as f32 * f;
-            cos.push(a.cos());
-            sin.push(a.sin());
+            cos.push(a.cos() * scale);
+            sin.push(a.sin() * scale);
         }
         // emb = cat(freqs, freqs)
         cos.extend_from_within(start..start + half);

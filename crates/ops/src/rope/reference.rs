@@ -8,15 +8,29 @@ use rtune_backend::Precision;
 use super::halves;
 
 /// [`apply`] as candle ops: the reference for the fused op (and differentiable by autograd).
+/// Tables narrower than the head rotate its first part only: transformers' Phi-3
+/// `cat([x_rot·cos + rotate_half(x_rot)·sin, x_pass])`.
 pub fn apply_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (x1, x2) = halves(x)?;
+    let (dh, r) = (x.dim(D::Minus1)?, cos.dim(D::Minus1)?);
+    let x_rot = x.narrow(D::Minus1, 0, r)?;
+    let (x1, x2) = halves(&x_rot)?;
     let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
+    let y = (x_rot.broadcast_mul(cos)? + rot.broadcast_mul(sin)?)?;
+    if r == dh {
+        return Ok(y);
+    }
+    Tensor::cat(&[&y, &x.narrow(D::Minus1, r, dh - r)?], D::Minus1)
 }
 
 /// Backward of [`apply_reference`]: the rotation's transpose, `dx = dy·cos + rotate_halfᵀ(dy·sin)`
 /// with `rotate_halfᵀ([z1, z2]) = [z2, -z1]`.
+/// Tables narrower than the head: the rotated part's transpose, the rest passed through.
 pub fn apply_backward_reference(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (dh, r) = (dy.dim(D::Minus1)?, cos.dim(D::Minus1)?);
+    if r < dh {
+        let rot = apply_backward_reference(&dy.narrow(D::Minus1, 0, r)?, cos, sin)?;
+        return Tensor::cat(&[&rot, &dy.narrow(D::Minus1, r, dh - r)?], D::Minus1);
+    }
     let z = dy.broadcast_mul(sin)?;
     let (z1, z2) = halves(&z)?;
     let rot_t = Tensor::cat(&[&z2, &z1.neg()?], D::Minus1)?;

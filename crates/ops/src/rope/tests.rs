@@ -63,6 +63,35 @@ fn rope_backward_is_the_transpose() {
     assert_close_t(&dx, grads.get(&x).unwrap(), "rope dx");
 }
 
+/// Partial rotary (Phi-4-mini): tables of width 6 on heads of 8 rotate the first 6 dims with
+/// rotate_half over those 6 (transformers' Phi-3 formula, the reference), the last 2 pass through
+/// bit for bit; the backward equals autograd on the reference; a table wider than the head is an
+/// error.
+#[test]
+fn partial_rotary_rotates_the_first_part_only() {
+    let x = Var::from_tensor(&randn(&[2, 3, 4, 8], 21, 1.0)).unwrap();
+    let inv = vec![1.0f32, 0.3, 0.05];
+    let pos = [0, 1, 2, 3, 4, 5, 6, 7];
+    let (cos, sin) = crate::rope::tables(&inv, &pos, 2, 4, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(cos.dims(), [2, 1, 4, 6]);
+    let y = crate::rope::apply(&x, &cos, &sin).unwrap();
+    assert_f32(
+        &y,
+        &apply_reference(&x, &cos, &sin).unwrap(),
+        "partial rope",
+    );
+    let pass = |t: &candle_core::Tensor| flat(&t.narrow(3, 6, 2).unwrap());
+    assert_eq!(pass(&y), pass(&x), "the last 2 dims pass through");
+    let dy = randn(&[2, 3, 4, 8], 22, 1.0);
+    let want = apply_reference(&x, &cos, &sin).unwrap();
+    let grads = (want * &dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let dx = crate::rope::apply_backward(&dy, &cos, &sin).unwrap();
+    assert_close_t(&dx, grads.get(&x).unwrap(), "partial rope dx");
+    let wide = randn(&[2, 1, 4, 10], 23, 1.0);
+    let e = crate::rope::apply(&x, &wide, &wide).unwrap_err();
+    assert!(e.to_string().contains("wider than the head"), "{e}");
+}
+
 /// cos/sin tables `(b, 1, t, dh)` of real rotations (angle `pos·f`, frequencies repeated over the
 /// two halves, as rope.rs builds them).
 fn slice_tables(rng: &mut Rng, b: usize, t: usize, dh: usize) -> (Vec<f32>, Vec<f32>) {

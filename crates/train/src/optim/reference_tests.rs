@@ -65,6 +65,7 @@ fn compare_ten_steps() -> (f64, f64) {
             dropout: 0.0,
             rslora: false,
             targets: vec!["q_proj".into()],
+            all_linear: false,
             dora: false,
         },
         names: (0..shapes.len()).map(|i| format!("m{i}")).collect(),

@@ -1,0 +1,184 @@
+//! config.json → ModelConfig: layouts, families, refusals.
+
+use super::*;
+
+fn cfg(extra: &str) -> Result<ModelConfig> {
+    let text = format!(
+        r#"{{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
+    );
+    serde_json::from_str::<HfConfig>(&text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+}
+
+#[test]
+fn v4_and_v5_rope_layouts_agree() {
+    let v4 = cfg(r#","rope_theta":500000.0,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
+    let v5 = cfg(r#","rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#).unwrap();
+    assert_eq!(v4.rope_theta, 500000.0);
+    assert_eq!(v4.rope_theta, v5.rope_theta);
+    assert_eq!(v4.rope_scaling, v5.rope_scaling);
+    assert!(matches!(v4.rope_scaling, RopeScaling::Llama3 { .. }));
+    let plain = cfg(r#","rope_parameters":{"rope_type":"default","rope_theta":1000.0}"#).unwrap();
+    assert_eq!(
+        (plain.rope_theta, plain.rope_scaling),
+        (1000.0, RopeScaling::None)
+    );
+}
+
+#[test]
+fn unsupported_architecture_lists_supported() {
+    let text = r#"{"architectures":["GPT2LMHeadModel"],"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100}"#;
+    let e = serde_json::from_str::<HfConfig>(text)
+        .unwrap()
+        .into_config(Path::new("m/config.json"))
+        .unwrap_err();
+    let s = e.to_string();
+    assert!(
+        s.contains("GPT2LMHeadModel")
+            && s.contains("Qwen2ForCausalLM")
+            && s.contains("m/config.json"),
+        "{s}"
+    );
+}
+
+fn gemma(arch: &str, extra: &str) -> Result<ModelConfig> {
+    let text = format!(
+        r#"{{"architectures":["{arch}"],"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
+        "vocab_size":100,"sliding_window":512,"query_pre_attn_scalar":256{extra}}}"#
+    );
+    serde_json::from_str::<HfConfig>(&text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+}
+
+/// Gemma 3 in transformers 4's keys (global rope_theta/rope_scaling, rope_local_base_freq,
+/// sliding_window_pattern) and in 5's (rope_parameters per layer type, layer_types) read the
+/// same; Gemma 2 without layer_types slides on its even layers.
+#[test]
+fn gemma_config_layouts_agree() {
+    let v4 = gemma(
+        "Gemma3ForCausalLM",
+        r#","rope_theta":1000000.0,"rope_scaling":{"rope_type":"linear","factor":8.0},
+        "rope_local_base_freq":10000.0,"sliding_window_pattern":6"#,
+    )
+    .unwrap();
+    let v5 = gemma(
+        "Gemma3ForCausalLM",
+        r#","rope_parameters":{"full_attention":{"rope_type":"linear","factor":8.0,"rope_theta":1000000.0},
+        "sliding_attention":{"rope_type":"default","rope_theta":10000.0}},
+        "layer_types":["sliding_attention","sliding_attention","sliding_attention",
+        "sliding_attention","sliding_attention","full_attention"]"#,
+    )
+    .unwrap();
+    for c in [&v4, &v5] {
+        assert_eq!(c.rope_theta, 1e6);
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(c.variant.local_rope, Some((1e4, RopeScaling::None)));
+        assert_eq!(c.window_layers, [true, true, true, true, true, false]);
+        assert!(c.variant.qk_norm && c.variant.sandwich_norms && c.variant.geglu);
+        assert_eq!(c.variant.attn_scale, Some(1.0 / 16.0));
+        assert_eq!(c.variant.embed_scale, Some(8.0));
+        assert!(c.tie_word_embeddings);
+    }
+    let g2 = gemma(
+        "Gemma2ForCausalLM",
+        r#","attn_logit_softcapping":50.0,"final_logit_softcapping":30.0"#,
+    )
+    .unwrap();
+    assert_eq!(g2.window_layers, [true, false, true, false, true, false]);
+    assert_eq!(
+        (g2.variant.attn_softcap, g2.variant.final_softcap),
+        (Some(50.0), Some(30.0))
+    );
+    assert!(!g2.variant.qk_norm && g2.variant.local_rope.is_none());
+    let e = gemma(
+        "Gemma3ForCausalLM",
+        r#","use_bidirectional_attention":true"#,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("embedding model"), "{e}");
+    let e = gemma("Gemma2ForCausalLM", r#","hidden_activation":"relu""#).unwrap_err();
+    assert!(e.to_string().contains("gelu_pytorch_tanh"), "{e}");
+}
+
+fn phi3(extra: &str) -> Result<ModelConfig> {
+    let text = format!(
+        r#"{{"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,
+        "max_position_embeddings":256{extra}}}"#
+    );
+    serde_json::from_str::<HfConfig>(&text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+}
+
+/// Phi-4-mini's keys in transformers 4's layout (top-level partial_rotary_factor and
+/// original_max_position_embeddings, `rope_scaling` of type longrope) and 5's (all in
+/// rope_parameters) read the same; the attention factor comes from 256 / 8; `su` is longrope.
+#[test]
+fn phi3_config_layouts_agree() {
+    let short = "[1.0,1.1,1.3,1.6,2.0,2.5]";
+    let long = "[1.0,1.5,2.5,4.0,6.0,9.0]";
+    let v4 = phi3(&format!(
+        r#","partial_rotary_factor":0.75,"original_max_position_embeddings":8,"rope_theta":10000.0,
+        "rope_scaling":{{"type":"longrope","short_factor":{short},"long_factor":{long}}}"#
+    ))
+    .unwrap();
+    let v5 = phi3(&format!(
+        r#","original_max_position_embeddings":8,"rope_parameters":{{"rope_type":"longrope",
+        "rope_theta":10000.0,"partial_rotary_factor":0.75,"original_max_position_embeddings":8,
+        "short_factor":{short},"long_factor":{long}}}"#
+    ))
+    .unwrap();
+    let su = phi3(&format!(
+        r#","partial_rotary_factor":0.75,"original_max_position_embeddings":8,
+        "rope_scaling":{{"type":"su","short_factor":{short},"long_factor":{long}}}"#
+    ))
+    .unwrap();
+    for c in [&v4, &v5, &su] {
+        assert_eq!((c.rotary_dim(), c.head_dim), (12, 16));
+        assert!(c.variant.fused_proj);
+        let RopeScaling::LongRope {
+            original_max_position_embeddings,
+            attention_factor,
+            ..
+        } = c.rope_scaling
+        else {
+            panic!("{:?}", c.rope_scaling)
+        };
+        assert_eq!(original_max_position_embeddings, 8);
+        let want = (1.0 + 32f64.ln() / 8f64.ln()).sqrt();
+        assert!((attention_factor - want).abs() < 1e-12);
+    }
+    assert_eq!(v4.rope_scaling, v5.rope_scaling);
+    // Without the key, Phi3Config's default pre-training length 4096 is used.
+    let plain = phi3(r#","sliding_window":6"#).unwrap();
+    assert_eq!(
+        (plain.rotary_dim(), plain.rope_scaling.clone()),
+        (16, RopeScaling::None)
+    );
+    assert_eq!(plain.window_layers, [true, true]);
+    let e = phi3(&format!(
+        r#","partial_rotary_factor":0.75,"rope_scaling":{{"type":"longrope","short_factor":[1.0],"long_factor":{long}}}"#
+    ))
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("`short_factor` has 1 numbers"),
+        "{e}"
+    );
+    let e = phi3(r#","resid_pdrop":0.1"#).unwrap_err();
+    assert!(e.to_string().contains("resid_pdrop = 0.1"), "{e}");
+    let e = cfg(r#","partial_rotary_factor":0.5"#).unwrap_err();
+    assert!(e.to_string().contains("only Phi3ForCausalLM"), "{e}");
+}
+
+#[test]
+fn head_dim_and_yarn() {
+    assert_eq!(cfg("").unwrap().head_dim, 16);
+    assert_eq!(cfg(r#","head_dim":32"#).unwrap().head_dim, 32);
+    assert!(cfg(r#","rope_scaling":{"rope_type":"yarn","factor":4.0}"#).is_err());
+}
