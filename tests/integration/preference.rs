@@ -26,11 +26,13 @@ fn golden() -> Golden {
 }
 
 /// The data a variant trains on: DPO's TRL text rows, or (`pretokenized`) the ids TRL's DPO
-/// tokenization gave, under TRL's column names; SimPO's and ORPO's the ids their trainers
-/// tokenized (`free_pairs`).
+/// tokenization gave, under TRL's column names; `dpo_chat`'s conversational rows (rendered with
+/// the tiny model's chat template); SimPO's and ORPO's the ids their trainers tokenized
+/// (`free_pairs`).
 fn write_pairs(g: &Golden, variant: &str, path: &Path, pretokenized: bool) {
     let rows = match &g.meta["free_pairs"][variant] {
         serde_json::Value::Array(rows) => rows,
+        _ if variant == "dpo_chat" => g.meta["chat_pairs"].as_array().unwrap(),
         _ if pretokenized => g.meta["pairs"].as_array().unwrap(),
         _ => g.meta["text_pairs"].as_array().unwrap(),
     };
@@ -152,6 +154,16 @@ fn dpo_sigmoid_trains_as_trl() {
     .unwrap();
     assert_eq!(summary["reference_passes"], 1, "{summary}");
     assert_eq!(summary["examples"], 4, "{summary}");
+}
+
+/// Conversational rows (TRL's format: messages rendered with the model's chat template, the
+/// completion split where the prompt's render with the generation prompt ends).
+#[test]
+fn dpo_conversational_rows_train_as_trl() {
+    let g = golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let lines = train(&g, "dpo_chat", false, tmp.path());
+    assert_as_trl(&g, "dpo_chat", &lines, tmp.path());
 }
 
 /// Each other DPO loss type (sigmoid at another β, hinge, IPO's per-token averages, robust), from

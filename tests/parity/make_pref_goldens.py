@@ -17,6 +17,9 @@ then rejected); `trainer.compute_loss` is called 3 times on that batch with torc
 1e-3, betas (0.9, 0.999), eps 1e-8, no weight decay, no clipping) between. rtune trains on the same
 text rows with micro_batch_size 4, no shuffle, 3 steps: each step is the same 4 pairs.
 
+`dpo_chat` trains on the same pairs as conversations (`chat_pairs`: TRL's conversational rows, the
+tiny model's chat template; TRL's tokenization of them in `chat_ids`).
+
 Keys, for each variant V: `V.loss` [3] (before each step), `V.<metric>` [3] (TRL's logged metrics,
 e.g. `V.rewards/chosen`), `V.adamw.<peft key>` (the adapter after 3 steps); `init.<peft key>`; the
 TRL-tokenized pairs in the metadata (`pairs`), and the variants' settings (`variants`).
@@ -50,6 +53,12 @@ PAIRS = [
     {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " No."},
 ]
 
+# The same pairs as conversations (TRL's conversational format): the tiny model's chat template
+# renders them; TRL tokenizes the prompt with the generation prompt and prompt + completion without.
+CHAT_PAIRS = [{"prompt": [{"role": "user", "content": p["prompt"]}],
+               "chosen": [{"role": "assistant", "content": p["chosen"]}],
+               "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in PAIRS]
+
 # Variant name -> DPOConfig settings.
 VARIANTS = {
     "dpo_sigmoid": dict(loss_type=["sigmoid"], beta=0.1, label_smoothing=0.0),
@@ -57,6 +66,7 @@ VARIANTS = {
     "dpo_hinge": dict(loss_type=["hinge"], beta=2.0, label_smoothing=0.0),
     "dpo_ipo": dict(loss_type=["ipo"], beta=0.1, label_smoothing=0.0),
     "dpo_robust": dict(loss_type=["robust"], beta=0.3, label_smoothing=0.1),
+    "dpo_chat": dict(loss_type=["sigmoid"], beta=0.2, label_smoothing=0.0),
 }
 # The reference-free objectives, through TRL's experimental trainers (their own tokenization: the
 # pairs they trained on are saved per variant, `V.pairs`, and rtune trains on those ids).
@@ -100,10 +110,12 @@ def run(name, settings, tok, out, meta):
     with tempfile.TemporaryDirectory() as tmp:
         args = DPOConfig(output_dir=tmp, per_device_train_batch_size=len(PAIRS), learning_rate=LR,
                          max_length=64, report_to=[], use_cpu=True, **settings)
-        trainer = DPOTrainer(model=m, args=args, train_dataset=Dataset.from_list(PAIRS), processing_class=tok)
+        data = CHAT_PAIRS if name == "dpo_chat" else PAIRS
+        trainer = DPOTrainer(model=m, args=args, train_dataset=Dataset.from_list(data), processing_class=tok)
     rows = [trainer.train_dataset[i] for i in range(len(PAIRS))]
-    if "pairs" not in meta:
-        meta["pairs"] = [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows]
+    key = "chat_ids" if name == "dpo_chat" else "pairs"
+    if key not in meta:
+        meta[key] = [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows]
     batch = trainer.data_collator([{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows])
     model = trainer.model
     model.train()
@@ -188,6 +200,7 @@ def main():
         run_free(name, trainer_cls, config_cls, settings, tok, out, meta)
     meta["free_variants"] = {k: v[2] for k, v in FREE.items()}
     meta.update(r=R, lora_alpha=ALPHA, target_modules=TARGETS, steps=STEPS, lr=LR, text_pairs=PAIRS,
+                chat_pairs=CHAT_PAIRS,
                 variants={k: {**v, "loss_type": v["loss_type"][0]} for k, v in VARIANTS.items()},
                 versions={"torch": torch.__version__, "trl": trl.__version__})
     save_file(out, OUT, metadata={"config": json.dumps(meta)})

@@ -7,7 +7,11 @@
 //! - text: `{"prompt": "..", "chosen": "..", "rejected": ".."}`: the EOS token's text is appended
 //!   to a completion that does not end with it, `prompt`, `prompt + chosen` and `prompt +
 //!   rejected` are tokenized (special tokens added), and the completions start where the
-//!   tokenized prompt and prompt + completion diverge (TRL's `common_prefix_length`).
+//!   tokenized prompt and prompt + completion diverge (TRL's `common_prefix_length`);
+//! - conversational: `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`: the
+//!   chat template renders the prompt with the generation prompt, and prompt + chosen (+ rejected)
+//!   without; the renders are tokenized as `apply_chat_template` does (no special tokens added:
+//!   the template writes them), and split at their common prefix as text rows are.
 //!
 //! Truncation as TRL's `keep_start`: a pair whose prompt alone fills `max_seq_len` is dropped;
 //! otherwise each completion is cut so prompt + completion fits.
@@ -18,7 +22,7 @@
 use serde_json::Value;
 use std::path::Path;
 
-use crate::{DataError, MicroBatch, Result, Tokenizer};
+use crate::{ChatTemplate, Conversation, DataError, MicroBatch, Result, Tokenizer};
 
 /// One preference pair, tokenized.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,9 +63,12 @@ pub struct PairSet {
 
 /// Reads a preference JSONL file (formats above). `tok` is needed for text rows; `vocab` bounds
 /// pre-tokenized ids.
+/// Conversational rows need `template` (the model's or `[data] chat_template`, with
+/// `chat_template_kwargs` set).
 pub fn load_pairs(
     path: &Path,
     tok: Option<&Tokenizer>,
+    template: Option<&ChatTemplate>,
     max_seq_len: usize,
     vocab: usize,
 ) -> Result<PairSet> {
@@ -76,7 +83,7 @@ pub fn load_pairs(
         path: path.to_path_buf(),
         message: format!("cannot read preference data: {e}"),
     })?;
-    parse_pairs(&text, path, tok, max_seq_len, vocab)
+    parse_pairs(&text, path, tok, template, max_seq_len, vocab)
 }
 
 /// [`load_pairs`] on text already read; `path` labels errors.
@@ -84,6 +91,7 @@ pub fn parse_pairs(
     text: &str,
     path: &Path,
     tok: Option<&Tokenizer>,
+    template: Option<&ChatTemplate>,
     max_seq_len: usize,
     vocab: usize,
 ) -> Result<PairSet> {
@@ -100,7 +108,7 @@ pub fn parse_pairs(
         };
         let v: Value =
             serde_json::from_str(line).map_err(|e| row_err(format!("not valid JSON: {e}")))?;
-        let mut pair = parse_row(&v, tok, vocab).map_err(row_err)?;
+        let mut pair = parse_row(&v, tok, template, vocab).map_err(row_err)?;
         if pair.prompt.len() >= max_seq_len || pair.chosen.is_empty() || pair.rejected.is_empty() {
             set.dropped += 1;
             continue;
@@ -123,6 +131,7 @@ pub fn parse_pairs(
 fn parse_row(
     v: &Value,
     tok: Option<&Tokenizer>,
+    template: Option<&ChatTemplate>,
     vocab: usize,
 ) -> std::result::Result<Pair, String> {
     let obj = v
@@ -158,12 +167,32 @@ fn parse_row(
             reference: None,
         });
     }
+    if let Some(Value::Array(prompt)) = obj.get("prompt") {
+        let side = |k: &str| match obj.get(k) {
+            Some(Value::Array(m)) => Ok(m),
+            Some(_) => Err(format!(
+                "`prompt` holds chat messages, so `{k}` must too (an array of messages)"
+            )),
+            None => Err(format!(
+                "a conversational preference row needs `chosen` and `rejected` messages; `{k}` \
+                 is missing (has: {})",
+                keys()
+            )),
+        };
+        let (chosen, rejected) = (side("chosen")?, side("rejected")?);
+        let tok = tok.ok_or("conversational preference rows need the model's tokenizer.json")?;
+        let template = template.ok_or(
+            "conversational preference rows need a chat template, and the model has none (a \
+             base model?): set [data] chat_template = \"path.jinja\"",
+        )?;
+        return chat_pair(tok, template, prompt, chosen, rejected);
+    }
     let text = |k: &str| -> std::result::Result<&str, String> {
         match obj.get(k) {
             Some(Value::String(s)) => Ok(s),
             Some(Value::Array(_)) => Err(format!(
-                "`{k}` holds chat messages: conversational preference rows are not supported \
-                 yet (give text, or pre-tokenized `prompt_ids`/`chosen_ids`/`rejected_ids`)"
+                "`{k}` holds chat messages while `prompt` is text: give all three as messages \
+                 or all three as text"
             )),
             Some(other) => Err(format!("`{k}` must be a string, found {other}")),
             None => Err(format!(
@@ -182,6 +211,41 @@ fn parse_row(
     tokenize_pair(tok, prompt, chosen, rejected).map_err(|e| e.to_string())
 }
 
+/// TRL's tokenization of a conversational pair (module docs).
+fn chat_pair(
+    tok: &Tokenizer,
+    template: &ChatTemplate,
+    prompt: &[Value],
+    chosen: &[Value],
+    rejected: &[Value],
+) -> std::result::Result<Pair, String> {
+    let render = |msgs: Vec<&Value>, generation_prompt: bool| {
+        let row = serde_json::json!({ "messages": msgs }).to_string();
+        let conv = Conversation::from_json(&row)?;
+        let text = conv
+            .render(template, conv.len(), generation_prompt)
+            .map_err(|e| e.to_string())?;
+        tok.encode(&text, false).map_err(|e| e.to_string())
+    };
+    let p = render(prompt.iter().collect(), true)?;
+    let pc = render(prompt.iter().chain(chosen).collect(), false)?;
+    let pr = render(prompt.iter().chain(rejected).collect(), false)?;
+    Ok(split_at_prefix(p, pc, pr))
+}
+
+/// TRL's split: the completions start where the tokenized prompt and each prompt + completion
+/// diverge (the shorter of the two common prefixes).
+fn split_at_prefix(p: Vec<u32>, pc: Vec<u32>, pr: Vec<u32>) -> Pair {
+    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
+    let n = common(&p, &pc).min(common(&p, &pr));
+    Pair {
+        prompt: p[..n].to_vec(),
+        chosen: pc[n..].to_vec(),
+        rejected: pr[n..].to_vec(),
+        reference: None,
+    }
+}
+
 /// TRL's tokenization of a text pair (module docs).
 fn tokenize_pair(tok: &Tokenizer, prompt: &str, chosen: &str, rejected: &str) -> Result<Pair> {
     let eos = tok
@@ -196,14 +260,7 @@ fn tokenize_pair(tok: &Tokenizer, prompt: &str, chosen: &str, rejected: &str) ->
     let p = tok.encode(prompt, true)?;
     let pc = tok.encode(&format!("{prompt}{}", with_eos(chosen)), true)?;
     let pr = tok.encode(&format!("{prompt}{}", with_eos(rejected)), true)?;
-    let common = |a: &[u32], b: &[u32]| a.iter().zip(b).take_while(|(x, y)| x == y).count();
-    let n = common(&p, &pc).min(common(&p, &pr));
-    Ok(Pair {
-        prompt: p[..n].to_vec(),
-        chosen: pc[n..].to_vec(),
-        rejected: pr[n..].to_vec(),
-        reference: None,
-    })
+    Ok(split_at_prefix(p, pc, pr))
 }
 
 /// A micro-batch of pairs: `2b` rows, the `b` chosen sequences then the `b` rejected ones
@@ -375,7 +432,7 @@ mod tests {
         let text = "{\"prompt_ids\":[1,2],\"chosen_ids\":[3,4,5],\"rejected_ids\":[6]}\n\n\
                     {\"prompt_ids\":[1,2,3,4],\"chosen_ids\":[5],\"rejected_ids\":[6]}\n\
                     {\"prompt_ids\":[1],\"chosen_ids\":[5],\"rejected_ids\":[5]}\n";
-        let set = parse_pairs(text, path, None, 4, 10).unwrap();
+        let set = parse_pairs(text, path, None, None, 4, 10).unwrap();
         assert_eq!(
             (set.rows, set.truncated, set.dropped, set.identical),
             (3, 1, 1, 1)
@@ -383,13 +440,17 @@ mod tests {
         assert_eq!(set.pairs[0], pair(&[1, 2], &[3, 4], &[6]));
         // One-line errors naming the file, the line and the key.
         let bad = "{\"prompt\":\"a\",\"chosen\":\"b\"}\n";
-        let e = parse_pairs(bad, path, None, 8, 10).unwrap_err().to_string();
+        let e = parse_pairs(bad, path, None, None, 8, 10)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("prefs.jsonl:1: ") && e.contains("`rejected` is missing"),
             "{e}"
         );
         let bad = "\n{\"prompt_ids\":[1],\"chosen_ids\":[12],\"rejected_ids\":[3]}";
-        let e = parse_pairs(bad, path, None, 8, 10).unwrap_err().to_string();
+        let e = parse_pairs(bad, path, None, None, 8, 10)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("prefs.jsonl:2: ") && e.contains("token id 12"),
             "{e}"
@@ -397,6 +458,7 @@ mod tests {
         let e = parse_pairs(
             "{\"prompt\":\"a\",\"chosen\":\"b\",\"rejected\":\"c\"}",
             path,
+            None,
             None,
             8,
             10,

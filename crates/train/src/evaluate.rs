@@ -129,7 +129,7 @@ pub fn validation_pairs(
         valid_loss: loss,
         valid_ppl: None,
         valid_tokens: tokens,
-        preference: crate::trainer::preference_metrics(&sums, pairs.len(), objective, "eval_"),
+        preference: crate::preference::metrics(&sums, pairs.len(), objective, "eval_"),
     }))
 }
 

@@ -26,6 +26,7 @@ pub mod pairs;
 pub mod preference;
 pub mod record;
 pub mod rundir;
+pub mod sample;
 mod setup;
 pub mod tokens;
 pub mod trainer;

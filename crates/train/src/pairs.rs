@@ -5,7 +5,7 @@
 
 use rtune_config::RunConfig;
 use rtune_data::preference::load_pairs;
-use rtune_data::{Example, Pair, PairBatch, PairSet, Tokenizer, IGNORE};
+use rtune_data::{ChatTemplate, Example, Pair, PairBatch, PairSet, Tokenizer, IGNORE};
 use rtune_model::{Inputs, LoraCtx, Model};
 
 use crate::TrainError;
@@ -69,19 +69,21 @@ impl PairData {
 
 /// Loads the run's pairs: each train file's (weighted: whole copies, then a seeded sample of the
 /// fraction), the held-out share (`valid_fraction`, seeded per file) or the `valid` file.
+/// Conversational rows are rendered with `template` (the run's, `chat_template_kwargs` set).
 pub fn load(
     cfg: &RunConfig,
     tok: Option<&Tokenizer>,
+    template: Option<&ChatTemplate>,
     vocab: usize,
 ) -> Result<PairData, TrainError> {
     let d = &cfg.data;
     let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
-        let set = load_pairs(&f.path, tok, d.max_seq_len, vocab)?;
-        let seed = crate::dataset::file_seed(cfg.train.seed, i);
-        let (pairs, held) = crate::dataset::hold_out(set.pairs.clone(), d.valid_fraction, seed);
+        let set = load_pairs(&f.path, tok, template, d.max_seq_len, vocab)?;
+        let seed = crate::sample::file_seed(cfg.train.seed, i);
+        let (pairs, held) = crate::sample::hold_out(set.pairs.clone(), d.valid_fraction, seed);
         valid.extend(held);
-        train.extend(crate::dataset::weighted(
+        train.extend(crate::sample::weighted(
             pairs,
             f.weight,
             seed.rotate_left(17),
@@ -89,7 +91,7 @@ pub fn load(
         files.push((f.path.clone(), set));
     }
     if let Some(v) = &d.valid {
-        let set = load_pairs(v, tok, d.max_seq_len, vocab)?;
+        let set = load_pairs(v, tok, template, d.max_seq_len, vocab)?;
         valid = set.pairs.clone();
         files.push((v.clone(), set));
     }

@@ -12,6 +12,8 @@
 //! whatever the micro-batches: each micro-batch is weighted by the step's totals ([`StepTotals`]),
 //! as SFT weights by the step's target tokens, so accumulation equals one big batch.
 
+use std::collections::BTreeMap;
+
 use rtune_config::{DpoLoss, Objective};
 use rtune_data::PairBatch;
 
@@ -268,6 +270,28 @@ pub fn weigh(
         });
     }
     (loss, weights, sums)
+}
+
+/// A preference step's (or evaluation's) metrics under TRL's names, each key after `prefix`
+/// (`""` for a step, `"eval_"` for an evaluation, as TRL logs them): `rewards/chosen`,
+/// `rewards/rejected` (β·log-ratio to the reference; β·average log-prob for SimPO and ORPO),
+/// `rewards/accuracies` (pairs whose chosen reward is higher), `rewards/margins`,
+/// `logps/chosen`, `logps/rejected` (summed over the completion), and `nll_loss` (SimPO, ORPO),
+/// each a mean over the `pairs`.
+pub fn metrics(s: &PairSums, pairs: usize, obj: Objective, prefix: &str) -> BTreeMap<String, f64> {
+    let n = pairs.max(1) as f64;
+    let mut m = BTreeMap::new();
+    let mut put = |k: &str, v: f64| m.insert(format!("{prefix}{k}"), v);
+    put("rewards/chosen", s.reward_chosen / n);
+    put("rewards/rejected", s.reward_rejected / n);
+    put("rewards/accuracies", s.correct / n);
+    put("rewards/margins", (s.reward_chosen - s.reward_rejected) / n);
+    put("logps/chosen", s.logps_chosen / n);
+    put("logps/rejected", s.logps_rejected / n);
+    if matches!(obj, Objective::Simpo { .. } | Objective::Orpo { .. }) {
+        put("nll_loss", s.nll);
+    }
+    m
 }
 
 #[cfg(test)]

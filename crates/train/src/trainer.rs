@@ -57,7 +57,7 @@ use output::RunFiles;
 
 pub use crate::compute::{device, dtype};
 pub use events::{Event, Outcome, RunOptions};
-pub use metrics::{preference as preference_metrics, StepMetrics, Summary};
+pub use metrics::{StepMetrics, Summary};
 pub use state::RunState;
 use stream::{Micro, Stream, Totals};
 
@@ -275,7 +275,9 @@ impl Trainer<'_> {
             skipped: !done.applied,
             loss_scale: self.state.scaler.is_some().then_some(loss_scale),
             preference: match totals {
-                Totals::Pairs(t) => metrics::preference(&sums, t.pairs, cfg.train.objective, ""),
+                Totals::Pairs(t) => {
+                    crate::preference::metrics(&sums, t.pairs, cfg.train.objective, "")
+                }
                 Totals::Tokens(_) => Default::default(),
             },
             peak_memory_bytes: memory::peak_bytes(&self.dev),

@@ -5,10 +5,6 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use rtune_config::Objective;
-
-use crate::preference::PairSums;
-
 use crate::evaluate::EvalMetrics;
 
 /// One line of metrics.jsonl.
@@ -73,33 +69,6 @@ pub fn eval_scalars(ev: &EvalMetrics) -> Vec<(String, f64)> {
             .map(|(k, &x)| (format!("valid/{k}"), x)),
     );
     v
-}
-
-/// A preference step's (or evaluation's) metrics under TRL's names, each key after `prefix`
-/// (`""` for a step, `"eval_"` for an evaluation, as TRL logs them): `rewards/chosen`,
-/// `rewards/rejected` (β·log-ratio to the reference; β·average log-prob for SimPO and ORPO),
-/// `rewards/accuracies` (pairs whose chosen reward is higher), `rewards/margins`,
-/// `logps/chosen`, `logps/rejected` (summed over the completion), and `nll_loss` (SimPO, ORPO),
-/// each a mean over the `pairs`.
-pub fn preference(
-    s: &PairSums,
-    pairs: usize,
-    obj: Objective,
-    prefix: &str,
-) -> BTreeMap<String, f64> {
-    let n = pairs.max(1) as f64;
-    let mut m = BTreeMap::new();
-    let mut put = |k: &str, v: f64| m.insert(format!("{prefix}{k}"), v);
-    put("rewards/chosen", s.reward_chosen / n);
-    put("rewards/rejected", s.reward_rejected / n);
-    put("rewards/accuracies", s.correct / n);
-    put("rewards/margins", (s.reward_chosen - s.reward_rejected) / n);
-    put("logps/chosen", s.logps_chosen / n);
-    put("logps/rejected", s.logps_rejected / n);
-    if matches!(obj, Objective::Simpo { .. } | Objective::Orpo { .. }) {
-        put("nll_loss", s.nll);
-    }
-    m
 }
 
 /// summary.json.
