@@ -26,7 +26,7 @@ pub struct StepMetrics {
     /// f16 only: the loss scale this step's gradients were computed with.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
-    /// A preference step's metrics under TRL's names ([`preference`]); empty for SFT.
+    /// A preference step's metrics under TRL's names ([`crate::preference::metrics`]); empty for SFT.
     #[serde(flatten)]
     pub preference: BTreeMap<String, f64>,
     /// Peak memory so far: resident set of the process on the CPU, device memory on CUDA.

@@ -1,0 +1,162 @@
+//! The model's head: the training pass's loss under an [`Objective`] (next-token cross-entropy,
+//! or a per-token weighting for the preference objectives), every position's NLL, the validation
+//! loss, and the chunking of the logits they share.
+
+use candle_core::Tensor;
+
+use super::{Inputs, Model, Objective};
+use crate::linear::{Grads, LoraCtx};
+use crate::{ModelError, Result};
+use rtune_ops as ops;
+
+impl Model {
+    /// The training head: the loss of the final hidden states `h: (N, D)` under `objective` and
+    /// its gradient `dh: (N, D)` (trainable token rows' gradient added to `grads`).
+    pub(super) fn head_loss(
+        &self,
+        h: &Tensor,
+        targets: &[Option<u32>],
+        lora: &LoraCtx,
+        objective: &mut Objective,
+        grads: &mut Grads,
+    ) -> candle_core::Result<(f64, Tensor)> {
+        let softcap = self.cfg.variant.final_softcap;
+        let head = self.head_rows(Some(lora))?;
+        let weigh = match objective {
+            Objective::Tokens { grad_scale } => {
+                let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
+                    h,
+                    &self.lm_head,
+                    head.as_ref(),
+                    softcap,
+                    targets,
+                    *grad_scale,
+                    self.ce_chunk(),
+                )?;
+                if let Some(g) = head_grad {
+                    Grads::add(&mut grads.tokens, g)?;
+                }
+                return Ok((loss, dh));
+            }
+            Objective::PerToken(weigh) => weigh,
+        };
+        if head.is_some() {
+            candle_core::bail!(
+                "a per-sequence objective (preference training) with trainable token rows in a tied \
+                 lm_head is not supported yet"
+            );
+        }
+        let (nll, dh) = ops::chunked_cross_entropy_rows(
+            h,
+            &self.lm_head,
+            softcap,
+            targets,
+            true,
+            self.ce_chunk(),
+        )?;
+        let (loss, weights) = weigh(&nll.to_vec1::<f32>()?)?;
+        if weights.len() != targets.len() {
+            candle_core::bail!(
+                "objective: {} weights for {} positions",
+                weights.len(),
+                targets.len()
+            );
+        }
+        // d(Σ cᵢ·nllᵢ)/dh = c ⊙ d(Σ nllᵢ)/dh row by row (row i's logits depend on h[i] alone).
+        let c = Tensor::new(weights.as_slice(), h.device())?
+            .to_dtype(h.dtype())?
+            .unsqueeze(1)?;
+        let dh = dh.expect("asked for the gradient").broadcast_mul(&c)?;
+        Ok((loss, dh))
+    }
+
+    /// Every position's next-token NLL `−log p(target)` (0 where `targets[i]` is `None`), no
+    /// gradient: the preference objectives' reference pass (`lora: None`, the base alone) and
+    /// their evaluation. Layer by layer, as [`eval_loss`](Self::eval_loss).
+    pub fn token_nll(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: Option<&LoraCtx>,
+    ) -> Result<Vec<f32>> {
+        let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
+        let run = || -> candle_core::Result<Vec<f32>> {
+            let ctx = self.batch_ctx(inp)?;
+            let mut x = self.embed_tokens(&inp.ids, lora)?.0;
+            for layer in &self.layers {
+                x = layer.forward(&x, &ctx, lora)?.0;
+            }
+            let (h, _) = self.final_norm(&x)?;
+            if self.head_rows(lora)?.is_some() {
+                candle_core::bail!(
+                    "per-position losses with trainable token rows in a tied lm_head are not \
+                     supported yet"
+                );
+            }
+            let softcap = self.cfg.variant.final_softcap;
+            let (nll, _) = ops::chunked_cross_entropy_rows(
+                &h,
+                &self.lm_head,
+                softcap,
+                targets,
+                false,
+                self.ce_chunk(),
+            )?;
+            nll.to_vec1::<f32>()
+        };
+        run().map_err(|e| ModelError::candle("token_nll", e))
+    }
+
+    /// Summed next-token loss of a batch, no gradient (validation). Layer by layer, so only one
+    /// layer's activations exist at a time.
+    pub fn eval_loss(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: Option<&LoraCtx>,
+    ) -> Result<f64> {
+        let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
+        let run = || -> candle_core::Result<f64> {
+            let ctx = self.batch_ctx(inp)?;
+            let mut x = self.embed_tokens(&inp.ids, lora)?.0;
+            for layer in &self.layers {
+                x = layer.forward(&x, &ctx, lora)?.0;
+            }
+            let (h, _) = self.final_norm(&x)?;
+            let head = self.head_rows(lora)?;
+            ops::chunked_cross_entropy_loss_with(
+                &h,
+                &self.lm_head,
+                head.as_ref(),
+                self.cfg.variant.final_softcap,
+                targets,
+                self.ce_chunk(),
+            )
+        };
+        run().map_err(|e| ModelError::candle("eval_loss", e))
+    }
+
+    /// `h·lm_headᵀ` for inference; under autocast through [`rtune_backend::blas::matmul`] (a bf16 head
+    /// times f32 rows), otherwise candle's matmul as always.
+    pub(super) fn head(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        if self.autocast {
+            rtune_backend::blas::matmul(h, &self.lm_head.t()?)
+        } else {
+            h.matmul(&self.lm_head.t()?)
+        }
+    }
+
+    /// Rows of the logits formed at once by the cross-entropy.
+    ///
+    /// CPU: 6 Mi f32 logits (24 MiB) a chunk, below glibc's largest mmap threshold, so the buffer is
+    /// reused from the heap instead of faulted in fresh every chunk. GPU: 1024 rows, so a step
+    /// reads the lm_head a few times rather than once per ~50 rows (seq 2048: 2 chunks), while the
+    /// logits and their gradient stay transient (1024 × 128256 bf16: 263 MB each).
+    pub(super) fn ce_chunk(&self) -> usize {
+        if self.device.is_cpu() {
+            ((6usize << 20) / self.cfg.vocab_size).clamp(16, 4096)
+        } else {
+            1024
+        }
+    }
+}
