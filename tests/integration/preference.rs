@@ -12,13 +12,17 @@
 use crate::common::{fixture, rel_err, rtune, stderr, write_init_adapter, Golden};
 use std::path::Path;
 
-const METRICS: [&str; 6] = [
+/// TRL's logged metrics, each compared where the golden's trainer logs it (KTO: no accuracies,
+/// a `kl`; SimPO and ORPO: an `nll_loss`).
+const METRICS: [&str; 8] = [
     "rewards/chosen",
     "rewards/rejected",
     "rewards/accuracies",
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+    "nll_loss",
+    "kl",
 ];
 
 fn golden() -> Golden {
@@ -32,6 +36,7 @@ fn golden() -> Golden {
 fn write_pairs(g: &Golden, variant: &str, path: &Path, pretokenized: bool) {
     let rows = match &g.meta["free_pairs"][variant] {
         serde_json::Value::Array(rows) => rows,
+        _ if variant.starts_with("kto") => g.meta["kto_rows"].as_array().unwrap(),
         _ if variant == "dpo_chat" => g.meta["chat_pairs"].as_array().unwrap(),
         _ if pretokenized => g.meta["pairs"].as_array().unwrap(),
         _ => g.meta["text_pairs"].as_array().unwrap(),
@@ -42,6 +47,12 @@ fn write_pairs(g: &Golden, variant: &str, path: &Path, pretokenized: bool) {
 
 /// `[train]` lines for the golden's variant (objective and TRL's knobs).
 fn train_keys(g: &Golden, variant: &str) -> String {
+    if let Some(v) = g.meta["kto_variants"].get(variant) {
+        return format!(
+            "objective = \"kto\"\nbeta = {}\ndesirable_weight = {}\nundesirable_weight = {}\n",
+            v["beta"], v["desirable_weight"], v["undesirable_weight"]
+        );
+    }
     if let Some(v) = g.meta["free_variants"].get(variant) {
         return match v.get("loss_type") {
             Some(_) => format!(
@@ -78,7 +89,7 @@ max_seq_len = 64
 shuffle = false
 [train]
 steps = 3
-micro_batch_size = 4
+micro_batch_size = {mbs}
 lr = 1e-3
 schedule = "constant"
 max_grad_norm = 0.0
@@ -92,6 +103,9 @@ dir = "{out}"
         init = t.join("init").display(),
         data = t.join("pairs.jsonl").display(),
         keys = train_keys(g, variant),
+        // One batch of all rows: KTO's 8 unpaired rows (its KL completions are cycled within a
+        // batch), or 4 pairs.
+        mbs = if variant.starts_with("kto") { 8 } else { 4 },
         out = t.join("out").display(),
     );
     std::fs::write(t.join("run.toml"), cfg).unwrap();
@@ -115,8 +129,10 @@ fn assert_as_trl(g: &Golden, variant: &str, lines: &[serde_json::Value], t: &Pat
             (l - w).abs() <= 1e-5 * w.abs().max(1.0),
             "{variant}: loss {l} vs TRL's {w}"
         );
-        let nll = g.t.contains_key(&format!("{variant}.nll_loss"));
-        for k in METRICS.iter().chain(nll.then_some(&"nll_loss")) {
+        for k in METRICS
+            .iter()
+            .filter(|k| g.t.contains_key(&format!("{variant}.{k}")))
+        {
             let want: Vec<f32> = g.get(&format!("{variant}.{k}")).to_vec1().unwrap();
             let i = m["step"].as_u64().unwrap() as usize - 1;
             let (got, w) = (m[k].as_f64().unwrap(), want[i] as f64);
@@ -275,4 +291,17 @@ save_every = 3
     );
     assert_eq!(crate::resume::metrics(&reference), lines);
     assert_eq!(crate::resume::metrics(&out), lines, "metrics differ");
+}
+
+/// KTO (TRL's KTOTrainer): unpaired text rows with boolean labels, the KL estimate from each row's
+/// prompt with the previous row's completion (cycled within the batch, as TRL builds them), the
+/// desirable and undesirable weights; reference-based, so the reference pass covers the KL rows.
+#[test]
+fn kto_trains_as_trl() {
+    let g = golden();
+    for variant in ["kto", "kto_weighted"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let lines = train(&g, variant, false, tmp.path());
+        assert_as_trl(&g, variant, &lines, tmp.path());
+    }
 }

@@ -20,6 +20,10 @@ text rows with micro_batch_size 4, no shuffle, 3 steps: each step is the same 4 
 `dpo_chat` trains on the same pairs as conversations (`chat_pairs`: TRL's conversational rows, the
 tiny model's chat template; TRL's tokenization of them in `chat_ids`).
 
+`kto`, `kto_weighted`: KTOTrainer on `kto_rows` (each pair's chosen as a desirable row, its
+rejected as an undesirable one; one batch of 8, so TRL's KL completions, each row's previous row's
+completion cycled within the batch, are fixed by the file's order); `kl` is logged per step.
+
 Keys, for each variant V: `V.loss` [3] (before each step), `V.<metric>` [3] (TRL's logged metrics,
 e.g. `V.rewards/chosen`), `V.adamw.<peft key>` (the adapter after 3 steps); `init.<peft key>`; the
 TRL-tokenized pairs in the metadata (`pairs`), and the variants' settings (`variants`).
@@ -34,7 +38,7 @@ from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from trl.experimental.cpo import CPOConfig, CPOTrainer
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
@@ -58,6 +62,13 @@ PAIRS = [
 CHAT_PAIRS = [{"prompt": [{"role": "user", "content": p["prompt"]}],
                "chosen": [{"role": "assistant", "content": p["chosen"]}],
                "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in PAIRS]
+
+# KTO's unpaired rows: each pair's chosen as desirable, its rejected as undesirable (8 rows, one
+# batch; TRL's KL completions: each row's previous row's completion within the batch, cycled).
+KTO_ROWS = [r for p in PAIRS for r in ({"prompt": p["prompt"], "completion": p["chosen"], "label": True},
+                                       {"prompt": p["prompt"], "completion": p["rejected"], "label": False})]
+KTO = {"kto": dict(beta=0.3, desirable_weight=1.0, undesirable_weight=1.0),
+       "kto_weighted": dict(beta=0.2, desirable_weight=1.5, undesirable_weight=0.8)}
 
 # Variant name -> DPOConfig settings.
 VARIANTS = {
@@ -190,6 +201,41 @@ def run_free(name, trainer_cls, config_cls, settings, tok, out, meta):
     print(name, "losses", [f"{x:.6f}" for x in losses], "acc", metrics["rewards/accuracies"])
 
 
+def run_kto(name, settings, tok, out, meta):
+    m = peft_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = KTOConfig(output_dir=tmp, per_device_train_batch_size=len(KTO_ROWS), learning_rate=LR,
+                         max_length=64, report_to=[], use_cpu=True, **settings)
+        trainer = KTOTrainer(model=m, args=args, train_dataset=Dataset.from_list(KTO_ROWS), processing_class=tok)
+    keys = ("prompt_ids", "completion_ids", "KL_completion_ids", "label")
+    rows = [{k: trainer.train_dataset[i][k] for k in keys} for i in range(len(KTO_ROWS))]
+    meta.setdefault("kto_ids", rows)
+    batch = trainer.data_collator(rows)
+    model = trainer.model
+    model.train()
+    params = [p for n, p in model.named_parameters() if ".default." in n and p.requires_grad]
+    assert len(params) == 2 * len(TARGETS) * 2, len(params)
+    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"]
+    losses, metrics = [], {k: [] for k in names}
+    for _ in range(STEPS):
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(model, batch)
+        losses.append(loss.item())
+        for k in names:
+            metrics[k].append(trainer._metrics["train"][k][-1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out[f"{name}.loss"] = torch.tensor(losses, dtype=torch.float32)
+    for k, v in metrics.items():
+        out[f"{name}.{k}"] = torch.tensor(v, dtype=torch.float32)
+    for n, p in model.named_parameters():
+        if ".default." in n and "lora_" in n:
+            out[f"{name}.adamw.{peft_key(n)}"] = p.detach().clone().contiguous()
+    print(name, "losses", [f"{x:.6f}" for x in losses], "kl", metrics["kl"])
+
+
 def main():
     import trl
     tok = AutoTokenizer.from_pretrained(MODEL)
@@ -199,6 +245,9 @@ def main():
     for name, (trainer_cls, config_cls, settings) in FREE.items():
         run_free(name, trainer_cls, config_cls, settings, tok, out, meta)
     meta["free_variants"] = {k: v[2] for k, v in FREE.items()}
+    for name, settings in KTO.items():
+        run_kto(name, settings, tok, out, meta)
+    meta.update(kto_rows=KTO_ROWS, kto_variants=KTO)
     meta.update(r=R, lora_alpha=ALPHA, target_modules=TARGETS, steps=STEPS, lr=LR, text_pairs=PAIRS,
                 chat_pairs=CHAT_PAIRS,
                 variants={k: {**v, "loss_type": v["loss_type"][0]} for k, v in VARIANTS.items()},

@@ -186,6 +186,10 @@ pub struct TrainSection {
     pub simpo_gamma: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpo_alpha: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desirable_weight: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub undesirable_weight: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -5,6 +5,7 @@
 //! | `sft` | `SFTTrainer` | next-token cross-entropy on completions (no pairs) |
 //! | `dpo` | `DPOTrainer` | `loss_type`: `sigmoid` −log σ(Δ), `hinge` relu(1 − Δ), `ipo` (per-token averages), `robust` (with `label_smoothing`) |
 //! | `simpo` | `CPOTrainer(loss_type="simpo")` | −log σ(β·(π̄c − π̄r) − γ) + `cpo_alpha`·NLL(chosen), π̄ per-token averages, no reference |
+//! | `kto` | `KTOTrainer` | unpaired rows: w_d·(1 − σ(β·(πc − rc − KL))) if desirable, w_u·(1 − σ(β·(KL − (πc − rc)))) if not; KL from mismatched completions |
 //! | `orpo` | `ORPOTrainer` | NLL(chosen, prompt included) − β·log σ(log-odds(π̄c) − log-odds(π̄r)), no reference |
 
 use std::path::Path;
@@ -39,6 +40,11 @@ pub enum Objective {
     Orpo {
         beta: f64,
     },
+    Kto {
+        beta: f64,
+        desirable_weight: f64,
+        undesirable_weight: f64,
+    },
 }
 
 impl Objective {
@@ -49,6 +55,7 @@ impl Objective {
             Objective::Dpo { .. } => "dpo",
             Objective::Simpo { .. } => "simpo",
             Objective::Orpo { .. } => "orpo",
+            Objective::Kto { .. } => "kto",
         }
     }
 
@@ -65,7 +72,12 @@ impl Objective {
 
     /// Needs the reference policy's log-probabilities (DPO; SimPO and ORPO are reference-free).
     pub fn needs_reference(&self) -> bool {
-        matches!(self, Objective::Dpo { .. })
+        matches!(self, Objective::Dpo { .. } | Objective::Kto { .. })
+    }
+
+    /// Trains on unpaired rows (`{prompt, completion, label}`: KTO) rather than pairs.
+    pub fn is_unpaired(&self) -> bool {
+        matches!(self, Objective::Kto { .. })
     }
 }
 
@@ -85,7 +97,21 @@ impl TrainSection {
             )),
             false => Ok(()),
         };
-        only("train.beta", self.beta.is_some(), &["dpo", "simpo", "orpo"])?;
+        only(
+            "train.beta",
+            self.beta.is_some(),
+            &["dpo", "simpo", "orpo", "kto"],
+        )?;
+        only(
+            "train.desirable_weight",
+            self.desirable_weight.is_some(),
+            &["kto"],
+        )?;
+        only(
+            "train.undesirable_weight",
+            self.undesirable_weight.is_some(),
+            &["kto"],
+        )?;
         only("train.loss_type", self.loss_type.is_some(), &["dpo"])?;
         only(
             "train.label_smoothing",
@@ -154,11 +180,21 @@ impl TrainSection {
             },
             "orpo" => Objective::Orpo { beta },
             "kto" => {
-                return Err(bad(
-                    "train.objective",
-                    "\"kto\" (unpaired preferences) is not supported yet; dpo, simpo and orpo are"
-                        .into(),
-                ))
+                let weight = |key: &str, v: Option<f64>| match v.unwrap_or(1.0) {
+                    w if w.is_finite() && w > 0.0 => Ok(w),
+                    w => Err(bad(
+                        key,
+                        format!("must be a positive number (TRL's default 1), got {w}"),
+                    )),
+                };
+                Objective::Kto {
+                    beta,
+                    desirable_weight: weight("train.desirable_weight", self.desirable_weight)?,
+                    undesirable_weight: weight(
+                        "train.undesirable_weight",
+                        self.undesirable_weight,
+                    )?,
+                }
             }
             other => {
                 return Err(bad(

@@ -143,7 +143,14 @@ mod tests {
         assert_eq!(c.train.objective, want);
         for (extra, key) in [
             ("[train]\nobjective = \"dpp\"", "train.objective"),
-            ("[train]\nobjective = \"kto\"", "train.objective"),
+            (
+                "[train]\nobjective = \"kto\"\ndesirable_weight = 0.0",
+                "train.desirable_weight",
+            ),
+            (
+                "[train]\nobjective = \"dpo\"\nundesirable_weight = 1.0",
+                "train.undesirable_weight",
+            ),
             ("[train]\nbeta = 0.2", "train.beta"),
             (
                 "[train]\nobjective = \"dpo\"\nloss_type = \"sigmod\"",

@@ -33,6 +33,10 @@ pub struct Pair {
     /// The reference policy's log-probabilities of `(chosen, rejected)` given the prompt, once
     /// computed (the trainer fills them in before training).
     pub reference: Option<[f64; 2]>,
+    /// An unpaired row (KTO: `{prompt, completion, label}`): whether its completion, held in
+    /// `chosen`, is desirable. `rejected` then holds the KL completion, another row's completion
+    /// for the same prompt (TRL's mismatched pairs, assigned by [`assign_kl_completions`]).
+    pub label: Option<bool>,
 }
 
 impl Pair {
@@ -109,7 +113,11 @@ pub fn parse_pairs(
         let v: Value =
             serde_json::from_str(line).map_err(|e| row_err(format!("not valid JSON: {e}")))?;
         let mut pair = parse_row(&v, tok, template, vocab).map_err(row_err)?;
-        if pair.prompt.len() >= max_seq_len || pair.chosen.is_empty() || pair.rejected.is_empty() {
+        let unpaired = pair.label.is_some();
+        if pair.prompt.len() >= max_seq_len
+            || pair.chosen.is_empty()
+            || (!unpaired && pair.rejected.is_empty())
+        {
             set.dropped += 1;
             continue;
         }
@@ -119,7 +127,7 @@ pub fn parse_pairs(
             pair.chosen.truncate(room);
             pair.rejected.truncate(room);
         }
-        if pair.chosen == pair.rejected {
+        if !unpaired && pair.chosen == pair.rejected {
             set.identical += 1;
         }
         set.pairs.push(pair);
@@ -138,6 +146,12 @@ fn parse_row(
         .as_object()
         .ok_or_else(|| "a preference row is a JSON object".to_string())?;
     let keys = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
+    if ["label", "completion", "completion_ids"]
+        .iter()
+        .any(|k| obj.contains_key(*k))
+    {
+        return unpaired_row(obj, tok, template, vocab);
+    }
     if obj.contains_key("prompt_ids") || obj.contains_key("chosen_ids") {
         let ids = |k: &str| -> std::result::Result<Vec<u32>, String> {
             let a = obj
@@ -165,6 +179,7 @@ fn parse_row(
             chosen: ids("chosen_ids")?,
             rejected: ids("rejected_ids")?,
             reference: None,
+            label: None,
         });
     }
     if let Some(Value::Array(prompt)) = obj.get("prompt") {
@@ -211,6 +226,80 @@ fn parse_row(
     tokenize_pair(tok, prompt, chosen, rejected).map_err(|e| e.to_string())
 }
 
+/// An unpaired (KTO) row: `prompt` and `completion` as text, messages or `_ids`, and a boolean
+/// `label`; tokenized as a pair's side is.
+fn unpaired_row(
+    obj: &serde_json::Map<String, Value>,
+    tok: Option<&Tokenizer>,
+    template: Option<&ChatTemplate>,
+    vocab: usize,
+) -> std::result::Result<Pair, String> {
+    let keys = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
+    let label = match obj.get("label") {
+        Some(Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(format!(
+                "`label` must be true (a desirable completion) or false, found {other}"
+            ))
+        }
+        None => {
+            return Err(format!(
+                "an unpaired preference row needs `prompt`, `completion` and a boolean `label` \
+                 (has: {})",
+                keys()
+            ))
+        }
+    };
+    let mut p = match obj.get("prompt_ids") {
+        Some(_) => {
+            // The pre-tokenized form: `completion_ids` as a pair's `chosen_ids`.
+            let mut o = obj.clone();
+            let c = o.remove("completion_ids").ok_or_else(|| {
+                format!(
+                    "a pre-tokenized unpaired row needs `completion_ids` (has: {})",
+                    keys()
+                )
+            })?;
+            o.insert("chosen_ids".into(), c.clone());
+            o.insert("rejected_ids".into(), c);
+            o.remove("label");
+            parse_row(&Value::Object(o), tok, template, vocab)?
+        }
+        None => {
+            let mut o = obj.clone();
+            let c = o.remove("completion").ok_or_else(|| {
+                format!(
+                    "an unpaired preference row needs `completion` (has: {})",
+                    keys()
+                )
+            })?;
+            o.insert("chosen".into(), c.clone());
+            o.insert("rejected".into(), c);
+            o.remove("label");
+            parse_row(&Value::Object(o), tok, template, vocab)?
+        }
+    };
+    p.rejected.clear();
+    p.label = Some(label);
+    Ok(p)
+}
+
+/// TRL's KL completions for unpaired rows, in blocks of `block` rows in order (its dataset map
+/// over batches of `per_device_train_batch_size`): each row's `rejected` becomes the previous
+/// row's completion, the first row's the block's last, cut so prompt + completion fits
+/// `max_seq_len`.
+pub fn assign_kl_completions(rows: &mut [Pair], block: usize, max_seq_len: usize) {
+    for chunk in rows.chunks_mut(block.max(1)) {
+        let completions: Vec<Vec<u32>> = chunk.iter().map(|p| p.chosen.clone()).collect();
+        let n = chunk.len();
+        for (i, p) in chunk.iter_mut().enumerate() {
+            let mut c = completions[(i + n - 1) % n].clone();
+            c.truncate(max_seq_len.saturating_sub(p.prompt.len()));
+            p.rejected = c;
+        }
+    }
+}
+
 /// TRL's tokenization of a conversational pair (module docs).
 fn chat_pair(
     tok: &Tokenizer,
@@ -243,6 +332,7 @@ fn split_at_prefix(p: Vec<u32>, pc: Vec<u32>, pr: Vec<u32>) -> Pair {
         chosen: pc[n..].to_vec(),
         rejected: pr[n..].to_vec(),
         reference: None,
+        label: None,
     }
 }
 
@@ -273,6 +363,8 @@ pub struct PairBatch {
     pub completion: Vec<bool>,
     /// The pairs' reference log-probabilities `(chosen, rejected)`, when computed.
     pub reference: Vec<Option<[f64; 2]>>,
+    /// Unpaired rows' labels (KTO; `None` for pairs).
+    pub labels: Vec<Option<bool>>,
     /// Completion tokens of each row (`2b`): IPO and SimPO average over them.
     pub completion_tokens: Vec<usize>,
 }
@@ -331,6 +423,7 @@ impl PairBatch {
             },
             completion,
             reference: pairs.iter().map(|p| p.reference).collect(),
+            labels: pairs.iter().map(|p| p.label).collect(),
             completion_tokens: seqs.iter().map(|(_, c)| c.len()).collect(),
         }
     }
@@ -377,6 +470,7 @@ mod tests {
             chosen: c.to_vec(),
             rejected: r.to_vec(),
             reference: None,
+            label: None,
         }
     }
 
@@ -466,5 +560,43 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("need the model's tokenizer.json"), "{e}");
+    }
+
+    /// KTO's unpaired rows: pre-tokenized `completion_ids` with a boolean `label` (anything else
+    /// refused naming the line), the KL completions cycled within blocks as TRL builds them.
+    #[test]
+    fn unpaired_rows_and_their_kl_completions() {
+        let path = Path::new("kto.jsonl");
+        let text = "{\"prompt_ids\":[1],\"completion_ids\":[2,3],\"label\":true}\n\
+                    {\"prompt_ids\":[1,4],\"completion_ids\":[5],\"label\":false}\n\
+                    {\"prompt_ids\":[6],\"completion_ids\":[7,8,9],\"label\":true}\n";
+        let mut set = parse_pairs(text, path, None, None, 4, 10).unwrap();
+        assert_eq!((set.rows, set.dropped, set.identical), (3, 0, 0));
+        let labels: Vec<_> = set.pairs.iter().map(|p| p.label).collect();
+        assert_eq!(labels, [Some(true), Some(false), Some(true)]);
+        // Blocks of 2: [row 0, row 1], [row 2]; each takes the previous row's completion, cut
+        // to fit max_seq_len 4 after its prompt.
+        assign_kl_completions(&mut set.pairs, 2, 4);
+        let kl: Vec<&[u32]> = set.pairs.iter().map(|p| p.rejected.as_slice()).collect();
+        assert_eq!(kl, [&[5][..], &[2, 3][..], &[7, 8, 9][..]]);
+        for (bad, want) in [
+            (
+                "{\"prompt_ids\":[1],\"completion_ids\":[2],\"label\":1}",
+                "`label` must be true",
+            ),
+            (
+                "{\"prompt\":\"a\",\"completion\":\"b\"}",
+                "a boolean `label`",
+            ),
+            (
+                "{\"prompt_ids\":[1],\"label\":true}",
+                "needs `completion_ids`",
+            ),
+        ] {
+            let e = parse_pairs(bad, path, None, None, 8, 10)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with("kto.jsonl:1: ") && e.contains(want), "{e}");
+        }
     }
 }

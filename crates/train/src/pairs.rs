@@ -4,7 +4,7 @@
 //! before training.
 
 use rtune_config::RunConfig;
-use rtune_data::preference::load_pairs;
+use rtune_data::preference::{assign_kl_completions, load_pairs};
 use rtune_data::{ChatTemplate, Example, Pair, PairBatch, PairSet, Tokenizer, IGNORE};
 use rtune_model::{Inputs, LoraCtx, Model};
 
@@ -80,8 +80,15 @@ pub fn load(
     let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
         let set = load_pairs(&f.path, tok, template, d.max_seq_len, vocab)?;
+        check_kind(cfg, &f.path, &set)?;
         let seed = crate::sample::file_seed(cfg.train.seed, i);
-        let (pairs, held) = crate::sample::hold_out(set.pairs.clone(), d.valid_fraction, seed);
+        let (mut pairs, mut held) =
+            crate::sample::hold_out(set.pairs.clone(), d.valid_fraction, seed);
+        if cfg.train.objective.is_unpaired() {
+            let mbs = cfg.train.micro_batch_size;
+            assign_kl_completions(&mut pairs, mbs, d.max_seq_len);
+            assign_kl_completions(&mut held, mbs, d.max_seq_len);
+        }
         valid.extend(held);
         train.extend(crate::sample::weighted(
             pairs,
@@ -92,7 +99,11 @@ pub fn load(
     }
     if let Some(v) = &d.valid {
         let set = load_pairs(v, tok, template, d.max_seq_len, vocab)?;
+        check_kind(cfg, v, &set)?;
         valid = set.pairs.clone();
+        if cfg.train.objective.is_unpaired() {
+            assign_kl_completions(&mut valid, cfg.train.micro_batch_size, d.max_seq_len);
+        }
         files.push((v.clone(), set));
     }
     if train.is_empty() {
@@ -136,6 +147,30 @@ pub fn reference(
     let mut passes = fill_reference(model, lora, &mut data.train, mbs, pad_id)?;
     passes += fill_reference(model, lora, &mut data.valid, mbs, pad_id)?;
     Ok(passes)
+}
+
+/// The file's rows are of the objective's kind: unpaired (`label`) rows for KTO, pairs otherwise.
+fn check_kind(cfg: &RunConfig, path: &std::path::Path, set: &PairSet) -> Result<(), TrainError> {
+    let unpaired = set.pairs.iter().filter(|p| p.label.is_some()).count();
+    let kto = cfg.train.objective.is_unpaired();
+    let message = match (kto, unpaired) {
+        (true, n) if n < set.pairs.len() => format!(
+            "objective \"kto\" takes unpaired rows ({{\"prompt\", \"completion\", \"label\"}}); {} \
+             of its rows are preference pairs",
+            set.pairs.len() - n
+        ),
+        (false, n) if n > 0 => format!(
+            "objective \"{}\" takes preference pairs ({{\"prompt\", \"chosen\", \"rejected\"}}); {n} \
+             of its rows are unpaired (`label`) rows, which objective \"kto\" takes",
+            cfg.train.objective.name()
+        ),
+        _ => return Ok(()),
+    };
+    Err(rtune_data::DataError::File {
+        path: path.to_path_buf(),
+        message,
+    }
+    .into())
 }
 
 /// Fills in every pair's reference log-probabilities `(chosen, rejected)`: the model as training

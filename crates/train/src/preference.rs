@@ -37,11 +37,17 @@ pub struct PairSums {
     pub logps_rejected: f64,
     /// The NLL term (SimPO, ORPO) before its weight: Σ chosen NLL / the step's chosen tokens.
     pub nll: f64,
+    /// KTO: desirable and undesirable rows, and the sum of the micro-batches' KL estimates.
+    pub desirable: f64,
+    pub undesirable: f64,
+    pub kl: f64,
+    /// Micro-batches summed (KTO's `kl` is their mean).
+    pub batches: f64,
 }
 
 impl PairSums {
-    /// As six numbers, for the ranks' all-reduce.
-    pub fn to_array(&self) -> [f64; 6] {
+    /// As numbers, for the ranks' all-reduce.
+    pub fn to_array(&self) -> [f64; 10] {
         [
             self.reward_chosen,
             self.reward_rejected,
@@ -49,11 +55,16 @@ impl PairSums {
             self.logps_chosen,
             self.logps_rejected,
             self.nll,
+            self.desirable,
+            self.undesirable,
+            self.kl,
+            self.batches,
         ]
     }
 
-    pub fn from_array(a: [f64; 6]) -> Self {
-        let [reward_chosen, reward_rejected, correct, logps_chosen, logps_rejected, nll] = a;
+    pub fn from_array(a: [f64; 10]) -> Self {
+        let [reward_chosen, reward_rejected, correct, logps_chosen, logps_rejected, nll, desirable, undesirable, kl, batches] =
+            a;
         PairSums {
             reward_chosen,
             reward_rejected,
@@ -61,6 +72,10 @@ impl PairSums {
             logps_chosen,
             logps_rejected,
             nll,
+            desirable,
+            undesirable,
+            kl,
+            batches,
         }
     }
 
@@ -71,6 +86,10 @@ impl PairSums {
         self.logps_chosen += o.logps_chosen;
         self.logps_rejected += o.logps_rejected;
         self.nll += o.nll;
+        self.desirable += o.desirable;
+        self.undesirable += o.undesirable;
+        self.kl += o.kl;
+        self.batches += o.batches;
     }
 }
 
@@ -196,7 +215,7 @@ fn pair_terms(
                 reward_rejected: beta * ar,
             }
         }
-        Objective::Sft => unreachable!("SFT has no pairs"),
+        Objective::Kto { .. } | Objective::Sft => unreachable!("not a pair objective"),
     }
 }
 
@@ -217,6 +236,20 @@ pub fn weigh(
     nll: &[f32],
     totals: StepTotals,
 ) -> (f64, Vec<f32>, PairSums) {
+    if let Objective::Kto {
+        beta,
+        desirable_weight,
+        undesirable_weight,
+    } = *obj
+    {
+        return weigh_kto(
+            beta,
+            (desirable_weight, undesirable_weight),
+            batch,
+            nll,
+            totals,
+        );
+    }
     let (b, t) = (batch.pairs(), batch.batch.t);
     let logps = batch.row_logps(nll);
     let ntok = &batch.completion_tokens;
@@ -267,7 +300,67 @@ pub fn weigh(
             logps_chosen: lc,
             logps_rejected: lr,
             nll: chosen_nll,
+            ..Default::default()
         });
+    }
+    (loss, weights, sums)
+}
+
+/// KTO (TRL's `KTOTrainer`, loss type `kto`): the batch's rows are the unpaired completions, then
+/// their KL rows (each prompt with another row's completion). The KL estimate is the batch's mean
+/// policy − reference log-ratio on the KL rows, clamped at 0 and a constant (TRL detaches it);
+/// a desirable row's loss is `w_d·(1 − σ(β·(log-ratio − KL)))`, an undesirable one's
+/// `w_u·(1 − σ(β·(KL − log-ratio)))`, the step's loss their mean over its rows.
+fn weigh_kto(
+    beta: f64,
+    (w_d, w_u): (f64, f64),
+    batch: &PairBatch,
+    nll: &[f32],
+    totals: StepTotals,
+) -> (f64, Vec<f32>, PairSums) {
+    let (b, t) = (batch.pairs(), batch.batch.t);
+    let logps = batch.row_logps(nll);
+    let reference =
+        |j: usize| batch.reference[j].expect("KTO rows carry their reference log-probs");
+    let kl =
+        ((0..b).map(|j| logps[b + j] - reference(j)[1]).sum::<f64>() / b.max(1) as f64).max(0.0);
+    let per_row = 1.0 / totals.pairs.max(1) as f64;
+    let mut weights = vec![0f32; nll.len()];
+    let (mut loss, mut sums) = (0.0, PairSums::default());
+    sums.kl = kl;
+    sums.batches = 1.0;
+    for (j, &logp) in logps[..b].iter().enumerate() {
+        let ratio = logp - reference(j)[0];
+        let desirable = batch.labels[j].expect("KTO rows carry their label");
+        // 1 − σ(z) with z = ±β(ratio − KL); d/dratio = ∓β·σ(z)·σ(−z).
+        let (w, sign) = if desirable { (w_d, 1.0) } else { (w_u, -1.0) };
+        let z = sign * beta * (ratio - kl);
+        loss += w * (1.0 - sigmoid(z)) * per_row;
+        let d_ratio = -w * sign * beta * sigmoid(z) * sigmoid(-z) * per_row;
+        let row = j * t..(j + 1) * t;
+        for (w, _) in weights[row.clone()]
+            .iter_mut()
+            .zip(&batch.completion[row])
+            .filter(|(_, &c)| c)
+        {
+            *w = -d_ratio as f32; // π = −Σ nll
+        }
+        let reward = beta * ratio;
+        let s = match desirable {
+            true => PairSums {
+                reward_chosen: reward,
+                logps_chosen: logp,
+                desirable: 1.0,
+                ..Default::default()
+            },
+            false => PairSums {
+                reward_rejected: reward,
+                logps_rejected: logp,
+                undesirable: 1.0,
+                ..Default::default()
+            },
+        };
+        sums.add(&s);
     }
     (loss, weights, sums)
 }
@@ -282,6 +375,27 @@ pub fn metrics(s: &PairSums, pairs: usize, obj: Objective, prefix: &str) -> BTre
     let n = pairs.max(1) as f64;
     let mut m = BTreeMap::new();
     let mut put = |k: &str, v: f64| m.insert(format!("{prefix}{k}"), v);
+    if let Objective::Kto { .. } = obj {
+        // TRL's KTO: rewards and logps averaged over the desirable and the undesirable rows
+        // apart, the margin when both exist, the micro-batches' mean KL.
+        let (d, u) = (s.desirable, s.undesirable);
+        if d > 0.0 {
+            put("rewards/chosen", s.reward_chosen / d);
+            put("logps/chosen", s.logps_chosen / d);
+        }
+        if u > 0.0 {
+            put("rewards/rejected", s.reward_rejected / u);
+            put("logps/rejected", s.logps_rejected / u);
+        }
+        if d > 0.0 && u > 0.0 {
+            put(
+                "rewards/margins",
+                s.reward_chosen / d - s.reward_rejected / u,
+            );
+        }
+        put("kl", s.kl / s.batches.max(1.0));
+        return m;
+    }
     put("rewards/chosen", s.reward_chosen / n);
     put("rewards/rejected", s.reward_rejected / n);
     put("rewards/accuracies", s.correct / n);
@@ -305,6 +419,7 @@ mod tests {
             chosen: c.to_vec(),
             rejected: r.to_vec(),
             reference,
+            label: None,
         };
         let a = p(&[1, 2], &[3, 4, 5], &[6], Some([-4.0, -1.5]));
         let b = p(&[7], &[8], &[9, 10], Some([-2.0, -3.0]));
@@ -400,5 +515,59 @@ mod tests {
         let want = (pair(-1.5, -0.5, -4.0, -1.5) + pair(-0.5, -1.0, -2.0, -3.0)) / 2.0;
         assert!((loss - want).abs() < 1e-12, "{loss} vs {want}");
         assert_eq!(sums.correct, 1.0); // pair 1: 0.25 vs 0.1; pair 2: 0.15 vs 0.2
+    }
+
+    /// KTO's hand-written gradient against a central difference on the completion rows (the KL
+    /// rows carry none: TRL detaches the estimate), desirable and undesirable rows both, with the
+    /// KL estimate above 0.
+    #[test]
+    fn kto_weights_are_the_loss_gradient() {
+        let p = |c: &[u32], kl: &[u32], label, reference| Pair {
+            prompt: vec![1, 2],
+            chosen: c.to_vec(),
+            rejected: kl.to_vec(),
+            reference: Some(reference),
+            label: Some(label),
+        };
+        let rows = [
+            p(&[3, 4], &[5], true, [-1.0, -2.5]),
+            p(&[5], &[3, 4], false, [-0.2, -0.9]),
+        ];
+        let pb = PairBatch::new(&[&rows[0], &rows[1]], 0, false);
+        let nll: Vec<f32> = (0..pb.batch.targets.len())
+            .map(|i| 0.2 + 0.05 * (i % 7) as f32)
+            .collect();
+        let totals = StepTotals {
+            pairs: 2,
+            nll_tokens: 0,
+        };
+        let obj = Objective::Kto {
+            beta: 0.7,
+            desirable_weight: 1.3,
+            undesirable_weight: 0.6,
+        };
+        let (_, w, sums) = weigh(&obj, &pb, &nll, totals);
+        assert!(sums.kl > 0.0, "the test exercises a positive KL: {sums:?}");
+        let t = pb.batch.t;
+        for i in 0..nll.len() {
+            if i >= 2 * t || pb.batch.targets[i].is_none() {
+                assert_eq!(
+                    w[i], 0.0,
+                    "position {i}: KL rows and padding carry no gradient"
+                );
+                continue;
+            }
+            let at = |d: f32| {
+                let mut x = nll.clone();
+                x[i] += d;
+                weigh(&obj, &pb, &x, totals).0
+            };
+            let want = (at(1e-3) - at(-1e-3)) / 2e-3;
+            assert!(
+                (w[i] as f64 - want).abs() <= 1e-4 * want.abs().max(1e-2),
+                "{i}: {} vs {want}",
+                w[i]
+            );
+        }
     }
 }
