@@ -1,7 +1,8 @@
 //! Data-parallel training under `mpirun -np 2` (issue 16), on the CPU with the tiny Llama 3:
 //! - two ranks with `grad_accum = 1` train the adapter of one process with `grad_accum = 2`, bit
 //!   for bit, with the same metrics lines, and only rank 0 writes (the run directory holds what a
-//!   single process's holds; run.json lists both ranks);
+//!   single process's holds; run.json lists both ranks); DPO likewise (reward metrics summed
+//!   over the ranks);
 //! - a rank whose data file differs is refused at start, naming the rank and the setting;
 //! - `kill -9` of one rank ends `mpirun` non-zero within 60 s, and `--resume` on two ranks ends
 //!   with the uninterrupted run's adapter;
@@ -219,6 +220,46 @@ fn two_ranks_train_the_adapter_of_one_process_with_twice_the_accumulation() {
         single_record.get("world").is_none(),
         "a single process records no world"
     );
+}
+
+/// DPO on two ranks equals one process with twice the accumulation, bit for bit: each rank
+/// computes the reference log-probs of every pair (the same numbers), its micro-batch's share of
+/// the loss normalised by the whole step's pairs, and the reward metrics are summed over the
+/// ranks before they are reported.
+#[test]
+fn two_ranks_train_dpo_as_one_process_with_twice_the_accumulation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("pairs.jsonl");
+    let rows: String = (0..8u32)
+        .map(|i| {
+            format!(
+                "{{\"prompt_ids\":[1,{},{}],\"chosen_ids\":[{},{},2],\"rejected_ids\":[{},2]}}\n",
+                10 + i,
+                20 + 3 * i,
+                40 + i,
+                50 + 2 * i,
+                70 + i
+            )
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let dpo = |name: &str, grad_accum: usize| {
+        let cfg = config(tmp.path(), name, grad_accum, 4, &data);
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        let text = text.replace("[train]\n", "[train]\nobjective = \"dpo\"\nbeta = 0.5\n");
+        std::fs::write(&cfg, text).unwrap();
+        cfg
+    };
+    let o = single(&dpo("reference", 2), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = two_ranks(&dpo("dist", 1), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (reference, out) = (tmp.path().join("reference"), tmp.path().join("dist"));
+    assert!(adapter(&out) == adapter(&reference), "adapters differ");
+    let m = metrics(&out);
+    assert_eq!(m, metrics(&reference));
+    assert_eq!(m.len(), 4);
+    assert!(m[3]["rewards/accuracies"].is_f64(), "{}", m[3]);
 }
 
 /// `rtune estimate --world 2`: the per-rank peak is one process's plus the all-reduce's two f32

@@ -66,6 +66,15 @@ impl RunData {
     pub fn counts(&self) -> RowCounts {
         let mut c = RowCounts::default();
         self.files.iter().for_each(|f| c.add(&f.counts));
+        // A preference run's files: rows read, pairs whose completions were cut or left out.
+        for (_, set) in self.pairs.iter().flat_map(|p| &p.files) {
+            c.add(&RowCounts {
+                rows: set.rows,
+                truncated: set.truncated,
+                dropped: set.dropped,
+                ..RowCounts::default()
+            });
+        }
         c
     }
 
