@@ -98,6 +98,15 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
         );
     }
     let bar = progress::Progress::new(steps, every);
+    // What a training row is: an SFT example, a preference pair, or KTO's unpaired row.
+    let unit = match (
+        cfg.train.objective.is_preference(),
+        cfg.train.objective.is_unpaired(),
+    ) {
+        (false, _) => "examples",
+        (true, false) => "pairs",
+        (true, true) => "unpaired rows",
+    };
     let outcome = rtune_train::train(&cfg, &opts, &mut |ev| match ev {
         // Rank 0 speaks for the run.
         _ if !root => {}
@@ -132,7 +141,7 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
                 );
             }
             eprintln!(
-                "rtune: {examples} training / {valid_examples} validation examples ({} rows: {}); \
+                "rtune: {examples} training / {valid_examples} validation {unit} ({} rows: {}); \
                  {lora_params} LoRA parameters on a {model_params}-parameter model ({:.1} MB resident)",
                 counts.rows,
                 counts.summary(),

@@ -376,12 +376,7 @@ pub fn run_checks(
 
 /// The overfit check of a preference objective: the last step ranks every pair right (reward
 /// accuracy 1; KTO, which has none: a positive reward margin) and its loss is below the first's.
-fn overfit_preference(
-    steps: &[StepMetrics],
-    l0: f64,
-    l1: f64,
-    lr: f64,
-) -> Check {
+fn overfit_preference(steps: &[StepMetrics], l0: f64, l1: f64, lr: f64) -> Check {
     const OVERFIT: &str = "overfit 4 samples";
     let last = steps.last().map(|m| &m.preference);
     let (name, value, ok) = match last.and_then(|p| p.get("rewards/accuracies")) {

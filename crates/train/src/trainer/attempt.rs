@@ -263,7 +263,8 @@ impl<'a> Trainer<'a> {
         }
         (self.on_event)(Event::Start {
             examples: self.examples,
-            valid_examples: self.data.valid.len(),
+            valid_examples: (self.data.pairs.as_ref())
+                .map_or(self.data.valid.len(), |p| p.valid.len()),
             counts: self.data.counts(),
             files: &self.data.files,
             warnings: self.data.warnings(),
