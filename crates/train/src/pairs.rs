@@ -14,7 +14,8 @@ use crate::TrainError;
 pub struct PairData {
     pub train: Vec<Pair>,
     pub valid: Vec<Pair>,
-    /// Per file: `(path, rows, truncated, dropped, identical)`.
+    /// Per file: its path and counts (rows read, truncated, dropped, identical; `pairs` emptied:
+    /// they are in `train` and `valid`).
     pub files: Vec<(std::path::PathBuf, PairSet)>,
 }
 
@@ -79,11 +80,11 @@ pub fn load(
     let d = &cfg.data;
     let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
-        let set = load_pairs(&f.path, tok, template, d.max_seq_len, vocab)?;
+        let mut set = load_pairs(&f.path, tok, template, d.max_seq_len, vocab)?;
         check_kind(cfg, &f.path, &set)?;
         let seed = crate::sample::file_seed(cfg.train.seed, i);
-        let (mut pairs, mut held) =
-            crate::sample::hold_out(set.pairs.clone(), d.valid_fraction, seed);
+        let rows = std::mem::take(&mut set.pairs);
+        let (mut pairs, mut held) = crate::sample::hold_out(rows, d.valid_fraction, seed);
         if cfg.train.objective.is_unpaired() {
             let mbs = cfg.train.micro_batch_size;
             assign_kl_completions(&mut pairs, mbs, d.max_seq_len);
@@ -98,9 +99,9 @@ pub fn load(
         files.push((f.path.clone(), set));
     }
     if let Some(v) = &d.valid {
-        let set = load_pairs(v, tok, template, d.max_seq_len, vocab)?;
+        let mut set = load_pairs(v, tok, template, d.max_seq_len, vocab)?;
         check_kind(cfg, v, &set)?;
-        valid = set.pairs.clone();
+        valid = std::mem::take(&mut set.pairs);
         if cfg.train.objective.is_unpaired() {
             assign_kl_completions(&mut valid, cfg.train.micro_batch_size, d.max_seq_len);
         }
