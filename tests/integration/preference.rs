@@ -87,6 +87,7 @@ init_from = "{init}"
 train = "{data}"
 max_seq_len = 64
 shuffle = false
+cache_dir = "{cache}"
 [train]
 steps = 3
 micro_batch_size = {mbs}
@@ -103,6 +104,7 @@ dir = "{out}"
         init = t.join("init").display(),
         data = t.join("pairs.jsonl").display(),
         keys = train_keys(g, variant),
+        cache = t.join("cache").display(),
         // One batch of all rows: KTO's 8 unpaired rows (its KL completions are cycled within a
         // batch), or 4 pairs.
         mbs = if variant.starts_with("kto") { 8 } else { 4 },
@@ -170,6 +172,43 @@ fn dpo_sigmoid_trains_as_trl() {
     .unwrap();
     assert_eq!(summary["reference_passes"], 1, "{summary}");
     assert_eq!(summary["examples"], 4, "{summary}");
+    // Again on the same pairs, model and starting adapter: the reference log-probs come from
+    // the cache beside the token cache (no pass), and the run is the same to the bit.
+    let first = std::fs::read(tmp.path().join("out/adapter_model.safetensors")).unwrap();
+    std::fs::rename(tmp.path().join("out"), tmp.path().join("first")).unwrap();
+    train(&g, "dpo_sigmoid", false, tmp.path());
+    let (out, first_dir) = (tmp.path().join("out"), tmp.path().join("first"));
+    assert_eq!(
+        crate::resume::metrics(&out),
+        crate::resume::metrics(&first_dir),
+        "metrics of the cached run"
+    );
+    let summary = std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap();
+    assert!(!summary.contains("reference_passes"), "no pass: {summary}");
+    let adapter = std::fs::read(tmp.path().join("out/adapter_model.safetensors")).unwrap();
+    assert!(
+        adapter == first,
+        "the cached reference trains the same adapter"
+    );
+    // A different starting adapter is another reference: computed again.
+    let init = tmp.path().join("init/adapter_model.safetensors");
+    let mut t = candle_core::safetensors::load(&init, &candle_core::Device::Cpu).unwrap();
+    let k = t.keys().next().unwrap().clone();
+    let bumped = (t[&k].clone() * 1.01).unwrap();
+    t.insert(k, bumped);
+    candle_core::safetensors::save(&t, &init).unwrap();
+    std::fs::remove_dir_all(tmp.path().join("out")).unwrap();
+    let o = rtune(&[
+        "train",
+        "--config",
+        tmp.path().join("run.toml").to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["reference_passes"], 1, "recomputed: {summary}");
 }
 
 /// Conversational rows (TRL's format: messages rendered with the model's chat template, the

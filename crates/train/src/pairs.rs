@@ -124,13 +124,15 @@ pub fn load(
 }
 
 /// The reference log-probabilities of a run's pairs (train and validation), when its objective
-/// needs them; the forward passes run.
+/// needs them, from the cache or computed (and cached by the `writer`: rank 0 of a data-parallel
+/// run); the forward passes run.
 pub fn reference(
     cfg: &RunConfig,
     model: &Model,
     adapter: &rtune_lora::Adapter,
     data: &mut PairData,
     pad_id: u32,
+    writer: bool,
 ) -> Result<usize, TrainError> {
     if !cfg.train.objective.needs_reference() {
         return Ok(0);
@@ -145,9 +147,136 @@ pub fn reference(
     };
     let lora = cfg.lora.init_from.as_ref().map(|_| &lc);
     let mbs = cfg.train.micro_batch_size;
+    let cached = match &cfg.data.cache_dir {
+        Some(root) => Some(ReferenceCache::new(cfg, data, root)?),
+        None => None,
+    };
+    let rows = data.train.len() + data.valid.len();
+    if let Some(c) = &cached {
+        if c.read(data) {
+            tracing::info!(
+                "reference log-probabilities of {rows} rows from the cache ({})",
+                c.path.display()
+            );
+            return Ok(0);
+        }
+    }
+    let t0 = std::time::Instant::now();
     let mut passes = fill_reference(model, lora, &mut data.train, mbs, pad_id)?;
     passes += fill_reference(model, lora, &mut data.valid, mbs, pad_id)?;
+    tracing::info!(
+        "reference log-probabilities of {rows} rows: {passes} forward passes in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    if let (Some(c), true) = (&cached, writer) {
+        c.write(data);
+    }
     Ok(passes)
+}
+
+/// The reference log-probabilities on disk beside the token cache (`[data] cache_dir`), so a
+/// restarted or repeated run does not run the reference pass again: `<cache_dir>/reference/
+/// <key>.bin`, the key the sha256 of everything that determines them (the model's files, the
+/// starting adapter's, dtype, quantization, device, micro-batch, every row's token ids in order);
+/// `b"RTUNERF1"`, the count `n: u64`, then `n` pairs of f64 (little-endian), train rows then
+/// validation rows. Written atomically, private; a file that does not match is recomputed.
+struct ReferenceCache {
+    path: std::path::PathBuf,
+}
+
+const REF_MAGIC: &[u8; 8] = b"RTUNERF1";
+
+impl ReferenceCache {
+    fn new(cfg: &RunConfig, data: &PairData, root: &std::path::Path) -> Result<Self, TrainError> {
+        // `key\0value\0` for each part (a row's ids by their own sha256), hashed at the end.
+        let mut parts = Vec::new();
+        let mut put = |k: &str, v: &str| {
+            parts.extend(k.as_bytes());
+            parts.push(0);
+            parts.extend(v.as_bytes());
+            parts.push(0);
+        };
+        put("rtune", env!("CARGO_PKG_VERSION"));
+        for f in crate::record::model_files(&cfg.model.path) {
+            put("model file", &crate::record::sha256_once(&f)?);
+        }
+        if let Some(dir) = &cfg.lora.init_from {
+            for f in ["adapter_model.safetensors", "adapter_config.json"] {
+                put("init_from", &crate::record::sha256_once(&dir.join(f))?);
+            }
+            let l = &cfg.lora;
+            put(
+                "lora",
+                &format!("{} {} {} {}", l.r, l.alpha, l.rslora, l.dora),
+            );
+        }
+        put("dtype", cfg.model.dtype.as_str());
+        put("quantize", &format!("{:?}", cfg.model.quantize));
+        put("device", &format!("{:?}", cfg.train.device));
+        put("micro_batch_size", &cfg.train.micro_batch_size.to_string());
+        for p in data.train.iter().chain(&data.valid) {
+            for ids in [&p.prompt, &p.chosen, &p.rejected] {
+                let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+                put("ids", &rtune_fsio::sha256_bytes(&bytes));
+            }
+        }
+        put(
+            "split",
+            &format!("{} {}", data.train.len(), data.valid.len()),
+        );
+        let key = rtune_fsio::sha256_bytes(&parts);
+        Ok(Self {
+            path: root.join("reference").join(format!("{key}.bin")),
+        })
+    }
+
+    /// Fills every row's reference from the file; false (nothing changed) when it is missing or
+    /// does not match.
+    fn read(&self, data: &mut PairData) -> bool {
+        let n = data.train.len() + data.valid.len();
+        let kind = rtune_fsio::FileKind::Sized {
+            cap: 16 + 16 * n as u64,
+            name: "reference log-probabilities",
+        };
+        let Ok(bytes) = rtune_fsio::read_bounded(&self.path, kind) else {
+            return false;
+        };
+        if bytes.len() != 16 + 16 * n
+            || &bytes[..8] != REF_MAGIC
+            || bytes[8..16] != (n as u64).to_le_bytes()
+        {
+            return false;
+        }
+        let f = |i: usize| f64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+        for (k, p) in data.train.iter_mut().chain(&mut data.valid).enumerate() {
+            p.reference = Some([f(16 + 16 * k), f(24 + 16 * k)]);
+        }
+        true
+    }
+
+    /// Saves every row's reference; a failure is a warning (the run goes on without the cache).
+    fn write(&self, data: &PairData) {
+        let rows: Vec<&Pair> = data.train.iter().chain(&data.valid).collect();
+        let mut bytes = REF_MAGIC.to_vec();
+        bytes.extend((rows.len() as u64).to_le_bytes());
+        for p in rows {
+            let [c, r] = p.reference.expect("filled in");
+            bytes.extend(c.to_le_bytes());
+            bytes.extend(r.to_le_bytes());
+        }
+        let dir = self.path.parent().expect("under the cache root");
+        let written = rtune_fsio::Privacy::PRIVATE
+            .create_dir_all(dir)
+            .and_then(|()| {
+                rtune_fsio::write_atomic(&self.path, &bytes, rtune_fsio::Privacy::PRIVATE)
+            });
+        if let Err(e) = written {
+            tracing::warn!(
+                "{}: reference log-probabilities not cached: {e}",
+                self.path.display()
+            );
+        }
+    }
 }
 
 /// The file's rows are of the objective's kind: unpaired (`label`) rows for KTO, pairs otherwise.

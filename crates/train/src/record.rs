@@ -98,8 +98,29 @@ fn hash(path: &Path) -> Result<FileHash, TrainError> {
     Ok(FileHash {
         path: path.display().to_string(),
         bytes,
-        sha256: sha256_file(path)?,
+        sha256: sha256_once(path)?,
     })
+}
+
+/// A file's sha256, computed once per process for a given (path, size, mtime): a preference
+/// run's reference cache key and run.json hash the same model files at start.
+pub(crate) fn sha256_once(path: &Path) -> Result<String, TrainError> {
+    type Seen = std::collections::HashMap<(std::path::PathBuf, u64, Option<SystemTime>), String>;
+    static SEEN: std::sync::Mutex<Option<Seen>> = std::sync::Mutex::new(None);
+    let meta = std::fs::metadata(path).ok();
+    let id = (
+        path.to_path_buf(),
+        meta.as_ref().map_or(0, |m| m.len()),
+        meta.and_then(|m| m.modified().ok()),
+    );
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(h) = seen.get_or_insert_with(Default::default).get(&id) {
+        return Ok(h.clone());
+    }
+    let h = sha256_file(path)?;
+    seen.get_or_insert_with(Default::default)
+        .insert(id, h.clone());
+    Ok(h)
 }
 
 /// The model's files that determine its numbers: config, weights (and their index), tokenizer.

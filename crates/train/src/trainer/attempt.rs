@@ -70,7 +70,8 @@ impl<'a> Trainer<'a> {
             Some(p) => {
                 // The reference policy's log-probs of every pair, once, before the first step
                 // (and before a resume replaces the adapter: the reference is the start).
-                let passes = crate::pairs::reference(cfg, &model, &adapter, p, pad_id)?;
+                let root = dist.world.is_root();
+                let passes = crate::pairs::reference(cfg, &model, &adapter, p, pad_id, root)?;
                 let examples = p.train.len();
                 let batcher = setup::pair_batcher(cfg, std::mem::take(&mut p.train), pad_id);
                 (Stream::Pairs(batcher), examples, passes)
