@@ -385,3 +385,35 @@ fn dpo_runs_on_qlora_bf16_dora_and_autocast() {
         assert!(last["rewards/accuracies"].is_f64(), "{name}: {last}");
     }
 }
+
+/// `rtune data inspect` on pairs: each pair's two sequences, labelled, with their trained
+/// (completion) tokens marked, and the pairs counted as pairs.
+#[test]
+fn inspect_shows_both_sides_of_each_pair() {
+    let g = golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    write_pairs(&g, "dpo_sigmoid", &t.join("pairs.jsonl"), false);
+    let cfg = format!(
+        "[model]\npath = \"{}\"\n[data]\ntrain = \"{}\"\nmax_seq_len = 64\n[train]\nobjective = \
+         \"dpo\"\n[output]\ndir = \"{}\"\n",
+        fixture("fixtures/tiny-llama").display(),
+        t.join("pairs.jsonl").display(),
+        t.join("out").display()
+    );
+    std::fs::write(t.join("run.toml"), cfg).unwrap();
+    let o = rtune(&[
+        "data",
+        "inspect",
+        "--config",
+        t.join("run.toml").to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let said = String::from_utf8_lossy(&o.stdout);
+    assert!(said.contains("--- sample 1 (pair 1, chosen)"), "{said}");
+    assert!(said.contains("--- sample 2 (pair 1, rejected)"), "{said}");
+    // The first pair's completions, marked as trained (the prompt is not).
+    assert!(said.contains("A:[[ 4</s>]]"), "{said}");
+    assert!(said.contains("A:[[ five, I think</s>]]"), "{said}");
+    assert!(said.contains("8 sequences of 4 training pairs"), "{said}");
+}

@@ -124,8 +124,9 @@ fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()
         let s = inspect::sample(e, tok.as_ref())?;
         writeln!(
             out,
-            "--- sample {} · {} tokens, {} trained ---",
+            "--- sample {}{} · {} tokens, {} trained ---",
             i + 1,
+            pair_side(&cfg, i),
             s.input_ids.len(),
             s.trained_tokens
         )?;
@@ -149,11 +150,33 @@ fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()
             if f.reused_cache { " (from cache)" } else { "" }
         )?;
     }
+    if let Some(p) = &data.pairs {
+        for (path, set) in &p.files {
+            writeln!(
+                out,
+                "{}: {} rows, {} truncated, {} dropped, {} with identical completions",
+                path.display(),
+                set.rows,
+                set.truncated,
+                set.dropped,
+                set.identical
+            )?;
+        }
+    }
     let lengths: Vec<usize> = data.train.iter().map(|e| e.input_ids.len()).collect();
     let trained: usize = data.train.iter().map(|e| e.target_tokens()).sum();
+    // A preference run's rows are its pairs' two sequences each (KTO: a row and its KL row).
+    let what = match (&data.pairs, cfg.train.objective.is_unpaired()) {
+        (None, _) => "training examples".to_string(),
+        (Some(p), false) => format!("sequences of {} training pairs", p.train.len()),
+        (Some(p), true) => format!(
+            "sequences of {} unpaired rows and their KL rows",
+            p.train.len()
+        ),
+    };
     writeln!(
         out,
-        "\n{} training examples, {} tokens, {} trained; lengths (max_seq_len {}):",
+        "\n{} {what}, {} tokens, {} trained; lengths (max_seq_len {}):",
         lengths.len(),
         lengths.iter().sum::<usize>(),
         trained,
@@ -202,4 +225,17 @@ fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
         t0.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Which side of a preference pair sample `i` is (`data.train` holds each pair's sequences in
+/// turn): " (pair 1, chosen)"; nothing for SFT.
+fn pair_side(cfg: &rtune_config::RunConfig, i: usize) -> String {
+    let sides = match cfg.train.objective.is_unpaired() {
+        true => ["row", "KL row"],
+        false => ["chosen", "rejected"],
+    };
+    match cfg.train.objective.is_preference() {
+        true => format!(" (pair {}, {})", i / 2 + 1, sides[i % 2]),
+        false => String::new(),
+    }
 }
