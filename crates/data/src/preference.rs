@@ -11,7 +11,10 @@
 //! - conversational: `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`: the
 //!   chat template renders the prompt with the generation prompt, and prompt + chosen (+ rejected)
 //!   without; the renders are tokenized as `apply_chat_template` does (no special tokens added:
-//!   the template writes them), and split at their common prefix as text rows are.
+//!   the template writes them), and split at their common prefix as text rows are;
+//! - unpaired (KTO): `{"prompt", "completion", "label"}` in any of the three forms
+//!   (`completion_ids` pre-tokenized), `label` a boolean; the completion is held as `chosen`, and
+//!   `rejected` becomes its KL completion, another row's ([`assign_kl_completions`]).
 //!
 //! Truncation as TRL's `keep_start`: a pair whose prompt alone fills `max_seq_len` is dropped;
 //! otherwise each completion is cut so prompt + completion fits.
