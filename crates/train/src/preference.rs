@@ -252,7 +252,17 @@ pub fn weigh(
     }
     let (b, t) = (batch.pairs(), batch.batch.t);
     let logps = batch.row_logps(nll);
-    let ntok = &batch.completion_tokens;
+    // Per-token averages divide by the completion's tokens: DPO's IPO as TRL's DPOTrainer (the
+    // completion mask), SimPO and ORPO as CPO/ORPOTrainer's `get_batch_logps` (the tokens that
+    // carry a log-prob: one fewer when the prompt is empty).
+    let ntok: Vec<usize> = match obj {
+        Objective::Dpo { .. } => batch.completion_tokens.clone(),
+        _ => batch
+            .completion
+            .chunks(t)
+            .map(|row| row.iter().filter(|&&c| c).count().max(1))
+            .collect(),
+    };
     let per_pair = 1.0 / totals.pairs.max(1) as f64;
     let per_token = 1.0 / totals.nll_tokens.max(1) as f64;
     let alpha = nll_weight(obj);
