@@ -112,6 +112,41 @@ def peft_key(name):
     return name.replace(".default", "")
 
 
+def adamw_steps(name, model, step, names, out):
+    """STEPS AdamW steps of `model`'s default adapter on `step()` (loss, TRL's logged metrics),
+    the losses, the metrics `names` and the trained adapter into `out` under `name`."""
+    model.train()
+    # The default adapter's weights: TRL's frozen "ref" copy (DPO, KTO) is not trained.
+    trained = [(n, p) for n, p in model.named_parameters() if "lora_" in n and ".default." in n]
+    assert len(trained) == 2 * len(TARGETS) * 2 and all(p.requires_grad for _, p in trained)
+    opt = torch.optim.AdamW([p for _, p in trained], lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    losses, metrics = [], {k: [] for k in names}
+    for _ in range(STEPS):
+        loss, logged = step()
+        losses.append(loss.item())
+        for k in names:
+            metrics[k].append(float(logged[k]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out[f"{name}.loss"] = torch.tensor(losses, dtype=torch.float32)
+    for k, v in metrics.items():
+        out[f"{name}.{k}"] = torch.tensor(v, dtype=torch.float32)
+    for n, p in trained:
+        out[f"{name}.adamw.{peft_key(n)}"] = p.detach().clone().contiguous()
+    print(name, "losses", [f"{x:.6f}" for x in losses])
+
+
+def logged_step(trainer, model, batch):
+    """One `compute_loss` of a (stable) TRL trainer and the metrics it logged for it."""
+    def step():
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(model, batch)
+        return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return step
+
+
 def run(name, settings, tok, out, meta):
     m = peft_model()
     if "init.base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" not in out:
@@ -128,28 +163,7 @@ def run(name, settings, tok, out, meta):
     if key not in meta:
         meta[key] = [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows]
     batch = trainer.data_collator([{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows])
-    model = trainer.model
-    model.train()
-    params = [p for n, p in model.named_parameters() if ".default." in n and p.requires_grad]
-    assert len(params) == 2 * len(TARGETS) * 2, len(params)
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    losses, metrics = [], {k: [] for k in METRICS}
-    for _ in range(STEPS):
-        trainer._metrics["train"].clear()
-        loss = trainer.compute_loss(model, batch)
-        losses.append(loss.item())
-        for k in METRICS:
-            metrics[k].append(trainer._metrics["train"][k][-1])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    out[f"{name}.loss"] = torch.tensor(losses, dtype=torch.float32)
-    for k, v in metrics.items():
-        out[f"{name}.{k}"] = torch.tensor(v, dtype=torch.float32)
-    for n, p in model.named_parameters():
-        if ".default." in n and "lora_" in n:
-            out[f"{name}.adamw.{peft_key(n)}"] = p.detach().clone().contiguous()
-    print(name, "losses", [f"{x:.6f}" for x in losses], "acc", metrics["rewards/accuracies"])
+    adamw_steps(name, trainer.model, logged_step(trainer, trainer.model, batch), METRICS, out)
 
 
 def split_pairs(batch):
@@ -179,26 +193,8 @@ def run_free(name, trainer_cls, config_cls, settings, tok, out, meta):
     batch = next(iter(trainer.get_train_dataloader()))
     meta.setdefault("free_pairs", {})[name] = split_pairs(batch)
     model = trainer.model
-    model.train()
-    params = [p for n, p in model.named_parameters() if "lora_" in n and p.requires_grad]
-    assert len(params) == 2 * len(TARGETS) * 2, len(params)
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    losses, metrics = [], {k: [] for k in METRICS + ["nll_loss"]}
-    for _ in range(STEPS):
-        loss, logged = trainer.get_batch_loss_metrics(model, batch, "train")
-        losses.append(loss.item())
-        for k in metrics:
-            metrics[k].append(float(logged[k]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    out[f"{name}.loss"] = torch.tensor(losses, dtype=torch.float32)
-    for k, v in metrics.items():
-        out[f"{name}.{k}"] = torch.tensor(v, dtype=torch.float32)
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            out[f"{name}.adamw.{peft_key(n)}"] = p.detach().clone().contiguous()
-    print(name, "losses", [f"{x:.6f}" for x in losses], "acc", metrics["rewards/accuracies"])
+    adamw_steps(name, model, lambda: trainer.get_batch_loss_metrics(model, batch, "train"),
+                METRICS + ["nll_loss"], out)
 
 
 def run_kto(name, settings, tok, out, meta):
@@ -211,29 +207,8 @@ def run_kto(name, settings, tok, out, meta):
     rows = [{k: trainer.train_dataset[i][k] for k in keys} for i in range(len(KTO_ROWS))]
     meta.setdefault("kto_ids", rows)
     batch = trainer.data_collator(rows)
-    model = trainer.model
-    model.train()
-    params = [p for n, p in model.named_parameters() if ".default." in n and p.requires_grad]
-    assert len(params) == 2 * len(TARGETS) * 2, len(params)
-    opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl"]
-    losses, metrics = [], {k: [] for k in names}
-    for _ in range(STEPS):
-        trainer._metrics["train"].clear()
-        loss = trainer.compute_loss(model, batch)
-        losses.append(loss.item())
-        for k in names:
-            metrics[k].append(trainer._metrics["train"][k][-1])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    out[f"{name}.loss"] = torch.tensor(losses, dtype=torch.float32)
-    for k, v in metrics.items():
-        out[f"{name}.{k}"] = torch.tensor(v, dtype=torch.float32)
-    for n, p in model.named_parameters():
-        if ".default." in n and "lora_" in n:
-            out[f"{name}.adamw.{peft_key(n)}"] = p.detach().clone().contiguous()
-    print(name, "losses", [f"{x:.6f}" for x in losses], "kl", metrics["kl"])
+    adamw_steps(name, trainer.model, logged_step(trainer, trainer.model, batch), names, out)
 
 
 def main():

@@ -253,35 +253,25 @@ fn unpaired_row(
             ))
         }
     };
-    let mut p = match obj.get("prompt_ids") {
-        Some(_) => {
-            // The pre-tokenized form: `completion_ids` as a pair's `chosen_ids`.
-            let mut o = obj.clone();
-            let c = o.remove("completion_ids").ok_or_else(|| {
-                format!(
-                    "a pre-tokenized unpaired row needs `completion_ids` (has: {})",
-                    keys()
-                )
-            })?;
-            o.insert("chosen_ids".into(), c.clone());
-            o.insert("rejected_ids".into(), c);
-            o.remove("label");
-            parse_row(&Value::Object(o), tok, template, vocab)?
-        }
-        None => {
-            let mut o = obj.clone();
-            let c = o.remove("completion").ok_or_else(|| {
-                format!(
-                    "an unpaired preference row needs `completion` (has: {})",
-                    keys()
-                )
-            })?;
-            o.insert("chosen".into(), c.clone());
-            o.insert("rejected".into(), c);
-            o.remove("label");
-            parse_row(&Value::Object(o), tok, template, vocab)?
-        }
+    // Parsed as a pair whose two completions are the row's one (`rejected` replaced below):
+    // `completion_ids` as `chosen_ids` / `rejected_ids` when pre-tokenized, `completion` as
+    // `chosen` / `rejected` otherwise.
+    let (from, to) = match obj.contains_key("prompt_ids") {
+        true => ("completion_ids", ["chosen_ids", "rejected_ids"]),
+        false => ("completion", ["chosen", "rejected"]),
     };
+    let mut o = obj.clone();
+    o.remove("label");
+    let c = o.remove(from).ok_or_else(|| {
+        format!(
+            "an unpaired preference row needs `{from}` (has: {})",
+            keys()
+        )
+    })?;
+    for k in to {
+        o.insert(k.into(), c.clone());
+    }
+    let mut p = parse_row(&Value::Object(o), tok, template, vocab)?;
     p.rejected.clear();
     p.label = Some(label);
     Ok(p)

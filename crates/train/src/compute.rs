@@ -2,8 +2,22 @@
 //! set-up (`setup.rs`) and the LoRA variants' model loading (`variants.rs`), which use them.
 
 use candle_core::{DType, Device};
+use rtune_data::MicroBatch;
+use rtune_model::Inputs;
 
 use crate::TrainError;
+
+/// The model's inputs of a micro-batch, moved out of it (token ids, positions, packed segments;
+/// the targets and counts stay), so a step hands them over without a copy.
+pub(crate) fn take_inputs(mb: &mut MicroBatch) -> Inputs {
+    Inputs {
+        ids: std::mem::take(&mut mb.input_ids),
+        positions: std::mem::take(&mut mb.positions),
+        b: mb.b,
+        t: mb.t,
+        segments: mb.segments.take(),
+    }
+}
 
 /// The compute device for a config value. `auto` is the first GPU when this rtune was built with
 /// the `cuda` feature and one opens, else the CPU; `cuda:N` needs that build.

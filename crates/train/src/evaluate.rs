@@ -5,7 +5,7 @@ use serde::Serialize;
 
 use rtune_data::{Example, MicroBatch, Tokenizer};
 use rtune_lora::Adapter;
-use rtune_model::{Inputs, LoraCtx, Model};
+use rtune_model::{LoraCtx, Model};
 
 use crate::generate::{complete, GenerateOptions};
 use crate::TrainError;
@@ -58,15 +58,9 @@ pub fn validation(
     let (mut sum, mut n) = (0.0, 0usize);
     for chunk in valid.chunks(micro_batch.max(1)) {
         let refs: Vec<&Example> = chunk.iter().collect();
-        let mb = MicroBatch::from_examples(&refs, pad_id);
+        let mut mb = MicroBatch::from_examples(&refs, pad_id);
         n += mb.target_tokens();
-        let inputs = Inputs {
-            ids: mb.input_ids,
-            positions: mb.positions,
-            b: mb.b,
-            t: mb.t,
-            segments: None,
-        };
+        let inputs = crate::compute::take_inputs(&mut mb);
         sum += model.eval_loss(&inputs, &mb.targets, Some(&lc))?;
     }
     if n == 0 {
@@ -97,7 +91,7 @@ pub fn validation_pairs(
         return Ok(None);
     }
     let lc = no_dropout(adapter);
-    let batches: Vec<rtune_data::PairBatch> = pairs
+    let mut batches: Vec<rtune_data::PairBatch> = pairs
         .chunks(micro_batch.max(1))
         .map(|chunk| {
             let refs: Vec<&rtune_data::Pair> = chunk.iter().collect();
@@ -109,16 +103,8 @@ pub fn validation_pairs(
         nll_tokens: batches.iter().map(|b| b.chosen_targets()).sum(),
     };
     let (mut loss, mut sums, mut tokens) = (0.0, crate::preference::PairSums::default(), 0);
-    for pb in &batches {
-        let mb = &pb.batch;
-        let inputs = Inputs {
-            ids: mb.input_ids.clone(),
-            positions: mb.positions.clone(),
-            b: mb.b,
-            t: mb.t,
-            segments: None,
-        };
-        let nll = model.token_nll(&inputs, &mb.targets, Some(&lc))?;
+    for pb in &mut batches {
+        let nll = crate::pairs::pair_nll(model, Some(&lc), pb)?;
         let (l, _, s) = crate::preference::weigh(&objective, pb, &nll, totals);
         loss += l;
         sums.add(&s);

@@ -6,7 +6,7 @@
 use rtune_config::RunConfig;
 use rtune_data::preference::{assign_kl_completions, load_pairs};
 use rtune_data::{ChatTemplate, Example, Pair, PairBatch, PairSet, Tokenizer, IGNORE};
-use rtune_model::{Inputs, LoraCtx, Model};
+use rtune_model::{LoraCtx, Model};
 
 use crate::TrainError;
 
@@ -320,8 +320,9 @@ pub fn fill_reference(
     let mut passes = 0;
     for chunk in todo.chunks(micro_batch.max(1)) {
         let refs: Vec<&Pair> = chunk.iter().map(|&i| &pairs[i]).collect();
-        let pb = PairBatch::new(&refs, pad_id, false);
-        let logps = pair_logps(model, lora, &pb)?;
+        let mut pb = PairBatch::new(&refs, pad_id, false);
+        let nll = pair_nll(model, lora, &mut pb)?;
+        let logps = pb.row_logps(&nll);
         let b = chunk.len();
         for (k, &i) in chunk.iter().enumerate() {
             pairs[i].reference = Some([logps[k], logps[b + k]]);
@@ -331,20 +332,13 @@ pub fn fill_reference(
     Ok(passes)
 }
 
-/// Every row's summed target log-probability of a pair batch, no gradient.
-pub fn pair_logps(
+/// Every position's target NLL of a pair batch, no gradient (its inputs are moved out of it:
+/// the targets, the completion mask and the counts stay for the objective).
+pub fn pair_nll(
     model: &Model,
     lora: Option<&LoraCtx>,
-    pb: &PairBatch,
-) -> Result<Vec<f64>, TrainError> {
-    let mb = &pb.batch;
-    let inputs = Inputs {
-        ids: mb.input_ids.clone(),
-        positions: mb.positions.clone(),
-        b: mb.b,
-        t: mb.t,
-        segments: None,
-    };
-    let nll = model.token_nll(&inputs, &mb.targets, lora)?;
-    Ok(pb.row_logps(&nll))
+    pb: &mut PairBatch,
+) -> Result<Vec<f32>, TrainError> {
+    let inputs = crate::compute::take_inputs(&mut pb.batch);
+    Ok(model.token_nll(&inputs, &pb.batch.targets, lora)?)
 }

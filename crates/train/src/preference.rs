@@ -255,13 +255,13 @@ pub fn weigh(
     // Per-token averages divide by the completion's tokens: DPO's IPO as TRL's DPOTrainer (the
     // completion mask), SimPO and ORPO as CPO/ORPOTrainer's `get_batch_logps` (the tokens that
     // carry a log-prob: one fewer when the prompt is empty).
-    let ntok: Vec<usize> = match obj {
-        Objective::Dpo { .. } => batch.completion_tokens.clone(),
-        _ => batch
-            .completion
-            .chunks(t)
-            .map(|row| row.iter().filter(|&&c| c).count().max(1))
-            .collect(),
+    let ntok = |row: usize| match obj {
+        Objective::Dpo { .. } => batch.completion_tokens[row],
+        _ => batch.completion[row * t..(row + 1) * t]
+            .iter()
+            .filter(|&&c| c)
+            .count()
+            .max(1),
     };
     let per_pair = 1.0 / totals.pairs.max(1) as f64;
     let per_token = 1.0 / totals.nll_tokens.max(1) as f64;
@@ -271,7 +271,7 @@ pub fn weigh(
     for j in 0..b {
         let (c, r) = (j, b + j);
         let lp = (logps[c], logps[r]);
-        let n = (ntok[c] as f64, ntok[r] as f64);
+        let n = (ntok(c) as f64, ntok(r) as f64);
         let pt = pair_terms(obj, lp, n, batch.reference[j]);
         loss += pt.loss * per_pair;
         // π = −Σ nll over the row: dloss/dnll = −dloss/dπ on the row's target positions; the

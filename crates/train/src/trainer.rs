@@ -310,21 +310,15 @@ impl Trainer<'_> {
         let mut grads = Grads::new(self.adapter.pairs.len());
         let (mut loss_sum, mut sums) = (0.0, PairSums::default());
         let last = micro.len().saturating_sub(1);
-        for (j, (k, mb)) in micro.into_iter().enumerate() {
+        for (j, (k, mut mb)) in micro.into_iter().enumerate() {
             let lc = LoraCtx {
                 adapter: &self.adapter,
                 scaling: self.adapter.spec.scaling(),
                 dropout: cfg.lora.dropout,
                 seed: self.state.dropout_seed(cfg.train.seed, k),
             };
+            let inputs = crate::compute::take_inputs(mb.batch_mut());
             let b = mb.batch();
-            let inputs = Inputs {
-                ids: b.input_ids.clone(),
-                positions: b.positions.clone(),
-                b: b.b,
-                t: b.t,
-                segments: b.segments.clone(),
-            };
             let ckpt = self.checkpointing.on;
             loss_sum += match (&mb, totals) {
                 (Micro::Pairs(pb), Totals::Pairs(t)) => {

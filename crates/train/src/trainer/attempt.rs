@@ -61,10 +61,12 @@ impl<'a> Trainer<'a> {
         let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
         let opt =
             LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.train.loraplus_lr_ratio)?;
+        // A preference run's sequences were for the estimate alone: the pairs are the data.
+        let sequences = std::mem::take(&mut data.train);
         let (stream, examples, reference_passes) = match data.pairs.as_mut() {
             None => {
-                let examples = data.train.len();
-                let batcher = setup::batcher(cfg, std::mem::take(&mut data.train), pad_id);
+                let examples = sequences.len();
+                let batcher = setup::batcher(cfg, sequences, pad_id);
                 (Stream::Sft(batcher), examples, 0)
             }
             Some(p) => {

@@ -62,6 +62,13 @@ impl Micro {
         }
     }
 
+    pub fn batch_mut(&mut self) -> &mut MicroBatch {
+        match self {
+            Micro::Sft(b) => b,
+            Micro::Pairs(p) => &mut p.batch,
+        }
+    }
+
     /// The step's normalisers over its micro-batches (all of one kind).
     pub fn totals(micro: &[Micro]) -> Totals {
         match micro.first() {
