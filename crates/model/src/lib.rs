@@ -7,6 +7,8 @@
 //!   forms gradients for LoRA weights only — never for a frozen weight — and can recompute each
 //!   decoder layer from its input.
 //! - [`rope`]: the rotary tables from the config (the rotation itself is `rtune_ops::rope`).
+//! - [`shard`]: the frozen base sharded across ranks (`[distributed] shard_base`), each layer
+//!   gathered just before it computes.
 //! - [`tokens`]: trainable token rows (PEFT's `trainable_token_indices`) in the embedding and the
 //!   tied lm_head.
 //!
@@ -21,6 +23,7 @@ pub mod layer;
 pub mod linear;
 mod model;
 pub mod rope;
+pub mod shard;
 #[cfg(test)]
 mod test_util;
 pub mod tokens;
@@ -30,6 +33,7 @@ pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::KvCache;
 pub use model::{Forward, Inputs, Model, Objective, PerTokenLoss, Quantize};
+pub use shard::Gather;
 
 use std::path::PathBuf;
 

@@ -105,14 +105,38 @@ pub enum Frozen {
         #[cfg(feature = "cuda")]
         gpu: Option<Arc<rtune_ops::nf4::DeviceNf4>>,
     },
+    /// This rank's shard of the weight in a sharded base ([`crate::shard`]): gathered into a
+    /// `Dense` or `Quant` weight before its layer computes, never used as it is. `dtype`: what
+    /// an NF4 weight dequantizes into.
+    Sharded {
+        shard: Arc<crate::shard::Shard>,
+        dtype: DType,
+    },
 }
 
 impl Frozen {
+    /// A 4-bit weight computing in `dtype` on `device` (on a GPU, uploaded there).
+    pub fn quant(q: Nf4Weight, dtype: DType, device: &Device) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        let gpu = match device {
+            Device::Cuda(_) => Some(rtune_ops::nf4::upload(&q, device)?),
+            _ => None,
+        };
+        Ok(Frozen::Quant {
+            q: Arc::new(q),
+            dtype,
+            device: device.clone(),
+            #[cfg(feature = "cuda")]
+            gpu,
+        })
+    }
+
     /// `[out, in]`.
     pub fn dims(&self) -> [usize; 2] {
         match self {
             Frozen::Dense(t) => [t.dims()[0], t.dims()[1]],
             Frozen::Quant { q, .. } => [q.shape[0], q.shape[1]],
+            Frozen::Sharded { shard, .. } => [shard.shape[0], shard.shape[1]],
         }
     }
 
@@ -126,6 +150,7 @@ impl Frozen {
         match self {
             Frozen::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
             Frozen::Quant { q, .. } => q.resident_bytes(),
+            Frozen::Sharded { shard, .. } => shard.resident_bytes(),
         }
     }
 
@@ -146,6 +171,10 @@ impl Frozen {
                 .to_tensor(*dtype, device)
                 .map(Cow::Owned)
                 .map_err(|e| candle_core::Error::Msg(e.to_string())),
+            Frozen::Sharded { shard, .. } => candle_core::bail!(
+                "a shard ({:?}) of a sharded base's weight used without gathering it",
+                shard.shape
+            ),
         }
     }
 }

@@ -4,6 +4,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
+use std::rc::Rc;
+#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
 pub use rtune_quant::Quantize;
@@ -14,6 +16,7 @@ use crate::config::{HfConfig, ModelConfig};
 use crate::kept::KeptInputs;
 use crate::layer::{BatchCtx, Layer};
 use crate::linear::{Frozen, Grads, Linear, LoraCtx};
+use crate::shard::{Gather, LayerRef};
 use crate::weights::{TensorSource, Weights};
 use crate::{ModelError, Result};
 use rtune_ops::{self as ops, AttnShape};
@@ -45,6 +48,9 @@ pub struct Model {
     /// offloading step and kept for the rest of the run (`offload.rs`).
     #[cfg(feature = "cuda")]
     offloader: std::sync::Mutex<Option<Arc<rtune_backend::offload::Offloader>>>,
+    /// A sharded base (`crate::shard`): the transport and the embedding's and lm_head's shards;
+    /// `embed` and `lm_head` are then empty and the layers' weights are shards.
+    sharded: Option<crate::shard::Sharded>,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -143,13 +149,50 @@ impl Model {
         device: &Device,
         quantize: Quantize,
     ) -> Result<Self> {
+        Self::build_inner(cfg, w, dtype, device, quantize, None)
+    }
+
+    /// [`Model::load_with`] as one rank of a sharded base (`crate::shard`): this rank reads and
+    /// keeps only its shard of every frozen weight (quantized shard by shard), through `comm`.
+    pub fn load_sharded(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        quantize: Quantize,
+        comm: Rc<dyn Gather>,
+    ) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let cfg = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+        let w = Weights::open(dir, dtype, device)?;
+        Self::build_inner(cfg, &w, dtype, device, quantize, Some(comm))
+    }
+
+    /// [`Model::build_with`] as one rank of a sharded base over `comm`.
+    pub fn build_sharded(
+        cfg: ModelConfig,
+        w: &dyn TensorSource,
+        dtype: DType,
+        device: &Device,
+        quantize: Quantize,
+        comm: Rc<dyn Gather>,
+    ) -> Result<Self> {
+        Self::build_inner(cfg, w, dtype, device, quantize, Some(comm))
+    }
+
+    fn build_inner(
+        cfg: ModelConfig,
+        w: &dyn TensorSource,
+        dtype: DType,
+        device: &Device,
+        quantize: Quantize,
+        comm: Option<Rc<dyn Gather>>,
+    ) -> Result<Self> {
         let (d, v, i) = (cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size);
         let (qd, kvd) = (
             cfg.num_heads * cfg.head_dim,
             cfg.num_kv_heads * cfg.head_dim,
         );
         let linears = cfg.layer_linears();
-        let embed = w.tensor("model.embed_tokens.weight", &[v, d])?;
         // Gemma's norms: `1 + w` in f32, formed once here (w read in the compute dtype first,
         // as transformers computes `1 + w.float()` on the loaded weight).
         let plus_one = cfg.variant.plus_one_norms;
@@ -165,27 +208,19 @@ impl Model {
         let linear = |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let wname = format!("{name}.weight");
             let quant = |q: rtune_quant::Nf4Weight| -> Result<Frozen> {
-                #[cfg(feature = "cuda")]
-                let gpu = match device {
-                    Device::Cuda(_) => Some(
-                        rtune_ops::nf4::upload(&q, device)
-                            .map_err(|e| ModelError::candle(format!("upload {wname}"), e))?,
-                    ),
-                    _ => None,
-                };
-                Ok(Frozen::Quant {
-                    q: Arc::new(q),
-                    dtype,
-                    device: device.clone(),
-                    #[cfg(feature = "cuda")]
-                    gpu,
-                })
+                Frozen::quant(q, dtype, device)
+                    .map_err(|e| ModelError::candle(format!("upload {wname}"), e))
             };
-            let wt = match (w.quantized(&wname, &[out, inp])?, quantize) {
-                (Some(q), _) => quant(q)?,
-                (None, Quantize::None) => Frozen::Dense(w.tensor(&wname, &[out, inp])?),
-                (None, Quantize::Nf4 { double_quant }) => {
-                    let t = w.stored(&wname, &[out, inp])?;
+            let shape = [out, inp];
+            let wt = match (comm.as_deref(), w.quantized(&wname, &shape)?, quantize) {
+                (Some(c), q, _) => {
+                    let s = crate::shard::load_shard(w, c, &wname, &shape, q, quantize)?;
+                    crate::shard::sharded(s, dtype)
+                }
+                (None, Some(q), _) => quant(q)?,
+                (None, None, Quantize::None) => Frozen::Dense(w.tensor(&wname, &shape)?),
+                (None, None, Quantize::Nf4 { double_quant }) => {
+                    let t = w.stored(&wname, &shape)?;
                     let q = rtune_quant::quantize::quantize_tensor(&t, double_quant).map_err(
                         |source| ModelError::Quant {
                             path: wname.clone().into(),
@@ -287,19 +322,46 @@ impl Model {
                 .map_err(|e| ModelError::candle(format!("{p}: fusing q/k/v and gate/up"), e))?;
         }
         let norm = norm_w("model.norm.weight", d)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            w.tensor("lm_head.weight", &[v, d])?
-        };
-        // On a GPU an untied embedding table is only ever gathered from: it stays in host memory
-        // (Llama 3 8B: 1.05 GB of device memory saved) and each batch's rows are copied over.
-        let embed = if !device.is_cpu() && !cfg.tie_word_embeddings {
-            embed
-                .to_device(&Device::Cpu)
-                .map_err(|e| ModelError::candle("embedding table to host", e))?
-        } else {
-            embed
+        let (embed_name, head_name) = ("model.embed_tokens.weight", "lm_head.weight");
+        let (embed, lm_head, sharded) = match comm {
+            Some(comm) => {
+                let c = &*comm;
+                let shard =
+                    |name| crate::shard::load_shard(w, c, name, &[v, d], None, Quantize::None);
+                let embed = shard(embed_name)?;
+                let lm_head = match cfg.tie_word_embeddings {
+                    true => None,
+                    false => Some(shard(head_name)?),
+                };
+                // The tensors themselves are empty: every use gathers the shards.
+                let empty = Tensor::zeros((0, d), dtype, device)
+                    .map_err(|e| ModelError::candle("empty embedding", e))?;
+                let sharded = crate::shard::Sharded {
+                    comm,
+                    embed,
+                    lm_head,
+                };
+                (empty.clone(), empty, Some(sharded))
+            }
+            None => {
+                let embed = w.tensor(embed_name, &[v, d])?;
+                let lm_head = if cfg.tie_word_embeddings {
+                    embed.clone()
+                } else {
+                    w.tensor(head_name, &[v, d])?
+                };
+                // On a GPU an untied embedding table is only ever gathered from: it stays in host
+                // memory (Llama 3 8B: 1.05 GB of device memory saved) and each batch's rows are
+                // copied over.
+                let embed = if !device.is_cpu() && !cfg.tie_word_embeddings {
+                    embed
+                        .to_device(&Device::Cpu)
+                        .map_err(|e| ModelError::candle("embedding table to host", e))?
+                } else {
+                    embed
+                };
+                (embed, lm_head, None)
+            }
         };
         let rope = crate::rope::freqs(&cfg);
         let local_rope = crate::rope::local_freqs(&cfg);
@@ -317,6 +379,7 @@ impl Model {
             autocast: false,
             #[cfg(feature = "cuda")]
             offloader: Default::default(),
+            sharded,
         })
     }
 
@@ -349,6 +412,13 @@ impl Model {
                 match &mut lin.w {
                     Frozen::Dense(t) => *t = bf16(&lin.name, t)?,
                     Frozen::Quant { dtype, .. } => *dtype = DType::BF16,
+                    Frozen::Sharded { shard, dtype } => {
+                        *shard =
+                            std::sync::Arc::new(shard.to_dtype(DType::BF16).map_err(|e| {
+                                ModelError::candle(format!("{} to bf16", lin.name), e)
+                            })?);
+                        *dtype = DType::BF16;
+                    }
                 }
             }
             let index = layer.index;
@@ -356,7 +426,17 @@ impl Model {
                 ModelError::candle(format!("layer {index}: fusing q/k/v and gate/up"), e)
             })?;
         }
-        self.lm_head = bf16("lm_head", &self.lm_head)?;
+        match &mut self.sharded {
+            // A tied lm_head's bf16 copy is a shard of its own beside the f32 embedding's.
+            Some(s) => {
+                let head = s.lm_head.as_ref().unwrap_or(&s.embed);
+                let head = head
+                    .to_dtype(DType::BF16)
+                    .map_err(|e| ModelError::candle("lm_head to bf16", e))?;
+                s.lm_head = Some(head);
+            }
+            None => self.lm_head = bf16("lm_head", &self.lm_head)?,
+        }
         self.autocast = true;
         Ok(())
     }
@@ -394,7 +474,10 @@ impl Model {
     /// (an NF4 `W` dequantized first, one layer at a time). Call after [`Model::attach`].
     pub fn init_dora(&self, adapter: &mut Adapter) -> Result<()> {
         let s = adapter.spec.scaling();
-        for layer in &self.layers {
+        for i in 0..self.layers.len() {
+            let layer = self
+                .layer(i)
+                .map_err(|e| ModelError::candle(format!("DoRA magnitudes of layer {i}"), e))?;
             for lin in layer.linears() {
                 let Some(i) = lin.lora else { continue };
                 let p = &mut adapter.pairs[i];
@@ -482,8 +565,37 @@ impl Model {
 
     /// `(N, D)`: the embedding rows of `ids`, on the compute device.
     fn embed_ids(&self, ids: &[u32]) -> candle_core::Result<Tensor> {
-        let ids = Tensor::new(ids, self.embed.device())?;
-        self.embed.index_select(&ids, 0)?.to_device(&self.device)
+        let table = match &self.sharded {
+            Some(s) => std::borrow::Cow::Owned(s.embed(&self.device)?),
+            None => std::borrow::Cow::Borrowed(&self.embed),
+        };
+        let ids = Tensor::new(ids, table.device())?;
+        table.index_select(&ids, 0)?.to_device(&self.device)
+    }
+
+    /// Decoder layer `i` as a pass uses it: the model's own, or in a sharded base gathered
+    /// from every rank's shards (`crate::shard`; every rank must ask for the same layers in the
+    /// same order).
+    pub(crate) fn layer(&self, i: usize) -> candle_core::Result<LayerRef<'_>> {
+        match &self.sharded {
+            Some(s) => Ok(LayerRef::Owned(
+                s.gather_layer(&self.layers[i], &self.device)?,
+            )),
+            None => Ok(LayerRef::Borrowed(&self.layers[i])),
+        }
+    }
+
+    /// The lm_head `(V, D)`: the model's own, or gathered in a sharded base.
+    pub(crate) fn lm_head(&self) -> candle_core::Result<std::borrow::Cow<'_, Tensor>> {
+        match &self.sharded {
+            Some(s) => Ok(std::borrow::Cow::Owned(s.lm_head(&self.device)?)),
+            None => Ok(std::borrow::Cow::Borrowed(&self.lm_head)),
+        }
+    }
+
+    /// Whether the frozen base is sharded across ranks, and over how many.
+    pub fn shard_world(&self) -> Option<usize> {
+        self.sharded.as_ref().map(|s| s.comm.size())
     }
 
     /// The embedding of `ids` with the adapter's trainable token rows in place (`crate::tokens`),
@@ -565,7 +677,8 @@ impl Model {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
             let mut hidden = Vec::new();
-            for layer in &self.layers {
+            for i in 0..self.layers.len() {
+                let layer = self.layer(i)?;
                 if keep_hidden {
                     hidden.push(x.reshape((b, t, d))?.to_dtype(DType::F32)?);
                 }
@@ -678,8 +791,8 @@ impl Model {
             let keep_attention = !offload;
             let mut kept_attn = Vec::with_capacity(self.layers.len());
             let last = self.layers.len().saturating_sub(1);
-            for (i, layer) in self.layers.iter().enumerate() {
-                let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
+            for i in 0..self.layers.len() {
+                let (out, cache) = self.layer(i)?.forward(&x, &ctx, Some(lora))?;
                 // A layer keeps either its activations or (checkpointing) only its input. The last
                 // layer's activations are the first the backward needs: they are kept rather than
                 // recomputed at once (L−1 recomputes).
@@ -696,7 +809,9 @@ impl Model {
             let (loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
             drop(h);
             let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
-            for (i, layer) in self.layers.iter().enumerate().rev() {
+            for i in (0..self.layers.len()).rev() {
+                // Gathered once for the recompute and the backward.
+                let layer = self.layer(i)?;
                 let cache = match caches.pop() {
                     Some(c) => c,
                     None => {
@@ -741,6 +856,7 @@ impl Model {
     pub fn resident_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let mut n = dense(&self.embed) + dense(&self.norm);
+        n += self.sharded.as_ref().map_or(0, |s| s.resident_bytes());
         // Autocast keeps a bf16 lm_head beside a tied f32 embedding table.
         if !self.cfg.tie_word_embeddings || self.autocast {
             n += dense(&self.lm_head);
@@ -755,9 +871,11 @@ impl Model {
     }
 
     pub fn num_params(&self) -> usize {
-        let mut n = self.embed.elem_count() + self.norm.elem_count();
+        // From the config: a sharded base's tables are not here whole.
+        let table = self.cfg.vocab_size * self.cfg.hidden_size;
+        let mut n = table + self.norm.elem_count();
         if !self.cfg.tie_word_embeddings {
-            n += self.lm_head.elem_count();
+            n += table;
         }
         for l in &self.layers {
             n += l.norms().map(Tensor::elem_count).sum::<usize>();

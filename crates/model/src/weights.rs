@@ -4,6 +4,7 @@
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use rtune_quant::{Nf4Weight, RawTensor};
@@ -25,6 +26,24 @@ pub trait TensorSource {
     fn quantized(&self, _name: &str, _shape: &[usize]) -> Result<Option<Nf4Weight>> {
         Ok(None)
     }
+
+    /// Elements `span` of the row-major flattening of tensor `name` (checked to have `shape`),
+    /// 1-D in the compute dtype: a sharded base's piece (`crate::shard`). This default reads the
+    /// whole tensor; a checkpoint reads only the piece's bytes.
+    fn piece(&self, name: &str, shape: &[usize], span: Range<usize>) -> Result<Tensor> {
+        narrow_flat(name, &self.tensor(name, shape)?, span)
+    }
+
+    /// [`piece`](Self::piece) in the dtype the tensor is stored in (quantizing from it).
+    fn stored_piece(&self, name: &str, shape: &[usize], span: Range<usize>) -> Result<Tensor> {
+        narrow_flat(name, &self.stored(name, shape)?, span)
+    }
+}
+
+fn narrow_flat(name: &str, t: &Tensor, span: Range<usize>) -> Result<Tensor> {
+    t.flatten_all()
+        .and_then(|t| t.narrow(0, span.start, span.len()))
+        .map_err(|e| ModelError::candle(format!("piece {span:?} of {name}"), e))
 }
 
 impl TensorSource for Weights {
@@ -36,6 +55,16 @@ impl TensorSource for Weights {
 
     fn stored(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         self.get(name, shape)
+    }
+
+    fn piece(&self, name: &str, shape: &[usize], span: Range<usize>) -> Result<Tensor> {
+        self.get_piece(name, shape, span)?
+            .to_dtype(self.dtype)
+            .map_err(|e| ModelError::candle(format!("convert a piece of {name}"), e))
+    }
+
+    fn stored_piece(&self, name: &str, shape: &[usize], span: Range<usize>) -> Result<Tensor> {
+        self.get_piece(name, shape, span)
     }
 
     fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Weight>> {
@@ -169,6 +198,46 @@ impl Weights {
 
     pub fn contains(&self, name: &str) -> bool {
         self.st.get(name).is_ok()
+    }
+
+    /// Elements `span` of tensor `name`'s flattening (checked to have `shape`), as stored:
+    /// only those bytes of the mapped file are read (a sharded base's piece).
+    pub fn get_piece(&self, name: &str, shape: &[usize], span: Range<usize>) -> Result<Tensor> {
+        let view = self.st.get(name).map_err(|_| ModelError::MissingTensor {
+            path: self.dir.clone(),
+            name: name.to_string(),
+        })?;
+        if view.shape() != shape {
+            return Err(ModelError::TensorShape {
+                path: self.dir.clone(),
+                name: name.to_string(),
+                got: view.shape().to_vec(),
+                want: shape.to_vec(),
+            });
+        }
+        use safetensors::Dtype as S;
+        let dtype = match view.dtype() {
+            S::F32 => DType::F32,
+            S::BF16 => DType::BF16,
+            S::F16 => DType::F16,
+            other => {
+                return Err(ModelError::File {
+                    path: self.dir.clone(),
+                    message: format!("tensor `{name}` is {other:?}; expected f32, bf16 or f16"),
+                })
+            }
+        };
+        let n: usize = shape.iter().product();
+        if span.start > span.end || span.end > n {
+            return Err(ModelError::File {
+                path: self.dir.clone(),
+                message: format!("tensor `{name}` has {n} elements; no piece {span:?}"),
+            });
+        }
+        let s = dtype.size_in_bytes();
+        let bytes = &view.data()[span.start * s..span.end * s];
+        Tensor::from_raw_buffer(bytes, dtype, &[span.len()], &self.device)
+            .map_err(|e| ModelError::candle(format!("load a piece of {name}"), e))
     }
 
     /// The tensor `name`, checked to have `shape`, as stored (f32, bf16 or f16).

@@ -22,6 +22,7 @@ pub mod bnb;
 mod choice;
 pub mod dequant;
 pub mod quantize;
+pub mod shard;
 pub mod tables;
 
 pub use bnb::{load_bnb_4bit, BnbParts, RawTensor, BNB_SUFFIXES};

@@ -126,7 +126,12 @@ fn quantize_chunk(v: &[f32], p: &mut [u8], a: &mut [f32]) {
 
 /// Second level: `absmax - mean` to u8 codes of [`DYNAMIC_SIGNED`], blocks of 256.
 fn double_quantize(absmax: &[f32]) -> Absmax {
-    let offset = torch_mean_f32(absmax);
+    double_quantize_with(absmax, torch_mean_f32(absmax))
+}
+
+/// [`double_quantize`] with the offset given: a sharded weight's piece (`crate::shard`), whose
+/// offset is the mean over every piece's absmax.
+pub(crate) fn double_quantize_with(absmax: &[f32], offset: f32) -> Absmax {
     let lut = dynamic_lut();
     let mut codes = vec![0u8; absmax.len()];
     let mut nested = vec![0f32; absmax.len().div_ceil(NESTED_BLOCKSIZE)];

@@ -22,11 +22,12 @@ impl Model {
     ) -> candle_core::Result<(f64, Tensor)> {
         let softcap = self.cfg.variant.final_softcap;
         let head = self.head_rows(Some(lora))?;
+        let lm_head = self.lm_head()?;
         let weigh = match objective {
             Objective::Tokens { grad_scale } => {
                 let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
                     h,
-                    &self.lm_head,
+                    &lm_head,
                     head.as_ref(),
                     softcap,
                     targets,
@@ -46,14 +47,8 @@ impl Model {
                  lm_head is not supported yet"
             );
         }
-        let (nll, dh) = ops::chunked_cross_entropy_rows(
-            h,
-            &self.lm_head,
-            softcap,
-            targets,
-            true,
-            self.ce_chunk(),
-        )?;
+        let (nll, dh) =
+            ops::chunked_cross_entropy_rows(h, &lm_head, softcap, targets, true, self.ce_chunk())?;
         let (loss, weights) = weigh(&nll.to_vec1::<f32>()?)?;
         if weights.len() != targets.len() {
             candle_core::bail!(
@@ -83,8 +78,8 @@ impl Model {
         let run = || -> candle_core::Result<Vec<f32>> {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
-            for layer in &self.layers {
-                x = layer.forward(&x, &ctx, lora)?.0;
+            for i in 0..self.layers.len() {
+                x = self.layer(i)?.forward(&x, &ctx, lora)?.0;
             }
             let (h, _) = self.final_norm(&x)?;
             if self.head_rows(lora)?.is_some() {
@@ -96,7 +91,7 @@ impl Model {
             let softcap = self.cfg.variant.final_softcap;
             let (nll, _) = ops::chunked_cross_entropy_rows(
                 &h,
-                &self.lm_head,
+                &*self.lm_head()?,
                 softcap,
                 targets,
                 false,
@@ -119,14 +114,14 @@ impl Model {
         let run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
-            for layer in &self.layers {
-                x = layer.forward(&x, &ctx, lora)?.0;
+            for i in 0..self.layers.len() {
+                x = self.layer(i)?.forward(&x, &ctx, lora)?.0;
             }
             let (h, _) = self.final_norm(&x)?;
             let head = self.head_rows(lora)?;
             ops::chunked_cross_entropy_loss_with(
                 &h,
-                &self.lm_head,
+                &*self.lm_head()?,
                 head.as_ref(),
                 self.cfg.variant.final_softcap,
                 targets,
@@ -139,10 +134,11 @@ impl Model {
     /// `h·lm_headᵀ` for inference; under autocast through [`rtune_backend::blas::matmul`] (a bf16 head
     /// times f32 rows), otherwise candle's matmul as always.
     pub(super) fn head(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let lm_head = self.lm_head()?;
         if self.autocast {
-            rtune_backend::blas::matmul(h, &self.lm_head.t()?)
+            rtune_backend::blas::matmul(h, &lm_head.t()?)
         } else {
-            h.matmul(&self.lm_head.t()?)
+            h.matmul(&lm_head.t()?)
         }
     }
 

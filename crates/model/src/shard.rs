@@ -1,0 +1,408 @@
+//! The frozen base sharded across the ranks of a data-parallel run (issue 37, FSDP-style QLoRA):
+//! `[distributed] shard_base`.
+//!
+//! Each rank keeps a [`Shard`] of every frozen weight — the decoder layers' linear weights (dense,
+//! or NF4 with their scales), the embedding table and an untied lm_head: the elements
+//! [`span`]`(n, unit, world, rank)` of the weight's row-major flattening, where a unit is one
+//! element of a dense weight, a whole first-level block of an NF4 one (64 elements) and with double
+//! quantization a whole second-level group (64 · 256), so a piece is whole quantization blocks and
+//! its codes are the whole weight's ([`rtune_quant::shard`]). Norms and biases (a few KB a layer)
+//! stay whole on every rank.
+//!
+//! A layer's weights are all-gathered ([`Gather`]) just before it computes — its forward, its
+//! recomputation and backward (once for both), a decoding step — into an ordinary [`Layer`]
+//! whose weights are bit for bit those of the unsharded model, so every op, and so every number,
+//! is the unsharded model's; the gathered layer is dropped when its pass is done. The embedding
+//! table is gathered for each lookup and the lm_head for each head pass, likewise dropped. A rank
+//! so holds `1/world` of the base plus one layer's weights (and while the head runs, the
+//! lm_head's).
+//!
+//! Every rank must make the same gathers in the same order: every rank runs every forward and
+//! backward of a step (each its own micro-batches; every rank has as many), the evaluation, the
+//! reference pass and the decoding of the evaluation prompts. The transport is the world's
+//! (`rtune_dist`: MPI's `MPI_Allgatherv` over host memory); on a CUDA rank the gathered weights
+//! are then copied to the device. One process ([`Alone`]) runs the same code with a world of one.
+
+use candle_core::{DType, Device, Tensor};
+use std::borrow::Cow;
+use std::ops::Range;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use rtune_quant::{Absmax, Nf4Weight};
+
+use crate::layer::Layer;
+use crate::linear::Frozen;
+
+/// The collective a sharded model gathers its weights through (`rtune_dist::World` over MPI).
+pub trait Gather {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Every rank's `mine`, in rank order, into `out`: rank `r` sends `counts[r]` bytes and
+    /// `out.len()` is their sum (`what` names the gather if it waits too long).
+    fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]);
+}
+
+/// One process: a world of one, the gather a copy.
+pub struct Alone;
+
+impl Gather for Alone {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
+    fn all_gather_into(&self, _what: &str, mine: &[u8], _counts: &[usize], out: &mut [u8]) {
+        out.copy_from_slice(mine);
+    }
+}
+
+/// The elements of rank `rank` of `size` in a weight of `n` elements split in units of `unit`:
+/// the `ceil(n / unit)` units are dealt in order, the first `units % size` ranks one more than
+/// the rest (a world that does not divide the weight gives shards of unequal size; a rank past
+/// the last unit gets an empty span at the end).
+pub fn span(n: usize, unit: usize, size: usize, rank: usize) -> Range<usize> {
+    let units = n.div_ceil(unit);
+    let (q, r) = (units / size, units % size);
+    let first = rank * q + rank.min(r);
+    let len = q + usize::from(rank < r);
+    (first * unit).min(n)..((first + len) * unit).min(n)
+}
+
+/// This rank's part of a frozen weight: the elements [`Shard::span`] of its flattening.
+#[derive(Debug, Clone)]
+pub enum Piece {
+    /// Little-endian values in `dtype` (the compute dtype, or bf16 under autocast).
+    Dense { dtype: DType, bytes: Vec<u8> },
+    /// A piece of an NF4 weight ([`Nf4Weight::piece`]).
+    Nf4(Nf4Weight),
+}
+
+/// One rank's shard of a frozen weight of `shape`.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    pub shape: Vec<usize>,
+    pub piece: Piece,
+    /// Elements per unit of the split (see [`span`]).
+    pub unit: usize,
+}
+
+impl Shard {
+    /// A dense weight's shard from its piece `t` (1-D, any float dtype; its values as they are).
+    pub fn dense(shape: &[usize], t: &Tensor) -> candle_core::Result<Self> {
+        Ok(Self {
+            shape: shape.to_vec(),
+            piece: Piece::Dense {
+                dtype: t.dtype(),
+                bytes: le_bytes(t)?,
+            },
+            unit: 1,
+        })
+    }
+
+    /// An NF4 weight's shard from its piece.
+    pub fn nf4(shape: &[usize], q: Nf4Weight) -> Self {
+        let unit = rtune_quant::shard::unit(q.absmax.is_double());
+        Self {
+            shape: shape.to_vec(),
+            piece: Piece::Nf4(q),
+            unit,
+        }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Rank `rank` of `size`'s elements.
+    pub fn span(&self, size: usize, rank: usize) -> Range<usize> {
+        span(self.numel(), self.unit, size, rank)
+    }
+
+    /// Bytes this rank holds for the weight.
+    pub fn resident_bytes(&self) -> usize {
+        match &self.piece {
+            Piece::Dense { bytes, .. } => bytes.len(),
+            Piece::Nf4(q) => q.resident_bytes(),
+        }
+    }
+
+    /// The piece's values in `dtype` (bf16 autocast rounds a dense piece once, as the unsharded
+    /// model rounds its weights; an NF4 piece is unchanged: it dequantizes into the new dtype).
+    pub fn to_dtype(&self, dtype: DType) -> candle_core::Result<Self> {
+        let Piece::Dense { dtype: from, bytes } = &self.piece else {
+            return Ok(self.clone());
+        };
+        let n = bytes.len() / from.size_in_bytes();
+        let t = Tensor::from_raw_buffer(bytes, *from, &[n], &Device::Cpu)?.to_dtype(dtype)?;
+        Self::dense(&self.shape, &t).map(|s| Self {
+            unit: self.unit,
+            ..s
+        })
+    }
+
+    /// The whole weight on every rank: each rank's piece gathered in order. Dense: a tensor of
+    /// `shape` on `device`; NF4: the joined weight.
+    pub fn gather(&self, comm: &dyn Gather, name: &str) -> candle_core::Result<Whole> {
+        let (size, n) = (comm.size(), self.numel());
+        let spans: Vec<Range<usize>> = (0..size).map(|r| self.span(size, r)).collect();
+        let gather = |what: &str, mine: &[u8], count: &dyn Fn(&Range<usize>) -> usize| {
+            let counts: Vec<usize> = spans.iter().map(count).collect();
+            let mut out = vec![0u8; counts.iter().sum()];
+            comm.all_gather_into(
+                &format!("the gather of {name}'s {what}"),
+                mine,
+                &counts,
+                &mut out,
+            );
+            out
+        };
+        match &self.piece {
+            Piece::Dense { dtype, bytes } => {
+                let s = dtype.size_in_bytes();
+                let all = gather("values", bytes, &|sp| sp.len() * s);
+                Ok(Whole::Dense {
+                    dtype: *dtype,
+                    bytes: all,
+                })
+            }
+            Piece::Nf4(q) => {
+                let blocks = |sp: &Range<usize>| {
+                    sp.end.div_ceil(q.blocksize) - sp.start.div_ceil(q.blocksize)
+                };
+                let packed = gather("4-bit codes", &q.packed, &|sp| {
+                    sp.end.div_ceil(2) - sp.start.div_ceil(2)
+                });
+                let absmax = match &q.absmax {
+                    Absmax::Plain(a) => {
+                        Absmax::Plain(f32s(&gather("scales", &f32_bytes(a), &|sp| 4 * blocks(sp))))
+                    }
+                    Absmax::Double {
+                        codes,
+                        nested_absmax,
+                        nested_quant_map,
+                        offset,
+                        nested_blocksize,
+                    } => {
+                        let nb = *nested_blocksize;
+                        let groups = |sp: &Range<usize>| {
+                            let b = sp.start.div_ceil(q.blocksize)..sp.end.div_ceil(q.blocksize);
+                            b.end.div_ceil(nb) - b.start.div_ceil(nb)
+                        };
+                        Absmax::Double {
+                            codes: gather("scale codes", codes, &blocks),
+                            nested_absmax: f32s(&gather(
+                                "second-level scales",
+                                &f32_bytes(nested_absmax),
+                                &|sp| 4 * groups(sp),
+                            )),
+                            nested_quant_map: nested_quant_map.clone(),
+                            offset: *offset,
+                            nested_blocksize: nb,
+                        }
+                    }
+                };
+                let w = Nf4Weight {
+                    shape: self.shape.clone(),
+                    packed,
+                    absmax,
+                    quant_map: q.quant_map,
+                    quant_type: q.quant_type,
+                    blocksize: q.blocksize,
+                    dtype: q.dtype,
+                };
+                w.check().map_err(|e| {
+                    candle_core::Error::Msg(format!("gathering {name} ({n} elements): {e}"))
+                })?;
+                Ok(Whole::Nf4(w))
+            }
+        }
+    }
+}
+
+/// A gathered weight ([`Shard::gather`]).
+pub enum Whole {
+    Dense { dtype: DType, bytes: Vec<u8> },
+    Nf4(Nf4Weight),
+}
+
+impl Whole {
+    /// The dense weight as a tensor of `shape` on `device`.
+    pub fn tensor(&self, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            Whole::Dense { dtype, bytes } => Tensor::from_raw_buffer(bytes, *dtype, shape, device),
+            Whole::Nf4(_) => candle_core::bail!("an NF4 weight is not a dense tensor"),
+        }
+    }
+}
+
+/// The sharded base's own state: the transport, and the embedding table's and an untied
+/// lm_head's shards (the layers' are in their [`Frozen::Sharded`] weights).
+pub struct Sharded {
+    pub comm: Rc<dyn Gather>,
+    /// `(V, D)`
+    pub embed: Shard,
+    /// `(V, D)`: an untied lm_head, or under autocast a bf16 copy of a tied one.
+    pub lm_head: Option<Shard>,
+}
+
+impl Sharded {
+    /// `layer` with its weights gathered: ordinary dense or NF4 weights, fused as the unsharded
+    /// model's are.
+    pub fn gather_layer(&self, layer: &Layer, device: &Device) -> candle_core::Result<Layer> {
+        let mut l = layer.clone();
+        for lin in l.linears_mut() {
+            let Frozen::Sharded { shard, dtype } = &lin.w else {
+                continue;
+            };
+            lin.w = match shard.gather(&*self.comm, &lin.name)? {
+                w @ Whole::Dense { .. } => Frozen::Dense(w.tensor(&shard.shape, device)?),
+                Whole::Nf4(q) => Frozen::quant(q, *dtype, device)?,
+            };
+        }
+        l.fuse()?;
+        Ok(l)
+    }
+
+    /// The embedding table `(V, D)`, gathered.
+    pub fn embed(&self, device: &Device) -> candle_core::Result<Tensor> {
+        let w = self.embed.gather(&*self.comm, "model.embed_tokens")?;
+        w.tensor(&self.embed.shape, device)
+    }
+
+    /// The lm_head `(V, D)`, gathered (the embedding table when tied).
+    pub fn lm_head(&self, device: &Device) -> candle_core::Result<Tensor> {
+        match &self.lm_head {
+            Some(s) => s.gather(&*self.comm, "lm_head")?.tensor(&s.shape, device),
+            None => self.embed(device),
+        }
+    }
+
+    /// Bytes of the embedding's and lm_head's shards.
+    pub fn resident_bytes(&self) -> usize {
+        self.embed.resident_bytes() + self.lm_head.as_ref().map_or(0, Shard::resident_bytes)
+    }
+}
+
+/// A layer as the pass uses it: the model's own, or gathered.
+pub(crate) type LayerRef<'a> = Cow<'a, Layer>;
+
+/// The little-endian bytes of a 1-D CPU or device tensor's values.
+fn le_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::F32 => t
+            .to_vec1::<f32>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect(),
+        other => candle_core::bail!("a sharded weight is f32, bf16 or f16, not {other:?}"),
+    })
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// For the loader's double quantization of a piece: every rank's first-level absmax, in rank
+/// order (the weight's whole absmax, whose mean is the second level's offset).
+pub fn gather_absmax(
+    comm: &dyn Gather,
+    name: &str,
+    mine: &[f32],
+    shape: &[usize],
+    unit: usize,
+) -> Vec<f32> {
+    let (n, size) = (shape.iter().product::<usize>(), comm.size());
+    let bs = rtune_quant::BLOCKSIZE;
+    let counts: Vec<usize> = (0..size)
+        .map(|r| {
+            let sp = span(n, unit, size, r);
+            4 * (sp.end.div_ceil(bs) - sp.start.div_ceil(bs))
+        })
+        .collect();
+    let mut out = vec![0u8; counts.iter().sum()];
+    comm.all_gather_into(
+        &format!("the gather of {name}'s scales for double quantization"),
+        &f32_bytes(mine),
+        &counts,
+        &mut out,
+    );
+    f32s(&out)
+}
+
+/// A weight's shard read from `w` (only its piece) and, when asked, quantized piece by piece:
+/// the loader's one door for a sharded weight. `stored_nf4`: the weight as a bnb-4bit
+/// checkpoint holds it (read whole; this rank keeps its piece).
+pub(crate) fn load_shard(
+    w: &dyn crate::weights::TensorSource,
+    comm: &dyn Gather,
+    name: &str,
+    shape: &[usize],
+    stored_nf4: Option<Nf4Weight>,
+    quantize: rtune_quant::Quantize,
+) -> crate::Result<Shard> {
+    use crate::ModelError;
+    let (size, rank, n) = (comm.size(), comm.rank(), shape.iter().product::<usize>());
+    let qerr = |source| ModelError::Quant {
+        path: name.into(),
+        source,
+    };
+    if let Some(q) = stored_nf4 {
+        // A bnb-4bit checkpoint: the weight is read whole, then this rank keeps its piece.
+        let sp = span(
+            n,
+            rtune_quant::shard::unit(q.absmax.is_double()),
+            size,
+            rank,
+        );
+        return Ok(Shard::nf4(shape, q.piece(sp).map_err(qerr)?));
+    }
+    match quantize {
+        rtune_quant::Quantize::None => {
+            let t = w.piece(name, shape, span(n, 1, size, rank))?;
+            Shard::dense(shape, &t).map_err(|e| ModelError::candle(format!("shard of {name}"), e))
+        }
+        rtune_quant::Quantize::Nf4 { double_quant } => {
+            let unit = rtune_quant::shard::unit(double_quant);
+            let t = w.stored_piece(name, shape, span(n, unit, size, rank))?;
+            let values = t
+                .to_dtype(DType::F32)
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(|e| ModelError::candle(format!("shard of {name}"), e))?;
+            let mut q = rtune_quant::shard::quantize_piece(&values).map_err(qerr)?;
+            q.dtype = t.dtype();
+            if double_quant {
+                let all = gather_absmax(comm, name, &q.absmax.decode(), shape, unit);
+                let offset = rtune_quant::torch_mean_f32(&all);
+                rtune_quant::shard::double_quantize_piece(&mut q, offset).map_err(qerr)?;
+            }
+            Ok(Shard::nf4(shape, q))
+        }
+    }
+}
+
+/// `Arc` for [`Frozen::Sharded`].
+pub(crate) fn sharded(shard: Shard, dtype: DType) -> Frozen {
+    Frozen::Sharded {
+        shard: Arc::new(shard),
+        dtype,
+    }
+}

@@ -1,0 +1,282 @@
+//! A sharded base (`rtune_model::shard`) computes exactly what the whole model computes: each of 1,
+//! 2 and 3 ranks (threads here, gathering through shared memory as MPI would between processes)
+//! holds only its shard of every frozen weight, and a training pass's loss and every LoRA
+//! gradient, the inference logits and a cached decoding step are bit for bit the unsharded
+//! model's — dense f32, NF4 and NF4 with double quantization (3 ranks split some weights into
+//! unequal shards and leave one rank an empty one), bf16 autocast, a tied lm_head, DoRA and
+//! gradient checkpointing. Each rank also holds about 1/world of the frozen bytes.
+//!
+//! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
+
+use std::rc::Rc;
+use std::sync::{Arc, Barrier, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+use rtune_lora::{Adapter, LoraSpec};
+use rtune_model::config::{Arch, ModelConfig, RopeScaling};
+use rtune_model::weights::TensorSource;
+use rtune_model::{Gather, Grads, Inputs, KvCache, LoraCtx, Model, ModelError, Quantize};
+
+/// Seeded values per tensor name (every rank reads the same checkpoint); norms near 1.
+struct Seeded;
+
+impl TensorSource for Seeded {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+        use rand::{Rng, SeedableRng};
+        let seed = name.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100000001b3)
+        });
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n: usize = shape.iter().product();
+        let norm = name.ends_with("norm.weight");
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                let x = rng.random_range(-1.0..1.0f32);
+                if norm {
+                    1.0 + 0.1 * x
+                } else {
+                    0.05 * x
+                }
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).map_err(|e| ModelError::candle(name, e))
+    }
+}
+
+/// Ranks as threads: each writes its bytes into its slot, all wait, each copies every slot.
+struct Threads {
+    rank: usize,
+    size: usize,
+    slots: Arc<Mutex<Vec<Vec<u8>>>>,
+    barrier: Arc<Barrier>,
+}
+
+impl Gather for Threads {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]) {
+        assert_eq!(mine.len(), counts[self.rank], "{what}: rank {}", self.rank);
+        self.slots.lock().unwrap()[self.rank] = mine.to_vec();
+        self.barrier.wait();
+        {
+            let slots = self.slots.lock().unwrap();
+            let mut at = 0;
+            for (r, n) in counts.iter().enumerate() {
+                assert_eq!(slots[r].len(), *n, "{what}: rank {r}'s count");
+                out[at..at + n].copy_from_slice(&slots[r]);
+                at += n;
+            }
+            assert_eq!(at, out.len());
+        }
+        self.barrier.wait();
+    }
+}
+
+/// Weights of 2 to 6 double-quantization units (64·256 elements) each, so 3 ranks split some
+/// unevenly and give one rank nothing of `k_proj`.
+fn config(tied: bool) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        hidden_size: 256,
+        intermediate_size: 384,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 64,
+        vocab_size: 96,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        rope_scaling: RopeScaling::None,
+        tie_word_embeddings: tied,
+        qkv_bias: true,
+        o_bias: false,
+        mlp_bias: false,
+        sliding_window: None,
+        window_layers: vec![false; 2],
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        pad_token_id: None,
+        variant: Default::default(),
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    quantize: Quantize,
+    autocast: bool,
+    tied: bool,
+    dora: bool,
+    checkpoint: bool,
+}
+
+/// What must be equal: the loss's and every gradient's bits, the logits', a decoding step's; and
+/// the frozen bytes this rank holds.
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    loss: u64,
+    grads: Vec<Vec<u32>>,
+    logits: Vec<u32>,
+    decoded: Vec<u32>,
+}
+
+fn bits(t: &Tensor) -> Vec<u32> {
+    let t = t.flatten_all().unwrap().to_dtype(DType::F32).unwrap();
+    t.to_vec1::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f32::to_bits)
+        .collect()
+}
+
+fn run(case: Case, comm: Option<Rc<dyn Gather>>) -> (Outcome, usize) {
+    let dev = Device::Cpu;
+    let cfg = config(case.tied);
+    let v = cfg.vocab_size;
+    let mut model = match comm {
+        Some(c) => Model::build_sharded(cfg, &Seeded, DType::F32, &dev, case.quantize, c),
+        None => Model::build_with(cfg, &Seeded, DType::F32, &dev, case.quantize),
+    }
+    .unwrap();
+    if case.autocast {
+        model.set_autocast().unwrap();
+    }
+    let spec = LoraSpec::new(4, 8.0, 0.1, false, &["all-linear".into()])
+        .unwrap()
+        .with_dora(case.dora);
+    let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 3, &dev).unwrap();
+    for (i, p) in adapter.pairs.iter_mut().enumerate() {
+        let n = p.b.elem_count();
+        let b: Vec<f32> = (0..n)
+            .map(|j| ((i * 31 + j * 7) % 13) as f32 * 0.01 - 0.06)
+            .collect();
+        p.b = Tensor::from_vec(b, p.b.dims(), &dev).unwrap();
+    }
+    model.attach(&adapter);
+    if case.dora {
+        model.init_dora(&mut adapter).unwrap();
+    }
+    let resident = model.resident_bytes();
+    let (b, t) = (2, 12);
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 + 3) as u32 % v as u32).collect();
+    let inputs = Inputs::new(ids.clone(), b, t);
+    let targets: Vec<Option<u32>> = (0..b * t)
+        .map(|i| ((i + 1) % t != 0).then(|| ids[i + 1]))
+        .collect();
+    let lc = LoraCtx {
+        adapter: &adapter,
+        scaling: spec.scaling(),
+        dropout: 0.1,
+        seed: 11,
+    };
+    let mut grads = Grads::new(adapter.pairs.len());
+    let loss = model
+        .forward_backward(&inputs, &targets, &lc, 0.01, case.checkpoint, &mut grads)
+        .unwrap();
+    let mut all: Vec<Vec<u32>> = Vec::new();
+    for g in grads.a.iter().chain(&grads.b).chain(&grads.m).flatten() {
+        all.push(bits(g));
+    }
+    let eval = LoraCtx { dropout: 0.0, ..lc };
+    let logits = model.forward(&inputs, Some(&eval), false).unwrap().logits;
+    let mut cache = KvCache::default();
+    model.decode(&ids[..5], &mut cache, Some(&eval)).unwrap();
+    let decoded = model.decode(&ids[5..6], &mut cache, Some(&eval)).unwrap();
+    let out = Outcome {
+        loss: loss.to_bits(),
+        grads: all,
+        logits: bits(&logits),
+        decoded: bits(&decoded),
+    };
+    (out, resident)
+}
+
+/// Every rank of a `size`-rank world, each in its own thread with its own model.
+fn ranks(case: Case, size: usize) -> Vec<(Outcome, usize)> {
+    let slots = Arc::new(Mutex::new(vec![Vec::new(); size]));
+    let barrier = Arc::new(Barrier::new(size));
+    let handles: Vec<_> = (0..size)
+        .map(|rank| {
+            let (slots, barrier) = (slots.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let comm = Threads {
+                    rank,
+                    size,
+                    slots,
+                    barrier,
+                };
+                run(case, Some(Rc::new(comm)))
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
+    rtune_backend::blas::init();
+    let nf4 = |double_quant| Quantize::Nf4 { double_quant };
+    let base = Case {
+        quantize: Quantize::None,
+        autocast: false,
+        tied: false,
+        dora: false,
+        checkpoint: false,
+    };
+    let cases = [
+        base,
+        Case {
+            checkpoint: true,
+            tied: true,
+            ..base
+        },
+        Case {
+            quantize: nf4(false),
+            checkpoint: true,
+            ..base
+        },
+        Case {
+            quantize: nf4(true),
+            dora: true,
+            ..base
+        },
+        Case {
+            autocast: true,
+            tied: true,
+            checkpoint: true,
+            ..base
+        },
+        Case {
+            quantize: nf4(true),
+            autocast: true,
+            ..base
+        },
+    ];
+    for case in cases {
+        let (whole, whole_bytes) = run(case, None);
+        for size in 1..=3 {
+            let got = ranks(case, size);
+            for (rank, (out, bytes)) in got.iter().enumerate() {
+                assert!(
+                    *out == whole,
+                    "{case:?}: rank {rank} of {size} differs from the whole model"
+                );
+                // Norms and biases stay whole: a few KB above whole/size.
+                let share = whole_bytes as f64 / size as f64;
+                eprintln!("{case:?}: rank {rank} of {size}: {bytes} B of {whole_bytes} B");
+                assert!(
+                    (*bytes as f64) < share * 1.25 + 32768.0,
+                    "{case:?}: rank {rank} of {size} holds {bytes} B, the whole model {whole_bytes} B"
+                );
+            }
+            let total: usize = got.iter().map(|g| g.1).sum();
+            assert!(
+                total as f64 >= whole_bytes as f64 * 0.99,
+                "{case:?}: shards cover the model"
+            );
+        }
+    }
+}
