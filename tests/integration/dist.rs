@@ -14,7 +14,8 @@
 //! - SIGTERM to one rank only stops every rank after the same step, with a checkpoint;
 //! - `rtune estimate --world 2` adds the all-reduce buffers to the per-rank peak;
 //! - a rank that hangs (SIGSTOP) makes the other exit through the watchdog within 60 s, naming
-//!   it; rank 0's evaluation and checkpoints, announced as long phases, are not taken for a hang.
+//!   it; rank 0's evaluation and checkpoints, announced as long phases, are not taken for a hang;
+//! - a sharded base (`[distributed] shard_base`, `dist/shard.rs`).
 //!
 //! A separate test target (`required-features = ["mpi"]`): scripts/test.sh runs it with
 //! `cargo test --features mpi --test dist`. Needs `mpirun` (Open MPI; scripts/deps/openmpi.sh).
@@ -22,6 +23,9 @@
 #[allow(dead_code)]
 #[path = "common.rs"]
 mod common;
+/// `[distributed] shard_base` (issue 37).
+#[path = "dist/shard.rs"]
+mod shard;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -263,7 +267,8 @@ fn two_ranks_train_dpo_as_one_process_with_twice_the_accumulation() {
 }
 
 /// `rtune estimate --world 2`: the per-rank peak is one process's plus the all-reduce's two f32
-/// copies of the LoRA gradients (8 bytes per LoRA parameter), and the global batch is named.
+/// copies of the LoRA gradients (8 bytes per LoRA parameter) and MPI's runtime, and the global
+/// batch is named.
 #[test]
 fn estimate_per_rank_adds_the_all_reduce_buffers() {
     let tmp = tempfile::tempdir().unwrap();
@@ -287,9 +292,12 @@ fn estimate_per_rank_adds_the_all_reduce_buffers() {
     assert!(one["breakdown"]
         .get("all-reduce buffers (data parallel)")
         .is_none());
+    // And MPI's own memory, in the rank's runtime.
+    let runtime = |v: &serde_json::Value| v["breakdown"]["runtime base"].as_u64().unwrap();
+    assert_eq!(runtime(&two), runtime(&one) + (12 << 20), "{two}");
     assert_eq!(
         two["peak_bytes"].as_u64().unwrap(),
-        one["peak_bytes"].as_u64().unwrap() + 8 * 27_264
+        one["peak_bytes"].as_u64().unwrap() + 8 * 27_264 + (12 << 20)
     );
     assert_eq!(
         (one["global_batch"].as_u64(), two["global_batch"].as_u64()),

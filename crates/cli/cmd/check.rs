@@ -1,6 +1,7 @@
 //! `rtune check`: the pre-flight checks (see `rtune_diag::check`), one line each; exit 1 when any
 //! fails. Under `mpirun` (feature `mpi`) every rank runs them in its own scratch directory, its
-//! lines prefixed by its rank, then all take part in the all-reduce check.
+//! lines prefixed by its rank, then all take part in the all-reduce check (and with
+//! `[distributed] shard_base` the gather check: unequal shares gathered exactly).
 
 use anyhow::{bail, Result};
 use std::path::PathBuf;
@@ -71,6 +72,12 @@ fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
         let c = check::all_reduce(world);
         print(&c);
         checks.push(c);
+        // A sharded base gathers every layer's weights from every rank.
+        if cfg.distributed.shard_base {
+            let c = check::all_gather(world);
+            print(&c);
+            checks.push(c);
+        }
     }
     let mut failed: Vec<&str> = checks
         .iter()

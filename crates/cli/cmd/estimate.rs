@@ -7,7 +7,10 @@
 //! `--world N` (data parallelism, issue 16): each rank holds the whole frozen base, the adapter and
 //! AdamW's state (DDP replicates them) and computes `micro_batch_size` rows at a time, so a rank's
 //! peak is the single process's at the same shape plus the gradient all-reduce's two flat f32
-//! copies of the LoRA gradients (the send and the receive buffer, 8 bytes per LoRA parameter).
+//! copies of the LoRA gradients (the send and the receive buffer, 8 bytes per LoRA parameter) and
+//! MPI's own memory (`rtune_estimate::Settings::for_world`).
+//! With `[distributed] shard_base` (issue 37) a rank holds 1/N of the frozen base and one layer
+//! gathered whole at a time (`rtune_estimate::Settings::shard`).
 
 use anyhow::{Context, Result};
 use std::path::PathBuf;
@@ -39,25 +42,13 @@ pub struct EstimateArgs {
     world: u64,
 }
 
-/// Breakdown name of the all-reduce buffers (a `--json` key).
-const ALL_REDUCE: &str = "all-reduce buffers (data parallel)";
-
-/// A rank's estimate: `est` plus the all-reduce's send and receive copies of the LoRA gradients.
-fn per_rank(m: &ModelConfig, s: &Settings, mut est: Estimate, world: usize) -> Estimate {
-    if world > 1 {
-        let bytes = 8 * estimate::lora_params(m, s);
-        est.peak_bytes += bytes;
-        est.step_peak_bytes += bytes;
-        est.breakdown.push((ALL_REDUCE.to_string(), bytes));
-    }
-    est
-}
-
 pub fn run(a: EstimateArgs) -> Result<()> {
     let mut cfg = rtune_config::load(&a.config, &a.set)?;
     // As `rtune train` does: a GGUF file is converted once into the cache, a hub id downloaded.
     crate::resolve::resolve_model(&mut cfg)?;
+    let world = a.world as usize;
     let (model, s) = settings(&cfg, a.data)?;
+    let s = s.for_world(&cfg, world);
     let (budget, source) = match &a.budget {
         Some(b) => (*b, "--budget"),
         None => match cfg.train.device {
@@ -87,8 +78,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         Some((budget, source)),
     );
     s.gradient_checkpointing = choice.on;
-    let world = a.world as usize;
-    let est = per_rank(&model, &s, estimate::estimate(&model, &s), world);
+    let est = estimate::estimate(&model, &s);
     let fit = estimate::largest_fitting(&model, &s, budget);
     if a.json {
         let breakdown: serde_json::Map<String, serde_json::Value> = est
@@ -107,6 +97,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "micro_batch_size": s.micro_batch_size,
             "seq_len": s.seq_len,
             "world": world,
+            "shard_base": s.shard.is_some(),
             "global_batch": s.micro_batch_size * s.grad_accum * world,
             "gradient_checkpointing": choice,
         });
@@ -130,9 +121,15 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         );
     }
     if world > 1 {
+        let held = match s.shard {
+            Some(_) => "each holds 1/world of the frozen base ([distributed] shard_base) and \
+                        gathers one layer at a time"
+                .to_string(),
+            None => "each holds the whole model".to_string(),
+        };
         println!(
-            "world {world}: the peak above is per rank (each holds the whole model: {:.1} MB on {world} \
-             ranks in all); global batch {} × {} × {world} = {} rows a step",
+            "world {world}: the peak above is per rank ({held}: {:.1} MB on {world} ranks in \
+             all); global batch {} × {} × {world} = {} rows a step",
             (est.peak_bytes * world as u64) as f64 / 1e6,
             s.micro_batch_size,
             s.grad_accum,

@@ -18,6 +18,21 @@ pub struct ConfigFile {
     pub train: TrainSection,
     #[serde(default)]
     pub output: OutputSection,
+    #[serde(default)]
+    pub distributed: DistributedSection,
+}
+
+/// `[distributed]`: how the ranks of a run launched by `mpirun` or `srun` share the work (data
+/// parallelism always; the rest here). Two booleans need no checking beyond their type: this is
+/// also the checked form ([`crate::RunConfig::distributed`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedSection {
+    /// Each rank keeps 1/world of every frozen weight and gathers a layer's just before it
+    /// computes (FSDP-style): for a base too big for one rank's memory. Off: every rank holds the
+    /// whole base (faster when it fits).
+    #[serde(default)]
+    pub shard_base: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -4,7 +4,8 @@
 //! mirrors the TOML exactly (one serde struct per section, `deny_unknown_fields`, defaults), and
 //! [`ConfigFile::validate`] turns it into [`RunConfig`], which holds one checked struct per section
 //! under the file's names — `model` ([`BaseModelConfig`]), `lora` ([`LoraConfig`]), `data`
-//! ([`DataConfig`]), `train` ([`TrainConfig`]), `output` ([`OutputConfig`]) — whose fields are ready
+//! ([`DataConfig`]), `train` ([`TrainConfig`]), `output` ([`OutputConfig`]), `distributed`
+//! ([`DistributedSection`], two booleans, as written) — whose fields are ready
 //! to use (enums instead of strings, ranges checked). Each section is checked by its own `validate`
 //! in its own file; [`LoraConfig::spec`] is where the run's `LoraSpec` is built. Every error names
 //! the file and the key (and the line, where the TOML parser knows it).
@@ -23,7 +24,8 @@ pub use data::{
     default_cache_dir, DataConfig, DataSection, RowFormat, TrainFile, TrainFiles, WeightedFile,
 };
 pub use file::{
-    ConfigFile, LoraSection, ModelSection, OutputSection, Switch, Targets, TokenName, TrainSection,
+    ConfigFile, DistributedSection, LoraSection, ModelSection, OutputSection, Switch, Targets,
+    TokenName, TrainSection,
 };
 pub use lora::LoraConfig;
 pub use model::{BaseModelConfig, DType};

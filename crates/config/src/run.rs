@@ -26,6 +26,8 @@ pub struct RunConfig {
     pub train: TrainConfig,
     /// `[output]`: the run directory, checkpoints, resume, remote mirror and tracking.
     pub output: OutputConfig,
+    /// `[distributed]`: whether the ranks shard the frozen base.
+    pub distributed: crate::DistributedSection,
 }
 
 impl ConfigFile {
@@ -60,6 +62,18 @@ impl ConfigFile {
                 ),
             ));
         }
+        if self.distributed.shard_base && lora.init.mutates_base() {
+            return Err(crate::invalid(
+                path,
+                "distributed.shard_base",
+                format!(
+                    "cannot be combined with [lora] init = \"{}\", which rewrites the base \
+                     weights from their SVD (each rank would need the whole weight); start from \
+                     an adapter made by such a run with init_from, or leave shard_base off",
+                    lora.init
+                ),
+            ));
+        }
         Ok(RunConfig {
             config_path: path.to_path_buf(),
             model,
@@ -67,6 +81,7 @@ impl ConfigFile {
             data,
             train,
             output,
+            distributed: self.distributed.clone(),
             file: self,
         })
     }

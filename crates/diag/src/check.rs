@@ -492,6 +492,61 @@ pub fn all_reduce(world: &rtune_dist::World) -> Check {
     )
 }
 
+/// Bytes rank r sends in the sharded-base check: unequal shares, as an odd world's shards are.
+fn gather_share(rank: usize) -> usize {
+    (4 << 20) + 4096 * rank + 17
+}
+
+/// The sharded-base check (`[distributed] shard_base`): every rank sends a share of its own size
+/// and pattern (`byte i of rank r = (i·7 + r·31) mod 251`) and every rank must receive all of
+/// them, in rank order, exactly — what each layer's gather does. Reports the median time of the
+/// gather as bytes received per second. Collective: every rank calls it.
+pub fn all_gather(world: &rtune_dist::World) -> Check {
+    let w = world.size;
+    let pattern = |r: usize, i: usize| ((i * 7 + r * 31) % 251) as u8;
+    let counts: Vec<usize> = (0..w).map(gather_share).collect();
+    let mine: Vec<u8> = (0..counts[world.rank])
+        .map(|i| pattern(world.rank, i))
+        .collect();
+    let mut out = vec![0u8; counts.iter().sum()];
+    let (mut times, mut exact) = (Vec::new(), true);
+    for _ in 0..ALL_REDUCE_REPS {
+        out.fill(0);
+        let t = std::time::Instant::now();
+        world.all_gather_into(
+            "rtune check's sharded-base gather",
+            &mine,
+            &counts,
+            &mut out,
+        );
+        times.push(t.elapsed().as_secs_f64());
+        let mut at = 0;
+        for (r, n) in counts.iter().enumerate() {
+            exact &= out[at..at + n]
+                .iter()
+                .enumerate()
+                .all(|(i, b)| *b == pattern(r, i));
+            at += n;
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    let bytes = out.len() as f64;
+    Check::new(
+        "sharded-base gather",
+        exact,
+        format!(
+            "{w} ranks over {}: {:.1} MiB gathered {} in {:.2} ms (median of {ALL_REDUCE_REPS}): \
+             {:.2} GB/s",
+            world.describe(),
+            bytes / (1 << 20) as f64,
+            if exact { "exact" } else { "WRONG" },
+            median * 1e3,
+            bytes / median / 1e9
+        ),
+    )
+}
+
 pub fn temp_dir() -> PathBuf {
     std::env::temp_dir().join(format!("rtune-check-{}", std::process::id()))
 }

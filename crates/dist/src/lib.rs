@@ -98,6 +98,9 @@ pub trait Collective {
     fn all_reduce_sum_f64(&self, buf: &mut [f64]);
     /// Every rank's `mine`, in rank order, on every rank.
     fn all_gather_bytes(&self, mine: &[u8]) -> Vec<Vec<u8>>;
+    /// Every rank's `mine` (rank r's is `counts[r]` bytes, known to all) concatenated in rank
+    /// order into `out` (their sum): a sharded base's weights, any size.
+    fn all_gather_into(&self, mine: &[u8], counts: &[usize], out: &mut [u8]);
     /// `buf` becomes `root`'s `buf` on every rank.
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>);
     /// Ends every rank of the job with `code` (MPI_Abort).
@@ -275,14 +278,51 @@ impl World {
         Some(f(comm))
     }
 
-    /// Sums `buf` over the ranks, in place (`what` names it if the watchdog fires).
+    /// Sums `buf` over the ranks, in place (`what` names it if the watchdog fires), in rank
+    /// order: `((b₀ + b₁) + b₂) + …`, what one process accumulating the ranks' micro-batches in
+    /// turn adds, bit for bit. Two ranks' sum is the same in either order; from three on, MPI's
+    /// reduction order is its algorithm's, so the ranks' buffers are gathered and summed here.
     pub fn all_reduce_sum_f32(&self, what: &str, buf: &mut [f32]) {
+        if self.size > 2 {
+            return self.ordered_sum(what, buf, f32::to_le_bytes, f32::from_le_bytes);
+        }
         self.guarded(what, |c| c.all_reduce_sum_f32(buf));
     }
 
-    /// Sums `buf` over the ranks, in place.
+    /// Sums `buf` over the ranks, in place, in rank order (as [`all_reduce_sum_f32`](Self::all_reduce_sum_f32)).
     pub fn all_reduce_sum_f64(&self, what: &str, buf: &mut [f64]) {
+        if self.size > 2 {
+            return self.ordered_sum(what, buf, f64::to_le_bytes, f64::from_le_bytes);
+        }
         self.guarded(what, |c| c.all_reduce_sum_f64(buf));
+    }
+
+    /// Every rank's `buf` gathered, then summed in rank order into `buf`.
+    fn ordered_sum<T, const N: usize>(
+        &self,
+        what: &str,
+        buf: &mut [T],
+        to: fn(T) -> [u8; N],
+        from: fn([u8; N]) -> T,
+    ) where
+        T: Copy + std::ops::AddAssign,
+    {
+        let mine: Vec<u8> = buf.iter().flat_map(|&x| to(x)).collect();
+        let counts = vec![mine.len(); self.size];
+        let mut all = vec![0u8; mine.len() * self.size];
+        self.all_gather_into(what, &mine, &counts, &mut all);
+        let value = |b: &[u8]| from(b.try_into().expect("N bytes"));
+        let mut ranks = all.chunks_exact(mine.len().max(1));
+        if let Some(first) = ranks.next() {
+            for (x, b) in buf.iter_mut().zip(first.chunks_exact(N)) {
+                *x = value(b);
+            }
+        }
+        for r in ranks {
+            for (x, b) in buf.iter_mut().zip(r.chunks_exact(N)) {
+                *x += value(b);
+            }
+        }
     }
 
     /// True on every rank when `flag` is true on any rank (a stop request seen by one rank).
@@ -298,6 +338,17 @@ impl World {
             .unwrap_or_else(|| vec![mine.to_vec()])
     }
 
+    /// Every rank's `mine` (rank r's `counts[r]` bytes) in rank order into `out`; a copy in a
+    /// single process.
+    pub fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]) {
+        if self
+            .guarded(what, |c| c.all_gather_into(mine, counts, out))
+            .is_none()
+        {
+            out.copy_from_slice(mine);
+        }
+    }
+
     /// `buf` becomes rank `root`'s `buf` on every rank.
     pub fn broadcast(&self, what: &str, root: usize, buf: &mut Vec<u8>) {
         self.guarded(what, |c| c.broadcast_bytes(root, buf));
@@ -310,6 +361,19 @@ impl World {
             Some(c) => c.abort(code),
             None => std::process::exit(code),
         }
+    }
+}
+
+/// A sharded base (`rtune_model::shard`) gathers its weights through the world's collective.
+impl rtune_model::Gather for World {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]) {
+        World::all_gather_into(self, what, mine, counts, out)
     }
 }
 

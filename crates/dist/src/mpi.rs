@@ -89,6 +89,56 @@ impl Collective for Mpi {
             .collect()
     }
 
+    fn all_gather_into(&self, mine: &[u8], counts: &[usize], out: &mut [u8]) {
+        // MPI's counts and displacements are `int`: rounds of at most 1 GiB in all, each rank
+        // sending the next `chunk` bytes of its part (the rounds are the same on every rank,
+        // which all know every count).
+        let size = counts.len();
+        let chunk = ((1usize << 30) / size.max(1)).max(1);
+        let rounds = counts.iter().max().map_or(0, |m| m.div_ceil(chunk));
+        let starts: Vec<usize> = counts
+            .iter()
+            .scan(0, |acc, &n| {
+                let at = *acc;
+                *acc += n;
+                Some(at)
+            })
+            .collect();
+        if rounds == 1 {
+            // The usual case: straight into `out`.
+            let c: Vec<Count> = counts.iter().map(|&n| n as Count).collect();
+            let d: Vec<Count> = starts.iter().map(|&n| n as Count).collect();
+            let mut recv = PartitionMut::new(out, &c[..], &d[..]);
+            self.world.all_gather_varcount_into(mine, &mut recv);
+            return;
+        }
+        let mut tmp = Vec::new();
+        for k in 0..rounds {
+            let part = |n: usize| n.saturating_sub(k * chunk).min(chunk);
+            let these: Vec<Count> = counts.iter().map(|&n| part(n) as Count).collect();
+            let displs: Vec<Count> = these
+                .iter()
+                .scan(0, |acc, &n| {
+                    let at = *acc;
+                    *acc += n;
+                    Some(at)
+                })
+                .collect();
+            let from = (k * chunk).min(mine.len());
+            let send = &mine[from..from + part(mine.len())];
+            tmp.resize(these.iter().map(|&n| n as usize).sum(), 0);
+            {
+                let mut recv = PartitionMut::new(&mut tmp[..], &these[..], &displs[..]);
+                self.world.all_gather_varcount_into(send, &mut recv);
+            }
+            for r in 0..size {
+                let (n, at) = (these[r] as usize, displs[r] as usize);
+                let to = starts[r] + k * chunk;
+                out[to..to + n].copy_from_slice(&tmp[at..at + n]);
+            }
+        }
+    }
+
     fn broadcast_bytes(&self, root: usize, buf: &mut Vec<u8>) {
         let root = self.world.process_at_rank(root as i32);
         let mut len = buf.len() as u64;

@@ -103,7 +103,20 @@ pub struct Settings {
     pub runtime_bytes: u64,
     /// The matmul library's per-thread scratch (see [`matmul_workspace_bytes`]).
     pub matmul_workspace: u64,
+    /// `[distributed] shard_base` over this many ranks (`rtune_model::shard`): a rank holds
+    /// 1/world of the frozen weights (and maps 1/world of the checkpoint while loading), plus the
+    /// one layer gathered whole while it computes and, at the cross-entropy, the lm_head.
+    /// `None`: the whole base.
+    pub shard: Option<usize>,
+    /// Ranks of a data-parallel run (1: one process): from 2 on, a rank also holds the
+    /// gradient all-reduce's two flat f32 copies of the LoRA gradients (8 bytes per LoRA
+    /// parameter) and MPI's own memory ([`MPI_RUNTIME_BYTES`], in `runtime_bytes`).
+    pub world: usize,
 }
+
+/// What MPI adds to a rank's memory: measured, a rank's peak 10.8 MB above one process's on the
+/// same run (Open MPI 4.1, shared-memory transport, 2 ranks on one host).
+pub const MPI_RUNTIME_BYTES: u64 = 12 << 20;
 
 /// The predicted peak and what it is made of (`breakdown` sums to `peak_bytes`).
 #[derive(Debug, Clone, serde::Serialize)]
@@ -155,6 +168,8 @@ pub mod names {
     pub const FRAG: &str = "allocator: checkpoint holes";
     pub const MAPPED: &str = "checkpoint mapped (loading)";
     pub const CONVERT: &str = "tensor being converted (loading)";
+    pub const GATHERED: &str = "gathered weights (sharded base)";
+    pub const ALL_REDUCE: &str = "all-reduce buffers (data parallel)";
 }
 
 /// The moments of a step the estimate compares, in time order (within the backward of the last
@@ -257,16 +272,19 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
         c.vocab_size as u64,
         c.num_layers as u64,
     );
-    let mut values = v * d * e; // embed_tokens (V, D)
+    // A sharded base divides the tables and the linear weights (not the norms and biases) by the
+    // world, each rank's pieces keeping their own code tables.
+    let world = s.shard.unwrap_or(1).max(1) as u64;
+    let mut values = (v * d * e).div_ceil(world); // embed_tokens (V, D)
     if !c.tie_word_embeddings {
-        values += v * d * e; // lm_head (V, D): never quantized
+        values += (v * d * e).div_ceil(world); // lm_head (V, D): never quantized
     }
     values += (2 * l + 1) * d * e; // RMSNorm weights
     let mut consts = 0;
     for (name, i, o) in linears(c) {
         let (w, k) = frozen_bytes(i * o, e, s.quantize);
-        values += l * w;
-        consts += l * k;
+        values += l * w.div_ceil(world);
+        consts += l * shard_consts(k, world, s.quantize);
         let bias = match name {
             "q_proj" | "k_proj" | "v_proj" | "qkv_proj" => c.qkv_bias,
             "o_proj" => c.o_bias,
@@ -279,9 +297,12 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
     // LoRA A (r, in) and B (out, r) in f32; AdamW's m and v; and the optimizer's flat f32 copy of
     // the parameters it updates (`LoraOptimizer`). The gradients depend on the phase.
     let lora = lora_params(c, s) * 4;
+    // Data parallelism: the gradients' send and receive copies for the all-reduce.
+    let all_reduce = if s.world > 1 { 2 * lora } else { 0 };
     vec![
         item(names::WEIGHTS, values, 1),
         item(names::QUANT, consts, 1),
+        item(names::ALL_REDUCE, all_reduce, 1),
         item(names::LORA, lora, 1),
         // DoRA: each module's row norms `‖W + s·B·A‖: (out,)` f32, cached for the whole step.
         item(names::DORA, dora_outs(c, s) * 4, l),
@@ -289,6 +310,46 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
         item(names::MASTER, lora, 1),
         item(names::MATMUL, s.matmul_workspace, 1),
     ]
+}
+
+/// One rank's share of a weight's NF4 constants `k`: the scales divided, the code tables (16
+/// f32, and with double quantization 256 f32 and the offset) whole in every piece.
+fn shard_consts(k: u64, world: u64, q: Quantize) -> u64 {
+    let tables = match q {
+        Quantize::None => return 0,
+        Quantize::Nf4 { double_quant } => 4 * 16 + if double_quant { 4 * 256 + 4 } else { 0 },
+    };
+    (k - tables).div_ceil(world) + tables
+}
+
+/// A sharded base's gathered weights at `phase`: in a layer's backward the whole layer (its
+/// frozen weights at full size) plus one weight's gathered bytes while they become a tensor; at
+/// the cross-entropy the lm_head `(V, D)`. Nothing without sharding.
+fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
+    if s.shard.is_none() {
+        return Vec::new();
+    }
+    let e = elem(s.dtype);
+    match phase {
+        Phase::CrossEntropy => {
+            let table = c.vocab_size as u64 * c.hidden_size as u64 * e;
+            vec![item(names::GATHERED, table, 1)]
+        }
+        Phase::SwigluBackward | Phase::AttentionBackward | Phase::RopeBackward => {
+            let mut v = Vec::new();
+            let mut largest = 0;
+            for (_, i, o) in linears(c) {
+                let (w, k) = frozen_bytes(i * o, e, s.quantize);
+                v.push(item(names::GATHERED, w + k, 1));
+                largest = largest.max(w);
+            }
+            if s.quantize == Quantize::None {
+                v.push(item(names::GATHERED, largest, 1));
+            }
+            v
+        }
+        _ => Vec::new(),
+    }
 }
 
 fn elem(d: DType) -> u64 {
@@ -400,7 +461,7 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
     }
     let k = dims(c, s, path);
     let (n, e, d) = (k.n, k.e, k.d);
-    let mut v = Vec::new();
+    let mut v = gathered_items(c, s, phase);
     // LoRA gradients (f32): each step starts without any; the first micro-batch's backward has
     // made the last layer's by its first phases, later micro-batches add into all of them.
     let grads = lora_params(c, s) * 4;
@@ -591,6 +652,13 @@ fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
             convert(embed).max(linear * (file_e + 4 + f32_copy))
         }
     };
+    // A sharded base's rank reads its pieces with pread (nothing mapped), each read into a
+    // buffer, copied into a tensor and from it into the piece's bytes: three copies of the
+    // largest piece at once.
+    if let Some(world) = s.shard {
+        let piece = (embed.max(linear) * file_e.max(e)).div_ceil(world.max(1) as u64);
+        return vec![item(names::CONVERT, piece, 3)];
+    }
     vec![
         item(names::MAPPED, s.checkpoint_bytes, 1),
         item(names::CONVERT, staging, 1),

@@ -8,6 +8,17 @@ use std::path::{Path, PathBuf};
 use crate::{choose_checkpointing, Quantize, Settings, RUNTIME_BYTES, TRAIN_RUNTIME_BYTES};
 
 impl Settings {
+    /// These settings for one rank of `world` (`rtune estimate --world`, a rank of `rtune
+    /// train`): with `[distributed] shard_base` the base is sharded over the world.
+    pub fn for_world(mut self, cfg: &RunConfig, world: usize) -> Self {
+        self.shard = cfg.distributed.shard_base.then_some(world.max(1));
+        if world > 1 && self.world <= 1 {
+            self.runtime_bytes += crate::MPI_RUNTIME_BYTES;
+        }
+        self.world = world.max(1);
+        self
+    }
+
     /// f32, no quantization, LoRA on all linear layers, worst-case rows.
     pub fn new(r: usize, micro_batch_size: usize, seq_len: usize, checkpointing: bool) -> Self {
         Self {
@@ -31,6 +42,8 @@ impl Settings {
             checkpoint_elem_bytes: 0,
             runtime_bytes: RUNTIME_BYTES,
             matmul_workspace: matmul_workspace_bytes(),
+            shard: None,
+            world: 1,
         }
     }
 }
@@ -113,6 +126,9 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         checkpoint_elem_bytes: files.first().map_or(0, |f| stored_elem_bytes(f)),
         runtime_bytes: RUNTIME_BYTES + TRAIN_RUNTIME_BYTES + TOKENIZER_PER_FILE_BYTE * tokenizer,
         matmul_workspace: matmul_workspace_bytes(),
+        // Set for the world by the caller ([`Settings::for_world`]).
+        shard: None,
+        world: 1,
     })
 }
 
@@ -170,11 +186,12 @@ pub fn for_run(
     examples: &[rtune_data::Example],
     dev: &candle_core::Device,
     checkpointing: bool,
+    world: usize,
 ) -> Option<u64> {
     if !dev.is_cpu() {
         return None;
     }
-    let mut s = settings_for(cfg).ok()?;
+    let mut s = settings_for(cfg).ok()?.for_world(cfg, world);
     fit_to_data(&mut s, examples, cfg.data.max_seq_len);
     s.gradient_checkpointing = checkpointing;
     Some(crate::estimate(model, &s).peak_bytes)
@@ -187,8 +204,9 @@ pub fn checkpointing_for(
     model: &rtune_model::ModelConfig,
     examples: Option<&[rtune_data::Example]>,
     budget: crate::Budget,
+    world: usize,
 ) -> Result<crate::CheckpointingChoice, Box<rtune_lora::LoraError>> {
-    let mut s = settings_for(cfg)?;
+    let mut s = settings_for(cfg)?.for_world(cfg, world);
     if let Some(e) = examples {
         fit_to_data(&mut s, e, cfg.data.max_seq_len);
     }

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use rtune_quant::{Absmax, Nf4Weight};
 
 use crate::layer::Layer;
-use crate::linear::Frozen;
+use crate::linear::{Frozen, Linear};
 
 /// The collective a sharded model gathers its weights through (`rtune_dist::World` over MPI).
 pub trait Gather {
@@ -142,99 +142,120 @@ impl Shard {
         })
     }
 
-    /// The whole weight on every rank: each rank's piece gathered in order. Dense: a tensor of
-    /// `shape` on `device`; NF4: the joined weight.
-    pub fn gather(&self, comm: &dyn Gather, name: &str) -> candle_core::Result<Whole> {
-        let (size, n) = (comm.size(), self.numel());
-        let spans: Vec<Range<usize>> = (0..size).map(|r| self.span(size, r)).collect();
-        let gather = |what: &str, mine: &[u8], count: &dyn Fn(&Range<usize>) -> usize| {
-            let counts: Vec<usize> = spans.iter().map(count).collect();
+    /// The counts every rank sends of this weight: `of(span)` bytes each.
+    fn counts(&self, size: usize, of: &dyn Fn(&Range<usize>) -> usize) -> Vec<usize> {
+        (0..size).map(|r| of(&self.span(size, r))).collect()
+    }
+
+    /// A dense weight gathered into `out` (its whole row-major bytes, `numel · dtype` long):
+    /// each rank's piece in rank order.
+    fn gather_dense_into(
+        &self,
+        comm: &dyn Gather,
+        name: &str,
+        out: &mut [u8],
+    ) -> candle_core::Result<()> {
+        let Piece::Dense { dtype, bytes } = &self.piece else {
+            candle_core::bail!("{name}: an NF4 shard gathered as a dense weight");
+        };
+        let s = dtype.size_in_bytes();
+        let counts = self.counts(comm.size(), &|sp| sp.len() * s);
+        comm.all_gather_into(&format!("the gather of {name}"), bytes, &counts, out);
+        Ok(())
+    }
+
+    /// An NF4 weight gathered: each rank's codes and scales in rank order, joined.
+    fn gather_nf4(&self, comm: &dyn Gather, name: &str) -> candle_core::Result<Nf4Weight> {
+        let Piece::Nf4(q) = &self.piece else {
+            candle_core::bail!("{name}: a dense shard gathered as an NF4 weight");
+        };
+        let size = comm.size();
+        let gather = |what: &str, mine: &[u8], of: &dyn Fn(&Range<usize>) -> usize| {
+            let counts = self.counts(size, of);
             let mut out = vec![0u8; counts.iter().sum()];
-            comm.all_gather_into(
-                &format!("the gather of {name}'s {what}"),
-                mine,
-                &counts,
-                &mut out,
-            );
+            let what = format!("the gather of {name}'s {what}");
+            comm.all_gather_into(&what, mine, &counts, &mut out);
             out
         };
-        match &self.piece {
-            Piece::Dense { dtype, bytes } => {
-                let s = dtype.size_in_bytes();
-                let all = gather("values", bytes, &|sp| sp.len() * s);
-                Ok(Whole::Dense {
-                    dtype: *dtype,
-                    bytes: all,
-                })
+        let bs = q.blocksize;
+        let blocks = |sp: &Range<usize>| sp.end.div_ceil(bs) - sp.start.div_ceil(bs);
+        let nibbles = |sp: &Range<usize>| sp.end.div_ceil(2) - sp.start.div_ceil(2);
+        let packed = gather("4-bit codes", &q.packed, &nibbles);
+        let absmax = match &q.absmax {
+            Absmax::Plain(a) => {
+                let all = gather("scales", &f32_bytes(a), &|sp| 4 * blocks(sp));
+                Absmax::Plain(f32s(&all))
             }
-            Piece::Nf4(q) => {
-                let blocks = |sp: &Range<usize>| {
-                    sp.end.div_ceil(q.blocksize) - sp.start.div_ceil(q.blocksize)
+            Absmax::Double {
+                codes,
+                nested_absmax,
+                nested_quant_map,
+                offset,
+                nested_blocksize,
+            } => {
+                let nb = *nested_blocksize;
+                let groups = |sp: &Range<usize>| {
+                    let b = sp.start.div_ceil(bs)..sp.end.div_ceil(bs);
+                    b.end.div_ceil(nb) - b.start.div_ceil(nb)
                 };
-                let packed = gather("4-bit codes", &q.packed, &|sp| {
-                    sp.end.div_ceil(2) - sp.start.div_ceil(2)
+                let nested = gather("second-level scales", &f32_bytes(nested_absmax), &|sp| {
+                    4 * groups(sp)
                 });
-                let absmax = match &q.absmax {
-                    Absmax::Plain(a) => {
-                        Absmax::Plain(f32s(&gather("scales", &f32_bytes(a), &|sp| 4 * blocks(sp))))
-                    }
-                    Absmax::Double {
-                        codes,
-                        nested_absmax,
-                        nested_quant_map,
-                        offset,
-                        nested_blocksize,
-                    } => {
-                        let nb = *nested_blocksize;
-                        let groups = |sp: &Range<usize>| {
-                            let b = sp.start.div_ceil(q.blocksize)..sp.end.div_ceil(q.blocksize);
-                            b.end.div_ceil(nb) - b.start.div_ceil(nb)
-                        };
-                        Absmax::Double {
-                            codes: gather("scale codes", codes, &blocks),
-                            nested_absmax: f32s(&gather(
-                                "second-level scales",
-                                &f32_bytes(nested_absmax),
-                                &|sp| 4 * groups(sp),
-                            )),
-                            nested_quant_map: nested_quant_map.clone(),
-                            offset: *offset,
-                            nested_blocksize: nb,
-                        }
-                    }
-                };
-                let w = Nf4Weight {
-                    shape: self.shape.clone(),
-                    packed,
-                    absmax,
-                    quant_map: q.quant_map,
-                    quant_type: q.quant_type,
-                    blocksize: q.blocksize,
-                    dtype: q.dtype,
-                };
-                w.check().map_err(|e| {
-                    candle_core::Error::Msg(format!("gathering {name} ({n} elements): {e}"))
-                })?;
-                Ok(Whole::Nf4(w))
+                Absmax::Double {
+                    codes: gather("scale codes", codes, &blocks),
+                    nested_absmax: f32s(&nested),
+                    nested_quant_map: nested_quant_map.clone(),
+                    offset: *offset,
+                    nested_blocksize: nb,
+                }
             }
+        };
+        let w = Nf4Weight {
+            shape: self.shape.clone(),
+            packed,
+            absmax,
+            quant_map: q.quant_map,
+            quant_type: q.quant_type,
+            blocksize: bs,
+            dtype: q.dtype,
+        };
+        w.check()
+            .map_err(|e| candle_core::Error::Msg(format!("gathering {name}: {e}")))?;
+        Ok(w)
+    }
+
+    /// The dense dtype of this shard (`None` for NF4).
+    fn dense_dtype(&self) -> Option<DType> {
+        match &self.piece {
+            Piece::Dense { dtype, .. } => Some(*dtype),
+            Piece::Nf4(_) => None,
         }
     }
 }
 
-/// A gathered weight ([`Shard::gather`]).
-pub enum Whole {
-    Dense { dtype: DType, bytes: Vec<u8> },
-    Nf4(Nf4Weight),
-}
-
-impl Whole {
-    /// The dense weight as a tensor of `shape` on `device`.
-    pub fn tensor(&self, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
-        match self {
-            Whole::Dense { dtype, bytes } => Tensor::from_raw_buffer(bytes, *dtype, shape, device),
-            Whole::Nf4(_) => candle_core::bail!("an NF4 weight is not a dense tensor"),
-        }
+/// A tensor of `shape` in `dtype` on `device` whose row-major bytes `fill` writes: the gather
+/// lands in the tensor's own buffer (no copy on the CPU).
+fn dense_tensor(
+    dtype: DType,
+    shape: &[usize],
+    device: &Device,
+    fill: impl FnOnce(&mut [u8]) -> candle_core::Result<()>,
+) -> candle_core::Result<Tensor> {
+    fn typed<T: bytemuck::Pod + candle_core::WithDType>(
+        shape: &[usize],
+        fill: impl FnOnce(&mut [u8]) -> candle_core::Result<()>,
+    ) -> candle_core::Result<Tensor> {
+        let mut v = vec![T::zeroed(); shape.iter().product()];
+        fill(bytemuck::cast_slice_mut(&mut v))?;
+        Tensor::from_vec(v, shape, &Device::Cpu)
     }
+    let t = match dtype {
+        DType::F32 => typed::<f32>(shape, fill)?,
+        DType::BF16 => typed::<half::bf16>(shape, fill)?,
+        DType::F16 => typed::<half::f16>(shape, fill)?,
+        other => candle_core::bail!("a sharded weight is f32, bf16 or f16, not {other:?}"),
+    };
+    t.to_device(device)
 }
 
 /// The sharded base's own state: the transport, and the embedding table's and an untied
@@ -248,33 +269,32 @@ pub struct Sharded {
 }
 
 impl Sharded {
-    /// `layer` with its weights gathered: ordinary dense or NF4 weights, fused as the unsharded
-    /// model's are.
+    /// `layer` with its weights gathered: ordinary dense or NF4 weights, and the dense q/k/v and
+    /// gate/up members gathered straight into one block each, as the unsharded model fuses
+    /// them (`Layer::fuse`): the gathered layer costs its weights' bytes once.
     pub fn gather_layer(&self, layer: &Layer, device: &Device) -> candle_core::Result<Layer> {
+        let comm = &*self.comm;
         let mut l = layer.clone();
-        for lin in l.linears_mut() {
-            let Frozen::Sharded { shard, dtype } = &lin.w else {
-                continue;
-            };
-            lin.w = match shard.gather(&*self.comm, &lin.name)? {
-                w @ Whole::Dense { .. } => Frozen::Dense(w.tensor(&shard.shape, device)?),
-                Whole::Nf4(q) => Frozen::quant(q, *dtype, device)?,
-            };
+        for (lin, own) in l.linears_mut().into_iter().zip(layer.linears()) {
+            // DoRA's per-step row norms stay cached across the gathers of a step.
+            lin.dora_norm = own.dora_norm.share();
         }
-        l.fuse()?;
+        l.qkv = gather_group(comm, &mut l.attn_in, device)?;
+        l.gate_up = gather_group(comm, &mut l.mlp_in, device)?;
+        gather_one(comm, &mut l.o, device)?;
+        gather_one(comm, &mut l.down, device)?;
         Ok(l)
     }
 
     /// The embedding table `(V, D)`, gathered.
     pub fn embed(&self, device: &Device) -> candle_core::Result<Tensor> {
-        let w = self.embed.gather(&*self.comm, "model.embed_tokens")?;
-        w.tensor(&self.embed.shape, device)
+        gather_table(&*self.comm, &self.embed, "model.embed_tokens", device)
     }
 
     /// The lm_head `(V, D)`, gathered (the embedding table when tied).
     pub fn lm_head(&self, device: &Device) -> candle_core::Result<Tensor> {
         match &self.lm_head {
-            Some(s) => s.gather(&*self.comm, "lm_head")?.tensor(&s.shape, device),
+            Some(s) => gather_table(&*self.comm, s, "lm_head", device),
             None => self.embed(device),
         }
     }
@@ -285,34 +305,107 @@ impl Sharded {
     }
 }
 
+fn gather_table(
+    comm: &dyn Gather,
+    s: &Shard,
+    name: &str,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let dtype = s.dense_dtype().unwrap_or(DType::F32);
+    dense_tensor(dtype, &s.shape, device, |out| {
+        s.gather_dense_into(comm, name, out)
+    })
+}
+
+/// One linear's weight gathered in place (a member of no block).
+fn gather_one(comm: &dyn Gather, lin: &mut Linear, device: &Device) -> candle_core::Result<()> {
+    let Frozen::Sharded { shard, dtype } = &lin.w else {
+        return Ok(());
+    };
+    lin.w = match shard.dense_dtype() {
+        Some(d) => Frozen::Dense(dense_tensor(d, &shard.shape, device, |out| {
+            shard.gather_dense_into(comm, &lin.name, out)
+        })?),
+        None => Frozen::quant(shard.gather_nf4(comm, &lin.name)?, *dtype, device)?,
+    };
+    Ok(())
+}
+
+/// A group's members (q, k, v or gate, up) gathered: dense members of one dtype and input size
+/// into one `(Σ out, in)` block whose row views they become (the block returned), as
+/// `group::fuse` makes it; otherwise each on its own (`None`).
+fn gather_group(
+    comm: &dyn Gather,
+    members: &mut [Linear],
+    device: &Device,
+) -> candle_core::Result<Option<Tensor>> {
+    let shards: Vec<Arc<Shard>> = members
+        .iter()
+        .filter_map(|m| match &m.w {
+            Frozen::Sharded { shard, .. } => Some(shard.clone()),
+            _ => None,
+        })
+        .collect();
+    let dtype = shards.first().and_then(|s| s.dense_dtype());
+    let blockable = members.len() >= 2
+        && shards.len() == members.len()
+        && shards
+            .iter()
+            .all(|s| s.dense_dtype() == dtype && s.shape[1] == shards[0].shape[1]);
+    let Some(dtype) = dtype.filter(|_| blockable) else {
+        for m in members.iter_mut() {
+            gather_one(comm, m, device)?;
+        }
+        return Ok(None);
+    };
+    let rows: Vec<usize> = shards.iter().map(|s| s.shape[0]).collect();
+    let shape = [rows.iter().sum(), shards[0].shape[1]];
+    let row_bytes = dtype.size_in_bytes() * shape[1];
+    let block = dense_tensor(dtype, &shape, device, |out| {
+        let mut at = 0;
+        for (m, s) in members.iter().zip(&shards) {
+            let n = s.shape[0] * row_bytes;
+            s.gather_dense_into(comm, &m.name, &mut out[at..at + n])?;
+            at += n;
+        }
+        Ok(())
+    })?;
+    let mut row = 0;
+    for (m, r) in members.iter_mut().zip(rows) {
+        m.w = Frozen::Dense(block.narrow(0, row, r)?);
+        row += r;
+    }
+    Ok(Some(block))
+}
+
 /// A layer as the pass uses it: the model's own, or gathered.
 pub(crate) type LayerRef<'a> = Cow<'a, Layer>;
 
-/// The little-endian bytes of a 1-D CPU or device tensor's values.
+/// The little-endian bytes of a CPU or device tensor's values (allocated once at their size: a
+/// collected `flat_map` would grow by doubling and leave the heap the larger blocks).
 fn le_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
+    fn bytes<T: Copy, const N: usize>(v: &[T], f: fn(T) -> [u8; N]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(v.len() * N);
+        for &x in v {
+            out.extend_from_slice(&f(x));
+        }
+        out
+    }
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
-        DType::F32 => t
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::BF16 => t
-            .to_vec1::<half::bf16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
-        DType::F16 => t
-            .to_vec1::<half::f16>()?
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect(),
+        DType::F32 => bytes(&t.to_vec1::<f32>()?, f32::to_le_bytes),
+        DType::BF16 => bytes(&t.to_vec1::<half::bf16>()?, half::bf16::to_le_bytes),
+        DType::F16 => bytes(&t.to_vec1::<half::f16>()?, half::f16::to_le_bytes),
         other => candle_core::bail!("a sharded weight is f32, bf16 or f16, not {other:?}"),
     })
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    let mut out = Vec::with_capacity(4 * v.len());
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {

@@ -3,7 +3,7 @@
 
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -116,7 +116,15 @@ pub struct Weights {
     st: MmapedSafetensors,
     dtype: DType,
     device: Device,
+    /// The files, for [`Weights::get_piece`]'s byte-range reads.
+    files: Vec<PathBuf>,
+    /// Each tensor's file and the file offset of its data, read from the headers on the first
+    /// piece asked for.
+    offsets: std::sync::OnceLock<std::result::Result<DataOffsets, String>>,
 }
+
+/// Tensor name → (index of its file, file offset of its data).
+type DataOffsets = HashMap<String, (usize, u64)>;
 
 impl Weights {
     pub fn open(dir: &Path, dtype: DType, device: &Device) -> Result<Self> {
@@ -183,6 +191,8 @@ impl Weights {
             st,
             dtype,
             device: device.clone(),
+            files,
+            offsets: Default::default(),
         })
     }
 
@@ -234,9 +244,33 @@ impl Weights {
                 message: format!("tensor `{name}` has {n} elements; no piece {span:?}"),
             });
         }
+        // Read with pread, not through the mapping: faulting the mapped pages would map whole
+        // page-cache folios (the kernel maps a large folio at once), most of the file in the end.
+        let offsets = self
+            .offsets
+            .get_or_init(|| data_offsets(&self.files))
+            .as_ref()
+            .map_err(|message| ModelError::File {
+                path: self.dir.clone(),
+                message: message.clone(),
+            })?;
+        let &(file, start) = offsets.get(name).ok_or_else(|| ModelError::MissingTensor {
+            path: self.dir.clone(),
+            name: name.to_string(),
+        })?;
         let s = dtype.size_in_bytes();
-        let bytes = &view.data()[span.start * s..span.end * s];
-        Tensor::from_raw_buffer(bytes, dtype, &[span.len()], &self.device)
+        let mut bytes = vec![0u8; span.len() * s];
+        let path = &self.files[file];
+        std::fs::File::open(path)
+            .and_then(|f| {
+                use std::os::unix::fs::FileExt;
+                f.read_exact_at(&mut bytes, start + (span.start * s) as u64)
+            })
+            .map_err(|e| ModelError::File {
+                path: path.clone(),
+                message: format!("cannot read a piece of `{name}`: {e}"),
+            })?;
+        Tensor::from_raw_buffer(&bytes, dtype, &[span.len()], &self.device)
             .map_err(|e| ModelError::candle(format!("load a piece of {name}"), e))
     }
 
@@ -271,6 +305,40 @@ impl Weights {
         }
         Ok(t)
     }
+}
+
+/// Every tensor's file (index into `files`) and the absolute offset of its data: a safetensors
+/// file is an 8-byte little-endian header length, the JSON header (each tensor's `data_offsets`
+/// relative to the data that follows it), then the data. (The mapping already validated the files.)
+fn data_offsets(files: &[PathBuf]) -> std::result::Result<DataOffsets, String> {
+    use std::io::Read;
+    let mut out = HashMap::new();
+    for (i, path) in files.iter().enumerate() {
+        let err = |e: &dyn std::fmt::Display| format!("{}: header: {e}", path.display());
+        let mut f = std::fs::File::open(path).map_err(|e| err(&e))?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).map_err(|e| err(&e))?;
+        let len = u64::from_le_bytes(len);
+        if len > 100 << 20 {
+            return Err(err(&format!("{len} bytes")));
+        }
+        let mut header = vec![0u8; len as usize];
+        f.read_exact(&mut header).map_err(|e| err(&e))?;
+        let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| err(&e))?;
+        let tensors = v.as_object().ok_or_else(|| err(&"not a JSON object"))?;
+        for (name, t) in tensors {
+            if name == "__metadata__" {
+                continue;
+            }
+            let begin = t
+                .get("data_offsets")
+                .and_then(|o| o.get(0))
+                .and_then(|b| b.as_u64())
+                .ok_or_else(|| err(&format!("`{name}` has no data_offsets")))?;
+            out.insert(name.clone(), (i, 8 + len + begin));
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@ use rtune_config::RunConfig;
 use rtune_data::{Batcher, Example, Layout, Tokenizer};
 use rtune_fsio::{sha256_file, Privacy};
 use rtune_lora::Adapter;
-use rtune_model::Model;
+use rtune_model::{Gather, Model};
+use std::rc::Rc;
 
 use crate::checkpoint;
 use crate::compute::dtype;
@@ -41,20 +42,33 @@ pub struct Prepared {
     pub initial: Option<crate::variants::InitialAdapter>,
 }
 
-pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
+/// The base model as `[model]` asks, whole, or with `shard` (`[distributed] shard_base`) this
+/// rank's shard of it.
+pub fn load_model(
+    cfg: &RunConfig,
+    dev: &Device,
+    shard: Option<&Rc<dyn Gather>>,
+) -> Result<Model, TrainError> {
+    let (path, dtype, quantize) = (&cfg.model.path, dtype(cfg.model.dtype), cfg.model.quantize);
+    Ok(match shard {
+        Some(comm) => Model::load_sharded(path, dtype, dev, quantize, comm.clone())?,
+        None => Model::load_with(path, dtype, dev, quantize)?,
+    })
+}
+
+/// Loads the model (this rank's shard of its base with `shard`), the data and the adapter.
+pub fn prepare(
+    cfg: &RunConfig,
+    dev: &Device,
+    shard: Option<&Rc<dyn Gather>>,
+) -> Result<Prepared, TrainError> {
     let spec = cfg.lora.spec()?;
     // `[lora] init` (issue 17): PiSSA / OLoRA load the model with the residual base.
     let (mut model, fresh, initial) = if cfg.lora.init_from.is_none() {
-        let (m, a, i) = crate::variants::fresh(cfg, &spec, dev)?;
+        let (m, a, i) = crate::variants::fresh(cfg, &spec, dev, shard)?;
         (m, Some(a), i)
     } else {
-        let m = Model::load_with(
-            &cfg.model.path,
-            dtype(cfg.model.dtype),
-            dev,
-            cfg.model.quantize,
-        )?;
-        (m, None, None)
+        (load_model(cfg, dev, shard)?, None, None)
     };
     // `[lora] targets` naming a module this architecture does not have (q_proj on Phi-3).
     model.check_targets(&spec)?;
@@ -123,12 +137,13 @@ pub fn prepare(cfg: &RunConfig, dev: &Device) -> Result<Prepared, TrainError> {
 /// and data loaded, so the budget is what is free plus what this process already holds (the
 /// estimate counts both): available RAM + resident set on the CPU, free device memory + the
 /// device pool's high-water mark on CUDA. A resumed run decides again: checkpointing changes
-/// memory, not the numbers (it is in [`MAY_CHANGE`]).
+/// memory, not the numbers (it is in [`MAY_CHANGE`]). `world`: the ranks, for a sharded base.
 pub fn checkpointing(
     cfg: &RunConfig,
     model: &rtune_model::ModelConfig,
     examples: &[Example],
     dev: &Device,
+    world: usize,
 ) -> Result<rtune_estimate::CheckpointingChoice, TrainError> {
     let budget = memory_budget(dev);
     Ok(rtune_estimate::checkpointing_for(
@@ -136,6 +151,7 @@ pub fn checkpointing(
         model,
         Some(examples),
         budget,
+        world,
     )?)
 }
 
@@ -174,7 +190,7 @@ pub fn check_memory(
 /// step sees or the numbers it computes. Every other key is serialised into the settings and must
 /// stay equal, so a key added to the config is checked on resume unless it is named here. A name
 /// covers its sub-keys (`output` is the whole section).
-const MAY_CHANGE: [&str; 17] = [
+const MAY_CHANGE: [&str; 18] = [
     // Where and how often files are written, and whether an old run may be replaced.
     "output",
     // Pinned by config.json's checksum (below), not by the revision that named it.
@@ -191,6 +207,8 @@ const MAY_CHANGE: [&str; 17] = [
     "train.device",
     "train.gradient_checkpointing",
     "train.offload_checkpoints",
+    // A sharded base computes the whole base's bits.
+    "distributed",
     // f16: the loss scale itself is restored from the checkpoint; the run's patience for bad steps.
     "train.loss_scale_init",
     "train.loss_scale_growth_interval",

@@ -381,7 +381,10 @@ impl Trainer<'_> {
     pub fn evaluate(&mut self) -> Result<(), TrainError> {
         let (cfg, step) = (self.cfg, self.state.step);
         // Rank 0 alone evaluates (the others wait at the next step's all-reduce): same numbers.
-        if !self.dist.world.is_root() {
+        // A sharded base needs every rank for each layer's gather: they all evaluate, in step,
+        // and rank 0 alone reports.
+        let root = self.dist.world.is_root();
+        if !root && self.model.shard_world().is_none() {
             return Ok(());
         }
         let (model, adapter, valid) = (&self.model, &self.adapter, &self.data.valid);
@@ -393,7 +396,7 @@ impl Trainer<'_> {
             }
             None => evaluate::validation(step, model, adapter, valid, mbs, pad_id)?,
         };
-        if let Some(ev) = ev {
+        if let (Some(ev), true) = (ev, root) {
             self.state.metrics_bytes += self.files.metrics_line(&ev)?;
             (self.on_event)(Event::Eval(&ev));
             if let Some(w) = self.files.eval_scalars(&ev) {
@@ -403,7 +406,9 @@ impl Trainer<'_> {
         if let (Some(tok), false) = (&self.tok, cfg.train.eval_prompts.is_empty()) {
             let (prompts, max_new) = (&cfg.train.eval_prompts, cfg.train.eval_max_new_tokens);
             let samples = evaluate::samples(step, model, adapter, tok, prompts, max_new)?;
-            self.files.samples(&samples)?;
+            if root {
+                self.files.samples(&samples)?;
+            }
         }
         Ok(())
     }

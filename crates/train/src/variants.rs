@@ -148,14 +148,11 @@ pub fn fresh(
     cfg: &RunConfig,
     spec: &LoraSpec,
     dev: &Device,
+    shard: Option<&std::rc::Rc<dyn rtune_model::Gather>>,
 ) -> Result<(Model, Adapter, Option<InitialAdapter>), TrainError> {
-    if !cfg.lora.init.mutates_base() {
-        let model = Model::load_with(
-            &cfg.model.path,
-            dtype(cfg.model.dtype),
-            dev,
-            cfg.model.quantize,
-        )?;
+    // (A sharded base with PiSSA / OLoRA is refused by the config.)
+    if !cfg.lora.init.mutates_base() || shard.is_some() {
+        let model = crate::setup::load_model(cfg, dev, shard)?;
         let modules = model.lora_modules(spec);
         let adapter = match cfg.lora.init {
             Init::Gaussian => init::gaussian(spec.clone(), &modules, cfg.train.seed, dev)?,

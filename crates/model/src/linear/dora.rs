@@ -48,6 +48,12 @@ impl Clone for NormCache {
 }
 
 impl NormCache {
+    /// The same cache, not a fresh one (a sharded base's gathered layer keeps its model layer's
+    /// norms, which depend on the weight's values alone, not on where they are held).
+    pub(crate) fn share(&self) -> Self {
+        Self(self.0.clone())
+    }
+
     /// `n` for the current A, B and scaling: the cached tensor, or computed (from `w()`, read only
     /// then: an NF4 weight is dequantized once per step) and cached.
     fn get<'w>(

@@ -42,6 +42,12 @@ impl<'a> Trainer<'a> {
             rtune_config::Device::Cuda(n) => rtune_config::Device::Cuda(dist.gpu(n)),
             d => d,
         })?;
+        // `[distributed] shard_base`: this rank keeps its shard of the base, gathering through
+        // the world (a single process runs the same code with a world of one).
+        let shard = cfg
+            .distributed
+            .shard_base
+            .then(|| std::rc::Rc::new(dist.world.clone()) as std::rc::Rc<dyn rtune_model::Gather>);
         let Prepared {
             mut model,
             adapter,
@@ -50,13 +56,14 @@ impl<'a> Trainer<'a> {
             pad_id,
             mut settings,
             initial,
-        } = prepare(cfg, &dev)?;
+        } = prepare(cfg, &dev, shard.as_ref())?;
         dist.add_settings(&mut settings);
         model.offload_checkpoints = cfg.train.offload_checkpoints;
         // A preference run's data.train holds each pair's two sequences (the estimate's rows).
-        let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev)?;
+        let world = dist.world.size;
+        let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev, world)?;
         let estimated_peak_bytes =
-            rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on);
+            rtune_estimate::for_run(cfg, &model.cfg, &data.train, &dev, checkpointing.on, world);
         setup::check_memory(estimated_peak_bytes, setup::memory_budget(&dev))?;
         let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
         let opt =
@@ -306,13 +313,30 @@ impl<'a> Trainer<'a> {
         Ok(outcome)
     }
 
-    /// summary.json's numbers, at the end of the run.
+    /// summary.json's numbers, at the end of the run (a collective in a distributed run: every
+    /// rank's peak memory and frozen bytes are gathered).
     pub(super) fn summary(&self) -> Summary {
+        let peak = memory::peak_bytes(&self.dev);
+        let held = self.model.resident_bytes() as u64;
+        let (mut rank_peak, mut rank_held) = (Vec::new(), Vec::new());
+        if self.dist.world.is_distributed() {
+            let mine = [peak.to_le_bytes(), held.to_le_bytes()].concat();
+            for b in self.dist.world.all_gather("the ranks' peak memory", &mine) {
+                let word = |i: usize| {
+                    b.get(8 * i..8 * i + 8)
+                        .map_or(0, |w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+                };
+                rank_peak.push(word(0));
+                rank_held.push(word(1));
+            }
+        }
         Summary {
+            rank_peak_memory_bytes: rank_peak,
+            rank_model_bytes: rank_held,
             steps: self.cfg.train.steps,
             final_loss: self.state.last_loss,
             tokens_per_s: metrics::median(&self.state.speeds),
-            peak_memory_bytes: memory::peak_bytes(&self.dev),
+            peak_memory_bytes: peak,
             estimated_peak_bytes: self.estimated_peak_bytes,
             wall_s: self.wall_s(),
             total_tokens: self.state.total_tokens,

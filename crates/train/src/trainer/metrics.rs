@@ -94,6 +94,12 @@ pub struct Summary {
     /// before training; none for SFT and the reference-free objectives).
     #[serde(skip_serializing_if = "is_zero")]
     pub reference_passes: usize,
+    /// A distributed run's per-rank `peak_memory_bytes` (and `model_bytes`), in rank order:
+    /// what a sharded base divides. Empty (absent) for one process.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rank_peak_memory_bytes: Vec<u64>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rank_model_bytes: Vec<u64>,
     pub output_dir: PathBuf,
 }
 
