@@ -286,3 +286,31 @@ fn rtune_check_under_mpirun_checks_the_sharded_gather() {
         assert!(line.contains("PASS") && line.contains("exact"), "{line}");
     }
 }
+
+/// A rank that would load the whole base beside sharded ones is refused before anything loads,
+/// naming the rank and the key (loading a sharded base is collective).
+#[test]
+fn a_rank_without_shard_base_is_refused_before_loading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let with = |name: &str, shard: bool| {
+        let p = config(tmp.path(), name, 1, 2, &smoke());
+        // Both ranks write the same run directory.
+        let text = std::fs::read_to_string(&p)
+            .unwrap()
+            .replace(&format!("/{name}\""), "/run\"");
+        std::fs::write(&p, format!("{text}[distributed]\nshard_base = {shard}\n")).unwrap();
+        p
+    };
+    let (a, b) = (with("sharded", true), with("whole", false));
+    let mut c = mpirun_base();
+    c.args(["-np", "1"]).args(train_args(&a)).arg(":");
+    c.args(["-np", "1"]).args(train_args(&b));
+    let o = run(c);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("rank 1 (of 2) does not run what rank 0 runs: distributed.shard_base is false on rank 1, true on rank 0"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("run").exists(), "nothing is written");
+}

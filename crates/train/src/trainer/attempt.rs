@@ -43,7 +43,22 @@ impl<'a> Trainer<'a> {
             d => d,
         })?;
         // `[distributed] shard_base`: this rank keeps its shard of the base, gathering through
-        // the world (a single process runs the same code with a world of one).
+        // the world (a single process runs the same code with a world of one). Loading a sharded
+        // base is collective, so the ranks agree on it first (the full agreement follows the
+        // load): a rank that would load the whole base is refused, not waited for.
+        let sharding = cfg.distributed.shard_base.to_string();
+        let mine = std::collections::BTreeMap::from([("distributed.shard_base".into(), sharding)]);
+        rtune_dist::check_agreement(&dist.world, &mine)
+            .map_err(|d| rtune_dist::DistError::Ranks(Box::new(d)))?;
+        // The next collective follows the model's load, each rank at its disk's pace.
+        dist.world.expect_long("the start-up (loading the model)");
+        if cfg.distributed.shard_base && !dist.world.is_distributed() {
+            on_event(Event::Warning(
+                "[distributed] shard_base in a single process: the one rank holds the whole base \
+                 (launch with mpirun or srun to shard it)"
+                    .into(),
+            ));
+        }
         let shard = cfg
             .distributed
             .shard_base
