@@ -2,7 +2,7 @@
 //!
 //! A piece is the elements `span` of the weight's row-major flattening, itself an [`Nf4Weight`] of
 //! shape `[span.len()]` holding exactly those elements' codes and scales. A span starts on a
-//! [`unit`] boundary — whole first-level blocks (64 elements, 32 packed bytes), and with double
+//! [`unit()`] boundary — whole first-level blocks (64 elements, 32 packed bytes), and with double
 //! quantization whole second-level groups (256 blocks) — so every array of the piece is a plain
 //! sub-slice of the whole weight's, and [`join`] is concatenation. Only the last piece may end
 //! short (a tensor whose size is not a multiple of the unit).
@@ -29,7 +29,7 @@ pub fn unit(double_quant: bool) -> usize {
 
 impl Nf4Weight {
     /// The piece of this weight holding elements `span` (see the module's overview; `span.start`
-    /// a multiple of [`unit`], `span.end` one too or the end of the weight).
+    /// a multiple of [`unit()`], `span.end` one too or the end of the weight).
     pub fn piece(&self, span: Range<usize>) -> Result<Nf4Weight> {
         let n = self.numel();
         let u = unit(self.absmax.is_double());
@@ -152,7 +152,7 @@ pub fn quantize_piece(values: &[f32]) -> Result<Nf4Weight> {
 
 /// The second level for a piece from [`quantize_piece`], given the whole weight's offset (the
 /// mean of every block's absmax, all pieces gathered in order: [`crate::torch_mean_f32`]). The
-/// piece must start on a second-level group boundary ([`unit`]).
+/// piece must start on a second-level group boundary ([`unit()`]).
 pub fn double_quantize_piece(piece: &mut Nf4Weight, offset: f32) -> Result<()> {
     let Absmax::Plain(a) = &piece.absmax else {
         return Err(QuantError::Input(
