@@ -17,6 +17,8 @@
 
 pub mod config;
 
+mod gathered;
+
 pub mod group;
 mod kept;
 pub mod layer;

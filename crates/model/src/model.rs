@@ -13,10 +13,11 @@ pub use rtune_quant::Quantize;
 use rtune_lora::{Adapter, LoraSpec, ModuleShape};
 
 use crate::config::{HfConfig, ModelConfig};
+use crate::gathered::LayerRef;
 use crate::kept::KeptInputs;
 use crate::layer::{BatchCtx, Layer};
 use crate::linear::{Frozen, Grads, Linear, LoraCtx};
-use crate::shard::{Gather, LayerRef};
+use crate::shard::Gather;
 use crate::weights::{TensorSource, Weights};
 use crate::{ModelError, Result};
 use rtune_ops::{self as ops, AttnShape};
@@ -50,7 +51,7 @@ pub struct Model {
     offloader: std::sync::Mutex<Option<Arc<rtune_backend::offload::Offloader>>>,
     /// A sharded base (`crate::shard`): the transport and the embedding's and lm_head's shards;
     /// `embed` and `lm_head` are then empty and the layers' weights are shards.
-    sharded: Option<crate::shard::Sharded>,
+    sharded: Option<crate::gathered::Sharded>,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -215,7 +216,7 @@ impl Model {
             let wt = match (comm.as_deref(), w.quantized(&wname, &shape)?, quantize) {
                 (Some(c), q, _) => {
                     let s = crate::shard::load_shard(w, c, &wname, &shape, q, quantize)?;
-                    crate::shard::sharded(s, dtype)
+                    crate::gathered::sharded(s, dtype)
                 }
                 (None, Some(q), _) => quant(q)?,
                 (None, None, Quantize::None) => Frozen::Dense(w.tensor(&wname, &shape)?),
@@ -336,7 +337,7 @@ impl Model {
                 // The tensors themselves are empty: every use gathers the shards.
                 let empty = Tensor::zeros((0, d), dtype, device)
                     .map_err(|e| ModelError::candle("empty embedding", e))?;
-                let sharded = crate::shard::Sharded {
+                let sharded = crate::gathered::Sharded {
                     comm,
                     embed,
                     lm_head,

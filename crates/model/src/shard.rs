@@ -9,8 +9,9 @@
 //! its codes are the whole weight's ([`rtune_quant::shard`]). Norms and biases (a few KB a layer)
 //! stay whole on every rank.
 //!
-//! A layer's weights are all-gathered ([`Gather`]) just before it computes — its forward, its
-//! recomputation and backward (once for both), a decoding step — into an ordinary [`Layer`]
+//! This file holds the shards and their transport; `crate::gathered` turns them into the layers
+//! and tables a pass uses. A layer's weights are all-gathered ([`Gather`]) just before it computes — its forward, its
+//! recomputation and backward (once for both), a decoding step — into an ordinary [`Layer`](crate::layer::Layer)
 //! whose weights are bit for bit those of the unsharded model, so every op, and so every number,
 //! is the unsharded model's; the gathered layer is dropped when its pass is done. The embedding
 //! table is gathered for each lookup and the lm_head for each head pass, likewise dropped. A rank
@@ -24,15 +25,9 @@
 //! are then copied to the device. One process ([`Alone`]) runs the same code with a world of one.
 
 use candle_core::{DType, Device, Tensor};
-use std::borrow::Cow;
 use std::ops::Range;
-use std::rc::Rc;
-use std::sync::Arc;
 
 use rtune_quant::{Absmax, Nf4Weight};
-
-use crate::layer::Layer;
-use crate::linear::{Frozen, Linear};
 
 /// The collective a sharded model gathers its weights through (`rtune_dist::World` over MPI).
 pub trait Gather {
@@ -149,7 +144,7 @@ impl Shard {
 
     /// A dense weight gathered into `out` (its whole row-major bytes, `numel · dtype` long):
     /// each rank's piece in rank order.
-    fn gather_dense_into(
+    pub(crate) fn gather_dense_into(
         &self,
         comm: &dyn Gather,
         name: &str,
@@ -165,7 +160,11 @@ impl Shard {
     }
 
     /// An NF4 weight gathered: each rank's codes and scales in rank order, joined.
-    fn gather_nf4(&self, comm: &dyn Gather, name: &str) -> candle_core::Result<Nf4Weight> {
+    pub(crate) fn gather_nf4(
+        &self,
+        comm: &dyn Gather,
+        name: &str,
+    ) -> candle_core::Result<Nf4Weight> {
         let Piece::Nf4(q) = &self.piece else {
             candle_core::bail!("{name}: a dense shard gathered as an NF4 weight");
         };
@@ -225,7 +224,7 @@ impl Shard {
     }
 
     /// The dense dtype of this shard (`None` for NF4).
-    fn dense_dtype(&self) -> Option<DType> {
+    pub(crate) fn dense_dtype(&self) -> Option<DType> {
         match &self.piece {
             Piece::Dense { dtype, .. } => Some(*dtype),
             Piece::Nf4(_) => None,
@@ -235,7 +234,7 @@ impl Shard {
 
 /// A tensor of `shape` in `dtype` on `device` whose row-major bytes `fill` writes: the gather
 /// lands in the tensor's own buffer (no copy on the CPU).
-fn dense_tensor(
+pub(crate) fn dense_tensor(
     dtype: DType,
     shape: &[usize],
     device: &Device,
@@ -257,129 +256,6 @@ fn dense_tensor(
     };
     t.to_device(device)
 }
-
-/// The sharded base's own state: the transport, and the embedding table's and an untied
-/// lm_head's shards (the layers' are in their [`Frozen::Sharded`] weights).
-pub struct Sharded {
-    pub comm: Rc<dyn Gather>,
-    /// `(V, D)`
-    pub embed: Shard,
-    /// `(V, D)`: an untied lm_head, or under autocast a bf16 copy of a tied one.
-    pub lm_head: Option<Shard>,
-}
-
-impl Sharded {
-    /// `layer` with its weights gathered: ordinary dense or NF4 weights, and the dense q/k/v and
-    /// gate/up members gathered straight into one block each, as the unsharded model fuses
-    /// them (`Layer::fuse`): the gathered layer costs its weights' bytes once.
-    pub fn gather_layer(&self, layer: &Layer, device: &Device) -> candle_core::Result<Layer> {
-        let comm = &*self.comm;
-        let mut l = layer.clone();
-        for (lin, own) in l.linears_mut().into_iter().zip(layer.linears()) {
-            // DoRA's per-step row norms stay cached across the gathers of a step.
-            lin.dora_norm = own.dora_norm.share();
-        }
-        l.qkv = gather_group(comm, &mut l.attn_in, device)?;
-        l.gate_up = gather_group(comm, &mut l.mlp_in, device)?;
-        gather_one(comm, &mut l.o, device)?;
-        gather_one(comm, &mut l.down, device)?;
-        Ok(l)
-    }
-
-    /// The embedding table `(V, D)`, gathered.
-    pub fn embed(&self, device: &Device) -> candle_core::Result<Tensor> {
-        gather_table(&*self.comm, &self.embed, "model.embed_tokens", device)
-    }
-
-    /// The lm_head `(V, D)`, gathered (the embedding table when tied).
-    pub fn lm_head(&self, device: &Device) -> candle_core::Result<Tensor> {
-        match &self.lm_head {
-            Some(s) => gather_table(&*self.comm, s, "lm_head", device),
-            None => self.embed(device),
-        }
-    }
-
-    /// Bytes of the embedding's and lm_head's shards.
-    pub fn resident_bytes(&self) -> usize {
-        self.embed.resident_bytes() + self.lm_head.as_ref().map_or(0, Shard::resident_bytes)
-    }
-}
-
-fn gather_table(
-    comm: &dyn Gather,
-    s: &Shard,
-    name: &str,
-    device: &Device,
-) -> candle_core::Result<Tensor> {
-    let dtype = s.dense_dtype().unwrap_or(DType::F32);
-    dense_tensor(dtype, &s.shape, device, |out| {
-        s.gather_dense_into(comm, name, out)
-    })
-}
-
-/// One linear's weight gathered in place (a member of no block).
-fn gather_one(comm: &dyn Gather, lin: &mut Linear, device: &Device) -> candle_core::Result<()> {
-    let Frozen::Sharded { shard, dtype } = &lin.w else {
-        return Ok(());
-    };
-    lin.w = match shard.dense_dtype() {
-        Some(d) => Frozen::Dense(dense_tensor(d, &shard.shape, device, |out| {
-            shard.gather_dense_into(comm, &lin.name, out)
-        })?),
-        None => Frozen::quant(shard.gather_nf4(comm, &lin.name)?, *dtype, device)?,
-    };
-    Ok(())
-}
-
-/// A group's members (q, k, v or gate, up) gathered: dense members of one dtype and input size
-/// into one `(Σ out, in)` block whose row views they become (the block returned), as
-/// `group::fuse` makes it; otherwise each on its own (`None`).
-fn gather_group(
-    comm: &dyn Gather,
-    members: &mut [Linear],
-    device: &Device,
-) -> candle_core::Result<Option<Tensor>> {
-    let shards: Vec<Arc<Shard>> = members
-        .iter()
-        .filter_map(|m| match &m.w {
-            Frozen::Sharded { shard, .. } => Some(shard.clone()),
-            _ => None,
-        })
-        .collect();
-    let dtype = shards.first().and_then(|s| s.dense_dtype());
-    let blockable = members.len() >= 2
-        && shards.len() == members.len()
-        && shards
-            .iter()
-            .all(|s| s.dense_dtype() == dtype && s.shape[1] == shards[0].shape[1]);
-    let Some(dtype) = dtype.filter(|_| blockable) else {
-        for m in members.iter_mut() {
-            gather_one(comm, m, device)?;
-        }
-        return Ok(None);
-    };
-    let rows: Vec<usize> = shards.iter().map(|s| s.shape[0]).collect();
-    let shape = [rows.iter().sum(), shards[0].shape[1]];
-    let row_bytes = dtype.size_in_bytes() * shape[1];
-    let block = dense_tensor(dtype, &shape, device, |out| {
-        let mut at = 0;
-        for (m, s) in members.iter().zip(&shards) {
-            let n = s.shape[0] * row_bytes;
-            s.gather_dense_into(comm, &m.name, &mut out[at..at + n])?;
-            at += n;
-        }
-        Ok(())
-    })?;
-    let mut row = 0;
-    for (m, r) in members.iter_mut().zip(rows) {
-        m.w = Frozen::Dense(block.narrow(0, row, r)?);
-        row += r;
-    }
-    Ok(Some(block))
-}
-
-/// A layer as the pass uses it: the model's own, or gathered.
-pub(crate) type LayerRef<'a> = Cow<'a, Layer>;
 
 /// The little-endian bytes of a CPU or device tensor's values (allocated once at their size: a
 /// collected `flat_map` would grow by doubling and leave the heap the larger blocks).
@@ -489,13 +365,5 @@ pub(crate) fn load_shard(
             }
             Ok(Shard::nf4(shape, q))
         }
-    }
-}
-
-/// `Arc` for [`Frozen::Sharded`].
-pub(crate) fn sharded(shard: Shard, dtype: DType) -> Frozen {
-    Frozen::Sharded {
-        shard: Arc::new(shard),
-        dtype,
     }
 }

@@ -14,7 +14,6 @@ use rtune_model::{Gather, Model};
 use std::rc::Rc;
 
 use crate::checkpoint;
-use crate::compute::dtype;
 use crate::dataset::{self, RunData};
 use crate::optim::LossScaler;
 use crate::TrainError;
@@ -42,20 +41,6 @@ pub struct Prepared {
     pub initial: Option<crate::variants::InitialAdapter>,
 }
 
-/// The base model as `[model]` asks, whole, or with `shard` (`[distributed] shard_base`) this
-/// rank's shard of it.
-pub fn load_model(
-    cfg: &RunConfig,
-    dev: &Device,
-    shard: Option<&Rc<dyn Gather>>,
-) -> Result<Model, TrainError> {
-    let (path, dtype, quantize) = (&cfg.model.path, dtype(cfg.model.dtype), cfg.model.quantize);
-    Ok(match shard {
-        Some(comm) => Model::load_sharded(path, dtype, dev, quantize, comm.clone())?,
-        None => Model::load_with(path, dtype, dev, quantize)?,
-    })
-}
-
 /// Loads the model (this rank's shard of its base with `shard`), the data and the adapter.
 pub fn prepare(
     cfg: &RunConfig,
@@ -68,7 +53,7 @@ pub fn prepare(
         let (m, a, i) = crate::variants::fresh(cfg, &spec, dev, shard)?;
         (m, Some(a), i)
     } else {
-        (load_model(cfg, dev, shard)?, None, None)
+        (crate::variants::load_model(cfg, dev, shard)?, None, None)
     };
     // `[lora] targets` naming a module this architecture does not have (q_proj on Phi-3).
     model.check_targets(&spec)?;

@@ -17,8 +17,9 @@ use std::collections::HashMap;
 use rtune_config::RunConfig;
 use rtune_lora::{init, Adapter, Init, LoraPair, LoraSpec, ModuleShape};
 use rtune_model::weights::{TensorSource, Weights};
-use rtune_model::{HfConfig, Model, ModelError};
+use rtune_model::{Gather, HfConfig, Model, ModelError};
 use rtune_quant::Nf4Weight;
+use std::rc::Rc;
 
 use crate::compute::dtype;
 use crate::TrainError;
@@ -141,6 +142,20 @@ impl SplitSource<'_> {
     }
 }
 
+/// The base model as `[model]` asks, whole, or with `shard` (`[distributed] shard_base`) this
+/// rank's shard of it.
+pub fn load_model(
+    cfg: &RunConfig,
+    dev: &Device,
+    shard: Option<&Rc<dyn Gather>>,
+) -> Result<Model, TrainError> {
+    let (path, dtype, quantize) = (&cfg.model.path, dtype(cfg.model.dtype), cfg.model.quantize);
+    Ok(match shard {
+        Some(comm) => Model::load_sharded(path, dtype, dev, quantize, comm.clone())?,
+        None => Model::load_with(path, dtype, dev, quantize)?,
+    })
+}
+
 /// The model and the fresh adapter for `cfg` (`init_from` unset): the model as stored and
 /// PEFT's default or gaussian init, or for PiSSA / OLoRA the residual model, the split adapter
 /// and its initial factors.
@@ -148,11 +163,11 @@ pub fn fresh(
     cfg: &RunConfig,
     spec: &LoraSpec,
     dev: &Device,
-    shard: Option<&std::rc::Rc<dyn rtune_model::Gather>>,
+    shard: Option<&Rc<dyn Gather>>,
 ) -> Result<(Model, Adapter, Option<InitialAdapter>), TrainError> {
     // (A sharded base with PiSSA / OLoRA is refused by the config.)
     if !cfg.lora.init.mutates_base() || shard.is_some() {
-        let model = crate::setup::load_model(cfg, dev, shard)?;
+        let model = load_model(cfg, dev, shard)?;
         let modules = model.lora_modules(spec);
         let adapter = match cfg.lora.init {
             Init::Gaussian => init::gaussian(spec.clone(), &modules, cfg.train.seed, dev)?,
