@@ -30,13 +30,13 @@ pub fn run(c: ConvertCommand) -> Result<()> {
                 .map(|(t, n)| format!("{n} {t}"))
                 .collect();
             println!(
-                "wrote {}: {} tensors ({}) dequantized into {:.1} MB of safetensors; tokenizer: byte-level BPE \
-                 (pre-tokenizer {}){}{} in {:.1}s",
+                "wrote {}: {} tensors ({}) dequantized into {:.1} MB of safetensors; tokenizer: {}{}{} \
+                 in {:.1}s",
                 c.dir.display(),
                 c.tensors,
                 types.join(", "),
                 c.bytes as f64 / 1e6,
-                c.tokenizer_pre,
+                c.tokenizer,
                 if c.chat_template { ", chat template" } else { "" },
                 if c.tied_embeddings { ", tied embeddings" } else { "" },
                 t0.elapsed().as_secs_f64()
