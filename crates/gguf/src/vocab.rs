@@ -9,7 +9,7 @@
 //!
 //! SentencePiece vocabularies (`tokenizer.ggml.model = "llama"`) are read for Gemma 3 as
 //! transformers reads them from a GGUF (`integrations/gguf/gguf_tokenizer_mapping.py`,
-//! `gemma_tokenizer`, transformers 5.24), so that encoding is that tokenizer's: [`gemma_spm`].
+//! `gemma_tokenizer`, transformers 5.24), so that encoding is that tokenizer's: `gemma_spm`.
 //! Other SentencePiece files are refused with a hint.
 
 use serde_json::{json, Value};
