@@ -1,4 +1,4 @@
-//! `rtune convert gguf IN OUT`: a llama GGUF into a Hugging Face model directory (see
+//! `rtune convert gguf IN OUT`: a llama or Gemma 3 GGUF into a Hugging Face model directory (see
 //! `rtune_gguf`). Commands that take a model path convert a GGUF on the fly instead
 //! (`crate::resolve`).
 
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 #[derive(Subcommand)]
 pub enum ConvertCommand {
-    /// A llama-architecture GGUF (llama.cpp) → a Hugging Face model directory: config.json,
+    /// A llama or Gemma 3 GGUF (llama.cpp) → a Hugging Face model directory: config.json,
     /// model.safetensors (dequantized to f32), tokenizer.json, tokenizer_config.json (with the chat
     /// template) and generation_config.json.
     Gguf {

@@ -70,7 +70,7 @@ impl<'a> Meta<'a> {
 
     pub fn u64(&self, key: &str) -> Result<u64> {
         self.opt_u64(key)?
-            .ok_or_else(|| self.err(key, "missing (a llama GGUF has it)"))
+            .ok_or_else(|| self.err(key, "missing (llama.cpp's converter writes it)"))
     }
 
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {

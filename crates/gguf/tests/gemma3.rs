@@ -3,6 +3,7 @@
 //! Hugging Face directory again: the same config, the same tensors, the same logits, and the
 //! tokenizer transformers builds from the file.
 
+use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
@@ -369,3 +370,56 @@ const EXPECTED: &[(&str, &[u32])] = &[
     ("[multimodal] <bos>z", &[2, 11, 140, 2, 166]),
     ("", &[2]),
 ];
+
+/// A metadata-only GGUF (no tensors) with `md`; what `convert` says about it.
+fn convert_error(name: &str, md: &[(&str, Value)]) -> String {
+    let d = tmp(name);
+    let gguf = d.join("m.gguf");
+    let mut f = std::fs::File::create(&gguf).unwrap();
+    let refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    gguf_file::write(&mut f, &refs, &[]).unwrap();
+    drop(f);
+    let e = rtune_gguf::convert(&gguf, &d.join("hf")).unwrap_err();
+    assert!(e.is_input_error(), "{e}");
+    std::fs::remove_dir_all(&d).unwrap();
+    e.to_string()
+}
+
+/// Errors name the file's key and say what is read: another architecture, a missing size, a
+/// per-layer window pattern of the wrong length.
+#[test]
+fn gemma3_metadata_errors_name_the_key() {
+    let e = convert_error(
+        "arch",
+        &[("general.architecture", Value::String("gemma2".into()))],
+    );
+    assert!(
+        e.contains("general.architecture `gemma2`") && e.contains("`gemma3`"),
+        "{e}"
+    );
+    let mut md = vec![
+        ("general.architecture", Value::String("gemma3".into())),
+        ("gemma3.block_count", Value::U32(3)),
+        ("gemma3.feed_forward_length", Value::U32(8)),
+        ("gemma3.attention.head_count", Value::U32(2)),
+        ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+    ];
+    let e = convert_error("size", &md);
+    assert!(
+        e.contains("gemma3.embedding_length") && e.contains("missing"),
+        "{e}"
+    );
+    md.extend([
+        ("gemma3.embedding_length", Value::U32(4)),
+        ("gemma3.attention.sliding_window", Value::U32(4)),
+        (
+            "gemma3.attention.sliding_window_pattern",
+            Value::Array(vec![Value::Bool(true), Value::Bool(false)]),
+        ),
+    ]);
+    let e = convert_error("pattern", &md);
+    assert!(
+        e.contains("gemma3.attention.sliding_window_pattern") && e.contains("2 flags for 3 layers"),
+        "{e}"
+    );
+}
