@@ -114,7 +114,7 @@ enum Command {
     Estimate(cmd::estimate::EstimateArgs),
     /// Export a run's adapter: PEFT directory, merged Hugging Face model, or GGUF LoRA (llama.cpp).
     Export(cmd::export::ExportArgs),
-    /// Convert a model into a Hugging Face directory (a llama GGUF → safetensors + tokenizer files).
+    /// Convert a model into a Hugging Face directory (a llama or Gemma 3 GGUF → safetensors + tokenizer files).
     Convert {
         #[command(subcommand)]
         command: cmd::convert::ConvertCommand,

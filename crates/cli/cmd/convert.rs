@@ -1,4 +1,4 @@
-//! `rtune convert gguf IN OUT`: a llama GGUF into a Hugging Face model directory (see
+//! `rtune convert gguf IN OUT`: a llama or Gemma 3 GGUF into a Hugging Face model directory (see
 //! `rtune_gguf`). Commands that take a model path convert a GGUF on the fly instead
 //! (`crate::resolve`).
 
@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 #[derive(Subcommand)]
 pub enum ConvertCommand {
-    /// A llama-architecture GGUF (llama.cpp) → a Hugging Face model directory: config.json,
+    /// A llama or Gemma 3 GGUF (llama.cpp) → a Hugging Face model directory: config.json,
     /// model.safetensors (dequantized to f32), tokenizer.json, tokenizer_config.json (with the chat
     /// template) and generation_config.json.
     Gguf {
@@ -30,13 +30,13 @@ pub fn run(c: ConvertCommand) -> Result<()> {
                 .map(|(t, n)| format!("{n} {t}"))
                 .collect();
             println!(
-                "wrote {}: {} tensors ({}) dequantized into {:.1} MB of safetensors; tokenizer: byte-level BPE \
-                 (pre-tokenizer {}){}{} in {:.1}s",
+                "wrote {}: {} tensors ({}) dequantized into {:.1} MB of safetensors; tokenizer: {}{}{} \
+                 in {:.1}s",
                 c.dir.display(),
                 c.tensors,
                 types.join(", "),
                 c.bytes as f64 / 1e6,
-                c.tokenizer_pre,
+                c.tokenizer,
                 if c.chat_template { ", chat template" } else { "" },
                 if c.tied_embeddings { ", tied embeddings" } else { "" },
                 t0.elapsed().as_secs_f64()

@@ -8,7 +8,7 @@ use rtune_train::generate::GenerateOptions;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
-    /// Hugging Face model directory, llama .gguf file, or hub id (org/name).
+    /// Hugging Face model directory, llama or Gemma 3 .gguf file, or hub id (org/name).
     #[arg(long)]
     model: PathBuf,
     /// Hub models: branch, tag or commit.

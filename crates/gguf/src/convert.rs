@@ -1,4 +1,4 @@
-//! A llama GGUF → a Hugging Face model directory.
+//! A llama or Gemma 3 GGUF → a Hugging Face model directory.
 
 use candle_core::quantized::gguf_file::{Content, TensorInfo};
 use candle_core::quantized::GgmlDType;
@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 
 use rtune_fsio::{write_atomic, Privacy};
 
-use crate::meta::{generation_config, hf_config, Meta, TensorFacts};
-use crate::names::{hf_name, unpermute, Rope};
+use crate::meta::{family, generation_config, hf_config, Meta, TensorFacts};
+use crate::names::{hf_name, unpermute, Family, Rope};
 use crate::vocab::tokenizer_files;
 use crate::{GgufError, Result};
 
@@ -29,6 +29,8 @@ pub struct Converted {
     pub ggml_types: BTreeMap<String, usize>,
     /// `tokenizer.ggml.pre`.
     pub tokenizer_pre: String,
+    /// The tokenizer built, in words ("byte-level BPE (pre-tokenizer gpt-2)", ...).
+    pub tokenizer: String,
     pub chat_template: bool,
     pub tied_embeddings: bool,
 }
@@ -87,11 +89,13 @@ struct Planned<'a> {
     info: &'a TensorInfo,
     hf: String,
     rope: Rope,
+    /// Subtracted after dequantizing: what the converter added (Gemma's norms: 1).
+    shift: f64,
     shape: Vec<usize>,
     dtype: DType,
 }
 
-fn plan<'a>(src: &'a Source, cfg: &serde_json::Value) -> Result<Vec<Planned<'a>>> {
+fn plan<'a>(src: &'a Source, fam: Family, cfg: &serde_json::Value) -> Result<Vec<Planned<'a>>> {
     let mut names: Vec<&String> = src.content.tensor_infos.keys().collect();
     names.sort();
     let heads = |k: &str| cfg[k].as_u64().unwrap_or(0) as usize;
@@ -104,8 +108,10 @@ fn plan<'a>(src: &'a Source, cfg: &serde_json::Value) -> Result<Vec<Planned<'a>>
             name: name.clone(),
             message,
         };
-        let (hf, rope) = hf_name(name).ok_or_else(|| {
-            bad("not a tensor of a llama model (token_embd, output_norm, output, blk.N.{attn,ffn}_*)".into())
+        let (hf, rope) = hf_name(fam, name).ok_or_else(|| {
+            bad(format!(
+                "not a tensor of a {fam:?} model (token_embd, output_norm, output, blk.N.{{attn,ffn}}_*)"
+            ))
         })?;
         let shape = info.shape.dims().to_vec();
         let h = match rope {
@@ -128,6 +134,7 @@ fn plan<'a>(src: &'a Source, cfg: &serde_json::Value) -> Result<Vec<Planned<'a>>
             info,
             hf,
             rope,
+            shift: fam.norm_shift(name),
             shape,
             dtype,
         });
@@ -165,6 +172,13 @@ impl Lazy<'_> {
         if self.p.rope != Rope::None {
             t = unpermute(&t, self.heads).map_err(err)?;
         }
+        if self.p.shift != 0.0 {
+            // In f32 like transformers' GGUF loader (`weights - 1` on the dequantized array).
+            t = t
+                .to_dtype(DType::F32)
+                .and_then(|t| t.affine(1.0, -self.p.shift))
+                .map_err(err)?;
+        }
         t.to_dtype(self.p.dtype).map_err(err)
     }
 }
@@ -194,7 +208,7 @@ impl View for Lazy<'_> {
 pub fn planned_bytes(gguf: &Path) -> Result<u64> {
     let src = Source::open(gguf)?;
     let cfg = hf_config(&src.meta(), &src.facts())?;
-    Ok(plan(&src, &cfg)?
+    Ok(plan(&src, family(&src.meta())?, &cfg)?
         .iter()
         .map(|p| (p.shape.iter().product::<usize>() * p.dtype.size_in_bytes()) as u64)
         .sum::<u64>()
@@ -222,7 +236,7 @@ fn existing_ancestor(p: &Path) -> PathBuf {
     }
 }
 
-/// Converts the llama GGUF at `gguf` into a Hugging Face directory `out`, which must not exist
+/// Converts the llama or Gemma 3 GGUF at `gguf` into a Hugging Face directory `out`, which must not exist
 /// (or be empty). Everything is written into `out`'s sibling `.<name>.tmp-<pid>` first and renamed
 /// into place at the end; a failure removes it. Refuses before writing when the disk cannot hold
 /// the result.
@@ -231,9 +245,10 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
     let meta = src.meta();
     let cfg = hf_config(&meta, &src.facts())?;
     let ctx = cfg.get("max_position_embeddings").and_then(|v| v.as_u64());
-    let tok = tokenizer_files(&meta, ctx)?;
-    let gen = generation_config(&meta)?;
-    let planned = plan(&src, &cfg)?;
+    let fam = family(&meta)?;
+    let tok = tokenizer_files(&meta, fam, ctx)?;
+    let gen = generation_config(&meta, fam)?;
+    let planned = plan(&src, fam, &cfg)?;
     let tok_bytes = serde_json::to_vec(&tok.tokenizer).expect("JSON serialises");
     tokenizers::Tokenizer::from_bytes(&tok_bytes).map_err(|e| GgufError::File {
         path: gguf.to_path_buf(),
@@ -371,6 +386,7 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
         bytes,
         ggml_types,
         tokenizer_pre: tok.pre,
+        tokenizer: tok.kind,
         chat_template: tok.config.get("chat_template").is_some(),
         tied_embeddings: cfg["tie_word_embeddings"].as_bool() == Some(true),
     })

@@ -1,18 +1,23 @@
 //! llama.cpp's GGUF files as Hugging Face model directories, and back.
 //!
-//! - [`convert()`]: a llama-architecture GGUF → `config.json`, `model.safetensors` (each tensor
+//! - [`convert()`]: a `llama` or `gemma3` GGUF → `config.json`, `model.safetensors` (each tensor
 //!   dequantized to f32; f16/bf16 tensors kept as stored), `tokenizer.json`,
 //!   `tokenizer_config.json` (with `tokenizer.chat_template`) and `generation_config.json`,
 //!   written into a temporary directory that is renamed into place, so a reader never sees half a
 //!   conversion. Tensors are read, dequantized and written one at a time.
-//! - [`meta`]: `llama.*` metadata → config.json; [`names`]: llama.cpp tensor names ↔ Hugging Face
-//!   names, and the q/k row permutation convert_hf_to_gguf.py applies for rope (undone here);
-//!   [`vocab`]: `tokenizer.ggml.*` (byte-level BPE, `tokenizer.ggml.model = gpt2`) → tokenizer.json.
-//! - [`write::write_llama_gguf`]: the reverse, for tests and round trips (f32 or a ggml quantized
-//!   type, Q/K permuted exactly as convert_hf_to_gguf.py does).
+//! - [`meta`]: `llama.*` / `gemma3.*` metadata → config.json; [`names`]: llama.cpp tensor names ↔
+//!   Hugging Face names per architecture, the q/k row permutation convert_hf_to_gguf.py applies
+//!   for a llama's rope (undone here) and Gemma's `w + 1` norms (subtracted again);
+//!   [`vocab`]: `tokenizer.ggml.*` → tokenizer.json (byte-level BPE, `tokenizer.ggml.model =
+//!   gpt2`; Gemma 3's SentencePiece vocabulary as transformers' GGUF reader builds it).
+//! - [`write::write_llama_gguf`], [`write::write_gemma3_gguf`]: the reverse, for tests and round
+//!   trips (f32 or a ggml quantized type, laid out exactly as convert_hf_to_gguf.py does).
 //!
-//! Reference: llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel`, `_set_vocab_gpt2`) and
-//! `src/llama-vocab.cpp` (the pre-tokenizer regexes behind `tokenizer.ggml.pre`).
+//! Reference: llama.cpp's `convert_hf_to_gguf.py` (`LlamaModel`, `Gemma3Model`,
+//! `_set_vocab_gpt2`, `_set_vocab_sentencepiece`), `src/llama-vocab.cpp` (the pre-tokenizer
+//! regexes behind `tokenizer.ggml.pre`), `src/models/gemma3.cpp` (what a gemma3 file leaves
+//! implicit) and transformers' GGUF reader (`integrations/gguf/`), which
+//! `scripts/check_gemma3_gguf.py` compares with on a real file.
 
 pub mod convert;
 pub mod meta;
@@ -21,7 +26,7 @@ pub mod vocab;
 pub mod write;
 
 pub use convert::{convert, planned_bytes, Converted};
-pub use write::write_llama_gguf;
+pub use write::{write_gemma3_gguf, write_llama_gguf, SpmVocab};
 
 use std::path::PathBuf;
 

@@ -1,11 +1,20 @@
-//! GGUF metadata: typed access that names the key in every error, and the `llama.*` hyper-parameters
-//! as a Hugging Face `config.json` (`LlamaForCausalLM`).
+//! GGUF metadata: typed access that names the key in every error, and the hyper-parameters as a
+//! Hugging Face `config.json`: `llama.*` → `LlamaForCausalLM`, `gemma3.*` → `Gemma3ForCausalLM`.
+//!
+//! Gemma 3 follows what llama.cpp's converter writes (`Gemma3Model.set_gguf_parameters`) and what
+//! its runtime assumes where the file is silent (`src/models/gemma3.cpp`): sliding layers by
+//! `attention.sliding_window_pattern` (default 6: every sixth layer global, as transformers'
+//! `sliding_window_pattern`), the local RoPE base `rope.freq_base_swa` (default 10000, transformers'
+//! `rope_local_base_freq`), attention scaled by `1/√head_dim` (`query_pre_attn_scalar = head_dim`;
+//! `hidden/heads` for the 62-layer 27B, as llama.cpp's `LLM_TYPE_27B`), linear RoPE scaling on the
+//! global layers only.
 
 use candle_core::quantized::gguf_file::Value;
 use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
+use crate::names::Family;
 use crate::{GgufError, Result};
 
 /// A GGUF file's metadata with its path, for errors.
@@ -61,7 +70,7 @@ impl<'a> Meta<'a> {
 
     pub fn u64(&self, key: &str) -> Result<u64> {
         self.opt_u64(key)?
-            .ok_or_else(|| self.err(key, "missing (a llama GGUF has it)"))
+            .ok_or_else(|| self.err(key, "missing (llama.cpp's converter writes it)"))
     }
 
     pub fn opt_f32(&self, key: &str) -> Result<Option<f32>> {
@@ -134,17 +143,207 @@ pub struct TensorFacts {
     pub embed_rows: Option<usize>,
 }
 
-/// `config.json` for the `llama` architecture; `path` labels errors.
-pub fn hf_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
-    let path: PathBuf = m.path.to_path_buf();
+/// The file's `general.architecture` as a [`Family`], refused naming the ones read.
+pub fn family(m: &Meta) -> Result<Family> {
     let arch = m.opt_str("general.architecture")?.unwrap_or("");
-    if arch != "llama" {
-        return Err(GgufError::Unsupported {
-            path,
-            what: format!("general.architecture `{arch}`"),
-            hint: "only `llama` GGUFs (Llama, SmolLM, Mistral converted as llama) are read".into(),
-        });
+    Family::of(arch).ok_or_else(|| GgufError::Unsupported {
+        path: m.path.to_path_buf(),
+        what: format!("general.architecture `{arch}`"),
+        hint: "`llama` (Llama, SmolLM, Mistral converted as llama) and `gemma3` (Gemma 3 text) \
+               GGUFs are read"
+            .into(),
+    })
+}
+
+/// `config.json` for the file's architecture; `path` labels errors.
+pub fn hf_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
+    match family(m)? {
+        Family::Llama => llama_config(m, t),
+        Family::Gemma3 => gemma3_config(m, t),
     }
+}
+
+/// The vocabulary size: `<arch>.vocab_size`, else the tokens listed, else the embedding's rows.
+fn vocab_size(m: &Meta, t: &TensorFacts, key: &str) -> Result<usize> {
+    let tokens = m.opt_strings("tokenizer.ggml.tokens")?.map(|v| v.len());
+    Ok(match (m.opt_u64(key)?, tokens, t.embed_rows) {
+        (Some(v), _, _) => v as usize,
+        (None, Some(n), _) => n,
+        (None, None, Some(r)) => r,
+        _ => return Err(m.err(key, "missing, and there is no tokenizer.ggml.tokens")),
+    })
+}
+
+/// BOS/EOS/pad ids from `tokenizer.ggml.*` into config.json.
+fn special_ids(m: &Meta, o: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+    for (key, name) in [
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
+    ] {
+        if let Some(v) = m.opt_u64(key)? {
+            o.insert(name.into(), json!(v));
+        }
+    }
+    Ok(())
+}
+
+/// `gemma3.*` → a transformers 5 `Gemma3TextConfig` (`rope_parameters` per layer type,
+/// `layer_types` spelled out).
+fn gemma3_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
+    let path: PathBuf = m.path.to_path_buf();
+    let k = |s: &str| format!("gemma3.{s}");
+    let hidden = m.u64(&k("embedding_length"))?;
+    let layers = m.u64(&k("block_count"))?;
+    let ff = m.u64(&k("feed_forward_length"))?;
+    let heads = m.u64(&k("attention.head_count"))?;
+    let kv = m.opt_u64(&k("attention.head_count_kv"))?.unwrap_or(heads);
+    if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
+        return Err(m.err(
+            &k("attention.head_count_kv"),
+            format!("{kv} must divide attention.head_count {heads}"),
+        ));
+    }
+    // convert_hf_to_gguf.py writes both (head_dim, default 256).
+    let head_dim = m.opt_u64(&k("attention.key_length"))?.unwrap_or(256);
+    if let Some(v) = m.opt_u64(&k("attention.value_length"))? {
+        if v != head_dim {
+            return Err(GgufError::Unsupported {
+                path,
+                what: format!("attention.value_length {v} ≠ key_length {head_dim}"),
+                hint: "Gemma 3 has one head_dim for keys and values".into(),
+            });
+        }
+    }
+    if let Some(rot) = m.opt_u64(&k("rope.dimension_count"))? {
+        if rot != head_dim {
+            return Err(GgufError::Unsupported {
+                path,
+                what: format!(
+                    "partial rotary embeddings (rope.dimension_count {rot}, head dim {head_dim})"
+                ),
+                hint: "Gemma 3 applies rope to the whole head".into(),
+            });
+        }
+    }
+    let eps = m
+        .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
+        .ok_or_else(|| m.err(&k("attention.layer_norm_rms_epsilon"), "missing"))?;
+    let theta = m.opt_f32(&k("rope.freq_base"))?.unwrap_or(1_000_000.0);
+    let local_theta = m.opt_f32(&k("rope.freq_base_swa"))?.unwrap_or(10_000.0);
+    let mut global = json!({"rope_type": "default", "rope_theta": f32_decimal(theta)});
+    match m.opt_str(&k("rope.scaling.type"))? {
+        None | Some("none") => {}
+        Some("linear") => {
+            let f = m
+                .opt_f32(&k("rope.scaling.factor"))?
+                .ok_or_else(|| m.err(&k("rope.scaling.factor"), "missing for linear scaling"))?;
+            global["rope_type"] = json!("linear");
+            global["factor"] = json!(f32_decimal(f));
+        }
+        Some(other) => {
+            return Err(GgufError::Unsupported {
+                path,
+                what: format!("rope scaling `{other}`"),
+                hint: "none and linear are read for Gemma 3".into(),
+            })
+        }
+    }
+    // llama.cpp: no (or a zero) sliding_window → every layer global; else the pattern, an array
+    // of per-layer flags or a period n (layer i slides when i % n < n - 1).
+    let window = m
+        .opt_u64(&k("attention.sliding_window"))?
+        .filter(|&w| w > 0);
+    let pattern_key = k("attention.sliding_window_pattern");
+    let sliding: Vec<bool> = match (window, m.get(&pattern_key)) {
+        (None, _) => vec![false; layers as usize],
+        (Some(_), Some(Value::Array(a))) => {
+            let flags = a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::Bool(b) => Ok(*b),
+                    other => Err(m.err(
+                        &pattern_key,
+                        format!("element {i} is {other:?}, not a bool"),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            if flags.len() != layers as usize {
+                return Err(m.err(
+                    &pattern_key,
+                    format!("{} flags for {layers} layers", flags.len()),
+                ));
+            }
+            flags
+        }
+        (Some(_), _) => {
+            let n = m.opt_u64(&pattern_key)?.unwrap_or(6);
+            (0..layers).map(|i| n == 0 || i % n < n - 1).collect()
+        }
+    };
+    let layer_types: Vec<&str> = sliding
+        .iter()
+        .map(|&s| {
+            if s {
+                "sliding_attention"
+            } else {
+                "full_attention"
+            }
+        })
+        .collect();
+    // llama.cpp's f_attention_scale: 1/√(hidden/heads) for the 27B (62 layers), else 1/√head_dim.
+    let query_pre_attn_scalar = if layers == 62 {
+        hidden / heads
+    } else {
+        head_dim
+    };
+    let softcap = m
+        .opt_f32(&k("final_logit_softcapping"))?
+        .filter(|&c| c != 0.0)
+        .map(f32_decimal);
+    let vocab = match t.embed_rows {
+        Some(r) => r,
+        None => vocab_size(m, t, &k("vocab_size"))?,
+    };
+    let mut c = json!({
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": hidden,
+        "intermediate_size": ff,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": f32_decimal(eps),
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "sliding_window": window,
+        "layer_types": layer_types,
+        "rope_parameters": {
+            "full_attention": global,
+            "sliding_attention": {"rope_type": "default", "rope_theta": f32_decimal(local_theta)},
+        },
+        "attn_logit_softcapping": null,
+        "final_logit_softcapping": softcap,
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "use_bidirectional_attention": false,
+        "tie_word_embeddings": !t.names.contains("output.weight"),
+        "torch_dtype": "float32",
+    });
+    let o = c.as_object_mut().expect("object");
+    if let Some(n) = m.opt_u64(&k("context_length"))? {
+        o.insert("max_position_embeddings".into(), json!(n));
+    }
+    special_ids(m, o)?;
+    Ok(c)
+}
+
+/// `config.json` for the `llama` architecture.
+fn llama_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
+    let path: PathBuf = m.path.to_path_buf();
     let k = |s: &str| format!("llama.{s}");
     let hidden = m.u64(&k("embedding_length"))?;
     let layers = m.u64(&k("block_count"))?;
@@ -202,23 +401,11 @@ pub fn hf_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
             })
         }
     };
-    let tokens = m.opt_strings("tokenizer.ggml.tokens")?.map(|v| v.len());
-    let vocab = match (m.opt_u64(&k("vocab_size"))?, tokens, t.embed_rows) {
-        (Some(v), _, _) => v as usize,
-        (None, Some(n), _) => n,
-        (None, None, Some(r)) => r,
-        _ => {
-            return Err(m.err(
-                &k("vocab_size"),
-                "missing, and there is no tokenizer.ggml.tokens",
-            ))
-        }
-    };
+    let vocab = vocab_size(m, t, &k("vocab_size"))?;
     let theta = m.opt_f32(&k("rope.freq_base"))?.unwrap_or(10_000.0);
     let eps = m
         .opt_f32(&k("attention.layer_norm_rms_epsilon"))?
         .ok_or_else(|| m.err(&k("attention.layer_norm_rms_epsilon"), "missing"))?;
-    let id = |key: &str| m.opt_u64(key);
     let mut c = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -242,21 +429,16 @@ pub fn hf_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
     if let Some(n) = m.opt_u64(&k("context_length"))? {
         o.insert("max_position_embeddings".into(), json!(n));
     }
-    for (key, name) in [
-        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
-        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
-    ] {
-        if let Some(v) = id(key)? {
-            o.insert(name.into(), json!(v));
-        }
-    }
+    special_ids(m, o)?;
     Ok(c)
 }
 
 /// `generation_config.json`: the BOS/EOS/pad ids, with the end-of-turn token (`eot_token_id`,
-/// e.g. Llama 3's `<|eot_id|>`) as a second stop token.
-pub fn generation_config(m: &Meta) -> Result<serde_json::Value> {
+/// e.g. Llama 3's `<|eot_id|>`) as a second stop token. Gemma 3 files carry no `eot_token_id`;
+/// its `<end_of_turn>` is added as llama.cpp adds it (`llama-vocab.cpp` makes any token spelled
+/// `<end_of_turn>` an end-of-generation token) and as Google's generation_config.json lists it
+/// (`eos_token_id: [1, 106]`).
+pub fn generation_config(m: &Meta, family: Family) -> Result<serde_json::Value> {
     let mut c = serde_json::Map::new();
     if let Some(b) = m.opt_u64("tokenizer.ggml.bos_token_id")? {
         c.insert("bos_token_id".into(), json!(b));
@@ -265,7 +447,14 @@ pub fn generation_config(m: &Meta) -> Result<serde_json::Value> {
         .opt_u64("tokenizer.ggml.eos_token_id")?
         .into_iter()
         .collect();
-    if let Some(e) = m.opt_u64("tokenizer.ggml.eot_token_id")? {
+    let mut eot = m.opt_u64("tokenizer.ggml.eot_token_id")?;
+    if eot.is_none() && family == Family::Gemma3 {
+        eot = m
+            .opt_strings("tokenizer.ggml.tokens")?
+            .and_then(|t| t.iter().position(|&t| t == "<end_of_turn>"))
+            .map(|i| i as u64);
+    }
+    if let Some(e) = eot {
         if !eos.contains(&e) {
             eos.push(e);
         }

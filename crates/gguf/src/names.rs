@@ -1,4 +1,11 @@
-//! llama.cpp's tensor names ↔ Hugging Face's, and the q/k row permutation.
+//! llama.cpp's tensor names ↔ Hugging Face's (per architecture: [`Family`]), and the q/k row
+//! permutation.
+//!
+//! Gemma 3 (`Gemma3Model` in convert_hf_to_gguf.py) is written without the permutation (it is not
+//! a `LlamaModel`: llama.cpp's Gemma graph uses NEOX-style rope on the rows as Hugging Face orders
+//! them), with four norms a layer under its own names, and every `*norm.weight` stored as `w + 1`
+//! (`Gemma3Model.norm_shift`: Gemma3RMSNorm multiplies by `1 + w`, GGML's norm by the weight), which
+//! [`Family::norm_shift`] reports so the converter subtracts it again.
 //!
 //! convert_hf_to_gguf.py (`LlamaModel.modify_tensors`) stores `q_proj` as
 //! `permute(w, n_head, n_head)` and `k_proj` as `permute(w, n_head, n_head_kv)` (weights and
@@ -28,6 +35,42 @@ pub enum Rope {
     K,
 }
 
+/// The architectures whose tensor names differ (`general.architecture`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `llama` (Llama, SmolLM, Mistral; Qwen3-style q/k norms included).
+    Llama,
+    /// `gemma3` (text).
+    Gemma3,
+}
+
+impl Family {
+    /// The family of a `general.architecture`, `None` for one not read.
+    pub fn of(arch: &str) -> Option<Self> {
+        match arch {
+            "llama" => Some(Family::Llama),
+            "gemma3" => Some(Family::Gemma3),
+            _ => None,
+        }
+    }
+
+    fn layer(self) -> &'static [(&'static str, &'static str, Rope)] {
+        match self {
+            Family::Llama => &LAYER,
+            Family::Gemma3 => &GEMMA3_LAYER,
+        }
+    }
+
+    /// What convert_hf_to_gguf.py added to the tensor `gguf` (a llama.cpp name): 1 for Gemma 3's
+    /// norms (`norm_shift`: names ending in `norm.weight`), else 0.
+    pub fn norm_shift(self, gguf: &str) -> f64 {
+        match self {
+            Family::Gemma3 if gguf.ends_with("norm.weight") => 1.0,
+            _ => 0.0,
+        }
+    }
+}
+
 const LAYER: [(&str, &str, Rope); 11] = [
     ("attn_norm", "input_layernorm", Rope::None),
     ("ffn_norm", "post_attention_layernorm", Rope::None),
@@ -44,15 +87,37 @@ const LAYER: [(&str, &str, Rope); 11] = [
     ("ffn_down", "mlp.down_proj", Rope::None),
 ];
 
+/// gguf-py's `MODEL_ARCH.GEMMA3` tensors: `ffn_norm` is the pre-feed-forward norm here, and the
+/// norms after attention and after the feed-forward have their own names.
+const GEMMA3_LAYER: [(&str, &str, Rope); 13] = [
+    ("attn_norm", "input_layernorm", Rope::None),
+    (
+        "post_attention_norm",
+        "post_attention_layernorm",
+        Rope::None,
+    ),
+    ("ffn_norm", "pre_feedforward_layernorm", Rope::None),
+    ("post_ffw_norm", "post_feedforward_layernorm", Rope::None),
+    ("attn_q", "self_attn.q_proj", Rope::None),
+    ("attn_k", "self_attn.k_proj", Rope::None),
+    ("attn_v", "self_attn.v_proj", Rope::None),
+    ("attn_output", "self_attn.o_proj", Rope::None),
+    ("attn_q_norm", "self_attn.q_norm", Rope::None),
+    ("attn_k_norm", "self_attn.k_norm", Rope::None),
+    ("ffn_gate", "mlp.gate_proj", Rope::None),
+    ("ffn_up", "mlp.up_proj", Rope::None),
+    ("ffn_down", "mlp.down_proj", Rope::None),
+];
+
 const GLOBAL: [(&str, &str); 3] = [
     ("token_embd", "model.embed_tokens"),
     ("output_norm", "model.norm"),
     ("output", "lm_head"),
 ];
 
-/// `blk.3.attn_q.weight` → (`model.layers.3.self_attn.q_proj.weight`, `Rope::Q`); `None` for a
-/// tensor a llama model does not have.
-pub fn hf_name(gguf: &str) -> Option<(String, Rope)> {
+/// `blk.3.attn_q.weight` → (`model.layers.3.self_attn.q_proj.weight`, `Rope::Q`) for a llama;
+/// `None` for a tensor the family's model does not have.
+pub fn hf_name(family: Family, gguf: &str) -> Option<(String, Rope)> {
     let (stem, suffix) = gguf.rsplit_once('.')?;
     if suffix != "weight" && suffix != "bias" {
         return None;
@@ -63,12 +128,12 @@ pub fn hf_name(gguf: &str) -> Option<(String, Rope)> {
     let rest = stem.strip_prefix("blk.")?;
     let (layer, t) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let &(_, hf, rope) = LAYER.iter().find(|(g, _, _)| *g == t)?;
+    let &(_, hf, rope) = family.layer().iter().find(|(g, _, _)| *g == t)?;
     Some((format!("model.layers.{layer}.{hf}.{suffix}"), rope))
 }
 
 /// The reverse of [`hf_name`].
-pub fn gguf_name(hf: &str) -> Option<(String, Rope)> {
+pub fn gguf_name(family: Family, hf: &str) -> Option<(String, Rope)> {
     let (stem, suffix) = hf.rsplit_once('.')?;
     if let Some(&(g, _)) = GLOBAL.iter().find(|(_, h)| *h == stem) {
         return Some((format!("{g}.{suffix}"), Rope::None));
@@ -76,7 +141,7 @@ pub fn gguf_name(hf: &str) -> Option<(String, Rope)> {
     let rest = stem.strip_prefix("model.layers.")?;
     let (layer, t) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let &(g, _, rope) = LAYER.iter().find(|(_, h, _)| *h == t)?;
+    let &(g, _, rope) = family.layer().iter().find(|(_, h, _)| *h == t)?;
     Some((format!("blk.{layer}.{g}.{suffix}"), rope))
 }
 
@@ -172,10 +237,62 @@ mod tests {
                 Rope::None,
             ),
         ] {
-            assert_eq!(hf_name(g), Some((h.to_string(), r)), "{g}");
-            assert_eq!(gguf_name(h), Some((g.to_string(), r)), "{h}");
+            assert_eq!(hf_name(Family::Llama, g), Some((h.to_string(), r)), "{g}");
+            assert_eq!(gguf_name(Family::Llama, h), Some((g.to_string(), r)), "{h}");
         }
-        assert_eq!(hf_name("rope_freqs.weight"), None);
-        assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name(Family::Llama, "rope_freqs.weight"), None);
+        assert_eq!(hf_name(Family::Llama, "blk.x.attn_q.weight"), None);
+        assert_eq!(hf_name(Family::Llama, "blk.0.post_ffw_norm.weight"), None);
+    }
+
+    /// gguf-py's GEMMA3 names: `ffn_norm` is the pre-feed-forward norm (a llama's
+    /// post-attention norm), no q/k permutation, and every norm shifted by 1.
+    #[test]
+    fn gemma3_names_both_ways() {
+        let f = Family::Gemma3;
+        for (g, h) in [
+            ("token_embd.weight", "model.embed_tokens.weight"),
+            ("output_norm.weight", "model.norm.weight"),
+            (
+                "blk.2.attn_norm.weight",
+                "model.layers.2.input_layernorm.weight",
+            ),
+            (
+                "blk.2.post_attention_norm.weight",
+                "model.layers.2.post_attention_layernorm.weight",
+            ),
+            (
+                "blk.2.ffn_norm.weight",
+                "model.layers.2.pre_feedforward_layernorm.weight",
+            ),
+            (
+                "blk.2.post_ffw_norm.weight",
+                "model.layers.2.post_feedforward_layernorm.weight",
+            ),
+            (
+                "blk.2.attn_q.weight",
+                "model.layers.2.self_attn.q_proj.weight",
+            ),
+            (
+                "blk.2.attn_k.weight",
+                "model.layers.2.self_attn.k_proj.weight",
+            ),
+            (
+                "blk.2.attn_q_norm.weight",
+                "model.layers.2.self_attn.q_norm.weight",
+            ),
+            (
+                "blk.2.ffn_down.weight",
+                "model.layers.2.mlp.down_proj.weight",
+            ),
+        ] {
+            assert_eq!(hf_name(f, g), Some((h.to_string(), Rope::None)), "{g}");
+            assert_eq!(gguf_name(f, h), Some((g.to_string(), Rope::None)), "{h}");
+            let shift = if g.ends_with("norm.weight") { 1.0 } else { 0.0 };
+            assert_eq!(f.norm_shift(g), shift, "{g}");
+            assert_eq!(Family::Llama.norm_shift(g), 0.0, "{g}");
+        }
+        assert_eq!(Family::of("gemma3"), Some(f));
+        assert_eq!(Family::of("gemma2"), None);
     }
 }

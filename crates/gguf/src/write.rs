@@ -1,8 +1,9 @@
 //! A Hugging Face Llama directory → a llama GGUF, laid out as convert_hf_to_gguf.py writes it
 //! (`LlamaModel`, `_set_vocab_gpt2`): llama.cpp tensor names, q/k rows permuted for GGML's rope,
 //! norms in f32 and the matrices in the asked ggml type, the `llama.*` hyper-parameters and the
-//! byte-level BPE vocabulary. For tests and round trips; llama.cpp's converter remains the
-//! reference writer.
+//! byte-level BPE vocabulary. A Gemma 3 directory → a `gemma3` GGUF as `Gemma3Model` writes it
+//! (no permutation, norms stored as `w + 1`, a SentencePiece vocabulary given by the caller:
+//! [`SpmVocab`]). For tests and round trips; llama.cpp's converter remains the reference writer.
 
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -11,7 +12,7 @@ use serde_json::Value as Json;
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::names::{gguf_name, permute, Rope};
+use crate::names::{gguf_name, permute, Family, Rope};
 use crate::vocab::{CONTROL, NORMAL, USER_DEFINED};
 use crate::{GgufError, Result};
 
@@ -171,6 +172,291 @@ fn vocab_metadata(dir: &Path) -> Result<Vec<(String, Value)>> {
     Ok(md)
 }
 
+/// The model's tensors under llama.cpp's names (the lm_head left out when tied), permuted by
+/// `rope`'s rule and shifted by the family's norm shift, matrices as `matrices`, 1-D as F32.
+fn quantized_tensors(
+    hf_dir: &Path,
+    family: Family,
+    tied: bool,
+    heads: (usize, usize),
+    matrices: GgmlDType,
+) -> Result<Vec<(String, QTensor)>> {
+    let tensors = load_tensors(hf_dir)?;
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let mut q = Vec::new();
+    for name in names {
+        if tied && name == "lm_head.weight" {
+            continue;
+        }
+        let (g, rope) = gguf_name(family, name).ok_or_else(|| GgufError::Tensor {
+            path: hf_dir.to_path_buf(),
+            name: name.clone(),
+            message: format!("has no llama.cpp name for {family:?}"),
+        })?;
+        let err = |e: candle_core::Error| GgufError::Tensor {
+            path: hf_dir.to_path_buf(),
+            name: name.clone(),
+            message: e.to_string(),
+        };
+        let mut t = tensors[name].to_dtype(DType::F32).map_err(err)?;
+        t = match rope {
+            Rope::Q => permute(&t, heads.0).map_err(err)?,
+            Rope::K => permute(&t, heads.1).map_err(err)?,
+            Rope::None => t,
+        };
+        let shift = family.norm_shift(&g);
+        if shift != 0.0 {
+            t = t.affine(1.0, shift).map_err(err)?;
+        }
+        let ty = if t.rank() == 1 {
+            GgmlDType::F32
+        } else {
+            matrices
+        };
+        q.push((g, QTensor::quantize(&t, ty).map_err(err)?));
+    }
+    Ok(q)
+}
+
+/// Writes `md` and `q` as a GGUF at `out` (through `out.tmp`, renamed at the end).
+fn write_file(out: &Path, md: &[(String, Value)], q: &[(String, QTensor)]) -> Result<()> {
+    let tmp = rtune_fsio::with_suffix(out, ".tmp");
+    let res = (|| -> Result<()> {
+        let mut file = std::fs::File::create(&tmp).map_err(|source| GgufError::Io {
+            path: tmp.clone(),
+            op: "create",
+            source,
+        })?;
+        let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let t_refs: Vec<(&str, &QTensor)> = q.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(&mut file, &md_refs, &t_refs).map_err(|e| GgufError::File {
+            path: tmp.clone(),
+            message: format!("cannot write GGUF: {e}"),
+        })?;
+        file.sync_all().map_err(|source| GgufError::Io {
+            path: tmp.clone(),
+            op: "fsync",
+            source,
+        })?;
+        std::fs::rename(&tmp, out).map_err(|source| GgufError::Io {
+            path: out.to_path_buf(),
+            op: "rename",
+            source,
+        })
+    })();
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// A SentencePiece vocabulary as llama.cpp's `_set_vocab_sentencepiece` stores it.
+#[derive(Debug, Clone, Default)]
+pub struct SpmVocab {
+    /// The pieces, `▁` for a space (whitespace-only pieces as Gemma's tokenizer.model spells
+    /// them: real spaces).
+    pub tokens: Vec<String>,
+    pub scores: Vec<f32>,
+    /// llama.cpp's token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
+    pub types: Vec<i32>,
+    pub bos: u32,
+    pub eos: u32,
+    pub unk: u32,
+    pub pad: u32,
+}
+
+/// Writes the Gemma 3 (text) model in `hf_dir` as a `gemma3` GGUF at `out`, as
+/// convert_hf_to_gguf.py's `Gemma3Model` does: its hyper-parameters (plus the layer pattern as
+/// per-layer flags when it is not llama.cpp's default of every sixth layer global), every
+/// `*norm.weight` stored as `w + 1`, no q/k permutation, the lm_head left out when tied, and the
+/// SentencePiece `vocab` (`tokenizer.ggml.model = llama`, BOS added, no space prefix).
+/// `query_pre_attn_scalar` must be `head_dim` (llama.cpp has no key for it and assumes that).
+pub fn write_gemma3_gguf(
+    hf_dir: &Path,
+    out: &Path,
+    matrices: GgmlDType,
+    vocab: &SpmVocab,
+) -> Result<()> {
+    let cpath = hf_dir.join("config.json");
+    let c = read_json(&cpath)?;
+    let bad = |message: String| GgufError::File {
+        path: cpath.clone(),
+        message,
+    };
+    if c["architectures"][0] != "Gemma3ForCausalLM" {
+        return Err(bad(format!(
+            "architectures {}: write_gemma3_gguf writes Gemma3ForCausalLM",
+            c["architectures"]
+        )));
+    }
+    let num = |k: &str| {
+        c[k].as_u64()
+            .ok_or_else(|| bad(format!("no integer `{k}`")))
+    };
+    let (heads, layers) = (num("num_attention_heads")?, num("num_hidden_layers")?);
+    let kv = c["num_key_value_heads"].as_u64().unwrap_or(heads);
+    let head_dim = c["head_dim"].as_u64().unwrap_or(256);
+    let qpas = c["query_pre_attn_scalar"].as_f64().unwrap_or(256.0);
+    if qpas != head_dim as f64 {
+        return Err(bad(format!(
+            "query_pre_attn_scalar {qpas} ≠ head_dim {head_dim}: a gemma3 GGUF cannot carry it \
+             (llama.cpp scales by 1/√head_dim)"
+        )));
+    }
+    let tied = c["tie_word_embeddings"].as_bool().unwrap_or(true);
+    let f = |v: &Json, d: f64| v.as_f64().unwrap_or(d) as f32;
+    let rp = &c["rope_parameters"];
+    let (global, local) = if rp.get("full_attention").is_some() {
+        (&rp["full_attention"], &rp["sliding_attention"])
+    } else {
+        (&c, &Json::Null)
+    };
+    let local_theta = local
+        .get("rope_theta")
+        .or_else(|| c.get("rope_local_base_freq"))
+        .and_then(|v| v.as_f64())
+        .unwrap_or(10_000.0);
+    let layer_types: Vec<bool> = match c["layer_types"].as_array() {
+        Some(a) => a.iter().map(|t| t == "sliding_attention").collect(),
+        None => (0..layers).map(|i| (i + 1) % 6 != 0).collect(),
+    };
+    let mut md: Vec<(String, Value)> = vec![
+        (
+            "general.architecture".into(),
+            Value::String("gemma3".into()),
+        ),
+        ("general.name".into(), Value::String("rtune".into())),
+        ("gemma3.block_count".into(), Value::U32(layers as u32)),
+        (
+            "gemma3.context_length".into(),
+            Value::U32(c["max_position_embeddings"].as_u64().unwrap_or(131_072) as u32),
+        ),
+        (
+            "gemma3.embedding_length".into(),
+            Value::U32(num("hidden_size")? as u32),
+        ),
+        (
+            "gemma3.feed_forward_length".into(),
+            Value::U32(num("intermediate_size")? as u32),
+        ),
+        (
+            "gemma3.attention.head_count".into(),
+            Value::U32(heads as u32),
+        ),
+        (
+            "gemma3.attention.layer_norm_rms_epsilon".into(),
+            Value::F32(f(&c["rms_norm_eps"], 1e-6)),
+        ),
+        (
+            "gemma3.attention.key_length".into(),
+            Value::U32(head_dim as u32),
+        ),
+        (
+            "gemma3.attention.value_length".into(),
+            Value::U32(head_dim as u32),
+        ),
+        (
+            "gemma3.rope.freq_base".into(),
+            Value::F32(f(&global["rope_theta"], 1_000_000.0)),
+        ),
+        (
+            "gemma3.attention.head_count_kv".into(),
+            Value::U32(kv as u32),
+        ),
+    ];
+    if let Some(w) = c["sliding_window"].as_u64() {
+        md.push((
+            "gemma3.attention.sliding_window".into(),
+            Value::U32(w as u32),
+        ));
+        let default: Vec<bool> = (0..layers).map(|i| i % 6 < 5).collect();
+        if layer_types != default {
+            md.push((
+                "gemma3.attention.sliding_window_pattern".into(),
+                Value::Array(layer_types.iter().map(|&b| Value::Bool(b)).collect()),
+            ));
+        }
+    }
+    if local_theta != 10_000.0 {
+        md.push((
+            "gemma3.rope.freq_base_swa".into(),
+            Value::F32(local_theta as f32),
+        ));
+    }
+    match global["rope_type"].as_str().unwrap_or("default") {
+        "default" => {}
+        "linear" => {
+            md.push((
+                "gemma3.rope.scaling.type".into(),
+                Value::String("linear".into()),
+            ));
+            md.push((
+                "gemma3.rope.scaling.factor".into(),
+                Value::F32(f(&global["factor"], 1.0)),
+            ));
+        }
+        other => return Err(bad(format!("rope_type `{other}` is not written"))),
+    }
+    if let Some(cap) = c["final_logit_softcapping"].as_f64() {
+        md.push((
+            "gemma3.final_logit_softcapping".into(),
+            Value::F32(cap as f32),
+        ));
+    }
+    let n = vocab.tokens.len();
+    if vocab.scores.len() != n || vocab.types.len() != n {
+        return Err(bad(format!(
+            "the vocabulary has {n} tokens, {} scores and {} types",
+            vocab.scores.len(),
+            vocab.types.len()
+        )));
+    }
+    md.extend([
+        ("tokenizer.ggml.model".into(), Value::String("llama".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("default".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(
+                vocab
+                    .tokens
+                    .iter()
+                    .map(|t| Value::String(t.clone()))
+                    .collect(),
+            ),
+        ),
+        (
+            "tokenizer.ggml.scores".into(),
+            Value::Array(vocab.scores.iter().map(|&s| Value::F32(s)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(vocab.types.iter().map(|&t| Value::I32(t)).collect()),
+        ),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(vocab.bos)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(vocab.eos)),
+        (
+            "tokenizer.ggml.unknown_token_id".into(),
+            Value::U32(vocab.unk),
+        ),
+        (
+            "tokenizer.ggml.padding_token_id".into(),
+            Value::U32(vocab.pad),
+        ),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
+        ("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)),
+        ("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)),
+    ]);
+    let q = quantized_tensors(
+        hf_dir,
+        Family::Gemma3,
+        tied,
+        (heads as usize, kv as usize),
+        matrices,
+    )?;
+    write_file(out, &md, &q)
+}
+
 /// Writes the Llama model in `hf_dir` as a GGUF at `out` (through `out.tmp`, renamed at the end).
 /// Matrices are stored as `matrices` (F32, F16, Q8_0, Q4_1, ...), 1-D tensors as F32.
 pub fn write_llama_gguf(hf_dir: &Path, out: &Path, matrices: GgmlDType) -> Result<()> {
@@ -250,64 +536,12 @@ pub fn write_llama_gguf(hf_dir: &Path, out: &Path, matrices: GgmlDType) -> Resul
         ));
     }
     md.extend(vocab_metadata(hf_dir)?);
-
-    let tensors = load_tensors(hf_dir)?;
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
-    let mut q = Vec::new();
-    for name in names {
-        if tied && name == "lm_head.weight" {
-            continue;
-        }
-        let (g, rope) = gguf_name(name).ok_or_else(|| GgufError::Tensor {
-            path: hf_dir.to_path_buf(),
-            name: name.clone(),
-            message: "has no llama.cpp name".into(),
-        })?;
-        let err = |e: candle_core::Error| GgufError::Tensor {
-            path: hf_dir.to_path_buf(),
-            name: name.clone(),
-            message: e.to_string(),
-        };
-        let mut t = tensors[name].to_dtype(DType::F32).map_err(err)?;
-        t = match rope {
-            Rope::Q => permute(&t, heads as usize).map_err(err)?,
-            Rope::K => permute(&t, kv as usize).map_err(err)?,
-            Rope::None => t,
-        };
-        let ty = if t.rank() == 1 {
-            GgmlDType::F32
-        } else {
-            matrices
-        };
-        q.push((g, QTensor::quantize(&t, ty).map_err(err)?));
-    }
-    let tmp = rtune_fsio::with_suffix(out, ".tmp");
-    let res = (|| -> Result<()> {
-        let mut file = std::fs::File::create(&tmp).map_err(|source| GgufError::Io {
-            path: tmp.clone(),
-            op: "create",
-            source,
-        })?;
-        let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        let t_refs: Vec<(&str, &QTensor)> = q.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        gguf_file::write(&mut file, &md_refs, &t_refs).map_err(|e| GgufError::File {
-            path: tmp.clone(),
-            message: format!("cannot write GGUF: {e}"),
-        })?;
-        file.sync_all().map_err(|source| GgufError::Io {
-            path: tmp.clone(),
-            op: "fsync",
-            source,
-        })?;
-        std::fs::rename(&tmp, out).map_err(|source| GgufError::Io {
-            path: out.to_path_buf(),
-            op: "rename",
-            source,
-        })
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
+    let q = quantized_tensors(
+        hf_dir,
+        Family::Llama,
+        tied,
+        (heads as usize, kv as usize),
+        matrices,
+    )?;
+    write_file(out, &md, &q)
 }
