@@ -119,7 +119,7 @@ def golden(name, model_dir, dtype, vocab):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
-    targets = FUSED_TARGETS if name in FUSED else TARGETS
+    targets = FUSED_TARGETS if name.removesuffix("_bf16") in FUSED else TARGETS
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0,
                                              task_type="CAUSAL_LM"))
     g = torch.Generator().manual_seed(1)
@@ -173,7 +173,7 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,phi3,phi4,"
-                    "llama_bf16,gemma2_bf16,gemma3_bf16)")
+                    "llama_bf16,gemma2_bf16,gemma3_bf16,qwen3_bf16,phi3_bf16,phi4_bf16)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
@@ -182,7 +182,8 @@ if __name__ == "__main__":
     if not only or "llama_bf16" in only:
         golden("llama_bf16", os.path.join(FIX, "tiny-llama"), torch.bfloat16, 512)
     # bf16 compute on the Gemma fixtures: (1 + w) norms in f32 rounded once, GeGLU, soft caps and
-    # the embedding scale on bf16 activations
-    for fam in ("gemma2", "gemma3"):
+    # the embedding scale on bf16 activations; Qwen3's q/k norms; Phi-3's fused projections and
+    # Phi-4's partial rotary with LongRoPE
+    for fam in ("gemma2", "gemma3", "qwen3", "phi3", "phi4"):
         if not only or f"{fam}_bf16" in only:
             golden(f"{fam}_bf16", os.path.join(FIX, f"tiny-{fam}"), torch.bfloat16, 256)
