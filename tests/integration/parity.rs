@@ -545,7 +545,11 @@ fn bf16_matches_peft(model: &str, golden: &str) {
     // while loss and gradients stay within the bounds below and the f32 parity of the same
     // models is at 1e-6: a bf16 rounding point in the q/k norm's path not yet found (dividing
     // the mean by D, as torch does, instead of multiplying by 1/D did not change it). 2e-2 there.
-    let bound = if c.model.cfg.variant.qk_norm { 2e-2 } else { 1e-2 };
+    let bound = if c.model.cfg.variant.qk_norm {
+        2e-2
+    } else {
+        1e-2
+    };
     assert!(e <= bound, "{model}: logits rel err {e:e}");
     let (loss, grads) = loss_and_grads(&c, &c.adapter, true);
     let want = g.get("loss").to_vec1::<f32>().unwrap()[0] as f64;
@@ -580,4 +584,3 @@ fn bf16_matches_peft(model: &str, golden: &str) {
         "{model}: f32 logits equal the bf16 golden to {e32:e}"
     );
 }
-
