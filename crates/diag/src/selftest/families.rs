@@ -4,20 +4,21 @@
 //! [`HfConfig::into_config`], so the selftest builds what a checkpoint of that family builds.
 //!
 //! Sizes: hidden 128, 4 heads over 2 KV heads, 2 layers, vocabulary 512: small enough that a
-//! family's three steps cost tens of milliseconds on the CPU. Every feature is set so that it
+//! family's steps cost tens of milliseconds on the CPU (f16's, slow there, a few hundred). Every feature is set so that it
 //! acts on the selftest's rows of 96 tokens (`step` in `selftest.rs`):
 //! - windows of 32 positions, shorter than the rows, on one layer of two (Qwen3, Gemma) or both
 //!   (Phi-3);
-//! - Gemma 2's soft-caps (attention 1.0, final 2.0) near the size of the random model's logits, so
-//!   `tanh` bends them (the unit tests check that removing either changes the loss);
+//! - Gemma 2's soft-caps (attention 0.1, final 0.5) near the size of the random model's scores
+//!   and logits, so `tanh` bends them (a unit test checks that removing either, or the window,
+//!   changes the step by more than 1%);
 //! - `head_dim` 48 for Qwen3 (not hidden / heads = 32), `query_pre_attn_scalar` unlike `head_dim`;
 //! - Gemma 3's global layer on its own base (1e6, linear ×4) beside the local one (1e4);
 //! - Phi-4-mini's rotary part (0.75 of a head: 24 of 32) and LongRoPE with a pre-training length
 //!   of 64 < 96, so the long factors and the attention factor are in use.
 //!
-//! The seeded weights (`crate::weights`) draw every norm weight as 1 ± 0.1: jittered, so a norm
-//! that multiplied by `w` where it should by `1 + w` (Gemma), or skipped a q/k norm, would change
-//! the step.
+//! The seeded weights (`crate::weights`) draw every norm weight jittered: 1 ± 0.1, or for Gemma's
+//! `1 + w` norms w = ±0.1 (as its checkpoints store them), so a norm that multiplied by `w` where
+//! it should by `1 + w`, or skipped a q/k norm, would change the step.
 
 use std::path::Path;
 
