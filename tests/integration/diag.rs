@@ -30,17 +30,31 @@ fn selftest_reports_every_check_when_one_fails() {
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert_eq!(o.status.code(), Some(1), "{out}\n{}", stderr(&o));
     assert!(out.contains("seed 42"), "the seed is printed: {out}");
-    // f32 (2 cases) + bf16 (3) + bf16 over NF4 (3): the 7 others pass, the injected one fails.
+    // The Llama's f32 (2 cases) + bf16 (3) + bf16 over NF4 (3), then Qwen3 (2), Gemma 2 (3),
+    // Gemma 3 (3), Phi-3 (3), Phi-4 (2): the 20 others pass, the injected one fails.
     let lines: Vec<&str> = out
         .lines()
         .filter(|l| l.starts_with("PASS") || l.starts_with("FAIL"))
         .collect();
-    assert_eq!(lines.len(), 8, "{out}");
+    assert_eq!(lines.len(), 21, "{out}");
     let failed: Vec<&&str> = lines.iter().filter(|l| l.starts_with("FAIL")).collect();
     assert_eq!(failed.len(), 1, "{out}");
     assert!(failed[0].contains(INJECTED) && failed[0].contains("injected failure"));
+    // Every family's steps ran; the f16 ones say the loss scale they backed off to.
+    for family in ["qwen3", "gemma2", "gemma3", "phi3", "phi4"] {
+        let name = format!("train step {family} bf16, checkpointing:");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("PASS") && l.contains(&name)),
+            "{name}: {out}"
+        );
+    }
+    assert!(lines
+        .iter()
+        .any(|l| l.contains("train step gemma2 f16:") && l.contains("loss scale")));
     assert!(
-        stderr(&o).contains("1 of 8 checks failed"),
+        stderr(&o).contains("1 of 21 checks failed"),
         "{}",
         stderr(&o)
     );
@@ -48,7 +62,7 @@ fn selftest_reports_every_check_when_one_fails() {
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(r["seed"], 42);
     let checks = r["checks"].as_array().unwrap();
-    assert_eq!(checks.len(), 8);
+    assert_eq!(checks.len(), 21);
     let fails: Vec<&str> = checks
         .iter()
         .filter(|c| c["pass"] == false)
@@ -100,7 +114,7 @@ fn gpu_script_dry_run_writes_every_section() {
     assert_eq!(r["selftest"]["status"], "ok", "{out}");
     assert_eq!(
         r["selftest"]["result"]["checks"].as_array().unwrap().len(),
-        8
+        21
     );
     for sec in ["rtune_tiny", "rtune"] {
         assert_eq!(r[sec]["status"], "ok", "{sec}: {out}");

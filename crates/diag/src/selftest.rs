@@ -8,11 +8,13 @@
 //!    device-to-device copy;
 //! 3. (CUDA) NCCL as data-parallel training uses it: a world of one rank, a known buffer
 //!    all-reduced in place on the second stream, which must come back bit for bit;
-//! 4. whole training steps (forward + backward, checkpointing on and off) of a small random Llama
-//!    on the device against the same step on the CPU: loss and every LoRA gradient, in f32, bf16
-//!    and bf16 with an NF4 base.
+//! 4. whole training steps (forward + backward, checkpointing on and off) of small random models
+//!    on the device against the same step on the CPU: loss and every LoRA gradient. A Llama in
+//!    f32, bf16 and bf16 with an NF4 base; then one model per family that adds ops to its layer
+//!    (`families.rs`: Qwen3, Gemma 2, Gemma 3, Phi-3, Phi-4-mini), in f32 and bf16 with
+//!    checkpointing, Phi-3 over NF4 too, Gemma 2 and 3 in f16 under a backing-off loss scale.
 //!
-//! Step 3 is device-generic: `--device cpu` (and a CPU-only build) runs it CPU against CPU, which
+//! Step 4 is device-generic: `--device cpu` (and a CPU-only build) runs it CPU against CPU, which
 //! tests the harness itself where there is no GPU.
 //!
 //! Every check runs through [`Runner::attempt`]: an error or a panic inside one becomes that
@@ -22,49 +24,55 @@
 //! Test hook: [`INJECT_ENV`] (`RTUNE_SELFTEST_INJECT_FAIL=<text>`) makes every check whose name
 //! contains `<text>` fail with an injected error before it runs (tests/integration/diag.rs).
 
+mod families;
 pub(crate) mod runner;
 
 use candle_core::{DType, Device, Tensor};
 
 use rtune_lora::{Adapter, LoraPair, LoraSpec};
-use rtune_model::{Grads, Inputs, LoraCtx, Model, ModelError, Quantize};
+use rtune_model::{Grads, Inputs, LoraCtx, Model, ModelConfig, ModelError, Quantize};
+use rtune_train::optim::LossScaler;
 
 use crate::weights::{Draw, RandomWeights};
 use crate::{Check, DiagError};
+use families::Family;
 pub use runner::{Report, Runner, INJECT_ENV};
 
 fn cerr(op: &str) -> impl FnOnce(candle_core::Error) -> DiagError + '_ {
     move |e| ModelError::candle(op, e).into()
 }
 
-/// The small Llama of the parity checks: GQA, two layers, odd-ish sizes.
-fn parity_config() -> rtune_model::ModelConfig {
-    let o = crate::bench::BenchOptions {
-        hidden: 256,
-        layers: 2,
-        heads: 8,
-        kv_heads: 2,
-        intermediate: 704,
-        vocab: 1000,
-        ..Default::default()
-    };
-    crate::bench::model_config(&o)
+/// The loss scale an f16 step starts from: `[train] loss_scale_init`'s default (torch's
+/// `GradScaler`'s). On these models and rows the first passes overflow in f16, as Gemma's do, and
+/// the scaler must back off to a scale whose gradients are finite: each f16 check exercises it on
+/// both devices (the check's line gives the scale each ended at).
+const F16_LOSS_SCALE: f64 = 65536.0;
+
+/// What one [`step`] gives: the summed loss, the LoRA gradients (f32, on the CPU; unscaled), and
+/// the loss scale the backward ran at (1 but in f16).
+struct Stepped {
+    loss: f64,
+    grads: Vec<Tensor>,
+    loss_scale: f64,
 }
 
-/// One forward + backward on `dev`: the summed loss and the LoRA gradients (f32, on the CPU).
+/// One forward + backward of `cfg`'s random model on `dev`. In f16 the backward runs on the loss
+/// scaled as the trainer scales it ([`LossScaler`], from [`F16_LOSS_SCALE`]): a pass whose loss or
+/// gradients overflow is run again at the backed-off scale.
 fn step(
     dev: &Device,
     seed: u64,
+    cfg: &ModelConfig,
     dtype: DType,
     quantize: Quantize,
     checkpoint: bool,
     offload: bool,
-) -> Result<(f64, Vec<Tensor>), DiagError> {
+) -> Result<Stepped, DiagError> {
     let (b, t) = (2usize, 96usize);
-    let cfg = parity_config();
     let vocab = cfg.vocab_size as u64;
-    let src = RandomWeights::new(dev, dtype, quantize, Draw::Seeded(seed));
-    let mut model = Model::build_with(cfg, &src, dtype, dev, quantize)?;
+    let src = RandomWeights::new(dev, dtype, quantize, Draw::Seeded(seed))
+        .norm_offsets(cfg.variant.plus_one_norms);
+    let mut model = Model::build_with(cfg.clone(), &src, dtype, dev, quantize)?;
     model.offload_checkpoints = offload;
     let spec = LoraSpec::new(8, 16.0, 0.0, false, &["all-linear".to_string()])?;
     // B is zero at init, which would leave every A gradient zero: give B values too.
@@ -95,26 +103,49 @@ fn step(
     let targets: Vec<Option<u32>> = (0..b * t)
         .map(|i| ((i + 1) % t != 0).then(|| ids[i + 1]))
         .collect();
-    let mut grads = Grads::new(adapter.pairs.len());
     let lc = LoraCtx {
         adapter: &adapter,
         scaling: spec.scaling(),
         dropout: 0.0,
         seed: 0,
     };
-    let loss = model.forward_backward(
-        &Inputs::new(ids, b, t),
-        &targets,
-        &lc,
-        1.0,
-        checkpoint,
-        &mut grads,
-    )?;
-    let mut out = Vec::new();
-    for g in grads.a.into_iter().chain(grads.b).flatten() {
-        out.push(g.to_device(&Device::Cpu).map_err(cerr("grad to cpu"))?);
+    let mut scaler = (dtype == DType::F16).then(|| LossScaler::new(F16_LOSS_SCALE, usize::MAX));
+    loop {
+        let scale = scaler.as_ref().map_or(1.0, |s| s.scale);
+        let mut grads = Grads::new(adapter.pairs.len());
+        let inputs = Inputs::new(ids.clone(), b, t);
+        let loss = model.forward_backward(&inputs, &targets, &lc, scale, checkpoint, &mut grads)?;
+        let mut out = Vec::new();
+        for g in grads.a.into_iter().chain(grads.b).flatten() {
+            let g = g.to_device(&Device::Cpu).map_err(cerr("grad to cpu"))?;
+            out.push((g / scale).map_err(cerr("unscale"))?);
+        }
+        match &mut scaler {
+            // Overflowed: back off as the trainer does, down to no scaling at all.
+            Some(s) if s.scale > 1.0 && !(loss.is_finite() && all_finite(&out)?) => s.update(true),
+            _ => {
+                return Ok(Stepped {
+                    loss,
+                    grads: out,
+                    loss_scale: scale,
+                })
+            }
+        }
     }
-    Ok((loss, out))
+}
+
+/// Whether every element of `ts` is finite.
+fn all_finite(ts: &[Tensor]) -> Result<bool, DiagError> {
+    for t in ts {
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .and_then(|t| t.flatten_all()?.to_vec1())
+            .map_err(cerr("finite"))?;
+        if !v.iter().all(|x| x.is_finite()) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// `‖x − y‖ / ‖y‖` over all of them (one number per step: single elements near zero would make a
@@ -136,44 +167,120 @@ fn rel_err(x: &[Tensor], y: &[Tensor]) -> Result<f64, DiagError> {
     Ok((num / den.max(f64::MIN_POSITIVE)).sqrt())
 }
 
-/// Training-step parity of `dev` against the CPU, in f32, bf16 and bf16 over NF4, with and
-/// without checkpointing (and, in 16 bits, with the checkpoints offloaded to host memory): one
-/// check each, through `runner`.
-/// Tolerances: f32 1e-4 (cuBLAS and the fused kernels sum in other orders than the CPU: ~1e-6 per
-/// op, grown through two layers and the loss); bf16 3e-2 (activations are rounded to 8 bits of
-/// mantissa, 4e-3 each, at places that differ between the two backends).
+/// f32's tolerance: cuBLAS and the fused kernels sum in other orders than the CPU, ~1e-6 per op,
+/// grown through two layers and the loss.
+const TOL_F32: f64 = 1e-4;
+/// bf16's: activations are rounded to 8 bits of mantissa, 4e-3 each, at places that differ
+/// between the two backends.
+const TOL_BF16: f64 = 3e-2;
+/// f16's: 11 bits of mantissa round 8× finer than bf16's (4.9e-4 each), a third of bf16's bound
+/// leaving room for the scaled backward (values near f16's top, where the loss scale puts them).
+const TOL_F16: f64 = 1e-2;
+
+/// One training-step parity check: a family's model in a dtype over a base, with or without
+/// checkpointing (and offloading the checkpoints to host memory).
+struct Case {
+    family: Family,
+    /// The dtype and base in the check's name (`bf16 + nf4-dq`).
+    label: &'static str,
+    dtype: DType,
+    quantize: Quantize,
+    checkpoint: bool,
+    offload: bool,
+    tol: f64,
+}
+
+impl Case {
+    /// `train step [family ]label[, checkpointing]: loss and LoRA grads vs CPU` (the Llama's
+    /// checks keep the names they had before the other families came).
+    fn name(&self) -> String {
+        let ck = match (self.checkpoint, self.offload) {
+            (true, true) => ", checkpoints offloaded",
+            (true, false) => ", checkpointing",
+            _ => "",
+        };
+        let family = match self.family {
+            Family::Llama => String::new(),
+            f => format!("{} ", f.name()),
+        };
+        format!(
+            "train step {family}{}{ck}: loss and LoRA grads vs CPU",
+            self.label
+        )
+    }
+}
+
+/// Every parity check, in order. The Llama: f32, bf16 and bf16 over NF4, each without and with
+/// checkpointing, and in 16 bits with the checkpoints offloaded. Each other family: f32, and bf16
+/// with checkpointing (the recomputed forward of its own ops); Phi-3 adds bf16 over NF4 (its fused
+/// weights quantized); Gemma 2 and 3 add f16 (the scaled backward through their soft-caps and
+/// √hidden embeddings; Gemma 3's with checkpointing).
+fn cases() -> Vec<Case> {
+    let nf4 = Quantize::Nf4 { double_quant: true };
+    let case = |family, label, dtype, quantize, checkpoint, offload, tol| Case {
+        family,
+        label,
+        dtype,
+        quantize,
+        checkpoint,
+        offload,
+        tol,
+    };
+    let mut out = Vec::new();
+    let llama = [
+        ("f32", DType::F32, Quantize::None, TOL_F32),
+        ("bf16", DType::BF16, Quantize::None, TOL_BF16),
+        ("bf16 + nf4-dq", DType::BF16, nf4, TOL_BF16),
+    ];
+    for (label, dtype, q, tol) in llama {
+        for (ckpt, offload) in [(false, false), (true, false), (true, true)] {
+            if !(offload && dtype == DType::F32) {
+                out.push(case(Family::Llama, label, dtype, q, ckpt, offload, tol));
+            }
+        }
+    }
+    let (none, bf16, f16) = (Quantize::None, DType::BF16, DType::F16);
+    for f in Family::ALL.into_iter().skip(1) {
+        out.push(case(f, "f32", DType::F32, none, false, false, TOL_F32));
+        out.push(case(f, "bf16", bf16, none, true, false, TOL_BF16));
+        match f {
+            Family::Phi3 => out.push(case(f, "bf16 + nf4-dq", bf16, nf4, true, false, TOL_BF16)),
+            Family::Gemma2 => out.push(case(f, "f16", f16, none, false, false, TOL_F16)),
+            Family::Gemma3 => out.push(case(f, "f16", f16, none, true, false, TOL_F16)),
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Training-step parity of `dev` against the CPU: a Llama in f32, bf16 and bf16 over NF4 (without
+/// and with checkpointing, in 16 bits with the checkpoints offloaded too), and a small model of
+/// each other family (Qwen3, Gemma 2 and 3, Phi-3, Phi-4-mini) in f32 and in bf16 with
+/// checkpointing, Phi-3 over NF4, Gemma 2 and 3 in f16 under the loss scaler: one check each,
+/// through `runner`. A check's figure is the larger of the loss's relative error and the
+/// gradients' (`‖x − y‖ / ‖y‖` over all of them); tolerances: f32 1e-4, bf16 3e-2, f16 1e-2 (their
+/// reasons beside `TOL_F32`, `TOL_BF16`, `TOL_F16`).
 pub fn step_parity(dev: &Device, runner: &mut Runner) {
     let seed = runner.report.seed;
-    let nf4 = Quantize::Nf4 { double_quant: true };
-    let cases = [
-        ("f32", DType::F32, Quantize::None, 1e-4),
-        ("bf16", DType::BF16, Quantize::None, 3e-2),
-        ("bf16 + nf4-dq", DType::BF16, nf4, 3e-2),
-    ];
-    for (label, dtype, q, tol) in cases {
-        // (checkpointing, offloading the kept inputs to host memory)
-        for (ckpt, offload) in [(false, false), (true, false), (true, true)] {
-            if offload && dtype == DType::F32 {
-                continue;
+    for c in cases() {
+        let name = c.name();
+        runner.attempt(&name.clone(), || {
+            let cfg = c.family.config()?;
+            let (dt, q, ck) = (c.dtype, c.quantize, c.checkpoint);
+            let cpu = step(&Device::Cpu, seed, &cfg, dt, q, ck, false)?;
+            let on_dev = step(dev, seed, &cfg, dt, q, ck, c.offload)?;
+            let loss_err = (on_dev.loss - cpu.loss).abs() / cpu.loss.abs().max(f64::MIN_POSITIVE);
+            let err = loss_err.max(rel_err(&on_dev.grads, &cpu.grads)?);
+            let pass = err <= c.tol && !on_dev.grads.is_empty();
+            let mut check = Check::measured(name, err, pass);
+            if dt == DType::F16 {
+                check.detail += &format!(
+                    ", loss scale {} (CPU {})",
+                    on_dev.loss_scale, cpu.loss_scale
+                );
             }
-            let ck = match (ckpt, offload) {
-                (true, true) => ", checkpoints offloaded",
-                (true, false) => ", checkpointing",
-                _ => "",
-            };
-            let name = format!("train step {label}{ck}: loss and LoRA grads vs CPU");
-            runner.attempt(&name.clone(), || {
-                let (l_ref, g_ref) = step(&Device::Cpu, seed, dtype, q, ckpt, false)?;
-                let (l_dev, g_dev) = step(dev, seed, dtype, q, ckpt, offload)?;
-                let loss_err = (l_dev - l_ref).abs() / l_ref.abs().max(f64::MIN_POSITIVE);
-                let err = loss_err.max(rel_err(&g_dev, &g_ref)?);
-                Ok(vec![Check::measured(
-                    name,
-                    err,
-                    err <= tol && !g_dev.is_empty(),
-                )])
-            });
-        }
+            Ok(vec![check])
+        });
     }
 }
 
@@ -218,23 +325,140 @@ pub fn run(
 mod tests {
     use super::*;
 
+    fn llama() -> ModelConfig {
+        Family::Llama.config().expect("the Llama's config")
+    }
+
+    fn sq_norm(g: &Tensor) -> Result<f32, DiagError> {
+        g.sqr()
+            .and_then(|s| s.sum_all()?.to_scalar::<f32>())
+            .map_err(cerr("norm"))
+    }
+
+    /// [`step`] on the CPU under seed 7, on a full-precision base.
+    fn cpu_step(
+        cfg: &ModelConfig,
+        dtype: DType,
+        checkpoint: bool,
+    ) -> Result<(f64, Vec<Tensor>), DiagError> {
+        let s = step(
+            &Device::Cpu,
+            7,
+            cfg,
+            dtype,
+            Quantize::None,
+            checkpoint,
+            false,
+        )?;
+        Ok((s.loss, s.grads))
+    }
+
     #[test]
     fn cpu_against_itself_is_exact_and_grads_are_nonzero() -> Result<(), DiagError> {
-        let (l1, g1) = step(&Device::Cpu, 7, DType::F32, Quantize::None, false, false)?;
-        let (l2, g2) = step(&Device::Cpu, 7, DType::F32, Quantize::None, true, false)?;
+        let cfg = llama();
+        let (l1, g1) = cpu_step(&cfg, DType::F32, false)?;
+        let (l2, g2) = cpu_step(&cfg, DType::F32, true)?;
         assert!(l1.is_finite() && l1 > 0.0);
         assert_eq!(g1.len(), 2 * 7 * 2, "A and B for 7 modules × 2 layers");
         // Checkpointing recomputes the same ops: equal to f32 rounding.
         assert!((l1 - l2).abs() <= 1e-9 * l1 && rel_err(&g2, &g1)? < 1e-6);
         for g in &g1 {
-            let norm = g
-                .sqr()
-                .and_then(|s| s.sum_all()?.to_scalar::<f32>())
-                .map_err(cerr("norm"))?;
             assert!(
-                norm > 0.0,
+                sq_norm(g)? > 0.0,
                 "a zero LoRA gradient: the check would be vacuous"
             );
+        }
+        Ok(())
+    }
+
+    /// Every family's check is non-vacuous: its step gives a finite loss and a non-zero gradient
+    /// for every LoRA tensor (A and B of each adapted module, fused ones for Phi), checkpointing
+    /// recomputes it exactly, and no two families give the same loss (each config really builds
+    /// another model).
+    #[test]
+    fn every_family_steps_with_nonzero_grads_and_its_own_loss() -> Result<(), DiagError> {
+        let mut losses: Vec<(Family, f64)> = Vec::new();
+        for f in Family::ALL {
+            let cfg = f.config()?;
+            let (l, g) = cpu_step(&cfg, DType::F32, false)?;
+            let (lc, gc) = cpu_step(&cfg, DType::F32, true)?;
+            assert!(l.is_finite() && l > 0.0, "{f:?}: loss {l}");
+            let modules = cfg.arch.linear_modules().len();
+            assert_eq!(g.len(), 2 * modules * cfg.num_layers, "{f:?}");
+            for (k, t) in g.iter().enumerate() {
+                assert!(sq_norm(t)? > 0.0, "{f:?}: LoRA gradient {k} is zero");
+            }
+            assert!(
+                (l - lc).abs() <= 1e-9 * l && rel_err(&gc, &g)? < 1e-6,
+                "{f:?}: checkpointing changed the step"
+            );
+            for (other, lo) in &losses {
+                assert!(
+                    (l - lo).abs() > 1e-6 * l,
+                    "{f:?} and {other:?} give the same loss {l}"
+                );
+            }
+            losses.push((f, l));
+        }
+        Ok(())
+    }
+
+    /// The features the families' checks are there for act on the selftest's rows: removing
+    /// Gemma 2's attention soft-cap, its final soft-cap or its window each changes the step (its
+    /// loss or its gradients) by more than 1%.
+    #[test]
+    fn gemma2s_soft_caps_and_window_act() -> Result<(), DiagError> {
+        let cfg = Family::Gemma2.config()?;
+        let (base, g0) = cpu_step(&cfg, DType::F32, false)?;
+        let mut no_attn_cap = cfg.clone();
+        no_attn_cap.variant.attn_softcap = None;
+        let mut no_final_cap = cfg.clone();
+        no_final_cap.variant.final_softcap = None;
+        let mut no_window = cfg.clone();
+        no_window.window_layers = vec![false; cfg.num_layers];
+        for (what, c) in [
+            ("attention soft-cap", no_attn_cap),
+            ("final soft-cap", no_final_cap),
+            ("window", no_window),
+        ] {
+            let (l, g) = cpu_step(&c, DType::F32, false)?;
+            let change = ((l - base).abs() / base).max(rel_err(&g, &g0)?);
+            eprintln!("{what}: loss {base} → {l}, change {change:.2e}");
+            assert!(change > 1e-2, "the {what} does not act: {change:.2e}");
+        }
+        Ok(())
+    }
+
+    /// The 16-bit steps against f32 on the CPU, within the parity tolerances: the f16 steps'
+    /// loss scaler copes (the first scale overflows, the backed-off one gives finite unscaled
+    /// gradients near f32's), and each 16-bit tolerance holds even against f32 (the device's
+    /// step is compared with the CPU's in the same dtype, which rounds at mostly the same places).
+    #[test]
+    fn sixteen_bit_steps_stay_near_f32() -> Result<(), DiagError> {
+        for f in Family::ALL {
+            let cfg = f.config()?;
+            let (l32, g32) = cpu_step(&cfg, DType::F32, false)?;
+            let mut dtypes = vec![(DType::BF16, TOL_BF16)];
+            if matches!(f, Family::Gemma2 | Family::Gemma3) {
+                dtypes.push((DType::F16, TOL_F16));
+            }
+            for (dtype, tol) in dtypes {
+                let Stepped {
+                    loss: l,
+                    grads: g,
+                    loss_scale,
+                } = step(&Device::Cpu, 7, &cfg, dtype, Quantize::None, false, false)?;
+                // f16: the first scale overflowed and the scaler backed off to a finite one.
+                let backed_off = (1.0..F16_LOSS_SCALE).contains(&loss_scale);
+                assert!(
+                    dtype != DType::F16 || backed_off,
+                    "{f:?}: scale {loss_scale}"
+                );
+                let err = ((l - l32).abs() / l32).max(rel_err(&g, &g32)?);
+                eprintln!("{f:?} {dtype:?}: {err:.2e} vs f32");
+                assert!(all_finite(&g)? && err.is_finite(), "{f:?} {dtype:?}");
+                assert!(err <= tol, "{f:?} {dtype:?}: {err:.2e} from f32");
+            }
         }
         Ok(())
     }
@@ -248,29 +472,39 @@ mod tests {
         let mut runner = Runner::new("cpu", 3, None, &mut on_check);
         step_parity(&Device::Cpu, &mut runner);
         let r = runner.finish();
-        assert_eq!(r.checks.len(), 2 + 3 + 3);
+        // Llama 2 + 3 + 3; Qwen3, Phi-4: 2; Gemma 2 and 3, Phi-3: 3.
+        assert_eq!(r.checks.len(), 8 + 2 * 2 + 3 * 3);
         for c in &r.checks {
             assert!(c.pass && c.max_rel_err == Some(0.0), "{c:?}");
         }
         assert_eq!(
             seen.iter().map(|s| s.1).collect::<Vec<_>>(),
-            (1..=8).collect::<Vec<_>>()
+            (1..=21).collect::<Vec<_>>()
         );
+        let names: Vec<&str> = seen.iter().map(|s| s.0.as_str()).collect();
+        assert!(names.contains(&"train step f32: loss and LoRA grads vs CPU"));
+        assert!(
+            names.contains(&"train step gemma2 bf16, checkpointing: loss and LoRA grads vs CPU")
+        );
+        assert!(names.contains(&"train step gemma3 f16, checkpointing: loss and LoRA grads vs CPU"));
     }
 
     /// The seed reaches the inputs: another seed, another loss.
     #[test]
     fn the_seed_draws_the_inputs() -> Result<(), DiagError> {
-        let (a, _) = step(&Device::Cpu, 1, DType::F32, Quantize::None, false, false)?;
-        let (b, _) = step(&Device::Cpu, 1, DType::F32, Quantize::None, false, false)?;
-        let (c, _) = step(&Device::Cpu, 2, DType::F32, Quantize::None, false, false)?;
+        let cfg = llama();
+        let loss = |seed| -> Result<f64, DiagError> {
+            let (dt, q) = (DType::F32, Quantize::None);
+            Ok(step(&Device::Cpu, seed, &cfg, dt, q, false, false)?.loss)
+        };
+        let (a, b, c) = (loss(1)?, loss(1)?, loss(2)?);
         assert!(a == b && a != c, "{a} {b} {c}");
         Ok(())
     }
 
     #[test]
     fn rel_err_sees_a_wrong_gradient() -> Result<(), DiagError> {
-        let (_, g) = step(&Device::Cpu, 7, DType::F32, Quantize::None, false, false)?;
+        let (_, g) = cpu_step(&llama(), DType::F32, false)?;
         let mut bad = g.clone();
         bad[3] = (&bad[3] * 1.01).map_err(cerr("scale"))?;
         assert!(rel_err(&bad, &g)? > 1e-4);

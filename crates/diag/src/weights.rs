@@ -5,12 +5,14 @@
 //!   it is drawn in f32 slices of at most [`CHUNK`] elements, each rounded and copied into the
 //!   result, so no full-size f32 copy of a weight ever exists (lm_head of Llama 3 8B: 2.1 GB);
 //! - [`Draw::Seeded`]: uniform values from a ChaCha stream seeded by the run's seed and the
-//!   tensor's name (norm weights 1 ± 0.1), the same on every device: `rtune selftest`'s
-//!   GPU-vs-CPU parity.
+//!   tensor's name (norm weights 1 ± 0.1, or ±0.1 as offsets of `1 + w` norms), the same on
+//!   every device: `rtune selftest`'s GPU-vs-CPU parity.
 //!
-//! The embedding table is made in host memory whatever the device: the model keeps an untied
-//! table on the host on a GPU (it is only gathered from), so it never visits the device. Both
-//! diagnostics build untied models (`bench::model_config`).
+//! A normal draw makes the embedding table in host memory whatever the device: the model keeps
+//! an untied table on the host on a GPU (it is only gathered from), so it never visits the device
+//! (`rtune bench` builds untied models, `bench::model_config`). A seeded draw (small models) makes
+//! it on the device like every other weight: a tied table is also the lm_head there, and the model
+//! moves an untied one to the host itself.
 //!
 //! With a 4-bit [`Quantize`], a normal draw serves its linear layers pre-quantized from one tile
 //! (see its [`TensorSource::quantized`]); a seeded draw lets the model quantize its stored values, as
@@ -35,7 +37,7 @@ pub enum Draw {
 /// The most f32 elements a normal draw holds at once before rounding to the final dtype (64 MB).
 pub const CHUNK: usize = 1 << 24;
 
-/// The table the model only gathers from: made on the host.
+/// The table the model only gathers from: made on the host by a normal draw.
 const EMBED: &str = "model.embed_tokens.weight";
 
 /// A [`TensorSource`] of random weights in `dtype` on `dev`.
@@ -46,6 +48,8 @@ pub struct RandomWeights {
     draw: Draw,
     /// The quantized tile every 4-bit weight repeats (normal draw; made on first use).
     tile: OnceLock<Nf4Weight>,
+    /// Seeded norm weights are drawn around 0 instead of 1 (see [`RandomWeights::norm_offsets`]).
+    norm_offsets: bool,
 }
 
 impl RandomWeights {
@@ -56,7 +60,17 @@ impl RandomWeights {
             quantize,
             draw,
             tile: OnceLock::new(),
+            norm_offsets: false,
         }
+    }
+
+    /// With `on`, a seeded draw's norm weights are ±0.1 (1 ± 0.1 less 1): the offsets of a
+    /// model whose norms multiply by `1 + w` (Gemma), which its checkpoints store near 0. The
+    /// norms then scale by 1 ± 0.1 as a Llama's do, and a norm that multiplied by `w` alone would
+    /// scale by ±0.1.
+    pub fn norm_offsets(mut self, on: bool) -> Self {
+        self.norm_offsets = on;
+        self
     }
 
     /// `n` values of the seeded draw for `name` under `seed` (FNV-1a of the seed's bytes, then
@@ -118,7 +132,7 @@ fn normal_in_slices(
 
 impl TensorSource for RandomWeights {
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
-        let dev = if name == EMBED {
+        let dev = if name == EMBED && self.draw == Draw::Normal {
             &Device::Cpu
         } else {
             &self.dev
@@ -143,7 +157,11 @@ impl TensorSource for RandomWeights {
         match self.draw {
             Draw::Seeded(seed) => {
                 let n = shape.iter().product();
-                Tensor::from_vec(Self::seeded_values(seed, name, n), shape, &Device::Cpu)
+                let mut v = Self::seeded_values(seed, name, n);
+                if self.norm_offsets && name.ends_with("norm.weight") {
+                    v.iter_mut().for_each(|x| *x -= 1.0);
+                }
+                Tensor::from_vec(v, shape, &Device::Cpu)
                     .map_err(|e| ModelError::candle(format!("seeded {name}"), e))
             }
             Draw::Normal => self.tensor(name, shape),
@@ -231,6 +249,28 @@ mod tests {
         assert!(a.iter().all(|v| v.abs() <= 0.05));
         let norm = RandomWeights::seeded_values(5, "model.norm.weight", 64);
         assert!(norm.iter().all(|v| (v - 1.0).abs() <= 0.1));
+    }
+
+    /// Offset norms are the plain draw less 1: jittered around 0; other weights unchanged.
+    #[test]
+    fn offset_norms_are_drawn_around_zero() -> Result<(), crate::DiagError> {
+        let (plain, offsets) = (
+            RandomWeights::new(&Device::Cpu, DType::F32, Quantize::None, Draw::Seeded(5)),
+            RandomWeights::new(&Device::Cpu, DType::F32, Quantize::None, Draw::Seeded(5))
+                .norm_offsets(true),
+        );
+        let values = |w: &RandomWeights, name: &str| -> Result<Vec<f32>, crate::DiagError> {
+            w.tensor(name, &[64])?
+                .to_vec1()
+                .map_err(|e| ModelError::candle("test", e).into())
+        };
+        let norm = "model.layers.0.pre_feedforward_layernorm.weight";
+        let (a, b) = (values(&plain, norm)?, values(&offsets, norm)?);
+        assert!(a.iter().zip(&b).all(|(a, b)| a - 1.0 == *b));
+        assert!(b.iter().all(|v| v.abs() <= 0.1) && b.iter().any(|v| v.abs() > 0.05));
+        let up = "model.layers.0.mlp.up_proj.weight";
+        assert_eq!(values(&plain, up)?, values(&offsets, up)?);
+        Ok(())
     }
 
     #[test]
