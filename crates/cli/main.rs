@@ -140,10 +140,17 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {}", one_line(&e));
+            print_error(&one_line(&e));
             ExitCode::from(exit_code(&e))
         }
     }
+}
+
+/// `error: {line}` on stderr in one write: the ranks of a distributed run share the launcher's
+/// stderr, and `eprintln!` writes its pieces one by one, which interleave between processes.
+pub(crate) fn print_error(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("error: {line}\n").as_bytes());
 }
 
 /// The error and its causes on one line, `: ` between them, as `{e:#}` prints them but without a

@@ -305,6 +305,18 @@ fn estimate_per_rank_adds_the_all_reduce_buffers() {
     );
 }
 
+/// Rank 0 runs config `a`, rank 1 config `b` (MPMD: `mpirun -np 1 A : -np 1 B`); the run must be
+/// refused: its stderr.
+fn refused_mpmd(a: &Path, b: &Path) -> String {
+    let mut c = mpirun_base();
+    c.args(["-np", "1"]).args(train_args(a)).arg(":");
+    c.args(["-np", "1"]).args(train_args(b));
+    let o = run(c);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    err
+}
+
 #[test]
 fn a_rank_whose_data_differs_is_refused_at_start_naming_it() {
     let tmp = tempfile::tempdir().unwrap();
@@ -322,13 +334,7 @@ fn a_rank_whose_data_differs_is_refused_at_start_naming_it() {
             .replace("same-b", "same"),
     )
     .unwrap();
-    // MPMD: `mpirun -np 1 A : -np 1 B`.
-    let mut c = mpirun_base();
-    c.args(["-np", "1"]).args(train_args(&a)).arg(":");
-    c.args(["-np", "1"]).args(train_args(&b));
-    let o = run(c);
-    let err = stderr(&o);
-    assert!(!o.status.success(), "{err}");
+    let err = refused_mpmd(&a, &b);
     assert!(
         err.contains("rank 1 (of 2) does not run what rank 0 runs: data.train[0]"),
         "{err}"

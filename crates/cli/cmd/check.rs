@@ -21,7 +21,7 @@ pub fn run(a: CheckArgs) -> Result<()> {
     let result = check_as(a, &world);
     if let (Err(e), true) = (&result, world.is_distributed()) {
         // A rank failing before the all-reduce check would leave the others waiting in it.
-        eprintln!("error: rank {} of {}: {e:#}", world.rank, world.size);
+        crate::print_error(&format!("rank {} of {}: {e:#}", world.rank, world.size));
         world.abort(i32::from(crate::exit_code(e)));
     }
     result

@@ -37,7 +37,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let result = train_as(a, &world);
     if let (Err(e), true) = (&result, world.is_distributed()) {
         // Other ranks may be waiting for this one in a collective: end them all.
-        eprintln!("error: rank {} of {}: {e:#}", world.rank, world.size);
+        crate::print_error(&format!("rank {} of {}: {e:#}", world.rank, world.size));
         world.abort(i32::from(crate::exit_code(e)));
     }
     result

@@ -303,13 +303,7 @@ fn a_rank_without_shard_base_is_refused_before_loading() {
         std::fs::write(&p, format!("{text}[distributed]\nshard_base = {shard}\n")).unwrap();
         p
     };
-    let (a, b) = (with("sharded", true), with("whole", false));
-    let mut c = mpirun_base();
-    c.args(["-np", "1"]).args(train_args(&a)).arg(":");
-    c.args(["-np", "1"]).args(train_args(&b));
-    let o = run(c);
-    let err = stderr(&o);
-    assert!(!o.status.success(), "{err}");
+    let err = refused_mpmd(&with("sharded", true), &with("whole", false));
     assert!(
         err.contains("rank 1 (of 2) does not run what rank 0 runs: distributed.shard_base is false on rank 1, true on rank 0"),
         "{err}"
