@@ -8,7 +8,7 @@
 // Forward: scores (rows, t) in T (raw, unscaled q·kᵀ), mask (mrows, t) additive f32, row r taking
 // mask row r % mrows (the G query heads of a kv head are stacked along the rows: rows = Hkv·G·Tq,
 // mrows = Tq); p (rows, t) f32:
-//   s = f32(T(raw·T(scale))) + mask      (candle's `raw * scale` on a T tensor, then the f32 mask)
+//   s = f32(T(raw·scale)) + mask      (torch's `raw * scaling` on a T tensor: f32 product, one rounding)
 //   p = exp(s − max(s)) / Σ exp(s − max(s))
 // A row whose s are all −inf (fully masked) gives NaN, as the CPU op and the candle chain do
 // (exp(−inf − (−inf))). The max ignores NaN scores (fmaxf, as the CPU op's `>`); their exp does not.
@@ -68,7 +68,7 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
-// K scaled, masked scores at i: f32(T(raw·scale)) + mask (scale already a T value).
+// K scaled, masked scores at i: f32(T(raw·scale)) + mask (scale an f32, as torch's scalar).
 template <typename T, int K>
 __device__ __forceinline__ void scores_k(const T* __restrict__ sr, const float* __restrict__ mr, int i,
                                          float scale, float* v) {
@@ -143,7 +143,7 @@ __device__ __forceinline__ void attn_fwd(const T* __restrict__ scores, const flo
     // t floats when cached, else none; read as float4 by the vector path, so 16-byte aligned.
     extern __shared__ __align__(16) float cache[];
     constexpr int N = Vec<T>::N;
-    const float sc = round_t<T>(scale);  // candle's affine holds the scale as a T
+    const float sc = scale;  // f32, not rounded to T: torch multiplies by the f32 scalar
     const bool vec = t % N == 0 && aligned16(scores) && aligned16(mask) && aligned16(p);
     if (vec) attn_fwd_rows<T, N>(scores, mask, p, rows, t, mrows, sc, cached != 0, cache, scratch);
     else attn_fwd_rows<T, 1>(scores, mask, p, rows, t, mrows, sc, cached != 0, cache, scratch);

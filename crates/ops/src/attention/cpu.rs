@@ -5,15 +5,17 @@ use std::mem::MaybeUninit;
 
 use rtune_backend::cpu::{exp, par_rows, rt, Elem, Kernel, LANES};
 
-/// Rows of `tk` scores → `p = softmax(f32(T(s·T(scale))) + mask)` in f32, row `r` taking mask row
-/// `r % (mask.len() / tk)`. The scaling rounds as candle's `scores * scale` on a `T` tensor does
-/// (`affine`: the scale and the product in `T`).
+/// Rows of `tk` scores → `p = softmax(f32(T(s·scale)) + mask)` in f32, row `r` taking mask row
+/// `r % (mask.len() / tk)`. The scaling rounds as torch's `scores * scaling` on a `T` tensor does
+/// (transformers' eager attention): the product of the f32 score and the f32 scale, rounded to
+/// `T` once (candle's affine would round the scale to `T` first: 1/√24 or 1/√128 are not `T`
+/// values).
 pub(crate) fn softmax_rows<T: Elem>(scores: &[T], mask: &[f32], tk: usize, scale: f32) -> Vec<f32> {
     let k = Softmax {
         scores,
         mask,
         tk,
-        scale: rt::<T>(scale),
+        scale,
     };
     par_rows(scores.len(), tk, 2 * tk, &k)
 }

@@ -4,12 +4,14 @@
 use candle_core::{DType, Result, Tensor, D};
 use rtune_backend::Precision;
 
-/// `softmax(f32(raw·scale) + mask)` as candle ops: the reference for
+/// `softmax(f32(T(f32(raw)·scale)) + mask)` as candle ops (the scaling rounded once, as torch's
+/// `raw * scaling`): the reference for
 /// [`crate::attention::softmax::attn_softmax`]. `raw: (1, Hkv, G·T, T)` unscaled scores; `mask: (1, 1, 1, T, T)`
 /// additive f32, broadcast over the kv heads and the G query heads of each.
 pub fn attention_probs_reference(raw: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
     let (_, hkv, gt, t) = raw.dims4()?;
-    let scores = (raw * scale)?
+    let scores = (raw.to_dtype(DType::F32)? * scale)?
+        .to_dtype(raw.dtype())?
         .to_dtype(DType::F32)?
         .reshape((1, hkv, gt / t, t, t))?
         .broadcast_add(mask)?
@@ -28,8 +30,8 @@ pub fn attention_grad_reference(p: &Tensor, dp: &Tensor, scale: f64) -> Result<T
     ((p * dpf.broadcast_sub(&row)?)? * scale)?.to_dtype(dp.dtype())
 }
 
-/// `(rows, t)` f32: `p = softmax(f32(T(raw·T(scale))) + mask)` per row; the scaling rounds as
-/// candle's `raw * scale` on a T tensor, the mask is added in f32, `s − max` is f32, the exps, their
+/// `(rows, t)` f32: `p = softmax(f32(T(raw·scale)) + mask)` per row; the scaling rounds once, as
+/// torch's `raw * scaling` on a T tensor, the mask is added in f32, `s − max` is f32, the exps, their
 /// sum and the quotient f64. A fully masked row (all `−inf`) is NaN, as the CPU op.
 pub fn attn_softmax_fwd(
     scores: &[f32],
@@ -41,7 +43,7 @@ pub fn attn_softmax_fwd(
     let t1 = t.max(1);
     let mrows = mask.len() / t1;
     assert!(mask.len() == mrows * t && mrows > 0 && scores.len().is_multiple_of(mrows * t1));
-    let sc = p.round(scale);
+    let sc = scale;
     let mut out = Vec::with_capacity(scores.len());
     for (r, row) in scores.chunks_exact(t1).enumerate() {
         let mr = &mask[(r % mrows) * t..][..t];

@@ -15,7 +15,7 @@ use rtune_backend::Result;
 /// recomputed from global memory in each pass, with the same results.
 pub(crate) const CACHED_MAX: usize = 12 * 1024 - 256;
 
-/// Attention softmax forward: `p = softmax(f32(T(scores·T(scale))) + mask)` per row, f32.
+/// Attention softmax forward: `p = softmax(f32(T(scores·scale)) + mask)` per row, f32.
 /// `scores: (rows, t)` raw (unscaled) in `T`; `mask: (mrows, t)` additive f32, row `r` of the
 /// scores taking mask row `r % mrows` (`rows` a multiple of `mrows`); `p: (rows, t)` f32. A fully
 /// masked row (all `−inf`) gives NaN, as the CPU op.
