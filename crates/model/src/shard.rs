@@ -10,9 +10,10 @@
 //! stay whole on every rank.
 //!
 //! This file holds the shards and their transport; `crate::gathered` turns them into the layers
-//! and tables a pass uses. A layer's weights are all-gathered ([`Gather`]) just before it computes — its forward, its
-//! recomputation and backward (once for both), a decoding step — into an ordinary [`Layer`](crate::layer::Layer)
-//! whose weights are bit for bit those of the unsharded model, so every op, and so every number,
+//! and tables a pass uses. A layer's weights are all-gathered ([`Gather`]) just before it
+//! computes — its forward, its recomputation and backward (once for both), a decoding step — into
+//! an ordinary [`Layer`](crate::layer::Layer) whose weights are bit for bit those of the
+//! unsharded model, so every op, and so every number,
 //! is the unsharded model's; the gathered layer is dropped when its pass is done. The embedding
 //! table is gathered for each lookup and the lm_head for each head pass, likewise dropped. A rank
 //! so holds `1/world` of the base plus one layer's weights (and while the head runs, the
@@ -22,7 +23,8 @@
 //! backward of a step (each its own micro-batches; every rank has as many), the evaluation, the
 //! reference pass and the decoding of the evaluation prompts. The transport is the world's
 //! (`rtune_dist`: MPI's `MPI_Allgatherv` over host memory); on a CUDA rank the gathered weights
-//! are then copied to the device. One process ([`Alone`]) runs the same code with a world of one.
+//! are then copied to the device. One process (`World::single`) runs the same code with a world
+//! of one, its gather a copy.
 
 use candle_core::{DType, Device, Tensor};
 use std::ops::Range;
@@ -36,21 +38,6 @@ pub trait Gather {
     /// Every rank's `mine`, in rank order, into `out`: rank `r` sends `counts[r]` bytes and
     /// `out.len()` is their sum (`what` names the gather if it waits too long).
     fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]);
-}
-
-/// One process: a world of one, the gather a copy.
-pub struct Alone;
-
-impl Gather for Alone {
-    fn rank(&self) -> usize {
-        0
-    }
-    fn size(&self) -> usize {
-        1
-    }
-    fn all_gather_into(&self, _what: &str, mine: &[u8], _counts: &[usize], out: &mut [u8]) {
-        out.copy_from_slice(mine);
-    }
 }
 
 /// The elements of rank `rank` of `size` in a weight of `n` elements split in units of `unit`:
