@@ -8,12 +8,15 @@
 //!
 //! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
 
+#[allow(dead_code)]
+mod common;
+
 use std::rc::Rc;
 use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use rtune_lora::{Adapter, LoraSpec};
-use rtune_model::config::{Arch, ModelConfig, RopeScaling};
+use rtune_model::config::ModelConfig;
 use rtune_model::weights::TensorSource;
 use rtune_model::{Gather, Grads, Inputs, KvCache, LoraCtx, Model, ModelError, Quantize};
 
@@ -76,31 +79,17 @@ impl Gather for Threads {
     }
 }
 
-/// Weights of 2 to 6 double-quantization units (64·256 elements) each, so 3 ranks split some
-/// unevenly and give one rank nothing of `k_proj`.
+/// The crate tests' Llama (GQA, q/k/v biases) widened so its weights are 2 to 6
+/// double-quantization units (64·256 elements) each, so 3 ranks split some unevenly and give one
+/// rank nothing of `k_proj`.
 fn config(tied: bool) -> ModelConfig {
     ModelConfig {
-        arch: Arch::Llama,
         hidden_size: 256,
         intermediate_size: 384,
-        num_layers: 2,
-        num_heads: 4,
-        num_kv_heads: 2,
         head_dim: 64,
         vocab_size: 96,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        rope_scaling: RopeScaling::None,
         tie_word_embeddings: tied,
-        qkv_bias: true,
-        o_bias: false,
-        mlp_bias: false,
-        sliding_window: None,
-        window_layers: vec![false; 2],
-        bos_token_id: Some(1),
-        eos_token_ids: vec![2],
-        pad_token_id: None,
-        variant: Default::default(),
+        ..common::config()
     }
 }
 
