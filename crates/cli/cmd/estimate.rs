@@ -10,7 +10,8 @@
 //! copies of the LoRA gradients (the send and the receive buffer, 8 bytes per LoRA parameter) and
 //! MPI's own memory (`rtune_estimate::Settings::for_world`).
 //! With `[distributed] shard_base` (issue 37) a rank holds 1/N of the frozen base and one layer
-//! gathered whole at a time (`rtune_estimate::Settings::shard`).
+//! gathered whole at a time, and the layers `keep_gathered_layers` keeps gathered from the forward
+//! for the backward (`rtune_estimate::Settings::shard`, `keep_gathered`).
 
 use anyhow::{Context, Result};
 use std::path::PathBuf;
@@ -98,6 +99,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "seq_len": s.seq_len,
             "world": world,
             "shard_base": s.shard.is_some(),
+            "keep_gathered_layers": s.keep_gathered.min(model.num_layers),
             "global_batch": s.micro_batch_size * s.grad_accum * world,
             "gradient_checkpointing": choice,
         });
@@ -122,9 +124,16 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     }
     if world > 1 {
         let held = match s.shard {
-            Some(_) => "each holds 1/world of the frozen base ([distributed] shard_base) and \
-                        gathers one layer at a time"
-                .to_string(),
+            Some(_) => match s.keep_gathered.min(model.num_layers) {
+                0 => "each holds 1/world of the frozen base ([distributed] shard_base) and \
+                      gathers one layer at a time"
+                    .to_string(),
+                k => format!(
+                    "each holds 1/world of the frozen base ([distributed] shard_base) and \
+                     gathers one layer at a time, keeping the last {k} gathered from the \
+                     forward for the backward (keep_gathered_layers)"
+                ),
+            },
             None => "each holds the whole model".to_string(),
         };
         println!(

@@ -23,8 +23,8 @@ pub struct ConfigFile {
 }
 
 /// `[distributed]`: how the ranks of a run launched by `mpirun` or `srun` share the work (data
-/// parallelism always; the rest here). Two booleans need no checking beyond their type: this is
-/// also the checked form ([`crate::RunConfig::distributed`]).
+/// parallelism always; the rest here). Checked by `RawConfig::check` (a key that needs
+/// `shard_base`); it is also the checked form ([`crate::RunConfig::distributed`]).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DistributedSection {
@@ -33,6 +33,12 @@ pub struct DistributedSection {
     /// whole base (faster when it fits).
     #[serde(default)]
     pub shard_base: bool,
+    /// With `shard_base`: how many of the last layers the forward gathers stay gathered for the
+    /// backward, which needs them first, instead of being gathered again (each costs one layer's
+    /// weights at full size; `rtune estimate` counts them). 0: every layer is gathered again.
+    /// More than the model's layers keeps them all.
+    #[serde(default)]
+    pub keep_gathered_layers: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -74,6 +74,17 @@ impl ConfigFile {
                 ),
             ));
         }
+        let keep = self.distributed.keep_gathered_layers;
+        if keep > 0 && !self.distributed.shard_base {
+            return Err(crate::invalid(
+                path,
+                "distributed.keep_gathered_layers",
+                format!(
+                    "= {keep} keeps gathered layers of a sharded base: it needs \
+                     distributed.shard_base = true (without it every rank holds the whole base)"
+                ),
+            ));
+        }
         Ok(RunConfig {
             config_path: path.to_path_buf(),
             model,
@@ -132,6 +143,31 @@ mod tests {
                 .to_string();
             assert!(e.contains(key), "{extra}: {e}");
             assert!(!e.contains("secret@"), "credentials are not echoed: {e}");
+        }
+    }
+
+    /// `[distributed]`: off by default; `keep_gathered_layers` needs `shard_base`, and a sharded
+    /// base refuses an init that rewrites the base; each refusal names its key.
+    #[test]
+    fn distributed_keys() {
+        let c = parse("").unwrap();
+        assert!(!c.distributed.shard_base);
+        assert_eq!(c.distributed.keep_gathered_layers, 0);
+        let c = parse("[distributed]\nshard_base = true\nkeep_gathered_layers = 3").unwrap();
+        assert_eq!(c.distributed.keep_gathered_layers, 3);
+        for (extra, key) in [
+            (
+                "[distributed]\nkeep_gathered_layers = 2",
+                "distributed.keep_gathered_layers",
+            ),
+            (
+                "[lora]\ninit = \"pissa\"\n[distributed]\nshard_base = true",
+                "distributed.shard_base",
+            ),
+            ("[distributed]\nkeep_gathered = 2", "keep_gathered"),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains(key), "{extra}: {e}");
         }
     }
 

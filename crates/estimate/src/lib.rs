@@ -108,6 +108,9 @@ pub struct Settings {
     /// one layer gathered whole while it computes and, at the cross-entropy, the lm_head.
     /// `None`: the whole base.
     pub shard: Option<usize>,
+    /// With `shard`: the last layers the forward gathers, kept gathered for the backward
+    /// (`[distributed] keep_gathered_layers`), alive from their forward to their backward.
+    pub keep_gathered: usize,
     /// Ranks of a data-parallel run (1: one process): from 2 on, a rank also holds the
     /// gradient all-reduce's two flat f32 copies of the LoRA gradients (8 bytes per LoRA
     /// parameter) and MPI's own memory ([`MPI_RUNTIME_BYTES`], in `runtime_bytes`).
@@ -322,34 +325,40 @@ fn shard_consts(k: u64, world: u64, q: Quantize) -> u64 {
     (k - tables).div_ceil(world) + tables
 }
 
-/// A sharded base's gathered weights at `phase`: in a layer's backward the whole layer (its
-/// frozen weights at full size) plus one weight's gathered bytes while they become a tensor; at
-/// the cross-entropy the lm_head `(V, D)`. Nothing without sharding.
+/// A sharded base's gathered weights at `phase`: in the last layer's backward that layer (its
+/// frozen weights at full size) plus one weight's gathered bytes while they become a tensor, or
+/// all the layers kept gathered from the forward (`keep_gathered`, the computing one among
+/// them); at the cross-entropy the lm_head `(V, D)` and the kept layers. Nothing without
+/// sharding.
 fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
     if s.shard.is_none() {
         return Vec::new();
     }
     let e = elem(s.dtype);
+    let kept = s.keep_gathered.min(c.num_layers) as u64;
+    let layer = |v: &mut Vec<Item>, count: u64| {
+        for (_, i, o) in linears(c).into_iter().filter(|_| count > 0) {
+            let (w, k) = frozen_bytes(i * o, e, s.quantize);
+            v.push(item(names::GATHERED, w + k, count));
+        }
+    };
+    let mut v = Vec::new();
     match phase {
         Phase::CrossEntropy => {
             let table = c.vocab_size as u64 * c.hidden_size as u64 * e;
-            vec![item(names::GATHERED, table, 1)]
+            v.push(item(names::GATHERED, table, 1));
+            layer(&mut v, kept);
         }
         Phase::SwigluBackward | Phase::AttentionBackward | Phase::RopeBackward => {
-            let mut v = Vec::new();
-            let mut largest = 0;
-            for (_, i, o) in linears(c) {
-                let (w, k) = frozen_bytes(i * o, e, s.quantize);
-                v.push(item(names::GATHERED, w + k, 1));
-                largest = largest.max(w);
+            layer(&mut v, kept.max(1));
+            let largest = linears(c).iter().map(|(_, i, o)| i * o * e).max();
+            if s.quantize == Quantize::None && kept == 0 {
+                v.push(item(names::GATHERED, largest.unwrap_or(0), 1));
             }
-            if s.quantize == Quantize::None {
-                v.push(item(names::GATHERED, largest, 1));
-            }
-            v
         }
-        _ => Vec::new(),
+        _ => {}
     }
+    v
 }
 
 fn elem(d: DType) -> u64 {

@@ -12,6 +12,7 @@ impl Settings {
     /// train`): with `[distributed] shard_base` the base is sharded over the world.
     pub fn for_world(mut self, cfg: &RunConfig, world: usize) -> Self {
         self.shard = cfg.distributed.shard_base.then_some(world.max(1));
+        self.keep_gathered = cfg.distributed.keep_gathered_layers;
         if world > 1 && self.world <= 1 {
             self.runtime_bytes += crate::MPI_RUNTIME_BYTES;
         }
@@ -43,6 +44,7 @@ impl Settings {
             runtime_bytes: RUNTIME_BYTES,
             matmul_workspace: matmul_workspace_bytes(),
             shard: None,
+            keep_gathered: 0,
             world: 1,
         }
     }
@@ -128,6 +130,7 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         matmul_workspace: matmul_workspace_bytes(),
         // Set for the world by the caller ([`Settings::for_world`]).
         shard: None,
+        keep_gathered: 0,
         world: 1,
     })
 }

@@ -516,3 +516,41 @@ fn soft_capped_attention_is_estimated_on_the_plain_path() {
         plain.peak_bytes
     );
 }
+
+/// A sharded base's gathered weights by phase: the lm_head at the cross-entropy plus the layers
+/// kept gathered for the backward; in the last layer's backward that layer (and one weight's
+/// transient gather) or the kept layers.
+#[test]
+fn a_sharded_base_counts_the_layers_kept_gathered() {
+    let c = bench_small();
+    let (d, i, v) = (512u64, 1376u64, 32000u64);
+    // q, o (D, D); k, v (D/4, D); gate, up, down (I, D): f32.
+    let layer = 4 * (2 * d * d + 2 * d * d / 4 + 3 * i * d);
+    let largest = 4 * i * d;
+    let gathered = |keep: usize, phase: Phase| {
+        let mut s = Settings::new(8, 1, 64, true);
+        (s.shard, s.keep_gathered) = (Some(2), keep);
+        phase_items(&c, &s, phase, AttnPath::Tiled)
+            .iter()
+            .filter(|it| it.name == names::GATHERED)
+            .map(|it| it.each * it.count)
+            .sum::<u64>()
+    };
+    for (keep, kept) in [(0, 0), (1, 1), (3, 3), (20, 8)] {
+        assert_eq!(
+            gathered(keep, Phase::CrossEntropy),
+            4 * v * d + kept * layer,
+            "keep {keep}"
+        );
+        let backward = match kept {
+            0 => layer + largest,
+            k => k * layer,
+        };
+        assert_eq!(
+            gathered(keep, Phase::AttentionBackward),
+            backward,
+            "keep {keep}"
+        );
+        assert_eq!(gathered(keep, Phase::OptimizerStep), 0, "keep {keep}");
+    }
+}

@@ -20,6 +20,11 @@ pub struct Sharded {
     pub embed: Shard,
     /// `(V, D)`: an untied lm_head, or under autocast a bf16 copy of a tied one.
     pub lm_head: Option<Shard>,
+    /// How many of the last layers a training pass's forward gathers stay gathered for its
+    /// backward (`[distributed] keep_gathered_layers`; [`Model::set_keep_gathered`]).
+    ///
+    /// [`Model::set_keep_gathered`]: crate::Model::set_keep_gathered
+    pub keep: usize,
 }
 
 impl Sharded {

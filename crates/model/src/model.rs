@@ -341,6 +341,7 @@ impl Model {
                     comm,
                     embed,
                     lm_head,
+                    keep: 0,
                 };
                 (empty.clone(), empty, Some(sharded))
             }
@@ -594,6 +595,16 @@ impl Model {
         }
     }
 
+    /// A sharded base: the last `layers` layers a training pass's forward gathers stay gathered
+    /// for its backward (which needs them first) instead of being gathered again; each costs one
+    /// layer's frozen weights at full size until its backward is done. Every rank must keep the
+    /// same number (the gathers must pair up). No effect on a whole base.
+    pub fn set_keep_gathered(&mut self, layers: usize) {
+        if let Some(s) = &mut self.sharded {
+            s.keep = layers;
+        }
+    }
+
     /// Whether the frozen base is sharded across ranks, and over how many.
     pub fn shard_world(&self) -> Option<usize> {
         self.sharded.as_ref().map(|s| s.comm.size())
@@ -792,8 +803,17 @@ impl Model {
             let keep_attention = !offload;
             let mut kept_attn = Vec::with_capacity(self.layers.len());
             let last = self.layers.len().saturating_sub(1);
+            // A sharded base's last `keep` gathered layers, kept for the backward (a whole
+            // base's layers are borrowed: keeping them costs nothing).
+            let keep = self.sharded.as_ref().map_or(self.layers.len(), |s| s.keep);
+            let keep_from = self.layers.len().saturating_sub(keep);
+            let mut kept_layers = Vec::with_capacity(self.layers.len() - keep_from);
             for i in 0..self.layers.len() {
-                let (out, cache) = self.layer(i)?.forward(&x, &ctx, Some(lora))?;
+                let layer = self.layer(i)?;
+                let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
+                if i >= keep_from {
+                    kept_layers.push(layer);
+                }
                 // A layer keeps either its activations or (checkpointing) only its input. The last
                 // layer's activations are the first the backward needs: they are kept rather than
                 // recomputed at once (L−1 recomputes).
@@ -811,8 +831,12 @@ impl Model {
             drop(h);
             let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
             for i in (0..self.layers.len()).rev() {
-                // Gathered once for the recompute and the backward.
-                let layer = self.layer(i)?;
+                // Kept from the forward (the last layers, popped in reverse: layer i while
+                // i ≥ keep_from), or gathered once for the recompute and the backward.
+                let layer = match kept_layers.pop() {
+                    Some(l) => l,
+                    None => self.layer(i)?,
+                };
                 let cache = match caches.pop() {
                     Some(c) => c,
                     None => {

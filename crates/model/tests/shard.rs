@@ -4,13 +4,16 @@
 //! gradient, the inference logits and a cached decoding step are bit for bit the unsharded
 //! model's — dense f32, NF4 and NF4 with double quantization (3 ranks split some weights into
 //! unequal shards and leave one rank an empty one), bf16 autocast, a tied lm_head, DoRA and
-//! gradient checkpointing. Each rank also holds about 1/world of the frozen bytes.
+//! gradient checkpointing. Each rank also holds about 1/world of the frozen bytes. Layers kept
+//! gathered from the forward for the backward (`Model::set_keep_gathered`) change nothing but what
+//! the backward gathers: exactly one layer's weights fewer for each kept layer.
 //!
 //! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
 
 #[allow(dead_code)]
 mod common;
 
+use std::cell::Cell;
 use std::rc::Rc;
 use std::sync::{Arc, Barrier, Mutex};
 
@@ -52,6 +55,8 @@ struct Threads {
     size: usize,
     slots: Arc<Mutex<Vec<Vec<u8>>>>,
     barrier: Arc<Barrier>,
+    /// Bytes gathered so far (this rank's `out`s).
+    gathered: Rc<Cell<usize>>,
 }
 
 impl Gather for Threads {
@@ -75,6 +80,7 @@ impl Gather for Threads {
             }
             assert_eq!(at, out.len());
         }
+        self.gathered.set(self.gathered.get() + out.len());
         self.barrier.wait();
     }
 }
@@ -100,6 +106,8 @@ struct Case {
     tied: bool,
     dora: bool,
     checkpoint: bool,
+    /// Layers kept gathered from the forward for the backward.
+    keep: usize,
 }
 
 /// What must be equal: the loss's and every gradient's bits, the logits', a decoding step's; and
@@ -121,7 +129,9 @@ fn bits(t: &Tensor) -> Vec<u32> {
         .collect()
 }
 
-fn run(case: Case, comm: Option<Rc<dyn Gather>>) -> (Outcome, usize) {
+/// What a rank computed, the frozen bytes it holds, and the bytes it gathered for the training
+/// pass.
+fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Rc<Cell<usize>>) -> Ran {
     let dev = Device::Cpu;
     let cfg = config(case.tied);
     let v = cfg.vocab_size;
@@ -133,6 +143,7 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>) -> (Outcome, usize) {
     if case.autocast {
         model.set_autocast().unwrap();
     }
+    model.set_keep_gathered(case.keep);
     let spec = LoraSpec::new(4, 8.0, 0.1, false, &["all-linear".into()])
         .unwrap()
         .with_dora(case.dora);
@@ -162,9 +173,11 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>) -> (Outcome, usize) {
         seed: 11,
     };
     let mut grads = Grads::new(adapter.pairs.len());
+    let before = gathered.get();
     let loss = model
         .forward_backward(&inputs, &targets, &lc, 0.01, case.checkpoint, &mut grads)
         .unwrap();
+    let train_gathered = gathered.get() - before;
     let mut all: Vec<Vec<u32>> = Vec::new();
     for g in grads.a.iter().chain(&grads.b).chain(&grads.m).flatten() {
         all.push(bits(g));
@@ -180,24 +193,28 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>) -> (Outcome, usize) {
         logits: bits(&logits),
         decoded: bits(&decoded),
     };
-    (out, resident)
+    (out, resident, train_gathered)
 }
 
+type Ran = (Outcome, usize, usize);
+
 /// Every rank of a `size`-rank world, each in its own thread with its own model.
-fn ranks(case: Case, size: usize) -> Vec<(Outcome, usize)> {
+fn ranks(case: Case, size: usize) -> Vec<Ran> {
     let slots = Arc::new(Mutex::new(vec![Vec::new(); size]));
     let barrier = Arc::new(Barrier::new(size));
     let handles: Vec<_> = (0..size)
         .map(|rank| {
             let (slots, barrier) = (slots.clone(), barrier.clone());
             std::thread::spawn(move || {
+                let gathered = Rc::new(Cell::new(0));
                 let comm = Threads {
                     rank,
                     size,
                     slots,
                     barrier,
+                    gathered: gathered.clone(),
                 };
-                run(case, Some(Rc::new(comm)))
+                run(case, Some(Rc::new(comm)), gathered)
             })
         })
         .collect();
@@ -214,6 +231,7 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
         tied: false,
         dora: false,
         checkpoint: false,
+        keep: 0,
     };
     let cases = [
         base,
@@ -245,10 +263,10 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
         },
     ];
     for case in cases {
-        let (whole, whole_bytes) = run(case, None);
+        let (whole, whole_bytes, _) = run(case, None, Rc::default());
         for size in 1..=3 {
             let got = ranks(case, size);
-            for (rank, (out, bytes)) in got.iter().enumerate() {
+            for (rank, (out, bytes, _)) in got.iter().enumerate() {
                 assert!(
                     *out == whole,
                     "{case:?}: rank {rank} of {size} differs from the whole model"
@@ -266,6 +284,60 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
                 total as f64 >= whole_bytes as f64 * 0.99,
                 "{case:?}: shards cover the model"
             );
+        }
+    }
+}
+
+/// `keep` of the 2 layers kept gathered from the forward for the backward: the same bits, and
+/// each kept layer spares the backward exactly one layer's gather (every rank alike); keeping
+/// more than the model's layers keeps them all. With and without checkpointing, dense and NF4-dq.
+#[test]
+fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
+    rtune_backend::blas::init();
+    let base = Case {
+        quantize: Quantize::None,
+        autocast: false,
+        tied: false,
+        dora: false,
+        checkpoint: true,
+        keep: 0,
+    };
+    let nf4 = Case {
+        quantize: Quantize::Nf4 { double_quant: true },
+        checkpoint: false,
+        ..base
+    };
+    // One layer's frozen weights as gathered: dense f32 at 4 bytes an element.
+    let cfg = config(false);
+    let (d, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let dense_layer = 4 * (d * q + 2 * d * kv + q * d + 3 * d * i);
+    for case in [base, nf4] {
+        let (whole, _, _) = run(case, None, Rc::default());
+        let size = 2;
+        let mut by_keep = Vec::new();
+        for keep in [0, 1, 2, 5] {
+            let got = ranks(Case { keep, ..case }, size);
+            for (rank, (out, _, g)) in got.iter().enumerate() {
+                assert!(*out == whole, "{case:?} keep {keep}: rank {rank} differs");
+                assert_eq!(*g, got[0].2, "{case:?} keep {keep}: ranks gathered alike");
+            }
+            by_keep.push(got[0].2);
+        }
+        eprintln!("{case:?}: bytes gathered by the pass for keep 0, 1, 2, 5: {by_keep:?}");
+        let layer = by_keep[0] - by_keep[1];
+        assert!(layer > 0, "{case:?}: keeping a layer spares a gather");
+        assert_eq!(
+            by_keep[1] - by_keep[2],
+            layer,
+            "{case:?}: one layer per kept layer"
+        );
+        assert_eq!(by_keep[3], by_keep[2], "{case:?}: 5 keeps the 2 layers");
+        if case.quantize == Quantize::None {
+            assert_eq!(layer, dense_layer, "{case:?}: a layer's weights");
         }
     }
 }

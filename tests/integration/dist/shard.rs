@@ -5,7 +5,8 @@
 //!   with the accumulation of the world, bit for bit, with the same metrics — evaluation and the
 //!   evaluation prompts' decoding included (every rank evaluates: each layer needs every rank);
 //! - on a model whose base dominates memory each rank's peak RSS is at most 0.6× that of a rank
-//!   holding the whole base, and `rtune estimate --world 2` is within ±10% of each rank's peak;
+//!   holding the whole base, and `rtune estimate --world 2` is within ±10% of each rank's peak,
+//!   also with layers kept gathered for the backward (`keep_gathered_layers`), which cost memory;
 //! - `kill -9` of a rank ends the job within 60 s and `--resume` gives the uninterrupted adapter;
 //! - `rtune check` under `mpirun` runs the gather check.
 
@@ -46,18 +47,23 @@ fn summary(out: &Path) -> serde_json::Value {
 #[test]
 fn a_sharded_base_on_2_and_3_ranks_trains_the_adapter_of_one_process() {
     let tmp = tempfile::tempdir().unwrap();
-    for (np, quantize) in [
-        (2, "none"),
-        (2, "nf4"),
-        (2, "nf4-dq"),
-        (3, "none"),
-        (3, "nf4-dq"),
+    // (ranks, quantization, layers kept gathered from the forward for the backward)
+    for (np, quantize, keep) in [
+        (2, "none", 0),
+        (2, "nf4", 0),
+        (2, "nf4-dq", 1),
+        (3, "none", 0),
+        (3, "nf4-dq", 2),
     ] {
-        let tag = format!("{np}-{quantize}");
+        let tag = format!("{np}-{quantize}-{keep}");
         let reference = sharded(tmp.path(), &format!("one-{tag}"), np, false, quantize);
         let o = single(&reference, &[]);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let cfg = sharded(tmp.path(), &format!("shard-{tag}"), 1, true, quantize);
+        if keep > 0 {
+            let text = std::fs::read_to_string(&cfg).unwrap();
+            std::fs::write(&cfg, format!("{text}keep_gathered_layers = {keep}\n")).unwrap();
+        }
         let o = ranks(np, &cfg, &[]);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let (want, got) = (
@@ -160,12 +166,13 @@ fn big_model(dir: &Path) -> (PathBuf, PathBuf) {
 
 /// Each rank of a sharded base peaks at ≤ 0.6× a replicated rank on a base-dominated model, and
 /// the estimate for a rank (`rtune estimate --world 2 --data`, and the run's own in
-/// summary.json) is within ±10% of every rank's measured peak.
+/// summary.json) is within ±10% of every rank's measured peak; with 6 of the 16 layers kept
+/// gathered for the backward too, and the rank then holds more.
 #[test]
 fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
     let tmp = tempfile::tempdir().unwrap();
     let (model, data) = big_model(tmp.path());
-    let cfg = |name: &str, shard: bool| {
+    let cfg = |name: &str, shard: bool, keep: usize| {
         let p = config(tmp.path(), name, 1, 2, &data);
         let text = std::fs::read_to_string(&p)
             .unwrap()
@@ -175,11 +182,16 @@ fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
             )
             .replace("dropout = 0.1", "dropout = 0.0")
             .replace("save_every = 1", "save_every = 0");
-        std::fs::write(&p, format!("{text}[distributed]\nshard_base = {shard}\n")).unwrap();
+        let text = format!("{text}[distributed]\nshard_base = {shard}\n");
+        let text = match keep {
+            0 => text,
+            k => format!("{text}keep_gathered_layers = {k}\n"),
+        };
+        std::fs::write(&p, text).unwrap();
         p
     };
-    let peaks = |name: &str, shard: bool| -> (Vec<f64>, f64, f64) {
-        let c = cfg(name, shard);
+    let peaks = |name: &str, shard: bool, keep: usize| -> (Vec<f64>, f64, f64) {
+        let c = cfg(name, shard, keep);
         let o = ranks(2, &c, &[]);
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         let s = summary(&tmp.path().join(name));
@@ -213,20 +225,31 @@ fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
             cli["peak_bytes"].as_f64().unwrap(),
         )
     };
-    let (whole, _, _) = peaks("replicated", false);
-    let (shard, est, cli) = peaks("sharded", true);
+    let (whole, _, _) = peaks("replicated", false, 0);
+    let (shard, est, cli) = peaks("sharded", true, 0);
+    let (kept, kept_est, kept_cli) = peaks("kept", true, 6);
     for (r, p) in shard.iter().enumerate() {
         assert!(
             *p <= 0.6 * whole[r],
             "rank {r}: {p} vs replicated {}",
             whole[r]
         );
-        for e in [est, cli] {
+        for (e, p) in [
+            (est, p),
+            (cli, p),
+            (kept_est, &kept[r]),
+            (kept_cli, &kept[r]),
+        ] {
             assert!(
                 (e / p - 1.0).abs() <= 0.10,
                 "rank {r}: estimate {e} vs measured {p}"
             );
         }
+    }
+    // 5 more layers of 13.6 MB held at once (6 kept, where one was gathered anyway).
+    assert!(kept_est > est + 60e6, "{kept_est} vs {est}");
+    for (r, (k, p)) in kept.iter().zip(&shard).enumerate() {
+        assert!(*k > p + 30e6, "rank {r}: kept {k} vs {p}");
     }
 }
 
@@ -289,23 +312,31 @@ fn rtune_check_under_mpirun_checks_the_sharded_gather() {
     }
 }
 
-/// A rank that would load the whole base beside sharded ones is refused before anything loads,
+/// A rank that would load the whole base beside sharded ones, or keep another number of gathered
+/// layers (its gathers would pair with the wrong layers'), is refused before anything loads,
 /// naming the rank and the key (loading a sharded base is collective).
 #[test]
 fn a_rank_without_shard_base_is_refused_before_loading() {
     let tmp = tempfile::tempdir().unwrap();
-    let with = |name: &str, shard: bool| {
+    let with = |name: &str, distributed: &str| {
         let p = config(tmp.path(), name, 1, 2, &smoke());
         // Both ranks write the same run directory.
         let text = std::fs::read_to_string(&p)
             .unwrap()
             .replace(&format!("/{name}\""), "/run\"");
-        std::fs::write(&p, format!("{text}[distributed]\nshard_base = {shard}\n")).unwrap();
+        std::fs::write(&p, format!("{text}[distributed]\n{distributed}\n")).unwrap();
         p
     };
-    let err = refused_mpmd(&with("sharded", true), &with("whole", false));
+    let sharded = with("sharded", "shard_base = true");
+    let err = refused_mpmd(&sharded, &with("whole", "shard_base = false"));
     assert!(
         err.contains("rank 1 (of 2) does not run what rank 0 runs: distributed.shard_base is false on rank 1, true on rank 0"),
+        "{err}"
+    );
+    let keeps = with("keeps", "shard_base = true\nkeep_gathered_layers = 2");
+    let err = refused_mpmd(&keeps, &sharded);
+    assert!(
+        err.contains("rank 1 (of 2) does not run what rank 0 runs: distributed.keep_gathered_layers is 0 on rank 1, 2 on rank 0"),
         "{err}"
     );
     assert!(!tmp.path().join("run").exists(), "nothing is written");

@@ -45,9 +45,17 @@ impl<'a> Trainer<'a> {
         // `[distributed] shard_base`: this rank keeps its shard of the base, gathering through
         // the world (a single process runs the same code with a world of one). Loading a sharded
         // base is collective, so the ranks agree on it first (the full agreement follows the
-        // load): a rank that would load the whole base is refused, not waited for.
-        let sharding = cfg.distributed.shard_base.to_string();
-        let mine = std::collections::BTreeMap::from([("distributed.shard_base".into(), sharding)]);
+        // load): a rank that would load the whole base is refused, not waited for. The ranks
+        // must also keep as many gathered layers, or their gathers would pair up wrongly (the
+        // full agreement leaves `[distributed]` out: it may change on resume).
+        let d = &cfg.distributed;
+        let mine = std::collections::BTreeMap::from([
+            ("distributed.shard_base".into(), d.shard_base.to_string()),
+            (
+                "distributed.keep_gathered_layers".into(),
+                d.keep_gathered_layers.to_string(),
+            ),
+        ]);
         rtune_dist::check_agreement(&dist.world, &mine)
             .map_err(|d| rtune_dist::DistError::Ranks(Box::new(d)))?;
         // The next collective follows the model's load, each rank at its disk's pace.
@@ -74,6 +82,7 @@ impl<'a> Trainer<'a> {
         } = prepare(cfg, &dev, shard.as_ref())?;
         dist.add_settings(&mut settings);
         model.offload_checkpoints = cfg.train.offload_checkpoints;
+        model.set_keep_gathered(cfg.distributed.keep_gathered_layers);
         // A preference run's data.train holds each pair's two sequences (the estimate's rows).
         let world = dist.world.size;
         let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev, world)?;
