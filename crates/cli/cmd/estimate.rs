@@ -100,6 +100,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "world": world,
             "shard_base": s.shard.is_some(),
             "keep_gathered_layers": s.keep_gathered.min(model.num_layers),
+            "prefetch": s.prefetch,
             "global_batch": s.micro_batch_size * s.grad_accum * world,
             "gradient_checkpointing": choice,
         });
@@ -124,16 +125,21 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     }
     if world > 1 {
         let held = match s.shard {
-            Some(_) => match s.keep_gathered.min(model.num_layers) {
-                0 => "each holds 1/world of the frozen base ([distributed] shard_base) and \
-                      gathers one layer at a time"
-                    .to_string(),
-                k => format!(
-                    "each holds 1/world of the frozen base ([distributed] shard_base) and \
-                     gathers one layer at a time, keeping the last {k} gathered from the \
-                     forward for the backward (keep_gathered_layers)"
-                ),
-            },
+            Some(_) => {
+                let mut held = "each holds 1/world of the frozen base ([distributed] shard_base) \
+                                and gathers one layer at a time"
+                    .to_string();
+                if s.prefetch {
+                    held += ", the next one in flight (prefetch)";
+                }
+                match s.keep_gathered.min(model.num_layers) {
+                    0 => held,
+                    k => format!(
+                        "{held}, keeping the last {k} gathered from the forward for the backward \
+                         (keep_gathered_layers)"
+                    ),
+                }
+            }
             None => "each holds the whole model".to_string(),
         };
         println!(

@@ -39,6 +39,11 @@ pub struct DistributedSection {
     /// More than the model's layers keeps them all.
     #[serde(default)]
     pub keep_gathered_layers: usize,
+    /// With `shard_base`: the next layer's gather runs on another thread while this layer
+    /// computes (one more gathered layer alive). Off (the default): every gather in turn on the
+    /// main thread, which on CPU ranks sharing a host's cores was faster (README).
+    #[serde(default)]
+    pub prefetch: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -74,15 +74,18 @@ impl ConfigFile {
                 ),
             ));
         }
-        let keep = self.distributed.keep_gathered_layers;
-        if keep > 0 && !self.distributed.shard_base {
+        let d = &self.distributed;
+        let needs_shard = [
+            (d.keep_gathered_layers > 0, "keep_gathered_layers"),
+            (d.prefetch, "prefetch"),
+        ];
+        if let Some((_, key)) = needs_shard.iter().find(|(set, _)| *set && !d.shard_base) {
             return Err(crate::invalid(
                 path,
-                "distributed.keep_gathered_layers",
-                format!(
-                    "= {keep} keeps gathered layers of a sharded base: it needs \
-                     distributed.shard_base = true (without it every rank holds the whole base)"
-                ),
+                &format!("distributed.{key}"),
+                "is about the gathers of a sharded base: it needs distributed.shard_base = true \
+                 (without it every rank holds the whole base)"
+                    .into(),
             ));
         }
         Ok(RunConfig {
@@ -153,13 +156,18 @@ mod tests {
         let c = parse("").unwrap();
         assert!(!c.distributed.shard_base);
         assert_eq!(c.distributed.keep_gathered_layers, 0);
-        let c = parse("[distributed]\nshard_base = true\nkeep_gathered_layers = 3").unwrap();
+        assert!(!c.distributed.prefetch);
+        let c =
+            parse("[distributed]\nshard_base = true\nkeep_gathered_layers = 3\nprefetch = true")
+                .unwrap();
         assert_eq!(c.distributed.keep_gathered_layers, 3);
+        assert!(c.distributed.prefetch);
         for (extra, key) in [
             (
                 "[distributed]\nkeep_gathered_layers = 2",
                 "distributed.keep_gathered_layers",
             ),
+            ("[distributed]\nprefetch = true", "distributed.prefetch"),
             (
                 "[lora]\ninit = \"pissa\"\n[distributed]\nshard_base = true",
                 "distributed.shard_base",

@@ -15,7 +15,8 @@
 //!   in-place sum all-reduce of a candle tensor;
 //! - `buckets.rs` (feature `cuda`): the per-layer gradient buckets a CUDA rank all-reduces during
 //!   the backward;
-//! - `mpi.rs` (the binary's feature `mpi`): the MPI transport and its `init`, compiled into the
+//! - `mpi.rs` (the binary's feature `mpi`): the MPI transport and its `init` (and the all-gather a
+//!   sharded base's prefetching thread runs, [`AllGather`]), compiled into the
 //!   rtune binary, not into this crate, so that `--features mpi` rebuilds only the binary (the
 //!   file says why).
 //!
@@ -107,6 +108,18 @@ pub trait Collective {
     fn abort(&self, code: i32) -> !;
     /// What carries the collectives, for reports (`MPI (Open MPI v4.1.4)`).
     fn describe(&self) -> String;
+    /// [`all_gather_into`](Self::all_gather_into) for one other thread: a sharded base's next
+    /// layer gathered while this thread computes. `None` (the default) where the transport may be
+    /// used from this thread only. The caller never lets the two threads use it at once.
+    fn background(&self) -> Option<Arc<dyn AllGather>> {
+        None
+    }
+}
+
+/// A transport's all-gather as another thread runs it ([`Collective::background`]).
+pub trait AllGather: Send + Sync {
+    /// As [`Collective::all_gather_into`].
+    fn all_gather_into(&self, mine: &[u8], counts: &[usize], out: &mut [u8]);
 }
 
 /// This process's place in the run: `rank` of `size`, `local_rank` among the ranks on its host.
@@ -118,7 +131,8 @@ pub struct World {
     pub local_rank: usize,
     /// This host's name.
     pub host: String,
-    // Rc: the transport stays on the thread that made it (MPI is initialised FUNNELED).
+    // Rc: the transport stays on the thread that made it; only its `background` all-gather
+    // goes to another thread (MPI is initialised SERIALIZED, see mpi.rs).
     comm: Option<Rc<dyn Collective>>,
     watchdog: Option<Arc<Watchdog>>,
     /// How long the next collective may wait (shared by the clones of this world).
@@ -374,6 +388,40 @@ impl rtune_model::Gather for World {
     }
     fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]) {
         World::all_gather_into(self, what, mine, counts, out)
+    }
+
+    fn background(&self) -> Option<Arc<dyn rtune_model::Gather + Send + Sync>> {
+        let gather = self.comm.as_ref()?.background()?;
+        Some(Arc::new(Background {
+            rank: self.rank,
+            size: self.size,
+            gather,
+        }))
+    }
+
+    /// The wait is watched as a collective is: a rank that never joins the gather ends this one.
+    fn waiting(&self, what: &str, wait: &mut dyn FnMut()) {
+        self.watch(what, wait)
+    }
+}
+
+/// The world's all-gather on a sharded base's prefetching thread (unwatched there: the main
+/// thread watches its wait for it, [`rtune_model::Gather::waiting`]).
+struct Background {
+    rank: usize,
+    size: usize,
+    gather: Arc<dyn AllGather>,
+}
+
+impl rtune_model::Gather for Background {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+    fn all_gather_into(&self, _what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]) {
+        self.gather.all_gather_into(mine, counts, out)
     }
 }
 

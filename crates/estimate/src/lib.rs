@@ -111,6 +111,9 @@ pub struct Settings {
     /// With `shard`: the last layers the forward gathers, kept gathered for the backward
     /// (`[distributed] keep_gathered_layers`), alive from their forward to their backward.
     pub keep_gathered: usize,
+    /// With `shard`: the next layer gathered while one computes (`[distributed] prefetch`):
+    /// one more layer alive in the backward, unless it is kept already.
+    pub prefetch: bool,
     /// Ranks of a data-parallel run (1: one process): from 2 on, a rank also holds the
     /// gradient all-reduce's two flat f32 copies of the LoRA gradients (8 bytes per LoRA
     /// parameter) and MPI's own memory ([`MPI_RUNTIME_BYTES`], in `runtime_bytes`).
@@ -328,8 +331,8 @@ fn shard_consts(k: u64, world: u64, q: Quantize) -> u64 {
 /// A sharded base's gathered weights at `phase`: in the last layer's backward that layer (its
 /// frozen weights at full size) plus one weight's gathered bytes while they become a tensor, or
 /// all the layers kept gathered from the forward (`keep_gathered`, the computing one among
-/// them); at the cross-entropy the lm_head `(V, D)` and the kept layers. Nothing without
-/// sharding.
+/// them), and with `prefetch` the next layer unless it is kept; at the cross-entropy the lm_head
+/// `(V, D)` and the kept layers (no gather is in flight there). Nothing without sharding.
 fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
     if s.shard.is_none() {
         return Vec::new();
@@ -350,7 +353,8 @@ fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
             layer(&mut v, kept);
         }
         Phase::SwigluBackward | Phase::AttentionBackward | Phase::RopeBackward => {
-            layer(&mut v, kept.max(1));
+            let ahead = u64::from(s.prefetch && kept < 2 && c.num_layers > 1);
+            layer(&mut v, kept.max(1) + ahead);
             let largest = linears(c).iter().map(|(_, i, o)| i * o * e).max();
             if s.quantize == Quantize::None && kept == 0 {
                 v.push(item(names::GATHERED, largest.unwrap_or(0), 1));

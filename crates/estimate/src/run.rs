@@ -13,6 +13,8 @@ impl Settings {
     pub fn for_world(mut self, cfg: &RunConfig, world: usize) -> Self {
         self.shard = cfg.distributed.shard_base.then_some(world.max(1));
         self.keep_gathered = cfg.distributed.keep_gathered_layers;
+        // One process has no transport to gather on another thread with.
+        self.prefetch = cfg.distributed.prefetch && world > 1;
         if world > 1 && self.world <= 1 {
             self.runtime_bytes += crate::MPI_RUNTIME_BYTES;
         }
@@ -45,6 +47,7 @@ impl Settings {
             matmul_workspace: matmul_workspace_bytes(),
             shard: None,
             keep_gathered: 0,
+            prefetch: false,
             world: 1,
         }
     }
@@ -131,6 +134,7 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         // Set for the world by the caller ([`Settings::for_world`]).
         shard: None,
         keep_gathered: 0,
+        prefetch: false,
         world: 1,
     })
 }

@@ -519,7 +519,7 @@ fn soft_capped_attention_is_estimated_on_the_plain_path() {
 
 /// A sharded base's gathered weights by phase: the lm_head at the cross-entropy plus the layers
 /// kept gathered for the backward; in the last layer's backward that layer (and one weight's
-/// transient gather) or the kept layers.
+/// transient gather) or the kept layers, and a prefetched one unless it is kept.
 #[test]
 fn a_sharded_base_counts_the_layers_kept_gathered() {
     let c = bench_small();
@@ -527,15 +527,16 @@ fn a_sharded_base_counts_the_layers_kept_gathered() {
     // q, o (D, D); k, v (D/4, D); gate, up, down (I, D): f32.
     let layer = 4 * (2 * d * d + 2 * d * d / 4 + 3 * i * d);
     let largest = 4 * i * d;
-    let gathered = |keep: usize, phase: Phase| {
+    let gathered_with = |keep: usize, prefetch: bool, phase: Phase| {
         let mut s = Settings::new(8, 1, 64, true);
-        (s.shard, s.keep_gathered) = (Some(2), keep);
+        (s.shard, s.keep_gathered, s.prefetch) = (Some(2), keep, prefetch);
         phase_items(&c, &s, phase, AttnPath::Tiled)
             .iter()
             .filter(|it| it.name == names::GATHERED)
             .map(|it| it.each * it.count)
             .sum::<u64>()
     };
+    let gathered = |keep, phase| gathered_with(keep, false, phase);
     for (keep, kept) in [(0, 0), (1, 1), (3, 3), (20, 8)] {
         assert_eq!(
             gathered(keep, Phase::CrossEntropy),
@@ -552,5 +553,15 @@ fn a_sharded_base_counts_the_layers_kept_gathered() {
             "keep {keep}"
         );
         assert_eq!(gathered(keep, Phase::OptimizerStep), 0, "keep {keep}");
+        // Prefetched, the next layer is alive too in the backward unless it is kept.
+        let ahead = if kept < 2 { layer } else { 0 };
+        let phase = Phase::AttentionBackward;
+        assert_eq!(
+            gathered_with(keep, true, phase),
+            backward + ahead,
+            "keep {keep}"
+        );
+        let ce = Phase::CrossEntropy;
+        assert_eq!(gathered_with(keep, true, ce), gathered(keep, ce));
     }
 }

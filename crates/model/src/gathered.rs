@@ -1,7 +1,9 @@
 //! The layers and tables a pass of a sharded base uses, gathered from every rank's shards
-//! ([`crate::shard`]): [`Sharded`], the model's sharded state, and how a layer's weights become
-//! ordinary dense or NF4 weights again, the dense q/k/v and gate/up straight into their fused
-//! blocks.
+//! ([`crate::shard`]): [`Sharded`], the model's sharded state, and [`Planned`], a layer's gathers
+//! in three steps — planned (every buffer allocated, by the pass's thread), filled (the gathers
+//! themselves, on whichever thread gathers: `crate::feed`'s prefetching one allocates nothing),
+//! finished (the buffers made into ordinary dense or NF4 weights without a copy, the dense q/k/v
+//! and gate/up as the one block each the unsharded model fuses).
 
 use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
@@ -10,16 +12,20 @@ use std::sync::Arc;
 
 use crate::layer::Layer;
 use crate::linear::{Frozen, Linear};
-use crate::shard::{dense_tensor, Gather, Shard};
+use crate::shard::{fill, Buf, Gather, Job, Part, Shard};
 
 /// The sharded base's own state: the transport, and the embedding table's and an untied
 /// lm_head's shards (the layers' are in their [`Frozen::Sharded`] weights).
 pub struct Sharded {
     pub comm: Rc<dyn Gather>,
+    /// The transport a [`Feed`](crate::feed::Feed) prefetches through
+    /// ([`Gather::background`]); `None`: no prefetch (turned off, or the transport gathers on
+    /// its own thread only).
+    pub background: Option<Arc<dyn Gather + Send + Sync>>,
     /// `(V, D)`
-    pub embed: Shard,
+    pub embed: Arc<Shard>,
     /// `(V, D)`: an untied lm_head, or under autocast a bf16 copy of a tied one.
-    pub lm_head: Option<Shard>,
+    pub lm_head: Option<Arc<Shard>>,
     /// How many of the last layers a training pass's forward gathers stay gathered for its
     /// backward (`[distributed] keep_gathered_layers`; [`Model::set_keep_gathered`]).
     ///
@@ -32,17 +38,9 @@ impl Sharded {
     /// gate/up members gathered straight into one block each, as the unsharded model fuses
     /// them (`Layer::fuse`): the gathered layer costs its weights' bytes once.
     pub fn gather_layer(&self, layer: &Layer, device: &Device) -> candle_core::Result<Layer> {
-        let comm = &*self.comm;
-        let mut l = layer.clone();
-        for (lin, own) in l.linears_mut().into_iter().zip(layer.linears()) {
-            // DoRA's per-step row norms stay cached across the gathers of a step.
-            lin.dora_norm = own.dora_norm.share();
-        }
-        l.qkv = gather_group(comm, &mut l.attn_in, device)?;
-        l.gate_up = gather_group(comm, &mut l.mlp_in, device)?;
-        gather_one(comm, &mut l.o, device)?;
-        gather_one(comm, &mut l.down, device)?;
-        Ok(l)
+        let mut planned = Planned::new(layer, self.comm.size())?;
+        planned.fill(&*self.comm)?;
+        planned.finish(device)
     }
 
     /// The embedding table `(V, D)`, gathered.
@@ -60,48 +58,113 @@ impl Sharded {
 
     /// Bytes of the embedding's and lm_head's shards.
     pub fn resident_bytes(&self) -> usize {
-        self.embed.resident_bytes() + self.lm_head.as_ref().map_or(0, Shard::resident_bytes)
+        self.embed.resident_bytes() + self.lm_head.as_ref().map_or(0, |s| s.resident_bytes())
     }
 }
 
-fn gather_table(
-    comm: &dyn Gather,
-    s: &Shard,
-    name: &str,
-    device: &Device,
-) -> candle_core::Result<Tensor> {
-    let dtype = s.dense_dtype().unwrap_or(DType::F32);
-    dense_tensor(dtype, &s.shape, device, |out| {
-        s.gather_dense_into(comm, name, out)
-    })
+/// A clone of `layer` whose DoRA row-norm caches are `layer`'s own (a plain clone starts empty):
+/// the norms stay cached across the gathers of a step.
+pub(crate) fn sharing_norms(layer: &Layer) -> Layer {
+    let mut l = layer.clone();
+    for (lin, own) in l.linears_mut().into_iter().zip(layer.linears()) {
+        lin.dora_norm = own.dora_norm.share();
+    }
+    l
 }
 
-/// One linear's weight gathered in place (a member of no block).
-fn gather_one(comm: &dyn Gather, lin: &mut Linear, device: &Device) -> candle_core::Result<()> {
-    let Frozen::Sharded { shard, dtype } = &lin.w else {
-        return Ok(());
-    };
-    lin.w = match shard.dense_dtype() {
-        Some(d) => Frozen::Dense(dense_tensor(d, &shard.shape, device, |out| {
-            shard.gather_dense_into(comm, &lin.name, out)
-        })?),
-        None => Frozen::quant(shard.gather_nf4(comm, &lin.name)?, *dtype, device)?,
-    };
-    Ok(())
+/// A layer's gathers: its clone, whose weights are still shards until [`Planned::finish`], the
+/// gathers and the buffers they fill.
+pub(crate) struct Planned {
+    layer: Layer,
+    jobs: Vec<Job>,
+    bufs: Vec<Buf>,
+    /// How q/k/v (or Phi-3's qkv), gate/up, o and down are made from `bufs`, in that order.
+    plans: [GroupPlan; 4],
 }
 
-/// A group's members (q, k, v or gate, up) gathered: dense members of one dtype and input size
-/// into one `(Σ out, in)` block whose row views they become (the block returned), as
-/// `group::fuse` makes it; otherwise each on its own (`None`).
-fn gather_group(
-    comm: &dyn Gather,
-    members: &mut [Linear],
-    device: &Device,
-) -> candle_core::Result<Option<Tensor>> {
-    let shards: Vec<Arc<Shard>> = members
+/// How a group of linears (or one) is made from the gathered buffers.
+struct GroupPlan {
+    /// The buffer of the members' one dense block, rows in member order.
+    block: Option<usize>,
+    members: Vec<Dest>,
+}
+
+/// Where one linear's gathered weight is.
+#[derive(Clone, Copy)]
+enum Dest {
+    /// Not sharded: whole already.
+    Whole,
+    /// Its rows of the group's block.
+    InBlock,
+    /// Its own dense buffer.
+    Dense(usize),
+    /// Its NF4 parts' buffers ([`Shard::parts`]), from this one on.
+    Nf4(usize),
+}
+
+impl Planned {
+    /// Plans `layer`'s gathers in a world of `size` (on the pass's thread: every buffer the
+    /// gathers fill is allocated here, at its whole size).
+    pub(crate) fn new(layer: &Layer, size: usize) -> candle_core::Result<Self> {
+        let mut l = sharing_norms(layer);
+        let (mut jobs, mut bufs) = (Vec::new(), Vec::new());
+        let mut plan = |members: &[Linear]| plan_group(members, size, &mut jobs, &mut bufs);
+        let plans = [
+            plan(&l.attn_in)?,
+            plan(&l.mlp_in)?,
+            plan(std::slice::from_ref(&l.o))?,
+            plan(std::slice::from_ref(&l.down))?,
+        ];
+        // The blocks are remade from the gathered buffers.
+        (l.qkv, l.gate_up) = (None, None);
+        Ok(Self {
+            layer: l,
+            jobs,
+            bufs,
+            plans,
+        })
+    }
+
+    /// Runs the gathers through `comm`, on any thread; allocates nothing.
+    pub(crate) fn fill(&mut self, comm: &dyn Gather) -> candle_core::Result<()> {
+        fill(comm, &self.jobs, &mut self.bufs)
+    }
+
+    /// The layer with its gathered weights on `device` (on the pass's thread).
+    pub(crate) fn finish(self, device: &Device) -> candle_core::Result<Layer> {
+        let Self {
+            mut layer,
+            bufs,
+            plans: [qkv, gate_up, o, down],
+            ..
+        } = self;
+        let mut bufs: Vec<Option<Buf>> = bufs.into_iter().map(Some).collect();
+        layer.qkv = finish_group(&mut layer.attn_in, qkv, &mut bufs, device)?;
+        layer.gate_up = finish_group(&mut layer.mlp_in, gate_up, &mut bufs, device)?;
+        finish_group(std::slice::from_mut(&mut layer.o), o, &mut bufs, device)?;
+        finish_group(
+            std::slice::from_mut(&mut layer.down),
+            down,
+            &mut bufs,
+            device,
+        )?;
+        Ok(layer)
+    }
+}
+
+/// A group's gathers (q, k, v or gate, up; or one linear alone): dense members of one dtype
+/// and input size into one `(Σ out, in)` block, as `group::fuse` makes it; otherwise each into
+/// its own buffers.
+fn plan_group(
+    members: &[Linear],
+    size: usize,
+    jobs: &mut Vec<Job>,
+    bufs: &mut Vec<Buf>,
+) -> candle_core::Result<GroupPlan> {
+    let shards: Vec<&Arc<Shard>> = members
         .iter()
         .filter_map(|m| match &m.w {
-            Frozen::Sharded { shard, .. } => Some(shard.clone()),
+            Frozen::Sharded { shard, .. } => Some(shard),
             _ => None,
         })
         .collect();
@@ -111,30 +174,106 @@ fn gather_group(
         && shards
             .iter()
             .all(|s| s.dense_dtype() == dtype && s.shape[1] == shards[0].shape[1]);
-    let Some(dtype) = dtype.filter(|_| blockable) else {
-        for m in members.iter_mut() {
-            gather_one(comm, m, device)?;
-        }
-        return Ok(None);
-    };
-    let rows: Vec<usize> = shards.iter().map(|s| s.shape[0]).collect();
-    let shape = [rows.iter().sum(), shards[0].shape[1]];
-    let row_bytes = dtype.size_in_bytes() * shape[1];
-    let block = dense_tensor(dtype, &shape, device, |out| {
+    if let Some(dtype) = dtype.filter(|_| blockable) {
+        let rows: usize = shards.iter().map(|s| s.shape[0]).sum();
+        bufs.push(Buf::zeroed(dtype, rows * shards[0].shape[1])?);
         let mut at = 0;
-        for (m, s) in members.iter().zip(&shards) {
-            let n = s.shape[0] * row_bytes;
-            s.gather_dense_into(comm, &m.name, &mut out[at..at + n])?;
-            at += n;
+        for (m, s) in members.iter().zip(shards) {
+            jobs.push(job(s, Part::Values, &m.name, bufs.len() - 1, at));
+            at += s.numel() * dtype.size_in_bytes();
         }
-        Ok(())
-    })?;
-    let mut row = 0;
-    for (m, r) in members.iter_mut().zip(rows) {
-        m.w = Frozen::Dense(block.narrow(0, row, r)?);
-        row += r;
+        return Ok(GroupPlan {
+            block: Some(bufs.len() - 1),
+            members: vec![Dest::InBlock; members.len()],
+        });
     }
-    Ok(Some(block))
+    let mut dests = Vec::with_capacity(members.len());
+    for m in members {
+        let Frozen::Sharded { shard, .. } = &m.w else {
+            dests.push(Dest::Whole);
+            continue;
+        };
+        let first = bufs.len();
+        for &part in shard.parts() {
+            bufs.push(shard.buffer(part, size)?);
+            jobs.push(job(shard, part, &m.name, bufs.len() - 1, 0));
+        }
+        dests.push(match shard.dense_dtype() {
+            Some(_) => Dest::Dense(first),
+            None => Dest::Nf4(first),
+        });
+    }
+    Ok(GroupPlan {
+        block: None,
+        members: dests,
+    })
+}
+
+fn job(shard: &Arc<Shard>, part: Part, name: &str, buf: usize, at: usize) -> Job {
+    Job {
+        shard: shard.clone(),
+        part,
+        name: name.to_string(),
+        buf,
+        at,
+    }
+}
+
+/// The group's members made from their gathered buffers; the block, if they share one.
+fn finish_group(
+    members: &mut [Linear],
+    plan: GroupPlan,
+    bufs: &mut [Option<Buf>],
+    device: &Device,
+) -> candle_core::Result<Option<Tensor>> {
+    let mut take = |i: usize| {
+        bufs[i]
+            .take()
+            .ok_or_else(|| candle_core::Error::Msg(format!("gathered buffer {i} used twice")))
+    };
+    let dims = |m: &Linear| m.w.dims();
+    if let Some(b) = plan.block {
+        let rows: Vec<usize> = members.iter().map(|m| dims(m)[0]).collect();
+        let shape = [rows.iter().sum(), dims(&members[0])[1]];
+        let block = take(b)?.tensor(&shape, device)?;
+        let mut row = 0;
+        for (m, r) in members.iter_mut().zip(rows) {
+            m.w = Frozen::Dense(block.narrow(0, row, r)?);
+            row += r;
+        }
+        return Ok(Some(block));
+    }
+    for (m, dest) in members.iter_mut().zip(plan.members) {
+        let Frozen::Sharded { shard, dtype } = &m.w else {
+            continue;
+        };
+        m.w = match dest {
+            Dest::Dense(b) => Frozen::Dense(take(b)?.tensor(&shard.shape, device)?),
+            Dest::Nf4(first) => {
+                let n = shard.parts().len();
+                let parts = (first..first + n)
+                    .map(&mut take)
+                    .collect::<Result<_, _>>()?;
+                Frozen::quant(shard.join_nf4(&m.name, parts)?, *dtype, device)?
+            }
+            Dest::Whole | Dest::InBlock => continue,
+        };
+    }
+    Ok(None)
+}
+
+/// A table `(V, D)` gathered (on the calling thread).
+fn gather_table(
+    comm: &dyn Gather,
+    s: &Arc<Shard>,
+    name: &str,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let mut bufs = vec![s.buffer(Part::Values, comm.size())?];
+    fill(comm, &[job(s, Part::Values, name, 0, 0)], &mut bufs)?;
+    let [buf] = <[Buf; 1]>::try_from(bufs)
+        .map_err(|_| candle_core::Error::Msg(format!("{name}: one buffer gathered")))?;
+    buf.tensor(&s.shape, device)
 }
 
 /// A layer as the pass uses it: the model's own, or gathered.

@@ -8,7 +8,9 @@
 //!   decoder layer from its input.
 //! - [`rope`]: the rotary tables from the config (the rotation itself is `rtune_ops::rope`).
 //! - [`shard`]: the frozen base sharded across ranks (`[distributed] shard_base`), each layer
-//!   gathered just before it computes.
+//!   gathered just before it computes (`gathered`: a layer's gathers planned, filled, finished;
+//!   `feed`: a pass's layers in order, kept ones as they are, the next one's gather optionally in
+//!   flight on another thread).
 //! - [`tokens`]: trainable token rows (PEFT's `trainable_token_indices`) in the embedding and the
 //!   tied lm_head.
 //!
@@ -17,6 +19,7 @@
 
 pub mod config;
 
+mod feed;
 mod gathered;
 
 pub mod group;

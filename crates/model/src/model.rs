@@ -5,7 +5,6 @@
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::rc::Rc;
-#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
 pub use rtune_quant::Quantize;
@@ -338,9 +337,10 @@ impl Model {
                 let empty = Tensor::zeros((0, d), dtype, device)
                     .map_err(|e| ModelError::candle("empty embedding", e))?;
                 let sharded = crate::gathered::Sharded {
+                    background: None,
                     comm,
-                    embed,
-                    lm_head,
+                    embed: Arc::new(embed),
+                    lm_head: lm_head.map(Arc::new),
                     keep: 0,
                 };
                 (empty.clone(), empty, Some(sharded))
@@ -416,7 +416,7 @@ impl Model {
                     Frozen::Quant { dtype, .. } => *dtype = DType::BF16,
                     Frozen::Sharded { shard, dtype } => {
                         *shard =
-                            std::sync::Arc::new(shard.to_dtype(DType::BF16).map_err(|e| {
+                            Arc::new(shard.to_dtype(DType::BF16).map_err(|e| {
                                 ModelError::candle(format!("{} to bf16", lin.name), e)
                             })?);
                         *dtype = DType::BF16;
@@ -435,7 +435,7 @@ impl Model {
                 let head = head
                     .to_dtype(DType::BF16)
                     .map_err(|e| ModelError::candle("lm_head to bf16", e))?;
-                s.lm_head = Some(head);
+                s.lm_head = Some(Arc::new(head));
             }
             None => self.lm_head = bf16("lm_head", &self.lm_head)?,
         }
@@ -476,10 +476,9 @@ impl Model {
     /// (an NF4 `W` dequantized first, one layer at a time). Call after [`Model::attach`].
     pub fn init_dora(&self, adapter: &mut Adapter) -> Result<()> {
         let s = adapter.spec.scaling();
-        for i in 0..self.layers.len() {
-            let layer = self
-                .layer(i)
-                .map_err(|e| ModelError::candle(format!("DoRA magnitudes of layer {i}"), e))?;
+        let mut feed = self.feed(0..self.layers.len(), Vec::new());
+        let gathered = |e| ModelError::candle("DoRA magnitudes: a layer's weights", e);
+        while let Some((_, layer)) = feed.next().map_err(gathered)? {
             for lin in layer.linears() {
                 let Some(i) = lin.lora else { continue };
                 let p = &mut adapter.pairs[i];
@@ -575,18 +574,6 @@ impl Model {
         table.index_select(&ids, 0)?.to_device(&self.device)
     }
 
-    /// Decoder layer `i` as a pass uses it: the model's own, or in a sharded base gathered
-    /// from every rank's shards (`crate::shard`; every rank must ask for the same layers in the
-    /// same order).
-    pub(crate) fn layer(&self, i: usize) -> candle_core::Result<LayerRef<'_>> {
-        match &self.sharded {
-            Some(s) => Ok(LayerRef::Owned(
-                s.gather_layer(&self.layers[i], &self.device)?,
-            )),
-            None => Ok(LayerRef::Borrowed(&self.layers[i])),
-        }
-    }
-
     /// The lm_head `(V, D)`: the model's own, or gathered in a sharded base.
     pub(crate) fn lm_head(&self) -> candle_core::Result<std::borrow::Cow<'_, Tensor>> {
         match &self.sharded {
@@ -603,6 +590,36 @@ impl Model {
         if let Some(s) = &mut self.sharded {
             s.keep = layers;
         }
+    }
+
+    /// A sharded base: whether a pass gathers the next layer on another thread while it computes
+    /// this one, where the transport can ([`Gather::background`]); one more gathered layer is
+    /// then alive. Off by default: every gather runs in turn on the pass's thread. Ranks may
+    /// choose differently (the gathers and their order are the same). No effect on a whole base.
+    /// Returns whether the next layer is now prefetched.
+    pub fn set_prefetch(&mut self, on: bool) -> bool {
+        let Some(s) = &mut self.sharded else {
+            return false;
+        };
+        s.background = if on { s.comm.background() } else { None };
+        s.background.is_some()
+    }
+
+    /// The layers `order` (and `ready`, kept from an earlier pass, as they are) in that order:
+    /// see [`Feed`](crate::feed::Feed).
+    pub(crate) fn feed<'m>(
+        &'m self,
+        order: impl IntoIterator<Item = usize>,
+        ready: Vec<(usize, LayerRef<'m>)>,
+    ) -> crate::feed::Feed<'m> {
+        let order = order.into_iter().collect();
+        crate::feed::Feed::new(
+            &self.layers,
+            self.sharded.as_ref(),
+            &self.device,
+            order,
+            ready,
+        )
     }
 
     /// Whether the frozen base is sharded across ranks, and over how many.
@@ -689,8 +706,8 @@ impl Model {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
             let mut hidden = Vec::new();
-            for i in 0..self.layers.len() {
-                let layer = self.layer(i)?;
+            let mut feed = self.feed(0..self.layers.len(), Vec::new());
+            while let Some((_, layer)) = feed.next()? {
                 if keep_hidden {
                     hidden.push(x.reshape((b, t, d))?.to_dtype(DType::F32)?);
                 }
@@ -808,11 +825,11 @@ impl Model {
             let keep = self.sharded.as_ref().map_or(self.layers.len(), |s| s.keep);
             let keep_from = self.layers.len().saturating_sub(keep);
             let mut kept_layers = Vec::with_capacity(self.layers.len() - keep_from);
-            for i in 0..self.layers.len() {
-                let layer = self.layer(i)?;
+            let mut feed = self.feed(0..self.layers.len(), Vec::new());
+            while let Some((i, layer)) = feed.next()? {
                 let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
                 if i >= keep_from {
-                    kept_layers.push(layer);
+                    kept_layers.push((i, layer));
                 }
                 // A layer keeps either its activations or (checkpointing) only its input. The last
                 // layer's activations are the first the backward needs: they are kept rather than
@@ -830,13 +847,10 @@ impl Model {
             let (loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
             drop(h);
             let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
-            for i in (0..self.layers.len()).rev() {
-                // Kept from the forward (the last layers, popped in reverse: layer i while
-                // i ≥ keep_from), or gathered once for the recompute and the backward.
-                let layer = match kept_layers.pop() {
-                    Some(l) => l,
-                    None => self.layer(i)?,
-                };
+            // Each layer kept from the forward, or gathered once for the recompute and the
+            // backward.
+            let mut feed = self.feed((0..self.layers.len()).rev(), kept_layers);
+            while let Some((i, layer)) = feed.next()? {
                 let cache = match caches.pop() {
                     Some(c) => c,
                     None => {

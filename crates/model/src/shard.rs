@@ -9,12 +9,15 @@
 //! its codes are the whole weight's ([`rtune_quant::shard`]). Norms and biases (a few KB a layer)
 //! stay whole on every rank.
 //!
-//! This file holds the shards and their transport; `crate::gathered` turns them into the layers
-//! and tables a pass uses. A layer's weights are all-gathered ([`Gather`]) just before it
-//! computes — its forward, its recomputation and backward (once for both), a decoding step — into
-//! an ordinary [`Layer`](crate::layer::Layer) whose weights are bit for bit those of the
-//! unsharded model, so every op, and so every number,
-//! is the unsharded model's; the gathered layer is dropped when its pass is done. The embedding
+//! This file holds the shards, what of them a gather moves (`Part`, into a typed `Buf`) and
+//! their transport; `crate::gathered` turns them into the layers and tables a pass uses, and
+//! `crate::feed` hands a pass its layers. A layer's weights are all-gathered ([`Gather`]) just
+//! before it computes — its forward, its recomputation and backward (once for both, or kept from
+//! the forward: `keep_gathered_layers`), a decoding step — into an ordinary
+//! [`Layer`](crate::layer::Layer) whose weights are bit for bit those of the unsharded model, so
+//! every op, and so every number, is the unsharded model's; the gathered layer is dropped when
+//! its pass is done. With `prefetch`, the next layer's gathers run on another thread
+//! ([`Gather::background`]) while this one computes. The embedding
 //! table is gathered for each lookup and the lm_head for each head pass, likewise dropped. A rank
 //! so holds `1/world` of the base plus one layer's weights (and while the head runs, the
 //! lm_head's).
@@ -28,6 +31,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use std::ops::Range;
+use std::sync::Arc;
 
 use rtune_quant::{Absmax, Nf4Weight};
 
@@ -38,6 +42,19 @@ pub trait Gather {
     /// Every rank's `mine`, in rank order, into `out`: rank `r` sends `counts[r]` bytes and
     /// `out.len()` is their sum (`what` names the gather if it waits too long).
     fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]);
+    /// The same transport for another thread, which gathers the next layer while this one
+    /// computes (`crate::gathered::Feed`); `None` (the default) when the transport cannot be used
+    /// off this thread: every gather then runs here, in turn. Never used by two threads at once:
+    /// this thread makes no gather, nor any other collective, until it has waited for the other.
+    fn background(&self) -> Option<std::sync::Arc<dyn Gather + Send + Sync>> {
+        None
+    }
+    /// Runs `wait`, this thread waiting for a gather started in the background, as the transport
+    /// watches its own collectives (a rank that never joins must not hang this one forever).
+    fn waiting(&self, what: &str, wait: &mut dyn FnMut()) {
+        let _ = what;
+        wait()
+    }
 }
 
 /// The elements of rank `rank` of `size` in a weight of `n` elements split in units of `unit`:
@@ -124,77 +141,106 @@ impl Shard {
         })
     }
 
-    /// The counts every rank sends of this weight: `of(span)` bytes each.
-    fn counts(&self, size: usize, of: &dyn Fn(&Range<usize>) -> usize) -> Vec<usize> {
-        (0..size).map(|r| of(&self.span(size, r))).collect()
+    /// What a gather of this shard moves, in order: a dense weight's values; an NF4 weight's
+    /// codes and scales (with double quantization: the scales' codes and the second-level
+    /// scales).
+    pub(crate) fn parts(&self) -> &'static [Part] {
+        match &self.piece {
+            Piece::Dense { .. } => &[Part::Values],
+            Piece::Nf4(q) if q.absmax.is_double() => &[Part::Codes, Part::ScaleCodes, Part::Nested],
+            Piece::Nf4(_) => &[Part::Codes, Part::Scales],
+        }
     }
 
-    /// A dense weight gathered into `out` (its whole row-major bytes, `numel · dtype` long):
-    /// each rank's piece in rank order.
-    pub(crate) fn gather_dense_into(
-        &self,
-        comm: &dyn Gather,
-        name: &str,
-        out: &mut [u8],
-    ) -> candle_core::Result<()> {
-        let Piece::Dense { dtype, bytes } = &self.piece else {
-            candle_core::bail!("{name}: an NF4 shard gathered as a dense weight");
+    /// The buffer `part` of the whole weight gathers into: typed as what it becomes.
+    pub(crate) fn buffer(&self, part: Part, size: usize) -> candle_core::Result<Buf> {
+        let bytes: usize = self.counts(part, size).iter().sum();
+        match (part, &self.piece) {
+            (Part::Values, Piece::Dense { dtype, .. }) => {
+                Buf::zeroed(*dtype, bytes / dtype.size_in_bytes())
+            }
+            (Part::Scales | Part::Nested, _) => Ok(Buf::F32(vec![0.0; bytes / 4])),
+            _ => Ok(Buf::U8(vec![0; bytes])),
+        }
+    }
+
+    /// The bytes this rank sends of `part` (native byte order, little-endian on every target
+    /// rtune builds for, as the pieces are stored).
+    pub(crate) fn mine(&self, part: Part) -> candle_core::Result<&[u8]> {
+        let q = match (&self.piece, part) {
+            (Piece::Dense { bytes, .. }, Part::Values) => return Ok(bytes),
+            (Piece::Nf4(q), _) => q,
+            _ => candle_core::bail!("a dense shard has no {part:?}"),
         };
-        let s = dtype.size_in_bytes();
-        let counts = self.counts(comm.size(), &|sp| sp.len() * s);
-        comm.all_gather_into(&format!("the gather of {name}"), bytes, &counts, out);
-        Ok(())
+        Ok(match (part, &q.absmax) {
+            (Part::Codes, _) => &q.packed,
+            (Part::Scales, Absmax::Plain(a)) => bytemuck::cast_slice(a),
+            (Part::ScaleCodes, Absmax::Double { codes, .. }) => codes,
+            (Part::Nested, Absmax::Double { nested_absmax, .. }) => {
+                bytemuck::cast_slice(nested_absmax)
+            }
+            _ => candle_core::bail!("this NF4 shard has no {part:?}"),
+        })
     }
 
-    /// An NF4 weight gathered: each rank's codes and scales in rank order, joined.
-    pub(crate) fn gather_nf4(
-        &self,
-        comm: &dyn Gather,
-        name: &str,
-    ) -> candle_core::Result<Nf4Weight> {
+    /// The bytes every rank sends of `part`, in rank order.
+    pub(crate) fn counts(&self, part: Part, size: usize) -> Vec<usize> {
+        let elem = match &self.piece {
+            Piece::Dense { dtype, .. } => dtype.size_in_bytes(),
+            Piece::Nf4(_) => 0,
+        };
+        // (elements a first-level block, blocks a second-level group)
+        let (bs, nb) = match &self.piece {
+            Piece::Nf4(q) => match &q.absmax {
+                Absmax::Double {
+                    nested_blocksize, ..
+                } => (q.blocksize, *nested_blocksize),
+                Absmax::Plain(_) => (q.blocksize, 1),
+            },
+            Piece::Dense { .. } => (1, 1),
+        };
+        let blocks = |sp: &Range<usize>| sp.start.div_ceil(bs)..sp.end.div_ceil(bs);
+        (0..size)
+            .map(|r| {
+                let sp = self.span(size, r);
+                let b = blocks(&sp);
+                match part {
+                    Part::Values => sp.len() * elem,
+                    Part::Codes => sp.end.div_ceil(2) - sp.start.div_ceil(2),
+                    Part::Scales => 4 * b.len(),
+                    Part::ScaleCodes => b.len(),
+                    Part::Nested => 4 * (b.end.div_ceil(nb) - b.start.div_ceil(nb)),
+                }
+            })
+            .collect()
+    }
+
+    /// The whole NF4 weight from its gathered [`parts`](Self::parts), in their order.
+    pub(crate) fn join_nf4(&self, name: &str, parts: Vec<Buf>) -> candle_core::Result<Nf4Weight> {
         let Piece::Nf4(q) = &self.piece else {
             candle_core::bail!("{name}: a dense shard gathered as an NF4 weight");
         };
-        let size = comm.size();
-        let gather = |what: &str, mine: &[u8], of: &dyn Fn(&Range<usize>) -> usize| {
-            let counts = self.counts(size, of);
-            let mut out = vec![0u8; counts.iter().sum()];
-            let what = format!("the gather of {name}'s {what}");
-            comm.all_gather_into(&what, mine, &counts, &mut out);
-            out
+        let mut parts = parts.into_iter();
+        let mut next = || {
+            parts
+                .next()
+                .ok_or_else(|| candle_core::Error::Msg(format!("{name}: a gathered part missing")))
         };
-        let bs = q.blocksize;
-        let blocks = |sp: &Range<usize>| sp.end.div_ceil(bs) - sp.start.div_ceil(bs);
-        let nibbles = |sp: &Range<usize>| sp.end.div_ceil(2) - sp.start.div_ceil(2);
-        let packed = gather("4-bit codes", &q.packed, &nibbles);
+        let packed = next()?.into_u8()?;
         let absmax = match &q.absmax {
-            Absmax::Plain(a) => {
-                let all = gather("scales", &f32_bytes(a), &|sp| 4 * blocks(sp));
-                Absmax::Plain(f32s(&all))
-            }
+            Absmax::Plain(_) => Absmax::Plain(next()?.into_f32()?),
             Absmax::Double {
-                codes,
-                nested_absmax,
                 nested_quant_map,
                 offset,
                 nested_blocksize,
-            } => {
-                let nb = *nested_blocksize;
-                let groups = |sp: &Range<usize>| {
-                    let b = sp.start.div_ceil(bs)..sp.end.div_ceil(bs);
-                    b.end.div_ceil(nb) - b.start.div_ceil(nb)
-                };
-                let nested = gather("second-level scales", &f32_bytes(nested_absmax), &|sp| {
-                    4 * groups(sp)
-                });
-                Absmax::Double {
-                    codes: gather("scale codes", codes, &blocks),
-                    nested_absmax: f32s(&nested),
-                    nested_quant_map: nested_quant_map.clone(),
-                    offset: *offset,
-                    nested_blocksize: nb,
-                }
-            }
+                ..
+            } => Absmax::Double {
+                codes: next()?.into_u8()?,
+                nested_absmax: next()?.into_f32()?,
+                nested_quant_map: nested_quant_map.clone(),
+                offset: *offset,
+                nested_blocksize: *nested_blocksize,
+            },
         };
         let w = Nf4Weight {
             shape: self.shape.clone(),
@@ -202,7 +248,7 @@ impl Shard {
             absmax,
             quant_map: q.quant_map,
             quant_type: q.quant_type,
-            blocksize: bs,
+            blocksize: q.blocksize,
             dtype: q.dtype,
         };
         w.check()
@@ -219,29 +265,115 @@ impl Shard {
     }
 }
 
-/// A tensor of `shape` in `dtype` on `device` whose row-major bytes `fill` writes: the gather
-/// lands in the tensor's own buffer (no copy on the CPU).
-pub(crate) fn dense_tensor(
-    dtype: DType,
-    shape: &[usize],
-    device: &Device,
-    fill: impl FnOnce(&mut [u8]) -> candle_core::Result<()>,
-) -> candle_core::Result<Tensor> {
-    fn typed<T: bytemuck::Pod + candle_core::WithDType>(
-        shape: &[usize],
-        fill: impl FnOnce(&mut [u8]) -> candle_core::Result<()>,
-    ) -> candle_core::Result<Tensor> {
-        let mut v = vec![T::zeroed(); shape.iter().product()];
-        fill(bytemuck::cast_slice_mut(&mut v))?;
-        Tensor::from_vec(v, shape, &Device::Cpu)
+/// What of a shard one gather moves ([`Shard::parts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Part {
+    /// A dense weight's values.
+    Values,
+    /// An NF4 weight's packed 4-bit codes.
+    Codes,
+    /// Its first-level scales, f32.
+    Scales,
+    /// With double quantization, the scales' 8-bit codes ...
+    ScaleCodes,
+    /// ... and the second-level scales, f32.
+    Nested,
+}
+
+impl Part {
+    /// For the gather's name (`the gather of q_proj's scales`).
+    fn what(self) -> &'static str {
+        match self {
+            Part::Values => "",
+            Part::Codes => "'s 4-bit codes",
+            Part::Scales => "'s scales",
+            Part::ScaleCodes => "'s scale codes",
+            Part::Nested => "'s second-level scales",
+        }
     }
-    let t = match dtype {
-        DType::F32 => typed::<f32>(shape, fill)?,
-        DType::BF16 => typed::<half::bf16>(shape, fill)?,
-        DType::F16 => typed::<half::f16>(shape, fill)?,
-        other => candle_core::bail!("a sharded weight is f32, bf16 or f16, not {other:?}"),
-    };
-    t.to_device(device)
+}
+
+/// A buffer gathers fill: the typed vector a tensor (or an NF4 weight's field) is then made of
+/// without a copy.
+pub(crate) enum Buf {
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+    U8(Vec<u8>),
+}
+
+impl Buf {
+    /// `n` zeros of `dtype` (a dense weight's: f32, bf16 or f16).
+    pub(crate) fn zeroed(dtype: DType, n: usize) -> candle_core::Result<Self> {
+        Ok(match dtype {
+            DType::F32 => Buf::F32(vec![0.0; n]),
+            DType::BF16 => Buf::Bf16(vec![half::bf16::ZERO; n]),
+            DType::F16 => Buf::F16(vec![half::f16::ZERO; n]),
+            other => candle_core::bail!("a sharded weight is f32, bf16 or f16, not {other:?}"),
+        })
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Buf::F32(v) => bytemuck::cast_slice_mut(v),
+            Buf::Bf16(v) => bytemuck::cast_slice_mut(v),
+            Buf::F16(v) => bytemuck::cast_slice_mut(v),
+            Buf::U8(v) => v,
+        }
+    }
+
+    /// A tensor of `shape` on `device` made of the buffer (no copy on the CPU).
+    pub(crate) fn tensor(self, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
+        let t = match self {
+            Buf::F32(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
+            Buf::Bf16(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
+            Buf::F16(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
+            Buf::U8(_) => candle_core::bail!("a weight's values gathered as bytes"),
+        };
+        t.to_device(device)
+    }
+
+    fn into_u8(self) -> candle_core::Result<Vec<u8>> {
+        match self {
+            Buf::U8(v) => Ok(v),
+            _ => candle_core::bail!("gathered NF4 codes are bytes"),
+        }
+    }
+
+    fn into_f32(self) -> candle_core::Result<Vec<f32>> {
+        match self {
+            Buf::F32(v) => Ok(v),
+            _ => candle_core::bail!("gathered NF4 scales are f32"),
+        }
+    }
+}
+
+/// One gather: `part` of `shard` (weight `name`) into `bufs[buf]` from byte `at`.
+pub(crate) struct Job {
+    pub shard: Arc<Shard>,
+    pub part: Part,
+    pub name: String,
+    pub buf: usize,
+    pub at: usize,
+}
+
+/// Runs `jobs` in order through `comm` (every rank runs the same jobs), each into its buffer.
+/// Allocates nothing: the buffers were made by the thread that planned the gathers, so a
+/// gathering thread of its own leaves no memory in its allocator arena.
+pub(crate) fn fill(comm: &dyn Gather, jobs: &[Job], bufs: &mut [Buf]) -> candle_core::Result<()> {
+    for j in jobs {
+        let counts = j.shard.counts(j.part, comm.size());
+        let n: usize = counts.iter().sum();
+        let Some(out) = bufs
+            .get_mut(j.buf)
+            .and_then(|b| b.bytes_mut().get_mut(j.at..j.at + n))
+        else {
+            candle_core::bail!("{}: no room for the gathered {:?}", j.name, j.part);
+        };
+        let what = format!("the gather of {}{}", j.name, j.part.what());
+        comm.all_gather_into(&what, j.shard.mine(j.part)?, &counts, out);
+    }
+    Ok(())
 }
 
 /// The little-endian bytes of a CPU or device tensor's values (allocated once at their size: a

@@ -6,15 +6,17 @@
 //! unequal shards and leave one rank an empty one), bf16 autocast, a tied lm_head, DoRA and
 //! gradient checkpointing. Each rank also holds about 1/world of the frozen bytes. Layers kept
 //! gathered from the forward for the backward (`Model::set_keep_gathered`) change nothing but what
-//! the backward gathers: exactly one layer's weights fewer for each kept layer.
+//! the backward gathers: exactly one layer's weights fewer for each kept layer. Prefetching
+//! (`Model::set_prefetch`: each rank's next layer gathered by a second thread) changes nothing,
+//! and a rank's two threads are never in a gather at once.
 //!
 //! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
 
 #[allow(dead_code)]
 mod common;
 
-use std::cell::Cell;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Barrier, Mutex};
 
 use candle_core::{DType, Device, Tensor};
@@ -50,13 +52,20 @@ impl TensorSource for Seeded {
 }
 
 /// Ranks as threads: each writes its bytes into its slot, all wait, each copies every slot.
+/// With `prefetch`, a rank's background transport is a clone on another thread of that rank.
+#[derive(Clone)]
 struct Threads {
     rank: usize,
     size: usize,
     slots: Arc<Mutex<Vec<Vec<u8>>>>,
     barrier: Arc<Barrier>,
-    /// Bytes gathered so far (this rank's `out`s).
-    gathered: Rc<Cell<usize>>,
+    /// Bytes gathered so far (this rank's `out`s), and of them by the background thread.
+    gathered: Arc<AtomicUsize>,
+    in_background: Arc<AtomicUsize>,
+    /// This rank is in a gather (its two threads must never be at once).
+    busy: Arc<AtomicBool>,
+    prefetch: bool,
+    background: bool,
 }
 
 impl Gather for Threads {
@@ -67,6 +76,7 @@ impl Gather for Threads {
         self.size
     }
     fn all_gather_into(&self, what: &str, mine: &[u8], counts: &[usize], out: &mut [u8]) {
+        assert!(!self.busy.swap(true, SeqCst), "{what}: two gathers at once");
         assert_eq!(mine.len(), counts[self.rank], "{what}: rank {}", self.rank);
         self.slots.lock().unwrap()[self.rank] = mine.to_vec();
         self.barrier.wait();
@@ -80,8 +90,20 @@ impl Gather for Threads {
             }
             assert_eq!(at, out.len());
         }
-        self.gathered.set(self.gathered.get() + out.len());
+        self.gathered.fetch_add(out.len(), SeqCst);
+        if self.background {
+            self.in_background.fetch_add(out.len(), SeqCst);
+        }
+        self.busy.store(false, SeqCst);
         self.barrier.wait();
+    }
+
+    fn background(&self) -> Option<Arc<dyn Gather + Send + Sync>> {
+        let bg = Self {
+            background: true,
+            ..self.clone()
+        };
+        self.prefetch.then(|| Arc::new(bg) as _)
     }
 }
 
@@ -108,6 +130,8 @@ struct Case {
     checkpoint: bool,
     /// Layers kept gathered from the forward for the backward.
     keep: usize,
+    /// The next layer gathered on another thread.
+    prefetch: bool,
 }
 
 /// What must be equal: the loss's and every gradient's bits, the logits', a decoding step's; and
@@ -131,10 +155,11 @@ fn bits(t: &Tensor) -> Vec<u32> {
 
 /// What a rank computed, the frozen bytes it holds, and the bytes it gathered for the training
 /// pass.
-fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Rc<Cell<usize>>) -> Ran {
+fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> Ran {
     let dev = Device::Cpu;
     let cfg = config(case.tied);
     let v = cfg.vocab_size;
+    let comm_is_sharded = comm.is_some();
     let mut model = match comm {
         Some(c) => Model::build_sharded(cfg, &Seeded, DType::F32, &dev, case.quantize, c),
         None => Model::build_with(cfg, &Seeded, DType::F32, &dev, case.quantize),
@@ -144,6 +169,10 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Rc<Cell<usize>>) -> R
         model.set_autocast().unwrap();
     }
     model.set_keep_gathered(case.keep);
+    assert_eq!(
+        model.set_prefetch(case.prefetch),
+        case.prefetch && comm_is_sharded
+    );
     let spec = LoraSpec::new(4, 8.0, 0.1, false, &["all-linear".into()])
         .unwrap()
         .with_dora(case.dora);
@@ -173,11 +202,11 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Rc<Cell<usize>>) -> R
         seed: 11,
     };
     let mut grads = Grads::new(adapter.pairs.len());
-    let before = gathered.get();
+    let before = gathered.load(SeqCst);
     let loss = model
         .forward_backward(&inputs, &targets, &lc, 0.01, case.checkpoint, &mut grads)
         .unwrap();
-    let train_gathered = gathered.get() - before;
+    let train_gathered = gathered.load(SeqCst) - before;
     let mut all: Vec<Vec<u32>> = Vec::new();
     for g in grads.a.iter().chain(&grads.b).chain(&grads.m).flatten() {
         all.push(bits(g));
@@ -199,26 +228,35 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Rc<Cell<usize>>) -> R
 type Ran = (Outcome, usize, usize);
 
 /// Every rank of a `size`-rank world, each in its own thread with its own model.
-fn ranks(case: Case, size: usize) -> Vec<Ran> {
+/// Every rank of a `size`-rank world, each in its own thread with its own model; and the bytes
+/// all ranks gathered on their background threads.
+fn ranks(case: Case, size: usize) -> (Vec<Ran>, usize) {
     let slots = Arc::new(Mutex::new(vec![Vec::new(); size]));
     let barrier = Arc::new(Barrier::new(size));
+    let in_background = Arc::new(AtomicUsize::new(0));
     let handles: Vec<_> = (0..size)
         .map(|rank| {
             let (slots, barrier) = (slots.clone(), barrier.clone());
+            let in_background = in_background.clone();
             std::thread::spawn(move || {
-                let gathered = Rc::new(Cell::new(0));
+                let gathered = Arc::new(AtomicUsize::new(0));
                 let comm = Threads {
                     rank,
                     size,
                     slots,
                     barrier,
                     gathered: gathered.clone(),
+                    in_background,
+                    busy: Arc::default(),
+                    prefetch: case.prefetch,
+                    background: false,
                 };
                 run(case, Some(Rc::new(comm)), gathered)
             })
         })
         .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let got = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    (got, in_background.load(SeqCst))
 }
 
 #[test]
@@ -232,9 +270,14 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
         dora: false,
         checkpoint: false,
         keep: 0,
+        prefetch: false,
     };
     let cases = [
         base,
+        Case {
+            prefetch: true,
+            ..base
+        },
         Case {
             checkpoint: true,
             tied: true,
@@ -243,17 +286,20 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
         Case {
             quantize: nf4(false),
             checkpoint: true,
+            prefetch: true,
             ..base
         },
         Case {
             quantize: nf4(true),
             dora: true,
+            prefetch: true,
             ..base
         },
         Case {
             autocast: true,
             tied: true,
             checkpoint: true,
+            prefetch: true,
             ..base
         },
         Case {
@@ -263,9 +309,15 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
         },
     ];
     for case in cases {
-        let (whole, whole_bytes, _) = run(case, None, Rc::default());
+        let (whole, whole_bytes, _) = run(case, None, Default::default());
         for size in 1..=3 {
-            let got = ranks(case, size);
+            let (got, in_background) = ranks(case, size);
+            // Prefetched, every layer but the first of each pass is gathered in the background.
+            assert_eq!(
+                in_background > 0,
+                case.prefetch,
+                "{case:?}: {in_background}"
+            );
             for (rank, (out, bytes, _)) in got.iter().enumerate() {
                 assert!(
                     *out == whole,
@@ -290,7 +342,8 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
 
 /// `keep` of the 2 layers kept gathered from the forward for the backward: the same bits, and
 /// each kept layer spares the backward exactly one layer's gather (every rank alike); keeping
-/// more than the model's layers keeps them all. With and without checkpointing, dense and NF4-dq.
+/// more than the model's layers keeps them all. With and without checkpointing, dense and NF4-dq,
+/// the next layer prefetched or not (the same gathers either way).
 #[test]
 fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
     rtune_backend::blas::init();
@@ -301,6 +354,7 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
         dora: false,
         checkpoint: true,
         keep: 0,
+        prefetch: false,
     };
     let nf4 = Case {
         quantize: Quantize::Nf4 { double_quant: true },
@@ -316,16 +370,32 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
     );
     let dense_layer = 4 * (d * q + 2 * d * kv + q * d + 3 * d * i);
     for case in [base, nf4] {
-        let (whole, _, _) = run(case, None, Rc::default());
+        let (whole, _, _) = run(case, None, Default::default());
         let size = 2;
         let mut by_keep = Vec::new();
         for keep in [0, 1, 2, 5] {
-            let got = ranks(Case { keep, ..case }, size);
-            for (rank, (out, _, g)) in got.iter().enumerate() {
-                assert!(*out == whole, "{case:?} keep {keep}: rank {rank} differs");
-                assert_eq!(*g, got[0].2, "{case:?} keep {keep}: ranks gathered alike");
+            let mut each = Vec::new();
+            for prefetch in [false, true] {
+                let (got, _) = ranks(
+                    Case {
+                        keep,
+                        prefetch,
+                        ..case
+                    },
+                    size,
+                );
+                for (rank, (out, _, g)) in got.iter().enumerate() {
+                    let c = format!("{case:?} keep {keep} prefetch {prefetch}");
+                    assert!(*out == whole, "{c}: rank {rank} differs");
+                    assert_eq!(*g, got[0].2, "{c}: ranks gathered alike");
+                }
+                each.push(got[0].2);
             }
-            by_keep.push(got[0].2);
+            assert_eq!(
+                each[0], each[1],
+                "{case:?} keep {keep}: prefetch gathers the same"
+            );
+            by_keep.push(each[0]);
         }
         eprintln!("{case:?}: bytes gathered by the pass for keep 0, 1, 2, 5: {by_keep:?}");
         let layer = by_keep[0] - by_keep[1];

@@ -3,10 +3,13 @@
 //! - 2 ranks (dense f32, NF4, NF4 with double quantization) and 3 ranks (an odd world: shards of
 //!   unequal size, one rank with an empty shard of some weights) train the adapter of one process
 //!   with the accumulation of the world, bit for bit, with the same metrics — evaluation and the
-//!   evaluation prompts' decoding included (every rank evaluates: each layer needs every rank);
+//!   evaluation prompts' decoding included (every rank evaluates: each layer needs every rank),
+//!   also with layers kept gathered for the backward and with the next layer prefetched on a
+//!   second thread (MPI_THREAD_SERIALIZED);
 //! - on a model whose base dominates memory each rank's peak RSS is at most 0.6× that of a rank
 //!   holding the whole base, and `rtune estimate --world 2` is within ±10% of each rank's peak,
-//!   also with layers kept gathered for the backward (`keep_gathered_layers`), which cost memory;
+//!   also with layers kept gathered for the backward (`keep_gathered_layers`) or the next one
+//!   prefetched (`prefetch`), which cost memory;
 //! - `kill -9` of a rank ends the job within 60 s and `--resume` gives the uninterrupted adapter;
 //! - `rtune check` under `mpirun` runs the gather check.
 
@@ -47,23 +50,23 @@ fn summary(out: &Path) -> serde_json::Value {
 #[test]
 fn a_sharded_base_on_2_and_3_ranks_trains_the_adapter_of_one_process() {
     let tmp = tempfile::tempdir().unwrap();
-    // (ranks, quantization, layers kept gathered from the forward for the backward)
-    for (np, quantize, keep) in [
-        (2, "none", 0),
-        (2, "nf4", 0),
-        (2, "nf4-dq", 1),
-        (3, "none", 0),
-        (3, "nf4-dq", 2),
+    // (ranks, quantization, layers kept gathered from the forward for the backward, the next
+    // layer gathered on another thread)
+    for (np, quantize, keep, prefetch) in [
+        (2, "none", 0, false),
+        (2, "nf4", 0, true),
+        (2, "nf4-dq", 1, false),
+        (3, "none", 0, true),
+        (3, "nf4-dq", 2, true),
     ] {
-        let tag = format!("{np}-{quantize}-{keep}");
+        let tag = format!("{np}-{quantize}-{keep}-{prefetch}");
         let reference = sharded(tmp.path(), &format!("one-{tag}"), np, false, quantize);
         let o = single(&reference, &[]);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let cfg = sharded(tmp.path(), &format!("shard-{tag}"), 1, true, quantize);
-        if keep > 0 {
-            let text = std::fs::read_to_string(&cfg).unwrap();
-            std::fs::write(&cfg, format!("{text}keep_gathered_layers = {keep}\n")).unwrap();
-        }
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        let text = format!("{text}keep_gathered_layers = {keep}\nprefetch = {prefetch}\n");
+        std::fs::write(&cfg, text).unwrap();
         let o = ranks(np, &cfg, &[]);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let (want, got) = (
@@ -167,12 +170,12 @@ fn big_model(dir: &Path) -> (PathBuf, PathBuf) {
 /// Each rank of a sharded base peaks at ≤ 0.6× a replicated rank on a base-dominated model, and
 /// the estimate for a rank (`rtune estimate --world 2 --data`, and the run's own in
 /// summary.json) is within ±10% of every rank's measured peak; with 6 of the 16 layers kept
-/// gathered for the backward too, and the rank then holds more.
+/// gathered for the backward, or the next layer prefetched, too, and the rank then holds more.
 #[test]
 fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
     let tmp = tempfile::tempdir().unwrap();
     let (model, data) = big_model(tmp.path());
-    let cfg = |name: &str, shard: bool, keep: usize| {
+    let cfg = |name: &str, shard: bool, extra: &str| {
         let p = config(tmp.path(), name, 1, 2, &data);
         let text = std::fs::read_to_string(&p)
             .unwrap()
@@ -182,16 +185,12 @@ fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
             )
             .replace("dropout = 0.1", "dropout = 0.0")
             .replace("save_every = 1", "save_every = 0");
-        let text = format!("{text}[distributed]\nshard_base = {shard}\n");
-        let text = match keep {
-            0 => text,
-            k => format!("{text}keep_gathered_layers = {k}\n"),
-        };
+        let text = format!("{text}[distributed]\nshard_base = {shard}\n{extra}");
         std::fs::write(&p, text).unwrap();
         p
     };
-    let peaks = |name: &str, shard: bool, keep: usize| -> (Vec<f64>, f64, f64) {
-        let c = cfg(name, shard, keep);
+    let peaks = |name: &str, shard: bool, extra: &str| -> (Vec<f64>, f64, f64) {
+        let c = cfg(name, shard, extra);
         let o = ranks(2, &c, &[]);
         assert!(o.status.success(), "{name}: {}", stderr(&o));
         let s = summary(&tmp.path().join(name));
@@ -225,9 +224,10 @@ fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
             cli["peak_bytes"].as_f64().unwrap(),
         )
     };
-    let (whole, _, _) = peaks("replicated", false, 0);
-    let (shard, est, cli) = peaks("sharded", true, 0);
-    let (kept, kept_est, kept_cli) = peaks("kept", true, 6);
+    let (whole, _, _) = peaks("replicated", false, "");
+    let (shard, est, cli) = peaks("sharded", true, "");
+    let (kept, kept_est, kept_cli) = peaks("kept", true, "keep_gathered_layers = 6\n");
+    let (ahead, ahead_est, ahead_cli) = peaks("prefetched", true, "prefetch = true\n");
     for (r, p) in shard.iter().enumerate() {
         assert!(
             *p <= 0.6 * whole[r],
@@ -239,6 +239,8 @@ fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
             (cli, p),
             (kept_est, &kept[r]),
             (kept_cli, &kept[r]),
+            (ahead_est, &ahead[r]),
+            (ahead_cli, &ahead[r]),
         ] {
             assert!(
                 (e / p - 1.0).abs() <= 0.10,
@@ -246,10 +248,14 @@ fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
             );
         }
     }
-    // 5 more layers of 13.6 MB held at once (6 kept, where one was gathered anyway).
+    // A layer is 13.6 MB: kept, 5 more are held at once (6 kept, where one was gathered
+    // anyway); prefetched, 1 more (the next one in flight: proof that it was).
     assert!(kept_est > est + 60e6, "{kept_est} vs {est}");
-    for (r, (k, p)) in kept.iter().zip(&shard).enumerate() {
-        assert!(*k > p + 30e6, "rank {r}: kept {k} vs {p}");
+    assert!(ahead_est > est + 13e6, "{ahead_est} vs {est}");
+    for r in 0..2 {
+        let (k, a, p) = (kept[r], ahead[r], shard[r]);
+        assert!(k > p + 30e6, "rank {r}: kept {k} vs {p}");
+        assert!(a > p + 7e6, "rank {r}: prefetched {a} vs {p}");
     }
 }
 

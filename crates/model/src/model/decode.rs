@@ -137,8 +137,8 @@ impl Model {
             let attn = self.attn_shape(1, n);
             let mut x = self.embed_tokens(ids, lora)?.0;
             let mut next = Vec::with_capacity(self.layers.len());
-            for i in 0..self.layers.len() {
-                let layer = self.layer(i)?;
+            let mut feed = self.feed(0..self.layers.len(), Vec::new());
+            while let Some((i, layer)) = feed.next()? {
                 let m = match (&sliding, layer.sliding) {
                     (Some(s), true) => s,
                     _ => &full,

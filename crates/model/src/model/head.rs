@@ -78,8 +78,9 @@ impl Model {
         let run = || -> candle_core::Result<Vec<f32>> {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
-            for i in 0..self.layers.len() {
-                x = self.layer(i)?.forward(&x, &ctx, lora)?.0;
+            let mut feed = self.feed(0..self.layers.len(), Vec::new());
+            while let Some((_, layer)) = feed.next()? {
+                x = layer.forward(&x, &ctx, lora)?.0;
             }
             let (h, _) = self.final_norm(&x)?;
             if self.head_rows(lora)?.is_some() {
@@ -114,8 +115,9 @@ impl Model {
         let run = || -> candle_core::Result<f64> {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
-            for i in 0..self.layers.len() {
-                x = self.layer(i)?.forward(&x, &ctx, lora)?.0;
+            let mut feed = self.feed(0..self.layers.len(), Vec::new());
+            while let Some((_, layer)) = feed.next()? {
+                x = layer.forward(&x, &ctx, lora)?.0;
             }
             let (h, _) = self.final_norm(&x)?;
             let head = self.head_rows(lora)?;

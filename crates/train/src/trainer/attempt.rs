@@ -83,6 +83,14 @@ impl<'a> Trainer<'a> {
         dist.add_settings(&mut settings);
         model.offload_checkpoints = cfg.train.offload_checkpoints;
         model.set_keep_gathered(cfg.distributed.keep_gathered_layers);
+        let prefetching = model.set_prefetch(cfg.distributed.prefetch);
+        if cfg.distributed.prefetch && !prefetching && dist.world.is_distributed() {
+            on_event(Event::Warning(
+                "[distributed] prefetch: the MPI library does not let a second thread gather \
+                 (it provides less than MPI_THREAD_SERIALIZED); every gather runs in turn"
+                    .into(),
+            ));
+        }
         // A preference run's data.train holds each pair's two sequences (the estimate's rows).
         let world = dist.world.size;
         let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev, world)?;
