@@ -395,20 +395,6 @@ fn le_bytes(t: &Tensor) -> candle_core::Result<Vec<u8>> {
     })
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 * v.len());
-    for x in v {
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out
-}
-
-fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
 /// For the loader's double quantization of a piece: every rank's first-level absmax, in rank
 /// order (the weight's whole absmax, whose mean is the second level's offset).
 pub fn gather_absmax(
@@ -426,14 +412,14 @@ pub fn gather_absmax(
             4 * (sp.end.div_ceil(bs) - sp.start.div_ceil(bs))
         })
         .collect();
-    let mut out = vec![0u8; counts.iter().sum()];
+    let mut out = vec![0f32; counts.iter().sum::<usize>() / 4];
     comm.all_gather_into(
         &format!("the gather of {name}'s scales for double quantization"),
-        &f32_bytes(mine),
+        bytemuck::cast_slice(mine),
         &counts,
-        &mut out,
+        bytemuck::cast_slice_mut(&mut out),
     );
-    f32s(&out)
+    out
 }
 
 /// A weight's shard read from `w` (only its piece) and, when asked, quantized piece by piece:
