@@ -259,21 +259,22 @@ fn a_sharded_rank_peaks_at_most_0_6_of_a_replicated_one_as_estimated() {
     }
 }
 
-/// `kill -9` of a rank of a sharded run ends the job within 60 s; two ranks resume it to the
-/// adapter of the run that was never interrupted.
+/// `kill -9` of a rank of a sharded run (prefetching) ends the job within 60 s; two ranks resume
+/// it (without prefetch: a `[distributed]` key may change) to the adapter of the run that was
+/// never interrupted.
 #[test]
 fn kill_9_of_a_sharded_rank_ends_the_job_and_resume_is_the_uninterrupted_run() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = |name: &str, shard: bool| {
+    let cfg = |name: &str, distributed: &str| {
         let p = config(tmp.path(), name, 1, 8, &smoke());
         let text = std::fs::read_to_string(&p).unwrap();
-        std::fs::write(&p, format!("{text}[distributed]\nshard_base = {shard}\n")).unwrap();
+        std::fs::write(&p, format!("{text}[distributed]\n{distributed}\n")).unwrap();
         p
     };
-    let whole = cfg("whole", false);
+    let whole = cfg("whole", "shard_base = false");
     let o = ranks(2, &whole, &[]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let shard = cfg("killed", true);
+    let shard = cfg("killed", "shard_base = true\nprefetch = true");
     let out = tmp.path().join("killed");
     let child = spawn_until_step(&shard, &out, 3, &[]);
     let pid = rank_pid(child.id(), 1).expect("rank 1's process");
@@ -282,11 +283,46 @@ fn kill_9_of_a_sharded_rank_ends_the_job_and_resume_is_the_uninterrupted_run() {
     assert!(!o.status.success(), "mpirun exits non-zero");
     assert!(took < Duration::from_secs(60), "took {took:?}");
     assert!(!out.join("summary.json").exists());
+    let shard = cfg("killed", "shard_base = true\nprefetch = false");
     let o = ranks(2, &shard, &["--resume"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let want = tmp.path().join("whole");
     assert!(adapter(&out) == adapter(&want), "adapters differ");
     assert_eq!(metrics(&out), metrics(&want));
+}
+
+/// A rank of a prefetching sharded run that hangs (SIGSTOP) ends the job through the other's
+/// watchdog, which watches the wait for a prefetched gather as any collective (the prefetching
+/// thread itself, polling MPI, would wait forever).
+#[test]
+fn a_hung_rank_of_a_prefetching_sharded_run_ends_the_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = config(tmp.path(), "hung", 1, 400, &smoke());
+    let text = std::fs::read_to_string(&p).unwrap();
+    let text = format!("{text}[distributed]\nshard_base = true\nprefetch = true\n");
+    std::fs::write(&p, text.replace("save_every = 1", "save_every = 0")).unwrap();
+    let out = tmp.path().join("hung");
+    let child = spawn_until_step(&p, &out, 2, &[("RTUNE_DIST_TIMEOUT", "5")]);
+    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
+    signal(pid, 19); // SIGSTOP
+    let (o, took) = wait_timed(child);
+    // SAFETY: kill(2) of a pid this test stopped; it may already be gone (ESRCH, ignored).
+    unsafe { libc_kill(pid, 9) };
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(took < Duration::from_secs(30), "took {took:?}: {err}");
+    assert!(
+        err.contains("rank 0: waited") && err.contains("rank 1 died or hangs"),
+        "{err}"
+    );
+    // Where rank 0 waits depends on where rank 1 stopped: mostly for a prefetched layer (3 runs
+    // of 3: "in the gather of layer 2 (prefetched)"), else a gather or the step's all-reduce on
+    // the main thread. An unwatched wait for the prefetching thread would hang the job instead.
+    eprintln!(
+        "{took:?}: {}",
+        err.lines().find(|l| l.contains("waited")).unwrap_or("")
+    );
+    assert!(err.contains("RTUNE_DIST_TIMEOUT = 5 s"), "{err}");
 }
 
 /// `rtune check` under `mpirun` with `shard_base`: every rank's checks (their scratch runs load
