@@ -109,11 +109,14 @@ fn train_args(cfg: &Path) -> Vec<String> {
     ]
 }
 
+/// `c` run to its end (at most [`LIMIT`]), its output captured.
 fn run(mut c: Command) -> Output {
-    c.stdout(Stdio::piped())
+    let child = c
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .output()
-        .expect("run mpirun")
+        .spawn()
+        .expect("run mpirun");
+    wait_timed(child).0
 }
 
 fn single(cfg: &Path, extra: &[&str]) -> Output {
@@ -400,10 +403,47 @@ fn signal(pid: i32, sig: i32) {
     assert_eq!(unsafe { libc_kill(pid, sig) }, 0);
 }
 
+/// The longest a run of these tests may take: past it the job is ended (SIGTERM to mpirun,
+/// which ends its ranks; SIGKILL 10 s later) and the test fails, instead of CI waiting on a hang
+/// until its own limit.
+const LIMIT: Duration = Duration::from_secs(600);
+
+/// `child` waited for (at most [`LIMIT`]), and how long that took.
 fn wait_timed(child: Child) -> (Output, Duration) {
+    use std::sync::atomic::{AtomicBool, Ordering};
     let t0 = Instant::now();
+    let pid = child.id() as i32;
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let ended = done.clone();
+    let killer = std::thread::spawn(move || {
+        let waited = |d: Duration| {
+            let from = Instant::now();
+            while from.elapsed() < d {
+                if ended.load(Ordering::SeqCst) {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            false
+        };
+        for (after, sig) in [(LIMIT, 15), (Duration::from_secs(10), 9)] {
+            if waited(after) {
+                return;
+            }
+            // SAFETY: kill(2) of the child this test started, not yet waited for (`ended`).
+            unsafe { libc_kill(pid, sig) };
+        }
+    });
     let o = child.wait_with_output().unwrap();
-    (o, t0.elapsed())
+    done.store(true, Ordering::SeqCst);
+    let _ = killer.join();
+    let took = t0.elapsed();
+    assert!(
+        took < LIMIT,
+        "ran past {LIMIT:?} and was ended: {}",
+        stderr(&o)
+    );
+    (o, took)
 }
 
 #[test]
