@@ -125,7 +125,8 @@ pub fn load(
 
 /// The reference log-probabilities of a run's pairs (train and validation), when its objective
 /// needs them, from the cache or computed (and cached by the `writer`: rank 0 of a data-parallel
-/// run); the forward passes run.
+/// run); the forward passes run. `every(hit)`: whether every rank that must run the same
+/// forwards found the cache (a sharded base's ranks; otherwise `hit` itself).
 pub fn reference(
     cfg: &RunConfig,
     model: &Model,
@@ -133,6 +134,7 @@ pub fn reference(
     data: &mut PairData,
     pad_id: u32,
     writer: bool,
+    every: &dyn Fn(bool) -> bool,
 ) -> Result<usize, TrainError> {
     if !cfg.train.objective.needs_reference() {
         return Ok(0);
@@ -152,14 +154,18 @@ pub fn reference(
         None => None,
     };
     let rows = data.train.len() + data.valid.len();
-    if let Some(c) = &cached {
-        if c.read(data) {
+    let found = cached.as_ref().and_then(|c| c.read(rows));
+    if every(found.is_some()) {
+        if let (Some(c), Some(found)) = (&cached, found) {
+            for (p, r) in data.train.iter_mut().chain(&mut data.valid).zip(found) {
+                p.reference = Some(r);
+            }
             tracing::info!(
                 "reference log-probabilities of {rows} rows from the cache ({})",
                 c.path.display()
             );
-            return Ok(0);
         }
+        return Ok(0);
     }
     let t0 = std::time::Instant::now();
     let mut passes = fill_reference(model, lora, &mut data.train, mbs, pad_id)?;
@@ -230,28 +236,22 @@ impl ReferenceCache {
         })
     }
 
-    /// Fills every row's reference from the file; false (nothing changed) when it is missing or
-    /// does not match.
-    fn read(&self, data: &mut PairData) -> bool {
-        let n = data.train.len() + data.valid.len();
+    /// The `n` rows' references (train rows, then validation rows) from the file; `None` when
+    /// it is missing or does not match.
+    fn read(&self, n: usize) -> Option<Vec<[f64; 2]>> {
         let kind = rtune_fsio::FileKind::Sized {
             cap: 16 + 16 * n as u64,
             name: "reference log-probabilities",
         };
-        let Ok(bytes) = rtune_fsio::read_bounded(&self.path, kind) else {
-            return false;
-        };
+        let bytes = rtune_fsio::read_bounded(&self.path, kind).ok()?;
         if bytes.len() != 16 + 16 * n
             || &bytes[..8] != REF_MAGIC
             || bytes[8..16] != (n as u64).to_le_bytes()
         {
-            return false;
+            return None;
         }
         let f = |i: usize| f64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
-        for (k, p) in data.train.iter_mut().chain(&mut data.valid).enumerate() {
-            p.reference = Some([f(16 + 16 * k), f(24 + 16 * k)]);
-        }
-        true
+        Some((0..n).map(|k| [f(16 + 16 * k), f(24 + 16 * k)]).collect())
     }
 
     /// Saves every row's reference; a failure is a warning (the run goes on without the cache).

@@ -35,8 +35,6 @@ pub struct Prepared {
     pub data: RunData,
     pub tok: Option<Tokenizer>,
     pub pad_id: u32,
-    /// Settings a resumed run must share with the original to reproduce it.
-    pub settings: BTreeMap<String, String>,
     /// PiSSA / OLoRA: the initial factors, for saving the adapter against the original base.
     pub initial: Option<crate::variants::InitialAdapter>,
 }
@@ -105,14 +103,12 @@ pub fn prepare(
         .and_then(|t| t.pad_id)
         .or(model.cfg.pad_token_id)
         .unwrap_or(0);
-    let settings = settings(cfg)?;
     Ok(Prepared {
         model,
         adapter,
         data,
         tok,
         pad_id,
-        settings,
         initial,
     })
 }
@@ -207,7 +203,7 @@ const MAY_CHANGE: [&str; 18] = [
 
 /// The settings that determine a run's numbers, `key → value`: the config as written (less
 /// [`MAY_CHANGE`]) flattened to `section.key`, plus the checksums of the files it names.
-fn settings(cfg: &RunConfig) -> Result<BTreeMap<String, String>, TrainError> {
+pub(crate) fn settings(cfg: &RunConfig) -> Result<BTreeMap<String, String>, TrainError> {
     let sha = |p: &Path| sha256_file(p).map_err(TrainError::from);
     let mut s = BTreeMap::new();
     let file = serde_json::to_value(&cfg.file).expect("the config serialises");

@@ -383,3 +383,80 @@ fn a_rank_without_shard_base_is_refused_before_loading() {
     );
     assert!(!tmp.path().join("run").exists(), "nothing is written");
 }
+
+/// DPO with a sharded base: every rank runs the reference pass's forwards (each layer needs every
+/// rank), so the ranks agree on the reference cache first — here rank 0 finds the pairs' cached
+/// reference log-probs in its own `cache_dir` and rank 1 does not: both compute them, and the run
+/// trains the adapter of one process with twice the accumulation. A rank whose pairs differ is
+/// refused before any reference forward, naming the file.
+#[test]
+fn a_sharded_dpo_run_agrees_on_the_reference_cache_and_on_the_pairs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let pairs = |name: &str, n: u32| {
+        let p = tmp.path().join(name);
+        let rows: String = (0..n)
+            .map(|i| {
+                format!(
+                    "{{\"prompt_ids\":[1,{},{}],\"chosen_ids\":[{},{},2],\"rejected_ids\":[{},2]}}\n",
+                    10 + i,
+                    20 + 3 * i,
+                    40 + i,
+                    50 + 2 * i,
+                    70 + i
+                )
+            })
+            .collect();
+        std::fs::write(&p, rows).unwrap();
+        p
+    };
+    let (data, more) = (pairs("pairs.jsonl", 8), pairs("more.jsonl", 9));
+    let dpo = |name: &str, out: &str, grad_accum: usize, data: &Path, extra: &str| {
+        let cfg = config(tmp.path(), name, grad_accum, 4, data);
+        let text = std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("[train]\n", "[train]\nobjective = \"dpo\"\nbeta = 0.5\n")
+            .replace(&format!("/{name}\""), &format!("/{out}\""));
+        std::fs::write(&cfg, format!("{text}{extra}")).unwrap();
+        cfg
+    };
+    let cache = |d: &str| format!("[data]\ncache_dir = \"{}\"\n", tmp.path().join(d).display());
+    let prepend = |cfg: &Path, head: &str| {
+        // `[data]` keys go in the config's own [data] section.
+        let text = std::fs::read_to_string(cfg).unwrap();
+        let head = head.trim_start_matches("[data]\n");
+        std::fs::write(
+            cfg,
+            text.replacen("[data]\n", &format!("[data]\n{head}"), 1),
+        )
+        .unwrap();
+    };
+    // One process, twice the accumulation; its reference log-probs cached in `warm/`.
+    let one = dpo("one", "one", 2, &data, "");
+    prepend(&one, &cache("warm"));
+    let o = single(&one, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let sharded = "[distributed]\nshard_base = true\n";
+    let (a, b) = (
+        dpo("rank0", "run", 1, &data, sharded),
+        dpo("rank1", "run", 1, &data, sharded),
+    );
+    prepend(&a, &cache("warm"));
+    prepend(&b, &cache("cold"));
+    let mut c = mpirun_base();
+    c.args(["-np", "1"]).args(train_args(&a)).arg(":");
+    c.args(["-np", "1"]).args(train_args(&b));
+    let o = run(c);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (want, got) = (tmp.path().join("one"), tmp.path().join("run"));
+    assert!(adapter(&got) == adapter(&want), "adapters differ");
+    assert_eq!(metrics(&got), metrics(&want));
+    // Rank 1 with a pair more: refused before the reference pass.
+    let c = dpo("other", "refused", 1, &more, sharded);
+    let a = dpo("same", "refused", 1, &data, sharded);
+    let err = refused_mpmd(&a, &c);
+    assert!(
+        err.contains("rank 1 (of 2) does not run what rank 0 runs: data.train[0]"),
+        "{err}"
+    );
+    assert!(!err.contains("waited"), "refused, not timed out: {err}");
+}

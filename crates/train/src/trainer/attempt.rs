@@ -42,20 +42,23 @@ impl<'a> Trainer<'a> {
             rtune_config::Device::Cuda(n) => rtune_config::Device::Cuda(dist.gpu(n)),
             d => d,
         })?;
-        // `[distributed] shard_base`: this rank keeps its shard of the base, gathering through
-        // the world (a single process runs the same code with a world of one). Loading a sharded
-        // base is collective, so the ranks agree on it first (the full agreement follows the
-        // load): a rank that would load the whole base is refused, not waited for. The ranks
-        // must also keep as many gathered layers, or their gathers would pair up wrongly (the
-        // full agreement leaves `[distributed]` out: it may change on resume).
+        // The settings a resume checks, and the ranks agree on (hashing the data files once).
+        let mut settings = setup::settings(cfg)?;
+        // The ranks agree on what they run before anything loads, so a rank that differs is
+        // refused at once, not after the load. With `[distributed] shard_base` (this rank keeps
+        // its shard of the base, gathering through the world; a single process runs the same
+        // code with a world of one) loading is collective, and the loader, DoRA's init and a
+        // preference run's reference pass gather layers before the start-up's barrier
+        // (`join_ranks`): ranks that differ would wait on each other's different gathers
+        // instead. So also `shard_base` and the kept layers, or the gathers would pair up
+        // wrongly (the settings leave `[distributed]` out: it may change on resume).
         let d = &cfg.distributed;
-        let mine = std::collections::BTreeMap::from([
-            ("distributed.shard_base".into(), d.shard_base.to_string()),
-            (
-                "distributed.keep_gathered_layers".into(),
-                d.keep_gathered_layers.to_string(),
-            ),
-        ]);
+        let mut mine = agreement(cfg, &settings);
+        mine.insert("distributed.shard_base".into(), d.shard_base.to_string());
+        mine.insert(
+            "distributed.keep_gathered_layers".into(),
+            d.keep_gathered_layers.to_string(),
+        );
         rtune_dist::check_agreement(&dist.world, &mine)
             .map_err(|d| rtune_dist::DistError::Ranks(Box::new(d)))?;
         // The next collective follows the model's load, each rank at its disk's pace.
@@ -77,7 +80,6 @@ impl<'a> Trainer<'a> {
             mut data,
             tok,
             pad_id,
-            mut settings,
             initial,
         } = prepare(cfg, &dev, shard.as_ref())?;
         dist.add_settings(&mut settings);
@@ -112,7 +114,15 @@ impl<'a> Trainer<'a> {
                 // The reference policy's log-probs of every pair, once, before the first step
                 // (and before a resume replaces the adapter: the reference is the start).
                 let root = dist.world.is_root();
-                let passes = crate::pairs::reference(cfg, &model, &adapter, p, pad_id, root)?;
+                // A sharded base's reference forwards gather on every rank: a cache one rank
+                // finds and another does not is computed by all.
+                let (world, sharded) = (&dist.world, model.shard_world().is_some());
+                let every = |hit: bool| match sharded {
+                    true => !world.any("the reference cache's agreement", !hit),
+                    false => hit,
+                };
+                let passes =
+                    crate::pairs::reference(cfg, &model, &adapter, p, pad_id, root, &every)?;
                 let examples = p.train.len();
                 let batcher = setup::pair_batcher(cfg, std::mem::take(&mut p.train), pad_id);
                 (Stream::Pairs(batcher), examples, passes)
@@ -152,15 +162,7 @@ impl<'a> Trainer<'a> {
         if !self.dist.world.is_distributed() {
             return Ok(());
         }
-        let mut mine = self.settings.clone();
-        for p in crate::record::model_files(&self.cfg.model.path) {
-            let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
-            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
-            mine.insert(
-                format!("model file {}", name.unwrap_or_default()),
-                format!("{bytes} bytes"),
-            );
-        }
+        let mine = agreement(self.cfg, &self.settings);
         Ok(self.dist.join(&mine, &self.dev)?)
     }
 
@@ -420,4 +422,21 @@ mod tests {
         let same = crate::setup::settings_diff(&one, &small);
         assert_eq!(resume_diff(&one, &small, same.clone()), same);
     }
+}
+
+/// What the ranks of a data-parallel run must share: `settings` and the model files' sizes.
+fn agreement(
+    cfg: &RunConfig,
+    settings: &std::collections::BTreeMap<String, String>,
+) -> std::collections::BTreeMap<String, String> {
+    let mut mine = settings.clone();
+    for p in crate::record::model_files(&cfg.model.path) {
+        let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+        mine.insert(
+            format!("model file {}", name.unwrap_or_default()),
+            format!("{bytes} bytes"),
+        );
+    }
+    mine
 }
