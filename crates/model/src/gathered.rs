@@ -86,20 +86,9 @@ pub(crate) struct Planned {
 struct GroupPlan {
     /// The buffer of the members' one dense block, rows in member order.
     block: Option<usize>,
-    members: Vec<Dest>,
-}
-
-/// Where one linear's gathered weight is.
-#[derive(Clone, Copy)]
-enum Dest {
-    /// Not sharded: whole already.
-    Whole,
-    /// Its rows of the group's block.
-    InBlock,
-    /// Its own dense buffer.
-    Dense(usize),
-    /// Its NF4 parts' buffers ([`Shard::parts`]), from this one on.
-    Nf4(usize),
+    /// Otherwise each member's first buffer (its [`Shard::parts`] in order from there; `None`:
+    /// not sharded, whole already).
+    members: Vec<Option<usize>>,
 }
 
 impl Planned {
@@ -184,28 +173,24 @@ fn plan_group(
         }
         return Ok(GroupPlan {
             block: Some(bufs.len() - 1),
-            members: vec![Dest::InBlock; members.len()],
+            members: Vec::new(),
         });
     }
-    let mut dests = Vec::with_capacity(members.len());
+    let mut firsts = Vec::with_capacity(members.len());
     for m in members {
         let Frozen::Sharded { shard, .. } = &m.w else {
-            dests.push(Dest::Whole);
+            firsts.push(None);
             continue;
         };
-        let first = bufs.len();
+        firsts.push(Some(bufs.len()));
         for &part in shard.parts() {
             bufs.push(shard.buffer(part, size)?);
             jobs.push(job(shard, part, &m.name, bufs.len() - 1, 0));
         }
-        dests.push(match shard.dense_dtype() {
-            Some(_) => Dest::Dense(first),
-            None => Dest::Nf4(first),
-        });
     }
     Ok(GroupPlan {
         block: None,
-        members: dests,
+        members: firsts,
     })
 }
 
@@ -243,20 +228,19 @@ fn finish_group(
         }
         return Ok(Some(block));
     }
-    for (m, dest) in members.iter_mut().zip(plan.members) {
-        let Frozen::Sharded { shard, dtype } = &m.w else {
+    for (m, first) in members.iter_mut().zip(plan.members) {
+        let (Frozen::Sharded { shard, dtype }, Some(first)) = (&m.w, first) else {
             continue;
         };
-        m.w = match dest {
-            Dest::Dense(b) => Frozen::Dense(take(b)?.tensor(&shard.shape, device)?),
-            Dest::Nf4(first) => {
+        m.w = match shard.dense_dtype() {
+            Some(_) => Frozen::Dense(take(first)?.tensor(&shard.shape, device)?),
+            None => {
                 let n = shard.parts().len();
                 let parts = (first..first + n)
                     .map(&mut take)
                     .collect::<Result<_, _>>()?;
                 Frozen::quant(shard.join_nf4(&m.name, parts)?, *dtype, device)?
             }
-            Dest::Whole | Dest::InBlock => continue,
         };
     }
     Ok(None)

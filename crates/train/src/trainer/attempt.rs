@@ -385,6 +385,23 @@ impl<'a> Trainer<'a> {
     }
 }
 
+/// What the ranks of a data-parallel run must share: `settings` and the model files' sizes.
+fn agreement(
+    cfg: &RunConfig,
+    settings: &std::collections::BTreeMap<String, String>,
+) -> std::collections::BTreeMap<String, String> {
+    let mut mine = settings.clone();
+    for p in crate::record::model_files(&cfg.model.path) {
+        let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+        mine.insert(
+            format!("model file {}", name.unwrap_or_default()),
+            format!("{bytes} bytes"),
+        );
+    }
+    mine
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
@@ -422,21 +439,4 @@ mod tests {
         let same = crate::setup::settings_diff(&one, &small);
         assert_eq!(resume_diff(&one, &small, same.clone()), same);
     }
-}
-
-/// What the ranks of a data-parallel run must share: `settings` and the model files' sizes.
-fn agreement(
-    cfg: &RunConfig,
-    settings: &std::collections::BTreeMap<String, String>,
-) -> std::collections::BTreeMap<String, String> {
-    let mut mine = settings.clone();
-    for p in crate::record::model_files(&cfg.model.path) {
-        let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
-        let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
-        mine.insert(
-            format!("model file {}", name.unwrap_or_default()),
-            format!("{bytes} bytes"),
-        );
-    }
-    mine
 }
