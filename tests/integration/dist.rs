@@ -345,6 +345,30 @@ fn a_rank_whose_data_differs_is_refused_at_start_naming_it() {
     assert!(!tmp.path().join("same").exists(), "nothing is written");
 }
 
+/// A rank that cannot read its data ends the job at once with the loader's error naming the
+/// file (the ranks' agreement, which hashes the data before loading, leaves the file to it), not
+/// after the other rank's start-up allowance.
+#[test]
+fn a_rank_missing_its_data_ends_the_job_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = config(tmp.path(), "same", 1, 4, &smoke());
+    let b = config(tmp.path(), "same-b", 1, 4, &tmp.path().join("nope.jsonl"));
+    let text = std::fs::read_to_string(&b).unwrap();
+    std::fs::write(&b, text.replace("same-b", "same")).unwrap();
+    let t0 = Instant::now();
+    let err = refused_mpmd(&a, &b);
+    assert!(
+        err.contains("nope.jsonl") && err.contains("cannot read"),
+        "{err}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(60),
+        "{:?}: {err}",
+        t0.elapsed()
+    );
+    assert!(!err.contains("waited"), "{err}");
+}
+
 /// The pid of rank `rank` among the processes `mpirun` (pid `launcher`) started.
 fn rank_pid(launcher: u32, rank: usize) -> Option<i32> {
     for e in std::fs::read_dir("/proc").ok()?.flatten() {

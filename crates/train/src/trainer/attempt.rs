@@ -42,8 +42,6 @@ impl<'a> Trainer<'a> {
             rtune_config::Device::Cuda(n) => rtune_config::Device::Cuda(dist.gpu(n)),
             d => d,
         })?;
-        // The settings a resume checks, and the ranks agree on (hashing the data files once).
-        let mut settings = setup::settings(cfg)?;
         // The ranks agree on what they run before anything loads, so a rank that differs is
         // refused at once, not after the load. With `[distributed] shard_base` (this rank keeps
         // its shard of the base, gathering through the world; a single process runs the same
@@ -51,16 +49,21 @@ impl<'a> Trainer<'a> {
         // preference run's reference pass gather layers before the start-up's barrier
         // (`join_ranks`): ranks that differ would wait on each other's different gathers
         // instead. So also `shard_base` and the kept layers, or the gathers would pair up
-        // wrongly (the settings leave `[distributed]` out: it may change on resume).
-        let d = &cfg.distributed;
-        let mut mine = agreement(cfg, &settings);
-        mine.insert("distributed.shard_base".into(), d.shard_base.to_string());
-        mine.insert(
-            "distributed.keep_gathered_layers".into(),
-            d.keep_gathered_layers.to_string(),
-        );
-        rtune_dist::check_agreement(&dist.world, &mine)
-            .map_err(|d| rtune_dist::DistError::Ranks(Box::new(d)))?;
+        // wrongly (the settings leave `[distributed]` out: it may change on resume). The
+        // settings (which hash the data) are made once; a file they cannot read is left to the
+        // loader below, whose error names it (this rank's error then ends the job).
+        let early = dist.world.is_distributed().then(|| setup::settings(cfg));
+        if let Some(Ok(settings)) = &early {
+            let d = &cfg.distributed;
+            let mut mine = agreement(cfg, settings);
+            mine.insert("distributed.shard_base".into(), d.shard_base.to_string());
+            mine.insert(
+                "distributed.keep_gathered_layers".into(),
+                d.keep_gathered_layers.to_string(),
+            );
+            rtune_dist::check_agreement(&dist.world, &mine)
+                .map_err(|d| rtune_dist::DistError::Ranks(Box::new(d)))?;
+        }
         // The next collective follows the model's load, each rank at its disk's pace.
         dist.world.expect_long("the start-up (loading the model)");
         if cfg.distributed.shard_base && !dist.world.is_distributed() {
@@ -82,6 +85,10 @@ impl<'a> Trainer<'a> {
             pad_id,
             initial,
         } = prepare(cfg, &dev, shard.as_ref())?;
+        let mut settings = match early {
+            Some(Ok(s)) => s,
+            _ => setup::settings(cfg)?,
+        };
         dist.add_settings(&mut settings);
         model.offload_checkpoints = cfg.train.offload_checkpoints;
         model.set_keep_gathered(cfg.distributed.keep_gathered_layers);
