@@ -229,15 +229,10 @@ fn two_ranks_train_the_adapter_of_one_process_with_twice_the_accumulation() {
     );
 }
 
-/// DPO on two ranks equals one process with twice the accumulation, bit for bit: each rank
-/// computes the reference log-probs of every pair (the same numbers), its micro-batch's share of
-/// the loss normalised by the whole step's pairs, and the reward metrics are summed over the
-/// ranks before they are reported.
-#[test]
-fn two_ranks_train_dpo_as_one_process_with_twice_the_accumulation() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("pairs.jsonl");
-    let rows: String = (0..8u32)
+/// `n` pre-tokenized preference pairs written to `dir/name`.
+fn pairs(dir: &Path, name: &str, n: u32) -> PathBuf {
+    let p = dir.join(name);
+    let rows: String = (0..n)
         .map(|i| {
             format!(
                 "{{\"prompt_ids\":[1,{},{}],\"chosen_ids\":[{},{},2],\"rejected_ids\":[{},2]}}\n",
@@ -249,7 +244,18 @@ fn two_ranks_train_dpo_as_one_process_with_twice_the_accumulation() {
             )
         })
         .collect();
-    std::fs::write(&data, rows).unwrap();
+    std::fs::write(&p, rows).unwrap();
+    p
+}
+
+/// DPO on two ranks equals one process with twice the accumulation, bit for bit: each rank
+/// computes the reference log-probs of every pair (the same numbers), its micro-batch's share of
+/// the loss normalised by the whole step's pairs, and the reward metrics are summed over the
+/// ranks before they are reported.
+#[test]
+fn two_ranks_train_dpo_as_one_process_with_twice_the_accumulation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = pairs(tmp.path(), "pairs.jsonl", 8);
     let dpo = |name: &str, grad_accum: usize| {
         let cfg = config(tmp.path(), name, grad_accum, 4, &data);
         let text = std::fs::read_to_string(&cfg).unwrap();

@@ -392,24 +392,10 @@ fn a_rank_without_shard_base_is_refused_before_loading() {
 #[test]
 fn a_sharded_dpo_run_agrees_on_the_reference_cache_and_on_the_pairs() {
     let tmp = tempfile::tempdir().unwrap();
-    let pairs = |name: &str, n: u32| {
-        let p = tmp.path().join(name);
-        let rows: String = (0..n)
-            .map(|i| {
-                format!(
-                    "{{\"prompt_ids\":[1,{},{}],\"chosen_ids\":[{},{},2],\"rejected_ids\":[{},2]}}\n",
-                    10 + i,
-                    20 + 3 * i,
-                    40 + i,
-                    50 + 2 * i,
-                    70 + i
-                )
-            })
-            .collect();
-        std::fs::write(&p, rows).unwrap();
-        p
-    };
-    let (data, more) = (pairs("pairs.jsonl", 8), pairs("more.jsonl", 9));
+    let (data, more) = (
+        pairs(tmp.path(), "pairs.jsonl", 8),
+        pairs(tmp.path(), "more.jsonl", 9),
+    );
     let dpo = |name: &str, out: &str, grad_accum: usize, data: &Path, extra: &str| {
         let cfg = config(tmp.path(), name, grad_accum, 4, data);
         let text = std::fs::read_to_string(&cfg)
