@@ -700,15 +700,11 @@ fn split(items: &[Item]) -> (u64, u64) {
     })
 }
 
-/// Predicts the peak resident memory of training `c` with `s`, on the attention path the model
-/// takes for rows of `s.seq_len` tokens ([`attn_path`]; the plain one for soft-capped scores,
-/// which the tiled path does not have: Gemma 2).
+/// Predicts the peak resident memory of training `c` with `s` on the CPU, on the attention path
+/// the model takes for rows of `s.seq_len` tokens ([`attn_path`]; soft-capped scores, Gemma 2's,
+/// take it too: the tiled kernels cap them).
 pub fn estimate(c: &ModelConfig, s: &Settings) -> Estimate {
-    let path = match c.variant.attn_softcap {
-        Some(_) => AttnPath::Plain,
-        None => attn_path(s.seq_len),
-    };
-    estimate_on(c, s, path)
+    estimate_on(c, s, attn_path(s.seq_len))
 }
 
 /// [`estimate`] on the attention path `path`.

@@ -535,10 +535,11 @@ impl Model {
             sin,
             mask,
             sliding,
-            // Soft-capped scores run on the plain path only (the tiled kernels have no cap).
+            // Soft-capped scores: the CPU's tiled kernels cap them, the CUDA flash kernel does not
+            // (the plain path there).
             path: match shape.softcap {
-                Some(_) => ops::AttnPath::Plain,
-                None => ops::AttnPath::for_shape(&self.device, inp.t, Some(self.cfg.head_dim))?,
+                Some(_) if !self.device.is_cpu() => ops::AttnPath::Plain,
+                _ => ops::AttnPath::for_shape(&self.device, inp.t, Some(self.cfg.head_dim))?,
             },
             shape,
             local_rope,

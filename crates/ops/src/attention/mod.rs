@@ -5,7 +5,7 @@
 //! forms the `(T, T)` scores.
 //!
 //! The op's files: this one (what the model calls), `mask.rs` (causal, windowed and segment
-//! masks), `softmax.rs`, `softcap.rs` (Gemma 2's soft-capped scores, plain path only), `cpu.rs`, `tiled.rs`, `reference.rs` (plain formulations; `flash_ref.rs`:
+//! masks), `softmax.rs`, `softcap.rs` (Gemma 2's soft-capped scores on the plain path; `tiled.rs` caps in its kernels), `cpu.rs`, `tiled.rs`, `reference.rs` (plain formulations; `flash_ref.rs`:
 //! the tiled kernels' CPU reference with their tiling), `softmax_cuda.rs`, `flash_kernel.rs`,
 //! `flash_cuda.rs`, `check.rs` and `flash_check.rs` (for `rtune selftest`), `tests.rs`.
 
@@ -206,17 +206,13 @@ pub fn attention_tiled_kept(
     starts: &Tensor,
     kept: Option<KeptAttn>,
 ) -> Result<(Tensor, AttnCache)> {
-    if let Some(cap) = s.softcap {
-        candle_core::bail!(
-            "attention: soft-capped scores (cap {cap}) run on the plain path only, not the tiled one"
-        );
-    }
     let (q, k, v) = tiled_inputs(q, k, v, s, cos, sin)?;
     let kept = match kept {
         Some(kept) => kept,
         None => {
             // o: (B, T, H, Dh) = (N, H·Dh) as it comes
-            let (o, lse) = crate::attention::tiled::flash_attn(&q, &k, &v, starts, s.scale)?;
+            let (o, lse) =
+                crate::attention::tiled::flash_attn(&q, &k, &v, starts, s.scale, s.softcap)?;
             let o = o.reshape((s.b * s.t, s.heads * s.head_dim))?;
             KeptAttn { o, lse }
         }
@@ -279,7 +275,8 @@ pub struct AttnShape {
     /// `1/√query_pre_attn_scalar`.
     pub scale: f64,
     /// Gemma 2's `attn_logit_softcapping`: scaled scores become `cap·tanh(s/cap)`
-    /// ([`softcap`]). Only the plain path has it ([`attention_tiled`] refuses it).
+    /// ([`softcap`]; the tiled path on the CPU computes it in its kernels, the CUDA flash kernel
+    /// does not have it).
     pub softcap: Option<f64>,
 }
 
@@ -420,6 +417,7 @@ pub fn attention_backward(
                 &d_out.reshape(bthd)?,
                 starts,
                 scale,
+                s.softcap,
             )?;
             let dq = crate::rope::apply_backward(&dq, cos, sin)?;
             let dk = crate::rope::apply_backward(&dk, cos, sin)?;

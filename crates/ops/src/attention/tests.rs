@@ -44,6 +44,8 @@ struct AttnCase {
     dims: (usize, usize, usize, usize, usize),
     window: Option<usize>,
     packed: Option<Vec<Vec<usize>>>,
+    /// Gemma 2's soft cap of the scaled scores.
+    softcap: Option<f64>,
     what: &'static str,
 }
 
@@ -51,7 +53,8 @@ struct AttnCase {
 /// (rounded through bf16 first when `via_bf16`).
 fn attend_on(c: &AttnCase, dt: DType, path: crate::AttnPath, via_bf16: bool) -> [Tensor; 4] {
     let (b, t, h, hkv, dh) = c.dims;
-    let s = crate::AttnShape::new(b, t, h, hkv, dh);
+    let mut s = crate::AttnShape::new(b, t, h, hkv, dh);
+    s.softcap = c.softcap;
     let n = b * t;
     let cast = |x: Tensor| {
         let x = if via_bf16 { bf16(&x) } else { x };
@@ -137,37 +140,58 @@ fn tiled_attention_matches_plain() {
             dims: (2, 77, 8, 2, 16),
             window: None,
             packed: None,
+            softcap: None,
             what: "causal GQA 8/2",
         },
         AttnCase {
             dims: (1, 130, 4, 1, 24),
             window: None,
             packed: None,
+            softcap: None,
             what: "causal MQA",
         },
         AttnCase {
             dims: (2, 12, 4, 2, 8),
             window: Some(5),
             packed: None,
+            softcap: None,
             what: "sliding window 5 over 12",
         },
         AttnCase {
             dims: (2, 141, 4, 2, 16),
             window: Some(50),
             packed: None,
+            softcap: None,
             what: "sliding window 50 over 141",
         },
         AttnCase {
             dims: (2, 99, 4, 2, 16),
             window: None,
             packed: Some(vec![vec![30, 50, 19], vec![1, 70, 28]]),
+            softcap: None,
             what: "packed rows of 3 samples",
         },
         AttnCase {
             dims: (2, 99, 4, 1, 16),
             window: Some(20),
             packed: Some(vec![vec![10, 60, 29], vec![65, 33, 1]]),
+            softcap: None,
             what: "packed rows of 3 samples, window 20, MQA",
+        },
+        // Gemma 2: soft-capped scores (cap 1.5 bends most of these), alone and with a window.
+        AttnCase {
+            dims: (2, 141, 4, 2, 16),
+            window: None,
+            packed: None,
+            softcap: Some(1.5),
+            what: "soft cap 1.5, GQA 4/2",
+        },
+        AttnCase {
+            dims: (2, 99, 4, 2, 16),
+            window: Some(20),
+            packed: Some(vec![vec![10, 60, 29], vec![65, 33, 1]]),
+            softcap: Some(1.5),
+            what: "soft cap 1.5, packed, window 20",
         },
     ];
     for c in &cases {
@@ -186,13 +210,22 @@ fn tiled_attention_bf16_matches_plain_within_its_rounding() {
             dims: (2, 77, 8, 2, 16),
             window: None,
             packed: None,
+            softcap: None,
             what: "bf16 causal GQA 8/2",
         },
         AttnCase {
             dims: (2, 99, 4, 1, 16),
             window: Some(20),
             packed: Some(vec![vec![10, 60, 29], vec![65, 33, 1]]),
+            softcap: None,
             what: "bf16 packed, window, MQA",
+        },
+        AttnCase {
+            dims: (2, 141, 4, 2, 16),
+            window: Some(50),
+            packed: None,
+            softcap: Some(1.5),
+            what: "bf16 soft cap 1.5, window 50",
         },
     ] {
         let truth = attend_on(&c, DType::F32, crate::AttnPath::Plain, true);
@@ -220,9 +253,10 @@ fn tiled_attention_under_autocast_rounds_its_operands_to_bf16() {
     let r = |x: &Tensor| bf16(x).to_dtype(DType::F32).unwrap();
     let (qr, kr, vr, d_or) = (r(&q), r(&k), r(&v), r(&d_o));
     let run = |[q, k, v, d_o]: [&Tensor; 4]| -> [Tensor; 5] {
-        let (o, lse) = crate::attention::tiled::flash_attn(q, k, v, &starts, 0.25).unwrap();
+        let (o, lse) = crate::attention::tiled::flash_attn(q, k, v, &starts, 0.25, None).unwrap();
         let (dq, dk, dv) =
-            crate::attention::tiled::flash_attn_bwd(q, k, v, &o, &lse, d_o, &starts, 0.25).unwrap();
+            crate::attention::tiled::flash_attn_bwd(q, k, v, &o, &lse, d_o, &starts, 0.25, None)
+                .unwrap();
         [o, lse, dq, dk, dv]
     };
     let names = ["o", "lse", "dq", "dk", "dv"];
@@ -270,9 +304,10 @@ fn tiled_attention_under_autocast_rounds_p_and_ds() -> Result<()> {
     let starts = Tensor::zeros((1, t), DType::U32, &Device::Cpu)?;
     let (o, lse, got) = {
         let _autocast = rtune_backend::blas::autocast::scope(true);
-        let (o, lse) = crate::attention::tiled::flash_attn(&q, &k, &v, &starts, scale)?;
-        let g =
-            crate::attention::tiled::flash_attn_bwd(&q, &k, &v, &o, &lse, &d_o, &starts, scale)?;
+        let (o, lse) = crate::attention::tiled::flash_attn(&q, &k, &v, &starts, scale, None)?;
+        let g = crate::attention::tiled::flash_attn_bwd(
+            &q, &k, &v, &o, &lse, &d_o, &starts, scale, None,
+        )?;
         (o, lse, g)
     };
     let r = |x: &Tensor| bf16(x).to_dtype(DType::F32);
@@ -315,13 +350,13 @@ fn tiled_attention_bad_inputs_are_errors() {
     let q = randn(&[1, 4, 10, 8], 1, 1.0);
     let k = randn(&[1, 2, 10, 8], 2, 1.0);
     let starts = Tensor::new(&[[0u32, 0, 0, 0, 0, 0, 0, 0, 9, 9]], &Device::Cpu).unwrap();
-    let e = crate::attention::tiled::flash_attn(&q, &k, &k, &starts, 0.3).unwrap_err();
+    let e = crate::attention::tiled::flash_attn(&q, &k, &k, &starts, 0.3, None).unwrap_err();
     assert!(format!("{e}").contains("query 8 starts at key 9"), "{e}");
     let k3 = randn(&[1, 3, 10, 8], 2, 1.0);
-    let e = crate::attention::tiled::flash_attn(&q, &k3, &k3, &starts, 0.3).unwrap_err();
+    let e = crate::attention::tiled::flash_attn(&q, &k3, &k3, &starts, 0.3, None).unwrap_err();
     assert!(format!("{e}").contains("Hkv dividing H"), "{e}");
     let short = Tensor::new(&[[0u32, 1, 2]], &Device::Cpu).unwrap();
-    let e = crate::attention::tiled::flash_attn(&q, &k, &k, &short, 0.3).unwrap_err();
+    let e = crate::attention::tiled::flash_attn(&q, &k, &k, &short, 0.3, None).unwrap_err();
     assert!(format!("{e}").contains("`starts`"), "{e}");
 }
 
@@ -384,16 +419,8 @@ fn softcapped_attention_matches_autograd() {
     let mut s = AttnShape::new(2, 5, 4, 2, 6);
     s.scale = 1.0 / 20f64.sqrt();
     s.softcap = Some(1.5);
-    attention_matches_autograd_for(s.clone());
-    // The tiled path has no cap: refused, not run without it.
-    let x = randn(&[10, 24], 1, 1.0);
-    let kv = randn(&[10, 12], 2, 1.0);
-    let inv: Vec<f32> = vec![1.0, 0.1, 0.01];
-    let pos: Vec<u32> = (0..10).map(|i| i % 5).collect();
-    let (cos, sin) = crate::rope::tables(&inv, &pos, 2, 5, DType::F32, &Device::Cpu).unwrap();
-    let starts = Tensor::zeros((1, 5), DType::U32, &Device::Cpu).unwrap();
-    let e = crate::attention_tiled(&x, &kv, &kv, &s, &cos, &sin, &starts).unwrap_err();
-    assert!(e.to_string().contains("plain path"), "{e}");
+    attention_matches_autograd_for(s);
+    // The tiled path caps in its kernels: `tiled_attention_matches_plain`'s soft-capped cases.
 }
 
 /// The model's attention (both ways of getting the probabilities in backward) against candle's

@@ -11,6 +11,14 @@
 //! Backward (FA-2): `D = rowsum(dO ∘ O)`; per key tile recompute `P = e^(S·scale − L)` and
 //! `dP = dO·Vᵀ`, then `dS = P ∘ (dP − D)·scale`, `dQ += dS·K`, `dK += dSᵀ·Q`, `dV += Pᵀ·dO`.
 //!
+//! Soft-capped scores (Gemma 2's `attn_logit_softcapping`, `cap`): the scaled score `s = S·scale`
+//! becomes `z = cap·tanh(s/cap)` before the online softmax (the log-sum-exp is of `z`); the
+//! backward recomputes `t = tanh(s/cap)` with `P = e^(z − L)` and takes
+//! `dS = P ∘ (dP − D) ∘ (1 − t²)·scale`. In f32 throughout (the plain path, [`super::softcap`],
+//! rounds each step to the compute dtype as torch's eager ops do: the two differ by that rounding
+//! in bf16, not at all in f32 beyond summation order). Memory stays O(T): Gemma 2 at 2048 tokens no
+//! longer needs the `T × T` scores of the plain path.
+//!
 //! Visibility is one run of keys per query, given as `starts: (B or 1, T)` u32: query `i` of row
 //! `r` sees keys `starts[r, i] ..= i` — causal, with Mistral's sliding window (`start ≥ i + 1 − w`)
 //! and packed rows (`start ≥` the first position of the query's sample) folded in by
@@ -177,8 +185,10 @@ pub fn flash_attn(
     v: &Tensor,
     starts: &Tensor,
     scale: f64,
+    softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
     let op = "flash_attn";
+    let cap = check_cap(op, softcap)?;
     rtune_backend::blas::layout_audit::call(op, q.dims(), k.dims());
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
@@ -190,6 +200,7 @@ pub fn flash_attn(
     );
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
+        no_cuda_cap(op, cap)?;
         return super::flash_cuda::fwd(&d.kernel_shape(), [&q, &k, &v, &starts], scale, dt);
     }
     let round = autocast_rounds(dt);
@@ -209,7 +220,7 @@ pub fn flash_attn(
             host(op, "k", &sk, lk)?,
             host(op, "v", &sv, lv)?,
             st,
-            (scale as f32, round),
+            (scale as f32, cap, round),
         );
         (Tensor::from_vec(o, shape, dev)?, lse)
     });
@@ -231,8 +242,10 @@ pub fn flash_attn_bwd(
     d_o: &Tensor,
     starts: &Tensor,
     scale: f64,
+    softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "flash_attn_bwd";
+    let cap = check_cap(op, softcap)?;
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(
         op,
@@ -266,6 +279,7 @@ pub fn flash_attn_bwd(
     let (q, k, v, o, lse, d_o, starts) = (c(q)?, c(k)?, c(v)?, c(o)?, c(lse)?, c(d_o)?, c(starts)?);
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
+        no_cuda_cap(op, cap)?;
         let x = [&q, &k, &v, &o, &d_o];
         return super::flash_cuda::bwd(&d.kernel_shape(), x, &lse, &starts, scale, dt);
     }
@@ -297,7 +311,7 @@ pub fn flash_attn_bwd(
             ],
             lse_h,
             st,
-            (scale as f32, round),
+            (scale as f32, cap, round),
         );
         Ok((
             Tensor::from_vec(dq, (d.b, d.h, d.t, d.dh), dev)?,
@@ -305,6 +319,31 @@ pub fn flash_attn_bwd(
             Tensor::from_vec(dv, kv_shape, dev)?,
         ))
     })
+}
+
+/// The soft cap as the kernels take it: `0` for none, else a finite positive `cap`.
+fn check_cap(op: &str, softcap: Option<f64>) -> Result<f32> {
+    match softcap {
+        None => Ok(0.0),
+        Some(c) if c.is_finite() && c > 0.0 => Ok(c as f32),
+        Some(c) => bail!("{op}: soft cap {c} must be finite and positive"),
+    }
+}
+
+/// The CUDA flash kernel has no soft cap: the model runs capped scores on the plain path there.
+#[cfg(feature = "cuda")]
+fn no_cuda_cap(op: &str, cap: f32) -> Result<()> {
+    if cap > 0.0 {
+        bail!("{op}: soft-capped scores (cap {cap}) are not in the CUDA flash kernel; use the plain path");
+    }
+    Ok(())
+}
+
+/// `z = cap·tanh(s/cap)` of the scaled scores in place (`cap > 0`).
+#[inline(always)]
+fn cap_scores(s: &mut [f32], cap: f32) {
+    let inv = 1.0 / cap;
+    s.iter_mut().for_each(|x| *x = cap * (*x * inv).tanh());
 }
 
 /// `Σ a[i]·b[i]` over [`LANES`] partial sums.
@@ -515,6 +554,8 @@ struct Fwd<'a, T> {
     v: &'a [T],
     st: &'a [u32],
     scale: f32,
+    /// The soft cap of the scaled scores; 0: none.
+    cap: f32,
     /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
 }
@@ -567,6 +608,9 @@ impl<T: Elem> Task for Fwd<'_, T> {
                     }
                     let vis = &mut row[c0..c1];
                     vis.iter_mut().for_each(|x| *x *= self.scale);
+                    if self.cap > 0.0 {
+                        cap_scores(vis, self.cap);
+                    }
                     let mt = max(vis);
                     let mn = if mt > m[r] { mt } else { m[r] };
                     // m[r] = −∞ before the first visible key: alpha = 0 (acc and l are 0 anyway).
@@ -602,15 +646,15 @@ impl<T: Elem> Task for Fwd<'_, T> {
 }
 
 /// The forward loops: `(o, lse)`, `(B, T, H, Dh)` and `(B, T, H)`.
-/// `(scale, round)`: the score scale and whether `P` (and `dS`) are rounded to bf16 before their
-/// products (autocast; the inputs arrive rounded).
+/// `(scale, cap, round)`: the score scale, the soft cap (0: none) and whether `P` (and `dS`) are
+/// rounded to bf16 before their products (autocast; the inputs arrive rounded).
 fn forward<T: Elem>(
     d: &Dims,
     q: &[T],
     k: &[T],
     v: &[T],
     st: &[u32],
-    (scale, round): (f32, bool),
+    (scale, cap, round): (f32, f32, bool),
 ) -> (Vec<T>, Vec<f32>) {
     let (t, hd) = (d.t, d.h * d.dh);
     let mut o = vec![T::of(0.0); d.b * t * hd];
@@ -636,6 +680,7 @@ fn forward<T: Elem>(
         v,
         st,
         scale,
+        cap,
         round,
     };
     // Latest query tiles first: under the causal mask they see the most keys.
@@ -654,6 +699,8 @@ struct Bwd<'a, T> {
     lse: &'a [f32],
     st: &'a [u32],
     scale: f32,
+    /// The soft cap of the scaled scores; 0: none.
+    cap: f32,
     /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
     /// Query tiles per task.
@@ -729,9 +776,19 @@ impl<T: Elem> Task for Bwd<'_, T> {
                     pr[c1..].fill(0.0);
                     dsr[..c0].fill(0.0);
                     dsr[c1..].fill(0.0);
-                    for (p, ds) in pr[c0..c1].iter_mut().zip(&mut dsr[c0..c1]) {
-                        *p = exp(*p * self.scale - lse[r]);
-                        *ds = *p * (*ds - dd[r]) * self.scale;
+                    if self.cap > 0.0 {
+                        // z = cap·t, t = tanh(s/cap): dz/ds = 1 − t².
+                        let inv = 1.0 / self.cap;
+                        for (p, ds) in pr[c0..c1].iter_mut().zip(&mut dsr[c0..c1]) {
+                            let t = (*p * self.scale * inv).tanh();
+                            *p = exp(self.cap * t - lse[r]);
+                            *ds = *p * (*ds - dd[r]) * (1.0 - t * t) * self.scale;
+                        }
+                    } else {
+                        for (p, ds) in pr[c0..c1].iter_mut().zip(&mut dsr[c0..c1]) {
+                            *p = exp(*p * self.scale - lse[r]);
+                            *ds = *p * (*ds - dd[r]) * self.scale;
+                        }
                     }
                     // dS from P as computed; the products take their bf16 values.
                     if self.round {
@@ -754,13 +811,14 @@ impl<T: Elem> Task for Bwd<'_, T> {
     }
 }
 
-/// The backward loops: `(dq, dk, dv)`. `x = [q, k, v, o, d_o]`; `(scale, round)` as [`forward`].
+/// The backward loops: `(dq, dk, dv)`. `x = [q, k, v, o, d_o]`; `(scale, cap, round)` as
+/// [`forward`].
 fn backward<T: Elem>(
     d: &Dims,
     x: [&[T]; 5],
     lse: &[f32],
     st: &[u32],
-    (scale, round): (f32, bool),
+    (scale, cap, round): (f32, f32, bool),
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let [q, k, v, o, d_o] = x;
     let (t, dh) = (d.t, d.dh);
@@ -799,6 +857,7 @@ fn backward<T: Elem>(
         lse,
         st,
         scale,
+        cap,
         round,
         tiles,
     };
