@@ -398,7 +398,20 @@ fn peft_export_and_checkpoints() {
     }
     let w = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
     assert_eq!(w(&out), w(&run));
-    assert_eq!(std::fs::read_dir(&out).unwrap().count(), 2);
+    // The adapter's two files and the marker `--force` checks.
+    let mut names: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            ".rtune-export",
+            "adapter_config.json",
+            "adapter_model.safetensors"
+        ]
+    );
 
     // An existing output is refused, then replaced with --force.
     let o = export(&["--run", &s(&run), "--format", "peft", "--out", &s(&out)]);

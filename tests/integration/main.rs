@@ -20,6 +20,9 @@
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row; `/`,
 //!   `$HOME` and a foreign directory refused as `[output] dir`, overwrite of only what rtune wrote;
+//! - `links`: issue 46's data-loss cases: planted symlinks in a run directory refused, `export
+//!   --force` replaces only what an export wrote, `$HOME` and symlinked outputs refused, a signal
+//!   during an export removes its staging directory;
 //! - `limits`: issue 35's start-up refusals beyond the corpus: a resume below its checkpoint's
 //!   step, `rtune check` reporting every check when some error, contradicting `rtune bench` flags;
 //! - `bad_inputs`: the bad-input corpus `tests/bad_inputs/*` (message and exit status each);
@@ -49,6 +52,7 @@ mod families;
 mod hardening;
 mod layering;
 mod limits;
+mod links;
 mod mlflow;
 mod packing;
 mod parity;

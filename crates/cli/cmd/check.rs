@@ -36,9 +36,19 @@ fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
     };
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
-    let tmp = check::temp_dir();
+    // The scratch directory has a predictable name under the shared temp dir: created afresh
+    // and exclusively (mkdir, 0700, never through a link another user planted there), and removed
+    // if a signal stops the check.
+    let staging = rtune_fsio::Staging::register(check::temp_dir());
+    let tmp = staging.path().to_path_buf();
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp)?;
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&tmp)
+            .map_err(|e| anyhow::anyhow!("{}: cannot create: {e}", tmp.display()))?;
+    }
     eprintln!(
         "{who}rtune check: {} on {} (scratch runs in {})",
         config.display(),

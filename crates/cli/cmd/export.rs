@@ -153,9 +153,10 @@ fn lock_run(dir: &std::path::Path) -> Result<Option<rtune_fsio::RunLock>> {
                     "in use by a training process (pid {pid} on {host}); export once it has \
                      finished, or copy a checkpoint-N directory elsewhere and export that"
                 )),
-                rtune_fsio::LockError::Io { op, source, .. } => {
-                    input(format!("cannot lock ({op}): {source}"))
-                }
+                rtune_fsio::LockError::Io { op, source, .. } => input(format!(
+                    "cannot lock ({op} {}): {source}",
+                    rtune_fsio::LOCK_FILE
+                )),
             },
         )?,
     )

@@ -111,6 +111,11 @@ impl Format {
             Format::GgufLora => "gguf-lora",
         }
     }
+
+    /// Whether the export is one file (else a directory).
+    pub fn writes_a_file(self) -> bool {
+        self == Format::GgufLora
+    }
 }
 
 /// What `rtune export` was asked to do.
@@ -149,8 +154,7 @@ pub struct Exported {
 /// Runs one export as asked.
 pub fn export(opts: &ExportOptions) -> Result<Exported> {
     let src = RunSource::open(&opts.run, opts.checkpoint, opts.base.as_deref())?;
-    let file_output = opts.format == Format::GgufLora;
-    out::check_destination(&opts.out, opts.force, file_output, &src.protected())?;
+    out::check_destination(&opts.out, opts.force, opts.format, &src.protected())?;
     src.verify()?;
     let mut warnings = src.warnings.clone();
     let files = match opts.format {
@@ -159,7 +163,7 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
                 Some(n) => n.clone(),
                 None => src.base_name(&mut warnings),
             };
-            out::stage_dir(&opts.out, src.privacy, |tmp| {
+            out::stage_dir(&opts.out, src.privacy, opts.format, |tmp| {
                 peft::export_peft(&src.adapter, tmp, &name, src.privacy)
             })?
         }
@@ -177,7 +181,7 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
                 max_shard_bytes: opts.max_shard_bytes,
                 dequantized,
             };
-            out::stage_dir(&opts.out, src.privacy, |tmp| {
+            out::stage_dir(&opts.out, src.privacy, opts.format, |tmp| {
                 merge::merge_into(base, &src.adapter, tmp, &mo, src.privacy).map(|r| r.files)
             })?
         }

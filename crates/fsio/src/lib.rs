@@ -2,12 +2,18 @@
 //!
 //! - [`write_atomic`]: temporary file, fsync, rename, fsync of the directory — a reader (or a resumed
 //!   run after `kill -9`) sees the old file or the new one, never half of one.
+//! - No write, truncate or create follows a symlink (issue 46): [`Privacy::create`] and
+//!   [`Privacy::append`] open with `O_NOFOLLOW`, [`write_atomic`]'s temporary is created with
+//!   `O_EXCL` (which never follows a link), and a link planted where rtune writes is refused with
+//!   [`LINK_REFUSED`] naming it. A link is never deleted either: it may be the user's.
 //! - [`Privacy`]: with `private = true` (the default) directories are created 0700 and files 0600;
 //!   training data and adapters are often personal.
 //! - [`sha256_file`]: checksums for checkpoint manifests and the run record.
 //! - [`RunLock`]: one process per run directory (`flock`, released when the process ends).
 //! - [`read_bounded`]: the one door for every file read whole: a cap per [`FileKind`], checked on
 //!   the open handle; devices and FIFOs refused.
+//! - [`Staging`]: what is built beside its final place, removed if a signal stops the process;
+//!   [`refuse_output`]: `/`, the home directory and symlinks are never an output.
 //! - [`plain_file_name`]: the rule for file names read from untrusted files (model indexes, hub
 //!   listings, GGUF metadata): one plain component inside the directory.
 //!
@@ -17,12 +23,14 @@
 mod lock;
 mod names;
 mod read;
+mod staging;
 
 pub use lock::{hostname, LockError, RunLock, LOCK_FILE};
 pub use names::plain_file_name;
 pub use read::{
     check_regular, open_regular, read_bounded, read_string_bounded, FileKind, ReadError,
 };
+pub use staging::{refuse_output, remove_staged, Staging};
 
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
@@ -40,6 +48,25 @@ pub struct IoError {
 }
 
 pub type Result<T> = std::result::Result<T, IoError>;
+
+/// What an error says of a symlink found where rtune writes (after the path and the op).
+pub const LINK_REFUSED: &str =
+    "is a symbolic link; rtune never writes, truncates or creates through one: remove the link";
+
+/// `O_NOFOLLOW`'s refusal (`ELOOP` on the last component) as [`LINK_REFUSED`]; other errors as
+/// they are.
+pub fn no_follow_error(e: std::io::Error) -> std::io::Error {
+    if e.raw_os_error() == Some(libc::ELOOP) {
+        std::io::Error::other(LINK_REFUSED)
+    } else {
+        e
+    }
+}
+
+/// Whether `path` itself (not what it points to) is a symbolic link.
+pub fn is_symlink(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink())
+}
 
 fn ctx<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -> IoError + 'a {
     move |source| IoError {
@@ -89,25 +116,40 @@ impl Privacy {
             .map_err(ctx(dir, "chmod"))
     }
 
-    /// A new file for writing (truncated), with this privacy's mode.
+    /// A new file for writing (truncated), with this privacy's mode. A symlink at `path` is
+    /// refused ([`LINK_REFUSED`]), never followed.
     pub fn create(self, path: &Path) -> Result<File> {
         OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .mode(self.file_mode())
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
-            .map_err(ctx(path, "create"))
+            .map_err(|e| ctx(path, "create")(no_follow_error(e)))
     }
 
-    /// An existing or new file for appending.
+    /// A file that must not exist yet (`O_EXCL`: not even as a dangling symlink).
+    pub fn create_new(self, path: &Path) -> Result<File> {
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(self.file_mode())
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| ctx(path, "create")(no_follow_error(e)))
+    }
+
+    /// An existing or new file for appending (or cutting back with `set_len`). A symlink at `path`
+    /// is refused ([`LINK_REFUSED`]), never followed.
     pub fn append(self, path: &Path) -> Result<File> {
         OpenOptions::new()
             .append(true)
             .create(true)
             .mode(self.file_mode())
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(path)
-            .map_err(ctx(path, "open"))
+            .map_err(|e| ctx(path, "open")(no_follow_error(e)))
     }
 }
 
@@ -130,17 +172,33 @@ fn injected_enospc(path: &Path) -> Result<()> {
 }
 
 /// Writes `bytes` to `path` through `path.tmp`: write, fsync, rename, fsync the directory.
+///
+/// The temporary is created with `O_EXCL`: a regular `path.tmp` left by a killed writer is removed
+/// first, a symlink there is refused ([`LINK_REFUSED`]) and left alone. The rename replaces a
+/// symlink at `path` itself, never what it points to.
 pub fn write_atomic(path: &Path, bytes: &[u8], privacy: Privacy) -> Result<()> {
     let tmp = with_suffix(path, ".tmp");
+    match std::fs::symlink_metadata(&tmp) {
+        Ok(m) if m.file_type().is_symlink() => {
+            return Err(IoError {
+                path: tmp,
+                op: "create",
+                source: std::io::Error::other(LINK_REFUSED),
+            })
+        }
+        Ok(m) if m.is_file() => std::fs::remove_file(&tmp).map_err(ctx(&tmp, "remove"))?,
+        _ => {}
+    }
     let res = (|| {
         injected_enospc(path)?;
-        let mut f = privacy.create(&tmp)?;
+        let mut f = privacy.create_new(&tmp)?;
         f.write_all(bytes).map_err(ctx(&tmp, "write"))?;
         f.sync_all().map_err(ctx(&tmp, "fsync"))?;
         std::fs::rename(&tmp, path).map_err(ctx(path, "rename"))?;
         fsync_dir(path.parent().unwrap_or(Path::new(".")))
     })();
-    if res.is_err() {
+    // Only a temporary this call created is removed (a planted link never is: see above).
+    if res.is_err() && !is_symlink(&tmp) {
         let _ = std::fs::remove_file(&tmp);
     }
     res
@@ -326,6 +384,65 @@ mod tests {
                 & 0o777,
             0o644
         );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A user's file behind a link planted where rtune writes: never written, truncated or
+    /// created through (issue 46).
+    #[test]
+    fn planted_links_are_refused_and_their_targets_untouched() {
+        let d = tmpdir("links");
+        std::fs::create_dir_all(&d).unwrap();
+        let victim = d.join("victim.txt");
+        std::fs::write(&victim, b"precious").unwrap();
+        let untouched = || assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+
+        // write_atomic: `run.json.tmp` -> victim.
+        let p = d.join("run.json");
+        std::os::unix::fs::symlink(&victim, with_suffix(&p, ".tmp")).unwrap();
+        let e = write_atomic(&p, b"new", Privacy::PRIVATE).unwrap_err();
+        assert!(e.to_string().contains("run.json.tmp"), "{e}");
+        assert!(e.to_string().contains(LINK_REFUSED), "{e}");
+        untouched();
+        assert!(
+            is_symlink(&with_suffix(&p, ".tmp")),
+            "the link is not ours to delete"
+        );
+        assert!(!p.exists());
+
+        // A dangling link: O_EXCL still refuses to create its target.
+        let q = d.join("q.json");
+        let absent = d.join("absent");
+        std::os::unix::fs::symlink(&absent, with_suffix(&q, ".tmp")).unwrap();
+        assert!(write_atomic(&q, b"new", Privacy::PRIVATE).is_err());
+        assert!(!absent.exists());
+
+        // create (truncating) and append (metrics.jsonl, cut back on resume).
+        for (name, open) in [
+            (
+                "events",
+                Privacy::create as fn(Privacy, &Path) -> Result<File>,
+            ),
+            ("metrics.jsonl", Privacy::append),
+        ] {
+            let link = d.join(name);
+            std::os::unix::fs::symlink(&victim, &link).unwrap();
+            let e = open(Privacy::PRIVATE, &link).unwrap_err();
+            assert!(e.to_string().contains(LINK_REFUSED), "{name}: {e}");
+            untouched();
+        }
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_stale_temporary_is_replaced() {
+        let d = tmpdir("stale");
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join("f.json");
+        std::fs::write(with_suffix(&p, ".tmp"), b"half of an old write").unwrap();
+        write_atomic(&p, b"whole", Privacy::PRIVATE).unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"whole");
+        assert!(!with_suffix(&p, ".tmp").exists());
         std::fs::remove_dir_all(&d).unwrap();
     }
 

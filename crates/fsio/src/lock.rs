@@ -7,13 +7,16 @@
 //! The kernel drops the lock with the process, so `kill -9` leaves nothing to clean up: the lock
 //! file may stay, but a stale file is never "held". The file records the holder's pid and host so a
 //! refused process can name them.
+//!
+//! The lock file is opened with `O_NOFOLLOW`: a symlink planted at `.rtune.lock` is refused, never
+//! truncated or written through (issue 46).
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::Privacy;
+use crate::{no_follow_error, Privacy};
 
 /// The lock file's name inside a run directory. Files rtune deletes or replaces in a run
 /// directory (an `overwrite` or an export) must leave it alone.
@@ -61,8 +64,9 @@ impl RunLock {
             .create(true)
             .truncate(false)
             .mode(privacy.file_mode())
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)
-            .map_err(io("open"))?;
+            .map_err(|e| io("open")(no_follow_error(e)))?;
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => return Err(held(dir, &mut file)),
@@ -99,15 +103,20 @@ impl RunLock {
             .create(true)
             .truncate(false)
             .mode(privacy.file_mode())
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path);
         let (mut file, writable) = match opened {
             Ok(f) => (f, true),
-            Err(e) if read_only(&e) => match File::open(&path) {
+            Err(e) if read_only(&e) => match OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&path)
+            {
                 Ok(f) => (f, false),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-                Err(e) => return Err(io("open")(e)),
+                Err(e) => return Err(io("open")(no_follow_error(e))),
             },
-            Err(e) => return Err(io("open")(e)),
+            Err(e) => return Err(io("open")(no_follow_error(e))),
         };
         match file.try_lock_shared() {
             Ok(()) => {}
@@ -223,6 +232,23 @@ mod tests {
         assert!(still_named(&second._file, second.path()));
         assert!(RunLock::acquire(&d, Privacy::PRIVATE).is_err());
         drop((stale, second));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_planted_lock_link_is_refused_by_writers_and_readers() {
+        let d = std::env::temp_dir().join(format!("rtune-lock-link-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let victim = d.join("victim.txt");
+        std::fs::write(&victim, b"precious").unwrap();
+        std::os::unix::fs::symlink(&victim, d.join(LOCK_FILE)).unwrap();
+        let e = RunLock::acquire(&d, Privacy::PRIVATE).unwrap_err();
+        assert!(e.to_string().contains(crate::LINK_REFUSED), "{e}");
+        assert!(e.to_string().contains(LOCK_FILE), "{e}");
+        let e = RunLock::acquire_shared(&d, Privacy::PRIVATE).unwrap_err();
+        assert!(e.to_string().contains(crate::LINK_REFUSED), "{e}");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

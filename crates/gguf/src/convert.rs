@@ -236,11 +236,37 @@ fn existing_ancestor(p: &Path) -> PathBuf {
     }
 }
 
+/// Refuses `out` before anything is read: it must not exist or be an empty directory of its own —
+/// not `/`, not the home directory (issue 46: an empty `$HOME` was replaced), not a symlink (one to
+/// an empty directory was converted into, then failed at the rename).
+fn check_output(out: &Path) -> Result<()> {
+    let refuse = |message: String| GgufError::File {
+        path: out.to_path_buf(),
+        message,
+    };
+    if let Some(why) = rtune_fsio::refuse_output(out) {
+        return Err(refuse(format!("{why} (the output directory)")));
+    }
+    if std::fs::symlink_metadata(out).is_ok() {
+        let empty = out.is_dir()
+            && std::fs::read_dir(out)
+                .map(|mut d| d.next().is_none())
+                .unwrap_or(false);
+        if !empty {
+            return Err(refuse(
+                "already exists; remove it or choose another output directory".into(),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Converts the llama or Gemma 3 GGUF at `gguf` into a Hugging Face directory `out`, which must not exist
 /// (or be empty). Everything is written into `out`'s sibling `.<name>.tmp-<pid>` first and renamed
 /// into place at the end; a failure removes it. Refuses before writing when the disk cannot hold
 /// the result.
 pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
+    check_output(out)?;
     let src = Source::open(gguf)?;
     let meta = src.meta();
     let cfg = hf_config(&meta, &src.facts())?;
@@ -255,18 +281,6 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
         message: format!("the tokenizer built from its metadata does not load: {e}"),
     })?;
 
-    if out.exists() {
-        let empty = out.is_dir()
-            && std::fs::read_dir(out)
-                .map(|mut d| d.next().is_none())
-                .unwrap_or(false);
-        if !empty {
-            return Err(GgufError::File {
-                path: out.to_path_buf(),
-                message: "already exists; remove it or choose another output directory".into(),
-            });
-        }
-    }
     let needed: u64 = planned
         .iter()
         .map(|p| (p.shape.iter().product::<usize>() * p.dtype.size_in_bytes()) as u64)
@@ -293,7 +307,10 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_else(|| "model".into());
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    // Removed by the binary's signal thread if SIGINT or SIGTERM stops the conversion.
+    let staging =
+        rtune_fsio::Staging::register(parent.join(format!(".{name}.tmp-{}", std::process::id())));
+    let tmp = staging.path().to_path_buf();
     let _ = std::fs::remove_dir_all(&tmp);
     let res = (|| -> Result<u64> {
         std::fs::create_dir_all(&tmp).map_err(|source| GgufError::Io {
@@ -354,7 +371,7 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
             },
         )?;
         rtune_fsio::fsync_dir(&tmp)?;
-        if out.exists() {
+        if std::fs::symlink_metadata(out).is_ok() {
             std::fs::remove_dir(out).map_err(|source| GgufError::Io {
                 path: out.to_path_buf(),
                 op: "remove empty directory",

@@ -223,11 +223,8 @@ fn quantized_tensors(
 fn write_file(out: &Path, md: &[(String, Value)], q: &[(String, QTensor)]) -> Result<()> {
     let tmp = rtune_fsio::with_suffix(out, ".tmp");
     let res = (|| -> Result<()> {
-        let mut file = std::fs::File::create(&tmp).map_err(|source| GgufError::Io {
-            path: tmp.clone(),
-            op: "create",
-            source,
-        })?;
+        // Never through a link planted at `out.tmp` (issue 46).
+        let mut file = rtune_fsio::Privacy::SHARED.create(&tmp)?;
         let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let t_refs: Vec<(&str, &QTensor)> = q.iter().map(|(k, v)| (k.as_str(), v)).collect();
         gguf_file::write(&mut file, &md_refs, &t_refs).map_err(|e| GgufError::File {

@@ -115,9 +115,14 @@ impl RepoCache {
         if let Some(parent) = p.parent() {
             std::fs::create_dir_all(parent).map_err(|e| io("create directory", e))?;
         }
-        let tmp = rtune_fsio::with_suffix(&p, ".tmp");
-        std::fs::write(&tmp, commit).map_err(|e| io("write", e))?;
-        std::fs::rename(&tmp, &p).map_err(|e| io("rename", e))
+        // Through the one atomic writer: never through a link planted at `.tmp` (issue 46).
+        rtune_fsio::write_atomic(&p, commit.as_bytes(), rtune_fsio::Privacy::SHARED).map_err(|e| {
+            HubError::Io {
+                path: e.path,
+                op: e.op,
+                source: e.source,
+            }
+        })
     }
 }
 

@@ -7,7 +7,6 @@
 //!
 //! Everything here only reads: the refusal comes before anything is written.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use crate::TrainError;
@@ -93,6 +92,20 @@ pub fn check(dir: &Path) -> Result<Found, TrainError> {
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
+    // A link where rtune writes (its lock, marker, record, metrics...) is refused before anything
+    // is written (issue 46): it may lead to a user's file. A directory holding only a linked
+    // lock file is not empty.
+    let own = OWN_NAMES.iter().chain(&RUN_FILES);
+    let with_tmp = own.flat_map(|n| [n.to_string(), format!("{n}.tmp")]);
+    if let Some(link) = with_tmp
+        .into_iter()
+        .find(|n| rtune_fsio::is_symlink(&real.join(n)))
+    {
+        return Err(refuse(
+            dir,
+            format!("holds {link}, which {}", rtune_fsio::LINK_REFUSED),
+        ));
+    }
     if entries.iter().all(|n| n == rtune_fsio::LOCK_FILE) {
         return Ok(Found::Empty);
     }
@@ -124,10 +137,26 @@ pub fn check(dir: &Path) -> Result<Found, TrainError> {
     Ok(Found::Run)
 }
 
-/// Whether `dir` carries rtune's marker, or a run.json that rtune wrote (a run from before the
-/// marker).
+/// Files of a run directory that a fresh run replaces.
+pub const RUN_FILES: [&str; 8] = [
+    "summary.json",
+    "samples.jsonl",
+    "loss.svg",
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "metrics.jsonl",
+    "config.toml",
+    "run.json",
+];
+
+/// The names rtune creates, truncates or appends to directly in a run directory besides
+/// [`RUN_FILES`] (checkpoints and TensorBoard events live in subdirectories of their own).
+const OWN_NAMES: [&str; 2] = [rtune_fsio::LOCK_FILE, RUN_MARKER];
+
+/// Whether `dir` carries rtune's marker (a plain file, not a link), or a run.json that rtune wrote
+/// (a run from before the marker).
 pub fn is_run(dir: &Path) -> bool {
-    if dir.join(RUN_MARKER).is_file() {
+    if std::fs::symlink_metadata(dir.join(RUN_MARKER)).is_ok_and(|m| m.is_file()) {
         return true;
     }
     read_json(&dir.join("run.json")).is_some_and(|v| {
@@ -180,14 +209,14 @@ pub fn is_own_checkpoint(dir: &Path) -> bool {
         .all(|n| CHECKPOINT_FILES[2..].contains(&n.as_str()))
 }
 
-/// A regular file's JSON, read up to [`MAX_JSON_BYTES`]; `None` for anything else.
+/// A regular file's JSON, read up to [`MAX_JSON_BYTES`]; `None` for anything else (a FIFO is
+/// not waited on).
 fn read_json(path: &Path) -> Option<serde_json::Value> {
-    let f = std::fs::File::open(path).ok()?;
-    if !f.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut bytes = Vec::new();
-    f.take(MAX_JSON_BYTES).read_to_end(&mut bytes).ok()?;
+    let kind = rtune_fsio::FileKind::Sized {
+        cap: MAX_JSON_BYTES,
+        name: "run record",
+    };
+    let bytes = rtune_fsio::read_bounded(path, kind).ok()?;
     serde_json::from_slice(&bytes).ok()
 }
 
@@ -265,6 +294,48 @@ mod tests {
         let file = d.join("file");
         std::fs::write(&file, "x").unwrap();
         assert!(message(check(&file)).contains("not a directory"));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Issue 46: a directory holding only a planted `.rtune.lock` link is not empty, and a run
+    /// with a link where rtune writes is refused before anything is written.
+    #[test]
+    fn planted_links_are_refused_at_the_check() {
+        let d = tmp("links");
+        let victim = d.join("victim.txt");
+        std::fs::write(&victim, "precious").unwrap();
+        let only_link = d.join("only-link");
+        std::fs::create_dir(&only_link).unwrap();
+        std::os::unix::fs::symlink(&victim, only_link.join(rtune_fsio::LOCK_FILE)).unwrap();
+        let m = message(check(&only_link));
+        assert!(
+            m.contains(".rtune.lock") && m.contains("symbolic link"),
+            "{m}"
+        );
+        let run = d.join("run");
+        std::fs::create_dir(&run).unwrap();
+        std::fs::write(run.join(RUN_MARKER), "").unwrap();
+        assert_eq!(check(&run).unwrap(), Found::Run);
+        std::os::unix::fs::symlink(&victim, run.join("run.json.tmp")).unwrap();
+        let m = message(check(&run));
+        assert!(
+            m.contains("run.json.tmp") && m.contains("symbolic link"),
+            "{m}"
+        );
+        std::fs::remove_file(run.join("run.json.tmp")).unwrap();
+        std::os::unix::fs::symlink(&victim, run.join("metrics.jsonl")).unwrap();
+        let m = message(check(&run));
+        assert!(
+            m.contains("metrics.jsonl") && m.contains("symbolic link"),
+            "{m}"
+        );
+        // A linked marker does not make a directory a run.
+        let fake = d.join("fake");
+        std::fs::create_dir(&fake).unwrap();
+        std::fs::write(fake.join("mine.txt"), "x").unwrap();
+        std::os::unix::fs::symlink(run.join(RUN_MARKER), fake.join(RUN_MARKER)).unwrap();
+        assert!(!is_run(&fake));
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

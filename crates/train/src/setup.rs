@@ -338,18 +338,6 @@ pub fn fault_nan_steps() -> Vec<usize> {
         .unwrap_or_default()
 }
 
-/// Files of a run directory that a fresh run replaces.
-pub const RUN_FILES: [&str; 8] = [
-    "summary.json",
-    "samples.jsonl",
-    "loss.svg",
-    "adapter_model.safetensors",
-    "adapter_config.json",
-    "metrics.jsonl",
-    "config.toml",
-    "run.json",
-];
-
 /// Makes `dir` (an rtune run directory, see `rundir::check`) ready for a fresh run: refuses to
 /// replace a finished or resumable run unless `overwrite`, then clears what the old run wrote —
 /// its files, its checkpoints, its TensorBoard events — and nothing else. The directory's mode is
@@ -380,7 +368,7 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy, created: bool) -> Result<
                 checkpoints[0].0
             )));
         }
-        for f in RUN_FILES {
+        for f in crate::rundir::RUN_FILES {
             let p = dir.join(f);
             if p.exists() {
                 std::fs::remove_file(&p).map_err(|e| out(format!("cannot remove old {f}: {e}")))?;

@@ -127,7 +127,10 @@ impl RunFiles {
                 "in use by another rtune process (pid {pid} on {host}); wait for it to finish, or \
                  use another [output] dir"
             )),
-            LockError::Io { op, source, .. } => out(format!("cannot lock ({op}): {source}")),
+            LockError::Io { op, source, .. } => out(format!(
+                "cannot lock ({op} {}): {source}",
+                rtune_fsio::LOCK_FILE
+            )),
         })?;
         self.lock = Some(lock);
         // The run's claim on the directory, from now on recognised as rtune's.
@@ -185,7 +188,7 @@ impl RunFiles {
         fresh_output(cfg, self.privacy, self.created_dir)?;
         // What an earlier run left under the remote prefix goes too (the claim allowed it).
         if let Some(remote) = self.remote.as_ref().filter(|_| cfg.output.overwrite) {
-            let mut files = crate::setup::RUN_FILES.to_vec();
+            let mut files = crate::rundir::RUN_FILES.to_vec();
             files.push(MLFLOW_JSON);
             remote
                 .clear_run(&files)
