@@ -1,4 +1,5 @@
-// Fused training-path ops, forward and backward: RMSNorm (norm.cuh), SwiGLU (swiglu.cuh), RoPE
+// Fused training-path ops, forward and backward: RMSNorm (norm.cuh), SwiGLU (swiglu.cuh), GeGLU
+// (geglu.cuh), RoPE
 // (rope.cuh), cross-entropy (ce.cuh), and the widening cast to f32 (cast.cuh), compiled as one
 // module (loaded once per context by rtune-backend's FusedKernels); this file holds the entry points.
 //
@@ -21,11 +22,12 @@
 // Launch shapes (crates/backend/src/launch.rs):
 //   row reductions (rms_norm_*, ce_fwd): one block per row (grid-stride over rows), blockDim.x a
 //     multiple of 32 and <= 1024;
-//   elementwise (swiglu_*, rope_*, ce_bwd): 256 threads, grid-stride loops.
+//   elementwise (swiglu_*, geglu_*, rope_*, ce_bwd): 256 threads, grid-stride loops.
 
 #include "common.cuh"
 #include "norm.cuh"
 #include "swiglu.cuh"
+#include "geglu.cuh"
 #include "rope.cuh"
 #include "ce.cuh"
 #include "cast.cuh"
@@ -52,6 +54,15 @@
         const T* __restrict__ dh, const T* __restrict__ g, const T* __restrict__ u,                 \
         T* __restrict__ out, long long n) {                                                         \
         swiglu_bwd<T>(dh, g, u, out, n);                                                            \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) geglu_fwd_##SUFFIX(                           \
+        const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ h, long long n) {         \
+        geglu_fwd<T>(g, u, h, n);                                                                   \
+    }                                                                                               \
+    extern "C" __global__ void __launch_bounds__(256) geglu_bwd_##SUFFIX(                           \
+        const T* __restrict__ dh, const T* __restrict__ g, const T* __restrict__ u,                 \
+        T* __restrict__ out, long long n) {                                                         \
+        geglu_bwd<T>(dh, g, u, out, n);                                                             \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256) rope_fwd_##SUFFIX(                            \
         const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin,              \

@@ -57,11 +57,13 @@ impl FusedFloat for f16 {
 }
 
 /// The kernels of `fused.cu`, then those of `attn.cu`, in [`FusedKernels`]' order (that of `K`).
-const KERNELS: [&str; 11] = [
+const KERNELS: [&str; 13] = [
     "rms_norm_fwd",
     "rms_norm_bwd",
     "swiglu_fwd",
     "swiglu_bwd",
+    "geglu_fwd",
+    "geglu_bwd",
     "rope_fwd",
     "rope_bwd",
     "ce_fwd",
@@ -71,7 +73,7 @@ const KERNELS: [&str; 11] = [
     "attn_softmax_bwd",
 ];
 /// How many of `KERNELS` are in `fused.ptx` (the rest are in `attn.ptx`).
-const IN_FUSED: usize = 9;
+const IN_FUSED: usize = 11;
 const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
 
 #[derive(Clone, Copy)]
@@ -80,6 +82,8 @@ pub enum K {
     RmsBwd,
     SwigluFwd,
     SwigluBwd,
+    GegluFwd,
+    GegluBwd,
     RopeFwd,
     RopeBwd,
     CeFwd,

@@ -7,11 +7,11 @@
 //! against its reference (`check.rs`) and the tests (`tests.rs`).
 //!
 //! - [`norm`]: RMSNorm (and Gemma's `(1 + w)` form). [`swiglu`]: SwiGLU. [`geglu`]: Gemma's
-//!   tanh-GELU gate. [`rope`]: rotate-half RoPE. [`ce`]: the cross-entropy
+//!   tanh-GELU gate (fused like SwiGLU). [`rope`]: rotate-half RoPE. [`ce`]: the cross-entropy
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
 //!   CUDA). [`add`]: sums that round once. [`lora`]: the LoRA up-projection added into the frozen
-//!   product. [`adamw`]: the multi-tensor optimizer kernel. [`nf4`]: NF4/FP4 dequantization on
+//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`nf4`]: NF4/FP4 dequantization on
 //!   CUDA (the CPU's is `rtune-quant`).
 //! - The engines under them (BLAS, oneDNN, the CPU dispatch, kernel images, the launch preamble,
 //!   float casts, dropout masks) are `rtune-backend`.

@@ -10,6 +10,7 @@ use rtune_backend::Result;
 
 use crate::attention::check::check_attn_softmax;
 use crate::ce::check::check_ce;
+use crate::geglu::check::check_geglu;
 use crate::norm::check::check_rms_norm;
 use crate::rope::check::check_rope;
 use crate::swiglu::check::check_swiglu;
@@ -65,6 +66,14 @@ fn self_test_type<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> Vec<SelfTest
         (
             format!("swiglu_{t} (1001)+5"),
             check_swiglu::<T>(s, 1001, 5, seed + 9),
+        ),
+        (
+            format!("geglu_{t} (2^20+3)"),
+            check_geglu::<T>(s, (1 << 20) + 3, 0, seed + 21),
+        ),
+        (
+            format!("geglu_{t} (1001)+5"),
+            check_geglu::<T>(s, 1001, 5, seed + 22),
         ),
         (
             format!("widen_{t} (2^20+5)"),

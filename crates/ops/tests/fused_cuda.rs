@@ -21,6 +21,7 @@ use rtune_backend::check::CheckResult;
 use rtune_backend::{FusedFloat, FusedKernels};
 use rtune_ops::attention::check::check_attn_softmax;
 use rtune_ops::ce::check::check_ce;
+use rtune_ops::geglu::check::check_geglu;
 use rtune_ops::norm::check::check_rms_norm;
 use rtune_ops::rope::check::check_rope;
 use rtune_ops::swiglu::check::check_swiglu;
@@ -120,6 +121,19 @@ fn swiglu_matches_reference() {
     for (i, &(n, off)) in sizes.iter().enumerate() {
         let sd = seed + i as u64;
         all.extend(each_type!(check_swiglu(&s, n, off, sd)));
+    }
+    report(all);
+}
+
+#[test]
+fn geglu_matches_reference() {
+    let Some(s) = gpu("geglu") else { return };
+    let seed = seed();
+    let sizes = [(1, 0), (7, 0), (4099, 0), (4096, 1), ((1 << 20) + 3, 0)];
+    let mut all = Vec::new();
+    for (i, &(n, off)) in sizes.iter().enumerate() {
+        let sd = seed + 100 + i as u64;
+        all.extend(each_type!(check_geglu(&s, n, off, sd)));
     }
     report(all);
 }

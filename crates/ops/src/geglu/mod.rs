@@ -4,14 +4,22 @@
 //! Backward: `dg = T(dh·u·gelu_tanh'(g))`, `du = T(dh·T(gelu_tanh(g)))` with
 //! `gelu_tanh'(x) = (1 + t)/2 + x/2·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²)`, `t` the tanh above.
 //!
-//! A chain of candle ops (f32 arithmetic, so the CPU and CUDA run the same formulation; no fused
-//! kernel yet): this file. `reference.rs` holds the f64 scalar formulation it is tested against.
+//! The op's files, as every fused op's: this one (what the model calls), `op.rs` (the candle ops),
+//! `cpu.rs` (the loops: the chain of candle ops it replaced, bit for bit), `reference.rs` (the f64
+//! formulation, that chain, and the kernels' f32 rounding), `cuda.rs` (launchers of
+//! `kernels/geglu.cuh`), `check.rs` (for `rtune selftest`), `tests.rs`.
 
+#[cfg(feature = "kernels")]
+pub mod check;
+pub(crate) mod cpu;
+#[cfg(feature = "kernels")]
+pub mod cuda;
+pub mod op;
 pub mod reference;
 #[cfg(test)]
 mod tests;
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 pub use reference::{geglu_backward_reference, geglu_reference};
 
@@ -20,37 +28,13 @@ const K: f64 = 0.797_884_560_802_865_4;
 /// The cubic coefficient of the tanh approximation.
 const C: f64 = 0.044_715;
 
-/// `tanh(√(2/π)·(x + 0.044715·x³))` of an f32 tensor.
-fn inner_tanh(x: &Tensor) -> Result<Tensor> {
-    let x3 = x.sqr()?.mul(x)?;
-    ((x + (x3 * C)?)? * K)?.tanh()
-}
-
-/// `gelu_tanh(g) · u` (transformers' `gelu_pytorch_tanh` gate). `g, u: (N, I)` of one dtype.
+/// `gelu_tanh(g) · u` (transformers' `gelu_pytorch_tanh` gate). `g, u: (N, I)` of one dtype
+/// (fused: [`crate::geglu::op::geglu`]).
 pub fn geglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    let dt = g.dtype();
-    let gf = g.to_dtype(DType::F32)?;
-    let t = inner_tanh(&gf)?;
-    // x/2·(1 + t), one rounding to the storage type as torch's gelu returns it.
-    let act = ((gf * 0.5)? * (t + 1.0)?)?.to_dtype(dt)?;
-    act.mul(u)
+    crate::geglu::op::geglu(g, u)
 }
 
-/// Returns `(dg, du)` for [`geglu`] given `dh: (N, I)`.
+/// Returns `(dg, du)` for [`geglu`] given `dh: (N, I)` (fused: [`crate::geglu::op::geglu_bwd`]).
 pub fn geglu_backward(dh: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
-    let dt = g.dtype();
-    let gf = g.to_dtype(DType::F32)?;
-    let t = inner_tanh(&gf)?;
-    let act = ((&gf * 0.5)? * (&t + 1.0)?)?;
-    let du = dh.mul(&act.to_dtype(dt)?)?;
-    // d/dx: (1 + t)/2 + x/2·(1 − t²)·K·(1 + 3C·x²)
-    let one_minus_t2 = (1.0 - t.sqr()?)?;
-    let poly = ((gf.sqr()? * (3.0 * C))? + 1.0)?;
-    let deriv = (((&t + 1.0)? * 0.5)? + ((&gf * (0.5 * K))? * one_minus_t2)?.mul(&poly)?)?;
-    let dg = dh
-        .to_dtype(DType::F32)?
-        .mul(&u.to_dtype(DType::F32)?)?
-        .mul(&deriv)?
-        .to_dtype(dt)?;
-    Ok((dg, du))
+    crate::geglu::op::geglu_bwd(dh, g, u)
 }
