@@ -4,9 +4,9 @@
 //! schedules of transformers (`get_{constant,linear,cosine}_schedule_with_warmup`) and global-norm
 //! clipping as `torch.nn.utils.clip_grad_norm_`.
 //!
-//! [`LoraOptimizer`] runs it over an adapter in one of two places. On the CPU: this file's [`AdamW`]
-//! on flat host vectors (the reference; every CPU run uses it, bit for bit as before the device
-//! path existed). When the adapter lives on a CUDA device (feature `cuda`): `optim/device.rs`, the
+//! [`LoraOptimizer`] runs it over an adapter in one of two places. On the CPU: [`AdamW`]
+//! (`rtune_ops::adamw::cpu`, beside the kernels) on flat host vectors (the reference; every CPU run
+//! uses it, bit for bit as before the device path existed). When the adapter lives on a CUDA device (feature `cuda`): `optim/device.rs`, the
 //! multi-tensor kernels of `rtune_ops::adamw` over all LoRA tensors at once, with the moments
 //! and master weights on the device and one host sync a step (the gradient norm). Their CPU
 //! reference, `rtune_ops::adamw`, is tested against [`AdamW`] in `optim/reference_tests.rs`.
@@ -20,78 +20,12 @@ use std::borrow::Cow;
 
 use crate::TrainError;
 
+pub use rtune_ops::adamw::{clip_factor, AdamW};
+
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(test)]
 mod reference_tests;
-
-/// Optimizer state for a flat list of parameters (f32, host).
-#[derive(Debug, Clone)]
-pub struct AdamW {
-    pub betas: (f64, f64),
-    pub eps: f64,
-    pub weight_decay: f64,
-    pub step: u64,
-    pub m: Vec<Vec<f32>>,
-    pub v: Vec<Vec<f32>>,
-}
-
-impl AdamW {
-    pub fn new(sizes: &[usize], betas: (f64, f64), eps: f64, weight_decay: f64) -> Self {
-        Self {
-            betas,
-            eps,
-            weight_decay,
-            step: 0,
-            m: sizes.iter().map(|&n| vec![0.0; n]).collect(),
-            v: sizes.iter().map(|&n| vec![0.0; n]).collect(),
-        }
-    }
-
-    /// One update of every parameter in place. `params[i]` and `grads[i]` have `sizes[i]` elements.
-    pub fn update(&mut self, params: &mut [Vec<f32>], grads: &[Vec<f32>], lr: f64) {
-        self.update_grouped(params, grads, lr, &[]);
-    }
-
-    /// [`update`](Self::update) with torch's parameter groups: tensor `i` trains at
-    /// `lr · lr_scale[i]` (missing entries: 1, as one group). A scale of 1 gives the same bits as
-    /// one group (`lr · 1.0 = lr`).
-    pub fn update_grouped(
-        &mut self,
-        params: &mut [Vec<f32>],
-        grads: &[Vec<f32>],
-        lr: f64,
-        lr_scale: &[f64],
-    ) {
-        self.step += 1;
-        let (b1, b2) = self.betas;
-        let t = self.step as i32;
-        let bc1 = 1.0 - b1.powi(t);
-        let bc2_sqrt = (1.0 - b2.powi(t)).sqrt();
-        let (w1, b2f, w2) = ((1.0 - b1) as f32, b2 as f32, (1.0 - b2) as f32);
-        let (eps, bc2_sqrt) = (self.eps as f32, bc2_sqrt as f32);
-        for (k, (((p, g), m), v)) in params
-            .iter_mut()
-            .zip(grads)
-            .zip(&mut self.m)
-            .zip(&mut self.v)
-            .enumerate()
-        {
-            let lr = lr * lr_scale.get(k).copied().unwrap_or(1.0);
-            let step_size = (lr / bc1) as f32;
-            let decay = (1.0 - lr * self.weight_decay) as f32;
-            for i in 0..p.len() {
-                if self.weight_decay != 0.0 {
-                    p[i] *= decay;
-                }
-                m[i] += w1 * (g[i] - m[i]);
-                v[i] = v[i] * b2f + w2 * g[i] * g[i];
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] -= step_size * m[i] / denom;
-            }
-        }
-    }
-}
 
 /// The multiplier of the base learning rate for optimizer step `step` (0-based), as transformers'
 /// schedulers give it (warmup ramps from 0 at step 0).
@@ -105,21 +39,6 @@ pub fn lr_factor(schedule: Schedule, step: usize, total: usize, warmup: usize) -
         Schedule::Linear => (1.0 - progress).max(0.0),
         Schedule::Cosine => (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0),
     }
-}
-
-/// The global L2 norm of all gradients (in f64), and the factor `clip_grad_norm_` scales them by.
-pub fn clip_factor(grads: &[Vec<f32>], max_norm: f64) -> (f64, f64) {
-    let sq: f64 = grads
-        .iter()
-        .flat_map(|g| g.iter())
-        .map(|&x| (x as f64) * (x as f64))
-        .sum();
-    let norm = sq.sqrt();
-    if max_norm <= 0.0 {
-        return (norm, 1.0);
-    }
-    let coef = max_norm / (norm + 1e-6);
-    (norm, coef.min(1.0))
 }
 
 /// Dynamic loss scaling for f16, as `torch.amp.GradScaler`: gradients are computed for
@@ -398,48 +317,6 @@ pub(crate) fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {
 mod tests {
     use super::*;
 
-    /// torch 2.x, the lines that produced the expected values:
-    /// ```python
-    /// p = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
-    /// opt = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    /// for g in ([0.5, -1.0, 2.0], [0.1, 0.2, -0.3]):
-    ///     p.grad = torch.tensor(g); opt.step()
-    /// print(p.tolist())  # [0.8177969455718994, -1.8449994325637817, 0.34388071298599243]
-    /// ```
-    /// Recomputed here by hand from the update rule: step 1 moves each weight by −lr·sign(g) after
-    /// decay; step 2 by −lr·m̂/√v̂.
-    #[test]
-    fn adamw_two_steps_by_hand() {
-        let mut p = vec![vec![1.0f32, -2.0, 0.5]];
-        let mut opt = AdamW::new(&[3], (0.9, 0.999), 1e-8, 0.01);
-        opt.update(&mut p, &[vec![0.5, -1.0, 2.0]], 0.1);
-        // step 1: p·(1 − 0.001) − 0.1·g/|g| (up to eps)
-        let want1 = [1.0 * 0.999 - 0.1, -2.0 * 0.999 + 0.1, 0.5 * 0.999 - 0.1];
-        for (a, b) in p[0].iter().zip(want1) {
-            assert!((a - b as f32).abs() < 1e-6, "{a} vs {b}");
-        }
-        opt.update(&mut p, &[vec![0.1, 0.2, -0.3]], 0.1);
-        let g1 = [0.5f64, -1.0, 2.0];
-        let g2 = [0.1f64, 0.2, -0.3];
-        for i in 0..3 {
-            let m = 0.9 * 0.1 * g1[i] + 0.1 * g2[i];
-            let v = 0.999 * 0.001 * g1[i] * g1[i] + 0.001 * g2[i] * g2[i];
-            let mhat = m / (1.0 - 0.9f64.powi(2));
-            let vhat = v / (1.0 - 0.999f64.powi(2));
-            let want = want1[i] * 0.999 - 0.1 * mhat / (vhat.sqrt() + 1e-8);
-            assert!(
-                (p[0][i] as f64 - want).abs() < 1e-5,
-                "{i}: {} vs {want}",
-                p[0][i]
-            );
-        }
-        let torch = [0.817_796_95f32, -1.844_999_4, 0.343_880_7];
-        for (a, b) in p[0].iter().zip(torch) {
-            // f32 arithmetic in a different order than torch's kernels: a few ulp.
-            assert!((a - b).abs() < 1e-6, "{a} vs torch {b}");
-        }
-    }
-
     /// LoRA+'s groups: in the first update every weight moves by lr·sign(g) (Adam's first step),
     /// so A moves by lr and B by lr·ratio; weight decay uses each group's lr. A ratio of 1 is the
     /// plain update, bit for bit.
@@ -563,15 +440,5 @@ mod tests {
         s.update(false);
         s.update(true);
         assert_eq!((s.scale, s.clean_steps), (32768.0, 0));
-    }
-
-    #[test]
-    fn clipping_as_torch() {
-        let g = vec![vec![3.0f32, 0.0], vec![4.0]];
-        let (n, c) = clip_factor(&g, 1.0);
-        assert!((n - 5.0).abs() < 1e-12);
-        assert!((c - 1.0 / (5.0 + 1e-6)).abs() < 1e-12);
-        assert_eq!(clip_factor(&g, 10.0).1, 1.0);
-        assert_eq!(clip_factor(&g, 0.0).1, 1.0);
     }
 }

@@ -11,8 +11,8 @@
 //! is the per-element update. Every step is an IEEE-rounded f32/f64 operation in the kernels'
 //! order (the kernels use `__fmul_rn`, `__dadd_rn`, … to forbid FMA contraction), so the kernels
 //! equal this reference bit for bit; [`AdamWScalars`] computes the step's scalars in f64 and
-//! rounds them to f32 exactly as `rtune_train::optim::AdamW::update` does, so the update equals
-//! that CPU optimizer's bit for bit, and the norm differs from its sequential f64 sum only in the
+//! rounds them to f32 exactly as [`AdamW::update`] (`cpu.rs`, the CPU optimizer) does, so the update
+//! equals it bit for bit, and the norm differs from its sequential f64 sum only in the
 //! order of the f64 additions.
 //!
 //! With the `cuda` feature, `cuda` holds the launchers ([`AdamWKernels`]) and `check` compares them
@@ -20,6 +20,8 @@
 
 #[cfg(feature = "kernels")]
 pub mod check;
+mod cpu;
+pub use cpu::{clip_factor, AdamW};
 #[cfg(feature = "kernels")]
 mod cuda;
 #[cfg(feature = "kernels")]
