@@ -1,5 +1,5 @@
-// Fused training-path ops, forward and backward: RMSNorm (norm.cuh), SwiGLU (swiglu.cuh), GeGLU
-// (geglu.cuh), RoPE
+// Fused training-path ops, forward and backward: RMSNorm (norm.cuh), the gated units (glu.cuh) with
+// SwiGLU's and GeGLU's activations (swiglu.cuh, geglu.cuh), RoPE
 // (rope.cuh), cross-entropy (ce.cuh), and the widening cast to f32 (cast.cuh), compiled as one
 // module (loaded once per context by rtune-backend's FusedKernels); this file holds the entry points.
 //
@@ -26,6 +26,7 @@
 
 #include "common.cuh"
 #include "norm.cuh"
+#include "glu.cuh"
 #include "swiglu.cuh"
 #include "geglu.cuh"
 #include "rope.cuh"
@@ -48,21 +49,21 @@
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256) swiglu_fwd_##SUFFIX(                          \
         const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ h, long long n) {         \
-        swiglu_fwd<T>(g, u, h, n);                                                                  \
+        glu_fwd<T, Silu>(g, u, h, n);                                                               \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256) swiglu_bwd_##SUFFIX(                          \
         const T* __restrict__ dh, const T* __restrict__ g, const T* __restrict__ u,                 \
         T* __restrict__ out, long long n) {                                                         \
-        swiglu_bwd<T>(dh, g, u, out, n);                                                            \
+        glu_bwd<T, Silu>(dh, g, u, out, n);                                                         \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256) geglu_fwd_##SUFFIX(                           \
         const T* __restrict__ g, const T* __restrict__ u, T* __restrict__ h, long long n) {         \
-        geglu_fwd<T>(g, u, h, n);                                                                   \
+        glu_fwd<T, GeluTanh>(g, u, h, n);                                                           \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256) geglu_bwd_##SUFFIX(                           \
         const T* __restrict__ dh, const T* __restrict__ g, const T* __restrict__ u,                 \
         T* __restrict__ out, long long n) {                                                         \
-        geglu_bwd<T>(dh, g, u, out, n);                                                             \
+        glu_bwd<T, GeluTanh>(dh, g, u, out, n);                                                     \
     }                                                                                               \
     extern "C" __global__ void __launch_bounds__(256) rope_fwd_##SUFFIX(                            \
         const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin,              \

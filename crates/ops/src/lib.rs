@@ -40,6 +40,7 @@ pub mod add;
 pub mod attention;
 pub mod ce;
 pub mod geglu;
+pub mod glu;
 pub mod lora;
 pub mod nf4;
 pub mod norm;

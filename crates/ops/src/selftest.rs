@@ -10,10 +10,9 @@ use rtune_backend::Result;
 
 use crate::attention::check::check_attn_softmax;
 use crate::ce::check::check_ce;
-use crate::geglu::check::check_geglu;
+use crate::glu::check::{check_geglu, check_swiglu};
 use crate::norm::check::check_rms_norm;
 use crate::rope::check::check_rope;
-use crate::swiglu::check::check_swiglu;
 use rtune_backend::cast::check::check_widen;
 
 /// Every kernel once per type (f32, bf16, f16) on fresh random inputs against the reference:

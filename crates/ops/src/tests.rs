@@ -53,7 +53,7 @@ fn inputs_at_an_offset_and_strided_inputs() {
     );
     let g = randn(&[7, 4], 23, 3.0).t().unwrap();
     let u = randn(&[4, 7], 24, 1.0);
-    let h = crate::swiglu::op::swiglu(&g, &u).unwrap();
+    let h = crate::swiglu::swiglu(&g, &u).unwrap();
     assert_f32(
         &h,
         &crate::swiglu::swiglu_reference(&g, &u).unwrap(),
@@ -76,10 +76,7 @@ fn bad_inputs_are_errors() {
         m.contains("rms_norm: `w` has shape [7], expected [8]"),
         "{m}"
     );
-    let m = msg(crate::swiglu::op::swiglu(
-        &x,
-        &x.to_dtype(DType::F64).unwrap(),
-    ));
+    let m = msg(crate::swiglu::swiglu(&x, &x.to_dtype(DType::F64).unwrap()));
     assert!(m.contains("swiglu: `u` is F64"), "{m}");
     let tgt = Tensor::new(&[1u32, 8, 2], &Device::Cpu).unwrap();
     let m = msg(crate::ce::op::ce_fwd(&x, &tgt));
@@ -115,13 +112,13 @@ fn every_instruction_set_gives_the_same_bits() {
         let (x, w, q, cos, sin, logits, sc) =
             (c(&x), c(&w), c(&q), c(&cos), c(&sin), c(&logits), c(&sc));
         let (dg, du) =
-            crate::swiglu::op::swiglu_bwd(&x, &x, &w.broadcast_as((9, 300)).unwrap()).unwrap();
+            crate::swiglu::swiglu_backward(&x, &x, &w.broadcast_as((9, 300)).unwrap()).unwrap();
         let stats = crate::ce::op::ce_fwd(&logits, &tgt).unwrap();
         let p = crate::attention::softmax::attn_softmax(&sc, &mask, 0.3).unwrap();
         [
             crate::norm::op::rms_norm(&x, &w, 1e-5).unwrap(),
             crate::norm::op::rms_norm_bwd(&x, &x, &w, 1e-5).unwrap(),
-            crate::swiglu::op::swiglu(&x, &x).unwrap(),
+            crate::swiglu::swiglu(&x, &x).unwrap(),
             dg,
             du,
             crate::rope::op::rope(&q, &cos, &sin).unwrap(),

@@ -21,10 +21,9 @@ use rtune_backend::check::CheckResult;
 use rtune_backend::{FusedFloat, FusedKernels};
 use rtune_ops::attention::check::check_attn_softmax;
 use rtune_ops::ce::check::check_ce;
-use rtune_ops::geglu::check::check_geglu;
+use rtune_ops::glu::check::{check_geglu, check_swiglu};
 use rtune_ops::norm::check::check_rms_norm;
 use rtune_ops::rope::check::check_rope;
-use rtune_ops::swiglu::check::check_swiglu;
 use rtune_ops::{norm, rope, selftest};
 use std::sync::Arc;
 

@@ -6,7 +6,8 @@
 use candle_core::{DType, Result, Tensor};
 use rtune_backend::Precision;
 
-use super::{C, K};
+use super::{GeluTanh, C, K};
+use crate::glu::Activation;
 
 /// `gelu_tanh(x) = x/2·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
 fn gelu_tanh(x: f64) -> f64 {
@@ -74,10 +75,7 @@ pub fn geglu_fwd(g: &[f32], u: &[f32], p: Precision) -> Vec<f32> {
     assert_eq!(g.len(), u.len());
     g.iter()
         .zip(u)
-        .map(|(&x, &u)| {
-            let t = super::cpu::inner_tanh(x);
-            p.round(p.round((x * 0.5) * (t + 1.0)) * u)
-        })
+        .map(|(&x, &u)| p.round(p.round(GeluTanh::fwd(x)) * u))
         .collect()
 }
 
@@ -88,9 +86,9 @@ pub fn geglu_bwd(dh: &[f32], g: &[f32], u: &[f32], p: Precision) -> Vec<f32> {
     let mut out = vec![0f32; 2 * n];
     let (dg, du) = out.split_at_mut(n);
     for i in 0..n {
-        let (x, t) = (g[i], super::cpu::inner_tanh(g[i]));
-        du[i] = p.round(dh[i] * p.round((x * 0.5) * (t + 1.0)));
-        dg[i] = p.round((dh[i] * u[i]) * super::cpu::deriv(x, t));
+        let (a, da) = GeluTanh::bwd(g[i]);
+        du[i] = p.round(dh[i] * p.round(a));
+        dg[i] = p.round((dh[i] * u[i]) * da);
     }
     out
 }

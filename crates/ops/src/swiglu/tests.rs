@@ -16,26 +16,26 @@ fn swiglu_matches_plain() {
         let g = randn(shape, s + 4, 12.0);
         let u = randn(shape, s + 5, 2.0);
         let dh = randn(shape, s + 6, 1.0);
-        let h = crate::swiglu::op::swiglu(&g, &u).unwrap();
+        let h = crate::swiglu::swiglu(&g, &u).unwrap();
         assert_f32(
             &h,
             &crate::swiglu::swiglu_reference(&g, &u).unwrap(),
             "swiglu f32",
         );
-        let (dg, du) = crate::swiglu::op::swiglu_bwd(&dh, &g, &u).unwrap();
+        let (dg, du) = crate::swiglu::swiglu_backward(&dh, &g, &u).unwrap();
         let (wg, wu) = crate::swiglu::swiglu_backward_reference(&dh, &g, &u).unwrap();
         assert_f32(&dg, &wg, "swiglu dg f32");
         assert_f32(&du, &wu, "swiglu du f32");
         assert!(dg.is_contiguous() && du.is_contiguous());
 
         let (g, u, dh) = (bf16(&g), bf16(&u), bf16(&dh));
-        let h = crate::swiglu::op::swiglu(&g, &u).unwrap();
+        let h = crate::swiglu::swiglu(&g, &u).unwrap();
         assert_bf16(
             &h,
             &crate::swiglu::swiglu_reference(&g, &u).unwrap(),
             "swiglu bf16",
         );
-        let (dg, du) = crate::swiglu::op::swiglu_bwd(&dh, &g, &u).unwrap();
+        let (dg, du) = crate::swiglu::swiglu_backward(&dh, &g, &u).unwrap();
         let (wg, wu) = crate::swiglu::swiglu_backward_reference(&dh, &g, &u).unwrap();
         assert_bf16(&dg, &wg, "swiglu dg bf16");
         assert_bf16(&du, &wu, "swiglu du bf16");

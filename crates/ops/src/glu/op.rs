@@ -1,45 +1,48 @@
-//! SwiGLU as one op, forward and backward: `h = T(T(silu(g))·u)` (silu in f32 and rounded once,
-//! as PyTorch's `act_fn(gate) * up`), and `dg = T(dh·u·silu'(g))`, `du = T(dh·silu(g))` with
-//! `silu'(g) = σ(g)·(1 + g·(1 − σ(g)))`.
+//! A gated unit as one candle op, forward and backward: `h = T(T(act(g))·u)` and
+//! `(dg, du)` as `super` states, for any [`Activation`].
 //!
-//! Here: [`swiglu`], [`swiglu_bwd`], each op's checks, its `cpu_fwd` (loops: `cpu::swiglu*`) and
-//! with the `cuda` feature its `cuda_fwd` (`super::cuda::swiglu_*`). The plain reference
-//! is [`crate::swiglu::swiglu_reference`] / [`crate::swiglu::swiglu_backward_reference`].
+//! Here: [`fwd`], [`bwd`], each op's checks, its `cpu_fwd` (loops: `super::cpu`) and with the
+//! `cuda` feature its `cuda_fwd` (`super::cuda`).
+
+use std::marker::PhantomData;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
     CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, WithDType,
 };
 
-use super::cpu;
+use super::{cpu, Activation};
 use rtune_backend::storage::{by_dtype, check_shape, float_dtype, slice};
 
-/// SwiGLU `T(T(silu(g))·u)`, `g, u` of one shape.
-pub fn swiglu(g: &Tensor, u: &Tensor) -> Result<Tensor> {
-    g.contiguous()?.apply_op2_no_bwd(&u.contiguous()?, &Swiglu)
+/// `T(T(act(g))·u)`, `g, u` of one shape.
+pub fn fwd<A: Activation>(g: &Tensor, u: &Tensor) -> Result<Tensor> {
+    g.contiguous()?
+        .apply_op2_no_bwd(&u.contiguous()?, &Fwd::<A>(PhantomData))
 }
 
-/// [`swiglu`]'s `(dg, du)`: `dg = dh·u·silu'(g)`, `du = dh·silu(g)`, computed in f32 and rounded
-/// once. Both are views into one `(2, ...)` buffer (contiguous, at offsets 0 and n).
-pub fn swiglu_bwd(dh: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
-    let both = dh
-        .contiguous()?
-        .apply_op3_no_bwd(&g.contiguous()?, &u.contiguous()?, &SwigluBwd)?;
+/// [`fwd`]'s `(dg, du)`, computed in f32 and rounded once. Both are views into one `(2, ...)`
+/// buffer (contiguous, at offsets 0 and n).
+pub fn bwd<A: Activation>(dh: &Tensor, g: &Tensor, u: &Tensor) -> Result<(Tensor, Tensor)> {
+    let both = dh.contiguous()?.apply_op3_no_bwd(
+        &g.contiguous()?,
+        &u.contiguous()?,
+        &Bwd::<A>(PhantomData),
+    )?;
     Ok((both.get(0)?, both.get(1)?))
 }
 
-pub(crate) struct Swiglu;
+pub(crate) struct Fwd<A>(PhantomData<A>);
 
-impl Swiglu {
+impl<A: Activation> Fwd<A> {
     pub(crate) fn check(&self, g: (DType, &Layout), u: (DType, &Layout)) -> Result<DType> {
-        check_shape("swiglu", "u", u.1, g.1.shape())?;
-        float_dtype("swiglu", &[("g", g.0), ("u", u.0)])
+        check_shape(A::NAME, "u", u.1, g.1.shape())?;
+        float_dtype(A::NAME, &[("g", g.0), ("u", u.0)])
     }
 }
 
-impl CustomOp2 for Swiglu {
+impl<A: Activation> CustomOp2 for Fwd<A> {
     fn name(&self) -> &'static str {
-        "swiglu"
+        A::NAME
     }
 
     fn cpu_fwd(
@@ -51,7 +54,7 @@ impl CustomOp2 for Swiglu {
     ) -> Result<(CpuStorage, Shape)> {
         let dt = self.check((sg.dtype(), lg), (su.dtype(), lu))?;
         let n = self.name();
-        let h = by_dtype!(dt, T => T::to_cpu_storage_owned(cpu::swiglu::<T>(
+        let h = by_dtype!(dt, T => T::to_cpu_storage_owned(cpu::fwd::<A, T>(
             slice(n, "g", sg, lg)?,
             slice(n, "u", su, lu)?,
         )));
@@ -66,7 +69,6 @@ impl CustomOp2 for Swiglu {
         su: &candle_core::CudaStorage,
         lu: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda as k;
         use candle_core::cuda_backend::CudaDType;
         use candle_core::CudaStorage;
         use cudarc::driver::DeviceRepr;
@@ -74,7 +76,7 @@ impl CustomOp2 for Swiglu {
         use rtune_backend::FusedFloat;
 
         let dt = self.check((sg.dtype(), lg), (su.dtype(), lu))?;
-        fn run<T: CudaDType + FusedFloat + DeviceRepr>(
+        fn run<A: Activation, T: CudaDType + FusedFloat + DeviceRepr>(
             sg: &CudaStorage,
             lg: &Layout,
             su: &CudaStorage,
@@ -83,24 +85,25 @@ impl CustomOp2 for Swiglu {
             let dev = &sg.device;
             let n = lg.shape().elem_count();
             let mut h = output::<T>(dev, n)?;
-            k::swiglu_fwd::<T>(
+            super::cuda::fwd::<T>(
+                A::KERNELS,
                 &stream(dev),
-                &view::<T>("swiglu", "g", sg, lg)?,
-                &view::<T>("swiglu", "u", su, lu)?,
+                &view::<T>(A::NAME, "g", sg, lg)?,
+                &view::<T>(A::NAME, "u", su, lu)?,
                 &mut h.as_view_mut(),
                 n,
             )
-            .map_err(kerr("swiglu"))?;
+            .map_err(kerr(A::NAME))?;
             Ok(CudaStorage::wrap_cuda_slice(h, dev.clone()))
         }
-        let h = by_dtype!(dt, T => run::<T>(sg, lg, su, lu)?);
+        let h = by_dtype!(dt, T => run::<A, T>(sg, lg, su, lu)?);
         Ok((h, lg.shape().clone()))
     }
 }
 
-pub(crate) struct SwigluBwd;
+pub(crate) struct Bwd<A>(PhantomData<A>);
 
-impl SwigluBwd {
+impl<A: Activation> Bwd<A> {
     /// `(dtype, output shape (2, ...))`.
     pub(crate) fn check(
         &self,
@@ -108,7 +111,7 @@ impl SwigluBwd {
         g: (DType, &Layout),
         u: (DType, &Layout),
     ) -> Result<(DType, Shape)> {
-        let op = "swiglu_bwd";
+        let op = A::BWD_NAME;
         check_shape(op, "g", g.1, dh.1.shape())?;
         check_shape(op, "u", u.1, dh.1.shape())?;
         let dt = float_dtype(op, &[("dh", dh.0), ("g", g.0), ("u", u.0)])?;
@@ -118,9 +121,9 @@ impl SwigluBwd {
     }
 }
 
-impl CustomOp3 for SwigluBwd {
+impl<A: Activation> CustomOp3 for Bwd<A> {
     fn name(&self) -> &'static str {
-        "swiglu_bwd"
+        A::BWD_NAME
     }
 
     fn cpu_fwd(
@@ -134,7 +137,7 @@ impl CustomOp3 for SwigluBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let (dt, shape) = self.check((sdh.dtype(), ldh), (sg.dtype(), lg), (su.dtype(), lu))?;
         let n = self.name();
-        let out = by_dtype!(dt, T => T::to_cpu_storage_owned(cpu::swiglu_bwd::<T>(
+        let out = by_dtype!(dt, T => T::to_cpu_storage_owned(cpu::bwd::<A, T>(
             slice(n, "dh", sdh, ldh)?,
             slice(n, "g", sg, lg)?,
             slice(n, "u", su, lu)?,
@@ -152,7 +155,6 @@ impl CustomOp3 for SwigluBwd {
         su: &candle_core::CudaStorage,
         lu: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use super::cuda as k;
         use candle_core::cuda_backend::CudaDType;
         use candle_core::CudaStorage;
         use cudarc::driver::DeviceRepr;
@@ -160,7 +162,7 @@ impl CustomOp3 for SwigluBwd {
         use rtune_backend::FusedFloat;
 
         let (dt, shape) = self.check((sdh.dtype(), ldh), (sg.dtype(), lg), (su.dtype(), lu))?;
-        fn run<T: CudaDType + FusedFloat + DeviceRepr>(
+        fn run<A: Activation, T: CudaDType + FusedFloat + DeviceRepr>(
             sdh: &CudaStorage,
             ldh: &Layout,
             sg: &CudaStorage,
@@ -169,10 +171,11 @@ impl CustomOp3 for SwigluBwd {
             lu: &Layout,
         ) -> Result<CudaStorage> {
             let dev = &sg.device;
-            let op = "swiglu_bwd";
+            let op = A::BWD_NAME;
             let n = lg.shape().elem_count();
             let mut out = output::<T>(dev, 2 * n)?; // (2, n): dg then du
-            k::swiglu_bwd::<T>(
+            super::cuda::bwd::<T>(
+                A::KERNELS,
                 &stream(dev),
                 &view::<T>(op, "dh", sdh, ldh)?,
                 &view::<T>(op, "g", sg, lg)?,
@@ -183,7 +186,7 @@ impl CustomOp3 for SwigluBwd {
             .map_err(kerr(op))?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
-        let out = by_dtype!(dt, T => run::<T>(sdh, ldh, sg, lg, su, lu)?);
+        let out = by_dtype!(dt, T => run::<A, T>(sdh, ldh, sg, lg, su, lu)?);
         Ok((out, shape))
     }
 }
