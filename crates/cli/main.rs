@@ -212,6 +212,10 @@ fn remove_staged_on_signal() -> Result<()> {
 /// 2: the input is wrong (config, model, data, adapter, output dir, device, option); 1: the run
 /// failed. Each library error says which it is; errors of the CLI itself (`bail!`) are 1.
 fn exit_code(e: &anyhow::Error) -> u8 {
+    // A stop request before the first step ends the run as a second signal does (128 + SIGINT).
+    if let Some(rtune_train::TrainError::Interrupted { .. }) = e.downcast_ref() {
+        return 130;
+    }
     let input = if let Some(t) = e.downcast_ref::<rtune_train::TrainError>() {
         t.is_input_error()
     } else if let Some(d) = e.downcast_ref::<rtune_diag::DiagError>() {

@@ -453,6 +453,40 @@ fn non_finite_steps_are_skipped_exactly() {
     assert!(!out.join("adapter_model.safetensors").exists() && !out.join("summary.json").exists());
 }
 
+/// Issue 46: a run shorter than `max_bad_steps` whose every update was skipped ended "done",
+/// exit 0, with an untrained adapter. It fails (exit 1), writes no adapter or summary, and
+/// run.json records the failure.
+#[test]
+fn a_run_whose_every_update_was_skipped_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, _) = golden_run(tmp.path(), 2, 1);
+    let cfg = path_str(&cfg);
+    let args = [
+        "train",
+        "--config",
+        cfg.as_str(),
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.max_bad_steps=5",
+    ];
+    let o = rtune_env(&args, &[("RTUNE_FAULT_NAN_STEPS", "1,2")]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("all 2 steps' updates were skipped"),
+        "{err}"
+    );
+    let out = tmp.path().join("out");
+    assert!(!out.join("adapter_model.safetensors").exists() && !out.join("summary.json").exists());
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("run.json")).unwrap()).unwrap();
+    let status = record["attempts"][0]["status"].as_str().unwrap();
+    assert!(status.starts_with("failed: all 2 steps"), "{status}");
+}
+
 /// f16 with dynamic loss scaling: a loss scale far too large (2³⁰) overflows the f16 gradients;
 /// each such step is skipped and the scale halved until the gradients fit, then training goes on.
 #[test]
@@ -540,6 +574,11 @@ fn bad_flag_values_exit_2_naming_the_flag() {
         (&gen[..], &["--temperature", "-1", "≥ 0"][..]),
         (&est[..], &["--budget", "abc", "24GiB"][..]),
         (&est[..], &["--budget", "0", "at least 1 byte"][..]),
+        // Issue 46: a world past any machine printed wrapped products.
+        (
+            &est[..],
+            &["--world", "18446744073709551615", "1..=1048576"][..],
+        ),
         (&["bench"][..], &["--preset", "huge", "bench-small"][..]),
     ] {
         let mut a = args.to_vec();

@@ -546,3 +546,129 @@ fn overwrite_replaces_only_what_rtune_wrote() {
     assert!(out.join(".rtune-run").is_file());
     assert_eq!(dir_mode(&out), 0o750);
 }
+
+/// A DPO config over `pairs` pre-tokenized pairs (tiny Llama, one pair a forward pass: the
+/// reference pass runs `pairs` forwards before the first step), writing to `out`.
+fn dpo_config(tmp: &Path, out: &Path, pairs: usize) -> std::path::PathBuf {
+    let rows: String = (0..pairs)
+        .map(|i| {
+            let t = |k: usize| 3 + (i * 7 + k) % 500;
+            let row = serde_json::json!({
+                "prompt_ids": [1, t(0), t(1), t(2), t(3), t(4)],
+                "chosen_ids": [t(5), t(6), 2],
+                "rejected_ids": [t(7), t(8), t(9), 2],
+            });
+            format!("{row}\n")
+        })
+        .collect();
+    let data = tmp.join(format!("pairs-{pairs}.jsonl"));
+    std::fs::write(&data, rows).unwrap();
+    let cfg = format!(
+        "[model]\npath = \"{}\"\n[data]\ntrain = \"{}\"\n[train]\nobjective = \"dpo\"\nsteps = 2\n\
+         micro_batch_size = 1\n[output]\ndir = \"{}\"\n",
+        fixture("fixtures/tiny-llama").display(),
+        data.display(),
+        out.display()
+    );
+    let name = out
+        .file_name()
+        .map_or("root".into(), |n| n.to_string_lossy());
+    let path = tmp.join(format!("dpo-{name}.toml"));
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+/// Issue 46: an output directory of `/`, or one another process holds, was refused only after
+/// the whole reference pass (the README promises "at once"). Both are refused before it starts:
+/// the pass's log line never appears.
+#[test]
+fn a_refused_output_dir_is_refused_before_the_reference_pass() {
+    let tmp = tempfile::tempdir().unwrap();
+    let held = tmp.path().join("held");
+    std::fs::create_dir_all(&held).unwrap();
+    // Another process holds the directory's lock (flock, as rtune's own lock).
+    let mut holder = std::process::Command::new("flock")
+        .arg(held.join(".rtune.lock"))
+        .args(["sleep", "60"])
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !held.join(".rtune.lock").exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "flock did not start"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let root = dpo_config(tmp.path(), Path::new("/"), 50);
+    let locked = dpo_config(tmp.path(), &held, 50);
+    for (cfg, refusal) in [
+        (root, "is the root directory"),
+        (locked, "in use by another"),
+    ] {
+        let o = rtune_env(
+            &["train", "--config", cfg.to_str().unwrap()],
+            &[("RTUNE_LOG", "info")],
+        );
+        let e = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{e}");
+        let errors: Vec<&str> = e.lines().filter(|l| l.starts_with("error")).collect();
+        assert!(errors.len() == 1 && errors[0].contains(refusal), "{e}");
+        assert!(
+            !e.contains("reference log-probabilities of"),
+            "after the pass: {e}"
+        );
+    }
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
+
+/// Issue 46: the first SIGINT was ignored during the reference pass (the run went on to its
+/// first step ~59 s later). It ends the pass between two forward passes: exit 130 at once, the
+/// run directory left as it was found (here: not there).
+#[test]
+fn sigint_ends_the_reference_pass_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("interrupted");
+    // 20000 forward passes: seconds to minutes, far longer than the signal takes.
+    let cfg = dpo_config(tmp.path(), &out, 20_000);
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"));
+    c.args(["train", "--config", cfg.to_str().unwrap()])
+        .current_dir(crate::common::root())
+        .env("RTUNE_CACHE", tmp.path().join("cache"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let child = c.spawn().unwrap();
+    // The directory is locked just before the pass begins.
+    let t0 = Instant::now();
+    while !out.join(".rtune.lock").exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the run never took its directory"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: a plain kill(2) of our own child.
+    assert_eq!(unsafe { libc_kill(child.id() as i32, 2) }, 0);
+    let sent = Instant::now();
+    let o = child.wait_with_output().unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "exited {:?} after the signal",
+        sent.elapsed()
+    );
+    assert_eq!(o.status.code(), Some(130), "{e}");
+    let errors: Vec<&str> = e.lines().filter(|l| l.starts_with("error")).collect();
+    assert!(
+        errors.len() == 1 && errors[0].contains("interrupted during the reference"),
+        "{e}"
+    );
+    assert!(!out.exists(), "left as found: {e}");
+}

@@ -211,6 +211,47 @@ fn dpo_sigmoid_trains_as_trl() {
     assert_eq!(summary["reference_passes"], 1, "recomputed: {summary}");
 }
 
+/// Issue 46: the reference cache had no integrity check: finite garbage of the right size
+/// trained to loss 0 and accuracy 1 (a NaN, to "try a lower lr"). A file whose content does not
+/// match its checksum is recomputed with a warning naming it, and the run is the first one's.
+#[test]
+fn a_corrupt_reference_cache_is_recomputed() {
+    let g = golden();
+    let tmp = tempfile::tempdir().unwrap();
+    let first = train(&g, "dpo_sigmoid", false, tmp.path());
+    let dir = tmp.path().join("cache/reference");
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1, "one cache file");
+    let path = files[0].path();
+    let mut bytes = std::fs::read(&path).unwrap();
+    for (garbage, what) in [(-1e3f64, "finite garbage"), (f64::NAN, "a NaN")] {
+        // The first pair's chosen reference, as the file lays it out (after magic and count).
+        bytes[16..24].copy_from_slice(&garbage.to_le_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        std::fs::remove_dir_all(tmp.path().join("out")).unwrap();
+        let o = rtune(&[
+            "train",
+            "--config",
+            tmp.path().join("run.toml").to_str().unwrap(),
+        ]);
+        let log = stderr(&o);
+        assert!(o.status.success(), "{what}: {log}");
+        assert!(
+            log.contains(&path.display().to_string()) && log.contains("do not verify"),
+            "{what}: {log}"
+        );
+        let summary: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.path().join("out/summary.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(summary["reference_passes"], 1, "{what}: {summary}");
+        let again = crate::resume::metrics(&tmp.path().join("out"));
+        let want: Vec<serde_json::Value> = first.iter().map(|l| l["loss"].clone()).collect();
+        let got: Vec<serde_json::Value> = again.iter().map(|l| l["loss"].clone()).collect();
+        assert_eq!(got, want, "{what}: the losses of the uncorrupted run");
+    }
+}
+
 /// Conversational rows (TRL's format: messages rendered with the model's chat template, the
 /// completion split where the prompt's render with the generation prompt ends).
 #[test]
@@ -330,6 +371,87 @@ save_every = 3
     );
     assert_eq!(crate::resume::metrics(&reference), lines);
     assert_eq!(crate::resume::metrics(&out), lines, "metrics differ");
+}
+
+/// Issue 46: LongRoPE picks its factors per batch (the long ones past 8 positions in the tiny
+/// Phi-4), and the reference pass batched the pairs in file order: a 4-token pair batched with
+/// an 11-token one got the long factors' reference, then trained in a batch of short pairs
+/// under the short ones (or the reverse). At step 0 the policy is the reference, for every
+/// batching: the first loss is log 2 and every reward 0, on the training data and the held-out.
+#[test]
+fn longrope_references_match_the_policy_in_any_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let pair = |prompt: &[u32], chosen: &[u32], rejected: &[u32]| {
+        serde_json::json!({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
+            .to_string()
+    };
+    // 4 tokens (short), 11 (long), 4, 4, in file order: the reference pass's batches of 2 were
+    // {4, 11} (long) and {4, 4} (short); shuffled training batches pair them otherwise.
+    let rows = [
+        pair(&[1, 5], &[6, 2], &[7, 2]),
+        pair(
+            &[1, 5, 9, 10, 11, 12, 13],
+            &[14, 15, 16, 2],
+            &[17, 18, 19, 2],
+        ),
+        pair(&[1, 20], &[21, 2], &[22, 2]),
+        pair(&[1, 30], &[31, 2], &[32, 2]),
+    ];
+    let text: String = rows.iter().map(|r| format!("{r}\n")).collect();
+    std::fs::write(t.join("pairs.jsonl"), text).unwrap();
+    for seed in [1, 2, 3] {
+        let out = t.join(format!("out-{seed}"));
+        let cfg = format!(
+            r#"[model]
+path = "{model}"
+[lora]
+r = 4
+alpha = 8
+[data]
+train = "{data}"
+valid = "{data}"
+max_seq_len = 32
+shuffle = true
+[train]
+seed = {seed}
+steps = 1
+micro_batch_size = 2
+grad_accum = 2
+lr = 1e-9
+eval_every = 1
+objective = "dpo"
+[output]
+dir = "{out}"
+"#,
+            model = fixture("fixtures/tiny-phi4").display(),
+            data = t.join("pairs.jsonl").display(),
+            out = out.display(),
+        );
+        let path = t.join(format!("run-{seed}.toml"));
+        std::fs::write(&path, cfg).unwrap();
+        let o = rtune(&["train", "--config", path.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let lines = crate::resume::metrics(&out);
+        let first = &lines[0];
+        let loss = first["loss"].as_f64().unwrap();
+        assert!((loss - 2f64.ln()).abs() <= 1e-6, "seed {seed}: {first}");
+        for k in ["rewards/chosen", "rewards/rejected", "rewards/margins"] {
+            assert!(
+                first[k].as_f64().unwrap().abs() <= 1e-6,
+                "seed {seed}: {k}: {first}"
+            );
+        }
+        // The held-out pass batches in file order, {4, 11} and {4, 4}, after one update of
+        // lr 1e-9 (an adapter still at the reference to 1e-6): its rewards are 0 too.
+        let eval = lines.iter().find(|l| l["valid_loss"].is_f64()).unwrap();
+        let loss = eval["valid_loss"].as_f64().unwrap();
+        assert!((loss - 2f64.ln()).abs() <= 1e-6, "seed {seed}: {eval}");
+        for k in ["rewards/chosen", "rewards/rejected", "rewards/margins"] {
+            let v = eval[format!("eval_{k}")].as_f64().unwrap();
+            assert!(v.abs() <= 1e-6, "seed {seed}: eval {k}: {eval}");
+        }
+    }
 }
 
 /// KTO (TRL's KTOTrainer): unpaired text rows with boolean labels, the KL estimate from each row's

@@ -540,3 +540,83 @@ fn a_run_whose_prefix_is_taken_over_stops_uploading() {
     assert!(a.join("summary.json").exists(), "the local run is complete");
     assert!(!remote.join("summary.json").exists(), "{log}");
 }
+
+/// A raw HTTP server on 127.0.0.1 that answers every PUT with 200 and every GET with a
+/// `Content-Length` of `claimed` bytes, then sends a few and hangs up: a lying S3 server.
+fn lying_server(claimed: u64) -> u16 {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            let mut r = BufReader::new(conn);
+            let (mut head, mut body_len) = (String::new(), 0usize);
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    body_len = v.trim().parse().unwrap_or(0);
+                }
+                head.push_str(&line);
+            }
+            let mut body = vec![0u8; body_len];
+            let _ = r.read_exact(&mut body);
+            let mut conn = r.into_inner();
+            let common = "ETag: \"e\"\r\nLast-Modified: Tue, 15 Nov 1994 08:12:31 GMT\r\nConnection: close\r\n";
+            if !head.starts_with("GET") {
+                let reply = format!("HTTP/1.1 200 OK\r\n{common}Content-Length: 0\r\n\r\n");
+                let _ = conn.write_all(reply.as_bytes());
+                continue;
+            }
+            // The body in two pieces: a reader that reserves the claimed length does so when
+            // the second arrives (object_store's `collect_bytes`).
+            let head = format!("HTTP/1.1 200 OK\r\n{common}Content-Length: {claimed}\r\n\r\n");
+            for piece in [head.as_str(), "rtune ", "probe"] {
+                let _ = conn.write_all(piece.as_bytes());
+                let _ = conn.flush();
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    });
+    port
+}
+
+/// Issue 46: the start-up probe read its object back with object_store's `bytes()`, which
+/// reserves the server's `Content-Length`: a server claiming 10 GB aborted the run (under a
+/// 6 GiB address-space limit). What is read is capped at what the probe wrote; the run is
+/// refused at start, one line naming the store, nothing written.
+#[test]
+fn a_probe_object_claimed_at_10_gb_is_refused_unread() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = lying_server(10_000_000_000);
+    let out = tmp.path().join("lied-to");
+    let cfg = config(tmp.path(), &out, &format!("remote = \"{}\"", url("lied")));
+    // Under a 6 GiB address space, as the issue measured it.
+    let mut c = Command::new("bash");
+    c.arg("-c")
+        .arg(format!(
+            "ulimit -v 6291456 && exec \"$0\" train --config {}",
+            cfg.display()
+        ))
+        .arg(env!("CARGO_BIN_EXE_rtune"))
+        .current_dir(root())
+        .env("RTUNE_CACHE", tmp.path().join("cache"))
+        .env("AWS_ACCESS_KEY_ID", KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET)
+        .env("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}"))
+        .env("AWS_ALLOW_HTTP", "true")
+        .env("AWS_REGION", "us-east-1");
+    let o = c.output().unwrap();
+    let log = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{log}");
+    let lines: Vec<&str> = log.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(
+        lines[0].contains(&url("lied")) && lines[0].contains("10000000000 bytes"),
+        "{log}"
+    );
+    assert!(!out.exists(), "nothing written");
+}

@@ -20,6 +20,9 @@ use rtune_estimate::{self as estimate, Estimate, Fit, Settings};
 use rtune_model::{HfConfig, ModelConfig};
 use rtune_train::TrainError;
 
+/// The largest `--world`: far above any data-parallel run (the largest have ~10⁵ ranks).
+const MAX_WORLD: u64 = 1 << 20;
+
 #[derive(clap::Args)]
 pub struct EstimateArgs {
     #[arg(long)]
@@ -38,8 +41,9 @@ pub struct EstimateArgs {
     #[arg(long)]
     data: bool,
     /// Ranks of a data-parallel run (`mpirun -np N`): the peak is per rank, and the global batch
-    /// is micro_batch_size × grad_accum × N.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    /// is micro_batch_size × grad_accum × N. At most 2²⁰ ranks: a larger world is no machine's,
+    /// and its products wrapped (issue 46: `--world 18446744073709551615`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=MAX_WORLD))]
     world: u64,
 }
 
@@ -50,6 +54,9 @@ pub fn run(a: EstimateArgs) -> Result<()> {
     let world = a.world as usize;
     let (model, s) = settings(&cfg, a.data)?;
     let s = s.for_world(&cfg, world);
+    // The rows of a step over all ranks (and below, the bytes of all ranks): in u128, which a
+    // bounded world times usize settings cannot overflow.
+    let global_batch = s.micro_batch_size as u128 * s.grad_accum as u128 * world as u128;
     let (budget, source) = match &a.budget {
         Some(b) => (*b, "--budget"),
         None => match cfg.train.device {
@@ -101,7 +108,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "shard_base": s.shard.is_some(),
             "keep_gathered_layers": s.keep_gathered.min(model.num_layers),
             "prefetch": s.prefetch,
-            "global_batch": s.micro_batch_size * s.grad_accum * world,
+            "global_batch": u64::try_from(global_batch).unwrap_or(u64::MAX),
             "gradient_checkpointing": choice,
         });
         println!("{out}");
@@ -145,10 +152,10 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         println!(
             "world {world}: the peak above is per rank ({held}: {:.1} MB on {world} ranks in \
              all); global batch {} × {} × {world} = {} rows a step",
-            (est.peak_bytes * world as u64) as f64 / 1e6,
+            (est.peak_bytes as u128 * world as u128) as f64 / 1e6,
             s.micro_batch_size,
             s.grad_accum,
-            s.micro_batch_size * s.grad_accum * world
+            global_batch
         );
     }
     println!("{}", choice.describe());

@@ -468,21 +468,27 @@ fn apply_override(table: &mut toml::Table, set: &str) -> Result<()> {
     let (key, raw) = set
         .split_once('=')
         .ok_or_else(|| err("expected section.key=value"))?;
-    let (section, name) = key
-        .trim()
-        .split_once('.')
-        .ok_or_else(|| err("the key must be section.key, e.g. train.lr"))?;
+    // `section.key`, or a longer path into a nested table (`data.chat_template_kwargs.
+    // enable_thinking`): each part names a table inside the one before, made when missing.
+    let parts: Vec<&str> = key.trim().split('.').map(str::trim).collect();
+    if parts.len() < 2 || parts.iter().any(|p| p.is_empty()) {
+        return Err(err("the key must be section.key, e.g. train.lr"));
+    }
     let value: toml::Value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
         Ok(mut t) => t.remove("v").expect("parsed key"),
         Err(_) => toml::Value::String(raw.to_string()),
     };
-    let entry = table
-        .entry(section.to_string())
-        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-    let sect = entry
-        .as_table_mut()
-        .ok_or_else(|| err("that section is not a table"))?;
-    sect.insert(name.to_string(), value);
+    let (name, tables) = parts.split_last().expect("two parts or more");
+    let mut at = table;
+    for (i, part) in tables.iter().enumerate() {
+        let entry = at
+            .entry(part.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        at = entry
+            .as_table_mut()
+            .ok_or_else(|| err(&format!("`{}` is not a table", parts[..=i].join("."))))?;
+    }
+    at.insert(name.to_string(), value);
     Ok(())
 }
 
@@ -551,6 +557,38 @@ mod tests {
             typo.to_string(),
             "--set train.stpes=1: unknown key `train.stpes` (did you mean `steps`?)"
         );
+    }
+
+    /// Issue 46: `--set data.chat_template_kwargs.enable_thinking=false` was inserted as one key
+    /// `chat_template_kwargs.enable_thinking` of `[data]`; a dotted path goes into the nested
+    /// table (kept beside what the file set), and a path through a value is refused naming it.
+    #[test]
+    fn override_of_a_nested_key() {
+        let text = format!("{MIN}chat_template_kwargs = {{ tag = \"x\" }}\n");
+        let set = "data.chat_template_kwargs.enable_thinking=false";
+        for text in [MIN, text.as_str()] {
+            let f = ConfigFile::parse(text, Path::new("x.toml"), &[set.into()]).unwrap();
+            let kwargs = &f.data.chat_template_kwargs;
+            assert_eq!(
+                kwargs.get("enable_thinking"),
+                Some(&toml::Value::Boolean(false)),
+                "{kwargs:?}"
+            );
+            assert_eq!(kwargs.contains_key("tag"), text != MIN, "{kwargs:?}");
+        }
+        let e = ConfigFile::parse(MIN, Path::new("x.toml"), &["train.lr.x=1".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`train.lr` is not a table") || e.contains("train.lr"),
+            "{e}"
+        );
+        for bad in ["data..x=1", "train.=1", ".lr=1"] {
+            let e = ConfigFile::parse(MIN, Path::new("x.toml"), &[bad.into()])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("section.key"), "{bad}: {e}");
+        }
     }
 
     /// Issue 35: `--set 'train.lr=1e-3\nsteps=9'` parsed as two TOML lines, kept the first and

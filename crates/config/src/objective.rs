@@ -86,6 +86,14 @@ impl TrainSection {
         let bad = |key: &str, message: String| invalid(path, key, message);
         let name = self.objective.as_deref().unwrap_or("sft");
         let names = ["sft", "dpo", "simpo", "orpo", "kto"];
+        // The name first: `objective = "DPO"` was blamed on `train.beta` ("a setting of dpo"); the
+        // names are case-sensitive, as TRL's, and a near miss gets "did you mean".
+        if !names.contains(&name) {
+            return Err(bad(
+                "train.objective",
+                crate::suggest::not_one_of(name, &names),
+            ));
+        }
         // Knobs that belong to another objective are refused rather than ignored.
         let only = |key: &str, set: bool, for_: &[&str]| match set && !for_.contains(&name) {
             true => Err(bad(
@@ -196,12 +204,7 @@ impl TrainSection {
                     )?,
                 }
             }
-            other => {
-                return Err(bad(
-                    "train.objective",
-                    crate::suggest::not_one_of(other, &names),
-                ))
-            }
+            other => unreachable!("objective `{other}` passed the check of names above"),
         })
     }
 }

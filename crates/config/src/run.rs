@@ -240,6 +240,17 @@ mod tests {
             let e = parse(extra).unwrap_err().to_string();
             assert!(e.contains(key), "{extra}: {e}");
         }
+        // Issue 46: a name in the wrong case was blamed on its knob (`train.beta`); the name is
+        // checked first, with a suggestion.
+        let e = parse("[train]\nobjective = \"DPO\"\nbeta = 0.2")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train.objective")
+                && e.contains("did you mean `dpo`")
+                && !e.contains("train.beta"),
+            "{e}"
+        );
     }
 
     /// `[data] chat_template_kwargs`: a table of template variables (Qwen3's `enable_thinking`),

@@ -36,6 +36,10 @@ pub struct Pair {
     /// The reference policy's log-probabilities of `(chosen, rejected)` given the prompt, once
     /// computed (the trainer fills them in before training).
     pub reference: Option<[f64; 2]>,
+    /// LongRoPE: the reference under the long factors, for a pair short enough for the short
+    /// ones that a longer pair's batch puts under the long ones (the factors are the batch's:
+    /// [`PairBatch::with_rope`] picks this one in such a batch). `None`: `reference` serves all.
+    pub reference_long: Option<[f64; 2]>,
     /// An unpaired row (KTO: `{prompt, completion, label}`): whether its completion, held in
     /// `chosen`, is desirable. `rejected` then holds the KL completion, another row's completion
     /// for the same prompt (TRL's mismatched pairs, assigned by [`assign_kl_completions`]).
@@ -182,6 +186,7 @@ fn parse_row(
             chosen: ids("chosen_ids")?,
             rejected: ids("rejected_ids")?,
             reference: None,
+            reference_long: None,
             label: None,
         });
     }
@@ -325,6 +330,7 @@ fn split_at_prefix(p: Vec<u32>, pc: Vec<u32>, pr: Vec<u32>) -> Pair {
         chosen: pc[n..].to_vec(),
         rejected: pr[n..].to_vec(),
         reference: None,
+        reference_long: None,
         label: None,
     }
 }
@@ -365,6 +371,33 @@ pub struct PairBatch {
 impl PairBatch {
     /// The batch of `pairs`; `prompt_nll`: the chosen rows' prompt tokens are targets too.
     pub fn new(pairs: &[&Pair], pad_id: u32, prompt_nll: bool) -> Self {
+        Self::padded(pairs, pad_id, prompt_nll, 1)
+    }
+
+    /// The batch of `pairs` as a model whose RoPE factors depend on the batch's length runs it
+    /// (LongRoPE: the long factors past `long_past` positions): in a batch that long, each pair
+    /// takes its reference under the long factors (`Pair::reference_long`) where it has one,
+    /// so a pair's reference is always computed as its policy is (issue 46).
+    pub fn with_rope(
+        pairs: &[&Pair],
+        pad_id: u32,
+        prompt_nll: bool,
+        long_past: Option<usize>,
+    ) -> Self {
+        let mut pb = Self::new(pairs, pad_id, prompt_nll);
+        if long_past.is_some_and(|past| pb.batch.t > past) {
+            for (r, p) in pb.reference.iter_mut().zip(pairs) {
+                if p.reference_long.is_some() {
+                    *r = p.reference_long;
+                }
+            }
+        }
+        pb
+    }
+
+    /// [`new`](Self::new) with rows right-padded to at least `min_t` positions (padding after a
+    /// row changes none of its causal results, only a length-dependent choice such as LongRoPE's).
+    pub fn padded(pairs: &[&Pair], pad_id: u32, prompt_nll: bool, min_t: usize) -> Self {
         let b = pairs.len();
         let seqs: Vec<(&[u32], &[u32])> = pairs
             .iter()
@@ -380,7 +413,7 @@ impl PairBatch {
             .map(|(p, c)| p.len() + c.len())
             .max()
             .unwrap_or(1)
-            .max(1);
+            .max(min_t.max(1));
         let mut input_ids = vec![pad_id; 2 * b * t];
         let mut targets = vec![None; 2 * b * t];
         let mut completion = vec![false; 2 * b * t];
@@ -463,6 +496,7 @@ mod tests {
             chosen: c.to_vec(),
             rejected: r.to_vec(),
             reference: None,
+            reference_long: None,
             label: None,
         }
     }

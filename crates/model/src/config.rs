@@ -3,6 +3,7 @@
 //! layout (`rope_parameters`) are read; the RoPE keys in `rope`.
 
 mod rope;
+mod values;
 
 use serde::Deserialize;
 use std::path::Path;
@@ -302,16 +303,14 @@ impl LayerLinear {
     }
 }
 
+/// Token ids of a key that holds one or a list (negative ones, `-1` in some configs, are
+/// none). One past u32 saturates rather than wrapping onto a real token (2³² would be id 0):
+/// no vocabulary reaches it, so a check against `vocab_size` refuses it.
 fn ids(v: &Option<serde_json::Value>) -> Vec<u32> {
+    let id = |x: &serde_json::Value| x.as_u64().map(|x| u32::try_from(x).unwrap_or(u32::MAX));
     match v {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-        }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
+        Some(serde_json::Value::Number(_)) => v.iter().filter_map(id).collect(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(id).collect(),
         _ => Vec::new(),
     }
 }
@@ -329,10 +328,71 @@ impl HfConfig {
                 path: path.to_path_buf(),
                 message: format!("cannot read: {e}"),
             })?;
-        serde_json::from_str(&text).map_err(|e| ModelError::File {
+        Self::parse(&text).map_err(|message| ModelError::File {
             path: path.to_path_buf(),
-            message: format!("not a model config: {e}"),
+            message,
         })
+    }
+
+    /// config.json's text as an [`HfConfig`]. serde's type errors name no key (`invalid type:
+    /// string "0.5", expected f64`): the key is found as the one whose value alone fails the
+    /// same way, so a present key of the wrong type is an error naming it (issue 46).
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        // Straight from the text first: serde's own errors (a duplicate key) stay as they are.
+        let first = match serde_json::from_str(text) {
+            Ok(c) => return Ok(c),
+            Err(e) => format!("not a model config: {e}"),
+        };
+        let Ok(serde_json::Value::Object(map)) = serde_json::from_str(text) else {
+            return Err(first);
+        };
+        let e = match Self::deserialize(&serde_json::Value::Object(map.clone())) {
+            Err(e) if !e.to_string().starts_with("missing field") => e.to_string(),
+            // A missing key fails every one-key object the same way: only values are searched.
+            _ => return Err(first),
+        };
+        let key = map.iter().find(|(k, x)| {
+            let one =
+                serde_json::Value::Object([((*k).clone(), (*x).clone())].into_iter().collect());
+            Self::deserialize(&one).is_err_and(|alone| alone.to_string() == e)
+        });
+        Err(match key {
+            Some((k, _)) => format!("not a model config: `{k}`: {e}"),
+            None => first,
+        })
+    }
+
+    /// The values that reach a division, a square root or a norm's denominator (issue 46: each
+    /// of these trained to NaN): the norm epsilon, Gemma's score scale and soft caps (where the
+    /// family uses them). RoPE's bases and factors are checked where they are read (`rope`).
+    fn check_values(&self, arch: Arch) -> std::result::Result<(), String> {
+        let eps = self.rms_norm_eps;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(format!(
+                "rms_norm_eps = {eps}: must be a number at or above 0 (a negative one makes the \
+                 norm's square root NaN)"
+            ));
+        }
+        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
+        let used = [
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar, gemma),
+            (
+                "attn_logit_softcapping",
+                self.attn_logit_softcapping,
+                arch == Arch::Gemma2,
+            ),
+            (
+                "final_logit_softcapping",
+                self.final_logit_softcapping,
+                gemma,
+            ),
+        ];
+        for (key, v, used) in used {
+            if let (Some(v), true) = (v, used) {
+                values::positive(key, v)?;
+            }
+        }
+        Ok(())
     }
 
     /// Checks the architecture and every shape; `path` labels errors.
@@ -465,6 +525,7 @@ impl HfConfig {
             )));
         }
         self.check_sizes(head_dim).map_err(bad)?;
+        self.check_values(arch).map_err(bad)?;
         let rope = rope::rope(&self, arch, head_dim).map_err(bad)?;
         let layers = self.num_hidden_layers;
         let marked = |types: &Vec<String>| -> Result<Vec<bool>> {
@@ -503,6 +564,14 @@ impl HfConfig {
             }
             _ => (None, vec![false; layers]),
         };
+        if sliding_window == Some(0) {
+            // A window of 0 masks every key, the diagonal too: the softmax of no scores is NaN.
+            return Err(bad(
+                "sliding_window = 0: a window of no positions masks every key; give the \
+                 window's length, or null for none"
+                    .into(),
+            ));
+        }
         let attention_bias = self.attention_bias.unwrap_or(false);
         Ok(ModelConfig {
             arch,

@@ -623,6 +623,12 @@ impl Model {
         )
     }
 
+    /// LongRoPE: the batch length past which the global layers take their long factors (one
+    /// choice for a whole batch: `rope::Freqs::for_positions`); `None` without LongRoPE.
+    pub fn long_rope_past(&self) -> Option<usize> {
+        self.rope.long.as_ref().map(|(_, past)| *past)
+    }
+
     /// Whether the frozen base is sharded across ranks, and over how many.
     pub fn shard_world(&self) -> Option<usize> {
         self.sharded.as_ref().map(|s| s.comm.size())

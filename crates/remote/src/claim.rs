@@ -87,14 +87,18 @@ impl Remote {
     fn read_marker(&self) -> Result<Option<(Claim, Option<String>)>, RemoteError> {
         let key = self.key(RUN_MARKER);
         let got = self.rt.block_on(async {
-            let r = self.store.get_opts(&key, GetOptions::default()).await?;
+            let r = self
+                .store
+                .get_opts(&key, GetOptions::default())
+                .await
+                .map_err(crate::Capped::Store)?;
             let tag = r.meta.e_tag.clone();
-            Ok::<_, object_store::Error>((r.bytes().await?, tag))
+            Ok((crate::read_capped(r, crate::SMALL_OBJECT_BYTES).await?, tag))
         });
         let (bytes, tag) = match got {
             Ok(x) => x,
-            Err(object_store::Error::NotFound { .. }) => return Ok(None),
-            Err(e) => return Err(self.store_err("get", RUN_MARKER)(e)),
+            Err(crate::Capped::Store(object_store::Error::NotFound { .. })) => return Ok(None),
+            Err(e) => return Err(self.capped_err(RUN_MARKER, crate::SMALL_OBJECT_BYTES, e)),
         };
         let claim: Claim = serde_json::from_slice(&bytes).map_err(|e| {
             self.claimed(format!(

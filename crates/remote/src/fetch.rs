@@ -11,7 +11,7 @@ use std::path::Path;
 
 use rtune_fsio::{fsync_dir, sha256_bytes, write_atomic, Privacy};
 
-use crate::{Manifest, Remote, RemoteError, MANIFEST};
+use crate::{Manifest, Remote, RemoteError, LARGE_OBJECT_BYTES, MANIFEST, SMALL_OBJECT_BYTES};
 
 /// Downloads `checkpoint-<step>/` into `run_dir/.checkpoint-<step>.tmp/`, verifying every file
 /// against the remote manifest, then renames it to `checkpoint-<step>`.
@@ -22,7 +22,7 @@ fn checkpoint(
     privacy: Privacy,
 ) -> Result<(), RemoteError> {
     let name = format!("checkpoint-{step}");
-    let mbytes = remote.get_bytes(&format!("{name}/{MANIFEST}"))?;
+    let mbytes = remote.get_bytes(&format!("{name}/{MANIFEST}"), SMALL_OBJECT_BYTES)?;
     let manifest = Manifest::parse(&mbytes, &format!("{}/{name}/{MANIFEST}", remote.url()))?;
     let tmp = run_dir.join(format!(".{name}.tmp"));
     if tmp.exists() {
@@ -32,7 +32,7 @@ fn checkpoint(
     let res = (|| {
         for (f, entry) in &manifest.files {
             let rel = format!("{name}/{f}");
-            let bytes = remote.get_bytes(&rel)?;
+            let bytes = remote.get_bytes(&rel, entry.bytes)?;
             if bytes.len() as u64 != entry.bytes || sha256_bytes(&bytes) != entry.sha256 {
                 return Err(RemoteError::Checksum {
                     what: format!("{}/{rel}", remote.url()),
@@ -96,7 +96,9 @@ pub fn newest_checkpoint(
         }
         let ckpt = run_dir.join(format!("checkpoint-{step}"));
         let need = metrics_bytes(&ckpt).unwrap_or(0);
-        let metrics = remote.get_bytes("metrics.jsonl").unwrap_or_default();
+        let metrics = remote
+            .get_bytes("metrics.jsonl", LARGE_OBJECT_BYTES)
+            .unwrap_or_default();
         if (metrics.len() as u64) < need {
             let _ = std::fs::remove_dir_all(&ckpt);
             warn(format!(
@@ -109,7 +111,7 @@ pub fn newest_checkpoint(
         write_atomic(&run_dir.join("metrics.jsonl"), &metrics, privacy)?;
         for f in ["run.json", "mlflow.json"] {
             if !run_dir.join(f).exists() {
-                if let Ok(bytes) = remote.get_bytes(f) {
+                if let Ok(bytes) = remote.get_bytes(f, SMALL_OBJECT_BYTES) {
                     write_atomic(&run_dir.join(f), &bytes, privacy)?;
                 }
             }
@@ -136,7 +138,7 @@ pub fn run_files(
         "config.toml",
         "summary.json",
     ] {
-        match remote.get_bytes(f) {
+        match remote.get_bytes(f, LARGE_OBJECT_BYTES) {
             Ok(bytes) => write_atomic(&dir.join(f), &bytes, privacy)?,
             Err(RemoteError::Store { ref reason, .. }) if reason.starts_with("not found") => {}
             Err(e) => return Err(e),

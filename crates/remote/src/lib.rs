@@ -246,7 +246,7 @@ impl Remote {
         let rel = format!(".rtune-probe-{}", std::process::id());
         let body = format!("rtune probe {}\n", std::process::id()).into_bytes();
         self.put_bytes(&rel, body.clone())?;
-        let back = self.get_bytes(&rel)?;
+        let back = self.get_bytes(&rel, body.len() as u64)?;
         if back != body {
             return Err(RemoteError::Store {
                 url: self.url.clone(),
@@ -329,12 +329,37 @@ impl Remote {
         })
     }
 
-    pub fn get_bytes(&self, rel: &str) -> Result<Vec<u8>, RemoteError> {
+    /// The object `rel`, at most `cap` bytes: an object the server says is larger is refused
+    /// before its body is read, and one whose body runs past `cap` when it does. object_store's
+    /// `bytes()` reserves the server's `Content-Length` up front (issue 46: a probe object claimed
+    /// at 10 GB aborted the allocation); here memory grows only with the bytes that arrive.
+    pub fn get_bytes(&self, rel: &str, cap: u64) -> Result<Vec<u8>, RemoteError> {
         let key = self.key(rel);
-        self.rt
-            .block_on(async { self.store.get(&key).await?.bytes().await })
-            .map(|b| b.to_vec())
-            .map_err(self.store_err("get", rel))
+        self.rt.block_on(async {
+            let r = self
+                .store
+                .get(&key)
+                .await
+                .map_err(self.store_err("get", rel))?;
+            read_capped(r, cap)
+                .await
+                .map_err(|e| self.capped_err(rel, cap, e))
+        })
+    }
+
+    fn capped_err(&self, rel: &str, cap: u64, e: Capped) -> RemoteError {
+        match e {
+            Capped::Store(e) => self.store_err("get", rel)(e),
+            Capped::Over(size) => RemoteError::Store {
+                url: self.url.clone(),
+                op: "get",
+                key: rel.to_string(),
+                reason: format!(
+                    "the server sends {size} bytes, over the {cap} this object can hold; refused \
+                     unread (not an S3 server rtune can use, or not its object)"
+                ),
+            },
+        }
     }
 
     /// Whether `rel` exists.
@@ -396,6 +421,37 @@ impl Remote {
         Ok(())
     }
 }
+
+/// Why a capped read stopped.
+enum Capped {
+    Store(object_store::Error),
+    /// The size the server announced, or the bytes it sent, past the cap.
+    Over(u64),
+}
+
+/// The body of `r`, refused past `cap` bytes (see [`Remote::get_bytes`]).
+async fn read_capped(r: object_store::GetResult, cap: u64) -> Result<Vec<u8>, Capped> {
+    if r.meta.size > cap {
+        return Err(Capped::Over(r.meta.size));
+    }
+    let mut out = Vec::new();
+    let mut body = r.into_stream();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(Capped::Store)?;
+        let len = (out.len() + chunk.len()) as u64;
+        if len > cap {
+            return Err(Capped::Over(len));
+        }
+        out.extend_from_slice(&chunk);
+    }
+    Ok(out)
+}
+
+/// Caps of what is read from the store: a checkpoint's manifest, run.json, the claim marker
+/// (small JSON files), and the probe object.
+pub const SMALL_OBJECT_BYTES: u64 = 16 << 20;
+/// metrics.jsonl (a line per step, ~300 bytes: millions of steps) and a run's final files.
+pub const LARGE_OBJECT_BYTES: u64 = 64 << 30;
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()

@@ -95,7 +95,8 @@ pub fn validation_pairs(
         .chunks(micro_batch.max(1))
         .map(|chunk| {
             let refs: Vec<&rtune_data::Pair> = chunk.iter().collect();
-            rtune_data::PairBatch::new(&refs, pad_id, objective.nll_on_prompt())
+            let (prompt_nll, long_past) = (objective.nll_on_prompt(), model.long_rope_past());
+            rtune_data::PairBatch::with_rope(&refs, pad_id, prompt_nll, long_past)
         })
         .collect();
     let totals = crate::preference::StepTotals {

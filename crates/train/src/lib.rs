@@ -131,6 +131,19 @@ pub enum TrainError {
         grad_norm: f64,
         in_a_row: usize,
     },
+    /// A stop request (SIGINT/SIGTERM) before the first step: nothing to checkpoint.
+    #[error(
+        "interrupted during {during}, before step 1: nothing was trained; the run directory is \
+         left as it was found"
+    )]
+    Interrupted { during: &'static str },
+    /// Every update of the run was skipped (see `RunState::check_trained`).
+    #[error(
+        "all {steps} steps' updates were skipped (loss or gradient not finite, or f16 overflow): \
+         the adapter is untrained, so none was written; see the warnings above (try a lower \
+         [train] lr, or check the model's config.json)"
+    )]
+    NothingTrained { steps: usize },
     #[error("{op}: {source}")]
     Candle {
         op: &'static str,
@@ -206,6 +219,8 @@ impl TrainError {
             TrainError::Output { .. }
             | TrainError::Nccl { .. }
             | TrainError::NonFinite { .. }
+            | TrainError::NothingTrained { .. }
+            | TrainError::Interrupted { .. }
             | TrainError::Candle { .. }
             | TrainError::RemoteUpload { .. } => false,
         }

@@ -123,18 +123,27 @@ pub fn load(
     })
 }
 
+/// The rows a reference pass fills in: the training pairs (in file order) and the held-out ones.
+pub struct Rows<'a> {
+    pub train: &'a mut [Pair],
+    pub valid: &'a mut [Pair],
+}
+
 /// The reference log-probabilities of a run's pairs (train and validation), when its objective
 /// needs them, from the cache or computed (and cached by the `writer`: rank 0 of a data-parallel
 /// run); the forward passes run. `every(hit)`: whether every rank that must run the same
-/// forwards found the cache (a sharded base's ranks; otherwise `hit` itself).
+/// forwards found the cache (a sharded base's ranks; otherwise `hit` itself). `interrupted()`
+/// is asked between forward passes: a stop request ends the pass ([`TrainError::Interrupted`]).
+#[allow(clippy::too_many_arguments)]
 pub fn reference(
     cfg: &RunConfig,
     model: &Model,
     adapter: &rtune_lora::Adapter,
-    data: &mut PairData,
+    data: Rows,
     pad_id: u32,
     writer: bool,
     every: &dyn Fn(bool) -> bool,
+    interrupted: &dyn Fn() -> bool,
 ) -> Result<usize, TrainError> {
     if !cfg.train.objective.needs_reference() {
         return Ok(0);
@@ -150,15 +159,17 @@ pub fn reference(
     let lora = cfg.lora.init_from.as_ref().map(|_| &lc);
     let mbs = cfg.train.micro_batch_size;
     let cached = match &cfg.data.cache_dir {
-        Some(root) => Some(ReferenceCache::new(cfg, data, root)?),
+        Some(root) => Some(ReferenceCache::new(cfg, &data, root)?),
         None => None,
     };
     let rows = data.train.len() + data.valid.len();
     let found = cached.as_ref().and_then(|c| c.read(rows));
     if every(found.is_some()) {
         if let (Some(c), Some(found)) = (&cached, found) {
-            for (p, r) in data.train.iter_mut().chain(&mut data.valid).zip(found) {
-                p.reference = Some(r);
+            let all = data.train.iter_mut().chain(data.valid.iter_mut());
+            for (p, [c, r, lc, lr]) in all.zip(found) {
+                p.reference = Some([c, r]);
+                p.reference_long = ([lc, lr] != [c, r]).then_some([lc, lr]);
             }
             tracing::info!(
                 "reference log-probabilities of {rows} rows from the cache ({})",
@@ -168,14 +179,14 @@ pub fn reference(
         return Ok(0);
     }
     let t0 = std::time::Instant::now();
-    let mut passes = fill_reference(model, lora, &mut data.train, mbs, pad_id)?;
-    passes += fill_reference(model, lora, &mut data.valid, mbs, pad_id)?;
+    let pass = |pairs: &mut [Pair]| fill_reference(model, lora, pairs, mbs, pad_id, interrupted);
+    let passes = pass(data.train)? + pass(data.valid)?;
     tracing::info!(
         "reference log-probabilities of {rows} rows: {passes} forward passes in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
     if let (Some(c), true) = (&cached, writer) {
-        c.write(data);
+        c.write(&data);
     }
     Ok(passes)
 }
@@ -184,16 +195,23 @@ pub fn reference(
 /// restarted or repeated run does not run the reference pass again: `<cache_dir>/reference/
 /// <key>.bin`, the key the sha256 of everything that determines them (the model's files, the
 /// starting adapter's, dtype, quantization, device, micro-batch, every row's token ids in order);
-/// `b"RTUNERF1"`, the count `n: u64`, then `n` pairs of f64 (little-endian), train rows then
-/// validation rows. Written atomically, private; a file that does not match is recomputed.
+/// `b"RTUNERF2"`, the count `n: u64`, `n` rows of 4 f64 (little-endian: the reference, and
+/// the one under LongRoPE's long factors, the same when the pair has none), train rows then
+/// validation rows, then the SHA-256 (hex) of all that. Written atomically, private. A file that
+/// does not verify (its size, checksum or a value not finite: issue 46, where finite garbage of
+/// the right size trained to loss 0) is recomputed with a warning.
 struct ReferenceCache {
     path: std::path::PathBuf,
 }
 
-const REF_MAGIC: &[u8; 8] = b"RTUNERF1";
+const REF_MAGIC: &[u8; 8] = b"RTUNERF2";
+/// The checksum's length: SHA-256 in hex.
+const REF_SUM: usize = 64;
+/// Bytes of a row: 4 f64.
+const ROW: usize = 32;
 
 impl ReferenceCache {
-    fn new(cfg: &RunConfig, data: &PairData, root: &std::path::Path) -> Result<Self, TrainError> {
+    fn new(cfg: &RunConfig, data: &Rows, root: &std::path::Path) -> Result<Self, TrainError> {
         // `key\0value\0` for each part (a row's ids by their own sha256), hashed at the end.
         let mut parts = Vec::new();
         let mut put = |k: &str, v: &str| {
@@ -220,7 +238,7 @@ impl ReferenceCache {
         put("quantize", &format!("{:?}", cfg.model.quantize));
         put("device", &format!("{:?}", cfg.train.device));
         put("micro_batch_size", &cfg.train.micro_batch_size.to_string());
-        for p in data.train.iter().chain(&data.valid) {
+        for p in data.train.iter().chain(data.valid.iter()) {
             for ids in [&p.prompt, &p.chosen, &p.rejected] {
                 let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
                 put("ids", &rtune_fsio::sha256_bytes(&bytes));
@@ -237,33 +255,61 @@ impl ReferenceCache {
     }
 
     /// The `n` rows' references (train rows, then validation rows) from the file; `None` when
-    /// it is missing or does not match.
-    fn read(&self, n: usize) -> Option<Vec<[f64; 2]>> {
+    /// it is missing, or (with a warning) does not verify.
+    fn read(&self, n: usize) -> Option<Vec<[f64; 4]>> {
+        let size = 16 + ROW * n + REF_SUM;
         let kind = rtune_fsio::FileKind::Sized {
-            cap: 16 + 16 * n as u64,
+            cap: size as u64,
             name: "reference log-probabilities",
         };
-        let bytes = rtune_fsio::read_bounded(&self.path, kind).ok()?;
-        if bytes.len() != 16 + 16 * n
-            || &bytes[..8] != REF_MAGIC
-            || bytes[8..16] != (n as u64).to_le_bytes()
-        {
-            return None;
+        let bytes = match rtune_fsio::read_bounded(&self.path, kind) {
+            Ok(bytes) => bytes,
+            Err(rtune_fsio::ReadError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+                return None
+            }
+            Err(e) => return self.unverified(&e.to_string()),
+        };
+        if bytes.len() != size || &bytes[..8] != REF_MAGIC {
+            return self.unverified("not of this run's size and format");
         }
-        let f = |i: usize| f64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
-        Some((0..n).map(|k| [f(16 + 16 * k), f(24 + 16 * k)]).collect())
+        let (body, sum) = bytes.split_at(size - REF_SUM);
+        if body[8..16] != (n as u64).to_le_bytes() {
+            return self.unverified("another count of rows");
+        }
+        if rtune_fsio::sha256_bytes(body).as_bytes() != sum {
+            return self.unverified("its checksum does not match its content");
+        }
+        let f = |i: usize| f64::from_le_bytes(body[i..i + 8].try_into().expect("8 bytes"));
+        let row = |k: usize| std::array::from_fn(|j| f(16 + ROW * k + 8 * j));
+        let rows: Vec<[f64; 4]> = (0..n).map(row).collect();
+        if rows.iter().flatten().any(|x| !x.is_finite()) {
+            return self.unverified("a log-probability is not finite");
+        }
+        Some(rows)
+    }
+
+    /// A cache file that does not verify: warned about, then recomputed (and replaced).
+    fn unverified<T>(&self, why: &str) -> Option<T> {
+        tracing::warn!(
+            "{}: reference log-probabilities do not verify ({why}); computing them again",
+            self.path.display()
+        );
+        None
     }
 
     /// Saves every row's reference; a failure is a warning (the run goes on without the cache).
-    fn write(&self, data: &PairData) {
-        let rows: Vec<&Pair> = data.train.iter().chain(&data.valid).collect();
+    fn write(&self, data: &Rows) {
+        let rows: Vec<&Pair> = data.train.iter().chain(data.valid.iter()).collect();
         let mut bytes = REF_MAGIC.to_vec();
         bytes.extend((rows.len() as u64).to_le_bytes());
         for p in rows {
-            let [c, r] = p.reference.expect("filled in");
-            bytes.extend(c.to_le_bytes());
-            bytes.extend(r.to_le_bytes());
+            let short = p.reference.expect("filled in");
+            for x in short.iter().chain(&p.reference_long.unwrap_or(short)) {
+                bytes.extend(x.to_le_bytes());
+            }
         }
+        let sum = rtune_fsio::sha256_bytes(&bytes);
+        bytes.extend(sum.as_bytes());
         let dir = self.path.parent().expect("under the cache root");
         let written = rtune_fsio::Privacy::PRIVATE
             .create_dir_all(dir)
@@ -307,25 +353,80 @@ fn check_kind(cfg: &RunConfig, path: &std::path::Path, set: &PairSet) -> Result<
 /// starts, as TRL defines the reference policy: the base alone (`lora: None`) for a new adapter,
 /// or the starting adapter (`[lora] init_from`) frozen. `micro_batch` pairs a forward pass, in
 /// order; pairs that already have them are skipped. Returns the forward passes run.
+///
+/// A pair's reference must be what its policy computes at step 0, whatever batch training puts
+/// it in. Each row's results are its own but for LongRoPE, whose factors a whole batch shares (the
+/// long ones once the batch is longer than `model.long_rope_past()`): a pair short enough for
+/// the short factors gets them only in a batch of short pairs (issue 46: file-order batches
+/// gave it the long ones, and its policy at step 0 another value). So the short pairs are
+/// batched apart from the long ones, and when training can batch them together (more than one
+/// pair a batch, long pairs in the set) each short pair also gets its reference under the long
+/// factors (`reference_long`, rows padded past the length), which a long batch takes.
 pub fn fill_reference(
     model: &Model,
     lora: Option<&LoraCtx>,
     pairs: &mut [Pair],
     micro_batch: usize,
     pad_id: u32,
+    interrupted: &dyn Fn() -> bool,
 ) -> Result<usize, TrainError> {
+    let b = Batching {
+        micro_batch,
+        pad_id,
+        interrupted,
+    };
     let todo: Vec<usize> = (0..pairs.len())
         .filter(|&i| pairs[i].reference.is_none())
         .collect();
+    let Some(past) = model.long_rope_past() else {
+        return fill(model, lora, pairs, &todo, &b, None);
+    };
+    let (short, long): (Vec<usize>, Vec<usize>) =
+        todo.iter().partition(|&&i| pairs[i].len() <= past);
+    let mut passes = fill(model, lora, pairs, &long, &b, None)?;
+    passes += fill(model, lora, pairs, &short, &b, None)?;
+    if micro_batch > 1 && pairs.iter().any(|p| p.len() > past) {
+        passes += fill(model, lora, pairs, &short, &b, Some(past + 1))?;
+    }
+    Ok(passes)
+}
+
+/// How a reference pass batches: pairs a forward pass, the padding id, and the stop request
+/// asked before each pass.
+struct Batching<'a> {
+    micro_batch: usize,
+    pad_id: u32,
+    interrupted: &'a dyn Fn() -> bool,
+}
+
+/// The references of `pairs[todo]`, `micro_batch` a forward pass: into `reference`, or with
+/// `long_from` (rows padded to that length: LongRoPE's long factors) into `reference_long`.
+fn fill(
+    model: &Model,
+    lora: Option<&LoraCtx>,
+    pairs: &mut [Pair],
+    todo: &[usize],
+    how: &Batching,
+    long_from: Option<usize>,
+) -> Result<usize, TrainError> {
     let mut passes = 0;
-    for chunk in todo.chunks(micro_batch.max(1)) {
+    for chunk in todo.chunks(how.micro_batch.max(1)) {
+        if (how.interrupted)() {
+            return Err(TrainError::Interrupted {
+                during: "the reference log-probabilities pass",
+            });
+        }
         let refs: Vec<&Pair> = chunk.iter().map(|&i| &pairs[i]).collect();
-        let mut pb = PairBatch::new(&refs, pad_id, false);
+        let mut pb = PairBatch::padded(&refs, how.pad_id, false, long_from.unwrap_or(1));
         let nll = pair_nll(model, lora, &mut pb)?;
         let logps = pb.row_logps(&nll);
         let b = chunk.len();
         for (k, &i) in chunk.iter().enumerate() {
-            pairs[i].reference = Some([logps[k], logps[b + k]]);
+            let r = Some([logps[k], logps[b + k]]);
+            match long_from {
+                Some(_) => pairs[i].reference_long = r,
+                None => pairs[i].reference = r,
+            }
         }
         passes += 1;
     }

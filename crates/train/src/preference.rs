@@ -429,6 +429,7 @@ mod tests {
             chosen: c.to_vec(),
             rejected: r.to_vec(),
             reference,
+            reference_long: None,
             label: None,
         };
         let a = p(&[1, 2], &[3, 4, 5], &[6], Some([-4.0, -1.5]));
@@ -537,6 +538,7 @@ mod tests {
             chosen: c.to_vec(),
             rejected: kl.to_vec(),
             reference: Some(reference),
+            reference_long: None,
             label: Some(label),
         };
         let rows = [

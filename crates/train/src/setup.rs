@@ -98,11 +98,7 @@ pub fn prepare(
         // PEFT's init: m = ‖W + s·B·A‖ row-wise (B = 0, so ‖W‖).
         model.init_dora(&mut adapter)?;
     }
-    let pad_id = tok
-        .as_ref()
-        .and_then(|t| t.pad_id)
-        .or(model.cfg.pad_token_id)
-        .unwrap_or(0);
+    let pad_id = pad_id(cfg, tok.as_ref(), &model.cfg)?;
     Ok(Prepared {
         model,
         adapter,
@@ -111,6 +107,34 @@ pub fn prepare(
         pad_id,
         initial,
     })
+}
+
+/// The id padding fills rows with: the tokenizer's pad token, else config.json's
+/// `pad_token_id`, else 0. One outside the vocabulary is refused here, before the run directory
+/// exists (issue 46: it failed at the first padded batch's embedding lookup, exit 1, the
+/// directory made), naming where it came from.
+pub(crate) fn pad_id(
+    cfg: &RunConfig,
+    tok: Option<&Tokenizer>,
+    model: &rtune_model::ModelConfig,
+) -> Result<u32, TrainError> {
+    let (id, from, key) = match (tok.and_then(|t| t.pad_id), model.pad_token_id) {
+        (Some(id), _) => (id, "tokenizer_config.json", "pad_token"),
+        (None, Some(id)) => (id, "config.json", "pad_token_id"),
+        (None, None) => return Ok(0),
+    };
+    if (id as usize) < model.vocab_size {
+        return Ok(id);
+    }
+    Err(rtune_model::ModelError::File {
+        path: cfg.model.path.join(from),
+        message: format!(
+            "{key} = {id} is outside the model's vocabulary (vocab_size {} in config.json): \
+             padding would look up an embedding row that does not exist",
+            model.vocab_size
+        ),
+    }
+    .into())
 }
 
 /// Decides `[train] gradient_checkpointing` for this attempt (`auto`: from the memory estimate

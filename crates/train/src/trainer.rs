@@ -134,6 +134,7 @@ impl Trainer<'_> {
         // The remote prefix is claimed like the directory (after it: a refusal leaves both as found).
         let resume = opts.resume || self.cfg.output.resume;
         self.files.claim_remote(self.cfg, resume)?;
+        self.reference_pass(opts.stop)?;
         let existed = self.fetch_remote_checkpoint(opts, existed)?;
         // A barrier: the other ranks read the checkpoint rank 0 may just have fetched.
         self.dist
@@ -194,6 +195,7 @@ impl Trainer<'_> {
         // The end of the run: what the last step, evaluation and checkpoint freed is checked
         // before the adapter and summary.json mark the run finished.
         self.check_device()?;
+        self.state.check_trained()?;
         self.finish().map(Outcome::Completed)
     }
 
@@ -222,8 +224,9 @@ impl Trainer<'_> {
         let (w, rank) = (self.dist.world.size, self.dist.world.rank);
         let (mbs, pad_id) = (cfg.train.micro_batch_size, self.pad_id);
         let prompt_nll = cfg.train.objective.nll_on_prompt();
+        let long_past = self.model.long_rope_past();
         let micro: Vec<Micro> = (0..cfg.train.grad_accum * w)
-            .map(|_| self.stream.next(mbs, pad_id, prompt_nll))
+            .map(|_| self.stream.next(mbs, pad_id, prompt_nll, long_past))
             .collect();
         let n_target: usize = micro.iter().map(|m| m.batch().target_tokens()).sum();
         let tokens: usize = micro.iter().map(|m| m.batch().tokens).sum();

@@ -3,6 +3,9 @@
 //! (transformers 5: flat, or per layer type) or `rope_theta` + `rope_scaling` (transformers 4),
 //! as transformers' `standardize_rope_params` merges them.
 
+use serde_json::Value;
+
+use super::values::{number, positive, string, table};
 use super::{Arch, HfConfig, RopeScaling};
 
 /// What the RoPE keys give: the global layers' base and scaling, the local (sliding) layers' own
@@ -15,29 +18,39 @@ pub(super) struct Rope {
     pub rotary_dim: Option<usize>,
 }
 
-/// Reads the RoPE keys of `c` (architecture `arch`, heads of `head_dim`).
+/// Reads the RoPE keys of `c` (architecture `arch`, heads of `head_dim`). A key of the wrong
+/// type (`rope_theta: "1"`, `rope_parameters: [..]`) is an error naming it, never a default;
+/// every base and factor is a number above 0 ([`positive`]).
 pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, String> {
     // Gemma 3's default global base is 1e6; the others' 1e4.
     let default_theta = if arch == Arch::Gemma3 { 1e6 } else { 10_000.0 };
-    let per_type = c
-        .rope_parameters
-        .as_ref()
+    let parameters = match &c.rope_parameters {
+        Some(v) => table(v, "rope_parameters")?,
+        None => None,
+    };
+    let scaling = match &c.rope_scaling {
+        Some(v) => table(v, "rope_scaling")?,
+        None => None,
+    };
+    let per_type = parameters
         .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
-    let rotary_dim = rotary_dim(c, arch, head_dim)?;
+    let rotary_dim = rotary_dim(c, parameters, arch, head_dim)?;
     let ctx = Ctx {
         c,
         arch,
         half: rotary_dim.unwrap_or(head_dim) / 2,
     };
     if let Some(p) = per_type {
-        let global = match p.get("full_attention") {
-            Some(g) => ctx.params(Some(g), None, default_theta)?,
-            None => (default_theta, RopeScaling::None),
+        let set = |k: &str, default: f64| -> Result<Option<(f64, RopeScaling)>, String> {
+            let at = format!("rope_parameters.{k}");
+            match p.get(k).map(|v| table(v, &at)).transpose()?.flatten() {
+                Some(set) => ctx.params(Some((set, &at)), None, default).map(Some),
+                None => Ok(None),
+            }
         };
-        let local = p
-            .get("sliding_attention")
-            .map(|l| ctx.params(Some(l), None, 10_000.0))
-            .transpose()?;
+        let global = set("full_attention", default_theta)?;
+        let global = global.unwrap_or((default_theta, RopeScaling::None));
+        let local = set("sliding_attention", 10_000.0)?;
         return Ok(Rope {
             theta: global.0,
             scaling: global.1,
@@ -45,18 +58,16 @@ pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, St
             rotary_dim,
         });
     }
-    let params = c
-        .rope_parameters
-        .as_ref()
-        .filter(|v| !v.is_null())
-        .or(c.rope_scaling.as_ref().filter(|v| !v.is_null()));
+    let params = match parameters {
+        Some(p) => Some((p, "rope_parameters")),
+        None => scaling.map(|p| (p, "rope_scaling")),
+    };
     let (theta, scaling) = ctx.params(params, c.rope_theta, default_theta)?;
-    let local = (arch == Arch::Gemma3).then(|| {
-        (
-            c.rope_local_base_freq.unwrap_or(10_000.0),
-            RopeScaling::None,
-        )
-    });
+    let local = match (arch, c.rope_local_base_freq) {
+        (Arch::Gemma3, Some(b)) => Some((positive("rope_local_base_freq", b)?, RopeScaling::None)),
+        (Arch::Gemma3, None) => Some((10_000.0, RopeScaling::None)),
+        _ => None,
+    };
     Ok(Rope {
         theta,
         scaling,
@@ -68,14 +79,17 @@ pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, St
 /// `int(head_dim · partial_rotary_factor)` when the factor (in `rope_parameters`, or at the top
 /// level in transformers 4's layout) is not 1; Phi-3's attention is the only one rtune runs that
 /// rotates part of a head (transformers' other families here rotate the whole head).
-fn rotary_dim(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Option<usize>, String> {
-    let factor = c
-        .rope_parameters
-        .as_ref()
-        .and_then(|p| p.get("partial_rotary_factor"))
-        .and_then(|v| v.as_f64())
-        .or(c.partial_rotary_factor)
-        .unwrap_or(1.0);
+fn rotary_dim(
+    c: &HfConfig,
+    parameters: Option<&Value>,
+    arch: Arch,
+    head_dim: usize,
+) -> Result<Option<usize>, String> {
+    let nested = match parameters {
+        Some(p) => number(p, "rope_parameters", "partial_rotary_factor")?,
+        None => None,
+    };
+    let factor = nested.or(c.partial_rotary_factor).unwrap_or(1.0);
     if factor == 1.0 {
         return Ok(None);
     }
@@ -104,31 +118,35 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    /// One set of RoPE parameters: `rope_theta` from `p` (v5), else `theta` (v4's top-level
-    /// key), else `default_theta`; the scaling rule from `p`'s `rope_type` (or `type`).
+    /// One set of RoPE parameters `p` (with the key it is under, for errors): `rope_theta` from
+    /// `p` (v5), else `theta` (v4's top-level key), else `default_theta`; the scaling rule from
+    /// `p`'s `rope_type` (or `type`).
     fn params(
         &self,
-        p: Option<&serde_json::Value>,
+        p: Option<(&Value, &str)>,
         theta: Option<f64>,
         default_theta: f64,
     ) -> Result<(f64, RopeScaling), String> {
-        let theta = p
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(|v| v.as_f64())
-            .or(theta)
-            .unwrap_or(default_theta);
-        let Some(p) = p else {
+        let nested = match p {
+            Some((p, at)) => number(p, at, "rope_theta")?.map(|t| (t, format!("{at}.rope_theta"))),
+            None => None,
+        };
+        let theta = match (nested, theta) {
+            (Some((t, key)), _) => positive(&key, t)?,
+            (None, Some(t)) => positive("rope_theta", t)?,
+            (None, None) => default_theta,
+        };
+        let Some((p, at)) = p else {
             return Ok((theta, RopeScaling::None));
         };
-        let kind = p
-            .get("rope_type")
-            .or_else(|| p.get("type"))
-            .and_then(|v| v.as_str())
-            .unwrap_or("default");
+        let kind = match string(p, at, "rope_type")? {
+            Some(k) => k,
+            None => string(p, at, "type")?.unwrap_or("default"),
+        };
         let num = |k: &str| -> Result<f64, String> {
-            p.get(k)
-                .and_then(|v| v.as_f64())
-                .ok_or_else(|| format!("rope scaling `{kind}` needs a number `{k}`"))
+            let v = number(p, at, k)?
+                .ok_or_else(|| format!("{at}: rope scaling `{kind}` needs a number `{k}`"))?;
+            positive(&format!("{at}.{k}"), v)
         };
         let scaling = match kind {
             "default" => RopeScaling::None,
@@ -142,8 +160,8 @@ impl Ctx<'_> {
                 original_max_position_embeddings: num("original_max_position_embeddings")?,
             },
             // Phi3Config reads the older names `su` and `yarn` as `longrope`.
-            "longrope" | "su" => self.longrope(p, kind)?,
-            "yarn" if self.arch == Arch::Phi3 => self.longrope(p, kind)?,
+            "longrope" | "su" => self.longrope(p, at, kind)?,
+            "yarn" if self.arch == Arch::Phi3 => self.longrope(p, at, kind)?,
             other => {
                 return Err(format!(
                     "rope scaling type `{other}` is not supported (default, linear, llama3, and \
@@ -158,14 +176,20 @@ impl Ctx<'_> {
     /// (Phi3Config's top-level `original_max_position_embeddings` first, default 4096; else the
     /// set's own; else `max_position_embeddings`), and the attention factor (given, or
     /// `√(1 + ln s / ln original)` with `s = factor` or `max_position_embeddings / original`).
-    fn longrope(&self, p: &serde_json::Value, kind: &str) -> Result<RopeScaling, String> {
+    /// Every factor is above 0: one of 0 makes its frequency infinite, cos and sin NaN.
+    fn longrope(&self, p: &Value, at: &str, kind: &str) -> Result<RopeScaling, String> {
         let list = |k: &str| -> Result<Vec<f64>, String> {
             let v: Option<Vec<f64>> = p
                 .get(k)
                 .and_then(|v| v.as_array())
                 .and_then(|a| a.iter().map(|x| x.as_f64()).collect());
             match v {
-                Some(v) if v.len() == self.half => Ok(v),
+                Some(v) if v.len() == self.half => {
+                    for (i, x) in v.iter().enumerate() {
+                        positive(&format!("{at}.{k}[{i}]"), *x)?;
+                    }
+                    Ok(v)
+                }
                 Some(v) => Err(format!(
                     "rope scaling `{kind}`: `{k}` has {} numbers; a head rotates {} dimensions, so \
                      it needs {}",
@@ -183,25 +207,29 @@ impl Ctx<'_> {
             Arch::Phi3 => Some(c.original_max_position_embeddings.unwrap_or(4096)),
             _ => c.original_max_position_embeddings,
         };
+        let nested = number(p, at, "original_max_position_embeddings")?;
         let original = top
             .map(|o| o as f64)
-            .or_else(|| {
-                p.get("original_max_position_embeddings")
-                    .and_then(|v| v.as_f64())
-            })
+            .or(nested)
             .or(c.max_position_embeddings.map(|m| m as f64))
             .filter(|o| *o >= 1.0)
             .ok_or_else(|| {
                 format!("rope scaling `{kind}` needs original_max_position_embeddings")
             })?;
-        let factor = match p.get("factor").and_then(|v| v.as_f64()) {
-            Some(f) => f,
+        let factor = match number(p, at, "factor")? {
+            Some(f) => positive(&format!("{at}.factor"), f)?,
             None => c.max_position_embeddings.map_or(1.0, |m| m as f64) / original,
         };
-        let attention_factor = match p.get("attention_factor").and_then(|v| v.as_f64()) {
-            Some(a) => a,
+        let attention_factor = match number(p, at, "attention_factor")? {
+            Some(a) => positive(&format!("{at}.attention_factor"), a)?,
             None if factor <= 1.0 => 1.0,
-            None => (1.0 + factor.ln() / original.ln()).sqrt(),
+            // ln 1 = 0: an original length of 1 with a factor above 1 divides by zero.
+            None => positive(
+                &format!(
+                    "{at}.attention_factor (from factor {factor} and original length {original})"
+                ),
+                (1.0 + factor.ln() / original.ln()).sqrt(),
+            )?,
         };
         Ok(RopeScaling::LongRope {
             short_factor: list("short_factor")?,

@@ -182,3 +182,188 @@ fn head_dim_and_yarn() {
     assert_eq!(cfg(r#","head_dim":32"#).unwrap().head_dim, 32);
     assert!(cfg(r#","rope_scaling":{"rope_type":"yarn","factor":4.0}"#).is_err());
 }
+
+/// The error of `r` (a refused config), checked to name `key` and `value`.
+fn refused(r: Result<ModelConfig>, key: &str, value: &str) {
+    let e = match r {
+        Ok(c) => panic!("{key} = {value} accepted: {c:?}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains("config.json") && e.contains(key) && e.contains(value),
+        "{key} = {value}: {e}"
+    );
+}
+
+/// Gemma 2 without `query_pre_attn_scalar` (the helper above sets it), with `extra`.
+fn gemma2_raw(extra: &str) -> Result<ModelConfig> {
+    let text = format!(
+        r#"{{"architectures":["Gemma2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,
+        "vocab_size":100{extra}}}"#
+    );
+    serde_json::from_str::<HfConfig>(&text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+}
+
+/// Issue 46: values that train to NaN (a soft cap or RoPE factor of 0 divides by zero, a
+/// negative base or epsilon takes a NaN power or root, a window of 0 masks every key) are each
+/// refused naming the key and the value.
+#[test]
+fn values_that_train_to_nan_are_refused() {
+    let g2 = "Gemma2ForCausalLM";
+    assert!(gemma2_raw(r#","attn_logit_softcapping":50.0,"sliding_window":4"#).is_ok());
+    refused(
+        gemma2_raw(r#","attn_logit_softcapping":0"#),
+        "attn_logit_softcapping",
+        "= 0",
+    );
+    refused(
+        gemma(g2, r#","final_logit_softcapping":0.0"#),
+        "final_logit_softcapping",
+        "= 0",
+    );
+    refused(
+        gemma2_raw(r#","query_pre_attn_scalar":0"#),
+        "query_pre_attn_scalar",
+        "= 0",
+    );
+    refused(
+        gemma2_raw(r#","query_pre_attn_scalar":-4"#),
+        "query_pre_attn_scalar",
+        "= -4",
+    );
+    refused(
+        gemma2_raw(r#","sliding_window":0"#),
+        "sliding_window",
+        "= 0",
+    );
+    refused(
+        cfg(r#","model_type":"mistral","rms_norm_eps":-1e-5"#),
+        "rms_norm_eps",
+        "= -0.00001",
+    );
+    refused(cfg(r#","rope_theta":0"#), "rope_theta", "= 0");
+    refused(cfg(r#","rope_theta":-10000"#), "rope_theta", "= -10000");
+    refused(
+        cfg(r#","rope_parameters":{"rope_type":"default","rope_theta":0}"#),
+        "rope_parameters.rope_theta",
+        "= 0",
+    );
+    refused(
+        cfg(r#","rope_scaling":{"rope_type":"linear","factor":0}"#),
+        "rope_scaling.factor",
+        "= 0",
+    );
+    refused(
+        cfg(
+            r#","rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}"#,
+        ),
+        "rope_scaling.low_freq_factor",
+        "= 0",
+    );
+    refused(
+        gemma("Gemma3ForCausalLM", r#","rope_local_base_freq":0"#),
+        "rope_local_base_freq",
+        "= 0",
+    );
+    refused(
+        gemma(
+            "Gemma3ForCausalLM",
+            r#","rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1e6},"sliding_attention":{"rope_type":"default","rope_theta":-1}}"#,
+        ),
+        "rope_parameters.sliding_attention.rope_theta",
+        "= -1",
+    );
+    let (short, long) = ("[1.0,1.1,1.3,1.6,2.0,2.5]", "[1.0,1.5,2.5,4.0,6.0,9.0]");
+    let zeros = "[0,0,0,0,0,0]";
+    let lr = |short: &str, long: &str, extra: &str| {
+        phi3(&format!(
+            r#","partial_rotary_factor":0.75,"original_max_position_embeddings":8,
+            "rope_scaling":{{"type":"longrope","short_factor":{short},"long_factor":{long}{extra}}}"#
+        ))
+    };
+    assert!(lr(short, long, "").is_ok());
+    refused(lr(zeros, long, ""), "rope_scaling.short_factor[0]", "= 0");
+    refused(lr(short, zeros, ""), "rope_scaling.long_factor[0]", "= 0");
+    refused(
+        lr(short, long, r#","attention_factor":0"#),
+        "rope_scaling.attention_factor",
+        "= 0",
+    );
+    refused(
+        lr(short, long, r#","factor":0"#),
+        "rope_scaling.factor",
+        "= 0",
+    );
+}
+
+/// Issue 46: a present key of the wrong type was read as absent, and the run trained with the
+/// default (`rope_theta: "1"` as 10000, `partial_rotary_factor: "0.5"` as the whole head, a list
+/// for `rope_parameters` ignored): each is an error naming the key.
+#[test]
+fn wrongly_typed_keys_are_named() {
+    refused(
+        cfg(r#","rope_parameters":{"rope_type":"default","rope_theta":"1"}"#),
+        "rope_parameters.rope_theta",
+        "\"1\"",
+    );
+    refused(
+        phi3(r#","rope_parameters":{"rope_type":"default","partial_rotary_factor":"0.5"}"#),
+        "rope_parameters.partial_rotary_factor",
+        "\"0.5\"",
+    );
+    refused(
+        cfg(r#","rope_parameters":[{"rope_type":"default","rope_theta":1.0}]"#),
+        "rope_parameters",
+        "not an object",
+    );
+    refused(
+        cfg(r#","rope_scaling":"linear""#),
+        "rope_scaling",
+        "not an object",
+    );
+    refused(
+        cfg(r#","rope_scaling":{"rope_type":8,"factor":2.0}"#),
+        "rope_scaling.rope_type",
+        "= 8",
+    );
+    refused(
+        gemma(
+            "Gemma3ForCausalLM",
+            r#","rope_parameters":{"full_attention":[1],"sliding_attention":{"rope_type":"default"}}"#,
+        ),
+        "rope_parameters.full_attention",
+        "not an object",
+    );
+    // Top-level keys are typed by serde, whose message names no key: the reader names it.
+    let dir = std::env::temp_dir().join(format!("rtune-typed-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.json");
+    let read = |extra: &str| {
+        let text = format!(
+            r#"{{"architectures":["Phi3ForCausalLM"],"hidden_size":64,"intermediate_size":96,
+            "num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100{extra}}}"#
+        );
+        std::fs::write(&path, text).unwrap();
+        HfConfig::from_file(&path)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(read(r#","partial_rotary_factor":0.5"#), Ok(()));
+    for (extra, key) in [
+        (
+            r#","partial_rotary_factor":"0.5""#,
+            "`partial_rotary_factor`",
+        ),
+        (r#","rope_theta":"1""#, "`rope_theta`"),
+        (r#","sliding_window":-1"#, "`sliding_window`"),
+    ] {
+        let e = read(extra).unwrap_err();
+        assert!(e.contains(key) && e.contains("config.json"), "{extra}: {e}");
+    }
+    let e = read(r#","hidden_size":64"#).unwrap_err();
+    assert!(e.contains("duplicate field `hidden_size`"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

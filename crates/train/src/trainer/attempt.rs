@@ -118,21 +118,11 @@ impl<'a> Trainer<'a> {
                 (Stream::Sft(batcher), examples, 0)
             }
             Some(p) => {
-                // The reference policy's log-probs of every pair, once, before the first step
-                // (and before a resume replaces the adapter: the reference is the start).
-                let root = dist.world.is_root();
-                // A sharded base's reference forwards gather on every rank: a cache one rank
-                // finds and another does not is computed by all.
-                let (world, sharded) = (&dist.world, model.shard_world().is_some());
-                let every = |hit: bool| match sharded {
-                    true => !world.any("the reference cache's agreement", !hit),
-                    false => hit,
-                };
-                let passes =
-                    crate::pairs::reference(cfg, &model, &adapter, p, pad_id, root, &every)?;
+                // The reference log-probs are filled in once the run directory is taken
+                // (`reference_pass`): a directory that cannot be used is refused at once.
                 let examples = p.train.len();
                 let batcher = setup::pair_batcher(cfg, std::mem::take(&mut p.train), pad_id);
-                (Stream::Pairs(batcher), examples, passes)
+                (Stream::Pairs(batcher), examples, 0)
             }
         };
         let state = RunState::fresh(setup::loss_scaler(cfg));
@@ -160,6 +150,51 @@ impl<'a> Trainer<'a> {
             dist,
             initial,
         })
+    }
+
+    /// A preference run's reference log-probabilities of every pair, once, before the first
+    /// step: after the run directory is checked and locked (issue 46: `/` or a locked directory
+    /// was refused only after the whole pass), before a resume replaces the adapter (the
+    /// reference is the start). A raised `stop` (SIGINT/SIGTERM) ends the pass between two
+    /// forward passes (it was ignored until the pass ended); in a data-parallel run `mpirun`
+    /// ends the job instead, and the ranks' passes stay in step.
+    pub(super) fn reference_pass(
+        &mut self,
+        stop: Option<&std::sync::atomic::AtomicBool>,
+    ) -> Result<(), TrainError> {
+        let (cfg, pad_id) = (self.cfg, self.pad_id);
+        let (Stream::Pairs(batcher), Some(p)) = (&mut self.stream, self.data.pairs.as_mut()) else {
+            return Ok(());
+        };
+        let world = &self.dist.world;
+        world.expect_long("the reference log-probabilities pass");
+        let root = world.is_root();
+        // A sharded base's reference forwards gather on every rank: a cache one rank finds and
+        // another does not is computed by all.
+        let sharded = self.model.shard_world().is_some();
+        let every = |hit: bool| match sharded {
+            true => !world.any("the reference cache's agreement", !hit),
+            false => hit,
+        };
+        let alone = !world.is_distributed();
+        let interrupted =
+            || alone && stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst));
+        let rows = crate::pairs::Rows {
+            train: batcher.rows_mut(),
+            valid: &mut p.valid,
+        };
+        let (model, adapter) = (&self.model, &self.adapter);
+        self.reference_passes = crate::pairs::reference(
+            cfg,
+            model,
+            adapter,
+            rows,
+            pad_id,
+            root,
+            &every,
+            &interrupted,
+        )?;
+        Ok(())
     }
 
     /// A data-parallel run's start-up (collective: every rank calls it; a no-op in one process):

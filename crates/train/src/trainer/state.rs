@@ -133,6 +133,16 @@ impl RunState {
         Ok(())
     }
 
+    /// At the end of a run: some update was applied. A run whose every update was skipped (a
+    /// loss or gradient never finite, in fewer steps than `max_bad_steps`; every f16 step
+    /// overflowing) has an untrained adapter and must not end as if it trained (issue 46).
+    pub fn check_trained(&self) -> Result<(), TrainError> {
+        match self.step > 0 && self.skipped_steps >= self.step {
+            true => Err(TrainError::NothingTrained { steps: self.step }),
+            false => Ok(()),
+        }
+    }
+
     /// Counts the finished step `m` (of `steps` in the run).
     pub fn count_step(&mut self, m: &StepMetrics, steps: usize) {
         self.step += 1;
@@ -227,6 +237,36 @@ mod tests {
             "{e}"
         );
         assert_eq!((s.skipped_steps, warnings.len()), (3, 2));
+    }
+
+    /// Issue 46: a run of 2 steps, both skipped, under `max_bad_steps = 5` is refused at its end;
+    /// one applied update (or none made yet) passes.
+    #[test]
+    fn a_run_whose_every_update_was_skipped_is_not_trained() {
+        let bad = Applied {
+            grad_norm: f64::NAN,
+            applied: false,
+        };
+        let good = Applied {
+            grad_norm: 1.0,
+            applied: true,
+        };
+        let mut warn = |_: String| {};
+        let mut s = RunState::fresh(None);
+        assert!(s.check_trained().is_ok());
+        for _ in 0..2 {
+            s.count_update(bad, f64::NAN, 1.0, 5, &mut warn).unwrap();
+            s.count_step(&step_metrics(1, 1.0, f64::NAN), 2);
+        }
+        let e = s.check_trained().unwrap_err();
+        assert!(matches!(e, TrainError::NothingTrained { steps: 2 }), "{e}");
+        assert!(!e.is_input_error());
+        let mut s = RunState::fresh(None);
+        s.count_update(good, 1.0, 1.0, 5, &mut warn).unwrap();
+        s.count_step(&step_metrics(1, 1.0, 1.0), 2);
+        s.count_update(bad, f64::NAN, 1.0, 5, &mut warn).unwrap();
+        s.count_step(&step_metrics(1, 1.0, f64::NAN), 2);
+        assert!(s.check_trained().is_ok());
     }
 
     /// Issue 35: `max_bad_steps = 5` stopped on the 6th bad step in a row; it stops on the 5th, as

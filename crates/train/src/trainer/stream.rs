@@ -27,13 +27,23 @@ pub(crate) enum Totals {
 
 impl Stream {
     /// The next micro-batch of `size` rows (SFT) or pairs.
-    /// `prompt_nll`: the chosen rows' prompts carry targets too (ORPO).
-    pub fn next(&mut self, size: usize, pad_id: u32, prompt_nll: bool) -> Micro {
+    /// `prompt_nll`: the chosen rows' prompts carry targets too (ORPO); `long_past`: the model's
+    /// LongRoPE length, which picks each pair's reference ([`PairBatch::with_rope`]).
+    pub fn next(
+        &mut self,
+        size: usize,
+        pad_id: u32,
+        prompt_nll: bool,
+        long_past: Option<usize>,
+    ) -> Micro {
         match self {
             Stream::Sft(b) => Micro::Sft(b.next_batch(size)),
-            Stream::Pairs(b) => {
-                Micro::Pairs(PairBatch::new(&b.next_rows(size), pad_id, prompt_nll))
-            }
+            Stream::Pairs(b) => Micro::Pairs(PairBatch::with_rope(
+                &b.next_rows(size),
+                pad_id,
+                prompt_nll,
+                long_past,
+            )),
         }
     }
 
