@@ -150,7 +150,7 @@ fn preference_data_is_streamed_under_max_row_bytes() {
     let o = rtune(&["data", "inspect", "--config", &as_train]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(
-        stderr(&o).contains("no preference pair left for training"),
+        stderr(&o).contains("no preference pair left for training of 1 rows read: 0 dropped at max_seq_len, 0 without a token to train on, 1 over max_row_bytes"),
         "{}",
         stderr(&o)
     );

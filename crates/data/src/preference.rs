@@ -17,7 +17,10 @@
 //!   `rejected` becomes its KL completion, another row's ([`assign_kl_completions`]).
 //!
 //! Truncation as TRL's `keep_start`: a pair whose prompt alone fills `max_seq_len` is dropped;
-//! otherwise each completion is cut so prompt + completion fits.
+//! otherwise each completion is cut so prompt + completion fits (or, with `truncation = "drop"`,
+//! the pair is dropped). `[data]`'s other row settings apply as to SFT rows ([`PairOptions`]):
+//! rows over `max_row_bytes` dropped unread, malformed rows skipped with `on_bad_row = "skip"`,
+//! a UTF-8 BOM accepted. A pair with no token to train on is dropped and counted.
 //!
 //! A micro-batch of `b` pairs is `2b` right-padded rows, the chosen sequences first, then the
 //! rejected (TRL's concatenated batch); targets are the completion tokens only.

@@ -149,11 +149,22 @@ pub fn load(
         files.push((v.clone(), set));
     }
     if train.is_empty() {
+        let mut c = PairSet::default();
+        for (_, s) in files.iter().take(d.train.len()) {
+            c.rows += s.rows;
+            c.dropped += s.dropped;
+            c.no_target += s.no_target;
+            c.oversized += s.oversized;
+            c.bad_rows += s.bad_rows;
+        }
         return Err(rtune_data::DataError::File {
             path: d.train[0].path.clone(),
-            message: "no preference pair left for training (all dropped at max_seq_len, or the \
-                      file is empty)"
-                .into(),
+            message: format!(
+                "no preference pair left for training of {} rows read: {} dropped at \
+                 max_seq_len, {} without a token to train on, {} over max_row_bytes, {} \
+                 malformed (skipped)",
+                c.rows, c.dropped, c.no_target, c.oversized, c.bad_rows
+            ),
         }
         .into());
     }
