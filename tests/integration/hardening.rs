@@ -175,7 +175,7 @@ fn oversized_rank_warns_and_windows_data_trains() {
 /// the child's, so it reported this test process's own peak, the same for every command.) The
 /// peaks measured here come mid-run; only a peak within the last millisecond before exit could be
 /// missed.
-fn peak_rss(args: &[&str], cache: &Path) -> (i32, u64) {
+pub(crate) fn peak_rss(args: &[&str], cache: &Path) -> (i32, u64) {
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
         .args(args)
         .env("RTUNE_CACHE", cache)

@@ -9,6 +9,9 @@
 //!   settings refused, private files, run.json;
 //! - `data`: `rtune data inspect`, chat masks, packing with validation, the tokenized cache,
 //!   `[data]` config errors;
+//! - `data_hostile`: issue 46's data cases: FIFO and device data refused at once, the preference
+//!   loader streamed and following `[data]`'s row settings, absurd weights refused, long
+//!   pre-tokenized rows bounded;
 //! - `scan`: `rtune data scan` finds planted secrets and personal data, nothing in clean data;
 //! - `check`: `rtune check` runs every pre-flight check and exits 1 when one fails;
 //! - `diag`: `rtune selftest` reports every check when one fails; `benches/gpu/run.sh --dry-run`;
@@ -45,6 +48,7 @@ mod check;
 mod cli;
 mod common;
 mod data;
+mod data_hostile;
 mod diag;
 mod dora;
 mod export;

@@ -2,7 +2,7 @@
 //! (`rtune_data::scan`), tokenised into the cache ahead of training, or printed as training sees
 //! it (`rtune_data::inspect`).
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Subcommand;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -62,8 +62,8 @@ fn scan(config: PathBuf, set: Vec<String>) -> Result<()> {
     let d = &cfg.data;
     let mut flagged = Vec::new();
     for path in d.train.iter().map(|f| &f.path).chain(&d.valid) {
-        let findings = rtune_data::scan::scan_file(path, d.max_row_bytes)
-            .with_context(|| format!("{}: cannot read data", path.display()))?;
+        // Its errors name the file (exit 2: a missing file, a FIFO, a device).
+        let findings = rtune_data::scan::scan_file(path, d.max_row_bytes)?;
         for f in &findings {
             println!("{f}");
         }
@@ -198,6 +198,9 @@ fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()
 fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
+    if cfg.train.objective.is_preference() {
+        return prepare_pairs(&cfg);
+    }
     let Some(root) = &cfg.data.cache_dir else {
         bail!("[data] cache = false: there is no cache to prepare");
     };
@@ -223,6 +226,36 @@ fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
         "cache {} ready in {:.1}s",
         root.display(),
         t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// `rtune data prepare` for a preference objective: the token cache holds SFT examples, and
+/// pairs are tokenized at the start of each run, so there is nothing to cache; the pairs are read
+/// and checked as training reads them (the errors a run would stop on, the counts it reports).
+fn prepare_pairs(cfg: &rtune_config::RunConfig) -> Result<()> {
+    let (data, _) = rtune_train::dataset::load_for(cfg)?;
+    for (path, s) in data.pairs.iter().flat_map(|p| &p.files) {
+        println!(
+            "{}: {} rows, {} pairs; {} truncated, {} dropped, {} without a token to train on, {} \
+             over max_row_bytes, {} malformed (skipped)",
+            path.display(),
+            s.rows,
+            s.rows - s.dropped - s.no_target - s.oversized - s.bad_rows,
+            s.truncated,
+            s.dropped,
+            s.no_target,
+            s.oversized,
+            s.bad_rows
+        );
+    }
+    for w in data.warnings() {
+        eprintln!("warning: {w}");
+    }
+    println!(
+        "objective \"{}\": preference pairs are checked, not cached (they are tokenized at the \
+         start of each run)",
+        cfg.train.objective.name()
     );
     Ok(())
 }

@@ -52,6 +52,32 @@ impl ConfigFile {
                 ),
             ));
         }
+        // SFT's row settings have no meaning for pairs (their rows are told apart by their
+        // keys, and the loss is on the completions by definition): refused, not ignored.
+        if objective.is_preference() && data.format != crate::RowFormat::Auto {
+            return Err(crate::invalid(
+                path,
+                "data.format",
+                format!(
+                    "is an SFT row format; objective \"{}\" reads preference rows, told apart \
+                     by their keys (prompt/chosen/rejected as text or messages, their `_ids`, \
+                     KTO's completion/label): leave format = \"auto\"",
+                    objective.name()
+                ),
+            ));
+        }
+        if objective.is_preference() && data.train_on_all {
+            return Err(crate::invalid(
+                path,
+                "data.train_on",
+                format!(
+                    "= \"all\" is for SFT chat rows; objective \"{}\" compares the \
+                     completions' log-probabilities, so only completion tokens are trained \
+                     (leave train_on = \"assistant\")",
+                    objective.name()
+                ),
+            ));
+        }
         if objective.is_preference() && !lora.trainable_tokens.is_empty() {
             return Err(crate::invalid(
                 path,
@@ -250,6 +276,38 @@ mod tests {
                 && e.contains("did you mean `dpo`")
                 && !e.contains("train.beta"),
             "{e}"
+        );
+    }
+
+    /// Issue 46: `[data] format` and `train_on` were silently ignored with a preference
+    /// objective; they are SFT's and now refused naming the key. The settings the preference
+    /// loader applies (truncation, on_bad_row, max_row_bytes) are accepted.
+    #[test]
+    fn preference_objectives_refuse_sft_row_settings() {
+        for (extra, key) in [
+            (
+                "format = \"chat\"\n[train]\nobjective = \"dpo\"",
+                "data.format",
+            ),
+            (
+                "format = \"tokens\"\n[train]\nobjective = \"kto\"",
+                "data.format",
+            ),
+            (
+                "train_on = \"all\"\n[train]\nobjective = \"orpo\"",
+                "data.train_on",
+            ),
+        ] {
+            let e = parse(extra).unwrap_err().to_string();
+            assert!(e.contains(key), "{extra}: {e}");
+        }
+        let ok = "format = \"auto\"\ntruncation = \"drop\"\non_bad_row = \"skip\"\n\
+                  max_row_bytes = 4096\n[train]\nobjective = \"dpo\"";
+        let c = parse(ok).unwrap();
+        assert!(c.data.drop_long && c.data.skip_bad_rows && c.data.max_row_bytes == 4096);
+        assert!(
+            parse("format = \"chat\"\ntrain_on = \"all\"").is_ok(),
+            "SFT keeps them"
         );
     }
 

@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -227,7 +227,10 @@ fn load_keeping(
     parser: &dyn ChunkParser,
     keep: bool,
 ) -> Result<Loaded> {
-    let source_bytes = std::fs::metadata(source)
+    // Opened (and checked a regular file) before anything else: the size below, the checksum
+    // and the stream all read a file, never a FIFO or a device.
+    let source_bytes = crate::open_data(source)?
+        .metadata()
         .map_err(|e| io_err(source, format!("cannot read data: {e}")))?
         .len();
     let Some(root) = root else {
@@ -298,8 +301,7 @@ fn stream(
     parser: &dyn ChunkParser,
     mut sink: impl FnMut(Vec<Example>) -> Result<()>,
 ) -> Result<RowCounts> {
-    let f = std::fs::File::open(source)
-        .map_err(|e| io_err(source, format!("cannot read data: {e}")))?;
+    let f = crate::open_data(source)?;
     let mut reader = BufReader::with_capacity(1 << 20, f);
     let mut counts = RowCounts::default();
     let mut line = 1usize;
@@ -364,7 +366,11 @@ fn stream(
 }
 
 fn read_manifest(entry: &Path, key: &str) -> Option<Manifest> {
-    let text = std::fs::read_to_string(entry.join("manifest.json")).ok()?;
+    let text = rtune_fsio::read_string_bounded(
+        &entry.join("manifest.json"),
+        rtune_fsio::FileKind::RunRecord,
+    )
+    .ok()?;
     let m: Manifest = serde_json::from_str(&text).ok()?;
     let sizes_ok = m
         .shards
@@ -489,9 +495,13 @@ fn read_shards(entry: &Path, m: &Manifest) -> Result<Vec<Example>> {
     let mut out = Vec::new();
     for s in &m.shards {
         let path = entry.join(&s.file);
-        let mut bytes = Vec::with_capacity(s.bytes as usize);
-        std::fs::File::open(&path)
-            .and_then(|mut f| f.read_to_end(&mut bytes))
+        // The manifest's size is the cap: a shard swapped for a device or a larger file is
+        // refused, not read without end.
+        let kind = rtune_fsio::FileKind::Sized {
+            cap: s.bytes,
+            name: "cache shard",
+        };
+        let bytes = rtune_fsio::read_bounded(&path, kind)
             .map_err(|e| io_err(&path, format!("cannot read cache shard: {e}")))?;
         let bad = || io_err(&path, "corrupt cache shard (delete the cache entry)".into());
         if bytes.len() < 16 || &bytes[..8] != MAGIC {

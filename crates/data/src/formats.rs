@@ -144,8 +144,8 @@ enum RowError {
     Fatal(String),
 }
 
-fn detect(obj: &Map<String, Value>) -> Option<Format> {
-    let has = |k: &str| obj.contains_key(k);
+/// The format a row's keys say (`has(key)`).
+fn detect(has: impl Fn(&str) -> bool) -> Option<Format> {
     if has("input_ids") {
         Some(Format::Tokens)
     } else if has("messages") {
@@ -169,20 +169,39 @@ const NO_FORMAT: &str =
 /// accepted, as are CRLF endings (`str::lines` drops the `\r`); when the row is bad for another
 /// reason, a stray carriage return that may be the cause is named.
 fn object(raw: &str) -> std::result::Result<Map<String, Value>, String> {
-    let row = raw.strip_prefix('\u{feff}').unwrap_or(raw);
-    let parsed: Value = serde_json::from_str(row).map_err(|e| {
-        let mut m = format!("not valid JSON: {e}");
-        if row.contains('\r') {
-            m.push_str(
-                " (the line holds a carriage return: line endings must be LF or CRLF, not CR alone)",
-            );
-        }
-        m
-    })?;
+    let row = strip_bom(raw);
+    let parsed: Value =
+        serde_json::from_str(row).map_err(|e| cr_note(row, format!("not valid JSON: {e}")))?;
     match parsed {
         Value::Object(o) => Ok(o),
         _ => Err("a row must be a JSON object".into()),
     }
+}
+
+/// A row without the UTF-8 byte-order mark it may start with.
+pub(crate) fn strip_bom(raw: &str) -> &str {
+    raw.strip_prefix('\u{feff}').unwrap_or(raw)
+}
+
+/// `message` about `row`, with the likely cause named when the row holds a stray carriage return.
+fn cr_note(row: &str, mut message: String) -> String {
+    if row.contains('\r') && message.starts_with("not valid JSON") {
+        message.push_str(
+            " (the line holds a carriage return: line endings must be LF or CRLF, not CR alone)",
+        );
+    }
+    message
+}
+
+/// A row's keys, its values skipped unread (format detection: a long row costs no parse tree).
+fn row_keys(raw: &str) -> std::result::Result<Vec<String>, String> {
+    let row = strip_bom(raw);
+    crate::ids::keys(row).map_err(|m| cr_note(row, m))
+}
+
+/// The format a row's keys say.
+fn detect_keys(keys: &[String]) -> Option<Format> {
+    detect(|k| keys.iter().any(|x| x == k))
 }
 
 /// The file's format: `opts.format`, or that of the first row of `text` (`first_line` is its line
@@ -202,7 +221,7 @@ pub fn detect_format(
             continue;
         }
         let line = first_line + i;
-        match object(raw).and_then(|o| detect(&o).ok_or_else(|| NO_FORMAT.to_string())) {
+        match row_keys(raw).and_then(|k| detect_keys(&k).ok_or_else(|| NO_FORMAT.to_string())) {
             Ok(f) => return Ok(f),
             Err(message) if opts.on_bad_row == OnBadRow::Error => {
                 return Err(DataError::Row {
@@ -344,10 +363,10 @@ impl<'a> RowParser<'a> {
         Ok(d)
     }
 
-    fn row(&self, raw: &str) -> std::result::Result<Example, RowError> {
-        let obj = object(raw).map_err(RowError::Bad)?;
+    /// With `format = "auto"`, a row must be of the file's format (`has`: the row's keys).
+    fn same_format(&self, has: impl Fn(&str) -> bool) -> std::result::Result<(), RowError> {
         if self.opts.format.is_none() {
-            let f = detect(&obj).ok_or_else(|| RowError::Bad(NO_FORMAT.into()))?;
+            let f = detect(has).ok_or_else(|| RowError::Bad(NO_FORMAT.into()))?;
             if f != self.format {
                 return Err(RowError::Bad(format!(
                     "row is {} but earlier rows are {}",
@@ -356,9 +375,24 @@ impl<'a> RowParser<'a> {
                 )));
             }
         }
+        Ok(())
+    }
+
+    fn row(&self, raw: &str) -> std::result::Result<Example, RowError> {
+        // Tokens worth keeping or computing: `max_seq_len`, and one more to tell "too long"
+        // (truncate or drop).
+        let keep = self.opts.max_seq_len.saturating_add(1);
         if self.format == Format::Tokens {
-            return tokens_row(&obj, self.vocab).map_err(RowError::Bad);
+            // Ids streamed, not a `Value` each (`ids`): memory is the row's text and `keep` ids.
+            let names = [("input_ids", None), ("labels", Some(IGNORE))];
+            let row = strip_bom(raw);
+            let r = crate::ids::read_row(row, &names, self.vocab, keep)
+                .map_err(|m| RowError::Bad(cr_note(row, m)))?;
+            self.same_format(|k| r.keys.iter().any(|x| x == k))?;
+            return tokens_row(&r.fields, self.vocab).map_err(RowError::Bad);
         }
+        let obj = object(raw).map_err(RowError::Bad)?;
+        self.same_format(|k| obj.contains_key(k))?;
         let tok = self.tok.ok_or_else(|| {
             RowError::Fatal(format!(
                 "{} rows need the model's tokenizer.json",
@@ -366,10 +400,8 @@ impl<'a> RowParser<'a> {
             ))
         })?;
         let fatal = |e: DataError| RowError::Fatal(e.to_string());
-        // Tokens worth computing: `max_seq_len` kept, one more to tell "too long" (truncate or
-        // drop). A longer row's text is cut before tokenizing (`Tokenizer::encode_prefix`), which
-        // yields the same first `keep` tokens, so `parse_chunk` cuts or drops it as before.
-        let keep = self.opts.max_seq_len.saturating_add(1);
+        // A longer row's text is cut before tokenizing (`Tokenizer::encode_prefix`), which yields
+        // the same first `keep` tokens, so `parse_chunk` cuts or drops it as before.
         let ex = match self.format {
             Format::Text => {
                 let text = str_field(&obj, "text").map_err(RowError::Bad)?;
@@ -505,53 +537,46 @@ fn with_eos(
     })
 }
 
-fn tokens_row(obj: &Map<String, Value>, vocab: usize) -> std::result::Result<Example, String> {
-    let ints = |key: &str| -> std::result::Result<Option<Vec<i64>>, String> {
-        match obj.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|x| {
-                    x.as_i64()
-                        .ok_or_else(|| format!("`{key}` must hold integers, found {x}"))
-                })
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .map(Some),
-            Some(other) => Err(format!(
-                "`{key}` must be an array of integers, got {}",
-                kind(other)
-            )),
+/// A pre-tokenized row from its `input_ids` and `labels` fields as [`crate::ids::read_row`] read
+/// them: at most `keep` of each stored, every id checked.
+fn tokens_row(fields: &[crate::ids::Field], vocab: usize) -> std::result::Result<Example, String> {
+    use crate::ids::Field;
+    let ints = |key: &str, f: &Field| -> std::result::Result<Option<(Vec<i64>, usize)>, String> {
+        match f {
+            Field::Missing | Field::Null => Ok(None),
+            Field::NotArray(what) => {
+                Err(format!("`{key}` must be an array of integers, got {what}"))
+            }
+            Field::Array {
+                not_int: Some(x), ..
+            } => Err(format!("`{key}` must hold integers, found {x}")),
+            Field::Array { ids, len, .. } => Ok(Some((ids.clone(), *len))),
         }
     };
-    let ids = ints("input_ids")?.unwrap_or_default();
-    if ids.is_empty() {
+    let (ids, len) = ints("input_ids", &fields[0])?.unwrap_or_default();
+    if len == 0 {
         return Err("`input_ids` is empty".into());
     }
-    let input_ids = ids
-        .iter()
-        .map(|&i| {
-            if i >= 0 && (i as usize) < vocab {
-                Ok(i as u32)
-            } else {
-                Err(format!(
-                    "token id {i} is outside the vocabulary (0..{vocab})"
-                ))
-            }
-        })
-        .collect::<std::result::Result<Vec<u32>, String>>()?;
-    let labels = match ints("labels")? {
-        None => ids.clone(),
-        Some(l) if l.len() != ids.len() => {
-            return Err(format!(
-                "`labels` has {} entries, `input_ids` {}",
-                l.len(),
-                ids.len()
-            ))
+    if let Field::Array {
+        out_of_range: Some(i),
+        ..
+    } = &fields[0]
+    {
+        return Err(format!(
+            "token id {i} is outside the vocabulary (0..{vocab})"
+        ));
+    }
+    let input_ids = ids.iter().map(|&i| i as u32).collect();
+    let labels = match ints("labels", &fields[1])? {
+        None => ids,
+        Some((_, n)) if n != len => {
+            return Err(format!("`labels` has {n} entries, `input_ids` {len}"))
         }
-        Some(l) => {
-            if let Some(bad) = l
-                .iter()
-                .find(|&&x| x != IGNORE && (x < 0 || x as usize >= vocab))
+        Some((l, _)) => {
+            if let Field::Array {
+                out_of_range: Some(bad),
+                ..
+            } = &fields[1]
             {
                 return Err(format!(
                     "label {bad} is neither -100 nor a token id (0..{vocab})"

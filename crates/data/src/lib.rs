@@ -18,6 +18,7 @@ mod batch;
 pub mod cache;
 pub mod chat;
 mod formats;
+mod ids;
 pub mod inspect;
 pub mod preference;
 mod pyjson;
@@ -182,7 +183,8 @@ pub fn load_jsonl_with(
     opts: &DataOptions,
     vocab: usize,
 ) -> Result<Dataset> {
-    let bytes = std::fs::read(path).map_err(|e| DataError::File {
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut open_data(path)?, &mut bytes).map_err(|e| DataError::File {
         path: path.to_path_buf(),
         message: format!("cannot read data: {e}"),
     })?;
@@ -226,6 +228,23 @@ pub fn parse_jsonl_with(
     let d = RowParser::new(path, format, tok, opts, vocab)?.parse_chunk(text, 1)?;
     d.check_not_empty(path, opts.max_seq_len)?;
     Ok(d)
+}
+
+/// What a data file is to [`rtune_fsio::open_regular`]: any size (data is streamed, a line at a
+/// time under `max_row_bytes`), but a regular file.
+pub(crate) const DATA_FILE: rtune_fsio::FileKind = rtune_fsio::FileKind::Sized {
+    cap: u64::MAX,
+    name: "data file",
+};
+
+/// Opens a data file (JSONL) for reading: every data read starts here. A FIFO is refused without
+/// blocking in `open` and a device (`/dev/zero`, which would be read forever) before any byte is
+/// read: the check is `fstat` on the opened handle, so a symlink to one is refused too.
+pub fn open_data(path: &Path) -> Result<std::fs::File> {
+    rtune_fsio::open_regular(path, DATA_FILE).map_err(|e| DataError::File {
+        path: path.to_path_buf(),
+        message: format!("cannot read data: {e}"),
+    })
 }
 
 /// `path`'s text, bounded as [`rtune_fsio::FileKind`] says; `None` when the file does not exist (an optional

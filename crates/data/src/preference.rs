@@ -17,7 +17,10 @@
 //!   `rejected` becomes its KL completion, another row's ([`assign_kl_completions`]).
 //!
 //! Truncation as TRL's `keep_start`: a pair whose prompt alone fills `max_seq_len` is dropped;
-//! otherwise each completion is cut so prompt + completion fits.
+//! otherwise each completion is cut so prompt + completion fits (or, with `truncation = "drop"`,
+//! the pair is dropped). `[data]`'s other row settings apply as to SFT rows ([`PairOptions`]):
+//! rows over `max_row_bytes` dropped unread, malformed rows skipped with `on_bad_row = "skip"`,
+//! a UTF-8 BOM accepted. A pair with no token to train on is dropped and counted.
 //!
 //! A micro-batch of `b` pairs is `2b` right-padded rows, the chosen sequences first, then the
 //! rejected (TRL's concatenated batch); targets are the completion tokens only.
@@ -25,7 +28,10 @@
 use serde_json::Value;
 use std::path::Path;
 
-use crate::{ChatTemplate, Conversation, DataError, MicroBatch, Result, Tokenizer};
+use crate::{
+    ChatTemplate, Conversation, DataError, MicroBatch, OnBadRow, Result, TemplateError, Tokenizer,
+    Truncation,
+};
 
 /// One preference pair, tokenized.
 #[derive(Debug, Clone, PartialEq)]
@@ -65,36 +71,111 @@ pub struct PairSet {
     pub rows: usize,
     /// Pairs whose completions were cut to fit `max_seq_len`.
     pub truncated: usize,
-    /// Pairs left out: the prompt alone fills `max_seq_len`, or a completion is empty.
+    /// Pairs left out at `max_seq_len`: the prompt alone fills it, or (`truncation = "drop"`)
+    /// prompt + completion is longer.
     pub dropped: usize,
+    /// Pairs left out with no token to train on: a completion (chosen, or rejected) empty, or a
+    /// one-token completion after an empty prompt (nothing predicts a sequence's first token).
+    /// Their log-probability is an empty sum: DPO learns nothing from them, ORPO's NLL term
+    /// divides by zero.
+    pub no_target: usize,
     /// Pairs whose chosen and rejected completions are the same tokens (no preference signal:
     /// kept, as TRL keeps them, and reported).
     pub identical: usize,
+    /// Rows longer than `max_row_bytes`, dropped unread.
+    pub oversized: usize,
+    /// Malformed rows passed over (`on_bad_row = "skip"`), and the first few of their
+    /// `file:line: what is wrong` messages.
+    pub bad_rows: usize,
+    pub bad_row_samples: Vec<String>,
 }
 
-/// Reads a preference JSONL file (formats above). `tok` is needed for text rows; `vocab` bounds
-/// pre-tokenized ids.
-/// Conversational rows need `template` (the model's or `[data] chat_template`, with
+/// The `[data]` settings that govern how preference rows become pairs.
+#[derive(Debug, Clone)]
+pub struct PairOptions {
+    pub max_seq_len: usize,
+    /// Rows longer than this many bytes are dropped unread (counted in [`PairSet::oversized`]).
+    pub max_row_bytes: usize,
+    /// A pair longer than `max_seq_len`: its completions cut (TRL's `keep_start`) or the pair
+    /// dropped.
+    pub truncation: Truncation,
+    /// A malformed row: an error naming it, or counted and passed over. Problems that are not the
+    /// row's (no tokenizer, no chat template) stop the load either way.
+    pub on_bad_row: OnBadRow,
+    /// Pre-tokenized ids must lie in `0..vocab`.
+    pub vocab: usize,
+}
+
+impl PairOptions {
+    /// Completions cut at `max_seq_len`, bad rows an error, no row-size cap.
+    pub fn new(max_seq_len: usize, vocab: usize) -> Self {
+        PairOptions {
+            max_seq_len,
+            max_row_bytes: usize::MAX,
+            truncation: Truncation::Truncate,
+            on_bad_row: OnBadRow::Error,
+            vocab,
+        }
+    }
+}
+
+/// Why a row gave no pair.
+enum RowError {
+    /// The row is malformed: skippable.
+    Bad(String),
+    /// Not the row's fault (no tokenizer, no template, a tokenizer failure): never skipped.
+    Fatal(String),
+}
+
+impl From<String> for RowError {
+    fn from(m: String) -> Self {
+        RowError::Bad(m)
+    }
+}
+
+impl From<&str> for RowError {
+    fn from(m: &str) -> Self {
+        RowError::Bad(m.into())
+    }
+}
+
+type RowResult<T> = std::result::Result<T, RowError>;
+
+/// Reads a preference JSONL file (formats above), streamed a line at a time: memory is one row
+/// (at most `max_row_bytes`; longer rows are dropped unread) and the pairs, whatever the file's
+/// size. Only a regular file is read ([`crate::open_data`]). `tok` is needed for text rows;
+/// conversational rows need `template` (the model's or `[data] chat_template`, with
 /// `chat_template_kwargs` set).
 pub fn load_pairs(
     path: &Path,
     tok: Option<&Tokenizer>,
     template: Option<&ChatTemplate>,
-    max_seq_len: usize,
-    vocab: usize,
+    opts: &PairOptions,
 ) -> Result<PairSet> {
-    // Held whole while parsed: preference sets are small next to SFT corpora (UltraFeedback's
-    // 64k pairs are ~0.5 GB as text); a cap keeps a wrong path (a device, a huge file) from
-    // filling memory.
-    let kind = rtune_fsio::FileKind::Sized {
-        cap: 8 << 30,
-        name: "preference data",
-    };
-    let text = rtune_fsio::read_string_bounded(path, kind).map_err(|e| DataError::File {
-        path: path.to_path_buf(),
-        message: format!("cannot read preference data: {e}"),
-    })?;
-    parse_pairs(&text, path, tok, template, max_seq_len, vocab)
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, crate::open_data(path)?);
+    let mut set = PairSet::default();
+    for line in 1.. {
+        let mut buf = Vec::new();
+        let (n, over) = crate::cache::read_line_capped(&mut reader, &mut buf, opts.max_row_bytes)
+            .map_err(|e| DataError::File {
+            path: path.to_path_buf(),
+            message: format!("cannot read data: {e}"),
+        })?;
+        if n == 0 {
+            break;
+        }
+        if over {
+            set.rows += 1;
+            set.oversized += 1;
+            continue;
+        }
+        let text = crate::line_utf8(path, line, buf)?;
+        // The line's end as `str::lines` drops it (`\n` or `\r\n`).
+        let text = text.strip_suffix('\n').unwrap_or(&text);
+        let text = text.strip_suffix('\r').unwrap_or(text);
+        set.add_row(text, line, path, tok, template, opts)?;
+    }
+    Ok(set)
 }
 
 /// [`load_pairs`] on text already read; `path` labels errors.
@@ -103,92 +184,203 @@ pub fn parse_pairs(
     path: &Path,
     tok: Option<&Tokenizer>,
     template: Option<&ChatTemplate>,
-    max_seq_len: usize,
-    vocab: usize,
+    opts: &PairOptions,
 ) -> Result<PairSet> {
     let mut set = PairSet::default();
     for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
+        if line.len() > opts.max_row_bytes {
+            set.rows += 1;
+            set.oversized += 1;
             continue;
         }
-        set.rows += 1;
-        let row_err = |message: String| DataError::Row {
-            path: path.to_path_buf(),
-            line: i + 1,
-            message,
-        };
-        let v: Value =
-            serde_json::from_str(line).map_err(|e| row_err(format!("not valid JSON: {e}")))?;
-        let mut pair = parse_row(&v, tok, template, vocab).map_err(row_err)?;
-        let unpaired = pair.label.is_some();
-        if pair.prompt.len() >= max_seq_len
-            || pair.chosen.is_empty()
-            || (!unpaired && pair.rejected.is_empty())
-        {
-            set.dropped += 1;
-            continue;
-        }
-        let room = max_seq_len - pair.prompt.len();
-        if pair.chosen.len() > room || pair.rejected.len() > room {
-            set.truncated += 1;
-            pair.chosen.truncate(room);
-            pair.rejected.truncate(room);
-        }
-        if !unpaired && pair.chosen == pair.rejected {
-            set.identical += 1;
-        }
-        set.pairs.push(pair);
+        set.add_row(line, i + 1, path, tok, template, opts)?;
     }
     Ok(set)
 }
 
+impl PairSet {
+    /// Reads line `line` of `path` (without its line end) into the set, or counts why not.
+    fn add_row(
+        &mut self,
+        raw: &str,
+        line: usize,
+        path: &Path,
+        tok: Option<&Tokenizer>,
+        template: Option<&ChatTemplate>,
+        opts: &PairOptions,
+    ) -> Result<()> {
+        if raw.trim().is_empty() {
+            return Ok(());
+        }
+        self.rows += 1;
+        // A UTF-8 byte-order mark (a Windows editor's, or one `cat` carried into the middle of
+        // a file) is accepted, as SFT rows accept it.
+        let row = crate::formats::strip_bom(raw);
+        let max_seq_len = opts.max_seq_len;
+        let mut pair = match parse_row(row, tok, template, opts.vocab, max_seq_len) {
+            Ok(p) => p,
+            Err(e) => {
+                let (skippable, message) = match e {
+                    RowError::Bad(m) => (true, m),
+                    RowError::Fatal(m) => (false, m),
+                };
+                let err = DataError::Row {
+                    path: path.to_path_buf(),
+                    line,
+                    message,
+                };
+                if !skippable || opts.on_bad_row == OnBadRow::Error {
+                    return Err(err);
+                }
+                self.bad_rows += 1;
+                if self.bad_row_samples.len() < crate::Dataset::BAD_ROW_SAMPLES {
+                    self.bad_row_samples.push(err.to_string());
+                }
+                return Ok(());
+            }
+        };
+        let unpaired = pair.label.is_some();
+        if pair.prompt.len() >= max_seq_len {
+            self.dropped += 1;
+            return Ok(());
+        }
+        let room = max_seq_len - pair.prompt.len();
+        if pair.chosen.len() > room || pair.rejected.len() > room {
+            if opts.truncation == Truncation::Drop {
+                self.dropped += 1;
+                return Ok(());
+            }
+            self.truncated += 1;
+            pair.chosen.truncate(room);
+            pair.rejected.truncate(room);
+        }
+        // Targets of a completion after the shift: position i predicts token i + 1, so after an
+        // empty prompt the completion's first token has none.
+        let targets = |c: &[u32]| c.len().saturating_sub(usize::from(pair.prompt.is_empty()));
+        if targets(&pair.chosen) == 0 || (!unpaired && targets(&pair.rejected) == 0) {
+            self.no_target += 1;
+            return Ok(());
+        }
+        if !unpaired && pair.chosen == pair.rejected {
+            self.identical += 1;
+        }
+        self.pairs.push(pair);
+        Ok(())
+    }
+}
+
+/// The id fields a pre-tokenized row may hold.
+const ID_FIELDS: [&str; 4] = ["prompt_ids", "chosen_ids", "rejected_ids", "completion_ids"];
+
 /// One row as a [`Pair`]; the error says what is wrong with it (the caller adds file and line).
+/// Pre-tokenized rows are read without a parse tree ([`crate::ids`]), at most `max_seq_len` + 1
+/// ids a field kept (a longer completion is cut or dropped at `max_seq_len` anyway; a prompt
+/// that long drops the pair).
 fn parse_row(
-    v: &Value,
+    row: &str,
     tok: Option<&Tokenizer>,
     template: Option<&ChatTemplate>,
     vocab: usize,
-) -> std::result::Result<Pair, String> {
-    let obj = v
-        .as_object()
-        .ok_or_else(|| "a preference row is a JSON object".to_string())?;
-    let keys = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
-    if ["label", "completion", "completion_ids"]
-        .iter()
-        .any(|k| obj.contains_key(*k))
-    {
-        return unpaired_row(obj, tok, template, vocab);
-    }
-    if obj.contains_key("prompt_ids") || obj.contains_key("chosen_ids") {
-        let ids = |k: &str| -> std::result::Result<Vec<u32>, String> {
-            let a = obj
-                .get(k)
-                .ok_or_else(|| {
-                    format!(
-                        "a pre-tokenized preference row needs `{k}` (has: {})",
-                        keys()
-                    )
-                })?
-                .as_array()
-                .ok_or_else(|| format!("`{k}` must be an array of token ids"))?;
-            a.iter()
-                .map(|x| match x.as_u64() {
-                    Some(id) if (id as usize) < vocab => Ok(id as u32),
-                    Some(id) => Err(format!(
-                        "`{k}` holds token id {id}, outside the model's vocabulary of {vocab}"
-                    )),
-                    None => Err(format!("`{k}` must hold non-negative integers, found {x}")),
-                })
-                .collect()
-        };
+    max_seq_len: usize,
+) -> RowResult<Pair> {
+    let keys = crate::ids::keys(row)?;
+    if ID_FIELDS.iter().any(|k| keys.iter().any(|x| x == k)) {
+        let names = ID_FIELDS.map(|k| (k, None));
+        let keep = max_seq_len.saturating_add(1);
+        let r = crate::ids::read_row(row, &names, vocab, keep)?;
+        if r.keys.iter().any(|k| k == "label" || k == "completion_ids") {
+            // KTO's pre-tokenized row; its label is read from the parse tree (small without
+            // the ids, which are left out of it).
+            let v: Value = serde_json::from_str(row).map_err(|e| format!("not valid JSON: {e}"))?;
+            let obj = v.as_object().ok_or("a preference row is a JSON object")?;
+            let label = unpaired_label(obj)?;
+            let ids = |k: &str, at: usize| ids_field(k, &r.fields[at], &r.keys, vocab);
+            if !r.keys.iter().any(|k| k == "completion_ids") {
+                return Err(format!(
+                    "an unpaired preference row needs `completion_ids` (has: {})",
+                    r.keys.join(", ")
+                )
+                .into());
+            }
+            return Ok(Pair {
+                prompt: ids("prompt_ids", 0)?,
+                chosen: ids("completion_ids", 3)?,
+                rejected: Vec::new(),
+                reference: None,
+                reference_long: None,
+                label: Some(label),
+            });
+        }
+        let ids = |k: &str, at: usize| ids_field(k, &r.fields[at], &r.keys, vocab);
         return Ok(Pair {
-            prompt: ids("prompt_ids")?,
-            chosen: ids("chosen_ids")?,
-            rejected: ids("rejected_ids")?,
+            prompt: ids("prompt_ids", 0)?,
+            chosen: ids("chosen_ids", 1)?,
+            rejected: ids("rejected_ids", 2)?,
             reference: None,
             reference_long: None,
             label: None,
         });
+    }
+    let v: Value = serde_json::from_str(row).map_err(|e| format!("not valid JSON: {e}"))?;
+    parse_value(&v, tok, template)
+}
+
+/// A pre-tokenized field's ids, or what is wrong with it.
+fn ids_field(k: &str, f: &crate::ids::Field, keys: &[String], vocab: usize) -> RowResult<Vec<u32>> {
+    use crate::ids::Field;
+    match f {
+        Field::Missing => Err(format!(
+            "a pre-tokenized preference row needs `{k}` (has: {})",
+            keys.join(", ")
+        )
+        .into()),
+        Field::Null | Field::NotArray(_) => {
+            Err(format!("`{k}` must be an array of token ids").into())
+        }
+        Field::Array {
+            not_int: Some(x), ..
+        } => Err(format!("`{k}` must hold non-negative integers, found {x}").into()),
+        Field::Array {
+            out_of_range: Some(id),
+            ..
+        } if *id < 0 => Err(format!("`{k}` must hold non-negative integers, found {id}").into()),
+        Field::Array {
+            out_of_range: Some(id),
+            ..
+        } => Err(
+            format!("`{k}` holds token id {id}, outside the model's vocabulary of {vocab}").into(),
+        ),
+        Field::Array { ids, .. } => Ok(ids.iter().map(|&i| i as u32).collect()),
+    }
+}
+
+/// An unpaired row's boolean `label`.
+fn unpaired_label(obj: &serde_json::Map<String, Value>) -> RowResult<bool> {
+    match obj.get("label") {
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(format!(
+            "`label` must be true (a desirable completion) or false, found {other}"
+        )
+        .into()),
+        None => Err(format!(
+            "an unpaired preference row needs `prompt`, `completion` and a boolean `label` \
+             (has: {})",
+            obj.keys().cloned().collect::<Vec<_>>().join(", ")
+        )
+        .into()),
+    }
+}
+
+/// A text or conversational row (pre-tokenized ones are read by [`parse_row`]) as a [`Pair`].
+fn parse_value(
+    v: &Value,
+    tok: Option<&Tokenizer>,
+    template: Option<&ChatTemplate>,
+) -> RowResult<Pair> {
+    let obj = v.as_object().ok_or("a preference row is a JSON object")?;
+    let keys = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
+    if ["label", "completion"].iter().any(|k| obj.contains_key(*k)) {
+        return unpaired_row(obj, tok, template);
     }
     if let Some(Value::Array(prompt)) = obj.get("prompt") {
         let side = |k: &str| match obj.get(k) {
@@ -203,11 +395,16 @@ fn parse_row(
             )),
         };
         let (chosen, rejected) = (side("chosen")?, side("rejected")?);
-        let tok = tok.ok_or("conversational preference rows need the model's tokenizer.json")?;
-        let template = template.ok_or(
-            "conversational preference rows need a chat template, and the model has none (a \
-             base model?): set [data] chat_template = \"path.jinja\"",
-        )?;
+        let tok = tok.ok_or_else(|| {
+            RowError::Fatal("conversational preference rows need the model's tokenizer.json".into())
+        })?;
+        let template = template.ok_or_else(|| {
+            RowError::Fatal(
+                "conversational preference rows need a chat template, and the model has none (a \
+                 base model?): set [data] chat_template = \"path.jinja\""
+                    .into(),
+            )
+        })?;
         return chat_pair(tok, template, prompt, chosen, rejected);
     }
     let text = |k: &str| -> std::result::Result<&str, String> {
@@ -227,56 +424,37 @@ fn parse_row(
     };
     let (prompt, chosen, rejected) = (text("prompt")?, text("chosen")?, text("rejected")?);
     let tok = tok.ok_or_else(|| {
-        "text preference rows need the model's tokenizer.json (or give pre-tokenized `prompt_ids`, \
-         `chosen_ids`, `rejected_ids`)"
-            .to_string()
+        RowError::Fatal(
+            "text preference rows need the model's tokenizer.json (or give pre-tokenized \
+             `prompt_ids`, `chosen_ids`, `rejected_ids`)"
+                .into(),
+        )
     })?;
-    tokenize_pair(tok, prompt, chosen, rejected).map_err(|e| e.to_string())
+    tokenize_pair(tok, prompt, chosen, rejected).map_err(|e| RowError::Fatal(e.to_string()))
 }
 
-/// An unpaired (KTO) row: `prompt` and `completion` as text, messages or `_ids`, and a boolean
-/// `label`; tokenized as a pair's side is.
+/// An unpaired (KTO) row of text or messages: `prompt` and `completion`, and a boolean `label`;
+/// tokenized as a pair's side is.
 fn unpaired_row(
     obj: &serde_json::Map<String, Value>,
     tok: Option<&Tokenizer>,
     template: Option<&ChatTemplate>,
-    vocab: usize,
-) -> std::result::Result<Pair, String> {
+) -> RowResult<Pair> {
     let keys = || obj.keys().cloned().collect::<Vec<_>>().join(", ");
-    let label = match obj.get("label") {
-        Some(Value::Bool(b)) => *b,
-        Some(other) => {
-            return Err(format!(
-                "`label` must be true (a desirable completion) or false, found {other}"
-            ))
-        }
-        None => {
-            return Err(format!(
-                "an unpaired preference row needs `prompt`, `completion` and a boolean `label` \
-                 (has: {})",
-                keys()
-            ))
-        }
-    };
-    // Parsed as a pair whose two completions are the row's one (`rejected` replaced below):
-    // `completion_ids` as `chosen_ids` / `rejected_ids` when pre-tokenized, `completion` as
-    // `chosen` / `rejected` otherwise.
-    let (from, to) = match obj.contains_key("prompt_ids") {
-        true => ("completion_ids", ["chosen_ids", "rejected_ids"]),
-        false => ("completion", ["chosen", "rejected"]),
-    };
+    let label = unpaired_label(obj)?;
+    // Parsed as a pair whose two completions are the row's one (`rejected` replaced below).
     let mut o = obj.clone();
     o.remove("label");
-    let c = o.remove(from).ok_or_else(|| {
+    let c = o.remove("completion").ok_or_else(|| {
         format!(
-            "an unpaired preference row needs `{from}` (has: {})",
+            "an unpaired preference row needs `completion` (has: {})",
             keys()
         )
     })?;
-    for k in to {
+    for k in ["chosen", "rejected"] {
         o.insert(k.into(), c.clone());
     }
-    let mut p = parse_row(&Value::Object(o), tok, template, vocab)?;
+    let mut p = parse_value(&Value::Object(o), tok, template)?;
     p.rejected.clear();
     p.label = Some(label);
     Ok(p)
@@ -305,14 +483,20 @@ fn chat_pair(
     prompt: &[Value],
     chosen: &[Value],
     rejected: &[Value],
-) -> std::result::Result<Pair, String> {
-    let render = |msgs: Vec<&Value>, generation_prompt: bool| {
+) -> RowResult<Pair> {
+    let render = |msgs: Vec<&Value>, generation_prompt: bool| -> RowResult<Vec<u32>> {
         let row = serde_json::json!({ "messages": msgs }).to_string();
         let conv = Conversation::from_json(&row)?;
+        // The template's `raise_exception` refusing the conversation is the row's fault; any
+        // other template or tokenizer failure is not.
         let text = conv
             .render(template, conv.len(), generation_prompt)
-            .map_err(|e| e.to_string())?;
-        tok.encode(&text, false).map_err(|e| e.to_string())
+            .map_err(|e| match e {
+                TemplateError::Raised { .. } => RowError::Bad(e.to_string()),
+                e => RowError::Fatal(e.to_string()),
+            })?;
+        tok.encode(&text, false)
+            .map_err(|e| RowError::Fatal(e.to_string()))
     };
     let p = render(prompt.iter().collect(), true)?;
     let pc = render(prompt.iter().chain(chosen).collect(), false)?;
@@ -553,15 +737,16 @@ mod tests {
         let text = "{\"prompt_ids\":[1,2],\"chosen_ids\":[3,4,5],\"rejected_ids\":[6]}\n\n\
                     {\"prompt_ids\":[1,2,3,4],\"chosen_ids\":[5],\"rejected_ids\":[6]}\n\
                     {\"prompt_ids\":[1],\"chosen_ids\":[5],\"rejected_ids\":[5]}\n";
-        let set = parse_pairs(text, path, None, None, 4, 10).unwrap();
+        let set = parse_pairs(text, path, None, None, &PairOptions::new(4, 10)).unwrap();
         assert_eq!(
             (set.rows, set.truncated, set.dropped, set.identical),
             (3, 1, 1, 1)
         );
+        assert_eq!((set.no_target, set.oversized, set.bad_rows), (0, 0, 0));
         assert_eq!(set.pairs[0], pair(&[1, 2], &[3, 4], &[6]));
         // One-line errors naming the file, the line and the key.
         let bad = "{\"prompt\":\"a\",\"chosen\":\"b\"}\n";
-        let e = parse_pairs(bad, path, None, None, 8, 10)
+        let e = parse_pairs(bad, path, None, None, &PairOptions::new(8, 10))
             .unwrap_err()
             .to_string();
         assert!(
@@ -569,7 +754,7 @@ mod tests {
             "{e}"
         );
         let bad = "\n{\"prompt_ids\":[1],\"chosen_ids\":[12],\"rejected_ids\":[3]}";
-        let e = parse_pairs(bad, path, None, None, 8, 10)
+        let e = parse_pairs(bad, path, None, None, &PairOptions::new(8, 10))
             .unwrap_err()
             .to_string();
         assert!(
@@ -581,12 +766,104 @@ mod tests {
             path,
             None,
             None,
-            8,
-            10,
+            &PairOptions::new(8, 10),
         )
         .unwrap_err()
         .to_string();
         assert!(e.contains("need the model's tokenizer.json"), "{e}");
+    }
+
+    /// Issue 46: `[data]`'s row settings apply to pairs: `truncation = "drop"` drops a pair
+    /// that does not fit, `on_bad_row = "skip"` counts a malformed row (a missing tokenizer
+    /// still stops the load), `max_row_bytes` drops a row unread; a BOM is accepted; a pair
+    /// with no token to train on is dropped and counted.
+    #[test]
+    fn row_settings_bom_and_pairs_without_targets() {
+        let path = Path::new("p.jsonl");
+        let text = "\u{feff}{\"prompt_ids\":[1],\"chosen_ids\":[2,3,4],\"rejected_ids\":[5]}\n\
+                    {\"prompt_ids\":[1],\"chosen_ids\":[2],\"rejected_ids\":[5]}\n\
+                    {\"prompt_ids\":[],\"chosen_ids\":[2],\"rejected_ids\":[5,6]}\n\
+                    {\"prompt_ids\":[1],\"chosen_ids\":[],\"rejected_ids\":[5]}\n\
+                    {\"prompt_ids\":[1],\"chosen_ids\":\n\
+                    {\"prompt_ids\":[1],\"chosen_ids\":[2],\"rejected_ids\":[5],\"x\":\"a longer row\"}\n";
+        let opts = PairOptions {
+            truncation: Truncation::Drop,
+            on_bad_row: OnBadRow::Skip,
+            max_row_bytes: 64,
+            ..PairOptions::new(3, 10)
+        };
+        let set = parse_pairs(text, path, None, None, &opts).unwrap();
+        let counts = (
+            set.rows,
+            set.dropped,
+            set.no_target,
+            set.bad_rows,
+            set.oversized,
+        );
+        assert_eq!(counts, (6, 1, 2, 1, 1));
+        assert_eq!(set.pairs, [pair(&[1], &[2], &[5])]);
+        assert!(set.bad_row_samples[0].starts_with("p.jsonl:5: not valid JSON"));
+        // The defaults: the long pair cut (the BOM row kept), the bad row an error.
+        let cut = PairOptions::new(3, 10);
+        let e = parse_pairs(text, path, None, None, &cut).unwrap_err();
+        assert!(
+            e.to_string().starts_with("p.jsonl:5: not valid JSON"),
+            "{e}"
+        );
+        let set = parse_pairs(
+            &text[..text
+                .find("\n{\"prompt_ids\":[1],\"chosen_ids\":\n")
+                .unwrap()],
+            path,
+            None,
+            None,
+            &cut,
+        )
+        .unwrap();
+        assert_eq!((set.truncated, set.pairs[0].chosen.len()), (1, 2));
+        // Not the row's fault: never skipped.
+        let e = parse_pairs(
+            "{\"prompt\":\"a\",\"chosen\":\"b\",\"rejected\":\"c\"}",
+            path,
+            None,
+            None,
+            &opts,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("need the model's tokenizer.json"),
+            "{e}"
+        );
+    }
+
+    /// The file is streamed: a row over `max_row_bytes` is passed over unread (here 64 MiB of
+    /// NULs in a sparse file, which the whole-file read held in memory), and a FIFO or a device
+    /// is refused at once.
+    #[test]
+    fn load_pairs_streams_a_regular_file() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("p.jsonl");
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(64 << 20).unwrap();
+        drop(f);
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&p)
+            .and_then(|mut f| {
+                std::io::Write::write_all(
+                    &mut f,
+                    b"\n{\"prompt_ids\":[1],\"chosen_ids\":[2],\"rejected_ids\":[3]}\r\n",
+                )
+            })
+            .unwrap();
+        let opts = PairOptions {
+            max_row_bytes: 1 << 20,
+            ..PairOptions::new(8, 10)
+        };
+        let set = load_pairs(&p, None, None, &opts).unwrap();
+        assert_eq!((set.rows, set.oversized, set.pairs.len()), (2, 1, 1));
+        let e = load_pairs(Path::new("/dev/zero"), None, None, &opts).unwrap_err();
+        assert!(e.to_string().contains("is a character device"), "{e}");
     }
 
     /// KTO's unpaired rows: pre-tokenized `completion_ids` with a boolean `label` (anything else
@@ -597,7 +874,7 @@ mod tests {
         let text = "{\"prompt_ids\":[1],\"completion_ids\":[2,3],\"label\":true}\n\
                     {\"prompt_ids\":[1,4],\"completion_ids\":[5],\"label\":false}\n\
                     {\"prompt_ids\":[6],\"completion_ids\":[7,8,9],\"label\":true}\n";
-        let mut set = parse_pairs(text, path, None, None, 4, 10).unwrap();
+        let mut set = parse_pairs(text, path, None, None, &PairOptions::new(4, 10)).unwrap();
         assert_eq!((set.rows, set.dropped, set.identical), (3, 0, 0));
         let labels: Vec<_> = set.pairs.iter().map(|p| p.label).collect();
         assert_eq!(labels, [Some(true), Some(false), Some(true)]);
@@ -620,7 +897,7 @@ mod tests {
                 "needs `completion_ids`",
             ),
         ] {
-            let e = parse_pairs(bad, path, None, None, 8, 10)
+            let e = parse_pairs(bad, path, None, None, &PairOptions::new(8, 10))
                 .unwrap_err()
                 .to_string();
             assert!(e.starts_with("kto.jsonl:1: ") && e.contains(want), "{e}");

@@ -138,13 +138,19 @@ pub fn scan_line(line: &str) -> Vec<&'static str> {
 
 /// Scans a text file line by line, streamed: memory is one line, and lines over `max_row_bytes`
 /// (which training drops unread) are passed over unread too.
-pub fn scan_file(path: &Path, max_row_bytes: usize) -> std::io::Result<Vec<Finding>> {
-    let mut reader = std::io::BufReader::with_capacity(1 << 20, std::fs::File::open(path)?);
+/// Only a regular file is read ([`crate::open_data`]): a FIFO or a device is an error at once.
+pub fn scan_file(path: &Path, max_row_bytes: usize) -> crate::Result<Vec<Finding>> {
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, crate::open_data(path)?);
+    let read_err = |e: std::io::Error| crate::DataError::File {
+        path: path.to_path_buf(),
+        message: format!("cannot read data: {e}"),
+    };
     let mut out = Vec::new();
     let mut buf = Vec::new();
     for i in 1.. {
         buf.clear();
-        let (n, over) = crate::cache::read_line_capped(&mut reader, &mut buf, max_row_bytes)?;
+        let (n, over) = crate::cache::read_line_capped(&mut reader, &mut buf, max_row_bytes)
+            .map_err(read_err)?;
         if n == 0 {
             break;
         }

@@ -139,17 +139,32 @@ fn run(
     Ok((outcome, steps))
 }
 
-/// The first `n` non-empty lines of `src`, written to `dst`.
-fn head(src: &Path, dst: &Path, n: usize) -> Result<(), TrainError> {
-    let text = std::fs::read_to_string(src).map_err(|e| TrainError::OutputDir {
-        path: src.to_path_buf(),
-        message: format!("cannot read: {e}"),
-    })?;
-    let lines: Vec<&str> = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .take(n)
-        .collect();
+/// The first `n` non-empty lines of `src`, written to `dst`. Streamed from a regular file only
+/// ([`rtune_data::open_data`]: a FIFO or `/dev/zero` was read whole, so `check` hung); lines
+/// over `max_row_bytes` are passed over unread, as training drops them.
+fn head(src: &Path, dst: &Path, n: usize, max_row_bytes: usize) -> Result<(), TrainError> {
+    let mut reader = std::io::BufReader::new(rtune_data::open_data(src)?);
+    let mut lines = Vec::new();
+    for line in 1.. {
+        if lines.len() == n {
+            break;
+        }
+        let mut buf = Vec::new();
+        let (read, over) =
+            rtune_data::cache::read_line_capped(&mut reader, &mut buf, max_row_bytes).map_err(
+                |e| rtune_data::DataError::File {
+                    path: src.to_path_buf(),
+                    message: format!("cannot read data: {e}"),
+                },
+            )?;
+        if read == 0 {
+            break;
+        }
+        let text = rtune_data::line_utf8(src, line, buf)?;
+        if !over && !text.trim().is_empty() {
+            lines.push(text.trim_end_matches(['\n', '\r']).to_string());
+        }
+    }
     std::fs::write(dst, lines.join("\n") + "\n").map_err(|e| TrainError::Output {
         path: dst.to_path_buf(),
         message: e.to_string(),
@@ -287,7 +302,7 @@ pub fn run_checks(
     o.train.micro_batch_size = o.train.micro_batch_size.min(4);
     o.train.grad_accum = 1;
     o.train.schedule = rtune_config::Schedule::Constant;
-    let overfit = head(&cfg.data.train[0].path, &subset, 4)
+    let overfit = head(&cfg.data.train[0].path, &subset, 4, cfg.data.max_row_bytes)
         .and_then(|()| run(&o, false, None))
         .map_err(DiagError::from);
     match overfit {

@@ -12,7 +12,7 @@ use rtune_data::{
 };
 use rtune_fsio::sha256_file;
 
-use crate::sample::{file_seed, hold_out, weighted};
+use crate::sample::{check_weights, file_seed, hold_out, weighted};
 use crate::TrainError;
 
 /// One source file as loaded.
@@ -71,8 +71,9 @@ impl RunData {
             c.add(&RowCounts {
                 rows: set.rows,
                 truncated: set.truncated,
-                dropped: set.dropped,
-                ..RowCounts::default()
+                dropped: set.dropped + set.no_target,
+                skipped: set.bad_rows,
+                oversized: set.oversized,
             });
         }
         c
@@ -211,11 +212,7 @@ pub fn options(d: &DataConfig, tok: Option<&Tokenizer>) -> Result<DataOptions, T
 /// The first lines of `path` (up to ~1 MiB), for format detection; rows over `max_row_bytes` are
 /// passed over unread (as training drops them), blank lines kept so line numbers stay right.
 fn head_text(path: &Path, max_row_bytes: usize) -> Result<String, TrainError> {
-    let f = std::fs::File::open(path).map_err(|e| DataError::File {
-        path: path.to_path_buf(),
-        message: format!("cannot read data: {e}"),
-    })?;
-    let mut reader = std::io::BufReader::new(f);
+    let mut reader = std::io::BufReader::new(rtune_data::open_data(path)?);
     let mut text = String::new();
     for line in 1.. {
         let mut buf = Vec::new();
@@ -350,15 +347,22 @@ pub fn load(
 ) -> Result<RunData, TrainError> {
     let opts = options(d, tok)?;
     let inputs = cache_inputs(d, &opts, model_dir, vocab)?;
-    let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut kept, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
-        let (mut ex, loaded, bad) = load_file(&f.path, tok, &opts, &inputs, d, vocab, true)?;
+        let (ex, loaded, bad) = load_file(&f.path, tok, &opts, &inputs, d, vocab, true)?;
         files.push(FileReport::of(&f.path, f.weight, &ex, &loaded, bad));
-        let file_seed = file_seed(seed, i);
-        let (t, v) = hold_out(ex, d.valid_fraction, file_seed);
+        let (t, v) = hold_out(ex, d.valid_fraction, file_seed(seed, i));
         valid.extend(v);
-        ex = t;
-        train.extend(weighted(ex, f.weight, file_seed.rotate_left(17)));
+        kept.push(t);
+    }
+    // Weights checked on every file's rows before any is copied.
+    let sizes: Vec<_> = (d.train.iter().zip(&kept))
+        .map(|(f, ex)| (f.path.as_path(), ex.len(), f.weight))
+        .collect();
+    check_weights(&sizes)?;
+    let mut train = Vec::new();
+    for (i, (f, ex)) in d.train.iter().zip(kept).enumerate() {
+        train.extend(weighted(ex, f.weight, file_seed(seed, i).rotate_left(17)));
     }
     if let Some(v) = &d.valid {
         let (ex, loaded, bad) = load_file(v, tok, &opts, &inputs, d, vocab, true)?;

@@ -4,7 +4,7 @@
 //! before training.
 
 use rtune_config::RunConfig;
-use rtune_data::preference::{assign_kl_completions, load_pairs};
+use rtune_data::preference::{assign_kl_completions, load_pairs, PairOptions};
 use rtune_data::{ChatTemplate, Example, Pair, PairBatch, PairSet, Tokenizer, IGNORE};
 use rtune_model::{LoraCtx, Model};
 
@@ -28,12 +28,42 @@ impl PairData {
             if s.truncated + s.dropped > 0 {
                 w.push(format!(
                     "{}: {} of {} pairs had completions cut ({}) or were dropped ({}: the prompt \
-                     fills max_seq_len, or a completion is empty) at [data] max_seq_len",
+                     fills max_seq_len, or the pair is longer with truncation = \"drop\") at \
+                     [data] max_seq_len",
                     path.display(),
                     s.truncated + s.dropped,
                     s.rows,
                     s.truncated,
                     s.dropped
+                ));
+            }
+            if s.no_target > 0 {
+                w.push(format!(
+                    "{}: {} of {} pairs dropped with no token to train on (an empty completion, \
+                     or a one-token completion after an empty prompt)",
+                    path.display(),
+                    s.no_target,
+                    s.rows
+                ));
+            }
+            if s.oversized > 0 {
+                w.push(format!(
+                    "{}: {} of {} rows were longer than [data] max_row_bytes and dropped unread; \
+                     raise max_row_bytes if they are wanted",
+                    path.display(),
+                    s.oversized,
+                    s.rows
+                ));
+            }
+            if s.bad_rows > 0 {
+                w.push(format!(
+                    "{}: {} malformed row(s) skipped (on_bad_row = \"skip\"){}",
+                    path.display(),
+                    s.bad_rows,
+                    s.bad_row_samples
+                        .iter()
+                        .map(|b| format!("\n  {b}"))
+                        .collect::<String>()
                 ));
             }
             if s.identical > 0 {
@@ -78,9 +108,10 @@ pub fn load(
     vocab: usize,
 ) -> Result<PairData, TrainError> {
     let d = &cfg.data;
-    let (mut train, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
+    let opts = options(d, vocab);
+    let (mut kept, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
-        let mut set = load_pairs(&f.path, tok, template, d.max_seq_len, vocab)?;
+        let mut set = load_pairs(&f.path, tok, template, &opts)?;
         check_kind(cfg, &f.path, &set)?;
         let seed = crate::sample::file_seed(cfg.train.seed, i);
         let rows = std::mem::take(&mut set.pairs);
@@ -91,15 +122,25 @@ pub fn load(
             assign_kl_completions(&mut held, mbs, d.max_seq_len);
         }
         valid.extend(held);
+        kept.push(pairs);
+        files.push((f.path.clone(), set));
+    }
+    // Weights checked on every file's pairs before any is copied.
+    let sizes: Vec<_> = (d.train.iter().zip(&kept))
+        .map(|(f, p)| (f.path.as_path(), p.len(), f.weight))
+        .collect();
+    crate::sample::check_weights(&sizes)?;
+    let mut train = Vec::new();
+    for (i, (f, pairs)) in d.train.iter().zip(kept).enumerate() {
+        let seed = crate::sample::file_seed(cfg.train.seed, i);
         train.extend(crate::sample::weighted(
             pairs,
             f.weight,
             seed.rotate_left(17),
         ));
-        files.push((f.path.clone(), set));
     }
     if let Some(v) = &d.valid {
-        let mut set = load_pairs(v, tok, template, d.max_seq_len, vocab)?;
+        let mut set = load_pairs(v, tok, template, &opts)?;
         check_kind(cfg, v, &set)?;
         valid = std::mem::take(&mut set.pairs);
         if cfg.train.objective.is_unpaired() {
@@ -108,11 +149,22 @@ pub fn load(
         files.push((v.clone(), set));
     }
     if train.is_empty() {
+        let mut c = PairSet::default();
+        for (_, s) in files.iter().take(d.train.len()) {
+            c.rows += s.rows;
+            c.dropped += s.dropped;
+            c.no_target += s.no_target;
+            c.oversized += s.oversized;
+            c.bad_rows += s.bad_rows;
+        }
         return Err(rtune_data::DataError::File {
             path: d.train[0].path.clone(),
-            message: "no preference pair left for training (all dropped at max_seq_len, or the \
-                      file is empty)"
-                .into(),
+            message: format!(
+                "no preference pair left for training of {} rows read: {} dropped at \
+                 max_seq_len, {} without a token to train on, {} over max_row_bytes, {} \
+                 malformed (skipped)",
+                c.rows, c.dropped, c.no_target, c.oversized, c.bad_rows
+            ),
         }
         .into());
     }
@@ -121,6 +173,23 @@ pub fn load(
         valid,
         files,
     })
+}
+
+/// The `[data]` settings as the preference loader takes them (`format` and `train_on`, which
+/// are SFT's, are refused with a preference objective when the config is checked).
+pub fn options(d: &rtune_config::DataConfig, vocab: usize) -> PairOptions {
+    PairOptions {
+        max_row_bytes: d.max_row_bytes,
+        truncation: match d.drop_long {
+            true => rtune_data::Truncation::Drop,
+            false => rtune_data::Truncation::Truncate,
+        },
+        on_bad_row: match d.skip_bad_rows {
+            true => rtune_data::OnBadRow::Skip,
+            false => rtune_data::OnBadRow::Error,
+        },
+        ..PairOptions::new(d.max_seq_len, vocab)
+    }
 }
 
 /// The rows a reference pass fills in: the training pairs (in file order) and the held-out ones.
