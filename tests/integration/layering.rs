@@ -5,8 +5,9 @@
 //!   (`x.rs` or `x/mod.rs`, or `#[path]`); an inline `mod x { … }` (a file's `mod tests`) belongs
 //!   to its file. File A has an edge to file B when A names module B, or an item defined or
 //!   re-exported in B, through a path that starts with `crate`, `super`, `self` or the name of a
-//!   child module — in a `use` or inline in code; a path resolves to the deepest module it names
-//!   (re-exports are not followed: `crate::trainer::RankInfo` names `trainer.rs`). A module naming
+//!   child module — in a `use` or inline in code; a path resolves to the deepest module it names,
+//!   following named re-exports (`crate::Batch`, re-exported by lib.rs from batch.rs, names
+//!   batch.rs; glob re-exports are not followed). A module naming
 //!   one of its own ancestors is no edge: a child using its parent's items is ownership. Comments
 //!   (doc comments included) and string literals are skipped. A circle is a strongly connected
 //!   component of more than one file, printed as one cycle through it, each step with the line
@@ -158,6 +159,68 @@ fn resolver_finds_a_planted_circle_and_nothing_else() {
     // d → d/e (a parent naming its child) is an edge; e → lib (an ancestor) is not.
     assert!(graph.edges["c/src/d.rs"].contains_key("c/src/d/e.rs"));
     assert!(!graph.edges.contains_key("c/src/d/e.rs"));
+}
+
+/// Issue 43: re-exports are followed. `crate::Batch` (re-exported by lib.rs from batch.rs) names
+/// batch.rs, `crate::p::Pair as Two` (re-exported by p.rs, renamed, from p/inner.rs) names
+/// p/inner.rs, so batch.rs ↔ p/inner.rs is a circle; not following them, each named its
+/// re-exporting file (an ancestor or a parent) and the circle was invisible. A glob re-export
+/// and an external crate's item stay where they are.
+#[test]
+fn resolver_follows_re_exports() {
+    let files: BTreeMap<String, String> = [
+        (
+            "c/src/lib.rs",
+            "mod batch;
+pub mod p;
+mod g;
+pub use batch::Batch;
+pub use rtune_x::Ext;
+",
+        ),
+        (
+            "c/src/batch.rs",
+            "pub struct Batch;
+fn f(_: crate::p::Two) {}
+",
+        ),
+        (
+            "c/src/p.rs",
+            "mod inner;
+pub(crate) use inner::{Pair as Two};
+",
+        ),
+        (
+            "c/src/p/inner.rs",
+            "pub struct Pair;
+use crate::Batch;
+",
+        ),
+        (
+            "c/src/g.rs",
+            "pub use crate::p::*;
+use crate::Ext;
+",
+        ),
+    ]
+    .into_iter()
+    .map(|(p, s)| (p.to_string(), s.to_string()))
+    .collect();
+    let graph = Graph::build(&files, &["c/src/lib.rs".to_string()]);
+    assert_eq!(
+        graph.circles(),
+        vec![vec![
+            "c/src/batch.rs".to_string(),
+            "c/src/p/inner.rs".to_string()
+        ]]
+    );
+    assert!(graph.edges["c/src/batch.rs"].contains_key("c/src/p/inner.rs"));
+    assert!(graph.edges["c/src/p/inner.rs"].contains_key("c/src/batch.rs"));
+    // `crate::p::*` names p.rs; `crate::Ext` (an external crate's item) names lib.rs, an ancestor.
+    assert_eq!(
+        graph.edges["c/src/g.rs"].keys().collect::<Vec<_>>(),
+        vec!["c/src/p.rs"]
+    );
 }
 
 /// The crate folder a tracked file belongs to (`crates/<name>`), if any.

@@ -139,12 +139,6 @@ impl Row for Example {
     }
 }
 
-impl Row for crate::Pair {
-    fn tokens(&self) -> usize {
-        self.len()
-    }
-}
-
 /// An endless stream of micro-batches over `examples` (SFT examples, or preference pairs),
 /// epoch after epoch.
 pub struct Batcher<T: Row = Example> {

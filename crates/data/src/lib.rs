@@ -23,13 +23,15 @@ pub mod inspect;
 pub mod preference;
 mod pyjson;
 pub mod scan;
+mod settings;
 mod template;
 mod tokenizer;
 
 pub use batch::{Batcher, Layout, MicroBatch, Row, PAD_SEGMENT};
 pub use chat::{Conversation, RenderedChat, Role};
-pub use formats::{detect_format, DataOptions, Format, OnBadRow, RowParser, TrainOn, Truncation};
+pub use formats::{detect_format, DataOptions, RowParser};
 pub use preference::{Pair, PairBatch, PairSet};
+pub use settings::{Format, OnBadRow, TrainOn, Truncation};
 pub use template::{ChatTemplate, TemplateError};
 pub use tokenizer::{ByteRange, Tokenizer, PREFIX_MARGIN};
 

@@ -670,6 +670,13 @@ impl PairBatch {
     }
 }
 
+/// A pair's length in tokens orders it in a [`crate::Batcher`] (length grouping).
+impl crate::batch::Row for Pair {
+    fn tokens(&self) -> usize {
+        self.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

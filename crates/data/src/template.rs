@@ -20,21 +20,6 @@ use std::path::Path;
 use crate::pyjson::{self, Dumps};
 use crate::{DataError, Tokenizer};
 
-/// The special-token variables transformers passes (`special_tokens_map`), in its order.
-const SPECIAL_TOKEN_VARS: [&str; 7] = [
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-];
-
-pub(crate) fn special_token_names() -> &'static [&'static str] {
-    &SPECIAL_TOKEN_VARS
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
     #[error("{origin}: not a valid chat template: {message}")]

@@ -6,6 +6,21 @@ use std::path::{Path, PathBuf};
 
 use crate::{DataError, Result};
 
+/// The special-token variables transformers passes (`special_tokens_map`), in its order.
+const SPECIAL_TOKEN_VARS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+pub(crate) fn special_token_names() -> &'static [&'static str] {
+    &SPECIAL_TOKEN_VARS
+}
+
 /// A token's `(start, end)` byte offsets in the text it was encoded from.
 pub type ByteRange = (usize, usize);
 
@@ -82,7 +97,7 @@ impl Tokenizer {
     /// `(name, text)` of the special tokens named in `tokenizer_config.json` (`bos_token`, ...),
     /// in the order transformers' `special_tokens_map` lists them: the chat template's variables.
     pub fn special_token_vars(&self) -> Vec<(String, String)> {
-        crate::template::special_token_names()
+        special_token_names()
             .iter()
             .filter_map(|&k| Some((k.to_string(), token_str(self.config.get(k))?)))
             .collect()

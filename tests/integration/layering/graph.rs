@@ -1,8 +1,10 @@
 //! The file graph of the layering test: each file parsed into its module declarations and the
 //! paths it names (with the inline module each stands in), the module tree of every crate built
-//! from its root, each path resolved to the deepest module it names, and the edges between files
-//! that are not a file naming itself or an ancestor; then the circles (Tarjan's strongly connected
-//! components) and a readable cycle through each.
+//! from its root, each path resolved to the deepest module it names — through the named
+//! re-exports on the way (`pub use b::X;` in `a` makes `crate::a::X` name `b`, where `X` lives;
+//! glob re-exports are not followed) — and the edges between files that are not a file naming
+//! itself or an ancestor; then the circles (Tarjan's strongly connected components) and a readable
+//! cycle through each.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
@@ -21,6 +23,12 @@ enum Event {
         scope: Vec<String>,
         segments: Vec<String>,
         line: usize,
+    },
+    /// A named re-export: `pub use segments;` (or `… as name`) makes `name` an item of the module.
+    ReExport {
+        scope: Vec<String>,
+        name: String,
+        segments: Vec<String>,
     },
 }
 
@@ -61,10 +69,23 @@ fn parse(src: &str) -> Vec<Event> {
             k += 3;
         } else if is(k, "use") && !is(k + 1, "<") && !(k > 0 && is(k - 1, "::")) {
             let line = t[k].line;
+            // `pub use`, `pub(crate) use`, `pub(super) use`, `pub(in …) use`.
+            let public = (k >= 1 && is(k - 1, "pub"))
+                || (k >= 4
+                    && is(k - 1, ")")
+                    && (k - 4..k - 1).any(|j| is(j, "pub") && is(j + 1, "(")));
             let mut paths = Vec::new();
             k += 1;
             use_tree(&t, &mut k, Vec::new(), &mut paths);
-            for segments in paths.into_iter().filter(|p| !p.is_empty()) {
+            for (segments, alias) in paths.into_iter().filter(|(p, _)| !p.is_empty()) {
+                let name = alias.or_else(|| segments.last().cloned());
+                if let Some(name) = name.filter(|n| public && n != "self" && n != "*") {
+                    events.push(Event::ReExport {
+                        scope: names(&scope),
+                        name,
+                        segments: segments.clone(),
+                    });
+                }
                 events.push(Event::Path {
                     scope: names(&scope),
                     segments,
@@ -103,14 +124,24 @@ fn parse(src: &str) -> Vec<Event> {
 }
 
 /// One `use` tree from `t[*k]`: `a::b`, `a::{b, c::d as e, self}`, `a::*`; each full path pushed
-/// to `out` (a group's `self` as the group's path plus `self`). Stops before `,` `}` `;`.
-fn use_tree(t: &[Token], k: &mut usize, prefix: Vec<String>, out: &mut Vec<Vec<String>>) {
+/// to `out` with its `as` name (a group's `self` as the group's path plus `self`, a glob as its
+/// path plus `*`). Stops before `,` `}` `;`.
+fn use_tree(
+    t: &[Token],
+    k: &mut usize,
+    prefix: Vec<String>,
+    out: &mut Vec<(Vec<String>, Option<String>)>,
+) {
     let mut path = prefix;
     loop {
         match t.get(*k).map(|x| &x.tok) {
             Some(Tok::Ident(s)) if s == "as" => {
+                let alias = match t.get(*k + 1).map(|x| &x.tok) {
+                    Some(Tok::Ident(a)) => Some(a.clone()),
+                    _ => None,
+                };
                 *k += 2;
-                out.push(path);
+                out.push((path, alias));
                 return;
             }
             Some(Tok::Ident(s)) => {
@@ -120,7 +151,7 @@ fn use_tree(t: &[Token], k: &mut usize, prefix: Vec<String>, out: &mut Vec<Vec<S
             Some(Tok::Punct(p)) if p == "::" || p == "$" => *k += 1,
             Some(Tok::Punct(p)) if p == "*" => {
                 *k += 1;
-                out.push(path);
+                out.push((path, Some("*".into())));
                 return;
             }
             Some(Tok::Punct(p)) if p == "{" => {
@@ -144,7 +175,7 @@ fn use_tree(t: &[Token], k: &mut usize, prefix: Vec<String>, out: &mut Vec<Vec<S
                 }
             }
             _ => {
-                out.push(path);
+                out.push((path, None));
                 return;
             }
         }
@@ -155,6 +186,8 @@ struct Module {
     file: String,
     parent: Option<usize>,
     children: HashMap<String, usize>,
+    /// Named re-exports: item name → the path it re-exports, resolved from this module.
+    reexports: HashMap<String, Vec<String>>,
 }
 
 pub(super) struct Graph {
@@ -173,6 +206,19 @@ impl Graph {
             let mut mods = Vec::new();
             let mut loaded = Vec::new();
             load(&parsed, files, root, true, None, &mut mods, &mut loaded);
+            for (file, top) in &loaded {
+                for e in &parsed[file.as_str()] {
+                    if let Event::ReExport {
+                        scope,
+                        name,
+                        segments,
+                    } = e
+                    {
+                        let at = inline_module(&mods, *top, scope);
+                        mods[at].reexports.insert(name.clone(), segments.clone());
+                    }
+                }
+            }
             for (file, top) in loaded {
                 for e in &parsed[file.as_str()] {
                     let Event::Path {
@@ -338,6 +384,7 @@ fn load(
         file: file.to_string(),
         parent,
         children: HashMap::new(),
+        reexports: HashMap::new(),
     });
     loaded.push((file.to_string(), top));
     let dir = file.rsplit_once('/').map_or("", |(d, _)| d);
@@ -366,6 +413,7 @@ fn load(
                 file: file.to_string(),
                 parent: Some(at),
                 children: HashMap::new(),
+                reexports: HashMap::new(),
             });
             mods.len() - 1
         } else {
@@ -403,7 +451,14 @@ fn inline_module(mods: &[Module], top: usize, scope: &[String]) -> usize {
 
 /// The deepest module a path names from module `from`, if it starts inside the crate: `crate`,
 /// `super`, `self`, or a child module of `from` (or of the inline modules around it in its file).
+/// A name the module re-exports (`pub use b::X;`) leads on to where the re-export points.
 fn resolve(mods: &[Module], from: usize, segments: &[String]) -> Option<usize> {
+    resolve_within(mods, from, segments, 0)
+}
+
+/// [`resolve`], `hops` re-exports deep (a chain of re-exports longer than 16, or a loop, stops
+/// where it is).
+fn resolve_within(mods: &[Module], from: usize, segments: &[String], hops: usize) -> Option<usize> {
     let mut m = match segments[0].as_str() {
         "crate" => {
             let mut r = from;
@@ -427,13 +482,23 @@ fn resolve(mods: &[Module], from: usize, segments: &[String]) -> Option<usize> {
             }
         }
     };
-    for s in &segments[1..] {
+    for (i, s) in segments.iter().enumerate().skip(1) {
         m = match s.as_str() {
             "super" => mods[m].parent?,
             "self" => m,
             name => match mods[m].children.get(name) {
                 Some(c) => *c,
-                None => break,
+                None => {
+                    // An item of `m`, or one it re-exports from elsewhere.
+                    if let Some(target) = mods[m].reexports.get(name).filter(|_| hops < 16) {
+                        let mut rest = target.clone();
+                        rest.extend_from_slice(&segments[i + 1..]);
+                        if let Some(to) = resolve_within(mods, m, &rest, hops + 1) {
+                            return Some(to);
+                        }
+                    }
+                    break;
+                }
             },
         };
     }
