@@ -8,6 +8,8 @@
 //! - [`RunLock`]: one process per run directory (`flock`, released when the process ends).
 //! - [`read_bounded`]: the one door for every file read whole: a cap per [`FileKind`], checked on
 //!   the open handle; devices and FIFOs refused.
+//! - [`Deferred`]: SIGINT/SIGTERM held back while a temporary is written, so that it is removed
+//!   before the process ends.
 //! - [`plain_file_name`]: the rule for file names read from untrusted files (model indexes, hub
 //!   listings, GGUF metadata): one plain component inside the directory.
 //!
@@ -17,12 +19,14 @@
 mod lock;
 mod names;
 mod read;
+mod signals;
 
 pub use lock::{hostname, LockError, RunLock, LOCK_FILE};
 pub use names::plain_file_name;
 pub use read::{
     check_regular, open_regular, read_bounded, read_string_bounded, FileKind, ReadError,
 };
+pub use signals::Deferred;
 
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};
