@@ -15,7 +15,8 @@ use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 
 /// The most a vocabulary's rebuilt merges may hold. Gemma 3's 262,144-token vocabulary gives
-/// about half a million merges of a few MiB of text.
+/// under a million merges of a few MiB of text (its converted tokenizer.json is 33 MB). Inside every
+/// cap, a 1.9 M-token vocabulary rebuilding 3.8 M merges converted at a peak RSS of 3.7 GB.
 #[derive(Debug, Clone, Copy)]
 pub struct Caps {
     pub max_merges: usize,

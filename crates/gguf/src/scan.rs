@@ -29,8 +29,8 @@ const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 
 /// What the metadata of a GGUF may hold. Far above any real model's: Gemma 3's 262,144-token
-/// vocabulary (tokens, scores, types) takes ~27 MiB as candle holds it, Llama 3's 128,256 tokens
-/// and 280,147 merges ~36 MiB, a chat template tens of KB; a model has ~50 keys and at most a few
+/// vocabulary (tokens, scores, types) takes ~32 MiB as candle holds it, Llama 3's 128,256 tokens
+/// and 280,147 merges ~45 MiB, a chat template tens of KB; a model has ~50 keys and at most a few
 /// thousand tensors.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -43,7 +43,7 @@ pub struct Limits {
     /// Metadata entries, and separately tensors.
     pub max_entries: u64,
     /// Memory the parsed metadata and tensor infos take as candle holds them (a `Value` per
-    /// element, its vectors grown by doubling, the strings, the two maps' entries).
+    /// element, its vectors grown by doubling, each string's allocation, the two maps' entries).
     pub max_memory: u64,
 }
 
@@ -51,7 +51,7 @@ pub struct Limits {
 pub const LIMITS: Limits = Limits {
     max_string: 16 * MIB,
     max_name: KIB,
-    max_array: 1 << 22,
+    max_array: 1 << 21,
     max_entries: 1 << 16,
     max_memory: 256 * MIB,
 };
@@ -88,6 +88,16 @@ fn fixed_size(ty: u32) -> Option<u64> {
 /// hostile key cannot break the one-line message.
 fn printable(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).escape_debug().to_string()
+}
+
+/// What the allocator takes for a string of `n` bytes (glibc: the bytes and an 8-byte header in
+/// 16-byte steps, 32 at least; nothing for an empty one).
+fn heap(n: u64) -> u64 {
+    if n == 0 {
+        0
+    } else {
+        (n + 8).next_multiple_of(16).max(32)
+    }
 }
 
 fn human(bytes: u64) -> String {
@@ -233,7 +243,7 @@ impl<R: Read> Walk<'_, R> {
         let value = std::mem::size_of::<Value>() as u64;
         if ty == T_STRING {
             let n = self.string_len(at, self.limits.max_string, "a string")?;
-            self.count(at, value + n, "a string")?;
+            self.count(at, value + heap(n), "a string")?;
             self.skip(at, n, "a string")?;
             return Ok(None);
         }
@@ -298,7 +308,7 @@ impl<R: Read> Walk<'_, R> {
         if ty == T_STRING {
             for _ in 0..n {
                 let len = self.string_len(at, self.limits.max_string, "an array's string")?;
-                self.count(at, len, "an array's string")?;
+                self.count(at, heap(len), "an array's string")?;
                 self.skip(at, len, "an array's string")?;
             }
         } else {
@@ -378,7 +388,7 @@ pub fn scan<R: Read>(r: R, size: u64, path: &Path, limits: &Limits) -> Result<Sc
             ));
         }
         // The key's string and its map entry.
-        w.count(&at, string + value + 16 + key.len() as u64, "the key")?;
+        w.count(&at, string + value + 16 + heap(key.len() as u64), "the key")?;
         let ty = w.u32(&at, "the value type")?;
         let v = if ty == T_ARRAY {
             w.array(&at)?;
@@ -418,7 +428,7 @@ pub fn scan<R: Read>(r: R, size: u64, path: &Path, limits: &Limits) -> Result<Sc
         let info = std::mem::size_of::<TensorInfo>() as u64;
         w.count(
             &at,
-            string + name.len() as u64 + info + 8 * dims as u64 + 16,
+            string + heap(name.len() as u64) + info + heap(8 * dims as u64) + 16,
             "the tensor's entry",
         )?;
     }
