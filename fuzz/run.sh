@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 secs=${1:-180}
-targets=(config jsonl preference adapter safetensors_index chat_template)
+targets=(config jsonl preference adapter safetensors_index chat_template gguf_metadata)
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"

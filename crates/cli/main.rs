@@ -174,8 +174,9 @@ fn one_line(e: &anyhow::Error) -> String {
 
 fn run(cli: Cli) -> Result<()> {
     // Training handles its own signals (a clean stop at the next step); every other command that
-    // may build something beside its final place (an export, a conversion, a GGUF converted on the
-    // fly) removes it when a signal stops it.
+    // may build something beside its final place (an export, `check`'s scratch runs) removes it
+    // when a signal stops it. (A GGUF conversion holds the signals back and removes its own
+    // temporary: `rtune_fsio::Deferred`.)
     if !matches!(cli.command, Command::Train(_)) {
         remove_staged_on_signal()?;
     }
@@ -193,8 +194,9 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 /// A thread that, on SIGINT or SIGTERM, removes what is being staged ([`rtune_fsio::Staging`])
-/// and exits as the signal would (130, 143): an interrupted export or conversion left
-/// `.NAME.tmp-PID/` directories of hundreds of MB that nothing removed (issue 46).
+/// and then ends the process by the signal's default action (a shell sees 130, 143): an
+/// interrupted export left `.NAME.tmp-PID/` directories of hundreds of MB that nothing removed
+/// (issue 46).
 fn remove_staged_on_signal() -> Result<()> {
     use signal_hook::consts::{SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
@@ -203,6 +205,7 @@ fn remove_staged_on_signal() -> Result<()> {
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
                 rtune_fsio::remove_staged();
+                let _ = signal_hook::low_level::emulate_default_handler(sig);
                 std::process::exit(128 + sig);
             }
         })?;

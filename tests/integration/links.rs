@@ -268,7 +268,7 @@ fn a_signal_during_an_export_removes_its_staging_directory() {
     let o = train(&run, &["--set", "train.steps=2"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = tmp.path().join("merged");
-    for (sig, code) in [(libc::SIGTERM, 143), (libc::SIGINT, 130)] {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_rtune"))
             .args([
                 "export",
@@ -296,7 +296,11 @@ fn a_signal_during_an_export_removes_its_staging_directory() {
         // SAFETY: signals a child process this test started and has not reaped.
         assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, sig) }, 0);
         let status = child.wait().unwrap();
-        assert_eq!(status.code(), Some(code));
+        // Ended by the signal, as without rtune's clean-up (a shell sees 128 + the signal).
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(sig)
+        );
         assert!(t0.elapsed() < Duration::from_secs(15), "stopped at once");
         assert!(!staging.exists(), "staging directory left behind");
         assert!(!out.exists());

@@ -20,6 +20,8 @@
 //!   `rtune train` against PEFT goldens; Phi-3's split-name targets refused;
 //! - `preference`: DPO (each loss type), SimPO and ORPO through `rtune train` against TRL's trainers;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
+//! - `gguf`: `rtune convert gguf` and `.gguf` model paths against hostile and broken files (caps,
+//!   one line, magic before hashing, no temporary left by a signal);
 //! - `hardening`: one process per run directory (lock), disk headroom at start, model indexes that
 //!   point outside the model directory, an oversized rank, Windows-saved data, a 50 MB row; `/`,
 //!   `$HOME` and a foreign directory refused as `[output] dir`, overwrite of only what rtune wrote;
@@ -53,6 +55,7 @@ mod diag;
 mod dora;
 mod export;
 mod families;
+mod gguf;
 mod hardening;
 mod layering;
 mod limits;

@@ -12,8 +12,11 @@
 //! - [`RunLock`]: one process per run directory (`flock`, released when the process ends).
 //! - [`read_bounded`]: the one door for every file read whole: a cap per [`FileKind`], checked on
 //!   the open handle; devices and FIFOs refused.
-//! - [`Staging`]: what is built beside its final place, removed if a signal stops the process;
-//!   [`refuse_output`]: `/`, the home directory and symlinks are never an output.
+//! - Interrupted writers leave nothing behind: [`Deferred`] holds SIGINT/SIGTERM back while a
+//!   writer that can stop between steps (a GGUF conversion) writes its temporary, and removes it
+//!   itself; [`Staging`] registers what other writers build beside its final place (an export, the
+//!   scratch runs of `check`), for the binary's signal thread to remove. [`refuse_output`]: `/`,
+//!   the home directory and symlinks are never an output.
 //! - [`plain_file_name`]: the rule for file names read from untrusted files (model indexes, hub
 //!   listings, GGUF metadata): one plain component inside the directory.
 //!
@@ -23,6 +26,7 @@
 mod lock;
 mod names;
 mod read;
+mod signals;
 mod staging;
 
 pub use lock::{hostname, LockError, RunLock, LOCK_FILE};
@@ -30,6 +34,7 @@ pub use names::plain_file_name;
 pub use read::{
     check_regular, open_regular, read_bounded, read_string_bounded, FileKind, ReadError,
 };
+pub use signals::Deferred;
 pub use staging::{refuse_output, remove_staged, Staging};
 
 use sha2::{Digest, Sha256};

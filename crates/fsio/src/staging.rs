@@ -1,5 +1,5 @@
-//! What rtune builds beside its final place (an export's `.NAME.tmp-PID/`, a conversion's, a
-//! GGUF's `NAME.tmp`) is registered here while it is built, so that a SIGINT or SIGTERM that stops
+//! What rtune builds beside its final place (an export's `.NAME.tmp-PID/`, `check`'s scratch
+//! directory) is registered here while it is built, so that a SIGINT or SIGTERM that stops
 //! the process removes it instead of leaving hundreds of MB behind (issue 46). The binary's signal
 //! thread calls [`remove_staged`]; a [`Staging`] dropped (renamed into place, or removed on an
 //! error) unregisters itself.

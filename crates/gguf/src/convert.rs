@@ -15,6 +15,7 @@ use rtune_fsio::{write_atomic, Privacy};
 
 use crate::meta::{family, generation_config, hf_config, Meta, TensorFacts};
 use crate::names::{hf_name, unpermute, Family, Rope};
+use crate::shapes::{required, Dims};
 use crate::vocab::tokenizer_files;
 use crate::{GgufError, Result};
 
@@ -37,28 +38,25 @@ pub struct Converted {
 
 struct Source {
     path: PathBuf,
+    /// Bytes in the file (every tensor's data must lie inside).
+    size: u64,
     reader: RefCell<BufReader<File>>,
     content: Content,
 }
 
 impl Source {
     fn open(path: &Path) -> Result<Self> {
-        let gguf = rtune_fsio::FileKind::Sized {
-            cap: u64::MAX,
-            name: "GGUF model",
-        };
-        let f = rtune_fsio::open_regular(path, gguf).map_err(|e| GgufError::Io {
-            path: path.to_path_buf(),
-            op: "open",
-            source: e.into_io(),
-        })?;
+        // The bounded walk first (magic, caps, alignment): candle's reader trusts what it finds.
+        let (f, _) = crate::scan::open(path)?;
+        let size = f.metadata().map(|m| m.len()).unwrap_or(0);
         let mut reader = BufReader::new(f);
         let content = Content::read(&mut reader).map_err(|e| GgufError::File {
             path: path.to_path_buf(),
-            message: format!("not a readable GGUF file: {e}"),
+            message: format!("not a readable GGUF file: {}", crate::candle_message(&e)),
         })?;
         Ok(Self {
             path: path.to_path_buf(),
+            size,
             reader: RefCell::new(reader),
             content,
         })
@@ -98,6 +96,13 @@ struct Planned<'a> {
 fn plan<'a>(src: &'a Source, fam: Family, cfg: &serde_json::Value) -> Result<Vec<Planned<'a>>> {
     let mut names: Vec<&String> = src.content.tensor_infos.keys().collect();
     names.sort();
+    if names.is_empty() {
+        return Err(GgufError::File {
+            path: src.path.clone(),
+            message: "holds no tensors: there is no model to convert".into(),
+        });
+    }
+    let dims = Dims::of(cfg);
     let heads = |k: &str| cfg[k].as_u64().unwrap_or(0) as usize;
     let (q_heads, kv_heads) = (heads("num_attention_heads"), heads("num_key_value_heads"));
     let mut out = Vec::with_capacity(names.len());
@@ -114,6 +119,7 @@ fn plan<'a>(src: &'a Source, fam: Family, cfg: &serde_json::Value) -> Result<Vec
             ))
         })?;
         let shape = info.shape.dims().to_vec();
+        check_tensor(src, info, &shape, &dims, &hf).map_err(bad)?;
         let h = match rope {
             Rope::Q => q_heads,
             Rope::K => kv_heads,
@@ -139,17 +145,92 @@ fn plan<'a>(src: &'a Source, fam: Family, cfg: &serde_json::Value) -> Result<Vec
             dtype,
         });
     }
+    // Every tensor the model needs is there. Past `tensors + 1` layers one is missing for sure:
+    // a hostile block_count of 10¹² is not walked.
+    let have = &src.content.tensor_infos;
+    let layers = dims.layers.min(have.len() + 1);
+    let missing = ["token_embd.weight".to_string(), "output_norm.weight".into()]
+        .into_iter()
+        .chain((0..layers).flat_map(|l| required(fam, l)))
+        .find(|n| !have.contains_key(n));
+    if let Some(name) = missing {
+        return Err(GgufError::Tensor {
+            path: src.path.clone(),
+            name,
+            message: format!("missing (a {fam:?} model of {} layers has it)", dims.layers),
+        });
+    }
     Ok(out)
+}
+
+/// One tensor against what the model expects: dimensions, the shape config.json gives it, its
+/// layer among the model's, and its data inside the file.
+fn check_tensor(
+    src: &Source,
+    info: &TensorInfo,
+    shape: &[usize],
+    dims: &Dims,
+    hf: &str,
+) -> std::result::Result<(), String> {
+    if shape.is_empty() || shape.contains(&0) {
+        return Err(format!(
+            "shape {shape:?}: a model's tensor has at least one dimension and none of size 0"
+        ));
+    }
+    if let Some(layer) = hf
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(l, _)| l.parse::<usize>().ok())
+    {
+        if layer >= dims.layers {
+            return Err(format!(
+                "layer {layer}, but the metadata's block_count is {}",
+                dims.layers
+            ));
+        }
+    }
+    match dims.expected(hf) {
+        Some(want) if want != shape => {
+            return Err(format!(
+                "shape {shape:?}, but the metadata (sizes, heads, vocabulary) makes it {want:?}"
+            ))
+        }
+        _ => {}
+    }
+    // The scan bounded the element count (≤ i64::MAX); the data must lie inside the file.
+    let elements = shape.iter().map(|&d| d as u64).product::<u64>();
+    let (block, unit) = (
+        info.ggml_dtype.block_size() as u64,
+        info.ggml_dtype.type_size() as u64,
+    );
+    if !elements.is_multiple_of(block) {
+        return Err(format!(
+            "{elements} values do not fill whole {:?} blocks of {block}",
+            info.ggml_dtype
+        ));
+    }
+    let bytes = (elements / block).saturating_mul(unit);
+    let start = src.content.tensor_data_offset.saturating_add(info.offset);
+    if start.saturating_add(bytes) > src.size {
+        return Err(format!(
+            "its {bytes} bytes of data at offset {start} run past the end of the file ({} bytes)",
+            src.size
+        ));
+    }
+    Ok(())
 }
 
 /// A tensor read, dequantized and un-permuted only when the safetensors writer asks for its bytes,
 /// so one tensor at a time is in memory. A failure is kept in `failed` (the writer's `data()`
-/// cannot fail) and turns the whole conversion into an error.
+/// cannot fail) and turns the whole conversion into an error; so does a SIGINT/SIGTERM held back by
+/// `deferred`. After either, the remaining tensors are neither read nor written (the file is
+/// discarded).
 struct Lazy<'a> {
     src: &'a Source,
     p: &'a Planned<'a>,
     heads: usize,
     failed: &'a RefCell<Option<GgufError>>,
+    deferred: &'a rtune_fsio::Deferred,
 }
 
 impl Lazy<'_> {
@@ -157,7 +238,7 @@ impl Lazy<'_> {
         let err = |e: candle_core::Error| GgufError::Tensor {
             path: self.src.path.clone(),
             name: self.p.gguf.to_string(),
-            message: e.to_string(),
+            message: crate::candle_message(&e),
         };
         let q = self
             .p
@@ -191,16 +272,38 @@ impl View for Lazy<'_> {
         &self.p.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
+        if self.failed.borrow().is_some() {
+            return Cow::Borrowed(&[]);
+        }
+        if let Some(signal) = self.deferred.pending() {
+            *self.failed.borrow_mut() = Some(GgufError::Interrupted {
+                path: self.src.path.clone(),
+                signal,
+            });
+            return Cow::Borrowed(&[]);
+        }
+        fault_pause();
         match self.load() {
             Ok(t) => Cow::Owned(View::data(&t).into_owned()),
             Err(e) => {
-                self.failed.borrow_mut().get_or_insert(e);
-                Cow::Owned(vec![0; self.data_len()])
+                *self.failed.borrow_mut() = Some(e);
+                Cow::Borrowed(&[])
             }
         }
     }
     fn data_len(&self) -> usize {
         self.p.shape.iter().product::<usize>() * self.p.dtype.size_in_bytes()
+    }
+}
+
+/// Tests interrupt a conversion mid-way: `RTUNE_FAULT_CONVERT_PAUSE_MS=<ms>` sleeps that long
+/// before each tensor is read.
+fn fault_pause() {
+    if let Some(ms) = std::env::var("RTUNE_FAULT_CONVERT_PAUSE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
     }
 }
 
@@ -219,6 +322,39 @@ fn write_json(path: &Path, v: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_vec_pretty(v).expect("JSON serialises");
     write_atomic(path, &text, Privacy::SHARED)?;
     Ok(())
+}
+
+/// Removes `dir`'s temporaries `.<stem>.tmp-<pid>` (with `ours(stem)`) that a conversion killed
+/// before it could clean up left behind (SIGKILL, a second SIGINT): those of a process that is
+/// gone and that no live conversion holds locked (a cache shared between machines: a pid of
+/// another host). Best effort: what cannot be removed stays.
+pub fn sweep_stale(dir: &Path, ours: impl Fn(&str) -> bool) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some((stem, pid)) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix('.'))
+            .and_then(|n| n.rsplit_once(".tmp-"))
+        else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<u32>() else {
+            continue;
+        };
+        // A directory, not a link to one; its process gone; nobody holding it.
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if !ours(stem) || !is_dir || pid == std::process::id() || rtune_fsio::process_alive(pid) {
+            continue;
+        }
+        let path = e.path();
+        let free = File::open(&path).is_ok_and(|d| d.try_lock().is_ok());
+        if free {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
 }
 
 /// The nearest existing directory at or above `p` (where free space is measured).
@@ -272,9 +408,10 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
     let cfg = hf_config(&meta, &src.facts())?;
     let ctx = cfg.get("max_position_embeddings").and_then(|v| v.as_u64());
     let fam = family(&meta)?;
+    // The tensors against the metadata before the (larger) vocabulary is built.
+    let planned = plan(&src, fam, &cfg)?;
     let tok = tokenizer_files(&meta, fam, ctx)?;
     let gen = generation_config(&meta, fam)?;
-    let planned = plan(&src, fam, &cfg)?;
     let tok_bytes = serde_json::to_vec(&tok.tokenizer).expect("JSON serialises");
     tokenizers::Tokenizer::from_bytes(&tok_bytes).map_err(|e| GgufError::File {
         path: gguf.to_path_buf(),
@@ -307,21 +444,32 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_else(|| "model".into());
-    // Removed by the binary's signal thread if SIGINT or SIGTERM stops the conversion.
-    let staging =
-        rtune_fsio::Staging::register(parent.join(format!(".{name}.tmp-{}", std::process::id())));
-    let tmp = staging.path().to_path_buf();
+    sweep_stale(parent, |stem| stem == name);
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
+    // From here a SIGINT/SIGTERM is held back until the temporary is gone (then raised again).
+    let deferred = rtune_fsio::Deferred::new();
+    let interrupted = |signal| GgufError::Interrupted {
+        path: gguf.to_path_buf(),
+        signal,
+    };
     let res = (|| -> Result<u64> {
         std::fs::create_dir_all(&tmp).map_err(|source| GgufError::Io {
             path: tmp.clone(),
             op: "create directory",
             source,
         })?;
+        // Held while we write: another run's sweep leaves a locked temporary alone.
+        let _held = File::open(&tmp).inspect(|d| {
+            let _ = d.try_lock();
+        });
         write_json(&tmp.join("config.json"), &cfg)?;
         write_json(&tmp.join("generation_config.json"), &gen)?;
         write_json(&tmp.join("tokenizer.json"), &tok.tokenizer)?;
         write_json(&tmp.join("tokenizer_config.json"), &tok.config)?;
+        if let Some(signal) = deferred.pending() {
+            return Err(interrupted(signal));
+        }
         let failed = RefCell::new(None);
         let heads = |k: &str| cfg[k].as_u64().unwrap_or(0) as usize;
         let views: Vec<(String, Lazy)> = planned
@@ -338,6 +486,7 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
                         p,
                         heads: h,
                         failed: &failed,
+                        deferred: &deferred,
                     },
                 )
             })
@@ -371,6 +520,9 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
             },
         )?;
         rtune_fsio::fsync_dir(&tmp)?;
+        if let Some(signal) = deferred.pending() {
+            return Err(interrupted(signal));
+        }
         if std::fs::symlink_metadata(out).is_ok() {
             std::fs::remove_dir(out).map_err(|source| GgufError::Io {
                 path: out.to_path_buf(),
@@ -390,9 +542,12 @@ pub fn convert(gguf: &Path, out: &Path) -> Result<Converted> {
         Ok(b) => b,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&tmp);
+            // A signal held back is raised again here, the temporary gone.
+            drop(deferred);
             return Err(e);
         }
     };
+    drop(deferred);
     let mut ggml_types = BTreeMap::new();
     for t in src.content.tensor_infos.values() {
         *ggml_types.entry(format!("{:?}", t.ggml_dtype)).or_insert(0) += 1;

@@ -20,8 +20,11 @@
 //! `scripts/check_gemma3_gguf.py` compares with on a real file.
 
 pub mod convert;
+pub mod merges;
 pub mod meta;
 pub mod names;
+pub mod scan;
+pub mod shapes;
 pub mod vocab;
 pub mod write;
 
@@ -63,6 +66,8 @@ pub enum GgufError {
         needed: u64,
         free: u64,
     },
+    #[error("{path}: interrupted by signal {signal}; the partial conversion was removed")]
+    Interrupted { path: PathBuf, signal: i32 },
     #[error("{path}: {op}: {source}")]
     Io {
         path: PathBuf,
@@ -90,9 +95,29 @@ impl GgufError {
             | GgufError::Metadata { .. }
             | GgufError::Tensor { .. }
             | GgufError::Unsupported { .. } => true,
-            GgufError::DiskFull { .. } | GgufError::Io { .. } => false,
+            GgufError::DiskFull { .. } | GgufError::Interrupted { .. } | GgufError::Io { .. } => {
+                false
+            }
         }
     }
 }
 
 pub type Result<T> = std::result::Result<T, GgufError>;
+
+/// A candle error as one line: without the backtrace candle captures under `RUST_BACKTRACE=1`
+/// (printed inside the message, 46 to 178 lines), its context before the cause.
+pub(crate) fn candle_message(e: &candle_core::Error) -> String {
+    use candle_core::Error as E;
+    let text = match e {
+        E::WithBacktrace { inner, .. } => return candle_message(inner),
+        E::Context { inner, context } => format!("{context}: {}", candle_message(inner)),
+        E::WithPath { inner, path } => format!("{}: {}", path.display(), candle_message(inner)),
+        other => other.to_string(),
+    };
+    // Any other multi-line message (a wrapped error's context) joined into one line.
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(": ")
+}

@@ -15,6 +15,7 @@
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
 
+use crate::merges;
 use crate::meta::Meta;
 use crate::names::Family;
 use crate::{GgufError, Result};
@@ -95,8 +96,8 @@ struct SpmParts {
 /// 1. A token of whitespace containing a space (`"  "`) is respelled `"▁"` × its length in
 ///    characters (the file stores real spaces, GemmaTokenizer looks up `▁`).
 /// 2. The file has no merges: `generate_merges(vocab, {token: -index})` rebuilds them from the
-///    vocabulary — every split `token = l + r` (at a character) with both halves in the
-///    vocabulary, ordered by the token's index (Gemma's scores do not follow the merge order; the
+///    vocabulary ([`merges::rebuild`], linear in the vocabulary's bytes, capped) — every split
+///    `token = l + r` (at a character) with both halves in the vocabulary, ordered by the token's index (Gemma's scores do not follow the merge order; the
 ///    file's order does), then by `len(l)` descending (Python's stable sort on
 ///    `(score, len(l), len(r))`, reversed).
 /// 3. BPE with byte fallback, `fuse_unk`, unk `<unk>`; normalizer `" "` → `"▁"`; the
@@ -104,7 +105,13 @@ struct SpmParts {
 ///    decoder `▁` → space, byte fallback, fuse.
 /// 4. Control tokens (type 3) become special added tokens; user-defined ones (type 4) plain added
 ///    tokens when their spelling is in the vocabulary (so not the respelled whitespace runs).
-fn gemma_spm(tokens: &[&str], types: &[i64], unk: Option<&str>) -> SpmParts {
+///
+/// Refused (the reason) when the merges pass [`merges::CAPS`].
+fn gemma_spm(
+    tokens: &[&str],
+    types: &[i64],
+    unk: Option<&str>,
+) -> std::result::Result<SpmParts, String> {
     let respelled: Vec<String> = tokens
         .iter()
         .map(|t| {
@@ -130,16 +137,11 @@ fn gemma_spm(tokens: &[&str], types: &[i64], unk: Option<&str>) -> SpmParts {
         }
     }
     order.sort_by_key(|&(i, _)| i);
-    let mut merges = Vec::new();
-    for &(_, t) in &order {
-        let cuts: Vec<usize> = t.char_indices().map(|(b, _)| b).skip(1).collect();
-        for &b in cuts.iter().rev() {
-            let (l, r) = t.split_at(b);
-            if vocab.contains_key(l) && vocab.contains_key(r) {
-                merges.push(json!([l, r]));
-            }
-        }
-    }
+    let order: Vec<&str> = order.into_iter().map(|(_, t)| t).collect();
+    let merges: Vec<Value> = merges::rebuild(&order, &vocab, merges::CAPS)?
+        .into_iter()
+        .map(|(l, r)| json!([l, r]))
+        .collect();
     let mut vocab_json = serde_json::Map::with_capacity(vocab.len());
     for (i, t) in respelled.iter().enumerate() {
         if vocab[t.as_str()] == i {
@@ -170,13 +172,13 @@ fn gemma_spm(tokens: &[&str], types: &[i64], unk: Option<&str>) -> SpmParts {
         {"type": "ByteFallback"},
         {"type": "Fuse"},
     ]});
-    SpmParts {
+    Ok(SpmParts {
         model,
         normalizer,
         pre_tokenizer: pre,
         decoder,
         added,
-    }
+    })
 }
 
 /// Builds the Hugging Face tokenizer files; `context_length` becomes `model_max_length`.
@@ -271,7 +273,8 @@ pub fn tokenizer_files(
         added_decoder.insert(id.to_string(), a);
     };
     let (model, normalizer, pre_tok, decoder) = if spm {
-        let p = gemma_spm(&tokens, &types, unk.as_ref().map(|(_, t)| t.as_str()));
+        let p = gemma_spm(&tokens, &types, unk.as_ref().map(|(_, t)| t.as_str()))
+            .map_err(|m| meta_err("tokenizer.ggml.tokens", m))?;
         for (id, tok, special) in p.added {
             push_added(id, &tok, special);
         }

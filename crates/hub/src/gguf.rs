@@ -10,6 +10,9 @@ use crate::{Resolved, Result, Source};
 /// no complete conversion is there (a conversion is renamed into place whole, so a directory that
 /// exists is complete).
 pub fn resolve(file: &Path, models_cache: &Path) -> Result<Resolved> {
+    // The bounded walk over its header and metadata first: a file that is not a GGUF (or not a
+    // regular file) is refused from its first bytes, not after hashing all of it.
+    rtune_gguf::scan::open(file)?;
     let size = std::fs::metadata(file).map(|m| m.len()).unwrap_or(0);
     if size > 1 << 30 {
         tracing::info!(
@@ -32,6 +35,10 @@ pub fn resolve(file: &Path, models_cache: &Path) -> Result<Resolved> {
             },
         });
     }
+    // What conversions killed before their clean-up left here (the names are sha256s).
+    rtune_gguf::convert::sweep_stale(models_cache, |stem| {
+        stem.len() == 64 && stem.bytes().all(|b| b.is_ascii_hexdigit())
+    });
     tracing::info!("converting {} into {}", file.display(), dir.display());
     match rtune_gguf::convert(file, &dir) {
         Ok(_) => {}

@@ -192,7 +192,9 @@ pub fn resolve(path: &str, revision: &str) -> Result<Resolved> {
         });
     }
     if is_gguf {
-        if !p.is_file() {
+        // Only a missing path is "not found": a FIFO or a device is named for what it is by the
+        // GGUF reader (a regular file only, opened without blocking).
+        if !p.exists() {
             return Err(HubError::Path {
                 path: p.to_path_buf(),
                 message: "GGUF file not found".into(),
