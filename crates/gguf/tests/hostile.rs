@@ -234,6 +234,14 @@ fn each_cap_is_checked_before_allocating() {
         assert!(e.contains(want), "want {want:?}: {e}");
         assert_eq!(e.lines().count(), 1, "{e}");
     }
+    // Names must be UTF-8: candle decodes them lossily, so these two keys (distinct bytes) were
+    // one key there, past the duplicate check (the fuzz target's find).
+    let mut two = Raw::default().u32("x", 1).u32("x", 1);
+    let at = two.kvs.len() - 9; // the second key's byte: 8-byte length, key, type, value
+    two.kvs[at] = 0xff;
+    two.kvs[8] = 0xfe; // the first key's
+    let e = scan_bytes(&two.bytes(), &LIMITS).unwrap_err().to_string();
+    assert!(e.contains("not UTF-8") && e.lines().count() == 1, "{e}");
     // A hostile key prints on one line.
     let e = scan_bytes(
         &Raw::default().u32("a\nb", 1).u32("a\nb", 1).bytes(),
