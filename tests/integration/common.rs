@@ -129,17 +129,22 @@ pub fn assert_trained_as_golden(out: &Path, g: &Golden) {
         assert!(e <= 1e-4, "{k}: rel err {e:e}");
     }
     let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
-    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-    let losses: Vec<f64> = metrics
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .filter_map(|m| m["loss"].as_f64())
-        .collect();
-    assert_eq!(losses.len(), want.len(), "{metrics}");
+    let losses = train_losses(out);
+    assert_eq!(losses.len(), want.len(), "{losses:?}");
     for (l, w) in losses.iter().zip(&want) {
         let w = *w as f64;
         assert!((l - w).abs() / w <= 1e-5, "loss {l} vs PEFT's {w}");
     }
+}
+
+/// Every training step's `loss` in the run `out`'s metrics.jsonl, in order.
+pub fn train_losses(out: &Path) -> Vec<f64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|m| m["loss"].as_f64())
+        .collect()
 }
 
 /// Writes the golden's `init.*` LoRA weights as a PEFT adapter directory (what `init_from`

@@ -6,8 +6,8 @@
 //! stays well inside), the adapter's config naming the family's modules.
 
 use crate::common::{
-    assert_trained_as_golden, fixture, rel_err, rtune, rtune_env, stderr, write_init_adapter,
-    Golden,
+    assert_trained_as_golden, fixture, rel_err, rtune, rtune_env, stderr, train_losses,
+    write_init_adapter, Golden,
 };
 
 /// Trains `model` (a fixture directory) through the CLI from `golden`'s init adapter on its
@@ -203,12 +203,7 @@ dir = "{out}"
             &[("RTUNE_ATTN", path)],
         );
         assert!(o.status.success(), "{path}: {}", stderr(&o));
-        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        let losses: Vec<f64> = metrics
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter_map(|m| m["loss"].as_f64())
-            .collect();
+        let losses = train_losses(&out);
         let adapter = candle_core::safetensors::load(
             out.join("adapter_model.safetensors"),
             &candle_core::Device::Cpu,
