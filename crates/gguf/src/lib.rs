@@ -35,21 +35,21 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GgufError {
-    #[error("{path}: {message}")]
+    #[error("{path}: {}", one_line(message))]
     File { path: PathBuf, message: String },
-    #[error("{path}: metadata `{key}`: {message}")]
+    #[error("{path}: metadata `{}`: {}", one_line(key), one_line(message))]
     Metadata {
         path: PathBuf,
         key: String,
         message: String,
     },
-    #[error("{path}: tensor `{name}`: {message}")]
+    #[error("{path}: tensor `{}`: {}", one_line(name), one_line(message))]
     Tensor {
         path: PathBuf,
         name: String,
         message: String,
     },
-    #[error("{path}: {what} is not supported; {hint}")]
+    #[error("{path}: {} is not supported; {hint}", one_line(what))]
     Unsupported {
         path: PathBuf,
         what: String,
@@ -74,6 +74,26 @@ pub enum GgufError {
         op: &'static str,
         source: std::io::Error,
     },
+}
+
+/// `s` with its control characters escaped (`\n` as the two characters `\` `n`): names, keys and
+/// values from a GGUF are the file's, and an error about them stays on one line (the fuzz target
+/// found a tensor name with a line break). Text without control characters, escaped text among
+/// it, is left as it is.
+fn one_line(s: &str) -> std::borrow::Cow<'_, str> {
+    if !s.chars().any(char::is_control) {
+        return s.into();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_debug().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
 }
 
 impl From<rtune_fsio::IoError> for GgufError {
@@ -120,4 +140,24 @@ pub(crate) fn candle_message(e: &candle_core::Error) -> String {
         .filter(|l| !l.is_empty())
         .collect::<Vec<_>>()
         .join(": ")
+}
+
+#[cfg(test)]
+mod one_line_tests {
+    use super::*;
+
+    /// A tensor name with a line break (the fuzz target's find) prints on one line; text without
+    /// control characters, escaped text among it, is unchanged.
+    #[test]
+    fn errors_about_hostile_names_stay_on_one_line() {
+        let e = GgufError::Tensor {
+            path: "m.gguf".into(),
+            name: "blk\n.attn_norm.weight".into(),
+            message: "not a tensor\r\nof a Llama model".into(),
+        }
+        .to_string();
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(e.contains("`blk\\n.attn_norm.weight`"), "{e}");
+        assert_eq!(one_line("a\\nb `x`"), "a\\nb `x`");
+    }
 }

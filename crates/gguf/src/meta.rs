@@ -163,6 +163,20 @@ pub fn hf_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
     }
 }
 
+/// The most layers a GGUF may declare: far above any released model (Llama 3.1 405B has 126),
+/// and what keeps a hostile `block_count` (2³¹ in a 3.6 KB file, the fuzz target's find) from
+/// spelling out a `layer_types` entry per layer.
+const MAX_LAYERS: u64 = 4096;
+
+/// `<arch>.block_count`: 1 to [`MAX_LAYERS`].
+fn block_count(m: &Meta, key: &str) -> Result<u64> {
+    let layers = m.u64(key)?;
+    if layers == 0 || layers > MAX_LAYERS {
+        return Err(m.err(key, format!("{layers} layers (expected 1 to {MAX_LAYERS})")));
+    }
+    Ok(layers)
+}
+
 /// The vocabulary size: `<arch>.vocab_size`, else the tokens listed, else the embedding's rows.
 fn vocab_size(m: &Meta, t: &TensorFacts, key: &str) -> Result<usize> {
     let tokens = m.opt_strings("tokenizer.ggml.tokens")?.map(|v| v.len());
@@ -194,7 +208,7 @@ fn gemma3_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
     let path: PathBuf = m.path.to_path_buf();
     let k = |s: &str| format!("gemma3.{s}");
     let hidden = m.u64(&k("embedding_length"))?;
-    let layers = m.u64(&k("block_count"))?;
+    let layers = block_count(m, &k("block_count"))?;
     let ff = m.u64(&k("feed_forward_length"))?;
     let heads = m.u64(&k("attention.head_count"))?;
     let kv = m.opt_u64(&k("attention.head_count_kv"))?.unwrap_or(heads);
@@ -346,7 +360,7 @@ fn llama_config(m: &Meta, t: &TensorFacts) -> Result<serde_json::Value> {
     let path: PathBuf = m.path.to_path_buf();
     let k = |s: &str| format!("llama.{s}");
     let hidden = m.u64(&k("embedding_length"))?;
-    let layers = m.u64(&k("block_count"))?;
+    let layers = block_count(m, &k("block_count"))?;
     let ff = m.u64(&k("feed_forward_length"))?;
     let heads = m.u64(&k("attention.head_count"))?;
     let kv = m.opt_u64(&k("attention.head_count_kv"))?.unwrap_or(heads);

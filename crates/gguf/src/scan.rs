@@ -227,15 +227,19 @@ impl<R: Read> Walk<'_, R> {
         Ok(n)
     }
 
-    /// A key or tensor name, read (it is short: [`Limits::max_name`]). It must be UTF-8, as GGUF
-    /// says: candle's reader decodes names lossily, so two names that differ only in invalid bytes
-    /// would become one key there, past the duplicate check here (found by the fuzz target).
+    /// A key or tensor name, read (it is short: [`Limits::max_name`]), as candle's reader will
+    /// hold it: trailing NULs dropped. It must be UTF-8, as GGUF says: candle decodes names
+    /// lossily, so two names differing only in invalid bytes — or in trailing NULs — would become
+    /// one key there, past the duplicate check here (the fuzz target's finds).
     fn name(&mut self, at: &At, what: &str) -> Result<Vec<u8>> {
         let n = self.string_len(at, self.limits.max_name, what)?;
         let mut b = vec![0u8; n as usize];
         self.r
             .read_exact(&mut b)
             .map_err(|e| self.err(at, format!("reading {what}: {e}")))?;
+        while b.last() == Some(&0) {
+            b.pop();
+        }
         if std::str::from_utf8(&b).is_err() {
             return Err(self.err(
                 at,

@@ -242,6 +242,11 @@ fn each_cap_is_checked_before_allocating() {
     two.kvs[8] = 0xfe; // the first key's
     let e = scan_bytes(&two.bytes(), &LIMITS).unwrap_err().to_string();
     assert!(e.contains("not UTF-8") && e.lines().count() == 1, "{e}");
+    // Nor may they differ only in trailing NULs, which candle drops: `x` and `x\0` are one key.
+    let e = scan_bytes(&Raw::default().u32("x", 1).u32("x\0", 1).bytes(), &LIMITS)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("appears twice"), "{e}");
     // A hostile key prints on one line.
     let e = scan_bytes(
         &Raw::default().u32("a\nb", 1).u32("a\nb", 1).bytes(),
@@ -514,5 +519,25 @@ fn a_two_million_character_token_converts_in_linear_time() {
     assert!(t0.elapsed().as_secs() < 30, "{:?}", t0.elapsed());
     let merges = f.tokenizer["model"]["merges"].as_array().unwrap();
     assert_eq!(merges.len(), 0, "{merges:?}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A Gemma 3 GGUF of 3.6 KB declaring 2³¹ + 1 layers (the fuzz target's find, kept as its seed)
+/// spelled out a `layer_types` entry per layer: 20 s and gigabytes before dying. A block count
+/// outside 1 ..= 4096 is refused, naming the key.
+#[test]
+fn a_hostile_block_count_is_refused() {
+    let d = tmp("blocks");
+    let seed = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/seeds/gguf_metadata/regression-block-count-2pow31");
+    let gguf = d.join("m.gguf");
+    std::fs::copy(&seed, &gguf).unwrap();
+    let t0 = std::time::Instant::now();
+    let e = convert_err(&d, &gguf);
+    assert!(
+        e.contains("gemma3.block_count") && e.contains("2147483649 layers"),
+        "{e}"
+    );
+    assert!(t0.elapsed().as_secs() < 5, "{:?}", t0.elapsed());
     std::fs::remove_dir_all(&d).unwrap();
 }
