@@ -42,6 +42,20 @@ fn train(run: &Path, extra: &[&str]) -> std::process::Output {
     rtune(&a)
 }
 
+/// `rtune export --run RUN --format FORMAT --out OUT --force`.
+fn export_force(run: &str, format: &str, out: &Path) -> std::process::Output {
+    rtune(&[
+        "export",
+        "--run",
+        run,
+        "--format",
+        format,
+        "--out",
+        &s(out),
+        "--force",
+    ])
+}
+
 /// A user's file that a planted link points at.
 fn victim(dir: &Path) -> PathBuf {
     let v = dir.join("victim.txt");
@@ -132,16 +146,7 @@ fn export_force_replaces_only_what_an_export_wrote() {
         std::fs::copy(fixture("fixtures/tiny-llama").join(f), model.join(f)).unwrap();
     }
     for format in ["peft", "merged"] {
-        let o = rtune(&[
-            "export",
-            "--run",
-            &r,
-            "--format",
-            format,
-            "--out",
-            &s(&model),
-            "--force",
-        ]);
+        let o = export_force(&r, format, &model);
         let e = stderr(&o);
         assert_eq!(o.status.code(), Some(2), "{format}: {e}");
         assert!(e.contains("no .rtune-export marker"), "{e}");
@@ -153,45 +158,18 @@ fn export_force_replaces_only_what_an_export_wrote() {
     );
     let notes = tmp.path().join("notes.gguf");
     std::fs::write(&notes, "my notes").unwrap();
-    let o = rtune(&[
-        "export",
-        "--run",
-        &r,
-        "--format",
-        "gguf-lora",
-        "--out",
-        &s(&notes),
-        "--force",
-    ]);
+    let o = export_force(&r, "gguf-lora", &notes);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("no GGUF magic"), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), "my notes");
     // An export of its own is replaced, as before; one a user added to is not.
     let out = tmp.path().join("merged");
     for _ in 0..2 {
-        let o = rtune(&[
-            "export",
-            "--run",
-            &r,
-            "--format",
-            "merged",
-            "--out",
-            &s(&out),
-            "--force",
-        ]);
+        let o = export_force(&r, "merged", &out);
         assert!(o.status.success(), "{}", stderr(&o));
     }
     std::fs::write(out.join("README.md"), "my notes").unwrap();
-    let o = rtune(&[
-        "export",
-        "--run",
-        &r,
-        "--format",
-        "merged",
-        "--out",
-        &s(&out),
-        "--force",
-    ]);
+    let o = export_force(&r, "merged", &out);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("README.md"), "{}", stderr(&o));
     assert!(out.join("README.md").exists());
