@@ -25,12 +25,21 @@ fn train_tiny(run: &Path) {
 
 /// [`train_tiny`] on the base at `model` (a path relative to the repository root, or absolute).
 fn train_tiny_on(run: &Path, model: &str) {
-    let o = rtune(&[
+    let o = train_tiny_with(run, model, &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// `rtune train` of [`train_tiny`]'s run on `model`, `extra` arguments after its own (a later
+/// `--set` of a key wins): the output, whatever the exit status.
+pub(crate) fn train_tiny_with(run: &Path, model: &str, extra: &[&str]) -> std::process::Output {
+    let model = format!("model.path={model}");
+    let dir = format!("output.dir={}", s(run));
+    let mut a = vec![
         "train",
         "--config",
         "configs/smoke.toml",
         "--set",
-        &format!("model.path={model}"),
+        &model,
         "--set",
         "train.steps=4",
         "--set",
@@ -38,9 +47,10 @@ fn train_tiny_on(run: &Path, model: &str) {
         "--set",
         "output.save_every=2",
         "--set",
-        &format!("output.dir={}", s(run)),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+        &dir,
+    ];
+    a.extend_from_slice(extra);
+    rtune(&a)
 }
 
 fn export(args: &[&str]) -> std::process::Output {

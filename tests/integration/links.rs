@@ -13,33 +13,9 @@ fn s(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
 
-/// A 4-step run on tests/fixtures/tiny-llama with checkpoints at 2 and 4 (as export.rs's).
-fn train_args(run: &Path) -> Vec<String> {
-    [
-        "train",
-        "--config",
-        "configs/smoke.toml",
-        "--set",
-        "model.path=tests/fixtures/tiny-llama",
-        "--set",
-        "train.steps=4",
-        "--set",
-        "train.warmup_steps=0",
-        "--set",
-        "output.save_every=2",
-        "--set",
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .chain([format!("output.dir={}", s(run))])
-    .collect()
-}
-
+/// export.rs's 4-step run on tests/fixtures/tiny-llama (checkpoints at 2 and 4), `extra` after.
 fn train(run: &Path, extra: &[&str]) -> std::process::Output {
-    let args = train_args(run);
-    let mut a: Vec<&str> = args.iter().map(String::as_str).collect();
-    a.extend_from_slice(extra);
-    rtune(&a)
+    crate::export::train_tiny_with(run, "tests/fixtures/tiny-llama", extra)
 }
 
 /// `rtune export --run RUN --format FORMAT --out OUT --force`.

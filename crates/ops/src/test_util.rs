@@ -8,6 +8,20 @@ pub(crate) const F32: Precision = Precision::F32;
 pub(crate) const F32_TOL: f32 = 1e-6;
 pub(crate) const BF16_ULPS: f32 = 2.0;
 
+/// Each element's f32 bits (a bf16/f16 tensor widened first, which is exact): for results that
+/// must equal another formulation's bit for bit.
+pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
 pub(crate) fn randn(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);

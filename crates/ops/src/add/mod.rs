@@ -81,17 +81,7 @@ mod tests {
     use rtune_backend::cpu::ISA_CAP;
     use std::sync::atomic::Ordering;
 
-    fn bits(t: &Tensor) -> Vec<u32> {
-        t.to_dtype(DType::F32)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap()
-            .iter()
-            .map(|v| v.to_bits())
-            .collect()
-    }
+    use crate::test_util::bits;
 
     /// Both sums give the plain chain's bits for every pair of f32 / bf16 / f16, contiguous,
     /// at an offset and transposed, on every instruction set; candle's bf16 add is held to

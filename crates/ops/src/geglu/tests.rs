@@ -82,7 +82,7 @@ fn geglu_gate_is_candles_tanh_gelu() {
 /// ±12 (the tanh saturates on both sides). So Gemma's goldens and the families' tests are unchanged.
 #[test]
 fn fused_geglu_is_the_candle_chain_bit_for_bit() {
-    use crate::test_util::randn;
+    use crate::test_util::{bits, randn};
     for dt in [DType::F32, DType::BF16, DType::F16] {
         for (i, shape) in [[3, 7], [13, 1377]].iter().enumerate() {
             let s = 10 * i as u64;
@@ -90,17 +90,6 @@ fn fused_geglu_is_the_candle_chain_bit_for_bit() {
             let g = c(randn(shape, s + 4, 12.0));
             let u = c(randn(shape, s + 5, 2.0));
             let dh = c(randn(shape, s + 6, 1.0));
-            let bits = |x: &Tensor| -> Vec<u32> {
-                x.to_dtype(DType::F32)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect()
-            };
             let h = geglu(&g, &u).unwrap();
             assert_eq!(h.dtype(), dt);
             let want = reference::geglu_chain(&g, &u).unwrap();
