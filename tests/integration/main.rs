@@ -40,6 +40,8 @@
 //! - `variants`: LoRA+, PiSSA, pissa_niter_N and OLoRA through `rtune train` against PEFT goldens;
 //!   bad variant settings;
 //! - `autocast`: `dtype = "bf16-autocast"` against PEFT under torch.autocast (model and `rtune train`);
+//! - `readme`: the README's crate diagram, crate table and one step's file trace against the tree
+//!   (the trace measured by callgrind);
 //! - `layering`: the sources' layering, read from the files: no import circle between the files of a
 //!   crate, no crate over 18% of the project's Rust lines;
 //! - `common`: shared helpers (paths, running the binary, golden files, relative errors).
@@ -65,6 +67,7 @@ mod packing;
 mod parity;
 mod preference;
 mod qlora;
+mod readme;
 mod remote;
 mod resume;
 mod scan;
