@@ -149,11 +149,15 @@ impl Rewards {
 impl Scores {
     /// The reward of each completion as TRL's `GRPOTrainer` forms it, in f32 as it does:
     /// `nansum` over the functions of weight · reward, a missing reward counting as NaN (so it
-    /// adds nothing; a completion no function scored gets 0).
+    /// adds nothing); a completion no function scored is NaN (TRL leaves it out of the group's
+    /// mean and std, and gives it advantage 0).
     pub fn total(&self) -> Vec<f32> {
         let n = self.per_reward.first().map_or(0, Vec::len);
         (0..n)
             .map(|i| {
+                if self.per_reward.iter().all(|r| r[i].is_none()) {
+                    return f32::NAN;
+                }
                 self.per_reward
                     .iter()
                     .zip(&self.weights)

@@ -171,7 +171,7 @@ fn builtins_score_as_documented() {
     );
 }
 
-/// TRL's nansum: a missing reward adds nothing, a completion no function scored gets 0.
+/// TRL's nansum: a missing reward adds nothing; a completion no function scored is NaN.
 #[test]
 fn total_skips_missing_rewards() {
     let s = Scores {
@@ -182,7 +182,9 @@ fn total_skips_missing_rewards() {
             vec![Some(2.0), Some(4.0), None],
         ],
     };
-    assert_eq!(s.total(), [2.0, 2.0, 0.0]);
+    let t = s.total();
+    assert_eq!(t[..2], [2.0, 2.0]);
+    assert!(t[2].is_nan());
 }
 
 /// The repository's Python example, as a user would run it: one process for every request.

@@ -20,6 +20,7 @@ pub mod dataset;
 pub mod disk;
 pub mod evaluate;
 pub mod generate;
+pub mod grpo;
 pub mod memory;
 pub mod optim;
 pub mod pairs;
