@@ -9,6 +9,9 @@
 //! - [`Nf4Weight::dequantize_f32`], [`Nf4Weight::to_tensor`]: back to full precision, multi-threaded
 //!   ([`dequant`]): `value = table[code] * absmax` in f32, then rounded to the output dtype.
 //!
+//! - [`mxfp4`]: gpt-oss's MXFP4 expert tensors as its checkpoints store them, dequantized bit for
+//!   bit as transformers does (then trained over in f32/bf16, or re-quantized to NF4).
+//!
 //! Layout (bitsandbytes'): element `2i` of the flattening is the HIGH nibble of byte `i`, element
 //! `2i+1` the low nibble; an odd element count leaves the last low nibble as padding (code 7, i.e.
 //! 0.0). A tensor whose size is not a multiple of 64 ends with a shorter block that has its own absmax.
@@ -21,6 +24,7 @@
 pub mod bnb;
 mod choice;
 pub mod dequant;
+pub mod mxfp4;
 pub mod quantize;
 pub mod shard;
 pub mod tables;

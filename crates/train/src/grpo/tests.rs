@@ -83,7 +83,9 @@ fn reference(cfg: &PolicyConfig, d: &Data, on_policy: bool) -> (f64, Vec<f64>) {
     let mut ptl = match cfg.loss_type {
         LossType::Cispo => {
             let cl = coef_1.minimum(cfg.epsilon_high as f64).unwrap().detach();
-            bcast(&cl.broadcast_mul(&adv).unwrap().neg().unwrap()).mul(lp).unwrap()
+            bcast(&cl.broadcast_mul(&adv).unwrap().neg().unwrap())
+                .mul(lp)
+                .unwrap()
         }
         LossType::Sapo => {
             let temps: Vec<f32> = d
