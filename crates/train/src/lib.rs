@@ -32,6 +32,7 @@ mod setup;
 pub mod tokens;
 pub mod trainer;
 pub mod variants;
+pub mod warp;
 
 pub use compute::device;
 pub use setup::resolve_model;
