@@ -3,7 +3,7 @@
 //! request line
 //!
 //! ```json
-//! {"step": 12, "prompts": ["…"], "completions": ["…"], "completion_ids": [[…]],
+//! {"step": 12, "prompts": ["…" or [messages]], "completions": ["…"], "completion_ids": [[…]],
 //!  "columns": {"answer": ["4", …]}}
 //! ```
 //!

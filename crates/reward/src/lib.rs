@@ -70,7 +70,9 @@ fn name_part(name: &str) -> String {
 /// One completion to score, with its prompt and the prompt row's other columns.
 #[derive(Debug, Clone, Copy)]
 pub struct Sample<'a> {
-    pub prompt: &'a str,
+    /// The row's `prompt` as written: text, or messages (what TRL hands its reward functions);
+    /// null for a pre-tokenized row.
+    pub prompt: &'a serde_json::Value,
     pub completion: &'a str,
     pub completion_ids: &'a [u32],
     pub columns: &'a serde_json::Map<String, serde_json::Value>,

@@ -5,6 +5,8 @@ use serde_json::{json, Map, Value};
 use super::builtin::{answers_equal, extract_answer, length_reward};
 use super::*;
 
+static P: Value = Value::Null;
+
 fn table(v: Value) -> RewardTable {
     serde_json::from_value(v).unwrap()
 }
@@ -38,7 +40,7 @@ fn score_n(r: &mut Rewards, step: u64, n: usize) -> Result<Scores> {
     let cols = Map::new();
     let samples: Vec<Sample> = (0..n)
         .map(|_| Sample {
-            prompt: "p",
+            prompt: &P,
             completion: "c",
             completion_ids: &[5, 6],
             columns: &cols,
@@ -126,7 +128,7 @@ fn builtins_score_as_documented() {
     let mut r = Rewards::start(&specs).unwrap();
     let row = columns(json!({"answer": "3.14"}));
     let s = |completion, ids: &'static [u32]| Sample {
-        prompt: "q",
+        prompt: &P,
         completion,
         completion_ids: ids,
         columns: &row,
@@ -157,7 +159,7 @@ fn builtins_score_as_documented() {
         .score(
             7,
             &[Sample {
-                prompt: "q",
+                prompt: &P,
                 completion: "c",
                 completion_ids: &[],
                 columns: &empty,
@@ -205,7 +207,7 @@ fn the_python_example_scores_batches() {
         .iter()
         .zip(completions)
         .map(|(c, text)| Sample {
-            prompt: "q",
+            prompt: &P,
             completion: text,
             completion_ids: &[1],
             columns: c,
@@ -269,7 +271,7 @@ fn a_hanging_command_times_out() {
             .score(
                 5,
                 &[Sample {
-                    prompt: "p",
+                    prompt: &P,
                     completion: &big,
                     completion_ids: &[],
                     columns: &cols,
