@@ -11,7 +11,8 @@
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
 //!   CUDA). [`add`]: sums that round once. [`lora`]: the LoRA up-projection added into the frozen
-//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`nf4`]: NF4/FP4 dequantization on
+//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`route`]: mixture-of-experts
+//!   routing (the three families' routers) and the load-balancing loss, with their backward. [`nf4`]: NF4/FP4 dequantization on
 //!   CUDA (the CPU's is `rtune-quant`).
 //! - The engines under them (BLAS, oneDNN, the CPU dispatch, kernel images, the launch preamble,
 //!   float casts, dropout masks) are `rtune-backend`.
@@ -45,6 +46,7 @@ pub mod lora;
 pub mod nf4;
 pub mod norm;
 pub mod rope;
+pub mod route;
 #[cfg(feature = "kernels")]
 pub mod selftest;
 pub mod swiglu;

@@ -1,0 +1,207 @@
+//! Mixture-of-experts routing (issue 45), forward and hand-written backward, as transformers 5.24's
+//! routers compute it on each token's router logits (`n` tokens × `e` experts, f32):
+//! - [`Routing::SoftmaxTopK`]: softmax over the experts, the `k` largest probabilities, divided by
+//!   their sum when `normalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral always);
+//! - [`Routing::TopKSoftmax`]: the `k` largest logits, softmax over them (gpt-oss; its router's
+//!   bias is in the logits already).
+//!
+//! The experts are chosen in descending order (torch's `topk`, sorted); the choice is piecewise
+//! constant, so the backward flows through the chosen weights only. The router weight is frozen;
+//! the gradient with respect to the logits is what the router's input gradient needs.
+//!
+//! [`aux_loss`] is transformers' `load_balancing_loss_func` over every layer's logits (what
+//! `output_router_logits` adds, times `router_aux_loss_coef`), with its gradient.
+
+#[cfg(test)]
+mod tests;
+
+/// How a family turns router logits into expert weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    SoftmaxTopK { normalize: bool },
+    TopKSoftmax,
+}
+
+/// The experts each token goes to and their weights, with what the backward needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    pub k: usize,
+    /// `n × k` expert indices, each token's in descending order of its score.
+    pub experts: Vec<u32>,
+    /// `n × k` weights, paired with `experts`.
+    pub weights: Vec<f32>,
+    /// `SoftmaxTopK`: the `n × e` softmax (the backward's Jacobian); empty otherwise.
+    probs: Vec<f32>,
+    /// `SoftmaxTopK` with `normalize`: each token's sum of its chosen probabilities.
+    sums: Vec<f32>,
+}
+
+/// Softmax of one row in f32 (max subtracted), as torch's.
+fn softmax_into(x: &[f32], out: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+    let mut sum = 0f32;
+    for (o, v) in out.iter_mut().zip(x) {
+        *o = (v - max).exp();
+        sum += *o;
+    }
+    out.iter_mut().for_each(|o| *o /= sum);
+}
+
+/// The indices of the `k` largest of `x`, largest first (ties: the lower index first).
+fn top_k(x: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// Routes `n` tokens from their `n × e` router logits to `k` experts each.
+pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Routed {
+    assert!(k >= 1 && k <= e, "route: top-{k} of {e} experts");
+    assert_eq!(logits.len() % e, 0, "route: logits are not n × {e}");
+    let n = logits.len() / e;
+    let mut r = Routed {
+        k,
+        experts: Vec::with_capacity(n * k),
+        weights: Vec::with_capacity(n * k),
+        probs: Vec::new(),
+        sums: Vec::new(),
+    };
+    match routing {
+        Routing::SoftmaxTopK { normalize } => {
+            r.probs = vec![0f32; n * e];
+            for (row, p) in logits.chunks(e).zip(r.probs.chunks_mut(e)) {
+                softmax_into(row, p);
+                let top = top_k(p, k);
+                let sum: f32 = top.iter().map(|&j| p[j]).sum();
+                for &j in &top {
+                    r.experts.push(j as u32);
+                    r.weights.push(if normalize { p[j] / sum } else { p[j] });
+                }
+                if normalize {
+                    r.sums.push(sum);
+                }
+            }
+        }
+        Routing::TopKSoftmax => {
+            let mut w = vec![0f32; k];
+            for row in logits.chunks(e) {
+                let top = top_k(row, k);
+                let vals: Vec<f32> = top.iter().map(|&j| row[j]).collect();
+                softmax_into(&vals, &mut w);
+                r.experts.extend(top.iter().map(|&j| j as u32));
+                r.weights.extend_from_slice(&w);
+            }
+        }
+    }
+    r
+}
+
+/// `∂L/∂logits` (`n × e`) from `∂L/∂weights` (`n × k`, paired with `routed.experts`).
+pub fn route_backward(routed: &Routed, dweights: &[f32], e: usize, routing: Routing) -> Vec<f32> {
+    let k = routed.k;
+    let n = routed.experts.len() / k;
+    assert_eq!(
+        dweights.len(),
+        n * k,
+        "route backward: dweights are not n × k"
+    );
+    let mut dlogits = vec![0f32; n * e];
+    for t in 0..n {
+        let ex = &routed.experts[t * k..(t + 1) * k];
+        let w = &routed.weights[t * k..(t + 1) * k];
+        let g = &dweights[t * k..(t + 1) * k];
+        let dl = &mut dlogits[t * e..(t + 1) * e];
+        match routing {
+            Routing::SoftmaxTopK { normalize } => {
+                // ∂L/∂p on the chosen experts: w_j = p_j / S gives (g_j − Σ_m g_m w_m) / S.
+                let mut dp = vec![0f32; e];
+                if normalize {
+                    let s = routed.sums[t];
+                    let gw: f32 = g.iter().zip(w).map(|(a, b)| a * b).sum();
+                    for (j, &x) in ex.iter().enumerate() {
+                        dp[x as usize] = (g[j] - gw) / s;
+                    }
+                } else {
+                    for (j, &x) in ex.iter().enumerate() {
+                        dp[x as usize] = g[j];
+                    }
+                }
+                let p = &routed.probs[t * e..(t + 1) * e];
+                softmax_backward(p, &dp, dl);
+            }
+            Routing::TopKSoftmax => {
+                let gw: f32 = g.iter().zip(w).map(|(a, b)| a * b).sum();
+                for (j, &x) in ex.iter().enumerate() {
+                    dl[x as usize] = w[j] * (g[j] - gw);
+                }
+            }
+        }
+    }
+    dlogits
+}
+
+/// `∂L/∂x` of `p = softmax(x)` from `∂L/∂p`: `p ⊙ (dp − Σ p·dp)`.
+fn softmax_backward(p: &[f32], dp: &[f32], dx: &mut [f32]) {
+    let dot: f32 = p.iter().zip(dp).map(|(a, b)| a * b).sum();
+    for ((o, pi), di) in dx.iter_mut().zip(p).zip(dp) {
+        *o = pi * (di - dot);
+    }
+}
+
+/// transformers' `load_balancing_loss_func` over `layers` (each `n × e` router logits of the same
+/// `n` tokens), top-`k` counts; `mask` (`n`, 1 = a real token) leaves padding out. Returns the
+/// loss (before `router_aux_loss_coef`) and its gradient with respect to each layer's logits:
+/// `E · Σ_e (count_e / N) · (Σ_t p_te / N)`, `N` the masked tokens over all layers; the counts
+/// are piecewise constant, so the gradient flows through the probabilities only.
+pub fn aux_loss(
+    layers: &[&[f32]],
+    e: usize,
+    k: usize,
+    mask: Option<&[f32]>,
+) -> (f32, Vec<Vec<f32>>) {
+    let n = layers.first().map_or(0, |l| l.len() / e);
+    let ones = vec![1f32; n];
+    let mask = mask.unwrap_or(&ones);
+    let mut counts = vec![0f32; e];
+    let mut prob_sum = vec![0f32; e];
+    let mut total = 0f32;
+    let mut probs: Vec<Vec<f32>> = Vec::with_capacity(layers.len());
+    for logits in layers {
+        let mut p = vec![0f32; n * e];
+        for (t, (row, pr)) in logits.chunks(e).zip(p.chunks_mut(e)).enumerate() {
+            softmax_into(row, pr);
+            for j in top_k(pr, k) {
+                counts[j] += mask[t];
+            }
+            for (s, v) in prob_sum.iter_mut().zip(pr.iter()) {
+                *s += v * mask[t];
+            }
+        }
+        total += mask.iter().sum::<f32>();
+        probs.push(p);
+    }
+    let tokens_per_expert: Vec<f32> = counts.iter().map(|c| c / total).collect();
+    let loss = e as f32
+        * tokens_per_expert
+            .iter()
+            .zip(&prob_sum)
+            .map(|(a, b)| a * (b / total))
+            .sum::<f32>();
+    // ∂loss/∂p_te = E · tokens_per_expert_e · mask_t / N.
+    let grads = probs
+        .iter()
+        .map(|p| {
+            let mut d = vec![0f32; n * e];
+            for t in 0..n {
+                let dp: Vec<f32> = tokens_per_expert
+                    .iter()
+                    .map(|c| e as f32 * c * mask[t] / total)
+                    .collect();
+                softmax_backward(&p[t * e..(t + 1) * e], &dp, &mut d[t * e..(t + 1) * e]);
+            }
+            d
+        })
+        .collect();
+    (loss, grads)
+}

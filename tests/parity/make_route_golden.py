@@ -1,0 +1,65 @@
+"""Mixture-of-experts routing by transformers 5.24's own router classes and its load-balancing loss,
+for rtune-ops' `route` tests (crates/ops/src/route/tests.rs).
+
+    python tests/parity/make_route_golden.py --out tests/parity/golden_route.safetensors
+
+Each router gets an identity weight (hidden size = experts), so its logits are the seeded inputs
+`logits` [6, 8]; `<router>.experts` [6, 2] and `<router>.weights` [6, 2] are its outputs, and
+`<router>.dlogits` [6, 8] the gradient of sum(weights * dweights) (`dweights` [6, 2]) with respect
+to the logits. Routers: qwen3 (norm_topk_prob true), qwen3_nonorm, mixtral, gptoss (zero bias).
+`aux.loss` and `aux.d<i>` come from `load_balancing_loss_func` over three layers' logits
+`aux.l<i>` [6, 8] (batch 2 × seq 3, top-2, attention mask `aux.mask` [2, 3] with one pad).
+Deterministic, byte-identical reruns (no metadata).
+"""
+import argparse
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import save_file
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter, load_balancing_loss_func
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+N, E, K = 6, 8, 2
+g = torch.Generator().manual_seed(0)
+logits = torch.randn(N, E, generator=g) * 2
+dweights = torch.randn(N, K, generator=g)
+out = {"logits": logits, "dweights": dweights}
+
+
+def cfg(**kw):
+    return SimpleNamespace(hidden_size=E, num_experts_per_tok=K, num_experts=E, num_local_experts=E, **kw)
+
+
+routers = {
+    "qwen3": Qwen3MoeTopKRouter(cfg(norm_topk_prob=True)),
+    "qwen3_nonorm": Qwen3MoeTopKRouter(cfg(norm_topk_prob=False)),
+    "mixtral": MixtralTopKRouter(cfg()),
+    "gptoss": GptOssTopKRouter(cfg()),
+}
+for name, r in routers.items():
+    with torch.no_grad():
+        r.weight.copy_(torch.eye(E))
+        if hasattr(r, "bias"):
+            r.bias.zero_()
+    x = logits.clone().requires_grad_(True)
+    _, scores, idx = r(x)
+    (scores * dweights).sum().backward()
+    out[f"{name}.experts"] = idx.to(torch.int64)
+    out[f"{name}.weights"] = scores.detach().float()
+    out[f"{name}.dlogits"] = x.grad
+
+layers = [(torch.randn(N, E, generator=g) * 2).requires_grad_(True) for _ in range(3)]
+mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+loss = load_balancing_loss_func(tuple(layers), num_experts=E, top_k=K, attention_mask=mask)
+loss.backward()
+out["aux.loss"] = loss.detach().reshape(1)
+out["aux.mask"] = mask.to(torch.float32)
+for i, l in enumerate(layers):
+    out[f"aux.l{i}"] = l.detach()
+    out[f"aux.d{i}"] = l.grad
+save_file({k: v.contiguous() for k, v in out.items()}, args.out)
