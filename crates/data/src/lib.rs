@@ -23,6 +23,7 @@ pub mod inspect;
 pub mod preference;
 pub mod prompts;
 mod pyjson;
+pub mod rows;
 pub mod scan;
 mod settings;
 mod template;

@@ -28,9 +28,9 @@
 use serde_json::Value;
 use std::path::Path;
 
+use crate::rows::{skip_or_fail, Line, RowError};
 use crate::{
-    ChatTemplate, Conversation, DataError, MicroBatch, OnBadRow, Result, TemplateError, Tokenizer,
-    Truncation,
+    ChatTemplate, Conversation, MicroBatch, OnBadRow, Result, TemplateError, Tokenizer, Truncation,
 };
 
 /// One preference pair, tokenized.
@@ -119,26 +119,6 @@ impl PairOptions {
     }
 }
 
-/// Why a row gave no pair.
-enum RowError {
-    /// The row is malformed: skippable.
-    Bad(String),
-    /// Not the row's fault (no tokenizer, no template, a tokenizer failure): never skipped.
-    Fatal(String),
-}
-
-impl From<String> for RowError {
-    fn from(m: String) -> Self {
-        RowError::Bad(m)
-    }
-}
-
-impl From<&str> for RowError {
-    fn from(m: &str) -> Self {
-        RowError::Bad(m.into())
-    }
-}
-
 type RowResult<T> = std::result::Result<T, RowError>;
 
 /// Reads a preference JSONL file (formats above), streamed a line at a time: memory is one row
@@ -152,29 +132,15 @@ pub fn load_pairs(
     template: Option<&ChatTemplate>,
     opts: &PairOptions,
 ) -> Result<PairSet> {
-    let mut reader = std::io::BufReader::with_capacity(1 << 20, crate::open_data(path)?);
     let mut set = PairSet::default();
-    for line in 1.. {
-        let mut buf = Vec::new();
-        let (n, over) = crate::cache::read_line_capped(&mut reader, &mut buf, opts.max_row_bytes)
-            .map_err(|e| DataError::File {
-            path: path.to_path_buf(),
-            message: format!("cannot read data: {e}"),
-        })?;
-        if n == 0 {
-            break;
-        }
-        if over {
+    crate::rows::for_each_line(path, opts.max_row_bytes, |l, line| match l {
+        Line::Oversized => {
             set.rows += 1;
             set.oversized += 1;
-            continue;
+            Ok(())
         }
-        let text = crate::line_utf8(path, line, buf)?;
-        // The line's end as `str::lines` drops it (`\n` or `\r\n`).
-        let text = text.strip_suffix('\n').unwrap_or(&text);
-        let text = text.strip_suffix('\r').unwrap_or(text);
-        set.add_row(text, line, path, tok, template, opts)?;
-    }
+        Line::Text(text) => set.add_row(text, line, path, tok, template, opts),
+    })?;
     Ok(set)
 }
 
@@ -220,23 +186,8 @@ impl PairSet {
         let mut pair = match parse_row(row, tok, template, opts.vocab, max_seq_len) {
             Ok(p) => p,
             Err(e) => {
-                let (skippable, message) = match e {
-                    RowError::Bad(m) => (true, m),
-                    RowError::Fatal(m) => (false, m),
-                };
-                let err = DataError::Row {
-                    path: path.to_path_buf(),
-                    line,
-                    message,
-                };
-                if !skippable || opts.on_bad_row == OnBadRow::Error {
-                    return Err(err);
-                }
-                self.bad_rows += 1;
-                if self.bad_row_samples.len() < crate::Dataset::BAD_ROW_SAMPLES {
-                    self.bad_row_samples.push(err.to_string());
-                }
-                return Ok(());
+                let (count, samples) = (&mut self.bad_rows, &mut self.bad_row_samples);
+                return skip_or_fail(e, path, line, opts.on_bad_row, count, samples);
             }
         };
         let unpaired = pair.label.is_some();

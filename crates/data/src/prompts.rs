@@ -15,7 +15,8 @@
 use serde_json::{Map, Value};
 use std::path::Path;
 
-use crate::{ChatTemplate, Conversation, DataError, OnBadRow, Result, TemplateError, Tokenizer};
+use crate::rows::{skip_or_fail, Line, RowError};
+use crate::{ChatTemplate, Conversation, OnBadRow, Result, TemplateError, Tokenizer};
 
 /// One prompt, tokenized, with the row's other columns.
 #[derive(Debug, Clone, PartialEq)]
@@ -55,24 +56,6 @@ pub struct PromptOptions {
     pub vocab: usize,
 }
 
-/// Why a row gave no prompt: the row's fault (skippable) or not (no tokenizer, no template).
-enum RowError {
-    Bad(String),
-    Fatal(String),
-}
-
-impl From<String> for RowError {
-    fn from(m: String) -> Self {
-        RowError::Bad(m)
-    }
-}
-
-impl From<&str> for RowError {
-    fn from(m: &str) -> Self {
-        RowError::Bad(m.into())
-    }
-}
-
 /// Reads a prompt JSONL file, streamed a line at a time (memory: one row, at most
 /// `max_row_bytes`, and the prompts). Only a regular file is read ([`crate::open_data`]).
 pub fn load_prompts(
@@ -81,28 +64,15 @@ pub fn load_prompts(
     template: Option<&ChatTemplate>,
     opts: &PromptOptions,
 ) -> Result<PromptSet> {
-    let mut reader = std::io::BufReader::with_capacity(1 << 20, crate::open_data(path)?);
     let mut set = PromptSet::default();
-    for line in 1.. {
-        let mut buf = Vec::new();
-        let (n, over) = crate::cache::read_line_capped(&mut reader, &mut buf, opts.max_row_bytes)
-            .map_err(|e| DataError::File {
-            path: path.to_path_buf(),
-            message: format!("cannot read data: {e}"),
-        })?;
-        if n == 0 {
-            break;
-        }
-        if over {
+    crate::rows::for_each_line(path, opts.max_row_bytes, |l, line| match l {
+        Line::Oversized => {
             set.rows += 1;
             set.oversized += 1;
-            continue;
+            Ok(())
         }
-        let text = crate::line_utf8(path, line, buf)?;
-        let text = text.strip_suffix('\n').unwrap_or(&text);
-        let text = text.strip_suffix('\r').unwrap_or(text);
-        set.add_row(text, line, path, tok, template, opts)?;
-    }
+        Line::Text(text) => set.add_row(text, line, path, tok, template, opts),
+    })?;
     Ok(set)
 }
 
@@ -124,23 +94,8 @@ impl PromptSet {
         let prompt = match parse_row(row, tok, template, opts.vocab) {
             Ok(p) => p,
             Err(e) => {
-                let (skippable, message) = match e {
-                    RowError::Bad(m) => (true, m),
-                    RowError::Fatal(m) => (false, m),
-                };
-                let err = DataError::Row {
-                    path: path.to_path_buf(),
-                    line,
-                    message,
-                };
-                if !skippable || opts.on_bad_row == OnBadRow::Error {
-                    return Err(err);
-                }
-                self.bad_rows += 1;
-                if self.bad_row_samples.len() < crate::Dataset::BAD_ROW_SAMPLES {
-                    self.bad_row_samples.push(err.to_string());
-                }
-                return Ok(());
+                let (count, samples) = (&mut self.bad_rows, &mut self.bad_row_samples);
+                return skip_or_fail(e, path, line, opts.on_bad_row, count, samples);
             }
         };
         if prompt.ids.len() >= opts.max_prompt_len {
