@@ -46,6 +46,10 @@ pub struct TrainerState {
     pub next_lr: f64,
     /// Settings that a resumed run must share to reproduce the uninterrupted one.
     pub settings: BTreeMap<String, String>,
+    /// What the objective's recipe keeps beyond the data cursor (a sampler's RNG state:
+    /// `Recipe::state`); absent when it keeps nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -4,7 +4,9 @@
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
 //! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start);
-//! - [`evaluate`]: validation loss and sample completions during a run;
+//! - [`objective`]: the objectives as recipes the loop is generic over (SFT, the preference
+//!   objectives), one folder each;
+//! - [`evaluate`]: validation metrics and sample completions during a run;
 //! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
 //! - [`memory`]: measured memory (host RSS and RAM from /proc; device memory on CUDA);
 //! - [`variants`]: `[lora] init` at setup (PiSSA / OLoRA: the residual base, the adapter saved
@@ -21,9 +23,8 @@ pub mod disk;
 pub mod evaluate;
 pub mod generate;
 pub mod memory;
+pub mod objective;
 pub mod optim;
-pub mod pairs;
-pub mod preference;
 pub mod record;
 pub mod rundir;
 pub mod sample;
