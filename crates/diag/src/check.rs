@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rtune_config::RunConfig;
 use rtune_data::inspect;
-use rtune_train::generate::GenerateOptions;
+use rtune_infer::generate::GenerateOptions;
 use rtune_train::{train, Event, Outcome, RunOptions, StepMetrics, TrainError};
 
 use crate::{Check, DiagError};
@@ -359,7 +359,7 @@ pub fn run_checks(
         let same = adapter_bytes(&whole.output.dir) == adapter_bytes(&split.output.dir)
             && !adapter_bytes(&split.output.dir).is_empty();
         let prompt = first_prompt(&data.train[0], tok.as_ref())?;
-        let reply = rtune_train::generate::generate(
+        let reply = rtune_infer::generate::generate(
             &cfg.model.path,
             Some(&split.output.dir),
             &prompt,

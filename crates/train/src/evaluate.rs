@@ -7,8 +7,8 @@ use rtune_data::Tokenizer;
 use rtune_lora::Adapter;
 use rtune_model::{LoraCtx, Model};
 
-use crate::generate::{complete, GenerateOptions};
 use crate::TrainError;
+use rtune_infer::generate::{complete, GenerateOptions};
 
 /// One `metrics.jsonl` line of an evaluation.
 #[derive(Debug, Clone, Serialize)]

@@ -1,4 +1,4 @@
-//! Training and inference on top of the model:
+//! Training on top of the model (inference is `rtune-infer`'s):
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
@@ -7,7 +7,6 @@
 //! - [`objective`]: the objectives as recipes the loop is generic over (SFT, the preference
 //!   objectives), one folder each;
 //! - [`evaluate`]: validation metrics and sample completions during a run;
-//! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
 //! - [`memory`]: measured memory (host RSS and RAM from /proc; device memory on CUDA);
 //! - [`variants`]: `[lora] init` at setup (PiSSA / OLoRA: the residual base, the adapter saved
 //!   against the original one); LoRA+'s groups are in [`optim`].
@@ -21,7 +20,6 @@ mod compute;
 pub mod dataset;
 pub mod disk;
 pub mod evaluate;
-pub mod generate;
 pub mod memory;
 pub mod objective;
 pub mod optim;
@@ -151,20 +149,9 @@ pub enum TrainError {
         source: candle_core::Error,
     },
     /// `[output] remote` cannot be used: the probe at start (write, read back, delete) failed.
-    /// `rtune generate`: the prompt (or chat conversation) plus the new tokens asked for do not
-    /// fit the model's context; found before any forward pass.
-    #[error(
-        "{what} is {prompt_tokens} tokens + {max_new_tokens} new (--max-new-tokens) = {} > the \
-         model's context of {limit} tokens (max_position_embeddings); shorten the prompt or lower \
-         --max-new-tokens",
-        prompt_tokens.saturating_add(*max_new_tokens)
-    )]
-    ContextTooLong {
-        what: &'static str,
-        prompt_tokens: usize,
-        max_new_tokens: usize,
-        limit: usize,
-    },
+    /// Sample completions during a run (`rtune-infer`).
+    #[error(transparent)]
+    Infer(Box<rtune_infer::InferError>),
     /// A resume whose `[train] steps` is below the step the checkpoint is already at.
     #[error(
         "{}: the checkpoint is at step {step}, past [train] steps = {steps}; a run cannot end \
@@ -204,6 +191,7 @@ impl TrainError {
             TrainError::Model(m) => !matches!(**m, ModelError::Candle { .. }),
             TrainError::Lora(l) => !matches!(**l, LoraError::Candle { .. }),
             TrainError::Source(h) => h.is_input_error(),
+            TrainError::Infer(i) => i.is_input_error(),
             TrainError::OutputDir { .. }
             | TrainError::NoCuda { .. }
             | TrainError::DeviceOpen { .. }
@@ -211,7 +199,6 @@ impl TrainError {
             | TrainError::NoVerifiedCheckpoint { .. }
             | TrainError::Ranks(_)
             | TrainError::OptimizerState
-            | TrainError::ContextTooLong { .. }
             | TrainError::TooLittleMemory { .. }
             | TrainError::ResumePastSteps { .. }
             | TrainError::Remote(_) => true,
@@ -255,6 +242,12 @@ impl From<rtune_dist::DistError> for TrainError {
             },
             DistError::Candle { op, source } => TrainError::Candle { op, source },
         }
+    }
+}
+
+impl From<rtune_infer::InferError> for TrainError {
+    fn from(e: rtune_infer::InferError) -> Self {
+        TrainError::Infer(Box::new(e))
     }
 }
 
