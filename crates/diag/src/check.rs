@@ -82,12 +82,12 @@ pub fn device_line(d: &candle_core::Device) -> (bool, String) {
 
 fn disk(cfg: &RunConfig, lora_params: usize) -> Check {
     // The same figures `rtune train` refuses to start without (rtune_train::disk).
-    let need = rtune_train::disk::need(cfg, lora_params);
-    match rtune_train::disk::free_bytes(&cfg.output.dir) {
+    let need = rtune_run::disk::need(cfg, lora_params);
+    match rtune_run::disk::free_bytes(&cfg.output.dir) {
         Ok(free) => Check::new(
             "free disk",
             free >= need.total,
-            need.describe(free, &rtune_train::disk::existing_ancestor(&cfg.output.dir)),
+            need.describe(free, &rtune_run::disk::existing_ancestor(&cfg.output.dir)),
         ),
         Err(e) => Check::new("free disk", false, e.to_string()),
     }

@@ -3,7 +3,6 @@
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
-//! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start);
 //! - [`objective`]: the objectives as recipes the loop is generic over (SFT, the preference
 //!   objectives), one folder each;
 //! - [`evaluate`]: validation metrics and sample completions during a run;
@@ -18,13 +17,11 @@
 pub mod checkpoint;
 mod compute;
 pub mod dataset;
-pub mod disk;
 pub mod evaluate;
 pub mod memory;
 pub mod objective;
 pub mod optim;
 pub mod record;
-pub mod rundir;
 pub mod sample;
 mod setup;
 pub mod tokens;
@@ -241,6 +238,17 @@ impl From<rtune_dist::DistError> for TrainError {
                 message,
             },
             DistError::Candle { op, source } => TrainError::Candle { op, source },
+        }
+    }
+}
+
+/// The run directory's errors as the variants they always were (same message, same exit status).
+impl From<rtune_run::RunError> for TrainError {
+    fn from(e: rtune_run::RunError) -> Self {
+        match e {
+            rtune_run::RunError::OutputDir { path, message } => {
+                TrainError::OutputDir { path, message }
+            }
         }
     }
 }

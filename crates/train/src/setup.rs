@@ -361,7 +361,7 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy, created: bool) -> Result<
                 checkpoints[0].0
             )));
         }
-        for f in crate::rundir::RUN_FILES {
+        for f in rtune_run::rundir::RUN_FILES {
             let p = dir.join(f);
             if p.exists() {
                 std::fs::remove_file(&p).map_err(|e| out(format!("cannot remove old {f}: {e}")))?;

@@ -222,8 +222,8 @@ impl<'a, R: Recipe> Trainer<'a, R> {
             return Ok(());
         }
         let dir = &cfg.output.dir;
-        let need = crate::disk::need(cfg, self.adapter.num_params());
-        let free = crate::disk::free_bytes(dir)?;
+        let need = rtune_run::disk::need(cfg, self.adapter.num_params());
+        let free = rtune_run::disk::free_bytes(dir)?;
         // A resumed run's checkpoints already hold part of what it needs.
         let held = checkpoint::list(dir).len() as u64 * need.checkpoint;
         let more = need.total.saturating_sub(held);
