@@ -6,9 +6,11 @@
 //! | file | what |
 //! |---|---|
 //! | `mod.rs` | the recipe: the pairs' stream, the head, the step's totals and metrics, evaluation |
+//! | `kind.rs` | which loss (`Loss`, from `[train] objective`) and what it needs |
 //! | [`loss`] | the losses and their gradients by hand, TRL's metrics |
 //! | [`pairs`] | the pairs of the run's files, the reference log-probabilities (cached) |
 
+mod kind;
 pub mod loss;
 pub mod pairs;
 
