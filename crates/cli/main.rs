@@ -221,6 +221,8 @@ fn exit_code(e: &anyhow::Error) -> u8 {
     }
     let input = if let Some(t) = e.downcast_ref::<rtune_train::TrainError>() {
         t.is_input_error()
+    } else if let Some(i) = e.downcast_ref::<rtune_infer::InferError>() {
+        i.is_input_error()
     } else if let Some(d) = e.downcast_ref::<rtune_diag::DiagError>() {
         d.is_input_error()
     } else if let Some(h) = e.downcast_ref::<rtune_hub::HubError>() {

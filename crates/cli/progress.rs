@@ -40,7 +40,7 @@ impl Progress {
     pub fn step(&self, m: &StepMetrics) {
         // A preference step also shows its reward accuracy (the share of pairs ranked right).
         let acc = m
-            .preference
+            .recipe
             .get("rewards/accuracies")
             .map_or(String::new(), |a| format!("  reward acc {a:.3}"));
         let text = format!(

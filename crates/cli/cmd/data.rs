@@ -101,7 +101,8 @@ fn mark(text: &str, trained: bool, colour: bool) -> String {
 fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()> {
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
-    let (data, tok) = rtune_train::dataset::load_for(&cfg)?;
+    let (data, tok) = rtune_train::objective::load_for(&cfg)?;
+    let sides = rtune_train::objective::about(&cfg).sides;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     // The first samples of the first file, in file order (before shuffling and weighting).
@@ -126,7 +127,7 @@ fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()
             out,
             "--- sample {}{} · {} tokens, {} trained ---",
             i + 1,
-            pair_side(&cfg, i),
+            side(sides, i),
             s.input_ids.len(),
             s.trained_tokens
         )?;
@@ -150,30 +151,13 @@ fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()
             if f.reused_cache { " (from cache)" } else { "" }
         )?;
     }
-    if let Some(p) = &data.pairs {
-        for (path, set) in &p.files {
-            writeln!(
-                out,
-                "{}: {} rows, {} truncated, {} dropped, {} with identical completions",
-                path.display(),
-                set.rows,
-                set.truncated,
-                set.dropped,
-                set.identical
-            )?;
-        }
+    for line in data.own.iter().flat_map(|o| o.file_lines()) {
+        writeln!(out, "{line}")?;
     }
     let lengths: Vec<usize> = data.train.iter().map(|e| e.input_ids.len()).collect();
     let trained: usize = data.train.iter().map(|e| e.target_tokens()).sum();
     // A preference run's rows are its pairs' two sequences each (KTO: a row and its KL row).
-    let what = match (&data.pairs, cfg.train.objective.is_unpaired()) {
-        (None, _) => "training examples".to_string(),
-        (Some(p), false) => format!("sequences of {} training pairs", p.train.len()),
-        (Some(p), true) => format!(
-            "sequences of {} unpaired rows and their KL rows",
-            p.train.len()
-        ),
-    };
+    let what = (data.own.as_ref()).map_or("training examples".to_string(), |o| o.sequences());
     writeln!(
         out,
         "\n{} {what}, {} tokens, {} trained; lengths (max_seq_len {}):",
@@ -198,8 +182,8 @@ fn inspect(config: PathBuf, set: Vec<String>, n: usize, json: bool) -> Result<()
 fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
-    if cfg.train.objective.is_preference() {
-        return prepare_pairs(&cfg);
+    if let Some(note) = rtune_train::objective::about(&cfg).uncached {
+        return prepare_uncached(&cfg, &note);
     }
     let Some(root) = &cfg.data.cache_dir else {
         bail!("[data] cache = false: there is no cache to prepare");
@@ -230,45 +214,26 @@ fn prepare(config: PathBuf, set: Vec<String>) -> Result<()> {
     Ok(())
 }
 
-/// `rtune data prepare` for a preference objective: the token cache holds SFT examples, and
-/// pairs are tokenized at the start of each run, so there is nothing to cache; the pairs are read
-/// and checked as training reads them (the errors a run would stop on, the counts it reports).
-fn prepare_pairs(cfg: &rtune_config::RunConfig) -> Result<()> {
-    let (data, _) = rtune_train::dataset::load_for(cfg)?;
-    for (path, s) in data.pairs.iter().flat_map(|p| &p.files) {
-        println!(
-            "{}: {} rows, {} pairs; {} truncated, {} dropped, {} without a token to train on, {} \
-             over max_row_bytes, {} malformed (skipped)",
-            path.display(),
-            s.rows,
-            s.rows - s.dropped - s.no_target - s.oversized - s.bad_rows,
-            s.truncated,
-            s.dropped,
-            s.no_target,
-            s.oversized,
-            s.bad_rows
-        );
+/// `rtune data prepare` for an objective whose rows the token cache does not hold (a preference
+/// objective's pairs are tokenized at the start of each run): the rows are read and checked as
+/// training reads them (the errors a run would stop on, the counts it reports).
+fn prepare_uncached(cfg: &rtune_config::RunConfig, note: &str) -> Result<()> {
+    let (data, _) = rtune_train::objective::load_for(cfg)?;
+    for line in data.own.iter().flat_map(|o| o.prepare_lines()) {
+        println!("{line}");
     }
     for w in data.warnings() {
         eprintln!("warning: {w}");
     }
-    println!(
-        "objective \"{}\": preference pairs are checked, not cached (they are tokenized at the \
-         start of each run)",
-        cfg.train.objective.name()
-    );
+    println!("{note}");
     Ok(())
 }
 
-/// Which side of a preference pair sample `i` is (`data.train` holds each pair's sequences in
-/// turn): " (pair 1, chosen)"; nothing for SFT.
-fn pair_side(cfg: &rtune_config::RunConfig, i: usize) -> String {
-    let sides = match cfg.train.objective.is_unpaired() {
-        true => ["row", "KL row"],
-        false => ["chosen", "rejected"],
-    };
-    match cfg.train.objective.is_preference() {
-        true => format!(" (pair {}, {})", i / 2 + 1, sides[i % 2]),
-        false => String::new(),
+/// Which of its row's sequences sample `i` is (`data.train` holds each row's `sides` in turn):
+/// " (pair 1, chosen)"; nothing for one sequence a row.
+fn side(sides: &[&str], i: usize) -> String {
+    match sides.len() {
+        0 | 1 => String::new(),
+        n => format!(" (pair {}, {})", i / n + 1, sides[i % n]),
     }
 }

@@ -115,14 +115,15 @@ pub fn run(a: EstimateArgs) -> Result<()> {
         return Ok(());
     }
     print_table(&cfg, &model, &s, &est, budget, source, &fit, a.data);
-    if cfg.train.objective.is_preference() {
+    let about = rtune_train::objective::about(&cfg);
+    if !about.sides.is_empty() {
         println!(
             "objective {}: each pair is 2 rows (chosen, rejected), so micro_batch_size {} pairs \
              is {} rows above{}",
-            cfg.train.objective.name(),
+            about.name,
             cfg.train.micro_batch_size,
             s.micro_batch_size,
-            match cfg.train.objective.needs_reference() {
+            match about.reference {
                 true =>
                     "; the reference log-probs are one forward pass per pair before training \
                          (below the step's peak)",
@@ -171,7 +172,7 @@ fn settings(
     let model = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
     let mut s = estimate::settings_for(cfg)?;
     if data {
-        let (data, _) = rtune_train::dataset::load_for(cfg)?;
+        let (data, _) = rtune_train::objective::load_for(cfg)?;
         estimate::fit_to_data(&mut s, &data.train, cfg.data.max_seq_len);
     }
     Ok((model, s))

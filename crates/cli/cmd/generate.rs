@@ -1,10 +1,10 @@
 //! `rtune generate`: continue a prompt (or hold a chat on stdin) with a model and optionally a
-//! PEFT adapter (see `rtune_train::generate`).
+//! PEFT adapter (see `rtune_infer::generate`).
 
 use anyhow::Result;
 use std::path::PathBuf;
 
-use rtune_train::generate::GenerateOptions;
+use rtune_infer::generate::GenerateOptions;
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
@@ -149,7 +149,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
                 )
             }
         };
-        rtune_train::generate::chat(
+        rtune_infer::generate::chat(
             &model,
             adapter.as_deref(),
             &mut turns,
@@ -174,7 +174,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         return Ok(());
     }
     let prompt = prompt.unwrap_or_default();
-    let text = rtune_train::generate::generate(&model, adapter.as_deref(), &prompt, &opt)?;
+    let text = rtune_infer::generate::generate(&model, adapter.as_deref(), &prompt, &opt)?;
     println!("{text}");
     Ok(())
 }

@@ -99,14 +99,7 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
     }
     let bar = progress::Progress::new(steps, every);
     // What a training row is: an SFT example, a preference pair, or KTO's unpaired row.
-    let unit = match (
-        cfg.train.objective.is_preference(),
-        cfg.train.objective.is_unpaired(),
-    ) {
-        (false, _) => "examples",
-        (true, false) => "pairs",
-        (true, true) => "unpaired rows",
-    };
+    let unit = rtune_train::objective::about(&cfg).unit;
     let outcome = rtune_train::train(&cfg, &opts, &mut |ev| match ev {
         // Rank 0 speaks for the run.
         _ if !root => {}
@@ -161,7 +154,7 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
             }
         }
         Event::Eval(e) => bar.line(
-            &match (e.valid_ppl, e.preference.get("eval_rewards/accuracies")) {
+            &match (e.valid_ppl, e.recipe.get("eval_rewards/accuracies")) {
                 (Some(ppl), _) => format!(
                     "step {:>5}/{steps}  validation loss {:.4}  perplexity {:.2}  ({} tokens)",
                     e.step, e.valid_loss, ppl, e.valid_tokens

@@ -88,12 +88,12 @@ impl TrainSection {
         let names = ["sft", "dpo", "simpo", "orpo", "kto"];
         // The name first: `objective = "DPO"` was blamed on `train.beta` ("a setting of dpo"); the
         // names are case-sensitive, as TRL's, and a near miss gets "did you mean".
-        if !names.contains(&name) {
+        let Some(kind) = names.iter().position(|&n| n == name) else {
             return Err(bad(
                 "train.objective",
                 crate::suggest::not_one_of(name, &names),
             ));
-        }
+        };
         // Knobs that belong to another objective are refused rather than ignored.
         let only = |key: &str, set: bool, for_: &[&str]| match set && !for_.contains(&name) {
             true => Err(bad(
@@ -147,9 +147,10 @@ impl TrainSection {
             true => Ok(v),
             false => Err(bad(key, format!("must be a finite number, got {v}"))),
         };
-        Ok(match name {
-            "sft" => Objective::Sft,
-            "dpo" => {
+        Ok(match kind {
+            // The position in `names`: no arm for a name the check above refused.
+            0 /* sft */ => Objective::Sft,
+            1 /* dpo */ => {
                 let loss = match self.loss_type.as_deref().unwrap_or("sigmoid") {
                     "sigmoid" => DpoLoss::Sigmoid,
                     "hinge" => DpoLoss::Hinge,
@@ -180,14 +181,14 @@ impl TrainSection {
                     label_smoothing,
                 }
             }
-            "simpo" => Objective::Simpo {
+            2 /* simpo */ => Objective::Simpo {
                 beta,
                 gamma: finite("train.simpo_gamma", self.simpo_gamma.unwrap_or(0.5))?,
                 cpo_alpha: finite("train.cpo_alpha", self.cpo_alpha.unwrap_or(1.0))?,
                 label_smoothing,
             },
-            "orpo" => Objective::Orpo { beta },
-            "kto" => {
+            3 /* orpo */ => Objective::Orpo { beta },
+            _ /* kto */ => {
                 let weight = |key: &str, v: Option<f64>| match v.unwrap_or(1.0) {
                     w if w.is_finite() && w > 0.0 => Ok(w),
                     w => Err(bad(
@@ -204,7 +205,6 @@ impl TrainSection {
                     )?,
                 }
             }
-            other => unreachable!("objective `{other}` passed the check of names above"),
         })
     }
 }

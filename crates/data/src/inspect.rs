@@ -1,7 +1,7 @@
 //! `rtune data inspect`: the first formatted samples exactly as training sees them, with the
 //! trained tokens told apart from the masked ones, and the length distribution of the whole set —
 //! the check to make on a few examples before a long run (template, BOS/EOS, loss mask).
-//! Loading the run's data as training does is `rtune_train::dataset::load_for`; this file
+//! Loading the run's data as training does is `rtune_train::objective::load_for`; this file
 //! only looks at examples already loaded.
 
 use serde::Serialize;

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rtune_config::RunConfig;
 use rtune_data::inspect;
-use rtune_train::generate::GenerateOptions;
+use rtune_infer::generate::GenerateOptions;
 use rtune_train::{train, Event, Outcome, RunOptions, StepMetrics, TrainError};
 
 use crate::{Check, DiagError};
@@ -82,12 +82,12 @@ pub fn device_line(d: &candle_core::Device) -> (bool, String) {
 
 fn disk(cfg: &RunConfig, lora_params: usize) -> Check {
     // The same figures `rtune train` refuses to start without (rtune_train::disk).
-    let need = rtune_train::disk::need(cfg, lora_params);
-    match rtune_train::disk::free_bytes(&cfg.output.dir) {
+    let need = rtune_run::disk::need(cfg, lora_params);
+    match rtune_run::disk::free_bytes(&cfg.output.dir) {
         Ok(free) => Check::new(
             "free disk",
             free >= need.total,
-            need.describe(free, &rtune_train::disk::existing_ancestor(&cfg.output.dir)),
+            need.describe(free, &rtune_run::disk::existing_ancestor(&cfg.output.dir)),
         ),
         Err(e) => Check::new("free disk", false, e.to_string()),
     }
@@ -201,7 +201,7 @@ pub fn run_checks(
 
     // 3. Samples (printed by the caller from `inspect`); here: the counts and the first mask.
     const DATA: &str = "data and loss masks";
-    let loaded = rtune_train::dataset::load_for(cfg)
+    let loaded = rtune_train::objective::load_for(cfg)
         .map_err(DiagError::from)
         .and_then(|(data, tok)| {
             let first = inspect::sample(&data.train[0], tok.as_ref())?;
@@ -217,14 +217,7 @@ pub fn run_checks(
                     format!(
                         "{}{} examples ({} rows, {}); first sample: {} tokens, {} trained \
                          (see `rtune data inspect`)",
-                        data.pairs.as_ref().map_or(String::new(), |p| format!(
-                            "{} {}: ",
-                            p.train.len(),
-                            match cfg.train.objective.is_unpaired() {
-                                true => "unpaired rows with their KL rows",
-                                false => "pairs as their chosen and rejected sequences",
-                            }
-                        )),
+                        (data.own.as_ref()).map_or(String::new(), |o| format!("{}: ", o.rows())),
                         data.train.len(),
                         c.rows,
                         c.summary(),
@@ -311,8 +304,11 @@ pub fn run_checks(
                 steps.first().map_or(f64::NAN, |m| m.loss),
                 steps.last().map_or(f64::NAN, |m| m.loss),
             );
-            let check = match cfg.train.objective.is_preference() {
-                false => Check::new(
+            // The objective's own verdict (a preference loss has no fixed scale: the pairs must
+            // end ranked right, and the loss lower), or the loss must fall.
+            let last = steps.last().map(|m| m.recipe.clone()).unwrap_or_default();
+            let check = match rtune_train::objective::overfit(cfg, l0, l1, &last) {
+                None => Check::new(
                     OVERFIT,
                     l1 <= (1.0 - OVERFIT_DROP) * l0,
                     format!(
@@ -321,10 +317,15 @@ pub fn run_checks(
                         OVERFIT_DROP * 100.0
                     ),
                 ),
-                // A preference loss has no fixed scale (DPO starts at log 2 and may end anywhere
-                // above 0): the 4 pairs must end ranked right (KTO: a positive reward margin),
-                // and the loss lower.
-                true => overfit_preference(&steps, l0, l1, cfg.train.lr),
+                Some((ok, said)) => Check::new(
+                    OVERFIT,
+                    ok,
+                    format!(
+                        "{said}, in {OVERFIT_STEPS} steps at lr {} (every pair must end ranked \
+                         right and the loss lower)",
+                        cfg.train.lr
+                    ),
+                ),
             };
             push(check, &mut out);
             // 7. Sustained throughput over the overfit run: second half vs first half (after
@@ -358,7 +359,7 @@ pub fn run_checks(
         let same = adapter_bytes(&whole.output.dir) == adapter_bytes(&split.output.dir)
             && !adapter_bytes(&split.output.dir).is_empty();
         let prompt = first_prompt(&data.train[0], tok.as_ref())?;
-        let reply = rtune_train::generate::generate(
+        let reply = rtune_infer::generate::generate(
             &cfg.model.path,
             Some(&split.output.dir),
             &prompt,
@@ -387,29 +388,6 @@ pub fn run_checks(
         Err(e) => push(errored(RESUME, &e), &mut out),
     }
     Ok(out)
-}
-
-/// The overfit check of a preference objective: the last step ranks every pair right (reward
-/// accuracy 1; KTO, which has none: a positive reward margin) and its loss is below the first's.
-fn overfit_preference(steps: &[StepMetrics], l0: f64, l1: f64, lr: f64) -> Check {
-    const OVERFIT: &str = "overfit 4 samples";
-    let last = steps.last().map(|m| &m.preference);
-    let (name, value, ok) = match last.and_then(|p| p.get("rewards/accuracies")) {
-        Some(&a) => ("reward accuracy", a, a >= 1.0),
-        None => {
-            let margin = last.and_then(|p| p.get("rewards/margins")).copied();
-            let m = margin.unwrap_or(f64::NAN);
-            ("reward margin", m, m > 0.0)
-        }
-    };
-    Check::new(
-        OVERFIT,
-        ok && l1 < l0,
-        format!(
-            "loss {l0:.4} -> {l1:.4}, {name} {value:.3} at the end, in {OVERFIT_STEPS} steps at lr \
-             {lr} (every pair must end ranked right and the loss lower)"
-        ),
-    )
 }
 
 /// The overfit run's later steps' median speed against its earlier steps' (after step 1).

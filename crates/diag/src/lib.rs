@@ -109,6 +109,12 @@ impl From<TrainError> for DiagError {
     }
 }
 
+impl From<rtune_infer::InferError> for DiagError {
+    fn from(e: rtune_infer::InferError) -> Self {
+        TrainError::from(e).into()
+    }
+}
+
 impl From<rtune_dist::DistError> for DiagError {
     fn from(e: rtune_dist::DistError) -> Self {
         TrainError::from(e).into()

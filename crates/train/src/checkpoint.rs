@@ -46,6 +46,10 @@ pub struct TrainerState {
     pub next_lr: f64,
     /// Settings that a resumed run must share to reproduce the uninterrupted one.
     pub settings: BTreeMap<String, String>,
+    /// What the objective's recipe keeps beyond the data cursor (a sampler's RNG state:
+    /// `Recipe::state`); absent when it keeps nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -152,7 +156,7 @@ pub fn save(
         .map_err(TrainError::from)?;
         fsync_dir(&tmp).map_err(TrainError::from)?;
         if final_dir.exists() {
-            if !crate::rundir::is_own_checkpoint(&final_dir) {
+            if !rtune_run::rundir::is_own_checkpoint(&final_dir) {
                 return Err(TrainError::OutputDir {
                     path: final_dir.clone(),
                     message: "exists and was not written by rtune; not replaced".into(),
@@ -203,8 +207,8 @@ pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            let step = crate::rundir::checkpoint_step(&name)?;
-            crate::rundir::is_own_checkpoint(&e.path()).then(|| (step, e.path()))
+            let step = rtune_run::rundir::checkpoint_step(&name)?;
+            rtune_run::rundir::is_own_checkpoint(&e.path()).then(|| (step, e.path()))
         })
         .collect();
     found.sort_by_key(|f| std::cmp::Reverse(f.0));

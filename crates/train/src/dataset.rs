@@ -53,28 +53,38 @@ impl FileReport {
 }
 
 pub struct RunData {
-    /// The training examples; a preference run's pairs as their two sequences each (what the
-    /// memory estimate looks at: `pairs` holds the pairs).
+    /// The training examples; the sequences of an objective's own rows (a preference run's pairs
+    /// as their two sequences each): what the memory estimate looks at.
     pub train: Vec<Example>,
     pub valid: Vec<Example>,
     pub files: Vec<FileReport>,
-    /// A preference run's pairs (`[train] objective` other than `sft`).
-    pub pairs: Option<crate::pairs::PairData>,
+    /// The report of an objective's own rows, when they are not examples through the token cache
+    /// (the rows themselves are its recipe's: `crate::objective`).
+    pub own: Option<Box<dyn OwnRows>>,
+}
+
+/// What the reports need of an objective's own rows (a preference run's pairs).
+pub trait OwnRows {
+    /// Rows read, cut, left out, skipped, over `max_row_bytes`, over every file.
+    fn counts(&self) -> RowCounts;
+    /// Warnings before a long run.
+    fn warnings(&self) -> Vec<String>;
+    /// `rtune data inspect`: one line per file.
+    fn file_lines(&self) -> Vec<String>;
+    /// `rtune data prepare` (which checks these rows rather than caching them): one line per file.
+    fn prepare_lines(&self) -> Vec<String>;
+    /// What [`RunData::train`] holds, after its count ("sequences of 3 training pairs").
+    fn sequences(&self) -> String;
+    /// The rows themselves, with their count ("3 pairs as their chosen and rejected sequences").
+    fn rows(&self) -> String;
 }
 
 impl RunData {
     pub fn counts(&self) -> RowCounts {
         let mut c = RowCounts::default();
         self.files.iter().for_each(|f| c.add(&f.counts));
-        // A preference run's files: rows read, pairs whose completions were cut or left out.
-        for (_, set) in self.pairs.iter().flat_map(|p| &p.files) {
-            c.add(&RowCounts {
-                rows: set.rows,
-                truncated: set.truncated,
-                dropped: set.dropped + set.no_target,
-                skipped: set.bad_rows,
-                oversized: set.oversized,
-            });
+        if let Some(own) = &self.own {
+            c.add(&own.counts());
         }
         c
     }
@@ -119,8 +129,8 @@ impl RunData {
                 ));
             }
         }
-        if let Some(p) = &self.pairs {
-            w.extend(p.warnings());
+        if let Some(own) = &self.own {
+            w.extend(own.warnings());
         }
         w
     }
@@ -380,7 +390,7 @@ pub fn load(
         train,
         valid,
         files,
-        pairs: None,
+        own: None,
     })
 }
 
@@ -397,43 +407,4 @@ pub fn model_tokenizer(cfg: &RunConfig) -> Result<(Option<Tokenizer>, usize), Tr
         None
     };
     Ok((tok, mc.vocab_size))
-}
-
-/// The config's data loaded as training loads it (through the cache) with the model's tokenizer:
-/// what `rtune data inspect`, `rtune check` and `rtune estimate --data` look at.
-pub fn load_for(cfg: &RunConfig) -> Result<(RunData, Option<Tokenizer>), TrainError> {
-    let (tok, vocab) = model_tokenizer(cfg)?;
-    let data = load_run(cfg, tok.as_ref(), vocab)?;
-    Ok((data, tok))
-}
-
-/// The run's data as its objective takes it: SFT examples, or preference pairs.
-pub fn load_run(
-    cfg: &RunConfig,
-    tok: Option<&Tokenizer>,
-    vocab: usize,
-) -> Result<RunData, TrainError> {
-    if !cfg.train.objective.is_preference() {
-        return load(&cfg.data, &cfg.model.path, tok, vocab, cfg.train.seed);
-    }
-    // The template conversational pairs render with: `[data] chat_template` or the model's,
-    // with `chat_template_kwargs`, as chat rows take it.
-    let opts = options(&cfg.data, tok)?;
-    let template = match (opts.chat_template, tok) {
-        (Some(t), _) => Some(t),
-        (None, Some(tok)) => ChatTemplate::from_tokenizer(tok)?,
-        (None, None) => None,
-    }
-    .map(|t| {
-        opts.chat_template_kwargs
-            .iter()
-            .fold(t, |t, (k, v)| t.with_var(k, v))
-    });
-    let pairs = crate::pairs::load(cfg, tok, template.as_ref(), vocab)?;
-    Ok(RunData {
-        train: crate::pairs::PairData::as_examples(&pairs.train),
-        valid: Vec::new(),
-        files: Vec::new(),
-        pairs: Some(pairs),
-    })
 }

@@ -1,11 +1,11 @@
-//! Training and inference on top of the model:
+//! Training on top of the model (inference is `rtune-infer`'s):
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
 //! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
-//! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start);
-//! - [`evaluate`]: validation loss and sample completions during a run;
-//! - [`generate`]: `rtune generate` — greedy or nucleus sampling with an optional adapter;
+//! - [`objective`]: the objectives as recipes the loop is generic over (SFT, the preference
+//!   objectives), one folder each;
+//! - [`evaluate`]: validation metrics and sample completions during a run;
 //! - [`memory`]: measured memory (host RSS and RAM from /proc; device memory on CUDA);
 //! - [`variants`]: `[lora] init` at setup (PiSSA / OLoRA: the residual base, the adapter saved
 //!   against the original one); LoRA+'s groups are in [`optim`].
@@ -17,22 +17,16 @@
 pub mod checkpoint;
 mod compute;
 pub mod dataset;
-pub mod disk;
 pub mod evaluate;
-pub mod generate;
-pub mod grpo;
 pub mod memory;
+pub mod objective;
 pub mod optim;
-pub mod pairs;
-pub mod preference;
 pub mod record;
-pub mod rundir;
 pub mod sample;
 mod setup;
 pub mod tokens;
 pub mod trainer;
 pub mod variants;
-pub mod warp;
 
 pub use compute::device;
 pub use setup::resolve_model;
@@ -152,20 +146,9 @@ pub enum TrainError {
         source: candle_core::Error,
     },
     /// `[output] remote` cannot be used: the probe at start (write, read back, delete) failed.
-    /// `rtune generate`: the prompt (or chat conversation) plus the new tokens asked for do not
-    /// fit the model's context; found before any forward pass.
-    #[error(
-        "{what} is {prompt_tokens} tokens + {max_new_tokens} new (--max-new-tokens) = {} > the \
-         model's context of {limit} tokens (max_position_embeddings); shorten the prompt or lower \
-         --max-new-tokens",
-        prompt_tokens.saturating_add(*max_new_tokens)
-    )]
-    ContextTooLong {
-        what: &'static str,
-        prompt_tokens: usize,
-        max_new_tokens: usize,
-        limit: usize,
-    },
+    /// Sample completions during a run (`rtune-infer`).
+    #[error(transparent)]
+    Infer(Box<rtune_infer::InferError>),
     /// A resume whose `[train] steps` is below the step the checkpoint is already at.
     #[error(
         "{}: the checkpoint is at step {step}, past [train] steps = {steps}; a run cannot end \
@@ -205,6 +188,7 @@ impl TrainError {
             TrainError::Model(m) => !matches!(**m, ModelError::Candle { .. }),
             TrainError::Lora(l) => !matches!(**l, LoraError::Candle { .. }),
             TrainError::Source(h) => h.is_input_error(),
+            TrainError::Infer(i) => i.is_input_error(),
             TrainError::OutputDir { .. }
             | TrainError::NoCuda { .. }
             | TrainError::DeviceOpen { .. }
@@ -212,7 +196,6 @@ impl TrainError {
             | TrainError::NoVerifiedCheckpoint { .. }
             | TrainError::Ranks(_)
             | TrainError::OptimizerState
-            | TrainError::ContextTooLong { .. }
             | TrainError::TooLittleMemory { .. }
             | TrainError::ResumePastSteps { .. }
             | TrainError::Remote(_) => true,
@@ -256,6 +239,23 @@ impl From<rtune_dist::DistError> for TrainError {
             },
             DistError::Candle { op, source } => TrainError::Candle { op, source },
         }
+    }
+}
+
+/// The run directory's errors as the variants they always were (same message, same exit status).
+impl From<rtune_run::RunError> for TrainError {
+    fn from(e: rtune_run::RunError) -> Self {
+        match e {
+            rtune_run::RunError::OutputDir { path, message } => {
+                TrainError::OutputDir { path, message }
+            }
+        }
+    }
+}
+
+impl From<rtune_infer::InferError> for TrainError {
+    fn from(e: rtune_infer::InferError) -> Self {
+        TrainError::Infer(Box::new(e))
     }
 }
 

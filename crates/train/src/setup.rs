@@ -7,14 +7,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use rtune_config::RunConfig;
-use rtune_data::{Batcher, Example, Layout, Tokenizer};
+use rtune_data::{Example, Tokenizer};
 use rtune_fsio::{sha256_file, Privacy};
 use rtune_lora::Adapter;
 use rtune_model::{Gather, Model};
 use std::rc::Rc;
 
 use crate::checkpoint;
-use crate::dataset::{self, RunData};
+use crate::dataset::RunData;
 use crate::optim::LossScaler;
 use crate::TrainError;
 
@@ -39,9 +39,11 @@ pub struct Prepared {
     pub initial: Option<crate::variants::InitialAdapter>,
 }
 
-/// Loads the model (this rank's shard of its base with `shard`), the data and the adapter.
-pub fn prepare(
+/// Loads the model (this rank's shard of its base with `shard`), the data (as `recipe` takes it)
+/// and the adapter.
+pub fn prepare<R: crate::objective::Recipe>(
     cfg: &RunConfig,
+    recipe: &mut R,
     dev: &Device,
     shard: Option<&Rc<dyn Gather>>,
 ) -> Result<Prepared, TrainError> {
@@ -68,7 +70,7 @@ pub fn prepare(
     };
     // `[lora] trainable_tokens` resolved before the data is read: a bad token fails fast.
     let token_ids = crate::tokens::resolve(cfg, tok.as_ref(), model.cfg.vocab_size)?;
-    let data = dataset::load_run(cfg, tok.as_ref(), model.cfg.vocab_size)?;
+    let data = recipe.load(cfg, tok.as_ref(), model.cfg.vocab_size)?;
     let modules = model.lora_modules(&spec);
     let adapter = match &cfg.lora.init_from {
         Some(dir) => {
@@ -311,39 +313,6 @@ pub fn settings_diff(
         .collect()
 }
 
-/// The training rows in the order the config asks for: packed, grouped by length, or as they come
-/// (each epoch shuffled by seed when `[data] shuffle`).
-pub fn batcher(cfg: &RunConfig, train: Vec<Example>, pad_id: u32) -> Batcher {
-    let layout = if cfg.data.packing {
-        Layout::Packed {
-            max_seq_len: cfg.data.max_seq_len,
-        }
-    } else if cfg.data.group_by_length {
-        Layout::GroupByLength {
-            micro_batch: cfg.train.micro_batch_size,
-        }
-    } else {
-        Layout::Plain
-    };
-    Batcher::with_layout(train, cfg.data.shuffle, cfg.train.seed, pad_id, layout)
-}
-
-/// A preference run's pairs in the order the config asks for (grouped by length, or as they
-/// come; each epoch shuffled by seed when `[data] shuffle`). Packing is refused at setup.
-pub fn pair_batcher(
-    cfg: &RunConfig,
-    pairs: Vec<rtune_data::Pair>,
-    pad_id: u32,
-) -> Batcher<rtune_data::Pair> {
-    let layout = match cfg.data.group_by_length {
-        true => Layout::GroupByLength {
-            micro_batch: cfg.train.micro_batch_size,
-        },
-        false => Layout::Plain,
-    };
-    Batcher::with_layout(pairs, cfg.data.shuffle, cfg.train.seed, pad_id, layout)
-}
-
 /// f16's dynamic loss scaler; none in f32/bf16.
 pub fn loss_scaler(cfg: &RunConfig) -> Option<LossScaler> {
     (cfg.model.dtype == rtune_config::DType::F16).then(|| {
@@ -392,7 +361,7 @@ pub fn fresh_output(cfg: &RunConfig, privacy: Privacy, created: bool) -> Result<
                 checkpoints[0].0
             )));
         }
-        for f in crate::rundir::RUN_FILES {
+        for f in rtune_run::rundir::RUN_FILES {
             let p = dir.join(f);
             if p.exists() {
                 std::fs::remove_file(&p).map_err(|e| out(format!("cannot remove old {f}: {e}")))?;

@@ -35,7 +35,6 @@ mod metrics;
 pub mod output;
 mod remote;
 pub mod state;
-mod stream;
 
 use candle_core::Device;
 use std::collections::BTreeMap;
@@ -46,12 +45,12 @@ use rtune_config::RunConfig;
 use rtune_data::Tokenizer;
 use rtune_dist::{DataParallel, World};
 use rtune_lora::Adapter;
-use rtune_model::{Grads, Inputs, LoraCtx, Model, Objective};
+use rtune_model::{Grads, Inputs, LoraCtx, Model};
 
 use crate::checkpoint::{self, TrainerState};
 use crate::dataset::RunData;
+use crate::objective::{HeadLoss, Live, Micro, Recipe, Sums, WithRecipe};
 use crate::optim::{lr_factor, LoraOptimizer};
-use crate::preference::PairSums;
 use crate::{evaluate, memory, TrainError};
 use output::RunFiles;
 
@@ -59,7 +58,6 @@ pub use crate::compute::{device, dtype};
 pub use events::{Event, Outcome, RunOptions};
 pub use metrics::{StepMetrics, Summary};
 pub use state::RunState;
-use stream::{Micro, Stream, Totals};
 
 /// Runs (or resumes) a whole training job as configured.
 pub fn train(
@@ -67,8 +65,39 @@ pub fn train(
     opts: &RunOptions,
     on_event: &mut dyn FnMut(Event),
 ) -> Result<Outcome, TrainError> {
+    crate::objective::with_recipe(
+        cfg,
+        Run {
+            cfg,
+            opts,
+            on_event,
+        },
+    )
+}
+
+/// [`train`] with the recipe `[train] objective` names.
+struct Run<'c, 'o, 'p, 'e> {
+    cfg: &'c RunConfig,
+    opts: &'o RunOptions<'p>,
+    on_event: &'e mut dyn FnMut(Event),
+}
+
+impl WithRecipe for Run<'_, '_, '_, '_> {
+    type Out = Result<Outcome, TrainError>;
+    fn run<R: Recipe>(self, recipe: R) -> Self::Out {
+        train_with(self.cfg, recipe, self.opts, self.on_event)
+    }
+}
+
+/// [`train`] with `recipe`.
+fn train_with<R: Recipe>(
+    cfg: &RunConfig,
+    recipe: R,
+    opts: &RunOptions,
+    on_event: &mut dyn FnMut(Event),
+) -> Result<Outcome, TrainError> {
     let world = opts.world.cloned().unwrap_or_else(World::single);
-    let mut t = Trainer::setup_in(cfg, world, on_event)?;
+    let mut t = Trainer::setup_in(cfg, recipe, world, on_event)?;
     // Refused before step 0: the run directory is left as it was found (no lock file of ours).
     let begun = t.resume_or_fresh(opts).and_then(|()| t.begin());
     let record = begun.inspect_err(|_| t.files.abandon())?;
@@ -77,8 +106,9 @@ pub fn train(
     t.finish_remote(outcome)
 }
 
-/// One training job: the model and adapter, the optimizer, the data, the run's files and counters.
-pub struct Trainer<'a> {
+/// One training job: the model and adapter, the optimizer, the objective's recipe (its rows and
+/// their stream), the run's files and counters.
+pub struct Trainer<'a, R: Recipe> {
     cfg: &'a RunConfig,
     on_event: &'a mut dyn FnMut(Event),
     /// When this attempt started (elapsed times add the earlier attempts' `state.wall_s`).
@@ -87,14 +117,16 @@ pub struct Trainer<'a> {
     model: Model,
     adapter: Adapter,
     opt: LoraOptimizer,
-    /// The training rows (examples, or a preference run's pairs) in the seeded order of each
-    /// epoch, with the cursor.
-    stream: Stream,
-    /// Validation rows and the per-file reports (the training rows are in `stream`).
+    /// The objective: its training rows in the seeded order of each epoch, with the cursor,
+    /// and its validation rows.
+    recipe: R,
+    /// The per-file reports (the rows are the recipe's).
     data: RunData,
-    /// Forward passes of a preference run's reference log-probabilities (0 otherwise).
+    /// Forward passes of the recipe's reference pass (0 without one).
     reference_passes: usize,
+    /// Training and validation rows.
     examples: usize,
+    valid_examples: usize,
     tok: Option<Tokenizer>,
     pad_id: u32,
     /// Settings a resumed run must share with the original (see `setup::settings`).
@@ -115,7 +147,7 @@ pub struct Trainer<'a> {
     initial: Option<crate::variants::InitialAdapter>,
 }
 
-impl Trainer<'_> {
+impl<R: Recipe> Trainer<'_, R> {
     fn warn(&mut self, message: String) {
         (self.on_event)(Event::Warning(message));
     }
@@ -148,7 +180,8 @@ impl Trainer<'_> {
         self.model.attach(&self.adapter);
         self.opt
             .restore(&self.adapter, l.state.adamw_step, l.m, l.v)?;
-        self.stream.seek(l.state.epoch, l.state.cursor);
+        self.recipe.seek(l.state.epoch, l.state.cursor);
+        self.recipe.restore(l.state.recipe.as_ref())?;
         self.state.resume(l.state.run);
         self.files.cut_metrics(self.state.metrics_bytes)
     }
@@ -222,15 +255,19 @@ impl Trainer<'_> {
     pub fn step(&mut self) -> Result<(), TrainError> {
         let (t0, cfg, step) = (Instant::now(), self.cfg, self.state.step);
         let (w, rank) = (self.dist.world.size, self.dist.world.rank);
-        let (mbs, pad_id) = (cfg.train.micro_batch_size, self.pad_id);
-        let prompt_nll = cfg.train.objective.nll_on_prompt();
-        let long_past = self.model.long_rope_past();
-        let micro: Vec<Micro> = (0..cfg.train.grad_accum * w)
-            .map(|_| self.stream.next(mbs, pad_id, prompt_nll, long_past))
-            .collect();
+        let live = Live {
+            model: &self.model,
+            adapter: &self.adapter,
+            step,
+            pad_id: self.pad_id,
+        };
+        let mbs = cfg.train.micro_batch_size;
+        let micro = (0..cfg.train.grad_accum * w)
+            .map(|_| self.recipe.draw(&live, mbs))
+            .collect::<Result<Vec<_>, _>>()?;
         let n_target: usize = micro.iter().map(|m| m.batch().target_tokens()).sum();
         let tokens: usize = micro.iter().map(|m| m.batch().tokens).sum();
-        let totals = Micro::totals(&micro);
+        let totals = self.recipe.totals(&micro);
         let loss_scale = self.state.loss_scale();
         // This rank's micro-batches k ≡ rank (mod w), with their index in the global step.
         let mine = micro
@@ -240,11 +277,7 @@ impl Trainer<'_> {
             .step_by(w)
             .collect();
         let (grads, loss_sum, sums) = self.gradients(mine, totals, loss_scale)?;
-        // SFT sums token losses; a preference step's shares are already normalised.
-        let mut loss = match totals {
-            Totals::Tokens(n) => loss_sum / n as f64,
-            Totals::Pairs(_) => loss_sum,
-        };
+        let mut loss = self.recipe.loss(loss_sum, totals);
         if self.fault_nan_steps.contains(&(step + 1)) {
             loss = f64::NAN;
         }
@@ -277,12 +310,7 @@ impl Trainer<'_> {
             tokens_per_s: tokens as f64 / secs.max(1e-9),
             skipped: !done.applied,
             loss_scale: self.state.scaler.is_some().then_some(loss_scale),
-            preference: match totals {
-                Totals::Pairs(t) => {
-                    crate::preference::metrics(&sums, t.pairs, cfg.train.objective, "")
-                }
-                Totals::Tokens(_) => Default::default(),
-            },
+            recipe: self.recipe.metrics(&sums, totals),
             peak_memory_bytes: memory::peak_bytes(&self.dev),
             estimated_peak_bytes: self.estimated_peak_bytes,
             elapsed_s: self.wall_s(),
@@ -299,19 +327,19 @@ impl Trainer<'_> {
 
     /// Forward and backward over this rank's micro-batches of the step (`(index in the step,
     /// batch)`) into one set of gradients (of `loss_scale · loss`), the sum of their losses, and
-    /// a preference step's metric sums, all summed over the ranks. Each micro-batch is
-    /// normalised by the whole step's `totals` (SFT: its target tokens; preference: its pairs),
-    /// so accumulation (and data parallelism) equals one big batch. The all-reduce ends this
-    /// function: clipping and the NaN/Inf skip decide on the step's whole gradients.
+    /// the recipe's metric sums, all summed over the ranks. Each micro-batch is normalised by
+    /// the whole step's `totals` (the recipe's), so accumulation (and data parallelism) equals
+    /// one big batch. The all-reduce ends this function: clipping and the NaN/Inf skip decide on
+    /// the step's whole gradients.
     fn gradients(
         &self,
-        micro: Vec<(usize, Micro)>,
-        totals: Totals,
+        micro: Vec<(usize, R::Micro)>,
+        totals: R::Totals,
         loss_scale: f64,
-    ) -> Result<(Grads, f64, PairSums), TrainError> {
+    ) -> Result<(Grads, f64, R::Sums), TrainError> {
         let cfg = self.cfg;
         let mut grads = Grads::new(self.adapter.pairs.len());
-        let (mut loss_sum, mut sums) = (0.0, PairSums::default());
+        let (mut loss_sum, mut sums) = (0.0, R::Sums::default());
         let last = micro.len().saturating_sub(1);
         for (j, (k, mut mb)) in micro.into_iter().enumerate() {
             let lc = LoraCtx {
@@ -323,33 +351,19 @@ impl Trainer<'_> {
             let inputs = crate::compute::take_inputs(mb.batch_mut());
             let b = mb.batch();
             let ckpt = self.checkpointing.on;
-            loss_sum += match (&mb, totals) {
-                (Micro::Pairs(pb), Totals::Pairs(t)) => {
-                    let objective = &cfg.train.objective;
-                    let mut weigh = |nll: &[f32]| {
-                        let (l, w, s) = crate::preference::weigh(objective, pb, nll, t);
-                        sums.add(&s);
-                        let scaled = w.iter().map(|x| x * loss_scale as f32).collect();
-                        Ok((l, scaled))
-                    };
-                    let head = Objective::PerToken(&mut weigh);
-                    self.backward(&inputs, &b.targets, &lc, head, ckpt, &mut grads, j == last)?
-                }
-                (_, Totals::Tokens(n)) => {
-                    let head = Objective::Tokens {
-                        grad_scale: loss_scale / n as f64,
-                    };
-                    self.backward(&inputs, &b.targets, &lc, head, ckpt, &mut grads, j == last)?
-                }
-                _ => unreachable!("a step's micro-batches are all of one kind"),
+            let mut backward = |head: HeadLoss| {
+                self.backward(&inputs, &b.targets, &lc, head, ckpt, &mut grads, j == last)
             };
+            loss_sum += self
+                .recipe
+                .pass(&mb, totals, loss_scale, &mut sums, &mut backward)?;
         }
         let step = self.state.step + 1;
-        if self.dist.world.is_distributed() {
-            let mut s = sums.to_array();
-            let what = format!("step {step}'s preference metrics all-reduce");
+        let mut s = sums.to_vec();
+        if self.dist.world.is_distributed() && !s.is_empty() {
+            let what = format!("step {step}'s objective metrics all-reduce");
             self.dist.world.all_reduce_sum_f64(&what, &mut s);
-            sums = PairSums::from_array(s);
+            sums = R::Sums::from_slice(&s);
         }
         let (grads, loss) = self.dist.all_reduce(step, &self.adapter, grads, loss_sum)?;
         Ok((grads, loss, sums))
@@ -364,7 +378,7 @@ impl Trainer<'_> {
         inputs: &Inputs,
         targets: &[Option<u32>],
         lc: &LoraCtx,
-        head: Objective,
+        head: HeadLoss,
         ckpt: bool,
         grads: &mut Grads,
         last: bool,
@@ -390,15 +404,14 @@ impl Trainer<'_> {
         if !root && self.model.shard_world().is_none() {
             return Ok(());
         }
-        let (model, adapter, valid) = (&self.model, &self.adapter, &self.data.valid);
-        let (mbs, pad_id) = (cfg.train.micro_batch_size, self.pad_id);
-        let ev = match &self.data.pairs {
-            Some(p) => {
-                let obj = cfg.train.objective;
-                evaluate::validation_pairs(step, model, adapter, obj, &p.valid, mbs, pad_id)?
-            }
-            None => evaluate::validation(step, model, adapter, valid, mbs, pad_id)?,
+        let (model, adapter) = (&self.model, &self.adapter);
+        let live = Live {
+            model,
+            adapter,
+            step,
+            pad_id: self.pad_id,
         };
+        let ev = self.recipe.evaluate(&live, cfg.train.micro_batch_size)?;
         if let (Some(ev), true) = (ev, root) {
             self.state.metrics_bytes += self.files.metrics_line(&ev)?;
             (self.on_event)(Event::Eval(&ev));
@@ -423,7 +436,7 @@ impl Trainer<'_> {
         if let Some(w) = self.files.sync()? {
             self.warn(w);
         }
-        let (epoch, cursor) = self.stream.position();
+        let (epoch, cursor) = self.recipe.position();
         let state = TrainerState {
             format: checkpoint::FORMAT.into(),
             run: RunState {
@@ -442,6 +455,7 @@ impl Trainer<'_> {
                     cfg.train.warmup_steps,
                 ),
             settings: self.settings.clone(),
+            recipe: self.recipe.state(),
         };
         let (adapter, opt, keep) = (&self.adapter, &self.opt, cfg.output.keep_last);
         match self

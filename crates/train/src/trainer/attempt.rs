@@ -12,27 +12,30 @@ use rtune_config::RunConfig;
 use rtune_dist::{DataParallel, World};
 
 use super::output::RunFiles;
-use super::{metrics, Event, Outcome, RunOptions, RunState, Stream, Summary, Trainer};
+use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
 use crate::checkpoint::{self, Loaded};
 use crate::compute::device;
+use crate::objective::{Recipe, ReferencePass};
 use crate::optim::LoraOptimizer;
 use crate::record::RunRecord;
 use crate::setup::{self, base_model_name, prepare, settings_diff, Prepared};
 use crate::{memory, TrainError};
 
-impl<'a> Trainer<'a> {
+impl<'a, R: Recipe> Trainer<'a, R> {
     /// Loads and checks everything (model, data, adapter) before the run directory is touched.
     pub fn setup(
         cfg: &'a RunConfig,
+        recipe: R,
         on_event: &'a mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
-        Self::setup_in(cfg, World::single(), on_event)
+        Self::setup_in(cfg, recipe, World::single(), on_event)
     }
 
     /// [`setup`](Self::setup) as one rank of `world` (a data-parallel run): the world size is a
     /// setting a resume checks, and only rank 0's files are written.
     pub fn setup_in(
         cfg: &'a RunConfig,
+        mut recipe: R,
         world: World,
         on_event: &'a mut dyn FnMut(Event),
     ) -> Result<Self, TrainError> {
@@ -84,7 +87,7 @@ impl<'a> Trainer<'a> {
             tok,
             pad_id,
             initial,
-        } = prepare(cfg, &dev, shard.as_ref())?;
+        } = prepare(cfg, &mut recipe, &dev, shard.as_ref())?;
         let mut settings = match early {
             Some(Ok(s)) => s,
             _ => setup::settings(cfg)?,
@@ -100,7 +103,7 @@ impl<'a> Trainer<'a> {
                     .into(),
             ));
         }
-        // A preference run's data.train holds each pair's two sequences (the estimate's rows).
+        // data.train holds the sequences the model sees (the estimate's rows).
         let world = dist.world.size;
         let checkpointing = setup::checkpointing(cfg, &model.cfg, &data.train, &dev, world)?;
         let estimated_peak_bytes =
@@ -109,22 +112,10 @@ impl<'a> Trainer<'a> {
         let (betas, eps, wd) = (cfg.train.betas, cfg.train.eps, cfg.train.weight_decay);
         let opt =
             LoraOptimizer::with_loraplus(&adapter, betas, eps, wd, cfg.train.loraplus_lr_ratio)?;
-        // A preference run's sequences were for the estimate alone: the pairs are the data.
-        let sequences = std::mem::take(&mut data.train);
-        let (stream, examples, reference_passes) = match data.pairs.as_mut() {
-            None => {
-                let examples = sequences.len();
-                let batcher = setup::batcher(cfg, sequences, pad_id);
-                (Stream::Sft(batcher), examples, 0)
-            }
-            Some(p) => {
-                // The reference log-probs are filled in once the run directory is taken
-                // (`reference_pass`): a directory that cannot be used is refused at once.
-                let examples = p.train.len();
-                let batcher = setup::pair_batcher(cfg, std::mem::take(&mut p.train), pad_id);
-                (Stream::Pairs(batcher), examples, 0)
-            }
-        };
+        // The recipe takes its rows into its stream. A reference pass runs once the run
+        // directory is taken (`reference_pass`): a directory that cannot be used is refused at
+        // once.
+        let (examples, valid_examples) = recipe.start(cfg, &mut data, pad_id);
         let state = RunState::fresh(setup::loss_scaler(cfg));
         Ok(Self {
             cfg,
@@ -134,10 +125,11 @@ impl<'a> Trainer<'a> {
             model,
             adapter,
             opt,
-            stream,
+            recipe,
             data,
-            reference_passes,
+            reference_passes: 0,
             examples,
+            valid_examples,
             tok,
             pad_id,
             settings,
@@ -152,8 +144,8 @@ impl<'a> Trainer<'a> {
         })
     }
 
-    /// A preference run's reference log-probabilities of every pair, once, before the first
-    /// step: after the run directory is checked and locked (issue 46: `/` or a locked directory
+    /// The recipe's reference pass (a preference run's reference log-probabilities of every
+    /// pair), once, before the first step: after the run directory is checked and locked (issue 46: `/` or a locked directory
     /// was refused only after the whole pass), before a resume replaces the adapter (the
     /// reference is the start). A raised `stop` (SIGINT/SIGTERM) ends the pass between two
     /// forward passes (it was ignored until the pass ended); in a data-parallel run `mpirun`
@@ -163,9 +155,9 @@ impl<'a> Trainer<'a> {
         stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<(), TrainError> {
         let (cfg, pad_id) = (self.cfg, self.pad_id);
-        let (Stream::Pairs(batcher), Some(p)) = (&mut self.stream, self.data.pairs.as_mut()) else {
+        if !self.recipe.about().reference {
             return Ok(());
-        };
+        }
         let world = &self.dist.world;
         world.expect_long("the reference log-probabilities pass");
         let root = world.is_root();
@@ -179,21 +171,15 @@ impl<'a> Trainer<'a> {
         let alone = !world.is_distributed();
         let interrupted =
             || alone && stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst));
-        let rows = crate::pairs::Rows {
-            train: batcher.rows_mut(),
-            valid: &mut p.valid,
-        };
-        let (model, adapter) = (&self.model, &self.adapter);
-        self.reference_passes = crate::pairs::reference(
-            cfg,
-            model,
-            adapter,
-            rows,
+        let pass = ReferencePass {
+            model: &self.model,
+            adapter: &self.adapter,
             pad_id,
-            root,
-            &every,
-            &interrupted,
-        )?;
+            writer: root,
+            every: &every,
+            interrupted: &interrupted,
+        };
+        self.reference_passes = self.recipe.reference(cfg, pass)?;
         Ok(())
     }
 
@@ -236,8 +222,8 @@ impl<'a> Trainer<'a> {
             return Ok(());
         }
         let dir = &cfg.output.dir;
-        let need = crate::disk::need(cfg, self.adapter.num_params());
-        let free = crate::disk::free_bytes(dir)?;
+        let need = rtune_run::disk::need(cfg, self.adapter.num_params());
+        let free = rtune_run::disk::free_bytes(dir)?;
         // A resumed run's checkpoints already hold part of what it needs.
         let held = checkpoint::list(dir).len() as u64 * need.checkpoint;
         let more = need.total.saturating_sub(held);
@@ -349,8 +335,7 @@ impl<'a> Trainer<'a> {
         }
         (self.on_event)(Event::Start {
             examples: self.examples,
-            valid_examples: (self.data.pairs.as_ref())
-                .map_or(self.data.valid.len(), |p| p.valid.len()),
+            valid_examples: self.valid_examples,
             counts: self.data.counts(),
             files: &self.data.files,
             warnings: self.data.warnings(),
@@ -419,7 +404,7 @@ impl<'a> Trainer<'a> {
             lora_params: self.adapter.num_params(),
             model_bytes: self.model.resident_bytes(),
             examples: self.examples,
-            epochs_started: self.stream.position().0 + 1,
+            epochs_started: self.recipe.position().0 + 1,
             skipped_steps: self.state.skipped_steps,
             reference_passes: self.reference_passes,
             output_dir: self.files.dir.clone(),

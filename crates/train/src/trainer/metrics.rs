@@ -26,9 +26,10 @@ pub struct StepMetrics {
     /// f16 only: the loss scale this step's gradients were computed with.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
-    /// A preference step's metrics under TRL's names ([`crate::preference::metrics`]); empty for SFT.
+    /// The objective's own metrics of the step, under its names
+    /// ([`Recipe::metrics`](crate::objective::Recipe::metrics)); empty for none.
     #[serde(flatten)]
-    pub preference: BTreeMap<String, f64>,
+    pub recipe: BTreeMap<String, f64>,
     /// Peak memory so far: resident set of the process on the CPU, device memory on CUDA.
     pub peak_memory_bytes: u64,
     /// What `rtune estimate` predicted for this run's peak (CPU runs).
@@ -38,7 +39,7 @@ pub struct StepMetrics {
 }
 
 impl StepMetrics {
-    /// The TensorBoard scalars of a step (a preference step's under `train/` too).
+    /// The TensorBoard scalars of a step (the objective's own under `train/` too).
     pub fn scalars(&self) -> Vec<(String, f64)> {
         let mut v: Vec<(String, f64)> = [
             ("train/loss", self.loss),
@@ -50,11 +51,7 @@ impl StepMetrics {
         .into_iter()
         .map(|(k, x)| (k.to_string(), x))
         .collect();
-        v.extend(
-            self.preference
-                .iter()
-                .map(|(k, &x)| (format!("train/{k}"), x)),
-        );
+        v.extend(self.recipe.iter().map(|(k, &x)| (format!("train/{k}"), x)));
         v
     }
 }
@@ -63,11 +60,7 @@ impl StepMetrics {
 pub fn eval_scalars(ev: &EvalMetrics) -> Vec<(String, f64)> {
     let mut v = vec![("valid/loss".to_string(), ev.valid_loss)];
     v.extend(ev.valid_ppl.map(|p| ("valid/ppl".to_string(), p)));
-    v.extend(
-        ev.preference
-            .iter()
-            .map(|(k, &x)| (format!("valid/{k}"), x)),
-    );
+    v.extend(ev.recipe.iter().map(|(k, &x)| (format!("valid/{k}"), x)));
     v
 }
 
@@ -90,8 +83,8 @@ pub struct Summary {
     pub epochs_started: usize,
     /// Steps whose update was skipped for a non-finite loss or gradient.
     pub skipped_steps: usize,
-    /// A preference run's forward passes for the reference log-probabilities (once per pair,
-    /// before training; none for SFT and the reference-free objectives).
+    /// The forward passes of the objective's reference pass (once per row, before training;
+    /// none for an objective without one).
     #[serde(skip_serializing_if = "is_zero")]
     pub reference_passes: usize,
     /// A distributed run's per-rank `peak_memory_bytes` (and `model_bytes`), in rank order:

@@ -110,7 +110,7 @@ impl RunFiles {
         };
         // `/`, the home directory, a non-empty directory that is not a run: refused before
         // anything is written.
-        let found = crate::rundir::check(&self.dir)?;
+        let found = rtune_run::rundir::check(&self.dir)?;
         let created_dirs: Vec<PathBuf> = self
             .dir
             .ancestors()
@@ -134,7 +134,7 @@ impl RunFiles {
         })?;
         self.lock = Some(lock);
         // The run's claim on the directory, from now on recognised as rtune's.
-        let marker = self.dir.join(crate::rundir::RUN_MARKER);
+        let marker = self.dir.join(rtune_run::rundir::RUN_MARKER);
         if !marker.exists() {
             // Its presence is the mark (a torn write still marks the directory): a plain create,
             // not one of the atomic writes `RTUNE_FAULT_ENOSPC_AFTER` counts.
@@ -143,7 +143,7 @@ impl RunFiles {
             f.write_all(RUN_MARKER_TEXT.as_bytes())
                 .map_err(|e| output_err(&marker, e))?;
         }
-        self.created_dir = found == crate::rundir::Found::Missing;
+        self.created_dir = found == rtune_run::rundir::Found::Missing;
         Ok(())
     }
 
@@ -164,7 +164,7 @@ impl RunFiles {
             r.release();
         }
         if self.created_marker {
-            let _ = std::fs::remove_file(self.dir.join(crate::rundir::RUN_MARKER));
+            let _ = std::fs::remove_file(self.dir.join(rtune_run::rundir::RUN_MARKER));
         }
         if !self.created_lock {
             return;
@@ -188,7 +188,7 @@ impl RunFiles {
         fresh_output(cfg, self.privacy, self.created_dir)?;
         // What an earlier run left under the remote prefix goes too (the claim allowed it).
         if let Some(remote) = self.remote.as_ref().filter(|_| cfg.output.overwrite) {
-            let mut files = crate::rundir::RUN_FILES.to_vec();
+            let mut files = rtune_run::rundir::RUN_FILES.to_vec();
             files.push(MLFLOW_JSON);
             remote
                 .clear_run(&files)
@@ -658,7 +658,7 @@ mod tests {
         std::fs::create_dir(&empty).unwrap();
         let mut f = files(&empty);
         f.lock().unwrap();
-        assert!(empty.join(crate::rundir::RUN_MARKER).exists());
+        assert!(empty.join(rtune_run::rundir::RUN_MARKER).exists());
         assert!(!f.created_dir());
         f.abandon();
         assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
@@ -671,7 +671,7 @@ mod tests {
         // An existing run with a file of the user's: the lock file goes, the rest stays.
         let old = tmp.join("old");
         std::fs::create_dir(&old).unwrap();
-        std::fs::write(old.join(crate::rundir::RUN_MARKER), "").unwrap();
+        std::fs::write(old.join(rtune_run::rundir::RUN_MARKER), "").unwrap();
         std::fs::write(old.join("notes.txt"), "x").unwrap();
         let mut f = files(&old);
         f.lock().unwrap();

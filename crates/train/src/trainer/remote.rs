@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::{Event, Outcome, RunOptions, Trainer};
 use crate::TrainError;
 
-impl Trainer<'_> {
+impl<R: crate::objective::Recipe> Trainer<'_, R> {
     /// When resuming with a remote: the newest remote checkpoint that verifies, if newer than
     /// every local one, is brought into the (locked) run directory. Returns whether the run
     /// directory now holds a run to resume (`existed`, or something was fetched).

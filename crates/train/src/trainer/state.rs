@@ -169,7 +169,7 @@ mod tests {
             tokens_per_s,
             skipped: false,
             loss_scale: None,
-            preference: Default::default(),
+            recipe: Default::default(),
             peak_memory_bytes: 0,
             estimated_peak_bytes: None,
             elapsed_s: 0.0,

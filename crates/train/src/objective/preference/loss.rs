@@ -14,8 +14,10 @@
 
 use std::collections::BTreeMap;
 
-use rtune_config::{DpoLoss, Objective};
+use rtune_config::DpoLoss;
 use rtune_data::PairBatch;
+
+pub use super::kind::{Loss, PairLoss};
 
 /// The whole step's counts that normalise each micro-batch's share.
 #[derive(Debug, Clone, Copy)]
@@ -136,14 +138,14 @@ fn log1mexp(x: f64) -> (f64, f64) {
 /// One pair's terms. `lp`: the policy's summed log-probs `(chosen, rejected)`, `n`: completion
 /// tokens, `reference`: the reference policy's summed log-probs (DPO).
 fn pair_terms(
-    obj: &Objective,
+    obj: &PairLoss,
     lp: (f64, f64),
     n: (f64, f64),
     reference: Option<[f64; 2]>,
 ) -> PairTerms {
     let (pc, pr) = lp;
     match *obj {
-        Objective::Dpo {
+        PairLoss::Dpo {
             beta,
             loss,
             label_smoothing: ls,
@@ -183,7 +185,7 @@ fn pair_terms(
                 reward_rejected: beta * lr,
             }
         }
-        Objective::Simpo {
+        PairLoss::Simpo {
             beta,
             gamma,
             label_smoothing,
@@ -200,7 +202,7 @@ fn pair_terms(
                 reward_rejected: beta * ar,
             }
         }
-        Objective::Orpo { beta } => {
+        PairLoss::Orpo { beta } => {
             // ORPOTrainer: loss = NLL − β·log σ(log_odds), log_odds = (π̄c − π̄r) −
             // (log(1 − e^π̄c) − log(1 − e^π̄r)).
             let (ac, ar) = (pc / n.0, pr / n.1);
@@ -215,48 +217,56 @@ fn pair_terms(
                 reward_rejected: beta * ar,
             }
         }
-        Objective::Kto { .. } | Objective::Sft => unreachable!("not a pair objective"),
     }
 }
 
 /// The NLL term's weight: SimPO's `cpo_alpha`, ORPO's 1, none for DPO.
-fn nll_weight(obj: &Objective) -> f64 {
+fn nll_weight(obj: &PairLoss) -> f64 {
     match *obj {
-        Objective::Simpo { cpo_alpha, .. } => cpo_alpha,
-        Objective::Orpo { .. } => 1.0,
-        _ => 0.0,
+        PairLoss::Simpo { cpo_alpha, .. } => cpo_alpha,
+        PairLoss::Orpo { .. } => 1.0,
+        PairLoss::Dpo { .. } => 0.0,
     }
 }
 
 /// The micro-batch's share of the step's loss, `dloss/dnll` for every position, and its metric
 /// sums. `nll`: every position's target NLL, as the model's head formed it.
 pub fn weigh(
-    obj: &Objective,
+    loss: &Loss,
     batch: &PairBatch,
     nll: &[f32],
     totals: StepTotals,
 ) -> (f64, Vec<f32>, PairSums) {
-    if let Objective::Kto {
-        beta,
-        desirable_weight,
-        undesirable_weight,
-    } = *obj
-    {
-        return weigh_kto(
+    match *loss {
+        Loss::Kto {
+            beta,
+            desirable_weight,
+            undesirable_weight,
+        } => weigh_kto(
             beta,
             (desirable_weight, undesirable_weight),
             batch,
             nll,
             totals,
-        );
+        ),
+        Loss::Pairs(ref obj) => weigh_pairs(obj, batch, nll, totals),
     }
+}
+
+/// [`weigh`] for a loss of pairs.
+fn weigh_pairs(
+    obj: &PairLoss,
+    batch: &PairBatch,
+    nll: &[f32],
+    totals: StepTotals,
+) -> (f64, Vec<f32>, PairSums) {
     let (b, t) = (batch.pairs(), batch.batch.t);
     let logps = batch.row_logps(nll);
     // Per-token averages divide by the completion's tokens: DPO's IPO as TRL's DPOTrainer (the
     // completion mask), SimPO and ORPO as CPO/ORPOTrainer's `get_batch_logps` (the tokens that
     // carry a log-prob: one fewer when the prompt is empty).
     let ntok = |row: usize| match obj {
-        Objective::Dpo { .. } => batch.completion_tokens[row],
+        PairLoss::Dpo { .. } => batch.completion_tokens[row],
         _ => batch.completion[row * t..(row + 1) * t]
             .iter()
             .filter(|&&c| c)
@@ -300,7 +310,7 @@ pub fn weigh(
         loss += alpha * chosen_nll;
         // TRL logs SimPO's and ORPO's per-token averages as their logps.
         let (lc, lr) = match obj {
-            Objective::Dpo { .. } => lp,
+            PairLoss::Dpo { .. } => lp,
             _ => (lp.0 / n.0, lp.1 / n.1),
         };
         sums.add(&PairSums {
@@ -381,11 +391,11 @@ fn weigh_kto(
 /// `rewards/accuracies` (pairs whose chosen reward is higher), `rewards/margins`,
 /// `logps/chosen`, `logps/rejected` (summed over the completion), and `nll_loss` (SimPO, ORPO),
 /// each a mean over the `pairs`.
-pub fn metrics(s: &PairSums, pairs: usize, obj: Objective, prefix: &str) -> BTreeMap<String, f64> {
+pub fn metrics(s: &PairSums, pairs: usize, obj: Loss, prefix: &str) -> BTreeMap<String, f64> {
     let n = pairs.max(1) as f64;
     let mut m = BTreeMap::new();
     let mut put = |k: &str, v: f64| m.insert(format!("{prefix}{k}"), v);
-    if let Objective::Kto { .. } = obj {
+    if let Loss::Kto { .. } = obj {
         // TRL's KTO: rewards and logps averaged over the desirable and the undesirable rows
         // apart, the margin when both exist, the micro-batches' mean KL.
         let (d, u) = (s.desirable, s.undesirable);
@@ -412,7 +422,10 @@ pub fn metrics(s: &PairSums, pairs: usize, obj: Objective, prefix: &str) -> BTre
     put("rewards/margins", (s.reward_chosen - s.reward_rejected) / n);
     put("logps/chosen", s.logps_chosen / n);
     put("logps/rejected", s.logps_rejected / n);
-    if matches!(obj, Objective::Simpo { .. } | Objective::Orpo { .. }) {
+    if matches!(
+        obj,
+        Loss::Pairs(PairLoss::Simpo { .. } | PairLoss::Orpo { .. })
+    ) {
         put("nll_loss", s.nll);
     }
     m
@@ -453,35 +466,35 @@ mod tests {
             nll_tokens: 7,
         };
         let objectives = [
-            Objective::Dpo {
+            PairLoss::Dpo {
                 beta: 0.3,
                 loss: DpoLoss::Sigmoid,
                 label_smoothing: 0.0,
             },
-            Objective::Dpo {
+            PairLoss::Dpo {
                 beta: 0.3,
                 loss: DpoLoss::Robust,
                 label_smoothing: 0.2,
             },
-            Objective::Dpo {
+            PairLoss::Dpo {
                 beta: 0.3,
                 loss: DpoLoss::Hinge,
                 label_smoothing: 0.0,
             },
-            Objective::Dpo {
+            PairLoss::Dpo {
                 beta: 0.3,
                 loss: DpoLoss::Ipo,
                 label_smoothing: 0.0,
             },
-            Objective::Simpo {
+            PairLoss::Simpo {
                 beta: 2.0,
                 gamma: 0.5,
                 cpo_alpha: 0.7,
                 label_smoothing: 0.05,
             },
-            Objective::Orpo { beta: 0.25 },
+            PairLoss::Orpo { beta: 0.25 },
         ];
-        for obj in &objectives {
+        for obj in &objectives.map(Loss::Pairs) {
             let (_, w, _) = weigh(obj, &pb, &nll, totals);
             let mut checked = 0;
             for i in 0..nll.len() {
@@ -509,11 +522,11 @@ mod tests {
     fn dpo_sigmoid_loss_is_its_formula() {
         let pb = batch();
         let nll = vec![0.5f32; pb.batch.targets.len()];
-        let obj = Objective::Dpo {
+        let obj = Loss::Pairs(PairLoss::Dpo {
             beta: 0.1,
             loss: DpoLoss::Sigmoid,
             label_smoothing: 0.0,
-        };
+        });
         let totals = StepTotals {
             pairs: 2,
             nll_tokens: 4,
@@ -553,7 +566,7 @@ mod tests {
             pairs: 2,
             nll_tokens: 0,
         };
-        let obj = Objective::Kto {
+        let obj = Loss::Kto {
             beta: 0.7,
             desirable_weight: 1.3,
             undesirable_weight: 0.6,

@@ -8,6 +8,7 @@ use rtune_data::preference::{assign_kl_completions, load_pairs, PairOptions};
 use rtune_data::{ChatTemplate, Example, Pair, PairBatch, PairSet, Tokenizer, IGNORE};
 use rtune_model::{LoraCtx, Model};
 
+use super::Loss;
 use crate::TrainError;
 
 /// The pairs of a preference run, and what loading them cut or left out.
@@ -19,66 +20,66 @@ pub struct PairData {
     pub files: Vec<(std::path::PathBuf, PairSet)>,
 }
 
-impl PairData {
-    /// Warnings before a run: pairs cut or dropped at `max_seq_len`, pairs whose chosen and
-    /// rejected completions are identical (no preference signal).
-    pub fn warnings(&self) -> Vec<String> {
-        let mut w = Vec::new();
-        for (path, s) in &self.files {
-            if s.truncated + s.dropped > 0 {
-                w.push(format!(
-                    "{}: {} of {} pairs had completions cut ({}) or were dropped ({}: the prompt \
-                     fills max_seq_len, or the pair is longer with truncation = \"drop\") at \
-                     [data] max_seq_len",
-                    path.display(),
-                    s.truncated + s.dropped,
-                    s.rows,
-                    s.truncated,
-                    s.dropped
-                ));
-            }
-            if s.no_target > 0 {
-                w.push(format!(
-                    "{}: {} of {} pairs dropped with no token to train on (an empty completion, \
-                     or a one-token completion after an empty prompt)",
-                    path.display(),
-                    s.no_target,
-                    s.rows
-                ));
-            }
-            if s.oversized > 0 {
-                w.push(format!(
-                    "{}: {} of {} rows were longer than [data] max_row_bytes and dropped unread; \
-                     raise max_row_bytes if they are wanted",
-                    path.display(),
-                    s.oversized,
-                    s.rows
-                ));
-            }
-            if s.bad_rows > 0 {
-                w.push(format!(
-                    "{}: {} malformed row(s) skipped (on_bad_row = \"skip\"){}",
-                    path.display(),
-                    s.bad_rows,
-                    s.bad_row_samples
-                        .iter()
-                        .map(|b| format!("\n  {b}"))
-                        .collect::<String>()
-                ));
-            }
-            if s.identical > 0 {
-                w.push(format!(
-                    "{}: {} of {} pairs have identical chosen and rejected completions (kept; \
-                     they carry no preference)",
-                    path.display(),
-                    s.identical,
-                    s.rows
-                ));
-            }
+/// Warnings before a run about the pairs of `files`: pairs cut or dropped at `max_seq_len`,
+/// pairs whose chosen and rejected completions are identical (no preference signal).
+pub fn warnings(files: &[(std::path::PathBuf, PairSet)]) -> Vec<String> {
+    let mut w = Vec::new();
+    for (path, s) in files {
+        if s.truncated + s.dropped > 0 {
+            w.push(format!(
+                "{}: {} of {} pairs had completions cut ({}) or were dropped ({}: the prompt \
+                 fills max_seq_len, or the pair is longer with truncation = \"drop\") at \
+                 [data] max_seq_len",
+                path.display(),
+                s.truncated + s.dropped,
+                s.rows,
+                s.truncated,
+                s.dropped
+            ));
         }
-        w
+        if s.no_target > 0 {
+            w.push(format!(
+                "{}: {} of {} pairs dropped with no token to train on (an empty completion, \
+                 or a one-token completion after an empty prompt)",
+                path.display(),
+                s.no_target,
+                s.rows
+            ));
+        }
+        if s.oversized > 0 {
+            w.push(format!(
+                "{}: {} of {} rows were longer than [data] max_row_bytes and dropped unread; \
+                 raise max_row_bytes if they are wanted",
+                path.display(),
+                s.oversized,
+                s.rows
+            ));
+        }
+        if s.bad_rows > 0 {
+            w.push(format!(
+                "{}: {} malformed row(s) skipped (on_bad_row = \"skip\"){}",
+                path.display(),
+                s.bad_rows,
+                s.bad_row_samples
+                    .iter()
+                    .map(|b| format!("\n  {b}"))
+                    .collect::<String>()
+            ));
+        }
+        if s.identical > 0 {
+            w.push(format!(
+                "{}: {} of {} pairs have identical chosen and rejected completions (kept; \
+                 they carry no preference)",
+                path.display(),
+                s.identical,
+                s.rows
+            ));
+        }
     }
+    w
+}
 
+impl PairData {
     /// Each pair as its two sequences (prompt + chosen, prompt + rejected), loss on the
     /// completions: the shape the memory estimate and `rtune check` look at.
     pub fn as_examples(pairs: &[Pair]) -> Vec<Example> {
@@ -103,6 +104,7 @@ impl PairData {
 /// Conversational rows are rendered with `template` (the run's, `chat_template_kwargs` set).
 pub fn load(
     cfg: &RunConfig,
+    loss: &Loss,
     tok: Option<&Tokenizer>,
     template: Option<&ChatTemplate>,
     vocab: usize,
@@ -112,11 +114,11 @@ pub fn load(
     let (mut kept, mut valid, mut files) = (Vec::new(), Vec::new(), Vec::new());
     for (i, f) in d.train.iter().enumerate() {
         let mut set = load_pairs(&f.path, tok, template, &opts)?;
-        check_kind(cfg, &f.path, &set)?;
+        check_kind(loss, &f.path, &set)?;
         let seed = crate::sample::file_seed(cfg.train.seed, i);
         let rows = std::mem::take(&mut set.pairs);
         let (mut pairs, mut held) = crate::sample::hold_out(rows, d.valid_fraction, seed);
-        if cfg.train.objective.is_unpaired() {
+        if loss.is_unpaired() {
             let mbs = cfg.train.micro_batch_size;
             assign_kl_completions(&mut pairs, mbs, d.max_seq_len);
             assign_kl_completions(&mut held, mbs, d.max_seq_len);
@@ -141,9 +143,9 @@ pub fn load(
     }
     if let Some(v) = &d.valid {
         let mut set = load_pairs(v, tok, template, &opts)?;
-        check_kind(cfg, v, &set)?;
+        check_kind(loss, v, &set)?;
         valid = std::mem::take(&mut set.pairs);
-        if cfg.train.objective.is_unpaired() {
+        if loss.is_unpaired() {
             assign_kl_completions(&mut valid, cfg.train.micro_batch_size, d.max_seq_len);
         }
         files.push((v.clone(), set));
@@ -198,8 +200,7 @@ pub struct Rows<'a> {
     pub valid: &'a mut [Pair],
 }
 
-/// The reference log-probabilities of a run's pairs (train and validation), when its objective
-/// needs them, from the cache or computed (and cached by the `writer`: rank 0 of a data-parallel
+/// The reference log-probabilities of a run's pairs (train and validation), from the cache or computed (and cached by the `writer`: rank 0 of a data-parallel
 /// run); the forward passes run. `every(hit)`: whether every rank that must run the same
 /// forwards found the cache (a sharded base's ranks; otherwise `hit` itself). `interrupted()`
 /// is asked between forward passes: a stop request ends the pass ([`TrainError::Interrupted`]).
@@ -214,9 +215,6 @@ pub fn reference(
     every: &dyn Fn(bool) -> bool,
     interrupted: &dyn Fn() -> bool,
 ) -> Result<usize, TrainError> {
-    if !cfg.train.objective.needs_reference() {
-        return Ok(0);
-    }
     // TRL: a new adapter's reference is the base with the adapter off; an adapter training
     // continues from (`init_from`) is copied as the frozen "ref" adapter. No dropout either way.
     let lc = LoraCtx {
@@ -395,9 +393,9 @@ impl ReferenceCache {
 }
 
 /// The file's rows are of the objective's kind: unpaired (`label`) rows for KTO, pairs otherwise.
-fn check_kind(cfg: &RunConfig, path: &std::path::Path, set: &PairSet) -> Result<(), TrainError> {
+fn check_kind(loss: &Loss, path: &std::path::Path, set: &PairSet) -> Result<(), TrainError> {
     let unpaired = set.pairs.iter().filter(|p| p.label.is_some()).count();
-    let kto = cfg.train.objective.is_unpaired();
+    let kto = loss.is_unpaired();
     let message = match (kto, unpaired) {
         (true, n) if n < set.pairs.len() => format!(
             "objective \"kto\" takes unpaired rows ({{\"prompt\", \"completion\", \"label\"}}); {} \
@@ -407,7 +405,7 @@ fn check_kind(cfg: &RunConfig, path: &std::path::Path, set: &PairSet) -> Result<
         (false, n) if n > 0 => format!(
             "objective \"{}\" takes preference pairs ({{\"prompt\", \"chosen\", \"rejected\"}}); {n} \
              of its rows are unpaired (`label`) rows, which objective \"kto\" takes",
-            cfg.train.objective.name()
+            loss.name()
         ),
         _ => return Ok(()),
     };

@@ -9,7 +9,8 @@ use rtune_data::Tokenizer;
 use rtune_lora::{Adapter, LoraSpec};
 use rtune_model::{Inputs, KvCache, LoraCtx, Model};
 
-use crate::TrainError;
+// The crate's error under the name this file was written with (it moved from rtune-train).
+use crate::InferError as TrainError;
 
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {

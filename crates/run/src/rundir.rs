@@ -9,7 +9,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::TrainError;
+// The crate's error under the name this file was written with (it moved from rtune-train).
+use crate::RunError as TrainError;
 
 /// The file that marks a directory as an rtune run directory (written by `RunFiles::lock`).
 pub const RUN_MARKER: &str = ".rtune-run";

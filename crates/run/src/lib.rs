@@ -1,0 +1,22 @@
+//! The run directory, before and around training (issue 43: the run directory one crate):
+//! - [`rundir`]: which directories a run may write, and which of their files are rtune's;
+//! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start).
+//!
+//! Still in `rtune-train`, to follow here: the checkpoints (`checkpoint.rs`), the run record
+//! (`record.rs`) and the run directory's one writer (`trainer/output.rs`), which need the
+//! optimizer's state and the trainer's counters behind a narrower interface first.
+//!
+//! [`RunError`] is the one error type; `rtune-train` turns it into its own variant of the same
+//! name and message.
+
+pub mod disk;
+pub mod rundir;
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The output directory cannot be used as asked (before anything is written).
+    #[error("{path}: {message}")]
+    OutputDir { path: PathBuf, message: String },
+}
