@@ -16,9 +16,10 @@ use std::process::Command;
 
 use crate::common::root;
 
-/// Where the measured window starts and ends (callgrind's `--zero-before` / `--dump-after`).
-const STEP_FN: &str = "rtune_train::trainer::Trainer::step";
-const CHECKPOINT_FN: &str = "rtune_train::trainer::Trainer::checkpoint";
+/// Where the measured window starts and ends (callgrind's `--zero-before` / `--dump-after`;
+/// the trainer is generic over its recipe; both are `#[inline(never)]` so that the frames exist).
+const STEP_FN: &str = "rtune_train::trainer::Trainer<R>::step";
+const CHECKPOINT_FN: &str = "rtune_train::trainer::Trainer<R>::checkpoint";
 
 fn readme() -> String {
     std::fs::read_to_string(root().join("README.md")).expect("README.md")

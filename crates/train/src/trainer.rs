@@ -252,6 +252,9 @@ impl<R: Recipe> Trainer<'_, R> {
     /// One optimizer step: `grad_accum` micro-batches forward and backward (× the world size, each
     /// rank computing its share), then clipping and AdamW (or a skipped update), then the step's
     /// metrics line.
+    // Never inlined: a frame of its own, from which tests/integration/readme.rs measures the
+    // files one step executes (a call per step costs nothing measurable).
+    #[inline(never)]
     pub fn step(&mut self) -> Result<(), TrainError> {
         let (t0, cfg, step) = (Instant::now(), self.cfg, self.state.step);
         let (w, rank) = (self.dist.world.size, self.dist.world.rank);
@@ -431,6 +434,8 @@ impl<R: Recipe> Trainer<'_, R> {
 
     /// Writes `checkpoint-<step>/`. A failed write stops the run unless `[output] on_save_error =
     /// "continue"` and more steps follow (never when `stopping`).
+    // Never inlined: where the README's step trace ends (see `step`).
+    #[inline(never)]
     pub fn checkpoint(&mut self, stopping: bool) -> Result<(), TrainError> {
         let (cfg, step) = (self.cfg, self.state.step);
         if let Some(w) = self.files.sync()? {
