@@ -129,8 +129,8 @@ fn double_quantize(absmax: &[f32]) -> Absmax {
     double_quantize_with(absmax, torch_mean_f32(absmax))
 }
 
-/// [`double_quantize`] with the offset given: a sharded weight's piece (`rtune_quant::shard`), whose
-/// offset is the mean over every piece's absmax.
+/// Double quantization (as [`quantize_nf4`] does it) with the offset given: a sharded weight's
+/// piece (`rtune_quant::shard`), whose offset is the mean over every piece's absmax.
 pub fn double_quantize_with(absmax: &[f32], offset: f32) -> Absmax {
     let lut = dynamic_lut();
     let mut codes = vec![0u8; absmax.len()];
