@@ -1,6 +1,6 @@
 // NF4 / FP4 dequantization (bitsandbytes layout), to f32, f16 or bf16.
 //
-// Reference: rtune-quant's CPU dequant (crates/quant/src/dequant.rs); crates/ops/tests compares
+// Reference: the NF4 op's CPU dequant (crates/ops/src/nf4/cpu.rs); crates/ops/tests compares
 // the two bit for bit. Layout: element 2i is the HIGH nibble of packed[i], 2i+1 the low nibble; one
 // scale per block of 64 consecutive elements (bitsandbytes' blocksize, the only one rtune reads).
 //   out[e] = round_to_T(quant_map[code[e]] * absmax[e / 64])                  (f32 multiply)

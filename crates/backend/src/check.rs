@@ -21,47 +21,70 @@ mod tests;
 // ---------------------------------------------------------------------------------------------
 // Comparison
 
-/// The ops, for naming results and choosing tolerances.
+/// A checked kernel, for naming results and choosing tolerances ([`tolerance`]). Each op's
+/// `check.rs` defines its own (`Op::typed("rms_norm_fwd")`): no central list names them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Op {
+    name: &'static str,
+    output: Output,
+    /// `(rtol, atol)` of [`Tolerance`].
+    tol: (f32, f32),
+}
+
+/// What a kernel writes, for its tolerance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    RmsNormFwd,
-    RmsNormBwd,
-    SwigluFwd,
-    SwigluBwd,
-    GegluFwd,
-    GegluBwd,
-    RopeFwd,
-    RopeBwd,
-    CeFwd,
-    CeBwd,
-    AttnSoftmaxFwd,
-    AttnSoftmaxBwd,
-    Widen,
+enum Output {
+    /// The inputs' type.
+    Typed,
+    /// f32 whatever the inputs' type (`ce_fwd`, `attn_softmax_fwd`).
+    F32,
+    /// Exactly the reference's values (`widen`).
+    Exact,
 }
 
 impl Op {
-    pub fn name(self) -> &'static str {
-        match self {
-            Op::RmsNormFwd => "rms_norm_fwd",
-            Op::RmsNormBwd => "rms_norm_bwd",
-            Op::SwigluFwd => "swiglu_fwd",
-            Op::SwigluBwd => "swiglu_bwd",
-            Op::GegluFwd => "geglu_fwd",
-            Op::GegluBwd => "geglu_bwd",
-            Op::RopeFwd => "rope_fwd",
-            Op::RopeBwd => "rope_bwd",
-            Op::CeFwd => "ce_fwd",
-            Op::CeBwd => "ce_bwd",
-            Op::AttnSoftmaxFwd => "attn_softmax_fwd",
-            Op::AttnSoftmaxBwd => "attn_softmax_bwd",
-            Op::Widen => "widen",
+    /// A kernel writing the inputs' type: `rtol 1e-5`, `atol 1e-5` (see [`tolerance`]).
+    pub const fn typed(name: &'static str) -> Op {
+        Op {
+            name,
+            output: Output::Typed,
+            tol: (1e-5, 1e-5),
         }
+    }
+
+    /// A kernel writing f32 whatever the inputs' type.
+    pub const fn f32_out(name: &'static str) -> Op {
+        Op {
+            output: Output::F32,
+            ..Op::typed(name)
+        }
+    }
+
+    /// A kernel whose output must equal the reference's exactly.
+    pub const fn exact(name: &'static str) -> Op {
+        Op {
+            output: Output::Exact,
+            tol: (0.0, 0.0),
+            ..Op::typed(name)
+        }
+    }
+
+    /// This kernel with another f32 `(rtol, atol)` (RoPE's `1e-6`: see [`tolerance`]).
+    pub const fn with_tol(self, rtol: f32, atol: f32) -> Op {
+        Op {
+            tol: (rtol, atol),
+            ..self
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.name
     }
 
     /// Whether the output is f32 whatever the inputs' type (`ce_fwd`, `attn_softmax_fwd`,
     /// `widen`).
     pub fn f32_output(self) -> bool {
-        matches!(self, Op::CeFwd | Op::AttnSoftmaxFwd | Op::Widen)
+        self.output != Output::Typed
     }
 }
 
@@ -92,7 +115,7 @@ pub struct Tolerance {
 ///   of two bf16/f16 values is exact in f32.)
 /// - `widen`: none (every bf16 and f16 value is an f32).
 pub fn tolerance(op: Op, p: Precision) -> Tolerance {
-    if op == Op::Widen {
+    if op.output == Output::Exact {
         // Exact: a widened value is the input's own value.
         return Tolerance {
             ulps: 0.0,
@@ -101,10 +124,7 @@ pub fn tolerance(op: Op, p: Precision) -> Tolerance {
         };
     }
     let out = if op.f32_output() { Precision::F32 } else { p };
-    let (rtol, atol) = match op {
-        Op::RopeFwd | Op::RopeBwd => (1e-6, 1e-6),
-        _ => (1e-5, 1e-5),
-    };
+    let (rtol, atol) = op.tol;
     let ulps = if out == Precision::F32 { 0.0 } else { 2.0 };
     Tolerance { ulps, rtol, atol }
 }
@@ -284,6 +304,12 @@ pub fn at(offset: usize) -> String {
         format!(" +{offset}")
     }
 }
+
+#[cfg(feature = "kernels")]
+/// An op's `rtune selftest` groups (each op folder's `check.rs` has a `self_test_groups` that
+/// returns them): a label (kernel, type, shape) and the checks' results, or the error that stopped
+/// them.
+pub type CheckGroups = Vec<(String, Result<Vec<CheckResult>>)>;
 
 #[cfg(feature = "kernels")]
 /// One group of [`self_test_seeded`]: its label and what it measured, or the error that stopped it.

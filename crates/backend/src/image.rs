@@ -1,4 +1,5 @@
-//! The compiled forms of each `kernels/*.cu` that `build.rs` embeds, and which one a device loads:
+//! The compiled forms of each `kernels/*.cu` that `build.rs` embeds (one const per file, generated:
+//! see `build.rs`), and which one a device loads:
 //! the cubin (SASS) built for its architecture when there is one, else the PTX, JIT-compiled by the
 //! driver on first load (seconds for all modules, once per process). Without the `cuda` feature
 //! only the choice itself ([`pick_cubin`], plain logic) exists.
@@ -55,88 +56,10 @@ mod cuda {
         pub cubins: &'static [(u32, &'static [u8])],
     }
 
-    /// `kernels/nf4.cu`.
-    pub const NF4: KernelImage = KernelImage {
-        name: "nf4",
-        ptx: crate::NF4_PTX,
-        cubins: &[
-            (
-                80,
-                include_bytes!(concat!(env!("OUT_DIR"), "/nf4.sm_80.cubin")),
-            ),
-            (
-                90,
-                include_bytes!(concat!(env!("OUT_DIR"), "/nf4.sm_90.cubin")),
-            ),
-        ],
-    };
-
-    /// `kernels/fused.cu`.
-    pub const FUSED: KernelImage = KernelImage {
-        name: "fused",
-        ptx: crate::FUSED_PTX,
-        cubins: &[
-            (
-                80,
-                include_bytes!(concat!(env!("OUT_DIR"), "/fused.sm_80.cubin")),
-            ),
-            (
-                90,
-                include_bytes!(concat!(env!("OUT_DIR"), "/fused.sm_90.cubin")),
-            ),
-        ],
-    };
-
-    /// `kernels/attn.cu`.
-    pub const ATTN: KernelImage = KernelImage {
-        name: "attn",
-        ptx: crate::ATTN_PTX,
-        cubins: &[
-            (
-                80,
-                include_bytes!(concat!(env!("OUT_DIR"), "/attn.sm_80.cubin")),
-            ),
-            (
-                90,
-                include_bytes!(concat!(env!("OUT_DIR"), "/attn.sm_90.cubin")),
-            ),
-        ],
-    };
-
-    /// `kernels/adamw.cu`.
-    pub const ADAMW: KernelImage = KernelImage {
-        name: "adamw",
-        ptx: crate::ADAMW_PTX,
-        cubins: &[
-            (
-                80,
-                include_bytes!(concat!(env!("OUT_DIR"), "/adamw.sm_80.cubin")),
-            ),
-            (
-                90,
-                include_bytes!(concat!(env!("OUT_DIR"), "/adamw.sm_90.cubin")),
-            ),
-        ],
-    };
-
-    /// `kernels/dropout.cu`.
-    pub const DROPOUT: KernelImage = KernelImage {
-        name: "dropout",
-        ptx: crate::DROPOUT_PTX,
-        cubins: &[
-            (
-                80,
-                include_bytes!(concat!(env!("OUT_DIR"), "/dropout.sm_80.cubin")),
-            ),
-            (
-                90,
-                include_bytes!(concat!(env!("OUT_DIR"), "/dropout.sm_90.cubin")),
-            ),
-        ],
-    };
-
-    /// Every embedded kernel file (selftest loads each once).
-    pub const ALL: [&KernelImage; 5] = [&NF4, &FUSED, &ATTN, &ADAMW, &DROPOUT];
+    // One `KernelImage` const per `kernels/*.cu` (`NF4`, `FUSED`, `ATTN`, `FLASH_ATTN`, `ADAMW`,
+    // `DROPOUT`, ...) and `ALL`, written by build.rs from the files it compiled: a new kernel file
+    // needs no entry here.
+    include!(concat!(env!("OUT_DIR"), "/images.rs"));
 
     /// Loads `image` into `ctx`: the cubin for the device's architecture ([`pick_cubin`]), or the
     /// PTX when there is none or the driver refuses the cubin (then the PTX's error is returned).

@@ -53,30 +53,6 @@ pub use precision::Precision;
 /// Whether this build has the CUDA kernels (the `kernels` feature).
 pub const CUDA_COMPILED: bool = cfg!(feature = "kernels");
 
-/// PTX of `kernels/nf4.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-#[cfg(feature = "kernels")]
-pub const NF4_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/nf4.ptx"));
-
-/// PTX of `kernels/fused.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-#[cfg(feature = "kernels")]
-pub const FUSED_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
-
-/// PTX of `kernels/attn.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-#[cfg(feature = "kernels")]
-pub const ATTN_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attn.ptx"));
-
-/// PTX of `kernels/flash_attn.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-#[cfg(feature = "kernels")]
-pub const FLASH_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn.ptx"));
-
-/// PTX of `kernels/adamw.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-#[cfg(feature = "kernels")]
-pub const ADAMW_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
-
-/// PTX of `kernels/dropout.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-#[cfg(feature = "kernels")]
-pub const DROPOUT_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/dropout.ptx"));
-
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     #[error("rtune was built without CUDA kernels; rebuild with `--features cuda`")]

@@ -186,32 +186,8 @@ pub struct Variant {
     pub rotary_dim: Option<usize>,
 }
 
-/// Rotary embedding frequencies: `inv_freq[i] = 1 / theta^(2i/d)`, then the scaling rule.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    None,
-    /// Position interpolation: every frequency divided by `factor`.
-    Linear {
-        factor: f64,
-    },
-    /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: f64,
-    },
-    /// LongRoPE (Phi-3 128k, Phi-4-mini): `inv_freq[i] = 1 / (ext[i] · theta^(2i/d))` with `ext`
-    /// the long factors when a batch reaches past `original_max_position_embeddings` (its
-    /// largest position + 1 is greater), the short ones otherwise; cos and sin are multiplied by
-    /// `attention_factor`.
-    LongRope {
-        short_factor: Vec<f64>,
-        long_factor: Vec<f64>,
-        original_max_position_embeddings: usize,
-        attention_factor: f64,
-    },
-}
+/// Rotary embedding frequencies' scaling rule: the RoPE op's ([`rtune_ops::rope::RopeScaling`]).
+pub use rtune_ops::rope::{RopeScaling, Yarn};
 
 /// The checked model shape.
 #[derive(Debug, Clone)]

@@ -33,6 +33,7 @@ use candle_core::{DType, Device, Tensor};
 use std::ops::Range;
 use std::sync::Arc;
 
+use rtune_quant::shard::Pieces;
 use rtune_quant::{Absmax, Nf4Weight};
 
 /// The collective a sharded model gathers its weights through (`rtune_dist::World` over MPI).
@@ -74,7 +75,7 @@ pub fn span(n: usize, unit: usize, size: usize, rank: usize) -> Range<usize> {
 pub enum Piece {
     /// Little-endian values in `dtype` (the compute dtype, or bf16 under autocast).
     Dense { dtype: DType, bytes: Vec<u8> },
-    /// A piece of an NF4 weight ([`Nf4Weight::piece`]).
+    /// A piece of an NF4 weight ([`Pieces::piece`]).
     Nf4(Nf4Weight),
 }
 

@@ -7,8 +7,8 @@
 
 use cudarc::driver::{CudaContext, CudaStream};
 use half::{bf16, f16};
+use rtune_ops::nf4::quantize_nf4;
 use rtune_ops::nf4::{nf4_dequant_cuda_into, DequantOut, Nf4Kernels, Nf4WeightCuda};
-use rtune_quant::quantize_nf4;
 use std::sync::Arc;
 use std::time::Instant;
 

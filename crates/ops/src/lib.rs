@@ -49,6 +49,7 @@ pub mod rope;
 pub mod route;
 #[cfg(feature = "kernels")]
 pub mod selftest;
+pub mod softcap;
 pub mod swiglu;
 #[cfg(test)]
 mod test_util;
@@ -64,11 +65,12 @@ pub use attention::{
 };
 pub use ce::{
     chunked_cross_entropy, chunked_cross_entropy_loss, chunked_cross_entropy_loss_with,
-    chunked_cross_entropy_rows, chunked_cross_entropy_with, softcap_logits, HeadRows,
+    chunked_cross_entropy_rows, chunked_cross_entropy_with, HeadRows,
 };
 pub use geglu::{geglu, geglu_backward};
 pub use lora::lora_up;
 pub use norm::{
     rms_norm, rms_norm_backward, rms_norm_plus_one, rms_norm_plus_one_backward, NormCache,
 };
+pub use softcap::softcap_logits;
 pub use swiglu::{swiglu, swiglu_backward};

@@ -1,19 +1,14 @@
-//! Every fused kernel against its reference once, for `rtune selftest` (each op folder's
-//! `check.rs`, and `rtune_backend::cast`'s): one group per element type.
+//! Every fused kernel against its reference once, for `rtune selftest`: each op folder's
+//! `check::self_test_groups` (found at build time by `build.rs`: none is listed here) and
+//! `rtune_backend::cast`'s widening cast; one group per kernel, type and shape.
 
 use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
-use rtune_backend::check::{CheckResult, SelfTestGroup};
+use rtune_backend::cast::check::check_widen;
+use rtune_backend::check::{CheckGroups, SelfTestGroup};
 use rtune_backend::launch::FusedFloat;
 use rtune_backend::Result;
-
-use crate::attention::check::check_attn_softmax;
-use crate::ce::check::check_ce;
-use crate::glu::check::{check_geglu, check_swiglu};
-use crate::norm::check::check_rms_norm;
-use crate::rope::check::check_rope;
-use rtune_backend::cast::check::check_widen;
 
 /// Every kernel once per type (f32, bf16, f16) on fresh random inputs against the reference:
 /// `(name, max relative error, pass)` per kernel, seeded from the clock (see [`self_test_seeded`]
@@ -43,78 +38,22 @@ pub fn self_test_seeded(stream: &Arc<CudaStream>, seed: u64) -> Vec<SelfTestGrou
     all
 }
 
+// `op_groups`: each op folder's `check::self_test_groups`, found by build.rs (an op registers its
+// checks from its own folder).
+include!(concat!(env!("OUT_DIR"), "/selftest_groups.rs"));
+
 fn self_test_type<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> Vec<SelfTestGroup> {
     let t = T::SUFFIX;
-    let groups: Vec<(String, Result<Vec<CheckResult>>)> = vec![
-        (
-            format!("rms_norm_{t} (64, 4096)"),
-            check_rms_norm::<T>(s, 64, 4096, 0, seed),
-        ),
-        (
-            format!("rms_norm_{t} (7, 4097)+1"),
-            check_rms_norm::<T>(s, 7, 4097, 1, seed + 1),
-        ),
-        (
-            format!("rms_norm_{t} (3, 97)+3"),
-            check_rms_norm::<T>(s, 3, 97, 3, seed + 8),
-        ),
-        (
-            format!("swiglu_{t} (2^20+3)"),
-            check_swiglu::<T>(s, (1 << 20) + 3, 0, seed + 2),
-        ),
-        (
-            format!("swiglu_{t} (1001)+5"),
-            check_swiglu::<T>(s, 1001, 5, seed + 9),
-        ),
-        (
-            format!("geglu_{t} (2^20+3)"),
-            check_geglu::<T>(s, (1 << 20) + 3, 0, seed + 21),
-        ),
-        (
-            format!("geglu_{t} (1001)+5"),
-            check_geglu::<T>(s, 1001, 5, seed + 22),
-        ),
-        (
-            format!("widen_{t} (2^20+5)"),
-            check_widen::<T>(s, (1 << 20) + 5, 0, seed + 13),
-        ),
-        (
-            format!("widen_{t} (1001)+3"),
-            check_widen::<T>(s, 1001, 3, seed + 14),
-        ),
-        (
-            format!("rope_{t} (2, 8, 65, 128)"),
-            check_rope::<T>(s, (2, 8, 65, 128), 0, seed + 3),
-        ),
-        (
-            format!("rope_{t} (1, 3, 33, 64)+1"),
-            check_rope::<T>(s, (1, 3, 33, 64), 1, seed + 10),
-        ),
-        (
-            format!("ce_{t} (16, 32000)"),
-            check_ce::<T>(s, 16, 32000, 0, seed + 4),
-        ),
-        (
-            format!("ce_{t} (4, 128256)"),
-            check_ce::<T>(s, 4, 128256, 0, seed + 5),
-        ),
-        (
-            format!("ce_{t} (5, 1001)+3"),
-            check_ce::<T>(s, 5, 1001, 3, seed + 11),
-        ),
-        (
-            format!("attn_softmax_{t} (32·128, 128)"),
-            check_attn_softmax::<T>(s, (32, 128, 128), 0, seed + 6),
-        ),
-        (
-            format!("attn_softmax_{t} (2·3, 16384)"),
-            check_attn_softmax::<T>(s, (2, 3, 16384), 0, seed + 7),
-        ),
-        (
-            format!("attn_softmax_{t} (3·7, 333)+1"),
-            check_attn_softmax::<T>(s, (3, 7, 333), 1, seed + 12),
-        ),
-    ];
+    let mut groups = op_groups::<T>(s, seed);
+    // The widening cast is the backend's (its GEMM's autocast needs it), not an op folder's.
+    groups.push((
+        format!("widen_{t} (2^20+5)"),
+        check_widen::<T>(s, (1 << 20) + 5, 0, seed + 13),
+    ));
+    groups.push((
+        format!("widen_{t} (1001)+3"),
+        check_widen::<T>(s, 1001, 3, seed + 14),
+    ));
     groups
         .into_iter()
         .map(|(label, r)| {

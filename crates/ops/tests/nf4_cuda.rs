@@ -9,7 +9,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use rtune_ops::nf4::{nf4_dequant_cuda, DequantOut, Nf4Kernels, Nf4WeightCuda};
-use rtune_quant::{quantize_nf4, Nf4Weight};
+use rtune_ops::nf4::{quantize_nf4, Nf4Weight};
 use std::sync::Arc;
 
 fn gpu() -> Option<Arc<CudaContext>> {

@@ -139,9 +139,18 @@ pub fn load_bnb_4bit<'a>(
     Nf4Weight::from_bnb(weight, BnbParts::fetch(weight, fetch))
 }
 
-impl Nf4Weight {
+/// An [`Nf4Weight`] to and from the tensors of a bnb-4bit checkpoint (a trait because the weight
+/// is the NF4 op's, `rtune_ops::nf4`; the format is this crate's).
+pub trait Bnb: Sized {
     /// Builds the weight named `weight` from its stored parts, checking every size and field.
-    pub fn from_bnb(weight: &str, parts: BnbParts<'_>) -> Result<Self> {
+    fn from_bnb(weight: &str, parts: BnbParts<'_>) -> Result<Self>;
+    /// The tensors bitsandbytes would store for this weight under `weight`
+    /// (`QuantState.as_dict(packed=True)` plus the packed codes, flat `[ceil(n/2)]`).
+    fn to_bnb(&self, weight: &str) -> Vec<(String, RawTensor<'static>)>;
+}
+
+impl Bnb for Nf4Weight {
+    fn from_bnb(weight: &str, parts: BnbParts<'_>) -> Result<Self> {
         let name = |s: &str| format!("{weight}.{s}");
         let missing = |s: &str, hint: &str| QuantError::MissingTensor {
             layer: weight.into(),
@@ -247,9 +256,7 @@ impl Nf4Weight {
         Ok(w)
     }
 
-    /// The tensors bitsandbytes would store for this weight under `weight`
-    /// (`QuantState.as_dict(packed=True)` plus the packed codes, flat `[ceil(n/2)]`).
-    pub fn to_bnb(&self, weight: &str) -> Vec<(String, RawTensor<'static>)> {
+    fn to_bnb(&self, weight: &str) -> Vec<(String, RawTensor<'static>)> {
         let f32s = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
         let t = |dtype, shape: Vec<usize>, data: Vec<u8>| RawTensor::new(dtype, shape, data);
         let mut json = serde_json::json!({

@@ -1,253 +1,29 @@
-//! 4-bit NF4 weights, bit-for-bit as bitsandbytes 0.50.2 makes and reads them (QLoRA, Dettmers et al.
-//! 2023, arXiv:2305.14314).
+//! NF4 weights' file formats and the quantization choice: a bnb-4bit checkpoint's tensors in and
+//! out ([`bnb`], bit-for-bit as bitsandbytes 0.50.2 writes and reads them), the pieces of a weight
+//! sharded across ranks ([`shard`]), and how the frozen layers are held ([`Quantize`]: none, nf4,
+//! nf4-dq).
 //!
-//! - [`Quantize`]: how the frozen layers are held (none, nf4, nf4-dq), the one type for the choice.
-//! - [`Nf4Weight`]: one quantized weight matrix: packed 4-bit codes, one scale ("absmax") per block of
-//!   64 consecutive elements of the row-major flattening, optionally double-quantized ([`Absmax`]).
-//! - [`quantize_nf4`] makes one from f32 values ([`quantize`]); [`load_bnb_4bit`] reads one from the
-//!   tensors a bnb-4bit checkpoint stores next to `<layer>.weight` ([`bnb`]).
-//! - [`Nf4Weight::dequantize_f32`], [`Nf4Weight::to_tensor`]: back to full precision, multi-threaded
-//!   ([`dequant`]): `value = table[code] * absmax` in f32, then rounded to the output dtype.
+//! The NF4 op itself — the weight type ([`Nf4Weight`], [`Absmax`]), the code tables, quantization and
+//! the CPU and CUDA dequantization — is `rtune_ops::nf4`, re-exported here under the names this
+//! crate always had (`rtune_quant::Nf4Weight`, `rtune_quant::quantize::quantize_tensor`, ...).
+//! The methods of a weight that are file formats are traits: [`Bnb`] (`from_bnb`, `to_bnb`) and
+//! [`shard::Pieces`] (`piece`).
 //!
 //! - [`mxfp4`]: gpt-oss's MXFP4 expert tensors as its checkpoints store them, dequantized bit for
 //!   bit as transformers does (then trained over in f32/bf16, or re-quantized to NF4).
 //!
-//! Layout (bitsandbytes'): element `2i` of the flattening is the HIGH nibble of byte `i`, element
-//! `2i+1` the low nibble; an odd element count leaves the last low nibble as padding (code 7, i.e.
-//! 0.0). A tensor whose size is not a multiple of 64 ends with a shorter block that has its own absmax.
-//!
-//! The reference is bitsandbytes' CPU backend (`backends/default/ops.py` for 4-bit, `csrc/cpu_ops.cpp`
-//! for the 8-bit second level, torch's CPU summation order for the mean); `tests/` compares against
-//! files it wrote. Its CUDA backend makes the same 4-bit codes but may differ in the last bit of the
-//! double-quant offset and in rare second-level codes (see [`quantize`]).
+//! `tests/` holds the NF4 goldens (files bitsandbytes wrote) for both: the format and the op; and
+//! the MXFP4 golden (transformers').
 
 pub mod bnb;
 mod choice;
-pub mod dequant;
 pub mod mxfp4;
-pub mod quantize;
 pub mod shard;
-pub mod tables;
 
-pub use bnb::{load_bnb_4bit, BnbParts, RawTensor, BNB_SUFFIXES};
+pub use bnb::{load_bnb_4bit, Bnb, BnbParts, RawTensor, BNB_SUFFIXES};
 pub use choice::{Quantize, UnknownQuantize, QUANTIZE_NAMES};
-pub use quantize::{quantize_nf4, quantize_tensor, torch_mean_f32};
-pub use tables::{DYNAMIC_SIGNED, FP4, NF4};
-
-use candle_core::DType;
-
-/// Elements per first-level block (bitsandbytes' default; the only size rtune reads or writes).
-pub const BLOCKSIZE: usize = 64;
-/// Absmax values per second-level block in double quantization (fixed in bitsandbytes).
-pub const NESTED_BLOCKSIZE: usize = 256;
-
-#[derive(Debug, thiserror::Error)]
-pub enum QuantError {
-    #[error("bnb-4bit weight `{layer}`: tensor `{tensor}` is missing ({hint})")]
-    MissingTensor {
-        layer: String,
-        tensor: String,
-        hint: String,
-    },
-    #[error("bnb-4bit tensor `{tensor}`: {message}")]
-    BadTensor { tensor: String, message: String },
-    #[error("bnb-4bit tensor `{tensor}`: quant state: {message}")]
-    QuantState { tensor: String, message: String },
-    #[error(
-        "bnb-4bit tensor `{tensor}`: blocksize {blocksize} is not supported; rtune reads blocksize 64 \
-         (bitsandbytes' default, used by QLoRA). Re-quantize with bnb_4bit_blocksize=64 or load the \
-         16-bit checkpoint with quantize = \"nf4\""
-    )]
-    Blocksize { tensor: String, blocksize: usize },
-    #[error(
-        "bnb-4bit tensor `{tensor}`: quant_type `{quant_type}` is not supported; rtune reads nf4 and fp4 \
-         (8-bit bnb checkpoints are not 4-bit: load the 16-bit checkpoint instead)"
-    )]
-    QuantType { tensor: String, quant_type: String },
-    #[error("nf4 quantize: {0}")]
-    Input(String),
-    #[error("nf4 dequantize: output buffer has {got} elements, the weight has {want}")]
-    OutLen { got: usize, want: usize },
-    #[error("nf4 {op}: {source}")]
-    Candle {
-        op: &'static str,
-        source: candle_core::Error,
-    },
-}
-
-pub type Result<T> = std::result::Result<T, QuantError>;
-
-/// Which 16-value code table the 4-bit codes index.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QuantType {
-    Nf4,
-    Fp4,
-}
-
-impl QuantType {
-    pub fn table(self) -> [f32; 16] {
-        match self {
-            QuantType::Nf4 => NF4,
-            QuantType::Fp4 => FP4,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            QuantType::Nf4 => "nf4",
-            QuantType::Fp4 => "fp4",
-        }
-    }
-}
-
-/// The per-block scales of an [`Nf4Weight`].
-#[derive(Debug, Clone, PartialEq)]
-pub enum Absmax {
-    /// `[n_blocks]` f32: 32 bits per 64 elements (+0.5 bit/param).
-    Plain(Vec<f32>),
-    /// Double quantization: `absmax[b] = nested_quant_map[codes[b]] * nested_absmax[b / 256] + offset`
-    /// (f32 multiply, then f32 add). 8 bits per 64 elements + 32 bits per 64·256 (+0.127 bit/param).
-    Double {
-        /// `[n_blocks]` u8 indices into `nested_quant_map`.
-        codes: Vec<u8>,
-        /// `[ceil(n_blocks / nested_blocksize)]` f32.
-        nested_absmax: Vec<f32>,
-        /// `[256]` f32, bitsandbytes' signed dynamic map ([`DYNAMIC_SIGNED`]) when made here.
-        nested_quant_map: Vec<f32>,
-        /// The mean of the first-level absmax, subtracted before 8-bit quantization.
-        offset: f32,
-        nested_blocksize: usize,
-    },
-}
-
-impl Absmax {
-    /// The f32 scale of first-level block `b` (for `Double`: decoded exactly as bitsandbytes does).
-    #[inline]
-    pub fn get(&self, b: usize) -> f32 {
-        match self {
-            Absmax::Plain(a) => a[b],
-            Absmax::Double {
-                codes,
-                nested_absmax,
-                nested_quant_map,
-                offset,
-                nested_blocksize,
-            } => {
-                let q = nested_quant_map[codes[b] as usize] * nested_absmax[b / nested_blocksize];
-                q + offset
-            }
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            Absmax::Plain(a) => a.len(),
-            Absmax::Double { codes, .. } => codes.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// All first-level scales decoded to f32, `[n_blocks]`.
-    pub fn decode(&self) -> Vec<f32> {
-        (0..self.len()).map(|b| self.get(b)).collect()
-    }
-
-    pub fn is_double(&self) -> bool {
-        matches!(self, Absmax::Double { .. })
-    }
-
-    fn resident_bytes(&self) -> usize {
-        match self {
-            Absmax::Plain(a) => 4 * a.len(),
-            Absmax::Double {
-                codes,
-                nested_absmax,
-                nested_quant_map,
-                ..
-            } => codes.len() + 4 * nested_absmax.len() + 4 * nested_quant_map.len() + 4,
-        }
-    }
-}
-
-/// A 4-bit quantized weight, `shape` row-major (for a linear layer: `[out_features, in_features]`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Nf4Weight {
-    pub shape: Vec<usize>,
-    /// `[ceil(numel / 2)]`: byte `i` holds element `2i` (high nibble) and `2i+1` (low nibble).
-    pub packed: Vec<u8>,
-    /// One scale per `blocksize` elements: `[ceil(numel / blocksize)]`.
-    pub absmax: Absmax,
-    /// The code table: value of code `c` is `quant_map[c] * absmax`.
-    pub quant_map: [f32; 16],
-    pub quant_type: QuantType,
-    pub blocksize: usize,
-    /// The dtype the weight had before quantization (bnb's quant_state `dtype`); the natural output
-    /// dtype of [`Nf4Weight::to_tensor`].
-    pub dtype: DType,
-}
-
-impl Nf4Weight {
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    pub fn n_blocks(&self) -> usize {
-        self.numel().div_ceil(self.blocksize)
-    }
-
-    /// Bytes this weight holds in memory: packed codes, scales, code tables. For a weight of `n`
-    /// elements: `n/2 + 4·n/64` (plain) or `n/2 + n/64 + 4·n/16384 + 1028` (double quant).
-    pub fn resident_bytes(&self) -> usize {
-        self.packed.len() + self.absmax.resident_bytes() + 4 * self.quant_map.len()
-    }
-
-    /// Checks the internal sizes agree (every constructor calls it; public fields can be edited).
-    pub fn check(&self) -> Result<()> {
-        let n = self.numel();
-        let bad = |m: String| Err(QuantError::Input(m));
-        if self.blocksize == 0 || !self.blocksize.is_multiple_of(2) {
-            return bad(format!("blocksize {} must be even and > 0", self.blocksize));
-        }
-        if self.packed.len() != n.div_ceil(2) {
-            return bad(format!(
-                "{} packed bytes for {n} elements (shape {:?}); expected {}",
-                self.packed.len(),
-                self.shape,
-                n.div_ceil(2)
-            ));
-        }
-        if self.absmax.len() != self.n_blocks() {
-            return bad(format!(
-                "{} absmax values for {n} elements in blocks of {}; expected {}",
-                self.absmax.len(),
-                self.blocksize,
-                self.n_blocks()
-            ));
-        }
-        if let Absmax::Double {
-            nested_absmax,
-            nested_quant_map,
-            nested_blocksize,
-            ..
-        } = &self.absmax
-        {
-            let want = self.absmax.len().div_ceil((*nested_blocksize).max(1));
-            if *nested_blocksize == 0 || nested_absmax.len() != want {
-                return bad(format!(
-                    "{} nested absmax values for {} blocks in groups of {nested_blocksize}; expected {want}",
-                    nested_absmax.len(),
-                    self.absmax.len()
-                ));
-            }
-            if nested_quant_map.len() != 256 {
-                return bad(format!(
-                    "nested quant map has {} entries, expected 256",
-                    nested_quant_map.len()
-                ));
-            }
-        }
-        Ok(())
-    }
-}
+pub use rtune_ops::nf4::{cpu as dequant, quantize, tables};
+pub use rtune_ops::nf4::{
+    quantize_nf4, quantize_tensor, torch_mean_f32, Absmax, Nf4Weight, QuantError, QuantType,
+    Result, BLOCKSIZE, DYNAMIC_SIGNED, FP4, NESTED_BLOCKSIZE, NF4,
+};

@@ -27,10 +27,15 @@ pub fn unit(double_quant: bool) -> usize {
     }
 }
 
-impl Nf4Weight {
+/// A weight's pieces (a trait because the weight is the NF4 op's, `rtune_ops::nf4`).
+pub trait Pieces {
     /// The piece of this weight holding elements `span` (see the module's overview; `span.start`
     /// a multiple of [`unit()`], `span.end` one too or the end of the weight).
-    pub fn piece(&self, span: Range<usize>) -> Result<Nf4Weight> {
+    fn piece(&self, span: Range<usize>) -> Result<Nf4Weight>;
+}
+
+impl Pieces for Nf4Weight {
+    fn piece(&self, span: Range<usize>) -> Result<Nf4Weight> {
         let n = self.numel();
         let u = unit(self.absmax.is_double());
         if span.start > span.end

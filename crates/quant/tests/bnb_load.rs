@@ -8,7 +8,7 @@ mod common;
 
 use common::{assert_bits_eq, assert_bytes_eq, fixture, St};
 use rtune_quant::bnb::{is_bnb_4bit, is_bnb_companion, BnbParts};
-use rtune_quant::{load_bnb_4bit, quantize_nf4, Absmax, Nf4Weight, QuantError, RawTensor};
+use rtune_quant::{load_bnb_4bit, quantize_nf4, Absmax, Bnb, Nf4Weight, QuantError, RawTensor};
 use safetensors::Dtype;
 
 const PLAIN: &str = "../../tests/parity/golden_tiny_qlora_nf4.safetensors";

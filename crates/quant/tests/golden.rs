@@ -7,7 +7,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::{assert_bits_eq, assert_bytes_eq, fixture, via_bf16, St};
-use rtune_quant::{load_bnb_4bit, quantize_nf4, Absmax, DYNAMIC_SIGNED, NF4};
+use rtune_quant::{load_bnb_4bit, quantize_nf4, Absmax, Bnb, DYNAMIC_SIGNED, NF4};
 
 const GOLDEN: &str = "tests/fixtures/nf4_golden.safetensors";
 /// (case, input is bf16)

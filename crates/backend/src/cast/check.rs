@@ -43,7 +43,7 @@ pub fn check_widen<T: FusedFloat>(
     let mut y = out::<f32>(s, n, offset)?;
     cuda::widen(s, &xd.slice(offset..), &mut y.slice_mut(offset..), n)?;
     Ok(vec![CheckResult::new::<T>(
-        Op::Widen,
+        Op::exact("widen"),
         format!("({n}){}", at(offset)),
         &down(s, &y, offset)?,
         &reference::widen(&x),

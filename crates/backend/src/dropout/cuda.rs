@@ -10,9 +10,6 @@ use std::sync::{Arc, Mutex};
 
 use crate::{drv, FusedFloat, KernelError, Result};
 
-/// PTX of `kernels/dropout.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-pub use crate::DROPOUT_PTX;
-
 /// The dropout kernels, one per input type (index [`FusedFloat::INDEX`]: f32, bf16, f16), loaded
 /// into one CUDA context.
 pub struct DropoutKernels {

@@ -6,7 +6,7 @@
 use serde_json::Value;
 
 use super::values::{number, positive, string, table};
-use super::{Arch, HfConfig, RopeScaling};
+use super::{Arch, HfConfig, RopeScaling, Yarn};
 
 /// What the RoPE keys give: the global layers' base and scaling, the local (sliding) layers' own
 /// where a family gives them one (Gemma 3), and the rotated width of a head when it is not all of
@@ -39,6 +39,7 @@ pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, St
         c,
         arch,
         half: rotary_dim.unwrap_or(head_dim) / 2,
+        per_type: per_type.is_some(),
     };
     if let Some(p) = per_type {
         let set = |k: &str, default: f64| -> Result<Option<(f64, RopeScaling)>, String> {
@@ -115,6 +116,8 @@ struct Ctx<'a> {
     arch: Arch,
     /// Frequencies of a head: half its rotated width (LongRoPE's factor lists have this length).
     half: usize,
+    /// Whether the sets are per layer type (`rope_parameters.full_attention`, ...).
+    per_type: bool,
 }
 
 impl Ctx<'_> {
@@ -162,14 +165,69 @@ impl Ctx<'_> {
             // Phi3Config reads the older names `su` and `yarn` as `longrope`.
             "longrope" | "su" => self.longrope(p, at, kind)?,
             "yarn" if self.arch == Arch::Phi3 => self.longrope(p, at, kind)?,
+            "yarn" => self.yarn(p, at)?,
             other => {
                 return Err(format!(
-                    "rope scaling type `{other}` is not supported (default, linear, llama3, and \
-                     longrope for Phi3ForCausalLM are)"
+                    "rope scaling type `{other}` is not supported (default, linear, llama3, yarn, \
+                     and longrope for Phi3ForCausalLM are)"
                 ))
             }
         };
         Ok((theta, scaling))
+    }
+
+    /// YaRN's keys as transformers' `standardize_rope_params` and `_compute_yarn_parameters` read
+    /// them: the pre-training length from the top-level `original_max_position_embeddings` (a flat
+    /// set only), else the set's, else `max_position_embeddings`; `factor` (null: the ratio of
+    /// the two lengths); `truncate` from a flat set only (transformers reads it from the outer
+    /// `rope_parameters`, which per layer type never has it: true). The frequencies are the op's
+    /// ([`rtune_ops::rope::Freqs`]).
+    fn yarn(&self, p: &Value, at: &str) -> Result<RopeScaling, String> {
+        let c = self.c;
+        let top = c
+            .original_max_position_embeddings
+            .filter(|_| !self.per_type);
+        let original = match top {
+            Some(o) => o as f64,
+            None => match number(p, at, "original_max_position_embeddings")? {
+                Some(o) => o,
+                None => c.max_position_embeddings.ok_or(
+                    "rope scaling `yarn` needs original_max_position_embeddings (or \
+                     max_position_embeddings)",
+                )? as f64,
+            },
+        };
+        let original = positive(&format!("{at}.original_max_position_embeddings"), original)?;
+        let factor = match number(p, at, "factor")? {
+            Some(f) => f,
+            None => c.max_position_embeddings.map_or(1.0, |m| m as f64) / original,
+        };
+        let factor = positive(&format!("{at}.factor"), factor)?;
+        let opt = |k: &str| number(p, at, k);
+        let truncate = match p.get("truncate") {
+            _ if self.per_type => true,
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(format!(
+                    "{at}.truncate = {}: not a boolean",
+                    super::values::shown(v)
+                ))
+            }
+        };
+        let attention_factor = opt("attention_factor")?
+            .map(|a| positive(&format!("{at}.attention_factor"), a))
+            .transpose()?;
+        Ok(RopeScaling::Yarn(Yarn {
+            factor,
+            original_max_position_embeddings: original,
+            beta_fast: opt("beta_fast")?,
+            beta_slow: opt("beta_slow")?,
+            mscale: opt("mscale")?,
+            mscale_all_dim: opt("mscale_all_dim")?,
+            attention_factor,
+            truncate,
+        }))
     }
 
     /// transformers' `_compute_longrope_parameters`: the factor lists, the pre-training length

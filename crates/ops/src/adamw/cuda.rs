@@ -13,9 +13,6 @@ use std::sync::{Arc, Mutex};
 use super::{AdamWScalars, THREADS};
 use rtune_backend::{drv, KernelError, Result};
 
-/// PTX of `kernels/adamw.cu` (for `compute_$CUDA_COMPUTE_CAP`, default 80).
-pub use rtune_backend::ADAMW_PTX;
-
 /// The kernels of `adamw.cu`, loaded into one CUDA context.
 pub struct AdamWKernels {
     sq_norm_partial: CudaFunction,

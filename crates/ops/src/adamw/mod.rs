@@ -25,7 +25,7 @@ pub use cpu::{clip_factor, AdamW};
 #[cfg(feature = "kernels")]
 mod cuda;
 #[cfg(feature = "kernels")]
-pub use cuda::{mt_adamw, mt_sq_norm, AdamWKernels, ADAMW_PTX};
+pub use cuda::{mt_adamw, mt_sq_norm, AdamWKernels};
 
 /// Elements of a tensor one block handles (`MT_CHUNK` in adamw.cu).
 pub const CHUNK: usize = 2048;

@@ -5,7 +5,7 @@ use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 use super::{reference, softmax_cuda};
-use rtune_backend::check::{at, down, out, up, CheckResult, Op, Rng};
+use rtune_backend::check::{at, down, out, up, CheckGroups, CheckResult, Op, Rng};
 use rtune_backend::launch::FusedFloat;
 use rtune_backend::Result;
 
@@ -59,11 +59,36 @@ pub fn check_attn_softmax<T: FusedFloat>(
     let shape = format!("({heads}·{tq}, {tk}){}", at(offset));
     Ok(vec![
         CheckResult::new::<T>(
-            Op::AttnSoftmaxFwd,
+            Op::f32_out("attn_softmax_fwd"),
             shape.clone(),
             &down(s, &o, offset)?,
             &want_fwd,
         ),
-        CheckResult::new::<T>(Op::AttnSoftmaxBwd, shape, &down(s, &d, offset)?, &want_bwd),
+        CheckResult::new::<T>(
+            Op::typed("attn_softmax_bwd"),
+            shape,
+            &down(s, &d, offset)?,
+            &want_bwd,
+        ),
     ])
+}
+
+/// The attention softmax's groups (the tiled kernels have theirs in `flash_check.rs`) for `rtune selftest` in type `T` (found by `crates/ops/build.rs`: an op
+/// registers its checks by defining this function in its folder's `check.rs`).
+pub fn self_test_groups<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> CheckGroups {
+    let t = T::SUFFIX;
+    vec![
+        (
+            format!("attn_softmax_{t} (32·128, 128)"),
+            check_attn_softmax::<T>(s, (32, 128, 128), 0, seed + 6),
+        ),
+        (
+            format!("attn_softmax_{t} (2·3, 16384)"),
+            check_attn_softmax::<T>(s, (2, 3, 16384), 0, seed + 7),
+        ),
+        (
+            format!("attn_softmax_{t} (3·7, 333)+1"),
+            check_attn_softmax::<T>(s, (3, 7, 333), 1, seed + 12),
+        ),
+    ]
 }

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 pub use crate::attention::flash_ref::{FlashShape, BC, BR, HEAD_DIMS};
 use rtune_backend::launch::{bad, int, need, numel, FusedFloat};
-use rtune_backend::{drv, Result, FLASH_PTX};
+use rtune_backend::{drv, Result};
 
 /// Threads per block of the tiled kernels (`THREADS` in `flash_attn.cu`: one warp per 16 query
 /// rows).
@@ -125,7 +125,7 @@ impl FlashKernels {
     /// launch with an error naming both; use [`Self::get`]).
     pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
         let module = ctx
-            .load_module(Ptx::from_src(FLASH_PTX))
+            .load_module(Ptx::from_src(rtune_backend::image::FLASH_ATTN.ptx))
             .map_err(drv("loading flash_attn.ptx"))?;
         let smem_max = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)

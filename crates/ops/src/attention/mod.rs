@@ -5,10 +5,13 @@
 //! forms the `(T, T)` scores.
 //!
 //! The op's files: this one (what the model calls), `mask.rs` (causal, windowed and segment
-//! masks), `softmax.rs`, `softcap.rs` (Gemma 2's soft-capped scores on the plain path; `tiled.rs` caps in its kernels), `cpu.rs`, `tiled.rs`, `reference.rs` (plain formulations; `flash_ref.rs`:
-//! the tiled kernels' CPU reference with their tiling), `softmax_cuda.rs`, `flash_kernel.rs`,
+//! masks), `softmax.rs`, `capped.rs` (Gemma 2's soft-capped softmax on the plain
+//! path; `tiled.rs` caps its tiles with the same op, [`crate::softcap`]), `cpu.rs`, `tiled.rs`,
+//! `reference.rs` (plain formulations; `flash_ref.rs`: the tiled kernels' CPU reference with their
+//! tiling), `softmax_cuda.rs`, `flash_kernel.rs`,
 //! `flash_cuda.rs`, `check.rs` and `flash_check.rs` (for `rtune selftest`), `tests.rs`.
 
+pub mod capped;
 #[cfg(feature = "kernels")]
 pub mod check;
 pub(crate) mod cpu;
@@ -21,7 +24,6 @@ pub mod flash_kernel;
 pub mod flash_ref;
 pub mod mask;
 pub mod reference;
-pub mod softcap;
 pub mod softmax;
 #[cfg(feature = "kernels")]
 pub mod softmax_cuda;
@@ -275,7 +277,7 @@ pub struct AttnShape {
     /// `1/√query_pre_attn_scalar`.
     pub scale: f64,
     /// Gemma 2's `attn_logit_softcapping`: scaled scores become `cap·tanh(s/cap)`
-    /// ([`softcap`]; the tiled path on the CPU computes it in its kernels, the CUDA flash kernel
+    /// ([`crate::softcap`], on the plain path and in the CPU's tiled kernels; the CUDA flash kernel
     /// does not have it).
     pub softcap: Option<f64>,
 }
@@ -382,7 +384,7 @@ fn row_probs(q: &Tensor, k: &Tensor, mask: &Tensor, s: &AttnShape, i: usize) -> 
     // (1, Hkv, G·T, Dh)·(1, Hkv, Dh, T) -> (1, Hkv, G·T, T) in the compute dtype
     let raw = row_scores(q, k, i)?;
     match s.softcap {
-        Some(cap) => crate::attention::softcap::probs(&raw, &mask_i, s.scale, cap),
+        Some(cap) => crate::attention::capped::probs(&raw, &mask_i, s.scale, cap),
         None => crate::attention::softmax::attn_softmax(&raw, &mask_i, s.scale),
     }
 }
@@ -452,7 +454,7 @@ pub fn attention_backward(
         let ds = match s.softcap {
             Some(cap) => {
                 let raw = row_scores(&c.q, &c.k, i)?;
-                crate::attention::softcap::probs_bwd(&pf, &dp, &raw, scale, cap)?
+                crate::attention::capped::probs_bwd(&pf, &dp, &raw, scale, cap)?
             }
             None => crate::attention::softmax::attn_softmax_bwd(&pf, &dp, scale)?,
         };

@@ -14,7 +14,7 @@
 //! Soft-capped scores (Gemma 2's `attn_logit_softcapping`, `cap`): the scaled score `s = S·scale`
 //! becomes `z = cap·tanh(s/cap)` before the online softmax (the log-sum-exp is of `z`); the
 //! backward recomputes `t = tanh(s/cap)` with `P = e^(z − L)` and takes
-//! `dS = P ∘ (dP − D) ∘ (1 − t²)·scale`. In f32 throughout (the plain path, [`super::softcap`],
+//! `dS = P ∘ (dP − D) ∘ (1 − t²)·scale`. In f32 throughout ([`crate::softcap::Cap`]; the plain path, [`super::capped`],
 //! rounds each step to the compute dtype as torch's eager ops do: the two differ by that rounding
 //! in bf16, not at all in f32 beyond summation order). Memory stays O(T): Gemma 2 at 2048 tokens no
 //! longer needs the `T × T` scores of the plain path.
@@ -67,6 +67,7 @@
 use candle_core::{bail, DType, Layout, Result, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
+use crate::softcap::Cap;
 use rtune_backend::cpu::{exp, max, sum1, Elem, LANES};
 use rtune_backend::storage::{by_dtype, contiguous, float_dtype};
 
@@ -188,7 +189,7 @@ pub fn flash_attn(
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
     let op = "flash_attn";
-    let cap = check_cap(op, softcap)?;
+    let cap = Cap::new(op, softcap)?;
     rtune_backend::blas::layout_audit::call(op, q.dims(), k.dims());
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
@@ -245,7 +246,7 @@ pub fn flash_attn_bwd(
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "flash_attn_bwd";
-    let cap = check_cap(op, softcap)?;
+    let cap = Cap::new(op, softcap)?;
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(
         op,
@@ -321,29 +322,16 @@ pub fn flash_attn_bwd(
     })
 }
 
-/// The soft cap as the kernels take it: `0` for none, else a finite positive `cap`.
-fn check_cap(op: &str, softcap: Option<f64>) -> Result<f32> {
-    match softcap {
-        None => Ok(0.0),
-        Some(c) if c.is_finite() && c > 0.0 => Ok(c as f32),
-        Some(c) => bail!("{op}: soft cap {c} must be finite and positive"),
-    }
-}
-
 /// The CUDA flash kernel has no soft cap: the model runs capped scores on the plain path there.
 #[cfg(feature = "cuda")]
-fn no_cuda_cap(op: &str, cap: f32) -> Result<()> {
-    if cap > 0.0 {
-        bail!("{op}: soft-capped scores (cap {cap}) are not in the CUDA flash kernel; use the plain path");
+fn no_cuda_cap(op: &str, cap: Option<Cap>) -> Result<()> {
+    if let Some(c) = cap {
+        bail!(
+            "{op}: soft-capped scores (cap {}) are not in the CUDA flash kernel; use the plain path",
+            c.value()
+        );
     }
     Ok(())
-}
-
-/// `z = cap·tanh(s/cap)` of the scaled scores in place (`cap > 0`).
-#[inline(always)]
-fn cap_scores(s: &mut [f32], cap: f32) {
-    let inv = 1.0 / cap;
-    s.iter_mut().for_each(|x| *x = cap * (*x * inv).tanh());
 }
 
 /// `Σ a[i]·b[i]` over [`LANES`] partial sums.
@@ -554,8 +542,8 @@ struct Fwd<'a, T> {
     v: &'a [T],
     st: &'a [u32],
     scale: f32,
-    /// The soft cap of the scaled scores; 0: none.
-    cap: f32,
+    /// The soft cap of the scaled scores.
+    cap: Option<Cap>,
     /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
 }
@@ -608,8 +596,8 @@ impl<T: Elem> Task for Fwd<'_, T> {
                     }
                     let vis = &mut row[c0..c1];
                     vis.iter_mut().for_each(|x| *x *= self.scale);
-                    if self.cap > 0.0 {
-                        cap_scores(vis, self.cap);
+                    if let Some(cap) = self.cap {
+                        cap.apply(vis);
                     }
                     let mt = max(vis);
                     let mn = if mt > m[r] { mt } else { m[r] };
@@ -646,7 +634,7 @@ impl<T: Elem> Task for Fwd<'_, T> {
 }
 
 /// The forward loops: `(o, lse)`, `(B, T, H, Dh)` and `(B, T, H)`.
-/// `(scale, cap, round)`: the score scale, the soft cap (0: none) and whether `P` (and `dS`) are
+/// `(scale, cap, round)`: the score scale, the soft cap and whether `P` (and `dS`) are
 /// rounded to bf16 before their products (autocast; the inputs arrive rounded).
 fn forward<T: Elem>(
     d: &Dims,
@@ -654,7 +642,7 @@ fn forward<T: Elem>(
     k: &[T],
     v: &[T],
     st: &[u32],
-    (scale, cap, round): (f32, f32, bool),
+    (scale, cap, round): (f32, Option<Cap>, bool),
 ) -> (Vec<T>, Vec<f32>) {
     let (t, hd) = (d.t, d.h * d.dh);
     let mut o = vec![T::of(0.0); d.b * t * hd];
@@ -699,8 +687,8 @@ struct Bwd<'a, T> {
     lse: &'a [f32],
     st: &'a [u32],
     scale: f32,
-    /// The soft cap of the scaled scores; 0: none.
-    cap: f32,
+    /// The soft cap of the scaled scores.
+    cap: Option<Cap>,
     /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
     /// Query tiles per task.
@@ -776,13 +764,12 @@ impl<T: Elem> Task for Bwd<'_, T> {
                     pr[c1..].fill(0.0);
                     dsr[..c0].fill(0.0);
                     dsr[c1..].fill(0.0);
-                    if self.cap > 0.0 {
+                    if let Some(cap) = self.cap {
                         // z = cap·t, t = tanh(s/cap): dz/ds = 1 − t².
-                        let inv = 1.0 / self.cap;
                         for (p, ds) in pr[c0..c1].iter_mut().zip(&mut dsr[c0..c1]) {
-                            let t = (*p * self.scale * inv).tanh();
-                            *p = exp(self.cap * t - lse[r]);
-                            *ds = *p * (*ds - dd[r]) * (1.0 - t * t) * self.scale;
+                            let t = cap.tanh(*p * self.scale);
+                            *p = exp(cap.of_tanh(t) - lse[r]);
+                            *ds = *p * (*ds - dd[r]) * Cap::slope(t) * self.scale;
                         }
                     } else {
                         for (p, ds) in pr[c0..c1].iter_mut().zip(&mut dsr[c0..c1]) {
@@ -818,7 +805,7 @@ fn backward<T: Elem>(
     x: [&[T]; 5],
     lse: &[f32],
     st: &[u32],
-    (scale, cap, round): (f32, f32, bool),
+    (scale, cap, round): (f32, Option<Cap>, bool),
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let [q, k, v, o, d_o] = x;
     let (t, dh) = (d.t, d.dh);

@@ -5,7 +5,7 @@ use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 use super::{cuda, reference};
-use rtune_backend::check::{at, down, out, up, CheckResult, Op, Rng};
+use rtune_backend::check::{at, down, out, up, CheckGroups, CheckResult, Op, Rng};
 use rtune_backend::launch::FusedFloat;
 use rtune_backend::{drv, Result};
 
@@ -41,7 +41,32 @@ pub fn check_ce<T: FusedFloat>(
     cuda::ce_bwd(s, &lv, &td.as_view(), &lse_d.as_view(), scale, ds, n, v)?;
     let shape = format!("({n}, {v}){}", at(offset));
     Ok(vec![
-        CheckResult::new::<T>(Op::CeFwd, shape.clone(), &down(s, &o, offset)?, &want_fwd),
-        CheckResult::new::<T>(Op::CeBwd, shape, &down(s, &d, offset)?, &want_bwd),
+        CheckResult::new::<T>(
+            Op::f32_out("ce_fwd"),
+            shape.clone(),
+            &down(s, &o, offset)?,
+            &want_fwd,
+        ),
+        CheckResult::new::<T>(Op::typed("ce_bwd"), shape, &down(s, &d, offset)?, &want_bwd),
     ])
+}
+
+/// This op's groups for `rtune selftest` in type `T` (found by `crates/ops/build.rs`: an op
+/// registers its checks by defining this function in its folder's `check.rs`).
+pub fn self_test_groups<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> CheckGroups {
+    let t = T::SUFFIX;
+    vec![
+        (
+            format!("ce_{t} (16, 32000)"),
+            check_ce::<T>(s, 16, 32000, 0, seed + 4),
+        ),
+        (
+            format!("ce_{t} (4, 128256)"),
+            check_ce::<T>(s, 4, 128256, 0, seed + 5),
+        ),
+        (
+            format!("ce_{t} (5, 1001)+3"),
+            check_ce::<T>(s, 5, 1001, 3, seed + 11),
+        ),
+    ]
 }

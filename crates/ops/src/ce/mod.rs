@@ -19,6 +19,8 @@ mod tests;
 use candle_core::{DType, Result, Tensor};
 use rtune_backend::blas::matmul as mm;
 
+use crate::softcap::{softcap_logits, softcap_logits_backward};
+
 pub use reference::{cross_entropy_grad_reference, cross_entropy_reference};
 
 /// Cross-entropy over the lm_head in chunks of tokens, so the full `(N, V)` logits never exist.
@@ -41,7 +43,7 @@ pub fn chunked_cross_entropy(
 /// `head.ids` come from `head.rows` (`crate::tokens`), and the third value is those rows'
 /// gradient `(n, D)` f32, summed over the chunks (`None` without `head`). With `softcap`
 /// (Gemma 2's `final_logit_softcapping`) the loss is taken on `cap·tanh(logits/cap)`
-/// ([`softcap_logits`]).
+/// ([`crate::softcap::softcap_logits`]).
 #[allow(clippy::too_many_arguments)]
 pub fn chunked_cross_entropy_with(
     h: &Tensor,
@@ -103,24 +105,6 @@ struct CeOut {
     dh: Option<Tensor>,
     drows: Option<Tensor>,
     rows: Option<Tensor>,
-}
-
-/// Gemma 2's final-logit soft cap: `cap·tanh(logits/cap)` in the logits' dtype, each of the three
-/// steps computed in f32 and rounded to that dtype as transformers' `logits / cap; tanh; * cap`
-/// rounds them on a bf16 model.
-pub fn softcap_logits(logits: &Tensor, cap: f64) -> Result<Tensor> {
-    let dt = logits.dtype();
-    let round = crate::attention::softcap::rounding(dt);
-    let t = round(round((logits.to_dtype(DType::F32)? / cap)?)?.tanh()?)?;
-    (t * cap)?.to_dtype(dt)
-}
-
-/// [`softcap_logits`]' backward: `dlogits = dcapped·(1 − (capped/cap)²)`, in `dcapped`'s dtype;
-/// `capped` the forward's output.
-pub fn softcap_logits_backward(dcapped: &Tensor, capped: &Tensor, cap: f64) -> Result<Tensor> {
-    let t = (capped.to_dtype(DType::F32)? / cap)?;
-    let slope = (t.sqr()? - 1.0)?.neg()?;
-    (dcapped.to_dtype(DType::F32)? * slope)?.to_dtype(dcapped.dtype())
 }
 
 /// The first target outside `0..vocab`, as an error naming its row, its value and the vocabulary.

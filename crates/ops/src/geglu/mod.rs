@@ -78,8 +78,8 @@ impl Activation for GeluTanh {
     const KERNELS: crate::glu::cuda::Kernels = crate::glu::cuda::Kernels {
         fwd: rtune_backend::launch::K::GegluFwd,
         bwd: rtune_backend::launch::K::GegluBwd,
-        check_fwd: rtune_backend::check::Op::GegluFwd,
-        check_bwd: rtune_backend::check::Op::GegluBwd,
+        check_fwd: rtune_backend::check::Op::typed("geglu_fwd"),
+        check_bwd: rtune_backend::check::Op::typed("geglu_bwd"),
     };
 }
 

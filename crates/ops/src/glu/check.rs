@@ -6,7 +6,7 @@ use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 use super::{cuda, Activation};
-use rtune_backend::check::{at, down, out, up, CheckResult, Rng};
+use rtune_backend::check::{at, down, out, up, CheckGroups, CheckResult, Rng};
 use rtune_backend::launch::FusedFloat;
 use rtune_backend::Result;
 
@@ -69,4 +69,28 @@ pub fn check<A: Activation, T: FusedFloat>(
             &A::reference_bwd(&dh, &g, &u, p),
         ),
     ])
+}
+
+/// The gated units' groups (SwiGLU and GeGLU) for `rtune selftest` in type `T` (found by `crates/ops/build.rs`: an op
+/// registers its checks by defining this function in its folder's `check.rs`).
+pub fn self_test_groups<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> CheckGroups {
+    let t = T::SUFFIX;
+    vec![
+        (
+            format!("swiglu_{t} (2^20+3)"),
+            check_swiglu::<T>(s, (1 << 20) + 3, 0, seed + 2),
+        ),
+        (
+            format!("swiglu_{t} (1001)+5"),
+            check_swiglu::<T>(s, 1001, 5, seed + 9),
+        ),
+        (
+            format!("geglu_{t} (2^20+3)"),
+            check_geglu::<T>(s, (1 << 20) + 3, 0, seed + 21),
+        ),
+        (
+            format!("geglu_{t} (1001)+5"),
+            check_geglu::<T>(s, 1001, 5, seed + 22),
+        ),
+    ]
 }

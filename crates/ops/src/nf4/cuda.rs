@@ -1,11 +1,11 @@
 //! Host side of `kernels/nf4.cu`: upload an [`Nf4Weight`], launch the dequantize kernels.
 
+use super::{Absmax, Nf4Weight, BLOCKSIZE};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
 use half::{bf16, f16};
-use rtune_quant::{Absmax, Nf4Weight, BLOCKSIZE};
 use std::sync::Arc;
 
 use rtune_backend::{drv, KernelError, Result};

@@ -8,8 +8,8 @@ use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Storage, Tenso
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use super::Nf4Weight;
 use rtune_backend::cuda::cuda_device;
-use rtune_quant::Nf4Weight;
 
 use super::cuda::{nf4_dequant_cuda_into, Nf4Kernels, Nf4WeightCuda};
 

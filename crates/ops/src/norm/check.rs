@@ -5,7 +5,7 @@ use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 use super::{cuda, reference};
-use rtune_backend::check::{at, down, out, up, CheckResult, Op, Rng};
+use rtune_backend::check::{at, down, out, up, CheckGroups, CheckResult, Op, Rng};
 use rtune_backend::launch::FusedFloat;
 use rtune_backend::Result;
 
@@ -50,16 +50,36 @@ pub fn check_rms_norm<T: FusedFloat>(
     let shape = format!("({rows}, {dim}){}", at(offset));
     Ok(vec![
         CheckResult::new::<T>(
-            Op::RmsNormFwd,
+            Op::typed("rms_norm_fwd"),
             shape.clone(),
             &down(s, &y, offset)?,
             &reference::rms_norm_fwd(&x, &w, rows, dim, eps, p),
         ),
         CheckResult::new::<T>(
-            Op::RmsNormBwd,
+            Op::typed("rms_norm_bwd"),
             shape,
             &down(s, &dx, offset)?,
             &reference::rms_norm_bwd(&dy, &x, &w, rows, dim, eps, p),
         ),
     ])
+}
+
+/// This op's groups for `rtune selftest` in type `T` (found by `crates/ops/build.rs`: an op
+/// registers its checks by defining this function in its folder's `check.rs`).
+pub fn self_test_groups<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> CheckGroups {
+    let t = T::SUFFIX;
+    vec![
+        (
+            format!("rms_norm_{t} (64, 4096)"),
+            check_rms_norm::<T>(s, 64, 4096, 0, seed),
+        ),
+        (
+            format!("rms_norm_{t} (7, 4097)+1"),
+            check_rms_norm::<T>(s, 7, 4097, 1, seed + 1),
+        ),
+        (
+            format!("rms_norm_{t} (3, 97)+3"),
+            check_rms_norm::<T>(s, 3, 97, 3, seed + 8),
+        ),
+    ]
 }

@@ -5,7 +5,7 @@ use cudarc::driver::CudaStream;
 use std::sync::Arc;
 
 use super::{cuda, reference};
-use rtune_backend::check::{at, down, out, up, CheckResult, Op, Rng};
+use rtune_backend::check::{at, down, out, up, CheckGroups, CheckResult, Op, Rng};
 use rtune_backend::launch::FusedFloat;
 use rtune_backend::Result;
 
@@ -46,16 +46,32 @@ pub fn check_rope<T: FusedFloat>(
     let shape = format!("({b}, {h}, {t}, {dh}){}", at(offset));
     Ok(vec![
         CheckResult::new::<T>(
-            Op::RopeFwd,
+            Op::typed("rope_fwd").with_tol(1e-6, 1e-6),
             shape.clone(),
             &down(s, &y, offset)?,
             &reference::rope_fwd(&x, &cos, &sin, shape4, p),
         ),
         CheckResult::new::<T>(
-            Op::RopeBwd,
+            Op::typed("rope_bwd").with_tol(1e-6, 1e-6),
             shape,
             &down(s, &dx, offset)?,
             &reference::rope_bwd(&dy, &cos, &sin, shape4, p),
         ),
     ])
+}
+
+/// This op's groups for `rtune selftest` in type `T` (found by `crates/ops/build.rs`: an op
+/// registers its checks by defining this function in its folder's `check.rs`).
+pub fn self_test_groups<T: FusedFloat>(s: &Arc<CudaStream>, seed: u64) -> CheckGroups {
+    let t = T::SUFFIX;
+    vec![
+        (
+            format!("rope_{t} (2, 8, 65, 128)"),
+            check_rope::<T>(s, (2, 8, 65, 128), 0, seed + 3),
+        ),
+        (
+            format!("rope_{t} (1, 3, 33, 64)+1"),
+            check_rope::<T>(s, (1, 3, 33, 64), 1, seed + 10),
+        ),
+    ]
 }

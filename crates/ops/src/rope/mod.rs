@@ -1,7 +1,7 @@
 //! Rotary position embedding, rotate-half form (transformers' `apply_rotary_pos_emb`):
 //! `y = x·cos + rotate_half(x)·sin`; its backward is the transpose, `dx = dy·cos − rotate_half(dy·sin)`.
-//! [`tables`] makes cos/sin from the frequencies (`rtune_model::rope::Freqs`, the config's
-//! scaling rule) and the positions.
+//! [`tables`] makes cos/sin from the frequencies ([`Freqs`]: `freqs.rs`, the config's scaling
+//! rule — linear, llama3, longrope, YaRN) and the positions.
 //!
 //! Partial rotary (Phi-4-mini's `partial_rotary_factor`): tables narrower than the head, `(…, R)`
 //! with `R < Dh`, rotate the first `R` of each head (`rotate_half` over those `R`) and pass the
@@ -9,7 +9,7 @@
 //! rest's gradient through. The fused op runs on the rotated part, copied out (one `(…, R)`
 //! copy and a concatenation more than the full rotation).
 //!
-//! The op's files: this one (what the model calls), `op.rs` (the candle ops), `cpu.rs` (the loops),
+//! The op's files: this one (what the model calls), `freqs.rs` (the frequency tables), `op.rs` (the candle ops), `cpu.rs` (the loops),
 //! `reference.rs` (plain formulations), `cuda.rs` (launchers of `kernels/rope.cuh`), `check.rs`
 //! (for `rtune selftest`), `tests.rs`.
 
@@ -18,6 +18,7 @@ pub mod check;
 pub(crate) mod cpu;
 #[cfg(feature = "kernels")]
 pub mod cuda;
+pub mod freqs;
 pub mod op;
 pub mod reference;
 #[cfg(test)]
@@ -25,6 +26,7 @@ mod tests;
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
+pub use freqs::{Freqs, RopeScaling, Yarn};
 pub use reference::{apply_backward_reference, apply_reference};
 
 fn halves(x: &Tensor) -> Result<(Tensor, Tensor)> {

@@ -142,3 +142,109 @@ fn rope_bwd_is_the_transpose_of_fwd() {
     assert_eq!(fx[0], x1 * c + (-x2 * s));
     assert_eq!(fx[dh / 2], x2 * c + x1 * s);
 }
+
+/// The frequency tables of every scaling rule against transformers 5.24's own
+/// (`tests/parity/rope_freqs.json`, made by `tests/parity/make_rope_goldens.py`): default, linear,
+/// llama3, longrope (both sets) and YaRN (gpt-oss's `truncate: false`, Qwen's default truncation,
+/// DeepSeek-style `mscale`/`mscale_all_dim` with other betas, an explicit attention factor, a
+/// collapsed correction range): the same f32 and f64 steps in the same order, so each frequency
+/// within 1 f32 ulp — torch's vectorized `base ** x` (Sleef's `powf_u10`) is not correctly
+/// rounded, Rust's `powf` is: at base 150000 two of gpt-oss's 32 exponents land one ulp apart;
+/// every other case here is bit for bit, which the test counts — and the attention factor to the
+/// f64's last bit (within the JSON parser's ulp).
+#[test]
+fn freqs_equal_transformers() {
+    use super::freqs::{Freqs, RopeScaling, Yarn};
+    use serde_json::Value;
+    let golden: Value = serde_json::from_str(include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/parity/rope_freqs.json"
+    )))
+    .unwrap();
+    let f32s = |v: &Value| -> Vec<f32> {
+        let a = v.as_array().unwrap();
+        a.iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    };
+    let f64s = |v: &Value| -> Vec<f64> {
+        let a = v.as_array().unwrap();
+        a.iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    let cases = golden["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 9);
+    let (mut yarns, mut off_by_one) = (0, 0);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let p = &case["rope_parameters"];
+        let num = |k: &str| p.get(k).and_then(Value::as_f64);
+        let theta = num("rope_theta").unwrap();
+        let scaling = match p["rope_type"].as_str().unwrap() {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: num("factor").unwrap(),
+            },
+            "llama3" => RopeScaling::Llama3 {
+                factor: num("factor").unwrap(),
+                low_freq_factor: num("low_freq_factor").unwrap(),
+                high_freq_factor: num("high_freq_factor").unwrap(),
+                original_max_position_embeddings: num("original_max_position_embeddings").unwrap(),
+            },
+            "longrope" => RopeScaling::LongRope {
+                short_factor: f64s(&p["short_factor"]),
+                long_factor: f64s(&p["long_factor"]),
+                original_max_position_embeddings: num("original_max_position_embeddings").unwrap()
+                    as usize,
+                attention_factor: case["attention_factor"].as_f64().unwrap(),
+            },
+            "yarn" => {
+                yarns += 1;
+                RopeScaling::Yarn(Yarn {
+                    factor: num("factor").unwrap(),
+                    original_max_position_embeddings: num("original_max_position_embeddings")
+                        .unwrap(),
+                    beta_fast: num("beta_fast"),
+                    beta_slow: num("beta_slow"),
+                    mscale: num("mscale"),
+                    mscale_all_dim: num("mscale_all_dim"),
+                    attention_factor: num("attention_factor"),
+                    truncate: p.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                })
+            }
+            other => panic!("{name}: rope type {other}"),
+        };
+        let dim = case["dim"].as_u64().unwrap() as usize;
+        let f = Freqs::new(dim, theta, &scaling);
+        let want = f32s(&case["inv_freq"]);
+        let mut ulp_apart = |got: &[f32], want: &[f32], what: &str| {
+            assert_eq!(got.len(), want.len(), "{name}: {what}");
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                let ulps = (g.to_bits() as i64 - w.to_bits() as i64).abs();
+                assert!(ulps <= 1, "{name}: {what}[{i}] {g:e} vs transformers {w:e}");
+                off_by_one += ulps as usize;
+            }
+        };
+        ulp_apart(&f.inv_freq, &want, "inv_freq");
+        if let Some(long) = case.get("inv_freq_long") {
+            let (got, orig) = f.long.as_ref().unwrap();
+            ulp_apart(got, &f32s(long), "long inv_freq");
+            // transformers picks the long set past the pre-training length.
+            assert_eq!(f.for_positions(&[*orig as u32 - 1]), &f.inv_freq[..]);
+            assert_eq!(f.for_positions(&[*orig as u32]), &got[..]);
+        }
+        let att = case["attention_factor"].as_f64().unwrap();
+        assert_eq!(f.scale, att as f32, "{name}: attention factor");
+        if let RopeScaling::Yarn(y) = &scaling {
+            // serde_json's default float parsing may land one f64 ulp off the written value.
+            let got = super::freqs::yarn_attention_factor(y);
+            assert!(
+                (got - att).abs() <= 2.0 * f64::EPSILON * att,
+                "{name}: {got} vs {att}"
+            );
+        }
+    }
+    assert_eq!(yarns, 5);
+    // Measured: only torch's pow differs (gpt-oss's base); a wrong step of a rule moves far more.
+    assert!(
+        off_by_one <= 4,
+        "{off_by_one} frequencies one ulp from transformers'"
+    );
+}

@@ -47,8 +47,8 @@ impl Activation for Silu {
     const KERNELS: crate::glu::cuda::Kernels = crate::glu::cuda::Kernels {
         fwd: rtune_backend::launch::K::SwigluFwd,
         bwd: rtune_backend::launch::K::SwigluBwd,
-        check_fwd: rtune_backend::check::Op::SwigluFwd,
-        check_bwd: rtune_backend::check::Op::SwigluBwd,
+        check_fwd: rtune_backend::check::Op::typed("swiglu_fwd"),
+        check_bwd: rtune_backend::check::Op::typed("swiglu_bwd"),
     };
 }
 

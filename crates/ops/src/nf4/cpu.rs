@@ -11,7 +11,7 @@ use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::{Nf4Weight, QuantError, Result};
+use super::{Nf4Weight, QuantError, Result};
 
 /// Blocks per parallel work item (16384 elements: 64 KiB of f32 output).
 const CHUNK_BLOCKS: usize = 256;
@@ -173,7 +173,7 @@ fn decode_block<T: Copy>(bytes: &[u8], out: &mut [T], table: &[T; 16]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quantize_nf4;
+    use crate::nf4::quantize_nf4;
 
     /// Element by element, no tables, no threads: `quant_map[code] * absmax`, then convert.
     fn reference(w: &Nf4Weight) -> Vec<f32> {

@@ -19,8 +19,8 @@ use candle_core::{DType, Tensor};
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
-use crate::{Absmax, Nf4Weight, QuantError, QuantType, Result};
-use crate::{BLOCKSIZE, DYNAMIC_SIGNED, NESTED_BLOCKSIZE, NF4};
+use super::{Absmax, Nf4Weight, QuantError, QuantType, Result};
+use super::{BLOCKSIZE, DYNAMIC_SIGNED, NESTED_BLOCKSIZE, NF4};
 
 /// torch `clamp(min=1e-38)` on an f32 absmax (a subnormal; its reciprocal 1e38 is finite).
 const TINY: f32 = 1e-38;
@@ -129,9 +129,9 @@ fn double_quantize(absmax: &[f32]) -> Absmax {
     double_quantize_with(absmax, torch_mean_f32(absmax))
 }
 
-/// [`double_quantize`] with the offset given: a sharded weight's piece (`crate::shard`), whose
-/// offset is the mean over every piece's absmax.
-pub(crate) fn double_quantize_with(absmax: &[f32], offset: f32) -> Absmax {
+/// Double quantization (as [`quantize_nf4`] does it) with the offset given: a sharded weight's
+/// piece (`rtune_quant::shard`), whose offset is the mean over every piece's absmax.
+pub fn double_quantize_with(absmax: &[f32], offset: f32) -> Absmax {
     let lut = dynamic_lut();
     let mut codes = vec![0u8; absmax.len()];
     let mut nested = vec![0f32; absmax.len().div_ceil(NESTED_BLOCKSIZE)];

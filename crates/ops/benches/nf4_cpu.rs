@@ -1,6 +1,6 @@
 //! CPU NF4 dequantisation throughput, in GB/s of output written.
 //!
-//!     cargo bench -p rtune-quant [-- --quick]
+//!     cargo bench -p rtune-ops --bench nf4_cpu [-- --quick]
 //!
 //! For each weight shape (Llama-3-8B's attention 4096×4096 and MLP 4096×14336), plain and double
 //! quant, f32 and bf16 output: the median of several runs into a reused buffer (the steady state of
@@ -10,7 +10,7 @@
 use candle_core::{DType, Device};
 use half::bf16;
 use rand::{Rng, SeedableRng};
-use rtune_quant::{quantize_nf4, Nf4Weight};
+use rtune_ops::nf4::{quantize_nf4, Nf4Weight};
 use std::time::Instant;
 
 fn median_secs(runs: usize, mut f: impl FnMut()) -> f64 {
@@ -74,7 +74,7 @@ fn main() {
             (format!("{t} thread(s)"), pool)
         })
         .collect();
-    println!("rtune-quant dequant bench: median of {runs} runs, {all} hardware threads");
+    println!("nf4 CPU dequant bench: median of {runs} runs, {all} hardware threads");
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     for (rows, cols) in [(4096usize, 4096usize), (4096, 14336)] {
         let values: Vec<f32> = (0..rows * cols)

@@ -1,5 +1,5 @@
 //! The code tables bitsandbytes uses, as exact f32 bit patterns (copied from its output, checked
-//! against `tests/fixtures/nf4_golden.safetensors` by `tests/golden.rs`).
+//! against `crates/quant/tests/fixtures/nf4_golden.safetensors` by `crates/quant/tests/golden.rs`).
 
 /// NF4 (QLoRA, Dettmers et al. 2023): 16 quantiles of N(0, 1) scaled to [-1, 1], sorted; code `i` is
 /// `NF4[i]`. bitsandbytes `get_4bit_type("nf4")`.
