@@ -7,7 +7,7 @@ use std::path::Path;
 
 use rtune_data::Tokenizer;
 use rtune_lora::{Adapter, LoraSpec};
-use rtune_model::{Inputs, KvCache, LoraCtx, Model};
+use rtune_model::{Inputs, LoraCtx, Model};
 
 // The crate's error under the name this file was written with (it moved from rtune-train).
 use crate::InferError as TrainError;
@@ -204,22 +204,9 @@ pub fn complete(
     opt: &GenerateOptions,
 ) -> Result<Vec<u32>, TrainError> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(opt.seed);
-    let mut cache = KvCache::default();
-    let mut feed = ids;
-    let mut out = Vec::new();
-    for _ in 0..opt.max_new_tokens {
-        let last = model
-            .decode(&feed, &mut cache, lc)?
-            .to_vec1::<f32>()
-            .map_err(TrainError::candle("logits to host"))?;
-        let next = pick(&last, opt, &mut rng);
-        if stop.contains(&next) {
-            break;
-        }
-        out.push(next);
-        feed = vec![next];
-    }
-    Ok(out)
+    let mut choose = |_: usize, logits: &[f32]| pick(logits, opt, &mut rng);
+    let mut out = model.complete_rows(&[ids], 1, opt.max_new_tokens, stop, lc, &mut choose)?;
+    Ok(out.pop().map(|c| c.tokens).unwrap_or_default())
 }
 
 fn pick(logits: &[f32], opt: &GenerateOptions, rng: &mut impl Rng) -> u32 {

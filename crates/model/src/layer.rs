@@ -100,13 +100,20 @@ impl LayerCache {
 }
 
 /// How much of a layer [`Layer::run`] computes.
-enum Pass {
+enum Pass<'a> {
     /// Output and cache ([`Layer::forward`]).
     Full,
     /// The cache only, the attention's output taken from the forward when it was kept
     /// ([`Layer::recompute`]).
     Recompute(Option<KeptAttn>),
+    /// Output and cache of new tokens after the cached keys and values of the tokens before
+    /// them, if any ([`Layer::forward_cached`]).
+    Cached(Option<&'a LayerKv>),
 }
+
+/// One layer's key/value cache: the rotated keys and the values of the tokens decoded so far,
+/// `(B, Hkv, S, Dh)` each ([`Layer::forward_cached`]).
+pub type LayerKv = (Tensor, Tensor);
 
 /// Per-batch inputs shared by all layers.
 pub struct BatchCtx {
@@ -174,40 +181,6 @@ impl Layer {
     /// first part's.
     fn salts(&self, first: u64, n: usize) -> Vec<u64> {
         (0..n as u64).map(|i| self.salt(first + i)).collect()
-    }
-
-    /// q, k, v of `h1: (N, D)` without caches (decoding).
-    pub(crate) fn project_qkv(
-        &self,
-        h1: &Tensor,
-        lora: Option<&LoraCtx>,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        let outs = self
-            .attn_in
-            .iter()
-            .map(|m| Ok(m.forward(h1, lora, 0)?.0))
-            .collect::<Result<Vec<_>>>()?;
-        let [q, k, v]: [Tensor; 3] = group::split_outputs(outs, &self.attn_widths)?
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("q/k/v: three parts".into()))?;
-        Ok((q, k, v))
-    }
-
-    /// gate, up of `h2: (N, D)` without caches (decoding).
-    pub(crate) fn project_gate_up(
-        &self,
-        h2: &Tensor,
-        lora: Option<&LoraCtx>,
-    ) -> Result<(Tensor, Tensor)> {
-        let outs = self
-            .mlp_in
-            .iter()
-            .map(|m| Ok(m.forward(h2, lora, 0)?.0))
-            .collect::<Result<Vec<_>>>()?;
-        let [g, u]: [Tensor; 2] = group::split_outputs(outs, &self.mlp_widths)?
-            .try_into()
-            .map_err(|_| candle_core::Error::Msg("gate/up: two parts".into()))?;
-        Ok((g, u))
     }
 
     /// The layer's norm weights (frozen): input, post-attention (or pre-feed-forward), then the
@@ -348,6 +321,24 @@ impl Layer {
         Ok(self.run(x, ctx, lora, Pass::Recompute(kept))?.1)
     }
 
+    /// Decoding with a key/value cache: [`Layer::forward`] of the new tokens `x: (B·T, D)` (`ctx`
+    /// for `B` rows of `T` new tokens: their positions, and an [`ops::AttnMask::after`] the
+    /// cached tokens), their queries attending to `past` (this layer's keys and values of the
+    /// tokens before them; `None` at the first step) and to themselves. Returns the output and
+    /// the cache with the new tokens' keys and values appended, `(B, Hkv, S + T, Dh)`. The one
+    /// forward: every flag of the layer applies as in training. Inference only (no backward).
+    pub fn forward_cached(
+        &self,
+        x: &Tensor,
+        ctx: &BatchCtx,
+        lora: Option<&LoraCtx>,
+        past: Option<&LayerKv>,
+    ) -> Result<(Tensor, LayerKv)> {
+        let (out, cache) = self.run(x, ctx, lora, Pass::Cached(past))?;
+        let out = out.expect("a cached pass has an output");
+        Ok((out, (cache.attn.k, cache.attn.v)))
+    }
+
     fn run(
         &self,
         x: &Tensor,
@@ -382,6 +373,10 @@ impl Layer {
                 &mask.starts,
                 kept.clone(),
             )?,
+            (Pass::Cached(Some(past)), _) => {
+                let past = (&past.0, &past.1);
+                ops::attend_after(&q, &k, &v, &ctx.shape, cos, sin, mask, past)?
+            }
             _ => ops::attend(&q, &k, &v, &ctx.shape, cos, sin, mask, ctx.path)?,
         };
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
@@ -403,7 +398,7 @@ impl Layer {
             .expect("two parts");
         let m = self.act(&g, &u)?;
         let (out, cd, m, n_ff) = match (pass, sandwich) {
-            (Pass::Full, _) => {
+            (Pass::Full | Pass::Cached(_), _) => {
                 let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
                 let (d, n_ff) = self.sandwich_norm(d, sandwich.map(|s| &s.1))?;
                 (Some(ops::add(&h, &d)?), cd, None, n_ff)

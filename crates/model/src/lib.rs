@@ -36,7 +36,7 @@ pub mod weights;
 
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
-pub use model::decode::KvCache;
+pub use model::decode::{Completion, KvCache};
 pub use model::{Forward, Inputs, Model, Objective, PerTokenLoss, Quantize};
 pub use shard::Gather;
 

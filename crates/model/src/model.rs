@@ -516,18 +516,30 @@ impl Model {
     }
 
     fn batch_ctx(&self, inp: &Inputs) -> candle_core::Result<BatchCtx> {
-        let shape = self.attn_shape(inp.b, inp.t);
-        let tables = |f: &crate::rope::Freqs| {
-            f.tables(&inp.positions, inp.b, inp.t, self.dtype, &self.device)
-        };
-        let (cos, sin) = tables(&self.rope)?;
-        let local_rope = self.local_rope.as_ref().map(tables).transpose()?;
         let mask_of = |window| {
             ops::AttnMask::new(inp.segments.as_deref(), inp.b, inp.t, window, &self.device)
         };
+        self.ctx_with(inp.b, inp.t, &inp.positions, inp.t, mask_of)
+    }
+
+    /// The context of `b` rows of `t` tokens at `positions` (`(b, t)`) seeing `keys` keys a row
+    /// (`t`, or more when decoding after cached tokens): RoPE tables, `mask_of(window)`'s masks
+    /// (the sliding one when the window is shorter than `keys`), the attention path.
+    pub(crate) fn ctx_with(
+        &self,
+        b: usize,
+        t: usize,
+        positions: &[u32],
+        keys: usize,
+        mask_of: impl Fn(Option<usize>) -> candle_core::Result<ops::AttnMask>,
+    ) -> candle_core::Result<BatchCtx> {
+        let shape = self.attn_shape(b, t);
+        let tables = |f: &crate::rope::Freqs| f.tables(positions, b, t, self.dtype, &self.device);
+        let (cos, sin) = tables(&self.rope)?;
+        let local_rope = self.local_rope.as_ref().map(tables).transpose()?;
         let mask = mask_of(None)?;
         let sliding = match self.cfg.sliding_window {
-            Some(w) if w < inp.t => Some(mask_of(Some(w))?),
+            Some(w) if w < keys => Some(mask_of(Some(w))?),
             _ => None,
         };
         Ok(BatchCtx {
@@ -539,7 +551,7 @@ impl Model {
             // (the plain path there).
             path: match shape.softcap {
                 Some(_) if !self.device.is_cpu() => ops::AttnPath::Plain,
-                _ => ops::AttnPath::for_shape(&self.device, inp.t, Some(self.cfg.head_dim))?,
+                _ => ops::AttnPath::for_shape(&self.device, t, Some(self.cfg.head_dim))?,
             },
             shape,
             local_rope,

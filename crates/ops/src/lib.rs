@@ -59,7 +59,7 @@ mod tests;
 pub use add::{add, add_wide};
 pub use attention::mask::{causal_mask, causal_mask_from, segment_mask};
 pub use attention::{
-    attend, attention, attention_backward, attention_keeping, attention_tiled,
+    attend, attend_after, attention, attention_backward, attention_keeping, attention_tiled,
     attention_tiled_kept, keep_probs, AttnCache, AttnMask, AttnPath, AttnShape, KeptAttn,
     TILED_MIN_T,
 };

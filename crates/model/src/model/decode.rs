@@ -1,24 +1,35 @@
-//! Incremental decoding with a key/value cache, for generation: the prompt is run once, then each new
-//! token attends to the cached rotated keys and values of everything before it. Inference only (no
-//! backward, no dropout). Checked against the full forward in `tests` below.
+//! Decoding with a key/value cache, for generation and for sampling inside training (GRPO): the
+//! prompts run once, then each new token attends to the cached rotated keys and values of
+//! everything before it. There is no forward here: each layer runs its own
+//! ([`Layer::forward_cached`], the training forward in its cached mode), so every family flag
+//! applies as in training. Inference only (no backward, no dropout).
+//!
+//! Rows are decoded together. Prompts of unequal lengths are left-padded to one length: a row's
+//! padding slots come first in its cache and no query of the row ever sees them
+//! ([`rtune_ops::AttnMask::after`]); its tokens' positions start at 0 after its padding, so each
+//! row computes what it would alone. After the first call every row takes the same number of new
+//! tokens a call (one, when sampling); rows that are done are dropped, and a prompt's cache is
+//! repeated for its group of completions, by [`KvCache::select_rows`].
 
-use candle_core::{DType, IndexOp, Tensor, D};
+use candle_core::{DType, Tensor};
 
 use super::Model;
-use crate::layer::Layer;
+use crate::layer::LayerKv;
 use crate::linear::LoraCtx;
 use crate::{ModelError, Result};
 use rtune_ops as ops;
 
-/// Rotated keys and values of every layer for the tokens seen so far: each `(1, Hkv, len, Dh)`.
+/// The rotated keys and values of every layer for the tokens seen so far, `B` rows of `S` slots:
+/// each layer's `(B, Hkv, S, Dh)`. Row `r`'s first `first[r]` slots are its left padding.
 #[derive(Default)]
 pub struct KvCache {
-    layers: Vec<(Tensor, Tensor)>,
+    layers: Vec<LayerKv>,
+    first: Vec<usize>,
     len: usize,
 }
 
 impl KvCache {
-    /// Tokens cached.
+    /// Slots `S` a row (padding included): the keys each new query sees at most.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -26,209 +37,209 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-}
 
-/// What the new tokens of one decoding step share across layers.
-struct StepCtx<'a> {
-    /// `(1, 1, n, Dh)`
-    cos: &'a Tensor,
-    sin: &'a Tensor,
-    /// `(1, 1, 1, n, start + n)`
-    mask: &'a Tensor,
-    /// `(heads, kv_heads, head_dim)`
-    shape: (usize, usize, usize),
-    /// Scores' scale and soft cap ([`ops::AttnShape`]'s).
-    scale: f64,
-    softcap: Option<f64>,
-}
-
-impl Layer {
-    /// `x: (n, D)` for `n` new tokens at positions `start..`; returns the output and the layer's
-    /// keys/values with the new ones appended.
-    fn decode(
-        &self,
-        x: &Tensor,
-        st: &StepCtx,
-        kv: Option<&(Tensor, Tensor)>,
-        lora: Option<&LoraCtx>,
-    ) -> candle_core::Result<(Tensor, (Tensor, Tensor))> {
-        let (cos, sin, mask) = (st.cos, st.sin, st.mask);
-        let (h, hkv, dh) = st.shape;
-        let (n, g) = (x.dim(0)?, h / hkv);
-        let (h1, _) = self.norm(x, &self.input_norm)?;
-        let (q, k, v) = self.project_qkv(&h1, lora)?;
-        let (q, k, _) = self.norm_qk(q, k)?;
-        // (n, H·Dh) -> (1, H, n, Dh)
-        let q = q.reshape((1, n, h, dh))?.transpose(1, 2)?.contiguous()?;
-        let k = k.reshape((1, n, hkv, dh))?.transpose(1, 2)?.contiguous()?;
-        let v = v.reshape((1, n, hkv, dh))?.transpose(1, 2)?.contiguous()?;
-        let q = rtune_ops::rope::apply(&q, cos, sin)?.reshape((1, hkv, g * n, dh))?;
-        let k = rtune_ops::rope::apply(&k, cos, sin)?;
-        let (k, v) = match kv {
-            Some((ck, cv)) => (Tensor::cat(&[ck, &k], 2)?, Tensor::cat(&[cv, &v], 2)?),
-            None => (k, v),
-        };
-        let total = k.dim(2)?;
-        let scores = (q.matmul(&k.t()?)? * st.scale)?.to_dtype(DType::F32)?;
-        let scores = match st.softcap {
-            Some(cap) => ((scores / cap)?.tanh()? * cap)?,
-            None => scores,
-        };
-        let scores = scores
-            .reshape((1, hkv, g, n, total))?
-            .broadcast_add(mask)?
-            .reshape((1, hkv, g * n, total))?;
-        let max = scores.max_keepdim(D::Minus1)?;
-        let e = scores.broadcast_sub(&max)?.exp()?;
-        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-        let o = p.to_dtype(x.dtype())?.matmul(&v)?;
-        let o = o
-            .reshape((1, h, n, dh))?
-            .transpose(1, 2)?
-            .reshape((n, h * dh))?;
-        let sandwich = self.sandwich.as_ref();
-        let a = self.o.forward(&o, lora, 0)?.0;
-        let a = self.sandwich_post(a, sandwich.map(|s| &s.0))?;
-        let hdn = (x + a)?;
-        let (h2, _) = self.norm(&hdn, &self.post_norm)?;
-        let (g, u) = self.project_gate_up(&h2, lora)?;
-        let m = self.act(&g, &u)?;
-        let d = self.down.forward(&m, lora, 0)?.0;
-        let out = (hdn + self.sandwich_post(d, sandwich.map(|s| &s.1))?)?;
-        Ok((out, (k, v)))
+    /// Rows `B`.
+    pub fn rows(&self) -> usize {
+        self.first.len()
     }
 
-    /// A sandwich norm's output (`x` as given without one).
-    fn sandwich_post(&self, x: Tensor, w: Option<&Tensor>) -> candle_core::Result<Tensor> {
-        match w {
-            Some(w) => Ok(self.norm(&x, w)?.0),
-            None => Ok(x),
+    /// Tokens row `r` has seen (its slots less its padding).
+    pub fn tokens(&self, r: usize) -> usize {
+        self.len - self.first[r]
+    }
+
+    /// Keeps the rows `rows`, in that order (a row may be named more than once): drop the rows
+    /// that are done, or repeat a prompt's row for each completion of its group. Padding slots
+    /// that no kept row has tokens in are cut. An empty `rows` empties the cache.
+    pub fn select_rows(&mut self, rows: &[usize]) -> Result<()> {
+        if let Some(&bad) = rows.iter().find(|&&r| r >= self.rows()) {
+            return Err(ModelError::candle(
+                "KvCache::select_rows",
+                candle_core::Error::Msg(format!("row {bad} of a cache of {} rows", self.rows())),
+            ));
         }
+        if rows.is_empty() {
+            *self = KvCache::default();
+            return Ok(());
+        }
+        let first: Vec<usize> = rows.iter().map(|&r| self.first[r]).collect();
+        let cut = first.iter().copied().min().unwrap_or(0);
+        let run = || -> candle_core::Result<Vec<LayerKv>> {
+            let dev = self.layers[0].0.device();
+            let idx = Tensor::from_vec(
+                rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+                rows.len(),
+                dev,
+            )?;
+            // (B, Hkv, S, Dh) -> (B', Hkv, S − cut, Dh)
+            let pick = |t: &Tensor| {
+                t.index_select(&idx, 0)?
+                    .narrow(2, cut, self.len - cut)?
+                    .contiguous()
+            };
+            self.layers
+                .iter()
+                .map(|(k, v)| Ok((pick(k)?, pick(v)?)))
+                .collect()
+        };
+        self.layers = run().map_err(|e| ModelError::candle("KvCache::select_rows", e))?;
+        self.first = first.iter().map(|f| f - cut).collect();
+        self.len -= cut;
+        Ok(())
     }
+}
+
+/// One completion of [`Model::complete_rows`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Completion {
+    /// The new tokens, the stop token not included.
+    pub tokens: Vec<u32>,
+    /// Ended by a stop token (`false`: cut at the most new tokens).
+    pub stopped: bool,
 }
 
 impl Model {
-    /// Runs `ids` (the next tokens) through the model with `cache`, extends the cache, and returns
-    /// the logits of the last token: `(V)`, f32.
+    /// Completes every prompt `group` times, all rows decoded together: each prompt runs once
+    /// and its cache is repeated for its `group` completions (completion `p·group + g` is prompt
+    /// `p`'s `g`-th: a group's completions consecutive). At each step `pick(c, logits)` chooses
+    /// completion `c`'s next token from its last token's logits (`(V)` f32), for the unfinished
+    /// completions in increasing `c` (a seeded sampler draws in one order: reproducible); a
+    /// completion ends at a token of `stop` or after `max_new` tokens, and its row leaves the
+    /// batch.
+    pub fn complete_rows(
+        &self,
+        prompts: &[Vec<u32>],
+        group: usize,
+        max_new: usize,
+        stop: &[u32],
+        lora: Option<&LoraCtx>,
+        pick: &mut dyn FnMut(usize, &[f32]) -> u32,
+    ) -> Result<Vec<Completion>> {
+        let mut out = vec![Completion::default(); prompts.len() * group];
+        if out.is_empty() || max_new == 0 {
+            return Ok(out);
+        }
+        let host = |t: Tensor| {
+            t.to_vec2::<f32>()
+                .map_err(|e| ModelError::candle("decode: logits to host", e))
+        };
+        let mut cache = KvCache::default();
+        let first = host(self.decode_rows(prompts, &mut cache, lora)?)?;
+        // Row c of the batch is completion c until rows leave: `live[row]` is its completion.
+        let mut live: Vec<usize> = (0..out.len()).collect();
+        let rows: Vec<usize> = live.iter().map(|c| c / group).collect();
+        cache.select_rows(&rows)?;
+        let mut logits: Vec<Vec<f32>> = rows.iter().map(|&p| first[p].clone()).collect();
+        loop {
+            let (mut keep, mut next) = (Vec::new(), Vec::new());
+            for (row, &c) in live.iter().enumerate() {
+                let t = pick(c, &logits[row]);
+                if stop.contains(&t) {
+                    out[c].stopped = true;
+                    continue;
+                }
+                out[c].tokens.push(t);
+                if out[c].tokens.len() < max_new {
+                    keep.push(row);
+                    next.push([t]);
+                }
+            }
+            if keep.is_empty() {
+                return Ok(out);
+            }
+            if keep.len() < live.len() {
+                cache.select_rows(&keep)?;
+                live = keep.iter().map(|&r| live[r]).collect();
+            }
+            logits = host(self.decode_rows(&next, &mut cache, lora)?)?;
+        }
+    }
+
+    /// Runs `ids` (the next tokens of one row) through the model with `cache`, extends the
+    /// cache, and returns the logits of the last token: `(V)`, f32. [`Model::decode_rows`] of
+    /// one row.
     pub fn decode(
         &self,
         ids: &[u32],
         cache: &mut KvCache,
         lora: Option<&LoraCtx>,
     ) -> Result<Tensor> {
+        self.decode_rows(&[ids], cache, lora)?
+            .squeeze(0)
+            .map_err(|e| ModelError::candle("decode", e))
+    }
+
+    /// Runs the next tokens of every row (`rows[r]` row `r`'s) through the model with `cache`,
+    /// extends the cache, and returns the logits of each row's last token: `(B, V)`, f32. On an
+    /// empty cache the rows may differ in length (each is left-padded to the longest, see the
+    /// module's notes); after that every row gives the same number of tokens, one row per row of
+    /// the cache. No row may be empty.
+    pub fn decode_rows<R: AsRef<[u32]>>(
+        &self,
+        rows: &[R],
+        cache: &mut KvCache,
+        lora: Option<&LoraCtx>,
+    ) -> Result<Tensor> {
+        let lens: Vec<usize> = rows.iter().map(|r| r.as_ref().len()).collect();
+        let n = lens.iter().copied().max().unwrap_or(0);
+        let fresh = cache.is_empty();
+        let refuse = |why: String| Err(ModelError::candle("decode", candle_core::Error::Msg(why)));
+        if lens.is_empty() || lens.contains(&0) {
+            return refuse(format!(
+                "rows of new tokens {lens:?}: each row needs one at least"
+            ));
+        }
+        if !fresh && (lens.len() != cache.rows() || lens.iter().any(|&l| l != n)) {
+            return refuse(format!(
+                "rows of new tokens {lens:?} after a cache of {} rows: one row of the same \
+                 number of tokens for each",
+                cache.rows()
+            ));
+        }
         let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
-        let mut run = || -> candle_core::Result<Tensor> {
-            let (n, start) = (ids.len(), cache.len);
-            let positions: Vec<u32> = (start..start + n).map(|p| p as u32).collect();
-            // LongRoPE picks its factors from these positions, as transformers does for the
-            // new tokens of a cached step.
-            let tables =
-                |f: &crate::rope::Freqs| f.tables(&positions, 1, n, self.dtype, &self.device);
-            let (cos, sin) = tables(&self.rope)?;
-            let local = self.local_rope.as_ref().map(tables).transpose()?;
-            let full = ops::causal_mask_from(n, start, None, &self.device)?;
-            let sliding = match self.cfg.sliding_window {
-                Some(w) if w < start + n => {
-                    Some(ops::causal_mask_from(n, start, Some(w), &self.device)?)
-                }
-                _ => None,
-            };
-            let shape = (self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim);
-            let attn = self.attn_shape(1, n);
-            let mut x = self.embed_tokens(ids, lora)?.0;
+        let (b, past, d) = (lens.len(), cache.len, self.cfg.hidden_size);
+        let first: Vec<usize> = match fresh {
+            true => lens.iter().map(|l| n - l).collect(),
+            false => cache.first.clone(),
+        };
+        let run = || -> candle_core::Result<(Tensor, Vec<LayerKv>)> {
+            // (B, n), row-major: padding (id 0, never seen) then the row's tokens.
+            let mut ids = Vec::with_capacity(b * n);
+            for (r, row) in rows.iter().enumerate() {
+                ids.extend(std::iter::repeat_n(0, n - lens[r]));
+                ids.extend_from_slice(row.as_ref());
+            }
+            // A token's position counts the row's tokens before it; padding at 0. LongRoPE
+            // picks its factors from these positions, as transformers does for the new tokens
+            // of a cached step.
+            let positions: Vec<u32> = first
+                .iter()
+                .flat_map(|&f| (past..past + n).map(move |s| s.saturating_sub(f) as u32))
+                .collect();
+            let mask_of = |w| ops::AttnMask::after(past, &first, n, w, &self.device);
+            let ctx = self.ctx_with(b, n, &positions, past + n, mask_of)?;
+            let mut x = self.embed_tokens(&ids, lora)?.0;
             let mut next = Vec::with_capacity(self.layers.len());
             let mut feed = self.feed(0..self.layers.len(), Vec::new());
             while let Some((i, layer)) = feed.next()? {
-                let m = match (&sliding, layer.sliding) {
-                    (Some(s), true) => s,
-                    _ => &full,
-                };
-                let (cos, sin) = match (&local, layer.sliding) {
-                    (Some((c, s)), true) => (c, s),
-                    _ => (&cos, &sin),
-                };
-                let st = StepCtx {
-                    cos,
-                    sin,
-                    mask: m,
-                    shape,
-                    scale: attn.scale,
-                    softcap: attn.softcap,
-                };
-                let (out, kv) = layer.decode(&x, &st, cache.layers.get(i), lora)?;
+                let (out, kv) = layer.forward_cached(&x, &ctx, lora, cache.layers.get(i))?;
                 next.push(kv);
                 x = out;
             }
-            let (h, _) = self.final_norm(&x.i(n - 1..n)?)?;
+            // (B·n, D) -> each row's last token, (B, D)
+            let last = x.reshape((b, n, d))?.narrow(1, n - 1, 1)?.reshape((b, d))?;
+            let (h, _) = self.final_norm(&last)?;
             let head = self.head_rows(lora)?;
             let logits = self.lm_logits(&h, head.as_ref())?.to_dtype(DType::F32)?;
-            cache.layers = next;
-            cache.len = start + n;
-            logits.squeeze(0)
+            Ok((logits, next))
         };
-        run().map_err(|e| ModelError::candle("decode", e))
+        let (logits, next) = run().map_err(|e| ModelError::candle("decode", e))?;
+        cache.layers = next;
+        cache.first = first;
+        cache.len = past + n;
+        Ok(logits)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::Inputs;
-    use candle_core::Device;
-    use std::path::Path;
-
-    fn max_abs(t: &Tensor) -> f32 {
-        t.abs()
-            .and_then(|a| a.max_all())
-            .and_then(|m| m.to_scalar::<f32>())
-            .unwrap()
-    }
-
-    fn fixture(name: &str) -> std::path::PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures")
-            .join(name)
-    }
-
-    /// Prefill then one token at a time gives the full forward's last-position logits, including
-    /// across a sliding window (tiny-mistral: window 5, 12 tokens), with Qwen3's q/k norms and
-    /// Gemma's sandwich norms, GeGLU, soft caps (Gemma 2) and local RoPE (Gemma 3), and Phi-3's
-    /// fused projections and Phi-4-mini's partial rotary.
-    #[test]
-    fn cached_decoding_equals_the_full_forward() {
-        for name in [
-            "tiny-llama3",
-            "tiny-mistral",
-            "tiny-qwen2",
-            "tiny-qwen3",
-            "tiny-gemma2",
-            "tiny-gemma3",
-            "tiny-phi3",
-            "tiny-phi4",
-        ] {
-            let model = Model::load(&fixture(name), DType::F32, &Device::Cpu).unwrap();
-            // tiny-phi4 (partial rotary, LongRoPE): within LongRoPE's original length of 8,
-            // where the short factors hold for every position (past it transformers switches
-            // the whole sequence to the long factors, which a cache of rotated keys cannot).
-            let n = if name == "tiny-phi4" { 8 } else { 12 };
-            let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 5) % 200 + 3).collect();
-            let mut cache = KvCache::default();
-            let mut got = vec![model.decode(&ids[..4], &mut cache, None).unwrap()];
-            for t in 4..n {
-                got.push(model.decode(&ids[t..t + 1], &mut cache, None).unwrap());
-            }
-            assert_eq!(cache.len(), n);
-            for (k, g) in got.iter().enumerate() {
-                let t = 3 + k; // last position seen by this call
-                let full = model
-                    .forward(&Inputs::new(ids[..=t].to_vec(), 1, t + 1), None, false)
-                    .unwrap();
-                let want = full.logits.i((0, t)).unwrap();
-                let err = max_abs(&(g - &want).unwrap());
-                let scale = max_abs(&want);
-                // Same ops on the same values in another grouping of the matmuls: f32 rounding only.
-                assert!(err <= 1e-5 * scale, "{name} position {t}: {err} vs {scale}");
-            }
-        }
-    }
-}
+mod tests;

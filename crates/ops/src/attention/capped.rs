@@ -11,16 +11,18 @@ use candle_core::{DType, Result, Tensor, D};
 
 use crate::softcap::{softcap, softcap_backward};
 
-/// `p = softmax(cap·tanh(raw·scale/cap) + mask)`, f32 `(1, Hkv, G·T, T)` (the steps rounded to
+/// `p = softmax(cap·tanh(raw·scale/cap) + mask)`, f32 `(1, Hkv, G·Tq, Tk)` (the steps rounded to
 /// `raw`'s dtype as torch's eager ops round them, see [`crate::softcap::softcap`]). `raw: (1, Hkv,
-/// G·T, T)` the unscaled scores in the compute dtype; `mask: (1, 1, 1, T, T)` additive f32 (0 or
+/// G·Tq, Tk)` the unscaled scores in the compute dtype; `mask: (1, 1, 1, Tq, Tk)` additive f32 (0 or
 /// −∞), broadcast over the kv heads and the G query heads of each.
 pub fn probs(raw: &Tensor, mask: &Tensor, scale: f64, cap: f64) -> Result<Tensor> {
-    let (_, hkv, gt, t) = raw.dims4()?;
+    let (_, hkv, gt, tk) = raw.dims4()?;
+    // Tq = Tk but for a decoding step's queries after cached keys.
+    let tq = mask.dim(D::Minus2)?;
     let z = softcap(raw, scale, cap)?
-        .reshape((1, hkv, gt / t, t, t))?
+        .reshape((1, hkv, gt / tq, tq, tk))?
         .broadcast_add(mask)?
-        .reshape((1, hkv, gt, t))?;
+        .reshape((1, hkv, gt, tk))?;
     let max = z.max_keepdim(D::Minus1)?;
     let e = z.broadcast_sub(&max)?.exp()?;
     let sum = e.sum_keepdim(D::Minus1)?;

@@ -15,6 +15,11 @@ pub struct AttnMask {
     b: usize,
     t: usize,
     window: Option<usize>,
+    /// Keys before the queries ([`AttnMask::after`]): query `i` sits at key slot `past + i`.
+    past: usize,
+    /// [`AttnMask::after`]'s starts on the host, `(B, T)` row-major: its dense mask is built
+    /// from them.
+    after: Option<std::sync::Arc<[u32]>>,
     dense: std::sync::Arc<std::sync::OnceLock<Tensor>>,
 }
 
@@ -59,19 +64,61 @@ impl AttnMask {
             b,
             t,
             window,
+            past: 0,
+            after: None,
             dense: Default::default(),
         })
     }
 
-    /// The additive f32 mask of the plain path, `(B or 1, 1, 1, T, T)` (built once).
+    /// The mask of `t` new queries a row after `past` cached keys (decoding with a key/value
+    /// cache): query `i` of row `r` is key slot `past + i` and sees the keys
+    /// `max(first[r], past + i + 1 − window) ..= past + i`. Slots before `first[r]` are the row's
+    /// left padding: no query of the row sees them, and a padding query (`past + i < first[r]`)
+    /// sees itself only, so no softmax row is empty. `starts: (B, T)`; the dense mask
+    /// `(B, 1, 1, T, past + T)`. With `past = 0` and every `first` 0 it is [`AttnMask::new`]'s
+    /// causal (windowed) mask.
+    pub fn after(
+        past: usize,
+        first: &[usize],
+        t: usize,
+        window: Option<usize>,
+        dev: &candle_core::Device,
+    ) -> Result<AttnMask> {
+        let w = window.unwrap_or(usize::MAX).max(1);
+        let starts: Vec<u32> = first
+            .iter()
+            .flat_map(|&f| {
+                (past..past + t).map(move |q| f.max((q + 1).saturating_sub(w)).min(q) as u32)
+            })
+            .collect();
+        let b = first.len();
+        Ok(AttnMask {
+            starts: Tensor::from_vec(starts.clone(), (b, t), dev)?,
+            segments: None,
+            b,
+            t,
+            window,
+            past,
+            after: Some(starts.into()),
+            dense: Default::default(),
+        })
+    }
+
+    /// Keys before the queries: 0 but for [`AttnMask::after`].
+    pub fn past(&self) -> usize {
+        self.past
+    }
+
+    /// The additive f32 mask of the plain path, `(B or 1, 1, 1, T, past + T)` (built once).
     pub fn dense(&self) -> Result<Tensor> {
         if let Some(m) = self.dense.get() {
             return Ok(m.clone());
         }
         let dev = self.starts.device();
-        let m = match &self.segments {
-            Some(seg) => segment_mask(seg, self.b, self.t, self.window, dev)?,
-            None => causal_mask(self.t, self.window, dev)?,
+        let m = match (&self.after, &self.segments) {
+            (Some(starts), _) => starts_mask(starts, self.b, self.t, self.past, dev)?,
+            (None, Some(seg)) => segment_mask(seg, self.b, self.t, self.window, dev)?,
+            (None, None) => causal_mask(self.t, self.window, dev)?,
         };
         Ok(self.dense.get_or_init(|| m).clone())
     }
@@ -105,6 +152,24 @@ pub fn causal_mask_from(
         })
         .collect();
     Tensor::from_vec(m, (1, 1, 1, n, total), dev)
+}
+
+/// The additive mask `(B, 1, 1, T, past + T)`, f32, of query `i` of row `r` seeing the keys
+/// `starts[r·T + i] ..= past + i` ([`AttnMask::after`]).
+fn starts_mask(
+    starts: &[u32],
+    b: usize,
+    t: usize,
+    past: usize,
+    dev: &candle_core::Device,
+) -> Result<Tensor> {
+    let total = past + t;
+    let mut m = vec![f32::NEG_INFINITY; b * t * total];
+    for (k, (row, &s)) in m.chunks_mut(total).zip(starts).enumerate() {
+        let q = past + k % t;
+        row[s as usize..=q].fill(0.0);
+    }
+    Tensor::from_vec(m, (b, 1, 1, t, total), dev)
 }
 
 /// Block-diagonal causal mask of packed rows `(B, 1, 1, T, T)`, f32: key `j` is visible to query `i`

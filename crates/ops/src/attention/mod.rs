@@ -42,7 +42,8 @@ pub use reference::{attention_grad_reference, attention_probs_reference};
 pub struct AttnCache {
     /// Rotated queries grouped by kv head: `(B, Hkv, G·T, Dh)` (the same memory as `(B, H, T, Dh)`).
     pub q: Tensor,
-    /// Rotated keys: `(B, Hkv, T, Dh)`.
+    /// Rotated keys: `(B, Hkv, T, Dh)` (after [`attend_after`]: the past's and the new ones,
+    /// `(B, Hkv, S + T, Dh)`, as `v`).
     pub k: Tensor,
     pub v: Tensor,
     /// The probabilities, f32, `(1, Hkv, G·T, T)` per batch row — kept only when small (see
@@ -325,6 +326,54 @@ pub fn attention_keeping(
     mask: &Tensor,
     keep: bool,
 ) -> Result<(Tensor, AttnCache)> {
+    plain(q, k, v, s, cos, sin, mask, keep, None)
+}
+
+/// Attention of the new tokens `q, k, v` ([`attention`]'s shapes, `T` new tokens a row) after
+/// the rotated keys and values of the tokens before them (decoding with a key/value cache):
+/// `past = (k, v)`, `(B, Hkv, S, Dh)` each; `mask` an [`AttnMask::after`] with `past() = S`.
+/// Always the plain path, with the same masked softmax (and soft cap) as [`attention`]: the
+/// tiled kernels take queries and keys of one length, and a step's `T × (S + T)` scores are
+/// small. Returns the output `(N, H·Dh)` and a cache whose `k, v` are the past's with the new
+/// tokens' appended, `(B, Hkv, S + T, Dh)`: what the next step takes. Inference only
+/// ([`attention_backward`] refuses the cache).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_after(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &AttnMask,
+    past: (&Tensor, &Tensor),
+) -> Result<(Tensor, AttnCache)> {
+    let (pk, pv) = past;
+    if pk.dims() != pv.dims() || pk.dim(2)? != mask.past() {
+        candle_core::bail!(
+            "attend_after: past keys {:?} and values {:?} for a mask after {} keys",
+            pk.dims(),
+            pv.dims(),
+            mask.past()
+        );
+    }
+    plain(q, k, v, s, cos, sin, &mask.dense()?, false, Some(past))
+}
+
+/// The plain path: [`attention_keeping`], after `past` keys and values when given
+/// ([`attend_after`]).
+#[allow(clippy::too_many_arguments)]
+fn plain(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+    keep: bool,
+    past: Option<(&Tensor, &Tensor)>,
+) -> Result<(Tensor, AttnCache)> {
     let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
     let g = h / hkv;
     let dt = q.dtype();
@@ -334,6 +383,11 @@ pub fn attention_keeping(
     let v = v.reshape((b, t, hkv, dh))?.transpose(1, 2)?.contiguous()?;
     let q = crate::rope::apply(&q, cos, sin)?;
     let k = crate::rope::apply(&k, cos, sin)?.contiguous()?;
+    // Decoding: the keys and values before these tokens come first, (B, Hkv, S + T, Dh).
+    let (k, v) = match past {
+        Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
+        None => (k, v),
+    };
     // (B, H, T, Dh) = (B, Hkv, G, T, Dh) -> (B, Hkv, G·T, Dh)
     let q = q.reshape((b, hkv, g * t, dh))?;
     let mut outs = Vec::with_capacity(b);
@@ -403,6 +457,13 @@ pub fn attention_backward(
     sin: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
+    if c.k.dim(2)? != t {
+        candle_core::bail!(
+            "attention_backward: keys {:?} for {t} queries a row: a decoding step \
+             (attend_after) has no backward",
+            c.k.dims()
+        );
+    }
     let back = |x: Tensor, heads: usize| x.transpose(1, 2)?.reshape((b * t, heads * dh));
     let mask = match &c.saved {
         AttnSaved::Plain { mask } => mask,
