@@ -55,7 +55,7 @@ impl Layer {
         let (cos, sin, mask) = (st.cos, st.sin, st.mask);
         let (h, hkv, dh) = st.shape;
         let (n, g) = (x.dim(0)?, h / hkv);
-        let (h1, _) = self.norm(x, &self.input_norm)?;
+        let (h1, _) = self.sandwich_norm(x.clone(), self.input_norm.as_ref())?;
         let (q, k, v) = self.project_qkv(&h1, lora)?;
         let (q, k, _) = self.norm_qk(q, k)?;
         // (n, H·Dh) -> (1, H, n, Dh)
@@ -90,7 +90,7 @@ impl Layer {
         let a = self.o.forward(&o, lora, 0)?.0;
         let a = self.sandwich_post(a, sandwich.map(|s| &s.0))?;
         let hdn = (x + a)?;
-        let (h2, _) = self.norm(&hdn, &self.post_norm)?;
+        let (h2, _) = self.sandwich_norm(hdn.clone(), self.post_norm.as_ref())?;
         let (g, u) = self.project_gate_up(&h2, lora)?;
         let m = self.act(&g, &u)?;
         let d = self.down.forward(&m, lora, 0)?.0;
