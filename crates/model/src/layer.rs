@@ -11,7 +11,7 @@
 //! (`sandwich`: `h = x + n3(attn)`, `out = h + n4(mlp(n2(h)))`), and the MLP is GeGLU. OLMo 2's
 //! has the post norms only (`input_norm` and `post_norm` absent: `h = x + n3(attn(x))`,
 //! `out = h + n4(mlp(h))`), and q/k norms over the whole projection width (`qk_norm` weights of
-//! `(H·Dh)` and `(Hkv·Dh)`: one group a row in [`Layer::norm_qk`]).
+//! `(H·Dh)` and `(Hkv·Dh)`: one group a row in `Layer::norm_qk`).
 //!
 //! Phi-3's checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, and PEFT
 //! adapts each as one module: the layer then has one member in `attn_in` (`mlp_in`) whose output
