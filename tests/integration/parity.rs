@@ -547,6 +547,10 @@ fn bf16_compute_matches_peft_bf16() {
 /// logits leave PEFT's by 1e-2.)
 #[test]
 fn families_bf16_compute_matches_peft_bf16() {
+    // Not OLMo 2 yet: transformers' Olmo2 keeps cos/sin in f32 and rotates q/k in f32 with one
+    // rounding (`Olmo2RotaryEmbedding.forward` does not cast them; Llama's does), while the shared
+    // attention rotates in the compute dtype: its bf16 logits are 1.5e-2 from
+    // golden_tiny_olmo2_bf16 until the rope op has an f32 mode (f32 parity is unaffected).
     for fam in ["gemma2", "gemma3", "qwen3", "phi3", "phi4"] {
         bf16_matches_peft(
             &format!("fixtures/tiny-{fam}"),
