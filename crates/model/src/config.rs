@@ -2,6 +2,7 @@
 //! from ([`ModelConfig`]). Both the transformers v4 layout (`rope_theta`, `rope_scaling`) and the v5
 //! layout (`rope_parameters`) are read; the RoPE keys in `rope`.
 
+pub mod family;
 mod rope;
 mod values;
 
@@ -10,8 +11,8 @@ pub(crate) use values::positive;
 use serde::Deserialize;
 use std::path::Path;
 
-use crate::family::{self, Act, Family};
 use crate::{ModelError, Result};
+use family::{Act, Family};
 
 /// The subset of config.json that rtune reads; other keys are ignored (HF configs carry many).
 #[derive(Debug, Clone, Deserialize)]
@@ -119,7 +120,7 @@ pub struct Variant {
     pub plus_one_norms: bool,
     /// The attention's and the MLP's outputs are normed before their residual adds
     /// (`post_attention_layernorm`, `post_feedforward_layernorm`: Gemma 2 and 3 beside their
-    /// pre-norms, OLMo 2 instead of them); set from the family's [`crate::family::LayerNorms`].
+    /// pre-norms, OLMo 2 instead of them); set from the family's [`family::LayerNorms`].
     pub sandwich_norms: bool,
     /// Norms multiply by their weight in f32 and round once at the end (Gemma's and OLMo 2's
     /// `(w·x).to(dtype)`, unlike Llama's `w·x.to(dtype)`); the same on f32.

@@ -22,7 +22,6 @@
 
 pub mod config;
 
-pub mod family;
 mod feed;
 mod gathered;
 
@@ -38,8 +37,8 @@ mod test_util;
 pub mod tokens;
 pub mod weights;
 
+pub use config::family::{self, Family};
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
-pub use family::Family;
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::KvCache;
 pub use model::{Forward, Inputs, Model, Objective, PerTokenLoss, Quantize};

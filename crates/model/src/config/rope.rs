@@ -5,9 +5,9 @@
 
 use serde_json::Value;
 
+use super::family::RopeRules;
 use super::values::{number, positive, string, table};
 use super::{HfConfig, RopeScaling};
-use crate::family::RopeRules;
 
 /// What the RoPE keys give: the global layers' base and scaling, the local (sliding) layers' own
 /// where a family gives them one (Gemma 3), and the rotated width of a head when it is not all of
