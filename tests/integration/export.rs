@@ -381,6 +381,113 @@ fn gguf_lora_has_llama_cpp_layout() {
     assert_eq!(c.tensor_infos.len(), 4);
 }
 
+/// OLMo 2 (`tests/fixtures/tiny-olmo2`: post norms only, whole-width q/k norms) exports as the
+/// other families: the merged model's logits equal base + adapter (f32: summation order only,
+/// 1e-5 as [`merged_f32_logits_equal_base_plus_adapter`]) with every tensor but the adapted
+/// projections copied byte for byte; the LoRA GGUF names llama.cpp's `olmo2` architecture, its
+/// tensors `blk.N.<attn_q|...|ffn_down>.weight.lora_{a,b}` exactly the adapter's, q/k rows
+/// unpermuted (convert_hf_to_gguf.py's Olmo2Model is no LlamaModel: llama.cpp rotates it
+/// NeoX-style).
+#[test]
+fn olmo2_exports_merged_and_gguf_lora() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base_dir = fixture("fixtures/tiny-olmo2");
+    let adapter_dir = tmp.path().join("adapter");
+    let spec = LoraSpec::new(4, 8.0, 0.0, false, &["all-linear".into()]).unwrap();
+    let ad = random_adapter(&base_dir, spec.clone(), &adapter_dir);
+
+    let merged = tmp.path().join("merged");
+    let o = export(&[
+        "--run",
+        &s(&adapter_dir),
+        "--format",
+        "merged",
+        "--out",
+        &s(&merged),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut base = Model::load(&base_dir, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(base.cfg.arch, &rtune_model::family::OLMO2);
+    base.attach(&ad);
+    let lc = LoraCtx {
+        adapter: &ad,
+        scaling: spec.scaling(),
+        dropout: 0.0,
+        seed: 0,
+    };
+    // Ids inside the fixture's 256-token vocabulary.
+    let ids: Vec<u32> = (0..16u32).map(|i| 1 + i * 15).collect();
+    let logits = |m: &Model, lora: Option<&LoraCtx>| {
+        let inp = Inputs::new(ids.clone(), 2, 8);
+        m.forward(&inp, lora, false).unwrap().logits
+    };
+    let want = logits(&base, Some(&lc));
+    let got = logits(
+        &Model::load(&merged, DType::F32, &Device::Cpu).unwrap(),
+        None,
+    );
+    let err = rel_err(&got, &want);
+    assert!(err < 1e-5, "merged vs base+adapter: {err:e}");
+    let effect = rel_err(&logits(&base, None), &want);
+    assert!(
+        effect > 1e-3,
+        "the adapter barely changes the logits ({effect:e})"
+    );
+    let (b, m) = (
+        tensors(&base_dir.join("model.safetensors")),
+        tensors(&merged.join("model.safetensors")),
+    );
+    assert_eq!(b.len(), m.len());
+    for (name, t) in &b {
+        let adapted = name.ends_with("_proj.weight");
+        assert_eq!(raw_bytes(t) == raw_bytes(&m[name]), !adapted, "{name}");
+    }
+
+    let out = tmp.path().join("lora.gguf");
+    let o = export(&[
+        "--run",
+        &s(&adapter_dir),
+        "--format",
+        "gguf-lora",
+        "--out",
+        &s(&out),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut f = std::fs::File::open(&out).unwrap();
+    let c = gguf_file::Content::read(&mut f).unwrap();
+    let arch = c.metadata["general.architecture"].to_string().unwrap();
+    assert_eq!(arch, "olmo2");
+    let gg = [
+        ("self_attn.q_proj", "attn_q"),
+        ("self_attn.k_proj", "attn_k"),
+        ("self_attn.v_proj", "attn_v"),
+        ("self_attn.o_proj", "attn_output"),
+        ("mlp.gate_proj", "ffn_gate"),
+        ("mlp.up_proj", "ffn_up"),
+        ("mlp.down_proj", "ffn_down"),
+    ];
+    let mut want_names = BTreeSet::new();
+    for l in 0..2 {
+        for (hf, g) in gg {
+            let k = ad.index_of(&format!("model.layers.{l}.{hf}")).unwrap();
+            for (suffix, t) in [("lora_a", &ad.pairs[k].a), ("lora_b", &ad.pairs[k].b)] {
+                let name = format!("blk.{l}.{g}.weight.{suffix}");
+                let q = c.tensor(&mut f, &name, &Device::Cpu).unwrap();
+                let got = q.dequantize(&Device::Cpu).unwrap();
+                assert_eq!(got.dims(), t.dims(), "{name}");
+                assert_eq!(
+                    raw_bytes(&got),
+                    raw_bytes(t),
+                    "{name}: rows as transformers has them"
+                );
+                want_names.insert(name);
+            }
+        }
+    }
+    let names: BTreeSet<String> = c.tensor_infos.keys().cloned().collect();
+    assert_eq!(names, want_names);
+}
+
 #[test]
 fn peft_export_and_checkpoints() {
     let tmp = tempfile::tempdir().unwrap();

@@ -104,6 +104,16 @@ fn phi4_trains_as_peft() {
     train_matches_golden("fixtures/tiny-phi4", "parity/golden_tiny_phi4.safetensors");
 }
 
+/// OLMo 2 (post norms only, q/k norms over the whole projection width, untied), with
+/// checkpointing: the recompute forms the down projection again for the post-feed-forward norm.
+#[test]
+fn olmo2_trains_as_peft() {
+    train_matches_golden(
+        "fixtures/tiny-olmo2",
+        "parity/golden_tiny_olmo2.safetensors",
+    );
+}
+
 /// `[lora] targets = ["q_proj"]` on Phi-3, whose q/k/v are one qkv_proj: exit 2 before anything
 /// is written, one line naming the modules Phi-3 has.
 #[test]

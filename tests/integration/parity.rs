@@ -338,7 +338,7 @@ fn qwen3_qk_norm_head_dim_and_window_match_peft() {
         "fixtures/tiny-qwen3",
         "parity/golden_tiny_qwen3.safetensors",
     );
-    assert_eq!(c.model.cfg.arch, rtune_model::Arch::Qwen3);
+    assert_eq!(c.model.cfg.arch, &rtune_model::family::QWEN3);
     assert_eq!(
         (c.model.cfg.head_dim, c.model.cfg.window_layers.clone()),
         (24, vec![false, true])
@@ -358,7 +358,7 @@ fn gemma2_softcaps_sandwich_norms_and_geglu_match_peft() {
         "parity/golden_tiny_gemma2.safetensors",
     );
     let cfg = &c.model.cfg;
-    assert_eq!(cfg.arch, rtune_model::Arch::Gemma2);
+    assert_eq!(cfg.arch, &rtune_model::family::GEMMA2);
     assert_eq!(
         (cfg.variant.attn_softcap, cfg.variant.final_softcap),
         (Some(2.0), Some(3.0))
@@ -378,7 +378,7 @@ fn gemma3_local_global_rope_and_qk_norms_match_peft() {
         "parity/golden_tiny_gemma3.safetensors",
     );
     let cfg = &c.model.cfg;
-    assert_eq!(cfg.arch, rtune_model::Arch::Gemma3);
+    assert_eq!(cfg.arch, &rtune_model::family::GEMMA3);
     assert!(cfg.variant.qk_norm && cfg.variant.attn_softcap.is_none());
     assert_eq!(
         cfg.variant.local_rope,
@@ -399,7 +399,7 @@ fn gemma3_local_global_rope_and_qk_norms_match_peft() {
 fn phi3_fused_qkv_gate_up_match_peft() {
     let c = case("fixtures/tiny-phi3", "parity/golden_tiny_phi3.safetensors");
     let cfg = &c.model.cfg;
-    assert_eq!(cfg.arch, rtune_model::Arch::Phi3);
+    assert_eq!(cfg.arch, &rtune_model::family::PHI3);
     assert!(cfg.variant.fused_proj && !cfg.tie_word_embeddings);
     assert_eq!(cfg.window_layers, vec![true, true]);
     assert_eq!(
@@ -450,6 +450,25 @@ fn phi4_partial_rotary_and_longrope_match_peft() {
     let e = rel_err(&out.logits, c.golden.get("short_logits"));
     eprintln!("short-factor logits rel err {e:e}");
     assert!(e <= 1e-5, "short-factor logits rel err {e:e}");
+}
+
+/// OLMo 2: norms after attention and after the MLP only (no input or pre-feed-forward norm), q/k
+/// RMSNorm over the whole projection width (`(64)` and `(32)` weights, not per head), every norm
+/// weight jittered around 1, untied: logits, hidden states, loss, LoRA gradients (with and
+/// without checkpointing) and three AdamW steps as PEFT.
+#[test]
+fn olmo2_post_norms_and_whole_width_qk_norms_match_peft() {
+    let c = case(
+        "fixtures/tiny-olmo2",
+        "parity/golden_tiny_olmo2.safetensors",
+    );
+    let cfg = &c.model.cfg;
+    assert_eq!(cfg.arch, &rtune_model::family::OLMO2);
+    let v = &cfg.variant;
+    assert!(v.qk_norm && v.qk_norm_whole && v.sandwich_norms && v.f32_norms);
+    assert!(!v.plus_one_norms && !cfg.tie_word_embeddings);
+    check_forward_and_grads(&c);
+    check_adamw(&c);
 }
 
 /// Mistral: a sliding window (5) on every layer, head_dim 8 ≠ hidden / heads.
@@ -519,14 +538,19 @@ fn bf16_compute_matches_peft_bf16() {
 }
 
 /// The other families in bf16 (`make_arch_goldens.py --only gemma2_bf16,gemma3_bf16,qwen3_bf16,
-/// phi3_bf16,phi4_bf16`): Gemma's (1 + w) norms computed in f32 and rounded once, GeGLU's f32 gate,
-/// the soft caps and the embedding scale on bf16 activations; Qwen3's q/k norms; Phi-3's fused
-/// qkv_proj / gate_up_proj adapted as one module each; Phi-4-mini's partial rotary and LongRoPE.
+/// phi3_bf16,phi4_bf16,olmo2_bf16`): Gemma's (1 + w) norms computed in f32 and rounded once, GeGLU's
+/// f32 gate, the soft caps and the embedding scale on bf16 activations; Qwen3's q/k norms; Phi-3's
+/// fused qkv_proj / gate_up_proj adapted as one module each; Phi-4-mini's partial rotary and
+/// LongRoPE; OLMo 2's post norms and whole-width q/k norms (weights multiplied in f32, one rounding).
 /// The tolerances of [`bf16_compute_matches_peft_bf16`]. (Qwen3's and Gemma 3's head_dim 24 makes
 /// the score scale 1/√24, not a bf16 value: the scaled scores round once, as torch's, or the
 /// logits leave PEFT's by 1e-2.)
 #[test]
 fn families_bf16_compute_matches_peft_bf16() {
+    // Not OLMo 2 yet: transformers' Olmo2 keeps cos/sin in f32 and rotates q/k in f32 with one
+    // rounding (`Olmo2RotaryEmbedding.forward` does not cast them; Llama's does), while the shared
+    // attention rotates in the compute dtype: its bf16 logits are 1.5e-2 from
+    // golden_tiny_olmo2_bf16 until the rope op has an f32 mode (f32 parity is unaffected).
     for fam in ["gemma2", "gemma3", "qwen3", "phi3", "phi4"] {
         bf16_matches_peft(
             &format!("fixtures/tiny-{fam}"),

@@ -23,8 +23,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config,
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, MistralConfig, Olmo2Config,
+                          Phi3Config, Qwen2Config, Qwen3Config)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "..", "fixtures")
@@ -76,6 +76,11 @@ MODELS = {
                                         "partial_rotary_factor": 0.75,
                                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
+    # OLMo 2: norms after attention and after the MLP only (no input or pre-feed-forward norm),
+    # q/k RMSNorm over the whole projection width (q: 64, k: 32) before RoPE, untied; every norm
+    # weight jittered around 1, so a per-head q/k norm or a norm in the wrong place changes every
+    # output
+    "olmo2": Olmo2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 # Families whose adapters target the fused modules.
 FUSED = {"phi3", "phi4"}
@@ -84,7 +89,7 @@ LONGROPE = {"phi4"}
 SHORT_T = 8
 # Families whose norm weights are drawn as 1 + N(0, 0.1) instead of left at 1, so a norm applied
 # with the wrong weight (or the wrong formula: w vs 1 + w) changes every output.
-JITTER_NORMS = {"qwen3", "phi3", "phi4"}
+JITTER_NORMS = {"qwen3", "phi3", "phi4", "olmo2"}
 # Families whose norms multiply by (1 + w) (stored w = 0 is the identity): drawn as N(0, 0.1).
 PLUS_ONE_NORMS = {"gemma2", "gemma3"}
 
@@ -172,8 +177,8 @@ def golden(name, model_dir, dtype, vocab):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,phi3,phi4,"
-                    "llama_bf16,gemma2_bf16,gemma3_bf16,qwen3_bf16,phi3_bf16,phi4_bf16)")
+    ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,phi3,phi4,olmo2,"
+                    "llama_bf16,gemma2_bf16,gemma3_bf16,qwen3_bf16,phi3_bf16,phi4_bf16,olmo2_bf16)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
@@ -183,7 +188,8 @@ if __name__ == "__main__":
         golden("llama_bf16", os.path.join(FIX, "tiny-llama"), torch.bfloat16, 512)
     # bf16 compute on the Gemma fixtures: (1 + w) norms in f32 rounded once, GeGLU, soft caps and
     # the embedding scale on bf16 activations; Qwen3's q/k norms; Phi-3's fused projections and
-    # Phi-4's partial rotary with LongRoPE
-    for fam in ("gemma2", "gemma3", "qwen3", "phi3", "phi4"):
+    # Phi-4's partial rotary with LongRoPE; OLMo 2's norms (f32 products, one rounding) and
+    # whole-width q/k norms
+    for fam in ("gemma2", "gemma3", "qwen3", "phi3", "phi4", "olmo2"):
         if not only or f"{fam}_bf16" in only:
             golden(f"{fam}_bf16", os.path.join(FIX, f"tiny-{fam}"), torch.bfloat16, 256)

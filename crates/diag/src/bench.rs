@@ -19,9 +19,7 @@ use serde::Serialize;
 use std::time::Instant;
 
 use rtune_lora::{Adapter, LoraSpec};
-use rtune_model::{
-    Arch, Grads, Inputs, LoraCtx, Model, ModelConfig, ModelError, Quantize, RopeScaling,
-};
+use rtune_model::{Grads, Inputs, LoraCtx, Model, ModelConfig, ModelError, Quantize, RopeScaling};
 use rtune_train::memory;
 use rtune_train::optim::LoraOptimizer;
 
@@ -250,7 +248,7 @@ pub fn gemm_rates(
 /// The bench's random Llama: the options' shape, untied lm_head, no biases.
 pub fn model_config(o: &BenchOptions) -> ModelConfig {
     ModelConfig {
-        arch: Arch::Llama,
+        arch: &rtune_model::family::LLAMA,
         hidden_size: o.hidden,
         intermediate_size: o.intermediate,
         num_layers: o.layers,

@@ -383,7 +383,7 @@ mod tests {
             let (l, g) = cpu_step(&cfg, DType::F32, false)?;
             let (lc, gc) = cpu_step(&cfg, DType::F32, true)?;
             assert!(l.is_finite() && l > 0.0, "{f:?}: loss {l}");
-            let modules = cfg.arch.linear_modules().len();
+            let modules = cfg.arch.linear_modules.len();
             assert_eq!(g.len(), 2 * modules * cfg.num_layers, "{f:?}");
             for (k, t) in g.iter().enumerate() {
                 assert!(sq_norm(t)? > 0.0, "{f:?}: LoRA gradient {k} is zero");

@@ -20,7 +20,7 @@ fn tiny(layers: usize) -> ModelConfig {
 /// hidden 512, 8 layers, 8/2 heads, intermediate 1376, vocab 32000, untied lm_head, no biases.
 fn bench_small() -> ModelConfig {
     ModelConfig {
-        arch: rtune_model::Arch::Llama,
+        arch: &rtune_model::family::LLAMA,
         hidden_size: 512,
         intermediate_size: 1376,
         num_layers: 8,
@@ -85,7 +85,7 @@ fn phi3_counts_one_adapter_per_fused_module() {
     assert_eq!(lora_params(&phi3, &s), 2 * per_layer);
     assert_eq!(2 * per_layer, 5888);
     let mut llama = phi3.clone();
-    llama.arch = rtune_model::Arch::Llama;
+    llama.arch = &rtune_model::family::LLAMA;
     llama.variant.fused_proj = false;
     let (a, b) = (estimate(&phi3, &s), estimate(&llama, &s));
     assert_eq!(a.get(names::WEIGHTS), b.get(names::WEIGHTS));

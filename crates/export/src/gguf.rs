@@ -1,15 +1,18 @@
 //! The adapter as a GGUF file for llama.cpp's `--lora`, laid out as llama.cpp's
 //! `convert_lora_to_gguf.py` writes it (default `--outtype f32`):
 //!
-//! - metadata `general.architecture` (`llama` for Llama and Mistral, `qwen2` for Qwen2: the
-//!   architecture of the base model's GGUF, which llama.cpp checks), `general.type = "adapter"`,
+//! - metadata `general.architecture` (the family descriptor's `gguf.arch`: `llama` for Llama and
+//!   Mistral, `qwen2` for Qwen2, `olmo2` for OLMo 2, ...: the architecture of the base model's
+//!   GGUF, which llama.cpp checks), `general.type = "adapter"`,
 //!   `adapter.type = "lora"`, `adapter.lora.alpha` (f32);
-//! - per adapted layer `blk.N.<t>.weight.lora_a` and `.lora_b`, `<t>` one of attn_q, attn_k,
-//!   attn_v, attn_output, ffn_gate, ffn_up, ffn_down; f32. Neither is transposed: A `(r, in)` and
+//! - per adapted layer `blk.N.<t>.weight.lora_a` and `.lora_b`, `<t>` the descriptor's name of
+//!   the module (attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down; Phi-3's
+//!   attn_qkv, ffn_up); f32. Neither is transposed: A `(r, in)` and
 //!   B `(out, r)` row-major, i.e. GGUF dims `ne = [in, r]` and `[r, out]` (GGUF lists the fastest
 //!   dimension first), which is what llama-adapter.cpp checks against the base tensor's
 //!   `ne = [in, out]`;
-//! - for the `llama` architecture the rows of B for attn_q and attn_k are permuted exactly as
+//! - where the descriptor says so (`gguf.permute_qk`: the `llama` architecture) the rows of B for
+//!   attn_q and attn_k are permuted exactly as
 //!   convert_hf_to_gguf.py permutes the base's q_proj/k_proj weights (Hugging Face's rotate-half
 //!   RoPE layout to GGML's interleaved pairs); A is unchanged. `qwen2` uses NeoX RoPE: no permute.
 //!
@@ -28,7 +31,7 @@ use std::path::Path;
 
 use rtune_fsio::{write_atomic, Privacy};
 use rtune_lora::Adapter;
-use rtune_model::{Arch, ModelConfig};
+use rtune_model::{Family, ModelConfig};
 
 use crate::{adapter_spec, base_config, module_shapes, ExportError, Result};
 
@@ -38,25 +41,14 @@ const GGUF_TYPE_UINT32: u32 = 4;
 const GGUF_TYPE_FLOAT32: u32 = 6;
 const GGUF_TYPE_STRING: u32 = 8;
 
-/// llama.cpp's name for a module's weight: `model.layers.3.self_attn.q_proj` → `blk.3.attn_q.weight`.
-pub fn gguf_tensor_name(module: &str) -> Option<String> {
+/// llama.cpp's name for a module's weight in a base of family `family` (its descriptor's
+/// [`Gguf::linears`](rtune_model::family::Gguf)): `model.layers.3.self_attn.q_proj` →
+/// `blk.3.attn_q.weight`.
+pub fn gguf_tensor_name(family: &Family, module: &str) -> Option<String> {
     let rest = module.strip_prefix("model.layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let t = match rest {
-        "self_attn.q_proj" => "attn_q",
-        "self_attn.k_proj" => "attn_k",
-        "self_attn.v_proj" => "attn_v",
-        "self_attn.o_proj" => "attn_output",
-        "mlp.gate_proj" => "ffn_gate",
-        "mlp.up_proj" => "ffn_up",
-        "mlp.down_proj" => "ffn_down",
-        // Phi-3 (convert_hf_to_gguf.py's Phi3MiniModel keeps them fused): `attn_qkv`, and the
-        // fused gate/up as `ffn_up` (llama.cpp splits its rows gate, up).
-        "self_attn.qkv_proj" => "attn_qkv",
-        "mlp.gate_up_proj" => "ffn_up",
-        _ => return None,
-    };
+    let &(_, t) = family.gguf.linears.iter().find(|(hf, _)| *hf == rest)?;
     Some(format!("blk.{layer}.{t}.weight"))
 }
 
@@ -81,21 +73,6 @@ pub fn llama_permute_rows(w: &[f32], rows: usize, cols: usize, n_head: usize) ->
         }
     }
     out
-}
-
-/// The `general.architecture` of the base's GGUF (which llama.cpp requires the adapter to match),
-/// and whether q/k rows are permuted for it.
-fn arch(cfg: &ModelConfig) -> (&'static str, bool) {
-    match cfg.arch {
-        Arch::Llama | Arch::Mistral => ("llama", true),
-        Arch::Qwen2 => ("qwen2", false),
-        Arch::Qwen3 => ("qwen3", false),
-        // llama.cpp's Gemma graphs rotate NeoX-style: the rows stay as transformers has them.
-        Arch::Gemma2 => ("gemma2", false),
-        Arch::Gemma3 => ("gemma3", false),
-        // NeoX RoPE in llama.cpp's phi3 graph: the fused rows stay as transformers has them.
-        Arch::Phi3 => ("phi3", false),
-    }
 }
 
 fn string(out: &mut Vec<u8>, s: &str) {
@@ -139,14 +116,16 @@ fn host(t: &candle_core::Tensor) -> Result<Vec<f32>> {
 
 /// The GGUF bytes of `adapter` for a base with config `cfg`.
 pub fn gguf_lora_bytes(cfg: &ModelConfig, adapter: &Adapter) -> Result<Vec<u8>> {
-    let (arch, permute) = arch(cfg);
+    // The `general.architecture` of the base's GGUF (which llama.cpp requires the adapter to
+    // match), and whether q/k rows are permuted for it.
+    let (arch, permute) = (cfg.arch.gguf.arch, cfg.arch.gguf.permute_qk);
     let r = adapter.spec.r;
     // llama.cpp: scale = alpha / r.
     let alpha = (adapter.spec.scaling() * r as f64) as f32;
     // (name, ne = [cols, rows], data)
     let mut tensors: Vec<(String, [usize; 2], Vec<f32>)> = Vec::new();
     for (name, pair) in adapter.names.iter().zip(&adapter.pairs) {
-        let base = gguf_tensor_name(name).ok_or_else(|| {
+        let base = gguf_tensor_name(cfg.arch, name).ok_or_else(|| {
             ExportError::input(
                 Path::new(rtune_lora::ADAPTER_WEIGHTS),
                 format!("module `{name}` has no llama.cpp tensor name"),
@@ -254,7 +233,7 @@ mod tests {
 
     #[test]
     fn names_follow_llama_cpp() {
-        let n = |s| gguf_tensor_name(s);
+        let n = |s| gguf_tensor_name(&rtune_model::family::LLAMA, s);
         assert_eq!(
             n("model.layers.0.self_attn.q_proj").unwrap(),
             "blk.0.attn_q.weight"

@@ -2,23 +2,17 @@
 //! from ([`ModelConfig`]). Both the transformers v4 layout (`rope_theta`, `rope_scaling`) and the v5
 //! layout (`rope_parameters`) are read; the RoPE keys in `rope`.
 
+pub mod family;
 mod rope;
 mod values;
+
+pub(crate) use values::positive;
 
 use serde::Deserialize;
 use std::path::Path;
 
 use crate::{ModelError, Result};
-
-pub const SUPPORTED: [&str; 7] = [
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-    "Phi3ForCausalLM",
-];
+use family::{Act, Family};
 
 /// The subset of config.json that rtune reads; other keys are ignored (HF configs carry many).
 #[derive(Debug, Clone, Deserialize)]
@@ -110,61 +104,27 @@ fn d_eps() -> f64 {
     1e-6
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
-    Llama,
-    Mistral,
-    Qwen2,
-    /// Qwen2's layer without the q/k/v bias (unless `attention_bias`, which also biases o_proj),
-    /// with a per-head RMSNorm on q and k before RoPE.
-    Qwen3,
-    /// Gemma 2: (1 + w) norms, four a layer, GeGLU, scaled embeddings, soft-capped attention and
-    /// final logits, a window on the even layers.
-    Gemma2,
-    /// Gemma 3 (text): Gemma 2's layer with q/k norms and no soft-capping; local (sliding) and
-    /// global layers with their own RoPE.
-    Gemma3,
-    /// Phi-3 and Phi-4 (dense): Mistral's layer with q/k/v and gate/up fused into one weight each
-    /// (`qkv_proj`, `gate_up_proj`), RoPE on part of each head, LongRoPE scaling.
-    Phi3,
-}
-
-impl Arch {
-    /// The `architectures` name of config.json.
-    pub fn hf_name(self) -> &'static str {
-        match self {
-            Arch::Llama => "LlamaForCausalLM",
-            Arch::Mistral => "MistralForCausalLM",
-            Arch::Qwen2 => "Qwen2ForCausalLM",
-            Arch::Qwen3 => "Qwen3ForCausalLM",
-            Arch::Gemma2 => "Gemma2ForCausalLM",
-            Arch::Gemma3 => "Gemma3ForCausalLM",
-            Arch::Phi3 => "Phi3ForCausalLM",
-        }
-    }
-
-    /// The linear modules of a decoder layer, by their checkpoint (and PEFT) names, in model
-    /// order: what `all-linear` adapts.
-    pub fn linear_modules(self) -> &'static [&'static str] {
-        match self {
-            Arch::Phi3 => &rtune_lora::FUSED_LINEAR,
-            _ => &rtune_lora::ALL_LINEAR,
-        }
-    }
-}
+/// A model family: its descriptor ([`crate::family`]).
+pub type Arch = &'static Family;
 
 /// What a family changes in the Llama layer; all off for Llama, Mistral and Qwen2.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Variant {
-    /// A per-head RMSNorm over `head_dim` on q and on k before RoPE (`self_attn.q_norm`,
-    /// `self_attn.k_norm`: Qwen3, Gemma 3).
+    /// An RMSNorm on q and on k before RoPE (`self_attn.q_norm`, `self_attn.k_norm`): per head
+    /// over `head_dim` (Qwen3, Gemma 3), or over the whole projection width with
+    /// [`qk_norm_whole`](Self::qk_norm_whole).
     pub qk_norm: bool,
-    /// Norms multiply by `1 + w` in f32, one rounding at the end (Gemma's `Gemma2RMSNorm`).
+    /// The q/k norms span the whole projection (`(H·Dh)` and `(Hkv·Dh)` weights: OLMo 2).
+    pub qk_norm_whole: bool,
+    /// Norm weights are stored as `w` and applied as `1 + w` (Gemma's `Gemma2RMSNorm`).
     pub plus_one_norms: bool,
-    /// Four norms a layer: the attention's and the MLP's outputs are normed before their
-    /// residual adds (`post_attention_layernorm`, `post_feedforward_layernorm`); the MLP's input
-    /// norm is `pre_feedforward_layernorm` (Gemma 2 and 3).
+    /// The attention's and the MLP's outputs are normed before their residual adds
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`: Gemma 2 and 3 beside their
+    /// pre-norms, OLMo 2 instead of them); set from the family's [`family::LayerNorms`].
     pub sandwich_norms: bool,
+    /// Norms multiply by their weight in f32 and round once at the end (Gemma's and OLMo 2's
+    /// `(w·x).to(dtype)`, unlike Llama's `w·x.to(dtype)`); the same on f32.
+    pub f32_norms: bool,
     /// The MLP is `down(gelu_tanh(gate)·up)` (GeGLU) instead of SwiGLU.
     pub geglu: bool,
     /// The embeddings are multiplied by this (Gemma: `√hidden_size`, rounded to the model dtype).
@@ -338,35 +298,16 @@ impl HfConfig {
         })
     }
 
-    /// The values that reach a division, a square root or a norm's denominator (issue 46: each
-    /// of these trained to NaN): the norm epsilon, Gemma's score scale and soft caps (where the
-    /// family uses them). RoPE's bases and factors are checked where they are read (`rope`).
-    fn check_values(&self, arch: Arch) -> std::result::Result<(), String> {
+    /// The norm epsilon, which reaches a norm's denominator (issue 46: a negative one trained to
+    /// NaN). The families' own values (Gemma's score scale and soft caps) are checked by their
+    /// descriptors ([`crate::family`]); RoPE's bases and factors where they are read (`rope`).
+    fn check_values(&self) -> std::result::Result<(), String> {
         let eps = self.rms_norm_eps;
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(format!(
                 "rms_norm_eps = {eps}: must be a number at or above 0 (a negative one makes the \
                  norm's square root NaN)"
             ));
-        }
-        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
-        let used = [
-            ("query_pre_attn_scalar", self.query_pre_attn_scalar, gemma),
-            (
-                "attn_logit_softcapping",
-                self.attn_logit_softcapping,
-                arch == Arch::Gemma2,
-            ),
-            (
-                "final_logit_softcapping",
-                self.final_logit_softcapping,
-                gemma,
-            ),
-        ];
-        for (key, v, used) in used {
-            if let (Some(v), true) = (v, used) {
-                values::positive(key, v)?;
-            }
         }
         Ok(())
     }
@@ -396,61 +337,50 @@ impl HfConfig {
         Ok(())
     }
 
+    /// The checked config: what every family reads alike here, then the family's own part
+    /// ([`Family::map`], found by `architectures` in [`family::FAMILIES`]).
     pub fn into_config(self, path: &Path) -> Result<ModelConfig> {
         let bad = |message: String| ModelError::File {
             path: path.to_path_buf(),
             message,
         };
         let arch_name = self.architectures.first().cloned().unwrap_or_default();
-        let arch = match arch_name.as_str() {
-            "LlamaForCausalLM" => Arch::Llama,
-            "MistralForCausalLM" => Arch::Mistral,
-            "Qwen2ForCausalLM" => Arch::Qwen2,
-            "Qwen3ForCausalLM" => Arch::Qwen3,
-            "Gemma2ForCausalLM" => Arch::Gemma2,
-            "Gemma3ForCausalLM" => Arch::Gemma3,
-            "Phi3ForCausalLM" => Arch::Phi3,
-            _ => {
-                let got = if arch_name.is_empty() {
-                    format!(
-                        "no `architectures` (model_type {:?})",
-                        self.model_type.as_deref().unwrap_or("?")
-                    )
-                } else {
-                    format!("architecture `{arch_name}`")
-                };
-                return Err(ModelError::Unsupported {
-                    path: path.to_path_buf(),
-                    what: got,
-                    supported: SUPPORTED.join(", "),
-                });
-            }
+        let Some(arch) = family::by_name(&arch_name) else {
+            let got = if arch_name.is_empty() {
+                format!(
+                    "no `architectures` (model_type {:?})",
+                    self.model_type.as_deref().unwrap_or("?")
+                )
+            } else {
+                format!("architecture `{arch_name}`")
+            };
+            return Err(ModelError::Unsupported {
+                path: path.to_path_buf(),
+                what: got,
+                supported: family::supported(),
+            });
         };
-        let gemma = matches!(arch, Arch::Gemma2 | Arch::Gemma3);
-        if gemma {
-            // transformers reads hidden_activation (hidden_act only in old Gemma 1 configs).
-            let act = self
-                .hidden_activation
-                .as_deref()
-                .or(self.hidden_act.as_deref())
-                .unwrap_or("gelu_pytorch_tanh");
-            if !matches!(act, "gelu_pytorch_tanh" | "gelu_tanh") {
-                return Err(bad(format!(
-                    "hidden_activation `{act}`: only gelu_pytorch_tanh (GeGLU) is supported for \
-                     {arch_name}"
-                )));
+        match arch.act {
+            Act::GeGlu => {
+                // transformers reads hidden_activation (hidden_act only in old Gemma 1 configs).
+                let act = self
+                    .hidden_activation
+                    .as_deref()
+                    .or(self.hidden_act.as_deref())
+                    .unwrap_or("gelu_pytorch_tanh");
+                if !matches!(act, "gelu_pytorch_tanh" | "gelu_tanh") {
+                    return Err(bad(format!(
+                        "hidden_activation `{act}`: only gelu_pytorch_tanh (GeGLU) is supported \
+                         for {arch_name}"
+                    )));
+                }
             }
-            if self.use_bidirectional_attention == Some(true) {
-                return Err(bad(
-                    "use_bidirectional_attention = true: an embedding model, not a causal LM"
-                        .into(),
-                ));
-            }
-        } else if let Some(act) = &self.hidden_act {
-            if act != "silu" {
-                return Err(bad(format!(
-                    "hidden_act `{act}`: only silu (SwiGLU) is supported"
-                )));
+            Act::SwiGlu => {
+                if let Some(act) = self.hidden_act.as_ref().filter(|a| *a != "silu") {
+                    return Err(bad(format!(
+                        "hidden_act `{act}`: only silu (SwiGLU) is supported"
+                    )));
+                }
             }
         }
         let dropouts = [
@@ -481,12 +411,8 @@ impl HfConfig {
         if heads == 0 || kv == 0 || !heads.is_multiple_of(kv) {
             return Err(bad(format!("num_attention_heads {heads} must be a positive multiple of num_key_value_heads {kv}")));
         }
-        let head_dim = match self.head_dim {
+        let head_dim = match self.head_dim.or(arch.default_head_dim) {
             Some(d) => d,
-            // transformers' Qwen3Config defaults head_dim to 128, Gemma's to 256, whatever
-            // hidden/heads is.
-            None if arch == Arch::Qwen3 => 128,
-            None if gemma => 256,
             None if self.hidden_size.is_multiple_of(heads) => self.hidden_size / heads,
             None => {
                 return Err(bad(format!(
@@ -501,59 +427,15 @@ impl HfConfig {
             )));
         }
         self.check_sizes(head_dim).map_err(bad)?;
-        self.check_values(arch).map_err(bad)?;
-        let rope = rope::rope(&self, arch, head_dim).map_err(bad)?;
+        self.check_values().map_err(bad)?;
+        let rope = rope::rope(&self, &arch.rope, head_dim).map_err(bad)?;
         let layers = self.num_hidden_layers;
-        let marked = |types: &Vec<String>| -> Result<Vec<bool>> {
-            if types.len() != layers {
-                return Err(bad(format!(
-                    "layer_types has {} entries for {layers} layers",
-                    types.len()
-                )));
-            }
-            Ok(types.iter().map(|t| t == "sliding_attention").collect())
-        };
-        let (sliding_window, window_layers) = match (arch, self.sliding_window) {
-            (Arch::Mistral | Arch::Phi3, Some(w)) => (Some(w), vec![true; layers]),
-            // Gemma: layer_types (transformers 5), else Gemma 2's even layers, Gemma 3's all but
-            // every `sliding_window_pattern`-th.
-            (Arch::Gemma2 | Arch::Gemma3, Some(w)) => {
-                let sliding = match (&self.layer_types, arch) {
-                    (Some(types), _) => marked(types)?,
-                    (None, Arch::Gemma2) => (0..layers).map(|i| i % 2 == 0).collect(),
-                    (None, _) => {
-                        let pattern = self.sliding_window_pattern.unwrap_or(6).max(1);
-                        (0..layers).map(|i| (i + 1) % pattern != 0).collect()
-                    }
-                };
-                (Some(w), sliding)
-            }
-            (Arch::Qwen2 | Arch::Qwen3, Some(w)) if self.use_sliding_window == Some(true) => {
-                let sliding = match &self.layer_types {
-                    Some(types) => marked(types)?,
-                    None => {
-                        let from = self.max_window_layers.unwrap_or(28);
-                        (0..layers).map(|i| i >= from).collect()
-                    }
-                };
-                (Some(w), sliding)
-            }
-            _ => (None, vec![false; layers]),
-        };
-        if sliding_window == Some(0) {
-            // A window of 0 masks every key, the diagonal too: the softmax of no scores is NaN.
-            return Err(bad(
-                "sliding_window = 0: a window of no positions masks every key; give the \
-                 window's length, or null for none"
-                    .into(),
-            ));
-        }
-        let attention_bias = self.attention_bias.unwrap_or(false);
-        Ok(ModelConfig {
+        // Llama's reading; the family's `map` changes what it has otherwise.
+        let mut cfg = ModelConfig {
             arch,
             hidden_size: self.hidden_size,
             intermediate_size: self.intermediate_size,
-            num_layers: self.num_hidden_layers,
+            num_layers: layers,
             num_heads: heads,
             num_kv_heads: kv,
             head_dim,
@@ -561,30 +443,32 @@ impl HfConfig {
             rms_norm_eps: self.rms_norm_eps,
             rope_theta: rope.theta,
             rope_scaling: rope.scaling,
-            // Gemma ties by default (its configs may leave the key out).
-            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(gemma),
-            qkv_bias: arch == Arch::Qwen2 || attention_bias,
-            o_bias: matches!(arch, Arch::Llama | Arch::Qwen3) && attention_bias,
-            mlp_bias: arch == Arch::Llama && self.mlp_bias.unwrap_or(false),
-            sliding_window,
-            window_layers,
+            tie_word_embeddings: self.tie_word_embeddings.unwrap_or(false),
+            qkv_bias: false,
+            o_bias: false,
+            mlp_bias: false,
+            sliding_window: None,
+            window_layers: vec![false; layers],
             bos_token_id: ids(&self.bos_token_id).first().copied(),
             eos_token_ids: ids(&self.eos_token_id),
             pad_token_id: ids(&self.pad_token_id).first().copied(),
             variant: Variant {
-                qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
-                plus_one_norms: gemma,
-                sandwich_norms: gemma,
-                geglu: gemma,
-                embed_scale: gemma.then(|| (self.hidden_size as f64).sqrt()),
-                attn_scale: gemma.then(|| 1.0 / self.query_pre_attn_scalar.unwrap_or(256.0).sqrt()),
-                attn_softcap: self.attn_logit_softcapping.filter(|_| arch == Arch::Gemma2),
-                final_softcap: self.final_logit_softcapping.filter(|_| gemma),
+                sandwich_norms: arch.norms.post_attn.is_some(),
                 local_rope: rope.local,
-                fused_proj: arch == Arch::Phi3,
                 rotary_dim: rope.rotary_dim,
+                ..Variant::default()
             },
-        })
+        };
+        (arch.map)(&self, &mut cfg).map_err(bad)?;
+        if cfg.sliding_window == Some(0) {
+            // A window of 0 masks every key, the diagonal too: the softmax of no scores is NaN.
+            return Err(bad(
+                "sliding_window = 0: a window of no positions masks every key; give the \
+                 window's length, or null for none"
+                    .into(),
+            ));
+        }
+        Ok(cfg)
     }
 }
 

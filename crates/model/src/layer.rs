@@ -7,8 +7,11 @@
 //! kept output and log-sum-exp the attention itself).
 //!
 //! Gemma's layer ([`crate::Variant`]) differs in three places: its norms multiply by `1 + w` in
-//! f32 (`plus_one`), the attention's and the MLP's outputs are normed before their residual adds
-//! (`sandwich`: `h = x + n3(attn)`, `out = h + n4(mlp(n2(h)))`), and the MLP is GeGLU.
+//! f32 (`norm_f32`), the attention's and the MLP's outputs are normed before their residual adds
+//! (`sandwich`: `h = x + n3(attn)`, `out = h + n4(mlp(n2(h)))`), and the MLP is GeGLU. OLMo 2's
+//! has the post norms only (`input_norm` and `post_norm` absent: `h = x + n3(attn(x))`,
+//! `out = h + n4(mlp(h))`), and q/k norms over the whole projection width (`qk_norm` weights of
+//! `(H·Dh)` and `(Hkv·Dh)`: one group a row in `Layer::norm_qk`).
 //!
 //! Phi-3's checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, and PEFT
 //! adapts each as one module: the layer then has one member in `attn_in` (`mlp_in`) whose output
@@ -26,8 +29,10 @@ use rtune_ops::{self as ops, AttnCache, AttnMask, AttnPath, AttnShape, KeptAttn,
 #[derive(Debug, Clone)]
 pub struct Layer {
     pub index: usize,
-    pub input_norm: Tensor,
-    pub post_norm: Tensor,
+    /// The norm before attention and the one before the MLP; `None` where the family has none
+    /// there (OLMo 2: the input goes to attention and the MLP as it is).
+    pub input_norm: Option<Tensor>,
+    pub post_norm: Option<Tensor>,
     /// `q_proj, k_proj, v_proj`, or Phi-3's one `qkv_proj` (rows q, k, v).
     pub attn_in: Vec<Linear>,
     pub o: Linear,
@@ -38,12 +43,13 @@ pub struct Layer {
     /// member's output splits.
     pub attn_widths: [usize; 3],
     pub mlp_widths: [usize; 2],
-    /// Qwen3's per-head RMSNorm weights `(Dh)` on q and on k, applied before RoPE
-    /// ([`crate::Variant::qk_norm`]); frozen.
+    /// The RMSNorm weights on q and on k, applied before RoPE ([`crate::Variant::qk_norm`]):
+    /// per head `(Dh)` each (Qwen3, Gemma 3) or over the whole projection `(H·Dh)`, `(Hkv·Dh)`
+    /// (OLMo 2); frozen.
     pub qk_norm: Option<(Tensor, Tensor)>,
-    /// Every norm of the layer is Gemma's: its weight here is `1 + w` in f32 and it runs in f32
-    /// with one rounding ([`ops::rms_norm_plus_one`]).
-    pub plus_one: bool,
+    /// Every norm of the layer runs in f32 with one rounding, its weight here in f32 (Gemma's,
+    /// which holds `1 + w`, and OLMo 2's: [`ops::rms_norm_plus_one`]).
+    pub norm_f32: bool,
     /// Gemma's post-attention and post-feed-forward norms (`(D)` each): the attention's output
     /// and the MLP's output are normed before their residual adds. `post_norm` is then the MLP's
     /// input norm (`pre_feedforward_layernorm`).
@@ -65,7 +71,8 @@ type QkCaches = Option<(NormCache, NormCache)>;
 
 /// Everything the backward of one layer needs (the activations of that layer only).
 pub struct LayerCache {
-    n1: NormCache,
+    /// The pre-norms' caches (`None` without them).
+    n1: Option<NormCache>,
     h1: Tensor,
     /// `attn_in`'s caches, one a member.
     c_attn_in: Vec<LinearCache>,
@@ -78,7 +85,7 @@ pub struct LayerCache {
     attn: AttnCache,
     o_in: Tensor,
     co: LinearCache,
-    n2: NormCache,
+    n2: Option<NormCache>,
     h2: Tensor,
     g: Tensor,
     u: Tensor,
@@ -183,25 +190,26 @@ impl Layer {
         (0..n as u64).map(|i| self.salt(first + i)).collect()
     }
 
-    /// The layer's norm weights (frozen): input, post-attention (or pre-feed-forward), then the
-    /// q/k norms and the sandwich norms if any.
+    /// The layer's norm weights (frozen): input, post-attention (or pre-feed-forward) if any,
+    /// then the q/k norms and the sandwich norms if any.
     pub fn norms(&self) -> impl Iterator<Item = &Tensor> {
         let qk = self.qk_norm.as_ref().map(|(q, k)| [q, k]);
         let sandwich = self.sandwich.as_ref().map(|(a, f)| [a, f]);
-        [&self.input_norm, &self.post_norm]
+        [self.input_norm.as_ref(), self.post_norm.as_ref()]
             .into_iter()
+            .flatten()
             .chain(qk.into_iter().flatten())
             .chain(sandwich.into_iter().flatten())
     }
 
     /// This layer's RMSNorm of `x` with weight `w` (Gemma's `1 + w` form when `plus_one`).
     pub(crate) fn norm(&self, x: &Tensor, w: &Tensor) -> Result<(Tensor, NormCache)> {
-        norm(self.plus_one, x, w, self.eps)
+        norm(self.norm_f32, x, w, self.eps)
     }
 
     /// [`Layer::norm`]'s backward.
     fn norm_backward(&self, dy: &Tensor, w: &Tensor, c: &NormCache) -> Result<Tensor> {
-        norm_backward(self.plus_one, dy, w, c)
+        norm_backward(self.norm_f32, dy, w, c)
     }
 
     /// The MLP's gate: GeGLU or SwiGLU of `g, u: (N, I)`.
@@ -221,8 +229,13 @@ impl Layer {
         }
     }
 
-    /// The sandwich norm `w` of `x` (`(x, None)` without one).
-    fn sandwich_norm(&self, x: Tensor, w: Option<&Tensor>) -> Result<(Tensor, Option<NormCache>)> {
+    /// The optional norm `w` of `x` (`(x, None)` without one): the sandwich norms, and the
+    /// pre-norms of a family that may lack them.
+    pub(crate) fn sandwich_norm(
+        &self,
+        x: Tensor,
+        w: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<NormCache>)> {
         match w {
             Some(w) => {
                 let (y, c) = self.norm(&x, w)?;
@@ -252,8 +265,10 @@ impl Layer {
         Ok(())
     }
 
-    /// Qwen3's q/k norms: `q: (N, H·Dh)`, `k: (N, Hkv·Dh)` normed per head over `Dh`, shapes
-    /// kept; the norms' caches (`None` and `q`, `k` as given for a layer without them).
+    /// The q/k norms: `q: (N, H·Dh)`, `k: (N, Hkv·Dh)` normed in groups of the weight's length
+    /// — per head over `Dh` (Qwen3), or the whole row as one group (OLMo 2: the weight is the
+    /// row's width) — shapes kept; the norms' caches (`None` and `q`, `k` as given for a layer
+    /// without them).
     pub(crate) fn norm_qk(&self, q: Tensor, k: Tensor) -> Result<(Tensor, Tensor, QkCaches)> {
         let Some((wq, wk)) = &self.qk_norm else {
             return Ok((q, k, None));
@@ -261,7 +276,8 @@ impl Layer {
         let per_head = |x: &Tensor, w: &Tensor| -> Result<(Tensor, NormCache)> {
             let (n, width) = x.dims2()?;
             let dh = w.dim(0)?;
-            // (N, H·Dh) -> (N, H, Dh): the norm runs over the last dim.
+            // (N, H·Dh) -> (N, H, Dh), or (N, 1, H·Dh) for a whole-width weight: the norm runs
+            // over the last dim.
             let (y, c) = self.norm(&x.reshape((n, width / dh, dh))?, w)?;
             Ok((y.reshape((n, width))?, c))
         };
@@ -346,7 +362,7 @@ impl Layer {
         lora: Option<&LoraCtx>,
         pass: Pass,
     ) -> Result<(Option<Tensor>, LayerCache)> {
-        let (h1, n1) = self.norm(x, &self.input_norm)?;
+        let (h1, n1) = self.sandwich_norm(x.clone(), self.input_norm.as_ref())?;
         let (outs, c_attn_in): (Vec<Tensor>, Vec<LinearCache>) = group::forward(
             &self.attn_members(),
             self.qkv.as_ref(),
@@ -383,7 +399,7 @@ impl Layer {
         let sandwich = self.sandwich.as_ref();
         let (a, n_attn) = self.sandwich_norm(a, sandwich.map(|s| &s.0))?;
         let h = ops::add(x, &a)?;
-        let (h2, n2) = self.norm(&h, &self.post_norm)?;
+        let (h2, n2) = self.sandwich_norm(h.clone(), self.post_norm.as_ref())?;
         let (outs, c_mlp_in): (Vec<Tensor>, Vec<LinearCache>) = group::forward(
             &self.mlp_members(),
             self.gate_up.as_ref(),
@@ -472,7 +488,8 @@ impl Layer {
             true,
         )?
         .expect("dx requested");
-        let dh = ops::add(d_out, &self.norm_backward(&dh2, &self.post_norm, &c.n2)?)?;
+        let dh2 = self.sandwich_backward(&dh2, self.post_norm.as_ref(), c.n2.as_ref())?;
+        let dh = ops::add(d_out, &dh2)?;
         let da = self.sandwich_backward(&dh, sandwich.map(|s| &s.0), c.n_attn.as_ref())?;
         let d_o = self
             .o
@@ -499,20 +516,20 @@ impl Layer {
         };
         Ok(Some(ops::add(
             &dh,
-            &self.norm_backward(&dh1, &self.input_norm, &c.n1)?,
+            &self.sandwich_backward(&dh1, self.input_norm.as_ref(), c.n1.as_ref())?,
         )?))
     }
 }
 
-/// RMSNorm of `x` with weight `w`: Llama's, or Gemma's `1 + w` form (`w` then holds `1 + w`, f32)
-/// when `plus_one`. The layers' norms and the model's final one.
+/// RMSNorm of `x` with weight `w`: Llama's, or in f32 with one rounding when `f32_weight` (`w`
+/// then f32: Gemma's `1 + w`, OLMo 2's `w`). The layers' norms and the model's final one.
 pub(crate) fn norm(
-    plus_one: bool,
+    f32_weight: bool,
     x: &Tensor,
     w: &Tensor,
     eps: f64,
 ) -> Result<(Tensor, NormCache)> {
-    if plus_one {
+    if f32_weight {
         ops::rms_norm_plus_one(x, w, eps)
     } else {
         ops::rms_norm(x, w, eps)
@@ -521,12 +538,12 @@ pub(crate) fn norm(
 
 /// [`norm`]'s backward.
 pub(crate) fn norm_backward(
-    plus_one: bool,
+    f32_weight: bool,
     dy: &Tensor,
     w: &Tensor,
     c: &NormCache,
 ) -> Result<Tensor> {
-    if plus_one {
+    if f32_weight {
         ops::rms_norm_plus_one_backward(dy, w, c)
     } else {
         ops::rms_norm_backward(dy, w, c)

@@ -1,6 +1,9 @@
 //! The Llama-family causal LM, written for LoRA training.
 //!
-//! - [`config`]: `config.json` → [`ModelConfig`] (Llama 2/3/3.1/3.2, SmolLM, Mistral, Qwen2).
+//! - [`config`]: `config.json` → [`ModelConfig`]: what every family reads alike, then the
+//!   family's own part from its descriptor.
+//! - [`family`]: one descriptor a family (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3,
+//!   OLMo 2): config mapping, checkpoint norm names, RoPE rules, llama.cpp names, layer flags.
 //! - [`weights`]: memory-mapped safetensors, one file or sharded.
 //! - [`Model`]: the network. [`Model::forward`] is the inference path; [`Model::forward_backward`]
 //!   trains: a hand-written backward ([`linear`], [`layer`], and each op's in `rtune_ops`) that
@@ -34,6 +37,7 @@ mod test_util;
 pub mod tokens;
 pub mod weights;
 
+pub use config::family::{self, Family};
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::{Completion, KvCache};

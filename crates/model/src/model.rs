@@ -193,17 +193,27 @@ impl Model {
             cfg.num_kv_heads * cfg.head_dim,
         );
         let linears = cfg.layer_linears();
-        // Gemma's norms: `1 + w` in f32, formed once here (w read in the compute dtype first,
-        // as transformers computes `1 + w.float()` on the loaded weight).
-        let plus_one = cfg.variant.plus_one_norms;
+        // Norms applied in f32 (Gemma, OLMo 2) take their weight in f32, formed once here (read
+        // in the compute dtype first, as transformers computes `w.float()` on the loaded weight);
+        // Gemma's `1 + w` too.
+        let (f32_norms, plus_one) = (cfg.variant.f32_norms, cfg.variant.plus_one_norms);
         let norm_w = |name: &str, n: usize| -> Result<Tensor> {
             let t = w.tensor(name, &[n])?;
-            if !plus_one {
+            if !f32_norms {
                 return Ok(t);
             }
-            t.to_dtype(DType::F32)
-                .and_then(|t| t + 1.0)
-                .map_err(|e| ModelError::candle(format!("{name}: 1 + w"), e))
+            let t = t.to_dtype(DType::F32);
+            match plus_one {
+                true => t.and_then(|t| t + 1.0),
+                false => t,
+            }
+            .map_err(|e| ModelError::candle(format!("{name}: f32 weight (1 + w: {plus_one})"), e))
+        };
+        let norms = cfg.arch.norms;
+        // A layer's norm `name` (under `p`) if the family has it.
+        let layer_norm = |p: &str, name: Option<&str>| -> Result<Option<Tensor>> {
+            name.map(|n| norm_w(&format!("{p}.{n}.weight"), d))
+                .transpose()
         };
         let linear = |name: String, out: usize, inp: usize, bias: bool| -> Result<Linear> {
             let wname = format!("{name}.weight");
@@ -246,7 +256,7 @@ impl Model {
         // The checkpoint must hold the last layer config.json names before any per-layer memory is
         // taken (a config that claims more layers than the weights have is an error at once).
         if let Some(last) = cfg.num_layers.checked_sub(1) {
-            let name = format!("model.layers.{last}.input_layernorm.weight");
+            let name = format!("model.layers.{last}.{}.weight", cfg.arch.norms.first());
             w.stored(&name, &[d]).map_err(|e| match e {
                 ModelError::MissingTensor { path, .. } => ModelError::File {
                     path,
@@ -262,12 +272,6 @@ impl Model {
         let mut layers = Vec::with_capacity(cfg.num_layers.min(256));
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
-            let sandwich = cfg.variant.sandwich_norms;
-            // With sandwich norms the MLP's input norm is the pre-feed-forward one.
-            let post_norm = match sandwich {
-                true => format!("{p}.pre_feedforward_layernorm.weight"),
-                false => format!("{p}.post_attention_layernorm.weight"),
-            };
             // The layer's modules in model order: the attention's inputs (q, k, v or qkv), o, the
             // MLP's inputs (gate, up or gate_up), down.
             let mut mods = linears
@@ -283,31 +287,34 @@ impl Model {
             let o = mods.pop().expect("o_proj");
             layers.push(Layer {
                 index: l,
-                input_norm: norm_w(&format!("{p}.input_layernorm.weight"), d)?,
-                post_norm: norm_w(&post_norm, d)?,
+                input_norm: layer_norm(&p, norms.pre_attn)?,
+                post_norm: layer_norm(&p, norms.pre_mlp)?,
                 attn_in: mods,
                 o,
                 mlp_in,
                 down,
                 attn_widths: [qd, kvd, kvd],
                 mlp_widths: [i, i],
+                // Per head over `(Dh)`, or over the whole projection (`(H·Dh)`, `(Hkv·Dh)`).
                 qk_norm: if cfg.variant.qk_norm {
-                    let dh = cfg.head_dim;
+                    let (qn, kn) = match cfg.variant.qk_norm_whole {
+                        true => (qd, kvd),
+                        false => (cfg.head_dim, cfg.head_dim),
+                    };
                     Some((
-                        norm_w(&format!("{p}.self_attn.q_norm.weight"), dh)?,
-                        norm_w(&format!("{p}.self_attn.k_norm.weight"), dh)?,
+                        norm_w(&format!("{p}.self_attn.q_norm.weight"), qn)?,
+                        norm_w(&format!("{p}.self_attn.k_norm.weight"), kn)?,
                     ))
                 } else {
                     None
                 },
-                plus_one,
-                sandwich: if sandwich {
-                    Some((
-                        norm_w(&format!("{p}.post_attention_layernorm.weight"), d)?,
-                        norm_w(&format!("{p}.post_feedforward_layernorm.weight"), d)?,
-                    ))
-                } else {
-                    None
+                norm_f32: f32_norms,
+                sandwich: match (norms.post_attn, norms.post_mlp) {
+                    (Some(a), Some(f)) => Some((
+                        norm_w(&format!("{p}.{a}.weight"), d)?,
+                        norm_w(&format!("{p}.{f}.weight"), d)?,
+                    )),
+                    _ => None,
                 },
                 geglu: cfg.variant.geglu,
                 eps: cfg.rms_norm_eps,
@@ -450,7 +457,7 @@ impl Model {
         spec: &LoraSpec,
     ) -> std::result::Result<(), Box<rtune_lora::LoraError>> {
         let arch = self.cfg.arch;
-        spec.check_for(arch.hf_name(), arch.linear_modules())
+        spec.check_for(arch.hf_name, arch.linear_modules)
             .map_err(Box::new)
     }
 
@@ -560,12 +567,12 @@ impl Model {
 
     /// The final norm of `x: (N, D)` (Gemma's `1 + w` form for its families).
     fn final_norm(&self, x: &Tensor) -> candle_core::Result<(Tensor, ops::NormCache)> {
-        let plus_one = self.cfg.variant.plus_one_norms;
-        crate::layer::norm(plus_one, x, &self.norm, self.cfg.rms_norm_eps)
+        let f32_norms = self.cfg.variant.f32_norms;
+        crate::layer::norm(f32_norms, x, &self.norm, self.cfg.rms_norm_eps)
     }
 
     fn final_norm_backward(&self, dy: &Tensor, c: &ops::NormCache) -> candle_core::Result<Tensor> {
-        crate::layer::norm_backward(self.cfg.variant.plus_one_norms, dy, &self.norm, c)
+        crate::layer::norm_backward(self.cfg.variant.f32_norms, dy, &self.norm, c)
     }
 
     /// Gemma's embedding scale (√hidden, rounded to the activations' dtype by the product) of

@@ -5,8 +5,9 @@
 
 use serde_json::Value;
 
+use super::family::RopeRules;
 use super::values::{number, positive, string, table};
-use super::{Arch, HfConfig, RopeScaling, Yarn};
+use super::{HfConfig, RopeScaling, Yarn};
 
 /// What the RoPE keys give: the global layers' base and scaling, the local (sliding) layers' own
 /// where a family gives them one (Gemma 3), and the rotated width of a head when it is not all of
@@ -18,12 +19,11 @@ pub(super) struct Rope {
     pub rotary_dim: Option<usize>,
 }
 
-/// Reads the RoPE keys of `c` (architecture `arch`, heads of `head_dim`). A key of the wrong
+/// Reads the RoPE keys of `c` (by the family's `rules`, heads of `head_dim`). A key of the wrong
 /// type (`rope_theta: "1"`, `rope_parameters: [..]`) is an error naming it, never a default;
 /// every base and factor is a number above 0 ([`positive`]).
-pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, String> {
-    // Gemma 3's default global base is 1e6; the others' 1e4.
-    let default_theta = if arch == Arch::Gemma3 { 1e6 } else { 10_000.0 };
+pub(super) fn rope(c: &HfConfig, rules: &RopeRules, head_dim: usize) -> Result<Rope, String> {
+    let default_theta = rules.default_theta;
     let parameters = match &c.rope_parameters {
         Some(v) => table(v, "rope_parameters")?,
         None => None,
@@ -34,10 +34,10 @@ pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, St
     };
     let per_type = parameters
         .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
-    let rotary_dim = rotary_dim(c, parameters, arch, head_dim)?;
+    let rotary_dim = rotary_dim(c, parameters, rules, head_dim)?;
     let ctx = Ctx {
         c,
-        arch,
+        rules,
         half: rotary_dim.unwrap_or(head_dim) / 2,
         per_type: per_type.is_some(),
     };
@@ -64,10 +64,10 @@ pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, St
         None => scaling.map(|p| (p, "rope_scaling")),
     };
     let (theta, scaling) = ctx.params(params, c.rope_theta, default_theta)?;
-    let local = match (arch, c.rope_local_base_freq) {
-        (Arch::Gemma3, Some(b)) => Some((positive("rope_local_base_freq", b)?, RopeScaling::None)),
-        (Arch::Gemma3, None) => Some((10_000.0, RopeScaling::None)),
-        _ => None,
+    let local = match (rules.local_theta, c.rope_local_base_freq) {
+        (Some(_), Some(b)) => Some((positive("rope_local_base_freq", b)?, RopeScaling::None)),
+        (Some(default), None) => Some((default, RopeScaling::None)),
+        (None, _) => None,
     };
     Ok(Rope {
         theta,
@@ -83,7 +83,7 @@ pub(super) fn rope(c: &HfConfig, arch: Arch, head_dim: usize) -> Result<Rope, St
 fn rotary_dim(
     c: &HfConfig,
     parameters: Option<&Value>,
-    arch: Arch,
+    rules: &RopeRules,
     head_dim: usize,
 ) -> Result<Option<usize>, String> {
     let nested = match parameters {
@@ -94,7 +94,7 @@ fn rotary_dim(
     if factor == 1.0 {
         return Ok(None);
     }
-    if arch != Arch::Phi3 {
+    if !rules.partial {
         return Err(format!(
             "partial_rotary_factor = {factor}: only Phi3ForCausalLM rotates part of a head"
         ));
@@ -113,7 +113,7 @@ fn rotary_dim(
 /// What reading one set of parameters needs besides the set itself.
 struct Ctx<'a> {
     c: &'a HfConfig,
-    arch: Arch,
+    rules: &'a RopeRules,
     /// Frequencies of a head: half its rotated width (LongRoPE's factor lists have this length).
     half: usize,
     /// Whether the sets are per layer type (`rope_parameters.full_attention`, ...).
@@ -164,7 +164,7 @@ impl Ctx<'_> {
             },
             // Phi3Config reads the older names `su` and `yarn` as `longrope`.
             "longrope" | "su" => self.longrope(p, at, kind)?,
-            "yarn" if self.arch == Arch::Phi3 => self.longrope(p, at, kind)?,
+            "yarn" if self.rules.longrope => self.longrope(p, at, kind)?,
             "yarn" => self.yarn(p, at)?,
             other => {
                 return Err(format!(
@@ -261,9 +261,9 @@ impl Ctx<'_> {
             }
         };
         let c = self.c;
-        let top = match self.arch {
-            Arch::Phi3 => Some(c.original_max_position_embeddings.unwrap_or(4096)),
-            _ => c.original_max_position_embeddings,
+        let top = match self.rules.longrope {
+            true => Some(c.original_max_position_embeddings.unwrap_or(4096)),
+            false => c.original_max_position_embeddings,
         };
         let nested = number(p, at, "original_max_position_embeddings")?;
         let original = top

@@ -367,3 +367,35 @@ fn wrongly_typed_keys_are_named() {
     assert!(e.contains("duplicate field `hidden_size`"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// OLMo 2 through its descriptor: post norms only, whole-width q/k norms in f32 (no `1 + w`),
+/// `attention_bias` on q/k/v and o, no window even with `sliding_window` set (transformers'
+/// Olmo2 attends fully), untied by default; `hidden_act` other than silu refused; a
+/// `partial_rotary_factor` refused (it rotates whole heads).
+#[test]
+fn olmo2_maps_post_norms_and_whole_width_qk_norms() {
+    let olmo2 = |extra: &str| {
+        let text = format!(
+            r#"{{"architectures":["Olmo2ForCausalLM"],"hidden_size":64,"intermediate_size":128,
+            "num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,
+            "vocab_size":100{extra}}}"#
+        );
+        serde_json::from_str::<HfConfig>(&text)
+            .unwrap()
+            .into_config(Path::new("config.json"))
+    };
+    let c = olmo2(r#","attention_bias":true,"sliding_window":4"#).unwrap();
+    assert_eq!(c.arch, &crate::family::OLMO2);
+    let v = &c.variant;
+    assert!(v.qk_norm && v.qk_norm_whole && v.sandwich_norms && v.f32_norms);
+    assert!(!v.plus_one_norms && !v.geglu && v.embed_scale.is_none());
+    assert!(c.qkv_bias && c.o_bias && !c.mlp_bias && !c.tie_word_embeddings);
+    assert_eq!((c.head_dim, c.sliding_window), (16, None));
+    assert_eq!(c.arch.norms.first(), "post_attention_layernorm");
+    let e = olmo2(r#","hidden_act":"gelu""#).unwrap_err().to_string();
+    assert!(e.contains("hidden_act `gelu`"), "{e}");
+    let e = olmo2(r#","partial_rotary_factor":0.5"#)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+}

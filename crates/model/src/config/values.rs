@@ -50,7 +50,7 @@ pub(super) fn table<'a>(v: &'a Value, key: &str) -> Result<Option<&'a Value>, St
 /// `v` (the value of `key`) is a number above 0 that stays one in f32, where the kernels use
 /// it: 0 divides by zero (a soft cap, a RoPE factor), a negative base or factor gives NaN
 /// frequencies, and an f32 underflow is a 0.
-pub(super) fn positive(key: &str, v: f64) -> Result<f64, String> {
+pub(crate) fn positive(key: &str, v: f64) -> Result<f64, String> {
     let f = v as f32;
     if v.is_finite() && v > 0.0 && f.is_finite() && f > 0.0 {
         Ok(v)

@@ -1,7 +1,7 @@
 //! What the model crate's integration tests share: a tiny random model.
 
 use candle_core::{DType, Device, Tensor};
-use rtune_model::config::{Arch, ModelConfig, RopeScaling};
+use rtune_model::config::{ModelConfig, RopeScaling};
 use rtune_model::weights::TensorSource;
 use rtune_model::ModelError;
 
@@ -24,7 +24,7 @@ impl TensorSource for RandomWeights {
 /// GQA (4 query heads on 2 kv heads), q/k/v biases (Qwen2-style), untied lm_head.
 pub fn config() -> ModelConfig {
     ModelConfig {
-        arch: Arch::Llama,
+        arch: &rtune_model::family::LLAMA,
         hidden_size: 64,
         intermediate_size: 96,
         num_layers: 2,
