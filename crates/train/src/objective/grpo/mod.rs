@@ -1,5 +1,5 @@
 //! GRPO's math (issue 44), as TRL 1.16's `GRPOTrainer` computes it: the advantages from a
-//! generation batch's rewards ([`advantages`]) and the policy loss on per-token log-probabilities
+//! generation batch's rewards ([`advantages()`]) and the policy loss on per-token log-probabilities
 //! with its hand-written gradient ([`loss`]). The recipe that samples, scores and calls these is
 //! still to come (its [`super::Recipe`] impl); these files hold no state and read no config file.
 
