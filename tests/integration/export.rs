@@ -128,22 +128,35 @@ fn merged_f32_logits_equal_base_plus_adapter() {
         dropout: 0.0,
         seed: 0,
     };
-    let want = logits(&base, Some(&lc));
-    let merged = Model::load(&out, DType::F32, &Device::Cpu).unwrap();
-    let got = logits(&merged, None);
-    // f32: x·(W + s·B·A) vs x·W + s·(x·Aᵀ)·Bᵀ differ only by summation order (~1e-7 relative).
+    assert_merge_is_base_plus_adapter(&base, &lc, &base_dir, &out, logits);
+}
+
+/// The merged f32 model in `merged` against `base` with its adapter (`lc`), by `logits`: equal
+/// within 1e-5 (x·(W + s·B·A) vs x·W + s·(x·Aᵀ)·Bᵀ differ only by summation order, ~1e-7
+/// relative), the adapter's effect over 1e-3 (else the test is too weak), and every tensor of
+/// `base_dir`'s single-file checkpoint but the adapted projections copied byte for byte.
+fn assert_merge_is_base_plus_adapter(
+    base: &Model,
+    lc: &LoraCtx,
+    base_dir: &Path,
+    merged: &Path,
+    logits: impl Fn(&Model, Option<&LoraCtx>) -> Tensor,
+) {
+    let want = logits(base, Some(lc));
+    let got = logits(
+        &Model::load(merged, DType::F32, &Device::Cpu).unwrap(),
+        None,
+    );
     let err = rel_err(&got, &want);
     assert!(err < 1e-5, "merged vs base+adapter: {err:e}");
-    let effect = rel_err(&logits(&base, None), &want);
+    let effect = rel_err(&logits(base, None), &want);
     assert!(
         effect > 1e-3,
         "the adapter barely changes the logits ({effect:e}): test too weak"
     );
-
-    // Adapted weights changed, every other tensor copied byte for byte.
     let (b, m) = (
         tensors(&base_dir.join("model.safetensors")),
-        tensors(&out.join("model.safetensors")),
+        tensors(&merged.join("model.safetensors")),
     );
     assert_eq!(b.len(), m.len());
     for (name, t) in &b {
@@ -421,27 +434,7 @@ fn olmo2_exports_merged_and_gguf_lora() {
         let inp = Inputs::new(ids.clone(), 2, 8);
         m.forward(&inp, lora, false).unwrap().logits
     };
-    let want = logits(&base, Some(&lc));
-    let got = logits(
-        &Model::load(&merged, DType::F32, &Device::Cpu).unwrap(),
-        None,
-    );
-    let err = rel_err(&got, &want);
-    assert!(err < 1e-5, "merged vs base+adapter: {err:e}");
-    let effect = rel_err(&logits(&base, None), &want);
-    assert!(
-        effect > 1e-3,
-        "the adapter barely changes the logits ({effect:e})"
-    );
-    let (b, m) = (
-        tensors(&base_dir.join("model.safetensors")),
-        tensors(&merged.join("model.safetensors")),
-    );
-    assert_eq!(b.len(), m.len());
-    for (name, t) in &b {
-        let adapted = name.ends_with("_proj.weight");
-        assert_eq!(raw_bytes(t) == raw_bytes(&m[name]), !adapted, "{name}");
-    }
+    assert_merge_is_base_plus_adapter(&base, &lc, &base_dir, &merged, logits);
 
     let out = tmp.path().join("lora.gguf");
     let o = export(&[
