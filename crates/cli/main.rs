@@ -141,6 +141,12 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             print_error(&one_line(&e));
+            // A conversion that held a signal back and removed its temporary ends by that signal
+            // here too, whether or not the signal thread (woken by the same signal raised again)
+            // got there first: the status was 1 when this thread returned before it (CI, stop 50).
+            if let Some(rtune_gguf::GgufError::Interrupted { signal, .. }) = e.downcast_ref() {
+                rtune_fsio::end_by_signal(*signal);
+            }
             ExitCode::from(exit_code(&e))
         }
     }
@@ -204,9 +210,7 @@ fn remove_staged_on_signal() -> Result<()> {
         .name("rtune-signals".into())
         .spawn(move || {
             if let Some(sig) = signals.forever().next() {
-                rtune_fsio::remove_staged();
-                let _ = signal_hook::low_level::emulate_default_handler(sig);
-                std::process::exit(128 + sig);
+                rtune_fsio::end_by_signal(sig);
             }
         })?;
     Ok(())

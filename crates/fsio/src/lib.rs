@@ -35,7 +35,7 @@ pub use read::{
     check_regular, open_regular, read_bounded, read_string_bounded, FileKind, ReadError,
 };
 pub use signals::Deferred;
-pub use staging::{refuse_output, remove_staged, Staging};
+pub use staging::{end_by_signal, refuse_output, remove_staged, Staging};
 
 use sha2::{Digest, Sha256};
 use std::fs::{File, OpenOptions};

@@ -64,6 +64,25 @@ pub fn remove_staged() -> usize {
     removed
 }
 
+/// Ends the process as `sig`'s default action would, after removing what is staged: for the
+/// binary's signal thread, and for the main thread when a writer that held the signal back
+/// ([`crate::Deferred`]) returns its interruption. Both may run at once (the deferred signal,
+/// raised again, also wakes the signal thread): whichever gets here first ends the process by the
+/// signal, so the exit status never depends on which thread wins (a shell sees 130 or 143).
+pub fn end_by_signal(sig: i32) -> ! {
+    remove_staged();
+    // SAFETY: a zeroed sigaction with SIG_DFL is a valid disposition; raising a signal in this
+    // process whose disposition is now the default ends it.
+    unsafe {
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        libc::sigaction(sig, &dfl, std::ptr::null_mut());
+        libc::raise(sig);
+    }
+    // Only if the signal is blocked in this thread: the shell's convention for it.
+    std::process::exit(128 + sig)
+}
+
 /// Why `path` may never be an output that a command creates or replaces, even with `--force`:
 /// `/`, the user's home, or a symbolic link (whose target would be replaced or written into).
 /// `None` when it may.
