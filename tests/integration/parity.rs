@@ -541,17 +541,14 @@ fn bf16_compute_matches_peft_bf16() {
 /// phi3_bf16,phi4_bf16,olmo2_bf16`): Gemma's (1 + w) norms computed in f32 and rounded once, GeGLU's
 /// f32 gate, the soft caps and the embedding scale on bf16 activations; Qwen3's q/k norms; Phi-3's
 /// fused qkv_proj / gate_up_proj adapted as one module each; Phi-4-mini's partial rotary and
-/// LongRoPE; OLMo 2's post norms and whole-width q/k norms (weights multiplied in f32, one rounding).
+/// LongRoPE; OLMo 2's post norms and whole-width q/k norms (weights multiplied in f32, one rounding)
+/// and its f32 rotary tables (q/k rotated in f32, one rounding).
 /// The tolerances of [`bf16_compute_matches_peft_bf16`]. (Qwen3's and Gemma 3's head_dim 24 makes
 /// the score scale 1/√24, not a bf16 value: the scaled scores round once, as torch's, or the
 /// logits leave PEFT's by 1e-2.)
 #[test]
 fn families_bf16_compute_matches_peft_bf16() {
-    // Not OLMo 2 yet: transformers' Olmo2 keeps cos/sin in f32 and rotates q/k in f32 with one
-    // rounding (`Olmo2RotaryEmbedding.forward` does not cast them; Llama's does), while the shared
-    // attention rotates in the compute dtype: its bf16 logits are 1.5e-2 from
-    // golden_tiny_olmo2_bf16 until the rope op has an f32 mode (f32 parity is unaffected).
-    for fam in ["gemma2", "gemma3", "qwen3", "phi3", "phi4"] {
+    for fam in ["gemma2", "gemma3", "qwen3", "phi3", "phi4", "olmo2"] {
         bf16_matches_peft(
             &format!("fixtures/tiny-{fam}"),
             &format!("parity/golden_tiny_{fam}_bf16.safetensors"),

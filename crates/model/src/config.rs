@@ -125,6 +125,9 @@ pub struct Variant {
     /// Norms multiply by their weight in f32 and round once at the end (Gemma's and OLMo 2's
     /// `(w·x).to(dtype)`, unlike Llama's `w·x.to(dtype)`); the same on f32.
     pub f32_norms: bool,
+    /// RoPE's cos/sin stay f32 in a bf16/f16 model and q/k rotate in f32, rounded once (OLMo 2:
+    /// `Olmo2RotaryEmbedding` does not cast its tables, Llama's does); the same on f32.
+    pub f32_rope: bool,
     /// The MLP is `down(gelu_tanh(gate)·up)` (GeGLU) instead of SwiGLU.
     pub geglu: bool,
     /// The embeddings are multiplied by this (Gemma: `√hidden_size`, rounded to the model dtype).

@@ -541,7 +541,12 @@ impl Model {
         mask_of: impl Fn(Option<usize>) -> candle_core::Result<ops::AttnMask>,
     ) -> candle_core::Result<BatchCtx> {
         let shape = self.attn_shape(b, t);
-        let tables = |f: &crate::rope::Freqs| f.tables(positions, b, t, self.dtype, &self.device);
+        // f32 tables rotate a bf16 model's q/k in f32 (`rtune_ops::rope::apply`): OLMo 2.
+        let rope_dtype = match self.cfg.variant.f32_rope {
+            true => candle_core::DType::F32,
+            false => self.dtype,
+        };
+        let tables = |f: &crate::rope::Freqs| f.tables(positions, b, t, rope_dtype, &self.device);
         let (cos, sin) = tables(&self.rope)?;
         let local_rope = self.local_rope.as_ref().map(tables).transpose()?;
         let mask = mask_of(None)?;

@@ -9,6 +9,12 @@
 //! rest's gradient through. The fused op runs on the rotated part, copied out (one `(…, R)`
 //! copy and a concatenation more than the full rotation).
 //!
+//! f32 tables with a lower-precision `x` (OLMo 2 in bf16: transformers' `Olmo2RotaryEmbedding`
+//! keeps cos/sin in f32, so `q·cos + rotate_half(q)·sin` promotes to f32 and rounds once at the
+//! end): [`apply`] and [`apply_backward`] widen `x` to f32 (exact), rotate in f32 and round the
+//! result once to `x`'s type. The backward rounds once too, where torch's autograd rounds each
+//! branch's gradient to bf16 before their sum (one bf16 ulp apart at most).
+//!
 //! The op's files: this one (what the model calls), `freqs.rs` (the frequency tables), `op.rs` (the candle ops), `cpu.rs` (the loops),
 //! `reference.rs` (plain formulations), `cuda.rs` (launchers of `kernels/rope.cuh`), `check.rs`
 //! (for `rtune selftest`), `tests.rs`.
@@ -40,13 +46,31 @@ fn halves(x: &Tensor) -> Result<(Tensor, Tensor)> {
 /// `x: (B, H, T, Dh)` → rotated, same shape; `cos, sin: (B or 1, 1, T, R)`, `R ≤ Dh` even (the
 /// first `R` of each head rotate). Fused ([`crate::rope::op::rope`]); [`apply_reference`] is the
 /// plain formulation.
+/// f32 tables with a lower-precision `x`: see the module docs.
 pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    on_rotated(x, cos, |r| crate::rope::op::rope(r, cos, sin))
+    in_table_dtype(x, cos, |x| {
+        on_rotated(x, cos, |r| crate::rope::op::rope(r, cos, sin))
+    })
 }
 
-/// Backward of [`apply`] (fused: [`crate::rope::op::rope_bwd`]).
+/// Backward of [`apply`] (fused: [`crate::rope::op::rope_bwd`]), f32 tables as [`apply`].
 pub fn apply_backward(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    on_rotated(dy, cos, |r| crate::rope::op::rope_bwd(r, cos, sin))
+    in_table_dtype(dy, cos, |dy| {
+        on_rotated(dy, cos, |r| crate::rope::op::rope_bwd(r, cos, sin))
+    })
+}
+
+/// `f(x)` as it comes; with f32 tables and a lower-precision `x`, `f` of `x` widened to f32 and
+/// its result rounded once back to `x`'s type. Other mixes are the op's dtype error.
+fn in_table_dtype(
+    x: &Tensor,
+    table: &Tensor,
+    f: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    match (x.dtype(), table.dtype()) {
+        (DType::BF16 | DType::F16, DType::F32) => f(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype()),
+        _ => f(x),
+    }
 }
 
 /// `f` on the first `R` (the tables' width) of `x`'s last dim, the rest passed through; `f` on

@@ -248,3 +248,41 @@ fn freqs_equal_transformers() {
         "{off_by_one} frequencies one ulp from transformers'"
     );
 }
+
+/// f32 tables with a bf16 `x` (OLMo 2): the rotation in f32 on `x` widened, rounded once — the
+/// same bits as the f32 op's result rounded to bf16, and not the all-bf16 op's (whose tables and
+/// products are rounded: the test would pass with the mode broken only if they agreed, which the
+/// last assert rules out). Backward alike.
+#[test]
+fn f32_tables_rotate_a_bf16_x_in_f32_rounded_once() {
+    let (b, h, t, dh) = (2, 3, 7, 16);
+    let x = bf16(&randn(&[b, h, t, dh], 21, 2.0));
+    let dy = bf16(&randn(&[b, h, t, dh], 22, 1.0));
+    let (cos, sin) = rand_tables(b, t, dh);
+    for (name, got, want, all_bf16) in [
+        (
+            "forward",
+            crate::rope::apply(&x, &cos, &sin).unwrap(),
+            crate::rope::op::rope(&x.to_dtype(DType::F32).unwrap(), &cos, &sin).unwrap(),
+            crate::rope::apply(&x, &bf16(&cos), &bf16(&sin)).unwrap(),
+        ),
+        (
+            "backward",
+            crate::rope::apply_backward(&dy, &cos, &sin).unwrap(),
+            crate::rope::op::rope_bwd(&dy.to_dtype(DType::F32).unwrap(), &cos, &sin).unwrap(),
+            crate::rope::apply_backward(&dy, &bf16(&cos), &bf16(&sin)).unwrap(),
+        ),
+    ] {
+        assert_eq!(got.dtype(), DType::BF16, "{name}");
+        assert_eq!(
+            flat(&got),
+            flat(&bf16(&want)),
+            "{name}: one rounding of the f32 result"
+        );
+        assert_ne!(
+            flat(&got),
+            flat(&all_bf16),
+            "{name}: the all-bf16 op rounds more"
+        );
+    }
+}

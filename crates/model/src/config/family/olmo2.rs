@@ -4,8 +4,8 @@
 //! (`self_attn.q_norm: (H·Dh)`, `self_attn.k_norm: (Hkv·Dh)`, not per head as Qwen3's) before
 //! RoPE. Its RMSNorm multiplies the weight in f32 and rounds once (`(w·x).to(dtype)`, Gemma's
 //! form without the `1 +`). `attention_bias` biases q, k, v and o. transformers'
-//! `modeling_olmo2.py`. Not yet matched in bf16: transformers rotates q/k in f32 here (cos/sin
-//! stay f32, one rounding), the shared attention in the compute dtype.
+//! `modeling_olmo2.py`. Its rotary tables stay f32 and q/k rotate in f32 with one rounding
+//! (`f32_rope`).
 
 use super::{Act, Family, Gguf, LayerNorms, RopeRules, GGUF_LINEARS};
 use crate::config::{HfConfig, ModelConfig};
@@ -38,5 +38,6 @@ fn map(c: &HfConfig, m: &mut ModelConfig) -> Result<(), String> {
     m.variant.qk_norm = true;
     m.variant.qk_norm_whole = true;
     m.variant.f32_norms = true;
+    m.variant.f32_rope = true;
     Ok(())
 }
