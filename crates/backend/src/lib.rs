@@ -32,6 +32,7 @@ pub mod cpu_features;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod dropout;
+pub mod host_memory;
 // The pool's bookkeeping is device-agnostic (tested everywhere); only CUDA offload uses it.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub mod host_pool;

@@ -1,15 +1,18 @@
 //! The run directory, before and around training (issue 43: the run directory one crate):
 //! - [`rundir`]: which directories a run may write, and which of their files are rtune's;
-//! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start).
+//! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start);
+//! - [`record`]: `run.json`, what was run, on what, from which inputs, and how each attempt
+//!   ended (the git commit and Cargo.lock hash from `build.rs`).
 //!
-//! Still in `rtune-train`, to follow here: the checkpoints (`checkpoint.rs`), the run record
-//! (`record.rs`) and the run directory's one writer (`trainer/output.rs`), which need the
-//! optimizer's state and the trainer's counters behind a narrower interface first.
+//! Still in `rtune-train`, to follow here: the checkpoints (`checkpoint.rs`) and the run
+//! directory's one writer (`trainer/output.rs`), which need the optimizer's state and the
+//! trainer's counters behind a narrower interface first.
 //!
 //! [`RunError`] is the one error type; `rtune-train` turns it into its own variant of the same
 //! name and message.
 
 pub mod disk;
+pub mod record;
 pub mod rundir;
 
 use std::path::PathBuf;
@@ -19,4 +22,16 @@ pub enum RunError {
     /// The output directory cannot be used as asked (before anything is written).
     #[error("{path}: {message}")]
     OutputDir { path: PathBuf, message: String },
+    /// Writing (or hashing) a file of the run failed.
+    #[error("{path}: {message}")]
+    Output { path: PathBuf, message: String },
+}
+
+impl From<rtune_fsio::IoError> for RunError {
+    fn from(e: rtune_fsio::IoError) -> Self {
+        RunError::Output {
+            path: e.path,
+            message: format!("{}: {}", e.op, e.source),
+        }
+    }
 }

@@ -2,7 +2,8 @@
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
-//! - [`checkpoint`]: atomic, verified checkpoints and exact resume; [`record`]: run.json;
+//! - [`checkpoint`]: atomic, verified checkpoints and exact resume (run.json is
+//!   `rtune_run::record`'s);
 //! - [`objective`]: the objectives as recipes the loop is generic over (SFT, the preference
 //!   objectives), one folder each;
 //! - [`evaluate`]: validation metrics and sample completions during a run;
@@ -21,7 +22,6 @@ pub mod evaluate;
 pub mod memory;
 pub mod objective;
 pub mod optim;
-pub mod record;
 pub mod sample;
 mod setup;
 pub mod tokens;
@@ -249,6 +249,7 @@ impl From<rtune_run::RunError> for TrainError {
             rtune_run::RunError::OutputDir { path, message } => {
                 TrainError::OutputDir { path, message }
             }
+            rtune_run::RunError::Output { path, message } => TrainError::Output { path, message },
         }
     }
 }

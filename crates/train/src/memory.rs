@@ -1,7 +1,8 @@
-//! Measured memory: the resident set of this process and the machine's RAM on the CPU (Linux's
-//! /proc: `VmHWM`/`VmRSS` of /proc/self/status, `MemTotal`/`MemAvailable` of /proc/meminfo), the
-//! device memory pool's high-water mark and the free device memory on CUDA (see
-//! `rtune_backend::memory`). Predicted memory is `rtune_estimate`'s.
+//! Measured memory of a run: the peak on its device (the memory pool's high-water mark on CUDA,
+//! `rtune_backend::memory`; the resident set on the CPU, `rtune_backend::host_memory`) and the
+//! free device memory on CUDA. Predicted memory is `rtune_estimate`'s.
+
+pub use rtune_backend::host_memory::{current_rss_bytes, peak_rss_bytes, ram_available_bytes};
 
 /// The peak memory that matters for a run on `dev`: device memory on CUDA, host RSS on the CPU.
 pub fn peak_bytes(dev: &candle_core::Device) -> u64 {
@@ -25,81 +26,4 @@ pub fn device_free_bytes(ordinal: usize) -> Result<u64, crate::TrainError> {
     rtune_backend::memory::free_and_total()
         .map(|(free, _)| free as u64)
         .map_err(|source| TrainError::Kernel { ordinal, source })
-}
-
-/// The resident set's high-water mark in bytes (Linux); 0 where it cannot be read.
-///
-/// `max(VmHWM, VmRSS)` of one read of /proc/self/status: the kernel folds the per-CPU RSS
-/// counters into `VmHWM` lazily (on unmap and exit), so `VmHWM` alone can trail a `VmRSS` read a
-/// moment earlier by a few pages (seen in CI: 5,500,928 < 5,529,600).
-pub fn peak_rss_bytes() -> u64 {
-    let Ok(text) = std::fs::read_to_string("/proc/self/status") else {
-        return 0;
-    };
-    let (hwm, rss) = (parse_kib(&text, "VmHWM:"), parse_kib(&text, "VmRSS:"));
-    hwm.max(rss).map_or(0, |k| k * 1024)
-}
-
-/// Current resident set size in bytes (Linux); 0 where it cannot be read.
-pub fn current_rss_bytes() -> u64 {
-    read_status_kib("VmRSS:").map_or(0, |k| k * 1024)
-}
-
-/// `MemTotal` of /proc/meminfo in bytes: the machine's RAM (Linux); `None` where it cannot be read.
-pub fn ram_total_bytes() -> Option<u64> {
-    read_kib("/proc/meminfo", "MemTotal:").map(|k| k * 1024)
-}
-
-/// `MemAvailable` of /proc/meminfo in bytes: what can be allocated without swapping (Linux);
-/// `None` where it cannot be read.
-pub fn ram_available_bytes() -> Option<u64> {
-    read_kib("/proc/meminfo", "MemAvailable:").map(|k| k * 1024)
-}
-
-fn read_status_kib(key: &str) -> Option<u64> {
-    read_kib("/proc/self/status", key)
-}
-
-/// The value of the `key` line of a /proc file written as `Key:   1234 kB`.
-fn read_kib(file: &str, key: &str) -> Option<u64> {
-    parse_kib(&std::fs::read_to_string(file).ok()?, key)
-}
-
-fn parse_kib(text: &str, key: &str) -> Option<u64> {
-    let line = text.lines().find(|l| l.starts_with(key))?;
-    line[key.len()..]
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn peak_is_at_least_current_and_nonzero_on_linux() {
-        if cfg!(target_os = "linux") {
-            let cur = super::current_rss_bytes();
-            assert!(cur > 0, "VmRSS unread");
-            // Grow the resident set by 64 MiB (touched pages) and hold it: the peak read while
-            // it is held is at least the current size before it plus most of the 64 MiB
-            // (others may free some concurrently: 32 MiB of slack).
-            let held = vec![1u8; 64 << 20];
-            let peak = super::peak_rss_bytes();
-            assert!(peak >= cur + (32 << 20), "peak {peak} current before {cur}");
-            drop(std::hint::black_box(held));
-            let (total, avail) = (super::ram_total_bytes(), super::ram_available_bytes());
-            assert!(total.is_some_and(|t| t > 0 && avail.is_some_and(|a| a <= t)));
-        }
-    }
-
-    #[test]
-    fn proc_lines_parse_to_kib() {
-        let text = "MemTotal:       16318480 kB\nMemFree:  1 kB\nMemAvailable:    9000 kB\n";
-        assert_eq!(super::parse_kib(text, "MemTotal:"), Some(16318480));
-        assert_eq!(super::parse_kib(text, "MemAvailable:"), Some(9000));
-        assert_eq!(super::parse_kib(text, "SwapTotal:"), None);
-        assert_eq!(super::parse_kib("VmHWM: lots kB", "VmHWM:"), None);
-    }
 }

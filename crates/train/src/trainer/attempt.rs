@@ -17,9 +17,9 @@ use crate::checkpoint::{self, Loaded};
 use crate::compute::device;
 use crate::objective::{Recipe, ReferencePass};
 use crate::optim::LoraOptimizer;
-use crate::record::RunRecord;
 use crate::setup::{self, base_model_name, prepare, settings_diff, Prepared};
 use crate::{memory, TrainError};
+use rtune_run::record::RunRecord;
 
 impl<'a, R: Recipe> Trainer<'a, R> {
     /// Loads and checks everything (model, data, adapter) before the run directory is touched.
@@ -418,7 +418,7 @@ fn agreement(
     settings: &std::collections::BTreeMap<String, String>,
 ) -> std::collections::BTreeMap<String, String> {
     let mut mine = settings.clone();
-    for p in crate::record::model_files(&cfg.model.path) {
+    for p in rtune_run::record::model_files(&cfg.model.path) {
         let bytes = std::fs::metadata(&p).map_or(0, |m| m.len());
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
         mine.insert(

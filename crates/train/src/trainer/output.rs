@@ -21,11 +21,11 @@ use super::metrics::{eval_scalars, StepMetrics, Summary};
 use crate::checkpoint::{self, TrainerState};
 use crate::evaluate::{EvalMetrics, Sample};
 use crate::optim::LoraOptimizer;
-use crate::record::RunRecord;
 use crate::setup::fresh_output;
 use crate::TrainError;
 use rtune_fsio::{LockError, RunLock};
 use rtune_remote::{Claim, ClaimMode, Mirror, Remote};
+use rtune_run::record::RunRecord;
 use rtune_track::{Start, Tracker};
 
 const METRICS: &str = "metrics.jsonl";
@@ -253,7 +253,7 @@ impl RunFiles {
         if !self.writes {
             return Ok(());
         }
-        record.write(&self.dir, self.privacy)
+        Ok(record.write(&self.dir, self.privacy)?)
     }
 
     /// Appends one JSON line to metrics.jsonl; returns its length (the resume offset grows by it,

@@ -288,12 +288,12 @@ impl ReferenceCache {
             parts.push(0);
         };
         put("rtune", env!("CARGO_PKG_VERSION"));
-        for f in crate::record::model_files(&cfg.model.path) {
-            put("model file", &crate::record::sha256_once(&f)?);
+        for f in rtune_run::record::model_files(&cfg.model.path) {
+            put("model file", &rtune_run::record::sha256_once(&f)?);
         }
         if let Some(dir) = &cfg.lora.init_from {
             for f in ["adapter_model.safetensors", "adapter_config.json"] {
-                put("init_from", &crate::record::sha256_once(&dir.join(f))?);
+                put("init_from", &rtune_run::record::sha256_once(&dir.join(f))?);
             }
             let l = &cfg.lora;
             put(

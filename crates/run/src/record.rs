@@ -7,10 +7,11 @@ use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::time::SystemTime;
 
+use rtune_backend::host_memory::read_proc;
 use rtune_config::RunConfig;
 use rtune_fsio::{sha256_file, write_atomic, Privacy};
 
-use crate::TrainError;
+use crate::RunError;
 
 pub const RUN_JSON: &str = "run.json";
 
@@ -88,9 +89,9 @@ pub fn now() -> String {
     humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
 }
 
-fn hash(path: &Path) -> Result<FileHash, TrainError> {
+fn hash(path: &Path) -> Result<FileHash, RunError> {
     let bytes = std::fs::metadata(path)
-        .map_err(|e| TrainError::Output {
+        .map_err(|e| RunError::Output {
             path: path.into(),
             message: e.to_string(),
         })?
@@ -104,7 +105,7 @@ fn hash(path: &Path) -> Result<FileHash, TrainError> {
 
 /// A file's sha256, computed once per process for a given (path, size, mtime): a preference
 /// run's reference cache key and run.json hash the same model files at start.
-pub(crate) fn sha256_once(path: &Path) -> Result<String, TrainError> {
+pub fn sha256_once(path: &Path) -> Result<String, RunError> {
     type Seen = std::collections::HashMap<(std::path::PathBuf, u64, Option<SystemTime>), String>;
     static SEEN: std::sync::Mutex<Option<Seen>> = std::sync::Mutex::new(None);
     let meta = std::fs::metadata(path).ok();
@@ -117,7 +118,7 @@ pub(crate) fn sha256_once(path: &Path) -> Result<String, TrainError> {
     if let Some(h) = seen.get_or_insert_with(Default::default).get(&id) {
         return Ok(h.clone());
     }
-    let h = sha256_file(path)?;
+    let h = sha256_file(path).map_err(RunError::from)?;
     seen.get_or_insert_with(Default::default)
         .insert(id, h.clone());
     Ok(h)
@@ -125,7 +126,7 @@ pub(crate) fn sha256_once(path: &Path) -> Result<String, TrainError> {
 
 /// The model's files that determine its numbers: config, weights (and their index), tokenizer.
 /// Hashed into run.json; also what data-parallel ranks compare at start.
-pub(crate) fn model_files(dir: &Path) -> Vec<std::path::PathBuf> {
+pub fn model_files(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
@@ -147,14 +148,14 @@ pub(crate) fn model_files(dir: &Path) -> Vec<std::path::PathBuf> {
 }
 
 pub fn hardware(device: &str) -> Hardware {
-    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpuinfo = read_proc("/proc/cpuinfo").unwrap_or_default();
     let cpu_model = cpuinfo
         .lines()
         .find(|l| l.starts_with("model name"))
         .and_then(|l| l.split(':').nth(1))
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let ram_bytes = crate::memory::ram_total_bytes().unwrap_or(0);
+    let ram_bytes = rtune_backend::host_memory::ram_total_bytes().unwrap_or(0);
     // The one CPU-feature detection (rtune_backend::cpu_features), as the kernels see it.
     let simd = rtune_backend::cpu_features::get()
         .list()
@@ -179,7 +180,7 @@ impl RunRecord {
         cfg: &RunConfig,
         dir: &Path,
         resumed_from_step: Option<usize>,
-    ) -> Result<Self, TrainError> {
+    ) -> Result<Self, RunError> {
         let attempt = Attempt {
             started: now(),
             ended: None,
@@ -263,7 +264,7 @@ impl RunRecord {
     }
 
     /// Hashes the final adapter's files in `dir` into [`RunRecord::adapter_files`].
-    pub fn record_adapter(&mut self, dir: &Path) -> Result<(), TrainError> {
+    pub fn record_adapter(&mut self, dir: &Path) -> Result<(), RunError> {
         self.adapter_files = [rtune_lora::ADAPTER_WEIGHTS, rtune_lora::ADAPTER_CONFIG]
             .into_iter()
             .map(|f| {
@@ -271,7 +272,7 @@ impl RunRecord {
                 h.path = f.to_string();
                 Ok(h)
             })
-            .collect::<Result<_, TrainError>>()?;
+            .collect::<Result<_, RunError>>()?;
         Ok(())
     }
 
@@ -283,8 +284,8 @@ impl RunRecord {
         }
     }
 
-    pub fn write(&self, dir: &Path, privacy: Privacy) -> Result<(), TrainError> {
+    pub fn write(&self, dir: &Path, privacy: Privacy) -> Result<(), RunError> {
         let text = serde_json::to_vec_pretty(self).expect("record serialises");
-        write_atomic(&dir.join(RUN_JSON), &text, privacy).map_err(TrainError::from)
+        write_atomic(&dir.join(RUN_JSON), &text, privacy).map_err(RunError::from)
     }
 }
