@@ -1,16 +1,18 @@
 //! The run directory, before and around training (issue 43: the run directory one crate):
 //! - [`rundir`]: which directories a run may write, and which of their files are rtune's;
 //! - [`disk`]: what a run will write, and whether its filesystem has room (checked at start);
+//! - [`checkpoint`]: `checkpoint-<step>/`, atomic and verified: the adapter, AdamW's moments,
+//!   the trainer's counters (a type of the trainer's, saved as they are) and a manifest;
 //! - [`record`]: `run.json`, what was run, on what, from which inputs, and how each attempt
 //!   ended (the git commit and Cargo.lock hash from `build.rs`).
 //!
-//! Still in `rtune-train`, to follow here: the checkpoints (`checkpoint.rs`) and the run
-//! directory's one writer (`trainer/output.rs`), which need the optimizer's state and the
-//! trainer's counters behind a narrower interface first.
+//! Still in `rtune-train`: the run directory's one writer (`trainer/output.rs`), which also
+//! writes the trainer's metrics, samples and summary.
 //!
 //! [`RunError`] is the one error type; `rtune-train` turns it into its own variant of the same
 //! name and message.
 
+pub mod checkpoint;
 pub mod disk;
 pub mod record;
 pub mod rundir;
@@ -22,6 +24,9 @@ pub enum RunError {
     /// The output directory cannot be used as asked (before anything is written).
     #[error("{path}: {message}")]
     OutputDir { path: PathBuf, message: String },
+    /// Writing the adapter of a checkpoint failed.
+    #[error(transparent)]
+    Adapter(Box<rtune_lora::LoraError>),
     /// Writing (or hashing) a file of the run failed.
     #[error("{path}: {message}")]
     Output { path: PathBuf, message: String },

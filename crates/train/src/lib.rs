@@ -2,8 +2,7 @@
 //! - [`trainer`]: `rtune train` — config in, run directory with a PEFT adapter out;
 //! - [`optim`]: AdamW, learning-rate schedules, gradient clipping (torch semantics);
 //! - [`dataset`]: the run's data through the tokenized cache, weighted, with a validation split;
-//! - [`checkpoint`]: atomic, verified checkpoints and exact resume (run.json is
-//!   `rtune_run::record`'s);
+//! - exact resume from a checkpoint (the checkpoint's files and run.json are `rtune_run`'s);
 //! - [`objective`]: the objectives as recipes the loop is generic over (SFT, the preference
 //!   objectives), one folder each;
 //! - [`evaluate`]: validation metrics and sample completions during a run;
@@ -15,7 +14,6 @@
 //! diagnostics that drive training (`rtune check`, `bench`, `selftest`). [`TrainError`] is the
 //! one error type; [`TrainError::is_input_error`] decides the CLI's exit status.
 
-pub mod checkpoint;
 mod compute;
 pub mod dataset;
 pub mod evaluate;
@@ -250,6 +248,7 @@ impl From<rtune_run::RunError> for TrainError {
                 TrainError::OutputDir { path, message }
             }
             rtune_run::RunError::Output { path, message } => TrainError::Output { path, message },
+            rtune_run::RunError::Adapter(e) => TrainError::Lora(e),
         }
     }
 }

@@ -13,10 +13,10 @@ use rtune_lora::Adapter;
 use rtune_model::{Gather, Model};
 use std::rc::Rc;
 
-use crate::checkpoint;
 use crate::dataset::RunData;
 use crate::optim::LossScaler;
 use crate::TrainError;
+use rtune_run::checkpoint;
 
 /// Turns `[model] path` into a local model directory: a directory as is, a llama `.gguf` file
 /// converted once into the rtune cache, a hub id (`org/name`) at `[model] revision` downloaded

@@ -47,12 +47,13 @@ use rtune_dist::{DataParallel, World};
 use rtune_lora::Adapter;
 use rtune_model::{Grads, Inputs, LoraCtx, Model};
 
-use crate::checkpoint::{self, TrainerState};
 use crate::dataset::RunData;
 use crate::objective::{HeadLoss, Live, Micro, Recipe, Sums, WithRecipe};
 use crate::optim::{lr_factor, LoraOptimizer};
 use crate::{evaluate, memory, TrainError};
 use output::RunFiles;
+use rtune_run::checkpoint;
+use state::TrainerState;
 
 pub use crate::compute::{device, dtype};
 pub use events::{Event, Outcome, RunOptions};

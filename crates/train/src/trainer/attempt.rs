@@ -12,13 +12,14 @@ use rtune_config::RunConfig;
 use rtune_dist::{DataParallel, World};
 
 use super::output::RunFiles;
+use super::state::Loaded;
 use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
-use crate::checkpoint::{self, Loaded};
 use crate::compute::device;
 use crate::objective::{Recipe, ReferencePass};
 use crate::optim::LoraOptimizer;
 use crate::setup::{self, base_model_name, prepare, settings_diff, Prepared};
 use crate::{memory, TrainError};
+use rtune_run::checkpoint;
 use rtune_run::record::RunRecord;
 
 impl<'a, R: Recipe> Trainer<'a, R> {
@@ -280,7 +281,7 @@ impl<'a, R: Recipe> Trainer<'a, R> {
             self.model.lora_modules(&self.adapter.spec),
         );
         let on_event = &mut self.on_event;
-        let found = checkpoint::latest(dir, spec, &modules, &self.dev, &mut |w| {
+        let found: Option<Loaded> = checkpoint::latest(dir, spec, &modules, &self.dev, &mut |w| {
             on_event(Event::Warning(w))
         });
         let Some(l) = found else {

@@ -18,13 +18,14 @@ use rtune_lora::Adapter;
 use rtune_watch::TbWriter;
 
 use super::metrics::{eval_scalars, StepMetrics, Summary};
-use crate::checkpoint::{self, TrainerState};
+use super::state::TrainerState;
 use crate::evaluate::{EvalMetrics, Sample};
 use crate::optim::LoraOptimizer;
 use crate::setup::fresh_output;
 use crate::TrainError;
 use rtune_fsio::{LockError, RunLock};
 use rtune_remote::{Claim, ClaimMode, Mirror, Remote};
+use rtune_run::checkpoint::{self, Moments};
 use rtune_run::record::RunRecord;
 use rtune_track::{Start, Tracker};
 
@@ -335,11 +336,12 @@ impl RunFiles {
             return Ok(None);
         }
         let dir = &self.dir;
+        let (m, v) = opt.moments()?;
         let path = checkpoint::save(
             dir,
             state,
             adapter,
-            opt,
+            Moments { m: &m, v: &v },
             base_model,
             self.privacy,
             keep_last,

@@ -9,6 +9,17 @@ use super::metrics::StepMetrics;
 use crate::optim::{Applied, LossScaler};
 use crate::TrainError;
 
+/// A checkpoint's trainer_state.json with these counters under `run`.
+pub type TrainerState = rtune_run::checkpoint::TrainerState<RunState>;
+/// A checkpoint read back, these counters under `state.run`.
+pub type Loaded = rtune_run::checkpoint::Loaded<RunState>;
+
+impl rtune_run::checkpoint::Step for RunState {
+    fn step(&self) -> usize {
+        self.step
+    }
+}
+
 /// The trainer's counters (all ranks hold the same ones under data parallelism).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunState {

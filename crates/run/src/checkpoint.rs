@@ -9,6 +9,7 @@
 //! epoch, so no generator state has to be stored beyond those.
 
 use candle_core::{DType, Device, Tensor};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -19,11 +20,9 @@ use rtune_fsio::{
 use rtune_lora::peft::{exp_avg_key, exp_avg_sq_key};
 use rtune_lora::{Adapter, LoraSpec, ModuleShape, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 
-use crate::optim::LoraOptimizer;
-use crate::trainer::state::RunState;
-use crate::TrainError;
+use crate::RunError;
 
-/// Version 2: the trainer's counters are one [`RunState`] under `run`.
+/// Version 2: the trainer's counters are one object under `run` (`rtune_train`'s `RunState`).
 pub const FORMAT: &str = "rtune-checkpoint/2";
 const STATE: &str = "trainer_state.json";
 const OPTIM: &str = "optimizer.safetensors";
@@ -31,11 +30,14 @@ const MANIFEST: &str = "manifest.json";
 
 /// trainer_state.json: the trainer's counters, where the optimizer and the data stood, and the
 /// settings a resumed run must share.
+///
+/// `R`: the trainer's counters, saved as they are (`rtune_train`'s `RunState`: step, tokens,
+/// speeds, last loss, wall time, loss scale, skipped steps, metrics.jsonl length); [`save`] names
+/// the directory by their [`Step`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct TrainerState {
+pub struct TrainerState<R> {
     pub format: String,
-    /// Step, tokens, speeds, last loss, wall time, loss scale, skipped steps, metrics.jsonl length.
-    pub run: RunState,
+    pub run: R,
     /// AdamW's step count (skipped updates do not advance it).
     pub adamw_step: u64,
     /// Data cursor: epoch and position in that epoch's (seeded) order.
@@ -64,9 +66,15 @@ struct FileEntry {
     sha256: String,
 }
 
-pub struct Loaded {
+/// The optimizer steps a state has done: its checkpoint's `<step>`.
+pub trait Step {
+    fn step(&self) -> usize;
+}
+
+/// One checkpoint, verified and read.
+pub struct Loaded<R> {
     pub dir: PathBuf,
-    pub state: TrainerState,
+    pub state: TrainerState<R>,
     pub adapter: Adapter,
     pub m: Vec<Vec<f32>>,
     pub v: Vec<Vec<f32>>,
@@ -103,25 +111,35 @@ fn safetensors_bytes(data: &[F32Bytes<'_>]) -> Vec<u8> {
     safetensors::serialize(views, None).expect("f32 tensors serialise")
 }
 
+/// AdamW's first and second moments, one vector per trainable tensor in the adapter's
+/// [`Adapter::trainable`] order.
+pub struct Moments<'a> {
+    pub m: &'a [Vec<f32>],
+    pub v: &'a [Vec<f32>],
+}
+
 /// Writes `run_dir/checkpoint-<step>/` atomically, then deletes all but the newest `keep_last`.
-pub fn save(
+pub fn save<R: Serialize + Step>(
     run_dir: &Path,
-    state: &TrainerState,
+    state: &TrainerState<R>,
     adapter: &Adapter,
-    opt: &LoraOptimizer,
+    moments: Moments<'_>,
     base_model: &str,
     privacy: Privacy,
     keep_last: usize,
-) -> Result<PathBuf, TrainError> {
-    let final_dir = run_dir.join(format!("checkpoint-{}", state.run.step));
-    let tmp = run_dir.join(format!(".checkpoint-{}.tmp", state.run.step));
-    let res = (|| -> Result<(), TrainError> {
+) -> Result<PathBuf, RunError> {
+    let step = state.run.step();
+    let final_dir = run_dir.join(format!("checkpoint-{step}"));
+    let tmp = run_dir.join(format!(".checkpoint-{step}.tmp"));
+    let res = (|| -> Result<(), RunError> {
         if tmp.exists() {
             std::fs::remove_dir_all(&tmp).map_err(|e| out(&tmp, e))?;
         }
-        privacy.create_dir_all(&tmp).map_err(TrainError::from)?;
-        adapter.save_peft(&tmp, base_model, privacy)?;
-        let (m, v) = opt.moments()?;
+        privacy.create_dir_all(&tmp).map_err(RunError::from)?;
+        adapter
+            .save_peft(&tmp, base_model, privacy)
+            .map_err(|e| RunError::Adapter(Box::new(e)))?;
+        let (m, v) = (moments.m, moments.v);
         let mut tensors = Vec::new();
         // A0, B0, A1, B1, …, then DoRA's magnitudes: the optimizer's order.
         for (i, (k, t)) in adapter.trainable().into_iter().enumerate() {
@@ -129,9 +147,9 @@ pub fn save(
             tensors.push((exp_avg_sq_key(&k), le_bytes(&v[i]), t.dims().to_vec()));
         }
         write_atomic(&tmp.join(OPTIM), &safetensors_bytes(&tensors), privacy)
-            .map_err(TrainError::from)?;
+            .map_err(RunError::from)?;
         let text = serde_json::to_vec_pretty(state).expect("state serialises");
-        write_atomic(&tmp.join(STATE), &text, privacy).map_err(TrainError::from)?;
+        write_atomic(&tmp.join(STATE), &text, privacy).map_err(RunError::from)?;
         let mut files = BTreeMap::new();
         for f in [ADAPTER_WEIGHTS, ADAPTER_CONFIG, OPTIM, STATE] {
             let p = tmp.join(f);
@@ -140,7 +158,7 @@ pub fn save(
                 f.to_string(),
                 FileEntry {
                     bytes,
-                    sha256: sha256_file(&p).map_err(TrainError::from)?,
+                    sha256: sha256_file(&p).map_err(RunError::from)?,
                 },
             );
         }
@@ -153,11 +171,11 @@ pub fn save(
             &serde_json::to_vec_pretty(&manifest).expect("manifest"),
             privacy,
         )
-        .map_err(TrainError::from)?;
-        fsync_dir(&tmp).map_err(TrainError::from)?;
+        .map_err(RunError::from)?;
+        fsync_dir(&tmp).map_err(RunError::from)?;
         if final_dir.exists() {
-            if !rtune_run::rundir::is_own_checkpoint(&final_dir) {
-                return Err(TrainError::OutputDir {
+            if !crate::rundir::is_own_checkpoint(&final_dir) {
+                return Err(RunError::OutputDir {
                     path: final_dir.clone(),
                     message: "exists and was not written by rtune; not replaced".into(),
                 });
@@ -165,7 +183,7 @@ pub fn save(
             remove(&final_dir).map_err(|e| out(&final_dir, e))?;
         }
         std::fs::rename(&tmp, &final_dir).map_err(|e| out(&final_dir, e))?;
-        fsync_dir(run_dir).map_err(TrainError::from)
+        fsync_dir(run_dir).map_err(RunError::from)
     })();
     if let Err(e) = res {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -179,8 +197,8 @@ pub fn save(
     Ok(final_dir)
 }
 
-fn out(path: &Path, e: std::io::Error) -> TrainError {
-    TrainError::Output {
+fn out(path: &Path, e: std::io::Error) -> RunError {
+    RunError::Output {
         path: path.to_path_buf(),
         message: e.to_string(),
     }
@@ -207,8 +225,8 @@ pub fn list(run_dir: &Path) -> Vec<(usize, PathBuf)> {
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            let step = rtune_run::rundir::checkpoint_step(&name)?;
-            rtune_run::rundir::is_own_checkpoint(&e.path()).then(|| (step, e.path()))
+            let step = crate::rundir::checkpoint_step(&name)?;
+            crate::rundir::is_own_checkpoint(&e.path()).then(|| (step, e.path()))
         })
         .collect();
     found.sort_by_key(|f| std::cmp::Reverse(f.0));
@@ -231,12 +249,12 @@ pub fn remove_partial(run_dir: &Path) -> usize {
 }
 
 /// Verifies and reads one checkpoint; the error says what is wrong with it.
-pub fn load(
+pub fn load<R: DeserializeOwned>(
     dir: &Path,
     spec: &LoraSpec,
     modules: &[ModuleShape],
     dev: &Device,
-) -> Result<Loaded, String> {
+) -> Result<Loaded<R>, String> {
     let text = read_bounded(&dir.join(MANIFEST), FileKind::RunRecord)
         .map_err(|e| format!("{MANIFEST}: {e}"))?;
     let manifest: Manifest =
@@ -266,7 +284,7 @@ pub fn load(
             return Err(format!("{f} does not match its checksum"));
         }
     }
-    let state: TrainerState = serde_json::from_slice(
+    let state: TrainerState<R> = serde_json::from_slice(
         &read_bounded(&dir.join(STATE), FileKind::RunRecord)
             .map_err(|e| format!("{STATE}: {e}"))?,
     )
@@ -307,13 +325,13 @@ pub fn load(
 }
 
 /// The newest checkpoint that verifies; each one skipped is reported through `warn`.
-pub fn latest(
+pub fn latest<R: DeserializeOwned>(
     run_dir: &Path,
     spec: &LoraSpec,
     modules: &[ModuleShape],
     dev: &Device,
     warn: &mut dyn FnMut(String),
-) -> Option<Loaded> {
+) -> Option<Loaded<R>> {
     for (_, dir) in list(run_dir) {
         match load(&dir, spec, modules, dev) {
             Ok(l) => return Some(l),
