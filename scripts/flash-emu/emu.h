@@ -1,4 +1,6 @@
-// CUDA built-ins for the host emulation of scripts/flash-emu.sh (force-included before the kernel).
+// CUDA built-ins for the host emulation of the kernels (force-included before a kernel file):
+// scripts/flash-emu.sh (flash_attn.cu) and scripts/flash-emu/fused_lib.cpp (fused.cu, attn.cu;
+// built and driven by crates/ops/tests/kernels_emulated.rs).
 #pragma once
 #include <barrier>
 #include <type_traits>
@@ -15,7 +17,14 @@ extern dim3e blockIdx, gridDim, blockDim;
 #define __device__
 #define __host__
 #define __forceinline__ inline
+// A block's static shared arrays: one per kernel instantiation, shared by the block's threads
+// (blocks run one after another) with EMU_STATIC_SHARED; flash-emu.sh's one dynamic array is a
+// global of its harness.
+#ifdef EMU_STATIC_SHARED
+#define __shared__ static
+#else
 #define __shared__
+#endif
 #define __restrict__
 #define __launch_bounds__(x)
 #define __align__(n) __attribute__((aligned(n)))
@@ -30,6 +39,13 @@ inline int2 make_int2(int a, int b) { return {a, b}; }
 inline uint4 __ldg(const uint4* p) { return *p; }
 inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 inline void __trap() { fprintf(stderr, "TRAP\n"); abort(); }
+// Correctly rounded f32 arithmetic (the host's IEEE operations; ISO C++ contracts nothing into an
+// FMA), as the _rn intrinsics are on the device.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }
 using std::min; using std::max;
 void __syncthreads();
 void __syncwarp();
