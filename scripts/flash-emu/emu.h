@@ -1,5 +1,5 @@
 // CUDA built-ins for the host emulation of the kernels (force-included before a kernel file):
-// scripts/flash-emu.sh (flash_attn.cu) and scripts/flash-emu/fused_lib.cpp (fused.cu, attn.cu;
+// scripts/flash-emu.sh (flash_attn.cu) and scripts/flash-emu/kernels_lib.cpp (fused.cu, attn.cu, adamw.cu, nf4.cu, dropout.cu;
 // built and driven by crates/ops/tests/kernels_emulated.rs).
 #pragma once
 #include <barrier>
@@ -30,13 +30,16 @@ extern dim3e blockIdx, gridDim, blockDim;
 #define __align__(n) __attribute__((aligned(n)))
 struct uint4 { uint32_t x, y, z, w; };
 struct float4 { float x, y, z, w; };
+struct uint2 { uint32_t x, y; };
 struct int2 { int x, y; };
 struct float2 { float x, y; };
 inline float2 make_float2(float a, float b) { return {a, b}; }
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+inline uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline int2 make_int2(int a, int b) { return {a, b}; }
-inline uint4 __ldg(const uint4* p) { return *p; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+inline uint32_t __umulhi(uint32_t a, uint32_t b) { return (uint32_t)(((uint64_t)a * b) >> 32); }
 inline float __uint_as_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 inline void __trap() { fprintf(stderr, "TRAP\n"); abort(); }
 // Correctly rounded f32 arithmetic (the host's IEEE operations; ISO C++ contracts nothing into an
@@ -46,8 +49,14 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __frcp_rn(float a) { return 1.0f / a; }
-using std::min; using std::max;
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return std::sqrt(a); }
+using std::min; using std::max; using std::isfinite; using std::isnan; using std::isinf;
 void __syncthreads();
 void __syncwarp();
 float __shfl_xor_sync(unsigned, float v, int o);
+float __shfl_sync(unsigned, float v, int src);
 extern unsigned emu_smem_bytes;

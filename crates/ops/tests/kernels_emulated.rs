@@ -1,8 +1,16 @@
-//! The fused CUDA kernels (`kernels/fused.cu`: RMSNorm, SwiGLU, GeGLU, RoPE, cross-entropy, the
-//! widening cast) and the attention softmax (`kernels/attn.cu`) run on the CPU under the host
-//! emulation (`scripts/flash-emu/`: emu.h, fused_lib.cpp), against the ops' references (each
-//! op's `reference.rs`), f32, bf16 and f16, forward and backward — what `tests/fused_cuda.rs` and
-//! `rtune selftest` check on a GPU, here on every CI run without one (issue 48).
+//! rtune's own CUDA kernels run on the CPU under the host emulation (`scripts/flash-emu/`: emu.h,
+//! kernels_lib.cpp), against their references, f32, bf16 and f16, forward and backward — what
+//! `tests/fused_cuda.rs`, `tests/nf4_cuda.rs` and `rtune selftest` check on a GPU, here on every CI
+//! run without one (issue 48):
+//! - `kernels/fused.cu` (RMSNorm, SwiGLU, GeGLU, RoPE, cross-entropy, the widening cast) and
+//!   `kernels/attn.cu` (the attention softmax): each op's `reference.rs`, the selftest's tolerances;
+//! - `kernels/adamw.cu` (multi-tensor norm, clip coefficient, AdamW): `rtune_ops::adamw`'s loop
+//!   for loop restatement, bit for bit as on a GPU;
+//! - `kernels/nf4.cu` (plain and double-quantized dequantization): the CPU dequantization, exactly;
+//! - `kernels/dropout.cu` (the LoRA dropout's Philox masks): `DropoutKey::factor`, exactly.
+//!
+//! `flash_attn.cu` has its own harness under the same emulation (`scripts/flash-emu.sh`, not in CI:
+//! minutes of CPU).
 //!
 //! The kernels' source is compiled by g++ (C++20) into a shared library, which this test loads:
 //! each of its launches runs a block's threads as OS threads (barriers for `__syncthreads`, a slot
@@ -23,7 +31,13 @@ use std::sync::{Mutex, OnceLock};
 
 use half::{bf16, f16};
 use rtune_backend::check::{compare, tolerance, Comparison, Op, Rng};
+use rtune_backend::dropout::DropoutKey;
 use rtune_backend::Precision;
+use rtune_ops::adamw::{
+    chunk_table, clip_coef, multi_tensor_adamw, multi_tensor_sq_norm, offsets, AdamWScalars,
+};
+use rtune_ops::nf4::quantize::quantize_nf4;
+use rtune_ops::nf4::weight::Absmax;
 use rtune_ops::{attention, ce, geglu, norm, rope, swiglu};
 
 // ---------------------------------------------------------------------------------------------
@@ -49,7 +63,7 @@ fn emu() -> &'static Emu {
         let lib = unsafe { libloading::Library::new(&so) }
             .unwrap_or_else(|e| panic!("{}: {e}", so.display()));
         let _ = std::fs::remove_dir_all(so.parent().unwrap());
-        // SAFETY: the three entry points of fused_lib.cpp, with these C signatures.
+        // SAFETY: the three entry points of kernels_lib.cpp, with these C signatures.
         unsafe {
             let grid = *lib.get::<Grid>(b"emu_grid").unwrap();
             let block = *lib.get::<Index>(b"emu_block").unwrap();
@@ -64,7 +78,7 @@ fn emu() -> &'static Emu {
     })
 }
 
-/// g++ on fused_lib.cpp with `kernels/attn.cu`'s dynamic shared array made a plain `extern` (the
+/// g++ on kernels_lib.cpp with `kernels/attn.cu`'s dynamic shared array made a plain `extern` (the
 /// library defines it); the library's path.
 fn build() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -73,7 +87,7 @@ fn build() -> PathBuf {
     let attn = std::fs::read_to_string(root.join("kernels/attn.cu")).unwrap();
     assert!(
         attn.contains("extern __shared__"),
-        "attn.cu has no dynamic shared array to patch: update fused_lib.cpp and this build"
+        "attn.cu has no dynamic shared array to patch: update kernels_lib.cpp and this build"
     );
     std::fs::write(
         out.join("attn_emu.cu"),
@@ -95,7 +109,7 @@ fn build() -> PathBuf {
         .arg(format!("-I{}", root.join("kernels").display()))
         .arg(format!("-I{}", out.display()))
         .args(["-include", "emu.h"])
-        .arg(emu.join("fused_lib.cpp"))
+        .arg(emu.join("kernels_lib.cpp"))
         .arg("-o")
         .arg(&so)
         .arg("-lpthread")
@@ -117,7 +131,7 @@ fn launch(blocks: u32, threads: u32, kernel: impl Fn() + Sync) {
     assert!(threads.is_multiple_of(32) && threads <= 1024);
     let e = emu();
     let _one = LAUNCH.lock().unwrap_or_else(|p| p.into_inner());
-    // SAFETY: fused_lib.cpp's launch state setters; every thread of a block is started below
+    // SAFETY: kernels_lib.cpp's launch state setters; every thread of a block is started below
     // before any can wait at a barrier sized for them all.
     unsafe { (e.grid)(blocks, threads) };
     for b in 0..blocks {
@@ -677,4 +691,298 @@ fn a_wrong_kernel_result_fails_the_comparison() {
     let want = norm::reference::rms_norm_fwd(&x, &w, rows, dim, 1e-5, Precision::F32);
     let r = check::<f32>(Op::typed("rms_norm_fwd"), "(2, 64)", &y.read(), &want);
     assert!(!r.2.pass, "a 1% wrong weight passed: {:?}", r.2);
+}
+
+/// The multi-tensor optimizer step as `AdamW::step_device` launches it (norm partials, the
+/// clip coefficient, the update), on tensors of odd sizes (one of no gradient, one empty, one whose
+/// gradient starts one element into its buffer), over four steps: clipped, loss-scaled,
+/// unclipped, and one with an infinite gradient (skipped: nothing moves). Bit for bit against
+/// `rtune_ops::adamw`'s restatement (the kernels fix every sum's order and round every operation
+/// alone), as on a GPU.
+#[test]
+fn adamw_kernels_equal_the_reference_bit_for_bit_emulated() {
+    let sizes = [1usize, 3, 0, 31, 2047, 2049, 4097, 65, 10007];
+    let mut rng = Rng::new(14);
+    let (off, total) = offsets(&sizes);
+    let chunks = chunk_table(&sizes);
+    let n_chunks = chunks.len() / 2;
+    let (betas, eps, wd, lr) = ((0.9, 0.999), 1e-8, 0.01, 1e-3);
+    let mut master = rng.normals(total, 0.05, Precision::F32);
+    let (mut m1, mut m2) = (vec![0f32; total], vec![0f32; total]);
+    let (mut dmaster, mut dm, mut dv) = (master.clone(), m1.clone(), m2.clone());
+    let mut partials = vec![0f64; n_chunks];
+    let mut norm_coef = [0f64; 2];
+    type Partial = unsafe extern "C" fn(*const u64, *const u64, u64, f32, *mut f64);
+    type Finalize = unsafe extern "C" fn(*const f64, u64, f64, *mut f64);
+    #[rustfmt::skip]
+    type Update = unsafe extern "C" fn(
+        *const u64, *const u64, u64, *const f64, *mut f32, *mut f32, *mut f32,
+        f32, f32, f32, f32, f32, f32, f32, f32,
+    );
+    let partial: Partial = entry("mt_sq_norm_partial");
+    let finalize: Finalize = entry("mt_norm_finalize");
+    let update: Update = entry("mt_adamw");
+    let mut step = 0u64;
+    let steps = [
+        ("clipped", 1.0f32, 1.0f64, 0.25f64, false),
+        ("loss-scaled", 1024.0, 1.0 / 1024.0, 0.5, false),
+        ("unclipped", 1.0, 1.0, 0.0, false),
+        ("inf-skipped", 1.0, 1.0, 0.25, true),
+    ];
+    for (name, scale, unscale, clip, poison) in steps {
+        let mut grads: Vec<Vec<f32>> = sizes
+            .iter()
+            .map(|&n| rng.normals(n, 0.01 * scale, Precision::F32))
+            .collect();
+        if poison {
+            grads[4][5] = f32::INFINITY;
+        }
+        // Tensor 1 has no gradient (a null pointer: zeros); tensor 5's starts one element in.
+        let host: Vec<Option<&[f32]>> = grads
+            .iter()
+            .enumerate()
+            .map(|(k, g)| (k != 1).then_some(g.as_slice()))
+            .collect();
+        let sq = multi_tensor_sq_norm(&host, &sizes, unscale as f32);
+        let max_norm = if clip > 0.0 && sq.is_finite() {
+            clip * sq.sqrt()
+        } else {
+            clip
+        };
+        let (norm, coef) = clip_coef(sq, max_norm);
+        let sc = AdamWScalars::new(step + 1, lr, betas, eps, wd, unscale);
+        let want = multi_tensor_adamw(
+            (&mut master, &mut m1, &mut m2),
+            &host,
+            &sizes,
+            (norm, coef),
+            &sc,
+        );
+        if want.is_some() {
+            step += 1;
+        }
+        let shifted: Vec<f32> = [&[0.0][..], &grads[5]].concat();
+        let mut outs: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0f32; n]).collect();
+        let mut table = Vec::new();
+        for k in 0..sizes.len() {
+            let g = match k {
+                1 => 0,
+                5 => shifted[1..].as_ptr() as u64,
+                _ if sizes[k] == 0 => 0,
+                _ => grads[k].as_ptr() as u64,
+            };
+            let o = if sizes[k] == 0 {
+                0
+            } else {
+                outs[k].as_mut_ptr() as u64
+            };
+            table.extend([g, o, off[k] as u64, sizes[k] as u64]);
+        }
+        let (ta, ca, pa, nca) = (
+            table.as_ptr() as usize,
+            chunks.as_ptr() as usize,
+            partials.as_mut_ptr() as usize,
+            norm_coef.as_mut_ptr() as usize,
+        );
+        let (ma, mma, va) = (
+            dmaster.as_mut_ptr() as usize,
+            dm.as_mut_ptr() as usize,
+            dv.as_mut_ptr() as usize,
+        );
+        let nc = n_chunks as u64;
+        // SAFETY: the entry points' own signatures; the table's pointers are `grads`', `shifted`'s
+        // and `outs`' (sizes[k] elements each), alive until the launches return; offsets are
+        // prefix sums (≤ total), partials hold n_chunks.
+        launch(3, 256, || unsafe {
+            partial(c(ta), c(ca), nc, unscale as f32, m(pa))
+        });
+        // SAFETY: as above; norm_coef holds 2.
+        launch(1, 256, || unsafe { finalize(c(pa), nc, max_norm, m(nca)) });
+        // SAFETY: as above.
+        launch(2, 256, || unsafe {
+            update(
+                c(ta),
+                c(ca),
+                nc,
+                c(nca),
+                m(ma),
+                m(mma),
+                m(va),
+                sc.unscale,
+                sc.w1,
+                sc.b2,
+                sc.w2,
+                sc.eps,
+                sc.bc2_sqrt,
+                sc.step_size,
+                sc.decay,
+            )
+        });
+        let bits = |x: f64| x.to_bits();
+        assert_eq!(
+            (bits(norm_coef[0]), bits(norm_coef[1])),
+            (bits(norm), bits(coef)),
+            "{name}: (norm, coef) {norm_coef:?}, reference ({norm}, {coef})"
+        );
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same(&dmaster, &master), "{name}: master weights differ");
+        assert!(same(&dm, &m1) && same(&dv, &m2), "{name}: moments differ");
+        match &want {
+            Some(w) => {
+                for (k, (o, w)) in outs.iter().zip(w).enumerate() {
+                    assert!(same(o, w), "{name}: tensor {k}'s written weights differ");
+                }
+            }
+            None => assert!(
+                outs.iter().flatten().all(|&x| x == 0.0),
+                "{name}: a skipped step wrote"
+            ),
+        }
+        eprintln!("adamw {name}: norm {norm:e} coef {coef} — equal bit for bit");
+    }
+    assert_eq!(step, 3, "the infinite gradient's step was not skipped");
+}
+
+/// NF4 dequantization, plain and double-quantized scales, to f32, bf16 and f16: equal to the CPU
+/// dequantization element for element (the kernel multiplies code value by scale once, rounds
+/// once), on tensors with a partial last group of 16 and a partial last block of 64.
+#[test]
+fn nf4_dequant_kernels_equal_the_cpu_emulated() {
+    fn run<T: Elem + PartialEq + std::fmt::Debug>(
+        w: &rtune_ops::nf4::weight::Nf4Weight,
+        cpu: Vec<T>,
+        what: &str,
+    ) {
+        let n = w.numel();
+        let mut out = Buf::<T>::new(n, 0);
+        let (pk, qm, oa) = (
+            w.packed.as_ptr() as usize,
+            w.quant_map.as_ptr() as usize,
+            out.at_mut(),
+        );
+        let threads = n.div_ceil(16);
+        let blocks = threads.div_ceil(64) as u32;
+        match &w.absmax {
+            Absmax::Plain(a) => {
+                type K<T> = unsafe extern "C" fn(*const u8, *const f32, *const f32, *mut T, i64);
+                let k: K<T> = entry(&format!("nf4_dequant_plain_{}", T::SUFFIX));
+                let aa = a.as_ptr() as usize;
+                // SAFETY: the entry point's own signature; packed, absmax and the output hold what
+                // the weight's n elements need.
+                launch(blocks, 64, || unsafe {
+                    k(c(pk), c(aa), c(qm), m(oa), n as i64)
+                });
+            }
+            Absmax::Double {
+                codes,
+                nested_absmax,
+                nested_quant_map,
+                offset,
+                nested_blocksize,
+            } => {
+                #[rustfmt::skip]
+                type K<T> = unsafe extern "C" fn(
+                    *const u8, *const u8, *const f32, *const f32, f32, i32, *const f32, *mut T, i64,
+                );
+                let k: K<T> = entry(&format!("nf4_dequant_double_{}", T::SUFFIX));
+                let (ca, na, nm) = (
+                    codes.as_ptr() as usize,
+                    nested_absmax.as_ptr() as usize,
+                    nested_quant_map.as_ptr() as usize,
+                );
+                let (o, bs) = (*offset, *nested_blocksize as i32);
+                // SAFETY: as above, with the nested scales' tables.
+                launch(blocks, 64, || unsafe {
+                    k(c(pk), c(ca), c(na), c(nm), o, bs, c(qm), m(oa), n as i64)
+                });
+            }
+        }
+        let got = &out.v[out.start..out.start + n];
+        if let Some(i) = (0..n).find(|&i| got[i] != cpu[i]) {
+            panic!(
+                "{what} {}: element {i} of {:?}: emulated {:?}, cpu {:?}",
+                T::SUFFIX,
+                w.shape,
+                got[i],
+                cpu[i]
+            );
+        }
+    }
+    let mut rng = Rng::new(15);
+    for shape in [&[15usize][..], &[3, 43], &[64, 64], &[1001, 37]] {
+        let n: usize = shape.iter().product();
+        let x: Vec<f32> = (0..n)
+            .map(|i| {
+                rng.normal() * 0.01 * (1.0 + (i % 7) as f32) * if i % 997 == 0 { 20.0 } else { 1.0 }
+            })
+            .collect();
+        for dq in [false, true] {
+            let what = if dq { "double" } else { "plain" };
+            let w = quantize_nf4(&x, shape, dq).unwrap();
+            run::<f32>(&w, w.dequantize_f32(), what);
+            let mut b = vec![bf16::ZERO; n];
+            w.dequantize_into_bf16(&mut b).unwrap();
+            run::<bf16>(&w, b, what);
+            let mut h = vec![f16::ZERO; n];
+            w.dequantize_into_f16(&mut h).unwrap();
+            run::<f16>(&w, h, what);
+        }
+    }
+}
+
+/// The LoRA dropout kernel, `y = f32(x)·m(i)`: the same Philox masks as the CPU's
+/// `DropoutKey::factor`, element for element, for f32/bf16/f16 inputs and a length that is no
+/// multiple of 4 (the last Philox block partly used), with a seed and salt using both 32-bit halves.
+#[test]
+fn dropout_kernel_draws_the_cpu_masks_emulated() {
+    fn run<T: Elem>(n: usize, key: DropoutKey) {
+        let mut rng = Rng::new(16);
+        let x = rng.normals(n, 1.0, T::P);
+        let xb = Buf::<T>::of(&x, 0);
+        let mut y = Buf::<f32>::new(n, 0);
+        type K<T> = unsafe extern "C" fn(*const T, *mut f32, u64, u32, u32, u32, u32, u32, f32);
+        let k: K<T> = entry(&format!("lora_dropout_{}", T::SUFFIX));
+        let (xa, ya) = (xb.at(), y.at_mut());
+        let (s, t) = (key.seed, key.salt);
+        let (th, sc) = (key.threshold(), key.scale());
+        // SAFETY: the entry point's own signature; x and y hold n elements.
+        launch(2, 64, || unsafe {
+            k(
+                c(xa),
+                m(ya),
+                n as u64,
+                s as u32,
+                (s >> 32) as u32,
+                t as u32,
+                (t >> 32) as u32,
+                th,
+                sc,
+            )
+        });
+        let got = y.read();
+        let dropped = got.iter().filter(|&&v| v == 0.0).count();
+        for (i, (&g, &xi)) in got.iter().zip(&x).enumerate() {
+            let want = xi * key.factor(i as u64);
+            assert_eq!(
+                g.to_bits(),
+                want.to_bits(),
+                "{} element {i}: {g} vs {want}",
+                T::SUFFIX
+            );
+        }
+        // p = 0.3 of 1001: about 300 dropped (a test that compared zeros with zeros would see 0).
+        assert!(
+            (200..400).contains(&dropped),
+            "{} dropped {dropped} of {n}",
+            T::SUFFIX
+        );
+    }
+    let key = DropoutKey {
+        p: 0.3,
+        seed: 0x1234_5678_9abc_def0,
+        salt: (7 << 32) | 3,
+    };
+    run::<f32>(1001, key);
+    run::<bf16>(1001, key);
+    run::<f16>(1001, key);
 }

@@ -1,5 +1,5 @@
-// The fused kernels (kernels/fused.cu) and the attention softmax (kernels/attn.cu) built for the
-// host as a shared library, under the emulation of emu.h: crates/ops/tests/kernels_emulated.rs
+// rtune's own kernels but flash attention (kernels/fused.cu, attn.cu, adamw.cu, nf4.cu, dropout.cu;
+// flash_attn.cu has its own harness, scripts/flash-emu.sh) built for the host as a shared library, under the emulation of emu.h: crates/ops/tests/kernels_emulated.rs
 // compiles it with g++ (-DEMU_STATIC_SHARED; attn.cu's `extern __shared__` patched to a plain
 // `extern`, the dynamic shared array below), loads it and launches each kernel: the test's threads
 // are a block's threads, one block after another. What it checks: every kernel's indexing, masking,
@@ -10,6 +10,9 @@
 #include <memory>
 #include "fused.cu"
 #include "attn_emu.cu"  // kernels/attn.cu, patched by the test
+#include "adamw.cu"
+#include "nf4.cu"
+#include "dropout.cu"
 
 thread_local dim3e threadIdx;
 dim3e blockIdx, gridDim, blockDim;
@@ -27,6 +30,13 @@ float __shfl_xor_sync(unsigned, float v, int o) {
     slot[w][l] = v;
     warp_bar[w]->arrive_and_wait();
     return slot[w][l ^ o];
+}
+float __shfl_sync(unsigned, float v, int src) {
+    int w = threadIdx.x / 32, l = threadIdx.x % 32;
+    warp_bar[w]->arrive_and_wait();
+    slot[w][l] = v;
+    warp_bar[w]->arrive_and_wait();
+    return slot[w][src & 31];  // read before this lane reaches the next shuffle's first barrier
 }
 
 // The launch: a grid of `gx` blocks of `threads` threads (a multiple of 32, at most 1024).
