@@ -9,8 +9,8 @@
 //! - `kernels/nf4.cu` (plain and double-quantized dequantization): the CPU dequantization, exactly;
 //! - `kernels/dropout.cu` (the LoRA dropout's Philox masks): `DropoutKey::factor`, exactly.
 //!
-//! `flash_attn.cu` has its own harness under the same emulation (`scripts/flash-emu.sh`, not in CI:
-//! minutes of CPU).
+//! - `kernels/flash_attn.cu`: its own harness under the same emulation (`scripts/flash-emu.sh`,
+//!   against a dense f64 attention), run from here.
 //!
 //! The kernels' source is compiled by g++ (C++20) into a shared library, which this test loads:
 //! each of its launches runs a block's threads as OS threads (barriers for `__syncthreads`, a slot
@@ -985,4 +985,25 @@ fn dropout_kernel_draws_the_cpu_masks_emulated() {
     run::<f32>(1001, key);
     run::<bf16>(1001, key);
     run::<f16>(1001, key);
+}
+
+/// `flash_attn.cu` under its own harness (`scripts/flash-emu.sh`: the same emulation, whole-tile
+/// wmma fragments, its shared-memory budget; f32 and bf16 against a dense f64 attention: causal
+/// GQA, MQA, sliding windows, packed rows, odd T, unaligned buffers), in its own process: tens of
+/// seconds of wall time on a loaded 2-core machine.
+#[test]
+fn flash_attention_kernels_match_a_dense_attention_emulated() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/flash-emu.sh");
+    let o = Command::new("bash")
+        .arg(&script)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    let out = String::from_utf8_lossy(&o.stdout);
+    eprintln!("{out}");
+    assert!(
+        o.status.success() && out.contains("PASS") && !out.contains("FAIL"),
+        "flash-emu.sh: {}\n{out}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
