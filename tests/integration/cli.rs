@@ -40,11 +40,13 @@ fn smoke_run_memorises_and_generates() {
     assert!(peak > 0);
     // The estimate is written next to the measured peak (summary and every step line). The ±10%
     // accuracy is benchmarked by benches/estimate_vs_measured.sh (smoke: 1.007); this test checks
-    // the wiring, with a band loose enough for RSS noise of machines other than the dev box.
+    // the wiring, with a band loose enough for RSS noise of machines other than the dev box, and
+    // of a loaded one: with four other builds running, the 26 MB estimate met a 41 MB peak (0.63;
+    // allocator arenas of threads that waited). A wrong unit or a missing term is off by far more.
     let est = summary["estimated_peak_bytes"].as_u64().unwrap();
     let ratio = est as f64 / peak as f64;
     assert!(
-        (0.65..1.35).contains(&ratio),
+        (0.4..1.6).contains(&ratio),
         "estimate {est} vs measured {peak}"
     );
     let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
