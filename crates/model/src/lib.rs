@@ -41,7 +41,7 @@ pub use config::family::{self, Family};
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::{Completion, KvCache};
-pub use model::{Forward, Inputs, Model, Objective, PerTokenLoss, Quantize};
+pub use model::{Forward, HeadLoss, Inputs, Model, PerTokenLoss, Quantize};
 pub use shard::Gather;
 
 use std::path::PathBuf;

@@ -80,7 +80,7 @@ impl Inputs {
 }
 
 /// What a training pass's head computes from the final hidden states.
-pub enum Objective<'a> {
+pub enum HeadLoss<'a> {
     /// Next-token cross-entropy summed over the targets, its gradient scaled by `grad_scale`
     /// (SFT: 1 / target tokens of the whole optimizer step).
     Tokens { grad_scale: f64 },
@@ -90,7 +90,7 @@ pub enum Objective<'a> {
     PerToken(PerTokenLoss<'a>),
 }
 
-/// [`Objective::PerToken`]'s function: every position's NLL → (loss, dloss/dnll per position).
+/// [`HeadLoss::PerToken`]'s function: every position's NLL → (loss, dloss/dnll per position).
 pub type PerTokenLoss<'a> = &'a mut dyn FnMut(&[f32]) -> candle_core::Result<(f64, Vec<f32>)>;
 
 /// What [`Model::forward`] returns.
@@ -815,11 +815,11 @@ impl Model {
         grads: &mut Grads,
         after_layer: &mut dyn FnMut(usize, &Grads) -> candle_core::Result<()>,
     ) -> Result<f64> {
-        let head = Objective::Tokens { grad_scale };
+        let head = HeadLoss::Tokens { grad_scale };
         self.train_pass(inp, targets, lora, head, checkpoint, grads, after_layer)
     }
 
-    /// One micro-batch of training under any [`Objective`]: the forward, the head's loss and its
+    /// One micro-batch of training under any [`HeadLoss`]: the forward, the head's loss and its
     /// gradient, the backward into `grads` (calling `after_layer` as
     /// [`forward_backward_layers`](Self::forward_backward_layers) does). Returns the loss.
     #[allow(clippy::too_many_arguments)]
@@ -828,7 +828,7 @@ impl Model {
         inp: &Inputs,
         targets: &[Option<u32>],
         lora: &LoraCtx,
-        mut objective: Objective,
+        mut objective: HeadLoss,
         checkpoint: bool,
         grads: &mut Grads,
         after_layer: &mut dyn FnMut(usize, &Grads) -> candle_core::Result<()>,

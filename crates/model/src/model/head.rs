@@ -1,10 +1,10 @@
-//! The model's head: the training pass's loss under an [`Objective`] (next-token cross-entropy,
+//! The model's head: the training pass's loss under a [`HeadLoss`] (next-token cross-entropy,
 //! or a per-token weighting for the preference objectives), every position's NLL, the validation
 //! loss, and the chunking of the logits they share.
 
 use candle_core::Tensor;
 
-use super::{Inputs, Model, Objective};
+use super::{HeadLoss, Inputs, Model};
 use crate::linear::{Grads, LoraCtx};
 use crate::{ModelError, Result};
 use rtune_ops as ops;
@@ -17,14 +17,14 @@ impl Model {
         h: &Tensor,
         targets: &[Option<u32>],
         lora: &LoraCtx,
-        objective: &mut Objective,
+        objective: &mut HeadLoss,
         grads: &mut Grads,
     ) -> candle_core::Result<(f64, Tensor)> {
         let softcap = self.cfg.variant.final_softcap;
         let head = self.head_rows(Some(lora))?;
         let lm_head = self.lm_head()?;
         let weigh = match objective {
-            Objective::Tokens { grad_scale } => {
+            HeadLoss::Tokens { grad_scale } => {
                 let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
                     h,
                     &lm_head,
@@ -39,7 +39,7 @@ impl Model {
                 }
                 return Ok((loss, dh));
             }
-            Objective::PerToken(weigh) => weigh,
+            HeadLoss::PerToken(weigh) => weigh,
         };
         if head.is_some() {
             candle_core::bail!(

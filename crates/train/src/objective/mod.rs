@@ -32,9 +32,9 @@ use std::collections::BTreeMap;
 use rtune_config::RunConfig;
 use rtune_data::{MicroBatch, Tokenizer};
 use rtune_lora::Adapter;
-use rtune_model::Model;
 /// The model's training head: next-token cross-entropy, or a loss of every position's NLL.
-pub use rtune_model::Objective as HeadLoss;
+pub use rtune_model::HeadLoss;
+use rtune_model::Model;
 
 use crate::dataset::RunData;
 use crate::evaluate::EvalMetrics;

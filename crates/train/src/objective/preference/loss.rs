@@ -4,7 +4,7 @@
 //! Every objective is a function of each sequence's summed log-probability `π = Σ log p(target)`
 //! over its completion (and its completion length, for the per-token averages), plus for SimPO
 //! and ORPO the mean NLL of the chosen tokens. So the model's head hands over every position's
-//! NLL ([`rtune_model::Objective::PerToken`]), [`weigh`] forms the loss and `dloss/dnll` per
+//! NLL ([`rtune_model::HeadLoss::PerToken`]), [`weigh`] forms the loss and `dloss/dnll` per
 //! position (`−dloss/dπ` of the position's row, plus the NLL term's share), and the backward
 //! runs once.
 //!
