@@ -6,14 +6,16 @@
 //! - [`record`]: `run.json`, what was run, on what, from which inputs, and how each attempt
 //!   ended (the git commit and Cargo.lock hash from `build.rs`).
 //!
-//! Still in `rtune-train`: the run directory's one writer (`trainer/output.rs`), which also
-//! writes the trainer's metrics, samples and summary.
+//! - [`files`]: [`files::RunFiles`], the one writer of a run directory (lock, fresh or resumed,
+//!   run.json, config.toml, metrics.jsonl, TensorBoard, samples, checkpoints, the adapter, the
+//!   plot, summary.json), with `[output] remote` and `[output] mlflow` beside it.
 //!
 //! [`RunError`] is the one error type; `rtune-train` turns it into its own variant of the same
 //! name and message.
 
 pub mod checkpoint;
 pub mod disk;
+pub mod files;
 pub mod record;
 pub mod rundir;
 
@@ -27,6 +29,12 @@ pub enum RunError {
     /// Writing the adapter of a checkpoint failed.
     #[error(transparent)]
     Adapter(Box<rtune_lora::LoraError>),
+    /// `[output] remote`: the store refused or failed (opened, probed, claimed, fetched).
+    #[error("[output] remote: {0}")]
+    Remote(Box<rtune_remote::RemoteError>),
+    /// The final uploads did not reach the store within `[output] remote_timeout`.
+    #[error("[output] remote: {message}; the local run in {} is complete", dir.display())]
+    RemoteUpload { dir: PathBuf, message: String },
     /// Writing (or hashing) a file of the run failed.
     #[error("{path}: {message}")]
     Output { path: PathBuf, message: String },

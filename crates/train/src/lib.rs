@@ -249,6 +249,10 @@ impl From<rtune_run::RunError> for TrainError {
             }
             rtune_run::RunError::Output { path, message } => TrainError::Output { path, message },
             rtune_run::RunError::Adapter(e) => TrainError::Lora(e),
+            rtune_run::RunError::Remote(e) => TrainError::Remote(e),
+            rtune_run::RunError::RemoteUpload { dir, message } => {
+                TrainError::RemoteUpload { dir, message }
+            }
         }
     }
 }

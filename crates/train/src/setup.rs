@@ -8,7 +8,7 @@ use std::path::Path;
 
 use rtune_config::RunConfig;
 use rtune_data::{Example, Tokenizer};
-use rtune_fsio::{sha256_file, Privacy};
+use rtune_fsio::sha256_file;
 use rtune_lora::Adapter;
 use rtune_model::{Gather, Model};
 use std::rc::Rc;
@@ -16,7 +16,6 @@ use std::rc::Rc;
 use crate::dataset::RunData;
 use crate::optim::LossScaler;
 use crate::TrainError;
-use rtune_run::checkpoint;
 
 /// Turns `[model] path` into a local model directory: a directory as is, a llama `.gguf` file
 /// converted once into the rtune cache, a hub id (`org/name`) at `[model] revision` downloaded
@@ -329,83 +328,6 @@ pub fn fault_nan_steps() -> Vec<usize> {
     std::env::var("RTUNE_FAULT_NAN_STEPS")
         .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
         .unwrap_or_default()
-}
-
-/// Makes `dir` (an rtune run directory, see `rundir::check`) ready for a fresh run: refuses to
-/// replace a finished or resumable run unless `overwrite`, then clears what the old run wrote —
-/// its files, its checkpoints, its TensorBoard events — and nothing else. The directory's mode is
-/// set only when this run `created` it.
-pub fn fresh_output(cfg: &RunConfig, privacy: Privacy, created: bool) -> Result<(), TrainError> {
-    let dir = &cfg.output.dir;
-    let out = |message: String| TrainError::OutputDir {
-        path: dir.clone(),
-        message,
-    };
-    if dir.exists() {
-        if !dir.is_dir() {
-            return Err(out("exists and is not a directory".into()));
-        }
-        let finished = ["summary.json", "adapter_model.safetensors"]
-            .iter()
-            .any(|f| dir.join(f).exists());
-        let checkpoints = checkpoint::list(dir);
-        if finished && !cfg.output.overwrite {
-            return Err(out(
-                "already holds a finished run; choose another [output] dir or set [output] overwrite = true".into(),
-            ));
-        }
-        if !checkpoints.is_empty() && !cfg.output.overwrite {
-            return Err(out(format!(
-                "holds checkpoints of an unfinished run (newest: step {}); pass --resume to continue it, or set \
-                 [output] overwrite = true to start over",
-                checkpoints[0].0
-            )));
-        }
-        for f in rtune_run::rundir::RUN_FILES {
-            let p = dir.join(f);
-            if p.exists() {
-                std::fs::remove_file(&p).map_err(|e| out(format!("cannot remove old {f}: {e}")))?;
-            }
-        }
-        for (_, c) in checkpoints {
-            checkpoint::remove(&c)
-                .map_err(|e| out(format!("cannot remove {}: {e}", c.display())))?;
-        }
-        checkpoint::remove_partial(dir);
-        remove_tb_events(&dir.join(rtune_watch::TB_DIR)).map_err(out)?;
-    }
-    privacy
-        .create_dir_all(dir)
-        .map_err(|e| out(format!("cannot create: {}", e.source)))?;
-    if cfg.output.private && created {
-        privacy
-            .apply_to_dir(dir)
-            .map_err(|e| out(e.source.to_string()))?;
-    }
-    Ok(())
-}
-
-/// Removes the TensorBoard event files rtune wrote in `tb/` (`events.out.tfevents.*`), then
-/// `tb/` itself if that left it empty: anything else in it stays.
-fn remove_tb_events(tb: &Path) -> Result<(), String> {
-    if !tb.is_dir() {
-        return Ok(());
-    }
-    let entries =
-        std::fs::read_dir(tb).map_err(|e| format!("cannot list {}: {e}", tb.display()))?;
-    for e in entries.flatten() {
-        let own = e
-            .file_name()
-            .to_string_lossy()
-            .starts_with("events.out.tfevents.")
-            && e.file_type().is_ok_and(|t| t.is_file());
-        if own {
-            std::fs::remove_file(e.path())
-                .map_err(|err| format!("cannot remove old {}: {err}", e.path().display()))?;
-        }
-    }
-    let _ = std::fs::remove_dir(tb);
-    Ok(())
 }
 
 /// What PEFT records as the base model: the path as the user gave it.

@@ -19,20 +19,20 @@
 //! order are functions of (seed, step, epoch), and metrics.jsonl is cut back to its length at step k.
 //!
 //! Beside it: [`state`] (the counters), `attempt` (setup, the ranks' start-up, the checkpoint to
-//! resume, run.json, the summary), [`output`] (every write), `metrics` and `events` (what is
-//! reported, and to whom).
+//! resume, run.json, the summary), `remote` (the remote store and MLflow at the run's ends),
+//! `metrics` and `events` (what is reported, and to whom); every write goes through
+//! `rtune_run::files::RunFiles`.
 //!
 //! Data parallelism (issue 16) lives in `rtune-dist`; the trainer holds one [`DataParallel`]
 //! (`dist`): with W ranks a step draws W × `grad_accum` micro-batches on every rank and each rank
 //! computes its share; `Trainer::gradients` ends with the all-reduce of the gradients and loss
-//! sum, before clipping; [`output::RunFiles`] is the only writer of the run directory (rank 0
-//! alone writes, decided in `RunFiles::new`); evaluation runs on rank 0; the ranks agree on a stop
+//! sum, before clipping; [`RunFiles`] is the only writer of the run directory (rank 0 alone
+//! writes, decided in `RunFiles::new`); evaluation runs on rank 0; the ranks agree on a stop
 //! request after every step.
 
 mod attempt;
 mod events;
 mod metrics;
-pub mod output;
 mod remote;
 pub mod state;
 
@@ -51,8 +51,8 @@ use crate::dataset::RunData;
 use crate::objective::{HeadLoss, Live, Micro, Recipe, Sums, WithRecipe};
 use crate::optim::{lr_factor, LoraOptimizer};
 use crate::{evaluate, memory, TrainError};
-use output::RunFiles;
 use rtune_run::checkpoint;
+use rtune_run::files::RunFiles;
 use state::TrainerState;
 
 pub use crate::compute::{device, dtype};
@@ -175,7 +175,7 @@ impl<R: Recipe> Trainer<'_, R> {
             .expect_root_phase("rank 0's remote checkpoint fetch");
         self.dist.world.any("the remote checkpoint fetch", false);
         let Some(l) = self.checkpoint_to_resume(opts, existed)? else {
-            return self.files.clear_for_fresh_run(self.cfg);
+            return Ok(self.files.clear_for_fresh_run(self.cfg)?);
         };
         self.adapter = l.adapter;
         self.model.attach(&self.adapter);
@@ -184,7 +184,7 @@ impl<R: Recipe> Trainer<'_, R> {
         self.recipe.seek(l.state.epoch, l.state.cursor);
         self.recipe.restore(l.state.recipe.as_ref())?;
         self.state.resume(l.state.run);
-        self.files.cut_metrics(self.state.metrics_bytes)
+        Ok(self.files.cut_metrics(self.state.metrics_bytes)?)
     }
 
     /// The loop: steps until `[train] steps`, evaluating and checkpointing when due; a raised
@@ -322,7 +322,7 @@ impl<R: Recipe> Trainer<'_, R> {
         self.state.count_step(&m, cfg.train.steps);
         self.state.metrics_bytes += self.files.metrics_line(&m)?;
         (self.on_event)(Event::Step(&m));
-        if let Some(w) = self.files.step_scalars(&m) {
+        if let Some(w) = self.files.step_scalars(m.step, &m.scalars()) {
             self.warn(w);
         }
         self.report_remote();
@@ -419,7 +419,10 @@ impl<R: Recipe> Trainer<'_, R> {
         if let (Some(ev), true) = (ev, root) {
             self.state.metrics_bytes += self.files.metrics_line(&ev)?;
             (self.on_event)(Event::Eval(&ev));
-            if let Some(w) = self.files.eval_scalars(&ev) {
+            if let Some(w) = self
+                .files
+                .eval_scalars(ev.step, &metrics::eval_scalars(&ev))
+            {
                 (self.on_event)(Event::Warning(w));
             }
         }
@@ -463,10 +466,12 @@ impl<R: Recipe> Trainer<'_, R> {
             settings: self.settings.clone(),
             recipe: self.recipe.state(),
         };
-        let (adapter, opt, keep) = (&self.adapter, &self.opt, cfg.output.keep_last);
+        let (adapter, keep) = (&self.adapter, cfg.output.keep_last);
+        let (m, v) = self.opt.moments()?;
+        let moments = rtune_run::checkpoint::Moments { m: &m, v: &v };
         match self
             .files
-            .checkpoint(&state, adapter, opt, &self.base, keep)
+            .checkpoint(&state, adapter, moments, &self.base, keep)
         {
             Ok(Some(path)) => (self.on_event)(Event::Checkpoint { step, path: &path }),
             Ok(None) => {}
@@ -475,7 +480,7 @@ impl<R: Recipe> Trainer<'_, R> {
                     "checkpoint at step {step} not written: {e}; continuing"
                 ))
             }
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         }
         Ok(())
     }

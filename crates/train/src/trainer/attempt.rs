@@ -11,7 +11,6 @@ use std::time::Instant;
 use rtune_config::RunConfig;
 use rtune_dist::{DataParallel, World};
 
-use super::output::RunFiles;
 use super::state::Loaded;
 use super::{metrics, Event, Outcome, RunOptions, RunState, Summary, Trainer};
 use crate::compute::device;
@@ -20,6 +19,7 @@ use crate::optim::LoraOptimizer;
 use crate::setup::{self, base_model_name, prepare, settings_diff, Prepared};
 use crate::{memory, TrainError};
 use rtune_run::checkpoint;
+use rtune_run::files::RunFiles;
 use rtune_run::record::RunRecord;
 
 impl<'a, R: Recipe> Trainer<'a, R> {

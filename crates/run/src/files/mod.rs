@@ -4,8 +4,17 @@
 //!
 //! Whether this process writes at all is decided once, in [`RunFiles::new`]. Under data
 //! parallelism (issue 16) only rank 0 writes; every other rank's `RunFiles` writes nothing but
-//! still counts metrics.jsonl's bytes, so the [`RunState`](super::state::RunState) of every rank
-//! stays the same.
+//! still counts metrics.jsonl's bytes, so the trainer's counters stay the same on every rank.
+//!
+//! What the trainer's lines and summaries hold is its own (`rtune_train`'s metrics): here they are
+//! anything serde writes, and TensorBoard scalars as `(name, value)` pairs. `remote.rs`: the
+//! `[output] remote` store (probe, claim, fetch, final uploads); `mlflow.rs`: `[output] mlflow`.
+
+mod mlflow;
+mod remote;
+
+pub use mlflow::MLFLOW_JSON;
+use remote::with_remote_fields;
 
 use serde::Serialize;
 use std::fs::File;
@@ -17,20 +26,15 @@ use rtune_fsio::{write_atomic, Privacy};
 use rtune_lora::Adapter;
 use rtune_watch::TbWriter;
 
-use super::metrics::{eval_scalars, StepMetrics, Summary};
-use super::state::TrainerState;
-use crate::evaluate::{EvalMetrics, Sample};
-use crate::optim::LoraOptimizer;
-use crate::setup::fresh_output;
-use crate::TrainError;
+use crate::checkpoint::{self, Moments, Step, TrainerState};
+use crate::record::RunRecord;
+use crate::RunError;
 use rtune_fsio::{LockError, RunLock};
-use rtune_remote::{Claim, ClaimMode, Mirror, Remote};
-use rtune_run::checkpoint::{self, Moments};
-use rtune_run::record::RunRecord;
-use rtune_track::{Start, Tracker};
+use rtune_remote::{Mirror, Remote};
+use rtune_track::Tracker;
 
-const METRICS: &str = "metrics.jsonl";
-const SAMPLES: &str = "samples.jsonl";
+pub(crate) const METRICS: &str = "metrics.jsonl";
+pub(crate) const SAMPLES: &str = "samples.jsonl";
 /// What the run marker says to whoever opens it.
 const RUN_MARKER_TEXT: &str =
     "rtune run directory: rtune writes here, and replaces only what it wrote here\n";
@@ -64,8 +68,8 @@ pub struct RunFiles {
     tracker_id_saved: bool,
 }
 
-fn output_err(path: &Path, e: std::io::Error) -> TrainError {
-    TrainError::Output {
+fn output_err(path: &Path, e: std::io::Error) -> RunError {
+    RunError::Output {
         path: path.to_path_buf(),
         message: e.to_string(),
     }
@@ -101,17 +105,17 @@ impl RunFiles {
     /// Takes the run directory for this process, creating it: a second `rtune train` (or a
     /// `--resume`) on the same directory is refused at once, naming the holder's pid and host. The
     /// lock is `flock`'s: it dies with the process, so `kill -9` leaves nothing to clean up.
-    pub fn lock(&mut self) -> Result<(), TrainError> {
+    pub fn lock(&mut self) -> Result<(), RunError> {
         if !self.writes || self.lock.is_some() {
             return Ok(());
         }
-        let out = |message: String| TrainError::OutputDir {
+        let out = |message: String| RunError::OutputDir {
             path: self.dir.clone(),
             message,
         };
         // `/`, the home directory, a non-empty directory that is not a run: refused before
         // anything is written.
-        let found = rtune_run::rundir::check(&self.dir)?;
+        let found = crate::rundir::check(&self.dir)?;
         let created_dirs: Vec<PathBuf> = self
             .dir
             .ancestors()
@@ -135,16 +139,16 @@ impl RunFiles {
         })?;
         self.lock = Some(lock);
         // The run's claim on the directory, from now on recognised as rtune's.
-        let marker = self.dir.join(rtune_run::rundir::RUN_MARKER);
+        let marker = self.dir.join(crate::rundir::RUN_MARKER);
         if !marker.exists() {
             // Its presence is the mark (a torn write still marks the directory): a plain create,
             // not one of the atomic writes `RTUNE_FAULT_ENOSPC_AFTER` counts.
-            let mut f = self.privacy.create(&marker).map_err(TrainError::from)?;
+            let mut f = self.privacy.create(&marker).map_err(RunError::from)?;
             self.created_marker = true;
             f.write_all(RUN_MARKER_TEXT.as_bytes())
                 .map_err(|e| output_err(&marker, e))?;
         }
-        self.created_dir = found == rtune_run::rundir::Found::Missing;
+        self.created_dir = found == crate::rundir::Found::Missing;
         Ok(())
     }
 
@@ -165,7 +169,7 @@ impl RunFiles {
             r.release();
         }
         if self.created_marker {
-            let _ = std::fs::remove_file(self.dir.join(rtune_run::rundir::RUN_MARKER));
+            let _ = std::fs::remove_file(self.dir.join(crate::rundir::RUN_MARKER));
         }
         if !self.created_lock {
             return;
@@ -180,20 +184,20 @@ impl RunFiles {
         }
     }
 
-    /// Makes the directory ready for a fresh run (`setup::fresh_output`: refuses to replace a
+    /// Makes the directory ready for a fresh run (`fresh_output`: refuses to replace a
     /// finished or resumable run unless `[output] overwrite`).
-    pub fn clear_for_fresh_run(&self, cfg: &RunConfig) -> Result<(), TrainError> {
+    pub fn clear_for_fresh_run(&self, cfg: &RunConfig) -> Result<(), RunError> {
         if !self.writes {
             return Ok(());
         }
         fresh_output(cfg, self.privacy, self.created_dir)?;
         // What an earlier run left under the remote prefix goes too (the claim allowed it).
         if let Some(remote) = self.remote.as_ref().filter(|_| cfg.output.overwrite) {
-            let mut files = rtune_run::rundir::RUN_FILES.to_vec();
+            let mut files = crate::rundir::RUN_FILES.to_vec();
             files.push(MLFLOW_JSON);
             remote
                 .clear_run(&files)
-                .map_err(|e| TrainError::Remote(Box::new(e)))?;
+                .map_err(|e| RunError::Remote(Box::new(e)))?;
         }
         Ok(())
     }
@@ -208,12 +212,12 @@ impl RunFiles {
 
     /// Cuts metrics.jsonl back to `len` bytes, its length at the checkpoint a run resumes from:
     /// lines written after the checkpoint are written again, identically.
-    pub fn cut_metrics(&self, len: u64) -> Result<(), TrainError> {
+    pub fn cut_metrics(&self, len: u64) -> Result<(), RunError> {
         if !self.writes {
             return Ok(());
         }
         let path = self.dir.join(METRICS);
-        let f = self.privacy.append(&path).map_err(TrainError::from)?;
+        let f = self.privacy.append(&path).map_err(RunError::from)?;
         f.set_len(len).map_err(|e| output_err(&path, e))
     }
 
@@ -224,7 +228,7 @@ impl RunFiles {
         &mut self,
         cfg: &RunConfig,
         record: &RunRecord,
-    ) -> Result<Option<String>, TrainError> {
+    ) -> Result<Option<String>, RunError> {
         if !self.writes {
             return Ok(None);
         }
@@ -239,9 +243,9 @@ impl RunFiles {
             resolved.as_bytes(),
             self.privacy,
         )
-        .map_err(TrainError::from)?;
+        .map_err(RunError::from)?;
         let metrics = self.privacy.append(&self.dir.join(METRICS));
-        self.metrics = Some(metrics.map_err(TrainError::from)?);
+        self.metrics = Some(metrics.map_err(RunError::from)?);
         match TbWriter::create(&self.dir.join(rtune_watch::TB_DIR), self.privacy) {
             Ok(w) => self.tb = Some(w),
             Err(e) => return Ok(Some(format!("no TensorBoard events: {e}"))),
@@ -250,16 +254,16 @@ impl RunFiles {
     }
 
     /// run.json.
-    pub fn record(&self, record: &RunRecord) -> Result<(), TrainError> {
+    pub fn record(&self, record: &RunRecord) -> Result<(), RunError> {
         if !self.writes {
             return Ok(());
         }
-        Ok(record.write(&self.dir, self.privacy)?)
+        record.write(&self.dir, self.privacy)
     }
 
     /// Appends one JSON line to metrics.jsonl; returns its length (the resume offset grows by it,
     /// on every rank).
-    pub fn metrics_line(&mut self, v: &impl Serialize) -> Result<u64, TrainError> {
+    pub fn metrics_line(&mut self, v: &impl Serialize) -> Result<u64, RunError> {
         let mut line = serde_json::to_string(v).expect("metrics serialise");
         if let Some(m) = &self.mirror {
             line = with_remote_fields(line, &m.status());
@@ -274,20 +278,18 @@ impl RunFiles {
     }
 
     /// A step's TensorBoard scalars; after a failure (the warning returned) no more are written.
-    pub fn step_scalars(&mut self, m: &StepMetrics) -> Option<String> {
-        let v = m.scalars();
-        let v: Vec<(&str, f64)> = v.iter().map(|(k, x)| (k.as_str(), *x)).collect();
-        let e = self.tb.as_mut()?.scalars(m.step as u64, &v).err()?;
+    pub fn step_scalars(&mut self, step: usize, scalars: &[(String, f64)]) -> Option<String> {
+        let v: Vec<(&str, f64)> = scalars.iter().map(|(k, x)| (k.as_str(), *x)).collect();
+        let e = self.tb.as_mut()?.scalars(step as u64, &v).err()?;
         self.tb = None;
         Some(format!("TensorBoard events: {e}; no more written"))
     }
 
     /// An evaluation's TensorBoard scalars; returns a warning on failure.
-    pub fn eval_scalars(&mut self, ev: &EvalMetrics) -> Option<String> {
+    pub fn eval_scalars(&mut self, step: usize, scalars: &[(String, f64)]) -> Option<String> {
         let w = self.tb.as_mut()?;
-        let v = eval_scalars(ev);
-        let v: Vec<(&str, f64)> = v.iter().map(|(k, x)| (k.as_str(), *x)).collect();
-        let e = w.scalars(ev.step as u64, &v).err()?;
+        let v: Vec<(&str, f64)> = scalars.iter().map(|(k, x)| (k.as_str(), *x)).collect();
+        let e = w.scalars(step as u64, &v).err()?;
         Some(format!("TensorBoard events: {e}"))
     }
 
@@ -298,12 +300,12 @@ impl RunFiles {
     }
 
     /// Appends the completions of one evaluation to samples.jsonl.
-    pub fn samples(&self, samples: &[Sample]) -> Result<(), TrainError> {
+    pub fn samples(&self, samples: &[impl Serialize]) -> Result<(), RunError> {
         if !self.writes {
             return Ok(());
         }
         let path = self.dir.join(SAMPLES);
-        let mut f = self.privacy.append(&path).map_err(TrainError::from)?;
+        let mut f = self.privacy.append(&path).map_err(RunError::from)?;
         for s in samples {
             let line = serde_json::to_string(s).expect("sample serialises") + "\n";
             f.write_all(line.as_bytes())
@@ -314,7 +316,7 @@ impl RunFiles {
 
     /// Before a checkpoint: metrics.jsonl on disk (its length is what the checkpoint records), and
     /// the TensorBoard events flushed (a warning returned on failure).
-    pub fn sync(&mut self) -> Result<Option<String>, TrainError> {
+    pub fn sync(&mut self) -> Result<Option<String>, RunError> {
         if let Some(f) = self.metrics.as_mut() {
             f.sync_all()
                 .map_err(|e| output_err(&self.dir.join(METRICS), e))?;
@@ -324,40 +326,40 @@ impl RunFiles {
 
     /// Writes `checkpoint-<step>/` (see [`checkpoint::save`]); its path, or `None` when this
     /// process does not write.
-    pub fn checkpoint(
+    pub fn checkpoint<C: Serialize + Step>(
         &self,
-        state: &TrainerState,
+        state: &TrainerState<C>,
         adapter: &Adapter,
-        opt: &LoraOptimizer,
+        moments: Moments<'_>,
         base_model: &str,
         keep_last: usize,
-    ) -> Result<Option<PathBuf>, TrainError> {
+    ) -> Result<Option<PathBuf>, RunError> {
         if !self.writes {
             return Ok(None);
         }
-        let dir = &self.dir;
-        let (m, v) = opt.moments()?;
         let path = checkpoint::save(
-            dir,
+            &self.dir,
             state,
             adapter,
-            Moments { m: &m, v: &v },
+            moments,
             base_model,
             self.privacy,
             keep_last,
         )?;
         if let Some(m) = &self.mirror {
-            m.checkpoint(state.run.step, &path);
+            m.checkpoint(state.run.step(), &path);
         }
         Ok(Some(path))
     }
 
     /// The PEFT adapter: `adapter_model.safetensors` and `adapter_config.json`.
-    pub fn adapter(&self, adapter: &Adapter, base_model: &str) -> Result<(), TrainError> {
+    pub fn adapter(&self, adapter: &Adapter, base_model: &str) -> Result<(), RunError> {
         if !self.writes {
             return Ok(());
         }
-        Ok(adapter.save_peft(&self.dir, base_model, self.privacy)?)
+        adapter
+            .save_peft(&self.dir, base_model, self.privacy)
+            .map_err(|e| RunError::Adapter(Box::new(e)))
     }
 
     /// loss.svg from metrics.jsonl; returns a warning on failure.
@@ -370,7 +372,7 @@ impl RunFiles {
     }
 
     /// summary.json, written last: its presence marks a finished run.
-    pub fn summary(&self, summary: &Summary) -> Result<(), TrainError> {
+    pub fn summary(&self, summary: &impl Serialize) -> Result<(), RunError> {
         if !self.writes {
             return Ok(());
         }
@@ -380,252 +382,85 @@ impl RunFiles {
             text.as_bytes(),
             self.privacy,
         )
-        .map_err(TrainError::from)
+        .map_err(RunError::from)
     }
 }
 
-/// A metrics.jsonl line (a JSON object) with the mirror's state appended: `remote_step` (the
-/// newest checkpoint in the store, null before the first), `remote_pending` (one is waiting or
-/// being uploaded), `remote_failures` (failed attempts so far).
-fn with_remote_fields(mut line: String, s: &rtune_remote::Status) -> String {
-    if line.ends_with('}') {
-        line.pop();
-        let step = s
-            .uploaded_step
-            .map_or("null".to_string(), |s| s.to_string());
-        line += &format!(
-            ",\"remote_step\":{step},\"remote_pending\":{},\"remote_failures\":{}}}",
-            s.pending, s.failures
-        );
-    }
-    line
-}
-
-/// `[output] remote`: the store, its probe at start, the fetch on resume, the final uploads.
-impl RunFiles {
-    /// Opens `[output] remote` and probes it (write, read back, delete a small object) before
-    /// the run directory is touched; a failure is an input error naming the URL and the reason.
-    pub fn connect_remote(&mut self, cfg: &RunConfig) -> Result<(), TrainError> {
-        let Some(url) = cfg.output.remote.as_deref().filter(|_| self.writes) else {
-            return Ok(());
-        };
-        let remote = Remote::open(url).map_err(|e| TrainError::Remote(Box::new(e)))?;
-        remote
-            .probe()
-            .map_err(|e| TrainError::Remote(Box::new(e)))?;
-        self.remote = Some(remote);
-        Ok(())
-    }
-
-    /// Claims the remote prefix for this run (`rtune_remote::claim`: a marker object created
-    /// conditionally): refused (exit 2) on a prefix holding a finished run unless `overwrite`, or
-    /// another run's marker or checkpoints unless `resume` or `overwrite`, or a marker of a live
-    /// run on this machine.
-    pub fn claim_remote(&mut self, cfg: &RunConfig, resume: bool) -> Result<(), TrainError> {
-        let Some(remote) = self.remote.as_mut() else {
-            return Ok(());
-        };
-        let mode = ClaimMode {
-            resume,
-            overwrite: cfg.output.overwrite,
-        };
-        remote
-            .claim(&Claim::new(), mode)
-            .map_err(|e| TrainError::Remote(Box::new(e)))
-    }
-
-    /// For a resume: the newest verified remote checkpoint newer than every complete local one,
-    /// brought into the run directory (see `rtune_remote::fetch::newest_checkpoint`); its step.
-    pub fn fetch_remote_checkpoint(
-        &self,
-        warn: &mut dyn FnMut(String),
-    ) -> Result<Option<usize>, TrainError> {
-        let Some(remote) = &self.remote else {
-            return Ok(None);
-        };
-        let local = checkpoint::list(&self.dir)
-            .into_iter()
-            .find(|(_, d)| d.join(rtune_remote::MANIFEST).is_file())
-            .map(|(s, _)| s);
-        rtune_remote::fetch::newest_checkpoint(remote, &self.dir, local, self.privacy, warn)
-            .map_err(|e| TrainError::Remote(Box::new(e)))
-    }
-
-    /// The mirror's and the MLflow tracker's notices since the last call.
-    pub fn remote_notices(&self) -> Vec<String> {
-        let mut n = self
-            .mirror
-            .as_ref()
-            .map(Mirror::take_notices)
-            .unwrap_or_default();
-        n.extend(
-            self.tracker
-                .as_ref()
-                .map(Tracker::take_notices)
-                .unwrap_or_default(),
-        );
-        n
-    }
-
-    /// Uploads the run's files after the last checkpoint (summary.json last) and waits up to
-    /// `timeout`; the error names what is not in the store.
-    pub fn finish_remote(&mut self, timeout: std::time::Duration) -> Result<(), TrainError> {
-        let Some(mirror) = self.mirror.as_mut() else {
-            return Ok(());
-        };
-        let mut names: Vec<String> = [
-            rtune_lora::ADAPTER_WEIGHTS,
-            rtune_lora::ADAPTER_CONFIG,
-            "config.toml",
-            METRICS,
-            SAMPLES,
-            "loss.svg",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let tb = self.dir.join(rtune_watch::TB_DIR);
-        let mut events: Vec<String> = std::fs::read_dir(&tb)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| {
-                format!(
-                    "{}/{}",
-                    rtune_watch::TB_DIR,
-                    e.file_name().to_string_lossy()
-                )
-            })
-            .collect();
-        events.sort();
-        names.extend(events);
-        names.extend(["mlflow.json", "run.json", "summary.json"].map(String::from));
-        let files = names
-            .into_iter()
-            .map(|n| {
-                let p = self.dir.join(&n);
-                (n, p)
-            })
-            .collect();
-        mirror
-            .finish(files, timeout)
-            .map_err(|message| TrainError::RemoteUpload {
-                dir: self.dir.clone(),
-                message,
-            })
-    }
-}
-
-/// The file that keeps a run's MLflow ids, so a resume continues the same MLflow run.
-pub const MLFLOW_JSON: &str = "mlflow.json";
-
-/// `[output] mlflow`: one MLflow run per rtune run.
-impl RunFiles {
-    /// Starts the tracker: the resolved config as params, the record's version, commit and
-    /// checksums as tags, the run continued when mlflow.json names one.
-    fn start_tracking(&mut self, cfg: &RunConfig, record: &RunRecord) {
-        let Some(url) = cfg.output.mlflow.as_deref().filter(|_| self.writes) else {
-            return;
-        };
-        let saved = std::fs::read(self.dir.join(MLFLOW_JSON))
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-        let run_id = saved
-            .as_ref()
-            .map(|v| rtune_track::str_at(v, &["run_id"]))
-            .filter(|r| !r.is_empty());
-        self.tracker_id_saved = run_id.is_some();
-        let mut params = Vec::new();
-        let config = serde_json::to_value(&cfg.file).expect("config serialises");
-        rtune_track::flatten_params("", &config, &mut params);
-        let mut tags = vec![
-            ("rtune.version".to_string(), record.rtune_version.clone()),
-            ("rtune.git_commit".to_string(), record.git_commit.clone()),
-            (
-                "rtune.cargo_lock_sha256".to_string(),
-                record.cargo_lock_sha256.clone(),
-            ),
-            ("rtune.model_path".to_string(), record.model_path.clone()),
-        ];
-        for f in &record.model_files {
-            let name = Path::new(&f.path)
-                .file_name()
-                .map_or(f.path.clone(), |n| n.to_string_lossy().into_owned());
-            tags.push((format!("rtune.model.{name}.sha256"), f.sha256.clone()));
+/// Makes `dir` (an rtune run directory, see `rundir::check`) ready for a fresh run: refuses to
+/// replace a finished or resumable run unless `overwrite`, then clears what the old run wrote —
+/// its files, its checkpoints, its TensorBoard events — and nothing else. The directory's mode is
+/// set only when this run `created` it.
+fn fresh_output(cfg: &RunConfig, privacy: Privacy, created: bool) -> Result<(), RunError> {
+    let dir = &cfg.output.dir;
+    let out = |message: String| RunError::OutputDir {
+        path: dir.clone(),
+        message,
+    };
+    if dir.exists() {
+        if !dir.is_dir() {
+            return Err(out("exists and is not a directory".into()));
         }
-        for (i, f) in record.data.iter().enumerate() {
-            tags.push((format!("rtune.data.{i}.path"), f.path.clone()));
-            tags.push((format!("rtune.data.{i}.sha256"), f.sha256.clone()));
-        }
-        let run_name = self
-            .dir
-            .file_name()
-            .map_or("rtune".into(), |n| n.to_string_lossy().into_owned());
-        self.tracker = Some(Tracker::start(Start {
-            url: url.to_string(),
-            experiment: cfg.output.mlflow_experiment.clone(),
-            run_name,
-            run_id,
-            params,
-            tags,
-        }));
-    }
-
-    /// Sends one metrics.jsonl line's numbers (booleans as 0/1) at its `step`, and saves the
-    /// MLflow ids once the run exists.
-    fn track_line(&mut self, line: &str) {
-        let Some(t) = &self.tracker else {
-            return;
-        };
-        let Ok(serde_json::Value::Object(map)) = serde_json::from_str(line) else {
-            return;
-        };
-        let step = map.get("step").and_then(|s| s.as_u64()).unwrap_or(0);
-        let values = map
+        let finished = ["summary.json", "adapter_model.safetensors"]
             .iter()
-            .filter(|(k, _)| k.as_str() != "step")
-            .filter_map(|(k, v)| {
-                let x = v.as_f64().or_else(|| v.as_bool().map(|b| b as u8 as f64))?;
-                Some((k.clone(), x))
-            })
-            .collect();
-        t.metrics(step, values);
-        if !self.tracker_id_saved {
-            if let Some((exp, run)) = t.ids() {
-                let text = serde_json::json!({ "experiment_id": exp, "run_id": run }).to_string();
-                self.tracker_id_saved =
-                    write_atomic(&self.dir.join(MLFLOW_JSON), text.as_bytes(), self.privacy)
-                        .is_ok();
+            .any(|f| dir.join(f).exists());
+        let checkpoints = checkpoint::list(dir);
+        if finished && !cfg.output.overwrite {
+            return Err(out(
+                "already holds a finished run; choose another [output] dir or set [output] overwrite = true".into(),
+            ));
+        }
+        if !checkpoints.is_empty() && !cfg.output.overwrite {
+            return Err(out(format!(
+                "holds checkpoints of an unfinished run (newest: step {}); pass --resume to continue it, or set \
+                 [output] overwrite = true to start over",
+                checkpoints[0].0
+            )));
+        }
+        for f in crate::rundir::RUN_FILES {
+            let p = dir.join(f);
+            if p.exists() {
+                std::fs::remove_file(&p).map_err(|e| out(format!("cannot remove old {f}: {e}")))?;
             }
         }
+        for (_, c) in checkpoints {
+            checkpoint::remove(&c)
+                .map_err(|e| out(format!("cannot remove {}: {e}", c.display())))?;
+        }
+        checkpoint::remove_partial(dir);
+        remove_tb_events(&dir.join(rtune_watch::TB_DIR)).map_err(out)?;
     }
+    privacy
+        .create_dir_all(dir)
+        .map_err(|e| out(format!("cannot create: {}", e.source)))?;
+    if cfg.output.private && created {
+        privacy
+            .apply_to_dir(dir)
+            .map_err(|e| out(e.source.to_string()))?;
+    }
+    Ok(())
+}
 
-    /// The end of the run for MLflow: what is buffered, the adapter, loss.svg and run.json as
-    /// artifacts, and `status` (FINISHED, KILLED, FAILED), within `timeout`; a warning on failure.
-    pub fn finish_tracking(
-        &mut self,
-        status: &str,
-        timeout: std::time::Duration,
-    ) -> Option<String> {
-        let t = self.tracker.as_mut()?;
-        let artifacts = [
-            rtune_lora::ADAPTER_WEIGHTS,
-            rtune_lora::ADAPTER_CONFIG,
-            "loss.svg",
-            "run.json",
-        ]
-        .iter()
-        .map(|n| (n.to_string(), self.dir.join(n)))
-        .collect();
-        let r = t.finish(status, artifacts, timeout).err();
-        if !self.tracker_id_saved {
-            if let Some((exp, run)) = t.ids() {
-                let text = serde_json::json!({ "experiment_id": exp, "run_id": run }).to_string();
-                let _ = write_atomic(&self.dir.join(MLFLOW_JSON), text.as_bytes(), self.privacy);
-            }
-        }
-        r.map(|e| format!("MLflow: {e}"))
+/// Removes the TensorBoard event files rtune wrote in `tb/` (`events.out.tfevents.*`), then
+/// `tb/` itself if that left it empty: anything else in it stays.
+fn remove_tb_events(tb: &Path) -> Result<(), String> {
+    if !tb.is_dir() {
+        return Ok(());
     }
+    let entries =
+        std::fs::read_dir(tb).map_err(|e| format!("cannot list {}: {e}", tb.display()))?;
+    for e in entries.flatten() {
+        let own = e
+            .file_name()
+            .to_string_lossy()
+            .starts_with("events.out.tfevents.")
+            && e.file_type().is_ok_and(|t| t.is_file());
+        if own {
+            std::fs::remove_file(e.path())
+                .map_err(|err| format!("cannot remove old {}: {err}", e.path().display()))?;
+        }
+    }
+    let _ = std::fs::remove_dir(tb);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -660,7 +495,7 @@ mod tests {
         std::fs::create_dir(&empty).unwrap();
         let mut f = files(&empty);
         f.lock().unwrap();
-        assert!(empty.join(rtune_run::rundir::RUN_MARKER).exists());
+        assert!(empty.join(crate::rundir::RUN_MARKER).exists());
         assert!(!f.created_dir());
         f.abandon();
         assert_eq!(std::fs::read_dir(&empty).unwrap().count(), 0);
@@ -673,7 +508,7 @@ mod tests {
         // An existing run with a file of the user's: the lock file goes, the rest stays.
         let old = tmp.join("old");
         std::fs::create_dir(&old).unwrap();
-        std::fs::write(old.join(rtune_run::rundir::RUN_MARKER), "").unwrap();
+        std::fs::write(old.join(crate::rundir::RUN_MARKER), "").unwrap();
         std::fs::write(old.join("notes.txt"), "x").unwrap();
         let mut f = files(&old);
         f.lock().unwrap();
