@@ -1,13 +1,15 @@
-//! What the launchers of `kernels/fused.cu` ([`crate::fused`]) and `kernels/attn.cu`
-//! ([`crate::attn`]) share: the element types ([`FusedFloat`]), the loaded kernels of both files
-//! ([`FusedKernels`], cached per CUDA context), the size checks every launcher runs before a launch
+//! What the launchers of the embedded kernels share: the element types ([`FusedFloat`]), an entry
+//! point by its file and name ([`GpuKernel`], loaded once per CUDA context), the size checks every launcher runs before a launch
 //! (`numel`, `need`, `int`) and the launch shapes (`row_cfg`: a block per row; `elementwise_cfg`: a
 //! grid-stride loop). A leaf: it imports neither launcher file.
 
-use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr, LaunchConfig, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, DeviceRepr, LaunchConfig, ValidAsZeroBits,
+};
 use half::{bf16, f16};
 use std::sync::{Arc, Mutex};
 
+use crate::image::KernelImage;
 use crate::precision::Precision;
 use crate::{drv, KernelError, Result};
 
@@ -15,7 +17,7 @@ use crate::{drv, KernelError, Result};
 pub trait FusedFloat: DeviceRepr + ValidAsZeroBits + Copy {
     /// Kernel name suffix: `f32`, `bf16`, `f16`.
     const SUFFIX: &'static str;
-    /// Index into [`FusedKernels`]' per-type functions.
+    /// Index of the type in per-type tables (f32 0, bf16 1, f16 2).
     const INDEX: usize;
     /// The rounding each op's `reference.rs` applies for this type.
     const PRECISION: Precision;
@@ -56,41 +58,54 @@ impl FusedFloat for f16 {
     }
 }
 
-/// The kernels of `fused.cu`, then those of `attn.cu`, in [`FusedKernels`]' order (that of `K`).
-const KERNELS: [&str; 13] = [
-    "rms_norm_fwd",
-    "rms_norm_bwd",
-    "swiglu_fwd",
-    "swiglu_bwd",
-    "geglu_fwd",
-    "geglu_bwd",
-    "rope_fwd",
-    "rope_bwd",
-    "ce_fwd",
-    "ce_bwd",
-    "widen",
-    "attn_softmax_fwd",
-    "attn_softmax_bwd",
-];
-/// How many of `KERNELS` are in `fused.ptx` (the rest are in `attn.ptx`).
-const IN_FUSED: usize = 11;
-const SUFFIXES: [&str; 3] = ["f32", "bf16", "f16"];
-
+/// One entry point of an embedded kernel file, in each element type: `stem` followed by
+/// `_f32`, `_bf16` or `_f16` ([`FusedFloat::SUFFIX`]) in `image`'s module. A launcher names its
+/// own (`GpuKernel::new(&image::FUSED, "rope_fwd")`): no list of the kernels exists to edit when one
+/// is added.
 #[derive(Clone, Copy)]
-pub enum K {
-    RmsFwd,
-    RmsBwd,
-    SwigluFwd,
-    SwigluBwd,
-    GegluFwd,
-    GegluBwd,
-    RopeFwd,
-    RopeBwd,
-    CeFwd,
-    CeBwd,
-    Widen,
-    AttnFwd,
-    AttnBwd,
+pub struct GpuKernel {
+    pub image: &'static KernelImage,
+    pub stem: &'static str,
+}
+
+impl GpuKernel {
+    pub const fn new(image: &'static KernelImage, stem: &'static str) -> GpuKernel {
+        GpuKernel { image, stem }
+    }
+
+    /// The entry point for `T` in `ctx`: the image's module loaded on first use (the cubin for the
+    /// device, else its PTX: [`crate::image::load`]) and each function once, both cached for the
+    /// life of the process by raw context (`CUcontext`, shared by every `CudaContext` of a
+    /// device's primary context; an entry keeps its context alive, so a key is never reused).
+    pub fn get<T: FusedFloat>(self, ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
+        type Key = (usize, &'static str, String);
+        static MODULES: Mutex<Vec<((usize, &'static str), Arc<CudaModule>)>> =
+            Mutex::new(Vec::new());
+        static FUNCTIONS: Mutex<Vec<(Key, CudaFunction)>> = Mutex::new(Vec::new());
+        let raw = ctx.cu_ctx() as usize;
+        let name = format!("{}_{}", self.stem, T::SUFFIX);
+        let key = (raw, self.image.name, name);
+        let mut funcs = FUNCTIONS.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, f)) = funcs.iter().find(|(k, _)| *k == key) {
+            return Ok(f.clone());
+        }
+        let module = {
+            let mut modules = MODULES.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.iter().find(|(k, _)| *k == (raw, self.image.name)) {
+                Some((_, m)) => m.clone(),
+                None => {
+                    let m = crate::image::load(ctx, self.image)?;
+                    modules.push(((raw, self.image.name), m.clone()));
+                    m
+                }
+            }
+        };
+        let f = module
+            .load_function(&key.2)
+            .map_err(drv("loading a kernel function"))?;
+        funcs.push((key, f.clone()));
+        Ok(f)
+    }
 }
 
 /// The kernel set `load` makes for `ctx`, loaded on first use and cached in `cache` for the life of
@@ -109,46 +124,6 @@ pub fn per_context<K>(
     let k = Arc::new(load(ctx)?);
     loaded.push((key, k.clone()));
     Ok(k)
-}
-
-/// Every kernel of `kernels/fused.cu` and `kernels/attn.cu`, loaded into one CUDA context.
-pub struct FusedKernels {
-    /// `[kernel × 3 + type index]`, kernels as in `KERNELS`, types as [`FusedFloat::INDEX`].
-    funcs: Vec<CudaFunction>,
-}
-
-/// Loaded modules, by raw context (`CUcontext`, shared by every `CudaContext` of a device's primary
-/// context). An entry keeps its context alive, so the key is never reused for another context.
-static LOADED: Mutex<Vec<(usize, Arc<FusedKernels>)>> = Mutex::new(Vec::new());
-
-impl FusedKernels {
-    /// Loads `fused.cu` and `attn.cu` into `ctx`, each as the cubin for the device or else its PTX
-    /// ([`crate::image::load`]; the PTX is JIT-compiled by the driver); use [`Self::get`].
-    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
-        let fused = crate::image::load(ctx, &crate::image::FUSED)?;
-        let attn = crate::image::load(ctx, &crate::image::ATTN)?;
-        let mut funcs = Vec::with_capacity(KERNELS.len() * SUFFIXES.len());
-        for (i, k) in KERNELS.into_iter().enumerate() {
-            let module = if i < IN_FUSED { &fused } else { &attn };
-            for s in SUFFIXES {
-                funcs.push(
-                    module
-                        .load_function(&format!("{k}_{s}"))
-                        .map_err(drv("loading a fused kernel"))?,
-                );
-            }
-        }
-        Ok(FusedKernels { funcs })
-    }
-
-    /// The kernels of `ctx`, loaded on first use and cached for the life of the process.
-    pub fn get(ctx: &Arc<CudaContext>) -> Result<Arc<Self>> {
-        crate::launch::per_context(&LOADED, ctx, Self::load)
-    }
-
-    pub fn f<T: FusedFloat>(&self, k: K) -> &CudaFunction {
-        &self.funcs[k as usize * SUFFIXES.len() + T::INDEX]
-    }
 }
 
 pub fn bad(op: &'static str, message: String) -> KernelError {

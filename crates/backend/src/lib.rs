@@ -48,7 +48,7 @@ mod precision;
 pub mod storage;
 
 #[cfg(feature = "kernels")]
-pub use launch::{FusedFloat, FusedKernels};
+pub use launch::{FusedFloat, GpuKernel};
 pub use precision::Precision;
 
 /// Whether this build has the CUDA kernels (the `kernels` feature).

@@ -18,7 +18,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use half::{bf16, f16};
 use rtune_backend::cast::check::check_widen;
 use rtune_backend::check::CheckResult;
-use rtune_backend::{FusedFloat, FusedKernels};
+use rtune_backend::{FusedFloat, GpuKernel};
 use rtune_ops::attention::check::check_attn_softmax;
 use rtune_ops::ce::check::check_ce;
 use rtune_ops::glu::check::{check_geglu, check_swiglu};
@@ -243,11 +243,13 @@ fn self_test_passes_and_the_module_is_loaded_once() {
     }
     assert_eq!(results.len(), 3 * 16);
     assert!(results.iter().all(|r| r.2));
+    // A kernel is loaded once per context: the second lookup is the cached function.
+    let k = GpuKernel::new(&rtune_backend::image::FUSED, "rope_fwd");
     let (a, b) = (
-        FusedKernels::get(s.context()).unwrap(),
-        FusedKernels::get(s.context()).unwrap(),
+        k.get::<bf16>(s.context()).unwrap(),
+        k.get::<bf16>(s.context()).unwrap(),
     );
-    assert!(Arc::ptr_eq(&a, &b));
+    assert_eq!(a.cu_function(), b.cu_function());
     assert_eq!(<bf16 as FusedFloat>::SUFFIX, "bf16");
 }
 

@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, PushKernelArg};
 use std::sync::Arc;
 
-use crate::launch::{elementwise_cfg, need, vec_width, FusedFloat, FusedKernels, K};
+use crate::launch::{elementwise_cfg, need, vec_width, FusedFloat, GpuKernel};
 use crate::{drv, Result};
 
 /// Widening to f32: `y = f32(x)`, exact (every bf16 and f16 value is an f32; a NaN keeps its
@@ -22,8 +22,8 @@ pub fn widen<T: FusedFloat>(
         return Ok(());
     }
     let n_i = n as i64;
-    let k = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(k.f::<T>(K::Widen));
+    let f = GpuKernel::new(&crate::image::FUSED, "widen").get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(x).arg(y).arg(&n_i);
     // SAFETY: as above, for widen_<T>; sizes checked above.
     unsafe { b.launch(elementwise_cfg(n.div_ceil(vec_width::<T>()))) }.map_err(drv(OP))?;

@@ -16,7 +16,7 @@ pub struct DropoutKernels {
     funcs: Vec<CudaFunction>,
 }
 
-/// Loaded modules by raw context, as `FusedKernels` keeps its own.
+/// Loaded modules by raw context, as `GpuKernel` keeps its own.
 static LOADED: Mutex<Vec<(usize, Arc<DropoutKernels>)>> = Mutex::new(Vec::new());
 
 impl DropoutKernels {

@@ -20,7 +20,7 @@ pub struct AdamWKernels {
     adamw: CudaFunction,
 }
 
-/// Loaded modules by raw context, as `FusedKernels` keeps its own.
+/// Loaded modules by raw context, as `GpuKernel` keeps its own.
 static LOADED: Mutex<Vec<(usize, Arc<AdamWKernels>)>> = Mutex::new(Vec::new());
 
 impl AdamWKernels {

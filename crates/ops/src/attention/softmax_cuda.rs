@@ -1,13 +1,14 @@
 //! Host side of `kernels/attn.cu`: the attention softmax, forward and backward, for f32, bf16 and
 //! f16 scores already on the GPU (the kernels are loaded and cached with `fused.cu`'s by
-//! [`FusedKernels`], in `launch.rs`). Semantics: those of `crates/ops/src/attention/softmax.rs`'s
+//! [`GpuKernel`], in `launch.rs`). Semantics: those of `crates/ops/src/attention/softmax.rs`'s
 //! CPU op, restated in [`super::reference::attn_softmax_fwd`] / [`super::reference::attn_softmax_bwd`].
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
 use rtune_backend::drv;
-use rtune_backend::launch::{bad, int, need, numel, row_cfg, FusedFloat, FusedKernels, K};
+use rtune_backend::image::ATTN;
+use rtune_backend::launch::{bad, int, need, numel, row_cfg, FusedFloat, GpuKernel};
 use rtune_backend::Result;
 
 /// The longest row whose scores the forward keeps in shared memory (`t·4` bytes within the 48 KiB a
@@ -51,8 +52,8 @@ pub fn attn_softmax_fwd<T: FusedFloat>(
     );
     let cached = t <= CACHED_MAX;
     let cached_i = cached as i32;
-    let k = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(k.f::<T>(K::AttnFwd));
+    let f = GpuKernel::new(&ATTN, "attn_softmax_fwd").get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(scores)
         .arg(mask)
         .arg(p)
@@ -92,8 +93,8 @@ pub fn attn_softmax_bwd<T: FusedFloat>(
         return Ok(());
     }
     let (rows_i, t_i) = (int(OP, "rows", rows)?, int(OP, "t", t)?);
-    let k = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(k.f::<T>(K::AttnBwd));
+    let f = GpuKernel::new(&ATTN, "attn_softmax_bwd").get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(p).arg(dp).arg(ds).arg(&rows_i).arg(&t_i).arg(&scale);
     // SAFETY: as above, for attn_softmax_bwd_<T>.
     unsafe { b.launch(row_cfg::<T>(rows, t)) }.map_err(drv(OP))?;

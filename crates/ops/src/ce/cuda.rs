@@ -5,9 +5,7 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
-use rtune_backend::launch::{
-    bad, int, need, numel, row_cfg, vec_width, FusedFloat, FusedKernels, K,
-};
+use rtune_backend::launch::{bad, int, need, numel, row_cfg, vec_width, FusedFloat, GpuKernel};
 use rtune_backend::{drv, Result};
 
 /// Cross-entropy forward over a chunk of logits. `logits: (n, v)`, `targets: (n)`; `out: (n, 2)`
@@ -31,8 +29,8 @@ pub fn ce_fwd<T: FusedFloat>(
         return Ok(());
     }
     let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
-    let k = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(k.f::<T>(K::CeFwd));
+    let f = GpuKernel::new(&rtune_backend::image::FUSED, "ce_fwd").get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(logits).arg(targets).arg(out).arg(&n_i).arg(&v_i);
     // SAFETY: as above, for ce_fwd_<T>.
     unsafe { b.launch(row_cfg::<T>(n, v)) }.map_err(drv(OP))?;
@@ -62,8 +60,8 @@ pub fn ce_bwd<T: FusedFloat>(
         return Ok(());
     }
     let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
-    let k = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(k.f::<T>(K::CeBwd));
+    let f = GpuKernel::new(&rtune_backend::image::FUSED, "ce_bwd").get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(logits)
         .arg(targets)
         .arg(lse)

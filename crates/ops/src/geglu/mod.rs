@@ -76,8 +76,8 @@ impl Activation for GeluTanh {
     }
     #[cfg(feature = "kernels")]
     const KERNELS: crate::glu::cuda::Kernels = crate::glu::cuda::Kernels {
-        fwd: rtune_backend::launch::K::GegluFwd,
-        bwd: rtune_backend::launch::K::GegluBwd,
+        fwd: rtune_backend::launch::GpuKernel::new(&rtune_backend::image::FUSED, "geglu_fwd"),
+        bwd: rtune_backend::launch::GpuKernel::new(&rtune_backend::image::FUSED, "geglu_bwd"),
         check_fwd: rtune_backend::check::Op::typed("geglu_fwd"),
         check_bwd: rtune_backend::check::Op::typed("geglu_bwd"),
     };

@@ -6,14 +6,14 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, PushKernelArg};
 use std::sync::Arc;
 
 use rtune_backend::check::Op;
-use rtune_backend::launch::{elementwise_cfg, need, numel, vec_width, FusedFloat, FusedKernels, K};
+use rtune_backend::launch::{elementwise_cfg, need, numel, vec_width, FusedFloat, GpuKernel};
 use rtune_backend::{drv, Result};
 
-/// One activation's kernels (`K`) and the names its checks report under (`Op`).
+/// One activation's kernels and the names its checks report under (`Op`).
 #[derive(Clone, Copy)]
 pub struct Kernels {
-    pub fwd: K,
-    pub bwd: K,
+    pub fwd: GpuKernel,
+    pub bwd: GpuKernel,
     pub check_fwd: Op,
     pub check_bwd: Op,
 }
@@ -35,8 +35,8 @@ pub fn fwd<T: FusedFloat>(
         return Ok(());
     }
     let n_i = n as i64;
-    let fk = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(fk.f::<T>(k.fwd));
+    let f = k.fwd.get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(g).arg(u).arg(h).arg(&n_i);
     // SAFETY: the kernel reads g, u and writes h, n elements each (checked above), with the
     // argument list of fused.cu's `<glu>_fwd_<T>`.
@@ -63,8 +63,8 @@ pub fn bwd<T: FusedFloat>(
         return Ok(());
     }
     let n_i = n as i64;
-    let fk = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(fk.f::<T>(k.bwd));
+    let f = k.bwd.get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(dh).arg(g).arg(u).arg(out).arg(&n_i);
     // SAFETY: the kernel reads dh, g, u (n elements each) and writes out (2n), checked above,
     // with the argument list of fused.cu's `<glu>_bwd_<T>`.

@@ -5,7 +5,8 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, PushKernelArg};
 use std::sync::Arc;
 
-use rtune_backend::launch::{int, need, numel, row_cfg, FusedFloat, FusedKernels, K};
+use rtune_backend::image::FUSED;
+use rtune_backend::launch::{int, need, numel, row_cfg, FusedFloat, GpuKernel};
 use rtune_backend::{drv, Result};
 
 /// RMSNorm forward: `y = T(T(x·r)·w)`, `r = 1/sqrt(mean(x²) + eps)` per row. `x, y: (rows, dim)`,
@@ -29,8 +30,8 @@ pub fn rms_norm_fwd<T: FusedFloat>(
         return Ok(());
     }
     let (rows_i, dim_i) = (int(OP, "rows", rows)?, int(OP, "dim", dim)?);
-    let k = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(k.f::<T>(K::RmsFwd));
+    let f = GpuKernel::new(&FUSED, "rms_norm_fwd").get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(x).arg(w).arg(y).arg(&rows_i).arg(&dim_i).arg(&eps);
     // SAFETY: argument types and order match rms_norm_fwd_<T> in fused.cu; sizes checked above.
     unsafe { b.launch(row_cfg::<T>(rows, dim)) }.map_err(drv(OP))?;
@@ -60,8 +61,8 @@ pub fn rms_norm_bwd<T: FusedFloat>(
         return Ok(());
     }
     let (rows_i, dim_i) = (int(OP, "rows", rows)?, int(OP, "dim", dim)?);
-    let k = FusedKernels::get(stream.context())?;
-    let mut b = stream.launch_builder(k.f::<T>(K::RmsBwd));
+    let f = GpuKernel::new(&FUSED, "rms_norm_bwd").get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
     b.arg(dy)
         .arg(x)
         .arg(w)

@@ -5,15 +5,13 @@
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, PushKernelArg};
 use std::sync::Arc;
 
-use rtune_backend::launch::{
-    bad, elementwise_cfg, need, numel, vec_width, FusedFloat, FusedKernels, K,
-};
+use rtune_backend::launch::{bad, elementwise_cfg, need, numel, vec_width, FusedFloat, GpuKernel};
 use rtune_backend::{drv, Result};
 
 #[allow(clippy::too_many_arguments)]
 fn rope<T: FusedFloat>(
     op: &'static str,
-    kernel: K,
+    kernel: GpuKernel,
     stream: &Arc<CudaStream>,
     x: &CudaView<'_, T>,
     cos: &CudaView<'_, T>,
@@ -34,8 +32,8 @@ fn rope<T: FusedFloat>(
         return Ok(());
     }
     let dims = [b as i64, h as i64, t as i64, dh as i64];
-    let k = FusedKernels::get(stream.context())?;
-    let mut l = stream.launch_builder(k.f::<T>(kernel));
+    let f = kernel.get::<T>(stream.context())?;
+    let mut l = stream.launch_builder(&f);
     l.arg(x)
         .arg(cos)
         .arg(sin)
@@ -67,7 +65,7 @@ pub fn rope_fwd<T: FusedFloat>(
 ) -> Result<()> {
     rope(
         "rope_fwd",
-        K::RopeFwd,
+        GpuKernel::new(&rtune_backend::image::FUSED, "rope_fwd"),
         stream,
         x,
         cos,
@@ -93,7 +91,7 @@ pub fn rope_bwd<T: FusedFloat>(
 ) -> Result<()> {
     rope(
         "rope_bwd",
-        K::RopeBwd,
+        GpuKernel::new(&rtune_backend::image::FUSED, "rope_bwd"),
         stream,
         dy,
         cos,

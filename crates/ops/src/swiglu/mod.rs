@@ -45,8 +45,8 @@ impl Activation for Silu {
     }
     #[cfg(feature = "kernels")]
     const KERNELS: crate::glu::cuda::Kernels = crate::glu::cuda::Kernels {
-        fwd: rtune_backend::launch::K::SwigluFwd,
-        bwd: rtune_backend::launch::K::SwigluBwd,
+        fwd: rtune_backend::launch::GpuKernel::new(&rtune_backend::image::FUSED, "swiglu_fwd"),
+        bwd: rtune_backend::launch::GpuKernel::new(&rtune_backend::image::FUSED, "swiglu_bwd"),
         check_fwd: rtune_backend::check::Op::typed("swiglu_fwd"),
         check_bwd: rtune_backend::check::Op::typed("swiglu_bwd"),
     };
