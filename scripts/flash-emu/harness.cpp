@@ -6,27 +6,14 @@
 #include <vector>
 #include <random>
 #include <memory>
-thread_local dim3e threadIdx; dim3e blockIdx, gridDim, blockDim;
-unsigned emu_smem_bytes;
+#include "runtime.h"
 __attribute__((aligned(128))) unsigned char flash_smem[262144];
-static std::unique_ptr<std::barrier<>> block_bar, warp_bar[32];
-static float slot[32][32];
-void __syncthreads() { block_bar->arrive_and_wait(); }
-void __syncwarp() { warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
-float __shfl_xor_sync(unsigned, float v, int o) {
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    warp_bar[w]->arrive_and_wait();
-    slot[w][l] = v;
-    warp_bar[w]->arrive_and_wait();
-    return slot[w][l ^ o];
-}
 template <typename F> void launch(dim3e grid, unsigned threads, unsigned smem, F f) {
     gridDim = grid; blockDim = {threads, 1, 1}; emu_smem_bytes = smem;
     for (unsigned z = 0; z < grid.z; ++z) for (unsigned y = 0; y < grid.y; ++y) for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx = {x, y, z};
         memset(flash_smem, 0xcd, sizeof flash_smem);  // garbage, as on a GPU
-        block_bar = std::make_unique<std::barrier<>>(threads);
-        for (unsigned w = 0; w < threads / 32; ++w) warp_bar[w] = std::make_unique<std::barrier<>>(32);
+        emu_new_block();
         std::vector<std::thread> ts;
         for (unsigned t = 0; t < threads; ++t) ts.emplace_back([=] { threadIdx = {t, 0, 0}; f(); });
         for (auto& t : ts) t.join();

@@ -1,43 +1,22 @@
 // rtune's own kernels but flash attention (kernels/fused.cu, attn.cu, adamw.cu, nf4.cu, dropout.cu;
-// flash_attn.cu has its own harness, scripts/flash-emu.sh) built for the host as a shared library, under the emulation of emu.h: crates/ops/tests/kernels_emulated.rs
-// compiles it with g++ (-DEMU_STATIC_SHARED; attn.cu's `extern __shared__` patched to a plain
-// `extern`, the dynamic shared array below), loads it and launches each kernel: the test's threads
-// are a block's threads, one block after another. What it checks: every kernel's indexing, masking,
-// vector and scalar paths, reductions and roundings against the ops' references, on the CPU; not
-// the real warp scheduling, occupancy or speed (`rtune selftest` on a GPU).
+// flash_attn.cu has its own harness, scripts/flash-emu.sh) built for the host as a shared library
+// under the emulation of emu.h and runtime.h: crates/ops/tests/kernels_emulated.rs compiles it with
+// g++ (-DEMU_STATIC_SHARED; attn.cu's `extern __shared__` patched to a plain `extern`, the dynamic
+// shared array below), loads it and launches each kernel: the test's threads are a block's
+// threads, one block after another. What it checks: every kernel's indexing, masking, vector and
+// scalar paths, reductions and roundings against the ops' references, on the CPU; not the real
+// warp scheduling, occupancy or speed (`rtune selftest` on a GPU).
 #include "emu.h"
-#include <barrier>
-#include <memory>
 #include "fused.cu"
 #include "attn_emu.cu"  // kernels/attn.cu, patched by the test
 #include "adamw.cu"
 #include "nf4.cu"
 #include "dropout.cu"
 
-thread_local dim3e threadIdx;
-dim3e blockIdx, gridDim, blockDim;
-unsigned emu_smem_bytes;
+#include "runtime.h"
+
 // attn.cu's dynamic shared memory (`cache`: t floats), 16-byte aligned.
 __attribute__((aligned(16))) float cache[1 << 16];
-
-static std::unique_ptr<std::barrier<>> block_bar, warp_bar[32];
-static float slot[32][32];
-void __syncthreads() { block_bar->arrive_and_wait(); }
-void __syncwarp() { warp_bar[threadIdx.x / 32]->arrive_and_wait(); }
-float __shfl_xor_sync(unsigned, float v, int o) {
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    warp_bar[w]->arrive_and_wait();
-    slot[w][l] = v;
-    warp_bar[w]->arrive_and_wait();
-    return slot[w][l ^ o];
-}
-float __shfl_sync(unsigned, float v, int src) {
-    int w = threadIdx.x / 32, l = threadIdx.x % 32;
-    warp_bar[w]->arrive_and_wait();
-    slot[w][l] = v;
-    warp_bar[w]->arrive_and_wait();
-    return slot[w][src & 31];  // read before this lane reaches the next shuffle's first barrier
-}
 
 // The launch: a grid of `gx` blocks of `threads` threads (a multiple of 32, at most 1024).
 extern "C" void emu_grid(unsigned gx, unsigned threads) {
@@ -48,8 +27,7 @@ extern "C" void emu_grid(unsigned gx, unsigned threads) {
 extern "C" void emu_block(unsigned bx) {
     blockIdx = {bx, 0, 0};
     memset(cache, 0xcd, sizeof cache);
-    block_bar = std::make_unique<std::barrier<>>(blockDim.x);
-    for (unsigned w = 0; w < blockDim.x / 32; ++w) warp_bar[w] = std::make_unique<std::barrier<>>(32);
+    emu_new_block();
 }
 // The calling OS thread is thread `t` of the current block.
 extern "C" void emu_thread(unsigned t) { threadIdx = {t, 0, 0}; }
