@@ -33,9 +33,7 @@ use half::{bf16, f16};
 use rtune_backend::check::{compare, tolerance, Comparison, Op, Rng};
 use rtune_backend::dropout::DropoutKey;
 use rtune_backend::Precision;
-use rtune_ops::adamw::{
-    chunk_table, clip_coef, multi_tensor_adamw, multi_tensor_sq_norm, offsets, AdamWScalars,
-};
+use rtune_ops::adamw::{check_step, chunk_table, offsets, CHECK_STEPS};
 use rtune_ops::nf4::quantize::quantize_nf4;
 use rtune_ops::nf4::weight::Absmax;
 use rtune_ops::{attention, ce, geglu, norm, rope, swiglu};
@@ -296,15 +294,7 @@ macro_rules! each_type {
 
 fn rms_norm<T: Elem>(rows: usize, dim: usize, offset: usize, seed: u64) -> Vec<Checked> {
     let (p, eps, mut rng) = (T::P, 1e-5f32, Rng::new(seed));
-    let mut x = Vec::new();
-    for _ in 0..rows {
-        let scale = 10f32.powf(3.0 * rng.uniform() - 1.5);
-        x.extend(rng.normals(dim, scale, p));
-    }
-    let w: Vec<f32> = (0..dim)
-        .map(|_| p.round(1.0 + 0.2 * rng.normal()))
-        .collect();
-    let dy = rng.normals(rows * dim, 1.0, p);
+    let (x, w, dy) = norm::reference::check_inputs(&mut rng, rows, dim, p);
     let (xb, wb, dyb) = (
         Buf::<T>::of(&x, offset),
         Buf::<T>::of(&w, offset),
@@ -418,19 +408,7 @@ fn rope_check<T: Elem>(
     seed: u64,
 ) -> Vec<Checked> {
     let (p, mut rng) = (T::P, Rng::new(seed));
-    let half = dh / 2;
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for _ in 0..b {
-        let start = rng.below(8192);
-        for ti in 0..t {
-            for d in 0..dh {
-                let f = 1.0 / 500000f32.powf((2 * (d % half)) as f32 / dh as f32);
-                let a = (start + ti as u32) as f32 * f;
-                cos.push(p.round(a.cos()));
-                sin.push(p.round(a.sin()));
-            }
-        }
-    }
+    let (cos, sin) = rope::reference::check_tables(&mut rng, (b, t, dh), p);
     let n = b * h * t * dh;
     let (x, dy) = (rng.normals(n, 1.0, p), rng.normals(n, 1.0, p));
     let (xb, dyb, cb, sb) = (
@@ -524,15 +502,7 @@ fn attn_check<T: Elem>(
 ) -> Vec<Checked> {
     let (p, mut rng, scale) = (T::P, Rng::new(seed), 0.125f32);
     let rows = heads * tq;
-    let mut mask = vec![0f32; tq * tk];
-    for i in 0..tq {
-        let pos = (tk + i).saturating_sub(tq);
-        for (j, m) in mask[i * tk..(i + 1) * tk].iter_mut().enumerate() {
-            if j > pos || (tq >= 3 && i == tq / 2) {
-                *m = f32::NEG_INFINITY;
-            }
-        }
-    }
+    let mask = attention::reference::check_mask(tq, tk);
     let raw = rng.normals(rows * tk, 16.0, p);
     let dp = rng.normals(rows * tk, 1.0, p);
     let want_fwd = attention::reference::attn_softmax_fwd(&raw, &mask, tk, scale, p);
@@ -706,7 +676,6 @@ fn adamw_kernels_equal_the_reference_bit_for_bit_emulated() {
     let (off, total) = offsets(&sizes);
     let chunks = chunk_table(&sizes);
     let n_chunks = chunks.len() / 2;
-    let (betas, eps, wd, lr) = ((0.9, 0.999), 1e-8, 0.01, 1e-3);
     let mut master = rng.normals(total, 0.05, Precision::F32);
     let (mut m1, mut m2) = (vec![0f32; total], vec![0f32; total]);
     let (mut dmaster, mut dm, mut dv) = (master.clone(), m1.clone(), m2.clone());
@@ -723,44 +692,16 @@ fn adamw_kernels_equal_the_reference_bit_for_bit_emulated() {
     let finalize: Finalize = entry("mt_norm_finalize");
     let update: Update = entry("mt_adamw");
     let mut step = 0u64;
-    let steps = [
-        ("clipped", 1.0f32, 1.0f64, 0.25f64, false),
-        ("loss-scaled", 1024.0, 1.0 / 1024.0, 0.5, false),
-        ("unclipped", 1.0, 1.0, 0.0, false),
-        ("inf-skipped", 1.0, 1.0, 0.25, true),
-    ];
-    for (name, scale, unscale, clip, poison) in steps {
-        let mut grads: Vec<Vec<f32>> = sizes
-            .iter()
-            .map(|&n| rng.normals(n, 0.01 * scale, Precision::F32))
-            .collect();
-        if poison {
-            grads[4][5] = f32::INFINITY;
-        }
-        // Tensor 1 has no gradient (a null pointer: zeros); tensor 5's starts one element in.
-        let host: Vec<Option<&[f32]>> = grads
-            .iter()
-            .enumerate()
-            .map(|(k, g)| (k != 1).then_some(g.as_slice()))
-            .collect();
-        let sq = multi_tensor_sq_norm(&host, &sizes, unscale as f32);
-        let max_norm = if clip > 0.0 && sq.is_finite() {
-            clip * sq.sqrt()
-        } else {
-            clip
-        };
-        let (norm, coef) = clip_coef(sq, max_norm);
-        let sc = AdamWScalars::new(step + 1, lr, betas, eps, wd, unscale);
-        let want = multi_tensor_adamw(
-            (&mut master, &mut m1, &mut m2),
-            &host,
+    for (i, (name, ..)) in CHECK_STEPS.iter().enumerate() {
+        let st = check_step(
+            &mut rng,
             &sizes,
-            (norm, coef),
-            &sc,
+            i,
+            &mut step,
+            (&mut master, &mut m1, &mut m2),
         );
-        if want.is_some() {
-            step += 1;
-        }
+        let (grads, sc, want) = (&st.grads, st.scalars, &st.written);
+        let (max_norm, norm, coef, unscale) = (st.max_norm, st.norm, st.coef, st.unscale);
         let shifted: Vec<f32> = [&[0.0][..], &grads[5]].concat();
         let mut outs: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0f32; n]).collect();
         let mut table = Vec::new();
@@ -827,7 +768,7 @@ fn adamw_kernels_equal_the_reference_bit_for_bit_emulated() {
         let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(same(&dmaster, &master), "{name}: master weights differ");
         assert!(same(&dm, &m1) && same(&dv, &m2), "{name}: moments differ");
-        match &want {
+        match want {
             Some(w) => {
                 for (k, (o, w)) in outs.iter().zip(w).enumerate() {
                     assert!(same(o, w), "{name}: tensor {k}'s written weights differ");

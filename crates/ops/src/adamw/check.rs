@@ -13,9 +13,7 @@
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::sync::Arc;
 
-use super::{
-    chunk_table, clip_coef, multi_tensor_adamw, multi_tensor_sq_norm, offsets, AdamWScalars,
-};
+use super::{check_step, chunk_table, offsets, CHECK_STEPS};
 use rtune_backend::check::Rng;
 use rtune_backend::Precision;
 use rtune_backend::{drv, Result};
@@ -61,7 +59,6 @@ pub fn check_multi_tensor(
     let (off, total) = offsets(sizes);
     let chunks = chunk_table(sizes);
     let n_chunks = chunks.len() / 2;
-    let (betas, eps, wd, lr) = ((0.9, 0.999), 1e-8, 0.01, 1e-3);
     let mut master = rng.normals(total, 0.05, Precision::F32);
     let (mut m, mut v) = (vec![0f32; total], vec![0f32; total]);
     let mut d_master = s.clone_htod(&master).map_err(drv("adamw check upload"))?;
@@ -79,50 +76,12 @@ pub fn check_multi_tensor(
         .map_err(drv("adamw check alloc"))?;
     let mut norm_coef = s.alloc_zeros::<f64>(2).map_err(drv("adamw check alloc"))?;
     let mut results = Vec::new();
-    // (name, gradient scale, unscale, clip as a fraction of the norm (0: off), poison)
-    let steps = [
-        ("clipped", 1.0f32, 1.0f64, 0.25f64, false),
-        ("loss-scaled", 1024.0, 1.0 / 1024.0, 0.5, false),
-        ("unclipped", 1.0, 1.0, 0.0, false),
-        ("inf-skipped", 1.0, 1.0, 0.25, true),
-    ];
     let mut step = 0u64;
-    for (name, scale, unscale, clip, poison) in steps {
-        let mut grads: Vec<Vec<f32>> = sizes
-            .iter()
-            .map(|&n| rng.normals(n, 0.01 * scale, Precision::F32))
-            .collect();
-        if poison {
-            if let Some(g) = grads.iter_mut().find(|g| g.len() > 5) {
-                g[5] = f32::INFINITY;
-            }
-        }
-        let host: Vec<Option<&[f32]>> = grads
-            .iter()
-            .enumerate()
-            .map(|(k, g)| (k != 1).then_some(g.as_slice()))
-            .collect();
-        let sq = multi_tensor_sq_norm(&host, sizes, unscale as f32);
-        let max_norm = if clip > 0.0 && sq.is_finite() {
-            clip * sq.sqrt()
-        } else {
-            clip
-        };
-        let (norm, coef) = clip_coef(sq, max_norm);
-        let sc = AdamWScalars::new(step + 1, lr, betas, eps, wd, unscale);
-        let want = multi_tensor_adamw(
-            (&mut master, &mut m, &mut v),
-            &host,
-            sizes,
-            (norm, coef),
-            &sc,
-        );
-        if want.is_some() {
-            step += 1;
-        }
+    for (i, (name, ..)) in CHECK_STEPS.iter().enumerate() {
+        let c = check_step(&mut rng, sizes, i, &mut step, (&mut master, &mut m, &mut v));
+        let (host, max_norm, norm, coef, sc) = (c.host(), c.max_norm, c.norm, c.coef, c.scalars);
+        let (unscale, want) = (c.unscale, &c.written);
 
-        // The device: gradients and outs as separate allocations, their pointers in the table.
-        // Tensor 3's gradient starts one element into its allocation (a non-zero storage offset).
         let d_grads: Vec<Option<CudaSlice<f32>>> = host
             .iter()
             .enumerate()
@@ -156,7 +115,7 @@ pub fn check_multi_tensor(
                 &d_table,
                 &d_chunks,
                 n_chunks,
-                unscale as f32,
+                unscale,
                 max_norm,
                 &mut partials,
                 &mut norm_coef,
@@ -182,7 +141,7 @@ pub fn check_multi_tensor(
         let mut e = max_rel(&down(&d_master)?[..total], &master)
             .max(max_rel(&down(&d_m)?[..total], &m))
             .max(max_rel(&down(&d_v)?[..total], &v));
-        if let Some(want) = &want {
+        if let Some(want) = want {
             for (d, w) in d_outs.iter().zip(want) {
                 if let Some(d) = d {
                     e = e.max(max_rel(&down(d)?, w));

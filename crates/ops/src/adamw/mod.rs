@@ -208,6 +208,85 @@ pub fn multi_tensor_adamw(
     Some(out)
 }
 
+/// The steps the kernels are checked on (`check.rs` for `rtune selftest`, and
+/// `tests/kernels_emulated.rs` on the CPU): `(name, gradient scale, unscale, clip as a fraction of
+/// the norm (0: off), an infinite gradient)`.
+pub const CHECK_STEPS: [(&str, f32, f64, f64, bool); 4] = [
+    ("clipped", 1.0, 1.0, 0.25, false),
+    ("loss-scaled", 1024.0, 1.0 / 1024.0, 0.5, false),
+    ("unclipped", 1.0, 1.0, 0.0, false),
+    ("inf-skipped", 1.0, 1.0, 0.25, true),
+];
+
+/// One checked step as the reference takes it: its gradients (tensor 1 given as none: zeros),
+/// the norm cap handed to the kernels, the reference's `(norm, coef)` and scalars, and the weights
+/// it wrote per tensor (`None`: a skipped step).
+pub struct CheckStep {
+    pub grads: Vec<Vec<f32>>,
+    pub unscale: f32,
+    pub max_norm: f64,
+    pub norm: f64,
+    pub coef: f64,
+    pub scalars: AdamWScalars,
+    pub written: Option<Vec<Vec<f32>>>,
+}
+
+impl CheckStep {
+    /// The gradients as the kernels' table gives them: tensor 1 none.
+    pub fn host(&self) -> Vec<Option<&[f32]>> {
+        self.grads
+            .iter()
+            .enumerate()
+            .map(|(k, g)| (k != 1).then_some(g.as_slice()))
+            .collect()
+    }
+}
+
+/// Draws [`CHECK_STEPS`]`[i]`'s gradients for `sizes` from `rng` and applies the reference's step
+/// `step + 1` (AdamW with lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0.01) to `state`
+/// (master, m, v); `step` advances unless the step was skipped.
+pub fn check_step(
+    rng: &mut rtune_backend::check::Rng,
+    sizes: &[usize],
+    i: usize,
+    step: &mut u64,
+    state: (&mut [f32], &mut [f32], &mut [f32]),
+) -> CheckStep {
+    let (_, scale, unscale, clip, poison) = CHECK_STEPS[i];
+    let mut grads: Vec<Vec<f32>> = sizes
+        .iter()
+        .map(|&n| rng.normals(n, 0.01 * scale, rtune_backend::Precision::F32))
+        .collect();
+    if poison {
+        if let Some(g) = grads.iter_mut().find(|g| g.len() > 5) {
+            g[5] = f32::INFINITY;
+        }
+    }
+    let mut c = CheckStep {
+        grads,
+        unscale: unscale as f32,
+        max_norm: 0.0,
+        norm: 0.0,
+        coef: 0.0,
+        scalars: AdamWScalars::new(*step + 1, 1e-3, (0.9, 0.999), 1e-8, 0.01, unscale),
+        written: None,
+    };
+    let host = c.host();
+    let sq = multi_tensor_sq_norm(&host, sizes, unscale as f32);
+    let max_norm = if clip > 0.0 && sq.is_finite() {
+        clip * sq.sqrt()
+    } else {
+        clip
+    };
+    let (norm, coef) = clip_coef(sq, max_norm);
+    let written = multi_tensor_adamw(state, &host, sizes, (norm, coef), &c.scalars);
+    if written.is_some() {
+        *step += 1;
+    }
+    (c.max_norm, c.norm, c.coef, c.written) = (max_norm, norm, coef, written);
+    c
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,15 +22,7 @@ pub fn check_attn_softmax<T: FusedFloat>(
 ) -> Result<Vec<CheckResult>> {
     let (p, mut rng, scale) = (T::PRECISION, Rng::new(seed), 0.125f32);
     let rows = heads * tq;
-    let mut mask = vec![0f32; tq * tk];
-    for i in 0..tq {
-        let pos = (tk + i).saturating_sub(tq);
-        for (j, m) in mask[i * tk..(i + 1) * tk].iter_mut().enumerate() {
-            if j > pos || (tq >= 3 && i == tq / 2) {
-                *m = f32::NEG_INFINITY;
-            }
-        }
-    }
+    let mask = reference::check_mask(tq, tk);
     let raw = rng.normals(rows * tk, 16.0, p);
     let dp = rng.normals(rows * tk, 1.0, p);
     let want_fwd = reference::attn_softmax_fwd(&raw, &mask, tk, scale, p);

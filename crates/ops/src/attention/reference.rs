@@ -81,3 +81,19 @@ pub fn attn_softmax_bwd(probs: &[f32], dp: &[f32], t: usize, scale: f32, p: Prec
     }
     out
 }
+
+/// The mask the softmax kernels are checked on (`check.rs`, `tests/kernels_emulated.rs`):
+/// `(tq, tk)`, causal for the last `tq` of `tk` positions, with row `tq / 2` fully masked when
+/// `tq ≥ 3` (its probabilities are NaN on both sides).
+pub fn check_mask(tq: usize, tk: usize) -> Vec<f32> {
+    let mut mask = vec![0f32; tq * tk];
+    for i in 0..tq {
+        let pos = (tk + i).saturating_sub(tq);
+        for (j, m) in mask[i * tk..(i + 1) * tk].iter_mut().enumerate() {
+            if j > pos || (tq >= 3 && i == tq / 2) {
+                *m = f32::NEG_INFINITY;
+            }
+        }
+    }
+    mask
+}

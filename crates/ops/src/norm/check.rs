@@ -19,15 +19,7 @@ pub fn check_rms_norm<T: FusedFloat>(
     seed: u64,
 ) -> Result<Vec<CheckResult>> {
     let (p, eps, mut rng) = (T::PRECISION, 1e-5f32, Rng::new(seed));
-    let mut x = Vec::with_capacity(rows * dim);
-    for _ in 0..rows {
-        let scale = 10f32.powf(3.0 * rng.uniform() - 1.5);
-        x.extend(rng.normals(dim, scale, p));
-    }
-    let w: Vec<f32> = (0..dim)
-        .map(|_| p.round(1.0 + 0.2 * rng.normal()))
-        .collect();
-    let dy = rng.normals(rows * dim, 1.0, p);
+    let (x, w, dy) = reference::check_inputs(&mut rng, rows, dim, p);
     let (dx_, dw, ddy) = (
         up::<T>(s, &x, offset)?,
         up::<T>(s, &w, offset)?,

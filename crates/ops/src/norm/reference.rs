@@ -89,3 +89,24 @@ pub fn rms_norm_bwd(
     }
     dx
 }
+
+/// The inputs the RMSNorm kernels are checked on (`check.rs`, `tests/kernels_emulated.rs`):
+/// `(x, w, dy)` for `(rows, dim)`, each row of x at its own scale (10^−1.5 to 10^1.5), w near 1,
+/// dy ~ N(0, 1), rounded to `p`.
+pub fn check_inputs(
+    rng: &mut rtune_backend::check::Rng,
+    rows: usize,
+    dim: usize,
+    p: Precision,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut x = Vec::with_capacity(rows * dim);
+    for _ in 0..rows {
+        let scale = 10f32.powf(3.0 * rng.uniform() - 1.5);
+        x.extend(rng.normals(dim, scale, p));
+    }
+    let w: Vec<f32> = (0..dim)
+        .map(|_| p.round(1.0 + 0.2 * rng.normal()))
+        .collect();
+    let dy = rng.normals(rows * dim, 1.0, p);
+    (x, w, dy)
+}

@@ -18,19 +18,7 @@ pub fn check_rope<T: FusedFloat>(
     seed: u64,
 ) -> Result<Vec<CheckResult>> {
     let (p, mut rng) = (T::PRECISION, Rng::new(seed));
-    let half = dh / 2;
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for _ in 0..b {
-        let start = rng.below(8192);
-        for ti in 0..t {
-            for d in 0..dh {
-                let f = 1.0 / 500000f32.powf((2 * (d % half)) as f32 / dh as f32);
-                let a = (start + ti as u32) as f32 * f;
-                cos.push(p.round(a.cos()));
-                sin.push(p.round(a.sin()));
-            }
-        }
-    }
+    let (cos, sin) = reference::check_tables(&mut rng, (b, t, dh), p);
     let n = b * h * t * dh;
     let (x, dy) = (rng.normals(n, 1.0, p), rng.normals(n, 1.0, p));
     let (xd, dyd) = (up::<T>(s, &x, offset)?, up::<T>(s, &dy, offset)?);

@@ -97,3 +97,27 @@ pub fn rope_bwd(
 ) -> Vec<f32> {
     rope(dy, cos, sin, shape, p, true)
 }
+
+/// The cos/sin tables the kernels are checked on (`check.rs`, `tests/kernels_emulated.rs`):
+/// `(b, 1, t, dh)`, Llama 3's base 500000 at a random start position per batch row, rounded to
+/// `p` as the model's tables are.
+pub fn check_tables(
+    rng: &mut rtune_backend::check::Rng,
+    (b, t, dh): (usize, usize, usize),
+    p: Precision,
+) -> (Vec<f32>, Vec<f32>) {
+    let half = dh / 2;
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for _ in 0..b {
+        let start = rng.below(8192);
+        for ti in 0..t {
+            for d in 0..dh {
+                let f = 1.0 / 500000f32.powf((2 * (d % half)) as f32 / dh as f32);
+                let a = (start + ti as u32) as f32 * f;
+                cos.push(p.round(a.cos()));
+                sin.push(p.round(a.sin()));
+            }
+        }
+    }
+    (cos, sin)
+}
