@@ -735,7 +735,7 @@ fn adamw_kernels_equal_the_reference_bit_for_bit_emulated() {
         // and `outs`' (sizes[k] elements each), alive until the launches return; offsets are
         // prefix sums (≤ total), partials hold n_chunks.
         launch(3, 256, || unsafe {
-            partial(c(ta), c(ca), nc, unscale as f32, m(pa))
+            partial(c(ta), c(ca), nc, unscale, m(pa))
         });
         // SAFETY: as above; norm_coef holds 2.
         launch(1, 256, || unsafe { finalize(c(pa), nc, max_norm, m(nca)) });
