@@ -43,6 +43,7 @@ pub mod ce;
 pub mod geglu;
 pub mod glu;
 pub mod lora;
+pub mod moe;
 pub mod nf4;
 pub mod norm;
 pub mod rope;
@@ -69,6 +70,7 @@ pub use ce::{
 };
 pub use geglu::{geglu, geglu_backward};
 pub use lora::lora_up;
+pub use moe::{moe_backward, moe_forward, ExpertLora, Experts, MoeCache, MoeGrads};
 pub use norm::{
     rms_norm, rms_norm_backward, rms_norm_plus_one, rms_norm_plus_one_backward, NormCache,
 };
