@@ -252,6 +252,7 @@ pub fn module_shapes(cfg: &ModelConfig, spec: &LoraSpec) -> Vec<ModuleShape> {
                 name: format!("model.layers.{l}.{}", m.path),
                 in_features: m.in_features,
                 out_features: m.out_features,
+                experts: 1,
             });
         }
     }
