@@ -87,9 +87,9 @@ pub struct PeftAdapterConfig {
     /// `{"embed_tokens": [ids]}`; `null` when no token rows train.
     #[serde(default)]
     pub trainable_token_indices: Option<serde_json::Value>,
-    /// PEFT's `target_parameters`: the expert stacks adapted (empty: none).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub target_parameters: Vec<String>,
+    /// PEFT's `target_parameters`: the expert stacks adapted (`null` or absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_parameters: Option<Vec<String>>,
 }
 
 impl PeftAdapterConfig {
@@ -418,7 +418,8 @@ impl Adapter {
             rank_pattern: HashMap::new(),
             alpha_pattern: HashMap::new(),
             trainable_token_indices: self.tokens.as_ref().map(|t| serde_json::json!(t.ids)),
-            target_parameters: self.spec.target_parameters.clone(),
+            target_parameters: (!self.spec.target_parameters.is_empty())
+                .then(|| self.spec.target_parameters.clone()),
         };
         let text = serde_json::to_string_pretty(&cfg).expect("config serialises");
         write_atomic(&dir.join(CONFIG), text.as_bytes(), privacy)?;
