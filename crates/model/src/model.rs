@@ -452,15 +452,8 @@ impl Model {
                     }
                 }
             }
-            if let Some(moe) = &mut layer.moe {
-                for (what, t) in [
-                    ("router", &mut moe.router),
-                    ("experts.gate_up_proj", &mut moe.gate_up),
-                    ("experts.down_proj", &mut moe.down),
-                ] {
-                    *t = bf16(&format!("{}.{what}", moe.prefix), t)?;
-                }
-            }
+            // A sparse layer's router and experts stay f32 and compute in f32 (not yet autocast:
+            // the grouped op takes one dtype for its operands).
             let index = layer.index;
             layer.fuse().map_err(|e| {
                 ModelError::candle(format!("layer {index}: fusing q/k/v and gate/up"), e)

@@ -148,8 +148,8 @@ fn moe_backward_matches_autograd_f64() {
     let grads = (y * dy).unwrap().sum_all().unwrap().backward().unwrap();
     let want = |v: &Var| grads.get(v).unwrap().clone();
 
-    // f32 against f64: products of depth ≤ H + I + R accumulated in f32 (seen: ≤ 4e-7); 2e-6 of the largest
-    // gradient leaves room for that and fails on any wrong index, layout or scale.
+    // f32 against f64: products of depth ≤ H + I + R accumulated in f32 (seen: ≤ 4e-7); 2e-6
+    // of the largest gradient leaves room for that and fails on any wrong index, layout or scale.
     let tol = 2e-6;
     let check = |what: &str, got: &Tensor, want: &Tensor| {
         let e = rel64(got, want);
