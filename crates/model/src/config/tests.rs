@@ -419,7 +419,10 @@ fn qwen3_moe_maps_experts_and_sparse_layers() {
     let c = qwen3_moe("").unwrap();
     let m = c.moe.as_ref().unwrap();
     assert_eq!((m.experts, m.top_k, m.intermediate), (128, 8, 768));
-    assert_eq!(m.routing, rtune_ops::route::Routing::SoftmaxTopK { normalize: false });
+    assert_eq!(
+        m.routing,
+        rtune_ops::route::Routing::SoftmaxTopK { normalize: false }
+    );
     assert_eq!(m.sparse_layers, [true; 4]);
     assert_eq!(m.aux_coef, None);
     assert!(c.variant.qk_norm && c.head_dim == 128);
@@ -431,12 +434,19 @@ fn qwen3_moe_maps_experts_and_sparse_layers() {
     .unwrap();
     let m = c.moe.as_ref().unwrap();
     assert_eq!((m.experts, m.top_k, m.intermediate), (8, 2, 32));
-    assert_eq!(m.routing, rtune_ops::route::Routing::SoftmaxTopK { normalize: true });
+    assert_eq!(
+        m.routing,
+        rtune_ops::route::Routing::SoftmaxTopK { normalize: true }
+    );
     // (l + 1) % 2 == 0 and l not in mlp_only_layers: layer 1 only.
     assert_eq!(m.sparse_layers, [false, true, false, false]);
     assert_eq!(m.aux_coef, Some(0.01));
     let e = qwen3_moe(r#","num_experts":4,"num_experts_per_tok":5"#).unwrap_err();
-    assert!(e.to_string().contains("num_experts_per_tok = 5 of num_experts = 4"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("num_experts_per_tok = 5 of num_experts = 4"),
+        "{e}"
+    );
     let e = qwen3_moe(r#","decoder_sparse_step":0"#).unwrap_err();
     assert!(e.to_string().contains("decoder_sparse_step = 0"), "{e}");
 }
