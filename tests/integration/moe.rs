@@ -174,4 +174,19 @@ dir = "{out}"
         serde_json::from_slice(&std::fs::read(out.join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!(cfg["target_parameters"], g.meta["target_parameters"]);
     assert_eq!(cfg["target_modules"], g.meta["target_modules"]);
+    // Export does not handle expert stacks yet: refused as an input error, nothing written.
+    let merged = t.join("merged");
+    let o = rtune(&[
+        "export",
+        "--run",
+        out.to_str().unwrap(),
+        "--format",
+        "merged",
+        "--out",
+        merged.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("target_parameters"), "{err}");
+    assert!(!merged.exists());
 }
