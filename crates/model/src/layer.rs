@@ -13,6 +13,9 @@
 //! `out = h + n4(mlp(h))`), and q/k norms over the whole projection width (`qk_norm` weights of
 //! `(H·Dh)` and `(Hkv·Dh)`: one group a row in `Layer::norm_qk`).
 //!
+//! A sparse layer (Qwen3-MoE) has [`Layer::moe`] in place of `mlp_in` and `down`: the MLP is
+//! the router and the experts ([`crate::moe`]); everything else is the same layer.
+//!
 //! Phi-3's checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, and PEFT
 //! adapts each as one module: the layer then has one member in `attn_in` (`mlp_in`) whose output
 //! `(N, q + 2·kv)` (`(N, 2·I)`) is split by columns into q, k, v (gate, up), and whose gradient is

@@ -11,9 +11,11 @@
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
 //!   CUDA). [`add`]: sums that round once. [`lora`]: the LoRA up-projection added into the frozen
-//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`route`]: mixture-of-experts
-//!   routing (the three families' routers) and the load-balancing loss, with their backward. [`nf4`]: NF4/FP4 dequantization on
-//!   CUDA (the CPU's is `rtune-quant`).
+//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`route`]:
+//!   mixture-of-experts routing (the three families' routers) and the load-balancing loss, with
+//!   their backward. [`moe`]: the experts of a sparse layer, tokens grouped per expert (one GEMM
+//!   each), with PEFT's `target_parameters` LoRA on the expert stacks and the hand-written
+//!   backward. [`nf4`]: NF4/FP4 dequantization on CUDA (the CPU's is `rtune-quant`).
 //! - The engines under them (BLAS, oneDNN, the CPU dispatch, kernel images, the launch preamble,
 //!   float casts, dropout masks) are `rtune-backend`.
 //!
