@@ -190,3 +190,39 @@ dir = "{out}"
     assert!(err.contains("target_parameters"), "{err}");
     assert!(!merged.exists());
 }
+
+/// `target_parameters` on a model without experts (Qwen3, dense): exit 2 before anything is
+/// written, naming the key.
+#[test]
+fn target_parameters_on_a_dense_model_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let g = Golden::load(&fixture("parity/golden_tiny_qwen3.safetensors"));
+    g.write_batch(&t.join("batch.jsonl"));
+    let cfg = format!(
+        r#"[model]
+path = "{model}"
+[lora]
+targets = ["q_proj"]
+target_parameters = ["mlp.experts.gate_up_proj"]
+[data]
+train = "{data}"
+[train]
+steps = 1
+[output]
+dir = "{out}"
+"#,
+        model = fixture("fixtures/tiny-qwen3").display(),
+        data = t.join("batch.jsonl").display(),
+        out = t.join("out").display(),
+    );
+    std::fs::write(t.join("run.toml"), cfg).unwrap();
+    let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("Qwen3ForCausalLM has no experts") && err.contains("target_parameters"),
+        "{err}"
+    );
+    assert!(!t.join("out").exists());
+}

@@ -345,6 +345,24 @@ mod tests {
         assert!(LoraSpec::new(4, 8.0, 0.0, false, &["qproj".into()]).is_err());
     }
 
+    /// `target_parameters`: PEFT's two expert-stack names, in the order given (it names the
+    /// saved keys); anything else, or a name twice, refused naming it.
+    #[test]
+    fn target_parameters_keep_order_and_refuse_unknown_names() {
+        let s = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
+        let p = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let down_first = p(&["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]);
+        let t = s.clone().with_target_parameters(&down_first).unwrap();
+        assert_eq!(t.target_parameters, down_first);
+        for bad in [
+            p(&["experts.gate_up_proj"]),
+            p(&["mlp.experts.down_proj", "mlp.experts.down_proj"]),
+        ] {
+            let e = s.clone().with_target_parameters(&bad).unwrap_err();
+            assert!(e.to_string().contains("[lora] target_parameters"), "{e}");
+        }
+    }
+
     #[test]
     fn init_matches_peft_bounds() {
         let spec = LoraSpec::new(8, 16.0, 0.0, false, &["all-linear".into()]).unwrap();
