@@ -162,6 +162,7 @@ pub fn write_init_adapter(g: &Golden, dir: &Path) {
         "r": g.meta["r"],
         "lora_alpha": g.meta["lora_alpha"],
         "target_modules": g.meta["target_modules"],
+        "target_parameters": g.meta["target_parameters"],
         "lora_dropout": 0.0,
         "bias": "none",
         "use_rslora": false,

@@ -63,6 +63,7 @@ mod layering;
 mod limits;
 mod links;
 mod mlflow;
+mod moe;
 mod packing;
 mod parity;
 mod preference;

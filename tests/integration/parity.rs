@@ -53,6 +53,12 @@ pub(crate) fn case_with(
     )
     .unwrap()
     .with_dora(dora);
+    // The MoE goldens (make_moe_goldens.py) also adapt the expert stacks.
+    let params: Vec<String> = m["target_parameters"]
+        .as_array()
+        .map(|v| v.iter().map(|p| p.as_str().unwrap().to_string()).collect())
+        .unwrap_or_default();
+    let spec = spec.with_target_parameters(&params).unwrap();
     assert!((spec.scaling() - m["scaling"].as_f64().unwrap()).abs() < 1e-12);
     let mut model = Model::load_with(model_dir, dtype, &Device::Cpu, quantize).unwrap();
     let modules = model.lora_modules(&spec);
@@ -193,6 +199,13 @@ pub(crate) fn check_forward_and_grads(c: &Case) {
 }
 
 pub(crate) fn check_adamw(c: &Case) {
+    check_adamw_allowing(c, 4);
+}
+
+/// [`check_adamw`] allowing `max_near_zero` first-gradient entries below f32 noise (taken from
+/// PEFT's side): the MoE goldens have more, as an expert that one or two tokens chose has
+/// gradients tens of times below its stack's largest.
+pub(crate) fn check_adamw_allowing(c: &Case, max_near_zero: usize) {
     use rtune_train::optim::AdamW;
     let g = &c.golden;
     let want_losses: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
@@ -239,7 +252,7 @@ pub(crate) fn check_adamw(c: &Case) {
                     let g0 = flat(g.get(&format!("grad.base_model.model.{name}.{which}.weight")));
                     let gmax = g0.iter().fold(0f32, |m, v| m.max(v.abs()));
                     for (ours, &theirs) in gv[2 * i + j].iter_mut().zip(&g0) {
-                        if theirs.abs() < 1e-5 * gmax {
+                        if theirs != 0.0 && theirs.abs() < 1e-5 * gmax {
                             *ours = theirs;
                             near_zero += 1;
                         }
@@ -267,7 +280,9 @@ pub(crate) fn check_adamw(c: &Case) {
                 // A gradient entry ~1e-6 of the tensor's largest is below f32 summation noise (both
                 // sides get ±1e-9-ish), and AdamW's first step moves it by lr·g/(|g|+eps) whatever
                 // its size: its sign is noise. Such entries must only stay within AdamW's reach.
-                if (g0[i].abs() as f64) < 1e-6 * gmax {
+                // An exactly zero first gradient (an expert no token chose: no sign noise, both
+                // sides step by 0) is checked as any other entry.
+                if g0[i] != 0.0 && (g0[i].abs() as f64) < 1e-6 * gmax {
                     degenerate += 1;
                     assert!(
                         err <= 2.0 * steps * lr,
@@ -290,7 +305,10 @@ pub(crate) fn check_adamw(c: &Case) {
     );
     // The goldens have at most a handful of such entries; many would mean the test checks nothing.
     assert!(degenerate <= 2, "{degenerate} degenerate gradient entries");
-    assert!(near_zero <= 4, "{near_zero} near-zero first gradients");
+    assert!(
+        near_zero <= max_near_zero,
+        "{near_zero} near-zero first gradients"
+    );
 }
 
 #[test]

@@ -110,6 +110,11 @@ pub struct LoraSection {
     /// PEFT's `trainable_token_indices`: tokens whose embedding rows train (and lm_head's, tied).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trainable_tokens: Option<Vec<TokenName>>,
+    /// PEFT's `target_parameters`: a mixture-of-experts model's expert stacks
+    /// (`"mlp.experts.gate_up_proj"`, `"mlp.experts.down_proj"`), one LoRA each with rank r per
+    /// expert. Written to the settings only when set.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub target_parameters: Vec<String>,
 }
 
 /// One entry of `[lora] trainable_tokens`: a token as text (`"<|im_end|>"`, resolved through the

@@ -25,6 +25,8 @@ pub struct LoraConfig {
     /// `[lora] trainable_tokens`: tokens whose embedding rows train (PEFT's
     /// `trainable_token_indices`; resolved through the tokenizer when the model is loaded).
     pub trainable_tokens: Vec<TokenName>,
+    /// `[lora] target_parameters` (PEFT's), in the order written: PEFT nests its wrappers in it.
+    pub target_parameters: Vec<String>,
 }
 
 impl LoraConfig {
@@ -36,7 +38,9 @@ impl LoraConfig {
         let spec =
             rtune_lora::LoraSpec::new(self.r, self.alpha, self.dropout, self.rslora, &self.targets)
                 .map_err(Box::new)?;
-        Ok(spec.with_dora(self.dora))
+        spec.with_dora(self.dora)
+            .with_target_parameters(&self.target_parameters)
+            .map_err(Box::new)
     }
 }
 
@@ -125,6 +129,25 @@ impl LoraSection {
                 ),
             ));
         }
+        if !self.target_parameters.is_empty() && self.dropout != 0.0 {
+            // PEFT's ParamWrapper refuses it: dropout cannot be factored out of W + ΔW.
+            return Err(bad(
+                "lora.dropout",
+                format!(
+                    "= {} with target_parameters: PEFT adapts expert stacks without dropout; \
+                     set dropout = 0",
+                    self.dropout
+                ),
+            ));
+        }
+        if !self.target_parameters.is_empty() && (self.dora || init != rtune_lora::Init::Default) {
+            return Err(bad(
+                "lora.target_parameters",
+                "works with plain LoRA and the default init only (PEFT's ParamWrapper refuses \
+                 DoRA; PiSSA/OLoRA/gaussian starts are not written for expert stacks)"
+                    .into(),
+            ));
+        }
         let init_from = if self.init_from.trim().is_empty() {
             None
         } else {
@@ -137,6 +160,7 @@ impl LoraSection {
             targets,
             rslora: self.rslora,
             dora: self.dora,
+            target_parameters: self.target_parameters.clone(),
             init_from,
             init,
             trainable_tokens: tokens,

@@ -269,6 +269,7 @@ pub fn model_config(o: &BenchOptions) -> ModelConfig {
         eos_token_ids: vec![2],
         pad_token_id: None,
         variant: Default::default(),
+        moe: None,
     }
 }
 

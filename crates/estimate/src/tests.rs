@@ -41,6 +41,7 @@ fn bench_small() -> ModelConfig {
         eos_token_ids: vec![2],
         pad_token_id: None,
         variant: Default::default(),
+        moe: None,
     }
 }
 

@@ -208,6 +208,17 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
 /// The LoRA spec an adapter directory was saved with (r, alpha, rsLoRA, targets).
 pub fn adapter_spec(adapter_dir: &Path) -> Result<LoraSpec> {
     let cfg = rtune_lora::read_adapter_config(adapter_dir)?;
+    if let Some(p) = cfg.target_parameters.as_ref().and_then(|v| v.first()) {
+        // Issue 45: merging or converting expert-stack LoRA is not written yet.
+        return Err(ExportError::input(
+            &adapter_dir.join(rtune_lora::ADAPTER_CONFIG),
+            format!(
+                "adapts `{p}` (target_parameters, a mixture-of-experts model's experts): rtune \
+                 export does not handle expert stacks yet; the run's adapter directory is PEFT's \
+                 format already (PeftModel.from_pretrained loads it)"
+            ),
+        ));
+    }
     let cfg_path = adapter_dir.join(rtune_lora::ADAPTER_CONFIG);
     let targets: Vec<String> = match &cfg.target_modules {
         serde_json::Value::String(s) => vec![s.clone()],
@@ -252,6 +263,7 @@ pub fn module_shapes(cfg: &ModelConfig, spec: &LoraSpec) -> Vec<ModuleShape> {
                 name: format!("model.layers.{l}.{}", m.path),
                 in_features: m.in_features,
                 out_features: m.out_features,
+                experts: 1,
             });
         }
     }

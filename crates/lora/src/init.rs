@@ -289,11 +289,12 @@ pub(crate) fn fresh(
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut pairs = Vec::with_capacity(modules.len());
     for m in modules {
-        let a: Vec<f32> = (0..spec.r * m.in_features)
-            .map(|_| draw(&mut rng, m))
-            .collect();
-        let a = Tensor::from_vec(a, (spec.r, m.in_features), device).map_err(cerr("init A"))?;
-        let b = Tensor::zeros((m.out_features, spec.r), candle_core::DType::F32, device)
+        // An expert stack's pair has rank r per expert (PEFT's ParamWrapper: `A: (E·r, in)`,
+        // `B: (out, r·E)`), drawn alike.
+        let r = spec.r * m.experts;
+        let a: Vec<f32> = (0..r * m.in_features).map(|_| draw(&mut rng, m)).collect();
+        let a = Tensor::from_vec(a, (r, m.in_features), device).map_err(cerr("init A"))?;
+        let b = Tensor::zeros((m.out_features, r), candle_core::DType::F32, device)
             .map_err(cerr("init B"))?;
         pairs.push(LoraPair { a, b, m: None });
     }

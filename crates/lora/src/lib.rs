@@ -79,6 +79,10 @@ pub const ALL_LINEAR: [&str; 7] = [
 /// adapts `qkv_proj` as one module (`A: (r, hidden)`, `B: (q + 2·kv, r)`), and so does rtune.
 pub const FUSED_LINEAR: [&str; 4] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"];
 
+/// The 3-D parameters `target_parameters` can name: a mixture-of-experts layer's fused expert
+/// stacks (Qwen3-MoE's, transformers 5's names under `model.layers.N.`).
+pub const KNOWN_PARAMETERS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
+
 /// Every family's module names, in model order: what `all-linear` expands to before a model
 /// narrows it to its own ([`LoraSpec::check_for`]).
 pub const KNOWN_LINEAR: [&str; 9] = [
@@ -107,6 +111,10 @@ pub struct LoraSpec {
     pub all_linear: bool,
     /// DoRA (PEFT's `use_dora`): every pair carries a magnitude vector `m`.
     pub dora: bool,
+    /// PEFT's `target_parameters`: the 3-D expert stacks adapted, one pair each with rank `r`
+    /// per expert ([`KNOWN_PARAMETERS`]), in the order given (PEFT nests its wrappers in it,
+    /// which names the saved keys).
+    pub target_parameters: Vec<String>,
 }
 
 impl LoraSpec {
@@ -151,7 +159,26 @@ impl LoraSpec {
             targets,
             all_linear,
             dora: false,
+            target_parameters: Vec::new(),
         })
+    }
+
+    /// The same spec adapting the expert stacks `params` (PEFT's `target_parameters`), each one
+    /// of [`KNOWN_PARAMETERS`], order kept, no duplicates.
+    pub fn with_target_parameters(mut self, params: &[String]) -> Result<Self> {
+        for (i, p) in params.iter().enumerate() {
+            if !KNOWN_PARAMETERS.contains(&p.as_str()) || params[..i].contains(p) {
+                return Err(LoraError::File {
+                    path: PathBuf::from("[lora] target_parameters"),
+                    message: format!(
+                        "`{p}` is not one of {KNOWN_PARAMETERS:?} or is listed twice (the \
+                         experts' fused stacks of a mixture-of-experts model)"
+                    ),
+                });
+            }
+        }
+        self.target_parameters = params.to_vec();
+        Ok(self)
     }
 
     /// Checks the targets against the linear modules of a model of architecture `arch` (its
@@ -210,6 +237,10 @@ pub struct ModuleShape {
     pub name: String,
     pub in_features: usize,
     pub out_features: usize,
+    /// 1 for a linear module; `E` for an expert stack adapted through `target_parameters`
+    /// (PEFT's `ParamWrapper`: `A: (E·r, in)`, `B: (out, r·E)`, its name PEFT's module path,
+    /// e.g. `model.layers.0.mlp.experts.base_layer`).
+    pub experts: usize,
 }
 
 /// PEFT's trainable tokens: `rows[k]` replaces row `ids[k]` of the input embedding (and of the
@@ -314,6 +345,24 @@ mod tests {
         assert!(LoraSpec::new(4, 8.0, 0.0, false, &["qproj".into()]).is_err());
     }
 
+    /// `target_parameters`: PEFT's two expert-stack names, in the order given (it names the
+    /// saved keys); anything else, or a name twice, refused naming it.
+    #[test]
+    fn target_parameters_keep_order_and_refuse_unknown_names() {
+        let s = LoraSpec::new(4, 8.0, 0.0, false, &["q_proj".into()]).unwrap();
+        let p = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let down_first = p(&["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]);
+        let t = s.clone().with_target_parameters(&down_first).unwrap();
+        assert_eq!(t.target_parameters, down_first);
+        for bad in [
+            p(&["experts.gate_up_proj"]),
+            p(&["mlp.experts.down_proj", "mlp.experts.down_proj"]),
+        ] {
+            let e = s.clone().with_target_parameters(&bad).unwrap_err();
+            assert!(e.to_string().contains("[lora] target_parameters"), "{e}");
+        }
+    }
+
     #[test]
     fn init_matches_peft_bounds() {
         let spec = LoraSpec::new(8, 16.0, 0.0, false, &["all-linear".into()]).unwrap();
@@ -321,6 +370,7 @@ mod tests {
             name: "x".into(),
             in_features: 100,
             out_features: 30,
+            experts: 1,
         };
         let ad = Adapter::init(spec, &[m], 1, &Device::Cpu).unwrap();
         let a: Vec<f32> = ad.pairs[0].a.flatten_all().unwrap().to_vec1().unwrap();

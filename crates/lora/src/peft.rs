@@ -87,6 +87,9 @@ pub struct PeftAdapterConfig {
     /// `{"embed_tokens": [ids]}`; `null` when no token rows train.
     #[serde(default)]
     pub trainable_token_indices: Option<serde_json::Value>,
+    /// PEFT's `target_parameters`: the expert stacks adapted (`null` or absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_parameters: Option<Vec<String>>,
 }
 
 impl PeftAdapterConfig {
@@ -274,14 +277,12 @@ impl Adapter {
                 }
                 t.to_dtype(DType::F32).map_err(cerr("adapter to f32"))
             };
-            let a = take(
-                lora_a_key(&m.name),
-                [spec.r, m.in_features],
-                "[r, in_features]",
-            )?;
+            // An expert stack's pair: rank r per expert ([`ModuleShape::experts`]).
+            let r = spec.r * m.experts;
+            let a = take(lora_a_key(&m.name), [r, m.in_features], "[r, in_features]")?;
             let b = take(
                 lora_b_key(&m.name),
-                [m.out_features, spec.r],
+                [m.out_features, r],
                 "[out_features, r]",
             )?;
             let mag = if spec.dora {
@@ -417,6 +418,8 @@ impl Adapter {
             rank_pattern: HashMap::new(),
             alpha_pattern: HashMap::new(),
             trainable_token_indices: self.tokens.as_ref().map(|t| serde_json::json!(t.ids)),
+            target_parameters: (!self.spec.target_parameters.is_empty())
+                .then(|| self.spec.target_parameters.clone()),
         };
         let text = serde_json::to_string_pretty(&cfg).expect("config serialises");
         write_atomic(&dir.join(CONFIG), text.as_bytes(), privacy)?;
@@ -463,6 +466,7 @@ mod tests {
             name: mods[0].name.clone(),
             in_features: 7,
             out_features: 5,
+            experts: 1,
         }];
         let e = Adapter::load_peft(&dir, &spec, &other, &Device::Cpu)
             .unwrap_err()

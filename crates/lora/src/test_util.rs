@@ -11,6 +11,7 @@ pub(crate) fn one_q_proj() -> (LoraSpec, Vec<ModuleShape>) {
         name: "model.layers.0.self_attn.q_proj".into(),
         in_features: 6,
         out_features: 5,
+        experts: 1,
     }];
     (spec, mods)
 }

@@ -3,6 +3,7 @@
 //! layout (`rope_parameters`) are read; the RoPE keys in `rope`.
 
 pub mod family;
+pub mod moe;
 mod rope;
 mod values;
 
@@ -98,6 +99,24 @@ pub struct HfConfig {
     pub embd_pdrop: Option<f64>,
     #[serde(default)]
     pub attention_dropout: Option<f64>,
+    /// Mixture-of-experts keys (Qwen3-MoE's names; [`moe`]).
+    /// transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts` (Mixtral's name).
+    #[serde(default, alias = "num_local_experts")]
+    pub num_experts: Option<usize>,
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    pub mlp_only_layers: Option<Vec<usize>>,
+    #[serde(default)]
+    pub router_aux_loss_coef: Option<f64>,
+    #[serde(default)]
+    pub output_router_logits: Option<bool>,
 }
 
 fn d_eps() -> f64 {
@@ -181,6 +200,8 @@ pub struct ModelConfig {
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
     pub variant: Variant,
+    /// The mixture-of-experts MLP of the sparse layers, `None` for a dense model.
+    pub moe: Option<moe::MoeConfig>,
 }
 
 impl ModelConfig {
@@ -461,6 +482,7 @@ impl HfConfig {
                 rotary_dim: rope.rotary_dim,
                 ..Variant::default()
             },
+            moe: None,
         };
         (arch.map)(&self, &mut cfg).map_err(bad)?;
         if cfg.sliding_window == Some(0) {

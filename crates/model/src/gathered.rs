@@ -102,7 +102,7 @@ impl Planned {
             plan(&l.attn_in)?,
             plan(&l.mlp_in)?,
             plan(std::slice::from_ref(&l.o))?,
-            plan(std::slice::from_ref(&l.down))?,
+            plan(l.down.as_slice())?,
         ];
         // The blocks are remade from the gathered buffers.
         (l.qkv, l.gate_up) = (None, None);
@@ -131,12 +131,7 @@ impl Planned {
         layer.qkv = finish_group(&mut layer.attn_in, qkv, &mut bufs, device)?;
         layer.gate_up = finish_group(&mut layer.mlp_in, gate_up, &mut bufs, device)?;
         finish_group(std::slice::from_mut(&mut layer.o), o, &mut bufs, device)?;
-        finish_group(
-            std::slice::from_mut(&mut layer.down),
-            down,
-            &mut bufs,
-            device,
-        )?;
+        finish_group(layer.down.as_mut_slice(), down, &mut bufs, device)?;
         Ok(layer)
     }
 }

@@ -13,6 +13,9 @@
 //! `out = h + n4(mlp(h))`), and q/k norms over the whole projection width (`qk_norm` weights of
 //! `(H·Dh)` and `(Hkv·Dh)`: one group a row in `Layer::norm_qk`).
 //!
+//! A sparse layer (Qwen3-MoE) has [`Layer::moe`] in place of `mlp_in` and `down`: the MLP is
+//! the router and the experts ([`crate::moe`]); everything else is the same layer.
+//!
 //! Phi-3's checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`, and PEFT
 //! adapts each as one module: the layer then has one member in `attn_in` (`mlp_in`) whose output
 //! `(N, q + 2·kv)` (`(N, 2·I)`) is split by columns into q, k, v (gate, up), and whose gradient is
@@ -36,9 +39,13 @@ pub struct Layer {
     /// `q_proj, k_proj, v_proj`, or Phi-3's one `qkv_proj` (rows q, k, v).
     pub attn_in: Vec<Linear>,
     pub o: Linear,
-    /// `gate_proj, up_proj`, or Phi-3's one `gate_up_proj` (rows gate, up).
+    /// `gate_proj, up_proj`, or Phi-3's one `gate_up_proj` (rows gate, up); empty on a sparse
+    /// layer.
     pub mlp_in: Vec<Linear>,
-    pub down: Linear,
+    /// `None` on a sparse layer, whose MLP is [`Layer::moe`].
+    pub down: Option<Linear>,
+    /// A sparse layer's router and experts in place of the dense MLP (Qwen3-MoE).
+    pub moe: Option<crate::moe::MoeMlp>,
     /// The widths of q, k, v (`H·Dh, Hkv·Dh, Hkv·Dh`) and of gate, up (`I, I`): how a fused
     /// member's output splits.
     pub attn_widths: [usize; 3],
@@ -87,15 +94,24 @@ pub struct LayerCache {
     co: LinearCache,
     n2: Option<NormCache>,
     h2: Tensor,
-    g: Tensor,
-    u: Tensor,
-    /// `mlp_in`'s caches, one a member.
-    c_mlp_in: Vec<LinearCache>,
-    /// `silu(g)·u`, the down projection's input: `None` after a full forward, where the backward
-    /// makes it again from `g` and `u` (one elementwise pass, and an `(N, I)` tensor less per
-    /// layer kept through the step); kept by a recompute, which has just made it.
-    m: Option<Tensor>,
-    cd: LinearCache,
+    mlp: MlpCache,
+}
+
+/// The MLP's part of a [`LayerCache`].
+enum MlpCache {
+    Dense {
+        g: Tensor,
+        u: Tensor,
+        /// `mlp_in`'s caches, one a member.
+        c_mlp_in: Vec<LinearCache>,
+        /// `silu(g)·u`, the down projection's input: `None` after a full forward, where the
+        /// backward makes it again from `g` and `u` (one elementwise pass, and an `(N, I)`
+        /// tensor less per layer kept through the step); kept by a recompute, which has just
+        /// made it.
+        m: Option<Tensor>,
+        cd: LinearCache,
+    },
+    Moe(crate::moe::MoeLayerCache),
 }
 
 impl LayerCache {
@@ -103,6 +119,14 @@ impl LayerCache {
     /// and log-sum-exp (`(N, H·Dh)` and `(B, T, H)` f32; `None` on the plain path).
     pub fn kept_attention(&self) -> Option<KeptAttn> {
         self.attn.kept()
+    }
+
+    /// A sparse layer's routing cache (router logits, and where the aux loss's gradient goes).
+    pub fn moe_mut(&mut self) -> Option<&mut crate::moe::MoeLayerCache> {
+        match &mut self.mlp {
+            MlpCache::Moe(c) => Some(c),
+            MlpCache::Dense { .. } => None,
+        }
     }
 }
 
@@ -163,7 +187,7 @@ impl Layer {
         let mut out: Vec<&Linear> = self.attn_in.iter().collect();
         out.push(&self.o);
         out.extend(&self.mlp_in);
-        out.push(&self.down);
+        out.extend(&self.down);
         out
     }
 
@@ -171,7 +195,7 @@ impl Layer {
         let mut out: Vec<&mut Linear> = self.attn_in.iter_mut().collect();
         out.push(&mut self.o);
         out.extend(&mut self.mlp_in);
-        out.push(&mut self.down);
+        out.extend(&mut self.down);
         out
     }
 
@@ -400,35 +424,19 @@ impl Layer {
         let (a, n_attn) = self.sandwich_norm(a, sandwich.map(|s| &s.0))?;
         let h = ops::add(x, &a)?;
         let (h2, n2) = self.sandwich_norm(h.clone(), self.post_norm.as_ref())?;
-        let (outs, c_mlp_in): (Vec<Tensor>, Vec<LinearCache>) = group::forward(
-            &self.mlp_members(),
-            self.gate_up.as_ref(),
-            &h2,
-            lora,
-            &self.salts(4, self.mlp_in.len()),
-        )?
-        .into_iter()
-        .unzip();
-        let [g, u]: [Tensor; 2] = group::split_outputs(outs, &self.mlp_widths)?
-            .try_into()
-            .expect("two parts");
-        let m = self.act(&g, &u)?;
-        let (out, cd, m, n_ff) = match (pass, sandwich) {
-            (Pass::Full | Pass::Cached(_), _) => {
-                let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
+        let (out, mlp, n_ff) = match (&self.moe, &self.down) {
+            (Some(moe), _) => {
+                let (d, c) = moe.forward(&h2, lora)?;
                 let (d, n_ff) = self.sandwich_norm(d, sandwich.map(|s| &s.1))?;
-                (Some(ops::add(&h, &d)?), cd, None, n_ff)
+                let out = match pass {
+                    Pass::Recompute(_) => None,
+                    _ => Some(ops::add(&h, &d)?),
+                };
+                (out, MlpCache::Moe(c), n_ff)
             }
-            // The post-feed-forward norm's backward needs the down projection's output: the
-            // frozen product is formed again.
-            (Pass::Recompute(_), Some((_, post_ff))) => {
-                let (d, cd) = self.down.forward(&m, lora, self.salt(6))?;
-                let (_, n_ff) = self.norm(&d, post_ff)?;
-                (None, cd, Some(m), Some(n_ff))
-            }
-            (Pass::Recompute(_), None) => {
-                let cd = self.down.forward_cache(&m, lora, self.salt(6))?;
-                (None, cd, Some(m), None)
+            (None, Some(down)) => self.dense_mlp(&h, &h2, down, lora, pass)?,
+            (None, None) => {
+                candle_core::bail!("layer {}: no MLP (neither dense nor experts)", self.index)
             }
         };
         Ok((
@@ -445,13 +453,61 @@ impl Layer {
                 co,
                 n2,
                 h2,
-                g,
-                u,
-                c_mlp_in,
-                m,
-                cd,
+                mlp,
             },
         ))
+    }
+
+    /// The dense MLP of `h2` (the normed `h`): the layer's output `h + mlp` (`None` on a
+    /// recompute), its cache and the post-feed-forward norm's.
+    fn dense_mlp(
+        &self,
+        h: &Tensor,
+        h2: &Tensor,
+        down: &Linear,
+        lora: Option<&LoraCtx>,
+        pass: Pass,
+    ) -> Result<(Option<Tensor>, MlpCache, Option<NormCache>)> {
+        let sandwich = self.sandwich.as_ref();
+        let (outs, c_mlp_in): (Vec<Tensor>, Vec<LinearCache>) = group::forward(
+            &self.mlp_members(),
+            self.gate_up.as_ref(),
+            h2,
+            lora,
+            &self.salts(4, self.mlp_in.len()),
+        )?
+        .into_iter()
+        .unzip();
+        let [g, u]: [Tensor; 2] = group::split_outputs(outs, &self.mlp_widths)?
+            .try_into()
+            .expect("two parts");
+        let m = self.act(&g, &u)?;
+        let (out, cd, m, n_ff) = match (pass, sandwich) {
+            (Pass::Full | Pass::Cached(_), _) => {
+                let (d, cd) = down.forward(&m, lora, self.salt(6))?;
+                let (d, n_ff) = self.sandwich_norm(d, sandwich.map(|s| &s.1))?;
+                (Some(ops::add(h, &d)?), cd, None, n_ff)
+            }
+            // The post-feed-forward norm's backward needs the down projection's output: the
+            // frozen product is formed again.
+            (Pass::Recompute(_), Some((_, post_ff))) => {
+                let (d, cd) = down.forward(&m, lora, self.salt(6))?;
+                let (_, n_ff) = self.norm(&d, post_ff)?;
+                (None, cd, Some(m), Some(n_ff))
+            }
+            (Pass::Recompute(_), None) => {
+                let cd = down.forward_cache(&m, lora, self.salt(6))?;
+                (None, cd, Some(m), None)
+            }
+        };
+        let mlp = MlpCache::Dense {
+            g,
+            u,
+            c_mlp_in,
+            m,
+            cd,
+        };
+        Ok((out, mlp, n_ff))
     }
 
     /// `d_out: (N, D)` → `dx: (N, D)` (when `need_dx`), LoRA grads accumulated into `grads`.
@@ -464,30 +520,45 @@ impl Layer {
         grads: &mut Grads,
         need_dx: bool,
     ) -> Result<Option<Tensor>> {
-        let m = match &c.m {
-            Some(m) => m.clone(),
-            None => self.act(&c.g, &c.u)?, // the same op on the same inputs: the same bits
-        };
         let sandwich = self.sandwich.as_ref();
         let dd = self.sandwich_backward(d_out, sandwich.map(|s| &s.1), c.n_ff.as_ref())?;
-        let dm = self
-            .down
-            .backward(&dd, &m, &c.cd, lora, grads, true)?
-            .expect("dx requested");
-        drop((m, dd));
-        let (dg, du) = self.act_backward(&dm, &c.g, &c.u)?;
-        let mlp = self.mlp_members();
-        let dh2 = group::backward(
-            &mlp,
-            self.gate_up.as_ref(),
-            &group::join_grads(vec![dg, du], &mlp)?,
-            &c.h2,
-            &c.c_mlp_in.iter().collect::<Vec<_>>(),
-            lora,
-            grads,
-            true,
-        )?
-        .expect("dx requested");
+        let dh2 = match (&c.mlp, &self.moe, &self.down) {
+            (MlpCache::Moe(mc), Some(moe), _) => moe.backward(&dd, mc, lora, grads)?,
+            (
+                MlpCache::Dense {
+                    g,
+                    u,
+                    c_mlp_in,
+                    m,
+                    cd,
+                },
+                None,
+                Some(down),
+            ) => {
+                let m = match m {
+                    Some(m) => m.clone(),
+                    None => self.act(g, u)?, // the same op on the same inputs: the same bits
+                };
+                let dm = down
+                    .backward(&dd, &m, cd, lora, grads, true)?
+                    .expect("dx requested");
+                drop((m, dd));
+                let (dg, du) = self.act_backward(&dm, g, u)?;
+                let mlp = self.mlp_members();
+                group::backward(
+                    &mlp,
+                    self.gate_up.as_ref(),
+                    &group::join_grads(vec![dg, du], &mlp)?,
+                    &c.h2,
+                    &c_mlp_in.iter().collect::<Vec<_>>(),
+                    lora,
+                    grads,
+                    true,
+                )?
+                .expect("dx requested")
+            }
+            _ => candle_core::bail!("layer {}: the cache is not this layer's MLP", self.index),
+        };
         let dh2 = self.sandwich_backward(&dh2, self.post_norm.as_ref(), c.n2.as_ref())?;
         let dh = ops::add(d_out, &dh2)?;
         let da = self.sandwich_backward(&dh, sandwich.map(|s| &s.0), c.n_attn.as_ref())?;

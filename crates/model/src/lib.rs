@@ -3,12 +3,14 @@
 //! - [`config`]: `config.json` → [`ModelConfig`]: what every family reads alike, then the
 //!   family's own part from its descriptor.
 //! - [`family`]: one descriptor a family (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3,
-//!   OLMo 2): config mapping, checkpoint norm names, RoPE rules, llama.cpp names, layer flags.
+//!   OLMo 2, Qwen3-MoE): config mapping, checkpoint norm names, RoPE rules, llama.cpp names, layer flags.
 //! - [`weights`]: memory-mapped safetensors, one file or sharded.
 //! - [`Model`]: the network. [`Model::forward`] is the inference path; [`Model::forward_backward`]
 //!   trains: a hand-written backward ([`linear`], [`layer`], and each op's in `rtune_ops`) that
 //!   forms gradients for LoRA weights only — never for a frozen weight — and can recompute each
 //!   decoder layer from its input.
+//! - [`moe`]: a sparse layer's router and experts (the grouped op is `rtune_ops::moe`), with
+//!   PEFT's `target_parameters` LoRA on the expert stacks and the load-balancing loss's plumbing.
 //! - [`rope`]: the rotary tables from the config (the rotation itself is `rtune_ops::rope`).
 //! - [`shard`]: the frozen base sharded across ranks (`[distributed] shard_base`), each layer
 //!   gathered just before it computes (`gathered`: a layer's gathers planned, filled, finished;
@@ -30,6 +32,7 @@ mod kept;
 pub mod layer;
 pub mod linear;
 mod model;
+pub mod moe;
 pub mod rope;
 pub mod shard;
 #[cfg(test)]

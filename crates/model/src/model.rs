@@ -51,6 +51,9 @@ pub struct Model {
     /// A sharded base (`crate::shard`): the transport and the embedding's and lm_head's shards;
     /// `embed` and `lm_head` are then empty and the layers' weights are shards.
     sharded: Option<crate::gathered::Sharded>,
+    /// The last training pass's load-balancing loss (before `router_aux_loss_coef`), for the
+    /// `aux_loss` metric; `None` without one.
+    last_aux: std::sync::Mutex<Option<f64>>,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -274,15 +277,32 @@ impl Model {
             let p = format!("model.layers.{l}");
             // The layer's modules in model order: the attention's inputs (q, k, v or qkv), o, the
             // MLP's inputs (gate, up or gate_up), down.
+            // A sparse layer has no dense MLP: its experts are loaded below.
+            let moe = match &cfg.moe {
+                Some(mc) if mc.sparse_layers[l] => Some(crate::moe::MoeMlp::load(
+                    w,
+                    format!("{p}.mlp"),
+                    mc.experts,
+                    mc.intermediate,
+                    d,
+                    mc.top_k,
+                    mc.routing,
+                )?),
+                _ => None,
+            };
             let mut mods = linears
                 .iter()
+                .filter(|m| moe.is_none() || !m.path.starts_with("mlp."))
                 .map(|m| {
                     let name = format!("{p}.{}", m.path);
                     linear(name, m.out_features, m.in_features, m.bias)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let down = mods.pop().expect("down_proj");
             let n_attn = if cfg.variant.fused_proj { 1 } else { 3 };
+            let down = match moe {
+                Some(_) => None,
+                None => Some(mods.pop().expect("down_proj")),
+            };
             let mlp_in = mods.split_off(n_attn + 1);
             let o = mods.pop().expect("o_proj");
             layers.push(Layer {
@@ -293,6 +313,7 @@ impl Model {
                 o,
                 mlp_in,
                 down,
+                moe,
                 attn_widths: [qd, kvd, kvd],
                 mlp_widths: [i, i],
                 // Per head over `(Dh)`, or over the whole projection (`(H·Dh)`, `(Hkv·Dh)`).
@@ -389,6 +410,7 @@ impl Model {
             #[cfg(feature = "cuda")]
             offloader: Default::default(),
             sharded,
+            last_aux: Default::default(),
         })
     }
 
@@ -430,6 +452,8 @@ impl Model {
                     }
                 }
             }
+            // A sparse layer's router and experts stay f32 and compute in f32 (not yet autocast:
+            // the grouped op takes one dtype for its operands).
             let index = layer.index;
             layer.fuse().map_err(|e| {
                 ModelError::candle(format!("layer {index}: fusing q/k/v and gate/up"), e)
@@ -457,11 +481,24 @@ impl Model {
         spec: &LoraSpec,
     ) -> std::result::Result<(), Box<rtune_lora::LoraError>> {
         let arch = self.cfg.arch;
+        if let Some(p) = spec.target_parameters.first() {
+            if self.cfg.moe.is_none() {
+                return Err(Box::new(rtune_lora::LoraError::File {
+                    path: "[lora] target_parameters".into(),
+                    message: format!(
+                        "names `{p}`, but {} has no experts (a mixture-of-experts model's \
+                         stacks only); remove the key",
+                        arch.hf_name
+                    ),
+                }));
+            }
+        }
         spec.check_for(arch.hf_name, arch.linear_modules)
             .map_err(Box::new)
     }
 
-    /// The modules a LoRA spec targets, in model order (layer 0's q, k, v, o, gate, up, down, ...).
+    /// The modules a LoRA spec targets, in model order (layer 0's q, k, v, o, gate, up, down or
+    /// its expert stacks (`target_parameters`), ...).
     pub fn lora_modules(&self, spec: &LoraSpec) -> Vec<ModuleShape> {
         let mut out = Vec::new();
         for layer in &self.layers {
@@ -472,8 +509,12 @@ impl Model {
                         name: lin.name.clone(),
                         in_features: lin.in_features(),
                         out_features: lin.out_features(),
+                        experts: 1,
                     });
                 }
+            }
+            if let Some(moe) = &layer.moe {
+                out.extend(Self::expert_modules(moe, spec).into_iter().map(|(m, _)| m));
             }
         }
         out
@@ -508,7 +549,48 @@ impl Model {
             for lin in layer.linears_mut() {
                 lin.lora = adapter.index_of(&lin.name);
             }
+            if let Some(moe) = &mut layer.moe {
+                (moe.lora_gate_up, moe.lora_down) = (None, None);
+                for (m, is_gate_up) in Self::expert_modules(moe, &adapter.spec) {
+                    let slot = adapter.index_of(&m.name);
+                    match is_gate_up {
+                        true => moe.lora_gate_up = slot,
+                        false => moe.lora_down = slot,
+                    }
+                }
+            }
         }
+    }
+
+    /// The expert stacks `spec.target_parameters` adapts on one sparse layer, as adapter
+    /// modules: named as PEFT names the wrapper (`<prefix>.experts` with one `.base_layer` per
+    /// parameter listed after it: PEFT nests its `ParamWrapper`s in the list's order, the first
+    /// innermost), `in`/`out` PEFT's (`H → 2I` for gate_up, `I → H` for down), `E` experts.
+    fn expert_modules(moe: &crate::moe::MoeMlp, spec: &LoraSpec) -> Vec<(ModuleShape, bool)> {
+        let params = &spec.target_parameters;
+        let [gu, dn] = moe.param_names();
+        let mut out = Vec::new();
+        for (short, (_, inp, o), is_gate_up) in [
+            ("mlp.experts.gate_up_proj", gu, true),
+            ("mlp.experts.down_proj", dn, false),
+        ] {
+            let Some(at) = params.iter().position(|p| p == short) else {
+                continue;
+            };
+            let name = format!(
+                "{}.experts{}",
+                moe.prefix,
+                ".base_layer".repeat(params.len() - 1 - at)
+            );
+            let m = ModuleShape {
+                name,
+                in_features: inp,
+                out_features: o,
+                experts: moe.experts(),
+            };
+            out.push((m, is_gate_up));
+        }
+        out
     }
 
     /// The attention's shape for `b` rows of `t` tokens: the family's score scale and soft cap.
@@ -856,9 +938,14 @@ impl Model {
             let keep = self.sharded.as_ref().map_or(self.layers.len(), |s| s.keep);
             let keep_from = self.layers.len().saturating_sub(keep);
             let mut kept_layers = Vec::with_capacity(self.layers.len() - keep_from);
+            // Each sparse layer's router logits (`T × E` f32), for the load-balancing loss.
+            let mut router_logits: Vec<Vec<f32>> = Vec::new();
             let mut feed = self.feed(0..self.layers.len(), Vec::new());
             while let Some((i, layer)) = feed.next()? {
-                let (out, cache) = layer.forward(&x, &ctx, Some(lora))?;
+                let (out, mut cache) = layer.forward(&x, &ctx, Some(lora))?;
+                if let Some(m) = cache.moe_mut() {
+                    router_logits.push(std::mem::take(&mut m.logits));
+                }
                 if i >= keep_from {
                     kept_layers.push((i, layer));
                 }
@@ -875,20 +962,41 @@ impl Model {
             }
             let (h, norm_cache) = self.final_norm(&x)?;
             drop(x);
-            let (loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
+            // The load-balancing loss under SFT only: this micro-batch's target tokens and its
+            // share of the step.
+            let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
+            let aux_weight = match &objective {
+                Objective::Tokens { grad_scale } => grad_scale * n_targets,
+                Objective::PerToken(_) => 0.0,
+            };
+            let (mut loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
+            let mut aux_grads = match self.aux_loss(&router_logits, aux_weight, n_targets) {
+                Some((aux, term, g)) => {
+                    *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = Some(aux);
+                    loss += term;
+                    g
+                }
+                None => Vec::new(),
+            };
             drop(h);
             let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
             // Each layer kept from the forward, or gathered once for the recompute and the
             // backward.
             let mut feed = self.feed((0..self.layers.len()).rev(), kept_layers);
             while let Some((i, layer)) = feed.next()? {
-                let cache = match caches.pop() {
+                let mut cache = match caches.pop() {
                     Some(c) => c,
                     None => {
                         let kept = kept_attn.pop().flatten();
                         layer.recompute(&inputs.pop()?, &ctx, Some(lora), kept)?
                     }
                 };
+                if let Some(m) = cache.moe_mut() {
+                    // The sparse layers' aux gradients were made in forward order.
+                    if let Some(g) = aux_grads.pop() {
+                        m.set_aux_grad(g);
+                    }
+                }
                 // Layer 0's input gradient is needed only for trainable token rows.
                 let need_dx = i > 0 || hits.is_some();
                 let d = layer.backward(&dx, &cache, &ctx, Some(lora), grads, need_dx)?;
@@ -909,6 +1017,40 @@ impl Model {
         run().map_err(|e| ModelError::candle("forward_backward", e))
     }
 
+    /// transformers' load-balancing loss over the sparse layers' router logits (`T × E` each,
+    /// forward order), when the config adds it (`output_router_logits`): the loss before its
+    /// coefficient, its term in [`Model::train_pass`]'s summed loss, and each layer's gradient
+    /// of `coef · aux · weight`. `weight` is this micro-batch's share of the step (its target
+    /// tokens times `grad_scale`: 1 for a step of one micro-batch, where the trainer's
+    /// `loss = CE + coef · aux` is transformers'). Every token counts (transformers' mask is the
+    /// attention mask; rtune's rows are padded after their targets).
+    pub(super) fn aux_loss(
+        &self,
+        logits: &[Vec<f32>],
+        weight: f64,
+        n_targets: f64,
+    ) -> Option<(f64, f64, Vec<Vec<f32>>)> {
+        let moe = self.cfg.moe.as_ref()?;
+        let coef = moe.aux_coef?;
+        if logits.is_empty() {
+            return None;
+        }
+        let layers: Vec<&[f32]> = logits.iter().map(Vec::as_slice).collect();
+        let (aux, mut grads) = ops::route::aux_loss(&layers, moe.experts, moe.top_k, None);
+        let scale = (coef * weight) as f32;
+        grads
+            .iter_mut()
+            .for_each(|g| g.iter_mut().for_each(|v| *v *= scale));
+        // The summed loss is a sum over the target tokens (the trainer divides by the step's).
+        Some((aux as f64, coef * aux as f64 * n_targets, grads))
+    }
+
+    /// The last training pass's load-balancing loss (before its coefficient), if the model adds
+    /// one.
+    pub fn last_aux_loss(&self) -> Option<f64> {
+        *self.last_aux.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// How many decoder layers the model has.
     pub fn num_layers(&self) -> usize {
         self.layers.len()
@@ -918,7 +1060,13 @@ impl Model {
     pub fn layer_slots(&self, i: usize) -> Vec<usize> {
         self.layers
             .get(i)
-            .map(|l| l.linears().iter().filter_map(|lin| lin.lora).collect())
+            .map(|l| {
+                let mut slots: Vec<usize> = l.linears().iter().filter_map(|lin| lin.lora).collect();
+                if let Some(m) = &l.moe {
+                    slots.extend(m.lora_gate_up.into_iter().chain(m.lora_down));
+                }
+                slots
+            })
             .unwrap_or_default()
     }
 

@@ -11,9 +11,11 @@
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
 //!   CUDA). [`add`]: sums that round once. [`lora`]: the LoRA up-projection added into the frozen
-//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`route`]: mixture-of-experts
-//!   routing (the three families' routers) and the load-balancing loss, with their backward. [`nf4`]: NF4/FP4 dequantization on
-//!   CUDA (the CPU's is `rtune-quant`).
+//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`route`]:
+//!   mixture-of-experts routing (the three families' routers) and the load-balancing loss, with
+//!   their backward. [`moe`]: the experts of a sparse layer, tokens grouped per expert (one GEMM
+//!   each), with PEFT's `target_parameters` LoRA on the expert stacks and the hand-written
+//!   backward. [`nf4`]: NF4/FP4 dequantization on CUDA (the CPU's is `rtune-quant`).
 //! - The engines under them (BLAS, oneDNN, the CPU dispatch, kernel images, the launch preamble,
 //!   float casts, dropout masks) are `rtune-backend`.
 //!
@@ -43,6 +45,7 @@ pub mod ce;
 pub mod geglu;
 pub mod glu;
 pub mod lora;
+pub mod moe;
 pub mod nf4;
 pub mod norm;
 pub mod rope;
@@ -69,6 +72,7 @@ pub use ce::{
 };
 pub use geglu::{geglu, geglu_backward};
 pub use lora::lora_up;
+pub use moe::{moe_backward, moe_forward, ExpertLora, Experts, MoeCache, MoeGrads};
 pub use norm::{
     rms_norm, rms_norm_backward, rms_norm_plus_one, rms_norm_plus_one_backward, NormCache,
 };

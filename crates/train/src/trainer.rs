@@ -304,6 +304,13 @@ impl<R: Recipe> Trainer<'_, R> {
         self.state
             .count_update(done, loss, loss_scale, max_bad, warn)?;
         let secs = t0.elapsed().as_secs_f64();
+        let mut recipe = self.recipe.metrics(&sums, totals);
+        // A mixture-of-experts model's load-balancing loss (before its coefficient; `loss`
+        // includes coefficient × it), logged apart as transformers returns it: the step's last
+        // micro-batch's.
+        if let Some(aux) = self.model.last_aux_loss() {
+            recipe.insert("aux_loss".into(), aux);
+        }
         let m = StepMetrics {
             step: step + 1,
             loss,
@@ -314,7 +321,7 @@ impl<R: Recipe> Trainer<'_, R> {
             tokens_per_s: tokens as f64 / secs.max(1e-9),
             skipped: !done.applied,
             loss_scale: self.state.scaler.is_some().then_some(loss_scale),
-            recipe: self.recipe.metrics(&sums, totals),
+            recipe,
             peak_memory_bytes: memory::peak_bytes(&self.dev),
             estimated_peak_bytes: self.estimated_peak_bytes,
             elapsed_s: self.wall_s(),

@@ -238,6 +238,7 @@ fn gaussian_has_std_one_over_r() {
         name: "q".into(),
         in_features: 1024,
         out_features: 8,
+        experts: 1,
     };
     let ad = gaussian(spec, &[m], 7, &Device::Cpu).unwrap();
     let a: Vec<f32> = ad.pairs[0].a.flatten_all().unwrap().to_vec1().unwrap();

@@ -399,3 +399,54 @@ fn olmo2_maps_post_norms_and_whole_width_qk_norms() {
         .to_string();
     assert!(e.contains("partial_rotary_factor"), "{e}");
 }
+
+fn qwen3_moe(extra: &str) -> Result<ModelConfig> {
+    let text = format!(
+        r#"{{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,
+        "num_hidden_layers":4,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
+    );
+    serde_json::from_str::<HfConfig>(&text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+}
+
+/// Qwen3-MoE: transformers' defaults (128 experts, top-8, no renormalisation, every layer
+/// sparse, no aux loss unless `output_router_logits`), transformers 5's `num_local_experts`
+/// spelling, `mlp_only_layers` and `decoder_sparse_step` as `Qwen3MoeDecoderLayer` reads them,
+/// and a top-k beyond the experts refused.
+#[test]
+fn qwen3_moe_maps_experts_and_sparse_layers() {
+    let c = qwen3_moe("").unwrap();
+    let m = c.moe.as_ref().unwrap();
+    assert_eq!((m.experts, m.top_k, m.intermediate), (128, 8, 768));
+    assert_eq!(
+        m.routing,
+        rtune_ops::route::Routing::SoftmaxTopK { normalize: false }
+    );
+    assert_eq!(m.sparse_layers, [true; 4]);
+    assert_eq!(m.aux_coef, None);
+    assert!(c.variant.qk_norm && c.head_dim == 128);
+    let c = qwen3_moe(
+        r#","num_local_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,
+        "moe_intermediate_size":32,"decoder_sparse_step":2,"mlp_only_layers":[3],
+        "output_router_logits":true,"router_aux_loss_coef":0.01"#,
+    )
+    .unwrap();
+    let m = c.moe.as_ref().unwrap();
+    assert_eq!((m.experts, m.top_k, m.intermediate), (8, 2, 32));
+    assert_eq!(
+        m.routing,
+        rtune_ops::route::Routing::SoftmaxTopK { normalize: true }
+    );
+    // (l + 1) % 2 == 0 and l not in mlp_only_layers: layer 1 only.
+    assert_eq!(m.sparse_layers, [false, true, false, false]);
+    assert_eq!(m.aux_coef, Some(0.01));
+    let e = qwen3_moe(r#","num_experts":4,"num_experts_per_tok":5"#).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("num_experts_per_tok = 5 of num_experts = 4"),
+        "{e}"
+    );
+    let e = qwen3_moe(r#","decoder_sparse_step":0"#).unwrap_err();
+    assert!(e.to_string().contains("decoder_sparse_step = 0"), "{e}");
+}

@@ -116,19 +116,30 @@ impl Model {
             let ctx = self.batch_ctx(inp)?;
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
             let mut feed = self.feed(0..self.layers.len(), Vec::new());
+            let mut router_logits = Vec::new();
             while let Some((_, layer)) = feed.next()? {
-                x = layer.forward(&x, &ctx, lora)?.0;
+                let (out, mut cache) = layer.forward(&x, &ctx, lora)?;
+                if let Some(m) = cache.moe_mut() {
+                    router_logits.push(std::mem::take(&mut m.logits));
+                }
+                x = out;
             }
+            // transformers adds the load-balancing term to an evaluation's loss too.
+            let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
+            let aux = self
+                .aux_loss(&router_logits, 0.0, n_targets)
+                .map_or(0.0, |(_, term, _)| term);
             let (h, _) = self.final_norm(&x)?;
             let head = self.head_rows(lora)?;
-            ops::chunked_cross_entropy_loss_with(
+            let ce = ops::chunked_cross_entropy_loss_with(
                 &h,
                 &*self.lm_head()?,
                 head.as_ref(),
                 self.cfg.variant.final_softcap,
                 targets,
                 self.ce_chunk(),
-            )
+            )?;
+            Ok(ce + aux)
         };
         run().map_err(|e| ModelError::candle("eval_loss", e))
     }

@@ -45,5 +45,6 @@ pub fn config() -> ModelConfig {
         eos_token_ids: vec![2],
         pad_token_id: None,
         variant: Default::default(),
+        moe: None,
     }
 }

@@ -67,6 +67,7 @@ fn compare_ten_steps() -> (f64, f64) {
             targets: vec!["q_proj".into()],
             all_linear: false,
             dora: false,
+            target_parameters: Vec::new(),
         },
         names: (0..shapes.len()).map(|i| format!("m{i}")).collect(),
         pairs,

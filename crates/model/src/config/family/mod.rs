@@ -19,6 +19,7 @@ mod olmo2;
 mod phi3;
 mod qwen2;
 mod qwen3;
+mod qwen3_moe;
 
 pub use gemma2::GEMMA2;
 pub use gemma3::GEMMA3;
@@ -28,12 +29,13 @@ pub use olmo2::OLMO2;
 pub use phi3::PHI3;
 pub use qwen2::QWEN2;
 pub use qwen3::QWEN3;
+pub use qwen3_moe::QWEN3_MOE;
 
 use crate::config::{HfConfig, ModelConfig, Variant};
 
 /// Every family rtune builds, looked up by config.json's `architectures`.
-pub static FAMILIES: [&Family; 8] = [
-    &LLAMA, &MISTRAL, &QWEN2, &QWEN3, &GEMMA2, &GEMMA3, &PHI3, &OLMO2,
+pub static FAMILIES: [&Family; 9] = [
+    &LLAMA, &MISTRAL, &QWEN2, &QWEN3, &GEMMA2, &GEMMA3, &PHI3, &OLMO2, &QWEN3_MOE,
 ];
 
 /// The family whose `architectures` name is `name`.

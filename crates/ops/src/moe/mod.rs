@@ -1,0 +1,376 @@
+//! The mixture-of-experts MLP (issue 45), forward and hand-written backward, as transformers 5.24's
+//! `Qwen3MoeExperts` computes it (`modeling_qwen3_moe.py`): for each token `t` and each of its
+//! `k` chosen experts `e` (from [`crate::route`]) with weight `w`,
+//! `y_t += w · down_e(silu(g)·u)`, `[g; u] = gate_up_e(x_t)`, the experts' weights fused per layer:
+//! `gate_up: (E, 2I, H)` (rows gate then up) and `down: (E, H, I)`, each `(out, in)` as a linear
+//! weight.
+//!
+//! Tokens are grouped by expert ([`Groups`]: each expert's `(token, slot)` pairs) and each expert
+//! runs one GEMM over its own rows only — a grouped GEMM, `T·k` rows in all, not every expert on
+//! every token; the outputs are scaled by their routing weight and scatter-added back.
+//!
+//! LoRA on an expert stack is PEFT 0.21's `ParamWrapper` (`target_parameters`): one pair per 3-D
+//! parameter, rank `r` per expert, `lora_A: (E·r, in)` with expert `e`'s rows `e·r..(e+1)·r`, and
+//! `lora_B: (out, r·E)` whose column `j·E + e` is rank `j` of expert `e` (PEFT reshapes it to
+//! `(out, r, E)`); `ΔW_e = s · B_e A_e`. PEFT folds `ΔW_e` into the weight; here the low-rank
+//! product `x W_eᵀ + s (x A_eᵀ) B_eᵀ` is formed instead (the same sum in another order: f32
+//! rounding apart). PEFT refuses dropout on a `ParamWrapper`, so there is none.
+//!
+//! The backward returns `∂L/∂x`, `∂L/∂w` (`T × k`, what [`crate::route::route_backward`] takes)
+//! and the LoRA factors' gradients in PEFT's layouts; the expert weights are frozen.
+
+pub mod reference;
+#[cfg(test)]
+mod tests;
+
+use candle_core::{bail, DType, Device, Result, Tensor, D};
+
+/// One LoRA pair on an expert stack (PEFT's `ParamWrapper`): `a: (E·r, in)`, `b: (out, r·E)`,
+/// `scale = alpha / r` (or `/ √r`), in the compute dtype.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertLora<'a> {
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub scale: f64,
+}
+
+/// The experts of one layer: frozen weights and the LoRA pairs on them, if any.
+#[derive(Debug, Clone, Copy)]
+pub struct Experts<'a> {
+    /// `(E, 2I, H)`: rows `0..I` gate, `I..2I` up.
+    pub gate_up: &'a Tensor,
+    /// `(E, H, I)`.
+    pub down: &'a Tensor,
+    pub lora_gate_up: Option<ExpertLora<'a>>,
+    pub lora_down: Option<ExpertLora<'a>>,
+}
+
+/// Each expert's rows: the tokens it serves and the slot (`t·k + j`) their weight is at.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Groups {
+    pub k: usize,
+    /// Per expert, the token indices, ascending by slot.
+    pub tokens: Vec<Vec<u32>>,
+    /// Per expert, the slots paired with `tokens`.
+    pub slots: Vec<Vec<usize>>,
+}
+
+impl Groups {
+    /// Groups `n × k` expert ids (`experts[t·k + j]`) over `e` experts; an id out of range is
+    /// an error naming it.
+    pub fn new(experts: &[u32], k: usize, e: usize) -> Result<Groups> {
+        if k == 0 || !experts.len().is_multiple_of(k) {
+            bail!(
+                "moe: {} expert ids are not n × k with k = {k}",
+                experts.len()
+            );
+        }
+        let mut g = Groups {
+            k,
+            tokens: vec![Vec::new(); e],
+            slots: vec![Vec::new(); e],
+        };
+        for (slot, &x) in experts.iter().enumerate() {
+            let Some(tokens) = g.tokens.get_mut(x as usize) else {
+                bail!("moe: expert id {x} at slot {slot} is not below the {e} experts");
+            };
+            tokens.push((slot / k) as u32);
+            g.slots[x as usize].push(slot);
+        }
+        Ok(g)
+    }
+
+    /// Rows over all experts: `n·k`.
+    pub fn rows(&self) -> usize {
+        self.tokens.iter().map(Vec::len).sum()
+    }
+}
+
+/// What [`moe_backward`] needs of one expert's forward (rows `n_e`).
+#[derive(Debug)]
+struct ExpertCache {
+    /// The gathered inputs `(n_e, H)`, the gate/up outputs `(n_e, 2I)`, the down projection's
+    /// output before its routing weight `(n_e, H)` (`∂L/∂w` is `⟨dy, d⟩`).
+    x: Tensor,
+    gu: Tensor,
+    d: Tensor,
+    /// The LoRA inputs' down-projections `x A_eᵀ` `(n_e, r)` for gate/up and down, if adapted.
+    xa_gate_up: Option<Tensor>,
+    xa_down: Option<Tensor>,
+}
+
+/// The forward's cache: the groups and, per expert with rows, its [`ExpertCache`].
+#[derive(Debug)]
+pub struct MoeCache {
+    pub groups: Groups,
+    experts: Vec<Option<ExpertCache>>,
+}
+
+/// [`moe_backward`]'s result. The LoRA gradients are in PEFT's layouts (`a: (E·r, in)`,
+/// `b: (out, r·E)`), present for the pairs given.
+#[derive(Debug)]
+pub struct MoeGrads {
+    /// `(T, H)`.
+    pub dx: Tensor,
+    /// `T × k`, paired with the expert ids (f32).
+    pub dweights: Vec<f32>,
+    pub gate_up: Option<(Tensor, Tensor)>,
+    pub down: Option<(Tensor, Tensor)>,
+}
+
+/// Shapes of one layer's experts: `(E, I, H)`, checked against the LoRA pairs and `x: (T, H)`.
+fn dims(x: &Tensor, ex: &Experts) -> Result<(usize, usize, usize)> {
+    let (_, h) = x.dims2()?;
+    let (e, i2, hg) = ex.gate_up.dims3()?;
+    let (ed, hd, id) = ex.down.dims3()?;
+    if hg != h || i2 % 2 != 0 || ed != e || hd != h || id != i2 / 2 {
+        bail!(
+            "moe: experts gate_up {:?} and down {:?} do not fit x {:?} \
+             (want (E, 2I, H) and (E, H, I))",
+            ex.gate_up.dims(),
+            ex.down.dims(),
+            x.dims()
+        );
+    }
+    let check = |name: &str, l: &Option<ExpertLora>, out: usize, inp: usize| -> Result<()> {
+        let Some(l) = l else { return Ok(()) };
+        let (ra, ia) = l.a.dims2()?;
+        let (ob, rb) = l.b.dims2()?;
+        if ra != rb || ra % e != 0 || ra == 0 || ia != inp || ob != out {
+            bail!(
+                "moe: LoRA on {name}: lora_A {:?} and lora_B {:?} do not fit {e} experts of \
+                 ({out}, {inp}) (want (E·r, {inp}) and ({out}, r·E))",
+                l.a.dims(),
+                l.b.dims()
+            );
+        }
+        Ok(())
+    };
+    check("gate_up_proj", &ex.lora_gate_up, i2, h)?;
+    check("down_proj", &ex.lora_down, h, i2 / 2)?;
+    Ok((e, i2 / 2, h))
+}
+
+/// Expert `e`'s `(A_e: (r, in), B_e: (out, r))` of a PEFT `ParamWrapper` pair.
+pub fn expert_factors(l: &ExpertLora, e: usize, experts: usize) -> Result<(Tensor, Tensor)> {
+    let r = l.a.dim(0)? / experts;
+    let a = l.a.narrow(0, e * r, r)?;
+    let out = l.b.dim(0)?;
+    // (out, r·E) -> (out, r, E): column j·E + e is rank j of expert e.
+    let b =
+        l.b.reshape((out, r, experts))?
+            .narrow(2, e, 1)?
+            .squeeze(2)?;
+    Ok((a, b.contiguous()?))
+}
+
+/// Expert `e`'s factors and scale of an optional pair.
+fn factors(
+    l: Option<ExpertLora>,
+    e: usize,
+    experts: usize,
+) -> Result<Option<(Tensor, Tensor, f64)>> {
+    l.map(|l| expert_factors(&l, e, experts).map(|(a, b)| (a, b, l.scale)))
+        .transpose()
+}
+
+/// `x W_eᵀ (+ s (x A_eᵀ) B_eᵀ)`: `x: (n, in)`, `w: (out, in)`; the LoRA input product `(n, r)`.
+fn expert_linear(
+    x: &Tensor,
+    w: &Tensor,
+    lora: Option<(&Tensor, &Tensor, f64)>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let y = x.matmul(&w.t()?)?;
+    match lora {
+        None => Ok((y, None)),
+        Some((a, b, s)) => {
+            let xa = x.matmul(&a.t()?)?;
+            let y = (y + (xa.matmul(&b.t()?)? * s)?)?;
+            Ok((y, Some(xa)))
+        }
+    }
+}
+
+fn ids(v: &[u32], dev: &Device) -> Result<Tensor> {
+    Tensor::from_slice(v, v.len(), dev)
+}
+
+/// `x: (T, H)`, `experts`/`weights`: `T × k` (from [`crate::route::route`]) → `(T, H)` and the
+/// cache for [`moe_backward`].
+pub fn moe_forward(
+    x: &Tensor,
+    experts: &[u32],
+    weights: &[f32],
+    k: usize,
+    ex: &Experts,
+) -> Result<(Tensor, MoeCache)> {
+    let (e_n, i, _) = dims(x, ex)?;
+    let t = x.dim(0)?;
+    if experts.len() != t * k || weights.len() != t * k {
+        bail!(
+            "moe: {} expert ids and {} weights for {t} tokens × top-{k}",
+            experts.len(),
+            weights.len()
+        );
+    }
+    let groups = Groups::new(experts, k, e_n)?;
+    let (dev, dt) = (x.device(), x.dtype());
+    let x = x.contiguous()?;
+    let mut out = Tensor::zeros(x.shape(), dt, dev)?;
+    let mut caches = Vec::with_capacity(e_n);
+    for e in 0..e_n {
+        let tokens = &groups.tokens[e];
+        if tokens.is_empty() {
+            caches.push(None);
+            continue;
+        }
+        let tok = ids(tokens, dev)?;
+        let xe = x.index_select(&tok, 0)?; // (n_e, H)
+        let lgu = factors(ex.lora_gate_up, e, e_n)?;
+        let ld = factors(ex.lora_down, e, e_n)?;
+        let (gu, xa_gate_up) = expert_linear(
+            &xe,
+            &ex.gate_up.get(e)?,
+            lgu.as_ref().map(|(a, b, s)| (a, b, *s)),
+        )?; // (n_e, 2I)
+        let m = crate::swiglu(&gu.narrow(1, 0, i)?, &gu.narrow(1, i, i)?)?; // (n_e, I)
+        let (d, xa_down) = expert_linear(
+            &m,
+            &ex.down.get(e)?,
+            ld.as_ref().map(|(a, b, s)| (a, b, *s)),
+        )?; // (n_e, H)
+        let w: Vec<f32> = groups.slots[e].iter().map(|&s| weights[s]).collect();
+        let w = Tensor::from_vec(w, (tokens.len(), 1), dev)?.to_dtype(dt)?;
+        out = out.index_add(&tok, &d.broadcast_mul(&w)?, 0)?;
+        caches.push(Some(ExpertCache {
+            x: xe,
+            gu,
+            d,
+            xa_gate_up,
+            xa_down,
+        }));
+    }
+    Ok((
+        out,
+        MoeCache {
+            groups,
+            experts: caches,
+        },
+    ))
+}
+
+/// [`moe_forward`]'s backward from `dy: (T, H)`; `weights` as given to the forward.
+pub fn moe_backward(
+    dy: &Tensor,
+    weights: &[f32],
+    ex: &Experts,
+    cache: &MoeCache,
+) -> Result<MoeGrads> {
+    let (e_n, i, h) = dims(dy, ex)?;
+    let g = &cache.groups;
+    if weights.len() != g.rows() || cache.experts.len() != e_n {
+        bail!(
+            "moe backward: {} weights and {} expert caches for {} rows of {e_n} experts",
+            weights.len(),
+            cache.experts.len(),
+            g.rows()
+        );
+    }
+    let (dev, dt) = (dy.device(), dy.dtype());
+    let dy = dy.contiguous()?;
+    let mut dx = Tensor::zeros(dy.shape(), dt, dev)?;
+    let mut dweights = vec![0f32; g.rows()];
+    // Per expert (E entries), the LoRA factors' gradients `(dA_e: (r, in), dB_e: (out, r))`.
+    let mut gu_grads: Vec<(Tensor, Tensor)> = Vec::new();
+    let mut down_grads: Vec<(Tensor, Tensor)> = Vec::new();
+    for e in 0..e_n {
+        let lgu = factors(ex.lora_gate_up, e, e_n)?;
+        let ld = factors(ex.lora_down, e, e_n)?;
+        let Some(c) = &cache.experts[e] else {
+            // No token chose this expert: its LoRA gradients are zero.
+            if let Some((a, b, _)) = &lgu {
+                gu_grads.push((a.zeros_like()?, b.zeros_like()?));
+            }
+            if let Some((a, b, _)) = &ld {
+                down_grads.push((a.zeros_like()?, b.zeros_like()?));
+            }
+            continue;
+        };
+        let tok = ids(&g.tokens[e], dev)?;
+        let n = g.tokens[e].len();
+        let dye = dy.index_select(&tok, 0)?; // (n_e, H)
+                                             // ∂L/∂w for each row: ⟨dy_t, d⟩ in f32.
+        let dw = (dye.to_dtype(DType::F32)? * c.d.to_dtype(DType::F32)?)?
+            .sum(D::Minus1)?
+            .to_vec1::<f32>()?;
+        for (&s, v) in g.slots[e].iter().zip(dw) {
+            dweights[s] = v;
+        }
+        let w: Vec<f32> = g.slots[e].iter().map(|&s| weights[s]).collect();
+        let w = Tensor::from_vec(w, (n, 1), dev)?.to_dtype(dt)?;
+        let dd = dye.broadcast_mul(&w)?; // (n_e, H)
+        let m = crate::swiglu(&c.gu.narrow(1, 0, i)?, &c.gu.narrow(1, i, i)?)?;
+        let dm = linear_backward(
+            &dd,
+            &m,
+            &ex.down.get(e)?,
+            ld.as_ref().map(|(a, b, s)| (a, b, *s)),
+            c.xa_down.as_ref(),
+            &mut down_grads,
+        )?; // (n_e, I)
+        let (dg, du) = crate::swiglu_backward(&dm, &c.gu.narrow(1, 0, i)?, &c.gu.narrow(1, i, i)?)?;
+        let dgu = Tensor::cat(&[dg, du], 1)?; // (n_e, 2I)
+        let dxe = linear_backward(
+            &dgu,
+            &c.x,
+            &ex.gate_up.get(e)?,
+            lgu.as_ref().map(|(a, b, s)| (a, b, *s)),
+            c.xa_gate_up.as_ref(),
+            &mut gu_grads,
+        )?; // (n_e, H)
+        debug_assert_eq!(dxe.dims(), &[n, h]);
+        dx = dx.index_add(&tok, &dxe, 0)?;
+    }
+    Ok(MoeGrads {
+        dx,
+        dweights,
+        gate_up: peft_layout(gu_grads)?,
+        down: peft_layout(down_grads)?,
+    })
+}
+
+/// The backward of `y = x W_eᵀ + s (x A_eᵀ) B_eᵀ`: returns `dx`, pushes `(dA_e, dB_e)` with
+/// `dB_e = s · dyᵀ (x A_eᵀ)` `(out, r)` and `dA_e = s · (dy B_e)ᵀ x` `(r, in)`.
+fn linear_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    lora: Option<(&Tensor, &Tensor, f64)>,
+    xa: Option<&Tensor>,
+    grads: &mut Vec<(Tensor, Tensor)>,
+) -> Result<Tensor> {
+    let dx = dy.matmul(w)?;
+    let (Some((a, b, s)), Some(xa)) = (lora, xa) else {
+        return Ok(dx);
+    };
+    let dyb = (dy.matmul(b)? * s)?; // (n, r)
+    let db = (dy.t()?.matmul(xa)? * s)?;
+    let da = dyb.t()?.matmul(x)?;
+    grads.push((da, db));
+    dx + dyb.matmul(a)?
+}
+
+/// Per-expert `(dA_e: (r, in), dB_e: (out, r))` → PEFT's `(E·r, in)` and `(out, r·E)`.
+fn peft_layout(per_expert: Vec<(Tensor, Tensor)>) -> Result<Option<(Tensor, Tensor)>> {
+    if per_expert.is_empty() {
+        return Ok(None);
+    }
+    let (a, b): (Vec<Tensor>, Vec<Tensor>) = per_expert.into_iter().unzip();
+    let da = Tensor::cat(&a, 0)?;
+    // (E, out, r) -> (out, r, E) -> (out, r·E).
+    let (out, r) = b[0].dims2()?;
+    let db = Tensor::stack(&b, 0)?
+        .permute((1, 2, 0))?
+        .reshape((out, r * b.len()))?;
+    Ok(Some((da, db)))
+}

@@ -1,0 +1,296 @@
+//! The grouped mixture of experts against the plain one (every expert on every token, PEFT's
+//! dense delta), forward in f32 and every gradient against candle's autograd on the plain one in
+//! f64; the grouping itself; bad inputs refused with an error, not a panic.
+
+use super::reference::*;
+use super::*;
+use crate::route::{route, Routing};
+use crate::test_util::*;
+use candle_core::Var;
+
+const T: usize = 13;
+const H: usize = 8;
+const E: usize = 6;
+const I: usize = 5;
+const K: usize = 2;
+const R: usize = 3;
+
+/// `T × K` expert ids never naming the last expert (so one expert has no rows, the path that
+/// must give zero LoRA gradients), with softmax-top-k weights of random logits.
+fn routing(seed: u64) -> (Vec<u32>, Vec<f32>) {
+    let logits = flat(&randn(&[T, E], seed, 3.0));
+    let masked: Vec<f32> = logits
+        .chunks(E)
+        .flat_map(|r| {
+            let mut r = r.to_vec();
+            r[E - 1] = -1e9;
+            r
+        })
+        .collect();
+    let r = route(&masked, E, K, Routing::SoftmaxTopK { normalize: true });
+    (r.experts, r.weights)
+}
+
+struct Case {
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    /// `(a, b)` in PEFT's layouts, `b` nonzero so the delta is exercised.
+    lgu: (Tensor, Tensor),
+    ld: (Tensor, Tensor),
+    dy: Tensor,
+}
+
+fn case(seed: u64) -> Case {
+    Case {
+        x: randn(&[T, H], seed, 1.0),
+        gate_up: randn(&[E, 2 * I, H], seed + 1, 0.5),
+        down: randn(&[E, H, I], seed + 2, 0.5),
+        lgu: (
+            randn(&[E * R, H], seed + 3, 0.5),
+            randn(&[2 * I, R * E], seed + 4, 0.5),
+        ),
+        ld: (
+            randn(&[E * R, I], seed + 5, 0.5),
+            randn(&[H, R * E], seed + 6, 0.5),
+        ),
+        dy: randn(&[T, H], seed + 7, 1.0),
+    }
+}
+
+const S_GU: f64 = 2.0;
+const S_D: f64 = 0.5;
+
+fn experts<'a>(c: &'a Case, lora: bool) -> Experts<'a> {
+    let pair = |p: &'a (Tensor, Tensor), scale| ExpertLora {
+        a: &p.0,
+        b: &p.1,
+        scale,
+    };
+    Experts {
+        gate_up: &c.gate_up,
+        down: &c.down,
+        lora_gate_up: lora.then(|| pair(&c.lgu, S_GU)),
+        lora_down: lora.then(|| pair(&c.ld, S_D)),
+    }
+}
+
+/// `max |got − want| / max |want|` against an f64 tensor.
+fn rel64(got: &Tensor, want: &Tensor) -> f64 {
+    let g = got.to_dtype(DType::F64).unwrap();
+    let scale = want
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    let err = (g - want)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap();
+    err / scale.max(1e-30)
+}
+
+#[test]
+fn moe_forward_matches_every_expert_on_every_token() {
+    for lora in [false, true] {
+        let c = case(10);
+        let (ids, w) = routing(11);
+        let (y, cache) = moe_forward(&c.x, &ids, &w, K, &experts(&c, lora)).unwrap();
+        let comb = combine_matrix(&ids, &w, K, E, DType::F32, &Device::Cpu).unwrap();
+        let want = moe_reference(
+            &c.x,
+            &comb,
+            &c.gate_up,
+            &c.down,
+            lora.then_some((&c.lgu.0, &c.lgu.1, S_GU)),
+            lora.then_some((&c.ld.0, &c.ld.1, S_D)),
+        )
+        .unwrap();
+        // f32 both, the same sums in another order (grouped rows, low-rank product against the
+        // folded delta, zero-weighted experts added in the plain one): a few f32 ulps of the
+        // largest output.
+        let e = rel_err(&y, &want);
+        eprintln!("moe forward (lora {lora}): relative error {e:.2e}");
+        assert!(e < 2e-6, "moe forward (lora {lora}): {e:e}");
+        // Grouped: T·k rows in all, none for the expert no token chose.
+        assert_eq!(cache.groups.rows(), T * K);
+        assert!(cache.groups.tokens[E - 1].is_empty());
+    }
+}
+
+#[test]
+fn moe_backward_matches_autograd_f64() {
+    let c = case(20);
+    let (ids, w) = routing(21);
+    let (_, cache) = moe_forward(&c.x, &ids, &w, K, &experts(&c, true)).unwrap();
+    let g = moe_backward(&c.dy, &w, &experts(&c, true), &cache).unwrap();
+
+    let f64v = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap();
+    let x = f64v(&c.x);
+    let comb = f64v(&combine_matrix(&ids, &w, K, E, DType::F32, &Device::Cpu).unwrap());
+    let (agu, bgu, ad, bd) = (f64v(&c.lgu.0), f64v(&c.lgu.1), f64v(&c.ld.0), f64v(&c.ld.1));
+    let y = moe_reference(
+        &x,
+        &comb,
+        &c.gate_up.to_dtype(DType::F64).unwrap(),
+        &c.down.to_dtype(DType::F64).unwrap(),
+        Some((&agu, &bgu, S_GU)),
+        Some((&ad, &bd, S_D)),
+    )
+    .unwrap();
+    let dy = c.dy.to_dtype(DType::F64).unwrap();
+    let grads = (y * dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let want = |v: &Var| grads.get(v).unwrap().clone();
+
+    // f32 against f64: products of depth ≤ H + I + R accumulated in f32 (seen: ≤ 4e-7); 2e-6
+    // of the largest gradient leaves room for that and fails on any wrong index, layout or scale.
+    let tol = 2e-6;
+    let check = |what: &str, got: &Tensor, want: &Tensor| {
+        let e = rel64(got, want);
+        eprintln!("moe {what}: relative error {e:.2e}");
+        assert!(e < tol, "moe {what}: {e:e}");
+    };
+    check("dx", &g.dx, &want(&x));
+    let (dagu, dbgu) = g.gate_up.as_ref().expect("gate_up adapted");
+    let (dad, dbd) = g.down.as_ref().expect("down adapted");
+    check("d lora_A gate_up", dagu, &want(&agu));
+    check("d lora_B gate_up", dbgu, &want(&bgu));
+    check("d lora_A down", dad, &want(&ad));
+    check("d lora_B down", dbd, &want(&bd));
+    // ∂L/∂w of slot (t, j) is the combine matrix's gradient at (t, expert).
+    let dc = want(&comb).to_dtype(DType::F32).unwrap();
+    let dc = flat(&dc);
+    let dw_want: Vec<f32> = ids
+        .iter()
+        .enumerate()
+        .map(|(s, &x)| dc[(s / K) * E + x as usize])
+        .collect();
+    let dw_t = Tensor::new(g.dweights.as_slice(), &Device::Cpu).unwrap();
+    let dw_want = Tensor::new(dw_want.as_slice(), &Device::Cpu).unwrap();
+    check("d weights", &dw_t, &dw_want.to_dtype(DType::F64).unwrap());
+    // The expert no token chose: zero LoRA gradients, and its rows of lora_A exactly zero.
+    let rows = flat(&dagu.narrow(0, (E - 1) * R, R).unwrap());
+    assert!(rows.iter().all(|v| *v == 0.0));
+}
+
+#[test]
+fn moe_without_lora_has_no_lora_grads() {
+    let c = case(30);
+    let (ids, w) = routing(31);
+    let (_, cache) = moe_forward(&c.x, &ids, &w, K, &experts(&c, false)).unwrap();
+    let g = moe_backward(&c.dy, &w, &experts(&c, false), &cache).unwrap();
+    assert!(g.gate_up.is_none() && g.down.is_none());
+    assert_eq!(g.dx.dims(), &[T, H]);
+}
+
+#[test]
+fn groups_list_each_experts_tokens() {
+    // Tokens 0..3, top-2: (1, 0), (2, 1), (0, 2).
+    let g = Groups::new(&[1, 0, 2, 1, 0, 2], 2, 4).unwrap();
+    assert_eq!(g.tokens, vec![vec![0, 2], vec![0, 1], vec![1, 2], vec![]]);
+    assert_eq!(g.slots, vec![vec![1, 4], vec![0, 3], vec![2, 5], vec![]]);
+    assert_eq!(g.rows(), 6);
+}
+
+#[test]
+fn moe_refuses_bad_inputs() {
+    let c = case(40);
+    let (ids, w) = routing(41);
+    let ex = experts(&c, true);
+    // An expert id out of range.
+    let mut bad = ids.clone();
+    bad[3] = E as u32;
+    let err = moe_forward(&c.x, &bad, &w, K, &ex).unwrap_err();
+    assert!(err.to_string().contains("expert id 6 at slot 3"), "{err}");
+    // Too few ids for the tokens.
+    let err = moe_forward(&c.x, &ids[..4], &w[..4], K, &ex).unwrap_err();
+    assert!(err.to_string().contains("for 13 tokens"), "{err}");
+    // A down stack of the wrong width.
+    let down = randn(&[E, H, I + 1], 1, 1.0);
+    let ex2 = Experts { down: &down, ..ex };
+    let err = moe_forward(&c.x, &ids, &w, K, &ex2).unwrap_err();
+    assert!(err.to_string().contains("do not fit x"), "{err}");
+    // lora_B of the wrong rank.
+    let b = randn(&[2 * I, R * E + 1], 1, 1.0);
+    let ex3 = Experts {
+        lora_gate_up: Some(ExpertLora {
+            a: &c.lgu.0,
+            b: &b,
+            scale: 1.0,
+        }),
+        ..ex
+    };
+    let err = moe_forward(&c.x, &ids, &w, K, &ex3).unwrap_err();
+    assert!(err.to_string().contains("LoRA on gate_up_proj"), "{err}");
+}
+
+/// Timing, not a check (`cargo test --release -p rtune-ops moe_timing -- --ignored --nocapture`):
+/// forward + backward of the grouped op with LoRA on both stacks against the plain formulation's
+/// forward (every expert on every token), on a shape scaled down from Qwen3-30B-A3B's layer
+/// (128 experts, top-8, H 2048, I 768) to E 32, top-4, H 512, I 256, 256 tokens.
+#[test]
+#[ignore]
+fn moe_timing() {
+    use std::time::Instant;
+    let (t, h, e, i, k, r) = (256, 512, 32, 256, 4, 8);
+    let x = randn(&[t, h], 1, 1.0);
+    let gate_up = randn(&[e, 2 * i, h], 2, 0.05);
+    let down = randn(&[e, h, i], 3, 0.05);
+    let (ag, bg) = (randn(&[e * r, h], 4, 0.05), randn(&[2 * i, r * e], 5, 0.05));
+    let (ad, bd) = (randn(&[e * r, i], 6, 0.05), randn(&[h, r * e], 7, 0.05));
+    let logits = flat(&randn(&[t, e], 8, 3.0));
+    let routed = route(&logits, e, k, Routing::SoftmaxTopK { normalize: true });
+    let ex = Experts {
+        gate_up: &gate_up,
+        down: &down,
+        lora_gate_up: Some(ExpertLora {
+            a: &ag,
+            b: &bg,
+            scale: 2.0,
+        }),
+        lora_down: Some(ExpertLora {
+            a: &ad,
+            b: &bd,
+            scale: 2.0,
+        }),
+    };
+    let dy = randn(&[t, h], 9, 1.0);
+    let run = || {
+        let (_, c) = moe_forward(&x, &routed.experts, &routed.weights, k, &ex).unwrap();
+        moe_backward(&dy, &routed.weights, &ex, &c).unwrap();
+    };
+    run();
+    let n = 5;
+    let t0 = Instant::now();
+    (0..n).for_each(|_| run());
+    let grouped = t0.elapsed().as_secs_f64() / n as f64;
+    // Frozen products only: forward 3·H·I a row, backward 3·H·I (the input gradients).
+    let flops = (t * k) as f64 * 2.0 * 3.0 * (h * i) as f64 * 2.0;
+    let comb = combine_matrix(
+        &routed.experts,
+        &routed.weights,
+        k,
+        e,
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let t0 = Instant::now();
+    let pa = Some((&ag, &bg, 2.0));
+    let pd = Some((&ad, &bd, 2.0));
+    moe_reference(&x, &comb, &gate_up, &down, pa, pd).unwrap();
+    let plain = t0.elapsed().as_secs_f64();
+    eprintln!(
+        "moe grouped fwd+bwd {:.1} ms ({:.1} GFLOP/s of the routed frozen products); plain \
+         fwd alone {:.1} ms",
+        grouped * 1e3,
+        flops / grouped / 1e9,
+        plain * 1e3
+    );
+}
