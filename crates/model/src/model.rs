@@ -966,8 +966,8 @@ impl Model {
             // share of the step.
             let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
             let aux_weight = match &objective {
-                Objective::Tokens { grad_scale } => grad_scale * n_targets,
-                Objective::PerToken(_) => 0.0,
+                HeadLoss::Tokens { grad_scale } => grad_scale * n_targets,
+                HeadLoss::PerToken(_) => 0.0,
             };
             let (mut loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
             let mut aux_grads = match self.aux_loss(&router_logits, aux_weight, n_targets) {
