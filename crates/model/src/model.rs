@@ -88,6 +88,13 @@ pub enum Objective<'a> {
     /// them per sequence): `weigh(nll)` gets every position's `−log p(target)` (0 where there is
     /// none) and returns the loss and `dloss/dnll` per position.
     PerToken(PerTokenLoss<'a>),
+    /// [`Objective::PerToken`] on the logits divided by `temperature` (GRPO: TRL divides the
+    /// logits by the sampling temperature before its log-softmax): `weigh` gets every position's
+    /// `−log softmax(z / T)[target]`.
+    Tempered {
+        temperature: f64,
+        weigh: PerTokenLoss<'a>,
+    },
 }
 
 /// [`Objective::PerToken`]'s function: every position's NLL → (loss, dloss/dnll per position).
