@@ -282,7 +282,10 @@ mod tests {
     /// TRL 1.16's `GRPOConfig` defaults when only the objective and a reward are set.
     #[test]
     fn grpo_defaults_are_trls() {
-        let c = parse(&format!("[train]\nobjective = \"grpo\"\n{REGEX}")).unwrap();
+        let c = parse(&format!(
+            "[train]\nobjective = \"grpo\"\nmicro_batch_size = 8\n{REGEX}"
+        ))
+        .unwrap();
         let Objective::Grpo(g) = c.train.objective else {
             panic!("{:?}", c.train.objective)
         };
@@ -347,7 +350,7 @@ mod tests {
     /// across sections, rewards without GRPO or GRPO without rewards.
     #[test]
     fn grpo_refusals_name_the_key() {
-        let grpo = "[train]\nobjective = \"grpo\"\n";
+        let grpo = "[train]\nobjective = \"grpo\"\nmicro_batch_size = 8\n";
         for (extra, key) in [
             (
                 "[train]\nnum_generations = 4".to_string(),
