@@ -116,6 +116,9 @@ class Replay(GRPOTrainer):
     def compute_loss(self, model, inputs, *a, **k):
         loss = super().compute_loss(model, inputs, *a, **k)
         Replay.losses.append(loss.item())
+        if os.environ.get("GRPO_PARITY_VERBOSE"):
+            for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"):
+                print(key, inputs[key].tolist())
         return loss
 
 
@@ -161,6 +164,7 @@ def run_trl(work, rollouts, knobs):
         save_strategy="no",
         report_to=[],
         use_cpu=True,
+        bf16=False,  # TRL's configs default to bf16 autocast: the comparison is f32
         shuffle_dataset=False,
         seed=3,
         reward_weights=[1.0, 0.5],
@@ -192,9 +196,9 @@ def compare(variant, knobs, rtune, work):
     tl, state = run_trl(work, rollouts, knobs)
     print("trl grad norms", Replay.grad_norms)
     ok = True
-    # Relative to TRL's loss, or to 1e-3 where it is smaller (an on-policy step whose advantages
+    # Relative to TRL's loss, or to 1e-2 where it is smaller (an on-policy step whose advantages
     # sum to 0 has a loss of 0 up to the order of the sum).
-    loss_rel = max(abs(a - b) / max(abs(b), 1e-3) for a, b in zip(rl, tl))
+    loss_rel = max(abs(a - b) / max(abs(b), 1e-2) for a, b in zip(rl, tl))
     if len(rl) != STEPS or len(tl) != STEPS or loss_rel > 1e-5:
         ok = False
     ours = load_file(out / "adapter_model.safetensors")

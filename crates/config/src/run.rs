@@ -197,7 +197,7 @@ impl ConfigFile {
         // TRL: the generation batch (micro-batch × steps_per_generation completions) holds
         // whole groups.
         let batch = train.micro_batch_size * g.steps_per_generation;
-        if batch % g.num_generations != 0 {
+        if !batch.is_multiple_of(g.num_generations) {
             return Err(bad(
                 "train.num_generations",
                 format!(
