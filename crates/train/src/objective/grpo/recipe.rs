@@ -28,7 +28,7 @@ use super::rollout::{self, Rng, Row, Sampler};
 use super::{metrics, policy_loss, Aggregation, Normalizer, PolicyConfig, Rows};
 use crate::dataset::RunData;
 use crate::evaluate::{no_dropout, EvalMetrics};
-use crate::objective::{About, HeadLoss, Live, Micro, Recipe};
+use crate::objective::{About, HeadLoss, Live, Micro, Recipe, ReferencePass};
 use crate::TrainError;
 
 pub const ROLLOUTS: &str = "rollouts.jsonl";
@@ -91,6 +91,11 @@ pub struct Grpo {
     stream: Option<Batcher<PromptRow>>,
     rng: Rng,
     generation: Option<Generation>,
+    /// β > 0 with `init_from`: that adapter, frozen, is the reference (TRL copies a PEFT model's
+    /// adapter as its "ref" adapter); `None`: the base alone.
+    ref_adapter: Option<rtune_lora::Adapter>,
+    /// `[lora] init_from` is set.
+    init_from: bool,
     micro_batch: usize,
     grad_accum: usize,
     run_dir: PathBuf,
@@ -124,6 +129,8 @@ impl Grpo {
             // The sampler's stream is its own: the seed's bits moved off the data order's.
             rng: Rng(cfg.train.seed.rotate_left(29) ^ 0x6772_706F),
             generation: None,
+            ref_adapter: None,
+            init_from: cfg.lora.init_from.is_some(),
             micro_batch: cfg.train.micro_batch_size,
             grad_accum: cfg.train.grad_accum,
             run_dir: cfg.output.dir.clone(),
@@ -238,10 +245,11 @@ impl Grpo {
             )?),
             false => None,
         };
+        let ref_lc = self.ref_adapter.as_ref().map(no_dropout);
         let reference = match self.g.beta > 0.0 {
             true => Some(rollout::completion_logps(
                 live.model,
-                None,
+                ref_lc.as_ref(),
                 &refs,
                 t,
                 pad,
@@ -324,7 +332,8 @@ impl Recipe for Grpo {
             name: "grpo",
             unit: "prompts",
             sides: &[],
-            reference: false,
+            // β > 0 from an `init_from` adapter: its frozen copy, read before the first step.
+            reference: self.g.beta > 0.0 && self.init_from,
             uncached: Some(
                 "objective \"grpo\": prompt rows are checked, not cached (they are tokenized at \
                  the start of each run)"
@@ -374,6 +383,18 @@ impl Recipe for Grpo {
             files: Vec::new(),
             own: Some(Box::new(report)),
         })
+    }
+
+    /// β > 0 from an `init_from` adapter: that adapter as read from its directory (on a resume
+    /// too, when the live adapter has moved on), the reference of every step.
+    fn reference(&mut self, cfg: &RunConfig, pass: ReferencePass) -> Result<usize, TrainError> {
+        if let (true, Some(dir)) = (self.g.beta > 0.0, &cfg.lora.init_from) {
+            let spec = &pass.adapter.spec;
+            let modules = pass.model.lora_modules(spec);
+            let dev = &pass.model.device;
+            self.ref_adapter = Some(rtune_lora::Adapter::load_peft(dir, spec, &modules, dev)?);
+        }
+        Ok(0)
     }
 
     fn start(&mut self, cfg: &RunConfig, data: &mut RunData, pad_id: u32) -> (usize, usize) {
