@@ -13,6 +13,8 @@
 mod data;
 mod file;
 mod grpo;
+#[cfg(test)]
+mod grpo_tests;
 mod lora;
 mod model;
 mod objective;

@@ -212,7 +212,8 @@ impl ConfigFile {
             return Err(bad(
                 "train.max_completion_length",
                 format!(
-                    "{} leaves no room for a prompt in data.max_seq_len = {}",
+                    "{} leaves no room for a prompt in data.max_seq_len = {} (a row is prompt + \
+                     completion: raise max_seq_len or lower max_completion_length)",
                     g.max_completion_length, data.max_seq_len
                 ),
             ));
