@@ -199,3 +199,6 @@ fn tempered(h: &Tensor, temperature: f64, softcap: Option<f64>) -> candle_core::
     }
     h.affine(1.0 / temperature, 0.0)
 }
+
+#[cfg(test)]
+mod tests;
