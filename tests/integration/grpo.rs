@@ -174,3 +174,21 @@ fn grpo_trains_writes_rollouts_and_resumes_bitwise() {
     assert_eq!(crate::resume::metrics(&out), metrics, "metrics differ");
     assert_eq!(rollouts(&out), lines, "rollouts differ");
 }
+
+/// Issue 46's rule for the new file: a link planted at rollouts.jsonl in a run directory is
+/// refused before anything is written, and what it points to is left as it was.
+#[test]
+fn a_linked_rollouts_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    write_prompts(&t.join("prompts.jsonl"));
+    let out = t.join("linked");
+    std::fs::create_dir(&out).unwrap();
+    let victim = t.join("victim.txt");
+    std::fs::write(&victim, "keep me").unwrap();
+    std::os::unix::fs::symlink(&victim, out.join("rollouts.jsonl")).unwrap();
+    let o = crate::resume::train(&config(t, &out), &[]);
+    assert!(!o.status.success(), "a linked rollouts.jsonl was accepted");
+    assert!(stderr(&o).contains("rollouts.jsonl"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+}
