@@ -19,6 +19,8 @@
 //! - `families`: Qwen3, Gemma 2, Gemma 3 and Phi-3 (fused, and Phi-4-mini's RoPE) through
 //!   `rtune train` against PEFT goldens; Phi-3's split-name targets refused;
 //! - `preference`: DPO (each loss type), SimPO and ORPO through `rtune train` against TRL's trainers;
+//! - `grpo`: GRPO through `rtune train` (regex and command rewards), rollouts.jsonl, TRL's metric
+//!   names, kill -9 and resume bitwise;
 //! - `export`: `rtune export` (merged = base + adapter, GGUF LoRA in llama.cpp's layout, PEFT);
 //! - `gguf`: `rtune convert gguf` and `.gguf` model paths against hostile and broken files (caps,
 //!   one line, magic before hashing, no temporary left by a signal);
@@ -58,6 +60,7 @@ mod dora;
 mod export;
 mod families;
 mod gguf;
+mod grpo;
 mod hardening;
 mod layering;
 mod limits;

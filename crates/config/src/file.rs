@@ -20,6 +20,9 @@ pub struct ConfigFile {
     pub output: OutputSection,
     #[serde(default)]
     pub distributed: DistributedSection,
+    /// `[[reward]]` tables: the reward functions of `objective = "grpo"` (`rtune_reward`).
+    #[serde(default, rename = "reward", skip_serializing_if = "Vec::is_empty")]
+    pub rewards: Vec<rtune_reward::RewardTable>,
 }
 
 /// `[distributed]`: how the ranks of a run launched by `mpirun` or `srun` share the work (data
@@ -221,6 +224,41 @@ pub struct TrainSection {
     pub desirable_weight: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub undesirable_weight: Option<f64>,
+    /// `objective = "grpo"`: TRL 1.16's `GRPOConfig` keys (checked in `grpo.rs`; `beta` and
+    /// `loss_type` above are shared with DPO under TRL's names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_generations: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_completion_length: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epsilon: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epsilon_high: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<f64>,
+    /// `"group"` | `"batch"` | `"none"` (TRL also takes `true` = group, `false` = none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_rewards: Option<Switch>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub importance_sampling_level: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_iterations: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps_per_generation: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask_truncated_completions: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward_weights: Option<Vec<f64>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

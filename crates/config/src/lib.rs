@@ -12,6 +12,9 @@
 
 mod data;
 mod file;
+mod grpo;
+#[cfg(test)]
+mod grpo_tests;
 mod lora;
 mod model;
 mod objective;
@@ -27,6 +30,7 @@ pub use file::{
     ConfigFile, DistributedSection, LoraSection, ModelSection, OutputSection, Switch, Targets,
     TokenName, TrainSection,
 };
+pub use grpo::{Grpo, Level, LossType, ScaleRewards};
 pub use lora::LoraConfig;
 pub use model::{BaseModelConfig, DType};
 pub use objective::{DpoLoss, Objective};

@@ -7,6 +7,7 @@
 //! | `simpo` | `CPOTrainer(loss_type="simpo")` | −log σ(β·(π̄c − π̄r) − γ) + `cpo_alpha`·NLL(chosen), π̄ per-token averages, no reference |
 //! | `kto` | `KTOTrainer` | unpaired rows: w_d·(1 − σ(β·(πc − rc − KL))) if desirable, w_u·(1 − σ(β·(KL − (πc − rc)))) if not; KL from mismatched completions |
 //! | `orpo` | `ORPOTrainer` | NLL(chosen, prompt included) − β·log σ(log-odds(π̄c) − log-odds(π̄r)), no reference |
+//! | `grpo` | `GRPOTrainer` | no pairs: completions sampled in the step, TRL's clipped policy loss (`grpo.rs`) |
 
 use std::path::Path;
 
@@ -45,6 +46,7 @@ pub enum Objective {
         desirable_weight: f64,
         undesirable_weight: f64,
     },
+    Grpo(crate::Grpo),
 }
 
 impl Objective {
@@ -56,12 +58,18 @@ impl Objective {
             Objective::Simpo { .. } => "simpo",
             Objective::Orpo { .. } => "orpo",
             Objective::Kto { .. } => "kto",
+            Objective::Grpo(_) => "grpo",
         }
     }
 
     /// Trains on preference pairs (prompt, chosen, rejected) rather than SFT examples.
     pub fn is_preference(&self) -> bool {
-        !matches!(self, Objective::Sft)
+        !matches!(self, Objective::Sft | Objective::Grpo(_))
+    }
+
+    /// Samples its completions during training from prompt rows (GRPO).
+    pub fn is_online(&self) -> bool {
+        matches!(self, Objective::Grpo(_))
     }
 
     /// Its NLL term covers the chosen sequence's prompt too (ORPO: TRL's `ORPOTrainer` takes the
@@ -85,7 +93,7 @@ impl TrainSection {
     pub(crate) fn objective(&self, path: &Path) -> Result<Objective> {
         let bad = |key: &str, message: String| invalid(path, key, message);
         let name = self.objective.as_deref().unwrap_or("sft");
-        let names = ["sft", "dpo", "simpo", "orpo", "kto"];
+        let names = ["sft", "dpo", "simpo", "orpo", "kto", "grpo"];
         // The name first: `objective = "DPO"` was blamed on `train.beta` ("a setting of dpo"); the
         // names are case-sensitive, as TRL's, and a near miss gets "did you mean".
         let Some(kind) = names.iter().position(|&n| n == name) else {
@@ -108,8 +116,14 @@ impl TrainSection {
         only(
             "train.beta",
             self.beta.is_some(),
-            &["dpo", "simpo", "orpo", "kto"],
+            &["dpo", "simpo", "orpo", "kto", "grpo"],
         )?;
+        for key in self.grpo_keys_set() {
+            only(&format!("train.{key}"), true, &["grpo"])?;
+        }
+        if name == "grpo" {
+            return Ok(Objective::Grpo(self.grpo(path)?));
+        }
         only(
             "train.desirable_weight",
             self.desirable_weight.is_some(),
@@ -120,7 +134,11 @@ impl TrainSection {
             self.undesirable_weight.is_some(),
             &["kto"],
         )?;
-        only("train.loss_type", self.loss_type.is_some(), &["dpo"])?;
+        only(
+            "train.loss_type",
+            self.loss_type.is_some(),
+            &["dpo", "grpo"],
+        )?;
         only(
             "train.label_smoothing",
             self.label_smoothing.is_some(),

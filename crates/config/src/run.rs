@@ -28,6 +28,9 @@ pub struct RunConfig {
     pub output: OutputConfig,
     /// `[distributed]`: whether the ranks shard the frozen base.
     pub distributed: crate::DistributedSection,
+    /// `[[reward]]`: GRPO's reward functions, checked, their weights with `reward_weights`
+    /// applied (empty for the other objectives).
+    pub rewards: Vec<rtune_reward::Reward>,
 }
 
 impl ConfigFile {
@@ -100,6 +103,7 @@ impl ConfigFile {
                 ),
             ));
         }
+        let rewards = self.grpo_rules(path, &train, &data, &lora)?;
         let d = &self.distributed;
         let needs_shard = [
             (d.keep_gathered_layers > 0, "keep_gathered_layers"),
@@ -122,8 +126,120 @@ impl ConfigFile {
             train,
             output,
             distributed: self.distributed.clone(),
+            rewards,
             file: self,
         })
+    }
+
+    /// GRPO's rules across sections, and its `[[reward]]` tables checked (a table without
+    /// `objective = "grpo"` is refused: nothing would read it).
+    fn grpo_rules(
+        &self,
+        path: &Path,
+        train: &TrainConfig,
+        data: &DataConfig,
+        lora: &LoraConfig,
+    ) -> Result<Vec<rtune_reward::Reward>> {
+        let bad = |key: &str, message: String| crate::invalid(path, key, message);
+        let crate::Objective::Grpo(g) = train.objective else {
+            if !self.rewards.is_empty() {
+                return Err(bad(
+                    "reward",
+                    format!(
+                        "[[reward]] tables are read by objective \"grpo\"; this run's objective \
+                         is \"{}\"",
+                        train.objective.name()
+                    ),
+                ));
+            }
+            return Ok(Vec::new());
+        };
+        let mut rewards =
+            rtune_reward::check_all(&self.rewards).map_err(|e| bad("reward", e.to_string()))?;
+        if rewards.is_empty() {
+            return Err(bad(
+                "reward",
+                "objective \"grpo\" needs at least one [[reward]] table (name, kind = regex | \
+                 answer | length | command)"
+                    .into(),
+            ));
+        }
+        if let Some(w) = &self.train.reward_weights {
+            if w.len() != rewards.len() {
+                return Err(bad(
+                    "train.reward_weights",
+                    format!(
+                        "has {} weights for {} [[reward]] tables (one each, in order)",
+                        w.len(),
+                        rewards.len()
+                    ),
+                ));
+            }
+            if let Some(r) = self.rewards.iter().find(|r| r.weight.is_some()) {
+                return Err(bad(
+                    "train.reward_weights",
+                    format!(
+                        "and [[reward]] `{}`'s weight both set its weight: use one of them",
+                        r.name.as_deref().unwrap_or_default()
+                    ),
+                ));
+            }
+            if let Some(x) = w.iter().find(|x| !x.is_finite()) {
+                return Err(bad(
+                    "train.reward_weights",
+                    format!("{x} is not a finite number"),
+                ));
+            }
+            for (r, w) in rewards.iter_mut().zip(w) {
+                r.weight = *w;
+            }
+        }
+        // TRL: the generation batch (micro-batch × steps_per_generation completions) holds
+        // whole groups.
+        let batch = train.micro_batch_size * g.steps_per_generation;
+        if !batch.is_multiple_of(g.num_generations) {
+            return Err(bad(
+                "train.num_generations",
+                format!(
+                    "{} does not divide the generation batch of {batch} completions \
+                     (micro_batch_size {} × steps_per_generation {}): a prompt's completions \
+                     are one group",
+                    g.num_generations, train.micro_batch_size, g.steps_per_generation
+                ),
+            ));
+        }
+        if g.max_completion_length >= data.max_seq_len {
+            return Err(bad(
+                "train.max_completion_length",
+                format!(
+                    "{} leaves no room for a prompt in data.max_seq_len = {} (a row is prompt + \
+                     completion: raise max_seq_len or lower max_completion_length)",
+                    g.max_completion_length, data.max_seq_len
+                ),
+            ));
+        }
+        let sft_only = [
+            (data.packing, "data.packing", "packs SFT examples"),
+            (
+                data.format != crate::RowFormat::Auto,
+                "data.format",
+                "is an SFT row format (GRPO reads prompt rows: leave format = \"auto\")",
+            ),
+            (
+                data.train_on_all,
+                "data.train_on",
+                "is for SFT chat rows (GRPO trains on its sampled completions)",
+            ),
+            (
+                !lora.trainable_tokens.is_empty(),
+                "lora.trainable_tokens",
+                "is not supported with objective \"grpo\" yet (SFT only)",
+            ),
+        ];
+        if let Some((_, key, why)) = sft_only.iter().find(|(set, _, _)| *set) {
+            return Err(bad(key, format!("{why}; this run's objective is \"grpo\"")));
+        }
+        Ok(rewards)
     }
 }
 

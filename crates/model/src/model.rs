@@ -91,6 +91,13 @@ pub enum HeadLoss<'a> {
     /// them per sequence): `weigh(nll)` gets every position's `−log p(target)` (0 where there is
     /// none) and returns the loss and `dloss/dnll` per position.
     PerToken(PerTokenLoss<'a>),
+    /// [`HeadLoss::PerToken`] on the logits divided by `temperature` (GRPO: TRL divides the
+    /// logits by the sampling temperature before its log-softmax): `weigh` gets every position's
+    /// `−log softmax(z / T)[target]`.
+    Tempered {
+        temperature: f64,
+        weigh: PerTokenLoss<'a>,
+    },
 }
 
 /// [`HeadLoss::PerToken`]'s function: every position's NLL → (loss, dloss/dnll per position).
@@ -962,12 +969,12 @@ impl Model {
             }
             let (h, norm_cache) = self.final_norm(&x)?;
             drop(x);
-            // The load-balancing loss under SFT only: this micro-batch's target tokens and its
-            // share of the step.
+            // The load-balancing loss under SFT only (the preference objectives and GRPO add none
+            // yet): this micro-batch's target tokens and its share of the step.
             let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
             let aux_weight = match &objective {
                 HeadLoss::Tokens { grad_scale } => grad_scale * n_targets,
-                HeadLoss::PerToken(_) => 0.0,
+                HeadLoss::PerToken(_) | HeadLoss::Tempered { .. } => 0.0,
             };
             let (mut loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
             let mut aux_grads = match self.aux_loss(&router_logits, aux_weight, n_targets) {

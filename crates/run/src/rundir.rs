@@ -139,9 +139,11 @@ pub fn check(dir: &Path) -> Result<Found, TrainError> {
 }
 
 /// Files of a run directory that a fresh run replaces.
-pub const RUN_FILES: [&str; 8] = [
+pub const RUN_FILES: [&str; 9] = [
     "summary.json",
     "samples.jsonl",
+    // GRPO's completions (objective = "grpo").
+    "rollouts.jsonl",
     "loss.svg",
     "adapter_model.safetensors",
     "adapter_config.json",

@@ -170,6 +170,9 @@ pub enum TrainError {
     TooLittleMemory { need: u64, have: u64, what: String },
     #[error("[output] remote: {0}")]
     Remote(Box<rtune_remote::RemoteError>),
+    /// A GRPO reward function failed (a command's death, hang, wrong count or garbage).
+    #[error(transparent)]
+    Reward(Box<rtune_reward::RewardError>),
     /// The final uploads did not reach the store within `[output] remote_timeout`.
     #[error("[output] remote: {message}; the local run in {} is complete", dir.display())]
     RemoteUpload { dir: PathBuf, message: String },
@@ -206,11 +209,18 @@ impl TrainError {
             | TrainError::Interrupted { .. }
             | TrainError::Candle { .. }
             | TrainError::RemoteUpload { .. } => false,
+            TrainError::Reward(r) => matches!(**r, rtune_reward::RewardError::Spec { .. }),
         }
     }
 
     pub(crate) fn candle(op: &'static str) -> impl Fn(candle_core::Error) -> TrainError {
         move |source| TrainError::Candle { op, source }
+    }
+}
+
+impl From<rtune_reward::RewardError> for TrainError {
+    fn from(e: rtune_reward::RewardError) -> Self {
+        TrainError::Reward(Box::new(e))
     }
 }
 

@@ -39,16 +39,27 @@ impl Model {
                 }
                 return Ok((loss, dh));
             }
-            HeadLoss::PerToken(weigh) => weigh,
+            HeadLoss::PerToken(weigh) => (weigh, 1.0),
+            HeadLoss::Tempered { temperature, weigh } => (weigh, *temperature),
         };
+        let (weigh, temperature) = weigh;
         if head.is_some() {
             candle_core::bail!(
                 "a per-sequence objective (preference training) with trainable token rows in a tied \
                  lm_head is not supported yet"
             );
         }
-        let (nll, dh) =
-            ops::chunked_cross_entropy_rows(h, &lm_head, softcap, targets, true, self.ce_chunk())?;
+        // z / T = (h / T)·Wᵀ without a soft cap: the rows scaled instead of the logits, and the
+        // gradient with respect to h is 1/T times the one with respect to h / T.
+        let hs = tempered(h, temperature, softcap)?;
+        let (nll, dh) = ops::chunked_cross_entropy_rows(
+            &hs,
+            &lm_head,
+            softcap,
+            targets,
+            true,
+            self.ce_chunk(),
+        )?;
         let (loss, weights) = weigh(&nll.to_vec1::<f32>()?)?;
         if weights.len() != targets.len() {
             candle_core::bail!(
@@ -58,6 +69,8 @@ impl Model {
             );
         }
         // d(Σ cᵢ·nllᵢ)/dh = c ⊙ d(Σ nllᵢ)/dh row by row (row i's logits depend on h[i] alone).
+        let inv_t = (1.0 / temperature) as f32;
+        let weights: Vec<f32> = weights.iter().map(|w| w * inv_t).collect();
         let c = Tensor::new(weights.as_slice(), h.device())?
             .to_dtype(h.dtype())?
             .unsqueeze(1)?;
@@ -73,6 +86,18 @@ impl Model {
         inp: &Inputs,
         targets: &[Option<u32>],
         lora: Option<&LoraCtx>,
+    ) -> Result<Vec<f32>> {
+        self.token_nll_at(inp, targets, lora, 1.0)
+    }
+
+    /// [`token_nll`](Self::token_nll) of the logits divided by `temperature` (GRPO's old and
+    /// reference log-probabilities, as TRL forms them).
+    pub fn token_nll_at(
+        &self,
+        inp: &Inputs,
+        targets: &[Option<u32>],
+        lora: Option<&LoraCtx>,
+        temperature: f64,
     ) -> Result<Vec<f32>> {
         let _autocast = rtune_backend::blas::autocast::scope(self.autocast);
         let run = || -> candle_core::Result<Vec<f32>> {
@@ -90,6 +115,7 @@ impl Model {
                 );
             }
             let softcap = self.cfg.variant.final_softcap;
+            let h = tempered(&h, temperature, softcap)?;
             let (nll, _) = ops::chunked_cross_entropy_rows(
                 &h,
                 &*self.lm_head()?,
@@ -169,3 +195,21 @@ impl Model {
         }
     }
 }
+
+/// `h / T` for the logits `z / T` (`h` itself at T = 1). A soft cap sits between `h·Wᵀ` and the
+/// division, so scaling the rows would not equal it: refused there.
+fn tempered(h: &Tensor, temperature: f64, softcap: Option<f64>) -> candle_core::Result<Tensor> {
+    if temperature == 1.0 {
+        return Ok(h.clone());
+    }
+    if softcap.is_some() {
+        candle_core::bail!(
+            "log-probabilities at temperature {temperature} with a final logit soft cap are not \
+             supported yet (set temperature = 1.0)"
+        );
+    }
+    h.affine(1.0 / temperature, 0.0)
+}
+
+#[cfg(test)]
+mod tests;

@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | [`sft`] | `sft` | examples (packed or padded) | next-token cross-entropy |
 //! | [`preference`] | `dpo`, `simpo`, `orpo`, `kto` | pairs (KTO: unpaired rows), 2 sequences each | a function of each sequence's log-probability |
-//! | [`grpo`] | (issue 44: the math so far, no recipe yet) | prompts; completions sampled in the step | TRL's clipped policy loss on per-token log-probabilities |
+//! | [`grpo`] | `grpo` | prompts; completions sampled in the step | TRL's clipped policy loss on per-token log-probabilities |
 //!
 //! The loop (`crate::trainer`) keeps what is hard to get right twice — resume, accumulation, the
 //! ranks, checkpoints — and asks the recipe, step after step, to [`draw`](Recipe::draw) its
@@ -208,6 +208,9 @@ pub trait WithRecipe {
 /// Runs `f` with the recipe `[train] objective` names: the one place the config's objective
 /// picks a recipe.
 pub fn with_recipe<F: WithRecipe>(cfg: &RunConfig, f: F) -> F::Out {
+    if let rtune_config::Objective::Grpo(g) = cfg.train.objective {
+        return f.run(grpo::recipe::Grpo::new(g, cfg));
+    }
     match preference::Loss::of(cfg.train.objective) {
         None => f.run(sft::Sft::default()),
         Some(loss) => f.run(preference::Preference::new(loss)),

@@ -4,16 +4,7 @@
 //! advantage 0. TRL's `nanstd` applies Bessel's correction (NaN for fewer than two values) and
 //! the scale divides by `std + 1e-4`.
 
-/// TRL's `scale_rewards`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScaleRewards {
-    /// By the std of the completion's group.
-    Group,
-    /// By the std of the whole batch.
-    Batch,
-    /// Not scaled (the group std still decides `frac_reward_zero_std`).
-    None,
-}
+pub use rtune_config::ScaleRewards;
 
 /// TRL's `multi_objective_aggregation`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

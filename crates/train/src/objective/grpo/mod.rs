@@ -1,51 +1,28 @@
 //! GRPO's math (issue 44), as TRL 1.16's `GRPOTrainer` computes it: the advantages from a
 //! generation batch's rewards ([`advantages()`]) and the policy loss on per-token log-probabilities
-//! with its hand-written gradient ([`loss`]). The recipe that samples, scores and calls these is
-//! still to come (its [`super::Recipe`] impl); these files hold no state and read no config file.
+//! with its hand-written gradient ([`loss`]); the recipe that samples, scores and calls them.
+//!
+//! | file | what |
+//! |---|---|
+//! | [`recipe`] | the [`super::Recipe`]: generation batches, the head, state for resume, rollouts.jsonl |
+//! | [`rollout`] | sampling with the live adapter, the old/reference log-probs, rows as micro-batches |
+//! | [`prompts`] | the prompt rows of the run's files, the stop tokens |
+//! | [`metrics`] | TRL's metric names |
+//! | [`advantages()`], [`loss`] | the math, stateless |
 
 pub mod advantages;
 pub mod loss;
+pub mod metrics;
+pub mod prompts;
+pub mod recipe;
+pub mod rollout;
 #[cfg(test)]
 mod tests;
 
 pub use advantages::{advantages, Advantages, Aggregation, ScaleRewards};
 pub use loss::{policy_loss, Normalizer, Rows, Stats, Step};
 
-/// TRL's `loss_type`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LossType {
-    /// Each completion's masked mean, averaged over completions.
-    Grpo,
-    /// The masked mean over every token of the micro-batch.
-    Bnpo,
-    /// The masked sum over `b · max_completion_length` (Dr. GRPO).
-    DrGrpo,
-    /// The masked sum over the generation batch's tokens (DAPO; TRL's default).
-    Dapo,
-    /// The clipped importance weight held constant, times `A · logp` (CISPO).
-    Cispo,
-    /// A soft gate `σ(τ(r − 1))·4/τ` instead of the clip (SAPO).
-    Sapo,
-}
-
-impl LossType {
-    /// The loss types with PPO's two-sided clip (and TRL's clip-ratio metrics).
-    pub fn is_clipped(self) -> bool {
-        matches!(
-            self,
-            LossType::Grpo | LossType::Bnpo | LossType::DrGrpo | LossType::Dapo
-        )
-    }
-}
-
-/// TRL's `importance_sampling_level`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Level {
-    /// One ratio per token.
-    Token,
-    /// One ratio per completion: the exp of the masked mean log-ratio (GSPO).
-    Sequence,
-}
+pub use rtune_config::{Level, LossType};
 
 /// The settings the policy loss reads (TRL's `GRPOConfig` names).
 #[derive(Debug, Clone, Copy, PartialEq)]

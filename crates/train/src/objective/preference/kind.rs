@@ -36,10 +36,10 @@ pub enum PairLoss {
 }
 
 impl Loss {
-    /// The preference loss `[train] objective` names; `None` for SFT.
+    /// The preference loss `[train] objective` names; `None` for SFT and GRPO.
     pub fn of(objective: Objective) -> Option<Loss> {
         Some(match objective {
-            Objective::Sft => return None,
+            Objective::Sft | Objective::Grpo(_) => return None,
             Objective::Dpo {
                 beta,
                 loss,
