@@ -99,7 +99,7 @@ struct ExpertCache {
     xa_down: Option<Tensor>,
 }
 
-/// The forward's cache: the groups and, per expert with rows, its [`ExpertCache`].
+/// The forward's cache: the groups and, per expert with rows, its `ExpertCache`.
 #[derive(Debug)]
 pub struct MoeCache {
     pub groups: Groups,
