@@ -651,3 +651,59 @@ fn rank_0s_evaluation_and_checkpoints_are_not_taken_for_a_hang() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(metrics(&tmp.path().join("phases")).len(), 4);
 }
+
+/// GRPO on two ranks is refused at start, naming the objective and why (each rank would sample
+/// and score its own groups, where TRL gathers whole groups), with exit 2 and nothing written; the
+/// same config runs in one process.
+#[test]
+fn grpo_on_two_ranks_is_refused_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"the cat sat on\"}\n{\"prompt\": \"one two\"}\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("grpo");
+    let cfg = tmp.path().join("grpo.toml");
+    let text = format!(
+        r#"[model]
+path = "{model}"
+[lora]
+r = 4
+alpha = 8
+[data]
+train = "{data}"
+max_seq_len = 32
+[train]
+seed = 11
+steps = 1
+micro_batch_size = 4
+lr = 1e-3
+objective = "grpo"
+num_generations = 4
+max_completion_length = 4
+[output]
+dir = "{out}"
+
+[[reward]]
+name = "format"
+kind = "regex"
+pattern = "e"
+"#,
+        model = fixture("fixtures/tiny-llama3").display(),
+        data = data.display(),
+        out = out.display(),
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let o = two_ranks(&cfg, &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("objective = \"grpo\" does not run data-parallel yet"),
+        "{err}"
+    );
+    assert!(!out.exists(), "nothing is written");
+    let o = single(&cfg, &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}

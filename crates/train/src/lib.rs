@@ -168,6 +168,15 @@ pub enum TrainError {
         *have as f64 / 1e6
     )]
     TooLittleMemory { need: u64, have: u64, what: String },
+    /// An objective that cannot run on several ranks yet, launched on several.
+    #[error(
+        "[train] objective = \"{objective}\" does not run data-parallel yet ({why}); run it in one \
+         process (without mpirun or srun)"
+    )]
+    NotDataParallel {
+        objective: &'static str,
+        why: &'static str,
+    },
     #[error("[output] remote: {0}")]
     Remote(Box<rtune_remote::RemoteError>),
     /// A GRPO reward function failed (a command's death, hang, wrong count or garbage).
@@ -198,6 +207,7 @@ impl TrainError {
             | TrainError::Ranks(_)
             | TrainError::OptimizerState
             | TrainError::TooLittleMemory { .. }
+            | TrainError::NotDataParallel { .. }
             | TrainError::ResumePastSteps { .. }
             | TrainError::Remote(_) => true,
             #[cfg(feature = "cuda")]

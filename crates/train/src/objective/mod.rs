@@ -109,6 +109,8 @@ pub struct About {
     /// `rtune data prepare`: why the token cache does not hold these rows (they are tokenized
     /// at the start of each run); `None`: the cache holds them.
     pub uncached: Option<String>,
+    /// Why the objective cannot run on several ranks (refused at start); `None`: it can.
+    pub single_rank: Option<&'static str>,
 }
 
 /// An objective as the training loop runs it (module docs). One value per run, made by

@@ -56,6 +56,15 @@ impl<'a, R: Recipe> Trainer<'a, R> {
         // wrongly (the settings leave `[distributed]` out: it may change on resume). The
         // settings (which hash the data) are made once; a file they cannot read is left to the
         // loader below, whose error names it (this rank's error then ends the job).
+        if let (true, Some(why)) = (
+            dist.world.is_distributed(),
+            crate::objective::about(cfg).single_rank,
+        ) {
+            return Err(TrainError::NotDataParallel {
+                objective: crate::objective::about(cfg).name,
+                why,
+            });
+        }
         let early = dist.world.is_distributed().then(|| setup::settings(cfg));
         if let Some(Ok(settings)) = &early {
             let d = &cfg.distributed;

@@ -339,6 +339,9 @@ impl Recipe for Grpo {
                  the start of each run)"
                     .into(),
             ),
+            // Each rank would sample its own groups and write its own rollouts.jsonl; TRL
+            // gathers the groups to compute advantages over whole groups.
+            single_rank: Some("each rank would sample and score its own groups"),
         }
     }
 

@@ -95,6 +95,7 @@ impl Recipe for Preference {
                  at the start of each run)",
                 self.loss.name()
             )),
+            single_rank: None,
         }
     }
 

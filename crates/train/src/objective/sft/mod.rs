@@ -42,6 +42,7 @@ impl Recipe for Sft {
             sides: &[],
             reference: false,
             uncached: None,
+            single_rank: None,
         }
     }
 
