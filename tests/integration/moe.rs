@@ -16,6 +16,22 @@ const QWEN3_MOE: (&str, &str) = (
     "fixtures/tiny-qwen3-moe",
     "parity/golden_tiny_qwen3_moe.safetensors",
 );
+const MIXTRAL: (&str, &str) = (
+    "fixtures/tiny-mixtral",
+    "parity/golden_tiny_mixtral.safetensors",
+);
+
+/// Logits, hidden states, loss (aux included), every LoRA gradient (with and without
+/// checkpointing), the aux loss alone as transformers' `aux_loss`, and three AdamW steps as PEFT;
+/// `near_zero`: first gradients exactly 0 allowed (see `check_adamw_allowing`).
+fn moe_matches_peft(c: &crate::parity::Case, near_zero: usize) {
+    check_forward_and_grads(c);
+    let want = c.golden.get("aux_loss").to_vec1::<f32>().unwrap()[0] as f64;
+    let got = c.model.last_aux_loss().expect("aux loss");
+    eprintln!("aux loss {got} vs {want}");
+    assert!((got - want).abs() / want <= 1e-5, "aux {got} vs {want}");
+    check_adamw_allowing(c, near_zero);
+}
 
 /// Qwen3-MoE: layers 0 and 2 sparse (8 experts, top-2, renormalised), layer 1 dense
 /// (`mlp_only_layers`); routers drawn wide so tokens spread; `output_router_logits` with
@@ -36,13 +52,28 @@ fn qwen3_moe_experts_and_aux_loss_match_peft() {
         .adapter
         .names
         .contains(&"model.layers.0.mlp.experts.base_layer".to_string()));
-    check_forward_and_grads(&c);
-    let want = c.golden.get("aux_loss").to_vec1::<f32>().unwrap()[0] as f64;
-    let got = c.model.last_aux_loss().expect("aux loss");
-    eprintln!("aux loss {got} vs {want}");
-    assert!((got - want).abs() / want <= 1e-5, "aux {got} vs {want}");
     // 13 entries seen (of 14k in the expert stacks), 4 in the dense goldens.
-    check_adamw_allowing(&c, 16);
+    moe_matches_peft(&c, 16);
+}
+
+/// Mixtral: every layer sparse (8 experts of width `intermediate_size`, top-2, the softmax's top
+/// k renormalised), Mistral's attention; loaded from the released per-expert layout
+/// (`block_sparse_moe.experts.N.w1/w3/w2`) into transformers 5's stacks, adapted under
+/// transformers 5's names (`mlp.experts.*`) as PEFT names them. As Qwen3-MoE against PEFT.
+#[test]
+fn mixtral_experts_and_aux_loss_match_peft() {
+    let per =
+        candle_core::safetensors::load(fixture(MIXTRAL.0).join("model.safetensors"), &Device::Cpu)
+            .unwrap();
+    assert!(per.contains_key("model.layers.1.block_sparse_moe.experts.7.w3.weight"));
+    let c = case(MIXTRAL.0, MIXTRAL.1);
+    let cfg = &c.model.cfg;
+    assert_eq!(cfg.arch, &rtune_model::family::MIXTRAL);
+    let moe = cfg.moe.as_ref().expect("a sparse model");
+    assert_eq!(moe.sparse_layers, [true, true]);
+    assert_eq!((moe.experts, moe.top_k, moe.aux_coef), (8, 2, Some(0.1)));
+    assert_eq!(c.adapter.pairs.len(), 2 * 4 + 2 * 2);
+    moe_matches_peft(&c, 16);
 }
 
 /// Released checkpoints store each expert apart (`experts.N.gate_proj` ...; transformers 5.24
@@ -102,17 +133,18 @@ fn qwen3_moe_fused_and_per_expert_layouts_load_alike() {
     assert_eq!(rel_err(&la, &lb), 0.0);
 }
 
-/// Qwen3-MoE through `rtune train` from the golden's init adapter (`[lora] targets` q/k/v/o,
+/// A mixture-of-experts family through `rtune train` from the golden's init adapter (`[lora] targets` q/k/v/o,
 /// `target_parameters` the two expert stacks), with checkpointing: every step's loss (aux term
 /// included) within 1e-5 relative of PEFT's, the adapter within 1e-4 of each tensor's largest
 /// entry after 3 AdamW steps; `aux_loss` logged apart; the adapter saved under exactly the keys
 /// PEFT's `get_peft_model_state_dict` gave (the golden's `peft_keys`), its config naming the
 /// parameters, so PEFT loads it with no missing or unexpected key.
-#[test]
-fn qwen3_moe_trains_as_peft_through_the_cli() {
+fn trains_as_peft_through_the_cli(
+    (model, golden): (&str, &str),
+) -> (tempfile::TempDir, std::path::PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    let g = Golden::load(&fixture(QWEN3_MOE.1));
+    let g = Golden::load(&fixture(golden));
     g.write_batch(&t.join("batch.jsonl"));
     write_init_adapter(&g, &t.join("init"));
     let (b, seq) = g.get("input_ids").dims2().unwrap();
@@ -139,7 +171,7 @@ gradient_checkpointing = true
 [output]
 dir = "{out}"
 "#,
-        model = fixture(QWEN3_MOE.0).display(),
+        model = fixture(model).display(),
         r = g.meta["r"],
         alpha = g.meta["lora_alpha"],
         init = t.join("init").display(),
@@ -174,6 +206,14 @@ dir = "{out}"
         serde_json::from_slice(&std::fs::read(out.join("adapter_config.json")).unwrap()).unwrap();
     assert_eq!(cfg["target_parameters"], g.meta["target_parameters"]);
     assert_eq!(cfg["target_modules"], g.meta["target_modules"]);
+    (tmp, out)
+}
+
+/// Qwen3-MoE through the CLI ([`trains_as_peft_through_the_cli`]); its adapter's export refused.
+#[test]
+fn qwen3_moe_trains_as_peft_through_the_cli() {
+    let (tmp, out) = trains_as_peft_through_the_cli(QWEN3_MOE);
+    let t = tmp.path();
     // Export does not handle expert stacks yet: refused as an input error, nothing written.
     let merged = t.join("merged");
     let o = rtune(&[
@@ -189,6 +229,12 @@ dir = "{out}"
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("target_parameters"), "{err}");
     assert!(!merged.exists());
+}
+
+/// Mixtral through the CLI, from its released per-expert checkpoint.
+#[test]
+fn mixtral_trains_as_peft_through_the_cli() {
+    trains_as_peft_through_the_cli(MIXTRAL);
 }
 
 /// `target_parameters` on a model without experts (Qwen3, dense): exit 2 before anything is

@@ -15,6 +15,12 @@ keys of make_arch_goldens.py (input_ids, labels, logits, base_logits, loss, hidd
 init.*, grad.*, adamw.*) plus `aux_loss` (before the coefficient); `loss` and `adamw.loss` include
 the aux term as transformers adds it. `meta.peft_keys` lists the adapter's saved key names
 (`get_peft_model_state_dict`), `meta.target_parameters` the parameters.
+Mixtral (`--only mixtral`): a tiny random `MixtralForCausalLM` (2 layers, every MLP 8 experts of
+width 32, top-2, softmax → top-k → renormalised; no router jitter; `output_router_logits` with
+`router_aux_loss_coef` 0.1), which transformers 5 saves in Mixtral's released per-expert layout
+(`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.N.w1/w3/w2.weight`) under
+tests/fixtures/tiny-mixtral/; PEFT as above (the parameters keep transformers 5's module names,
+`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`).
 Deterministic: seeded init, deterministic algorithms, CPU, f32, eager attention.
 """
 import json
@@ -25,7 +31,7 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "..", "fixtures")
@@ -41,6 +47,13 @@ MODELS = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[1], output_router_logits=True,
         router_aux_loss_coef=0.1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "mixtral": MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
+        num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
+        output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 
@@ -129,7 +142,7 @@ def cfg_vocab(model):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe)")
+    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:

@@ -117,6 +117,9 @@ pub struct HfConfig {
     pub router_aux_loss_coef: Option<f64>,
     #[serde(default)]
     pub output_router_logits: Option<bool>,
+    /// Mixtral's router noise in training (`router_jitter_noise`): random, so refused above 0.
+    #[serde(default)]
+    pub router_jitter_noise: Option<f64>,
 }
 
 fn d_eps() -> f64 {

@@ -286,15 +286,7 @@ impl Model {
             // MLP's inputs (gate, up or gate_up), down.
             // A sparse layer has no dense MLP: its experts are loaded below.
             let moe = match &cfg.moe {
-                Some(mc) if mc.sparse_layers[l] => Some(crate::moe::MoeMlp::load(
-                    w,
-                    format!("{p}.mlp"),
-                    mc.experts,
-                    mc.intermediate,
-                    d,
-                    mc.top_k,
-                    mc.routing,
-                )?),
+                Some(mc) if mc.sparse_layers[l] => Some(crate::moe::MoeMlp::load(w, &p, mc, d)?),
                 _ => None,
             };
             let mut mods = linears

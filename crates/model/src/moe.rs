@@ -55,45 +55,50 @@ impl MoeLayerCache {
 }
 
 impl MoeMlp {
-    /// Loads layer `prefix`'s router and experts: the fused stacks of transformers 5, else the
-    /// per-expert `experts.N.{gate,up,down}_proj.weight` of the released checkpoints, stacked.
+    /// Loads layer `layer`'s router and experts (`h`: the hidden width): transformers 5's fused
+    /// stacks under `<layer>.mlp`, else the family's released per-expert layout
+    /// ([`crate::config::moe::Released`]: Qwen3-MoE's `mlp.experts.N.{gate,up,down}_proj`,
+    /// Mixtral's `block_sparse_moe.experts.N.{w1,w3,w2}`), stacked. The adapter's names are
+    /// transformers 5's (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's.
     pub fn load(
         w: &dyn TensorSource,
-        prefix: String,
-        e: usize,
-        i: usize,
+        layer: &str,
+        mc: &crate::config::moe::MoeConfig,
         h: usize,
-        top_k: usize,
-        routing: Routing,
     ) -> ModelResult<MoeMlp> {
-        let router = w.tensor(&format!("{prefix}.gate.weight"), &[e, h])?;
+        let (e, i, top_k, routing) = (mc.experts, mc.intermediate, mc.top_k, mc.routing);
+        let prefix = format!("{layer}.mlp");
         let fused = format!("{prefix}.experts.gate_up_proj");
-        let (gate_up, down) = match w.tensor(&fused, &[e, 2 * i, h]) {
+        let (router, gate_up, down) = match w.tensor(&fused, &[e, 2 * i, h]) {
             Ok(gu) => (
+                w.tensor(&format!("{prefix}.gate.weight"), &[e, h])?,
                 gu,
                 w.tensor(&format!("{prefix}.experts.down_proj"), &[e, h, i])?,
             ),
             Err(ModelError::MissingTensor { .. }) => {
+                let module = format!("{layer}.{}", mc.released.module);
+                let [gate, up, down] = mc.released.names;
                 let per = |n: usize, p: &str, shape: &[usize]| {
-                    w.tensor(&format!("{prefix}.experts.{n}.{p}.weight"), shape)
+                    w.tensor(&format!("{module}.experts.{n}.{p}.weight"), shape)
                 };
+                let router = w.tensor(&format!("{module}.gate.weight"), &[e, h])?;
                 let mut gu = Vec::with_capacity(e);
                 let mut dn = Vec::with_capacity(e);
                 for n in 0..e {
-                    let g = per(n, "gate_proj", &[i, h])?;
-                    let u = per(n, "up_proj", &[i, h])?;
+                    let g = per(n, gate, &[i, h])?;
+                    let u = per(n, up, &[i, h])?;
                     gu.push(
                         Tensor::cat(&[g, u], 0)
                             .map_err(|err| ModelError::candle(format!("{prefix}: stack"), err))?,
                     );
-                    dn.push(per(n, "down_proj", &[h, i])?);
+                    dn.push(per(n, down, &[h, i])?);
                 }
                 let stack = |v: Vec<Tensor>| {
                     Tensor::stack(&v, 0).map_err(|err| {
                         ModelError::candle(format!("{prefix}: stacking {e} experts"), err)
                     })
                 };
-                (stack(gu)?, stack(dn)?)
+                (router, stack(gu)?, stack(dn)?)
             }
             Err(other) => return Err(other),
         };

@@ -22,6 +22,18 @@ pub struct MoeConfig {
     /// ([`rtune_ops::route::aux_loss`]) times this is added to the loss, as transformers adds
     /// it; `None`: no aux loss.
     pub aux_coef: Option<f64>,
+    /// Where the family's released checkpoints keep a sparse layer's router and experts when
+    /// they are not transformers 5's fused stacks under `mlp`.
+    pub released: Released,
+}
+
+/// A released checkpoint's per-expert layout: `<layer>.<module>.gate.weight` (the router) and
+/// `<layer>.<module>.experts.N.<name>.weight` for gate, up and down, stacked at load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Released {
+    pub module: &'static str,
+    /// `[gate, up, down]`.
+    pub names: [&'static str; 3],
 }
 
 /// Qwen3-MoE's keys (transformers' `Qwen3MoeConfig` defaults): `num_experts` (128),
@@ -60,5 +72,45 @@ pub(crate) fn qwen3_moe(c: &HfConfig, layers: usize) -> Result<MoeConfig, String
         },
         sparse_layers,
         aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
+        released: Released {
+            module: "mlp",
+            names: ["gate_proj", "up_proj", "down_proj"],
+        },
+    })
+}
+
+/// Mixtral's keys (transformers' `MixtralConfig` defaults): `num_local_experts` (8),
+/// `num_experts_per_tok` (2), `intermediate_size` (each expert's width, 14336),
+/// `router_aux_loss_coef` (0.001), `output_router_logits` (false); every layer sparse; the top-k of
+/// the softmax always renormalised. `router_jitter_noise` > 0 (random noise on the router's input
+/// in training) is refused: no run with it is reproducible. Released checkpoints keep the experts
+/// as `block_sparse_moe.experts.N.w1` (gate), `w3` (up), `w2` (down).
+pub(crate) fn mixtral(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> {
+    let experts = c.num_experts.unwrap_or(8);
+    let top_k = c.num_experts_per_tok.unwrap_or(2);
+    if experts == 0 || top_k == 0 || top_k > experts {
+        return Err(format!(
+            "num_experts_per_tok = {top_k} of num_local_experts = {experts}: a token needs 1 to \
+             num_local_experts experts"
+        ));
+    }
+    if let Some(j) = c.router_jitter_noise.filter(|&j| j != 0.0) {
+        return Err(format!(
+            "router_jitter_noise = {j}: random noise on the router's input in training is not \
+             supported (set it to 0.0 in config.json)"
+        ));
+    }
+    let coef = c.router_aux_loss_coef.unwrap_or(0.001);
+    Ok(MoeConfig {
+        experts,
+        top_k,
+        intermediate: c.intermediate_size,
+        routing: Routing::SoftmaxTopK { normalize: true },
+        sparse_layers: vec![true; layers],
+        aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
+        released: Released {
+            module: "block_sparse_moe",
+            names: ["w1", "w3", "w2"],
+        },
     })
 }

@@ -450,3 +450,38 @@ fn qwen3_moe_maps_experts_and_sparse_layers() {
     let e = qwen3_moe(r#","decoder_sparse_step":0"#).unwrap_err();
     assert!(e.to_string().contains("decoder_sparse_step = 0"), "{e}");
 }
+
+/// Mixtral: transformers' defaults (8 experts, top-2, every layer sparse, the top k always
+/// renormalised, `intermediate_size` the experts' width), the released layout's names, and
+/// `router_jitter_noise` > 0 refused (random noise on the router's input).
+#[test]
+fn mixtral_maps_experts_and_refuses_router_noise() {
+    let cfg = |extra: &str| {
+        let text = format!(
+            r#"{{"architectures":["MixtralForCausalLM"],"hidden_size":64,"intermediate_size":32,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
+        );
+        serde_json::from_str::<HfConfig>(&text)
+            .unwrap()
+            .into_config(Path::new("config.json"))
+    };
+    let c = cfg("").unwrap();
+    let m = c.moe.as_ref().unwrap();
+    assert_eq!((m.experts, m.top_k, m.intermediate), (8, 2, 32));
+    assert_eq!(
+        m.routing,
+        rtune_ops::route::Routing::SoftmaxTopK { normalize: true }
+    );
+    assert_eq!(m.sparse_layers, [true; 3]);
+    assert_eq!(m.aux_coef, None);
+    assert_eq!(
+        (m.released.module, m.released.names),
+        ("block_sparse_moe", ["w1", "w3", "w2"])
+    );
+    let c = cfg(r#","num_local_experts":4,"output_router_logits":true,"router_jitter_noise":0.0"#)
+        .unwrap();
+    let m = c.moe.as_ref().unwrap();
+    assert_eq!((m.experts, m.aux_coef), (4, Some(0.001)));
+    let e = cfg(r#","router_jitter_noise":0.01"#).unwrap_err();
+    assert!(e.to_string().contains("router_jitter_noise = 0.01"), "{e}");
+}

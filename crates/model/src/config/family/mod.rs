@@ -15,6 +15,7 @@ mod gemma2;
 mod gemma3;
 mod llama;
 mod mistral;
+mod mixtral;
 mod olmo2;
 mod phi3;
 mod qwen2;
@@ -25,6 +26,7 @@ pub use gemma2::GEMMA2;
 pub use gemma3::GEMMA3;
 pub use llama::LLAMA;
 pub use mistral::MISTRAL;
+pub use mixtral::MIXTRAL;
 pub use olmo2::OLMO2;
 pub use phi3::PHI3;
 pub use qwen2::QWEN2;
@@ -34,8 +36,8 @@ pub use qwen3_moe::QWEN3_MOE;
 use crate::config::{HfConfig, ModelConfig, Variant};
 
 /// Every family rtune builds, looked up by config.json's `architectures`.
-pub static FAMILIES: [&Family; 9] = [
-    &LLAMA, &MISTRAL, &QWEN2, &QWEN3, &GEMMA2, &GEMMA3, &PHI3, &OLMO2, &QWEN3_MOE,
+pub static FAMILIES: [&Family; 10] = [
+    &LLAMA, &MISTRAL, &QWEN2, &QWEN3, &GEMMA2, &GEMMA3, &PHI3, &OLMO2, &QWEN3_MOE, &MIXTRAL,
 ];
 
 /// The family whose `architectures` name is `name`.
