@@ -16,6 +16,7 @@ fuzz_target!(|data: &[u8]| {
             name: format!("model.layers.{i}.self_attn.q_proj"),
             in_features: 8,
             out_features: 8,
+            experts: 1,
         })
         .collect();
     let dir = std::path::Path::new("fuzz-adapter");
