@@ -42,7 +42,8 @@ fn smoke_run_memorises_and_generates() {
     // accuracy is benchmarked by benches/estimate_vs_measured.sh (smoke: 1.007); this test checks
     // the wiring, with a band loose enough for RSS noise of machines other than the dev box, and
     // of a loaded one: with four other builds running, the 26 MB estimate met a 41 MB peak (0.63;
-    // allocator arenas of threads that waited). A wrong unit or a missing term is off by far more.
+    // why the peak grows under load was not found). A wrong unit or a missing term is off by far
+    // more.
     let est = summary["estimated_peak_bytes"].as_u64().unwrap();
     let ratio = est as f64 / peak as f64;
     assert!(
