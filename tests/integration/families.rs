@@ -12,8 +12,18 @@ use crate::common::{
 
 /// Trains `model` (a fixture directory) through the CLI from `golden`'s init adapter on its
 /// batch and checks losses and the adapter against the golden's AdamW loop; the run is in
-/// `<returned>/out`.
+/// `<returned>/out`. LoRA on every linear module.
 fn train_matches_golden(model: &str, golden: &str) -> tempfile::TempDir {
+    train_matches_golden_with(model, golden, r#"targets = "all-linear""#)
+}
+
+/// [`train_matches_golden`] with `targets`: the `[lora]` lines that say what is adapted (the
+/// mixture-of-experts families add `target_parameters`).
+pub(crate) fn train_matches_golden_with(
+    model: &str,
+    golden: &str,
+    targets: &str,
+) -> tempfile::TempDir {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let g = Golden::load(&fixture(golden));
@@ -26,7 +36,7 @@ path = "{model}"
 [lora]
 r = {r}
 alpha = {alpha}
-targets = "all-linear"
+{targets}
 init_from = "{init}"
 [data]
 train = "{data}"

@@ -7,9 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use rtune_model::{Inputs, Model};
 use std::collections::HashMap;
 
-use crate::common::{
-    assert_trained_as_golden, fixture, rel_err, rtune, stderr, write_init_adapter, Golden,
-};
+use crate::common::{fixture, rel_err, rtune, stderr, Golden};
 use crate::parity::{case, check_adamw_allowing, check_forward_and_grads};
 
 const QWEN3_MOE: (&str, &str) = (
@@ -142,47 +140,14 @@ fn qwen3_moe_fused_and_per_expert_layouts_load_alike() {
 fn trains_as_peft_through_the_cli(
     (model, golden): (&str, &str),
 ) -> (tempfile::TempDir, std::path::PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path();
-    let g = Golden::load(&fixture(golden));
-    g.write_batch(&t.join("batch.jsonl"));
-    write_init_adapter(&g, &t.join("init"));
-    let (b, seq) = g.get("input_ids").dims2().unwrap();
-    let cfg = format!(
-        r#"[model]
-path = "{model}"
-[lora]
-r = {r}
-alpha = {alpha}
-targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-init_from = "{init}"
-[data]
-train = "{data}"
-max_seq_len = {seq}
-shuffle = false
-[train]
-steps = 3
-micro_batch_size = {b}
-lr = 1e-3
-schedule = "constant"
-max_grad_norm = 0.0
-gradient_checkpointing = true
-[output]
-dir = "{out}"
-"#,
-        model = fixture(model).display(),
-        r = g.meta["r"],
-        alpha = g.meta["lora_alpha"],
-        init = t.join("init").display(),
-        data = t.join("batch.jsonl").display(),
-        out = t.join("out").display(),
+    let tmp = crate::families::train_matches_golden_with(
+        model,
+        golden,
+        r#"targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]"#,
     );
-    std::fs::write(t.join("run.toml"), cfg).unwrap();
-    let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let out = t.join("out");
-    assert_trained_as_golden(&out, &g);
+    let out = tmp.path().join("out");
+    let g = Golden::load(&fixture(golden));
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     let want = g.get("aux_loss").to_vec1::<f32>().unwrap()[0] as f64;
