@@ -176,6 +176,25 @@ fn cache_inputs(
     Ok(m)
 }
 
+/// The template conversational rows render with, as chat rows take it: `[data] chat_template`,
+/// else the model's, with `[data] chat_template_kwargs` set; `None` without either.
+pub fn chat_template(
+    d: &DataConfig,
+    tok: Option<&Tokenizer>,
+) -> Result<Option<ChatTemplate>, TrainError> {
+    let opts = options(d, tok)?;
+    let template = match (opts.chat_template, tok) {
+        (Some(t), _) => Some(t),
+        (None, Some(tok)) => ChatTemplate::from_tokenizer(tok)?,
+        (None, None) => None,
+    };
+    Ok(template.map(|t| {
+        opts.chat_template_kwargs
+            .iter()
+            .fold(t, |t, (k, v)| t.with_var(k, v))
+    }))
+}
+
 /// The data options of the config, with the chat template override loaded.
 pub fn options(d: &DataConfig, tok: Option<&Tokenizer>) -> Result<DataOptions, TrainError> {
     use rtune_config::RowFormat as R;

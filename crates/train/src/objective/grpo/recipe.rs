@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use rtune_config::{Grpo as GrpoConfig, RunConfig};
-use rtune_data::{Batcher, ChatTemplate, MicroBatch, Prompt, Tokenizer};
+use rtune_data::{Batcher, MicroBatch, Prompt, Tokenizer};
 use rtune_infer::warp::Warpers;
 use rtune_reward::{Reward, Rewards, Sample};
 
@@ -353,17 +353,7 @@ impl Recipe for Grpo {
         tok: Option<&Tokenizer>,
         vocab: usize,
     ) -> Result<RunData, TrainError> {
-        let opts = crate::dataset::options(&cfg.data, tok)?;
-        let template = match (opts.chat_template, tok) {
-            (Some(t), _) => Some(t),
-            (None, Some(tok)) => ChatTemplate::from_tokenizer(tok)?,
-            (None, None) => None,
-        }
-        .map(|t| {
-            opts.chat_template_kwargs
-                .iter()
-                .fold(t, |t, (k, v)| t.with_var(k, v))
-        });
+        let template = crate::dataset::chat_template(&cfg.data, tok)?;
         let (prompts, report) = super::prompts::load(
             cfg,
             self.g.max_completion_length,

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 
 use rtune_config::RunConfig;
 use rtune_data::cache::RowCounts;
-use rtune_data::{Batcher, ChatTemplate, Layout, MicroBatch, Pair, PairBatch, PairSet, Tokenizer};
+use rtune_data::{Batcher, Layout, MicroBatch, Pair, PairBatch, PairSet, Tokenizer};
 
 pub use loss::{Loss, PairLoss, PairSums, StepTotals};
 
@@ -109,17 +109,7 @@ impl Recipe for Preference {
     ) -> Result<RunData, TrainError> {
         // The template conversational pairs render with: `[data] chat_template` or the model's,
         // with `chat_template_kwargs`, as chat rows take it.
-        let opts = crate::dataset::options(&cfg.data, tok)?;
-        let template = match (opts.chat_template, tok) {
-            (Some(t), _) => Some(t),
-            (None, Some(tok)) => ChatTemplate::from_tokenizer(tok)?,
-            (None, None) => None,
-        }
-        .map(|t| {
-            opts.chat_template_kwargs
-                .iter()
-                .fold(t, |t, (k, v)| t.with_var(k, v))
-        });
+        let template = crate::dataset::chat_template(&cfg.data, tok)?;
         let p = pairs::load(cfg, &self.loss, tok, template.as_ref(), vocab)?;
         let sequences = pairs::PairData::as_examples(&p.train);
         let report = PairFiles {
