@@ -374,14 +374,7 @@ fn dora_kill_then_resume_is_bitwise_identical() {
     assert!(o.status.success(), "{}", stderr(&o));
     let out = tmp.path().join("killed");
     let cfg = dora_cfg(&out);
-    let mut child = crate::resume::spawn_until_step(&cfg, &out, 6);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert!(!out.join("summary.json").exists());
-    let o = crate::resume::train(&cfg, &["--resume"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let read = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
-    assert_eq!(read(&reference), read(&out), "adapters differ");
+    crate::resume::kill_then_resume_equals(&cfg, &out, 6, &reference);
     let losses = |d: &Path| -> Vec<String> {
         std::fs::read_to_string(d.join("metrics.jsonl"))
             .unwrap()

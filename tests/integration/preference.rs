@@ -357,18 +357,7 @@ save_every = 3
     }
     let out = t.join("killed");
     let cfg = config(&out);
-    let mut child = crate::resume::spawn_until_step(&cfg, &out, 5);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    assert!(!out.join("summary.json").exists(), "killed before the end");
-    let o = crate::resume::train(&cfg, &["--resume"]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
-    assert_eq!(
-        std::fs::read(reference.join("adapter_model.safetensors")).unwrap(),
-        std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
-        "adapters differ"
-    );
+    crate::resume::kill_then_resume_equals(&cfg, &out, 5, &reference);
     assert_eq!(crate::resume::metrics(&reference), lines);
     assert_eq!(crate::resume::metrics(&out), lines, "metrics differ");
 }

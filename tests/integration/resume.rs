@@ -110,6 +110,21 @@ pub(crate) fn spawn_until_step(cfg: &Path, out: &Path, steps: usize) -> std::pro
     child
 }
 
+/// `kill -9` of a run of `cfg` once `steps` lines are in metrics.jsonl, then `--resume`: it must
+/// say so and end with the uninterrupted run's adapter (in `reference`), byte for byte. The caller
+/// compares what else its objective writes.
+pub(crate) fn kill_then_resume_equals(cfg: &Path, out: &Path, steps: usize, reference: &Path) {
+    let mut child = spawn_until_step(cfg, out, steps);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.join("summary.json").exists(), "killed before the end");
+    let o = train(cfg, &["--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
+    let read = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
+    assert_eq!(read(reference), read(out), "adapters differ");
+}
+
 #[test]
 fn sigterm_then_resume_is_bitwise_identical() {
     let tmp = tempfile::tempdir().unwrap();
