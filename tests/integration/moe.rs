@@ -237,3 +237,41 @@ dir = "{out}"
     );
     assert!(!t.join("out").exists());
 }
+
+/// Padding stays out of the load-balancing loss, as transformers' attention mask leaves it out:
+/// with each row's length given (`Inputs::lens`, which every training batch sets), what the pad
+/// ids are changes nothing (1e-6 relative: only the experts' group sizes change, which may round
+/// a real token's product in another order); without the lengths the pad tokens are routed and
+/// counted, and the loss moves by far more.
+#[test]
+fn padding_is_left_out_of_the_aux_loss() {
+    let c = case(QWEN3_MOE.0, QWEN3_MOE.1);
+    let (b, t, real) = (2, 12, [12, 4]);
+    let ids = |pad: u32| -> Vec<u32> {
+        (0..b * t)
+            .map(|i| match i < t || i - t < real[1] {
+                true => 3 + (i as u32 * 37) % 250,
+                false => pad + i as u32,
+            })
+            .collect()
+    };
+    // Next-token targets on the real tokens only.
+    let targets: Vec<Option<u32>> = (0..b * t)
+        .map(|i| {
+            let (r, p) = (i / t, i % t);
+            (p + 1 < real[r]).then(|| ids(0)[i + 1])
+        })
+        .collect();
+    let loss = |pad: u32, lens: Option<Vec<usize>>| {
+        let mut inp = Inputs::new(ids(pad), b, t);
+        inp.lens = lens;
+        c.model.eval_loss(&inp, &targets, None).unwrap()
+    };
+    let lens = Some(real.to_vec());
+    let (a, z) = (loss(0, lens.clone()), loss(200, lens));
+    let (ua, uz) = (loss(0, None), loss(200, None));
+    eprintln!("masked {a} {z}; unmasked {ua} {uz}");
+    assert!((a - z).abs() <= 1e-6 * a.abs(), "{a} vs {z}");
+    assert!((ua - uz).abs() > 1e-4 * ua.abs(), "{ua} vs {uz}");
+    assert!((a - ua).abs() > 1e-4 * a.abs(), "{a} vs {ua}");
+}

@@ -42,6 +42,7 @@ fn run(c: &Case, mb: MicroBatch, checkpoint: bool, grads: &mut Grads) -> f64 {
         b: mb.b,
         t: mb.t,
         segments: mb.segments,
+        lens: Some(mb.lens),
     };
     c.model
         .forward_backward(

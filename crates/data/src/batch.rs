@@ -23,6 +23,8 @@ pub struct MicroBatch {
     pub targets: Vec<Option<u32>>,
     /// Non-padding tokens.
     pub tokens: usize,
+    /// Each row's non-padding tokens (`b` values): a row's padding is after them.
+    pub lens: Vec<usize>,
     /// Packed rows: the sample of each position within its row ([`PAD_SEGMENT`] for padding).
     pub segments: Option<Vec<u32>>,
 }
@@ -45,6 +47,7 @@ impl MicroBatch {
         let mut input_ids = vec![pad_id; b * t];
         let mut targets = vec![None; b * t];
         let mut tokens = 0;
+        let lens = examples.iter().map(|e| e.input_ids.len()).collect();
         for (r, e) in examples.iter().enumerate() {
             let row = r * t;
             input_ids[row..row + e.input_ids.len()].copy_from_slice(&e.input_ids);
@@ -64,6 +67,7 @@ impl MicroBatch {
             positions,
             targets,
             tokens,
+            lens,
             segments: None,
         }
     }
@@ -79,6 +83,7 @@ impl MicroBatch {
         let mut positions = vec![0u32; b * t];
         let mut segments = vec![PAD_SEGMENT; b * t];
         let mut tokens = 0;
+        let lens = rows.iter().map(row_len).collect();
         for (r, samples) in rows.iter().enumerate() {
             let mut at = r * t;
             for (s, e) in samples.iter().enumerate() {
@@ -111,6 +116,7 @@ impl MicroBatch {
             positions,
             targets,
             tokens,
+            lens,
             segments: Some(segments),
         }
     }

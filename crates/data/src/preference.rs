@@ -580,6 +580,7 @@ impl PairBatch {
                 positions: (0..2 * b).flat_map(|_| 0..t as u32).collect(),
                 targets,
                 tokens,
+                lens: seqs.iter().map(|(p, c)| p.len() + c.len()).collect(),
                 segments: None,
             },
             completion,

@@ -66,6 +66,9 @@ pub struct Inputs {
     /// Packed rows: the sample each position belongs to, `(B, T)`; attention never crosses
     /// samples (block-diagonal causal mask). `None`: one sample a row.
     pub segments: Option<Vec<u32>>,
+    /// Each row's real tokens (`B` values), its padding after them; `None`: no padding. Only the
+    /// load-balancing loss reads it (transformers' attention mask leaves padding out of it).
+    pub lens: Option<Vec<usize>>,
 }
 
 impl Inputs {
@@ -78,7 +81,18 @@ impl Inputs {
             b,
             t,
             segments: None,
+            lens: None,
         }
+    }
+
+    /// `(B·T)` 1 for a real token, 0 for padding; `None` when there is no padding.
+    pub fn real_tokens(&self) -> Option<Vec<f32>> {
+        let lens = self.lens.as_ref()?;
+        Some(
+            lens.iter()
+                .flat_map(|&n| (0..self.t).map(move |i| if i < n { 1.0 } else { 0.0 }))
+                .collect(),
+        )
     }
 }
 
@@ -969,14 +983,16 @@ impl Model {
                 HeadLoss::PerToken(_) | HeadLoss::Tempered { .. } => 0.0,
             };
             let (mut loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
-            let mut aux_grads = match self.aux_loss(&router_logits, aux_weight, n_targets) {
-                Some((aux, term, g)) => {
-                    *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = Some(aux);
-                    loss += term;
-                    g
-                }
-                None => Vec::new(),
-            };
+            let real = inp.real_tokens();
+            let mut aux_grads =
+                match self.aux_loss(&router_logits, real.as_deref(), aux_weight, n_targets) {
+                    Some((aux, term, g)) => {
+                        *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = Some(aux);
+                        loss += term;
+                        g
+                    }
+                    None => Vec::new(),
+                };
             drop(h);
             let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
             // Each layer kept from the forward, or gathered once for the recompute and the
@@ -1021,11 +1037,12 @@ impl Model {
     /// coefficient, its term in [`Model::train_pass`]'s summed loss, and each layer's gradient
     /// of `coef · aux · weight`. `weight` is this micro-batch's share of the step (its target
     /// tokens times `grad_scale`: 1 for a step of one micro-batch, where the trainer's
-    /// `loss = CE + coef · aux` is transformers'). Every token counts (transformers' mask is the
-    /// attention mask; rtune's rows are padded after their targets).
+    /// `loss = CE + coef · aux` is transformers'). `real` (`T` values, 1 = a real token; see
+    /// [`Inputs::real_tokens`]) leaves padding out, as transformers' attention mask does.
     pub(super) fn aux_loss(
         &self,
         logits: &[Vec<f32>],
+        real: Option<&[f32]>,
         weight: f64,
         n_targets: f64,
     ) -> Option<(f64, f64, Vec<Vec<f32>>)> {
@@ -1035,7 +1052,7 @@ impl Model {
             return None;
         }
         let layers: Vec<&[f32]> = logits.iter().map(Vec::as_slice).collect();
-        let (aux, mut grads) = ops::route::aux_loss(&layers, moe.experts, moe.top_k, None);
+        let (aux, mut grads) = ops::route::aux_loss(&layers, moe.experts, moe.top_k, real);
         let scale = (coef * weight) as f32;
         grads
             .iter_mut()

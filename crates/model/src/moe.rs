@@ -151,7 +151,7 @@ impl MoeMlp {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let routed = route(&logits, e, self.top_k, self.routing);
+        let routed = route(&logits, e, self.top_k, self.routing)?;
         // transformers rounds the weights to the model dtype before they scale the experts.
         let weights = round_to(&routed.weights, x.dtype())?;
         let [gu, dn] = self.pairs(lora)?;
@@ -204,7 +204,7 @@ impl MoeMlp {
                 Grads::add(&mut grads.b[i], db)?;
             }
         }
-        let mut dlogits = route_backward(&c.routed, &g.dweights, e, self.routing);
+        let mut dlogits = route_backward(&c.routed, &g.dweights, e, self.routing)?;
         if let Some(aux) = &c.aux_grad {
             dlogits.iter_mut().zip(aux).for_each(|(d, a)| *d += a);
         }

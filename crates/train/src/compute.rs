@@ -16,6 +16,7 @@ pub(crate) fn take_inputs(mb: &mut MicroBatch) -> Inputs {
         b: mb.b,
         t: mb.t,
         segments: mb.segments.take(),
+        lens: Some(mb.lens.clone()),
     }
 }
 

@@ -153,7 +153,7 @@ impl Model {
             // transformers adds the load-balancing term to an evaluation's loss too.
             let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
             let aux = self
-                .aux_loss(&router_logits, 0.0, n_targets)
+                .aux_loss(&router_logits, inp.real_tokens().as_deref(), 0.0, n_targets)
                 .map_or(0.0, |(_, term, _)| term);
             let (h, _) = self.final_norm(&x)?;
             let head = self.head_rows(lora)?;

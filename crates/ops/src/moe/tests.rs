@@ -27,7 +27,7 @@ fn routing(seed: u64) -> (Vec<u32>, Vec<f32>) {
             r
         })
         .collect();
-    let r = route(&masked, E, K, Routing::SoftmaxTopK { normalize: true });
+    let r = route(&masked, E, K, Routing::SoftmaxTopK { normalize: true }).unwrap();
     (r.experts, r.weights)
 }
 
@@ -245,7 +245,7 @@ fn moe_timing() {
     let (ag, bg) = (randn(&[e * r, h], 4, 0.05), randn(&[2 * i, r * e], 5, 0.05));
     let (ad, bd) = (randn(&[e * r, i], 6, 0.05), randn(&[h, r * e], 7, 0.05));
     let logits = flat(&randn(&[t, e], 8, 3.0));
-    let routed = route(&logits, e, k, Routing::SoftmaxTopK { normalize: true });
+    let routed = route(&logits, e, k, Routing::SoftmaxTopK { normalize: true }).unwrap();
     let ex = Experts {
         gate_up: &gate_up,
         down: &down,

@@ -12,6 +12,8 @@
 //! [`aux_loss`] is transformers' `load_balancing_loss_func` over every layer's logits (what
 //! `output_router_logits` adds, times `router_aux_loss_coef`), with its gradient.
 
+use candle_core::{bail, Result};
+
 #[cfg(test)]
 mod tests;
 
@@ -55,10 +57,18 @@ fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
-/// Routes `n` tokens from their `n × e` router logits to `k` experts each.
-pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Routed {
-    assert!(k >= 1 && k <= e, "route: top-{k} of {e} experts");
-    assert_eq!(logits.len() % e, 0, "route: logits are not n × {e}");
+/// Routes `n` tokens from their `n × e` router logits to `k` experts each. Errors: `k` not in
+/// `1..=e`, or logits that are not `n × e`.
+pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Result<Routed> {
+    if k == 0 || k > e {
+        bail!("route: top-{k} of {e} experts (k must be in 1..={e})");
+    }
+    if !logits.len().is_multiple_of(e) {
+        bail!(
+            "route: router logits of {} values are not n × {e} experts",
+            logits.len()
+        );
+    }
     let n = logits.len() / e;
     let mut r = Routed {
         k,
@@ -94,18 +104,25 @@ pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Routed {
             }
         }
     }
-    r
+    Ok(r)
 }
 
-/// `∂L/∂logits` (`n × e`) from `∂L/∂weights` (`n × k`, paired with `routed.experts`).
-pub fn route_backward(routed: &Routed, dweights: &[f32], e: usize, routing: Routing) -> Vec<f32> {
+/// `∂L/∂logits` (`n × e`) from `∂L/∂weights` (`n × k`, paired with `routed.experts`). Errors:
+/// `dweights` not `n × k`.
+pub fn route_backward(
+    routed: &Routed,
+    dweights: &[f32],
+    e: usize,
+    routing: Routing,
+) -> Result<Vec<f32>> {
     let k = routed.k;
     let n = routed.experts.len() / k;
-    assert_eq!(
-        dweights.len(),
-        n * k,
-        "route backward: dweights are not n × k"
-    );
+    if dweights.len() != n * k {
+        bail!(
+            "route backward: dweights of {} values are not n × k = {n} × {k}",
+            dweights.len()
+        );
+    }
     let mut dlogits = vec![0f32; n * e];
     for t in 0..n {
         let ex = &routed.experts[t * k..(t + 1) * k];
@@ -138,7 +155,7 @@ pub fn route_backward(routed: &Routed, dweights: &[f32], e: usize, routing: Rout
             }
         }
     }
-    dlogits
+    Ok(dlogits)
 }
 
 /// `∂L/∂x` of `p = softmax(x)` from `∂L/∂p`: `p ⊙ (dp − Σ p·dp)`.

@@ -61,10 +61,10 @@ fn routers_match_transformers() {
         ("mixtral", Routing::SoftmaxTopK { normalize: true }),
         ("gptoss", Routing::TopKSoftmax),
     ] {
-        let r = route(&logits, E, K, routing);
+        let r = route(&logits, E, K, routing).unwrap();
         assert_eq!(r.experts, g.u32s(&format!("{name}.experts")), "{name}");
         close(name, &r.weights, &g.f32s(&format!("{name}.weights")));
-        let d = route_backward(&r, &dweights, E, routing);
+        let d = route_backward(&r, &dweights, E, routing).unwrap();
         close(
             &format!("{name} dlogits"),
             &d,
@@ -87,4 +87,26 @@ fn load_balancing_loss_matches_transformers() {
     // Without the mask every token counts: a different loss.
     let (unmasked, _) = aux_loss(&refs, E, K, None);
     assert_ne!(unmasked, loss);
+}
+
+#[test]
+fn bad_shapes_are_errors_naming_the_op() {
+    let logits = vec![0f32; 2 * E];
+    let routing = Routing::TopKSoftmax;
+    for k in [0, E + 1] {
+        let e = route(&logits, E, k, routing).unwrap_err().to_string();
+        assert!(
+            e.contains("route: top-") && e.contains(&format!("{E} experts")),
+            "{e}"
+        );
+    }
+    let e = route(&logits[..E + 3], E, 2, routing)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not n × 8 experts"), "{e}");
+    let r = route(&logits, E, 2, routing).unwrap();
+    let e = route_backward(&r, &[0f32; 3], E, routing)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("route backward") && e.contains("2 × 2"), "{e}");
 }
