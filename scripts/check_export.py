@@ -10,6 +10,8 @@
 2. base + adapter in PEFT (PeftModel.from_pretrained, f32) -> logits_peft
 3. PEFT's own merge_and_unload() in the base's stored dtype: its weights vs the exported ones
    (where they differ, also each one's distance to the merge done in f32)
+   (the export loaded by transformers in that dtype, so a mixture-of-experts base's per-expert
+   tensors compare with PEFT's fused stacks)
 4. the adapter's keys as PEFT loads them: missing (adapter parameters of the PEFT model the file
    lacks, DoRA magnitudes included) and unexpected (file keys PEFT does not use), both must be empty
 Prints the numbers as JSON; exit 1 if max|logits_merged - logits_peft| / max|logits_peft| > --tol.
@@ -81,8 +83,10 @@ def main():
         base_native = load(args.base, dtype)
         peft_merged = PeftModel.from_pretrained(base_native, args.adapter).merge_and_unload()
         sd = peft_merged.state_dict()
-        ours = exported_weights(args.merged)
-        res["tensors_exported"] = len(ours)
+        res["tensors_exported"] = len(exported_weights(args.merged))
+        # The exported weights as transformers holds them (a mixture-of-experts checkpoint's
+        # per-expert tensors fused into its stacks on load, as PEFT's merged model has them).
+        ours = load(args.merged, dtype).state_dict()
         missing = [k for k in sd if k not in ours and not (k == "lm_head.weight"
                                                             and peft_merged.config.tie_word_embeddings)]
         res["tensors_missing_vs_transformers"] = missing

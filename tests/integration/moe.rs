@@ -4,8 +4,10 @@
 //! 1e-5 relative, gradients and AdamW weights 1e-4 of the tensor's largest entry).
 
 use candle_core::{DType, Device, Tensor};
-use rtune_model::{Inputs, Model};
+use rtune_lora::Adapter;
+use rtune_model::{Inputs, LoraCtx, Model};
 use std::collections::HashMap;
+use std::path::Path;
 
 use crate::common::{fixture, rel_err, rtune, stderr, Golden};
 use crate::parity::{case, check_adamw_allowing, check_forward_and_grads};
@@ -80,6 +82,15 @@ fn mixtral_experts_and_aux_loss_match_peft() {
 #[test]
 fn qwen3_moe_fused_and_per_expert_layouts_load_alike() {
     let dir = fixture(QWEN3_MOE.0);
+    let tmp = fused_copy(&dir);
+    let a = Model::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let b = Model::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(rel_err(&logits(&a, None), &logits(&b, None)), 0.0);
+}
+
+/// A copy of the Qwen3-MoE checkpoint in `dir` (per-expert layout) with its experts fused as
+/// transformers 5 holds them: `experts.gate_up_proj: (E, 2I, H)`, `experts.down_proj: (E, H, I)`.
+fn fused_copy(dir: &Path) -> tempfile::TempDir {
     let per = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     assert!(per.contains_key("model.layers.0.mlp.experts.7.up_proj.weight"));
     let mut fused: HashMap<String, Tensor> = HashMap::new();
@@ -122,13 +133,14 @@ fn qwen3_moe_fused_and_per_expert_layouts_load_alike() {
     let tmp = tempfile::tempdir().unwrap();
     std::fs::copy(dir.join("config.json"), tmp.path().join("config.json")).unwrap();
     candle_core::safetensors::save(&fused, tmp.path().join("model.safetensors")).unwrap();
-    let a = Model::load(&dir, DType::F32, &Device::Cpu).unwrap();
-    let b = Model::load(tmp.path(), DType::F32, &Device::Cpu).unwrap();
+    tmp
+}
+
+/// The model's logits on two fixed rows of 12 tokens, with the adapter in `lora` if given.
+fn logits(model: &Model, lora: Option<&LoraCtx>) -> Tensor {
     let ids: Vec<u32> = (0..24).map(|i| 3 + (i * 37) % 250).collect();
     let inp = Inputs::new(ids, 2, 12);
-    let la = a.forward(&inp, None, false).unwrap().logits;
-    let lb = b.forward(&inp, None, false).unwrap().logits;
-    assert_eq!(rel_err(&la, &lb), 0.0);
+    model.forward(&inp, lora, false).unwrap().logits
 }
 
 /// A mixture-of-experts family through `rtune train` from the golden's init adapter (`[lora] targets` q/k/v/o,
@@ -174,32 +186,93 @@ target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]"#,
     (tmp, out)
 }
 
-/// Qwen3-MoE through the CLI ([`trains_as_peft_through_the_cli`]); its adapter's export refused.
+/// Qwen3-MoE through the CLI ([`trains_as_peft_through_the_cli`]), then its expert adapter
+/// exported merged from the released per-expert checkpoint and from a fused copy
+/// ([`merged_is_base_plus_adapter`]); gguf-lora refused (exit 2, naming `target_parameters`),
+/// nothing written.
 #[test]
 fn qwen3_moe_trains_as_peft_through_the_cli() {
     let (tmp, out) = trains_as_peft_through_the_cli(QWEN3_MOE);
     let t = tmp.path();
-    // Export does not handle expert stacks yet: refused as an input error, nothing written.
-    let merged = t.join("merged");
+    let dir = fixture(QWEN3_MOE.0);
+    merged_is_base_plus_adapter(&dir, &out, &t.join("merged"));
+    let fused = fused_copy(&dir);
+    merged_is_base_plus_adapter(fused.path(), &out, &t.join("merged-fused"));
+    let gguf = t.join("adapter.gguf");
     let o = rtune(&[
         "export",
         "--run",
         out.to_str().unwrap(),
         "--format",
-        "merged",
+        "gguf-lora",
         "--out",
-        merged.to_str().unwrap(),
+        gguf.to_str().unwrap(),
     ]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("target_parameters"), "{err}");
-    assert!(!merged.exists());
+    assert!(!gguf.exists());
 }
 
-/// Mixtral through the CLI, from its released per-expert checkpoint.
+/// `rtune export --format merged --base <base>` of the run in `run` (LoRA on q/k/v/o and on both
+/// expert stacks) into `dest`: the merged model's logits equal the base's with the adapter
+/// within 1e-5 relative (x·(W + s·B·A) against x·W + s·(x·Aᵀ)·Bᵀ: summation order only), the
+/// adapter's effect on them over 1e-4 (else the check is too weak); the expert tensors and the
+/// attention projections changed, every other tensor copied byte for byte, the base's layout
+/// kept.
+fn merged_is_base_plus_adapter(base: &Path, run: &Path, dest: &Path) {
+    let o = rtune(&[
+        "export",
+        "--run",
+        run.to_str().unwrap(),
+        "--base",
+        base.to_str().unwrap(),
+        "--format",
+        "merged",
+        "--out",
+        dest.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let spec = rtune_export::adapter_spec(run).unwrap();
+    assert_eq!(spec.target_parameters.len(), 2);
+    let mut model = Model::load(base, DType::F32, &Device::Cpu).unwrap();
+    let adapter = Adapter::load_peft(run, &spec, &model.lora_modules(&spec), &Device::Cpu).unwrap();
+    model.attach(&adapter);
+    let lc = LoraCtx {
+        adapter: &adapter,
+        scaling: spec.scaling(),
+        dropout: 0.0,
+        seed: 0,
+    };
+    let want = logits(&model, Some(&lc));
+    let merged = Model::load(dest, DType::F32, &Device::Cpu).unwrap();
+    let err = rel_err(&logits(&merged, None), &want);
+    let effect = rel_err(&logits(&model, None), &want);
+    eprintln!("merged vs base+adapter {err:e}; the adapter's effect {effect:e}");
+    assert!(err < 1e-5, "merged vs base+adapter: {err:e}");
+    assert!(
+        effect > 1e-4,
+        "the adapter barely changes the logits ({effect:e})"
+    );
+    let load = |d: &Path| {
+        candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap()
+    };
+    let (b, m) = (load(base), load(dest));
+    assert_eq!(b.len(), m.len());
+    for (name, t) in &b {
+        let same = safetensors::View::data(t) == safetensors::View::data(&m[name]);
+        let adapted = name.contains(".experts.")
+            || name.contains("self_attn.") && name.ends_with("_proj.weight");
+        assert_eq!(same, !adapted, "{name}");
+    }
+}
+
+/// Mixtral through the CLI, from its released per-expert checkpoint, then exported merged into
+/// that layout (`block_sparse_moe.experts.N.w1/w3/w2`: [`merged_is_base_plus_adapter`]).
 #[test]
 fn mixtral_trains_as_peft_through_the_cli() {
-    trains_as_peft_through_the_cli(MIXTRAL);
+    let (tmp, out) = trains_as_peft_through_the_cli(MIXTRAL);
+    merged_is_base_plus_adapter(&fixture(MIXTRAL.0), &out, &tmp.path().join("merged"));
 }
 
 /// `target_parameters` on a model without experts (Qwen3, dense): exit 2 before anything is

@@ -186,17 +186,24 @@ pub fn gguf_lora_bytes(cfg: &ModelConfig, adapter: &Adapter) -> Result<Vec<u8>> 
     Ok(out)
 }
 
-/// llama.cpp has no DoRA (no magnitude tensors in its LoRA format): a DoRA adapter is refused,
-/// before anything is written, with the format that does carry it.
-pub fn refuse_dora(adapter_dir: &Path) -> Result<()> {
-    if adapter_spec(adapter_dir)?.dora {
-        return Err(ExportError::input(
-            &adapter_dir.join(rtune_lora::ADAPTER_CONFIG),
-            "use_dora = true: llama.cpp's LoRA format has no DoRA magnitudes; export with \
-             --format merged (the magnitudes folded into the weights) and convert that to GGUF",
-        ));
-    }
-    Ok(())
+/// What llama.cpp's LoRA format does not carry, refused before anything is written, naming the
+/// format that does: DoRA (no magnitude tensors) and LoRA on expert stacks (`target_parameters`).
+pub fn refuse_unsupported(adapter_dir: &Path) -> Result<()> {
+    let spec = adapter_spec(adapter_dir)?;
+    let why = if spec.dora {
+        "use_dora = true: llama.cpp's LoRA format has no DoRA magnitudes; export with \
+         --format merged (the magnitudes folded into the weights) and convert that to GGUF"
+    } else if !spec.target_parameters.is_empty() {
+        "target_parameters (LoRA on a mixture-of-experts model's expert stacks): rtune does not \
+         write llama.cpp's expert tensors as LoRA; export with --format merged and convert that \
+         to GGUF"
+    } else {
+        return Ok(());
+    };
+    Err(ExportError::input(
+        &adapter_dir.join(rtune_lora::ADAPTER_CONFIG),
+        why,
+    ))
 }
 
 /// Reads the adapter in `adapter_dir` (checked against `base`'s config.json) and writes it to
@@ -208,7 +215,7 @@ pub fn write_gguf_lora(
     privacy: Privacy,
 ) -> Result<()> {
     let cfg = base_config(base)?;
-    refuse_dora(adapter_dir)?;
+    refuse_unsupported(adapter_dir)?;
     let spec = adapter_spec(adapter_dir)?;
     let modules = module_shapes(&cfg, &spec);
     let adapter = Adapter::load_peft(adapter_dir, &spec, &modules, &Device::Cpu)?;

@@ -187,7 +187,7 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
         }
         Format::GgufLora => {
             let base = src.require_base("gguf-lora")?;
-            gguf::refuse_dora(&src.adapter)?;
+            gguf::refuse_unsupported(&src.adapter)?;
             gguf::write_gguf_lora(base, &src.adapter, &opts.out, src.privacy)?;
             vec![opts
                 .out
@@ -208,17 +208,6 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
 /// The LoRA spec an adapter directory was saved with (r, alpha, rsLoRA, targets).
 pub fn adapter_spec(adapter_dir: &Path) -> Result<LoraSpec> {
     let cfg = rtune_lora::read_adapter_config(adapter_dir)?;
-    if let Some(p) = cfg.target_parameters.as_ref().and_then(|v| v.first()) {
-        // Issue 45: merging or converting expert-stack LoRA is not written yet.
-        return Err(ExportError::input(
-            &adapter_dir.join(rtune_lora::ADAPTER_CONFIG),
-            format!(
-                "adapts `{p}` (target_parameters, a mixture-of-experts model's experts): rtune \
-                 export does not handle expert stacks yet; the run's adapter directory is PEFT's \
-                 format already (PeftModel.from_pretrained loads it)"
-            ),
-        ));
-    }
     let cfg_path = adapter_dir.join(rtune_lora::ADAPTER_CONFIG);
     let targets: Vec<String> = match &cfg.target_modules {
         serde_json::Value::String(s) => vec![s.clone()],
@@ -241,31 +230,37 @@ pub fn adapter_spec(adapter_dir: &Path) -> Result<LoraSpec> {
             ))
         }
     };
-    LoraSpec::new(
+    let bad = |e: rtune_lora::LoraError| ExportError::input(&cfg_path, e.to_string());
+    let spec = LoraSpec::new(
         cfg.r,
         cfg.lora_alpha,
         cfg.lora_dropout,
         cfg.use_rslora,
         &targets,
     )
-    .map(|s| s.with_dora(cfg.use_dora))
-    .map_err(|e| ExportError::input(&cfg_path, e.to_string()))
+    .map_err(bad)?
+    .with_dora(cfg.use_dora);
+    let params = cfg.target_parameters.as_deref().unwrap_or(&[]);
+    spec.with_target_parameters(params).map_err(bad)
 }
 
 /// The adapted modules of a model with this config, in model order, named as in the checkpoint
 /// (the same list [`rtune_model::Model::lora_modules`] gives, without loading any weight).
 pub fn module_shapes(cfg: &ModelConfig, spec: &LoraSpec) -> Vec<ModuleShape> {
-    let linears = cfg.layer_linears();
     let mut out = Vec::new();
     for l in 0..cfg.num_layers {
-        for m in linears.iter().filter(|m| spec.targets_module(m.short())) {
-            out.push(ModuleShape {
-                name: format!("model.layers.{l}.{}", m.path),
-                in_features: m.in_features,
-                out_features: m.out_features,
-                experts: 1,
-            });
+        for m in cfg.linears_of(l) {
+            if spec.targets_module(m.short()) {
+                out.push(ModuleShape {
+                    name: format!("model.layers.{l}.{}", m.path),
+                    in_features: m.in_features,
+                    out_features: m.out_features,
+                    experts: 1,
+                });
+            }
         }
+        let experts = rtune_model::moe::expert_modules(cfg, l, spec);
+        out.extend(experts.into_iter().map(|(m, _)| m));
     }
     out
 }

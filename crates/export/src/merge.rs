@@ -5,6 +5,14 @@
 //! row-wise, `ΔW = scaling·B·A`, all in f32 and rounded once. This is PEFT's `merge_and_unload()`: the weights
 //! came out bit-identical to PEFT 0.21's for an f32 and a bf16 base (scripts/check_export.py).
 //!
+//! LoRA on a mixture-of-experts model's expert stacks (PEFT's `ParamWrapper`, `target_parameters`)
+//! merges as PEFT's `ParamWrapper.merge` does: expert `e`'s `ΔW_e = scaling·B_e·A_e` (`A_e`: rows
+//! `e·r..(e+1)·r` of `A: (E·r, in)`, `B_e`: columns `j·E + e` of `B: (out, r·E)`) added to its
+//! slice of the stack, in f32 and rounded once. The base may hold the stacks fused (transformers
+//! 5: `mlp.experts.gate_up_proj: (E, 2I, H)`, rows gate then up, and `down_proj: (E, H, I)`) or
+//! per expert (the family's released layout, e.g. Mixtral's `block_sparse_moe.experts.N.w1`):
+//! either is merged in place, its layout kept.
+//!
 //! The base is read through mmap one tensor at a time and each output shard is streamed to disk, so
 //! the export holds one weight matrix (plus its f32 copy) in memory, never the model. Output shards
 //! follow `save_pretrained`: `model.safetensors`, or `model-0000k-of-0000n.safetensors` with
@@ -98,7 +106,102 @@ struct Entry {
     dtype: safetensors::Dtype,
     shape: Vec<usize>,
     bytes: u64,
-    lora: Option<usize>,
+    lora: Option<Target>,
+}
+
+/// Which part of which LoRA pair a base tensor takes.
+#[derive(Debug, Clone)]
+struct Target {
+    /// The pair's index in the adapter.
+    slot: usize,
+    part: Part,
+    /// The tensor's shape the config and the adapter imply.
+    shape: Vec<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Part {
+    /// A linear weight `(out, in)`: the whole `ΔW`.
+    Linear,
+    /// A fused expert stack `(E, out, in)`: every expert's `ΔW_e`.
+    Stack,
+    /// One expert's weight in a per-expert checkpoint: rows `rows` of `ΔW_e` (gate and up are
+    /// the two halves of gate_up's `2I` rows).
+    Expert {
+        e: usize,
+        experts: usize,
+        rows: std::ops::Range<usize>,
+    },
+}
+
+/// The base tensors an adapter's pairs merge into, by name: each targeted linear's
+/// `<module>.weight`, and each adapted expert stack both as transformers 5's fused tensor and as
+/// the family's released per-expert tensors (a checkpoint has one or the other). With the number
+/// of tensors a pair needs in each layout: 1, or 1 fused / `E` (down) or `2E` (gate and up).
+fn targets(
+    cfg: &rtune_model::ModelConfig,
+    spec: &rtune_lora::LoraSpec,
+    modules: &[rtune_lora::ModuleShape],
+    adapter: &Adapter,
+) -> (std::collections::HashMap<String, Target>, Vec<[usize; 2]>) {
+    let mut map = std::collections::HashMap::new();
+    let mut needed = vec![[1, 1]; adapter.names.len()];
+    for m in modules.iter().filter(|m| m.experts == 1) {
+        if let Some(slot) = adapter.index_of(&m.name) {
+            let shape = vec![m.out_features, m.in_features];
+            let t = Target {
+                slot,
+                part: Part::Linear,
+                shape,
+            };
+            map.insert(format!("{}.weight", m.name), t);
+        }
+    }
+    let Some(moe) = &cfg.moe else {
+        return (map, needed);
+    };
+    let (e_n, i, h) = (moe.experts, moe.intermediate, cfg.hidden_size);
+    let [gate, up, down] = moe.released.names;
+    for l in 0..cfg.num_layers {
+        for (m, stack) in rtune_model::moe::expert_modules(cfg, l, spec) {
+            let Some(slot) = adapter.index_of(&m.name) else {
+                continue;
+            };
+            let layer = format!("model.layers.{l}");
+            let stacks = moe.stacks(h);
+            let fused = format!("{layer}.{}", stacks[stack].param);
+            let (o, inp) = (stacks[stack].out_features, stacks[stack].in_features);
+            map.insert(
+                fused,
+                Target {
+                    slot,
+                    part: Part::Stack,
+                    shape: vec![e_n, o, inp],
+                },
+            );
+            let per = format!("{layer}.{}.experts", moe.released.module);
+            let parts: Vec<(&str, std::ops::Range<usize>)> = match stack {
+                0 => vec![(gate, 0..i), (up, i..2 * i)],
+                _ => vec![(down, 0..h)],
+            };
+            needed[slot] = [1, e_n * parts.len()];
+            for e in 0..e_n {
+                for (p, rows) in &parts {
+                    let shape = vec![rows.len(), inp];
+                    let part = Part::Expert {
+                        e,
+                        experts: e_n,
+                        rows: rows.clone(),
+                    };
+                    map.insert(
+                        format!("{per}.{e}.{p}.weight"),
+                        Target { slot, part, shape },
+                    );
+                }
+            }
+        }
+    }
+    (map, needed)
 }
 
 /// Splits `entries` (in order) into shards of at most `max` bytes (a larger tensor gets its own).
@@ -154,6 +257,7 @@ pub fn merge_into(
             .map_err(|e| ExportError::input(f, format!("not a safetensors file: {e}")))?;
         maps.push(m);
     }
+    let (targets, needed) = targets(&cfg, &spec, &modules, &adapter);
     let mut entries = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for (file, m) in maps.iter().enumerate() {
@@ -166,9 +270,7 @@ pub fn merge_into(
                     format!("tensor `{name}` is stored in more than one shard"),
                 ));
             }
-            let lora = name
-                .strip_suffix(".weight")
-                .and_then(|m| adapter.index_of(m));
+            let lora = targets.get(&name).cloned();
             entries.push(Entry {
                 file,
                 bytes: v.data().len() as u64,
@@ -179,16 +281,16 @@ pub fn merge_into(
             });
         }
     }
-    let mut found = vec![false; adapter.names.len()];
+    // Tensors found per pair, fused stacks apart from per-expert tensors.
+    let mut found = vec![[0usize; 2]; adapter.names.len()];
     for e in &entries {
-        let Some(k) = e.lora else { continue };
-        let m = &modules[k];
-        if e.shape != [m.out_features, m.in_features] {
+        let Some(t) = &e.lora else { continue };
+        if e.shape != t.shape {
             return Err(ExportError::input(
                 &files[e.file],
                 format!(
-                    "tensor `{}` has shape {:?}, config.json and the adapter imply [{}, {}]",
-                    e.name, e.shape, m.out_features, m.in_features
+                    "tensor `{}` has shape {:?}, config.json and the adapter imply {:?}",
+                    e.name, e.shape, t.shape
                 ),
             ));
         }
@@ -203,16 +305,24 @@ pub fn merge_into(
                 ),
             ));
         }
-        found[k] = true;
+        found[t.slot][usize::from(matches!(t.part, Part::Expert { .. }))] += 1;
     }
-    if let Some(k) = found.iter().position(|f| !f) {
-        return Err(ExportError::input(
-            base,
-            format!(
-                "has no tensor `{}.weight`, which the adapter modifies",
-                adapter.names[k]
-            ),
-        ));
+    for (k, (f, n)) in found.iter().zip(&needed).enumerate() {
+        if f[0] != n[0] && f[1] != n[1] {
+            let name = &adapter.names[k];
+            let what = match n[1] {
+                1 => format!("`{name}.weight`"),
+                _ => format!(
+                    "all of the experts of `{name}` (fused stack, or {} per-expert tensors; found \
+                     {})",
+                    n[1], f[1]
+                ),
+            };
+            return Err(ExportError::input(
+                base,
+                format!("has no tensor {what}, which the adapter modifies"),
+            ));
+        }
     }
 
     let shards = plan(&entries, opts.max_shard_bytes.max(1));
@@ -303,10 +413,10 @@ fn write_shard(
         let view = maps[e.file]
             .get(&e.name)
             .map_err(ExportError::candle(format!("read {}", e.name)))?;
-        match e.lora {
+        match &e.lora {
             None => w.write_all(view.data()).map_err(io(path, "write"))?,
-            Some(k) => {
-                let bytes = merged_weight(&view, adapter, k, scaling, dequantized)
+            Some(t) => {
+                let bytes = merged_weight(&view, adapter, t, scaling, dequantized)
                     .map_err(ExportError::candle(format!("merge {}", e.name)))?;
                 if bytes.len() as u64 != e.bytes {
                     return Err(ExportError::Candle {
@@ -326,24 +436,47 @@ fn write_shard(
 }
 
 /// `W + scaling·(B·A)` in f32, rounded to W's dtype; the little-endian bytes. With
-/// `dequantized`, `W` is first replaced by its NF4 round trip, bitsandbytes-exact.
+/// `dequantized`, a linear `W` is first replaced by its NF4 round trip, bitsandbytes-exact (the
+/// experts are never quantized in training). An expert part takes its expert's `ΔW_e` (or every
+/// expert's, stacked, for a fused stack).
 fn merged_weight(
     view: &safetensors::tensor::TensorView<'_>,
     adapter: &Adapter,
-    k: usize,
+    t: &Target,
     scaling: f64,
     dequantized: Option<bool>,
 ) -> candle_core::Result<Vec<u8>> {
     let w = view.load(&Device::Cpu)?;
-    let pair = &adapter.pairs[k];
-    let delta = pair.b.matmul(&pair.a)?.affine(scaling, 0.0)?; // (out, r)·(r, in), as PEFT
-    let base = match dequantized {
+    let pair = &adapter.pairs[t.slot];
+    let expert = |e: usize, experts: usize| -> candle_core::Result<Tensor> {
+        let l = rtune_ops::moe::ExpertLora {
+            a: &pair.a,
+            b: &pair.b,
+            scale: scaling,
+        };
+        let (a, b) = rtune_ops::moe::expert_factors(&l, e, experts)?;
+        b.matmul(&a)?.affine(scaling, 0.0) // (out, r)·(r, in)
+    };
+    let delta = match &t.part {
+        Part::Linear => pair.b.matmul(&pair.a)?.affine(scaling, 0.0)?, // (out, r)·(r, in), as PEFT
+        Part::Stack => {
+            let e_n = t.shape[0];
+            let d = (0..e_n)
+                .map(|e| expert(e, e_n))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Tensor::stack(&d, 0)? // (E, out, in)
+        }
+        Part::Expert { e, experts, rows } => {
+            expert(*e, *experts)?.narrow(0, rows.start, rows.len())?
+        }
+    };
+    let base = match dequantized.filter(|_| t.part == Part::Linear) {
         None => w.to_dtype(DType::F32)?,
         Some(double_quant) => rtune_quant::quantize::quantize_tensor(&w, double_quant)
             .and_then(|q| q.to_tensor(DType::F32, &Device::Cpu))
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
     };
-    let merged = (base + delta)?; // (out, in) f32
+    let merged = (base + delta)?; // (out, in) or (E, out, in) f32
     let merged = match &pair.m {
         // PEFT: weight_norm = ‖W + ΔW‖ (dim 1, f32, detached); factor = m / weight_norm as a
         // column; new = factor * (W + ΔW).

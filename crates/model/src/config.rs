@@ -266,6 +266,25 @@ impl LayerLinear {
     }
 }
 
+impl ModelConfig {
+    /// Whether decoder layer `l`'s MLP is a mixture of experts.
+    pub fn is_sparse(&self, l: usize) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| m.sparse_layers.get(l).copied().unwrap_or(false))
+    }
+
+    /// The linear modules of decoder layer `l`: [`Self::layer_linears`] without the dense MLP on
+    /// a sparse layer (its experts are [`moe::MoeConfig::stacks`]).
+    pub fn linears_of(&self, l: usize) -> Vec<LayerLinear> {
+        let sparse = self.is_sparse(l);
+        self.layer_linears()
+            .into_iter()
+            .filter(|m| !sparse || !m.path.starts_with("mlp."))
+            .collect()
+    }
+}
+
 /// Token ids of a key that holds one or a list (negative ones, `-1` in some configs, are
 /// none). One past u32 saturates rather than wrapping onto a real token (2³² would be id 0):
 /// no vocabulary reaches it, so a check against `vocab_size` refuses it.

@@ -216,7 +216,6 @@ impl Model {
             cfg.num_heads * cfg.head_dim,
             cfg.num_kv_heads * cfg.head_dim,
         );
-        let linears = cfg.layer_linears();
         // Norms applied in f32 (Gemma, OLMo 2) take their weight in f32, formed once here (read
         // in the compute dtype first, as transformers computes `w.float()` on the loaded weight);
         // Gemma's `1 + w` too.
@@ -303,9 +302,9 @@ impl Model {
                 Some(mc) if mc.sparse_layers[l] => Some(crate::moe::MoeMlp::load(w, &p, mc, d)?),
                 _ => None,
             };
-            let mut mods = linears
+            let mut mods = cfg
+                .linears_of(l)
                 .iter()
-                .filter(|m| moe.is_none() || !m.path.starts_with("mlp."))
                 .map(|m| {
                     let name = format!("{p}.{}", m.path);
                     linear(name, m.out_features, m.in_features, m.bias)
@@ -526,9 +525,8 @@ impl Model {
                     });
                 }
             }
-            if let Some(moe) = &layer.moe {
-                out.extend(Self::expert_modules(moe, spec).into_iter().map(|(m, _)| m));
-            }
+            let experts = crate::moe::expert_modules(&self.cfg, layer.index, spec);
+            out.extend(experts.into_iter().map(|(m, _)| m));
         }
         out
     }
@@ -562,48 +560,18 @@ impl Model {
             for lin in layer.linears_mut() {
                 lin.lora = adapter.index_of(&lin.name);
             }
+            let experts = crate::moe::expert_modules(&self.cfg, layer.index, &adapter.spec);
             if let Some(moe) = &mut layer.moe {
                 (moe.lora_gate_up, moe.lora_down) = (None, None);
-                for (m, is_gate_up) in Self::expert_modules(moe, &adapter.spec) {
+                for (m, stack) in experts {
                     let slot = adapter.index_of(&m.name);
-                    match is_gate_up {
-                        true => moe.lora_gate_up = slot,
-                        false => moe.lora_down = slot,
+                    match stack {
+                        0 => moe.lora_gate_up = slot,
+                        _ => moe.lora_down = slot,
                     }
                 }
             }
         }
-    }
-
-    /// The expert stacks `spec.target_parameters` adapts on one sparse layer, as adapter
-    /// modules: named as PEFT names the wrapper (`<prefix>.experts` with one `.base_layer` per
-    /// parameter listed after it: PEFT nests its `ParamWrapper`s in the list's order, the first
-    /// innermost), `in`/`out` PEFT's (`H → 2I` for gate_up, `I → H` for down), `E` experts.
-    fn expert_modules(moe: &crate::moe::MoeMlp, spec: &LoraSpec) -> Vec<(ModuleShape, bool)> {
-        let params = &spec.target_parameters;
-        let [gu, dn] = moe.param_names();
-        let mut out = Vec::new();
-        for (short, (_, inp, o), is_gate_up) in [
-            ("mlp.experts.gate_up_proj", gu, true),
-            ("mlp.experts.down_proj", dn, false),
-        ] {
-            let Some(at) = params.iter().position(|p| p == short) else {
-                continue;
-            };
-            let name = format!(
-                "{}.experts{}",
-                moe.prefix,
-                ".base_layer".repeat(params.len() - 1 - at)
-            );
-            let m = ModuleShape {
-                name,
-                in_features: inp,
-                out_features: o,
-                experts: moe.experts(),
-            };
-            out.push((m, is_gate_up));
-        }
-        out
     }
 
     /// The attention's shape for `b` rows of `t` tokens: the family's score scale and soft cap.

@@ -18,6 +18,43 @@ use crate::{ModelError, Result as ModelResult};
 use rtune_ops::moe::{moe_backward, moe_forward, ExpertLora, Experts, MoeCache};
 use rtune_ops::route::{route, route_backward, Routed, Routing};
 
+/// The expert stacks `spec.target_parameters` adapts on layer `l` of `cfg` (none on a dense
+/// layer), as adapter modules with their stack (0 gate_up, 1 down; [`MoeConfig::stacks`]): named
+/// as PEFT names the wrapper (`model.layers.N.mlp.experts` with one `.base_layer` per parameter
+/// listed after it: PEFT nests its `ParamWrapper`s in the list's order, the first innermost),
+/// `in`/`out` PEFT's (`H → 2I` for gate_up, `I → H` for down), `E` experts. The one list the
+/// model, the exports and the estimate read.
+///
+/// [`MoeConfig::stacks`]: crate::config::moe::MoeConfig::stacks
+pub fn expert_modules(
+    cfg: &crate::ModelConfig,
+    l: usize,
+    spec: &rtune_lora::LoraSpec,
+) -> Vec<(rtune_lora::ModuleShape, usize)> {
+    let (Some(moe), true) = (&cfg.moe, cfg.is_sparse(l)) else {
+        return Vec::new();
+    };
+    let params = &spec.target_parameters;
+    let mut out = Vec::new();
+    for (k, s) in moe.stacks(cfg.hidden_size).iter().enumerate() {
+        let Some(at) = params.iter().position(|p| p == s.param) else {
+            continue;
+        };
+        let name = format!(
+            "model.layers.{l}.mlp.experts{}",
+            ".base_layer".repeat(params.len() - 1 - at)
+        );
+        let m = rtune_lora::ModuleShape {
+            name,
+            in_features: s.in_features,
+            out_features: s.out_features,
+            experts: moe.experts,
+        };
+        out.push((m, k));
+    }
+    out
+}
+
 /// One sparse layer's router and experts (frozen, compute dtype).
 #[derive(Debug, Clone)]
 pub struct MoeMlp {
@@ -112,17 +149,6 @@ impl MoeMlp {
             lora_gate_up: None,
             lora_down: None,
         })
-    }
-
-    /// The expert stacks' names under the checkpoint (`<prefix>.experts.gate_up_proj`,
-    /// `...down_proj`) with `(in, out)` as PEFT's `ParamWrapper` reads them: gate_up `H → 2I`,
-    /// down `I → H`.
-    pub fn param_names(&self) -> [(String, usize, usize); 2] {
-        let (_, i2, h) = self.gate_up.dims3().unwrap_or((0, 0, 0));
-        [
-            (format!("{}.experts.gate_up_proj", self.prefix), h, i2),
-            (format!("{}.experts.down_proj", self.prefix), i2 / 2, h),
-        ]
     }
 
     pub fn experts(&self) -> usize {

@@ -27,6 +27,35 @@ pub struct MoeConfig {
     pub released: Released,
 }
 
+/// One of a sparse layer's two expert stacks as PEFT's `ParamWrapper` sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertStack {
+    /// Under `model.layers.N.` (PEFT's `target_parameters` spelling).
+    pub param: &'static str,
+    /// `in → out` of each expert's linear map: gate_up `H → 2I`, down `I → H`.
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+impl MoeConfig {
+    /// The expert stacks of a sparse layer of hidden width `h`: gate_up then down.
+    pub fn stacks(&self, h: usize) -> [ExpertStack; 2] {
+        let i = self.intermediate;
+        [
+            ExpertStack {
+                param: rtune_lora::KNOWN_PARAMETERS[0],
+                in_features: h,
+                out_features: 2 * i,
+            },
+            ExpertStack {
+                param: rtune_lora::KNOWN_PARAMETERS[1],
+                in_features: i,
+                out_features: h,
+            },
+        ]
+    }
+}
+
 /// A released checkpoint's per-expert layout: `<layer>.<module>.gate.weight` (the router) and
 /// `<layer>.<module>.experts.N.<name>.weight` for gate, up and down, stacked at load.
 #[derive(Debug, Clone, Copy, PartialEq)]
