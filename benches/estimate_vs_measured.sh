@@ -13,8 +13,10 @@
 #   `rtune estimate` assumes full-length rows where every position is a target (the worst case,
 #   shown in the last column).
 #
+# - a mixture-of-experts model made by benches/make_moe_model.py (see below).
+#
 # Env: BENCH_STEPS / BENCH_WARMUP (default 2 / 1: the peak of a steady step, not only the first),
-# SEQS (default "512 2048"), TRAIN_STEPS (default: as configured) to shorten the train runs,
+# SEQS (default "512 2048"), CONFIGS (default configs/*.toml; "" for none), TRAIN_STEPS (default: as configured) to shorten the train runs,
 # RTUNE (a built binary: skips the build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,7 +48,7 @@ for seq in $SEQS; do
     done
 done
 
-for cfg in configs/*.toml; do
+for cfg in ${CONFIGS-configs/*.toml}; do
     # CUDA configs cannot run in this build; "auto" and "cpu" run on the CPU.
     if grep -Eq '^[[:space:]]*device[[:space:]]*=[[:space:]]*"cuda' "$cfg"; then
         echo "== $cfg: skipped (CUDA)" >&2
@@ -64,6 +66,43 @@ for cfg in configs/*.toml; do
         "$(json "$tmp/run/summary.json" "d['peak_memory_bytes']")" \
         "$(json "$tmp/worst.json" "d['peak_bytes']")"
 done
+
+# A mixture-of-experts model (issue 45): a random Qwen3-MoE made by transformers
+# (benches/make_moe_model.py: 4 layers, hidden 512, 32 experts, top-4, expert width 256), LoRA on
+# q/k/v/o and both expert stacks, batch 4 × 256, checkpointing off and on. Needs PYTHON with
+# transformers (default: the reference venv); MOE=0 skips it.
+PYTHON=${PYTHON:-/work/.venv-ref/bin/python}
+if [[ "${MOE:-1}" != 0 ]]; then
+    "$PYTHON" benches/make_moe_model.py --out "$tmp/moe" >&2
+    for ckpt in false true; do
+        name="qwen3-moe 32x256 ckpt=$ckpt"
+        echo "== $name" >&2
+        cat >"$tmp/moe.toml" <<TOML
+[model]
+path = "$tmp/moe/model"
+[lora]
+r = 16
+alpha = 32
+targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+[data]
+train = "$tmp/moe/rows.jsonl"
+max_seq_len = 256
+shuffle = false
+[train]
+steps = 3
+micro_batch_size = 4
+gradient_checkpointing = $ckpt
+[output]
+dir = "$tmp/moe-run"
+overwrite = true
+TOML
+        "$RTUNE" estimate --config "$tmp/moe.toml" --data --json >"$tmp/est.json"
+        "$RTUNE" train --config "$tmp/moe.toml" >&2
+        row "$name" "$(json "$tmp/est.json" "d['peak_bytes']")" \
+            "$(json "$tmp/moe-run/summary.json" "d['peak_memory_bytes']")"
+    done
+fi
 
 printf '\n%-32s %14s %14s %8s %18s\n' config estimated measured ratio "worst-case rows"
 fail=0

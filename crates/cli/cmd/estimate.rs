@@ -94,7 +94,7 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             .iter()
             .map(|(k, v)| (k.clone(), (*v).into()))
             .collect();
-        let out = serde_json::json!({
+        let mut out = serde_json::json!({
             "peak_bytes": est.peak_bytes,
             "phase": est.phase,
             "step_peak_bytes": est.step_peak_bytes,
@@ -111,6 +111,11 @@ pub fn run(a: EstimateArgs) -> Result<()> {
             "global_batch": u64::try_from(global_batch).unwrap_or(u64::MAX),
             "gradient_checkpointing": choice,
         });
+        if model.moe.is_some() {
+            let (total, active) = estimate::parameters(&model);
+            out["parameters"] = total.into();
+            out["active_parameters"] = active.into();
+        }
         println!("{out}");
         return Ok(());
     }
@@ -196,8 +201,12 @@ fn print_table(
             format!(", NF4{}", if double_quant { " double-quant" } else { "" })
         }
     };
+    let stacks = match s.target_parameters.is_empty() {
+        true => String::new(),
+        false => format!(" and the experts' {}", s.target_parameters.join(", ")),
+    };
     println!(
-        "{}: {} layers, hidden {}, vocab {}; {}{quant}; LoRA r {} on {}",
+        "{}: {} layers, hidden {}, vocab {}; {}{quant}; LoRA r {} on {}{stacks}",
         cfg.model.path.display(),
         m.num_layers,
         m.hidden_size,
@@ -206,6 +215,16 @@ fn print_table(
         s.r,
         s.targets.join(", ")
     );
+    if let Some(moe) = &m.moe {
+        let (total, active) = estimate::parameters(m);
+        println!(
+            "mixture of experts: {} experts, {} a token; {:.1} M parameters, {:.1} M active a token",
+            moe.experts,
+            moe.top_k,
+            total as f64 / 1e6,
+            active as f64 / 1e6
+        );
+    }
     let rows = if data {
         format!(
             "rows as the data forms them, {} target rows",

@@ -36,9 +36,11 @@ use rtune_model::ModelConfig;
 use rtune_ops::{keep_probs, AttnPath, AttnShape};
 
 mod checkpointing;
+mod moe;
 mod run;
 mod tiled;
 pub use checkpointing::{choose_checkpointing, Budget, CheckpointingChoice, HEADROOM};
+pub use moe::parameters;
 pub use run::{
     checkpointing_for, fit_to_data, for_run, matmul_workspace_bytes, rows_per_example, settings_for,
 };
@@ -73,6 +75,8 @@ pub struct Settings {
     pub r: usize,
     /// Targeted module short names (`q_proj`, ...), `all-linear` already expanded.
     pub targets: Vec<String>,
+    /// The expert stacks adapted (`[lora] target_parameters`, PEFT's names).
+    pub target_parameters: Vec<String>,
     /// LoRA dropout probability. It keeps nothing for the backward (the model regenerates each
     /// mask from its key: `rtune_backend::dropout`); the dropped inputs a module makes in its
     /// forward and again in its backward live only while its products run, outside the phases
@@ -176,6 +180,7 @@ pub mod names {
     pub const CONVERT: &str = "tensor being converted (loading)";
     pub const GATHERED: &str = "gathered weights (sharded base)";
     pub const ALL_REDUCE: &str = "all-reduce buffers (data parallel)";
+    pub const ROUTER: &str = "router logits and aux-loss gradients (experts)";
 }
 
 /// The moments of a step the estimate compares, in time order (within the backward of the last
@@ -239,31 +244,36 @@ pub fn frozen_bytes(n: u64, e: u64, q: Quantize) -> (u64, u64) {
     }
 }
 
-/// The linear layers of a decoder layer (seven; Phi-3's four fused): `(short name, in, out)`.
-fn linears(c: &ModelConfig) -> Vec<(&'static str, u64, u64)> {
-    c.layer_linears()
+/// The linear layers of decoder layer `l` (seven; Phi-3's four fused; a sparse layer's
+/// attention only: its experts are `moe.rs`'s): `(short name, in, out)`.
+fn linears(c: &ModelConfig, l: usize) -> Vec<(&'static str, u64, u64)> {
+    c.linears_of(l)
         .iter()
         .map(|m| (m.short(), m.in_features as u64, m.out_features as u64))
         .collect()
 }
 
 /// Trained parameters of the whole model: `r·(in + out)` per targeted module and layer (`+ out`
-/// with DoRA: the magnitude), and `hidden` per trainable token row.
+/// with DoRA: the magnitude), `r·E·(in + out)` per adapted expert stack, and `hidden` per
+/// trainable token row.
 pub fn lora_params(c: &ModelConfig, s: &Settings) -> u64 {
-    let per_layer: u64 = linears(c)
-        .iter()
-        .filter(|(n, _, _)| s.targets.iter().any(|t| t == n))
-        .map(|(_, i, o)| s.r as u64 * (i + o) + if s.dora { *o } else { 0 })
-        .sum();
-    per_layer * c.num_layers as u64 + s.trainable_tokens as u64 * c.hidden_size as u64
+    let layer = |l: usize| -> u64 {
+        let dense: u64 = linears(c, l)
+            .iter()
+            .filter(|(n, _, _)| s.targets.iter().any(|t| t == n))
+            .map(|(_, i, o)| s.r as u64 * (i + o) + if s.dora { *o } else { 0 })
+            .sum();
+        dense + moe::lora_params(c, s, l)
+    };
+    (0..c.num_layers).map(layer).sum::<u64>() + s.trainable_tokens as u64 * c.hidden_size as u64
 }
 
-/// DoRA's `out` features summed over the targeted modules of one layer (0 without DoRA).
-fn dora_outs(c: &ModelConfig, s: &Settings) -> u64 {
+/// DoRA's `out` features summed over the targeted modules of layer `l` (0 without DoRA).
+fn dora_outs(c: &ModelConfig, s: &Settings, l: usize) -> u64 {
     if !s.dora {
         return 0;
     }
-    linears(c)
+    linears(c, l)
         .iter()
         .filter(|(n, _, _)| s.targets.iter().any(|t| t == n))
         .map(|(_, _, o)| o)
@@ -287,19 +297,23 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
     }
     values += (2 * l + 1) * d * e; // RMSNorm weights
     let mut consts = 0;
-    for (name, i, o) in linears(c) {
-        let (w, k) = frozen_bytes(i * o, e, s.quantize);
-        values += l * w.div_ceil(world);
-        consts += l * shard_consts(k, world, s.quantize);
-        let bias = match name {
-            "q_proj" | "k_proj" | "v_proj" | "qkv_proj" => c.qkv_bias,
-            "o_proj" => c.o_bias,
-            _ => c.mlp_bias,
-        };
-        if bias {
-            values += l * o * e;
+    for layer in 0..c.num_layers {
+        for (name, i, o) in linears(c, layer) {
+            let (w, k) = frozen_bytes(i * o, e, s.quantize);
+            values += w.div_ceil(world);
+            consts += shard_consts(k, world, s.quantize);
+            let bias = match name {
+                "q_proj" | "k_proj" | "v_proj" | "qkv_proj" => c.qkv_bias,
+                "o_proj" => c.o_bias,
+                _ => c.mlp_bias,
+            };
+            if bias {
+                values += o * e;
+            }
         }
+        values += moe::frozen_bytes(c, s, layer, e);
     }
+    let dora: u64 = (0..c.num_layers).map(|x| dora_outs(c, s, x)).sum();
     // LoRA A (r, in) and B (out, r) in f32; AdamW's m and v; and the optimizer's flat f32 copy of
     // the parameters it updates (`LoraOptimizer`). The gradients depend on the phase.
     let lora = lora_params(c, s) * 4;
@@ -311,7 +325,7 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
         item(names::ALL_REDUCE, all_reduce, 1),
         item(names::LORA, lora, 1),
         // DoRA: each module's row norms `‖W + s·B·A‖: (out,)` f32, cached for the whole step.
-        item(names::DORA, dora_outs(c, s) * 4, l),
+        item(names::DORA, dora * 4, 1),
         item(names::ADAMW, lora, 2),
         item(names::MASTER, lora, 1),
         item(names::MATMUL, s.matmul_workspace, 1),
@@ -339,8 +353,10 @@ fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
     }
     let e = elem(s.dtype);
     let kept = s.keep_gathered.min(c.num_layers) as u64;
+    // The last layer's weights stand for each gathered layer's.
+    let last = c.num_layers.saturating_sub(1);
     let layer = |v: &mut Vec<Item>, count: u64| {
-        for (_, i, o) in linears(c).into_iter().filter(|_| count > 0) {
+        for (_, i, o) in linears(c, last).into_iter().filter(|_| count > 0) {
             let (w, k) = frozen_bytes(i * o, e, s.quantize);
             v.push(item(names::GATHERED, w + k, count));
         }
@@ -355,7 +371,7 @@ fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
         Phase::SwigluBackward | Phase::AttentionBackward | Phase::RopeBackward => {
             let ahead = u64::from(s.prefetch && kept < 2 && c.num_layers > 1);
             layer(&mut v, kept.max(1) + ahead);
-            let largest = linears(c).iter().map(|(_, i, o)| i * o * e).max();
+            let largest = linears(c, last).iter().map(|(_, i, o)| i * o * e).max();
             if s.quantize == Quantize::None && kept == 0 {
                 v.push(item(names::GATHERED, largest.unwrap_or(0), 1));
             }
@@ -419,23 +435,27 @@ fn dims(c: &ModelConfig, s: &Settings, path: AttnPath) -> Dims {
     }
 }
 
-/// What `Layer::forward` keeps for the backward of one layer (`LayerCache`), besides its input.
-fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> Vec<Item> {
+/// What `Layer::forward` keeps for the backward of layer `l` (`LayerCache`), besides its input.
+fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, l: usize, name: &'static str) -> Vec<Item> {
     let (n, e) = (k.n, k.e);
     // gate, up: (N, I); silu(gate)·up too in a recomputed layer's cache (a full forward's
     // backward makes it again when it needs it).
     let gate_up_m = if name == names::ACTS_ONE { 3 } else { 2 };
     let mut v = vec![
-        item(name, n * k.d * e, 2),   // h1 = norm(x), h2 = norm(h): (N, D)
-        item(name, n * k.dq * e, 2),  // rotated q (B, Hkv, G·T, Dh), o_in (N, Dq)
-        item(name, n * k.dkv * e, 2), // rotated k, contiguous v: (B, Hkv, T, Dh)
-        item(name, n * k.i * e, gate_up_m),
-        item(name, n * k.d * 4, 1), // post-norm input h in f32 (NormCache; `h` itself in f32)
-        item(name, n * 4, 2),       // the two norms' 1/rms: (N, 1) f32
+        item(name, n * k.d * e, 2),     // h1 = norm(x), h2 = norm(h): (N, D)
+        item(name, n * k.dq * e, 2),    // rotated q (B, Hkv, G·T, Dh), o_in (N, Dq)
+        item(name, n * k.dkv * e, 2),   // rotated k, contiguous v: (B, Hkv, T, Dh)
+        item(name, n * k.d * 4, 1),     // post-norm input h in f32 (NormCache; `h` itself in f32)
+        item(name, n * 4, 2),           // the two norms' 1/rms: (N, 1) f32
         item(name, k.h * k.t * 4, k.b), // log-sum-exp per row: (1, Hkv, G·T, 1) f32
     ];
     if e != 4 {
         v.push(item(name, n * k.d * 4, 1)); // pre-norm input in f32 (shared with x in f32)
+    }
+    if c.is_sparse(l) {
+        v.extend(moe::layer_cache(c, s, k, l, name));
+    } else {
+        v.push(item(name, n * k.i * e, gate_up_m));
     }
     if c.variant.sandwich_norms {
         // Gemma's post-attention and post-feed-forward norms keep their inputs (o_proj's and
@@ -448,11 +468,11 @@ fn layer_cache(c: &ModelConfig, s: &Settings, k: &Dims, name: &'static str) -> V
         v.push(item(name, n * (k.dq + k.dkv) * e, 1));
     }
     // DoRA (`DoraCache`): z = base + s·l (N, out) f32, and k, n (1, out) f32, per module.
-    let outs = dora_outs(c, s);
+    let outs = dora_outs(c, s, l);
     if outs > 0 {
         v.push(item(names::DORA, n * outs * 4 + 2 * outs * 4, 1));
     }
-    for (module, _, _) in linears(c) {
+    for (module, _, _) in linears(c, l) {
         if s.targets.iter().any(|t| t == module) {
             v.push(item(name, n * s.r as u64 * 4, 1)); // x·Aᵀ: (N, r) f32
         }
@@ -524,9 +544,18 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
     } else {
         ACTS
     };
-    for _ in 0..caches {
-        v.extend(layer_cache(c, s, &k, acts));
+    // Every layer's cache, or the last layer's (kept, then each recomputed one: the last stands
+    // for them).
+    let last = c.num_layers.saturating_sub(1);
+    let cached = if caches == k.l {
+        0..c.num_layers
+    } else {
+        last..last + caches as usize
+    };
+    for l in cached {
+        v.extend(layer_cache(c, s, &k, l.min(last), acts));
     }
+    v.extend(moe::router_items(c, &k));
     // After the last layer: the final norm's f32 input (its cache; the last layer's output) and
     // the CE gradient dh (N, D), both alive to the end of the backward.
     v.push(item(WORKSPACE, n * d * 4, 1));
@@ -601,14 +630,17 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
 fn lora_tensors(c: &ModelConfig, s: &Settings) -> Vec<(u64, u64)> {
     let (r, l) = (s.r as u64, c.num_layers as u64);
     let mut v = Vec::new();
-    for (name, i, o) in linears(c) {
-        if s.targets.iter().any(|t| t == name) {
-            v.push((r * i * 4, l));
-            v.push((r * o * 4, l));
-            if s.dora {
-                v.push((o * 4, l));
+    for layer in 0..l as usize {
+        for (name, i, o) in linears(c, layer) {
+            if s.targets.iter().any(|t| t == name) {
+                v.push((r * i * 4, 1));
+                v.push((r * o * 4, 1));
+                if s.dora {
+                    v.push((o * 4, 1));
+                }
             }
         }
+        v.extend(moe::lora_tensors(c, s, layer));
     }
     if s.trainable_tokens > 0 {
         v.push((s.trainable_tokens as u64 * c.hidden_size as u64 * 4, 1));
@@ -638,7 +670,11 @@ fn optimizer_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
 /// (I, D)).
 fn with_dequant(c: &ModelConfig, s: &Settings, mut v: Vec<Item>) -> Vec<Item> {
     if let Quantize::Nf4 { .. } = s.quantize {
-        let largest = linears(c).iter().map(|(_, i, o)| i * o).max().unwrap_or(0);
+        let largest = (0..c.num_layers)
+            .flat_map(|l| linears(c, l))
+            .map(|(_, i, o)| i * o)
+            .max()
+            .unwrap_or(0);
         v.push(item(names::DEQUANT, largest * elem(s.dtype), 1));
     }
     v
@@ -656,7 +692,11 @@ fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
         s.checkpoint_elem_bytes
     };
     let embed = c.vocab_size as u64 * c.hidden_size as u64;
-    let linear = linears(c).iter().map(|(_, i, o)| i * o).max().unwrap_or(0);
+    let linear = (0..c.num_layers)
+        .flat_map(|l| linears(c, l))
+        .map(|(_, i, o)| i * o)
+        .max()
+        .unwrap_or(0);
     let convert = |n: u64| if file_e == e { 0 } else { n * file_e };
     let staging = match s.quantize {
         Quantize::None => convert(embed.max(linear)),
@@ -674,7 +714,7 @@ fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
     }
     vec![
         item(names::MAPPED, s.checkpoint_bytes, 1),
-        item(names::CONVERT, staging, 1),
+        item(names::CONVERT, staging.max(moe::loading_bytes(c, s, e)), 1),
     ]
 }
 

@@ -32,6 +32,7 @@ impl Settings {
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),
+            target_parameters: Vec::new(),
             dropout: 0.0,
             dora: false,
             trainable_tokens: 0,
@@ -115,6 +116,7 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         quantize: cfg.model.quantize,
         r: cfg.lora.r,
         targets: spec.targets,
+        target_parameters: spec.target_parameters,
         dropout: cfg.lora.dropout,
         dora: cfg.lora.dora,
         trainable_tokens: cfg.lora.trainable_tokens.len(),

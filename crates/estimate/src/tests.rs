@@ -579,3 +579,35 @@ fn a_sharded_base_counts_the_layers_kept_gathered() {
         assert_eq!(gathered_with(keep, true, ce), gathered(keep, ce));
     }
 }
+
+/// Qwen3-30B-A3B's config.json (the keys that size it): its model card says 30.5 B parameters,
+/// 3.3 B activated. Counted to 1%, and the experts' LoRA as PEFT's `ParamWrapper` sizes it.
+#[test]
+fn mixture_of_experts_counts_total_and_active_parameters() {
+    let text = r#"{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":2048,
+        "intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,
+        "num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"vocab_size":151936,
+        "num_experts":128,"num_experts_per_tok":8,"norm_topk_prob":true,
+        "tie_word_embeddings":false}"#;
+    let c = serde_json::from_str::<HfConfig>(text)
+        .unwrap()
+        .into_config(Path::new("config.json"))
+        .unwrap();
+    let (total, active) = parameters(&c);
+    assert!((total as f64 / 30.5e9 - 1.0).abs() < 0.01, "{total}");
+    assert!((active as f64 / 3.3e9 - 1.0).abs() < 0.02, "{active}");
+    // LoRA r 8 on q/k/v/o of 48 layers; on both expert stacks r·E·(in + out) each.
+    let mut s = Settings::new(8, 1, 512, true);
+    s.targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        .map(String::from)
+        .to_vec();
+    let attn = 8 * ((2048 + 4096) + 2 * (2048 + 512) + (4096 + 2048)) * 48;
+    assert_eq!(lora_params(&c, &s), attn);
+    s.target_parameters = rtune_lora::KNOWN_PARAMETERS.map(String::from).to_vec();
+    let experts = 8 * 128 * ((2048 + 2 * 768) + (768 + 2048)) * 48;
+    assert_eq!(lora_params(&c, &s), attn + experts);
+    // The experts are in the base weights: ~30.5 B f32 parameters.
+    let est = estimate(&c, &s);
+    let weights = est.get(names::WEIGHTS);
+    assert!(weights.abs_diff(total * 4) < 4_000_000, "{weights}");
+}

@@ -1,0 +1,159 @@
+//! The memory of a mixture-of-experts model's sparse layers (issue 45: `rtune_model::moe`,
+//! `rtune_ops::moe`, `rtune_ops::route`), and its total vs active parameters.
+//!
+//! A sparse layer has no dense MLP: its router `(E, D)` and its two expert stacks, gate_up
+//! `(E, 2I, D)` and down `(E, D, I)`, are frozen in the compute dtype (never quantized: NF4
+//! experts are not written yet). LoRA on a stack (`target_parameters`, PEFT's `ParamWrapper`) is
+//! `A: (E·r, in)` and `B: (out, r·E)` f32.
+//!
+//! What one sparse layer's forward keeps for its backward (`MoeLayerCache`), with `N` tokens,
+//! `k` experts a token and so `N·k` routed rows over all experts:
+//! - the routing: the chosen ids and weights `(N·k)` u32/f32, the weights rounded to the compute
+//!   dtype, the softmax `(N, E)` f32 (softmax-first routers), the groups' token ids and slots
+//!   `(N·k)` u32/usize;
+//! - per expert, over its rows: the gathered input `(n_e, D)`, the gate/up output `(n_e, 2I)`,
+//!   the down output `(n_e, D)`, and `x·Aᵀ (n_e, r)` per adapted stack, in the compute dtype.
+//!
+//! The router logits `(N, E)` f32 of every sparse layer are taken out of the caches for the
+//! load-balancing loss, and with `output_router_logits` each layer's gradient of it `(N, E)` f32
+//! is alive from the cross-entropy to that layer's backward.
+
+use rtune_model::ModelConfig;
+use rtune_ops::route::Routing;
+
+use crate::{item, names, Dims, Item, Settings};
+
+/// Sparse layer `l`'s expert stacks as `(experts, in, out, adapted)`; none on a dense layer.
+pub(crate) fn stacks_of(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64, u64, u64, bool)> {
+    let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse(l)) else {
+        return Vec::new();
+    };
+    moe.stacks(c.hidden_size)
+        .iter()
+        .map(|st| {
+            let adapted = s.target_parameters.iter().any(|p| p == st.param);
+            let (i, o) = (st.in_features as u64, st.out_features as u64);
+            (moe.experts as u64, i, o, adapted)
+        })
+        .collect()
+}
+
+/// Sparse layer `l`'s frozen bytes: the router and both stacks, compute dtype.
+pub(crate) fn frozen_bytes(c: &ModelConfig, s: &Settings, l: usize, e: u64) -> u64 {
+    let stacks: u64 = stacks_of(c, s, l)
+        .iter()
+        .map(|(x, i, o, _)| x * i * o)
+        .sum();
+    let router = c.moe.as_ref().map_or(0, |m| m.experts as u64) * c.hidden_size as u64;
+    if stacks == 0 {
+        return 0;
+    }
+    (stacks + router) * e
+}
+
+/// Sparse layer `l`'s LoRA parameters: `r·E·(in + out)` per adapted stack.
+pub(crate) fn lora_params(c: &ModelConfig, s: &Settings, l: usize) -> u64 {
+    stacks_of(c, s, l)
+        .iter()
+        .filter(|st| st.3)
+        .map(|(x, i, o, _)| s.r as u64 * x * (i + o))
+        .sum()
+}
+
+/// The trained tensors of sparse layer `l` as `(bytes each, how many)`: each adapted stack's
+/// `A: (E·r, in)` and `B: (out, r·E)` f32.
+pub(crate) fn lora_tensors(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64, u64)> {
+    let r = s.r as u64;
+    stacks_of(c, s, l)
+        .iter()
+        .filter(|st| st.3)
+        .flat_map(|&(x, i, o, _)| [(x * r * i * 4, 1), (x * r * o * 4, 1)])
+        .collect()
+}
+
+/// The largest stack while it is loaded: a released checkpoint's per-expert tensors, each
+/// expert's gate and up joined, and the stack made of them (two copies of the stack at once).
+pub(crate) fn loading_bytes(c: &ModelConfig, s: &Settings, e: u64) -> u64 {
+    (0..c.num_layers)
+        .flat_map(|l| stacks_of(c, s, l))
+        .map(|(x, i, o, _)| 2 * x * i * o * e)
+        .max()
+        .unwrap_or(0)
+}
+
+/// What sparse layer `l`'s forward keeps for its backward (see the module's doc), under `name`.
+pub(crate) fn layer_cache(
+    c: &ModelConfig,
+    s: &Settings,
+    k: &Dims,
+    l: usize,
+    name: &'static str,
+) -> Vec<Item> {
+    let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse(l)) else {
+        return Vec::new();
+    };
+    let (n, e, d) = (k.n, k.e, k.d);
+    let (x, top, i) = (
+        moe.experts as u64,
+        moe.top_k as u64,
+        moe.intermediate as u64,
+    );
+    let rows = n * top;
+    let mut v = vec![
+        // ids, weights (f32), the weights in the compute dtype, token ids and slots.
+        item(name, rows * (4 + 4 + e + 4 + 8), 1),
+        // Per expert: gathered x and down output (n_e, D), gate/up output (n_e, 2I).
+        item(name, rows * (2 * d + 2 * i) * e, 1),
+    ];
+    if matches!(moe.routing, Routing::SoftmaxTopK { .. }) {
+        v.push(item(name, n * x * 4, 1)); // the softmax (N, E) f32
+    }
+    let adapted = stacks_of(c, s, l).iter().filter(|st| st.3).count() as u64;
+    v.push(item(name, rows * s.r as u64 * e, adapted)); // x·Aᵀ (n_e, r) per adapted stack
+    v
+}
+
+/// The router logits `(N, E)` f32 of every sparse layer, and with the load-balancing loss each
+/// one's gradient, alive through the backward.
+pub(crate) fn router_items(c: &ModelConfig, k: &Dims) -> Vec<Item> {
+    let Some(moe) = &c.moe else {
+        return Vec::new();
+    };
+    let sparse = moe.sparse_layers.iter().filter(|&&x| x).count() as u64;
+    let per = if moe.aux_coef.is_some() { 2 } else { 1 };
+    vec![item(
+        names::ROUTER,
+        k.n * moe.experts as u64 * 4,
+        per * sparse,
+    )]
+}
+
+/// The base's parameters in all and those one token uses (its `k` experts of each sparse
+/// layer's `E`): `(total, active)`. Embeddings, the lm_head, the linear and expert weights, the
+/// routers and the layers' RMSNorm weights; biases and q/k norms (a few thousand) left out.
+pub fn parameters(c: &ModelConfig) -> (u64, u64) {
+    let (d, v) = (c.hidden_size as u64, c.vocab_size as u64);
+    let mut total = v * d * if c.tie_word_embeddings { 1 } else { 2 };
+    total += (2 * c.num_layers as u64 + 1) * d;
+    let mut active = total;
+    for l in 0..c.num_layers {
+        let dense: u64 = c
+            .linears_of(l)
+            .iter()
+            .map(|m| (m.in_features * m.out_features) as u64)
+            .sum();
+        total += dense;
+        active += dense;
+        if let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse(l)) {
+            let (x, top, i) = (
+                moe.experts as u64,
+                moe.top_k as u64,
+                moe.intermediate as u64,
+            );
+            let router = x * d;
+            total += router + x * 3 * i * d;
+            active += router + top * 3 * i * d;
+        }
+    }
+    (total, active)
+}
