@@ -7,7 +7,7 @@
 //! against its reference (`check.rs`) and the tests (`tests.rs`).
 //!
 //! - [`norm`]: RMSNorm (and Gemma's `(1 + w)` form). [`add_norm`]: the residual add fused into
-//!   the RMSNorm after it (CUDA kernels). [`swiglu`]: SwiGLU. [`geglu`]: Gemma's
+//!   the RMSNorm after it (CUDA kernels; [`fused`]: which fused CUDA paths run). [`swiglu`]: SwiGLU. [`geglu`]: Gemma's
 //!   tanh-GELU gate (fused like SwiGLU). [`rope`]: rotate-half RoPE. [`ce`]: the cross-entropy
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
@@ -44,6 +44,7 @@ pub mod add;
 pub mod add_norm;
 pub mod attention;
 pub mod ce;
+pub mod fused;
 pub mod geglu;
 pub mod glu;
 pub mod lora;

@@ -250,3 +250,20 @@ fn soft_capped_reference_equals_the_softcap_then_ce_ops() {
     }
 }
 
+/// The fused soft cap is CUDA only: on the CPU both ops refuse with an error naming the op and
+/// the unfused chain (which `chunked_cross_entropy_with` takes there), not a panic.
+#[test]
+fn capped_ops_refuse_the_cpu() {
+    let logits = randn(&[2, 7], 1, 3.0);
+    let tgt = Tensor::new(&[1u32, 6], &Device::Cpu).unwrap();
+    let e = crate::ce::op::ce_capped_fwd(&logits, &tgt, 30.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("ce_capped_fwd") && e.contains("softcap_logits"),
+        "{e}"
+    );
+    let lse = Tensor::new(&[1f32, 1.0], &Device::Cpu).unwrap();
+    let e = crate::ce::op::ce_capped_bwd(&logits, &tgt, &lse, 1.0, 30.0);
+    assert!(e.unwrap_err().to_string().contains("ce_capped_bwd"));
+}
