@@ -74,6 +74,22 @@ template <typename T> __device__ __forceinline__ void store_vec(T* p, const floa
 template <int K, typename T> __device__ __forceinline__ void load_k(const T* p, float* v) {
     if constexpr (K == 1) v[0] = to_f32(*p); else load_vec(p, v);
 }
+// K consecutive elements of a read-only W whose vector width may differ from K (an f32 weight or
+// RoPE table beside bf16/f16 data: K = 8 is two f32 vectors): K / Vec<W>::N vectors, or one scalar.
+template <int K, typename W> __device__ __forceinline__ void load_kw(const W* p, float* v) {
+    if constexpr (K == 1 || K == Vec<W>::N) {
+        load_k<K>(p, v);
+    } else {
+        static_assert(K % Vec<W>::N == 0, "K is a whole number of W vectors");
+#pragma unroll
+        for (int j = 0; j < K; j += Vec<W>::N) load_vec(p + j, v + j);
+    }
+}
+// load_k for a buffer the kernel also writes (in-place RoPE, an accumulated gradient): a plain
+// load, not __ldg (the read-only cache is only for data no thread of the launch writes).
+template <int K, typename T> __device__ __forceinline__ void load_k_rw(const T* p, float* v) {
+    if constexpr (K == 1) v[0] = to_f32(*p); else unpack(*reinterpret_cast<const uint4*>(p), v, p);
+}
 template <int K, typename T> __device__ __forceinline__ void store_k(T* p, const float* v) {
     if constexpr (K == 1) *p = from_f32<T>(v[0]); else store_vec(p, v);
 }

@@ -6,7 +6,8 @@
 //! source is `kernels/<op>.cuh` or `kernels/<op>.cu`), the `rtune selftest` check of the kernel
 //! against its reference (`check.rs`) and the tests (`tests.rs`).
 //!
-//! - [`norm`]: RMSNorm (and Gemma's `(1 + w)` form). [`swiglu`]: SwiGLU. [`geglu`]: Gemma's
+//! - [`norm`]: RMSNorm (and Gemma's `(1 + w)` form). [`add_norm`]: the residual add fused into
+//!   the RMSNorm after it (CUDA kernels; [`fused`]: which fused CUDA paths run). [`swiglu`]: SwiGLU. [`geglu`]: Gemma's
 //!   tanh-GELU gate (fused like SwiGLU). [`rope`]: rotate-half RoPE. [`ce`]: the cross-entropy
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
@@ -40,8 +41,10 @@
 
 pub mod adamw;
 pub mod add;
+pub mod add_norm;
 pub mod attention;
 pub mod ce;
+pub mod fused;
 pub mod geglu;
 pub mod glu;
 pub mod lora;

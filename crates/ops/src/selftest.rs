@@ -29,7 +29,11 @@ pub fn self_test(stream: &Arc<CudaStream>) -> Result<Vec<(String, f64, bool)>> {
 /// and (3, 97) at offset 3; SwiGLU 2^20 + 3 and 1001 at offset 5; RoPE (2, 8, 65, 128) and
 /// (1, 3, 33, 64) at offset 1; cross-entropy (16, 32000), (4, 128256) and (5, 1001) at offset 3;
 /// attention softmax (32·128, 128), (2·3, 16384) (rows too long for shared memory) and (3·7, 333)
-/// at offset 1; the widening cast 2^20 + 5 and 1001 at offset 3. The odd sizes are multiples of
+/// at offset 1; the widening cast 2^20 + 5 and 1001 at offset 3; the residual add + RMSNorm
+/// (64, 4096) and (7, 4097) at offset 1 with a weight of the type, (64, 3072) and (3, 97) at
+/// offset 3 with an f32 one; RoPE on q/k in place (2, 32/8 heads, 65, 128) and, partial (96 of
+/// 128) with f32 tables of batch 1, (1, 24/8, 33, 128) at offset 1; the soft-capped
+/// cross-entropy (16, 256000) and (5, 1001) at offset 3, cap 30. The odd sizes are multiples of
 /// none of 4, 32, 64; the odd offsets take the kernels' unaligned paths.
 pub fn self_test_seeded(stream: &Arc<CudaStream>, seed: u64) -> Vec<SelfTestGroup> {
     let mut all = self_test_type::<f32>(stream, seed);

@@ -9,7 +9,8 @@
 //! roundings equal the reference's); bf16/f16: 2 ulps of the type plus those f32 terms — both
 //! sides round the same intermediates to the type, and one rounding landing an ulp apart is carried
 //! into the output once. `ce_fwd`'s output is f32 for every logit type. The widening cast to f32 is
-//! exact: no tolerance.
+//! exact: no tolerance. The soft-capped cross-entropy's 16-bit tolerance is wider (the device's
+//! `tanhf` against the host's, rounded to the type: `ce/check.rs`).
 //!
 //! Skips, saying so, where there is no CUDA driver or GPU; compiled only with `--features cuda`.
 #![cfg(feature = "kernels")]
@@ -19,11 +20,13 @@ use half::{bf16, f16};
 use rtune_backend::cast::check::check_widen;
 use rtune_backend::check::CheckResult;
 use rtune_backend::{FusedFloat, GpuKernel};
+use rtune_ops::add_norm::check::check_add_rms_norm;
+use rtune_ops::add_norm::reference::Weight;
 use rtune_ops::attention::check::check_attn_softmax;
-use rtune_ops::ce::check::check_ce;
+use rtune_ops::ce::check::{check_ce, check_ce_capped};
 use rtune_ops::glu::check::{check_geglu, check_swiglu};
 use rtune_ops::norm::check::check_rms_norm;
-use rtune_ops::rope::check::check_rope;
+use rtune_ops::rope::check::{check_rope, check_rope_qk};
 use rtune_ops::{norm, rope, selftest};
 use std::sync::Arc;
 
@@ -198,6 +201,79 @@ fn cross_entropy_matches_reference() {
     for (i, &(n, v, off)) in shapes.iter().enumerate() {
         let sd = seed + i as u64;
         all.extend(each_type!(check_ce(&s, n, v, off, sd)));
+    }
+    report(all);
+}
+
+#[test]
+fn add_rms_norm_matches_reference() {
+    let Some(s) = gpu("add_rms_norm") else {
+        return;
+    };
+    let seed = seed();
+    let shapes = [
+        (1, 1, 0),
+        (3, 17, 0),
+        (33, 4096, 0),
+        (5, 8192, 0),
+        (2, 4097, 0),
+        (4, 3072, 1),
+        (300, 2048, 0),
+    ];
+    let mut all = Vec::new();
+    for (i, &(rows, dim, off)) in shapes.iter().enumerate() {
+        for (j, w) in [Weight::Typed, Weight::F32].into_iter().enumerate() {
+            let sd = seed + 2 * i as u64 + j as u64;
+            all.extend(each_type!(check_add_rms_norm(&s, (rows, dim), w, off, sd)));
+        }
+    }
+    report(all);
+}
+
+#[test]
+fn rope_qk_matches_reference() {
+    let Some(s) = gpu("rope_qk") else { return };
+    let seed = seed();
+    // ((b, hq, hk, t, dh), (table batch, rotary width), offset): GQA, MQA, partial rotary,
+    // tables of batch 1, odd widths (the scalar path), unaligned.
+    let shapes = [
+        ((1, 1, 1, 1, 2), (1, 2), 0),
+        ((2, 32, 8, 65, 128), (2, 128), 0),
+        ((2, 8, 1, 33, 64), (1, 64), 0),
+        ((1, 24, 8, 17, 128), (1, 96), 0),
+        ((3, 5, 5, 7, 10), (3, 6), 0),
+        ((1, 4, 2, 9, 128), (1, 128), 1),
+    ];
+    let mut all = Vec::new();
+    for (i, &(shape, table, off)) in shapes.iter().enumerate() {
+        let sd = seed + i as u64;
+        all.extend(check_rope_qk::<f32, f32>(&s, shape, table, off, sd).unwrap());
+        all.extend(check_rope_qk::<bf16, bf16>(&s, shape, table, off, sd).unwrap());
+        all.extend(check_rope_qk::<f16, f16>(&s, shape, table, off, sd).unwrap());
+        // f32 tables on 16-bit q, k (OLMo 2's mode).
+        all.extend(check_rope_qk::<bf16, f32>(&s, shape, table, off, sd).unwrap());
+        all.extend(check_rope_qk::<f16, f32>(&s, shape, table, off, sd).unwrap());
+    }
+    report(all);
+}
+
+#[test]
+fn soft_capped_cross_entropy_matches_reference() {
+    let Some(s) = gpu("ce_capped") else {
+        return;
+    };
+    let seed = seed();
+    let shapes = [
+        (1, 7, 30.0, 0),
+        (3, 1001, 30.0, 0),
+        (8, 256000, 30.0, 0),
+        (4, 128256, 5.0, 0),
+        (3, 32000, 30.0, 1),
+    ];
+    let mut all = Vec::new();
+    for (i, &(n, v, cap, off)) in shapes.iter().enumerate() {
+        let sd = seed + i as u64;
+        all.extend(each_type!(check_ce_capped(&s, (n, v), cap, off, sd)));
     }
     report(all);
 }

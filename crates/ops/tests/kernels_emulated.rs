@@ -2,7 +2,8 @@
 //! kernels_lib.cpp), against their references, f32, bf16 and f16, forward and backward — what
 //! `tests/fused_cuda.rs`, `tests/nf4_cuda.rs` and `rtune selftest` check on a GPU, here on every CI
 //! run without one (issue 48):
-//! - `kernels/fused.cu` (RMSNorm, SwiGLU, GeGLU, RoPE, cross-entropy, the widening cast) and
+//! - `kernels/fused.cu` (RMSNorm and the residual add fused into it, SwiGLU, GeGLU, RoPE and its
+//!   in-place q/k form, cross-entropy and its soft-capped form, the widening cast) and
 //!   `kernels/attn.cu` (the attention softmax): each op's `reference.rs`, the selftest's tolerances;
 //! - `kernels/adamw.cu` (multi-tensor norm, clip coefficient, AdamW): `rtune_ops::adamw`'s loop
 //!   for loop restatement, bit for bit as on a GPU;
@@ -34,9 +35,10 @@ use rtune_backend::check::{compare, tolerance, Comparison, Op, Rng};
 use rtune_backend::dropout::DropoutKey;
 use rtune_backend::Precision;
 use rtune_ops::adamw::{check_step, chunk_table, offsets, CHECK_STEPS};
+use rtune_ops::add_norm::reference::Weight;
 use rtune_ops::nf4::quantize::quantize_nf4;
 use rtune_ops::nf4::weight::Absmax;
-use rtune_ops::{attention, ce, geglu, norm, rope, swiglu};
+use rtune_ops::{add_norm, attention, ce, geglu, norm, rope, swiglu};
 
 // ---------------------------------------------------------------------------------------------
 // The emulated device
@@ -260,6 +262,33 @@ fn check<T: Elem>(op: Op, shape: &str, got: &[f32], want: &[f32]) -> Checked {
         format!("{}_{}", op.name(), T::SUFFIX),
         shape.to_string(),
         compare(got, want, p, tolerance(op, T::P)),
+    )
+}
+
+/// [`check`], and for a kernel whose roundings are the reference's own (each intermediate rounded
+/// at the same point) no more than `frac` of the elements off by a bit in bf16/f16 (in f32 for
+/// `all_types`): the 2-ulp tolerance alone would pass one rounding too many or too few (Llama's
+/// `T(h·r)` for an f32 weight, T-rounded products for f32 tables).
+fn check_bits<T: Elem>(
+    op: Op,
+    shape: &str,
+    got: &[f32],
+    want: &[f32],
+    (frac, all_types): (f64, bool),
+) -> Checked {
+    let (k, s, mut c) = check::<T>(op, shape, got, want);
+    let differ = got
+        .iter()
+        .zip(want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    if (T::P != Precision::F32 || all_types) && differ as f64 > frac * got.len() as f64 {
+        c.pass = false;
+    }
+    (
+        k,
+        format!("{s} ({differ} of {} differ in bits)", got.len()),
+        c,
     )
 }
 
@@ -574,6 +603,230 @@ fn widen_check<T: Elem>(n: usize, offset: usize, seed: u64) -> Vec<Checked> {
     )]
 }
 
+/// The residual add + RMSNorm: the forward writes `h` and `y`, the backward accumulates into the
+/// residual gradient in place (one buffer passed as `dres` and `dh`, as the launcher does).
+/// `w_scale` multiplies the kernel's weight and `kernel` is the kernel's weight form (`weight`'s
+/// and 1 but in the wrong-kernel test).
+fn add_norm_check<T: Elem>(
+    (rows, dim): (usize, usize),
+    (weight, kernel): (Weight, Weight),
+    offset: usize,
+    seed: u64,
+    w_scale: f32,
+) -> Vec<Checked> {
+    let (p, eps, mut rng) = (T::P, 1e-6f32, Rng::new(seed));
+    let shape = (rows, dim);
+    let (x, res, w, dy, dres) = add_norm::reference::check_inputs(&mut rng, shape, p, weight);
+    let (want_h, want_y) =
+        add_norm::reference::add_rms_norm_fwd(&x, &res, &w, shape, eps, p, weight);
+    let want_dh =
+        add_norm::reference::add_rms_norm_bwd(&dy, &want_h, &w, &dres, shape, eps, p, weight);
+    let (xb, rb, dyb) = (
+        Buf::<T>::of(&x, offset),
+        Buf::<T>::of(&res, offset),
+        Buf::<T>::of(&dy, offset),
+    );
+    let kw: Vec<f32> = w.iter().map(|&v| v * w_scale).collect();
+    let (wt, wf) = (Buf::<T>::of(&kw, offset), Buf::<f32>::of(&kw, offset));
+    let (mut h, mut y) = (
+        Buf::<T>::new(rows * dim, offset),
+        Buf::<T>::new(rows * dim, offset),
+    );
+    let mut dh = Buf::<T>::of(&dres, offset);
+    let (stem, wa) = match kernel {
+        Weight::Typed => ("add_rms_norm", wt.at()),
+        Weight::F32 => ("add_rms_norm1", wf.at()),
+    };
+    // The weight pointer's type does not change the C ABI: one signature for both stems.
+    type Fwd<T> =
+        unsafe extern "C" fn(*const T, *const T, *const u8, *mut T, *mut T, i32, i32, f32);
+    type Bwd<T> =
+        unsafe extern "C" fn(*const T, *const T, *const u8, *const T, *mut T, i32, i32, f32);
+    let fwd: Fwd<T> = entry(&format!("{stem}_fwd_{}", T::SUFFIX));
+    let bwd: Bwd<T> = entry(&format!("{stem}_bwd_{}", T::SUFFIX));
+    let (xa, ra, dya, ha, ya, dha) = (
+        xb.at(),
+        rb.at(),
+        dyb.at(),
+        h.at_mut(),
+        y.at_mut(),
+        dh.at_mut(),
+    );
+    let (r, d) = (rows as i32, dim as i32);
+    // SAFETY: the entry point's own signature (the weight a T or f32 array as the stem says);
+    // every buffer holds what the kernel reads or writes for this shape and lives until the
+    // launch returns.
+    launch(3, 64, || unsafe {
+        fwd(c(xa), c(ra), c(wa), m(ha), m(ya), r, d, eps)
+    });
+    // SAFETY: as above; dres and dh are one buffer, which the kernel allows.
+    launch(2, 32, || unsafe {
+        bwd(c(dya), c(ha), c(wa), c(dha), m(dha), r, d, eps)
+    });
+    let label = format!("({rows}, {dim})+{offset}");
+    let (f, b) = match weight {
+        Weight::Typed => ("add_rms_norm_fwd", "add_rms_norm_bwd"),
+        Weight::F32 => ("add_rms_norm1_fwd", "add_rms_norm1_bwd"),
+    };
+    // `r` from f32 sums in another order than the reference's f64 may tip a rounding: 1%.
+    let bits = (0.01, false);
+    vec![
+        check::<T>(Op::typed(f), &format!("{label} h"), &h.read(), &want_h),
+        check_bits::<T>(Op::typed(f), &label, &y.read(), &want_y, bits),
+        check_bits::<T>(Op::typed(b), &label, &dh.read(), &want_dh, bits),
+    ]
+}
+
+fn add_norm_both<T: Elem>(shape: (usize, usize), offset: usize, seed: u64) -> Vec<Checked> {
+    [
+        add_norm_check::<T>(shape, (Weight::Typed, Weight::Typed), offset, seed, 1.0),
+        add_norm_check::<T>(shape, (Weight::F32, Weight::F32), offset, seed + 100, 1.0),
+    ]
+    .concat()
+}
+
+/// RoPE on q and k in place, forward then backward on the forward's output, tables `(bc, 1, t, r)`
+/// of `C` (T, or f32: the f32-table mode). `table_bc` is the batch the kernel is told the tables
+/// have (`bc` but in the wrong-kernel test), `ref_pc` the reference's rounding of products (`C`'s
+/// but in the wrong-kernel test).
+fn rope_qk_check<T: Elem, C: Elem>(
+    (b, hq, hk, t, dh): (usize, usize, usize, usize, usize),
+    (bc, r): (usize, usize),
+    offset: usize,
+    seed: u64,
+    (table_bc, ref_pc): (usize, Precision),
+) -> Vec<Checked> {
+    let (p, mut rng) = (T::P, Rng::new(seed));
+    let (pc, ref_pc) = (C::P, ref_pc);
+    let (cos, sin) = rope::reference::check_tables(&mut rng, (bc, t, r), pc);
+    let (q, k) = (
+        rng.normals(b * hq * t * dh, 1.0, p),
+        rng.normals(b * hk * t * dh, 1.0, p),
+    );
+    let s5 = (b, hq, hk, t, dh);
+    let (mut wq, mut wk) = (q.clone(), k.clone());
+    rope::reference::rope_qk(
+        &mut wq,
+        &mut wk,
+        &cos,
+        &sin,
+        s5,
+        (bc, r),
+        (ref_pc, p),
+        false,
+    );
+    let (mut bq, mut bk) = (wq.clone(), wk.clone());
+    rope::reference::rope_qk(&mut bq, &mut bk, &cos, &sin, s5, (bc, r), (ref_pc, p), true);
+    let (mut qb, mut kb) = (Buf::<T>::of(&q, offset), Buf::<T>::of(&k, offset));
+    let (cb, sb) = (Buf::<C>::of(&cos, offset), Buf::<C>::of(&sin, offset));
+    let f32t = if C::SUFFIX == T::SUFFIX { "" } else { "_f32t" };
+    #[rustfmt::skip]
+    type K<T, C> = unsafe extern "C" fn(
+        *mut T, *mut T, *const C, *const C, i64, i64, i64, i64, i64, i64, i64,
+    );
+    let fwd: K<T, C> = entry(&format!("rope_qk{f32t}_fwd_{}", T::SUFFIX));
+    let bwd: K<T, C> = entry(&format!("rope_qk{f32t}_bwd_{}", T::SUFFIX));
+    let (qa, ka, ca, sa) = (qb.at_mut(), kb.at_mut(), cb.at(), sb.at());
+    let d = [b, hq, hk, t, dh, r, table_bc].map(|v| v as i64);
+    // SAFETY: the entry point's own signature; q, k, cos, sin hold what the kernel reads or writes
+    // for this shape (a smaller told batch of tables reads less), alive until the launch returns.
+    launch(2, 64, || unsafe {
+        fwd(
+            m(qa),
+            m(ka),
+            c(ca),
+            c(sa),
+            d[0],
+            d[1],
+            d[2],
+            d[3],
+            d[4],
+            d[5],
+            d[6],
+        )
+    });
+    let (fq, fk) = (qb.read(), kb.read());
+    // SAFETY: as above.
+    launch(3, 32, || unsafe {
+        bwd(
+            m(qa),
+            m(ka),
+            c(ca),
+            c(sa),
+            d[0],
+            d[1],
+            d[2],
+            d[3],
+            d[4],
+            d[5],
+            d[6],
+        )
+    });
+    let tables = if f32t.is_empty() { "" } else { " f32 tables" };
+    let label = format!("({b}, {hq}/{hk}, {t}, {dh}) r {r} bc {bc}{tables}+{offset}");
+    let (f, g) = (
+        Op::typed("rope_qk_fwd").with_tol(1e-6, 1e-6),
+        Op::typed("rope_qk_bwd").with_tol(1e-6, 1e-6),
+    );
+    // No sums: every rounding is the reference's, every type bit for bit.
+    let bits = (0.0, true);
+    vec![
+        check_bits::<T>(f, &format!("{label} q"), &fq, &wq, bits),
+        check_bits::<T>(f, &format!("{label} k"), &fk, &wk, bits),
+        check_bits::<T>(g, &format!("{label} q"), &qb.read(), &bq, bits),
+        check_bits::<T>(g, &format!("{label} k"), &kb.read(), &bk, bits),
+    ]
+}
+
+/// Soft-capped cross-entropy over `(n, v)` logits ~ 10·N(0, 1), one target in four at 60 (capped
+/// near the cap); `kernel_cap` is the cap the kernels get (`cap` but in the wrong-kernel test).
+fn ce_capped_check<T: Elem>(
+    (n, v): (usize, usize),
+    cap: f64,
+    offset: usize,
+    seed: u64,
+    kernel_cap: f64,
+) -> Vec<Checked> {
+    let (p, mut rng) = (T::P, Rng::new(seed));
+    let (logits, targets) = ce::reference::check_inputs(&mut rng, (n, v), (10.0, 60.0), p);
+    let scale = 1.0 / n.max(1) as f32;
+    let want_fwd = ce::reference::ce_capped_fwd(&logits, &targets, (n, v), cap, p);
+    let lse: Vec<f32> = want_fwd.iter().step_by(2).copied().collect();
+    let want_bwd = ce::reference::ce_capped_bwd(&logits, &targets, &lse, scale, (n, v), cap, p);
+    let lb = Buf::<T>::of(&logits, offset);
+    let mut tb = Buf::<f32>::new(n, offset);
+    for (d, &s) in tb.v[tb.start..].iter_mut().zip(&targets) {
+        *d = f32::from_bits(s);
+    }
+    let lseb = Buf::<f32>::of(&lse, offset);
+    let (mut o, mut d) = (Buf::<f32>::new(2 * n, offset), Buf::<T>::new(n * v, offset));
+    type Fwd<T> = unsafe extern "C" fn(*const T, *const u32, *mut f32, i32, i32, f32, f32);
+    #[rustfmt::skip]
+    type Bwd<T> = unsafe extern "C" fn(
+        *const T, *const u32, *const f32, f32, *mut T, i32, i32, f32, f32,
+    );
+    let fwd: Fwd<T> = entry(&format!("ce_capped_fwd_{}", T::SUFFIX));
+    let bwd: Bwd<T> = entry(&format!("ce_capped_bwd_{}", T::SUFFIX));
+    let (la, ta, lsea, oa, da) = (lb.at(), tb.at(), lseb.at(), o.at_mut(), d.at_mut());
+    let (ni, vi) = (n as i32, v as i32);
+    // As the launcher passes them: the cap and its reciprocal taken in f64.
+    let (kc, ki) = (kernel_cap as f32, (1.0 / kernel_cap) as f32);
+    // SAFETY: the entry point's own signature; every buffer holds what the kernel reads
+    // or writes for this shape, and lives until the launch returns.
+    launch(3, 64, || unsafe {
+        fwd(c(la), c(ta), m(oa), ni, vi, kc, ki)
+    });
+    // SAFETY: as above.
+    launch(2, 64, || unsafe {
+        bwd(c(la), c(ta), c(lsea), scale, m(da), ni, vi, kc, ki)
+    });
+    let shape = format!("({n}, {v}) cap {cap}+{offset}");
+    vec![
+        check::<T>(Op::f32_out("ce_capped_fwd"), &shape, &o.read(), &want_fwd),
+        check::<T>(Op::typed("ce_capped_bwd"), &shape, &d.read(), &want_bwd),
+    ]
+}
+
 // ---------------------------------------------------------------------------------------------
 // The tests: vector-path shapes at offset 0, scalar ones (odd lengths) one element in.
 
@@ -634,6 +887,106 @@ fn widen_kernel_is_exact_emulated() {
             each_type!(widen_check(333, 1, 12)),
         ]
         .concat(),
+    );
+}
+
+#[test]
+fn add_rms_norm_kernels_match_the_reference_emulated() {
+    report(
+        [
+            each_type!(add_norm_both((5, 264), 0, 21)),
+            each_type!(add_norm_both((4, 77), 1, 22)),
+        ]
+        .concat(),
+    );
+}
+
+#[test]
+fn rope_qk_kernels_match_the_reference_emulated() {
+    // Full rotation with per-batch tables; partial rotary (r 12 of 16, Phi-4-mini's 3/4) with
+    // one table for every batch row; f32 tables on bf16/f16 q, k; odd shapes one element in.
+    let full = ((2, 4, 2, 5, 16), (2, 16));
+    let partial = ((2, 3, 1, 5, 16), (1, 12));
+    let odd = ((1, 3, 1, 7, 10), (1, 6));
+    report(
+        [
+            rope_qk_check::<f32, f32>(full.0, full.1, 0, 31, (full.1 .0, Precision::F32)),
+            rope_qk_check::<bf16, bf16>(full.0, full.1, 0, 31, (full.1 .0, Precision::Bf16)),
+            rope_qk_check::<f16, f16>(full.0, full.1, 0, 31, (full.1 .0, Precision::F16)),
+            rope_qk_check::<bf16, f32>(full.0, full.1, 0, 32, (full.1 .0, Precision::F32)),
+            rope_qk_check::<f16, f32>(full.0, full.1, 0, 32, (full.1 .0, Precision::F32)),
+            rope_qk_check::<f32, f32>(partial.0, partial.1, 0, 33, (1, Precision::F32)),
+            rope_qk_check::<bf16, bf16>(partial.0, partial.1, 0, 33, (1, Precision::Bf16)),
+            rope_qk_check::<bf16, f32>(partial.0, partial.1, 0, 34, (1, Precision::F32)),
+            rope_qk_check::<f16, f16>(odd.0, odd.1, 1, 35, (1, Precision::F16)),
+            rope_qk_check::<bf16, f32>(odd.0, odd.1, 1, 36, (1, Precision::F32)),
+            rope_qk_check::<f32, f32>(odd.0, odd.1, 1, 37, (1, Precision::F32)),
+        ]
+        .concat(),
+    );
+}
+
+#[test]
+fn soft_capped_cross_entropy_kernels_match_the_reference_emulated() {
+    report(
+        [
+            each_type!(ce_capped_check((6, 520), 30.0, 0, 41, 30.0)),
+            each_type!(ce_capped_check((3, 101), 30.0, 1, 42, 30.0)),
+            each_type!(ce_capped_check((2, 64), 5.0, 0, 43, 5.0)),
+        ]
+        .concat(),
+    );
+}
+
+/// The new kernels' checks fail on a wrong kernel result: the fused norm with a 1% wrong weight,
+/// or with one rounding too few (the f32-weight kernel where Llama's rounds `h·r` to bf16); RoPE
+/// on q/k told the tables have one batch row when they have two (the second batch row rotated by
+/// the first's positions), or rounding each product to bf16 where f32 tables round once; the
+/// soft-capped cross-entropy with cap 31 for 30.
+#[test]
+fn a_wrong_fused_kernel_result_fails_the_comparison() {
+    let failed = |rs: Vec<Checked>, what: &str| {
+        let passed: Vec<&Checked> = rs.iter().filter(|r| r.2.pass).collect();
+        // Every output that depends on the wrong input must fail (h does not depend on w).
+        let wrong: Vec<&Checked> = rs.iter().filter(|r| !r.1.ends_with(" h")).collect();
+        assert!(
+            wrong.iter().all(|r| !r.2.pass),
+            "{what}: passed {:?}",
+            passed.iter().map(|r| (&r.0, &r.1)).collect::<Vec<_>>()
+        );
+    };
+    failed(
+        add_norm_check::<bf16>((3, 64), (Weight::Typed, Weight::Typed), 0, 51, 1.01),
+        "norm weight ×1.01",
+    );
+    failed(
+        add_norm_check::<f32>((3, 64), (Weight::F32, Weight::F32), 0, 52, 1.01),
+        "f32 weight ×1.01",
+    );
+    failed(
+        add_norm_check::<bf16>((3, 64), (Weight::Typed, Weight::F32), 0, 57, 1.0),
+        "the f32-weight kernel for Llama's norm",
+    );
+    let s = (2, 2, 1, 4, 16);
+    failed(
+        rope_qk_check::<bf16, bf16>(s, (2, 16), 0, 53, (1, Precision::Bf16)),
+        "tables read as batch 1",
+    );
+    failed(
+        rope_qk_check::<f16, f32>(s, (2, 16), 0, 54, (1, Precision::F32)),
+        "f32 tables read as batch 1",
+    );
+    failed(
+        rope_qk_check::<bf16, bf16>(s, (2, 16), 0, 58, (2, Precision::F32)),
+        "bf16-table roundings for the f32-table mode",
+    );
+    failed(
+        ce_capped_check::<f32>((4, 128), 30.0, 0, 55, 31.0),
+        "cap 31 for 30",
+    );
+    failed(
+        ce_capped_check::<bf16>((4, 128), 30.0, 0, 56, 31.0),
+        "bf16: cap 31 for 30",
     );
 }
 

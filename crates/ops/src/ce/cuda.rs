@@ -69,8 +69,15 @@ pub fn ce_bwd<T: FusedFloat>(
         .arg(dlogits)
         .arg(&n_i)
         .arg(&v_i);
-    // grid.x spans a row's vectors, grid.y the rows (grid-stride beyond 65535).
-    let cfg = LaunchConfig {
+    // SAFETY: as above, for ce_bwd_<T>.
+    unsafe { b.launch(bwd_cfg::<T>(n, v)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// The backward's launch: grid.x spans a row's vectors, grid.y the rows (grid-stride beyond
+/// 65535).
+fn bwd_cfg<T>(n: usize, v: usize) -> LaunchConfig {
+    LaunchConfig {
         grid_dim: (
             v.div_ceil(vec_width::<T>()).div_ceil(256) as u32,
             n.min(65535) as u32,
@@ -78,8 +85,83 @@ pub fn ce_bwd<T: FusedFloat>(
         ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
-    };
-    // SAFETY: as above, for ce_bwd_<T>.
-    unsafe { b.launch(cfg) }.map_err(drv(OP))?;
+    }
+}
+
+/// The soft-capped cross-entropy's forward (Gemma 2's `final_logit_softcapping` fused in): as
+/// [`ce_fwd`] over `z = T(T(tanh(T(logit·(1/cap))))·cap)`, formed on the fly (never stored).
+/// `cap` finite and positive.
+pub fn ce_capped_fwd<T: FusedFloat>(
+    stream: &Arc<CudaStream>,
+    logits: &CudaView<'_, T>,
+    targets: &CudaView<'_, u32>,
+    out: &mut CudaViewMut<'_, f32>,
+    (n, v): (usize, usize),
+    cap: f64,
+) -> Result<()> {
+    const OP: &str = "ce_capped_fwd";
+    let (cap, inv) = cap_args(OP, cap)?;
+    if v == 0 {
+        return Err(bad(OP, "vocabulary of 0".into()));
+    }
+    need(OP, "logits", logits.len(), numel(OP, &[n, v])?)?;
+    need(OP, "targets", targets.len(), n)?;
+    need(OP, "out (n, 2)", out.len(), numel(OP, &[n, 2])?)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    let f = GpuKernel::new(&rtune_backend::image::FUSED, OP).get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(logits).arg(targets).arg(out).arg(&n_i).arg(&v_i);
+    b.arg(&cap).arg(&inv);
+    // SAFETY: as above, for ce_capped_fwd_<T>.
+    unsafe { b.launch(row_cfg::<T>(n, v)) }.map_err(drv(OP))?;
     Ok(())
+}
+
+/// The soft-capped cross-entropy's backward: `dz = T((exp(z − lse) − onehot)·scale)`, then
+/// `dlogits = T(dz·(1 − t²))`, `t = z·(1/cap)`, with `z` recomputed from the logits as
+/// [`ce_capped_fwd`] forms it; `lse` is that forward's first column.
+#[allow(clippy::too_many_arguments)]
+pub fn ce_capped_bwd<T: FusedFloat>(
+    stream: &Arc<CudaStream>,
+    logits: &CudaView<'_, T>,
+    targets: &CudaView<'_, u32>,
+    lse: &CudaView<'_, f32>,
+    scale: f32,
+    dlogits: &mut CudaViewMut<'_, T>,
+    (n, v): (usize, usize),
+    cap: f64,
+) -> Result<()> {
+    const OP: &str = "ce_capped_bwd";
+    let (cap, inv) = cap_args(OP, cap)?;
+    let nv = numel(OP, &[n, v])?;
+    need(OP, "logits", logits.len(), nv)?;
+    need(OP, "targets", targets.len(), n)?;
+    need(OP, "lse", lse.len(), n)?;
+    need(OP, "dlogits", dlogits.len(), nv)?;
+    if nv == 0 {
+        return Ok(());
+    }
+    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    let f = GpuKernel::new(&rtune_backend::image::FUSED, OP).get::<T>(stream.context())?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(logits).arg(targets).arg(lse).arg(&scale).arg(dlogits);
+    b.arg(&n_i).arg(&v_i).arg(&cap).arg(&inv);
+    // SAFETY: as above, for ce_capped_bwd_<T>; the launch shape of ce_bwd.
+    unsafe { b.launch(bwd_cfg::<T>(n, v)) }.map_err(drv(OP))?;
+    Ok(())
+}
+
+/// `(cap, f32(1/cap))` as the kernels take them (the reciprocal in f64 then rounded, as candle's
+/// `x / cap` multiplies by it); an error for a cap that is not finite and positive.
+fn cap_args(op: &'static str, cap: f64) -> Result<(f32, f32)> {
+    if !(cap.is_finite() && cap > 0.0) {
+        return Err(bad(
+            op,
+            format!("soft cap {cap} must be finite and positive"),
+        ));
+    }
+    Ok((cap as f32, (1.0 / cap) as f32))
 }

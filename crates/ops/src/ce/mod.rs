@@ -135,6 +135,12 @@ fn cross_entropy_impl(
 ) -> Result<CeOut> {
     check_targets(targets, w.dim(0)?)?;
     let dev = h.device();
+    // On CUDA the soft cap runs inside the cross-entropy's kernels (`ce_capped_*`: the capped
+    // logits never stored); elsewhere, or with RTUNE_UNFUSED=ce_softcap, the unfused chain.
+    let fused_cap = match softcap {
+        Some(cap) if crate::fused::on(dev, crate::fused::Fused::CeSoftcap)? => Some(cap),
+        _ => None,
+    };
     let rows: Vec<u32> = (0..targets.len())
         .filter(|&i| targets[i].is_some())
         .map(|i| i as u32)
@@ -159,10 +165,14 @@ fn cross_entropy_impl(
         if let Some(hr) = head {
             logits = hr.fix_logits(logits, &hc)?;
         }
-        if let Some(cap) = softcap {
-            logits = softcap_logits(&logits, cap)?;
-        }
-        let stats = crate::ce::op::ce_fwd(&logits, &tgt)?;
+        let stats = match (softcap, fused_cap) {
+            (_, Some(cap)) => crate::ce::op::ce_capped_fwd(&logits, &tgt, cap)?,
+            (Some(cap), None) => {
+                logits = softcap_logits(&logits, cap)?;
+                crate::ce::op::ce_fwd(&logits, &tgt)?
+            }
+            (None, None) => crate::ce::op::ce_fwd(&logits, &tgt)?,
+        };
         let sum = stats.narrow(1, 1, 1)?.to_dtype(DType::F64)?.sum_all()?;
         if per_row {
             row_parts.push(
@@ -182,10 +192,16 @@ fn cross_entropy_impl(
         };
         // dlogits = (softmax − onehot) · grad_scale, in h's dtype
         let lse = stats.narrow(1, 0, 1)?.squeeze(1)?;
-        let mut dlogits = crate::ce::op::ce_bwd(&logits, &tgt, &lse, scale)?;
-        if let Some(cap) = softcap {
-            dlogits = softcap_logits_backward(&dlogits, &logits, cap)?;
-        }
+        let dlogits = match (softcap, fused_cap) {
+            (_, Some(cap)) => crate::ce::op::ce_capped_bwd(&logits, &tgt, &lse, scale, cap)?,
+            // `logits` are the capped ones here.
+            (Some(cap), None) => softcap_logits_backward(
+                &crate::ce::op::ce_bwd(&logits, &tgt, &lse, scale)?,
+                &logits,
+                cap,
+            )?,
+            (None, None) => crate::ce::op::ce_bwd(&logits, &tgt, &lse, scale)?,
+        };
         match head {
             None => dparts.push(mm(&dlogits, w)?), // (n, D)
             Some(hr) => {

@@ -10,6 +10,11 @@
 //!
 //! On CUDA the targets are not checked against V on the host (that would copy them back): the
 //! kernels give NaN loss and no one-hot for a target `>= V`. The CPU path refuses such a target.
+//!
+//! Soft-capped ([`ce_capped_fwd`], [`ce_capped_bwd`]: Gemma 2's final-logit cap fused in, the
+//! capped logits formed in registers, never stored): CUDA only. The CPU runs the unfused chain,
+//! `softcap_logits`, [`ce_fwd`], [`ce_bwd`], `softcap_logits_backward` (`crate::ce`); the fused
+//! kernels' reference is `reference::ce_capped_{fwd,bwd}`, itself tested against that chain.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -24,7 +29,42 @@ use rtune_backend::storage::{by_dtype, check_shape, float_dtype, slice};
 pub fn ce_fwd(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     logits
         .contiguous()?
-        .apply_op2_no_bwd(&targets.contiguous()?, &CeFwd)
+        .apply_op2_no_bwd(&targets.contiguous()?, &CeFwd { cap: None })
+}
+
+/// [`ce_fwd`] of the soft-capped logits `cap·tanh(logits/cap)` (as `softcap_logits` rounds
+/// them), formed on the fly: CUDA only (see the module docs).
+pub fn ce_capped_fwd(logits: &Tensor, targets: &Tensor, cap: f64) -> Result<Tensor> {
+    logits
+        .contiguous()?
+        .apply_op2_no_bwd(&targets.contiguous()?, &CeFwd { cap: Some(cap) })
+}
+
+/// [`ce_bwd`] through the soft cap: `d logits` for the uncapped `logits`, from
+/// [`ce_capped_fwd`]'s `lse`: CUDA only.
+pub fn ce_capped_bwd(
+    logits: &Tensor,
+    targets: &Tensor,
+    lse: &Tensor,
+    scale: f64,
+    cap: f64,
+) -> Result<Tensor> {
+    logits.contiguous()?.apply_op3_no_bwd(
+        &targets.contiguous()?,
+        &lse.contiguous()?,
+        &CeBwd {
+            scale: scale as f32,
+            cap: Some(cap),
+        },
+    )
+}
+
+/// The CPU's refusal of the fused soft cap (the CPU runs the unfused chain).
+fn cpu_capped(op: &str) -> Result<()> {
+    bail!(
+        "{op}: the soft-capped cross-entropy is fused on CUDA only; on the CPU `crate::ce` runs \
+         softcap_logits, then ce_fwd / ce_bwd, then softcap_logits_backward"
+    )
 }
 
 /// `dlogits = (softmax(logits) − onehot(targets))·scale` in the logits' dtype, from
@@ -35,6 +75,7 @@ pub fn ce_bwd(logits: &Tensor, targets: &Tensor, lse: &Tensor, scale: f64) -> Re
         &lse.contiguous()?,
         &CeBwd {
             scale: scale as f32,
+            cap: None,
         },
     )
 }
@@ -65,7 +106,10 @@ fn check_targets(op: &str, targets: &[u32], v: usize) -> Result<()> {
     }
 }
 
-pub(crate) struct CeFwd;
+/// `cap`: the soft cap fused in (CUDA only).
+pub(crate) struct CeFwd {
+    pub(crate) cap: Option<f64>,
+}
 
 impl CeFwd {
     /// `(n, V, logits dtype)`.
@@ -82,7 +126,10 @@ impl CeFwd {
 
 impl CustomOp2 for CeFwd {
     fn name(&self) -> &'static str {
-        "ce_fwd"
+        match self.cap {
+            None => "ce_fwd",
+            Some(_) => "ce_capped_fwd",
+        }
     }
 
     fn cpu_fwd(
@@ -94,6 +141,9 @@ impl CustomOp2 for CeFwd {
     ) -> Result<(CpuStorage, Shape)> {
         let (n, v, dt) = self.check((sl.dtype(), ll), (st.dtype(), lt))?;
         let op = self.name();
+        if self.cap.is_some() {
+            cpu_capped(op)?;
+        }
         let targets = slice::<u32>(op, "targets", st, lt)?;
         check_targets(op, targets, v)?;
         let out = by_dtype!(dt, T => cpu::ce_fwd::<T>(slice(op, "logits", sl, ll)?, targets, v));
@@ -122,27 +172,34 @@ impl CustomOp2 for CeFwd {
             st: &CudaStorage,
             lt: &Layout,
             (n, v): (usize, usize),
+            cap: Option<f64>,
         ) -> Result<CudaStorage> {
             let dev = &sl.device;
+            let op = if cap.is_some() {
+                "ce_capped_fwd"
+            } else {
+                "ce_fwd"
+            };
             let mut out = output::<f32>(dev, 2 * n)?; // (n, 2): [lse, loss]
-            k::ce_fwd::<T>(
-                &stream(dev),
-                &view::<T>("ce_fwd", "logits", sl, ll)?,
-                &view::<u32>("ce_fwd", "targets", st, lt)?,
-                &mut out.as_view_mut(),
-                n,
-                v,
-            )
-            .map_err(kerr("ce_fwd"))?;
+            let (s, logits) = (stream(dev), view::<T>(op, "logits", sl, ll)?);
+            let targets = view::<u32>(op, "targets", st, lt)?;
+            let o = &mut out.as_view_mut();
+            match cap {
+                None => k::ce_fwd::<T>(&s, &logits, &targets, o, n, v),
+                Some(c) => k::ce_capped_fwd::<T>(&s, &logits, &targets, o, (n, v), c),
+            }
+            .map_err(kerr(op))?;
             Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
         }
-        let out = by_dtype!(dt, T => run::<T>(sl, ll, st, lt, (n, v))?);
+        let out = by_dtype!(dt, T => run::<T>(sl, ll, st, lt, (n, v), self.cap)?);
         Ok((out, Shape::from((n, 2))))
     }
 }
 
+/// `cap`: the soft cap fused in (CUDA only).
 pub(crate) struct CeBwd {
     pub(crate) scale: f32,
+    pub(crate) cap: Option<f64>,
 }
 
 impl CeBwd {
@@ -166,7 +223,10 @@ impl CeBwd {
 
 impl CustomOp3 for CeBwd {
     fn name(&self) -> &'static str {
-        "ce_bwd"
+        match self.cap {
+            None => "ce_bwd",
+            Some(_) => "ce_capped_bwd",
+        }
     }
 
     fn cpu_fwd(
@@ -180,6 +240,9 @@ impl CustomOp3 for CeBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let (_, v, dt) = self.check((sl.dtype(), ll), (st.dtype(), lt), (slse.dtype(), llse))?;
         let op = self.name();
+        if self.cap.is_some() {
+            cpu_capped(op)?;
+        }
         let targets = slice::<u32>(op, "targets", st, lt)?;
         check_targets(op, targets, v)?;
         let lse = slice::<f32>(op, "lse", slse, llse)?;
@@ -219,26 +282,29 @@ impl CustomOp3 for CeBwd {
             lt: &Layout,
             slse: &CudaStorage,
             llse: &Layout,
-            scale: f32,
+            (scale, cap): (f32, Option<f64>),
             (n, v): (usize, usize),
         ) -> Result<CudaStorage> {
             let dev = &sl.device;
-            let op = "ce_bwd";
+            let op = if cap.is_some() {
+                "ce_capped_bwd"
+            } else {
+                "ce_bwd"
+            };
             let mut d = output::<T>(dev, n * v)?;
-            k::ce_bwd::<T>(
-                &stream(dev),
-                &view::<T>(op, "logits", sl, ll)?,
-                &view::<u32>(op, "targets", st, lt)?,
-                &view::<f32>(op, "lse", slse, llse)?,
-                scale,
-                &mut d.as_view_mut(),
-                n,
-                v,
-            )
+            let (s, logits) = (stream(dev), view::<T>(op, "logits", sl, ll)?);
+            let targets = view::<u32>(op, "targets", st, lt)?;
+            let lse = view::<f32>(op, "lse", slse, llse)?;
+            let dv = &mut d.as_view_mut();
+            match cap {
+                None => k::ce_bwd::<T>(&s, &logits, &targets, &lse, scale, dv, n, v),
+                Some(c) => k::ce_capped_bwd::<T>(&s, &logits, &targets, &lse, scale, dv, (n, v), c),
+            }
             .map_err(kerr(op))?;
             Ok(CudaStorage::wrap_cuda_slice(d, dev.clone()))
         }
-        let d = by_dtype!(dt, T => run::<T>(sl, ll, st, lt, slse, llse, self.scale, (n, v))?);
+        let sc = (self.scale, self.cap);
+        let d = by_dtype!(dt, T => run::<T>(sl, ll, st, lt, slse, llse, sc, (n, v))?);
         Ok((d, ll.shape().clone()))
     }
 }

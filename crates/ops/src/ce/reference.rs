@@ -75,3 +75,67 @@ pub fn ce_bwd(
     }
     d
 }
+
+/// A soft-capped logit as `crate::softcap::softcap_logits` forms it on a tensor of precision `p`:
+/// `z = T(T(tanh(T(x·inv)))·cap)` with `inv = f32(1/cap)` (candle's `x / cap` is `x·(1/cap)`),
+/// each step rounded to `p`, `tanh` in f32.
+pub fn cap_logit(x: f32, cap: f64, p: Precision) -> f32 {
+    let inv = (1.0 / cap) as f32;
+    let t = p.round(p.round(x * inv).tanh());
+    p.round(t * cap as f32)
+}
+
+/// The soft-capped cross-entropy's forward (`ce_capped_fwd`): [`ce_fwd`] of the capped logits
+/// [`cap_logit`]: `(n, 2)` f32 `[lse, lse − z[target]]`.
+pub fn ce_capped_fwd(
+    logits: &[f32],
+    targets: &[u32],
+    (n, v): (usize, usize),
+    cap: f64,
+    p: Precision,
+) -> Vec<f32> {
+    let z: Vec<f32> = logits.iter().map(|&x| cap_logit(x, cap, p)).collect();
+    ce_fwd(&z, targets, n, v)
+}
+
+/// The soft-capped cross-entropy's backward (`ce_capped_bwd`): `dz` = [`ce_bwd`] of the capped
+/// logits (a tensor of precision `p`), then `crate::softcap::softcap_logits_backward`'s
+/// `T(dz·(1 − t²))` with `t = z·f32(1/cap)`: `(n, v)`.
+#[allow(clippy::too_many_arguments)]
+pub fn ce_capped_bwd(
+    logits: &[f32],
+    targets: &[u32],
+    lse: &[f32],
+    scale: f32,
+    (n, v): (usize, usize),
+    cap: f64,
+    p: Precision,
+) -> Vec<f32> {
+    let inv = (1.0 / cap) as f32;
+    let z: Vec<f32> = logits.iter().map(|&x| cap_logit(x, cap, p)).collect();
+    let dz = ce_bwd(&z, targets, lse, scale, n, v, p);
+    dz.iter()
+        .zip(&z)
+        .map(|(&d, &z)| {
+            let t = z * inv;
+            p.round(d * (1.0 - t * t))
+        })
+        .collect()
+}
+
+/// The inputs the cross-entropy kernels are checked on (`check.rs`, `tests/kernels_emulated.rs`):
+/// `(logits, targets)` for `(n, v)`, logits ~ `std`·N(0, 1) rounded to `p`, one row in four given
+/// a dominant logit (`top`) at its target (loss near 0, softmax near one-hot).
+pub fn check_inputs(
+    rng: &mut rtune_backend::check::Rng,
+    (n, v): (usize, usize),
+    (std, top): (f32, f32),
+    p: Precision,
+) -> (Vec<f32>, Vec<u32>) {
+    let mut logits = rng.normals(n * v, std, p);
+    let targets: Vec<u32> = (0..n).map(|_| rng.below(v as u32)).collect();
+    for (i, &tg) in targets.iter().enumerate().step_by(4) {
+        logits[i * v + tg as usize] = p.round(top);
+    }
+    (logits, targets)
+}

@@ -203,3 +203,67 @@ fn per_row_cross_entropy_weighted_matches_autograd() {
     let g = total.backward().unwrap();
     assert_f32(&dh, g.get(&hv).unwrap(), "weighted dh");
 }
+
+/// The soft-capped kernels' slice reference (`ce_capped_fwd` / `ce_capped_bwd`) against the
+/// unfused path of `chunked_cross_entropy_with` on tensors: `softcap_logits`, `ce_fwd` and
+/// `ce_bwd` on the capped logits, `softcap_logits_backward`; f32, bf16 and f16, cap 30 and 5.
+/// The capped logits the reference forms are the op's bit for bit (`cap_logit`); the statistics
+/// and gradient within the kernels' tolerance (the reference's sums in f64).
+#[test]
+fn soft_capped_reference_equals_the_softcap_then_ce_ops() {
+    use rtune_backend::check::{compare, tolerance, Op};
+    use rtune_backend::Precision;
+    let (n, v) = (6, 333);
+    for (dt, p) in [
+        (DType::F32, Precision::F32),
+        (DType::BF16, Precision::Bf16),
+        (DType::F16, Precision::F16),
+    ] {
+        for cap in [30.0, 5.0] {
+            let case = format!("{dt:?} cap {cap}");
+            let mut rng = Rng::new(3);
+            let (logits, targets) = check_inputs(&mut rng, (n, v), (10.0, 60.0), p);
+            let lt = Tensor::from_vec(logits.clone(), (n, v), &Device::Cpu)
+                .and_then(|t| t.to_dtype(dt))
+                .unwrap();
+            let tt = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+            let capped = crate::softcap::softcap_logits(&lt, cap).unwrap();
+            let want_z: Vec<f32> = logits.iter().map(|&x| cap_logit(x, cap, p)).collect();
+            assert_eq!(flat(&capped), want_z, "{case}: capped logits");
+            let stats = crate::ce::op::ce_fwd(&capped, &tt).unwrap();
+            let want = ce_capped_fwd(&logits, &targets, (n, v), cap, p);
+            let c = compare(
+                &flat(&stats),
+                &want,
+                Precision::F32,
+                tolerance(Op::f32_out("ce"), p),
+            );
+            assert!(c.pass, "{case}: forward {c:?}");
+            let lse: Vec<f32> = want.iter().step_by(2).copied().collect();
+            let lse_t = Tensor::new(lse.as_slice(), &Device::Cpu).unwrap();
+            let dz = crate::ce::op::ce_bwd(&capped, &tt, &lse_t, 0.25).unwrap();
+            let d = crate::softcap::softcap_logits_backward(&dz, &capped, cap).unwrap();
+            let want = ce_capped_bwd(&logits, &targets, &lse, 0.25, (n, v), cap, p);
+            let c = compare(&flat(&d), &want, p, tolerance(Op::typed("ce_bwd"), p));
+            assert!(c.pass, "{case}: backward {c:?}");
+        }
+    }
+}
+
+/// The fused soft cap is CUDA only: on the CPU both ops refuse with an error naming the op and
+/// the unfused chain (which `chunked_cross_entropy_with` takes there), not a panic.
+#[test]
+fn capped_ops_refuse_the_cpu() {
+    let logits = randn(&[2, 7], 1, 3.0);
+    let tgt = Tensor::new(&[1u32, 6], &Device::Cpu).unwrap();
+    let e = crate::ce::op::ce_capped_fwd(&logits, &tgt, 30.0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("ce_capped_fwd") && e.contains("softcap_logits"),
+        "{e}"
+    );
+    let lse = Tensor::new(&[1f32, 1.0], &Device::Cpu).unwrap();
+    let e = crate::ce::op::ce_capped_bwd(&logits, &tgt, &lse, 1.0, 30.0);
+    assert!(e.unwrap_err().to_string().contains("ce_capped_bwd"));
+}

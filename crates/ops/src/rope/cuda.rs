@@ -100,3 +100,63 @@ pub fn rope_bwd<T: FusedFloat>(
         (b, h, t, dh),
     )
 }
+
+/// RoPE on q and k in place, one launch for both (`kernels/rope_qk.cuh`): `q: (b, hq, t, dh)`,
+/// `k: (b, hk, t, dh)` in `T`; `cos, sin: (bc, 1, t, r)` in `C` = `T` (each product rounded to
+/// `T`, as [`rope_fwd`]) or f32 (rotated in f32, rounded once: `rope::apply`'s f32-table mode),
+/// `bc` 1 or `b`; the first `r ≤ dh` (even) of each head rotate, the rest stay (partial rotary).
+/// `bwd`: the transpose (RoPE's backward on dq, dk).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_qk<T: FusedFloat, C: FusedFloat>(
+    stream: &Arc<CudaStream>,
+    q: &mut CudaViewMut<'_, T>,
+    k: &mut CudaViewMut<'_, T>,
+    cos: &CudaView<'_, C>,
+    sin: &CudaView<'_, C>,
+    (b, hq, hk, t, dh): (usize, usize, usize, usize, usize),
+    (bc, r): (usize, usize),
+    bwd: bool,
+) -> Result<()> {
+    const OP: &str = "rope_qk";
+    let stem = match (C::INDEX == T::INDEX, C::INDEX == 0, bwd) {
+        (true, _, false) => "rope_qk_fwd",
+        (true, _, true) => "rope_qk_bwd",
+        (false, true, false) => "rope_qk_f32t_fwd",
+        (false, true, true) => "rope_qk_f32t_bwd",
+        (false, false, _) => {
+            let why = format!("tables in {} for q, k in {}", C::SUFFIX, T::SUFFIX);
+            return Err(bad(OP, why));
+        }
+    };
+    if r % 2 != 0 || r > dh || r == 0 {
+        return Err(bad(OP, format!("rotary width {r} for head_dim {dh}")));
+    }
+    if bc != 1 && bc != b {
+        return Err(bad(
+            OP,
+            format!("tables of batch {bc} for q, k of batch {b}"),
+        ));
+    }
+    let (nq, nk) = (numel(OP, &[b, hq, t, dh])?, numel(OP, &[b, hk, t, dh])?);
+    let table = numel(OP, &[bc, t, r])?;
+    need(OP, "q", q.len(), nq)?;
+    need(OP, "k", k.len(), nk)?;
+    need(OP, "cos (bc, 1, t, r)", cos.len(), table)?;
+    need(OP, "sin (bc, 1, t, r)", sin.len(), table)?;
+    if nq + nk == 0 {
+        return Ok(());
+    }
+    let f = GpuKernel::new(&rtune_backend::image::FUSED, stem).get::<T>(stream.context())?;
+    let d = [b, hq, hk, t, dh, r, bc].map(|v| v as i64);
+    let mut l = stream.launch_builder(&f);
+    l.arg(q).arg(k).arg(cos).arg(sin);
+    for v in &d {
+        l.arg(v);
+    }
+    // One item: a vector of a head's first rotated half and its partner in the second.
+    let items = ((nq + nk) / dh * (r / 2)).div_ceil(vec_width::<T>());
+    // SAFETY: argument types and order match rope_qk{,_f32t}_{fwd,bwd}_<T> in fused.cu (tables
+    // of C: T, or f32 for the f32t stems); sizes checked above.
+    unsafe { l.launch(elementwise_cfg(items)) }.map_err(drv(OP))?;
+    Ok(())
+}

@@ -46,20 +46,35 @@ fn rope(
     backward: bool,
 ) -> Vec<f32> {
     assert!(dh % 2 == 0, "head_dim {dh} is odd");
-    assert_eq!(
-        (x.len(), cos.len(), sin.len()),
-        (b * h * t * dh, b * t * dh, b * t * dh)
-    );
-    let half = dh / 2;
-    let mut y = vec![0f32; x.len()];
-    for row in 0..b * h * t {
-        let (bi, ti) = (row / (h * t), row % t);
-        let (xo, co) = (row * dh, (bi * t + ti) * dh);
+    assert_eq!(x.len(), b * h * t * dh);
+    let mut y = x.to_vec();
+    rotate_rows(&mut y, cos, sin, (h, t, dh), (b, dh), (p, p), backward);
+    y
+}
+
+/// Rotates `x: (B, H, T, Dh)` in place with tables `(bc, 1, T, r)` (`bc` 1 or B; the first `r`
+/// of each head rotate, the rest stay): each product and sum rounded to `pc` (the tables' type:
+/// rope.rs's roundings for tables of x's type, none for f32 tables), the result to `p` (x's type).
+fn rotate_rows(
+    x: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    (h, t, dh): (usize, usize, usize),
+    (bc, r): (usize, usize),
+    (pc, p): (Precision, Precision),
+    backward: bool,
+) {
+    assert!(r % 2 == 0 && r <= dh, "rotary width {r} for head_dim {dh}");
+    assert_eq!((cos.len(), sin.len()), (bc * t * r, bc * t * r));
+    let half = r / 2;
+    for (row, xr) in x.chunks_exact_mut(dh.max(1)).enumerate() {
+        let (bi, ti) = (if bc == 1 { 0 } else { row / (h * t) }, row % t);
+        let co = (bi * t + ti) * r;
         for c in 0..half {
-            let (a1, a2) = (x[xo + c], x[xo + half + c]);
+            let (a1, a2) = (xr[c], xr[half + c]);
             let (c1, c2) = (cos[co + c], cos[co + half + c]);
             let (s1, s2) = (sin[co + c], sin[co + half + c]);
-            let r = |v: f32| p.round(v);
+            let r = |v: f32| pc.round(v);
             let (o1, o2) = if backward {
                 // dx = dy·cos + [z2, −z1], z = T(dy·sin)
                 let (z1, z2) = (r(a1 * s1), r(a2 * s2));
@@ -68,11 +83,31 @@ fn rope(
                 // y = x·cos + [−x2, x1]·sin
                 (r(a1 * c1) + r(-a2 * s1), r(a2 * c2) + r(a1 * s2))
             };
-            y[xo + c] = r(o1);
-            y[xo + half + c] = r(o2);
+            xr[c] = p.round(r(o1));
+            xr[half + c] = p.round(r(o2));
         }
     }
-    y
+}
+
+/// RoPE on q and k in place (`kernels/rope_qk.cuh`): `q: (B, Hq, T, Dh)`, `k: (B, Hk, T, Dh)` of
+/// precision `p`, tables `cos, sin: (bc, 1, T, r)` of precision `pc` (`bc` 1 or B, `r ≤ Dh`: the
+/// first `r` of each head rotate — partial rotary — the rest stay). `pc = p` is [`rope_fwd`] /
+/// [`rope_bwd`]'s numerics (each product rounded to `p`); `pc` f32 with a bf16/f16 `p` is
+/// [`super::apply`]'s f32-table mode (rotated in f32, rounded once to `p`).
+#[allow(clippy::too_many_arguments)]
+pub fn rope_qk(
+    q: &mut [f32],
+    k: &mut [f32],
+    cos: &[f32],
+    sin: &[f32],
+    (b, hq, hk, t, dh): (usize, usize, usize, usize, usize),
+    (bc, r): (usize, usize),
+    (pc, p): (Precision, Precision),
+    backward: bool,
+) {
+    assert_eq!((q.len(), k.len()), (b * hq * t * dh, b * hk * t * dh));
+    rotate_rows(q, cos, sin, (hq, t, dh), (bc, r), (pc, p), backward);
+    rotate_rows(k, cos, sin, (hk, t, dh), (bc, r), (pc, p), backward);
 }
 
 /// `y = T(T(x·cos) + T(rotate_half(x)·sin))`, `rotate_half([x1, x2]) = [−x2, x1]`: (b, h, t, dh).

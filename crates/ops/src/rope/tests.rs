@@ -3,8 +3,9 @@
 
 use super::reference::*;
 use crate::test_util::*;
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use rtune_backend::check::Rng;
+use rtune_backend::Precision;
 
 /// `cos, sin: (b, 1, t, dh)` for positions `3 + 2i`.
 
@@ -284,5 +285,63 @@ fn f32_tables_rotate_a_bf16_x_in_f32_rounded_once() {
             flat(&all_bf16),
             "{name}: the all-bf16 op rounds more"
         );
+    }
+}
+
+/// The in-place q/k kernels' slice reference (`reference::rope_qk`) against the op on tensors
+/// (`rope::apply` / `apply_backward` on q and on k), bit for bit: full rotation with tables of x's
+/// type and of batch B; partial rotary (12 of 16) with f32 tables of batch 1 on a bf16 x (the
+/// copies and the f32 mode of `apply`); f16 with f16 tables. GQA shapes (more q heads than k).
+#[test]
+fn rope_qk_reference_equals_apply_on_q_and_k() {
+    let (b, hq, hk, t, dh) = (2, 4, 2, 5, 16);
+    let dev = Device::Cpu;
+    for (dt, p, tdt, pc, bc, r) in [
+        (
+            DType::BF16,
+            Precision::Bf16,
+            DType::BF16,
+            Precision::Bf16,
+            b,
+            dh,
+        ),
+        (DType::BF16, Precision::Bf16, DType::F32, F32, 1, 12),
+        (
+            DType::F16,
+            Precision::F16,
+            DType::F16,
+            Precision::F16,
+            b,
+            10,
+        ),
+        (DType::F32, F32, DType::F32, F32, 1, dh),
+    ] {
+        let case = format!("{dt:?} x, {tdt:?} tables ({bc}, 1, {t}, {r})");
+        let mut rng = Rng::new(9);
+        let (cos, sin) = check_tables(&mut rng, (bc, t, r), pc);
+        let q = rng.normals(b * hq * t * dh, 1.0, p);
+        let k = rng.normals(b * hk * t * dh, 1.0, p);
+        let tab = |v: &[f32]| {
+            Tensor::from_vec(v.to_vec(), (bc, 1, t, r), &dev)
+                .and_then(|x| x.to_dtype(tdt))
+                .unwrap()
+        };
+        let (ct, st) = (tab(&cos), tab(&sin));
+        let x = |v: &[f32], h| {
+            Tensor::from_vec(v.to_vec(), (b, h, t, dh), &dev)
+                .and_then(|x| x.to_dtype(dt))
+                .unwrap()
+        };
+        for bwd in [false, true] {
+            let f = |v: &[f32], h| match bwd {
+                false => crate::rope::apply(&x(v, h), &ct, &st).unwrap(),
+                true => crate::rope::apply_backward(&x(v, h), &ct, &st).unwrap(),
+            };
+            let (mut wq, mut wk) = (q.clone(), k.clone());
+            let s5 = (b, hq, hk, t, dh);
+            rope_qk(&mut wq, &mut wk, &cos, &sin, s5, (bc, r), (pc, p), bwd);
+            assert_eq!(flat(&f(&q, hq)), wq, "{case} q, backward {bwd}");
+            assert_eq!(flat(&f(&k, hk)), wk, "{case} k, backward {bwd}");
+        }
     }
 }
