@@ -216,7 +216,10 @@ pub fn moe_forward(
     let groups = Groups::new(experts, k, e_n)?;
     let (dev, dt) = (x.device(), x.dtype());
     let x = x.contiguous()?;
-    let mut out = Tensor::zeros(x.shape(), dt, dev)?;
+    // Every expert's weighted rows, in expert order, scatter-added once at the end (each token's
+    // sum in expert order, as one `index_add` per expert would make it, without E copies of the
+    // `(T, H)` output).
+    let mut rows = Vec::with_capacity(e_n);
     let mut caches = Vec::with_capacity(e_n);
     for e in 0..e_n {
         let tokens = &groups.tokens[e];
@@ -241,7 +244,7 @@ pub fn moe_forward(
         )?; // (n_e, H)
         let w: Vec<f32> = groups.slots[e].iter().map(|&s| weights[s]).collect();
         let w = Tensor::from_vec(w, (tokens.len(), 1), dev)?.to_dtype(dt)?;
-        out = out.index_add(&tok, &d.broadcast_mul(&w)?, 0)?;
+        rows.push(d.broadcast_mul(&w)?);
         caches.push(Some(ExpertCache {
             x: xe,
             gu,
@@ -250,6 +253,7 @@ pub fn moe_forward(
             xa_down,
         }));
     }
+    let out = scatter_add(&x, &rows, &groups)?;
     Ok((
         out,
         MoeCache {
@@ -278,7 +282,7 @@ pub fn moe_backward(
     }
     let (dev, dt) = (dy.device(), dy.dtype());
     let dy = dy.contiguous()?;
-    let mut dx = Tensor::zeros(dy.shape(), dt, dev)?;
+    let mut dx_rows = Vec::with_capacity(e_n);
     let mut dweights = vec![0f32; g.rows()];
     // Per expert (E entries), the LoRA factors' gradients `(dA_e: (r, in), dB_e: (out, r))`.
     let mut gu_grads: Vec<(Tensor, Tensor)> = Vec::new();
@@ -329,14 +333,25 @@ pub fn moe_backward(
             &mut gu_grads,
         )?; // (n_e, H)
         debug_assert_eq!(dxe.dims(), &[n, h]);
-        dx = dx.index_add(&tok, &dxe, 0)?;
+        dx_rows.push(dxe);
     }
     Ok(MoeGrads {
-        dx,
+        dx: scatter_add(&dy, &dx_rows, g)?,
         dweights,
         gate_up: peft_layout(gu_grads)?,
         down: peft_layout(down_grads)?,
     })
+}
+
+/// `(T, H)` zeros like `like` plus each expert's rows (`rows[j]`: the `j`-th expert with tokens,
+/// in expert order) added at its tokens, in one `index_add`.
+fn scatter_add(like: &Tensor, rows: &[Tensor], g: &Groups) -> Result<Tensor> {
+    let out = like.zeros_like()?;
+    if rows.is_empty() {
+        return Ok(out);
+    }
+    let tokens: Vec<u32> = g.tokens.iter().flatten().copied().collect();
+    out.index_add(&ids(&tokens, like.device())?, &Tensor::cat(rows, 0)?, 0)
 }
 
 /// The backward of `y = x W_eᵀ + s (x A_eᵀ) B_eᵀ`: returns `dx`, pushes `(dA_e, dB_e)` with
