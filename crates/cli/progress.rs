@@ -38,11 +38,7 @@ impl Progress {
     }
 
     pub fn step(&self, m: &StepMetrics) {
-        // A preference step also shows its reward accuracy (the share of pairs ranked right).
-        let acc = m
-            .recipe
-            .get("rewards/accuracies")
-            .map_or(String::new(), |a| format!("  reward acc {a:.3}"));
+        let acc = objective_part(m);
         let text = format!(
             "loss {:.4}{acc}  lr {:.3e}  grad_norm {:.3}  {:.0} tok/s  peak {:.0} MB",
             m.loss,
@@ -76,4 +72,19 @@ impl Progress {
             b.finish_and_clear();
         }
     }
+}
+
+/// What the step's objective adds to the line, from its metrics: a preference step's reward
+/// accuracy (the share of pairs ranked right); a GRPO step's mean reward and mean completion
+/// length (TRL's `reward`, `completions/mean_length`).
+fn objective_part(m: &StepMetrics) -> String {
+    let get = |k: &str| m.recipe.get(k).copied();
+    let mut out = String::new();
+    if let Some(a) = get("rewards/accuracies") {
+        out += &format!("  reward acc {a:.3}");
+    }
+    if let (Some(r), Some(len)) = (get("reward"), get("completions/mean_length")) {
+        out += &format!("  reward {r:.3}  len {len:.1}");
+    }
+    out
 }

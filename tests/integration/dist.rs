@@ -15,7 +15,10 @@
 //! - `rtune estimate --world 2` adds the all-reduce buffers to the per-rank peak;
 //! - a rank that hangs (SIGSTOP) makes the other exit through the watchdog within 60 s, naming
 //!   it; rank 0's evaluation and checkpoints, announced as long phases, are not taken for a hang;
-//! - a sharded base (`[distributed] shard_base`, `dist/shard.rs`).
+//! - a sharded base (`[distributed] shard_base`, `dist/shard.rs`);
+//! - GRPO (issue 44): two ranks sample their shares of each generation batch, gathered for the
+//!   advantages, and equal one process with twice the accumulation bit for bit (rollouts,
+//!   adapter, metrics), resume included; with a sharded base it is refused at start.
 //!
 //! A separate test target (`required-features = ["mpi"]`): scripts/test.sh runs it with
 //! `cargo test --features mpi --test dist`. Needs `mpirun` (Open MPI; scripts/deps/openmpi.sh).
@@ -652,20 +655,27 @@ fn rank_0s_evaluation_and_checkpoints_are_not_taken_for_a_hang() {
     assert_eq!(metrics(&tmp.path().join("phases")).len(), 4);
 }
 
-/// GRPO on two ranks is refused at start, naming the objective and why (each rank would sample
-/// and score its own groups, where TRL gathers whole groups), with exit 2 and nothing written; the
-/// same config runs in one process.
-#[test]
-fn grpo_on_two_ranks_is_refused_at_start() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("prompts.jsonl");
-    std::fs::write(
-        &data,
-        "{\"prompt\": \"the cat sat on\"}\n{\"prompt\": \"one two\"}\n",
-    )
-    .unwrap();
-    let out = tmp.path().join("grpo");
-    let cfg = tmp.path().join("grpo.toml");
+/// A GRPO run's config (issue 44): the tiny Llama 3, 8 prompts, groups of 2, 4 steps (each
+/// generation batch trained twice, `num_iterations = 2`: old log-probs kept), β > 0 (the
+/// reference pass), `scale_rewards = "batch"` (the std over the whole generation batch) and
+/// `dapo`'s global token count; `extra` lines go in `[train]`.
+fn grpo_config(dir: &Path, name: &str, grad_accum: usize, extra: &str) -> PathBuf {
+    let data = dir.join("prompts.jsonl");
+    let prompts = [
+        "the cat sat on",
+        "one two",
+        "hello world",
+        "a story about",
+        "once upon a time",
+        "red green blue",
+        "the end of",
+        "seven eight nine",
+    ];
+    let rows: String = (prompts.iter())
+        .map(|p| serde_json::json!({ "prompt": p }).to_string() + "\n")
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let out = dir.join(name);
     let text = format!(
         r#"[model]
 path = "{model}"
@@ -675,35 +685,115 @@ alpha = 8
 [data]
 train = "{data}"
 max_seq_len = 32
+shuffle = true
 [train]
 seed = 11
-steps = 1
+steps = 4
 micro_batch_size = 4
-lr = 1e-3
+grad_accum = {grad_accum}
+lr = 2e-2
 objective = "grpo"
-num_generations = 4
-max_completion_length = 4
+num_generations = 2
+max_completion_length = 8
+temperature = 0.9
+beta = 0.04
+num_iterations = 2
+scale_rewards = "batch"
+{extra}
 [output]
 dir = "{out}"
+save_every = 1
 
 [[reward]]
 name = "format"
 kind = "regex"
 pattern = "e"
+
+[[reward]]
+name = "short"
+kind = "length"
+target = 4
 "#,
         model = fixture("fixtures/tiny-llama3").display(),
         data = data.display(),
         out = out.display(),
     );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn rollouts(out: &Path) -> String {
+    std::fs::read_to_string(out.join("rollouts.jsonl")).unwrap()
+}
+
+/// GRPO on two ranks equals one process with twice the accumulation (the same global batch):
+/// each rank samples, scores and computes the old and reference log-probs of its share of the
+/// generation batch (2 of its 4 prompts, whole groups), the shares are gathered so that the
+/// advantages (here over the whole batch's std) and dapo's token count are global, and each
+/// rank trains its own share. Completion i of a batch draws from its own RNG stream, so the
+/// completions are the same as the single process's: rollouts.jsonl (written by rank 0 alone)
+/// is identical byte for byte; the micro-batches, their normalisation and the two-term
+/// gradient sum are the single process's, so the adapter and metrics.jsonl (the loss's
+/// metrics summed, `clip_ratio/low_min` and `high_max` taken as min and max over the ranks)
+/// are equal bit for bit. Then a two-rank run killed (-9 of rank 1) after step 2 and resumed
+/// on two ranks ends with the same adapter, metrics and rollouts.
+#[test]
+fn grpo_on_two_ranks_is_one_process_with_twice_the_accumulation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let o = single(&grpo_config(t, "reference", 2, ""), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = two_ranks(&grpo_config(t, "dist", 1, ""), &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let (reference, out) = (t.join("reference"), t.join("dist"));
+    let lines = rollouts(&reference);
+    assert_eq!(lines.lines().count(), 2 * 8, "2 generation batches of 8");
+    assert_eq!(rollouts(&out), lines, "rollouts differ");
+    assert!(adapter(&out) == adapter(&reference), "adapters differ");
+    let m = metrics(&out);
+    assert_eq!(m, metrics(&reference));
+    assert_eq!(m.len(), 4);
+    for k in ["kl", "entropy", "clip_ratio/low_min", "reward_std"] {
+        assert!(m[3][k].is_f64(), "{k}: {}", m[3]);
+    }
+    // Rank 0 alone writes: the run directory holds what the single process's holds.
+    assert_eq!(files(&out), files(&reference));
+
+    let cfg = grpo_config(t, "killed", 1, "");
+    let killed = t.join("killed");
+    let child = spawn_until_step(&cfg, &killed, 2, &[]);
+    let pid = rank_pid(child.id(), 1).expect("rank 1's process");
+    signal(pid, 9);
+    let (o, _) = wait_timed(child);
+    assert!(!o.status.success(), "mpirun exits non-zero");
+    let o = two_ranks(&cfg, &["--resume"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
+    assert!(
+        adapter(&killed) == adapter(&reference),
+        "resumed adapter differs"
+    );
+    assert_eq!(metrics(&killed), metrics(&reference));
+    assert_eq!(rollouts(&killed), lines, "resumed rollouts differ");
+}
+
+/// GRPO with a sharded base (`[distributed] shard_base`) on two ranks is refused at start,
+/// naming why (each rank decodes its own completions for as many steps as they take, so the
+/// base's per-layer gathers would not pair up), with exit 2 and nothing written.
+#[test]
+fn grpo_with_a_sharded_base_on_two_ranks_is_refused_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = grpo_config(tmp.path(), "grpo", 1, "");
+    let text = std::fs::read_to_string(&cfg).unwrap() + "\n[distributed]\nshard_base = true\n";
     std::fs::write(&cfg, text).unwrap();
     let o = two_ranks(&cfg, &[]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("objective = \"grpo\" does not run data-parallel yet"),
+        err.contains("objective = \"grpo\" does not run data-parallel yet")
+            && err.contains("shard_base"),
         "{err}"
     );
-    assert!(!out.exists(), "nothing is written");
-    let o = single(&cfg, &[]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!tmp.path().join("grpo").exists(), "nothing is written");
 }

@@ -1,7 +1,8 @@
 //! GRPO (issue 44) through `rtune train` on the tiny Llama: completions sampled in the step,
 //! scored by a built-in `regex` reward and the Python `command` example
-//! (`examples/rewards/contains_answer.py`), rollouts.jsonl's shape, TRL's metric names, and a
-//! run killed (-9) and resumed equal to one never interrupted, bit for bit.
+//! (`examples/rewards/contains_answer.py`), rollouts.jsonl's shape, TRL's metric names, the
+//! progress line's reward and completion length, and a run killed (-9) and resumed equal to one
+//! never interrupted, bit for bit.
 
 use std::path::Path;
 
@@ -141,6 +142,7 @@ fn grpo_trains_writes_rollouts_and_resumes_bitwise() {
             "completions/max_length",
             "completions/clipped_ratio",
             "kl",
+            "entropy",
             "clip_ratio/region_mean",
             "clip_ratio/low_mean",
             "clip_ratio/high_mean",
@@ -148,7 +150,24 @@ fn grpo_trains_writes_rollouts_and_resumes_bitwise() {
             assert!(m.get(k).is_some(), "{k} missing: {m}");
         }
         assert!(m["loss"].as_f64().unwrap().is_finite(), "{m}");
+        // A mean token entropy: above 0 (sampled at T = 0.9 from a near-uniform tiny model),
+        // at most ln(vocab) = ln(512) (the replay parity checks its value against TRL's).
+        let h = m["entropy"].as_f64().unwrap();
+        assert!(h > 0.0 && h <= (512f64).ln() + 1e-4, "entropy {h}: {m}");
     }
+    // The progress line (plain on a pipe) shows the step's reward and completion length.
+    let last = steps[5];
+    let line = format!(
+        "reward {:.3}  len {:.1}",
+        last["reward"].as_f64().unwrap(),
+        last["completions/mean_length"].as_f64().unwrap()
+    );
+    let err = stderr(&o);
+    assert!(
+        err.lines()
+            .any(|l| l.contains("step     6/6") && l.contains(&line)),
+        "no progress line with `{line}`: {err}"
+    );
     assert!(
         steps[0]["kl"].as_f64().unwrap().abs() <= 1e-6,
         "{}",

@@ -15,13 +15,17 @@ the base and the KL term is not zero); then TRL trains from the same adapter on 
   positions equal rtune's.
 Compared: every step's loss (rtune's metrics.jsonl vs the value TRL's compute_loss returns, not its
 4-digit log) within 1e-5 relative (to max(|TRL's loss|, 1e-2): an on-policy step whose completions
-share a length has a loss of 0 up to summation order, ~1e-8), and the adapter after 3 AdamW steps
-within 1e-4 (max |Δ| / max |w| per tensor). f32 both (TRL's configs default to bf16: set off).
+share a length has a loss of 0 up to summation order, ~1e-8), every step's `entropy` metric (the
+masked mean token entropy of softmax(z / T), read from TRL's `_metrics` as compute_loss appends
+it; one micro-batch a step, so TRL's mean over micro-batches is that one value) within 1e-5
+relative (f32 log-sum-exps of ~6-sized values over two forwards of slightly different adapters
+after step 1), and the adapter after 3 AdamW steps within 1e-4 (max |Δ| / max |w| per tensor). f32 both (TRL's configs default to bf16: set off).
 The prompts include one without an `answer` (its command reward is null) and the batches hold a
 group whose rewards are all equal (frac_reward_zero_std 0.5 at step 3). Exit 1 on any failure.
 
 Measured (AMD EPYC, 2 cores, lr 1e-3, temperature 0.9), all 12 variants ok: loss ≤ 3.0e-6,
-adapter ≤ 4.9e-5 (cispo; the others ≤ 2.1e-5).
+adapter ≤ 4.9e-5 (cispo; the others ≤ 2.1e-5). Entropy (run for dapo, mask_truncated, beta,
+sequence, mu2, batch_scale): ≤ 8.7e-8 relative.
 """
 import argparse
 import json
@@ -120,18 +124,21 @@ def run_rtune(rtune, work, variant, knobs):
     rollouts = [json.loads(l) for l in (out / "rollouts.jsonl").read_text().splitlines()]
     metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
+    entropies = [m["entropy"] for m in metrics if "loss" in m]
     print("rtune grad norms", [m["grad_norm"] for m in metrics if "loss" in m])
-    return out, rollouts, losses
+    return out, rollouts, losses, entropies
 
 
 class Replay(GRPOTrainer):
     losses = []
+    entropies = []
     grad_norms = []
     grads = []
 
     def compute_loss(self, model, inputs, *a, **k):
         loss = super().compute_loss(model, inputs, *a, **k)
         Replay.losses.append(loss.item())
+        Replay.entropies.append(self._metrics["train"]["entropy"][-1])
         if os.environ.get("GRPO_PARITY_VERBOSE"):
             for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages"):
                 print(key, inputs[key].tolist())
@@ -186,7 +193,7 @@ def run_trl(work, rollouts, knobs):
         reward_weights=[1.0, 0.5],
         **knobs,
     )
-    Replay.losses, Replay.grad_norms, Replay.grads = [], [], []
+    Replay.losses, Replay.entropies, Replay.grad_norms, Replay.grads = [], [], [], []
 
     class Grads(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
@@ -204,18 +211,22 @@ def run_trl(work, rollouts, knobs):
         callbacks=[Grads()],
     )
     t.train()
-    return list(Replay.losses), get_peft_model_state_dict(t.model)
+    return list(Replay.losses), list(Replay.entropies), get_peft_model_state_dict(t.model)
 
 
 def compare(variant, knobs, rtune, work):
-    out, rollouts, rl = run_rtune(rtune, work, variant, knobs)
-    tl, state = run_trl(work, rollouts, knobs)
+    out, rollouts, rl, re = run_rtune(rtune, work, variant, knobs)
+    tl, te, state = run_trl(work, rollouts, knobs)
     print("trl grad norms", Replay.grad_norms)
     ok = True
     # Relative to TRL's loss, or to 1e-2 where it is smaller (an on-policy step whose advantages
     # sum to 0 has a loss of 0 up to the order of the sum).
     loss_rel = max(abs(a - b) / max(abs(b), 1e-2) for a, b in zip(rl, tl))
     if len(rl) != STEPS or len(tl) != STEPS or loss_rel > 1e-5:
+        ok = False
+    # An all-masked step (every completion truncated, mask_truncated) logs 0 on both sides.
+    ent_rel = max(abs(a - b) / max(abs(b), 1e-2) for a, b in zip(re, te))
+    if len(re) != STEPS or len(te) != STEPS or ent_rel > 1e-5:
         ok = False
     ours = load_file(out / "adapter_model.safetensors")
     worst = 0.0
@@ -229,7 +240,8 @@ def compare(variant, knobs, rtune, work):
         worst = max(worst, rel)
     if worst > 1e-4:
         ok = False
-    print(f"{variant}: losses rtune {rl} trl {tl}; loss rel {loss_rel:.2e}, adapter rel {worst:.2e}: "
+    print(f"{variant}: losses rtune {rl} trl {tl}; entropy rtune {re} trl {te}")
+    print(f"{variant}: loss rel {loss_rel:.2e}, entropy rel {ent_rel:.2e}, adapter rel {worst:.2e}: "
           f"{'ok' if ok else 'FAIL'}")
     return ok
 

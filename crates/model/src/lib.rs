@@ -44,7 +44,7 @@ pub use config::family::{self, Family};
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::{Completion, KvCache};
-pub use model::{Forward, HeadLoss, Inputs, Model, PerTokenLoss, Quantize};
+pub use model::{Forward, HeadLoss, Inputs, Model, PerTokenLoss, Quantize, TemperedLoss};
 pub use shard::Gather;
 
 use std::path::PathBuf;

@@ -107,15 +107,21 @@ pub enum HeadLoss<'a> {
     PerToken(PerTokenLoss<'a>),
     /// [`HeadLoss::PerToken`] on the logits divided by `temperature` (GRPO: TRL divides the
     /// logits by the sampling temperature before its log-softmax): `weigh` gets every position's
-    /// `−log softmax(z / T)[target]`.
+    /// `−log softmax(z / T)[target]` and the entropy of `softmax(z / T)` there (TRL's `entropy`
+    /// metric; both 0 where there is no target).
     Tempered {
         temperature: f64,
-        weigh: PerTokenLoss<'a>,
+        weigh: TemperedLoss<'a>,
     },
 }
 
 /// [`HeadLoss::PerToken`]'s function: every position's NLL → (loss, dloss/dnll per position).
 pub type PerTokenLoss<'a> = &'a mut dyn FnMut(&[f32]) -> candle_core::Result<(f64, Vec<f32>)>;
+
+/// [`HeadLoss::Tempered`]'s function: every position's (NLL, entropy) → (loss, dloss/dnll per
+/// position); the entropy is read, not differentiated.
+pub type TemperedLoss<'a> =
+    &'a mut dyn FnMut(&[f32], &[f32]) -> candle_core::Result<(f64, Vec<f32>)>;
 
 /// What [`Model::forward`] returns.
 pub struct Forward {

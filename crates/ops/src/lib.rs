@@ -71,7 +71,8 @@ pub use attention::{
 };
 pub use ce::{
     chunked_cross_entropy, chunked_cross_entropy_loss, chunked_cross_entropy_loss_with,
-    chunked_cross_entropy_rows, chunked_cross_entropy_with, HeadRows,
+    chunked_cross_entropy_rows, chunked_cross_entropy_rows_entropy, chunked_cross_entropy_with,
+    HeadRows,
 };
 pub use geglu::{geglu, geglu_backward};
 pub use lora::lora_up;

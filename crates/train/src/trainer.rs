@@ -264,6 +264,7 @@ impl<R: Recipe> Trainer<'_, R> {
             adapter: &self.adapter,
             step,
             pad_id: self.pad_id,
+            world: &self.dist.world,
         };
         let mbs = cfg.train.micro_batch_size;
         let micro = (0..cfg.train.grad_accum * w)
@@ -372,8 +373,21 @@ impl<R: Recipe> Trainer<'_, R> {
         let step = self.state.step + 1;
         let mut s = sums.to_vec();
         if self.dist.world.is_distributed() && !s.is_empty() {
+            let world = &self.dist.world;
+            let tail = s.len() - R::Sums::MAX_TAIL.min(s.len());
             let what = format!("step {step}'s objective metrics all-reduce");
-            self.dist.world.all_reduce_sum_f64(&what, &mut s);
+            world.all_reduce_sum_f64(&what, &mut s[..tail]);
+            if tail < s.len() {
+                // The max over the ranks: each rank's values gathered (a few f64s a rank).
+                let mine: Vec<u8> = s[tail..].iter().flat_map(|v| v.to_le_bytes()).collect();
+                let what = format!("step {step}'s objective metrics gather (max)");
+                for theirs in world.all_gather(&what, &mine) {
+                    for (i, b) in theirs.chunks_exact(8).enumerate() {
+                        let v = f64::from_le_bytes(b.try_into().expect("8 bytes"));
+                        s[tail + i] = s[tail + i].max(v);
+                    }
+                }
+            }
             sums = R::Sums::from_slice(&s);
         }
         let (grads, loss) = self.dist.all_reduce(step, &self.adapter, grads, loss_sum)?;
@@ -421,6 +435,7 @@ impl<R: Recipe> Trainer<'_, R> {
             adapter,
             step,
             pad_id: self.pad_id,
+            world: &self.dist.world,
         };
         let ev = self.recipe.evaluate(&live, cfg.train.micro_batch_size)?;
         if let (Some(ev), true) = (ev, root) {

@@ -23,7 +23,7 @@ impl Model {
         let softcap = self.cfg.variant.final_softcap;
         let head = self.head_rows(Some(lora))?;
         let lm_head = self.lm_head()?;
-        let weigh = match objective {
+        let (weigh, temperature) = match objective {
             HeadLoss::Tokens { grad_scale } => {
                 let (loss, dh, head_grad) = ops::chunked_cross_entropy_with(
                     h,
@@ -39,10 +39,9 @@ impl Model {
                 }
                 return Ok((loss, dh));
             }
-            HeadLoss::PerToken(weigh) => (weigh, 1.0),
-            HeadLoss::Tempered { temperature, weigh } => (weigh, *temperature),
+            HeadLoss::PerToken(weigh) => (Weigh::Plain(weigh), 1.0),
+            HeadLoss::Tempered { temperature, weigh } => (Weigh::Tempered(weigh), *temperature),
         };
-        let (weigh, temperature) = weigh;
         if head.is_some() {
             candle_core::bail!(
                 "a per-sequence objective (preference training) with trainable token rows in a tied \
@@ -52,15 +51,22 @@ impl Model {
         // z / T = (h / T)·Wᵀ without a soft cap: the rows scaled instead of the logits, and the
         // gradient with respect to h is 1/T times the one with respect to h / T.
         let hs = tempered(h, temperature, softcap)?;
-        let (nll, dh) = ops::chunked_cross_entropy_rows(
-            &hs,
-            &lm_head,
-            softcap,
-            targets,
-            true,
-            self.ce_chunk(),
-        )?;
-        let (loss, weights) = weigh(&nll.to_vec1::<f32>()?)?;
+        let chunk = self.ce_chunk();
+        let (loss, weights, dh) = match weigh {
+            Weigh::Plain(weigh) => {
+                let (nll, dh) =
+                    ops::chunked_cross_entropy_rows(&hs, &lm_head, softcap, targets, true, chunk)?;
+                let (loss, weights) = weigh(&nll.to_vec1::<f32>()?)?;
+                (loss, weights, dh)
+            }
+            Weigh::Tempered(weigh) => {
+                let (nll, dh, entropy) = ops::chunked_cross_entropy_rows_entropy(
+                    &hs, &lm_head, softcap, targets, true, chunk,
+                )?;
+                let (loss, weights) = weigh(&nll.to_vec1::<f32>()?, &entropy.to_vec1::<f32>()?)?;
+                (loss, weights, dh)
+            }
+        };
         if weights.len() != targets.len() {
             candle_core::bail!(
                 "objective: {} weights for {} positions",
@@ -194,6 +200,12 @@ impl Model {
             1024
         }
     }
+}
+
+/// The per-token function of a [`HeadLoss::PerToken`] or [`HeadLoss::Tempered`] head.
+enum Weigh<'a, 'b> {
+    Plain(&'b mut super::PerTokenLoss<'a>),
+    Tempered(&'b mut super::TemperedLoss<'a>),
 }
 
 /// `h / T` for the logits `z / T` (`h` itself at T = 1). A soft cap sits between `h·Wᵀ` and the

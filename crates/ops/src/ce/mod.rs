@@ -35,7 +35,16 @@ pub fn chunked_cross_entropy(
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor)> {
-    let o = cross_entropy_impl(h, w, None, None, targets, Some(grad_scale), false, chunk)?;
+    let o = cross_entropy_impl(
+        h,
+        w,
+        None,
+        None,
+        targets,
+        Some(grad_scale),
+        PerRow::None,
+        chunk,
+    )?;
     Ok((o.loss, o.dh.expect("asked for the gradient")))
 }
 
@@ -54,7 +63,16 @@ pub fn chunked_cross_entropy_with(
     grad_scale: f64,
     chunk: usize,
 ) -> Result<(f64, Tensor, Option<Tensor>)> {
-    let o = cross_entropy_impl(h, w, head, softcap, targets, Some(grad_scale), false, chunk)?;
+    let o = cross_entropy_impl(
+        h,
+        w,
+        head,
+        softcap,
+        targets,
+        Some(grad_scale),
+        PerRow::None,
+        chunk,
+    )?;
     Ok((o.loss, o.dh.expect("asked for the gradient"), o.drows))
 }
 
@@ -65,7 +83,7 @@ pub fn chunked_cross_entropy_loss(
     targets: &[Option<u32>],
     chunk: usize,
 ) -> Result<f64> {
-    Ok(cross_entropy_impl(h, w, None, None, targets, None, false, chunk)?.loss)
+    Ok(cross_entropy_impl(h, w, None, None, targets, None, PerRow::None, chunk)?.loss)
 }
 
 /// [`chunked_cross_entropy_loss`] with trainable token rows in the lm_head and the logits'
@@ -78,7 +96,7 @@ pub fn chunked_cross_entropy_loss_with(
     targets: &[Option<u32>],
     chunk: usize,
 ) -> Result<f64> {
-    Ok(cross_entropy_impl(h, w, head, softcap, targets, None, false, chunk)?.loss)
+    Ok(cross_entropy_impl(h, w, head, softcap, targets, None, PerRow::None, chunk)?.loss)
 }
 
 /// Each row's loss rather than their sum, for objectives that are functions of per-sequence
@@ -94,8 +112,43 @@ pub fn chunked_cross_entropy_rows(
     chunk: usize,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let scale = grad.then_some(1.0);
-    let o = cross_entropy_impl(h, w, None, softcap, targets, scale, true, chunk)?;
+    let o = cross_entropy_impl(h, w, None, softcap, targets, scale, PerRow::Nll, chunk)?;
     Ok((o.rows.expect("asked for the rows' losses"), o.dh))
+}
+
+/// [`chunked_cross_entropy_rows`] with each row's entropy of its softmax beside its loss:
+/// `entropy: (N,)` f32, `H = lse − Σ_v softmax(z)_v·z_v` (= `−Σ p log p`, as TRL's chunked
+/// log-prob head forms it), 0 where `targets[i]` is `None`. Formed chunk by chunk from the same
+/// logits as the loss (one more `(n, V)` f32 temporary a chunk); no gradient flows through it.
+pub fn chunked_cross_entropy_rows_entropy(
+    h: &Tensor,
+    w: &Tensor,
+    softcap: Option<f64>,
+    targets: &[Option<u32>],
+    grad: bool,
+    chunk: usize,
+) -> Result<(Tensor, Option<Tensor>, Tensor)> {
+    let scale = grad.then_some(1.0);
+    let o = cross_entropy_impl(
+        h,
+        w,
+        None,
+        softcap,
+        targets,
+        scale,
+        PerRow::NllEntropy,
+        chunk,
+    )?;
+    let entropy = o.entropy.expect("asked for the rows' entropy");
+    Ok((o.rows.expect("asked for the rows' losses"), o.dh, entropy))
+}
+
+/// What [`cross_entropy_impl`] forms per row besides the sum.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PerRow {
+    None,
+    Nll,
+    NllEntropy,
 }
 
 /// What [`cross_entropy_impl`] formed: the summed loss, `dh` and the head rows' gradient (with a
@@ -105,6 +158,7 @@ struct CeOut {
     dh: Option<Tensor>,
     drows: Option<Tensor>,
     rows: Option<Tensor>,
+    entropy: Option<Tensor>,
 }
 
 /// The first target outside `0..vocab`, as an error naming its row, its value and the vocabulary.
@@ -130,7 +184,7 @@ fn cross_entropy_impl(
     softcap: Option<f64>,
     targets: &[Option<u32>],
     grad_scale: Option<f64>,
-    per_row: bool,
+    per_row: PerRow,
     chunk: usize,
 ) -> Result<CeOut> {
     check_targets(targets, w.dim(0)?)?;
@@ -151,6 +205,7 @@ fn cross_entropy_impl(
     let mut dparts = Vec::new();
     let mut drows: Option<Tensor> = None;
     let mut row_parts = Vec::new();
+    let mut entropy_parts = Vec::new();
     let wt = w.t()?;
     for part in rows.chunks(chunk.max(1)) {
         let idx = Tensor::new(part, dev)?;
@@ -174,7 +229,14 @@ fn cross_entropy_impl(
             (None, None) => crate::ce::op::ce_fwd(&logits, &tgt)?,
         };
         let sum = stats.narrow(1, 1, 1)?.to_dtype(DType::F64)?.sum_all()?;
-        if per_row {
+        if per_row == PerRow::NllEntropy {
+            // H = lse − Σ_v p_v·z_v with p = exp(z − lse), in f32.
+            let lse = stats.narrow(1, 0, 1)?; // (n, 1)
+            let z = logits.to_dtype(DType::F32)?;
+            let pz = (z.broadcast_sub(&lse)?.exp()? * &z)?.sum(1)?; // (n)
+            entropy_parts.push((lse.squeeze(1)? - pz)?.contiguous()?);
+        }
+        if per_row != PerRow::None {
             row_parts.push(
                 stats
                     .narrow(1, 1, 1)?
@@ -239,25 +301,31 @@ fn cross_entropy_impl(
         Some(l) => l.to_scalar::<f64>()?,
         None => 0.0,
     };
-    // Each row's loss in its place (N,), zero where there is no target.
-    let rows = match per_row {
-        false => None,
-        true => {
-            let all = Tensor::zeros(targets.len(), DType::F32, dev)?;
-            Some(match row_parts.is_empty() {
-                true => all,
-                false => {
-                    let idx = Tensor::new(rows.as_slice(), dev)?;
-                    all.index_add(&idx, &Tensor::cat(&row_parts, 0)?.contiguous()?, 0)?
-                }
-            })
+    // Each row's loss (and entropy) in its place (N,), zero where there is no target.
+    let place = |parts: &[Tensor]| -> Result<Tensor> {
+        let all = Tensor::zeros(targets.len(), DType::F32, dev)?;
+        match parts.is_empty() {
+            true => Ok(all),
+            false => {
+                let idx = Tensor::new(rows.as_slice(), dev)?;
+                all.index_add(&idx, &Tensor::cat(parts, 0)?.contiguous()?, 0)
+            }
         }
+    };
+    let entropy = match per_row {
+        PerRow::NllEntropy => Some(place(&entropy_parts)?),
+        _ => None,
+    };
+    let rows = match per_row {
+        PerRow::None => None,
+        _ => Some(place(&row_parts)?),
     };
     Ok(CeOut {
         loss,
         dh,
         drows,
         rows,
+        entropy,
     })
 }
 

@@ -267,3 +267,50 @@ fn capped_ops_refuse_the_cpu() {
     let e = crate::ce::op::ce_capped_bwd(&logits, &tgt, &lse, 1.0, 30.0);
     assert!(e.unwrap_err().to_string().contains("ce_capped_bwd"));
 }
+
+/// The per-row entropy beside the loss: `−Σ p log p` of each row's full softmax formed at once
+/// (f32, the same terms summed in another order: 1e-5), 0 where there is no target; the loss
+/// and the gradient equal those of [`crate::chunked_cross_entropy_rows`] (same code, same
+/// chunks: bitwise). Chunks of 4 over 9 rows, one of them short.
+#[test]
+fn per_row_entropy_matches_the_full_softmax() {
+    let (n, d, v) = (9, 8, 23);
+    let h = randn(&[n, d], 60, 1.0);
+    let w = randn(&[v, d], 61, 1.0);
+    let tgt: Vec<Option<u32>> = (0..n as u32)
+        .map(|i| (i % 4 != 1).then_some(i * 7 % v as u32))
+        .collect();
+    let (nll, dh, ent) =
+        crate::chunked_cross_entropy_rows_entropy(&h, &w, None, &tgt, true, 4).unwrap();
+    let (nll0, dh0) = crate::chunked_cross_entropy_rows(&h, &w, None, &tgt, true, 4).unwrap();
+    assert_eq!(
+        nll.to_vec1::<f32>().unwrap(),
+        nll0.to_vec1::<f32>().unwrap()
+    );
+    assert_eq!(
+        dh.unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        dh0.unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    );
+    let logits = h.matmul(&w.t().unwrap()).unwrap().to_vec2::<f32>().unwrap();
+    let ent = ent.to_vec1::<f32>().unwrap();
+    for (i, t) in tgt.iter().enumerate() {
+        if t.is_none() {
+            assert_eq!(ent[i], 0.0, "row {i} has no target");
+            continue;
+        }
+        let z: Vec<f64> = logits[i].iter().map(|&x| f64::from(x)).collect();
+        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+        let want: f64 = -z.iter().map(|x| (x - lse).exp() * (x - lse)).sum::<f64>();
+        assert!(want > 0.1, "row {i}: a spread-out distribution ({want})");
+        assert!(
+            (f64::from(ent[i]) - want).abs() < 1e-5,
+            "row {i}: entropy {} vs {want}",
+            ent[i]
+        );
+    }
+}

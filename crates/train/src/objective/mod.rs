@@ -59,6 +59,9 @@ impl Micro for MicroBatch {
 /// What a step's micro-batches add to its metrics, summed over the ranks as numbers (an empty
 /// vector: nothing to sum, no all-reduce).
 pub trait Sums: Default {
+    /// The last entries of [`to_vec`](Self::to_vec) reduced over the ranks by their max rather
+    /// than summed (a min travels negated).
+    const MAX_TAIL: usize = 0;
     fn to_vec(&self) -> Vec<f64>;
     fn from_slice(v: &[f64]) -> Self;
 }
@@ -77,6 +80,10 @@ pub struct Live<'a> {
     pub adapter: &'a Adapter,
     /// Optimizer steps done (the step being drawn is `step + 1`).
     pub step: usize,
+    /// The ranks of a data-parallel run (one process: [`rtune_dist::World::single`]). A recipe
+    /// may run collectives in [`Recipe::draw`], which every rank calls alike; never in
+    /// [`Recipe::evaluate`], which rank 0 alone may run.
+    pub world: &'a rtune_dist::World,
     pub pad_id: u32,
 }
 

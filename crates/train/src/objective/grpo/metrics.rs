@@ -1,7 +1,9 @@
 //! GRPO's metrics under TRL 1.16's names: those of the generation batch (`reward`,
 //! `reward_std`, `rewards/<name>/mean|std`, `frac_reward_zero_std`, `completions/...`) and those
-//! the policy loss adds up over the step's micro-batches (`kl`, `clip_ratio/...`,
-//! `cispo_clip_ratio`), as TRL's `global_masked_mean` forms them.
+//! the policy loss adds up over the step's micro-batches (`kl`, `entropy`, `clip_ratio/...`,
+//! `cispo_clip_ratio`), as TRL's `global_masked_mean` forms them: over every rank's tokens. TRL
+//! logs the mean of each micro-batch's value; rtune the step's pooled one (the same at
+//! `grad_accum = 1`, which the replay parity runs).
 
 use std::collections::BTreeMap;
 
@@ -11,11 +13,13 @@ use super::{PolicyConfig, Stats};
 use crate::objective::Sums;
 use rtune_config::LossType;
 
-/// What the step's micro-batches add up (summed over the ranks as numbers, except the last two:
-/// a min and a max, exact on one rank).
+/// What the step's micro-batches add up over the ranks: sums, except the last two, a min and a
+/// max ([`Sums::MAX_TAIL`]: the min travels negated).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GrpoSums {
     pub kl_sum: f64,
+    /// Σ over masked completion tokens of the policy's entropy at temperature T.
+    pub entropy_sum: f64,
     pub tokens: f64,
     pub low: f64,
     pub high: f64,
@@ -29,6 +33,7 @@ impl Default for GrpoSums {
     fn default() -> Self {
         GrpoSums {
             kl_sum: 0.0,
+            entropy_sum: 0.0,
             tokens: 0.0,
             low: 0.0,
             high: 0.0,
@@ -41,15 +46,17 @@ impl Default for GrpoSums {
 }
 
 impl Sums for GrpoSums {
+    const MAX_TAIL: usize = 2;
     fn to_vec(&self) -> Vec<f64> {
         vec![
             self.kl_sum,
+            self.entropy_sum,
             self.tokens,
             self.low,
             self.high,
             self.region,
             self.count,
-            self.low_min,
+            -self.low_min,
             self.high_max,
         ]
     }
@@ -57,13 +64,14 @@ impl Sums for GrpoSums {
         let at = |i: usize| v.get(i).copied().unwrap_or(f64::NAN);
         GrpoSums {
             kl_sum: at(0),
-            tokens: at(1),
-            low: at(2),
-            high: at(3),
-            region: at(4),
-            count: at(5),
-            low_min: at(6),
-            high_max: at(7),
+            entropy_sum: at(1),
+            tokens: at(2),
+            low: at(3),
+            high: at(4),
+            region: at(5),
+            count: at(6),
+            low_min: -at(7),
+            high_max: at(8),
         }
     }
 }
@@ -92,6 +100,7 @@ impl GrpoSums {
         if p.beta != 0.0 {
             m.insert("kl".into(), self.kl_sum / self.tokens.max(1.0));
         }
+        m.insert("entropy".into(), self.entropy_sum / self.tokens.max(1.0));
         let mean = |x: f64| x / self.count.max(1.0);
         if p.loss_type.is_clipped() {
             m.insert("clip_ratio/low_mean".into(), mean(self.low));

@@ -5,6 +5,8 @@
 //!   (`rollout.rs`: sampled, scored, advantages, old and reference log-probs), its lines appended
 //!   to `rollouts.jsonl`; each micro-batch is the next `micro_batch_size` of its rows (TRL's
 //!   buffer, in generation order: TRL shuffles the batch before splitting it, rtune does not);
+//!   on W ranks each samples its share and the shares are gathered ([`Grpo::generate`]), rank
+//!   0 alone writing rollouts.jsonl;
 //! - [`pass`](Recipe::pass): the head hands every position's `−log softmax(z / T)[target]`, the
 //!   completion tokens' log-probs go through [`policy_loss`] and its `∂loss/∂logp` back to the
 //!   model's backward as `−∂loss/∂nll`;
@@ -61,6 +63,13 @@ struct State {
     rng: Rng,
     rollouts_bytes: u64,
     generation: Option<Generation>,
+    /// The ranks that sampled `generation` (its micro-batches' order depends on it).
+    #[serde(default = "one")]
+    world: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// One micro-batch: its rows as the model takes them and as the loss reads them.
@@ -104,6 +113,12 @@ pub struct Grpo {
     /// rollouts.jsonl opened this attempt (a fresh run starts it empty; a resume cuts it back).
     rollouts_open: bool,
     resumed: bool,
+    /// The ranks of the run (set by each [`Recipe::draw`]; the loss's normaliser reads it).
+    world: usize,
+    /// The ranks of the resumed checkpoint's run, until the first draw compares them.
+    saved_world: Option<usize>,
+    /// `[distributed] shard_base` (refused on several ranks: [`Recipe::about`]).
+    shard_base: bool,
 }
 
 impl Grpo {
@@ -140,6 +155,9 @@ impl Grpo {
             rollouts_bytes: 0,
             rollouts_open: false,
             resumed: false,
+            world: 1,
+            saved_world: None,
+            shard_base: cfg.distributed.shard_base,
         }
     }
 
@@ -160,17 +178,31 @@ impl Grpo {
     }
 
     /// Samples, scores and prepares the next generation batch (module docs of `rollout.rs`).
+    ///
+    /// On W ranks, as TRL's `_generate_and_score_completions`: the batch is W shares of
+    /// `micro_batch_size × steps_per_generation` completions (whole groups: checked by the
+    /// config), rank r sampling, scoring and computing the old/reference log-probs of share r
+    /// (every rank draws the whole batch's prompts from its copy of the stream and takes its
+    /// share); the shares are then gathered in rank order, so that every rank holds the whole
+    /// batch (the advantages over whole groups, `scale_rewards = "batch"` over the batch, the
+    /// global token count, the metrics, and a checkpoint any rank can resume from). Completion
+    /// i of the batch samples from its own stream ([`rollout::Rng::stream`]), so the batch is
+    /// the same on any number of ranks.
     fn generate(&mut self, live: &Live) -> Result<(), TrainError> {
         let step = live.step + 1;
         let group = self.g.num_generations;
-        let n = self.micro_batch * self.g.steps_per_generation;
+        let (w, rank) = (live.world.size, live.world.rank);
+        let share = self.micro_batch * self.g.steps_per_generation;
         let stream = self
             .stream
             .as_mut()
             .expect("the prompts' stream is made at start");
+        let per = share / group;
         let picked: Vec<(usize, Prompt)> = stream
-            .next_rows(n / group)
+            .next_rows(per * w)
             .into_iter()
+            .skip(rank * per)
+            .take(per)
             .map(|p| (p.index, p.prompt.clone()))
             .collect();
         let ids: Vec<Vec<u32>> = picked.iter().map(|(_, p)| p.ids.clone()).collect();
@@ -180,9 +212,13 @@ impl Grpo {
             max_new: self.g.max_completion_length,
             stop: &self.stop,
         };
-        let done = rollout::sample(live.model, &lc, &ids, group, &sampler, &mut self.rng)?;
+        let base = self.rng.next_u64();
+        let mut rngs: Vec<Rng> = (0..picked.len() * group)
+            .map(|c| Rng::stream(base, rank * share + c))
+            .collect();
+        let done = rollout::sample(live.model, &lc, &ids, group, &sampler, &mut rngs)?;
         let tok = self.tok.as_ref();
-        let texts: Vec<String> = done
+        let mut texts: Vec<String> = done
             .iter()
             .map(|(c, _)| match tok {
                 Some(t) => Ok(t.decode(c, true)?),
@@ -205,17 +241,7 @@ impl Grpo {
             None => self.rewards.insert(Rewards::start(&self.specs)?),
         };
         let scores = rewards.score(step as u64, &samples)?;
-        let per: Vec<Vec<f32>> = (0..done.len())
-            .map(|i| {
-                (scores.per_reward.iter())
-                    .map(|r| r[i].map_or(f32::NAN, |v| v as f32))
-                    .collect()
-            })
-            .collect();
-        let weights: Vec<f32> = scores.weights.iter().map(|w| *w as f32).collect();
-        let scale = self.g.scale_rewards;
-        let adv = super::advantages(&per, &weights, group, scale, Aggregation::SumThenNormalize);
-        let total = scores.total();
+        // This rank's rows; the reward's total and the advantages follow the gather.
         let mut rows: Vec<Row> = done
             .into_iter()
             .enumerate()
@@ -225,9 +251,9 @@ impl Grpo {
                 completion,
                 truncated,
                 rewards: scores.per_reward.iter().map(|r| r[i]).collect(),
-                reward: (!total[i].is_nan()).then_some(total[i]),
-                advantage: adv.advantages[i],
-                std_zero: adv.std_zero[i],
+                reward: None,
+                advantage: 0.0,
+                std_zero: false,
                 old: None,
                 reference: None,
             })
@@ -261,11 +287,38 @@ impl Grpo {
             r.old = old.as_ref().map(|o| o[i].clone());
             r.reference = reference.as_ref().map(|o| o[i].clone());
         }
+        if live.world.is_distributed() {
+            (rows, texts) = gather(live.world, step, &rows, &texts)?;
+        }
+        let per_reward: Vec<Vec<Option<f64>>> = (0..scores.names.len())
+            .map(|f| rows.iter().map(|r| r.rewards[f]).collect())
+            .collect();
+        let per: Vec<Vec<f32>> = (rows.iter())
+            .map(|r| {
+                (r.rewards.iter())
+                    .map(|v| v.map_or(f32::NAN, |v| v as f32))
+                    .collect()
+            })
+            .collect();
+        let weights: Vec<f32> = scores.weights.iter().map(|w| *w as f32).collect();
+        let scale = self.g.scale_rewards;
+        let adv = super::advantages(&per, &weights, group, scale, Aggregation::SumThenNormalize);
+        let total = rtune_reward::Scores {
+            per_reward,
+            ..scores
+        }
+        .total();
+        for (i, r) in rows.iter_mut().enumerate() {
+            r.reward = (!total[i].is_nan()).then_some(total[i]);
+            r.advantage = adv.advantages[i];
+            r.std_zero = adv.std_zero[i];
+        }
         let mask_truncated = self.g.mask_truncated_completions;
         let tokens = (rows.iter())
             .map(|r| rollout::row_mask(r, mask_truncated) * r.completion.len() as f32)
             .sum();
-        self.write_rollouts(step, &rows, &texts, &scores.names)?;
+        let names: Vec<String> = self.specs.iter().map(|r| r.name.clone()).collect();
+        self.write_rollouts(step, &rows, &texts, &names, live.world.is_root())?;
         self.generation = Some(Generation {
             rows,
             tokens,
@@ -274,29 +327,17 @@ impl Grpo {
         Ok(())
     }
 
-    /// Appends the batch's lines to rollouts.jsonl (module docs of `crate::objective::grpo`).
+    /// Appends the batch's lines to rollouts.jsonl (module docs of `crate::objective::grpo`);
+    /// on a rank other than 0 (`write` false) only counts its bytes, so every rank's state is
+    /// the same.
     fn write_rollouts(
         &mut self,
         step: usize,
         rows: &[Row],
         texts: &[String],
         names: &[String],
+        write: bool,
     ) -> Result<(), TrainError> {
-        let path = self.run_dir.join(ROLLOUTS);
-        let io = |e: std::io::Error| TrainError::Output {
-            path: path.clone(),
-            message: e.to_string(),
-        };
-        let mut f = match (self.rollouts_open, self.resumed) {
-            // A fresh run: the file starts empty.
-            (false, false) => self.privacy.create(&path).map_err(TrainError::from)?,
-            _ => self.privacy.append(&path).map_err(TrainError::from)?,
-        };
-        if !self.rollouts_open && self.resumed {
-            // Lines after the checkpoint are written again, identically.
-            f.set_len(self.rollouts_bytes).map_err(io)?;
-        }
-        self.rollouts_open = true;
         let mut text = String::new();
         for (r, completion) in rows.iter().zip(texts) {
             let rewards: serde_json::Map<String, Value> = (names.iter().zip(&r.rewards))
@@ -316,10 +357,49 @@ impl Grpo {
             text.push_str(&line.to_string());
             text.push('\n');
         }
-        f.write_all(text.as_bytes()).map_err(io)?;
+        if write {
+            let path = self.run_dir.join(ROLLOUTS);
+            let io = |e: std::io::Error| TrainError::Output {
+                path: path.clone(),
+                message: e.to_string(),
+            };
+            let mut f = match (self.rollouts_open, self.resumed) {
+                // A fresh run: the file starts empty.
+                (false, false) => self.privacy.create(&path).map_err(TrainError::from)?,
+                _ => self.privacy.append(&path).map_err(TrainError::from)?,
+            };
+            if !self.rollouts_open && self.resumed {
+                // Lines after the checkpoint are written again, identically.
+                f.set_len(self.rollouts_bytes).map_err(io)?;
+            }
+            self.rollouts_open = true;
+            f.write_all(text.as_bytes()).map_err(io)?;
+        }
         self.rollouts_bytes += text.len() as u64;
         Ok(())
     }
+}
+
+/// Every rank's rows and their texts, in rank order (each rank's share of a generation batch).
+fn gather(
+    world: &rtune_dist::World,
+    step: usize,
+    rows: &[Row],
+    texts: &[String],
+) -> Result<(Vec<Row>, Vec<String>), TrainError> {
+    let bad = |e: serde_json::Error| TrainError::Output {
+        path: PathBuf::from(ROLLOUTS),
+        message: format!("step {step}: a rank's completions do not read back: {e}"),
+    };
+    let mine = serde_json::to_vec(&(rows, texts)).map_err(bad)?;
+    let what = format!("step {step}'s completions gather");
+    let (mut all_rows, mut all_texts) = (Vec::new(), Vec::new());
+    for theirs in world.all_gather(&what, &mine) {
+        let (r, t): (Vec<Row>, Vec<String>) = serde_json::from_slice(&theirs).map_err(bad)?;
+        all_rows.extend(r);
+        all_texts.extend(t);
+    }
+    Ok((all_rows, all_texts))
 }
 
 impl Recipe for Grpo {
@@ -339,9 +419,13 @@ impl Recipe for Grpo {
                  the start of each run)"
                     .into(),
             ),
-            // Each rank would sample its own groups and write its own rollouts.jsonl; TRL
-            // gathers the groups to compute advantages over whole groups.
-            single_rank: Some("each rank would sample and score its own groups"),
+            // Sampling runs each rank's own number of decoding steps (its completions end
+            // when they end), so a sharded base's per-layer gathers would not pair up.
+            single_rank: self.shard_base.then_some(
+                "[distributed] shard_base: each rank samples its own completions, whose \
+                 decoding steps differ between ranks, so the base's per-layer gathers would \
+                 not pair up; drop shard_base",
+            ),
         }
     }
 
@@ -398,8 +482,25 @@ impl Recipe for Grpo {
         (n, 0)
     }
 
+    /// Micro-batch `c` of the generation batch (counted over every rank: the trainer draws the
+    /// step's W × `grad_accum` micro-batches on every rank, rank `c mod W` computing `c`) is
+    /// rank `c mod W`'s micro-batch `(c / W) mod steps_per_generation` of its own share, as TRL
+    /// splits each process's share into its steps.
     fn draw(&mut self, live: &Live, size: usize) -> Result<GrpoMicro, TrainError> {
-        let per_batch = self.g.steps_per_generation * self.g.num_iterations;
+        let w = live.world.size;
+        if let Some(was) = self.saved_world.take() {
+            if was != w && self.generation.is_some() {
+                return Err(TrainError::Output {
+                    path: self.run_dir.clone(),
+                    message: format!(
+                        "the checkpoint's GRPO generation batch was sampled by {was} rank(s),                          this run has {w}: resume it with {was}"
+                    ),
+                });
+            }
+        }
+        self.world = w;
+        let spg = self.g.steps_per_generation;
+        let per_batch = spg * self.g.num_iterations * w;
         if self
             .generation
             .as_ref()
@@ -408,9 +509,11 @@ impl Recipe for Grpo {
             self.generate(live)?;
         }
         let g = self.generation.as_mut().expect("generated above");
-        let k = g.served % self.g.steps_per_generation;
+        let c = g.served;
         g.served += 1;
-        let rows: Vec<Row> = g.rows[k * size..((k + 1) * size).min(g.rows.len())].to_vec();
+        let at = ((c % w) * spg + (c / w) % spg) * size;
+        let n = g.rows.len();
+        let rows: Vec<Row> = g.rows[at.min(n)..(at + size).min(n)].to_vec();
         let refs: Vec<&Row> = rows.iter().collect();
         Ok(GrpoMicro {
             packed: rollout::pack(&refs, live.pad_id),
@@ -446,14 +549,16 @@ impl Recipe for Grpo {
         let reference =
             (self.g.beta > 0.0).then(|| flat(&|r, j| r.reference.as_ref().map_or(0.0, |o| o[j])));
         let advantages: Vec<f32> = micro.rows.iter().map(|r| r.advantage).collect();
+        // rtune sums the ranks' gradients where DDP averages them: each rank's loss is TRL's
+        // divided by W, i.e. accumulated over all W × grad_accum micro-batches of the step.
         let norm = Normalizer {
-            grad_accum: self.grad_accum,
+            grad_accum: self.grad_accum * self.world,
             max_completion_length: self.g.max_completion_length,
             num_items_in_batch: micro.tokens,
-            num_processes: 1,
+            num_processes: self.world,
             steps_per_generation: self.g.steps_per_generation,
         };
-        let mut weigh = |nll: &[f32]| {
+        let mut weigh = |nll: &[f32], entropy: &[f32]| {
             let logp: Vec<f32> = pos.iter().map(|p| p.map_or(0.0, |p| -nll[p])).collect();
             let rows = Rows {
                 t,
@@ -465,6 +570,10 @@ impl Recipe for Grpo {
             };
             let step = policy_loss(&self.policy, rows, &norm);
             sums.add(&step.stats);
+            // TRL's `entropy`: the masked mean of the tokens' entropy at temperature T.
+            sums.entropy_sum += (pos.iter().zip(&mask))
+                .filter_map(|(p, m)| p.map(|p| f64::from(entropy[p] * m)))
+                .sum::<f64>();
             // loss is a function of logp = −nll: ∂loss/∂nll = −∂loss/∂logp.
             let mut w = vec![0f32; nll.len()];
             for (p, d) in pos.iter().zip(&step.dlogp) {
@@ -513,6 +622,7 @@ impl Recipe for Grpo {
             rng: self.rng,
             rollouts_bytes: self.rollouts_bytes,
             generation: self.generation.clone(),
+            world: self.world,
         };
         Some(serde_json::to_value(s).expect("the GRPO state serialises"))
     }
@@ -528,6 +638,7 @@ impl Recipe for Grpo {
         self.rng = s.rng;
         self.rollouts_bytes = s.rollouts_bytes;
         self.generation = s.generation;
+        self.saved_world = Some(s.world);
         self.resumed = true;
         Ok(())
     }

@@ -2,7 +2,7 @@
 //! `P` prompts × `num_generations` completions sampled with the live adapter over the frozen
 //! base (the KV-cache decoding of the same layer code, `Model::complete_rows`), shaped by
 //! transformers' logits processors ([`Warpers`]) and drawn from a seeded RNG whose state the
-//! checkpoint keeps; scored by the `[[reward]]` functions; advantages over each group; the
+//! checkpoint keeps (one draw a batch; each completion its own stream from it, [`Rng::stream`]); scored by the `[[reward]]` functions; advantages over each group; the
 //! old (`num_iterations > 1`) and reference (`beta > 0`, adapter off) log-probabilities of the
 //! completion tokens at the sampling temperature. A completion ended by a stop token keeps it
 //! (TRL's completion ids end with the EOS, counted by the completion mask).
@@ -130,16 +130,28 @@ pub struct Sampler<'a> {
     pub stop: &'a [u32],
 }
 
-/// Samples `group` completions of every prompt (a prompt's consecutive); returns each one's
-/// tokens (stop token kept) and whether it was cut at `max_new`.
+impl Rng {
+    /// Completion `i`'s own stream in a generation batch whose draw was `base`: a function of
+    /// the two alone, so a completion samples the same tokens whichever rank, and whichever
+    /// other rows, share its batch.
+    pub fn stream(base: u64, i: usize) -> Rng {
+        let mut r = Rng(base ^ (i as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        Rng(r.next_u64())
+    }
+}
+
+/// Samples `group` completions of every prompt (a prompt's consecutive), completion `c` drawing
+/// from `rngs[c]`; returns each one's tokens (stop token kept) and whether it was cut at
+/// `max_new`.
 pub fn sample(
     model: &Model,
     lora: &LoraCtx,
     prompts: &[Vec<u32>],
     group: usize,
     s: &Sampler,
-    rng: &mut Rng,
+    rngs: &mut [Rng],
 ) -> Result<Vec<(Vec<u32>, bool)>, TrainError> {
+    assert_eq!(rngs.len(), prompts.len() * group, "an RNG per completion");
     // Every token each completion's row holds so far (the repetition penalty's `seen`).
     let mut seen: Vec<Vec<u32>> = (0..prompts.len() * group)
         .map(|c| prompts[c / group].clone())
@@ -148,7 +160,7 @@ pub fn sample(
         let mut pick = |c: usize, logits: &[f32]| {
             let mut l = logits.to_vec();
             s.warpers.apply(&mut l, &seen[c]);
-            let t = rng.sample(&l);
+            let t = rngs[c].sample(&l);
             seen[c].push(t);
             t
         };
