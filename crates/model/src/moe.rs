@@ -151,7 +151,7 @@ impl MoeMlp {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let routed = route(&logits, e, self.top_k, self.routing);
+        let routed = route(&logits, e, self.top_k, self.routing)?;
         // transformers rounds the weights to the model dtype before they scale the experts.
         let weights = round_to(&routed.weights, x.dtype())?;
         let [gu, dn] = self.pairs(lora)?;
@@ -179,6 +179,9 @@ impl MoeMlp {
         Experts {
             gate_up: &self.gate_up,
             down: &self.down,
+            gate_up_bias: None,
+            down_bias: None,
+            act: rtune_ops::moe::ExpertAct::SwiGlu,
             lora_gate_up: pair(gu),
             lora_down: pair(dn),
         }
@@ -204,7 +207,7 @@ impl MoeMlp {
                 Grads::add(&mut grads.b[i], db)?;
             }
         }
-        let mut dlogits = route_backward(&c.routed, &g.dweights, e, self.routing);
+        let mut dlogits = route_backward(&c.routed, &g.dweights, e, self.routing)?;
         if let Some(aux) = &c.aux_grad {
             dlogits.iter_mut().zip(aux).for_each(|(d, a)| *d += a);
         }
