@@ -206,6 +206,14 @@ pub(crate) fn check_adamw(c: &Case) {
 /// PEFT's side): the MoE goldens have more, as an expert that one or two tokens chose has
 /// gradients tens of times below its stack's largest.
 pub(crate) fn check_adamw_allowing(c: &Case, max_near_zero: usize) {
+    check_adamw_limits(c, max_near_zero, 2);
+}
+
+/// [`check_adamw_allowing`] with at most `max_degenerate` first-gradient entries below 1e-6 of
+/// their tensor's largest (held only within AdamW's reach): gpt-oss's clamped SwiGLU zeroes the
+/// gradient of a gate column wherever it clamps, so a column clamped for all but a few tokens has
+/// such entries.
+pub(crate) fn check_adamw_limits(c: &Case, max_near_zero: usize, max_degenerate: usize) {
     use rtune_train::optim::AdamW;
     let g = &c.golden;
     let want_losses: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
@@ -304,7 +312,10 @@ pub(crate) fn check_adamw_allowing(c: &Case, max_near_zero: usize) {
          {near_zero} took PEFT's first gradient"
     );
     // The goldens have at most a handful of such entries; many would mean the test checks nothing.
-    assert!(degenerate <= 2, "{degenerate} degenerate gradient entries");
+    assert!(
+        degenerate <= max_degenerate,
+        "{degenerate} degenerate gradient entries"
+    );
     assert!(
         near_zero <= max_near_zero,
         "{near_zero} near-zero first gradients"

@@ -21,6 +21,18 @@ width 32, top-2, softmax → top-k → renormalised; no router jitter; `output_r
 (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.N.w1/w3/w2.weight`) under
 tests/fixtures/tiny-mixtral/; PEFT as above (the parameters keep transformers 5's module names,
 `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`).
+gpt-oss (`--only gpt_oss`): a tiny random `GptOssForCausalLM` (2 layers, sliding then full, window
+4 over 16 tokens; biases on q/k/v/o, the router and the experts; sinks drawn N(0, 1); 8 experts of
+width 32, top-2, top-k of the logits then softmax; `swiglu_limit` 1.0 so the clamp acts at this
+scale; YaRN RoPE factor 4 over 64 original positions; `output_router_logits` with
+`router_aux_loss_coef` 0.1), saved by transformers in its layout (`mlp.experts.gate_up_proj:
+(E, H, 2I)` gate/up interleaved, `mlp.experts.down_proj: (E, I, H)`) under tests/fixtures/tiny-gpt-oss/;
+PEFT as above. Beside it, tests/fixtures/tiny-gpt-oss-mxfp4/: the same model with its expert stacks
+quantized to MXFP4 as the released checkpoints store them (`*_blocks: (E, out, in/32, 16)` u8, two
+E2M1 codes a byte, low nibble first; `*_scales: (E, out, in/32)` u8, e8m0 biased by 127; the
+`quantization_config` of the release), by this script's own round-to-nearest quantizer, and
+golden_gpt_oss_mxfp4.safetensors: transformers' `convert_moe_packed_tensors` of those blocks in f32
+(what its dequantizing load gives).
 Deterministic: seeded init, deterministic algorithms, CPU, f32, eager attention.
 """
 import json
@@ -31,7 +43,8 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, MixtralConfig, Qwen3MoeConfig
+from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIX = os.path.join(HERE, "..", "fixtures")
@@ -55,6 +68,17 @@ MODELS = {
         num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0, sliding_window=None,
         output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "gpt_oss": GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
+        output_router_logits=True, router_aux_loss_coef=0.1, tie_word_embeddings=False,
+        attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64}),
 }
 
 
@@ -71,13 +95,65 @@ def make(name, cfg):
         for n, p in model.named_parameters():
             if "norm" in n:  # jittered around 1: a norm in the wrong place changes every output
                 p.normal_(1.0, 0.1)
-            elif n.endswith("mlp.gate.weight"):  # wide routers: mixed, decisive routing
+            elif n.endswith("mlp.gate.weight") or ".mlp.router." in n:  # wide routers: mixed routing
                 p.normal_(0.0, 0.5)
+            elif n.endswith("self_attn.sinks"):  # sinks large enough to take a real share
+                p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.1)
     out_dir = os.path.join(FIX, f"tiny-{name.replace('_', '-')}")
     model.save_pretrained(out_dir, safe_serialization=True)
     golden(name, out_dir)
+    if name == "gpt_oss":
+        mxfp4(model, out_dir)
+
+
+def quantize_mxfp4(w):
+    """`w: (E, in, out)` (transformers' layout) -> the release's `(blocks, scales)` of `(E, out, in)`:
+    per 32 inputs one e8m0 scale 2^(s-127) with s = floor(log2(max |w|)) - 2 + 127 (6 = 1.5 * 2^2
+    the largest code), each value rounded to the nearest E2M1 code of w / scale."""
+    w = w.detach().float().transpose(1, 2).contiguous()  # (E, out, in)
+    e, o, i = w.shape
+    g = w.reshape(e, o, i // 32, 32)
+    amax = g.abs().amax(-1).clamp_min(2.0 ** -100)
+    s = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
+    x = g / torch.exp2(s)[..., None]
+    lut = torch.tensor(FP4_VALUES)
+    codes = (x[..., None] - lut).abs().argmin(-1).to(torch.uint8)  # (E, out, G, 32)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), (s + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4(model, dense_dir):
+    """The MXFP4 copy of the fixture and transformers' dequantization of it."""
+    import shutil
+    from safetensors.torch import load_file
+    out_dir = os.path.join(FIX, "tiny-gpt-oss-mxfp4")
+    os.makedirs(out_dir, exist_ok=True)
+    dense = load_file(os.path.join(dense_dir, "model.safetensors"))
+    q, want = {}, {}
+    for k, v in dense.items():
+        if k.endswith("mlp.experts.gate_up_proj") or k.endswith("mlp.experts.down_proj"):
+            blocks, scales = quantize_mxfp4(v)
+            q[k + "_blocks"], q[k + "_scales"] = blocks, scales
+            want[k] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            q[k] = v
+    save_file(q, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dense_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    shutil.copy(os.path.join(dense_dir, "generation_config.json"), out_dir)
+    # transformers' own dequantizing load of the copy gives exactly these tensors.
+    from transformers import Mxfp4Config
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out_dir, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in want.items())
+    save_file(want, os.path.join(HERE, "golden_gpt_oss_mxfp4.safetensors"))
+    print("mxfp4:", sorted(q)[:4], "...")
 
 
 def golden(name, model_dir):
@@ -142,7 +218,7 @@ def cfg_vocab(model):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral)")
+    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:

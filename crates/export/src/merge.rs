@@ -125,6 +125,8 @@ enum Part {
     Linear,
     /// A fused expert stack `(E, out, in)`: every expert's `ΔW_e`.
     Stack,
+    /// A fused expert stack stored `(E, in, out)` (gpt-oss): every expert's `ΔW_eᵀ`.
+    StackTransposed,
     /// One expert's weight in a per-expert checkpoint: rows `rows` of `ΔW_e` (gate and up are
     /// the two halves of gate_up's `2I` rows).
     Expert {
@@ -161,7 +163,6 @@ fn targets(
         return (map, needed);
     };
     let (e_n, i, h) = (moe.experts, moe.intermediate, cfg.hidden_size);
-    let [gate, up, down] = moe.released.names;
     for l in 0..cfg.num_layers {
         for (m, stack) in rtune_model::moe::expert_modules(cfg, l, spec) {
             let Some(slot) = adapter.index_of(&m.name) else {
@@ -171,15 +172,19 @@ fn targets(
             let stacks = moe.stacks(h);
             let fused = format!("{layer}.{}", stacks[stack].param);
             let (o, inp) = (stacks[stack].out_features, stacks[stack].in_features);
-            map.insert(
-                fused,
-                Target {
-                    slot,
-                    part: Part::Stack,
-                    shape: vec![e_n, o, inp],
-                },
-            );
-            let per = format!("{layer}.{}.experts", moe.released.module);
+            // gpt-oss stores its stacks `(E, in, out)`: PEFT's ΔW is then `(E, in, out)` too.
+            let (part, shape) = match moe.transposed {
+                false => (Part::Stack, vec![e_n, o, inp]),
+                true => (Part::StackTransposed, vec![e_n, inp, o]),
+            };
+            map.insert(fused, Target { slot, part, shape });
+            // No released per-expert layout (gpt-oss): the fused stack or nothing.
+            let Some(released) = moe.released else {
+                needed[slot] = [1, usize::MAX];
+                continue;
+            };
+            let [gate, up, down] = released.names;
+            let per = format!("{layer}.{}.experts", released.module);
             let parts: Vec<(&str, std::ops::Range<usize>)> = match stack {
                 0 => vec![(gate, 0..i), (up, i..2 * i)],
                 _ => vec![(down, 0..h)],
@@ -312,6 +317,10 @@ pub fn merge_into(
             let name = &adapter.names[k];
             let what = match n[1] {
                 1 => format!("`{name}.weight`"),
+                usize::MAX => format!(
+                    "the fused expert stack `{name}` adapts (an MXFP4 stack cannot be merged \
+                     into: dequantize the base first)"
+                ),
                 _ => format!(
                     "all of the experts of `{name}` (fused stack, or {} per-expert tensors; found \
                      {})",
@@ -459,12 +468,16 @@ fn merged_weight(
     };
     let delta = match &t.part {
         Part::Linear => pair.b.matmul(&pair.a)?.affine(scaling, 0.0)?, // (out, r)·(r, in), as PEFT
-        Part::Stack => {
+        Part::Stack | Part::StackTransposed => {
             let e_n = t.shape[0];
+            let transposed = t.part == Part::StackTransposed;
             let d = (0..e_n)
-                .map(|e| expert(e, e_n))
+                .map(|e| match transposed {
+                    false => expert(e, e_n),
+                    true => expert(e, e_n)?.t()?.contiguous(),
+                })
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            Tensor::stack(&d, 0)? // (E, out, in)
+            Tensor::stack(&d, 0)? // (E, out, in), or (E, in, out) transposed
         }
         Part::Expert { e, experts, rows } => {
             expert(*e, *experts)?.narrow(0, rows.start, rows.len())?

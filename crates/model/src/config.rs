@@ -120,6 +120,12 @@ pub struct HfConfig {
     /// Mixtral's router noise in training (`router_jitter_noise`): random, so refused above 0.
     #[serde(default)]
     pub router_jitter_noise: Option<f64>,
+    /// gpt-oss's clamped SwiGLU: the clamp (`swiglu_limit`, 7.0) and the sigmoid's gain
+    /// (`swiglu_alpha`, 1.702).
+    #[serde(default)]
+    pub swiglu_limit: Option<f64>,
+    #[serde(default)]
+    pub swiglu_alpha: Option<f64>,
 }
 
 fn d_eps() -> f64 {
@@ -169,6 +175,9 @@ pub struct Variant {
     /// RoPE rotates the first `rotary_dim` of each head and passes the rest through
     /// (`partial_rotary_factor`); `None`: the whole head.
     pub rotary_dim: Option<usize>,
+    /// Each attention layer has a learned logit per query head (`self_attn.sinks: (H,)`) that
+    /// joins its softmax's denominator (gpt-oss; [`rtune_ops::attention::sinks`]).
+    pub attn_sinks: bool,
 }
 
 /// Rotary embedding frequencies' scaling rule: the RoPE op's ([`rtune_ops::rope::RopeScaling`]).
@@ -441,7 +450,15 @@ impl HfConfig {
                  [lora] dropout); set it to 0.0"
             )));
         }
-        if let Some(q) = &self.quantization_config {
+        // gpt-oss's release: MXFP4 experts, dequantized at load where the family's experts
+        // may be stored so (checked after the family's mapping below).
+        let mxfp4 = self
+            .quantization_config
+            .as_ref()
+            .and_then(|q| q.get("quant_method"))
+            .and_then(|v| v.as_str())
+            == Some("mxfp4");
+        if let Some(q) = self.quantization_config.as_ref().filter(|_| !mxfp4) {
             // bitsandbytes 4-bit checkpoints load as stored; other schemes are not read.
             let method = q.get("quant_method").and_then(|v| v.as_str()).unwrap_or("");
             let four_bit = q.get("load_in_4bit").and_then(|v| v.as_bool()) == Some(true);
@@ -507,6 +524,13 @@ impl HfConfig {
             moe: None,
         };
         (arch.map)(&self, &mut cfg).map_err(bad)?;
+        if mxfp4 && !cfg.moe.as_ref().is_some_and(|m| m.mxfp4) {
+            return Err(bad(format!(
+                "quantization_config mxfp4: only GptOssForCausalLM's experts are read in MXFP4, \
+                 not {}'s",
+                arch.hf_name
+            )));
+        }
         if cfg.sliding_window == Some(0) {
             // A window of 0 masks every key, the diagonal too: the softmax of no scores is NaN.
             return Err(bad(

@@ -66,6 +66,8 @@ pub struct Layer {
     pub eps: f64,
     /// Uses the sliding-window mask (when the batch is longer than the window).
     pub sliding: bool,
+    /// gpt-oss's sink logits `self_attn.sinks: (H,)`, frozen ([`ops::attention::sinks`]).
+    pub sinks: Option<Tensor>,
     /// `[Wq; Wk; Wv]` and `[Wgate; Wup]` when dense and split: one GEMM each (see
     /// [`crate::group`]); the members' weights are then row views of these blocks. `None` for a
     /// fused checkpoint, whose one weight is the block already.
@@ -418,6 +420,18 @@ impl Layer {
                 ops::attend_after(&q, &k, &v, &ctx.shape, cos, sin, mask, past)?
             }
             _ => ops::attend(&q, &k, &v, &ctx.shape, cos, sin, mask, ctx.path)?,
+        };
+        // The sinks join each row's softmax; a recompute that reused the tiled forward's kept
+        // output has them in already.
+        let kept = matches!(
+            (&pass, ctx.path),
+            (Pass::Recompute(Some(_)), AttnPath::Tiled)
+        );
+        let (o_in, attn) = match &self.sinks {
+            Some(sinks) if !kept => {
+                ops::attention::sinks::apply_sinks(&o_in, attn, &ctx.shape, sinks)?
+            }
+            _ => (o_in, attn),
         };
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
         let sandwich = self.sandwich.as_ref();

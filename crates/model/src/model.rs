@@ -358,6 +358,10 @@ impl Model {
                 geglu: cfg.variant.geglu,
                 eps: cfg.rms_norm_eps,
                 sliding: cfg.window_layers[l],
+                sinks: match cfg.variant.attn_sinks {
+                    true => Some(w.tensor(&format!("{p}.self_attn.sinks"), &[cfg.num_heads])?),
+                    false => None,
+                },
                 qkv: None,
                 gate_up: None,
             });

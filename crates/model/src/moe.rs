@@ -1,7 +1,9 @@
 //! A sparse layer's MLP (issue 45): the router `mlp.gate: (E, H)` turns each token's normed
 //! hidden state into `E` logits, [`rtune_ops::route`] picks its `k` experts and their weights,
 //! and [`rtune_ops::moe`] runs the experts grouped by token (transformers 5's
-//! `Qwen3MoeSparseMoeBlock`). The router is frozen: its input gradient is `dlogits · W_r`.
+//! `Qwen3MoeSparseMoeBlock`). gpt-oss's `GptOssMLP` adds biases on the router and the experts
+//! and its clamped SwiGLU ([`ExpertAct`]). The router is frozen: its input gradient is
+//! `dlogits · W_r`.
 //!
 //! LoRA on the experts is PEFT's `target_parameters` (`mlp.experts.gate_up_proj`,
 //! `mlp.experts.down_proj`): one pair per 3-D parameter, `A: (E·r, in)`, `B: (out, r·E)`, held in
@@ -15,7 +17,7 @@ use candle_core::{DType, Result, Tensor};
 use crate::linear::{Grads, LoraCtx};
 use crate::weights::TensorSource;
 use crate::{ModelError, Result as ModelResult};
-use rtune_ops::moe::{moe_backward, moe_forward, ExpertLora, Experts, MoeCache};
+use rtune_ops::moe::{moe_backward, moe_forward, ExpertAct, ExpertLora, Experts, MoeCache};
 use rtune_ops::route::{route, route_backward, Routed, Routing};
 
 /// The expert stacks `spec.target_parameters` adapts on layer `l` of `cfg` (none on a dense
@@ -60,12 +62,17 @@ pub fn expert_modules(
 pub struct MoeMlp {
     /// `model.layers.N.mlp`.
     pub prefix: String,
-    /// `(E, H)`.
+    /// `(E, H)`, and gpt-oss's bias `(E)`.
     pub router: Tensor,
-    /// `(E, 2I, H)`, rows gate then up.
+    pub router_bias: Option<Tensor>,
+    /// `(E, 2I, H)`, rows gate and up as `act` lays them out.
     pub gate_up: Tensor,
     /// `(E, H, I)`.
     pub down: Tensor,
+    /// gpt-oss's `(E, 2I)` and `(E, H)`.
+    pub gate_up_bias: Option<Tensor>,
+    pub down_bias: Option<Tensor>,
+    pub act: ExpertAct,
     pub top_k: usize,
     pub routing: Routing,
     /// The adapter's pairs on `experts.gate_up_proj` and `experts.down_proj`, if targeted.
@@ -93,7 +100,9 @@ impl MoeLayerCache {
 
 impl MoeMlp {
     /// Loads layer `layer`'s router and experts (`h`: the hidden width): transformers 5's fused
-    /// stacks under `<layer>.mlp`, else the family's released per-expert layout
+    /// stacks under `<layer>.mlp` (gpt-oss's stored `(E, in, out)` and transposed here, or in
+    /// MXFP4 as its release keeps them: `<name>_blocks`, `<name>_scales`, dequantized as
+    /// transformers does), else the family's released per-expert layout
     /// ([`crate::config::moe::Released`]: Qwen3-MoE's `mlp.experts.N.{gate,up,down}_proj`,
     /// Mixtral's `block_sparse_moe.experts.N.{w1,w3,w2}`), stacked. The adapter's names are
     /// transformers 5's (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's.
@@ -105,50 +114,117 @@ impl MoeMlp {
     ) -> ModelResult<MoeMlp> {
         let (e, i, top_k, routing) = (mc.experts, mc.intermediate, mc.top_k, mc.routing);
         let prefix = format!("{layer}.mlp");
-        let fused = format!("{prefix}.experts.gate_up_proj");
-        let (router, gate_up, down) = match w.tensor(&fused, &[e, 2 * i, h]) {
-            Ok(gu) => (
-                w.tensor(&format!("{prefix}.gate.weight"), &[e, h])?,
-                gu,
-                w.tensor(&format!("{prefix}.experts.down_proj"), &[e, h, i])?,
-            ),
-            Err(ModelError::MissingTensor { .. }) => {
-                let module = format!("{layer}.{}", mc.released.module);
-                let [gate, up, down] = mc.released.names;
-                let per = |n: usize, p: &str, shape: &[usize]| {
-                    w.tensor(&format!("{module}.experts.{n}.{p}.weight"), shape)
-                };
-                let router = w.tensor(&format!("{module}.gate.weight"), &[e, h])?;
-                let mut gu = Vec::with_capacity(e);
-                let mut dn = Vec::with_capacity(e);
-                for n in 0..e {
-                    let g = per(n, gate, &[i, h])?;
-                    let u = per(n, up, &[i, h])?;
-                    gu.push(
-                        Tensor::cat(&[g, u], 0)
-                            .map_err(|err| ModelError::candle(format!("{prefix}: stack"), err))?,
-                    );
-                    dn.push(per(n, down, &[h, i])?);
-                }
-                let stack = |v: Vec<Tensor>| {
-                    Tensor::stack(&v, 0).map_err(|err| {
-                        ModelError::candle(format!("{prefix}: stacking {e} experts"), err)
-                    })
-                };
-                (router, stack(gu)?, stack(dn)?)
+        let router_name = format!("{prefix}.{}", mc.router);
+        let router = match mc.released {
+            // The released per-expert layout keeps its router under its own module.
+            Some(r) if !w.has(&format!("{router_name}.weight")) => {
+                w.tensor(&format!("{layer}.{}.gate.weight", r.module), &[e, h])?
             }
-            Err(other) => return Err(other),
+            _ => w.tensor(&format!("{router_name}.weight"), &[e, h])?,
+        };
+        let (gate_up, down) = match Self::fused(w, &prefix, mc, h, &router)? {
+            Some(stacks) => stacks,
+            None => {
+                let Some(released) = mc.released else {
+                    return Err(ModelError::MissingTensor {
+                        path: std::path::PathBuf::from(&prefix),
+                        name: format!("{prefix}.experts.gate_up_proj"),
+                    });
+                };
+                Self::per_expert(w, layer, &released, e, i, h)?
+            }
+        };
+        let bias = |name: String, n: usize| w.tensor(&name, &[e, n]);
+        let (router_bias, gate_up_bias, down_bias) = match mc.bias {
+            true => (
+                Some(w.tensor(&format!("{router_name}.bias"), &[e])?),
+                Some(bias(format!("{prefix}.experts.gate_up_proj_bias"), 2 * i)?),
+                Some(bias(format!("{prefix}.experts.down_proj_bias"), h)?),
+            ),
+            false => (None, None, None),
         };
         Ok(MoeMlp {
             prefix,
             router,
+            router_bias,
             gate_up,
             down,
+            gate_up_bias,
+            down_bias,
+            act: mc.act,
             top_k,
             routing,
             lora_gate_up: None,
             lora_down: None,
         })
+    }
+
+    /// transformers 5's fused stacks under `prefix` as the op takes them, `(E, 2I, H)` and
+    /// `(E, H, I)`, or `None` when the checkpoint has neither them nor their MXFP4 blocks; in the
+    /// dtype and on the device of `like` (the router).
+    fn fused(
+        w: &dyn TensorSource,
+        prefix: &str,
+        mc: &crate::config::moe::MoeConfig,
+        h: usize,
+        like: &Tensor,
+    ) -> ModelResult<Option<(Tensor, Tensor)>> {
+        let (e, i) = (mc.experts, mc.intermediate);
+        let gu_name = format!("{prefix}.experts.gate_up_proj");
+        let dn_name = format!("{prefix}.experts.down_proj");
+        // (E, out, in) as the op takes it; stored (E, in, out) when `transposed`.
+        let load = |name: &str, out: usize, inp: usize| -> ModelResult<Tensor> {
+            if !mc.transposed {
+                return w.tensor(name, &[e, out, inp]);
+            }
+            let stored = match w.has(name) || !mc.mxfp4 {
+                true => w.tensor(name, &[e, inp, out])?,
+                false => mxfp4(w, name, [e, inp, out], like)?,
+            };
+            stored
+                .transpose(1, 2)
+                .and_then(|t| t.contiguous())
+                .map_err(|err| {
+                    ModelError::candle(format!("{name}: (E, in, out) to (E, out, in)"), err)
+                })
+        };
+        match load(&gu_name, 2 * i, h) {
+            Ok(gu) => Ok(Some((gu, load(&dn_name, h, i)?))),
+            Err(ModelError::MissingTensor { .. }) => Ok(None),
+            Err(other) => Err(other),
+        }
+    }
+
+    /// The released per-expert layout, stacked: `(E, 2I, H)` (gate rows then up) and `(E, H, I)`.
+    fn per_expert(
+        w: &dyn TensorSource,
+        layer: &str,
+        released: &crate::config::moe::Released,
+        e: usize,
+        i: usize,
+        h: usize,
+    ) -> ModelResult<(Tensor, Tensor)> {
+        let module = format!("{layer}.{}", released.module);
+        let [gate, up, down] = released.names;
+        let per = |n: usize, p: &str, shape: &[usize]| {
+            w.tensor(&format!("{module}.experts.{n}.{p}.weight"), shape)
+        };
+        let mut gu = Vec::with_capacity(e);
+        let mut dn = Vec::with_capacity(e);
+        for n in 0..e {
+            let g = per(n, gate, &[i, h])?;
+            let u = per(n, up, &[i, h])?;
+            gu.push(
+                Tensor::cat(&[g, u], 0)
+                    .map_err(|err| ModelError::candle(format!("{module}: stack"), err))?,
+            );
+            dn.push(per(n, down, &[h, i])?);
+        }
+        let stack = |v: Vec<Tensor>| {
+            Tensor::stack(&v, 0)
+                .map_err(|err| ModelError::candle(format!("{module}: stacking {e} experts"), err))
+        };
+        Ok((stack(gu)?, stack(dn)?))
     }
 
     pub fn experts(&self) -> usize {
@@ -172,8 +248,12 @@ impl MoeMlp {
     pub fn forward(&self, x: &Tensor, lora: Option<&LoraCtx>) -> Result<(Tensor, MoeLayerCache)> {
         let e = self.experts();
         // transformers: the logits in the model dtype, the softmax in f32.
-        let logits = x
-            .matmul(&self.router.t()?)?
+        let logits = x.matmul(&self.router.t()?)?;
+        let logits = match &self.router_bias {
+            Some(b) => logits.broadcast_add(b)?,
+            None => logits,
+        };
+        let logits = logits
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
@@ -205,6 +285,9 @@ impl MoeMlp {
         Experts {
             gate_up: &self.gate_up,
             down: &self.down,
+            gate_up_bias: self.gate_up_bias.as_ref(),
+            down_bias: self.down_bias.as_ref(),
+            act: self.act,
             lora_gate_up: pair(gu),
             lora_down: pair(dn),
         }
@@ -250,4 +333,33 @@ fn round_to(v: &[f32], dtype: DType) -> Result<Vec<f32>> {
         .to_dtype(dtype)?
         .to_dtype(DType::F32)?
         .to_vec1()
+}
+
+/// An MXFP4 stack `name` (`<name>_blocks`, `<name>_scales`) dequantized as transformers does
+/// ([`rtune_quant::mxfp4`]) to `[E, in, out]` in `like`'s dtype and device.
+fn mxfp4(
+    w: &dyn TensorSource,
+    name: &str,
+    shape: [usize; 3],
+    like: &Tensor,
+) -> ModelResult<Tensor> {
+    let [e, inp, out] = shape;
+    let block = rtune_quant::mxfp4::BLOCK;
+    if !inp.is_multiple_of(block) {
+        return Err(ModelError::TensorShape {
+            path: std::path::PathBuf::from(name),
+            name: format!("{name}_blocks"),
+            got: vec![e, out, inp],
+            want: vec![e, out, inp.next_multiple_of(block)],
+        });
+    }
+    let g = inp / block;
+    let blocks = w.stored(&format!("{name}_blocks"), &[e, out, g, 16])?;
+    let scales = w.stored(&format!("{name}_scales"), &[e, out, g])?;
+    rtune_quant::mxfp4::dequantize(name, &blocks, &scales, like.dtype(), like.device()).map_err(
+        |source| ModelError::Quant {
+            path: std::path::PathBuf::from(name),
+            source,
+        },
+    )
 }

@@ -22,6 +22,10 @@ pub trait TensorSource {
         self.tensor(name, shape)
     }
 
+    /// Whether the source holds tensor `name` (a generator: every name it is asked for).
+    fn has(&self, _name: &str) -> bool {
+        true
+    }
     /// `name` (a `*.weight`) when the source holds it pre-quantized (a bnb-4bit checkpoint).
     fn quantized(&self, _name: &str, _shape: &[usize]) -> Result<Option<Nf4Weight>> {
         Ok(None)
@@ -65,6 +69,10 @@ impl TensorSource for Weights {
 
     fn stored_piece(&self, name: &str, shape: &[usize], span: Range<usize>) -> Result<Tensor> {
         self.get_piece(name, shape, span)
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.contains(name)
     }
 
     fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Weight>> {
@@ -274,7 +282,8 @@ impl Weights {
             .map_err(|e| ModelError::candle(format!("load a piece of {name}"), e))
     }
 
-    /// The tensor `name`, checked to have `shape`, as stored (f32, bf16 or f16).
+    /// The tensor `name`, checked to have `shape`, as stored (f32, bf16 or f16; u8 for MXFP4's
+    /// `*_blocks` and `*_scales`).
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         if !self.contains(name) {
             return Err(ModelError::MissingTensor {
@@ -294,8 +303,11 @@ impl Weights {
                 want: shape.to_vec(),
             });
         }
+        // MXFP4 experts' codes and exponents (`*_blocks`, `*_scales`: gpt-oss's release) are u8.
+        let mxfp4 = name.ends_with("_blocks") || name.ends_with("_scales");
         match t.dtype() {
             DType::F32 | DType::BF16 | DType::F16 => {}
+            DType::U8 if mxfp4 => {}
             other => {
                 return Err(ModelError::File {
                     path: self.dir.clone(),

@@ -116,6 +116,10 @@ impl TensorSource for SplitSource<'_> {
         }
     }
 
+    fn has(&self, name: &str) -> bool {
+        self.inner.has(name)
+    }
+
     fn quantized(&self, name: &str, shape: &[usize]) -> rtune_model::Result<Option<Nf4Weight>> {
         let q = self.inner.quantized(name, shape)?;
         if q.is_some() && self.target(name).is_some() {

@@ -4,6 +4,7 @@
 //! ([`qwen3_moe`](super::family) reads Qwen3-MoE's).
 
 use super::HfConfig;
+use rtune_ops::moe::ExpertAct;
 use rtune_ops::route::Routing;
 
 /// The sparse layers' MLP.
@@ -23,8 +24,21 @@ pub struct MoeConfig {
     /// it; `None`: no aux loss.
     pub aux_coef: Option<f64>,
     /// Where the family's released checkpoints keep a sparse layer's router and experts when
-    /// they are not transformers 5's fused stacks under `mlp`.
-    pub released: Released,
+    /// they are not transformers 5's fused stacks under `mlp` (`None`: gpt-oss, whose release
+    /// keeps the fused stacks, in MXFP4).
+    pub released: Option<Released>,
+    /// The router's name under `mlp` (`gate`; gpt-oss: `router`).
+    pub router: &'static str,
+    /// Biases on the router (`mlp.router.bias`) and on the experts (`experts.gate_up_proj_bias`,
+    /// `experts.down_proj_bias`): gpt-oss.
+    pub bias: bool,
+    /// The experts' gate, and the layout of `gate_up`'s columns it implies.
+    pub act: ExpertAct,
+    /// The stacks are stored `(E, in, out)` (gpt-oss: `gate_up_proj: (E, H, 2I)`,
+    /// `down_proj: (E, I, H)`), transposed at load to the op's `(E, out, in)`.
+    pub transposed: bool,
+    /// The stacks may be stored in MXFP4 (`<name>_blocks`, `<name>_scales`: gpt-oss's release).
+    pub mxfp4: bool,
 }
 
 /// One of a sparse layer's two expert stacks as PEFT's `ParamWrapper` sees it.
@@ -101,10 +115,11 @@ pub(crate) fn qwen3_moe(c: &HfConfig, layers: usize) -> Result<MoeConfig, String
         },
         sparse_layers,
         aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
-        released: Released {
+        released: Some(Released {
             module: "mlp",
             names: ["gate_proj", "up_proj", "down_proj"],
-        },
+        }),
+        ..MoeConfig::plain()
     })
 }
 
@@ -137,9 +152,65 @@ pub(crate) fn mixtral(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> 
         routing: Routing::SoftmaxTopK { normalize: true },
         sparse_layers: vec![true; layers],
         aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
-        released: Released {
+        released: Some(Released {
             module: "block_sparse_moe",
             names: ["w1", "w3", "w2"],
-        },
+        }),
+        ..MoeConfig::plain()
     })
+}
+
+/// gpt-oss's keys (transformers' `GptOssConfig` defaults): `num_local_experts` (128),
+/// `num_experts_per_tok` (4), `intermediate_size` (each expert's width, 2880), `swiglu_limit`
+/// (7.0), `swiglu_alpha` (1.702), `router_aux_loss_coef` (0.001), `output_router_logits` (false);
+/// every layer sparse, routed top-k of the logits then softmax over the k, biases on the router
+/// and the experts, the stacks stored `(E, in, out)` with gate/up interleaved, and in MXFP4 in the
+/// release.
+pub(crate) fn gpt_oss(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> {
+    let experts = c.num_experts.unwrap_or(128);
+    let top_k = c.num_experts_per_tok.unwrap_or(4);
+    if experts == 0 || top_k == 0 || top_k > experts {
+        return Err(format!(
+            "num_experts_per_tok = {top_k} of num_local_experts = {experts}: a token needs 1 to \
+             num_local_experts experts"
+        ));
+    }
+    let limit = super::positive("swiglu_limit", c.swiglu_limit.unwrap_or(7.0))?;
+    let alpha = super::positive("swiglu_alpha", c.swiglu_alpha.unwrap_or(1.702))?;
+    let coef = c.router_aux_loss_coef.unwrap_or(0.001);
+    Ok(MoeConfig {
+        experts,
+        top_k,
+        intermediate: c.intermediate_size,
+        routing: Routing::TopKSoftmax,
+        sparse_layers: vec![true; layers],
+        aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
+        released: None,
+        router: "router",
+        bias: true,
+        act: ExpertAct::Clamped { alpha, limit },
+        transposed: true,
+        mxfp4: true,
+    })
+}
+
+impl MoeConfig {
+    /// The defaults of the Qwen3-MoE / Mixtral kind (no biases, SwiGLU on halves, `(E, out, in)`
+    /// stacks, router `mlp.gate`) that their readers complete.
+    fn plain() -> MoeConfig {
+        MoeConfig {
+            experts: 0,
+            top_k: 0,
+            intermediate: 0,
+            routing: Routing::TopKSoftmax,
+            sparse_layers: Vec::new(),
+            aux_coef: None,
+            released: None,
+            router: "gate",
+            bias: false,
+            act: ExpertAct::SwiGlu,
+            transposed: false,
+            mxfp4: false,
+        }
+    }
 }

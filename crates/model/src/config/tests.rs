@@ -474,8 +474,9 @@ fn mixtral_maps_experts_and_refuses_router_noise() {
     );
     assert_eq!(m.sparse_layers, [true; 3]);
     assert_eq!(m.aux_coef, None);
+    let r = m.released.expect("a released layout");
     assert_eq!(
-        (m.released.module, m.released.names),
+        (r.module, r.names),
         ("block_sparse_moe", ["w1", "w3", "w2"])
     );
     let c = cfg(r#","num_local_experts":4,"output_router_logits":true,"router_jitter_noise":0.0"#)
@@ -484,4 +485,53 @@ fn mixtral_maps_experts_and_refuses_router_noise() {
     assert_eq!((m.experts, m.aux_coef), (4, Some(0.001)));
     let e = cfg(r#","router_jitter_noise":0.01"#).unwrap_err();
     assert!(e.to_string().contains("router_jitter_noise = 0.01"), "{e}");
+}
+
+/// gpt-oss's keys (transformers' `GptOssConfig` defaults where left out): biases on q/k/v/o,
+/// sinks, even layers sliding with window 128, top-4 of 128 experts by `TopKSoftmax`, the clamped
+/// SwiGLU's limit 7 and gain 1.702, stacks transposed, MXFP4 allowed; a zero limit refused; an
+/// MXFP4 `quantization_config` refused on a family without MXFP4 experts.
+#[test]
+fn gpt_oss_maps_attention_and_experts() {
+    let cfg = |arch: &str, extra: &str| {
+        let text = format!(
+            r#"{{"architectures":["{arch}"],"hidden_size":64,"intermediate_size":32,
+            "num_hidden_layers":3,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100{extra}}}"#
+        );
+        serde_json::from_str::<HfConfig>(&text)
+            .unwrap()
+            .into_config(Path::new("config.json"))
+    };
+    let c = cfg("GptOssForCausalLM", "").unwrap();
+    assert!(c.variant.attn_sinks && c.qkv_bias && c.o_bias && !c.tie_word_embeddings);
+    assert_eq!(c.head_dim, 64);
+    assert_eq!(c.sliding_window, Some(128));
+    assert_eq!(c.window_layers, [true, false, true]);
+    assert_eq!(c.rope_theta, 150_000.0);
+    let m = c.moe.as_ref().unwrap();
+    assert_eq!((m.experts, m.top_k, m.intermediate), (128, 4, 32));
+    assert_eq!(m.routing, rtune_ops::route::Routing::TopKSoftmax);
+    assert_eq!(
+        m.act,
+        rtune_ops::moe::ExpertAct::Clamped {
+            alpha: 1.702,
+            limit: 7.0
+        }
+    );
+    assert!(m.bias && m.transposed && m.mxfp4 && m.released.is_none());
+    assert_eq!(m.router, "router");
+    let c = cfg(
+        "GptOssForCausalLM",
+        r#","layer_types":["full_attention","sliding_attention","full_attention"],"sliding_window":8,"attention_bias":false"#,
+    )
+    .unwrap();
+    assert_eq!(c.window_layers, [false, true, false]);
+    assert_eq!(c.sliding_window, Some(8));
+    assert!(!c.qkv_bias && !c.o_bias);
+    let e = cfg("GptOssForCausalLM", r#","swiglu_limit":0.0"#).unwrap_err();
+    assert!(e.to_string().contains("swiglu_limit"), "{e}");
+    let q = r#","quantization_config":{"quant_method":"mxfp4"}"#;
+    assert!(cfg("GptOssForCausalLM", q).is_ok());
+    let e = cfg("MixtralForCausalLM", q).unwrap_err();
+    assert!(e.to_string().contains("only GptOssForCausalLM"), "{e}");
 }

@@ -24,6 +24,7 @@ pub mod flash_kernel;
 pub mod flash_ref;
 pub mod mask;
 pub mod reference;
+pub mod sinks;
 pub mod softmax;
 #[cfg(feature = "kernels")]
 pub mod softmax_cuda;
@@ -52,6 +53,8 @@ pub struct AttnCache {
     pub p: Option<Vec<Tensor>>,
     /// What the path that ran needs besides `q, k, v`.
     pub saved: AttnSaved,
+    /// gpt-oss's attention sinks ([`sinks::apply_sinks`]), when the layer has them.
+    pub sink: Option<sinks::SinkCache>,
 }
 
 /// The path-specific part of an [`AttnCache`].
@@ -263,6 +266,7 @@ fn tiled_cache(
             lse: kept.lse,
             starts: starts.clone(),
         },
+        sink: None,
     })
 }
 
@@ -414,6 +418,7 @@ fn plain(
             v,
             p,
             saved: AttnSaved::Plain { mask: mask.clone() },
+            sink: None,
         },
     ))
 }
@@ -505,7 +510,12 @@ pub fn attention_backward(
         let d_oi = d_o.narrow(0, i, 1)?;
         let pf = match &c.p {
             Some(ps) => ps[i].clone(),
-            None => row_probs(&c.q, &c.k, mask, s, i)?,
+            None => match &c.sink {
+                // The sinks' share of each row's mass, as the forward took it.
+                Some(sk) => row_probs(&c.q, &c.k, mask, s, i)?
+                    .broadcast_mul(&sinks::row_scale(&sk.scale, s, i)?)?,
+                None => row_probs(&c.q, &c.k, mask, s, i)?,
+            },
         };
         let p = pf.to_dtype(dt)?;
         // dv: (1, Hkv, T, Dh) sums over the G query heads of each kv head.

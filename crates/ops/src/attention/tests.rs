@@ -10,6 +10,7 @@ use rtune_backend::check::Rng;
 use rtune_backend::Precision;
 
 mod flash_ref;
+mod sinks;
 
 #[test]
 fn attention_softmax_matches_plain() {

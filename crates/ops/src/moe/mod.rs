@@ -3,7 +3,8 @@
 //! `k` chosen experts `e` (from [`crate::route`]) with weight `w`,
 //! `y_t += w · down_e(silu(g)·u)`, `[g; u] = gate_up_e(x_t)`, the experts' weights fused per layer:
 //! `gate_up: (E, 2I, H)` (rows gate then up) and `down: (E, H, I)`, each `(out, in)` as a linear
-//! weight.
+//! weight. gpt-oss's experts (`GptOssExperts`) are the same with biases on both projections and
+//! their clamped SwiGLU on interleaved gate/up rows ([`act`], [`ExpertAct::Clamped`]).
 //!
 //! Tokens are grouped by expert ([`Groups`]: each expert's `(token, slot)` pairs) and each expert
 //! runs one GEMM over its own rows only — a grouped GEMM, `T·k` rows in all, not every expert on
@@ -19,9 +20,12 @@
 //! The backward returns `∂L/∂x`, `∂L/∂w` (`T × k`, what [`crate::route::route_backward`] takes)
 //! and the LoRA factors' gradients in PEFT's layouts; the expert weights are frozen.
 
+pub mod act;
 pub mod reference;
 #[cfg(test)]
 mod tests;
+
+pub use act::ExpertAct;
 
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 
@@ -34,13 +38,19 @@ pub struct ExpertLora<'a> {
     pub scale: f64,
 }
 
-/// The experts of one layer: frozen weights and the LoRA pairs on them, if any.
+/// The experts of one layer: frozen weights (and biases: gpt-oss) and the LoRA pairs on them, if
+/// any.
 #[derive(Debug, Clone, Copy)]
 pub struct Experts<'a> {
-    /// `(E, 2I, H)`: rows `0..I` gate, `I..2I` up.
+    /// `(E, 2I, H)`: rows gate and up as `act` lays them out.
     pub gate_up: &'a Tensor,
     /// `(E, H, I)`.
     pub down: &'a Tensor,
+    /// `(E, 2I)` and `(E, H)`, added to each expert's projections (gpt-oss's
+    /// `gate_up_proj_bias`, `down_proj_bias`).
+    pub gate_up_bias: Option<&'a Tensor>,
+    pub down_bias: Option<&'a Tensor>,
+    pub act: ExpertAct,
     pub lora_gate_up: Option<ExpertLora<'a>>,
     pub lora_down: Option<ExpertLora<'a>>,
 }
@@ -146,6 +156,19 @@ fn dims(x: &Tensor, ex: &Experts) -> Result<(usize, usize, usize)> {
         }
         Ok(())
     };
+    for (name, b, want) in [
+        ("gate_up_proj_bias", ex.gate_up_bias, [e, i2]),
+        ("down_proj_bias", ex.down_bias, [e, h]),
+    ] {
+        if let Some(b) = b {
+            if b.dims() != want {
+                bail!("moe: {name} is {:?}, want {want:?}", b.dims());
+            }
+        }
+    }
+    if matches!(ex.act, ExpertAct::Clamped { .. }) && i2 % 2 != 0 {
+        bail!("moe: interleaved gate/up of odd width {i2}");
+    }
     check("gate_up_proj", &ex.lora_gate_up, i2, h)?;
     check("down_proj", &ex.lora_down, h, i2 / 2)?;
     Ok((e, i2 / 2, h))
@@ -191,6 +214,14 @@ fn expert_linear(
     }
 }
 
+/// `y: (n, out)` plus expert `e`'s row of `bias: (E, out)`, if any.
+fn with_bias(y: Tensor, bias: Option<&Tensor>, e: usize) -> Result<Tensor> {
+    match bias {
+        Some(b) => y.broadcast_add(&b.get(e)?.unsqueeze(0)?),
+        None => Ok(y),
+    }
+}
+
 fn ids(v: &[u32], dev: &Device) -> Result<Tensor> {
     Tensor::from_slice(v, v.len(), dev)
 }
@@ -204,7 +235,7 @@ pub fn moe_forward(
     k: usize,
     ex: &Experts,
 ) -> Result<(Tensor, MoeCache)> {
-    let (e_n, i, _) = dims(x, ex)?;
+    let (e_n, _, _) = dims(x, ex)?;
     let t = x.dim(0)?;
     if experts.len() != t * k || weights.len() != t * k {
         bail!(
@@ -235,13 +266,15 @@ pub fn moe_forward(
             &xe,
             &ex.gate_up.get(e)?,
             lgu.as_ref().map(|(a, b, s)| (a, b, *s)),
-        )?; // (n_e, 2I)
-        let m = crate::swiglu(&gu.narrow(1, 0, i)?, &gu.narrow(1, i, i)?)?; // (n_e, I)
+        )?;
+        let gu = with_bias(gu, ex.gate_up_bias, e)?; // (n_e, 2I)
+        let m = act::act_forward(&gu, ex.act)?; // (n_e, I)
         let (d, xa_down) = expert_linear(
             &m,
             &ex.down.get(e)?,
             ld.as_ref().map(|(a, b, s)| (a, b, *s)),
-        )?; // (n_e, H)
+        )?;
+        let d = with_bias(d, ex.down_bias, e)?; // (n_e, H)
         let w: Vec<f32> = groups.slots[e].iter().map(|&s| weights[s]).collect();
         let w = Tensor::from_vec(w, (tokens.len(), 1), dev)?.to_dtype(dt)?;
         rows.push(d.broadcast_mul(&w)?);
@@ -270,7 +303,7 @@ pub fn moe_backward(
     ex: &Experts,
     cache: &MoeCache,
 ) -> Result<MoeGrads> {
-    let (e_n, i, h) = dims(dy, ex)?;
+    let (e_n, _, h) = dims(dy, ex)?;
     let g = &cache.groups;
     if weights.len() != g.rows() || cache.experts.len() != e_n {
         bail!(
@@ -313,7 +346,7 @@ pub fn moe_backward(
         let w: Vec<f32> = g.slots[e].iter().map(|&s| weights[s]).collect();
         let w = Tensor::from_vec(w, (n, 1), dev)?.to_dtype(dt)?;
         let dd = dye.broadcast_mul(&w)?; // (n_e, H)
-        let m = crate::swiglu(&c.gu.narrow(1, 0, i)?, &c.gu.narrow(1, i, i)?)?;
+        let m = act::act_forward(&c.gu, ex.act)?;
         let dm = linear_backward(
             &dd,
             &m,
@@ -322,8 +355,7 @@ pub fn moe_backward(
             c.xa_down.as_ref(),
             &mut down_grads,
         )?; // (n_e, I)
-        let (dg, du) = crate::swiglu_backward(&dm, &c.gu.narrow(1, 0, i)?, &c.gu.narrow(1, i, i)?)?;
-        let dgu = Tensor::cat(&[dg, du], 1)?; // (n_e, 2I)
+        let dgu = act::act_backward(&dm, &c.gu, ex.act)?; // (n_e, 2I)
         let dxe = linear_backward(
             &dgu,
             &c.x,

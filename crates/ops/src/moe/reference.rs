@@ -6,6 +6,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use super::ExpertAct;
+
 /// The dense `(T, E)` combine matrix of `T × k` expert ids and weights.
 pub fn combine_matrix(
     experts: &[u32],
@@ -36,7 +38,7 @@ pub fn peft_delta(a: &Tensor, b: &Tensor, e: usize, s: f64) -> Result<Tensor> {
 }
 
 /// `x: (T, H)`, `combine: (T, E)`, `gate_up: (E, 2I, H)`, `down: (E, H, I)`, LoRA pairs
-/// `(a, b, s)` in PEFT's layout → `(T, H)`.
+/// `(a, b, s)` in PEFT's layout → `(T, H)`; SwiGLU, no biases.
 pub fn moe_reference(
     x: &Tensor,
     combine: &Tensor,
@@ -45,8 +47,54 @@ pub fn moe_reference(
     lora_gate_up: Option<(&Tensor, &Tensor, f64)>,
     lora_down: Option<(&Tensor, &Tensor, f64)>,
 ) -> Result<Tensor> {
-    let (e, i2, _) = gate_up.dims3()?;
-    let i = i2 / 2;
+    let ex = RefExperts {
+        gate_up,
+        down,
+        biases: None,
+        act: ExpertAct::SwiGlu,
+    };
+    moe_reference_with(x, combine, &ex, lora_gate_up, lora_down)
+}
+
+/// The frozen part of [`moe_reference_with`]: the stacks, gpt-oss's biases `(E, 2I)`, `(E, H)`
+/// and the gate.
+pub struct RefExperts<'a> {
+    pub gate_up: &'a Tensor,
+    pub down: &'a Tensor,
+    pub biases: Option<(&'a Tensor, &'a Tensor)>,
+    pub act: ExpertAct,
+}
+
+/// The gate as transformers writes it: gpt-oss's `_apply_gate` on `gate_up[..., ::2]` and
+/// `[..., 1::2]` (taken here by index), `silu(g)·u` on the halves otherwise. `gu: (T, 2I)`.
+fn gate(gu: &Tensor, act: ExpertAct) -> Result<Tensor> {
+    let i = gu.dim(1)? / 2;
+    match act {
+        ExpertAct::SwiGlu => gu.narrow(1, 0, i)?.silu()? * gu.narrow(1, i, i)?,
+        ExpertAct::Clamped { alpha, limit } => {
+            let dev = gu.device();
+            let even: Vec<u32> = (0..i as u32).map(|j| 2 * j).collect();
+            let odd: Vec<u32> = (0..i as u32).map(|j| 2 * j + 1).collect();
+            let g = gu.index_select(&Tensor::new(even.as_slice(), dev)?, 1)?;
+            let u = gu.index_select(&Tensor::new(odd.as_slice(), dev)?, 1)?;
+            let g = g.clamp(f64::NEG_INFINITY, limit)?;
+            let u = u.clamp(-limit, limit)?;
+            let sig = ((&g * -alpha)?.exp()? + 1.0)?.recip()?;
+            (u + 1.0)? * (g * sig)?
+        }
+    }
+}
+
+/// [`moe_reference`] with biases and the gate given.
+pub fn moe_reference_with(
+    x: &Tensor,
+    combine: &Tensor,
+    ex: &RefExperts,
+    lora_gate_up: Option<(&Tensor, &Tensor, f64)>,
+    lora_down: Option<(&Tensor, &Tensor, f64)>,
+) -> Result<Tensor> {
+    let (gate_up, down) = (ex.gate_up, ex.down);
+    let e = gate_up.dim(0)?;
     let with = |w: &Tensor, l: Option<(&Tensor, &Tensor, f64)>| -> Result<Tensor> {
         match l {
             Some((a, b, s)) => w + peft_delta(a, b, e, s)?,
@@ -56,11 +104,17 @@ pub fn moe_reference(
     let gate_up = with(gate_up, lora_gate_up)?;
     let down = with(down, lora_down)?;
     let mut y = x.zeros_like()?;
-    for ex in 0..e {
-        let gu = x.matmul(&gate_up.get(ex)?.t()?)?; // (T, 2I)
-        let m = (gu.narrow(1, 0, i)?.silu()? * gu.narrow(1, i, i)?)?;
-        let d = m.matmul(&down.get(ex)?.t()?)?; // (T, H)
-        y = (y + d.broadcast_mul(&combine.narrow(1, ex, 1)?)?)?;
+    for n in 0..e {
+        let mut gu = x.matmul(&gate_up.get(n)?.t()?)?; // (T, 2I)
+        if let Some((bg, _)) = ex.biases {
+            gu = gu.broadcast_add(&bg.get(n)?)?;
+        }
+        let m = gate(&gu, ex.act)?;
+        let mut d = m.matmul(&down.get(n)?.t()?)?; // (T, H)
+        if let Some((_, bd)) = ex.biases {
+            d = d.broadcast_add(&bd.get(n)?)?;
+        }
+        y = (y + d.broadcast_mul(&combine.narrow(1, n, 1)?)?)?;
     }
     Ok(y)
 }

@@ -70,6 +70,9 @@ fn experts<'a>(c: &'a Case, lora: bool) -> Experts<'a> {
     Experts {
         gate_up: &c.gate_up,
         down: &c.down,
+        gate_up_bias: None,
+        down_bias: None,
+        act: ExpertAct::SwiGlu,
         lora_gate_up: lora.then(|| pair(&c.lgu, S_GU)),
         lora_down: lora.then(|| pair(&c.ld, S_D)),
     }
@@ -179,6 +182,86 @@ fn moe_backward_matches_autograd_f64() {
     assert!(rows.iter().all(|v| *v == 0.0));
 }
 
+/// gpt-oss's experts: interleaved gate/up with the clamped SwiGLU, biases on both projections,
+/// LoRA on both stacks. A limit of 0.6 against gate/up outputs of spread ~1 clamps a good share of
+/// both halves (above for the gate, both sides for up), so the masks of the backward matter.
+#[test]
+fn gpt_oss_experts_match_autograd_f64() {
+    const ACT: ExpertAct = ExpertAct::Clamped {
+        alpha: 1.702,
+        limit: 0.6,
+    };
+    let c = case(50);
+    let (bgu, bd) = (randn(&[E, 2 * I], 58, 0.5), randn(&[E, H], 59, 0.5));
+    let (ids, w) = routing(51);
+    let ex = Experts {
+        gate_up_bias: Some(&bgu),
+        down_bias: Some(&bd),
+        act: ACT,
+        ..experts(&c, true)
+    };
+    let (y, cache) = moe_forward(&c.x, &ids, &w, K, &ex).unwrap();
+    let g = moe_backward(&c.dy, &w, &ex, &cache).unwrap();
+
+    let f64v = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F64).unwrap()).unwrap();
+    let x = f64v(&c.x);
+    let comb = f64v(&combine_matrix(&ids, &w, K, E, DType::F32, &Device::Cpu).unwrap());
+    let (agu, blgu, ad, bld) = (f64v(&c.lgu.0), f64v(&c.lgu.1), f64v(&c.ld.0), f64v(&c.ld.1));
+    let f64t = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+    let (gate_up, down, bgu64, bd64) = (f64t(&c.gate_up), f64t(&c.down), f64t(&bgu), f64t(&bd));
+    let reference = |act| {
+        let rex = RefExperts {
+            gate_up: &gate_up,
+            down: &down,
+            biases: Some((&bgu64, &bd64)),
+            act,
+        };
+        moe_reference_with(
+            &x,
+            &comb,
+            &rex,
+            Some((&agu, &blgu, S_GU)),
+            Some((&ad, &bld, S_D)),
+        )
+        .unwrap()
+    };
+    let want = reference(ACT);
+    // The clamp is live: without it (limit 1e9) the output moves by far more than the tolerance.
+    let unclamped = reference(ExpertAct::Clamped {
+        alpha: 1.702,
+        limit: 1e9,
+    });
+    assert!(rel64(&unclamped, &want) > 1e-2, "the limit clamps nothing");
+    // Forward: f32 against f64 (seen ≤ 1e-6 on the SwiGLU case's rule); 2e-6 as there.
+    let e = rel64(&y, &want);
+    eprintln!("gpt-oss moe forward: relative error {e:.2e}");
+    assert!(e < 2e-6, "gpt-oss moe forward: {e:e}");
+    let dy = c.dy.to_dtype(DType::F64).unwrap();
+    let grads = (want * dy).unwrap().sum_all().unwrap().backward().unwrap();
+    let wanted = |v: &Var| grads.get(v).unwrap().clone();
+    let check = |what: &str, got: &Tensor, want: &Tensor| {
+        let e = rel64(got, want);
+        eprintln!("gpt-oss moe {what}: relative error {e:.2e}");
+        assert!(e < 2e-6, "gpt-oss moe {what}: {e:e}");
+    };
+    check("dx", &g.dx, &wanted(&x));
+    let (dagu, dbgu) = g.gate_up.as_ref().expect("gate_up adapted");
+    let (dad, dbd) = g.down.as_ref().expect("down adapted");
+    check("d lora_A gate_up", dagu, &wanted(&agu));
+    check("d lora_B gate_up", dbgu, &wanted(&blgu));
+    check("d lora_A down", dad, &wanted(&ad));
+    check("d lora_B down", dbd, &wanted(&bld));
+    let dc = flat(&wanted(&comb).to_dtype(DType::F32).unwrap());
+    let dw_want: Vec<f32> = ids
+        .iter()
+        .enumerate()
+        .map(|(s, &x)| dc[(s / K) * E + x as usize])
+        .collect();
+    let dw_t = Tensor::new(g.dweights.as_slice(), &Device::Cpu).unwrap();
+    let dw_want = Tensor::new(dw_want.as_slice(), &Device::Cpu).unwrap();
+    check("d weights", &dw_t, &dw_want.to_dtype(DType::F64).unwrap());
+}
+
 #[test]
 fn moe_without_lora_has_no_lora_grads() {
     let c = case(30);
@@ -228,6 +311,14 @@ fn moe_refuses_bad_inputs() {
     };
     let err = moe_forward(&c.x, &ids, &w, K, &ex3).unwrap_err();
     assert!(err.to_string().contains("LoRA on gate_up_proj"), "{err}");
+    // A bias of the wrong shape.
+    let bias = randn(&[E, H + 1], 1, 1.0);
+    let ex4 = Experts {
+        down_bias: Some(&bias),
+        ..ex
+    };
+    let err = moe_forward(&c.x, &ids, &w, K, &ex4).unwrap_err();
+    assert!(err.to_string().contains("down_proj_bias"), "{err}");
 }
 
 /// Timing, not a check (`cargo test --release -p rtune-ops moe_timing -- --ignored --nocapture`):
@@ -249,6 +340,9 @@ fn moe_timing() {
     let ex = Experts {
         gate_up: &gate_up,
         down: &down,
+        gate_up_bias: None,
+        down_bias: None,
+        act: ExpertAct::SwiGlu,
         lora_gate_up: Some(ExpertLora {
             a: &ag,
             b: &bg,

@@ -13,6 +13,7 @@
 
 mod gemma2;
 mod gemma3;
+mod gpt_oss;
 mod llama;
 mod mistral;
 mod mixtral;
@@ -24,6 +25,7 @@ mod qwen3_moe;
 
 pub use gemma2::GEMMA2;
 pub use gemma3::GEMMA3;
+pub use gpt_oss::GPT_OSS;
 pub use llama::LLAMA;
 pub use mistral::MISTRAL;
 pub use mixtral::MIXTRAL;
@@ -36,8 +38,9 @@ pub use qwen3_moe::QWEN3_MOE;
 use crate::config::{HfConfig, ModelConfig, Variant};
 
 /// Every family rtune builds, looked up by config.json's `architectures`.
-pub static FAMILIES: [&Family; 10] = [
+pub static FAMILIES: [&Family; 11] = [
     &LLAMA, &MISTRAL, &QWEN2, &QWEN3, &GEMMA2, &GEMMA3, &PHI3, &OLMO2, &QWEN3_MOE, &MIXTRAL,
+    &GPT_OSS,
 ];
 
 /// The family whose `architectures` name is `name`.

@@ -1,0 +1,84 @@
+//! The experts' gate: how the `(n, 2I)` output of `gate_up` becomes the `(n, I)` input of `down`,
+//! forward and backward.
+//!
+//! - [`ExpertAct::SwiGlu`] (Qwen3-MoE, Mixtral): columns `0..I` gate `g`, `I..2I` up `u`;
+//!   `silu(g)·u` ([`crate::swiglu`]).
+//! - [`ExpertAct::Clamped`] (gpt-oss, transformers 5.24's `GptOssExperts._apply_gate`): gate and up
+//!   interleaved, column `2j` gate `j`, `2j + 1` up `j`; `g' = min(g, limit)`,
+//!   `u' = clamp(u, −limit, limit)`, `out = (u' + 1)·g'·σ(α·g')`. Backward, with `s = σ(α·g')`:
+//!   `dg = dout·(u' + 1)·(s + α·g'·s·(1 − s))·[g ≤ limit]`, `du = dout·g'·s·[|u| ≤ limit]` (torch's
+//!   clamp passes the gradient where the input lies in the closed range).
+
+use candle_core::{Result, Tensor};
+
+/// Which gate the experts apply.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExpertAct {
+    SwiGlu,
+    /// `alpha`: `swiglu_alpha` (1.702); `limit`: `swiglu_limit` (7.0).
+    Clamped {
+        alpha: f64,
+        limit: f64,
+    },
+}
+
+/// `(g, u)` of `gu: (n, 2I)` laid out as `act` says, each `(n, I)`.
+fn split(gu: &Tensor, act: ExpertAct) -> Result<(Tensor, Tensor)> {
+    let (n, i2) = gu.dims2()?;
+    let i = i2 / 2;
+    match act {
+        ExpertAct::SwiGlu => Ok((gu.narrow(1, 0, i)?, gu.narrow(1, i, i)?)),
+        ExpertAct::Clamped { .. } => {
+            let p = gu.reshape((n, i, 2))?;
+            Ok((
+                p.narrow(2, 0, 1)?.squeeze(2)?,
+                p.narrow(2, 1, 1)?.squeeze(2)?,
+            ))
+        }
+    }
+}
+
+/// `σ(x) = 1 / (1 + e^{−x})`.
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+/// `gu: (n, 2I)` → `(n, I)`.
+pub fn act_forward(gu: &Tensor, act: ExpertAct) -> Result<Tensor> {
+    let (g, u) = split(gu, act)?;
+    match act {
+        ExpertAct::SwiGlu => crate::swiglu(&g, &u),
+        ExpertAct::Clamped { alpha, limit } => {
+            let g = g.minimum(limit)?;
+            let u = u.clamp(-limit, limit)?;
+            let glu = (&g * sigmoid(&(&g * alpha)?)?)?;
+            (u + 1.0)? * glu
+        }
+    }
+}
+
+/// The backward of [`act_forward`]: `dm: (n, I)`, `gu` the forward's input → `dgu: (n, 2I)` in
+/// `gu`'s layout.
+pub fn act_backward(dm: &Tensor, gu: &Tensor, act: ExpertAct) -> Result<Tensor> {
+    let (g, u) = split(gu, act)?;
+    match act {
+        ExpertAct::SwiGlu => {
+            let (dg, du) = crate::swiglu_backward(dm, &g, &u)?;
+            Tensor::cat(&[dg, du], 1)
+        }
+        ExpertAct::Clamped { alpha, limit } => {
+            let dt = gu.dtype();
+            let g_in = g.le(limit)?.to_dtype(dt)?;
+            let u_in = (u.ge(-limit)?.to_dtype(dt)? * u.le(limit)?.to_dtype(dt)?)?;
+            let gc = g.minimum(limit)?;
+            let uc = u.clamp(-limit, limit)?;
+            let s = sigmoid(&(&gc * alpha)?)?;
+            // d(g'·σ(α g'))/dg' = s + α·g'·s·(1 − s)
+            let dglu = (&s + ((&gc * alpha)? * (&s * s.affine(-1.0, 1.0)?)?)?)?;
+            let dg = ((dm * (uc + 1.0)?)? * dglu)?.mul(&g_in)?;
+            let du = ((dm * (gc * s)?)? * u_in)?;
+            let (n, i) = dg.dims2()?;
+            Tensor::stack(&[dg, du], 2)?.reshape((n, 2 * i))
+        }
+    }
+}
