@@ -353,8 +353,8 @@ fn merged_is_base_plus_adapter(base: &Path, run: &Path, dest: &Path) {
     assert_eq!(b.len(), m.len());
     for (name, t) in &b {
         let same = safetensors::View::data(t) == safetensors::View::data(&m[name]);
-        let adapted = name.contains(".experts.")
-            || name.contains("self_attn.") && name.ends_with("_proj.weight");
+        let adapted = (name.contains(".experts.") && !name.ends_with("_bias"))
+            || (name.contains("self_attn.") && name.ends_with("_proj.weight"));
         assert_eq!(same, !adapted, "{name}");
     }
 }
@@ -367,10 +367,30 @@ fn mixtral_trains_as_peft_through_the_cli() {
     merged_is_base_plus_adapter(&fixture(MIXTRAL.0), &out, &tmp.path().join("merged"));
 }
 
-/// gpt-oss through the CLI (sinks, biases, the clamped SwiGLU, YaRN).
+/// gpt-oss through the CLI (sinks, biases, the clamped SwiGLU, YaRN), then exported merged into
+/// its `(E, in, out)` stacks ([`merged_is_base_plus_adapter`]); its MXFP4 checkpoint cannot be
+/// merged into: exit 2 naming the stack, nothing written.
 #[test]
 fn gpt_oss_trains_as_peft_through_the_cli() {
-    trains_as_peft_through_the_cli(GPT_OSS);
+    let (tmp, out) = trains_as_peft_through_the_cli(GPT_OSS);
+    let t = tmp.path();
+    merged_is_base_plus_adapter(&fixture(GPT_OSS.0), &out, &t.join("merged"));
+    let dest = t.join("merged-mxfp4");
+    let o = rtune(&[
+        "export",
+        "--run",
+        out.to_str().unwrap(),
+        "--base",
+        fixture("fixtures/tiny-gpt-oss-mxfp4").to_str().unwrap(),
+        "--format",
+        "merged",
+        "--out",
+        dest.to_str().unwrap(),
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("MXFP4"), "{err}");
+    assert!(!dest.exists());
 }
 
 /// `target_parameters` on a model without experts (Qwen3, dense): exit 2 before anything is
