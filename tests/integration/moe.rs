@@ -100,7 +100,7 @@ fn gpt_oss_experts_sinks_and_aux_loss_match_peft() {
     ));
     let moe = cfg.moe.as_ref().expect("a sparse model");
     assert_eq!((moe.experts, moe.top_k, moe.aux_coef), (8, 2, Some(0.1)));
-    assert_eq!(moe.routing, rtune_ops::route::Routing::TopKSoftmax);
+    assert_eq!(moe.routing, rtune_experts::route::Routing::TopKSoftmax);
     assert_eq!(c.adapter.pairs.len(), 2 * 4 + 2 * 2);
     // Seen: 14 entries below 1e-6 of their tensor's largest first gradient and 31 below 1e-5 (of
     // 20k), all in the expert stacks' LoRA, where the clamp (limit 1.0) zeroes most tokens'

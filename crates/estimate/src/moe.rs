@@ -1,5 +1,5 @@
 //! The memory of a mixture-of-experts model's sparse layers (issue 45: `rtune_model::moe`,
-//! `rtune_ops::moe`, `rtune_ops::route`), and its total vs active parameters.
+//! `rtune_experts::moe`, `rtune_experts::route`), and its total vs active parameters.
 //!
 //! A sparse layer has no dense MLP: its router `(E, D)` and its two expert stacks, gate_up
 //! `(E, 2I, D)` and down `(E, D, I)`, are frozen in the compute dtype (never quantized: NF4
@@ -18,8 +18,8 @@
 //! load-balancing loss, and with `output_router_logits` each layer's gradient of it `(N, E)` f32
 //! is alive from the cross-entropy to that layer's backward.
 
+use rtune_experts::route::Routing;
 use rtune_model::ModelConfig;
-use rtune_ops::route::Routing;
 
 use crate::{item, names, Dims, Item, Settings};
 

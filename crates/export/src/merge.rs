@@ -458,12 +458,12 @@ fn merged_weight(
     let w = view.load(&Device::Cpu)?;
     let pair = &adapter.pairs[t.slot];
     let expert = |e: usize, experts: usize| -> candle_core::Result<Tensor> {
-        let l = rtune_ops::moe::ExpertLora {
+        let l = rtune_experts::moe::ExpertLora {
             a: &pair.a,
             b: &pair.b,
             scale: scaling,
         };
-        let (a, b) = rtune_ops::moe::expert_factors(&l, e, experts)?;
+        let (a, b) = rtune_experts::moe::expert_factors(&l, e, experts)?;
         b.matmul(&a)?.affine(scaling, 0.0) // (out, r)·(r, in)
     };
     let delta = match &t.part {

@@ -9,7 +9,7 @@
 //!   trains: a hand-written backward ([`linear`], [`layer`], and each op's in `rtune_ops`) that
 //!   forms gradients for LoRA weights only — never for a frozen weight — and can recompute each
 //!   decoder layer from its input.
-//! - [`moe`]: a sparse layer's router and experts (the grouped op is `rtune_ops::moe`), with
+//! - [`moe`]: a sparse layer's router and experts (the grouped op is `rtune_experts::moe`), with
 //!   PEFT's `target_parameters` LoRA on the expert stacks and the load-balancing loss's plumbing.
 //! - [`rope`]: the rotary tables from the config (the rotation itself is `rtune_ops::rope`).
 //! - [`shard`]: the frozen base sharded across ranks (`[distributed] shard_base`), each layer

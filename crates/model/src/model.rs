@@ -1030,7 +1030,8 @@ impl Model {
             return None;
         }
         let layers: Vec<&[f32]> = logits.iter().map(Vec::as_slice).collect();
-        let (aux, mut grads) = ops::route::aux_loss(&layers, moe.experts, moe.top_k, real);
+        let (aux, mut grads) =
+            rtune_experts::route::aux_loss(&layers, moe.experts, moe.top_k, real);
         let scale = (coef * weight) as f32;
         grads
             .iter_mut()

@@ -1,6 +1,6 @@
 //! A sparse layer's MLP (issue 45): the router `mlp.gate: (E, H)` turns each token's normed
-//! hidden state into `E` logits, [`rtune_ops::route`] picks its `k` experts and their weights,
-//! and [`rtune_ops::moe`] runs the experts grouped by token (transformers 5's
+//! hidden state into `E` logits, [`rtune_experts::route`] picks its `k` experts and their weights,
+//! and [`rtune_experts::moe`] runs the experts grouped by token (transformers 5's
 //! `Qwen3MoeSparseMoeBlock`). gpt-oss's `GptOssMLP` adds biases on the router and the experts
 //! and its clamped SwiGLU ([`ExpertAct`]). The router is frozen: its input gradient is
 //! `dlogits · W_r`.
@@ -9,7 +9,7 @@
 //! `mlp.experts.down_proj`): one pair per 3-D parameter, `A: (E·r, in)`, `B: (out, r·E)`, held in
 //! the adapter under PEFT's module path for it (`Model::lora_modules`). The load-balancing loss
 //! couples every sparse layer's logits: the model computes it after the forward
-//! ([`rtune_ops::route::aux_loss`]) and hands each layer its share of the gradient through
+//! ([`rtune_experts::route::aux_loss`]) and hands each layer its share of the gradient through
 //! [`MoeLayerCache::set_aux_grad`] before the layer's backward.
 
 use candle_core::{DType, Result, Tensor};
@@ -17,8 +17,8 @@ use candle_core::{DType, Result, Tensor};
 use crate::linear::{Grads, LoraCtx};
 use crate::weights::TensorSource;
 use crate::{ModelError, Result as ModelResult};
-use rtune_ops::moe::{moe_backward, moe_forward, ExpertAct, ExpertLora, Experts, MoeCache};
-use rtune_ops::route::{route, route_backward, Routed, Routing};
+use rtune_experts::moe::{moe_backward, moe_forward, ExpertAct, ExpertLora, Experts, MoeCache};
+use rtune_experts::route::{route, route_backward, Routed, Routing};
 
 /// The expert stacks `spec.target_parameters` adapts on layer `l` of `cfg` (none on a dense
 /// layer), as adapter modules with their stack (0 gate_up, 1 down; [`MoeConfig::stacks`]): named

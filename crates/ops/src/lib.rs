@@ -12,11 +12,8 @@
 //!   over the lm_head in chunks of tokens. [`attention`]: causal attention, GQA, windows, packed
 //!   rows — materialized (with the fused softmax) or tiled (FlashAttention-2 on the CPU and on
 //!   CUDA). [`add`]: sums that round once. [`lora`]: the LoRA up-projection added into the frozen
-//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`route`]:
-//!   mixture-of-experts routing (the three families' routers) and the load-balancing loss, with
-//!   their backward. [`moe`]: the experts of a sparse layer, tokens grouped per expert (one GEMM
-//!   each), with PEFT's `target_parameters` LoRA on the expert stacks and the hand-written
-//!   backward. [`nf4`]: NF4/FP4 dequantization on CUDA (the CPU's is `rtune-quant`).
+//!   product. [`adamw`]: the CPU optimizer and the multi-tensor optimizer kernel. [`nf4`]: NF4/FP4 dequantization on CUDA (the CPU's is `rtune-quant`).
+//! - Mixture-of-experts routing and the experts' grouped GEMMs are `rtune-experts`.
 //! - The engines under them (BLAS, oneDNN, the CPU dispatch, kernel images, the launch preamble,
 //!   float casts, dropout masks) are `rtune-backend`.
 //!
@@ -48,17 +45,15 @@ pub mod fused;
 pub mod geglu;
 pub mod glu;
 pub mod lora;
-pub mod moe;
 pub mod nf4;
 pub mod norm;
 pub mod rope;
-pub mod route;
 #[cfg(feature = "kernels")]
 pub mod selftest;
 pub mod softcap;
 pub mod swiglu;
-#[cfg(test)]
-mod test_util;
+#[cfg(any(test, feature = "test-util"))]
+pub mod test_util;
 #[cfg(test)]
 mod tests;
 
@@ -76,7 +71,6 @@ pub use ce::{
 };
 pub use geglu::{geglu, geglu_backward};
 pub use lora::lora_up;
-pub use moe::{moe_backward, moe_forward, ExpertLora, Experts, MoeCache, MoeGrads};
 pub use norm::{
     rms_norm, rms_norm_backward, rms_norm_plus_one, rms_norm_plus_one_backward, NormCache,
 };

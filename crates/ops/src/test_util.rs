@@ -3,14 +3,14 @@
 use candle_core::{DType, Device, Tensor};
 use rtune_backend::Precision;
 
-pub(crate) const F32: Precision = Precision::F32;
+pub const F32: Precision = Precision::F32;
 
-pub(crate) const F32_TOL: f32 = 1e-6;
-pub(crate) const BF16_ULPS: f32 = 2.0;
+pub const F32_TOL: f32 = 1e-6;
+pub const BF16_ULPS: f32 = 2.0;
 
 /// Each element's f32 bits (a bf16/f16 tensor widened first, which is exact): for results that
 /// must equal another formulation's bit for bit.
-pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
+pub fn bits(t: &Tensor) -> Vec<u32> {
     t.to_dtype(DType::F32)
         .unwrap()
         .flatten_all()
@@ -22,7 +22,7 @@ pub(crate) fn bits(t: &Tensor) -> Vec<u32> {
         .collect()
 }
 
-pub(crate) fn randn(shape: &[usize], seed: u64, scale: f32) -> Tensor {
+pub fn randn(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let n: usize = shape.iter().product();
@@ -32,7 +32,7 @@ pub(crate) fn randn(shape: &[usize], seed: u64, scale: f32) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-pub(crate) fn flat(t: &Tensor) -> Vec<f32> {
+pub fn flat(t: &Tensor) -> Vec<f32> {
     t.to_dtype(DType::F32)
         .unwrap()
         .flatten_all()
@@ -42,7 +42,7 @@ pub(crate) fn flat(t: &Tensor) -> Vec<f32> {
 }
 
 /// `max |got − want| / max |want|`.
-pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
+pub fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
     assert_eq!(got.dims(), want.dims());
     let (g, w) = (flat(got), flat(want));
     let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
@@ -53,7 +53,7 @@ pub(crate) fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
     err / scale
 }
 
-pub(crate) fn assert_f32(got: &Tensor, want: &Tensor, what: &str) {
+pub fn assert_f32(got: &Tensor, want: &Tensor, what: &str) {
     assert_eq!(got.dtype(), DType::F32, "{what}");
     let e = rel_err(got, want);
     eprintln!("{what}: relative error {e:.2e}");
@@ -61,7 +61,7 @@ pub(crate) fn assert_f32(got: &Tensor, want: &Tensor, what: &str) {
 }
 
 /// The largest difference in bf16 ulps (of the plain value, floored at 1/256 of the largest).
-pub(crate) fn bf16_ulps(got: &Tensor, want: &Tensor) -> f32 {
+pub fn bf16_ulps(got: &Tensor, want: &Tensor) -> f32 {
     assert_eq!(got.dims(), want.dims());
     let (g, w) = (flat(got), flat(want));
     let floor = w.iter().fold(0f32, |m, v| m.max(v.abs())) / 256.0;
@@ -74,7 +74,7 @@ pub(crate) fn bf16_ulps(got: &Tensor, want: &Tensor) -> f32 {
         .fold(0f32, |m, (a, b)| m.max((a - b).abs() / ulp(*b)))
 }
 
-pub(crate) fn assert_bf16(got: &Tensor, want: &Tensor, what: &str) {
+pub fn assert_bf16(got: &Tensor, want: &Tensor, what: &str) {
     assert_eq!(got.dtype(), DType::BF16, "{what}");
     let u = bf16_ulps(got, want);
     let (g, w) = (flat(got), flat(want));
@@ -86,13 +86,13 @@ pub(crate) fn assert_bf16(got: &Tensor, want: &Tensor, what: &str) {
     assert!(u <= BF16_ULPS, "{what}: {u} bf16 ulps > {BF16_ULPS}");
 }
 
-pub(crate) fn bf16(t: &Tensor) -> Tensor {
+pub fn bf16(t: &Tensor) -> Tensor {
     t.to_dtype(DType::BF16).unwrap()
 }
 
 /// `max |got − want| / max |want| < 1e-5`: f32 against candle's autograd on the plain formulation
 /// (the same math in another order).
-pub(crate) fn assert_close_t(got: &Tensor, want: &Tensor, what: &str) {
+pub fn assert_close_t(got: &Tensor, want: &Tensor, what: &str) {
     let scale = want
         .abs()
         .unwrap()
@@ -113,7 +113,7 @@ pub(crate) fn assert_close_t(got: &Tensor, want: &Tensor, what: &str) {
 }
 
 /// Central difference of `f` at `x` along coordinate `i`, in f64.
-pub(crate) fn fd(f: &dyn Fn(&[f64]) -> f64, x: &[f64], i: usize) -> f64 {
+pub fn fd(f: &dyn Fn(&[f64]) -> f64, x: &[f64], i: usize) -> f64 {
     let h = 1e-6 * x[i].abs().max(1.0);
     let (mut a, mut b) = (x.to_vec(), x.to_vec());
     a[i] += h;
@@ -121,11 +121,11 @@ pub(crate) fn fd(f: &dyn Fn(&[f64]) -> f64, x: &[f64], i: usize) -> f64 {
     (f(&a) - f(&b)) / (2.0 * h)
 }
 
-pub(crate) fn f64s(v: &[f32]) -> Vec<f64> {
+pub fn f64s(v: &[f32]) -> Vec<f64> {
     v.iter().map(|&x| x as f64).collect()
 }
 
-pub(crate) fn assert_close(got: f32, want: f64, rtol: f64, what: &str) {
+pub fn assert_close(got: f32, want: f64, rtol: f64, what: &str) {
     let tol = rtol * want.abs().max(1.0);
     assert!(
         (got as f64 - want).abs() <= tol,
@@ -133,7 +133,7 @@ pub(crate) fn assert_close(got: f32, want: f64, rtol: f64, what: &str) {
     );
 }
 
-pub(crate) fn rand_tables(b: usize, t: usize, dh: usize) -> (Tensor, Tensor) {
+pub fn rand_tables(b: usize, t: usize, dh: usize) -> (Tensor, Tensor) {
     let inv: Vec<f32> = (0..dh / 2)
         .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / dh as f32))
         .collect();
@@ -141,7 +141,7 @@ pub(crate) fn rand_tables(b: usize, t: usize, dh: usize) -> (Tensor, Tensor) {
     crate::rope::tables(&inv, &pos, b, t, DType::F32, &Device::Cpu).unwrap()
 }
 
-pub(crate) fn targets(n: usize, v: usize, seed: u64) -> Tensor {
+pub fn targets(n: usize, v: usize, seed: u64) -> Tensor {
     use rand::{Rng, SeedableRng};
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let mut t: Vec<u32> = (0..n).map(|_| rng.random_range(0..v as u32)).collect();

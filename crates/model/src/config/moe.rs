@@ -4,8 +4,8 @@
 //! ([`qwen3_moe`](super::family) reads Qwen3-MoE's).
 
 use super::HfConfig;
-use rtune_ops::moe::ExpertAct;
-use rtune_ops::route::Routing;
+use rtune_experts::moe::ExpertAct;
+use rtune_experts::route::Routing;
 
 /// The sparse layers' MLP.
 #[derive(Debug, Clone, PartialEq)]
@@ -20,7 +20,7 @@ pub struct MoeConfig {
     /// Per layer, whether its MLP is the experts (else the dense MLP of `intermediate_size`).
     pub sparse_layers: Vec<bool>,
     /// `router_aux_loss_coef` when `output_router_logits` is set: the load-balancing loss
-    /// ([`rtune_ops::route::aux_loss`]) times this is added to the loss, as transformers adds
+    /// ([`rtune_experts::route::aux_loss`]) times this is added to the loss, as transformers adds
     /// it; `None`: no aux loss.
     pub aux_coef: Option<f64>,
     /// Where the family's released checkpoints keep a sparse layer's router and experts when

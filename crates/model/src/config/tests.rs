@@ -421,7 +421,7 @@ fn qwen3_moe_maps_experts_and_sparse_layers() {
     assert_eq!((m.experts, m.top_k, m.intermediate), (128, 8, 768));
     assert_eq!(
         m.routing,
-        rtune_ops::route::Routing::SoftmaxTopK { normalize: false }
+        rtune_experts::route::Routing::SoftmaxTopK { normalize: false }
     );
     assert_eq!(m.sparse_layers, [true; 4]);
     assert_eq!(m.aux_coef, None);
@@ -436,7 +436,7 @@ fn qwen3_moe_maps_experts_and_sparse_layers() {
     assert_eq!((m.experts, m.top_k, m.intermediate), (8, 2, 32));
     assert_eq!(
         m.routing,
-        rtune_ops::route::Routing::SoftmaxTopK { normalize: true }
+        rtune_experts::route::Routing::SoftmaxTopK { normalize: true }
     );
     // (l + 1) % 2 == 0 and l not in mlp_only_layers: layer 1 only.
     assert_eq!(m.sparse_layers, [false, true, false, false]);
@@ -470,7 +470,7 @@ fn mixtral_maps_experts_and_refuses_router_noise() {
     assert_eq!((m.experts, m.top_k, m.intermediate), (8, 2, 32));
     assert_eq!(
         m.routing,
-        rtune_ops::route::Routing::SoftmaxTopK { normalize: true }
+        rtune_experts::route::Routing::SoftmaxTopK { normalize: true }
     );
     assert_eq!(m.sparse_layers, [true; 3]);
     assert_eq!(m.aux_coef, None);
@@ -510,10 +510,10 @@ fn gpt_oss_maps_attention_and_experts() {
     assert_eq!(c.rope_theta, 150_000.0);
     let m = c.moe.as_ref().unwrap();
     assert_eq!((m.experts, m.top_k, m.intermediate), (128, 4, 32));
-    assert_eq!(m.routing, rtune_ops::route::Routing::TopKSoftmax);
+    assert_eq!(m.routing, rtune_experts::route::Routing::TopKSoftmax);
     assert_eq!(
         m.act,
-        rtune_ops::moe::ExpertAct::Clamped {
+        rtune_experts::moe::ExpertAct::Clamped {
             alpha: 1.702,
             limit: 7.0
         }

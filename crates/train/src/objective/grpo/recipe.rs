@@ -5,7 +5,7 @@
 //!   (`rollout.rs`: sampled, scored, advantages, old and reference log-probs), its lines appended
 //!   to `rollouts.jsonl`; each micro-batch is the next `micro_batch_size` of its rows (TRL's
 //!   buffer, in generation order: TRL shuffles the batch before splitting it, rtune does not);
-//!   on W ranks each samples its share and the shares are gathered ([`Grpo::generate`]), rank
+//!   on W ranks each samples its share and the shares are gathered (`Grpo::generate`), rank
 //!   0 alone writing rollouts.jsonl;
 //! - [`pass`](Recipe::pass): the head hands every position's `−log softmax(z / T)[target]`, the
 //!   completion tokens' log-probs go through [`policy_loss`] and its `∂loss/∂logp` back to the

@@ -5,8 +5,8 @@
 use super::reference::*;
 use super::*;
 use crate::route::{route, Routing};
-use crate::test_util::*;
 use candle_core::Var;
+use rtune_ops::test_util::*;
 
 const T: usize = 13;
 const H: usize = 8;

@@ -2,7 +2,7 @@
 //! forward and backward.
 //!
 //! - [`ExpertAct::SwiGlu`] (Qwen3-MoE, Mixtral): columns `0..I` gate `g`, `I..2I` up `u`;
-//!   `silu(g)·u` ([`crate::swiglu`]).
+//!   `silu(g)·u` ([`rtune_ops::swiglu()`]).
 //! - [`ExpertAct::Clamped`] (gpt-oss, transformers 5.24's `GptOssExperts._apply_gate`): gate and up
 //!   interleaved, column `2j` gate `j`, `2j + 1` up `j`; `g' = min(g, limit)`,
 //!   `u' = clamp(u, −limit, limit)`, `out = (u' + 1)·g'·σ(α·g')`. Backward, with `s = σ(α·g')`:
@@ -47,7 +47,7 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
 pub fn act_forward(gu: &Tensor, act: ExpertAct) -> Result<Tensor> {
     let (g, u) = split(gu, act)?;
     match act {
-        ExpertAct::SwiGlu => crate::swiglu(&g, &u),
+        ExpertAct::SwiGlu => rtune_ops::swiglu(&g, &u),
         ExpertAct::Clamped { alpha, limit } => {
             let g = g.minimum(limit)?;
             let u = u.clamp(-limit, limit)?;
@@ -63,7 +63,7 @@ pub fn act_backward(dm: &Tensor, gu: &Tensor, act: ExpertAct) -> Result<Tensor> 
     let (g, u) = split(gu, act)?;
     match act {
         ExpertAct::SwiGlu => {
-            let (dg, du) = crate::swiglu_backward(dm, &g, &u)?;
+            let (dg, du) = rtune_ops::swiglu_backward(dm, &g, &u)?;
             Tensor::cat(&[dg, du], 1)
         }
         ExpertAct::Clamped { alpha, limit } => {
