@@ -85,14 +85,7 @@ pub struct Released {
 /// `output_router_logits` (false). Layer `l` is sparse when not in `mlp_only_layers` and
 /// `(l + 1) % decoder_sparse_step == 0`.
 pub(crate) fn qwen3_moe(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> {
-    let experts = c.num_experts.unwrap_or(128);
-    let top_k = c.num_experts_per_tok.unwrap_or(8);
-    if experts == 0 || top_k == 0 || top_k > experts {
-        return Err(format!(
-            "num_experts_per_tok = {top_k} of num_experts = {experts}: a token needs 1 to \
-             num_experts experts"
-        ));
-    }
+    let (experts, top_k) = experts_and_k(c, "num_experts", (128, 8))?;
     let step = c.decoder_sparse_step.unwrap_or(1);
     if step == 0 {
         return Err("decoder_sparse_step = 0: give 1 for every layer sparse".into());
@@ -105,7 +98,6 @@ pub(crate) fn qwen3_moe(c: &HfConfig, layers: usize) -> Result<MoeConfig, String
     let sparse_layers = (0..layers)
         .map(|l| !only.contains(&l) && (l + 1) % step == 0)
         .collect();
-    let coef = c.router_aux_loss_coef.unwrap_or(0.001);
     Ok(MoeConfig {
         experts,
         top_k,
@@ -114,7 +106,7 @@ pub(crate) fn qwen3_moe(c: &HfConfig, layers: usize) -> Result<MoeConfig, String
             normalize: c.norm_topk_prob.unwrap_or(false),
         },
         sparse_layers,
-        aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
+        aux_coef: aux_coef(c),
         released: Some(Released {
             module: "mlp",
             names: ["gate_proj", "up_proj", "down_proj"],
@@ -130,28 +122,20 @@ pub(crate) fn qwen3_moe(c: &HfConfig, layers: usize) -> Result<MoeConfig, String
 /// in training) is refused: no run with it is reproducible. Released checkpoints keep the experts
 /// as `block_sparse_moe.experts.N.w1` (gate), `w3` (up), `w2` (down).
 pub(crate) fn mixtral(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> {
-    let experts = c.num_experts.unwrap_or(8);
-    let top_k = c.num_experts_per_tok.unwrap_or(2);
-    if experts == 0 || top_k == 0 || top_k > experts {
-        return Err(format!(
-            "num_experts_per_tok = {top_k} of num_local_experts = {experts}: a token needs 1 to \
-             num_local_experts experts"
-        ));
-    }
+    let (experts, top_k) = experts_and_k(c, "num_local_experts", (8, 2))?;
     if let Some(j) = c.router_jitter_noise.filter(|&j| j != 0.0) {
         return Err(format!(
             "router_jitter_noise = {j}: random noise on the router's input in training is not \
              supported (set it to 0.0 in config.json)"
         ));
     }
-    let coef = c.router_aux_loss_coef.unwrap_or(0.001);
     Ok(MoeConfig {
         experts,
         top_k,
         intermediate: c.intermediate_size,
         routing: Routing::SoftmaxTopK { normalize: true },
         sparse_layers: vec![true; layers],
-        aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
+        aux_coef: aux_coef(c),
         released: Some(Released {
             module: "block_sparse_moe",
             names: ["w1", "w3", "w2"],
@@ -167,24 +151,16 @@ pub(crate) fn mixtral(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> 
 /// and the experts, the stacks stored `(E, in, out)` with gate/up interleaved, and in MXFP4 in the
 /// release.
 pub(crate) fn gpt_oss(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> {
-    let experts = c.num_experts.unwrap_or(128);
-    let top_k = c.num_experts_per_tok.unwrap_or(4);
-    if experts == 0 || top_k == 0 || top_k > experts {
-        return Err(format!(
-            "num_experts_per_tok = {top_k} of num_local_experts = {experts}: a token needs 1 to \
-             num_local_experts experts"
-        ));
-    }
+    let (experts, top_k) = experts_and_k(c, "num_local_experts", (128, 4))?;
     let limit = super::positive("swiglu_limit", c.swiglu_limit.unwrap_or(7.0))?;
     let alpha = super::positive("swiglu_alpha", c.swiglu_alpha.unwrap_or(1.702))?;
-    let coef = c.router_aux_loss_coef.unwrap_or(0.001);
     Ok(MoeConfig {
         experts,
         top_k,
         intermediate: c.intermediate_size,
         routing: Routing::TopKSoftmax,
         sparse_layers: vec![true; layers],
-        aux_coef: c.output_router_logits.unwrap_or(false).then_some(coef),
+        aux_coef: aux_coef(c),
         released: None,
         router: "router",
         bias: true,
@@ -192,6 +168,31 @@ pub(crate) fn gpt_oss(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> 
         transposed: true,
         mxfp4: true,
     })
+}
+
+/// `(E, k)` from config.json's `num_experts` (named `key` in the family's config:
+/// `num_experts` or `num_local_experts`) and `num_experts_per_tok`, with the family's defaults:
+/// a token needs 1 to `E` experts.
+fn experts_and_k(
+    c: &HfConfig,
+    key: &str,
+    (experts, top_k): (usize, usize),
+) -> Result<(usize, usize), String> {
+    let experts = c.num_experts.unwrap_or(experts);
+    let top_k = c.num_experts_per_tok.unwrap_or(top_k);
+    if experts == 0 || top_k == 0 || top_k > experts {
+        return Err(format!(
+            "num_experts_per_tok = {top_k} of {key} = {experts}: a token needs 1 to {key} experts"
+        ));
+    }
+    Ok((experts, top_k))
+}
+
+/// The load-balancing loss's coefficient, `router_aux_loss_coef` (transformers' default 0.001),
+/// when `output_router_logits` is set.
+fn aux_coef(c: &HfConfig) -> Option<f64> {
+    let coef = c.router_aux_loss_coef.unwrap_or(0.001);
+    c.output_router_logits.unwrap_or(false).then_some(coef)
 }
 
 impl MoeConfig {

@@ -468,6 +468,12 @@ fn mixtral_maps_experts_and_refuses_router_noise() {
     let c = cfg("").unwrap();
     let m = c.moe.as_ref().unwrap();
     assert_eq!((m.experts, m.top_k, m.intermediate), (8, 2, 32));
+    let e = cfg(r#","num_local_experts":2,"num_experts_per_tok":3"#).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("num_experts_per_tok = 3 of num_local_experts = 2"),
+        "{e}"
+    );
     assert_eq!(
         m.routing,
         rtune_experts::route::Routing::SoftmaxTopK { normalize: true }
