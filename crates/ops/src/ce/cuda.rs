@@ -19,16 +19,10 @@ pub fn ce_fwd<T: FusedFloat>(
     v: usize,
 ) -> Result<()> {
     const OP: &str = "ce_fwd";
-    if v == 0 {
-        return Err(bad(OP, "vocabulary of 0".into()));
-    }
-    need(OP, "logits", logits.len(), numel(OP, &[n, v])?)?;
-    need(OP, "targets", targets.len(), n)?;
-    need(OP, "out (n, 2)", out.len(), numel(OP, &[n, 2])?)?;
-    if n == 0 {
+    let sizes = [logits.len(), targets.len(), out.len()];
+    let Some((n_i, v_i)) = fwd_dims(OP, sizes, (n, v))? else {
         return Ok(());
-    }
-    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    };
     let f = GpuKernel::new(&rtune_backend::image::FUSED, "ce_fwd").get::<T>(stream.context())?;
     let mut b = stream.launch_builder(&f);
     b.arg(logits).arg(targets).arg(out).arg(&n_i).arg(&v_i);
@@ -51,15 +45,10 @@ pub fn ce_bwd<T: FusedFloat>(
     v: usize,
 ) -> Result<()> {
     const OP: &str = "ce_bwd";
-    let nv = numel(OP, &[n, v])?;
-    need(OP, "logits", logits.len(), nv)?;
-    need(OP, "targets", targets.len(), n)?;
-    need(OP, "lse", lse.len(), n)?;
-    need(OP, "dlogits", dlogits.len(), nv)?;
-    if nv == 0 {
+    let sizes = [logits.len(), targets.len(), lse.len(), dlogits.len()];
+    let Some((n_i, v_i)) = bwd_dims(OP, sizes, (n, v))? else {
         return Ok(());
-    }
-    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    };
     let f = GpuKernel::new(&rtune_backend::image::FUSED, "ce_bwd").get::<T>(stream.context())?;
     let mut b = stream.launch_builder(&f);
     b.arg(logits)
@@ -101,16 +90,10 @@ pub fn ce_capped_fwd<T: FusedFloat>(
 ) -> Result<()> {
     const OP: &str = "ce_capped_fwd";
     let (cap, inv) = cap_args(OP, cap)?;
-    if v == 0 {
-        return Err(bad(OP, "vocabulary of 0".into()));
-    }
-    need(OP, "logits", logits.len(), numel(OP, &[n, v])?)?;
-    need(OP, "targets", targets.len(), n)?;
-    need(OP, "out (n, 2)", out.len(), numel(OP, &[n, 2])?)?;
-    if n == 0 {
+    let sizes = [logits.len(), targets.len(), out.len()];
+    let Some((n_i, v_i)) = fwd_dims(OP, sizes, (n, v))? else {
         return Ok(());
-    }
-    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    };
     let f = GpuKernel::new(&rtune_backend::image::FUSED, OP).get::<T>(stream.context())?;
     let mut b = stream.launch_builder(&f);
     b.arg(logits).arg(targets).arg(out).arg(&n_i).arg(&v_i);
@@ -136,15 +119,10 @@ pub fn ce_capped_bwd<T: FusedFloat>(
 ) -> Result<()> {
     const OP: &str = "ce_capped_bwd";
     let (cap, inv) = cap_args(OP, cap)?;
-    let nv = numel(OP, &[n, v])?;
-    need(OP, "logits", logits.len(), nv)?;
-    need(OP, "targets", targets.len(), n)?;
-    need(OP, "lse", lse.len(), n)?;
-    need(OP, "dlogits", dlogits.len(), nv)?;
-    if nv == 0 {
+    let sizes = [logits.len(), targets.len(), lse.len(), dlogits.len()];
+    let Some((n_i, v_i)) = bwd_dims(OP, sizes, (n, v))? else {
         return Ok(());
-    }
-    let (n_i, v_i) = (int(OP, "n", n)?, int(OP, "v", v)?);
+    };
     let f = GpuKernel::new(&rtune_backend::image::FUSED, OP).get::<T>(stream.context())?;
     let mut b = stream.launch_builder(&f);
     b.arg(logits).arg(targets).arg(lse).arg(&scale).arg(dlogits);
@@ -152,6 +130,43 @@ pub fn ce_capped_bwd<T: FusedFloat>(
     // SAFETY: as above, for ce_capped_bwd_<T>; the launch shape of ce_bwd.
     unsafe { b.launch(bwd_cfg::<T>(n, v)) }.map_err(drv(OP))?;
     Ok(())
+}
+
+/// A forward's size checks (`[logits, targets, out]` lengths against `(n, v)`, `(n)`, `(n, 2)`;
+/// a vocabulary of 0 refused): `(n, v)` as the kernels take them, or `None` for no rows.
+fn fwd_dims(
+    op: &'static str,
+    [logits, targets, out]: [usize; 3],
+    (n, v): (usize, usize),
+) -> Result<Option<(i32, i32)>> {
+    if v == 0 {
+        return Err(bad(op, "vocabulary of 0".into()));
+    }
+    need(op, "logits", logits, numel(op, &[n, v])?)?;
+    need(op, "targets", targets, n)?;
+    need(op, "out (n, 2)", out, numel(op, &[n, 2])?)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    Ok(Some((int(op, "n", n)?, int(op, "v", v)?)))
+}
+
+/// A backward's size checks (`[logits, targets, lse, dlogits]` lengths against `(n, v)`, `(n)`,
+/// `(n)`, `(n, v)`): `(n, v)` as the kernels take them, or `None` for nothing to do.
+fn bwd_dims(
+    op: &'static str,
+    [logits, targets, lse, dlogits]: [usize; 4],
+    (n, v): (usize, usize),
+) -> Result<Option<(i32, i32)>> {
+    let nv = numel(op, &[n, v])?;
+    need(op, "logits", logits, nv)?;
+    need(op, "targets", targets, n)?;
+    need(op, "lse", lse, n)?;
+    need(op, "dlogits", dlogits, nv)?;
+    if nv == 0 {
+        return Ok(None);
+    }
+    Ok(Some((int(op, "n", n)?, int(op, "v", v)?)))
 }
 
 /// `(cap, f32(1/cap))` as the kernels take them (the reciprocal in f64 then rounded, as candle's
