@@ -13,6 +13,9 @@ its longest row; torch.optim.AdamW (betas 0.9/0.999, eps 1e-8, no weight decay),
 warmup steps then cosine to 0 over the run, gradient clipping at 1.0; f32 weights and compute;
 transformers' default attention (sdpa); no gradient checkpointing (PEFT's default).
 `--bf16-autocast`: every forward under torch.autocast('cpu', dtype=torch.bfloat16).
+`--targets q_proj,k_proj,...` instead of all-linear, and `--target-parameters
+mlp.experts.gate_up_proj,...` for LoRA on 3-D expert stacks (PEFT's `ParamWrapper`, which refuses
+dropout: pass `--dropout 0`), as benches/moe_vs_peft.sh trains a mixture of experts.
 
 Reported as rtune reports a run: `tokens_per_s` is the median over the steps after the first of
 (non-padding tokens of the step / the step's wall time: forward, backward, clipping, AdamW);
@@ -73,6 +76,10 @@ def main():
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--bf16-autocast", action="store_true")
+    ap.add_argument("--targets", default="all-linear",
+                    help="comma-separated module names, or all-linear (the default)")
+    ap.add_argument("--target-parameters", default="",
+                    help="comma-separated 3-D parameters (PEFT's target_parameters)")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
 
@@ -89,9 +96,11 @@ def main():
     if pad_id is None:
         eos = model.config.eos_token_id
         pad_id = (eos[0] if isinstance(eos, list) else eos) or 0
+    targets = a.targets if a.targets == "all-linear" else a.targets.split(",")
+    extra = {"target_parameters": a.target_parameters.split(",")} if a.target_parameters else {}
     model = get_peft_model(model, LoraConfig(
-        r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules="all-linear",
-        bias="none", task_type="CAUSAL_LM"))
+        r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout, target_modules=targets,
+        bias="none", task_type="CAUSAL_LM", **extra))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     sched = get_cosine_schedule_with_warmup(opt, min(a.warmup, a.steps), a.steps)

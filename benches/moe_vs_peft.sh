@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# benches/moe_vs_peft.sh — a mixture-of-experts training step, rtune against transformers + PEFT on
+# the CPU, side by side on the same model and rows (issue 45's speed and memory item).
+#
+#   benches/moe_vs_peft.sh                     # PYTHON: a python with torch, transformers, peft
+#   STEPS=4 RTUNE=target/debug/rtune benches/moe_vs_peft.sh
+#
+# The model: a random Qwen3-MoE made by transformers (benches/make_moe_model.py) with Qwen3-30B-A3B's
+# sparse layer scaled down: 128 experts, top-8, expert width : hidden = 768 : 2048 (here 192 : 512),
+# 32 : 4 query : kv heads (here 8 : 1); LAYERS (default 2) layers, vocab 4096, rows of SEQ (512)
+# tokens, micro-batch BATCH (4). LoRA r 16, alpha 32, no dropout (PEFT refuses it on expert
+# stacks) on q/k/v/o and on both expert stacks through PEFT's `target_parameters`, as the parity
+# tests train (tests/parity/make_moe_goldens.py); AdamW lr 1e-4, clipping 1.0; f32; no
+# checkpointing on either side. The router is frozen on both sides; the load-balancing loss is on.
+#
+# Reported, each side: tokens/s (median over the steps after the first) and the process's peak
+# RSS; rtune's achieved GFLOP/s over the active parameters' FLOPs (`rtune bench`'s count: 6·N_active
+# per token, N_active = q/k/v/o + router + top-k experts' three projections + lm_head, plus
+# 12·L·seq·d for attention; the frozen-base work is 4·N, which the line after it also gives),
+# against the CPU's f32 GEMM ceiling as `rtune bench` probes it (its best rate on bench-small's
+# GEMM shapes, measured in the same invocation). The sides run one after the other, never at once
+# (torch's threads spin-wait); run it on an idle machine.
+#
+# Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
+# built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-/work/.venv-ref/bin/python}
+STEPS=${STEPS:-4}
+LAYERS=${LAYERS:-2}
+SEQ=${SEQ:-512}
+BATCH=${BATCH:-4}
+out=${OUT:-runs/bench-moe}
+mkdir -p "$out"
+if [ -z "${RTUNE:-}" ]; then
+  RTUNE=target/release/rtune
+  [ -x "$RTUNE" ] || cargo build --release --quiet
+fi
+"$PYTHON" benches/make_moe_model.py --out "$out" --layers "$LAYERS" --hidden 512 --heads 8 \
+  --kv-heads 1 --experts 128 --top-k 8 --moe-inter 192 --vocab 4096 --rows $((BATCH * 4)) \
+  --seq "$SEQ"
+cat >"$out/rtune.toml" <<TOML
+[model]
+path = "$out/model"
+[lora]
+r = 16
+alpha = 32
+dropout = 0.0
+targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+[data]
+train = "$out/rows.jsonl"
+max_seq_len = $SEQ
+shuffle = false
+[train]
+steps = $STEPS
+micro_batch_size = $BATCH
+lr = 1e-4
+warmup_steps = 0
+max_grad_norm = 1.0
+gradient_checkpointing = false
+[output]
+dir = "$out/rtune-run"
+overwrite = true
+TOML
+uptime
+"$RTUNE" train --config "$out/rtune.toml" >"$out/rtune.log" 2>&1 || { tail -20 "$out/rtune.log"; exit 1; }
+cp "$out/rtune-run/summary.json" "$out/rtune.json"
+"$PYTHON" benches/peft_rows.py --model "$out/model" --rows "$out/rows.jsonl" --steps "$STEPS" \
+  --batch "$BATCH" --r 16 --alpha 32 --dropout 0 --lr 1e-4 --warmup 0 --max-grad-norm 1.0 \
+  --targets q_proj,k_proj,v_proj,o_proj \
+  --target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj \
+  --json-out "$out/peft.json" >"$out/peft.log" 2>&1 || { tail -20 "$out/peft.log"; exit 1; }
+# The CPU's f32 GEMM ceiling, probed by rtune bench (one step of a one-layer bench-small first).
+"$RTUNE" bench --layers 1 --steps 1 --warmup 0 --json-out "$out/ceiling.json" >"$out/ceiling.log" 2>&1 \
+  || { tail -20 "$out/ceiling.log"; exit 1; }
+uptime
+"$PYTHON" - "$out" "$SEQ" <<'PY'
+import json, sys
+d, seq = sys.argv[1], int(sys.argv[2])
+r, p = json.load(open(f"{d}/rtune.json")), json.load(open(f"{d}/peft.json"))
+c = json.load(open(f"{d}/model/config.json"))
+ceil = json.load(open(f"{d}/ceiling.json"))["ceiling"]["best_gflops"]
+H, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+E, k, I = c.get("num_experts") or c["num_local_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+active = L * (H * (q + 2 * kv) + q * H + H * E + k * 3 * H * I) + V * H
+attn = 12 * L * seq * q
+rt, rm = r["tokens_per_s"], r["peak_memory_bytes"]
+pt, pm = p["tokens_per_s"], p["peak_rss_bytes"]
+print(f"Qwen3-MoE {L} layers, hidden {H}, {E} experts top-{k} width {I}, seq {seq}: "
+      f"{active/1e6:.2f} M active parameters")
+print(f"rtune  {rt:8.1f} tokens/s  peak RSS {rm/1e9:.2f} GB  final loss {r['final_loss']:.4f}")
+print(f"PEFT   {pt:8.1f} tokens/s  peak RSS {pm/1e9:.2f} GB  final loss {p['final_loss']:.4f}")
+print(f"rtune / PEFT: {rt/pt:.2f}x tokens/s, {rm/pm:.2f}x peak RSS")
+g6 = rt * (6 * active + attn) / 1e9
+g4 = rt * (4 * active + attn) / 1e9
+print(f"rtune: {g6:.1f} GFLOP/s at 6·N_active + attention = {100*g6/ceil:.1f}% of the "
+      f"f32 GEMM ceiling {ceil:.1f} GFLOP/s; {g4:.1f} GFLOP/s ({100*g4/ceil:.1f}%) at 4·N_active")
+PY
