@@ -518,6 +518,85 @@ pub mod layout_audit {
 
 pub mod autocast;
 
+/// One operand of [`sgemm`]: a row-major matrix in `data`, read as stored (`trans` false:
+/// `rows × cols` of the product, row `i` at `i·ld`) or transposed (`trans` true: stored
+/// `cols × rows`, the product reads its transpose).
+#[derive(Debug, Clone, Copy)]
+pub struct Operand<'a> {
+    pub data: &'a [f32],
+    pub trans: bool,
+    pub ld: usize,
+}
+
+impl Operand<'_> {
+    /// Whether `data` holds the `rows × cols` matrix the product reads.
+    fn covers(&self, rows: usize, cols: usize) -> bool {
+        let (r, c) = if self.trans {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        r == 0 || c == 0 || (self.ld >= c && (r - 1) * self.ld + c <= self.data.len())
+    }
+}
+
+/// `c = alpha · a·b + beta · c` on slices, `a: m × k`, `b: k × n`, `c: m × n` row-major packed,
+/// through the loaded CBLAS (its own threads). For callers that lay out many small products
+/// themselves (the experts' grouped GEMM, `rtune_experts::moe`): no tensor per product.
+/// `Ok(false)`: no CBLAS is loaded (nothing written); the caller computes it another way. Sizes
+/// that do not fit their slices are an error naming the product, before any read.
+pub fn sgemm(
+    a: Operand,
+    b: Operand,
+    c: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    alpha: f32,
+    beta: f32,
+) -> Result<bool> {
+    let Some(blas) = BLAS.get().and_then(Option::as_ref) else {
+        return Ok(false);
+    };
+    let fits = |d: usize| d < c_int::MAX as usize;
+    if !(a.covers(m, k) && b.covers(k, n) && c.len() >= m * n && fits(m) && fits(n) && fits(k))
+        || !(fits(a.ld) && fits(b.ld))
+    {
+        candle_core::bail!(
+            "blas sgemm: {m}×{k}·{k}×{n} does not fit its slices (a {} ld {}, b {} ld {}, c {})",
+            a.data.len(),
+            a.ld,
+            b.data.len(),
+            b.ld,
+            c.len()
+        );
+    }
+    if m == 0 || n == 0 {
+        return Ok(true);
+    }
+    let flag = |t: bool| if t { TRANS } else { NO_TRANS };
+    // SAFETY: each operand's m×k, k×n and m×n elements lie within its slice (checked above);
+    // `c` is borrowed mutably and cannot alias the shared `a` and `b`. A zero `k` reads nothing
+    // of `a`, `b` (CBLAS scales `c` by beta), and a leading dimension of at least 1 is passed.
+    unsafe {
+        (blas.sgemm)(
+            ROW_MAJOR,
+            flag(a.trans),
+            flag(b.trans),
+            m as c_int,
+            n as c_int,
+            k as c_int,
+            alpha,
+            a.data.as_ptr(),
+            a.ld.max(1) as c_int,
+            b.data.as_ptr(),
+            b.ld.max(1) as c_int,
+            beta,
+            c.as_mut_ptr(),
+            n.max(1) as c_int,
+        );
+    }
+    Ok(true)
+}
+
 /// What [`init`] loaded, for reports: `Some("libopenblas.so.0 (skylakex)")`.
 pub fn loaded() -> Option<&'static str> {
     BLAS.get().and_then(Option::as_ref).map(|b| b.name.as_str())
@@ -567,6 +646,60 @@ mod tests {
                 err <= 1e-5 * scale,
                 "case {i}: max abs err {err} of {scale}"
             );
+        }
+        Ok(())
+    }
+
+    /// [`sgemm`] on slices against candle's matmul, in each transposition, accumulating into `c`
+    /// (beta 1) with a scale; sizes that do not fit are errors. Tolerance as
+    /// `matches_candle_matmul_in_every_layout`.
+    #[test]
+    fn sgemm_on_slices_matches_candle_matmul() -> Result<()> {
+        if init().is_none() {
+            eprintln!("no CBLAS found (install libopenblas0); nothing to compare");
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        let (m, k, n) = (37, 29, 41);
+        let a = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, (k, n), &dev)?;
+        let c0 = Tensor::randn(0f32, 1.0, (m, n), &dev)?;
+        let want = ((a.matmul(&b)? * 0.5)? + &c0)?;
+        let v = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let av = if ta {
+                v(&a.t()?.contiguous()?)?
+            } else {
+                v(&a)?
+            };
+            let bv = if tb {
+                v(&b.t()?.contiguous()?)?
+            } else {
+                v(&b)?
+            };
+            let (oa, ob) = (
+                Operand {
+                    data: &av,
+                    trans: ta,
+                    ld: if ta { m } else { k },
+                },
+                Operand {
+                    data: &bv,
+                    trans: tb,
+                    ld: if tb { k } else { n },
+                },
+            );
+            let mut c = v(&c0)?;
+            assert!(sgemm(oa, ob, &mut c, (m, n, k), 0.5, 1.0)?);
+            let got = Tensor::from_vec(c, (m, n), &dev)?;
+            let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(err <= 1e-5 * scale, "trans {ta}/{tb}: {err} of {scale}");
+            // One row too few for c: refused, c untouched.
+            let mut short = vec![7f32; (m - 1) * n];
+            let e = sgemm(oa, ob, &mut short, (m, n, k), 1.0, 0.0).unwrap_err();
+            assert!(e.to_string().contains("does not fit"), "{e}");
+            assert!(short.iter().all(|&x| x == 7.0));
         }
         Ok(())
     }

@@ -21,6 +21,7 @@
 //! and the LoRA factors' gradients in PEFT's layouts; the expert weights are frozen.
 
 pub mod act;
+mod grouped;
 pub mod reference;
 #[cfg(test)]
 mod tests;
@@ -109,11 +110,19 @@ struct ExpertCache {
     xa_down: Option<Tensor>,
 }
 
-/// The forward's cache: the groups and, per expert with rows, its `ExpertCache`.
+/// The forward's cache: the groups and what the path that ran keeps for its backward.
 #[derive(Debug)]
 pub struct MoeCache {
     pub groups: Groups,
-    experts: Vec<Option<ExpertCache>>,
+    kept: Kept,
+}
+
+#[derive(Debug)]
+enum Kept {
+    /// The per-expert path: per expert with rows, its `ExpertCache`.
+    PerExpert(Vec<Option<ExpertCache>>),
+    /// The fast CPU f32 path ([`grouped`]).
+    Grouped(grouped::Cache),
 }
 
 /// [`moe_backward`]'s result. The LoRA gradients are in PEFT's layouts (`a: (E·r, in)`,
@@ -245,6 +254,24 @@ pub fn moe_forward(
         );
     }
     let groups = Groups::new(experts, k, e_n)?;
+    let (out, kept) = if grouped::applies(x, ex) {
+        let (y, c) = grouped::forward(grouped::Engine::detect(), x, &groups, weights, ex)?;
+        (y, Kept::Grouped(c))
+    } else {
+        let (y, c) = per_expert_forward(x, &groups, weights, ex)?;
+        (y, Kept::PerExpert(c))
+    };
+    Ok((out, MoeCache { groups, kept }))
+}
+
+/// The per-expert path (any dtype and device): one candle product per expert and projection.
+fn per_expert_forward(
+    x: &Tensor,
+    groups: &Groups,
+    weights: &[f32],
+    ex: &Experts,
+) -> Result<(Tensor, Vec<Option<ExpertCache>>)> {
+    let e_n = groups.tokens.len();
     let (dev, dt) = (x.device(), x.dtype());
     let x = x.contiguous()?;
     // Every expert's weighted rows, in expert order, scatter-added once at the end (each token's
@@ -286,14 +313,7 @@ pub fn moe_forward(
             xa_down,
         }));
     }
-    let out = scatter_add(&x, &rows, &groups)?;
-    Ok((
-        out,
-        MoeCache {
-            groups,
-            experts: caches,
-        },
-    ))
+    Ok((scatter_add(&x, &rows, groups)?, caches))
 }
 
 /// [`moe_forward`]'s backward from `dy: (T, H)`; `weights` as given to the forward.
@@ -303,14 +323,44 @@ pub fn moe_backward(
     ex: &Experts,
     cache: &MoeCache,
 ) -> Result<MoeGrads> {
-    let (e_n, _, h) = dims(dy, ex)?;
+    let (e_n, _, _) = dims(dy, ex)?;
     let g = &cache.groups;
-    if weights.len() != g.rows() || cache.experts.len() != e_n {
+    if weights.len() != g.rows() || g.tokens.len() != e_n {
         bail!(
-            "moe backward: {} weights and {} expert caches for {} rows of {e_n} experts",
+            "moe backward: {} weights and groups of {} experts for {} rows of {e_n} experts",
             weights.len(),
-            cache.experts.len(),
+            g.tokens.len(),
             g.rows()
+        );
+    }
+    match &cache.kept {
+        Kept::Grouped(c) => {
+            let (dx, dweights, gate_up, down) =
+                grouped::backward(grouped::Engine::detect(), dy, weights, ex, c, g.k)?;
+            Ok(MoeGrads {
+                dx,
+                dweights,
+                gate_up,
+                down,
+            })
+        }
+        Kept::PerExpert(experts) => per_expert_backward(dy, weights, ex, g, experts),
+    }
+}
+
+/// The per-expert path's backward.
+fn per_expert_backward(
+    dy: &Tensor,
+    weights: &[f32],
+    ex: &Experts,
+    g: &Groups,
+    experts: &[Option<ExpertCache>],
+) -> Result<MoeGrads> {
+    let (e_n, _, h) = dims(dy, ex)?;
+    if experts.len() != e_n {
+        bail!(
+            "moe backward: {} expert caches for {e_n} experts",
+            experts.len()
         );
     }
     let (dev, dt) = (dy.device(), dy.dtype());
@@ -320,10 +370,10 @@ pub fn moe_backward(
     // Per expert (E entries), the LoRA factors' gradients `(dA_e: (r, in), dB_e: (out, r))`.
     let mut gu_grads: Vec<(Tensor, Tensor)> = Vec::new();
     let mut down_grads: Vec<(Tensor, Tensor)> = Vec::new();
-    for e in 0..e_n {
+    for (e, c) in experts.iter().enumerate() {
         let lgu = factors(ex.lora_gate_up, e, e_n)?;
         let ld = factors(ex.lora_down, e, e_n)?;
-        let Some(c) = &cache.experts[e] else {
+        let Some(c) = c else {
             // No token chose this expert: its LoRA gradients are zero.
             if let Some((a, b, _)) = &lgu {
                 gu_grads.push((a.zeros_like()?, b.zeros_like()?));

@@ -321,15 +321,81 @@ fn moe_refuses_bad_inputs() {
     assert!(err.to_string().contains("down_proj_bias"), "{err}");
 }
 
-/// Timing, not a check (`cargo test --release -p rtune-ops moe_timing -- --ignored --nocapture`):
-/// forward + backward of the grouped op with LoRA on both stacks against the plain formulation's
-/// forward (every expert on every token), on a shape scaled down from Qwen3-30B-A3B's layer
-/// (128 experts, top-8, H 2048, I 768) to E 32, top-4, H 512, I 256, 256 tokens.
+/// The fast CPU path ([`grouped`]) against the per-expert path on the same fresh inputs, forward
+/// and backward: SwiGLU without and with LoRA, and gpt-oss's clamped SwiGLU with biases and LoRA.
+/// Both f32, the same sums in another order (other GEMM blockings, the bias added inside the
+/// product's pass): a few ulps; 2e-6 of each output's largest element, as the reference tests,
+/// fails on any wrong row, expert, layout or scale (O(1)).
+#[test]
+fn grouped_path_matches_the_per_expert_path() {
+    let clamped = ExpertAct::Clamped {
+        alpha: 1.702,
+        limit: 0.6,
+    };
+    for (n, (lora, act, biases)) in [
+        (false, ExpertAct::SwiGlu, false),
+        (true, ExpertAct::SwiGlu, false),
+        (true, clamped, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 70 + 10 * n as u64;
+        let c = case(seed);
+        let (bgu, bd) = (
+            randn(&[E, 2 * I], seed + 8, 0.5),
+            randn(&[E, H], seed + 9, 0.5),
+        );
+        let (ids, w) = routing(seed + 1);
+        let ex = Experts {
+            gate_up_bias: biases.then_some(&bgu),
+            down_bias: biases.then_some(&bd),
+            act,
+            ..experts(&c, lora)
+        };
+        assert!(grouped::applies(&c.x, &ex));
+        let groups = Groups::new(&ids, K, E).unwrap();
+        let (y_ref, slow) = per_expert_forward(&c.x, &groups, &w, &ex).unwrap();
+        let want = per_expert_backward(&c.dy, &w, &ex, &groups, &slow).unwrap();
+        // Both engines: the CBLAS one only where a CBLAS loads (rtune's own path).
+        for engine in [grouped::Engine::Gemm, grouped::Engine::Blas] {
+            if engine == grouped::Engine::Blas && rtune_backend::blas::init().is_none() {
+                eprintln!("no CBLAS found (install libopenblas0): the Blas engine not compared");
+                continue;
+            }
+            let (y, fast) = grouped::forward(engine, &c.x, &groups, &w, &ex).unwrap();
+            let case = format!("{engine:?}, lora {lora}, {act:?}, biases {biases}");
+            let check = |what: &str, got: &Tensor, want: &Tensor| {
+                let e = rel_err(got, want);
+                eprintln!("grouped vs per-expert {what} ({case}): {e:.2e}");
+                assert!(e < 2e-6, "grouped vs per-expert {what} ({case}): {e:e}");
+            };
+            check("y", &y, &y_ref);
+            let (dx, dw, ggu, gdn) = grouped::backward(engine, &c.dy, &w, &ex, &fast, K).unwrap();
+            check("dx", &dx, &want.dx);
+            let t = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+            check("d weights", &t(&dw), &t(&want.dweights));
+            assert_eq!(ggu.is_some(), lora);
+            assert_eq!(gdn.is_some(), lora);
+            for (name, got, want) in [("gate_up", ggu, &want.gate_up), ("down", gdn, &want.down)] {
+                if let (Some((da, db)), Some((wa, wb))) = (got, want) {
+                    check(&format!("d lora_A {name}"), &da, wa);
+                    check(&format!("d lora_B {name}"), &db, wb);
+                }
+            }
+        }
+    }
+}
+
+/// Timing, not a check (`cargo test --release -p rtune-experts moe_timing -- --ignored
+/// --nocapture`): forward + backward with LoRA r 16 on both stacks, the fast CPU path against
+/// the per-expert path, on benches/moe_vs_peft.sh's layer (Qwen3-30B-A3B's scaled down: 128
+/// experts, top-8, H 512, I 192) over 2048 tokens.
 #[test]
 #[ignore]
 fn moe_timing() {
     use std::time::Instant;
-    let (t, h, e, i, k, r) = (256, 512, 32, 256, 4, 8);
+    let (t, h, e, i, k, r) = (2048, 512, 128, 192, 8, 16);
     let x = randn(&[t, h], 1, 1.0);
     let gate_up = randn(&[e, 2 * i, h], 2, 0.05);
     let down = randn(&[e, h, i], 3, 0.05);
@@ -355,36 +421,115 @@ fn moe_timing() {
         }),
     };
     let dy = randn(&[t, h], 9, 1.0);
-    let run = || {
-        let (_, c) = moe_forward(&x, &routed.experts, &routed.weights, k, &ex).unwrap();
-        moe_backward(&dy, &routed.weights, &ex, &c).unwrap();
+    let groups = Groups::new(&routed.experts, k, e).unwrap();
+    let w = &routed.weights;
+    rtune_backend::blas::init();
+    let engine = grouped::Engine::detect();
+    let fast = || {
+        let (_, c) = grouped::forward(engine, &x, &groups, w, &ex).unwrap();
+        grouped::backward(engine, &dy, w, &ex, &c, k).unwrap();
     };
-    run();
-    let n = 5;
-    let t0 = Instant::now();
-    (0..n).for_each(|_| run());
-    let grouped = t0.elapsed().as_secs_f64() / n as f64;
+    let gemm = grouped::Engine::Gemm;
+    let fast_gemm = || {
+        let (_, c) = grouped::forward(gemm, &x, &groups, w, &ex).unwrap();
+        grouped::backward(gemm, &dy, w, &ex, &c, k).unwrap();
+    };
+    let slow = || {
+        let (_, c) = per_expert_forward(&x, &groups, w, &ex).unwrap();
+        per_expert_backward(&dy, w, &ex, &groups, &c).unwrap();
+    };
     // Frozen products only: forward 3·H·I a row, backward 3·H·I (the input gradients).
     let flops = (t * k) as f64 * 2.0 * 3.0 * (h * i) as f64 * 2.0;
-    let comb = combine_matrix(
-        &routed.experts,
-        &routed.weights,
-        k,
-        e,
-        DType::F32,
-        &Device::Cpu,
-    )
-    .unwrap();
-    let t0 = Instant::now();
-    let pa = Some((&ag, &bg, 2.0));
-    let pd = Some((&ad, &bd, 2.0));
-    moe_reference(&x, &comb, &gate_up, &down, pa, pd).unwrap();
-    let plain = t0.elapsed().as_secs_f64();
-    eprintln!(
-        "moe grouped fwd+bwd {:.1} ms ({:.1} GFLOP/s of the routed frozen products); plain \
-         fwd alone {:.1} ms",
-        grouped * 1e3,
-        flops / grouped / 1e9,
-        plain * 1e3
-    );
+    // This process's CPU seconds (utime + stime, /proc/self/stat, 100 Hz ticks): on a loaded
+    // machine the wall clock measures the neighbours too; GFLOP per CPU second does less so.
+    let cpu = || -> f64 {
+        let s = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+        let f: Vec<&str> = s
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        let tick = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        (tick(11) + tick(12)) / 100.0
+    };
+    let time = |f: &dyn Fn()| {
+        f();
+        let n = 3;
+        let (t0, c0) = (Instant::now(), cpu());
+        (0..n).for_each(|_| f());
+        let n = n as f64;
+        (t0.elapsed().as_secs_f64() / n, (cpu() - c0) / n)
+    };
+    // The dense path's GEMM on as many FLOPs, x·Wᵀ for all T·k rows at once (forward gate_up,
+    // then down, then their input gradients), and each expert's own rows through it (serial
+    // over the experts, OpenBLAS threading each product).
+    let xs = randn(&[t * k, h], 10, 1.0);
+    let ms = randn(&[t * k, i], 11, 1.0);
+    let (gu0, dn0) = (gate_up.get(0).unwrap(), down.get(0).unwrap());
+    let dense = || {
+        let mm = rtune_backend::blas::matmul;
+        let gu = mm(&xs, &gu0.t().unwrap()).unwrap();
+        mm(&ms, &dn0.t().unwrap()).unwrap();
+        mm(&gu, &gu0).unwrap();
+        mm(&xs, &dn0).unwrap();
+    };
+    let per_rows: Vec<(Tensor, Tensor)> = groups
+        .tokens
+        .iter()
+        .scan(0, |o, toks| {
+            let n = toks.len();
+            *o += n;
+            Some((
+                xs.narrow(0, *o - n, n).unwrap(),
+                ms.narrow(0, *o - n, n).unwrap(),
+            ))
+        })
+        .collect();
+    let blas_experts = || {
+        let mm = rtune_backend::blas::matmul;
+        for (e, (x, m)) in per_rows.iter().enumerate() {
+            if x.dim(0).unwrap() == 0 {
+                continue;
+            }
+            let (gu, dn) = (gate_up.get(e).unwrap(), down.get(e).unwrap());
+            let g = mm(x, &gu.t().unwrap()).unwrap();
+            mm(m, &dn.t().unwrap()).unwrap();
+            mm(&g, &gu).unwrap();
+            mm(x, &dn).unwrap();
+        }
+    };
+    for (name, f) in [
+        ("dense OpenBLAS", &dense as &dyn Fn()),
+        ("OpenBLAS per expert", &blas_experts),
+    ] {
+        let (wall, cpu_s) = time(f);
+        eprintln!(
+            "{name} (frozen products only): {:.1} ms, {:.1} GFLOP/s; {:.1} GFLOP per CPU second",
+            wall * 1e3,
+            flops / wall / 1e9,
+            flops / cpu_s.max(1e-9) / 1e9
+        );
+    }
+    // RTUNE_MOE_TIMING=grouped or per-expert times that path alone (for a profile).
+    let only = std::env::var("RTUNE_MOE_TIMING").unwrap_or_default();
+    for _ in 0..2 {
+        for (name, f) in [
+            ("grouped", &fast as &dyn Fn()),
+            ("grouped-gemm", &fast_gemm),
+            ("per-expert", &slow),
+        ] {
+            if !only.is_empty() && only != name {
+                continue;
+            }
+            let (wall, cpu_s) = time(f);
+            eprintln!(
+                "moe fwd+bwd {name}: {:.1} ms, {:.1} GFLOP/s of the routed frozen products; \
+                 {:.1} GFLOP per CPU second",
+                wall * 1e3,
+                flops / wall / 1e9,
+                flops / cpu_s.max(1e-9) / 1e9
+            );
+        }
+    }
 }
