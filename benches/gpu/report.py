@@ -9,7 +9,12 @@ met / not met, writes DIR/summary.json and the one report of the run, DIR/report
       plus "skipped": why when the step was not run for a known reason (no torch, no binary, budget).
 
   python report.py --dir $OUT [--preset llama3-8b] [--layers N] [--seq 2048] [--batch 1] [--quick]
-                   [--mode full|quick|dry] [--device cuda:0]
+                   [--mode full|quick|dry] [--device cuda:0] [--toggles "cudnn add_norm ... all"]
+
+With --toggles, DIR/unfused_<name>.json (rtune's bench with RTUNE_UNFUSED=<name>) for each name gives
+the toggle table: each fast path's share of the step, (step with it off - step with all on) / step
+with it off, i.e. the fraction of the unfused step that path saves; report.json's "toggles" holds
+each one's status, result and share.
 
 Both sides' tokens/s and MFU are computed here the same way: tokens/s = batch*seq / step_s_median,
 MFU = tokens/s * flops_per_token / peak (bench_peft_gpu.flops_per_token and .mfu, the one definition).
@@ -52,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smaller shape: memory and MFU goals are n/a")
     ap.add_argument("--mode", default="full", help="run.sh's mode, recorded in report.json")
     ap.add_argument("--device", default="cuda:0", help="recorded in report.json")
+    ap.add_argument("--toggles", default="", help="RTUNE_UNFUSED names run.sh ran (unfused_<name>.json)")
     a = ap.parse_args(argv)
     shape = dict(PRESETS[a.preset])
     if a.layers:
@@ -112,6 +118,7 @@ def main(argv=None):
                  if st.get("copy_gb_s") else ""))
     for n in notes:
         print("note:", n)
+    toggles = toggle_table(a.dir, a.toggles.split(), rt)
 
     full = not a.quick
     goals = [
@@ -128,11 +135,34 @@ def main(argv=None):
         print(f"{g:32s} {v:>10s}  {mark(ok)}")
     summary = {"shape": shape, "seq": a.seq, "batch": a.batch, "quick": a.quick, "peak_flops": PEAK_BF16_FLOPS,
                "flops_per_token": fpt_ref, "sides": sides, "speedup": speedup, "nf4_vs_copy": nf4,
-               "selftest_failed": failed if st else None, "notes": notes,
+               "selftest_failed": failed if st else None, "notes": notes, "toggles": toggles,
                "goals": {g: {"value": v, "status": mark(ok)} for g, v, ok in goals}}
     with open(os.path.join(a.dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     write_report(a, summary)
+
+
+def toggle_table(d, names, on):
+    """Each fast path's share: its unfused_<name>.json step time against rtune.json's (all on).
+    Returns {name: {step_s_median, tokens_per_s, share}} for the toggles that gave a result."""
+    out = {}
+    if not names:
+        return out
+    on_s = (on or {}).get("step_s_median")
+    print(f"\n{'fast path off (RTUNE_UNFUSED)':30s} {'tokens/s':>10s} {'step s':>8s} {'share':>7s}")
+    if on_s:
+        print(f"{'(none: all on)':30s} {(on or {}).get('tokens_per_s', 0):10.0f} {on_s:8.4f} {'':>7s}")
+    for n in names:
+        j = load(d, f"unfused_{n}")
+        if not j or not j.get("step_s_median"):
+            print(f"{n:30s} {'(no result)':>10s}")
+            continue
+        off_s = j["step_s_median"]
+        share = (off_s - on_s) / off_s if on_s else None
+        out[n] = {"step_s_median": off_s, "tokens_per_s": j.get("tokens_per_s"), "share": share}
+        print(f"{n:30s} {j.get('tokens_per_s', 0):10.0f} {off_s:8.4f} "
+              + ("      -" if share is None else f"{share:7.1%}"))
+    return out
 
 
 SECTIONS = ("selftest", "rtune_tiny", "rtune", "peft", "roofline")
@@ -165,6 +195,15 @@ def write_report(a, summary):
         if status.startswith("skipped: "):
             entry["skipped"] = status[len("skipped: "):]
         report[sec] = entry
+    toggles = {}
+    for n in a.toggles.split():
+        status = by_file.get(f"unfused_{n}.json", "not run")
+        entry = {"status": status, "result": load(a.dir, f"unfused_{n}"),
+                 "share": summary["toggles"].get(n, {}).get("share")}
+        if status.startswith("skipped: "):
+            entry["skipped"] = status[len("skipped: "):]
+        toggles[n] = entry
+    report["toggles"] = toggles
     report["summary"] = summary
     path = os.path.join(a.dir, "report.json")
     with open(path + ".tmp", "w") as f:

@@ -4,6 +4,8 @@
 #   device run: command "bash benches/gpu/run.sh", carry ["benches/gpu/bin", ".whl"], timeout_s 600
 #   bash benches/gpu/run.sh --quick      # smoke call: 4 layers, seq 1024, 3 steps (< 4 min)
 #   bash benches/gpu/run.sh --dry-run    # this machine, no GPU: the CPU binary, small shapes (2-15 min)
+#   bash benches/gpu/run.sh --toggles    # each fast path's share: the 8B bench with it off (< 9 min)
+#   bash benches/gpu/run.sh --toggles --quick   # the same on 4 layers, seq 1024, 3 steps (< 4 min)
 #
 # In order, each under its own time limit (a failure or timeout is recorded and the rest still run):
 #   1. rtune selftest (every check prints and is recorded even when one fails);
@@ -11,6 +13,11 @@
 #   3. the 8B QLoRA rtune bench (seq 2048, batch 1, r 16, bf16, NF4, checkpointing);
 #   4. PEFT + bitsandbytes on the same shape (bench_peft_gpu.py);
 #   5. the roofline (gpu_roofline.py): copy GB/s, GEMM TFLOP/s, bnb NF4 dequant.
+#   6. (--toggles; the dry run too) the fast paths of issue 48 one at a time: the same rtune bench
+#      with RTUNE_UNFUSED=<name> for each name of TOGGLES, then RTUNE_UNFUSED=all. Each one's share
+#      of the step is its bench's step time against step 3's (all on), in the report's toggle table.
+#      --toggles runs steps 3 and 6 only (the other steps are recorded as skipped); a name this
+#      binary does not have (the bench refuses it before building anything) is recorded as skipped.
 # Then report.py prints the table and writes ONE report, $OUT/report.json: a section per step (its
 # JSON, or {"skipped": why} / {"status": ...} when it gave none), the steps' outcomes, the summary.
 # The step files (selftest/rtune_tiny/rtune/peft/roofline.json, summary.json, run.log) stay beside it.
@@ -25,20 +32,27 @@
 # Env: DEVICE (cuda:0), PRESET (llama3-8b), RTUNE (benches/gpu/bin/rtune), PYTHON (python3),
 #   OUT (runs/gpu), RUN_BUDGET_S (seconds for the whole script), RTUNE_ONLY=1 (steps 1-3 only: a
 #   first call on a card that has never run rtune, cheap enough to leave time for a fix and a rerun),
-#   PYTHON_ONLY=1 (steps 4-5 only, the second half of such a pair).
+#   PYTHON_ONLY=1 (steps 4-5 only, the second half of such a pair), TOGGLES (the RTUNE_UNFUSED
+#   names of step 6, in order: issue 48's items 1-4, cuDNN attention, the bf16 LoRA branch, the
+#   fused residual add + RMSNorm, grouped NF4; `ce_softcap` only changes a soft-capped model).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mode=full
-case "${1:-}" in
-  --quick) mode=quick ;;
-  --dry-run) mode=dry ;;
-  "") ;;
-  *) echo "usage: run.sh [--quick | --dry-run]" >&2; exit 2 ;;
-esac
+mode=full toggles=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) mode=quick ;;
+    --dry-run) mode=dry ;;
+    --toggles) toggles=1 ;;
+    *) echo "usage: run.sh [--quick | --dry-run] [--toggles]" >&2; exit 2 ;;
+  esac
+done
+[ $mode = dry ] && toggles=1
+TOGGLES=${TOGGLES:-cudnn lora_bf16 add_norm nf4_group}
 OUT=${OUT:-$PWD/runs/gpu}
 mkdir -p "$OUT"
 # no stale result from an earlier local run
-rm -f "$OUT"/{selftest,rtune_tiny,rtune,peft,roofline,summary,report}.json "$OUT/steps.tsv"
+rm -f "$OUT"/{selftest,rtune_tiny,rtune,peft,roofline,summary,report}.json "$OUT"/unfused_*.json \
+  "$OUT"/unfused_*.log "$OUT/steps.tsv"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
@@ -66,6 +80,13 @@ case $mode in
     SEQ=128; STEPS=2; WARMUP=1; BUDGET=${RUN_BUDGET_S:-900}
     T_SELF=240; T_TINY=90; T_RTUNE=150; T_PEFT=240; T_ROOF=150 ;;
 esac
+# --toggles on a card: rtune's bench and one per toggle (each builds the model anew: ~5 benches),
+# fewer timed steps; T_RTUNE is each bench's limit.
+if [ $toggles = 1 ] && [ $mode = full ]; then
+  STEPS=4; WARMUP=2; BUDGET=${RUN_BUDGET_S:-540}; T_RTUNE=85
+elif [ $toggles = 1 ] && [ $mode = quick ]; then
+  BUDGET=${RUN_BUDGET_S:-230}; T_RTUNE=35
+fi
 RUN=(--seq "$SEQ" "${RUN_COMMON[@]}" --steps "$STEPS" --warmup "$WARMUP")
 
 failed=0
@@ -92,6 +113,19 @@ step() {
 skip() {
   echo "=== $1: skipped: $3 ==="
   printf '%s\t%s\t%s\t%s\n' "$1" "$2" "skipped: $3" 0 >> "$OUT/steps.tsv"
+}
+# toggle NAME: step 3's bench with the fast path NAME off (RTUNE_UNFUSED=NAME) into
+# unfused_NAME.json. The bench refuses a name its build lacks before anything else (even before
+# checking `--steps 0`): probed so, such a name is a skip, not a failure.
+toggle() {
+  local n=$1 probe
+  probe=$(RTUNE_UNFUSED=$n "$RTUNE" bench --steps 0 2>&1 || true)
+  case $probe in
+    *"unknown name"*) skip "rtune bench unfused=$n" "unfused_$n.json" "not in this build"; return 0 ;;
+  esac
+  step "rtune bench unfused=$n" "unfused_$n.json" "$T_RTUNE" env RTUNE_UNFUSED="$n" "$RTUNE" bench \
+    --device "$DEVICE" "${SHAPE[@]}" --dtype bf16 --quantize nf4 "${RUN[@]}" --gradient-checkpointing \
+    --json-out "$OUT/unfused_$n.json"
 }
 
 main() {
@@ -144,9 +178,14 @@ main() {
     skip "rtune bench tiny" rtune_tiny.json "PYTHON_ONLY=1"
     skip "rtune bench" rtune.json "PYTHON_ONLY=1"
   elif [ $have_rtune = 1 ]; then
-    step selftest selftest.json "$T_SELF" "$RTUNE" selftest --device "$DEVICE" --json-out "$OUT/selftest.json"
-    step "rtune bench tiny" rtune_tiny.json "$T_TINY" "$RTUNE" bench --device "$DEVICE" "${TINY[@]}" \
-      --dtype bf16 --quantize nf4 --gradient-checkpointing --json-out "$OUT/rtune_tiny.json"
+    if [ $toggles = 1 ] && [ $mode != dry ]; then
+      skip selftest selftest.json "--toggles"
+      skip "rtune bench tiny" rtune_tiny.json "--toggles"
+    else
+      step selftest selftest.json "$T_SELF" "$RTUNE" selftest --device "$DEVICE" --json-out "$OUT/selftest.json"
+      step "rtune bench tiny" rtune_tiny.json "$T_TINY" "$RTUNE" bench --device "$DEVICE" "${TINY[@]}" \
+        --dtype bf16 --quantize nf4 --gradient-checkpointing --json-out "$OUT/rtune_tiny.json"
+    fi
     step "rtune bench" rtune.json "$T_RTUNE" "$RTUNE" bench --device "$DEVICE" "${SHAPE[@]}" --dtype bf16 \
       --quantize nf4 "${RUN[@]}" --gradient-checkpointing --json-out "$OUT/rtune.json"
   else
@@ -155,7 +194,10 @@ main() {
     skip "rtune bench" rtune.json "no rtune binary"
   fi
   # 4-5: PEFT + bitsandbytes, the roofline.
-  if [ "${RTUNE_ONLY:-0}" = 1 ]; then
+  if [ $toggles = 1 ] && [ $mode != dry ]; then
+    skip "peft bench" peft.json "--toggles"
+    skip roofline roofline.json "--toggles"
+  elif [ "${RTUNE_ONLY:-0}" = 1 ]; then
     skip "peft bench" peft.json "RTUNE_ONLY=1"
     skip roofline roofline.json "RTUNE_ONLY=1"
   elif [ $have_torch = 1 ]; then
@@ -172,8 +214,17 @@ main() {
     skip roofline roofline.json "no torch"
   fi
 
+  # 6: each fast path off in turn, then all of them.
+  if [ $toggles = 1 ]; then
+    if [ $have_rtune = 1 ] && [ "${PYTHON_ONLY:-0}" != 1 ]; then
+      for n in $TOGGLES all; do toggle "$n"; done
+    else
+      for n in $TOGGLES all; do skip "rtune bench unfused=$n" "unfused_$n.json" "no rtune run"; done
+    fi
+  fi
+
   echo
-  local rep=(--dir "$OUT" --seq "$SEQ" --batch 1 --mode "$mode" --device "$DEVICE")
+  local rep=(--dir "$OUT" --seq "$SEQ" --batch 1 --mode "$mode" --device "$DEVICE" --toggles "$TOGGLES all")
   case $mode in
     full) rep+=(--preset "$PRESET") ;;
     quick) rep+=(--preset "$PRESET" --quick --layers 4) ;;

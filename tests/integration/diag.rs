@@ -106,7 +106,12 @@ fn gpu_script_dry_run_writes_every_section() {
             "rtune bench tiny",
             "rtune bench",
             "peft bench",
-            "roofline"
+            "roofline",
+            "rtune bench unfused=cudnn",
+            "rtune bench unfused=lora_bf16",
+            "rtune bench unfused=add_norm",
+            "rtune bench unfused=nf4_group",
+            "rtune bench unfused=all",
         ],
         "the steps, in order"
     );
@@ -136,4 +141,21 @@ fn gpu_script_dry_run_writes_every_section() {
         );
     }
     assert!(r["summary"]["goals"].is_object());
+    // The toggles (issue 48, item 6): each fast path's switch this build has ran the bench with
+    // it off (on the CPU nothing is fused, so only the plumbing is tested); a name it lacks is
+    // skipped, not failed. `add_norm` and `all` are in every build.
+    let toggles = r["toggles"].as_object().unwrap();
+    assert_eq!(toggles.len(), 5, "{out}");
+    for (name, t) in toggles {
+        let ran = t["status"] == "ok";
+        assert!(ran || t["skipped"] == "not in this build", "{name}: {t}");
+        if ran {
+            let res = &t["result"];
+            assert!(res["tokens_per_s"].as_f64().unwrap() > 0.0, "{name}");
+            assert!(r["summary"]["toggles"][name]["share"].is_number(), "{name}");
+        }
+    }
+    for name in ["add_norm", "all"] {
+        assert_eq!(toggles[name]["status"], "ok", "{name}: {out}");
+    }
 }

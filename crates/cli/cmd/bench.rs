@@ -89,6 +89,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         dora: a.dora,
         ceiling: !a.no_ceiling,
     };
+    // An unknown `RTUNE_UNFUSED` switch is refused first (benches/gpu/run.sh's toggles probe the
+    // binary's names with `--steps 0` and read this message).
+    rtune_ops::fused::check_env()?;
     // Contradicting or empty shapes are usage errors (exit 2), found before anything is built.
     rtune_diag::bench::check_shape(&o)?;
     let res = rtune_diag::bench::run(&o, &mut |i, dt, timed| {

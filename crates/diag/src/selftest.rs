@@ -14,6 +14,10 @@
 //!    (`families.rs`: Qwen3, Gemma 2, Gemma 3, Phi-3, Phi-4-mini), in f32 and bf16 with
 //!    checkpointing, Phi-3 over NF4 too, Gemma 2 and 3 in f16 under a backing-off loss scale.
 //!
+//! 5. (CUDA) the LoRA branch in bf16 (issue 48, item 2): one bf16 Llama step counts the casts its
+//!    LoRA code runs ([`lora_casts`]): 0 per layer, where the f32 branch casts each adapted
+//!    module's input and output gradient.
+//!
 //! Step 4 is device-generic: `--device cpu` (and a CPU-only build) runs it CPU against CPU, which
 //! tests the harness itself where there is no GPU.
 //!
@@ -284,6 +288,26 @@ pub fn step_parity(dev: &Device, runner: &mut Runner) {
     }
 }
 
+/// The name of [`lora_casts`]' check.
+pub const LORA_CASTS: &str = "lora bf16 branch: casts per layer (expected 0)";
+
+/// One bf16 Llama step on `dev` ([`step`]'s, no checkpointing) with the LoRA code's casts counted
+/// ([`rtune_backend::cast::counting`]): passes with none. On CUDA the LoRA branch runs in bf16 on
+/// cuBLAS (`rtune_model`'s `half_branch`) and casts no activation; with `RTUNE_UNFUSED=lora_bf16`
+/// (or on the CPU) it casts each adapted module's input and output gradient to f32, and fails.
+pub fn lora_casts(dev: &Device, seed: u64) -> Result<Check, DiagError> {
+    let cfg = Family::Llama.config()?;
+    let counting = rtune_backend::cast::counting::start();
+    step(dev, seed, &cfg, DType::BF16, Quantize::None, false, false)?;
+    let casts = counting.casts();
+    let layers = cfg.num_layers.max(1);
+    let detail = format!(
+        "{casts} casts in a {layers}-layer step ({:.1} per layer; the adapter's weights are cast          to bf16 at each use with to_dtype, not counted)",
+        casts as f64 / layers as f64
+    );
+    Ok(Check::new(LORA_CASTS, casts == 0, detail))
+}
+
 /// A seed from the clock (nanoseconds since the epoch), for a run not given one.
 pub fn clock_seed() -> u64 {
     std::time::SystemTime::now()
@@ -314,6 +338,9 @@ pub fn run(
     #[cfg(feature = "cuda")]
     crate::selftest_cuda::nccl(&dev, &mut runner);
     step_parity(&dev, &mut runner);
+    if dev.is_cuda() {
+        runner.attempt(LORA_CASTS, || Ok(vec![lora_casts(&dev, seed)?]));
+    }
     #[cfg(feature = "cuda")]
     if dev.is_cuda() {
         crate::selftest_cuda::deferred(&dev, &mut runner, "the training steps");
@@ -351,6 +378,19 @@ mod tests {
             false,
         )?;
         Ok((s.loss, s.grads))
+    }
+
+    /// The check is not vacuous: the f32 branch (the CPU's) casts, and fails; the bf16 branch,
+    /// forced on the CPU as CUDA takes it, casts nothing, and passes.
+    #[test]
+    fn lora_cast_check_fails_the_f32_branch_and_passes_the_bf16_one() -> Result<(), DiagError> {
+        let f32_branch = lora_casts(&Device::Cpu, 5)?;
+        assert!(!f32_branch.pass, "{f32_branch:?}");
+        let fused = [rtune_ops::fused::Fused::LoraBf16];
+        let (half, runs) = rtune_ops::fused::forced(&fused, || lora_casts(&Device::Cpu, 5));
+        let half = half?;
+        assert!(runs[0] > 0 && half.pass, "{half:?}");
+        Ok(())
     }
 
     #[test]

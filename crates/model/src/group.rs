@@ -25,6 +25,7 @@ use crate::linear::{Frozen, Grads, Linear, LinearCache, LoraCtx};
 use rtune_backend::blas::matmul as mm;
 use rtune_backend::cast::cast;
 use rtune_backend::dropout::{self, DropoutKey};
+use rtune_ops::lora::acc;
 use rtune_ops::lora_up;
 
 /// Concatenates the members' dense weights into one `(Σout, in)` block and makes each member's
@@ -200,8 +201,16 @@ pub fn forward(
         }
         return Ok(out);
     }
-    // xa: (N, Σr) f32 — one GEMM for the LoRA down-projections.
-    let xa = mm(&cast(x, DType::F32)?, &stacked_a(members, ctx)?.t()?)?;
+    // xa: (N, Σr) f32 — one GEMM for the LoRA down-projections; in the compute dtype on the
+    // half branch ([`crate::linear::half_branch`]), which each member's finish then takes.
+    let dora = members
+        .iter()
+        .any(|m| ctx.adapter.pairs[m.lora.expect("checked")].m.is_some());
+    let xa = if crate::linear::half_branch(x, ctx, dora)? {
+        crate::linear::half_xa(x, &stacked_a(members, ctx)?)?
+    } else {
+        mm(&cast(x, DType::F32)?, &stacked_a(members, ctx)?.t()?)?
+    };
     let mut col = 0;
     let mut out = Vec::with_capacity(members.len());
     for (m, y) in members.iter().zip(base) {
@@ -289,9 +298,33 @@ pub fn backward(
         return Ok(dx);
     }
     let dxa = Tensor::cat(&dxas, 1)?;
+    if dxa.dtype() != DType::F32 {
+        // The half branch: dA = dxaᵀ·x straight into f32, then dx += dxa·[A₁; A₂; …] in place
+        // (cuBLAS, beta = 1).
+        let da = acc::gemm(&dxa.t()?, &x.contiguous()?, 1.0, DType::F32)?;
+        add_row_blocks(members, ctx, grads, &da)?;
+        if let Some(d) = &dx {
+            let a = stacked_a(members, ctx)?.to_dtype(dxa.dtype())?;
+            acc::gemm_acc(d, &dxa, &a, 1.0)?;
+        }
+        return Ok(dx);
+    }
     let xf = cast(x, DType::F32)?;
     // dA: (Σr, in) = dxaᵀ·x, split by rows into each member's (r, in).
     let da = mm(&dxa.t()?, &xf)?;
+    add_row_blocks(members, ctx, grads, &da)?;
+    // dx + T(dxa·[A₁; A₂; …]): the rank-Σr product and the add as one pass.
+    dx.map(|d| lora_up(&d, &dxa, &stacked_a(members, ctx)?, None, true))
+        .transpose()
+}
+
+/// Accumulates `da: (Σr, in)`, split by rows, into each member's `dA: (r, in)`.
+fn add_row_blocks(
+    members: &[&Linear],
+    ctx: &LoraCtx,
+    grads: &mut Grads,
+    da: &Tensor,
+) -> Result<()> {
     let mut row = 0;
     for m in members {
         let slot = m.lora.expect("checked");
@@ -299,9 +332,7 @@ pub fn backward(
         Grads::add(&mut grads.a[slot], da.narrow(0, row, r)?)?;
         row += r;
     }
-    // dx + T(dxa·[A₁; A₂; …]): the rank-Σr product and the add as one pass.
-    dx.map(|d| lora_up(&d, &dxa, &stacked_a(members, ctx)?, None, true))
-        .transpose()
+    Ok(())
 }
 
 #[cfg(test)]

@@ -284,6 +284,41 @@ impl Layer {
         }
     }
 
+    /// The residual add `h = x + a` and the optional norm `w` of `h` after it (`y = h` without
+    /// one): `(h, y, the norm's cache)`. One kernel on CUDA ([`ops::add_norm::add_rms_norm`]).
+    fn add_norm(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        w: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor, Option<NormCache>)> {
+        match w {
+            Some(w) => {
+                let (h, y, c) = ops::add_norm::add_rms_norm(x, a, w, self.eps, self.norm_f32)?;
+                Ok((h, y, Some(c)))
+            }
+            None => {
+                let h = ops::add(x, a)?;
+                Ok((h.clone(), h, None))
+            }
+        }
+    }
+
+    /// `d + norm_backward(dy)` of the optional norm `w` (`d + dy` without one): the residual
+    /// stream's gradient plus the norm's, [`Layer::add_norm`]'s backward.
+    fn add_norm_backward(
+        &self,
+        d: &Tensor,
+        dy: &Tensor,
+        w: Option<&Tensor>,
+        c: Option<&NormCache>,
+    ) -> Result<Tensor> {
+        match (w, c) {
+            (Some(w), Some(c)) => ops::add_norm::add_rms_norm_backward(d, dy, w, c, self.norm_f32),
+            _ => ops::add(d, dy),
+        }
+    }
+
     /// Concatenates the q/k/v and gate/up weights into blocks (dense, split weights only).
     pub fn fuse(&mut self) -> Result<()> {
         self.qkv = group::fuse(&mut self.attn_in.iter_mut().collect::<Vec<_>>())?;
@@ -436,8 +471,7 @@ impl Layer {
         let (a, co) = self.o.forward(&o_in, lora, self.salt(3))?;
         let sandwich = self.sandwich.as_ref();
         let (a, n_attn) = self.sandwich_norm(a, sandwich.map(|s| &s.0))?;
-        let h = ops::add(x, &a)?;
-        let (h2, n2) = self.sandwich_norm(h.clone(), self.post_norm.as_ref())?;
+        let (h, h2, n2) = self.add_norm(x, &a, self.post_norm.as_ref())?;
         let (out, mlp, n_ff) = match (&self.moe, &self.down) {
             (Some(moe), _) => {
                 let (d, c) = moe.forward(&h2, lora)?;
@@ -573,8 +607,7 @@ impl Layer {
             }
             _ => candle_core::bail!("layer {}: the cache is not this layer's MLP", self.index),
         };
-        let dh2 = self.sandwich_backward(&dh2, self.post_norm.as_ref(), c.n2.as_ref())?;
-        let dh = ops::add(d_out, &dh2)?;
+        let dh = self.add_norm_backward(d_out, &dh2, self.post_norm.as_ref(), c.n2.as_ref())?;
         let da = self.sandwich_backward(&dh, sandwich.map(|s| &s.0), c.n_attn.as_ref())?;
         let d_o = self
             .o
@@ -599,9 +632,11 @@ impl Layer {
         let Some(dh1) = dh1 else {
             return Ok(None);
         };
-        Ok(Some(ops::add(
+        Ok(Some(self.add_norm_backward(
             &dh,
-            &self.sandwich_backward(&dh1, self.input_norm.as_ref(), c.n1.as_ref())?,
+            &dh1,
+            self.input_norm.as_ref(),
+            c.n1.as_ref(),
         )?))
     }
 }

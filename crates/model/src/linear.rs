@@ -24,6 +24,7 @@ use dora::{DoraCache, NormCache};
 use rtune_backend::blas::matmul as mm;
 use rtune_backend::cast::cast;
 use rtune_backend::dropout::{self, DropoutKey};
+use rtune_ops::lora::acc;
 use rtune_ops::{add, lora_up};
 
 /// The adapter as the forward pass sees it.
@@ -233,6 +234,9 @@ impl Linear {
             return Ok((self.add_bias(y)?, LinearCache::default()));
         };
         let pair = &ctx.adapter.pairs[slot];
+        if half_branch(x, ctx, pair.m.is_some())? {
+            return self.finish_lora(y, half_xa(x, &pair.a)?, None, ctx);
+        }
         let key = dropout_key(ctx, salt);
         let xd = lora_input(x, key.as_ref())?; // (N, in) f32
         let xa = mm(&xd, &pair.a.t()?)?; // (N, r) f32
@@ -263,6 +267,13 @@ impl Linear {
         let pair = &ctx.adapter.pairs[slot];
         if pair.m.is_some() {
             return Ok(self.forward(x, lora, salt)?.1);
+        }
+        if half_branch(x, ctx, false)? {
+            return Ok(LinearCache {
+                xa: Some(half_xa(x, &pair.a)?),
+                dropout: None,
+                dora: None,
+            });
         }
         let key = dropout_key(ctx, salt);
         let xd = lora_input(x, key.as_ref())?; // (N, in) f32
@@ -312,22 +323,29 @@ impl Linear {
                 },
             ));
         }
+        let cache = LinearCache {
+            xa: Some(xa),
+            dropout: None,
+            dora: None,
+        };
+        let xa = cache.xa.as_ref().expect("just set");
+        if xa.dtype() != DType::F32 {
+            // The half branch: y += s·xa·Bᵀ by cuBLAS with beta = 1, in y's own rows (a member's
+            // column view of a fused product too): no (N, out) product of its own.
+            let y = self.add_bias(y)?;
+            let bt = pair.b.to_dtype(xa.dtype())?; // (out, r): the adapter's, see `half_xa`
+            acc::gemm_acc(&y, xa, &bt.t()?, ctx.scaling)?;
+            return Ok((y, cache));
+        }
         // y + s·xa·Bᵀ in f32, rounded once (the GEMM, its scale and the add as one pass).
         let y = lora_up(
             &self.add_bias(y)?,
-            &xa,
+            xa,
             &pair.b.t()?,
             Some(ctx.scaling),
             false,
         )?;
-        Ok((
-            y,
-            LinearCache {
-                xa: Some(xa),
-                dropout: None,
-                dora: None,
-            },
-        ))
+        Ok((y, cache))
     }
 
     /// DoRA's first step of the backward (accumulates `dm`); the gradient the rest of the
@@ -375,6 +393,14 @@ impl Linear {
         let pair = &ctx.adapter.pairs[slot];
         let xa = cache.xa.as_ref().expect("forward ran with LoRA");
         let s = ctx.scaling;
+        if xa.dtype() != DType::F32 {
+            // The half branch (its forward kept xa in the compute dtype): dB = s·dyᵀ·xa straight
+            // into f32, dxa = s·dy·B in the compute dtype, each one GEMM with the scale in alpha.
+            let dy = dy.contiguous()?;
+            let b = pair.b.to_dtype(xa.dtype())?; // (out, r)
+            Grads::add(&mut grads.b[slot], acc::gemm(&dy.t()?, xa, s, DType::F32)?)?;
+            return acc::gemm(&dy, &b, s, xa.dtype());
+        }
         // In f32, as the forward's LoRA branch.
         let dyf = cast(dy, DType::F32)?;
         let dyf = match &cache.dora {
@@ -403,6 +429,18 @@ impl Linear {
         };
         let dxa = self.lora_dxa(dy, cache, ctx, grads)?;
         let pair = &ctx.adapter.pairs[slot];
+        if dxa.dtype() != DType::F32 {
+            // The half branch: dA = dxaᵀ·x into f32, dx += dxa·A in place (beta = 1).
+            Grads::add(
+                &mut grads.a[slot],
+                acc::gemm(&dxa.t()?, &x.contiguous()?, 1.0, DType::F32)?,
+            )?;
+            let Some(dx) = dx else {
+                return Ok(None);
+            };
+            acc::gemm_acc(&dx, &dxa, &pair.a.to_dtype(dxa.dtype())?, 1.0)?;
+            return Ok(Some(dx));
+        }
         // dA: (r, in) = dxaᵀ·dropout(x), the mask regenerated from its key.
         let xd = lora_input(x, cache.dropout.as_ref())?;
         Grads::add(&mut grads.a[slot], mm(&dxa.t()?, &xd)?)?;
@@ -431,6 +469,28 @@ impl Linear {
         };
         Ok(Some(add(&dx, &dl)?))
     }
+}
+
+/// Whether the LoRA branch of input `x` runs in `x`'s 16-bit type on cuBLAS (issue 48, item 2;
+/// [`rtune_ops::lora::acc`]): on CUDA unless `RTUNE_UNFUSED=lora_bf16`, for bf16/f16 without
+/// dropout or DoRA. Its numerics are PEFT's under bf16 autocast, where `lora_A(x)` and
+/// `lora_B(·)` are bf16 GEMMs of the f32 weights cast to bf16: `xa = T(x·T(A)ᵀ)` kept in `T`,
+/// `y = T(y + s·xa·T(B)ᵀ)` rounded once (PEFT rounds the product, the scale and the add); the
+/// adapters' gradients are summed in f32 from the `T` operands and never rounded to `T` (PEFT's
+/// autocast rounds them to bf16 before `.grad` takes them in f32). The f32 masters stay f32.
+/// The adapter's weights are cast to `T` at each use (`(r, in)` and `(out, r)`: small; a `T`
+/// copy kept per optimizer step would remove those casts too).
+pub(crate) fn half_branch(x: &Tensor, ctx: &LoraCtx, dora: bool) -> Result<bool> {
+    Ok(matches!(x.dtype(), DType::BF16 | DType::F16)
+        && ctx.dropout == 0.0
+        && !dora
+        && rtune_ops::fused::on(x.device(), rtune_ops::fused::Fused::LoraBf16)?)
+}
+
+/// The half branch's `xa = x·T(A)ᵀ: (N, r)` in `x`'s type `T` (the stacked `[A₁; A₂; …]` of a
+/// group too).
+pub(crate) fn half_xa(x: &Tensor, a: &Tensor) -> Result<Tensor> {
+    mm(x, &a.to_dtype(x.dtype())?.t()?)
 }
 
 /// The LoRA branch's input `dropout(x)` in f32, the adapter's dtype, whatever the compute dtype:

@@ -3,9 +3,22 @@
 //! list of [`Fused`] names (or `all`), turns them off; unset, every one wired is on. Read once per
 //! process. The CPU always runs the unfused ops (each one pass there already).
 //!
-//! Wired so far: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`). The residual add +
-//! RMSNorm (`crate::add_norm`) and RoPE in place on q/k (`rope::cuda::rope_qk`) have kernels,
-//! launchers and checks but no caller in the layer yet: they get a name here when they do.
+//! Wired: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`), `add_norm` (the residual add
+//! and the RMSNorm after it, forward and backward: `crate::add_norm::add_rms_norm`, called by the
+//! decoder layer), `lora_bf16` (the LoRA branch in bf16/f16 on cuBLAS with `beta = 1`:
+//! `rtune-model`'s `linear` and `group`, through [`crate::lora::acc`]).
+//!
+//! Not wired: RoPE on q and k in place (`rope::cuda::rope_qk`). The attention makes q and k
+//! contiguous `(B, H, T, Dh)` copies of the projection's `(N, H·Dh)` columns before rotating them;
+//! rotating those copies in place saves one launch and an allocation, not a pass over memory
+//! (copy, then read and write again, either way). The pass is saved by rotating in the
+//! projection's own layout, which needs an attention that reads strided `(B, T, H, Dh)` inputs
+//! (cuDNN's does): the kernel's caller comes with that.
+//!
+//! Tests (feature `test-util`): [`forced`] runs a closure with chosen fused paths taken on the CPU
+//! too (each op's `cpu_fwd` is its slice reference, so the layer's wiring of the fused op is
+//! checked against the unfused ops without a GPU), and counts the fused ops it ran, so a test
+//! fails if the wiring falls back to the unfused ops.
 
 use std::sync::OnceLock;
 
@@ -17,11 +30,22 @@ pub enum Fused {
     /// The final-logit soft cap inside the cross-entropy's kernels (`ce_capped_{fwd,bwd}`)
     /// instead of `softcap_logits` → `ce_fwd` / `ce_bwd` → `softcap_logits_backward`.
     CeSoftcap,
+    /// The residual add and the RMSNorm after it as one kernel (`add_rms_norm{,1}_{fwd,bwd}`)
+    /// instead of `add` → `rms_norm` (and `rms_norm_bwd` → `add` in the backward).
+    AddNorm,
+    /// The LoRA branch in the compute dtype on cuBLAS (bf16/f16 without dropout or DoRA): its
+    /// products added into the frozen path's by GEMMs with `beta = 1` ([`crate::lora::acc`])
+    /// instead of in f32 from casts of the input and the output gradient.
+    LoraBf16,
 }
 
 impl Fused {
     /// Every switch, with its name in `RTUNE_UNFUSED`.
-    pub const ALL: [(Fused, &'static str); 1] = [(Fused::CeSoftcap, "ce_softcap")];
+    pub const ALL: [(Fused, &'static str); 3] = [
+        (Fused::CeSoftcap, "ce_softcap"),
+        (Fused::AddNorm, "add_norm"),
+        (Fused::LoraBf16, "lora_bf16"),
+    ];
 
     pub fn name(self) -> &'static str {
         Self::ALL
@@ -54,11 +78,25 @@ pub fn parse_unfused(value: &str) -> Result<Vec<Fused>> {
     Ok(off)
 }
 
+/// `RTUNE_UNFUSED` checked now (it is otherwise read at the first fused op on a GPU): a command
+/// calls this before building anything, so a misspelt switch, or one this build does not have,
+/// is refused at once with the known names.
+pub fn check_env() -> Result<()> {
+    match std::env::var("RTUNE_UNFUSED") {
+        Ok(v) => parse_unfused(&v).map(|_| ()),
+        Err(_) => Ok(()),
+    }
+}
+
 /// Whether the fused path `f` runs on `dev`: a CUDA device, and `f` not turned off by
 /// `RTUNE_UNFUSED`.
 pub fn on(dev: &Device, f: Fused) -> Result<bool> {
     static OFF: OnceLock<std::result::Result<Vec<Fused>, String>> = OnceLock::new();
-    if !dev.is_cuda() {
+    #[cfg(any(test, feature = "test-util"))]
+    let cpu_forced = force::is_forced(f);
+    #[cfg(not(any(test, feature = "test-util")))]
+    let cpu_forced = false;
+    if !dev.is_cuda() && !cpu_forced {
         return Ok(false);
     }
     let off = OFF.get_or_init(|| match std::env::var("RTUNE_UNFUSED") {
@@ -71,6 +109,55 @@ pub fn on(dev: &Device, f: Fused) -> Result<bool> {
     }
 }
 
+/// Marks that a fused path ran (counted under [`forced`]; nothing otherwise).
+pub(crate) fn ran(f: Fused) {
+    #[cfg(any(test, feature = "test-util"))]
+    force::count(f);
+    #[cfg(not(any(test, feature = "test-util")))]
+    let _ = f;
+}
+
+#[cfg(any(test, feature = "test-util"))]
+pub use force::forced;
+
+/// The tests' override: fused paths taken on the CPU, per thread.
+#[cfg(any(test, feature = "test-util"))]
+mod force {
+    use super::Fused;
+    use std::cell::RefCell;
+
+    thread_local! {
+        /// The forced paths and how many fused ops of each ran (`None` outside [`forced`]).
+        static FORCED: RefCell<Option<Vec<(Fused, usize)>>> = const { RefCell::new(None) };
+    }
+
+    pub(super) fn is_forced(f: Fused) -> bool {
+        FORCED.with(|c| {
+            c.borrow()
+                .as_ref()
+                .is_some_and(|v| v.iter().any(|e| e.0 == f))
+        })
+    }
+
+    pub(super) fn count(f: Fused) {
+        FORCED.with(|c| {
+            if let Some(e) = c.borrow_mut().iter_mut().flatten().find(|e| e.0 == f) {
+                e.1 += 1;
+            }
+        })
+    }
+
+    /// `body()` with the fused paths `fs` taken on every device of this thread (on the CPU the
+    /// fused ops run their slice references), and how many fused ops of each of `fs` ran, in
+    /// `fs`' order. Not reentrant: the counts of an outer call restart.
+    pub fn forced<R>(fs: &[Fused], body: impl FnOnce() -> R) -> (R, Vec<usize>) {
+        FORCED.with(|c| *c.borrow_mut() = Some(fs.iter().map(|&f| (f, 0)).collect()));
+        let out = body();
+        let counts = FORCED.with(|c| c.borrow_mut().take()).unwrap_or_default();
+        (out, counts.into_iter().map(|e| e.1).collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,11 +166,23 @@ mod tests {
     fn unfused_names_parse_and_unknown_ones_are_refused() {
         assert_eq!(parse_unfused("").unwrap(), vec![]);
         assert_eq!(parse_unfused("ce_softcap").unwrap(), vec![Fused::CeSoftcap]);
-        assert_eq!(parse_unfused(" all ").unwrap(), vec![Fused::CeSoftcap]);
+        assert_eq!(
+            parse_unfused(" all ").unwrap(),
+            vec![Fused::CeSoftcap, Fused::AddNorm, Fused::LoraBf16]
+        );
+        assert_eq!(parse_unfused("add_norm").unwrap(), vec![Fused::AddNorm]);
         let e = parse_unfused("ce_softcap,rope").unwrap_err().to_string();
         assert!(e.contains("\"rope\"") && e.contains("ce_softcap"), "{e}");
         // The CPU never takes a fused path.
         assert!(!on(&Device::Cpu, Fused::CeSoftcap).unwrap());
         assert_eq!(Fused::CeSoftcap.name(), "ce_softcap");
+        // ... unless a test forces it, and then only the paths it names, on its own thread.
+        let (on_cpu, n) = forced(&[Fused::AddNorm], || {
+            ran(Fused::AddNorm);
+            ran(Fused::CeSoftcap);
+            [Fused::AddNorm, Fused::CeSoftcap].map(|f| on(&Device::Cpu, f).unwrap())
+        });
+        assert_eq!((on_cpu, n), ([true, false], vec![1]));
+        assert!(!on(&Device::Cpu, Fused::AddNorm).unwrap());
     }
 }

@@ -32,6 +32,7 @@ pub fn cast(x: &Tensor, dt: DType) -> Result<Tensor> {
     if x.dtype() == dt || !float(x.dtype()) || !float(dt) {
         return x.to_dtype(dt);
     }
+    counting::note();
     if x.device().is_cuda() && dt == DType::F32 && x.is_contiguous() {
         // bf16/f16 → f32 through `kernels/fused.cu`'s `widen` (candle's kernel ran bf16 → f32 at
         // ~15% of an H200's copy bandwidth); the other CUDA casts are candle's.
@@ -54,6 +55,48 @@ pub fn round_bf16(x: &Tensor) -> Result<Tensor> {
         |x| x.apply_op1_no_bwd(&Cast::RoundBf16),
         |x| x.to_dtype(DType::BF16)?.to_dtype(DType::F32),
     )
+}
+
+/// How many [`cast`]s between float types this thread ran while a [`counting::start`] guard lived:
+/// `rtune selftest`'s check that the LoRA branch in bf16 casts no activation (every activation
+/// cast of the LoRA code goes through [`cast`]; `to_dtype` elsewhere is not counted).
+pub mod counting {
+    use std::cell::Cell;
+
+    thread_local! {
+        /// `None` outside a guard.
+        static CASTS: Cell<Option<usize>> = const { Cell::new(None) };
+    }
+
+    /// Counts from zero on this thread until the guard drops.
+    pub fn start() -> Guard {
+        CASTS.with(|c| c.set(Some(0)));
+        Guard(())
+    }
+
+    pub(super) fn note() {
+        CASTS.with(|c| {
+            if let Some(n) = c.get() {
+                c.set(Some(n + 1));
+            }
+        });
+    }
+
+    /// Counting is on while it lives.
+    pub struct Guard(());
+
+    impl Guard {
+        /// The casts counted so far.
+        pub fn casts(&self) -> usize {
+            CASTS.with(|c| c.get().unwrap_or(0))
+        }
+    }
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            CASTS.with(|c| c.set(None));
+        }
+    }
 }
 
 fn float(dt: DType) -> bool {

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtrMut, DeviceRepr
 use std::sync::Arc;
 
 use rtune_backend::image::FUSED;
-use rtune_backend::launch::{int, need, numel, row_cfg, FusedFloat, GpuKernel};
+use rtune_backend::launch::{bad, int, need, numel, row_cfg, FusedFloat, GpuKernel};
 use rtune_backend::{drv, Result};
 
 /// `(rows, dim)` as the kernels' ints, after checking every buffer's length; `None` when empty.
@@ -68,21 +68,34 @@ fn bwd<T: FusedFloat, W: DeviceRepr>(
     dy: &CudaView<'_, T>,
     h: &CudaView<'_, T>,
     w: &CudaView<'_, W>,
+    dres: Option<&CudaView<'_, T>>,
     dh: &mut CudaViewMut<'_, T>,
     shape: (usize, usize),
     eps: f32,
 ) -> Result<()> {
-    let bufs = [("dy", dy.len()), ("h", h.len()), ("dh", dh.len())];
+    let dres_len = dres.map_or(dh.len(), |d| d.len());
+    let bufs = [
+        ("dy", dy.len()),
+        ("h", h.len()),
+        ("dres", dres_len),
+        ("dh", dh.len()),
+    ];
     let op = stem;
     let Some((rows_i, dim_i)) = dims(op, &bufs, w.len(), shape)? else {
         return Ok(());
     };
     let f = GpuKernel::new(&FUSED, stem).get::<T>(stream.context())?;
-    // dres and dh are one buffer: the residual stream's gradient, accumulated in place (its raw
-    // address twice; `_sync` orders the write after the stream's earlier work on it).
-    let (dh_ptr, _sync) = dh.device_ptr_mut(stream);
     let mut b = stream.launch_builder(&f);
-    b.arg(dy).arg(h).arg(w).arg(&dh_ptr).arg(&dh_ptr);
+    b.arg(dy).arg(h).arg(w);
+    // Without `dres`, dres and dh are one buffer: the residual stream's gradient, accumulated in
+    // place (its raw address twice; `_sync` orders the write after the stream's earlier work on
+    // it).
+    let (dh_ptr, _sync) = dh.device_ptr_mut(stream);
+    match dres {
+        Some(d) => b.arg(d),
+        None => b.arg(&dh_ptr),
+    };
+    b.arg(&dh_ptr);
     b.arg(&rows_i).arg(&dim_i).arg(&eps);
     // SAFETY: as above, for add_rms_norm{,1}_bwd_<T>; the kernel reads dres with plain loads
     // before writing dh, element by element in one thread, so the two may be one buffer.
@@ -153,7 +166,17 @@ pub fn add_rms_norm_bwd<T: FusedFloat>(
     (rows, dim): (usize, usize),
     eps: f32,
 ) -> Result<()> {
-    bwd("add_rms_norm_bwd", stream, dy, h, w, dh, (rows, dim), eps)
+    bwd(
+        "add_rms_norm_bwd",
+        stream,
+        dy,
+        h,
+        w,
+        None,
+        dh,
+        (rows, dim),
+        eps,
+    )
 }
 
 /// [`add_rms_norm_bwd`] with an f32 weight: `g = dy·w` in f32.
@@ -166,5 +189,41 @@ pub fn add_rms_norm1_bwd<T: FusedFloat>(
     (rows, dim): (usize, usize),
     eps: f32,
 ) -> Result<()> {
-    bwd("add_rms_norm1_bwd", stream, dy, h, w, dh, (rows, dim), eps)
+    bwd(
+        "add_rms_norm1_bwd",
+        stream,
+        dy,
+        h,
+        w,
+        None,
+        dh,
+        (rows, dim),
+        eps,
+    )
+}
+
+/// The backward out of place: `dh = T(dres + T(g·r − (h·r³)·mean(g·h)))` with `dres` left as it
+/// is (the layer's `ops::add(d_out, norm_backward(dy))`, whose `d_out` the caller still owns).
+/// `w` in `T` (Llama's norm) or f32 (`W` = f32 for a 16-bit `T`: the f32-weight form; for an
+/// f32 `T` both forms are one).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_bwd_out<T: FusedFloat, W: FusedFloat>(
+    stream: &Arc<CudaStream>,
+    dy: &CudaView<'_, T>,
+    h: &CudaView<'_, T>,
+    w: &CudaView<'_, W>,
+    dres: &CudaView<'_, T>,
+    dh: &mut CudaViewMut<'_, T>,
+    (rows, dim): (usize, usize),
+    eps: f32,
+) -> Result<()> {
+    let stem = match (W::INDEX == T::INDEX, W::INDEX == f32::INDEX) {
+        (true, _) => "add_rms_norm_bwd",
+        (false, true) => "add_rms_norm1_bwd",
+        (false, false) => {
+            let why = format!("a {} weight for {} inputs", W::SUFFIX, T::SUFFIX);
+            return Err(bad("add_rms_norm_bwd", why));
+        }
+    };
+    bwd(stem, stream, dy, h, w, Some(dres), dh, (rows, dim), eps)
 }

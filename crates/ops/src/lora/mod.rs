@@ -21,7 +21,11 @@
 //! to bf16 first, as every product's operands are: bf16 products are exact in f32, so the result
 //! is oneDNN's up to that order. `y` may be a column view (row stride ≠ `n`, as a member's
 //! slice of a fused q/k/v product). Other devices take the plain form.
+//!
+//! [`acc`]: the LoRA branch in the compute dtype (bf16/f16 on CUDA, `RTUNE_UNFUSED=lora_bf16`
+//! turns it off): `c += alpha·a·b` by cuBLAS with `beta = 1`, no f32 copy of anything.
 
+pub mod acc;
 mod cpu;
 #[cfg(test)]
 mod tests;
