@@ -3,7 +3,8 @@
 //! list of [`Fused`] names (or `all`), turns them off; unset, every one wired is on. Read once per
 //! process. The CPU always runs the unfused ops (each one pass there already).
 //!
-//! Wired so far: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`). The residual add +
+//! Wired so far: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`) and `cudnn` (attention
+//! through cuDNN's fused SDPA, `crate::attention::cudnn`; off, the own flash kernel runs). The residual add +
 //! RMSNorm (`crate::add_norm`) and RoPE in place on q/k (`rope::cuda::rope_qk`) have kernels,
 //! launchers and checks but no caller in the layer yet: they get a name here when they do.
 
@@ -17,11 +18,15 @@ pub enum Fused {
     /// The final-logit soft cap inside the cross-entropy's kernels (`ce_capped_{fwd,bwd}`)
     /// instead of `softcap_logits` → `ce_fwd` / `ce_bwd` → `softcap_logits_backward`.
     CeSoftcap,
+    /// The tiled attention through cuDNN's fused SDPA (`crate::attention::cudnn`, item 1) instead
+    /// of rtune's own flash kernel (`kernels/flash_attn.cu`).
+    Cudnn,
 }
 
 impl Fused {
     /// Every switch, with its name in `RTUNE_UNFUSED`.
-    pub const ALL: [(Fused, &'static str); 1] = [(Fused::CeSoftcap, "ce_softcap")];
+    pub const ALL: [(Fused, &'static str); 2] =
+        [(Fused::CeSoftcap, "ce_softcap"), (Fused::Cudnn, "cudnn")];
 
     pub fn name(self) -> &'static str {
         Self::ALL
@@ -79,9 +84,14 @@ mod tests {
     fn unfused_names_parse_and_unknown_ones_are_refused() {
         assert_eq!(parse_unfused("").unwrap(), vec![]);
         assert_eq!(parse_unfused("ce_softcap").unwrap(), vec![Fused::CeSoftcap]);
-        assert_eq!(parse_unfused(" all ").unwrap(), vec![Fused::CeSoftcap]);
+        assert_eq!(
+            parse_unfused(" all ").unwrap(),
+            vec![Fused::CeSoftcap, Fused::Cudnn]
+        );
+        assert_eq!(parse_unfused("cudnn").unwrap(), vec![Fused::Cudnn]);
         let e = parse_unfused("ce_softcap,rope").unwrap_err().to_string();
-        assert!(e.contains("\"rope\"") && e.contains("ce_softcap"), "{e}");
+        assert!(e.contains("\"rope\"") && e.contains("cudnn"), "{e}");
+        assert!(!on(&Device::Cpu, Fused::Cudnn).unwrap());
         // The CPU never takes a fused path.
         assert!(!on(&Device::Cpu, Fused::CeSoftcap).unwrap());
         assert_eq!(Fused::CeSoftcap.name(), "ce_softcap");
