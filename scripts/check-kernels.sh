@@ -5,6 +5,11 @@
 # Needs no GPU and no CUDA install: nvcc, cicc, ptxas and the headers come from NVIDIA's PyPI wheels
 # (CUDA 13.0, ~300 MB), installed once into $RTUNE_NVCC_HOME (default ~/.cache/rtune-nvcc).
 # Measured on the 2-core dev machine (shared, load ~9): 63 s from a clean cache, 3-15 s warm.
+# Also kernels/cudnn_sdpa.cpp (cuDNN's fused attention through cudnn-frontend, issue 48) with the
+# host g++, warnings as errors, against the headers of scripts/cudnn-headers.sh (cached in
+# ~/.cache/rtune-cudnn: ~10 s once, nothing warm): with --cargo inside `cargo check` (build.rs
+# compiles it when RTUNE_CUDNN_INCLUDE is set), else alone (-fsyntax-only). The front end's headers
+# make it the slowest file: ~47 CPU-s, 30 s to 2 min wall on the loaded dev box.
 #
 #   scripts/check-kernels.sh            # the .cu files only
 #   scripts/check-kernels.sh --cargo    # also `cargo check -p rtune-backend -p rtune-ops --tests`
@@ -43,8 +48,18 @@ for f in "${sources[@]}"; do
   done
   echo "check-kernels: $f ok (compute/sm 90, 80)"
 done
+eval "$(scripts/cudnn-headers.sh)"
+if [ "${1:-}" != "--cargo" ]; then
+  inc=()
+  IFS=: read -ra dirs <<<"$RTUNE_CUDNN_INCLUDE"
+  for d in "${dirs[@]}" "$cu/include"; do inc+=(-isystem "$d"); done
+  "${CXX:-c++}" -std=c++17 -fsyntax-only -Wall -Wextra -Werror "${inc[@]}" kernels/cudnn_sdpa.cpp
+  echo "check-kernels: kernels/cudnn_sdpa.cpp ok (host C++, cudnn-frontend)"
+fi
 if [ "${1:-}" = "--cargo" ]; then
+  export RTUNE_CUDNN_INCLUDE
   cargo check -p rtune-backend -p rtune-ops --features rtune-backend/kernels,rtune-ops/kernels \
     --tests --benches --locked
-  echo "check-kernels: cargo check -p rtune-backend -p rtune-ops --features kernels ok"
+  echo "check-kernels: cargo check -p rtune-backend -p rtune-ops --features kernels ok" \
+    "(with kernels/cudnn_sdpa.cpp)"
 fi

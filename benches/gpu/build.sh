@@ -9,6 +9,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 eval "$(../shared/cuda/toolchain.sh)"
+# cuDNN's fused attention shim (kernels/cudnn_sdpa.cpp): its headers; cuDNN itself is loaded at run time.
+eval "$(scripts/cudnn-headers.sh)"
+export RTUNE_CUDNN_INCLUDE
 export CUDA_COMPUTE_CAP=90
 # The data-parallel NCCL path (crates/dist/src/nccl.rs) links libnccl: NVIDIA's wheel gives it for
 # the link here; on the H200 run.sh points LD_LIBRARY_PATH at torch's own copy.

@@ -9,12 +9,19 @@
 //! GPU JIT-compiles the PTX, which targets `compute_$CUDA_COMPUTE_CAP` (default 80: Ampere).
 //! nvcc comes from `$NVCC`, `$CUDA_ROOT/bin` / `$CUDA_PATH/bin`, or PATH. Warnings are errors (the
 //! assembler's too), as in `scripts/check-kernels.sh`.
+//!
+//! Also with `kernels`, when `RTUNE_CUDNN_INCLUDE` names the cudnn-frontend, cuDNN and nvrtc header
+//! directories (`eval "$(scripts/cudnn-headers.sh)"`): compiles `kernels/cudnn_sdpa.cpp` (the C ABI
+//! over cuDNN's fused attention) with the host C++ compiler into a static library, links it, and
+//! sets `cfg(rtune_cudnn)` for `src/cudnn.rs`. cuDNN is not linked (the shim loads it at run time);
+//! without the variable the shim is not built and attention runs rtune's own kernel.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo::rustc-check-cfg=cfg(rtune_cudnn)");
     if std::env::var_os("CARGO_FEATURE_KERNELS").is_none() {
         return;
     }
@@ -80,6 +87,69 @@ fn main() {
         all.join(", ")
     );
     std::fs::write(out.join("images.rs"), images).expect("writing images.rs into OUT_DIR");
+    cudnn_shim(&kernels, &out);
+}
+
+/// Compiles `kernels/cudnn_sdpa.cpp` into `librtune_cudnn_sdpa.a` and links it when
+/// `RTUNE_CUDNN_INCLUDE` is set (the module note).
+fn cudnn_shim(kernels: &Path, out: &Path) {
+    println!("cargo:rerun-if-env-changed=RTUNE_CUDNN_INCLUDE");
+    println!("cargo:rerun-if-env-changed=CXX");
+    let Some(dirs) = std::env::var_os("RTUNE_CUDNN_INCLUDE") else {
+        return;
+    };
+    let src = kernels.join("cudnn_sdpa.cpp");
+    println!("cargo:rerun-if-changed={}", src.display());
+    println!(
+        "cargo:rerun-if-changed={}",
+        kernels.join("cudnn_sdpa.h").display()
+    );
+    let cxx = std::env::var_os("CXX").unwrap_or_else(|| "c++".into());
+    let obj = out.join("cudnn_sdpa.o");
+    let mut cmd = Command::new(&cxx);
+    // -isystem: the front end's own headers are not held to -Werror (it has unused statics).
+    cmd.args([
+        "-std=c++17",
+        "-O2",
+        "-fPIC",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-c",
+    ]);
+    for d in std::env::split_paths(&dirs) {
+        cmd.arg("-isystem").arg(d);
+    }
+    // cuda.h and cuda_runtime_api.h: the toolkit nvcc comes from.
+    if let Some(bin) = nvcc().parent().filter(|p| !p.as_os_str().is_empty()) {
+        cmd.arg("-isystem").arg(bin.join("../include"));
+    }
+    cmd.arg("-o").arg(&obj).arg(&src);
+    let status = cmd.status().unwrap_or_else(|e| {
+        panic!(
+            "cannot run the C++ compiler `{}` ({e}); set CXX",
+            Path::new(&cxx).display()
+        )
+    });
+    if !status.success() {
+        panic!("compiling {} failed ({status})", src.display());
+    }
+    let lib = out.join("librtune_cudnn_sdpa.a");
+    let _ = std::fs::remove_file(&lib);
+    let status = Command::new("ar")
+        .arg("crs")
+        .arg(&lib)
+        .arg(&obj)
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run `ar` ({e})"));
+    if !status.success() {
+        panic!("ar on {} failed ({status})", obj.display());
+    }
+    println!("cargo:rustc-link-search=native={}", out.display());
+    println!("cargo:rustc-link-lib=static=rtune_cudnn_sdpa");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+    println!("cargo:rustc-link-lib=dylib=dl");
+    println!("cargo:rustc-cfg=rtune_cudnn");
 }
 
 /// A kernel file's const name: its stem in upper case, `[a-z0-9_]` only (a file named otherwise is

@@ -15,6 +15,8 @@
 //!   launcher shares ([`launch`]), device memory figures ([`memory`]); [`check`] (always built):
 //!   the references' rounding ([`Precision`]), tolerances, comparison and seeded inputs of every
 //!   kernel check.
+//! - [`cudnn`]: cuDNN's fused attention through `kernels/cudnn_sdpa.cpp`, loaded at run time (the
+//!   shim built with `kernels` when its headers are given).
 //! - With `cuda` (candle's CUDA backend too): device handles ([`cuda`]), offload of kept
 //!   activations to pinned host memory ([`offload`], [`host_pool`]).
 //!
@@ -31,6 +33,7 @@ pub mod cpu;
 pub mod cpu_features;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod cudnn;
 pub mod dropout;
 pub mod host_memory;
 // The pool's bookkeeping is device-agnostic (tested everywhere); only CUDA offload uses it.
@@ -66,6 +69,9 @@ pub enum KernelError {
     },
     #[error("{op}: {message}")]
     Unsupported { op: &'static str, message: String },
+    /// A cuDNN graph failed to build or run (not "unsupported": that falls back).
+    #[error("cudnn {op}: {message}")]
+    Cudnn { op: &'static str, message: String },
 }
 
 pub type Result<T> = std::result::Result<T, KernelError>;

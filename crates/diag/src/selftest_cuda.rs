@@ -156,6 +156,18 @@ fn kernels_on(dev: &Device, runner: &mut Runner) {
                 .collect())
         });
     }
+    // cuDNN's fused attention (kernels/cudnn_sdpa.cpp, loaded at run time), forward and backward,
+    // against the same CPU reference: causal GQA/MQA, a sliding window, Dh 64/96/128; bf16, f16.
+    // A group fails with the reason when cuDNN did not load or refused a graph.
+    for (label, group) in rtune_ops::attention::cudnn_check::self_test_seeded(&s, seed) {
+        runner.attempt(&format!("kernel {label}"), || {
+            let group = group.map_err(kerr("cudnn attention self-test"))?;
+            Ok(group
+                .into_iter()
+                .map(|(name, err, pass)| Check::measured(format!("kernel {name}"), err, pass))
+                .collect())
+        });
+    }
     // The device optimizer (multi-tensor norm, clip, AdamW) against its CPU reference, on 37
     // odd-sized tensors (one empty, one without a gradient, one at an offset).
     runner.attempt("kernel adamw (multi-tensor norm, clip, update)", || {

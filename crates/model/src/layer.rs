@@ -440,16 +440,9 @@ impl Layer {
         let mask = ctx.mask_for(self.sliding);
         let (cos, sin) = ctx.rope_for(self.sliding);
         let (o_in, attn) = match (&pass, ctx.path) {
-            (Pass::Recompute(kept), AttnPath::Tiled) => ops::attention_tiled_kept(
-                &q,
-                &k,
-                &v,
-                &ctx.shape,
-                cos,
-                sin,
-                &mask.starts,
-                kept.clone(),
-            )?,
+            (Pass::Recompute(kept), AttnPath::Tiled) => {
+                ops::attention_tiled_kept(&q, &k, &v, &ctx.shape, cos, sin, mask, kept.clone())?
+            }
             (Pass::Cached(Some(past)), _) => {
                 let past = (&past.0, &past.1);
                 ops::attend_after(&q, &k, &v, &ctx.shape, cos, sin, mask, past)?

@@ -6,7 +6,8 @@
 //! Wired: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`), `add_norm` (the residual add
 //! and the RMSNorm after it, forward and backward: `crate::add_norm::add_rms_norm`, called by the
 //! decoder layer), `lora_bf16` (the LoRA branch in bf16/f16 on cuBLAS with `beta = 1`:
-//! `rtune-model`'s `linear` and `group`, through [`crate::lora::acc`]).
+//! `rtune-model`'s `linear` and `group`, through [`crate::lora::acc`]), `cudnn` (attention through
+//! cuDNN's fused SDPA, `crate::attention::cudnn`; off, the own flash kernel runs).
 //!
 //! Not wired: RoPE on q and k in place (`rope::cuda::rope_qk`). The attention makes q and k
 //! contiguous `(B, H, T, Dh)` copies of the projection's `(N, H·Dh)` columns before rotating them;
@@ -37,14 +38,18 @@ pub enum Fused {
     /// products added into the frozen path's by GEMMs with `beta = 1` ([`crate::lora::acc`])
     /// instead of in f32 from casts of the input and the output gradient.
     LoraBf16,
+    /// The tiled attention through cuDNN's fused SDPA (`crate::attention::cudnn`, item 1) instead
+    /// of rtune's own flash kernel (`kernels/flash_attn.cu`).
+    Cudnn,
 }
 
 impl Fused {
     /// Every switch, with its name in `RTUNE_UNFUSED`.
-    pub const ALL: [(Fused, &'static str); 3] = [
+    pub const ALL: [(Fused, &'static str); 4] = [
         (Fused::CeSoftcap, "ce_softcap"),
         (Fused::AddNorm, "add_norm"),
         (Fused::LoraBf16, "lora_bf16"),
+        (Fused::Cudnn, "cudnn"),
     ];
 
     pub fn name(self) -> &'static str {
@@ -168,11 +173,18 @@ mod tests {
         assert_eq!(parse_unfused("ce_softcap").unwrap(), vec![Fused::CeSoftcap]);
         assert_eq!(
             parse_unfused(" all ").unwrap(),
-            vec![Fused::CeSoftcap, Fused::AddNorm, Fused::LoraBf16]
+            vec![
+                Fused::CeSoftcap,
+                Fused::AddNorm,
+                Fused::LoraBf16,
+                Fused::Cudnn
+            ]
         );
         assert_eq!(parse_unfused("add_norm").unwrap(), vec![Fused::AddNorm]);
+        assert_eq!(parse_unfused("cudnn").unwrap(), vec![Fused::Cudnn]);
         let e = parse_unfused("ce_softcap,rope").unwrap_err().to_string();
-        assert!(e.contains("\"rope\"") && e.contains("ce_softcap"), "{e}");
+        assert!(e.contains("\"rope\"") && e.contains("cudnn"), "{e}");
+        assert!(!on(&Device::Cpu, Fused::Cudnn).unwrap());
         // The CPU never takes a fused path.
         assert!(!on(&Device::Cpu, Fused::CeSoftcap).unwrap());
         assert_eq!(Fused::CeSoftcap.name(), "ce_softcap");

@@ -114,7 +114,11 @@ pub fn starts(c: &Case) -> (Vec<u32>, usize) {
 }
 
 /// `v` as `T` on the GPU after `offset` zeros.
-fn up<T: FusedFloat>(s: &Arc<CudaStream>, v: &[f32], offset: usize) -> Result<CudaSlice<T>> {
+pub(crate) fn up<T: FusedFloat>(
+    s: &Arc<CudaStream>,
+    v: &[f32],
+    offset: usize,
+) -> Result<CudaSlice<T>> {
     let host: Vec<T> = std::iter::repeat_n(0.0, offset)
         .chain(v.iter().copied())
         .map(T::from_f32)
@@ -123,7 +127,11 @@ fn up<T: FusedFloat>(s: &Arc<CudaStream>, v: &[f32], offset: usize) -> Result<Cu
 }
 
 /// Elements `offset..` of `buf` as f32.
-fn down<T: FusedFloat>(s: &Arc<CudaStream>, buf: &CudaSlice<T>, offset: usize) -> Result<Vec<f32>> {
+pub(crate) fn down<T: FusedFloat>(
+    s: &Arc<CudaStream>,
+    buf: &CudaSlice<T>,
+    offset: usize,
+) -> Result<Vec<f32>> {
     let v = s
         .clone_dtoh(&buf.slice(offset..))
         .map_err(drv("flash check download"))?;

@@ -7,8 +7,14 @@
 //!
 //! The starts are not checked here (they are on the device; the CPU path checks `starts[i] ≤ i`):
 //! `crate::AttnMask` builds valid ones, and a query that sees no key gets `O = 0` from the kernel.
+//!
+//! Given the mask's causal band, each call goes to cuDNN's fused attention first
+//! (`super::cudnn::try_fwd` / `try_bwd`: bf16/f16, the library loaded, the graph supported), the
+//! own kernel otherwise; `RTUNE_UNFUSED=cudnn` keeps every call on the own kernel.
 
+use crate::attention::cudnn::{self, Band};
 use crate::attention::flash_kernel::{self as kern, FlashShape};
+use crate::fused::{self, Fused};
 use candle_core::cuda_backend::CudaDType;
 use candle_core::op::BackpropOp;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
@@ -42,11 +48,18 @@ fn wrap<T: CudaDType>(
 /// the caller.
 pub(super) fn fwd(
     s: &FlashShape,
+    band: Option<Band>,
     [q, k, v, starts]: [&Tensor; 4],
     scale: f64,
     dt: DType,
 ) -> Result<(Tensor, Tensor)> {
     let op = "flash_attn";
+    // RTUNE_UNFUSED=cudnn: no band, so the own kernel for every call.
+    let band = if fused::on(q.device(), Fused::Cudnn)? {
+        band
+    } else {
+        None
+    };
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
@@ -60,6 +73,7 @@ pub(super) fn fwd(
     let dev = &cq.device;
     fn run<T: CudaDType + FusedFloat + DeviceRepr>(
         s: &FlashShape,
+        band: Option<Band>,
         dev: &CudaDevice,
         x: [(&CudaStorage, &Layout); 3],
         st: (&CudaStorage, &Layout),
@@ -69,31 +83,49 @@ pub(super) fn fwd(
         let [(cq, lq), (ck, lk), (cv, lv)] = x;
         let mut o = output::<T>(dev, s.b * s.t * s.h * s.dh)?;
         let mut lse = output::<f32>(dev, s.b * s.t * s.h)?;
-        kern::flash_fwd::<T>(
-            &stream(dev),
+        let strm = stream(dev);
+        let (q, k, v) = (
+            view::<T>(op, "q", cq, lq)?,
+            view::<T>(op, "k", ck, lk)?,
+            view::<T>(op, "v", cv, lv)?,
+        );
+        let on_cudnn = cudnn::try_fwd::<T>(
+            &strm,
             s,
-            &view::<T>(op, "q", cq, lq)?,
-            &view::<T>(op, "k", ck, lk)?,
-            &view::<T>(op, "v", cv, lv)?,
-            &view::<u32>(op, "starts", st.0, st.1)?,
+            band,
+            scale,
+            [&q, &k, &v],
             &mut o.as_view_mut(),
             &mut lse.as_view_mut(),
-            scale,
-        )
-        .map_err(kerr(op))?;
+        );
+        if !on_cudnn {
+            kern::flash_fwd::<T>(
+                &strm,
+                s,
+                &q,
+                &k,
+                &v,
+                &view::<u32>(op, "starts", st.0, st.1)?,
+                &mut o.as_view_mut(),
+                &mut lse.as_view_mut(),
+                scale,
+            )
+            .map_err(kerr(op))?;
+        }
         Ok((
             wrap(o, dev, &[s.b, s.t, s.h, s.dh]),
             wrap(lse, dev, &[s.b, s.t, s.h]),
         ))
     }
     let x = [(cq, lq), (ck, lk), (cv, lv)];
-    by_dtype!(dt, T => run::<T>(s, dev, x, (cs, ls), scale as f32))
+    by_dtype!(dt, T => run::<T>(s, band, dev, x, (cs, ls), scale as f32))
 }
 
 /// The backward: `(dq, dk, dv)` shaped and typed like `q, k, v`; inputs contiguous, checked by the
 /// caller (`o, d_o: (B, T, H, Dh)`, `lse: (B, T, H)` f32).
 pub(super) fn bwd(
     s: &FlashShape,
+    band: Option<Band>,
     [q, k, v, o, d_o]: [&Tensor; 5],
     lse: &Tensor,
     starts: &Tensor,
@@ -101,6 +133,12 @@ pub(super) fn bwd(
     dt: DType,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "flash_attn_bwd";
+    // RTUNE_UNFUSED=cudnn: no band, so the own kernel for every call.
+    let band = if fused::on(q.device(), Fused::Cudnn)? {
+        band
+    } else {
+        None
+    };
     let (sq, lq) = q.storage_and_layout();
     let (sk, lk) = k.storage_and_layout();
     let (sv, lv) = v.storage_and_layout();
@@ -120,6 +158,7 @@ pub(super) fn bwd(
     let dev = &x[0].0.device;
     fn run<T: CudaDType + FusedFloat + DeviceRepr>(
         s: &FlashShape,
+        band: Option<Band>,
         dev: &CudaDevice,
         x: [(&CudaStorage, &Layout); 5],
         (lse, starts): ((&CudaStorage, &Layout), (&CudaStorage, &Layout)),
@@ -136,23 +175,41 @@ pub(super) fn bwd(
         let mut dq = output::<T>(dev, nq)?;
         let mut dk = output::<T>(dev, nk)?;
         let mut dv = output::<T>(dev, nk)?;
-        kern::flash_bwd::<T>(
-            &stream(dev),
+        let strm = stream(dev);
+        let x = [&views[0], &views[1], &views[2], &views[3], &views[4]];
+        let lse = view::<f32>(op, "lse", lse.0, lse.1)?;
+        let on_cudnn = cudnn::try_bwd::<T>(
+            &strm,
             s,
-            [&views[0], &views[1], &views[2], &views[3], &views[4]],
-            &view::<f32>(op, "lse", lse.0, lse.1)?,
-            &view::<u32>(op, "starts", starts.0, starts.1)?,
-            &mut dq.as_view_mut(),
-            &mut dk.as_view_mut(),
-            &mut dv.as_view_mut(),
+            band,
             scale,
-        )
-        .map_err(kerr(op))?;
+            x,
+            &lse,
+            [
+                &mut dq.as_view_mut(),
+                &mut dk.as_view_mut(),
+                &mut dv.as_view_mut(),
+            ],
+        );
+        if !on_cudnn {
+            kern::flash_bwd::<T>(
+                &strm,
+                s,
+                x,
+                &lse,
+                &view::<u32>(op, "starts", starts.0, starts.1)?,
+                &mut dq.as_view_mut(),
+                &mut dk.as_view_mut(),
+                &mut dv.as_view_mut(),
+                scale,
+            )
+            .map_err(kerr(op))?;
+        }
         Ok((
             wrap(dq, dev, &[s.b, s.h, s.t, s.dh]),
             wrap(dk, dev, &[s.b, s.hkv, s.t, s.dh]),
             wrap(dv, dev, &[s.b, s.hkv, s.t, s.dh]),
         ))
     }
-    by_dtype!(dt, T => run::<T>(s, dev, x, (cl, cs), scale as f32))
+    by_dtype!(dt, T => run::<T>(s, band, dev, x, (cl, cs), scale as f32))
 }

@@ -104,6 +104,16 @@ impl AttnMask {
         })
     }
 
+    /// The mask as one causal band for every row (cuDNN's diagonal band,
+    /// [`crate::attention::cudnn::Band`]): one sample a row ([`AttnMask::new`] without
+    /// segments), its window as given (`starts[i] = max(0, i + 1 − w)`); `None` for packed rows
+    /// and for keys after a cache, whose runs differ by row.
+    pub fn band(&self) -> Option<crate::attention::cudnn::Band> {
+        (self.segments.is_none() && self.after.is_none()).then_some(crate::attention::cudnn::Band {
+            window: self.window.map(|w| w.max(1)),
+        })
+    }
+
     /// Keys before the queries: 0 but for [`AttnMask::after`].
     pub fn past(&self) -> usize {
         self.past

@@ -9,12 +9,17 @@
 //! path; `tiled.rs` caps its tiles with the same op, [`crate::softcap`]), `cpu.rs`, `tiled.rs`,
 //! `reference.rs` (plain formulations; `flash_ref.rs`: the tiled kernels' CPU reference with their
 //! tiling), `softmax_cuda.rs`, `flash_kernel.rs`,
-//! `flash_cuda.rs`, `check.rs` and `flash_check.rs` (for `rtune selftest`), `tests.rs`.
+//! `flash_cuda.rs`, `cudnn.rs` (cuDNN's fused attention on CUDA, tried first: its band, layouts,
+//! fallbacks), `check.rs`, `flash_check.rs` and `cudnn_check.rs` (for `rtune selftest`),
+//! `tests.rs`.
 
 pub mod capped;
 #[cfg(feature = "kernels")]
 pub mod check;
 pub(crate) mod cpu;
+pub mod cudnn;
+#[cfg(feature = "kernels")]
+pub mod cudnn_check;
 #[cfg(feature = "kernels")]
 pub mod flash_check;
 #[cfg(feature = "cuda")]
@@ -69,6 +74,8 @@ pub enum AttnSaved {
         o: Tensor,
         lse: Tensor,
         starts: Tensor,
+        /// The mask as one causal band ([`AttnMask::band`]), for cuDNN on CUDA.
+        band: Option<cudnn::Band>,
     },
 }
 
@@ -155,13 +162,14 @@ pub fn attend(
 ) -> Result<(Tensor, AttnCache)> {
     match path {
         AttnPath::Plain => attention(q, k, v, s, cos, sin, &mask.dense()?),
-        AttnPath::Tiled => attention_tiled(q, k, v, s, cos, sin, &mask.starts),
+        AttnPath::Tiled => attention_tiled(q, k, v, s, cos, sin, mask),
     }
 }
 
 /// [`attention`] on the tiled path ([`crate::attention::tiled::flash_attn`]): the same inputs and
-/// output, the mask given as its visible-key `starts: (B or 1, T)` u32 ([`AttnMask::starts`]);
-/// the cache holds the output and the log-sum-exp instead of probabilities (O(T) per head).
+/// output, the mask read as its visible-key `starts: (B or 1, T)` u32 ([`AttnMask::starts`])
+/// and, on CUDA, its causal band ([`AttnMask::band`]: what cuDNN can take); the cache holds the
+/// output and the log-sum-exp instead of probabilities (O(T) per head).
 pub fn attention_tiled(
     q: &Tensor,
     k: &Tensor,
@@ -169,9 +177,9 @@ pub fn attention_tiled(
     s: &AttnShape,
     cos: &Tensor,
     sin: &Tensor,
-    starts: &Tensor,
+    mask: &AttnMask,
 ) -> Result<(Tensor, AttnCache)> {
-    attention_tiled_kept(q, k, v, s, cos, sin, starts, None)
+    attention_tiled_kept(q, k, v, s, cos, sin, mask, None)
 }
 
 /// The output and log-sum-exp of a tiled attention forward: all its backward needs besides the
@@ -209,21 +217,26 @@ pub fn attention_tiled_kept(
     s: &AttnShape,
     cos: &Tensor,
     sin: &Tensor,
-    starts: &Tensor,
+    mask: &AttnMask,
     kept: Option<KeptAttn>,
 ) -> Result<(Tensor, AttnCache)> {
     let (q, k, v) = tiled_inputs(q, k, v, s, cos, sin)?;
+    let (starts, band) = (&mask.starts, mask.band());
     let kept = match kept {
         Some(kept) => kept,
         None => {
             // o: (B, T, H, Dh) = (N, H·Dh) as it comes
-            let (o, lse) =
-                crate::attention::tiled::flash_attn(&q, &k, &v, starts, s.scale, s.softcap)?;
+            let (o, lse) = crate::attention::tiled::flash_attn_with(
+                &q, &k, &v, starts, band, s.scale, s.softcap,
+            )?;
             let o = o.reshape((s.b * s.t, s.heads * s.head_dim))?;
             KeptAttn { o, lse }
         }
     };
-    Ok((kept.o.clone(), tiled_cache(q, k, v, s, starts, kept)?))
+    Ok((
+        kept.o.clone(),
+        tiled_cache(q, k, v, s, (starts, band), kept)?,
+    ))
 }
 
 /// `q: (N, H·Dh)`, `k, v: (N, Hkv·Dh)` → `(B, H, T, Dh)`, `(B, Hkv, T, Dh)` contiguous, `q` and
@@ -252,7 +265,7 @@ fn tiled_cache(
     k: Tensor,
     v: Tensor,
     s: &AttnShape,
-    starts: &Tensor,
+    (starts, band): (&Tensor, Option<cudnn::Band>),
     kept: KeptAttn,
 ) -> Result<AttnCache> {
     let q = q.reshape((s.b, s.kv_heads, (s.heads / s.kv_heads) * s.t, s.head_dim))?;
@@ -265,6 +278,7 @@ fn tiled_cache(
             o: kept.o,
             lse: kept.lse,
             starts: starts.clone(),
+            band,
         },
         sink: None,
     })
@@ -472,18 +486,21 @@ pub fn attention_backward(
     let back = |x: Tensor, heads: usize| x.transpose(1, 2)?.reshape((b * t, heads * dh));
     let mask = match &c.saved {
         AttnSaved::Plain { mask } => mask,
-        AttnSaved::Tiled { o, lse, starts } => {
+        AttnSaved::Tiled {
+            o,
+            lse,
+            starts,
+            band,
+        } => {
             let scale = s.scale;
             // d_out and o: (N, H·Dh) = (B, T, H, Dh); q: (B, H, T, Dh)
             let bthd = (b, t, h, dh);
-            let (dq, dk, dv) = crate::attention::tiled::flash_attn_bwd(
-                &c.q.reshape((b, h, t, dh))?,
-                &c.k,
-                &c.v,
+            let (dq, dk, dv) = crate::attention::tiled::flash_attn_bwd_with(
+                [&c.q.reshape((b, h, t, dh))?, &c.k, &c.v],
                 &o.reshape(bthd)?,
                 lse,
                 &d_out.reshape(bthd)?,
-                starts,
+                (starts, *band),
                 scale,
                 s.softcap,
             )?;

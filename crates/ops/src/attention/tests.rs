@@ -9,6 +9,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use rtune_backend::check::Rng;
 use rtune_backend::Precision;
 
+mod cudnn;
 mod flash_ref;
 mod sinks;
 

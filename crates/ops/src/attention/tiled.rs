@@ -48,7 +48,8 @@
 //! logits on golden_tiny).
 //!
 //! On CUDA both functions run `kernels/flash_attn.cu` instead (`flash_cuda.rs`, feature `cuda`);
-//! that kernel does not round f32 inputs under autocast.
+//! that kernel does not round f32 inputs under autocast. Given the mask's causal band
+//! ([`flash_attn_with`]), bf16/f16 calls go through cuDNN's fused attention first (`cudnn.rs`).
 //!
 //! The plain path ([`crate::attention::attention_keeping`] with [`crate::attention::softmax::attn_softmax`]) stays the
 //! reference; `tests.rs` compares the two.
@@ -67,6 +68,7 @@
 use candle_core::{bail, DType, Layout, Result, Storage, Tensor, WithDType};
 use rayon::prelude::*;
 
+use crate::attention::cudnn::Band;
 use crate::softcap::Cap;
 use rtune_backend::cpu::{exp, max, sum1, Elem, LANES};
 use rtune_backend::storage::{by_dtype, contiguous, float_dtype};
@@ -188,6 +190,21 @@ pub fn flash_attn(
     scale: f64,
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor)> {
+    flash_attn_with(q, k, v, starts, None, scale, softcap)
+}
+
+/// [`flash_attn`] given also the mask as one causal band when it is one
+/// ([`crate::AttnMask::band`], matching `starts`): on CUDA, cuDNN's fused attention then runs it
+/// where it can (`cudnn.rs`), with the same outputs; the CPU reads `starts` alone.
+pub fn flash_attn_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    starts: &Tensor,
+    band: Option<Band>,
+    scale: f64,
+    softcap: Option<f64>,
+) -> Result<(Tensor, Tensor)> {
     let op = "flash_attn";
     let cap = Cap::new(op, softcap)?;
     rtune_backend::blas::layout_audit::call(op, q.dims(), k.dims());
@@ -202,8 +219,10 @@ pub fn flash_attn(
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() {
         no_cuda_cap(op, cap)?;
-        return super::flash_cuda::fwd(&d.kernel_shape(), [&q, &k, &v, &starts], scale, dt);
+        return super::flash_cuda::fwd(&d.kernel_shape(), band, [&q, &k, &v, &starts], scale, dt);
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = band;
     let round = autocast_rounds(dt);
     let (q, k, v) = (rounded(q, round)?, rounded(k, round)?, rounded(v, round)?);
     let (sq, lq) = q.storage_and_layout();
@@ -245,6 +264,19 @@ pub fn flash_attn_bwd(
     scale: f64,
     softcap: Option<f64>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    flash_attn_bwd_with([q, k, v], o, lse, d_o, (starts, None), scale, softcap)
+}
+
+/// [`flash_attn_bwd`] given also the mask's band, as [`flash_attn_with`].
+pub fn flash_attn_bwd_with(
+    [q, k, v]: [&Tensor; 3],
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    (starts, band): (&Tensor, Option<Band>),
+    scale: f64,
+    softcap: Option<f64>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "flash_attn_bwd";
     let cap = Cap::new(op, softcap)?;
     let d = dims(op, q, k, v, starts)?;
@@ -282,8 +314,10 @@ pub fn flash_attn_bwd(
     if q.device().is_cuda() {
         no_cuda_cap(op, cap)?;
         let x = [&q, &k, &v, &o, &d_o];
-        return super::flash_cuda::bwd(&d.kernel_shape(), x, &lse, &starts, scale, dt);
+        return super::flash_cuda::bwd(&d.kernel_shape(), band, x, &lse, &starts, scale, dt);
     }
+    #[cfg(not(feature = "cuda"))]
+    let _ = band;
     // O is no product's operand (it enters D only): never rounded.
     let round = autocast_rounds(dt);
     let r = |x: Tensor| rounded(x, round);
