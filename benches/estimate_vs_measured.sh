@@ -13,7 +13,8 @@
 #   `rtune estimate` assumes full-length rows where every position is a target (the worst case,
 #   shown in the last column).
 #
-# - a mixture-of-experts model made by benches/make_moe_model.py (see below).
+# - a mixture-of-experts model made by benches/make_moe_model.py (see below);
+# - GRPO on SmolLM2-135M with completions of 128 tokens (see below).
 #
 # Env: BENCH_STEPS / BENCH_WARMUP (default 2 / 1: the peak of a steady step, not only the first),
 # SEQS (default "512 2048"), CONFIGS (default configs/*.toml; "" for none), TRAIN_STEPS (default: as configured) to shorten the train runs,
@@ -102,6 +103,36 @@ TOML
         row "$name" "$(json "$tmp/est.json" "d['peak_bytes']")" \
             "$(json "$tmp/moe-run/summary.json" "d['peak_memory_bytes']")"
     done
+fi
+
+# GRPO (issue 44): the recipe's model and LoRA (configs/smollm2-135m-grpo.toml, 2 prompts × 8
+# completions a step) with plain-text story openings whose completions run to the limit
+# (benches/grpo_memory.sh's prompts), 2 steps at max_completion_length GRPO_LEN (default 128),
+# checkpointing off. The estimate counts the training rows (longest prompt + a whole completion,
+# every completion token a target) and the sampling KV cache (crates/estimate/src/sampling.rs).
+# Needs scripts/fetch-smollm2.sh's model; GRPO=0 skips it.
+if [[ "${GRPO:-1}" != 0 && -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]]; then
+    len=${GRPO_LEN:-128}
+    name="grpo smollm2 len $len"
+    echo "== $name" >&2
+    python3 - "$tmp/grpo-prompts.jsonl" <<'PY'
+import json, sys
+starts = ["Once upon a time, in a small village by the sea,", "The old lighthouse keeper opened the door and",
+          "In the year 2150, the first city on Mars", "She found a strange map in her grandmother's attic;"]
+with open(sys.argv[1], "w") as f:
+    f.writelines(json.dumps({"prompt": s, "answer": 0}) + "\n" for s in starts)
+PY
+    grpo_args=(--config configs/smollm2-135m-grpo.toml --set "data.train=$tmp/grpo-prompts.jsonl"
+        --set data.shuffle=false --set "data.max_seq_len=$((len + 32))" --set train.steps=2
+        --set "train.max_completion_length=$len" --set train.temperature=1.0
+        --set train.gradient_checkpointing=false --set "output.dir=$tmp/grpo-run"
+        --set output.overwrite=true)
+    "$RTUNE" estimate "${grpo_args[@]}" --data --json >"$tmp/est.json"
+    "$RTUNE" estimate "${grpo_args[@]}" --json >"$tmp/worst.json"
+    "$RTUNE" train "${grpo_args[@]}" >&2
+    row "$name" "$(json "$tmp/est.json" "d['peak_bytes']")" \
+        "$(json "$tmp/grpo-run/summary.json" "d['peak_memory_bytes']")" \
+        "$(json "$tmp/worst.json" "d['peak_bytes']")"
 fi
 
 printf '\n%-32s %14s %14s %8s %18s\n' config estimated measured ratio "worst-case rows"

@@ -83,7 +83,8 @@ fn rollouts(out: &Path) -> Vec<serde_json::Value> {
 }
 
 /// Six steps, two per generation batch (`num_iterations = 2`): three batches of 2 prompts × 4
-/// completions in rollouts.jsonl, each line with every field; each group's advantages sum to 0
+/// completions in rollouts.jsonl, each line with every field, its `train_row` a shuffle of the
+/// batch; each group's advantages sum to 0
 /// (scale_rewards = "group", 1e-4: f32 sums of ~1-sized values); TRL's metric names; step 1's
 /// KL is 0 (the reference is the base and the fresh adapter adds nothing: 1e-6, f32 rounding
 /// of two forwards). Killed after step 3 and resumed: the same adapter, metrics and rollouts.
@@ -116,6 +117,22 @@ fn grpo_trains_writes_rollouts_and_resumes_bitwise() {
         assert!((total - (f + 0.5 * j)).abs() <= 1e-6, "{l}");
         assert!(l["advantage"].as_f64().unwrap().is_finite(), "{l}");
     }
+    // TRL shuffles a generation batch before splitting it into micro-batches: each line's
+    // `train_row` is its row in the shuffled batch, a permutation of the batch's rows.
+    let orders: Vec<Vec<u64>> = (lines.chunks(8))
+        .map(|b| b.iter().map(|l| l["train_row"].as_u64().unwrap()).collect())
+        .collect();
+    for o in &orders {
+        let mut sorted = o.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..8).collect::<Vec<u64>>(), "{o:?}");
+    }
+    assert!(
+        orders
+            .iter()
+            .any(|o| o.iter().enumerate().any(|(i, &k)| k != i as u64)),
+        "no batch was shuffled: {orders:?}"
+    );
     for g in lines.chunks(4) {
         let p = g[0]["prompt_index"].as_u64();
         assert!(

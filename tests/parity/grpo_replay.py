@@ -12,7 +12,11 @@ the base and the KL term is not zero); then TRL trains from the same adapter on 
 - each rtune reward function is a TRL reward function returning rtune's value for that completion
   (null as None), with the same weights: TRL forms the rewards' total and the advantages itself;
 - prompts are pre-tokenized and of one length, so TRL's left padding adds no pad and the
-  positions equal rtune's.
+  positions equal rtune's;
+- TRL's shuffle of a generation batch before it is split into micro-batches
+  (`shuffle_sequence_dict`, a `torch.randperm`) is replaced by rtune's order of that batch (each
+  rollouts.jsonl line's `train_row`): with `steps_per_generation` 2 (`spg2`) the micro-batches
+  are the same completions in the same rows on both sides.
 Compared: every step's loss (rtune's metrics.jsonl vs the value TRL's compute_loss returns, not its
 4-digit log) within 1e-5 relative (to max(|TRL's loss|, 1e-2): an on-policy step whose completions
 share a length has a loss of 0 up to summation order, ~1e-8), every step's `entropy` metric (the
@@ -25,7 +29,8 @@ group whose rewards are all equal (frac_reward_zero_std 0.5 at step 3). Exit 1 o
 
 Measured (AMD EPYC, 2 cores, lr 1e-3, temperature 0.9), all 12 variants ok: loss ≤ 3.0e-6,
 adapter ≤ 4.9e-5 (cispo; the others ≤ 2.1e-5). Entropy (run for dapo, mask_truncated, beta,
-sequence, mu2, batch_scale): ≤ 8.7e-8 relative.
+sequence, mu2, batch_scale): ≤ 8.7e-8 relative. spg2 (2026-12-06, branch grpo2): loss 3.6e-7, entropy
+1.0e-7, adapter 1.2e-6; dapo rerun beside it: loss 3.2e-6, entropy 4.0e-8, adapter 3.3e-6.
 """
 import argparse
 import json
@@ -41,6 +46,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+from trl.trainer import grpo_trainer as grpo_trainer_module
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tests/fixtures/tiny-llama"
@@ -64,6 +70,8 @@ VARIANTS = {
     "mask_truncated": {"mask_truncated_completions": True},
     "cispo": {"loss_type": "cispo"},
     "sapo": {"loss_type": "sapo"},
+    # Two optimizer steps a generation batch of 16: the micro-batches are rtune's shuffle of it.
+    "spg2": {"steps_per_generation": 2},
 }
 
 
@@ -146,9 +154,29 @@ class Replay(GRPOTrainer):
 
 
 def run_trl(work, rollouts, knobs):
-    batches = [rollouts[i : i + MBS] for i in range(0, len(rollouts), MBS)]
+    gen = MBS * knobs.get("steps_per_generation", 1)
+    batches = [rollouts[i : i + gen] for i in range(0, len(rollouts), gen)]
     queue = list(batches)
     current = {}
+
+    def rtune_order(seq_dict):
+        # In place of TRL's shuffle_sequence_dict (a torch.randperm): rtune's training order of
+        # the batch, each line's `train_row`, applied to every per-completion value alike.
+        batch = current["batch"]
+        perm = [0] * len(batch)
+        for i, r in enumerate(batch):
+            perm[r["train_row"]] = i
+        out = {}
+        for key, v in seq_dict.items():
+            if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+                out[key] = v
+            elif isinstance(v, torch.Tensor):
+                out[key] = v[torch.tensor(perm)]
+            else:
+                out[key] = [v[i] for i in perm]
+        return out
+
+    grpo_trainer_module.shuffle_sequence_dict = rtune_order
 
     def rollout_func(prompts, trainer):
         batch = queue.pop(0)

@@ -38,12 +38,14 @@ use rtune_ops::{keep_probs, AttnPath, AttnShape};
 mod checkpointing;
 mod moe;
 mod run;
+mod sampling;
 mod tiled;
 pub use checkpointing::{choose_checkpointing, Budget, CheckpointingChoice, HEADROOM};
 pub use moe::parameters;
 pub use run::{
     checkpointing_for, fit_to_data, for_run, matmul_workspace_bytes, rows_per_example, settings_for,
 };
+pub use sampling::{kv_bytes_per_slot, Sampling};
 pub use tiled::{attn_path, partial_bytes};
 
 /// glibc's `M_MMAP_THRESHOLD` as the binary sets it: blocks at least this big are mmapped.
@@ -122,6 +124,9 @@ pub struct Settings {
     /// gradient all-reduce's two flat f32 copies of the LoRA gradients (8 bytes per LoRA
     /// parameter) and MPI's own memory ([`MPI_RUNTIME_BYTES`], in `runtime_bytes`).
     pub world: usize,
+    /// GRPO's generation batch (`sampling.rs`): its KV cache while sampling, the completions
+    /// and log-probs kept through the step. `None` for the other objectives.
+    pub sampling: Option<Sampling>,
 }
 
 /// What MPI adds to a rank's memory: measured, a rank's peak 10.8 MB above one process's on the
@@ -181,6 +186,9 @@ pub mod names {
     pub const GATHERED: &str = "gathered weights (sharded base)";
     pub const ALL_REDUCE: &str = "all-reduce buffers (data parallel)";
     pub const ROUTER: &str = "router logits and aux-loss gradients (experts)";
+    pub const KV_CACHE: &str = "KV cache (sampling: the last step's and the one it makes)";
+    pub const SAMPLING_LOGITS: &str = "logits of a decoding step (sampling)";
+    pub const GENERATION: &str = "generation batch (completions, old/reference log-probs)";
 }
 
 /// The moments of a step the estimate compares, in time order (within the backward of the last
@@ -188,6 +196,8 @@ pub mod names {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     Loading,
+    /// GRPO's sampling before the training pass: the KV cache at the last decoding step.
+    Sampling,
     CrossEntropy,
     SwigluBackward,
     AttentionBackward,
@@ -203,6 +213,7 @@ impl Phase {
     pub fn name(self) -> &'static str {
         match self {
             Phase::Loading => "loading weights",
+            Phase::Sampling => "sampling completions (GRPO, KV cache)",
             Phase::CrossEntropy => "cross-entropy (end of forward)",
             Phase::SwigluBackward => "backward of the last layer: SwiGLU",
             Phase::AttentionBackward => "backward of the last layer: attention",
@@ -330,6 +341,9 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
         item(names::MASTER, lora, 1),
         item(names::MATMUL, s.matmul_workspace, 1),
     ]
+    .into_iter()
+    .chain(sampling::generation_items(s))
+    .collect()
 }
 
 /// One rank's share of a weight's NF4 constants `k`: the scales divided, the code tables (16
@@ -490,6 +504,7 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
         Phase::OptimizerStep => return optimizer_items(c, s),
         // One safetensors buffer of m and v (the moments themselves are borrowed).
         Phase::Checkpoint => return vec![item(SERIALIZED, 2 * lora_params(c, s) * 4, 1)],
+        Phase::Sampling => return with_dequant(c, s, sampling::sampling_items(c, s)),
         _ => {}
     }
     let k = dims(c, s, path);
@@ -561,8 +576,10 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
     v.push(item(WORKSPACE, n * d * 4, 1));
     v.push(item(WORKSPACE, n * d * e, 1));
     match phase {
-        Phase::Loading | Phase::OptimizerStep | Phase::Checkpoint => {
-            unreachable!("loading, the optimizer step and a checkpoint have their own items")
+        Phase::Loading | Phase::Sampling | Phase::OptimizerStep | Phase::Checkpoint => {
+            unreachable!(
+                "loading, sampling, the optimizer step and a checkpoint have their own items"
+            )
         }
         Phase::CrossEntropy => {
             // The normed h (N, D). Per chunk of (rows, V) f32: five at once while the gradient
@@ -763,14 +780,16 @@ pub fn estimate_on(c: &ModelConfig, s: &Settings, path: AttnPath) -> Estimate {
     };
     let mut best: Option<(u64, Phase, Vec<Item>, u64)> = None;
     let mut heap_hwm = 0;
-    for phase in [
+    // GRPO samples before the training pass: its heap is the pass's high-water mark too.
+    let sampling = s.sampling.map(|_| Phase::Sampling);
+    for phase in sampling.into_iter().chain([
         Phase::CrossEntropy,
         Phase::SwigluBackward,
         Phase::AttentionBackward,
         Phase::RopeBackward,
         Phase::OptimizerStep,
         Phase::Checkpoint,
-    ] {
+    ]) {
         let items = phase_items(c, s, phase, path);
         let (heap, mapped) = split(&items);
         heap_hwm = heap_hwm.max(heap);

@@ -50,6 +50,7 @@ impl Settings {
             keep_gathered: 0,
             prefetch: false,
             world: 1,
+            sampling: None,
         }
     }
 }
@@ -138,6 +139,9 @@ pub fn settings_for(cfg: &RunConfig) -> Result<Settings, Box<rtune_lora::LoraErr
         keep_gathered: 0,
         prefetch: false,
         world: 1,
+        // GRPO: `micro_batch_size` completion rows of `max_seq_len` tokens (prompt and
+        // completion) train; the generation batch they come from is `sampling.rs`'s.
+        sampling: crate::sampling::for_config(cfg),
     })
 }
 
@@ -169,9 +173,20 @@ fn stored_elem_bytes(path: &Path) -> u64 {
 /// Narrows `s` to the largest micro-batch `examples` can form: rows padded to the longest example
 /// (packed rows: up to `max_seq_len`), as many target rows as the `B` examples with the most, and
 /// the tokenized data itself in memory.
+///
+/// GRPO's `examples` are its prompts: a training row is the longest prompt and a completion of
+/// `max_completion_length` tokens, each completion token a target (the prompts are not).
 pub fn fit_to_data(s: &mut Settings, examples: &[rtune_data::Example], max_seq_len: usize) {
     let lens = examples.iter().map(|e| e.input_ids.len());
     let total: usize = lens.clone().sum();
+    if let Some(g) = s.sampling.as_mut() {
+        let prompt = lens.max().unwrap_or(1).clamp(1, max_seq_len.max(1));
+        g.prompt_len = prompt;
+        s.seq_len = (prompt + g.max_completion).min(max_seq_len.max(1));
+        s.target_rows = Some(s.micro_batch_size * s.seq_len.saturating_sub(prompt));
+        s.runtime_bytes += DATA_PER_TOKEN * total as u64;
+        return;
+    }
     let mut targets: Vec<usize> = examples.iter().map(|e| e.target_tokens()).collect();
     targets.sort_unstable_by(|a, b| b.cmp(a));
     let b = s.micro_batch_size;

@@ -3,10 +3,10 @@
 //! - [`draw`](Recipe::draw): every `steps_per_generation × num_iterations` micro-batches, a new
 //!   generation batch of `micro_batch_size × steps_per_generation` completions
 //!   (`rollout.rs`: sampled, scored, advantages, old and reference log-probs), its lines appended
-//!   to `rollouts.jsonl`; each micro-batch is the next `micro_batch_size` of its rows (TRL's
-//!   buffer, in generation order: TRL shuffles the batch before splitting it, rtune does not);
-//!   on W ranks each samples its share and the shares are gathered (`Grpo::generate`), rank
-//!   0 alone writing rollouts.jsonl;
+//!   to `rollouts.jsonl`; the batch is shuffled (TRL's `shuffle_sequence_dict`, a seeded
+//!   permutation: [`rollout::shuffled`]) and each micro-batch is the next `micro_batch_size` of
+//!   its shuffled rows (TRL's buffer); on W ranks each samples its share and the shares are
+//!   gathered (`Grpo::generate`), rank 0 alone writing rollouts.jsonl;
 //! - [`pass`](Recipe::pass): the head hands every position's `−log softmax(z / T)[target]`, the
 //!   completion tokens' log-probs go through [`policy_loss`] and its `∂loss/∂logp` back to the
 //!   model's backward as `−∂loss/∂nll`;
@@ -50,7 +50,12 @@ impl rtune_data::Row for PromptRow {
 /// The generation batch being trained on, as a checkpoint keeps it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Generation {
+    /// In generation order (a prompt's group consecutive: the metrics read groups).
     rows: Vec<Row>,
+    /// The order the rows train in: `order[k]` is row `k` of the shuffled batch (empty, from a
+    /// checkpoint written before the shuffle: generation order).
+    #[serde(default)]
+    order: Vec<usize>,
     /// Masked completion tokens of the whole batch (TRL's `num_items_in_batch`).
     tokens: f32,
     /// Micro-batches drawn from it so far.
@@ -213,10 +218,23 @@ impl Grpo {
             stop: &self.stop,
         };
         let base = self.rng.next_u64();
+        // The training order of the whole batch (every rank draws the same), from a stream of
+        // its own: the completions sample what they did before the shuffle existed.
+        let order = rollout::shuffled(share * w, &mut Rng::stream(base, usize::MAX));
         let mut rngs: Vec<Rng> = (0..picked.len() * group)
             .map(|c| Rng::stream(base, rank * share + c))
             .collect();
+        let started = std::time::Instant::now();
         let done = rollout::sample(live.model, &lc, &ids, group, &sampler, &mut rngs)?;
+        // The rate of sampling alone (TRL #2610: rollouts are where the time goes), for the log
+        // and `benches/grpo_sampling.sh`; this rank's share.
+        let secs = started.elapsed().as_secs_f64();
+        let sampled: usize = done.iter().map(|(c, _)| c.len()).sum();
+        tracing::info!(
+            "step {step}: sampled {} completions, {sampled} tokens in {secs:.2} s ({:.1} tokens/s)",
+            done.len(),
+            sampled as f64 / secs.max(1e-9)
+        );
         let tok = self.tok.as_ref();
         let mut texts: Vec<String> = done
             .iter()
@@ -318,9 +336,10 @@ impl Grpo {
             .map(|r| rollout::row_mask(r, mask_truncated) * r.completion.len() as f32)
             .sum();
         let names: Vec<String> = self.specs.iter().map(|r| r.name.clone()).collect();
-        self.write_rollouts(step, &rows, &texts, &names, live.world.is_root())?;
+        self.write_rollouts(step, &rows, &texts, &names, &order, live.world.is_root())?;
         self.generation = Some(Generation {
             rows,
+            order,
             tokens,
             served: 0,
         });
@@ -336,10 +355,16 @@ impl Grpo {
         rows: &[Row],
         texts: &[String],
         names: &[String],
+        order: &[usize],
         write: bool,
     ) -> Result<(), TrainError> {
+        // Each completion's row in the shuffled batch (its micro-batch: row / micro_batch_size).
+        let mut train_row = vec![0; order.len()];
+        for (k, &i) in order.iter().enumerate() {
+            train_row[i] = k;
+        }
         let mut text = String::new();
-        for (r, completion) in rows.iter().zip(texts) {
+        for ((r, completion), train_row) in rows.iter().zip(texts).zip(train_row) {
             let rewards: serde_json::Map<String, Value> = (names.iter().zip(&r.rewards))
                 .map(|(n, v)| (n.clone(), json!(v)))
                 .collect();
@@ -353,6 +378,7 @@ impl Grpo {
                 "reward": r.reward,
                 "advantage": r.advantage,
                 "truncated": r.truncated,
+                "train_row": train_row,
             });
             text.push_str(&line.to_string());
             text.push('\n');
@@ -484,8 +510,12 @@ impl Recipe for Grpo {
 
     /// Micro-batch `c` of the generation batch (counted over every rank: the trainer draws the
     /// step's W × `grad_accum` micro-batches on every rank, rank `c mod W` computing `c`) is
-    /// rank `c mod W`'s micro-batch `(c / W) mod steps_per_generation` of its own share, as TRL
-    /// splits each process's share into its steps.
+    /// rows `k·size..(k + 1)·size` of the shuffled batch, `k = c mod (W × steps_per_generation)`
+    /// (each of the `num_iterations` passes in the same order, as TRL reuses its buffer). On one
+    /// process this is TRL's split of its shuffled batch; on W ranks TRL shuffles and splits
+    /// each process's own share, while here every rank holds the whole batch and the shuffle
+    /// spans it, so that W ranks train on the micro-batches of one process with W times the
+    /// accumulation (the same batch, order and result).
     fn draw(&mut self, live: &Live, size: usize) -> Result<GrpoMicro, TrainError> {
         let w = live.world.size;
         if let Some(was) = self.saved_world.take() {
@@ -511,9 +541,11 @@ impl Recipe for Grpo {
         let g = self.generation.as_mut().expect("generated above");
         let c = g.served;
         g.served += 1;
-        let at = ((c % w) * spg + (c / w) % spg) * size;
+        let at = (c % (w * spg)) * size;
         let n = g.rows.len();
-        let rows: Vec<Row> = g.rows[at.min(n)..(at + size).min(n)].to_vec();
+        let rows: Vec<Row> = (at.min(n)..(at + size).min(n))
+            .map(|k| g.rows[g.order.get(k).copied().unwrap_or(k)].clone())
+            .collect();
         let refs: Vec<&Row> = rows.iter().collect();
         Ok(GrpoMicro {
             packed: rollout::pack(&refs, live.pad_id),

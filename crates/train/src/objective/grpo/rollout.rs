@@ -140,6 +140,20 @@ impl Rng {
     }
 }
 
+/// The order a generation batch of `n` completions trains in, as TRL's `shuffle_sequence_dict`
+/// shuffles it before splitting it into `steps_per_generation` micro-batches: a uniform
+/// permutation (Fisher–Yates) drawn from `rng`; `order[k]` is the completion at row `k` of the
+/// shuffled batch.
+pub fn shuffled(n: usize, rng: &mut Rng) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        // Uniform in 0..=i: the high word of a 64 × 64-bit product (no modulo bias).
+        let j = ((u128::from(rng.next_u64()) * (i as u128 + 1)) >> 64) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
 /// Samples `group` completions of every prompt (a prompt's consecutive), completion `c` drawing
 /// from `rngs[c]`; returns each one's tokens (stop token kept) and whether it was cut at
 /// `max_new`.
