@@ -242,6 +242,7 @@ impl CustomOp2 for Gemm {
             _ => candle_core::bail!("blas-sgemm: strides {:?} / {:?}", l1.stride(), l2.stride()),
         };
         let (oa, ob) = (batch_offsets(l1), batch_offsets(l2));
+        crate::served::record(|| self.0.name.clone(), oa.len(), m, k, n);
         let mut out_dims = da[..r - 2].to_vec();
         out_dims.extend([m, n]);
         let total = oa.len() * m * n;
@@ -309,7 +310,7 @@ fn plain(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         }
     }
     let Some(blas) = BLAS.get().and_then(Option::as_ref) else {
-        return a.matmul(b);
+        return candle(a, b);
     };
     let (da, db) = (a.dims(), b.dims());
     let ok = a.device().is_cpu()
@@ -326,9 +327,24 @@ fn plain(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         && plan(a.layout()).is_some()
         && plan(b.layout()).is_some();
     if !ok {
-        return a.matmul(b);
+        return candle(a, b);
     }
     a.apply_op2_no_bwd(b, &Gemm(blas))
+}
+
+/// candle's own matmul (the `gemm` crate on the CPU, cuBLAS on CUDA), tallied for reports.
+fn candle(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (batch, m, k, n) = crate::served::dims(a.dims(), b.dims());
+    let engine = || {
+        let on = if a.device().is_cpu() {
+            "gemm crate"
+        } else {
+            "cuBLAS"
+        };
+        format!("candle's matmul ({on}, {:?})", a.dtype()).to_lowercase()
+    };
+    crate::served::record(engine, batch, m, k, n);
+    a.matmul(b)
 }
 
 /// The operands with each one that fails [`cuda_gemm_ok`]'s rule replaced by a contiguous copy

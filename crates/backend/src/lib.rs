@@ -4,7 +4,8 @@
 //! - [`blas`]: the training path's GEMM ([`blas::matmul`]): OpenBLAS loaded at run time, candle's
 //!   gemm otherwise, cuBLAS on CUDA; [`blas::autocast`] (bf16 products, f32 accumulation, as
 //!   `torch.autocast`); [`onednn`]: oneDNN's bf16 GEMMs, loaded at run time; [`cpu_features`]:
-//!   what the CPU can do, as the kernels see it.
+//!   what the CPU can do, as the kernels see it; [`served`]: which engine served each product
+//!   (`rtune bench`'s report).
 //! - [`cpu`]: the CPU row loops' machinery: element types ([`cpu::Elem`]), the AVX-512F / AVX2
 //!   dispatch ([`cpu::dispatch`]), parallel rows; [`storage`]: reading candle's storage, the
 //!   dtype rule and shape checks of every fused op, and with `cuda` its CUDA buffers.
@@ -48,6 +49,7 @@ pub mod memory;
 pub mod offload;
 pub mod onednn;
 mod precision;
+pub mod served;
 pub mod storage;
 
 #[cfg(feature = "kernels")]

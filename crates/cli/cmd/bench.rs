@@ -101,12 +101,31 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     })?;
     if let Some(c) = &res.ceiling {
-        for g in c.f32.iter().chain(&c.compute) {
+        // f32, then bf16 (the compute dtype's for an f16 bench too).
+        let other = if o.dtype == "f16" {
+            &c.compute
+        } else {
+            &c.bf16
+        };
+        for g in c.f32.iter().chain(other) {
             println!(
-                "gemm ceiling: {:<9} {}×{}·{}×{} {:<4} {:7.1} GFLOP/s",
-                g.what, g.m, g.k, g.k, g.n, g.dtype, g.gflops
+                "gemm ceiling: {:<9} {}×{}·{}×{} {:<4} {:7.1} GFLOP/s  {}",
+                g.what, g.m, g.k, g.k, g.n, g.dtype, g.gflops, g.engine
             );
         }
+        println!(
+            "gemm ceilings: f32 {:.1} GFLOP/s, bf16 {:.1} GFLOP/s",
+            c.f32_best_gflops, c.bf16_best_gflops
+        );
+    }
+    for s in &res.served {
+        println!(
+            "served: {:<9} {:5.1}% of its FLOPs ({} calls)  {}",
+            s.class,
+            100.0 * s.share,
+            s.calls,
+            s.engine
+        );
     }
     let ceiling = match &res.ceiling {
         Some(c) => format!(

@@ -13,6 +13,15 @@
 //! The GEMM ceiling ([`gemm_rates`], after the steps): the best rate the training path's matmul
 //! (`rtune_backend::blas::matmul`) reaches on the bench's own GEMM shapes, in f32 and in the compute
 //! dtype; the step's achieved rate (`tokens/s × flops_per_token`) is reported as a fraction of it.
+//! Both ceilings are always measured (f32, and bf16 whatever the bench's dtype), each shape with the
+//! engine that served it; a bf16 probe's weight is packed for oneDNN as the model's are
+//! (`rtune_backend::onednn::pack`), so the probe runs the path the step runs.
+//!
+//! Which engine served each class of product in the timed steps (`served`): the engines' tally
+//! ([`rtune_backend::served`]), its shapes sorted into the frozen weights' products (forward and
+//! input gradient of each projection and the lm_head: the shape's `(k, n)` is a weight's `(in,
+//! out)` or `(out, in)`), LoRA's (a dim of `r`, `2r` or `3r`: one member's or a fused group's
+//! stacked ranks), and attention's (the tiled kernel, or the plain path's batched products).
 
 use candle_core::DType;
 use serde::Serialize;
@@ -156,6 +165,9 @@ pub struct BenchResult {
     pub achieved_gflops: f64,
     /// The GEMM rates on this shape's own matmuls (`None` with `--no-ceiling`).
     pub ceiling: Option<Ceiling>,
+    /// Which engine served each class of the timed steps' products, by class, largest share
+    /// first.
+    pub served: Vec<Served>,
 }
 
 /// The GEMM ceiling: the best rate the matmul path reaches on the bench's own GEMM shapes, for
@@ -166,6 +178,11 @@ pub struct Ceiling {
     pub f32: Vec<GemmRate>,
     /// The same in the compute dtype when it is not f32.
     pub compute: Vec<GemmRate>,
+    /// The same in bf16 (`compute`'s rates for a bf16 or autocast bench).
+    pub bf16: Vec<GemmRate>,
+    /// The best of `f32` and of `bf16`, GFLOP/s.
+    pub f32_best_gflops: f64,
+    pub bf16_best_gflops: f64,
     /// The best of `compute` (of `f32` for an f32 bench), GFLOP/s.
     pub best_gflops: f64,
     /// `achieved_gflops / best_gflops`.
@@ -181,6 +198,21 @@ pub struct GemmRate {
     pub n: usize,
     pub dtype: String,
     pub gflops: f64,
+    /// What served it (`oneDNN (brg:avx512_core_bf16, packed B)`, the CBLAS's name, ...).
+    pub engine: String,
+}
+
+/// One class of the step's products and an engine that served part of it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Served {
+    /// `frozen`, `LoRA`, `attention` or `other` (see the module note).
+    pub class: &'static str,
+    pub engine: String,
+    pub calls: u64,
+    /// This engine's share of the class's FLOPs.
+    pub share: f64,
+    /// GFLOP it ran over the timed steps.
+    pub gflop: f64,
 }
 
 /// The forward GEMMs of a bench step as the model runs them (`N = batch·seq` rows): fused q/k/v,
@@ -216,6 +248,9 @@ pub fn gemm_rates(
         let w = candle_core::Tensor::randn(0f32, 1.0, (n, k), dev)
             .and_then(|t| t.to_dtype(dtype))
             .map_err(ce)?;
+        // Packed as the model's frozen bf16 weights are (nothing happens in other dtypes).
+        let _packed = rtune_backend::onednn::pack(&w);
+        let tally = rtune_backend::served::start();
         let run = || -> Result<f64, DiagError> {
             let t0 = Instant::now();
             let y = rtune_backend::blas::matmul(&a, &w.t().map_err(ce)?).map_err(ce)?;
@@ -224,6 +259,13 @@ pub fn gemm_rates(
             Ok(t0.elapsed().as_secs_f64())
         };
         run()?;
+        // The engine of the untimed call (the timed ones take the same path).
+        let engine = tally
+            .rows()
+            .into_iter()
+            .find(|r| (r.m, r.k, r.n) == (m, k, n))
+            .map_or_else(|| "unknown".to_string(), |r| r.engine);
+        drop(tally);
         let (mut best, mut spent) = (f64::INFINITY, 0.0);
         for _ in 0..5 {
             let dt = run()?;
@@ -240,6 +282,7 @@ pub fn gemm_rates(
             n,
             dtype: format!("{dtype:?}").to_lowercase(),
             gflops: 2.0 * (m * k * n) as f64 / best / 1e9,
+            engine,
         });
     }
     Ok(out)
@@ -384,7 +427,11 @@ pub fn run(
     let n = o.batch * o.seq;
     let mut step_s = Vec::new();
     let mut final_loss = f64::NAN;
+    let mut tally = None;
     for step in 0..o.warmup + o.steps {
+        if step == o.warmup {
+            tally = Some(rtune_backend::served::start());
+        }
         // Token ids from a fixed LCG: every position has a target, as in the PEFT bench.
         let ids: Vec<u32> = (0..n as u64)
             .map(|i| {
@@ -438,6 +485,7 @@ pub fn run(
     // The peaks of the steps, read before the ceiling probe: its products (the lm_head's is
     // `batch·seq × vocab` f32, 1 GB at bench-small seq 2048) would otherwise be the peak.
     let (peak_memory_bytes, peak_rss_bytes) = (memory::peak_bytes(&dev), memory::peak_rss_bytes());
+    let served = served_by_class(o, &tally.map(|t| t.rows()).unwrap_or_default());
     let ceiling = if o.ceiling {
         let f32 = gemm_rates(o, &dev, DType::F32)?;
         let compute = if autocast {
@@ -447,12 +495,21 @@ pub fn run(
         } else {
             gemm_rates(o, &dev, dtype)?
         };
+        let bf16 = if autocast || dtype == DType::BF16 {
+            compute.clone()
+        } else {
+            gemm_rates(o, &dev, DType::BF16)?
+        };
+        let top = |rs: &[GemmRate]| rs.iter().map(|r| r.gflops).fold(0.0, f64::max);
         let best = if compute.is_empty() { &f32 } else { &compute };
-        let best_gflops = best.iter().map(|r| r.gflops).fold(0.0, f64::max);
+        let best_gflops = top(best);
         Some(Ceiling {
             fraction: achieved_gflops / best_gflops,
+            f32_best_gflops: top(&f32),
+            bf16_best_gflops: top(&bf16),
             f32,
             compute,
+            bf16,
             best_gflops,
         })
     } else {
@@ -485,7 +542,68 @@ pub fn run(
         final_loss,
         achieved_gflops,
         ceiling,
+        served,
     })
+}
+
+/// The class of a tallied product (see the module note): `frozen` when its `(k, n)` is a frozen
+/// weight's `(in, out)` or `(out, in)`, `LoRA` when a dim is `r`, `2r` or `3r` (or rtune's
+/// `lora_up` ran it), `attention` for the tiled kernel and other batched products.
+fn class(o: &BenchOptions, r: &rtune_backend::served::Row) -> &'static str {
+    let frozen = gemm_shapes(o)
+        .into_iter()
+        .any(|(_, _, k, n)| (r.k, r.n) == (k, n) || (r.k, r.n) == (n, k));
+    let lora = [o.r, 2 * o.r, 3 * o.r];
+    if r.engine.contains("attention") {
+        "attention"
+    } else if r.engine.contains("lora_up") {
+        "LoRA"
+    } else if r.batch == 1 && frozen {
+        "frozen"
+    } else if [r.m, r.k, r.n].iter().any(|d| lora.contains(d)) {
+        "LoRA"
+    } else if r.batch > 1 {
+        "attention"
+    } else {
+        "other"
+    }
+}
+
+/// The tally's rows summed by class and engine, each with its share of its class's FLOPs; the
+/// classes in the order frozen, LoRA, attention, other, the engines by share.
+fn served_by_class(o: &BenchOptions, rows: &[rtune_backend::served::Row]) -> Vec<Served> {
+    let mut out: Vec<Served> = Vec::new();
+    for r in rows {
+        let c = class(o, r);
+        match out
+            .iter_mut()
+            .find(|s| s.class == c && s.engine == r.engine)
+        {
+            Some(s) => {
+                s.calls += r.calls;
+                s.gflop += r.flops() / 1e9;
+            }
+            None => out.push(Served {
+                class: c,
+                engine: r.engine.clone(),
+                calls: r.calls,
+                share: 0.0,
+                gflop: r.flops() / 1e9,
+            }),
+        }
+    }
+    let order = ["frozen", "LoRA", "attention", "other"];
+    for i in 0..out.len() {
+        let total: f64 = out
+            .iter()
+            .filter(|s| s.class == out[i].class)
+            .map(|s| s.gflop)
+            .sum();
+        out[i].share = out[i].gflop / total.max(f64::MIN_POSITIVE);
+    }
+    let rank = |s: &Served| order.iter().position(|c| *c == s.class);
+    out.sort_by(|a, b| rank(a).cmp(&rank(b)).then(b.share.total_cmp(&a.share)));
+    out
 }
 
 #[cfg(test)]
@@ -526,6 +644,29 @@ mod tests {
         assert_eq!(c.best_gflops, best);
         assert!((c.fraction - r.achieved_gflops / best).abs() < 1e-12);
         assert_eq!(c.f32[4].n, 256, "lm_head: vocab columns");
+        // Both ceilings, each shape with its engine.
+        assert_eq!(c.bf16.len(), 5);
+        assert_eq!(c.bf16_best_gflops, best);
+        let f32_best = c.f32.iter().map(|g| g.gflops).fold(0.0, f64::max);
+        assert_eq!(c.f32_best_gflops, f32_best);
+        assert!(c.f32.iter().chain(&c.bf16).all(|g| g.engine != "unknown"));
+        // The step's products by class: frozen, LoRA and attention all tallied, each class's
+        // shares summing to 1; with oneDNN in use most frozen FLOPs read packed weights.
+        for class in ["frozen", "LoRA", "attention"] {
+            let rows: Vec<_> = r.served.iter().filter(|s| s.class == class).collect();
+            assert!(!rows.is_empty(), "{class}: {:?}", r.served);
+            let total: f64 = rows.iter().map(|s| s.share).sum();
+            assert!((total - 1.0).abs() < 1e-9, "{class}: {total}");
+        }
+        let frozen = r
+            .served
+            .iter()
+            .find(|s| s.class == "frozen")
+            .expect("tallied");
+        assert!(frozen.gflop > 0.0 && frozen.calls > 0);
+        if rtune_backend::onednn::get().is_ok() {
+            assert!(frozen.engine.contains("packed B"), "{:?}", r.served);
+        }
         assert!(r.final_loss.is_finite() && r.tokens_per_s > 0.0);
         if cfg!(target_os = "linux") {
             assert!(r.peak_reset, "VmHWM restarted via /proc/self/clear_refs");

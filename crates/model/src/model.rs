@@ -54,6 +54,9 @@ pub struct Model {
     /// The last training pass's load-balancing loss (before `router_aux_loss_coef`), for the
     /// `aux_loss` metric; `None` without one.
     last_aux: std::sync::Mutex<Option<f64>>,
+    /// The frozen bf16 weights registered for oneDNN's packed layout ([`Model::pack_frozen`]);
+    /// their packed copies live as long as these handles.
+    packed: Vec<rtune_backend::onednn::Packed>,
 }
 
 /// Token ids and positions of a right-padded batch, row-major `(B, T)`.
@@ -417,7 +420,7 @@ impl Model {
         };
         let rope = crate::rope::freqs(&cfg);
         let local_rope = crate::rope::local_freqs(&cfg);
-        Ok(Self {
+        let mut model = Self {
             cfg,
             dtype,
             device: device.clone(),
@@ -433,7 +436,47 @@ impl Model {
             offloader: Default::default(),
             sharded,
             last_aux: Default::default(),
-        })
+            packed: Vec::new(),
+        };
+        model.pack_frozen();
+        Ok(model)
+    }
+
+    /// Registers every weight a frozen product reads as its right operand — the fused q/k/v and
+    /// gate/up blocks (or the members' own weights where there is no block), o_proj, down_proj
+    /// and the lm_head — for oneDNN's packed layout (`rtune_backend::onednn::pack`: bf16 on the
+    /// CPU with oneDNN in use; nothing otherwise). Each is reordered once, on its first product in
+    /// each orientation (forward `x·Wᵀ`, backward `dy·W`). Replaces the previous registrations
+    /// (their copies are freed), so it is called again when the weights change.
+    fn pack_frozen(&mut self) {
+        self.packed.clear();
+        let mut ws: Vec<&Tensor> = Vec::new();
+        for layer in &self.layers {
+            for (block, members) in [
+                (&layer.qkv, &layer.attn_in),
+                (&layer.gate_up, &layer.mlp_in),
+            ] {
+                match block {
+                    Some(b) => ws.push(b),
+                    None => ws.extend(members.iter().filter_map(|m| match &m.w {
+                        Frozen::Dense(t) => Some(t),
+                        _ => None,
+                    })),
+                }
+            }
+            for lin in std::iter::once(&layer.o).chain(&layer.down) {
+                if let Frozen::Dense(t) = &lin.w {
+                    ws.push(t);
+                }
+            }
+        }
+        if self.sharded.is_none() {
+            ws.push(&self.lm_head);
+        }
+        self.packed = ws
+            .into_iter()
+            .filter_map(rtune_backend::onednn::pack)
+            .collect();
     }
 
     /// Switches an f32 model to bf16 autocast (`[model] dtype = "bf16-autocast"`, PEFT under
@@ -493,6 +536,7 @@ impl Model {
             None => self.lm_head = bf16("lm_head", &self.lm_head)?,
         }
         self.autocast = true;
+        self.pack_frozen();
         Ok(())
     }
 

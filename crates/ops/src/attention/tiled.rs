@@ -125,6 +125,21 @@ impl Dims {
 }
 
 /// The shapes of `q, k, v, starts` checked against each other; errors name the op and the tensor.
+/// Tallies `products` tile-product passes of `(T, Dh)·(Dh, T)` per head for `rtune bench`
+/// ([`rtune_backend::served`]; counted whole, as the bench's FLOPs are): 2 forward (`S = Q·Kᵀ`,
+/// `P·V`), 5 backward (`S` again, `dP`, `dQ`, `dK`, `dV`).
+fn served(products: usize, d: &Dims) {
+    for _ in 0..products {
+        rtune_backend::served::record(
+            || "rtune tiled attention (gemm crate, f32 tiles)".into(),
+            d.b * d.h,
+            d.t,
+            d.dh,
+            d.t,
+        );
+    }
+}
+
 fn dims(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, starts: &Tensor) -> Result<Dims> {
     let (b, h, t, dh) = q.dims4()?;
     let (kb, hkv, kt, kd) = k.dims4()?;
@@ -210,6 +225,7 @@ pub fn flash_attn_with(
     rtune_backend::blas::layout_audit::call(op, q.dims(), k.dims());
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
+    served(2, &d);
     let (q, k, v, starts) = (
         q.contiguous()?,
         k.contiguous()?,
@@ -280,6 +296,7 @@ pub fn flash_attn_bwd_with(
     let op = "flash_attn_bwd";
     let cap = Cap::new(op, softcap)?;
     let d = dims(op, q, k, v, starts)?;
+    served(5, &d);
     let dt = float_dtype(
         op,
         &[

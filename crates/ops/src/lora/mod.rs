@@ -65,6 +65,9 @@ pub fn lora_up(
         (xa.clone(), m.clone())
     };
     let (xa, m) = (xa.contiguous()?, m.contiguous()?);
+    if let (Ok((rows, r)), Ok(n)) = (xa.dims2(), m.dim(1)) {
+        rtune_backend::served::record(|| "rtune lora_up (f32 sums)".into(), 1, rows, r, n);
+    }
     let y = if row_view(y.layout()) {
         y.clone()
     } else {
