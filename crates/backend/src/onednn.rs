@@ -31,7 +31,7 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Mutex, Once, OnceLock};
 
 mod packed;
-pub use packed::{pack, packed_bytes, Packed};
+pub use packed::{pack, packed_bytes, register, Packed};
 
 type Status = c_int;
 type Handle = *mut c_void;
@@ -697,7 +697,7 @@ mod tests {
         let w = bf(Tensor::randn(0f32, 1.0, (96, 320), &dev)?)?;
         let plain = w.copy()?;
         let before = packed_bytes();
-        let handle = pack(&w).expect("a bf16 CPU matrix registers");
+        let handle = register(&w).expect("a bf16 CPU matrix registers");
         assert_eq!(
             packed_bytes(),
             before,
@@ -738,8 +738,8 @@ mod tests {
         drop(handle);
         assert_eq!(packed_bytes(), before, "freed with the last handle");
         // Not registered: f32, or a 3-d tensor.
-        assert!(pack(&w.to_dtype(DType::F32)?).is_none());
-        assert!(pack(&w.reshape((2, 48, 320))?).is_none());
+        assert!(register(&w.to_dtype(DType::F32)?).is_none());
+        assert!(register(&w.reshape((2, 48, 320))?).is_none());
         Ok(())
     }
 

@@ -248,8 +248,9 @@ pub fn gemm_rates(
         let w = candle_core::Tensor::randn(0f32, 1.0, (n, k), dev)
             .and_then(|t| t.to_dtype(dtype))
             .map_err(ce)?;
-        // Packed as the model's frozen bf16 weights are (nothing happens in other dtypes).
-        let _packed = rtune_backend::onednn::pack(&w);
+        // Packed for oneDNN whatever `RTUNE_ONEDNN_PACK` says (nothing happens in other dtypes):
+        // the ceiling is the best rate the engine reaches, which the model reaches with packing on.
+        let _packed = rtune_backend::onednn::register(&w);
         let tally = rtune_backend::served::start();
         let run = || -> Result<f64, DiagError> {
             let t0 = Instant::now();
