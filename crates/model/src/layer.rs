@@ -113,7 +113,8 @@ enum MlpCache {
         m: Option<Tensor>,
         cd: LinearCache,
     },
-    Moe(crate::moe::MoeLayerCache),
+    /// Boxed: the routing cache is ~3× the dense variant (clippy `large_enum_variant`).
+    Moe(Box<crate::moe::MoeLayerCache>),
 }
 
 impl LayerCache {
@@ -473,7 +474,7 @@ impl Layer {
                     Pass::Recompute(_) => None,
                     _ => Some(ops::add(&h, &d)?),
                 };
-                (out, MlpCache::Moe(c), n_ff)
+                (out, MlpCache::Moe(Box::new(c)), n_ff)
             }
             (None, Some(down)) => self.dense_mlp(&h, &h2, down, lora, pass)?,
             (None, None) => {
