@@ -291,7 +291,7 @@ pub fn step_parity(dev: &Device, runner: &mut Runner) {
 /// The name of [`lora_casts`]' check.
 pub const LORA_CASTS: &str = "lora bf16 branch: casts per layer (expected 0)";
 
-/// One bf16 Llama step on `dev` ([`step`]'s, no checkpointing) with the LoRA code's casts counted
+/// One bf16 Llama step on `dev` (`step`'s, no checkpointing) with the LoRA code's casts counted
 /// ([`rtune_backend::cast::counting`]): passes with none. On CUDA the LoRA branch runs in bf16 on
 /// cuBLAS (`rtune_model`'s `half_branch`) and casts no activation; with `RTUNE_UNFUSED=lora_bf16`
 /// (or on the CPU) it casts each adapted module's input and output gradient to f32, and fails.
