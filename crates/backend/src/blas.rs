@@ -532,6 +532,7 @@ pub mod layout_audit {
     }
 }
 
+pub mod acc;
 pub mod autocast;
 
 /// One operand of [`sgemm`]: a row-major matrix in `data`, read as stored (`trans` false:

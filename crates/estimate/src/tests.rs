@@ -611,3 +611,77 @@ fn mixture_of_experts_counts_total_and_active_parameters() {
     let weights = est.get(names::WEIGHTS);
     assert!(weights.abs_diff(total * 4) < 4_000_000, "{weights}");
 }
+
+// GRPO's sampling phase (`sampling.rs`); here, not in that file, since the row test reads
+// `run.rs`'s `fit_to_data`, which reads `sampling.rs`.
+
+/// Llama: hidden 8, 2 heads of 4 (2 kv heads), intermediate 16, vocab 32, 2 layers.
+fn grpo_tiny() -> ModelConfig {
+    let text = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":8,"intermediate_size":16,
+        "num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":2,"vocab_size":32}"#;
+    serde_json::from_str::<HfConfig>(text)
+        .unwrap()
+        .into_config(std::path::Path::new("config.json"))
+        .unwrap()
+}
+
+/// 2 completion rows a micro-batch from a generation batch of `completions`.
+fn grpo_settings(completions: usize, prompt_len: usize, max_completion: usize) -> Settings {
+    let mut s = Settings::new(2, 2, prompt_len + max_completion, false);
+    s.sampling = Some(Sampling {
+        completions,
+        prompt_len,
+        max_completion,
+        keeps_old: true,
+        reference: true,
+    });
+    s
+}
+
+/// Where sampling is the peak (64 completions decoded together, 2 trained at a time), one
+/// more completion token adds the KV cache's two copies of one slot of every completion,
+/// `2·C·kv_bytes_per_slot`, and the kept batch's id and two log-probs, `3·4·C`: exactly,
+/// since the heap's high-water mark is the sampling phase's. Dropping the cache or the kept
+/// batch changes the difference.
+#[test]
+fn sampling_grows_by_the_cache_and_the_kept_batch_per_completion_token() {
+    let c = grpo_tiny();
+    let (cs, prompt) = (64u64, 20);
+    let at = |n: usize| estimate(&c, &grpo_settings(cs as usize, prompt, n));
+    let (a, b) = (at(100), at(101));
+    assert_eq!(a.phase, Phase::Sampling.name());
+    assert_eq!(b.phase, Phase::Sampling.name());
+    // 2 layers × (k, v) × 2 kv heads × 4 dims × 4 bytes.
+    let per_slot = kv_bytes_per_slot(&c, &grpo_settings(1, 1, 1));
+    assert_eq!(per_slot, 2 * 2 * 2 * 4 * 4);
+    assert_eq!(a.get(names::KV_CACHE), 2 * cs * 120 * per_slot);
+    assert_eq!(b.peak_bytes - a.peak_bytes, 2 * cs * per_slot + 3 * 4 * cs);
+    // The training pass alone (no generation batch) is lower.
+    let mut plain = grpo_settings(cs as usize, prompt, 100);
+    plain.sampling = None;
+    let p = estimate(&c, &plain);
+    assert!(
+        p.peak_bytes < a.peak_bytes,
+        "{} vs {}",
+        p.peak_bytes,
+        a.peak_bytes
+    );
+    assert_eq!(p.get(names::KV_CACHE) + p.get(names::GENERATION), 0);
+}
+
+/// The training pass of a GRPO step is the longest prompt plus a whole completion, every
+/// completion token a target (the prompts are data, not targets); the cache's prompt is the
+/// longest prompt.
+#[test]
+fn grpo_rows_are_the_longest_prompt_and_a_whole_completion() {
+    let prompt = |n: usize| rtune_data::Example {
+        input_ids: vec![1; n],
+        labels: vec![rtune_data::IGNORE; n],
+    };
+    let mut s = grpo_settings(16, 90, 32);
+    fit_to_data(&mut s, &[prompt(7), prompt(12), prompt(9)], 128);
+    assert_eq!(s.seq_len, 12 + 32);
+    assert_eq!(s.target_rows, Some(2 * 32));
+    assert_eq!(s.sampling.unwrap().prompt_len, 12);
+    assert_eq!(s.sampling.unwrap().slots(), 44);
+}
