@@ -652,7 +652,8 @@ mod tests {
         assert_eq!(c.f32_best_gflops, f32_best);
         assert!(c.f32.iter().chain(&c.bf16).all(|g| g.engine != "unknown"));
         // The step's products by class: frozen, LoRA and attention all tallied, each class's
-        // shares summing to 1; with oneDNN in use most frozen FLOPs read packed weights.
+        // shares summing to 1; with oneDNN in use frozen products go through it (packed only with
+        // `RTUNE_ONEDNN_PACK=on`; the tally is the process's, so a test beside this one adds rows).
         for class in ["frozen", "LoRA", "attention"] {
             let rows: Vec<_> = r.served.iter().filter(|s| s.class == class).collect();
             assert!(!rows.is_empty(), "{class}: {:?}", r.served);
@@ -666,7 +667,13 @@ mod tests {
             .expect("tallied");
         assert!(frozen.gflop > 0.0 && frozen.calls > 0);
         if rtune_backend::onednn::get().is_ok() {
-            assert!(frozen.engine.contains("packed B"), "{:?}", r.served);
+            assert!(
+                r.served
+                    .iter()
+                    .any(|s| s.class == "frozen" && s.engine.starts_with("oneDNN")),
+                "{:?}",
+                r.served
+            );
         }
         assert!(r.final_loss.is_finite() && r.tokens_per_s > 0.0);
         if cfg!(target_os = "linux") {
