@@ -33,7 +33,14 @@ E2M1 codes a byte, low nibble first; `*_scales: (E, out, in/32)` u8, e8m0 biased
 `quantization_config` of the release), by this script's own round-to-nearest quantizer, and
 golden_gpt_oss_mxfp4.safetensors: transformers' `convert_moe_packed_tensors` of those blocks in f32
 (what its dequantizing load gives).
-Deterministic: seeded init, deterministic algorithms, CPU, f32, eager attention.
+bf16 (`--only qwen3_moe_bf16,mixtral_bf16,gpt_oss_bf16`): the same three fixtures (not remade) loaded
+and computed in bf16 by transformers (its default `grouped_mm` experts), PEFT's LoRA weights in f32 as
+it keeps them (`autocast_adapter_dtype`); PEFT folds each expert stack's update into the bf16 stack
+(`baddbmm(W, lhs, rhs)` in bf16, factors cast to bf16) before the experts run. The same keys, the
+golden named golden_tiny_<family>_bf16.safetensors, `meta.dtype` "bfloat16"; torch's bf16 CPU
+kernels are chosen by CPU, so a rerun elsewhere may differ in the last bits (made on the 2-core
+AVX-512-BF16 EPYC).
+Deterministic: seeded init, deterministic algorithms, CPU, f32 (bf16 where named), eager attention.
 """
 import json
 import os
@@ -103,7 +110,7 @@ def make(name, cfg):
                 p.normal_(0.0, 0.1)
     out_dir = os.path.join(FIX, f"tiny-{name.replace('_', '-')}")
     model.save_pretrained(out_dir, safe_serialization=True)
-    golden(name, out_dir)
+    golden(name, out_dir, torch.float32)
     if name == "gpt_oss":
         mxfp4(model, out_dir)
 
@@ -156,10 +163,10 @@ def mxfp4(model, dense_dir):
     print("mxfp4:", sorted(q)[:4], "...")
 
 
-def golden(name, model_dir):
+def golden(name, model_dir, dtype):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
                                              target_parameters=PARAMS, lora_dropout=0.0,
                                              task_type="CAUSAL_LM"))
@@ -171,6 +178,7 @@ def golden(name, model_dir):
                 a.copy_((torch.rand(a.shape, generator=g) * 2 - 1) / a.shape[1] ** 0.5)
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert all(p.dtype == torch.float32 for _, p in params), "PEFT keeps LoRA weights in f32"
     tensors = {"init." + peft_key(n): p.detach().clone() for n, p in params}
     ids = torch.randint(3, cfg_vocab(model), (B, T), generator=torch.Generator().manual_seed(2))
     ids[:, 0] = 1
@@ -202,7 +210,7 @@ def golden(name, model_dir):
     meta = {"r": R, "lora_alpha": ALPHA, "use_rslora": False, "scaling": ALPHA / R, "target_modules": TARGETS,
             "target_parameters": PARAMS, "peft_keys": saved,
             "n_lora_modules": len(params) // 2, "adamw": {"lr": LR, "weight_decay": 0.0, "steps": STEPS},
-            "model": name, "dtype": "float32", "versions": {"torch": torch.__version__,
+            "model": name, "dtype": str(dtype).replace("torch.", ""), "versions": {"torch": torch.__version__,
                                                             "transformers": __import__("transformers").__version__,
                                                             "peft": __import__("peft").__version__}}
     path = os.path.join(HERE, f"golden_tiny_{name}.safetensors")
@@ -218,8 +226,13 @@ def cfg_vocab(model):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss)")
+    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss, "
+                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
             make(name, cfg)
+    # bf16 compute on the committed fixtures (f32 on disk, cast at load).
+    for name in MODELS:
+        if not only or f"{name}_bf16" in only:
+            golden(f"{name}_bf16", os.path.join(FIX, f"tiny-{name.replace('_', '-')}"), torch.bfloat16)

@@ -75,6 +75,7 @@ fn experts<'a>(c: &'a Case, lora: bool) -> Experts<'a> {
         act: ExpertAct::SwiGlu,
         lora_gate_up: lora.then(|| pair(&c.lgu, S_GU)),
         lora_down: lora.then(|| pair(&c.ld, S_D)),
+        combine_f32: false,
     }
 }
 
@@ -419,6 +420,7 @@ fn moe_timing() {
             b: &bd,
             scale: 2.0,
         }),
+        combine_f32: false,
     };
     let dy = randn(&[t, h], 9, 1.0);
     let groups = Groups::new(&routed.experts, k, e).unwrap();
