@@ -40,6 +40,11 @@ it keeps them (`autocast_adapter_dtype`); PEFT folds each expert stack's update 
 golden named golden_tiny_<family>_bf16.safetensors, `meta.dtype` "bfloat16"; torch's bf16 CPU
 kernels are chosen by CPU, so a rerun elsewhere may differ in the last bits (made on the 2-core
 AVX-512-BF16 EPYC).
+QLoRA (`--only qwen3_moe_nf4`): the Qwen3-MoE fixture loaded by transformers with bitsandbytes
+0.50.2's `load_in_4bit` (NF4, compute f32), which quantizes every `nn.Linear` (attention, the dense
+layer's MLP) but not the fused 3-D expert parameters nor the router (`nn.Parameter`s, not linears):
+they stay f32, and PEFT's `target_parameters` adapts them as above. NF4 dequantized by the format's
+definition (make_goldens.py's `nf4_dequantize_by_definition`); golden_tiny_qwen3_moe_nf4.safetensors.
 Deterministic: seeded init, deterministic algorithms, CPU, f32 (bf16 where named), eager attention.
 """
 import json
@@ -163,10 +168,25 @@ def mxfp4(model, dense_dir):
     print("mxfp4:", sorted(q)[:4], "...")
 
 
-def golden(name, model_dir, dtype):
+def golden(name, model_dir, dtype, nf4=False):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    kwargs = {}
+    if nf4:
+        from make_goldens import nf4_dequantize_by_definition
+        from transformers import BitsAndBytesConfig
+        nf4_dequantize_by_definition()
+        kwargs = dict(device_map="cpu", quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+            bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.uint8))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **kwargs)
+    if nf4:  # bitsandbytes leaves the 3-D expert stacks (and the router) unquantized
+        experts = [n for n, p in model.named_parameters() if ".mlp.experts." in n]
+        assert experts and all(model.get_parameter(n).dtype == torch.float32 for n in experts)
+        import bitsandbytes as bnb
+        for m in model.modules():  # no AVX-512 repacking for the no-grad forward: rows of 96 fail it
+            if isinstance(m, bnb.nn.Linear4bit):
+                m.support_avx512bf16_for_cpu = False
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
                                              target_parameters=PARAMS, lora_dropout=0.0,
                                              task_type="CAUSAL_LM"))
@@ -210,7 +230,7 @@ def golden(name, model_dir, dtype):
     meta = {"r": R, "lora_alpha": ALPHA, "use_rslora": False, "scaling": ALPHA / R, "target_modules": TARGETS,
             "target_parameters": PARAMS, "peft_keys": saved,
             "n_lora_modules": len(params) // 2, "adamw": {"lr": LR, "weight_decay": 0.0, "steps": STEPS},
-            "model": name, "dtype": str(dtype).replace("torch.", ""), "versions": {"torch": torch.__version__,
+            "model": name, "dtype": str(dtype).replace("torch.", ""), "quant": "nf4" if nf4 else None, "versions": {"torch": torch.__version__,
                                                             "transformers": __import__("transformers").__version__,
                                                             "peft": __import__("peft").__version__}}
     path = os.path.join(HERE, f"golden_tiny_{name}.safetensors")
@@ -227,7 +247,7 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss, "
-                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16)")
+                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16, qwen3_moe_nf4)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
@@ -236,3 +256,6 @@ if __name__ == "__main__":
     for name in MODELS:
         if not only or f"{name}_bf16" in only:
             golden(f"{name}_bf16", os.path.join(FIX, f"tiny-{name.replace('_', '-')}"), torch.bfloat16)
+    # QLoRA: bitsandbytes NF4 on the linears, the experts as stored.
+    if not only or "qwen3_moe_nf4" in only:
+        golden("qwen3_moe_nf4", os.path.join(FIX, "tiny-qwen3-moe"), torch.float32, nf4=True)
