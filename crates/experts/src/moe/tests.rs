@@ -656,3 +656,57 @@ fn bf16_experts_fold_each_update_into_the_weight() {
     assert_eq!(bits(&ym), bits(&bf(&want)), "combine_f32");
     assert_ne!(bits(&ym), bits(&y_ref), "combine_f32 changed nothing");
 }
+
+/// The per-expert path in bf16 on `moe_timing`'s shape (E 128, top-8, 2048 tokens), forward and
+/// backward, unadapted and with both stacks adapted (folded): best of 3 each, printed
+/// (`cargo test --offline -p rtune-experts moe_timing_bf16 -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn moe_timing_bf16() {
+    use std::time::Instant;
+    let (t, h, e, i, k, r) = (2048, 512, 128, 192, 8, 16);
+    let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+    let x = bf(randn(&[t, h], 1, 1.0));
+    let gate_up = bf(randn(&[e, 2 * i, h], 2, 0.05));
+    let down = bf(randn(&[e, h, i], 3, 0.05));
+    let (ag, bg) = (
+        bf(randn(&[e * r, h], 4, 0.05)),
+        bf(randn(&[2 * i, r * e], 5, 0.05)),
+    );
+    let (ad, bd) = (
+        bf(randn(&[e * r, i], 6, 0.05)),
+        bf(randn(&[h, r * e], 7, 0.05)),
+    );
+    let logits = flat(&randn(&[t, e], 8, 3.0));
+    let routed = route(&logits, e, k, Routing::SoftmaxTopK { normalize: true }).unwrap();
+    let dy = bf(randn(&[t, h], 9, 1.0));
+    let w = &routed.weights;
+    for lora in [false, true] {
+        let ex = Experts {
+            gate_up: &gate_up,
+            down: &down,
+            gate_up_bias: None,
+            down_bias: None,
+            act: ExpertAct::SwiGlu,
+            lora_gate_up: lora.then_some(ExpertLora {
+                a: &ag,
+                b: &bg,
+                scale: 2.0,
+            }),
+            lora_down: lora.then_some(ExpertLora {
+                a: &ad,
+                b: &bd,
+                scale: 2.0,
+            }),
+            combine_f32: false,
+        };
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let (_, c) = moe_forward(&x, &routed.experts, w, k, &ex).unwrap();
+            moe_backward(&dy, w, &ex, &c).unwrap();
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        eprintln!("bf16 per-expert lora {lora}: {:.1} ms", best * 1e3);
+    }
+}
