@@ -42,6 +42,8 @@
 //! - `variants`: LoRA+, PiSSA, pissa_niter_N and OLoRA through `rtune train` against PEFT goldens;
 //!   bad variant settings;
 //! - `autocast`: `dtype = "bf16-autocast"` against PEFT under torch.autocast (model and `rtune train`);
+//! - `moe`: Qwen3-MoE, Mixtral and gpt-oss (experts, routing, aux loss, QLoRA, MXFP4, export) against
+//!   transformers + PEFT; `moe_bf16`: the three in bf16 (model and `rtune train`);
 //! - `readme`: the README's crate diagram, crate table and one step's file trace against the tree
 //!   (the trace measured by callgrind);
 //! - `layering`: the sources' layering, read from the files: no import circle between the files of a
@@ -67,6 +69,7 @@ mod limits;
 mod links;
 mod mlflow;
 mod moe;
+mod moe_bf16;
 mod packing;
 mod parity;
 mod preference;

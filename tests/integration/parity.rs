@@ -24,7 +24,7 @@ pub(crate) fn case(model_dir: &str, golden: &str) -> Case {
     case_in(model_dir, golden, DType::F32)
 }
 
-fn case_in(model_dir: &str, golden: &str, dtype: DType) -> Case {
+pub(crate) fn case_in(model_dir: &str, golden: &str, dtype: DType) -> Case {
     case_with(&fixture(model_dir), golden, dtype, Quantize::None)
 }
 
@@ -137,7 +137,7 @@ pub(crate) fn ctx(adapter: &Adapter) -> LoraCtx<'_> {
 }
 
 /// Loss and gradients (mean over target tokens, as transformers' loss).
-fn loss_and_grads(c: &Case, adapter: &Adapter, checkpoint: bool) -> (f64, Grads) {
+pub(crate) fn loss_and_grads(c: &Case, adapter: &Adapter, checkpoint: bool) -> (f64, Grads) {
     let n = c.targets.iter().filter(|t| t.is_some()).count() as f64;
     let mut grads = Grads::new(adapter.pairs.len());
     let lc = ctx(adapter);

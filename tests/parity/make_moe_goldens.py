@@ -33,7 +33,19 @@ E2M1 codes a byte, low nibble first; `*_scales: (E, out, in/32)` u8, e8m0 biased
 `quantization_config` of the release), by this script's own round-to-nearest quantizer, and
 golden_gpt_oss_mxfp4.safetensors: transformers' `convert_moe_packed_tensors` of those blocks in f32
 (what its dequantizing load gives).
-Deterministic: seeded init, deterministic algorithms, CPU, f32, eager attention.
+bf16 (`--only qwen3_moe_bf16,mixtral_bf16,gpt_oss_bf16`): the same three fixtures (not remade) loaded
+and computed in bf16 by transformers (its default `grouped_mm` experts), PEFT's LoRA weights in f32 as
+it keeps them (`autocast_adapter_dtype`); PEFT folds each expert stack's update into the bf16 stack
+(`baddbmm(W, lhs, rhs)` in bf16, factors cast to bf16) before the experts run. The same keys, the
+golden named golden_tiny_<family>_bf16.safetensors, `meta.dtype` "bfloat16"; torch's bf16 CPU
+kernels are chosen by CPU, so a rerun elsewhere may differ in the last bits (made on the 2-core
+AVX-512-BF16 EPYC).
+QLoRA (`--only qwen3_moe_nf4`): the Qwen3-MoE fixture loaded by transformers with bitsandbytes
+0.50.2's `load_in_4bit` (NF4, compute f32), which quantizes every `nn.Linear` (attention, the dense
+layer's MLP) but not the fused 3-D expert parameters nor the router (`nn.Parameter`s, not linears):
+they stay f32, and PEFT's `target_parameters` adapts them as above. NF4 dequantized by the format's
+definition (make_goldens.py's `nf4_dequantize_by_definition`); golden_tiny_qwen3_moe_nf4.safetensors.
+Deterministic: seeded init, deterministic algorithms, CPU, f32 (bf16 where named), eager attention.
 """
 import json
 import os
@@ -103,7 +115,7 @@ def make(name, cfg):
                 p.normal_(0.0, 0.1)
     out_dir = os.path.join(FIX, f"tiny-{name.replace('_', '-')}")
     model.save_pretrained(out_dir, safe_serialization=True)
-    golden(name, out_dir)
+    golden(name, out_dir, torch.float32)
     if name == "gpt_oss":
         mxfp4(model, out_dir)
 
@@ -156,10 +168,25 @@ def mxfp4(model, dense_dir):
     print("mxfp4:", sorted(q)[:4], "...")
 
 
-def golden(name, model_dir):
+def golden(name, model_dir, dtype, nf4=False):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    kwargs = {}
+    if nf4:
+        from make_goldens import nf4_dequantize_by_definition
+        from transformers import BitsAndBytesConfig
+        nf4_dequantize_by_definition()
+        kwargs = dict(device_map="cpu", quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+            bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.uint8))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager", **kwargs)
+    if nf4:  # bitsandbytes leaves the 3-D expert stacks (and the router) unquantized
+        experts = [n for n, p in model.named_parameters() if ".mlp.experts." in n]
+        assert experts and all(model.get_parameter(n).dtype == torch.float32 for n in experts)
+        import bitsandbytes as bnb
+        for m in model.modules():  # no AVX-512 repacking for the no-grad forward: rows of 96 fail it
+            if isinstance(m, bnb.nn.Linear4bit):
+                m.support_avx512bf16_for_cpu = False
     model = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS,
                                              target_parameters=PARAMS, lora_dropout=0.0,
                                              task_type="CAUSAL_LM"))
@@ -171,6 +198,7 @@ def golden(name, model_dir):
                 a.copy_((torch.rand(a.shape, generator=g) * 2 - 1) / a.shape[1] ** 0.5)
                 b.copy_(torch.randn(b.shape, generator=g) * 0.05)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert all(p.dtype == torch.float32 for _, p in params), "PEFT keeps LoRA weights in f32"
     tensors = {"init." + peft_key(n): p.detach().clone() for n, p in params}
     ids = torch.randint(3, cfg_vocab(model), (B, T), generator=torch.Generator().manual_seed(2))
     ids[:, 0] = 1
@@ -202,7 +230,7 @@ def golden(name, model_dir):
     meta = {"r": R, "lora_alpha": ALPHA, "use_rslora": False, "scaling": ALPHA / R, "target_modules": TARGETS,
             "target_parameters": PARAMS, "peft_keys": saved,
             "n_lora_modules": len(params) // 2, "adamw": {"lr": LR, "weight_decay": 0.0, "steps": STEPS},
-            "model": name, "dtype": "float32", "versions": {"torch": torch.__version__,
+            "model": name, "dtype": str(dtype).replace("torch.", ""), "quant": "nf4" if nf4 else None, "versions": {"torch": torch.__version__,
                                                             "transformers": __import__("transformers").__version__,
                                                             "peft": __import__("peft").__version__}}
     path = os.path.join(HERE, f"golden_tiny_{name}.safetensors")
@@ -218,8 +246,16 @@ def cfg_vocab(model):
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss)")
+    ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss, "
+                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16, qwen3_moe_nf4)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
             make(name, cfg)
+    # bf16 compute on the committed fixtures (f32 on disk, cast at load).
+    for name in MODELS:
+        if not only or f"{name}_bf16" in only:
+            golden(f"{name}_bf16", os.path.join(FIX, f"tiny-{name.replace('_', '-')}"), torch.bfloat16)
+    # QLoRA: bitsandbytes NF4 on the linears, the experts as stored.
+    if not only or "qwen3_moe_nf4" in only:
+        golden("qwen3_moe_nf4", os.path.join(FIX, "tiny-qwen3-moe"), torch.float32, nf4=True)

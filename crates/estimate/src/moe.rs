@@ -2,8 +2,9 @@
 //! `rtune_experts::moe`, `rtune_experts::route`), and its total vs active parameters.
 //!
 //! A sparse layer has no dense MLP: its router `(E, D)` and its two expert stacks, gate_up
-//! `(E, 2I, D)` and down `(E, D, I)`, are frozen in the compute dtype (never quantized: NF4
-//! experts are not written yet). LoRA on a stack (`target_parameters`, PEFT's `ParamWrapper`) is
+//! `(E, 2I, D)` and down `(E, D, I)`, are frozen in the compute dtype, under `quant = "nf4"` too
+//! (bitsandbytes' `load_in_4bit` quantizes `nn.Linear`s only, not the fused 3-D stacks, and rtune
+//! loads as it does). LoRA on a stack (`target_parameters`, PEFT's `ParamWrapper`) is
 //! `A: (E·r, in)` and `B: (out, r·E)` f32.
 //!
 //! What one sparse layer's forward keeps for its backward (`MoeLayerCache`), with `N` tokens,

@@ -580,19 +580,51 @@ fn a_sharded_base_counts_the_layers_kept_gathered() {
     }
 }
 
-/// Qwen3-30B-A3B's config.json (the keys that size it): its model card says 30.5 B parameters,
-/// 3.3 B activated. Counted to 1%, and the experts' LoRA as PEFT's `ParamWrapper` sizes it.
-#[test]
-fn mixture_of_experts_counts_total_and_active_parameters() {
+/// Qwen3-30B-A3B's config.json (the keys that size it).
+fn qwen3_30b_a3b() -> ModelConfig {
     let text = r#"{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":2048,
         "intermediate_size":6144,"moe_intermediate_size":768,"num_hidden_layers":48,
         "num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"vocab_size":151936,
         "num_experts":128,"num_experts_per_tok":8,"norm_topk_prob":true,
         "tie_word_embeddings":false}"#;
-    let c = serde_json::from_str::<HfConfig>(text)
+    serde_json::from_str::<HfConfig>(text)
         .unwrap()
         .into_config(Path::new("config.json"))
-        .unwrap();
+        .unwrap()
+}
+
+/// `quant = "nf4"` on a mixture of experts quantizes the linear layers only (attention here: every
+/// layer is sparse), as bitsandbytes' `load_in_4bit` and so rtune's loading do (the fused expert
+/// stacks and the routers stay in the compute dtype: `tests/integration/moe.rs`'s
+/// `qwen3_moe_qlora_quantizes_the_linears_as_bitsandbytes`): on Qwen3-30B-A3B the weights shrink
+/// by exactly the attention's NF4 saving, and the experts' bf16 bytes stay in them.
+#[test]
+fn nf4_on_a_mixture_of_experts_quantizes_the_linears_only() {
+    let c = qwen3_30b_a3b();
+    let mut s = Settings::new(8, 1, 512, true);
+    s.dtype = DType::BF16;
+    let dense = estimate(&c, &s).get(names::WEIGHTS);
+    s.quantize = Quantize::Nf4 {
+        double_quant: false,
+    };
+    let nf4 = estimate(&c, &s).get(names::WEIGHTS);
+    let saving: u64 = (0..c.num_layers)
+        .flat_map(|l| c.linears_of(l))
+        .map(|m| (m.in_features * m.out_features) as u64)
+        .map(|n| 2 * n - n.div_ceil(2))
+        .sum();
+    assert!(saving > 0);
+    assert_eq!(dense - nf4, saving);
+    // 128 experts × (gate_up 2·768·2048 + down 2048·768) × 48 layers, 2 bytes each.
+    let experts = 128 * 3 * 768 * 2048 * 48 * 2;
+    assert!(nf4 > experts, "{nf4} < the experts' {experts}");
+}
+
+/// Qwen3-30B-A3B: its model card says 30.5 B parameters, 3.3 B activated. Counted to 1%, and the
+/// experts' LoRA as PEFT's `ParamWrapper` sizes it.
+#[test]
+fn mixture_of_experts_counts_total_and_active_parameters() {
+    let c = qwen3_30b_a3b();
     let (total, active) = parameters(&c);
     assert!((total as f64 / 30.5e9 - 1.0).abs() < 0.01, "{total}");
     assert!((active as f64 / 3.3e9 - 1.0).abs() < 0.02, "{active}");

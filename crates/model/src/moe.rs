@@ -75,6 +75,10 @@ pub struct MoeMlp {
     pub act: ExpertAct,
     pub top_k: usize,
     pub routing: Routing,
+    /// Mixtral: the routing weights scale the experts in f32 ([`MoeConfig::f32_weights`]).
+    ///
+    /// [`MoeConfig::f32_weights`]: crate::config::moe::MoeConfig::f32_weights
+    pub f32_weights: bool,
     /// The adapter's pairs on `experts.gate_up_proj` and `experts.down_proj`, if targeted.
     pub lora_gate_up: Option<usize>,
     pub lora_down: Option<usize>,
@@ -154,6 +158,7 @@ impl MoeMlp {
             act: mc.act,
             top_k,
             routing,
+            f32_weights: mc.f32_weights,
             lora_gate_up: None,
             lora_down: None,
         })
@@ -247,19 +252,27 @@ impl MoeMlp {
     /// `x: (T, H)` (the normed hidden state) → `(T, H)` and the cache.
     pub fn forward(&self, x: &Tensor, lora: Option<&LoraCtx>) -> Result<(Tensor, MoeLayerCache)> {
         let e = self.experts();
-        // transformers: the logits in the model dtype, the softmax in f32.
-        let logits = x.matmul(&self.router.t()?)?;
+        // transformers: the logits in the model dtype, the softmax in f32. With a bias (gpt-oss)
+        // torch's `F.linear` adds it inside the GEMM, one rounding: summed in f32 here.
         let logits = match &self.router_bias {
-            Some(b) => logits.broadcast_add(b)?,
-            None => logits,
+            Some(b) if x.dtype() != DType::F32 => {
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                f(x)?
+                    .matmul(&f(&self.router)?.t()?)?
+                    .broadcast_add(&f(b)?)?
+                    .to_dtype(x.dtype())?
+            }
+            Some(b) => x.matmul(&self.router.t()?)?.broadcast_add(b)?,
+            None => x.matmul(&self.router.t()?)?,
         };
         let logits = logits
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
         let routed = route(&logits, e, self.top_k, self.routing)?;
-        // transformers rounds the weights to the model dtype before they scale the experts.
-        let weights = round_to(&routed.weights, x.dtype())?;
+        // transformers rounds the weights to the model dtype before they scale the experts
+        // (Mixtral's stay f32).
+        let weights = self.weights(&routed.weights, x.dtype())?;
         let [gu, dn] = self.pairs(lora)?;
         let ex = self.op_experts(&gu, &dn);
         let (y, cache) = moe_forward(x, &routed.experts, &weights, self.top_k, &ex)?;
@@ -290,6 +303,16 @@ impl MoeMlp {
             act: self.act,
             lora_gate_up: pair(gu),
             lora_down: pair(dn),
+            combine_f32: self.f32_weights,
+        }
+    }
+
+    /// The routing weights as they scale the experts in `dtype`: rounded to it unless the
+    /// family keeps them f32.
+    fn weights(&self, w: &[f32], dtype: DType) -> Result<Vec<f32>> {
+        match self.f32_weights {
+            true => Ok(w.to_vec()),
+            false => round_to(w, dtype),
         }
     }
 
@@ -303,7 +326,7 @@ impl MoeMlp {
         grads: &mut Grads,
     ) -> Result<Tensor> {
         let e = self.experts();
-        let weights = round_to(&c.routed.weights, dy.dtype())?;
+        let weights = self.weights(&c.routed.weights, dy.dtype())?;
         let [gu, dn] = self.pairs(lora)?;
         let ex = self.op_experts(&gu, &dn);
         let g = moe_backward(dy, &weights, &ex, &c.cache)?;

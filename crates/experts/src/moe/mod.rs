@@ -14,8 +14,10 @@
 //! parameter, rank `r` per expert, `lora_A: (E·r, in)` with expert `e`'s rows `e·r..(e+1)·r`, and
 //! `lora_B: (out, r·E)` whose column `j·E + e` is rank `j` of expert `e` (PEFT reshapes it to
 //! `(out, r, E)`); `ΔW_e = s · B_e A_e`. PEFT folds `ΔW_e` into the weight; here the low-rank
-//! product `x W_eᵀ + s (x A_eᵀ) B_eᵀ` is formed instead (the same sum in another order: f32
-//! rounding apart). PEFT refuses dropout on a `ParamWrapper`, so there is none.
+//! product `x W_eᵀ + s (x A_eᵀ) B_eᵀ` is formed instead in f32 (the same sum in another order: f32
+//! rounding apart); in bf16/f16 each expert with tokens is folded as PEFT folds it (`folded`:
+//! another rounding of the weight is not within bf16's tolerance for gpt-oss's clamp). PEFT
+//! refuses dropout on a `ParamWrapper`, so there is none.
 //!
 //! The backward returns `∂L/∂x`, `∂L/∂w` (`T × k`, what [`crate::route::route_backward`] takes)
 //! and the LoRA factors' gradients in PEFT's layouts; the expert weights are frozen.
@@ -54,6 +56,11 @@ pub struct Experts<'a> {
     pub act: ExpertAct,
     pub lora_gate_up: Option<ExpertLora<'a>>,
     pub lora_down: Option<ExpertLora<'a>>,
+    /// In a 16-bit dtype, scale each expert's output by its routing weight in f32 and sum a
+    /// token's `k` outputs in f32, rounding once (Mixtral: its router keeps the weights in f32,
+    /// so torch promotes the product); else the product and the sum round in the dtype (the
+    /// weights rounded to it first: Qwen3-MoE, gpt-oss). No effect in f32.
+    pub combine_f32: bool,
 }
 
 /// Each expert's rows: the tokens it serves and the slot (`t·k + j`) their weight is at.
@@ -206,21 +213,49 @@ fn factors(
         .transpose()
 }
 
+/// `a·b` by an expert's frozen stack slice: in a 16-bit dtype through the dense layers' GEMM route
+/// (`rtune_backend::blas::matmul`: oneDNN's bf16 kernels where the CPU has them), in f32 candle's
+/// (the grouped path's reference, compared bit for bit with its gemm engine). Measured on
+/// `moe_timing`'s shape in bf16, forward and backward, load ~6: unadapted experts 33.6 s with
+/// candle's product on the stack's slices, 5.6 s through this route; a folded weight (a fresh
+/// tensor) is faster through candle's (3.9 s against 9.7 s), so [`folded`] products stay there.
+fn mm(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match a.dtype() {
+        DType::F32 => a.matmul(b),
+        _ => rtune_backend::blas::matmul(a, b),
+    }
+}
+
 /// `x W_eᵀ (+ s (x A_eᵀ) B_eᵀ)`: `x: (n, in)`, `w: (out, in)`; the LoRA input product `(n, r)`.
+/// In a 16-bit dtype the update is folded into the weight first ([`folded`]), as PEFT computes.
 fn expert_linear(
     x: &Tensor,
     w: &Tensor,
     lora: Option<(&Tensor, &Tensor, f64)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let y = x.matmul(&w.t()?)?;
-    match lora {
-        None => Ok((y, None)),
-        Some((a, b, s)) => {
-            let xa = x.matmul(&a.t()?)?;
-            let y = (y + (xa.matmul(&b.t()?)? * s)?)?;
-            Ok((y, Some(xa)))
-        }
+    let Some((a, b, s)) = lora else {
+        return Ok((mm(x, &w.t()?)?, None));
+    };
+    let xa = x.matmul(&a.t()?)?;
+    if w.dtype() != DType::F32 {
+        return Ok((x.matmul(&folded(w, a, b, s)?.t()?)?, Some(xa)));
     }
+    let y = (mm(x, &w.t()?)? + (xa.matmul(&b.t()?)? * s)?)?;
+    Ok((y, Some(xa)))
+}
+
+/// `W_e + s B_e A_e` `(out, in)` summed in f32 and rounded once to `w`'s 16-bit dtype: what
+/// PEFT's `ParamWrapper` multiplies by (`baddbmm(W, lhs, rhs, alpha = s)` in the weight's dtype,
+/// the factors cast to it first, as `a`, `b` are here). In f32 the low-rank product is formed
+/// apart instead (the same sum in another order). In bf16 the two differ by a rounding of the
+/// weight, and gpt-oss's clamp makes that visible: it cuts the gradient of every gate value past
+/// `limit`, and a one-ulp jitter of the folded stacks moves PEFT's own gate_up `lora_B` gradient
+/// by 0.36 of its largest entry (measured on `tiny-gpt-oss` in bf16), so rtune rounds where PEFT
+/// does. Only experts with tokens are folded, each for the time of its products.
+fn folded(w: &Tensor, a: &Tensor, b: &Tensor, s: f64) -> Result<Tensor> {
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    let dw = (f(b)?.matmul(&f(a)?)? * s)?; // (out, r)·(r, in)
+    (f(w)? + dw)?.to_dtype(w.dtype())
 }
 
 /// `y: (n, out)` plus expert `e`'s row of `bias: (E, out)`, if any.
@@ -274,6 +309,7 @@ fn per_expert_forward(
     let e_n = groups.tokens.len();
     let (dev, dt) = (x.device(), x.dtype());
     let x = x.contiguous()?;
+    let combine = ex.combine_f32 && dt != DType::F32;
     // Every expert's weighted rows, in expert order, scatter-added once at the end (each token's
     // sum in expert order, as one `index_add` per expert would make it, without E copies of the
     // `(T, H)` output).
@@ -303,8 +339,11 @@ fn per_expert_forward(
         )?;
         let d = with_bias(d, ex.down_bias, e)?; // (n_e, H)
         let w: Vec<f32> = groups.slots[e].iter().map(|&s| weights[s]).collect();
-        let w = Tensor::from_vec(w, (tokens.len(), 1), dev)?.to_dtype(dt)?;
-        rows.push(d.broadcast_mul(&w)?);
+        let w = Tensor::from_vec(w, (tokens.len(), 1), dev)?;
+        rows.push(match combine {
+            true => d.to_dtype(DType::F32)?.broadcast_mul(&w)?,
+            false => d.broadcast_mul(&w.to_dtype(dt)?)?,
+        });
         caches.push(Some(ExpertCache {
             x: xe,
             gu,
@@ -313,7 +352,11 @@ fn per_expert_forward(
             xa_down,
         }));
     }
-    Ok((scatter_add(&x, &rows, groups)?, caches))
+    let y = match combine {
+        true => scatter_add(&x.to_dtype(DType::F32)?, &rows, groups)?.to_dtype(dt)?,
+        false => scatter_add(&x, &rows, groups)?,
+    };
+    Ok((y, caches))
 }
 
 /// [`moe_forward`]'s backward from `dy: (T, H)`; `weights` as given to the forward.
@@ -394,8 +437,11 @@ fn per_expert_backward(
             dweights[s] = v;
         }
         let w: Vec<f32> = g.slots[e].iter().map(|&s| weights[s]).collect();
-        let w = Tensor::from_vec(w, (n, 1), dev)?.to_dtype(dt)?;
-        let dd = dye.broadcast_mul(&w)?; // (n_e, H)
+        let w = Tensor::from_vec(w, (n, 1), dev)?;
+        let dd = match ex.combine_f32 && dt != DType::F32 {
+            true => dye.to_dtype(DType::F32)?.broadcast_mul(&w)?.to_dtype(dt)?,
+            false => dye.broadcast_mul(&w.to_dtype(dt)?)?,
+        }; // (n_e, H)
         let m = act::act_forward(&c.gu, ex.act)?;
         let dm = linear_backward(
             &dd,
@@ -437,7 +483,8 @@ fn scatter_add(like: &Tensor, rows: &[Tensor], g: &Groups) -> Result<Tensor> {
 }
 
 /// The backward of `y = x W_eᵀ + s (x A_eᵀ) B_eᵀ`: returns `dx`, pushes `(dA_e, dB_e)` with
-/// `dB_e = s · dyᵀ (x A_eᵀ)` `(out, r)` and `dA_e = s · (dy B_e)ᵀ x` `(r, in)`.
+/// `dB_e = s · dyᵀ (x A_eᵀ)` `(out, r)` and `dA_e = s · (dy B_e)ᵀ x` `(r, in)`. In a 16-bit dtype
+/// `dx = dy (W_e + s B_e A_e)` through the folded weight, as the forward ([`folded`]).
 fn linear_backward(
     dy: &Tensor,
     x: &Tensor,
@@ -446,15 +493,17 @@ fn linear_backward(
     xa: Option<&Tensor>,
     grads: &mut Vec<(Tensor, Tensor)>,
 ) -> Result<Tensor> {
-    let dx = dy.matmul(w)?;
     let (Some((a, b, s)), Some(xa)) = (lora, xa) else {
-        return Ok(dx);
+        return mm(dy, w);
     };
     let dyb = (dy.matmul(b)? * s)?; // (n, r)
     let db = (dy.t()?.matmul(xa)? * s)?;
     let da = dyb.t()?.matmul(x)?;
     grads.push((da, db));
-    dx + dyb.matmul(a)?
+    if w.dtype() != DType::F32 {
+        return dy.matmul(&folded(w, a, b, s)?);
+    }
+    mm(dy, w)? + dyb.matmul(a)?
 }
 
 /// Per-expert `(dA_e: (r, in), dB_e: (out, r))` → PEFT's `(E·r, in)` and `(out, r·E)`.

@@ -75,6 +75,7 @@ fn experts<'a>(c: &'a Case, lora: bool) -> Experts<'a> {
         act: ExpertAct::SwiGlu,
         lora_gate_up: lora.then(|| pair(&c.lgu, S_GU)),
         lora_down: lora.then(|| pair(&c.ld, S_D)),
+        combine_f32: false,
     }
 }
 
@@ -419,6 +420,7 @@ fn moe_timing() {
             b: &bd,
             scale: 2.0,
         }),
+        combine_f32: false,
     };
     let dy = randn(&[t, h], 9, 1.0);
     let groups = Groups::new(&routed.experts, k, e).unwrap();
@@ -531,5 +533,180 @@ fn moe_timing() {
                 flops / cpu_s.max(1e-9) / 1e9
             );
         }
+    }
+}
+
+/// In bf16 each adapted expert multiplies by its folded weight `bf16(W_e + s·B_e·A_e)`, as PEFT's
+/// `ParamWrapper` does: the output and `dx` are bit-equal to the unadapted experts on stacks folded
+/// beforehand (the same products in the same dtype); the LoRA gradients are the f32 path's on the
+/// same bf16 values within bf16's rounding (2e-2 of each tensor's largest: the bf16 products round
+/// their outputs, 8 bits, over sums of up to 13 rows; seen 3.7e-3 to 1.1e-2). With `combine_f32`
+/// the routing weights scale in f32 and a token's outputs sum in f32, rounded once (Mixtral).
+#[test]
+fn bf16_experts_fold_each_update_into_the_weight() {
+    let c = case(91);
+    let (ids, w) = routing(92);
+    let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let c16 = Case {
+        x: bf(&c.x),
+        gate_up: bf(&c.gate_up),
+        down: bf(&c.down),
+        lgu: (bf(&c.lgu.0), bf(&c.lgu.1)),
+        ld: (bf(&c.ld.0), bf(&c.ld.1)),
+        dy: bf(&c.dy),
+    };
+    let ex = experts(&c16, true);
+    let (y, cache) = moe_forward(&c16.x, &ids, &w, K, &ex).unwrap();
+    assert!(matches!(cache.kept, Kept::PerExpert(_)));
+    let g = moe_backward(&c16.dy, &w, &ex, &cache).unwrap();
+    // The stacks folded per expert in f32 and rounded once, then no LoRA.
+    let fold = |stack: &Tensor, (a, b): &(Tensor, Tensor), s: f64| {
+        let per: Vec<Tensor> = (0..E)
+            .map(|e| {
+                let (ae, be) = expert_factors(&ExpertLora { a, b, scale: s }, e, E).unwrap();
+                folded(&stack.get(e).unwrap(), &ae, &be, s).unwrap()
+            })
+            .collect();
+        Tensor::stack(&per, 0).unwrap()
+    };
+    let (gu_f, dn_f) = (
+        fold(&c16.gate_up, &c16.lgu, S_GU),
+        fold(&c16.down, &c16.ld, S_D),
+    );
+    let plain = Experts {
+        gate_up: &gu_f,
+        down: &dn_f,
+        ..experts(&c16, false)
+    };
+    let (y_ref, cache_ref) = moe_forward(&c16.x, &ids, &w, K, &plain).unwrap();
+    let g_ref = moe_backward(&c16.dy, &w, &plain, &cache_ref).unwrap();
+    // bf16 to f32 is exact: equal f32 bits are equal bf16 bits.
+    let bits = |t: &Tensor| -> Vec<u32> {
+        let v: Vec<f32> = t
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    assert_eq!(bits(&y), bits(&y_ref), "forward");
+    assert_eq!(bits(&g.dx), bits(&g_ref.dx), "dx");
+    // The same bf16 values in f32 (the low-rank products formed apart, f32 throughout).
+    let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let c32 = Case {
+        x: f(&c16.x),
+        gate_up: f(&c16.gate_up),
+        down: f(&c16.down),
+        lgu: (f(&c16.lgu.0), f(&c16.lgu.1)),
+        ld: (f(&c16.ld.0), f(&c16.ld.1)),
+        dy: f(&c16.dy),
+    };
+    let ex32 = experts(&c32, true);
+    let (_, cache32) = moe_forward(&c32.x, &ids, &w, K, &ex32).unwrap();
+    let g32 = moe_backward(&c32.dy, &w, &ex32, &cache32).unwrap();
+    for (name, got, want) in [
+        (
+            "gate_up A",
+            &g.gate_up.as_ref().unwrap().0,
+            &g32.gate_up.as_ref().unwrap().0,
+        ),
+        (
+            "gate_up B",
+            &g.gate_up.as_ref().unwrap().1,
+            &g32.gate_up.as_ref().unwrap().1,
+        ),
+        (
+            "down A",
+            &g.down.as_ref().unwrap().0,
+            &g32.down.as_ref().unwrap().0,
+        ),
+        (
+            "down B",
+            &g.down.as_ref().unwrap().1,
+            &g32.down.as_ref().unwrap().1,
+        ),
+    ] {
+        let e = rel64(&f(got), &want.to_dtype(DType::F64).unwrap());
+        eprintln!("bf16 vs f32 LoRA gradient {name}: {e:e}");
+        assert!(e <= 2e-2, "{name}: {e:e}");
+    }
+    // combine_f32: each token's outputs weighted and summed in f32, one rounding.
+    let mixtral = Experts {
+        combine_f32: true,
+        ..plain
+    };
+    let (ym, _) = moe_forward(&c16.x, &ids, &w, K, &mixtral).unwrap();
+    let groups = Groups::new(&ids, K, E).unwrap();
+    let mut want = vec![0f32; T * H];
+    for e in 0..E {
+        for (&tok, &slot) in groups.tokens[e].iter().zip(&groups.slots[e]) {
+            let xe = c16.x.get(tok as usize).unwrap().unsqueeze(0).unwrap();
+            let gu = xe.matmul(&gu_f.get(e).unwrap().t().unwrap()).unwrap();
+            let m = act::act_forward(&gu, ExpertAct::SwiGlu).unwrap();
+            let d = m.matmul(&dn_f.get(e).unwrap().t().unwrap()).unwrap();
+            let d: Vec<f32> = f(&d).flatten_all().unwrap().to_vec1().unwrap();
+            for (j, v) in d.iter().enumerate() {
+                want[tok as usize * H + j] += v * w[slot];
+            }
+        }
+    }
+    let want = Tensor::from_vec(want, (T, H), &Device::Cpu).unwrap();
+    assert_eq!(bits(&ym), bits(&bf(&want)), "combine_f32");
+    assert_ne!(bits(&ym), bits(&y_ref), "combine_f32 changed nothing");
+}
+
+/// The per-expert path in bf16 on `moe_timing`'s shape (E 128, top-8, 2048 tokens), forward and
+/// backward, unadapted and with both stacks adapted (folded): best of 3 each, printed
+/// (`cargo test --offline -p rtune-experts moe_timing_bf16 -- --ignored --nocapture`).
+#[test]
+#[ignore]
+fn moe_timing_bf16() {
+    use std::time::Instant;
+    let (t, h, e, i, k, r) = (2048, 512, 128, 192, 8, 16);
+    let bf = |t: Tensor| t.to_dtype(DType::BF16).unwrap();
+    let x = bf(randn(&[t, h], 1, 1.0));
+    let gate_up = bf(randn(&[e, 2 * i, h], 2, 0.05));
+    let down = bf(randn(&[e, h, i], 3, 0.05));
+    let (ag, bg) = (
+        bf(randn(&[e * r, h], 4, 0.05)),
+        bf(randn(&[2 * i, r * e], 5, 0.05)),
+    );
+    let (ad, bd) = (
+        bf(randn(&[e * r, i], 6, 0.05)),
+        bf(randn(&[h, r * e], 7, 0.05)),
+    );
+    let logits = flat(&randn(&[t, e], 8, 3.0));
+    let routed = route(&logits, e, k, Routing::SoftmaxTopK { normalize: true }).unwrap();
+    let dy = bf(randn(&[t, h], 9, 1.0));
+    let w = &routed.weights;
+    for lora in [false, true] {
+        let ex = Experts {
+            gate_up: &gate_up,
+            down: &down,
+            gate_up_bias: None,
+            down_bias: None,
+            act: ExpertAct::SwiGlu,
+            lora_gate_up: lora.then_some(ExpertLora {
+                a: &ag,
+                b: &bg,
+                scale: 2.0,
+            }),
+            lora_down: lora.then_some(ExpertLora {
+                a: &ad,
+                b: &bd,
+                scale: 2.0,
+            }),
+            combine_f32: false,
+        };
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t0 = Instant::now();
+            let (_, c) = moe_forward(&x, &routed.experts, w, k, &ex).unwrap();
+            moe_backward(&dy, w, &ex, &c).unwrap();
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        eprintln!("bf16 per-expert lora {lora}: {:.1} ms", best * 1e3);
     }
 }

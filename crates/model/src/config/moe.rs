@@ -39,6 +39,11 @@ pub struct MoeConfig {
     pub transposed: bool,
     /// The stacks may be stored in MXFP4 (`<name>_blocks`, `<name>_scales`: gpt-oss's release).
     pub mxfp4: bool,
+    /// The router's weights stay f32 (Mixtral's `MixtralTopKRouter`, no cast back to the model
+    /// dtype): in bf16 the experts' outputs are scaled and summed in f32, rounded once
+    /// ([`rtune_experts::moe::Experts::combine_f32`]); else the weights are rounded to the model
+    /// dtype first (Qwen3-MoE, gpt-oss).
+    pub f32_weights: bool,
 }
 
 /// One of a sparse layer's two expert stacks as PEFT's `ParamWrapper` sees it.
@@ -140,6 +145,7 @@ pub(crate) fn mixtral(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> 
             module: "block_sparse_moe",
             names: ["w1", "w3", "w2"],
         }),
+        f32_weights: true,
         ..MoeConfig::plain()
     })
 }
@@ -167,6 +173,7 @@ pub(crate) fn gpt_oss(c: &HfConfig, layers: usize) -> Result<MoeConfig, String> 
         act: ExpertAct::Clamped { alpha, limit },
         transposed: true,
         mxfp4: true,
+        f32_weights: false,
     })
 }
 
@@ -212,6 +219,7 @@ impl MoeConfig {
             act: ExpertAct::SwiGlu,
             transposed: false,
             mxfp4: false,
+            f32_weights: false,
         }
     }
 }
