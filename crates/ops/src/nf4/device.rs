@@ -22,6 +22,13 @@ pub struct DeviceNf4 {
     w: Nf4WeightCuda,
 }
 
+impl DeviceNf4 {
+    /// The weight's device buffers (the grouped launch's entries, `lease.rs`).
+    pub(super) fn weight(&self) -> &Nf4WeightCuda {
+        &self.w
+    }
+}
+
 impl std::fmt::Debug for DeviceNf4 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "DeviceNf4({:?})", self.w.shape)
@@ -32,7 +39,7 @@ impl std::fmt::Debug for DeviceNf4 {
 type Loaded = Mutex<Vec<(candle_core::cuda::DeviceId, Arc<Nf4Kernels>)>>;
 
 /// The dequantize kernels, loaded once per device.
-fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
+pub(super) fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
     static LOADED: OnceLock<Loaded> = OnceLock::new();
     let mut l = LOADED
         .get_or_init(Default::default)

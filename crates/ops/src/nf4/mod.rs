@@ -12,6 +12,11 @@
 //!   to the GPU) and, with `cuda`, a QLoRA base weight resident on the device and dequantized
 //!   straight into a candle tensor (`device.rs`). The CPU dequantization is the reference;
 //!   `tests/nf4_cuda.rs` compares them bit for bit.
+//! - Grouped (issue 48, item 4): a layer's q/k/v or gate/up in one launch into one buffer
+//!   ([`group`]: the layout, the kernel's table, the CPU reference), two such buffers reused for
+//!   the run with the next group prefetched into the other ([`ring`]: which buffer, what next, as
+//!   plain logic), and the two put together for a model layer ([`lease`]; on CUDA the prefetch on
+//!   a side stream).
 //!
 //! Layout (bitsandbytes'): element `2i` of the flattening is the HIGH nibble of byte `i`, element
 //! `2i+1` the low nibble; an odd element count leaves the last low nibble as padding (code 7, i.e.
@@ -30,7 +35,10 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod device;
 pub mod error;
+pub mod group;
+pub mod lease;
 pub mod quantize;
+pub mod ring;
 pub mod tables;
 pub mod weight;
 
@@ -41,7 +49,8 @@ pub use weight::{Absmax, Nf4Weight, QuantType, BLOCKSIZE, NESTED_BLOCKSIZE};
 
 #[cfg(feature = "kernels")]
 pub use cuda::{
-    nf4_dequant_cuda, nf4_dequant_cuda_into, DequantOut, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda,
+    nf4_dequant_cuda, nf4_dequant_cuda_into, nf4_dequant_group_into, DequantOut, DeviceAbsmax,
+    Nf4Kernels, Nf4WeightCuda,
 };
 #[cfg(feature = "cuda")]
 pub use device::{dequantize, upload, DeviceNf4};
