@@ -29,6 +29,8 @@
 //! formats (a bnb-4bit checkpoint's tensors, pieces of a sharded weight) and the `quantize` choice
 //! are `rtune-quant`'s.
 
+#[cfg(feature = "kernels")]
+pub mod check;
 pub mod cpu;
 #[cfg(feature = "kernels")]
 mod cuda;
