@@ -340,6 +340,7 @@ impl InplaceOp1 for Fill {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &Layout) -> Result<()> {
+        use candle_core::backend::BackendStorage;
         use half::{bf16, f16};
         if l.start_offset() != 0 {
             candle_core::bail!("nf4 grouped dequant: the buffer must start its allocation");
