@@ -179,9 +179,9 @@ fn kernels_on(dev: &Device, runner: &mut Runner) {
             .collect())
     });
     // The grouped NF4 kernel (a layer's q/k/v in one launch) against the per-tensor CPU
-    // dequantization at each offset, bit for bit (rtune_ops::nf4::check).
+    // dequantization at each offset, bit for bit (selftest_nf4.rs).
     runner.attempt("kernel nf4 grouped dequant", || {
-        let results = rtune_ops::nf4::check::self_test_seeded(&s, seed)
+        let results = crate::selftest_nf4::self_test_seeded(&s, seed)
             .map_err(kerr("nf4 grouped self-test"))?;
         Ok(results
             .into_iter()

@@ -16,8 +16,8 @@
 //!   results are those of each member on its own bit for bit (the same GEMM per member).
 //!
 //! - QLoRA (NF4 members, which [`fuse`] leaves alone): the members' weights dequantized by one
-//!   launch into a reused buffer at each use ([`nf4`], `rtune_ops::nf4::lease`), the buffer being
-//!   the group's block when its rows are back to back.
+//!   launch into one of two reused buffers at each use, the next group's ahead of time (`nf4.rs`),
+//!   the buffer being the group's block when its rows are back to back.
 //!
 //! Small GEMMs run far below the BLAS's peak (bench-small's k/v projections, 2048×512·512×128, at a
 //! quarter of the rate of the fused 2048×512·512×768), and rank-16 LoRA GEMMs even more so. The
@@ -364,3 +364,5 @@ fn add_row_blocks(
 mod nf4;
 #[cfg(test)]
 mod tests;
+
+pub use nf4::{plan as nf4_plan, stats as nf4_stats, GroupPlan as Nf4GroupPlan, Ungrouped};

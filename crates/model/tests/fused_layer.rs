@@ -163,7 +163,7 @@ fn forced_bf16_lora_branch_gives_the_f32_branch_step() {
     }
 }
 
-/// A QLoRA model's grouped NF4 dequantization (issue 48, item 4; `rtune_ops::nf4::lease`): forced
+/// A QLoRA model's grouped NF4 dequantization (issue 48, item 4; `rtune_model::group`'s `nf4.rs`): forced
 /// on the CPU, each layer's q/k/v and gate/up weights are dequantized together into one of the two
 /// reused buffers (the CPU reference fills them), served as the group's `(Σout, in)` block (one
 /// GEMM), and the next group is prefetched into the other buffer. The step must equal the
@@ -179,7 +179,6 @@ fn forced_bf16_lora_branch_gives_the_f32_branch_step() {
 /// among themselves (demand fills, then prefetched buffers) are compared bit for bit.
 #[test]
 fn forced_grouped_nf4_gives_the_per_weight_step_and_prefetches_every_group() {
-    use rtune_ops::nf4::lease;
     let mut cfg = config();
     cfg.num_layers = LAYERS;
     cfg.window_layers = vec![false; LAYERS];
@@ -214,9 +213,9 @@ fn forced_grouped_nf4_gives_the_per_weight_step_and_prefetches_every_group() {
             let fused = [Fused::Nf4Group, Fused::Nf4Prefetch];
             let mut steps = Vec::new();
             for n in 0..3 {
-                let before = lease::stats(&dev, dtype).unwrap_or_default();
+                let before = rtune_model::group::nf4_stats(&dev, dtype).unwrap_or_default();
                 let (out, runs) = forced(&fused, || step(&model, &adapter, s, checkpoint));
-                let after = lease::stats(&dev, dtype).unwrap();
+                let after = rtune_model::group::nf4_stats(&dev, dtype).unwrap();
                 let prefetched = after.prefetched - before.prefetched;
                 assert_eq!(
                     runs,

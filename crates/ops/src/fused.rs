@@ -9,7 +9,7 @@
 //! `rtune-model`'s `linear` and `group`, through [`crate::lora::acc`]), `cudnn` (attention through
 //! cuDNN's fused SDPA, `crate::attention::cudnn`; off, the own flash kernel runs), `nf4_group`
 //! and `nf4_prefetch` (a QLoRA layer's grouped NF4 dequantization into reused buffers and its
-//! prefetch on a side stream: `crate::nf4::lease`, called by `rtune-model`'s `group`).
+//! prefetch on a side stream: ``rtune-model`'s `group/nf4.rs`).
 //!
 //! Not wired: RoPE on q and k in place (`rope::cuda::rope_qk`). The attention makes q and k
 //! contiguous `(B, H, T, Dh)` copies of the projection's `(N, H·Dh)` columns before rotating them;
@@ -44,11 +44,11 @@ pub enum Fused {
     /// of rtune's own flash kernel (`kernels/flash_attn.cu`).
     Cudnn,
     /// A QLoRA layer's q/k/v (and gate/up) NF4 weights dequantized by one launch into one of two
-    /// reused buffers (`crate::nf4::lease`, item 4) instead of one launch and one allocation per
+    /// reused buffers (`rtune-model`'s `group/nf4.rs`, item 4) instead of one launch and one allocation per
     /// weight; off, [`Fused::Nf4Prefetch`] is off too.
     Nf4Group,
     /// With [`Fused::Nf4Group`]: the next group's dequantization issued ahead of its use on a
-    /// side stream (`crate::nf4::ring`'s prediction); off, every group is dequantized on request
+    /// side stream (`rtune_backend::ring`'s prediction); off, every group is dequantized on request
     /// on the compute stream (still into the reused buffers).
     Nf4Prefetch,
 }
@@ -126,8 +126,8 @@ pub fn on(dev: &Device, f: Fused) -> Result<bool> {
     }
 }
 
-/// Marks that a fused path ran (counted under [`forced`]; nothing otherwise).
-pub(crate) fn ran(f: Fused) {
+/// Marks that a fused path ran (counted under `forced`, in tests; nothing otherwise).
+pub fn ran(f: Fused) {
     #[cfg(any(test, feature = "test-util"))]
     force::count(f);
     #[cfg(not(any(test, feature = "test-util")))]

@@ -1231,31 +1231,38 @@ fn nf4_dequant_kernels_equal_the_cpu_emulated() {
 /// per-tensor CPU dequantization of each at its offset, with the padding between them untouched.
 #[test]
 fn nf4_grouped_kernel_equals_the_per_tensor_cpu_emulated() {
-    use rtune_ops::nf4::group::{self, GroupPlan, GroupTable};
+    use rtune_ops::nf4::group::{self, GroupTable};
     use rtune_ops::nf4::weight::Nf4Weight;
     type K<T> = unsafe extern "C" fn(GroupTable, *mut T);
-    fn run<T: Elem + PartialEq + std::fmt::Debug>(
-        ws: &[&Nf4Weight],
-        p: &GroupPlan,
-        want: &[T],
-        sentinel: T,
-    ) {
-        let mut out = Buf::<T>::new(p.total, 0);
+    /// Each weight at the next multiple of 256 bytes (as `rtune-model`'s plan places them).
+    fn slots(ws: &[&Nf4Weight], bytes: usize) -> (Vec<(usize, usize)>, usize) {
+        let mut at = 0usize;
+        let s = ws
+            .iter()
+            .map(|w| {
+                let o = at.next_multiple_of(256 / bytes);
+                at = o + w.numel();
+                (o, w.numel())
+            })
+            .collect();
+        (s, at)
+    }
+    fn run<T: Elem + PartialEq + std::fmt::Debug>(ws: &[&Nf4Weight], want: &[T], sentinel: T) {
+        let (slots, total) = slots(ws, std::mem::size_of::<T>());
+        let mut out = Buf::<T>::new(total, 0);
         out.v.iter_mut().for_each(|x| *x = sentinel);
         let addrs: Vec<_> = ws.iter().map(|w| group::host_addresses(w)).collect();
-        let t = group::table(ws, &addrs, p, 64).unwrap();
+        let t = group::table(ws, &addrs, &slots, 64).unwrap();
         let k: K<T> = entry(&format!("nf4_dequant_group_{}", T::SUFFIX));
         let oa = out.at_mut();
         // SAFETY: the entry point's signature (the table by value, as the .cu declares it); every
-        // address in the table is a live buffer of a weight in `ws`, the output holds p.total.
+        // address in the table is a live buffer of a weight in `ws`, the output holds every slot.
         launch(t.total_blocks as u32, 64, || unsafe { k(t, m(oa)) });
-        let got = &out.v[out.start..out.start + p.total];
-        if let Some(i) = (0..p.total).find(|&i| got[i] != want[i]) {
+        let got = &out.v[out.start..out.start + total];
+        if let Some(i) = (0..total).find(|&i| got[i] != want[i]) {
             panic!(
-                "grouped {} at element {i} of {} (slots {:?}): emulated {:?}, cpu {:?}",
+                "grouped {} at element {i} of {total} (slots {slots:?}): emulated {:?}, cpu {:?}",
                 T::SUFFIX,
-                p.total,
-                p.slots,
                 got[i],
                 want[i]
             );
@@ -1286,20 +1293,24 @@ fn nf4_grouped_kernel_equals_the_per_tensor_cpu_emulated() {
     ];
     for ws in [&odd[..], &gqa[..]] {
         let ws: Vec<&Nf4Weight> = ws.iter().collect();
-        let p = group::plan(&ws, 2).unwrap();
-        assert_eq!(p.tight, ws[0].shape[1] == 128);
+        let (sl, total) = slots(&ws, 2);
+        // in = 128: back to back; in = 37: padded apart.
+        assert_eq!(
+            total == ws.iter().map(|w| w.numel()).sum::<usize>(),
+            ws[0].shape[1] == 128
+        );
         let s = bf16::from_f32(-3.5);
-        let mut want = vec![s; p.total];
-        group::dequantize_group_bf16(&ws, &p, &mut want).unwrap();
-        run::<bf16>(&ws, &p, &want, s);
+        let mut want = vec![s; total];
+        group::dequantize_group_bf16(&ws, &sl, &mut want).unwrap();
+        run::<bf16>(&ws, &want, s);
         let s = f16::from_f32(-3.5);
-        let mut want = vec![s; p.total];
-        group::dequantize_group_f16(&ws, &p, &mut want).unwrap();
-        run::<f16>(&ws, &p, &want, s);
-        let p = group::plan(&ws, 4).unwrap();
-        let mut want = vec![-3.5f32; p.total];
-        group::dequantize_group_f32(&ws, &p, &mut want).unwrap();
-        run::<f32>(&ws, &p, &want, -3.5);
+        let mut want = vec![s; total];
+        group::dequantize_group_f16(&ws, &sl, &mut want).unwrap();
+        run::<f16>(&ws, &want, s);
+        let (sl, total) = slots(&ws, 4);
+        let mut want = vec![-3.5f32; total];
+        group::dequantize_group_f32(&ws, &sl, &mut want).unwrap();
+        run::<f32>(&ws, &want, -3.5);
     }
 }
 

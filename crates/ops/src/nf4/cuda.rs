@@ -1,6 +1,6 @@
 //! Host side of `kernels/nf4.cu`: upload an [`Nf4Weight`], launch the dequantize kernels.
 
-use super::group::{Addresses, GroupPlan, GroupTable};
+use super::group::{Addresses, GroupTable, Slots};
 use super::{Absmax, Nf4Weight, BLOCKSIZE};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
@@ -224,27 +224,28 @@ pub fn nf4_dequant_cuda_into<T: DequantOut>(
 unsafe impl DeviceRepr for GroupTable {}
 
 /// Dequantizes the weights `ws` (with their host copies `hosts`, for the scale kinds) into `out`
-/// at `plan`'s offsets in one launch on `stream` (`out`: at least `plan.total` elements, the
-/// whole allocation so the offsets keep their 256-byte alignment). cudarc's per-buffer events
-/// order it after the last work touching `out` on any stream and the weights' uploads, and the
-/// next reader of `out` after it.
+/// at `slots`' offsets in one launch on `stream` (each offset a multiple of 16 bytes into `out`,
+/// the start of its allocation, for the kernel's vector stores). cudarc's per-buffer events order
+/// it after the last work touching `out` on any stream and the weights' uploads, and the next
+/// reader of `out` after it.
 pub fn nf4_dequant_group_into<T: DequantOut>(
     kernels: &Nf4Kernels,
     stream: &Arc<CudaStream>,
     ws: &[&Nf4WeightCuda],
     hosts: &[&Nf4Weight],
-    plan: &GroupPlan,
+    slots: &Slots,
     out: &mut CudaSlice<T>,
 ) -> Result<()> {
     let bad = |message: String| KernelError::Unsupported {
         op: "nf4 grouped dequant",
         message,
     };
-    if out.len() < plan.total {
+    let end = slots.iter().map(|&(o, n)| o + n).max().unwrap_or(0);
+    let align = 16 / std::mem::size_of::<T>();
+    if out.len() < end || slots.iter().any(|&(o, _)| o % align != 0) {
         return Err(bad(format!(
-            "output has {} elements, the group {}",
-            out.len(),
-            plan.total
+            "slots {slots:?} in an output of {} elements (offsets a multiple of {align})",
+            out.len()
         )));
     }
     if let Some((i, (w, h))) = ws.iter().zip(hosts).enumerate().find(|(_, (w, h))| {
@@ -290,7 +291,7 @@ pub fn nf4_dequant_group_into<T: DequantOut>(
         }
         addrs.push(a);
     }
-    let table = super::group::table(hosts, &addrs, plan, THREADS as usize).map_err(bad)?;
+    let table = super::group::table(hosts, &addrs, slots, THREADS as usize).map_err(bad)?;
     if table.total_blocks == 0 {
         return Ok(());
     }
@@ -304,7 +305,7 @@ pub fn nf4_dequant_group_into<T: DequantOut>(
     b.arg(&table).arg(&dst);
     // SAFETY: argument types and order match nf4_dequant_group_<T> (the table by value, the
     // output's address); every address in the table is a live buffer of a weight in `ws` whose
-    // sizes were checked on upload, and `out` holds plan.total elements.
+    // sizes were checked on upload, and `out` holds every slot.
     unsafe { b.launch(cfg) }.map_err(drv("nf4_dequant_group"))?;
     drop(out_guard);
     drop(guards);

@@ -23,8 +23,8 @@ pub struct DeviceNf4 {
 }
 
 impl DeviceNf4 {
-    /// The weight's device buffers (the grouped launch's entries, `lease.rs`).
-    pub(super) fn weight(&self) -> &Nf4WeightCuda {
+    /// The weight's device buffers (a grouped launch's entries: `rtune-model`'s `group/nf4.rs`).
+    pub fn weight(&self) -> &Nf4WeightCuda {
         &self.w
     }
 }
@@ -39,7 +39,7 @@ impl std::fmt::Debug for DeviceNf4 {
 type Loaded = Mutex<Vec<(candle_core::cuda::DeviceId, Arc<Nf4Kernels>)>>;
 
 /// The dequantize kernels, loaded once per device.
-pub(super) fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
+pub fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
     static LOADED: OnceLock<Loaded> = OnceLock::new();
     let mut l = LOADED
         .get_or_init(Default::default)

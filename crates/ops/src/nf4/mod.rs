@@ -13,10 +13,10 @@
 //!   straight into a candle tensor (`device.rs`). The CPU dequantization is the reference;
 //!   `tests/nf4_cuda.rs` compares them bit for bit.
 //! - Grouped (issue 48, item 4): a layer's q/k/v or gate/up in one launch into one buffer
-//!   ([`group`]: the layout, the kernel's table, the CPU reference), two such buffers reused for
-//!   the run with the next group prefetched into the other ([`ring`]: which buffer, what next, as
-//!   plain logic), and the two put together for a model layer ([`lease`]; on CUDA the prefetch on
-//!   a side stream).
+//!   ([`group`]: the kernel's table, the CPU reference; the launcher in `cuda.rs`). The layout
+//!   (which weights group, at which offsets), the two buffers reused for the run and the next
+//!   group prefetched into the other on a side stream are `rtune-model`'s (`group/nf4.rs`, with
+//!   `rtune_backend::ring`'s plan).
 //!
 //! Layout (bitsandbytes'): element `2i` of the flattening is the HIGH nibble of byte `i`, element
 //! `2i+1` the low nibble; an odd element count leaves the last low nibble as padding (code 7, i.e.
@@ -29,8 +29,6 @@
 //! formats (a bnb-4bit checkpoint's tensors, pieces of a sharded weight) and the `quantize` choice
 //! are `rtune-quant`'s.
 
-#[cfg(feature = "kernels")]
-pub mod check;
 pub mod cpu;
 #[cfg(feature = "kernels")]
 mod cuda;
@@ -38,9 +36,7 @@ mod cuda;
 mod device;
 pub mod error;
 pub mod group;
-pub mod lease;
 pub mod quantize;
-pub mod ring;
 pub mod tables;
 pub mod weight;
 
@@ -55,4 +51,4 @@ pub use cuda::{
     Nf4Kernels, Nf4WeightCuda,
 };
 #[cfg(feature = "cuda")]
-pub use device::{dequantize, upload, DeviceNf4};
+pub use device::{dequantize, kernels, upload, DeviceNf4};

@@ -1,6 +1,7 @@
 //! Which of two reused buffers a group's dequantized weights go to, and which group to dequantize
-//! next ahead of time (issue 48, item 4): the plain logic of the double-buffered prefetch, with no
-//! device in it (`lease.rs` carries it out: on CUDA the prefetch is a launch on a side stream).
+//! next ahead of time (issue 48, item 4, QLoRA's grouped NF4 dequantization): the plain logic of
+//! the double-buffered prefetch, with no device in it (`rtune-model`'s `group/nf4.rs` carries it
+//! out: on CUDA the prefetch is a launch on a side stream).
 //!
 //! Two slots, each holding one group's weights (`K`: the group's identity). A request for a group:
 //! - finds it in a slot (a hit: no dequantization; on CUDA the compute stream waits for that

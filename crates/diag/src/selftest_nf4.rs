@@ -1,6 +1,7 @@
 //! `rtune selftest`'s check of the grouped NF4 kernel (`nf4_dequant_group_*`, issue 48 item 4) on
-//! a GPU: a group dequantized by one launch into one buffer against each weight's per-tensor CPU
-//! dequantization at its offset ([`super::group`]'s reference), bit for bit, with the padding
+//! a GPU (feature `cuda`): a group dequantized by one launch into one buffer, at the offsets the
+//! model's plan gives (`rtune_model::group::nf4_plan`), against each weight's per-tensor CPU
+//! dequantization at its offset (`rtune_ops::nf4::group`'s reference), bit for bit, with the padding
 //! between the weights left as it was. Two groups: Llama-3-8B's q/k/v (4096×4096, 1024×4096,
 //! 1024×4096, double quant: the plan is tight, the buffer is the `(6144, 4096)` block), and four
 //! small weights whose sizes are no multiple of 16 or 64 (padded apart) mixing plain and double
@@ -11,30 +12,31 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use half::{bf16, f16};
 use std::sync::Arc;
 
-use super::cuda::{nf4_dequant_group_into, DequantOut, Nf4Kernels, Nf4WeightCuda};
-use super::group::{self, GroupPlan};
-use super::{quantize_nf4, Nf4Weight, QuantType, FP4};
 use rtune_backend::check::Rng;
 use rtune_backend::{drv, KernelError, Result};
+use rtune_model::group::{nf4_plan, Nf4GroupPlan as GroupPlan};
+use rtune_ops::nf4::group;
+use rtune_ops::nf4::{nf4_dequant_group_into, DequantOut, Nf4Kernels, Nf4WeightCuda};
+use rtune_ops::nf4::{quantize_nf4, Nf4Weight, QuantType, FP4};
 
 /// An element type the check runs in, with its CPU reference and a sentinel for the padding.
 trait Out: DequantOut + PartialEq {
     const NAME: &'static str;
     const SENTINEL: Self;
-    fn reference(ws: &[&Nf4Weight], p: &GroupPlan, out: &mut [Self]) -> super::Result<()>;
+    fn reference(ws: &[&Nf4Weight], p: &GroupPlan, out: &mut [Self]) -> rtune_ops::nf4::Result<()>;
 }
 impl Out for bf16 {
     const NAME: &'static str = "bf16";
     const SENTINEL: Self = bf16::from_bits(0x7fc1);
-    fn reference(ws: &[&Nf4Weight], p: &GroupPlan, out: &mut [Self]) -> super::Result<()> {
-        group::dequantize_group_bf16(ws, p, out)
+    fn reference(ws: &[&Nf4Weight], p: &GroupPlan, out: &mut [Self]) -> rtune_ops::nf4::Result<()> {
+        group::dequantize_group_bf16(ws, &p.slots, out)
     }
 }
 impl Out for f16 {
     const NAME: &'static str = "f16";
     const SENTINEL: Self = f16::from_bits(0x7e01);
-    fn reference(ws: &[&Nf4Weight], p: &GroupPlan, out: &mut [Self]) -> super::Result<()> {
-        group::dequantize_group_f16(ws, p, out)
+    fn reference(ws: &[&Nf4Weight], p: &GroupPlan, out: &mut [Self]) -> rtune_ops::nf4::Result<()> {
+        group::dequantize_group_f16(ws, &p.slots, out)
     }
 }
 
@@ -45,7 +47,7 @@ fn mismatch<T: Out>(
     ws: &[&Nf4Weight],
     dws: &[&Nf4WeightCuda],
 ) -> Result<f64> {
-    let p = group::plan(ws, std::mem::size_of::<T>()).map_err(|e| KernelError::Unsupported {
+    let p = nf4_plan(ws, std::mem::size_of::<T>()).map_err(|e| KernelError::Unsupported {
         op: "nf4 grouped self-test",
         message: e.to_string(),
     })?;
@@ -57,7 +59,7 @@ fn mismatch<T: Out>(
     let mut out: CudaSlice<T> = s
         .clone_htod(&vec![T::SENTINEL; p.total])
         .map_err(drv("nf4 grouped self-test: upload"))?;
-    nf4_dequant_group_into(k, s, dws, ws, &p, &mut out)?;
+    nf4_dequant_group_into(k, s, dws, ws, &p.slots, &mut out)?;
     let got = s
         .clone_dtoh(&out)
         .map_err(drv("nf4 grouped self-test: download"))?;
