@@ -66,7 +66,7 @@ pub struct GroupPlan {
 }
 
 /// The layout of `weights` in one buffer of `elem_bytes`-byte elements (2 for bf16/f16, 4 for
-/// f32), each at the next multiple of [`ALIGN_BYTES`]; or why they do not group (mixed plain and
+/// f32), each at the next multiple of `ALIGN_BYTES` (256); or why they do not group (mixed plain and
 /// double scales or NF4 and FP4 tables do: both are per entry in the kernel).
 pub fn plan(
     weights: &[&Nf4Weight],
