@@ -67,16 +67,17 @@ __device__ __forceinline__ void store16(T* dst, const float* v) {
     p[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// packed: [ceil(n/2)]  quant_map: [16]  out: [n]
+// packed: [ceil(n/2)]  quant_map: [16]  out: [n]. `block`: this CUDA block's index within the
+// tensor (blockIdx.x for one tensor a launch; the grouped kernel's block minus its entry's start).
 template <typename T, typename Scale>
 __device__ __forceinline__ void dequant(const uint8_t* __restrict__ packed, const Scale scale,
                                         const float* __restrict__ quant_map, T* __restrict__ out,
-                                        long long n) {
+                                        long long n, long long block) {
     __shared__ float table[16];
     if (threadIdx.x < 16) table[threadIdx.x] = quant_map[threadIdx.x];
     __syncthreads();
 
-    const long long e0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * PER_THREAD;
+    const long long e0 = (block * blockDim.x + threadIdx.x) * PER_THREAD;
     const unsigned lane = threadIdx.x & 31;
     float s = 0.0f;
     if ((lane & 3) == 0 && e0 < n) s = scale(e0 / NF4_BLOCK);
@@ -106,7 +107,7 @@ __device__ __forceinline__ void dequant(const uint8_t* __restrict__ packed, cons
     extern "C" __global__ void nf4_dequant_plain_##SUFFIX(                                         \
         const uint8_t* __restrict__ packed, const float* __restrict__ absmax,                      \
         const float* __restrict__ quant_map, T* __restrict__ out, long long n) {                   \
-        dequant<T>(packed, PlainScale{absmax}, quant_map, out, n);                                 \
+        dequant<T>(packed, PlainScale{absmax}, quant_map, out, n, blockIdx.x);                     \
     }                                                                                              \
     extern "C" __global__ void nf4_dequant_double_##SUFFIX(                                        \
         const uint8_t* __restrict__ packed, const uint8_t* __restrict__ codes,                     \
@@ -114,9 +115,70 @@ __device__ __forceinline__ void dequant(const uint8_t* __restrict__ packed, cons
         float offset, int nested_blocksize, const float* __restrict__ quant_map,                   \
         T* __restrict__ out, long long n) {                                                        \
         dequant<T>(packed, DoubleScale{codes, nested_absmax, nested_map, offset, nested_blocksize}, \
-                   quant_map, out, n);                                                             \
+                   quant_map, out, n, blockIdx.x);                                                 \
     }
 
 NF4_KERNELS(f32, float)
 NF4_KERNELS(f16, __half)
 NF4_KERNELS(bf16, __nv_bfloat16)
+
+// Grouped dequantization (issue 48, item 4): several weights (a layer's q/k/v, or gate/up) in ONE
+// launch into one output buffer, each at its own offset. The table travels by value as the
+// kernel's parameter (no device copy; 8 entries = 648 bytes of the 4 KiB parameter space); its
+// layout is mirrored by `rtune_ops::nf4::group::GroupEntry` (80 bytes, checked on both sides).
+// Entry i owns CUDA blocks [block_start[i], block_start[i+1]) (prefix sums of ceil(n / (16 *
+// blockDim.x)), made by the launcher for its blockDim); a block finds its entry by a scan of at
+// most 8 starts and then runs exactly the one-tensor kernel's body on it, so the outputs are
+// those of the per-tensor kernels bit for bit. Each out_offset is a multiple of 256 bytes (the
+// plan's alignment), so the 16-byte stores stay aligned. Entries may mix plain and double-quant
+// scales and NF4/FP4 tables: all of that is per entry, uniform within a block.
+#define NF4_GROUP_MAX 8
+
+struct Nf4GroupEntry {
+    const uint8_t* packed;        // [ceil(n/2)]
+    const float* absmax;          // plain: [n_blocks]; double: unused (null)
+    const uint8_t* codes;         // double: [n_blocks]; plain: null
+    const float* nested_absmax;   // double: [ceil(n_blocks / nested_blocksize)]
+    const float* nested_map;      // double: [256]
+    const float* quant_map;       // [16]
+    long long n;                  // elements
+    long long out_offset;         // elements into `out`
+    float offset;                 // double: the mean added back
+    int nested_blocksize;         // double
+    int is_double;
+    int block_start;              // first CUDA block of this entry
+};
+static_assert(sizeof(Nf4GroupEntry) == 80, "mirrored by rtune_ops::nf4::group::GroupEntry");
+
+struct Nf4GroupTable {
+    Nf4GroupEntry e[NF4_GROUP_MAX];
+    int count;
+    int total_blocks;
+};
+static_assert(sizeof(Nf4GroupTable) == 8 * 80 + 8, "mirrored by rtune_ops::nf4::group::GroupTable");
+
+template <typename T>
+__device__ __forceinline__ void dequant_group(const Nf4GroupTable& t, T* __restrict__ out) {
+    int i = 0;
+    while (i + 1 < t.count && (int)blockIdx.x >= t.e[i + 1].block_start) ++i;
+    const Nf4GroupEntry& e = t.e[i];
+    const long long block = (long long)blockIdx.x - e.block_start;
+    T* dst = out + e.out_offset;
+    if (e.is_double) {
+        dequant<T>(e.packed, DoubleScale{e.codes, e.nested_absmax, e.nested_map, e.offset,
+                                         e.nested_blocksize},
+                   e.quant_map, dst, e.n, block);
+    } else {
+        dequant<T>(e.packed, PlainScale{e.absmax}, e.quant_map, dst, e.n, block);
+    }
+}
+
+#define NF4_GROUP_KERNEL(SUFFIX, T)                                                                \
+    extern "C" __global__ void nf4_dequant_group_##SUFFIX(const Nf4GroupTable table,               \
+                                                          T* __restrict__ out) {                   \
+        dequant_group<T>(table, out);                                                              \
+    }
+
+NF4_GROUP_KERNEL(f32, float)
+NF4_GROUP_KERNEL(f16, __half)
+NF4_GROUP_KERNEL(bf16, __nv_bfloat16)

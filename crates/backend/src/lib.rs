@@ -49,6 +49,7 @@ pub mod memory;
 pub mod offload;
 pub mod onednn;
 mod precision;
+pub mod ring;
 pub mod served;
 pub mod storage;
 

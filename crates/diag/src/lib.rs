@@ -12,6 +12,8 @@ pub mod check;
 pub mod selftest;
 #[cfg(feature = "cuda")]
 mod selftest_cuda;
+#[cfg(feature = "cuda")]
+mod selftest_nf4;
 pub mod weights;
 
 use serde::Serialize;

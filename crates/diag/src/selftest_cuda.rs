@@ -178,6 +178,16 @@ fn kernels_on(dev: &Device, runner: &mut Runner) {
             .map(|(name, err, pass)| Check::measured(format!("kernel {name}"), err, pass))
             .collect())
     });
+    // The grouped NF4 kernel (a layer's q/k/v in one launch) against the per-tensor CPU
+    // dequantization at each offset, bit for bit (selftest_nf4.rs).
+    runner.attempt("kernel nf4 grouped dequant", || {
+        let results = crate::selftest_nf4::self_test_seeded(&s, seed)
+            .map_err(kerr("nf4 grouped self-test"))?;
+        Ok(results
+            .into_iter()
+            .map(|(name, err, pass)| Check::measured(format!("kernel {name}"), err, pass))
+            .collect())
+    });
     let k = match Nf4Kernels::load(s.context()) {
         Ok(k) => k,
         Err(e) => {

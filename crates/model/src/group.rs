@@ -15,6 +15,10 @@
 //!   masked `dXA·A` terms into `dx` in one pass ([`dropout::add_each`]). No mask is kept; the
 //!   results are those of each member on its own bit for bit (the same GEMM per member).
 //!
+//! - QLoRA (NF4 members, which [`fuse`] leaves alone): the members' weights dequantized by one
+//!   launch into one of two reused buffers at each use, the next group's ahead of time (`nf4.rs`),
+//!   the buffer being the group's block when its rows are back to back.
+//!
 //! Small GEMMs run far below the BLAS's peak (bench-small's k/v projections, 2048×512·512×128, at a
 //! quarter of the rate of the fused 2048×512·512×768), and rank-16 LoRA GEMMs even more so. The
 //! results equal the per-layer computation up to f32 summation order; `tests` checks both paths.
@@ -153,8 +157,15 @@ pub fn forward(
     lora: Option<&LoraCtx>,
     salts: &[u64],
 ) -> Result<Vec<(Tensor, LinearCache)>> {
+    // QLoRA: the members' NF4 weights dequantized together into a reused buffer (held until the
+    // frozen GEMMs are issued), which is their block when its rows are back to back.
+    let nf4 = match block {
+        None => nf4::lease(members)?,
+        Some(_) => None,
+    };
+    let block = block.or(nf4.as_ref().and_then(|l| l.block.as_ref()));
     let ctx = stacked_lora(members, lora);
-    if block.is_none() && ctx.is_none() {
+    if block.is_none() && ctx.is_none() && nf4.is_none() {
         return members
             .iter()
             .zip(salts)
@@ -175,9 +186,14 @@ pub fn forward(
         }
         None => members
             .iter()
-            .map(|m| mm(x, &m.w.dense()?.t()?))
+            .enumerate()
+            .map(|(i, m)| match &nf4 {
+                Some(l) => mm(x, &l.weights[i].t()?),
+                None => mm(x, &m.w.dense()?.t()?),
+            })
             .collect::<Result<_>>()?,
     };
+    drop(nf4);
     let Some(ctx) = ctx else {
         return members
             .iter()
@@ -235,8 +251,14 @@ pub fn backward(
     grads: &mut Grads,
     need_dx: bool,
 ) -> Result<Option<Tensor>> {
+    // QLoRA: the members' weights for dx, dequantized together as in the forward.
+    let nf4 = match (block, need_dx) {
+        (None, true) => nf4::lease(members)?,
+        _ => None,
+    };
+    let block = block.or(nf4.as_ref().and_then(|l| l.block.as_ref()));
     let ctx = stacked_lora(members, lora);
-    if block.is_none() && ctx.is_none() {
+    if block.is_none() && ctx.is_none() && nf4.is_none() {
         let mut dx: Option<Tensor> = None;
         for ((m, dy), c) in members.iter().zip(dys).zip(caches) {
             if let Some(d) = m.backward(dy, x, c, lora, grads, need_dx)? {
@@ -255,8 +277,11 @@ pub fn backward(
         (true, Some(w)) => Some(mm(&Tensor::cat(dys, 1)?, w)?),
         (true, None) => {
             let mut acc: Option<Tensor> = None;
-            for (m, dy) in members.iter().zip(dys) {
-                let d = mm(dy, &*m.w.dense()?)?;
+            for (i, (m, dy)) in members.iter().zip(dys).enumerate() {
+                let d = match &nf4 {
+                    Some(l) => mm(dy, &l.weights[i])?,
+                    None => mm(dy, &*m.w.dense()?)?,
+                };
                 acc = Some(match acc {
                     Some(a) => (a + d)?,
                     None => d,
@@ -266,6 +291,7 @@ pub fn backward(
         }
         (false, _) => None,
     };
+    drop(nf4);
     let Some(ctx) = ctx else {
         for ((m, dy), c) in members.iter().zip(dys).zip(caches) {
             dx = m.lora_backward(dy, x, c, lora, grads, dx)?;
@@ -335,5 +361,8 @@ fn add_row_blocks(
     Ok(())
 }
 
+mod nf4;
 #[cfg(test)]
 mod tests;
+
+pub use nf4::{plan as nf4_plan, stats as nf4_stats, GroupPlan as Nf4GroupPlan, Ungrouped};

@@ -162,3 +162,110 @@ fn forced_bf16_lora_branch_gives_the_f32_branch_step() {
         }
     }
 }
+
+/// A QLoRA model's grouped NF4 dequantization (issue 48, item 4; `rtune_model::group`'s `nf4.rs`): forced
+/// on the CPU, each layer's q/k/v and gate/up weights are dequantized together into one of the two
+/// reused buffers (the CPU reference fills them), served as the group's `(Σout, in)` block (one
+/// GEMM), and the next group is prefetched into the other buffer. The step must equal the
+/// per-weight step; from the second step on every request must find its group already there
+/// (prefetched: no dequantization on demand), and that step must equal it too (a prefetch into
+/// the wrong buffer, or over weights in use, changes the gradients).
+///
+/// Tolerance, against the per-weight step: the block's one GEMM sums each output over the same
+/// 64 products as the per-weight GEMMs, in another order (another GEMM shape): f32 1e-5 of the
+/// largest gradient (measured ~2e-7); bf16, where an output on a rounding boundary then rounds
+/// one bf16 ulp (2⁻⁸) the other way and the step carries it on, 3e-2 (measured up to 7.3e-3,
+/// 2026-12-06). A wrong or stale weight moves gradients by their own size. The grouped steps
+/// among themselves (demand fills, then prefetched buffers) are compared bit for bit.
+#[test]
+fn forced_grouped_nf4_gives_the_per_weight_step_and_prefetches_every_group() {
+    let mut cfg = config();
+    cfg.num_layers = LAYERS;
+    cfg.window_layers = vec![false; LAYERS];
+    let dev = Device::Cpu;
+    for dtype in [DType::F32, DType::BF16] {
+        let mut model = Model::build_with(
+            cfg.clone(),
+            &RandomWeights { dtype },
+            dtype,
+            &dev,
+            Quantize::Nf4 { double_quant: true },
+        )
+        .unwrap();
+        let spec = LoraSpec::new(4, 8.0, 0.0, false, &["all-linear".into()]).unwrap();
+        let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 3, &dev).unwrap();
+        for (i, p) in adapter.pairs.iter_mut().enumerate() {
+            let v: Vec<f32> = (0..p.b.elem_count())
+                .map(|j| (((i * 29 + j * 13) % 19) as f32 - 9.0) * 0.01)
+                .collect();
+            p.b = Tensor::from_vec(v, p.b.dims(), &dev).unwrap();
+        }
+        model.attach(&adapter);
+        let s = spec.scaling();
+        for checkpoint in [false, true] {
+            let case = format!("nf4 {dtype:?} checkpoint {checkpoint}");
+            let (loss, grads) = step(&model, &adapter, s, checkpoint);
+            // Per layer: q/k/v and gate/up in the forward (again in each recompute: every layer
+            // but the last under checkpointing) and in the backward (not layer 0's q/k/v: no
+            // input gradient, no dx).
+            let recomputed = if checkpoint { LAYERS - 1 } else { 0 };
+            let want = 2 * LAYERS + 2 * recomputed + 2 * LAYERS - 1;
+            let fused = [Fused::Nf4Group, Fused::Nf4Prefetch];
+            let mut steps = Vec::new();
+            for n in 0..3 {
+                let before = rtune_model::group::nf4_stats(&dev, dtype).unwrap_or_default();
+                let (out, runs) = forced(&fused, || step(&model, &adapter, s, checkpoint));
+                let after = rtune_model::group::nf4_stats(&dev, dtype).unwrap();
+                let prefetched = after.prefetched - before.prefetched;
+                assert_eq!(
+                    runs,
+                    vec![want, prefetched],
+                    "{case}: step {n}: grouped runs"
+                );
+                assert_eq!(
+                    after.hits + after.demand - before.hits - before.demand,
+                    want
+                );
+                steps.push((out, (after.demand - before.demand, prefetched)));
+            }
+            let (demand, prefetched) = steps[2].1;
+            assert_eq!(demand, 0, "{case}: the third step dequantized on demand");
+            assert!(prefetched >= 2 * LAYERS, "{case}: {prefetched} prefetched");
+            // The prefetched steps are the first step exactly (same GEMMs, same weights).
+            let (first, _) = &steps[0];
+            for (n, (later, _)) in steps.iter().enumerate().skip(1) {
+                assert_eq!(
+                    first.0.to_bits(),
+                    later.0.to_bits(),
+                    "{case}: step {n}: loss"
+                );
+                assert_eq!(first.1, later.1, "{case}: step {n}: gradients");
+            }
+            let (tol_loss, tol_grad) = match dtype {
+                DType::F32 => (1e-6, 1e-5),
+                _ => (1e-2, 3e-2),
+            };
+            let scale = grads.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+            assert!(scale > 0.0, "{case}: all gradients zero");
+            let (floss, fgrads) = first;
+            assert!(
+                (loss - floss).abs() <= tol_loss * loss.abs(),
+                "{case}: loss {loss} vs grouped {floss}"
+            );
+            let mut worst = 0f32;
+            for (i, (a, b)) in grads.iter().zip(fgrads).enumerate() {
+                assert_eq!(a.len(), b.len(), "{case}: gradient {i}");
+                let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+                worst = worst.max(err);
+                assert!(
+                    err <= tol_grad * scale,
+                    "{case}: gradient {i}: max diff {err} of {scale}"
+                );
+            }
+            eprintln!(
+                "{case}: largest gradient diff {:.2e} of the largest gradient",
+                worst / scale
+            );
+        }
+    }
+}

@@ -7,7 +7,9 @@
 //! and the RMSNorm after it, forward and backward: `crate::add_norm::add_rms_norm`, called by the
 //! decoder layer), `lora_bf16` (the LoRA branch in bf16/f16 on cuBLAS with `beta = 1`:
 //! `rtune-model`'s `linear` and `group`, through [`crate::lora::acc`]), `cudnn` (attention through
-//! cuDNN's fused SDPA, `crate::attention::cudnn`; off, the own flash kernel runs).
+//! cuDNN's fused SDPA, `crate::attention::cudnn`; off, the own flash kernel runs), `nf4_group`
+//! and `nf4_prefetch` (a QLoRA layer's grouped NF4 dequantization into reused buffers and its
+//! prefetch on a side stream: ``rtune-model`'s `group/nf4.rs`).
 //!
 //! Not wired: RoPE on q and k in place (`rope::cuda::rope_qk`). The attention makes q and k
 //! contiguous `(B, H, T, Dh)` copies of the projection's `(N, H·Dh)` columns before rotating them;
@@ -41,15 +43,25 @@ pub enum Fused {
     /// The tiled attention through cuDNN's fused SDPA (`crate::attention::cudnn`, item 1) instead
     /// of rtune's own flash kernel (`kernels/flash_attn.cu`).
     Cudnn,
+    /// A QLoRA layer's q/k/v (and gate/up) NF4 weights dequantized by one launch into one of two
+    /// reused buffers (`rtune-model`'s `group/nf4.rs`, item 4) instead of one launch and one allocation per
+    /// weight; off, [`Fused::Nf4Prefetch`] is off too.
+    Nf4Group,
+    /// With [`Fused::Nf4Group`]: the next group's dequantization issued ahead of its use on a
+    /// side stream (`rtune_backend::ring`'s prediction); off, every group is dequantized on request
+    /// on the compute stream (still into the reused buffers).
+    Nf4Prefetch,
 }
 
 impl Fused {
     /// Every switch, with its name in `RTUNE_UNFUSED`.
-    pub const ALL: [(Fused, &'static str); 4] = [
+    pub const ALL: [(Fused, &'static str); 6] = [
         (Fused::CeSoftcap, "ce_softcap"),
         (Fused::AddNorm, "add_norm"),
         (Fused::LoraBf16, "lora_bf16"),
         (Fused::Cudnn, "cudnn"),
+        (Fused::Nf4Group, "nf4_group"),
+        (Fused::Nf4Prefetch, "nf4_prefetch"),
     ];
 
     pub fn name(self) -> &'static str {
@@ -114,8 +126,8 @@ pub fn on(dev: &Device, f: Fused) -> Result<bool> {
     }
 }
 
-/// Marks that a fused path ran (counted under [`forced`]; nothing otherwise).
-pub(crate) fn ran(f: Fused) {
+/// Marks that a fused path ran (counted under `forced`, in tests; nothing otherwise).
+pub fn ran(f: Fused) {
     #[cfg(any(test, feature = "test-util"))]
     force::count(f);
     #[cfg(not(any(test, feature = "test-util")))]
@@ -177,9 +189,12 @@ mod tests {
                 Fused::CeSoftcap,
                 Fused::AddNorm,
                 Fused::LoraBf16,
-                Fused::Cudnn
+                Fused::Cudnn,
+                Fused::Nf4Group,
+                Fused::Nf4Prefetch
             ]
         );
+        assert_eq!(parse_unfused("nf4_group").unwrap(), vec![Fused::Nf4Group]);
         assert_eq!(parse_unfused("add_norm").unwrap(), vec![Fused::AddNorm]);
         assert_eq!(parse_unfused("cudnn").unwrap(), vec![Fused::Cudnn]);
         let e = parse_unfused("ce_softcap,rope").unwrap_err().to_string();

@@ -7,7 +7,8 @@
 //!   `kernels/attn.cu` (the attention softmax): each op's `reference.rs`, the selftest's tolerances;
 //! - `kernels/adamw.cu` (multi-tensor norm, clip coefficient, AdamW): `rtune_ops::adamw`'s loop
 //!   for loop restatement, bit for bit as on a GPU;
-//! - `kernels/nf4.cu` (plain and double-quantized dequantization): the CPU dequantization, exactly;
+//! - `kernels/nf4.cu` (plain and double-quantized dequantization, one tensor or a group of them
+//!   in one launch): the CPU dequantization, exactly;
 //! - `kernels/dropout.cu` (the LoRA dropout's Philox masks): `DropoutKey::factor`, exactly.
 //!
 //! - `kernels/flash_attn.cu`: its own harness under the same emulation (`scripts/flash-emu.sh`,
@@ -1221,6 +1222,95 @@ fn nf4_dequant_kernels_equal_the_cpu_emulated() {
             w.dequantize_into_f16(&mut h).unwrap();
             run::<f16>(&w, h, what);
         }
+    }
+}
+
+/// The grouped NF4 kernel (issue 48, item 4): several weights of unequal sizes in one launch —
+/// plain and double-quantized scales, an FP4 table, sizes with a partial last group of 16 and
+/// block of 64 (so the plan pads between them) and back-to-back ones — equal bit for bit to the
+/// per-tensor CPU dequantization of each at its offset, with the padding between them untouched.
+#[test]
+fn nf4_grouped_kernel_equals_the_per_tensor_cpu_emulated() {
+    use rtune_ops::nf4::group::{self, GroupTable};
+    use rtune_ops::nf4::weight::Nf4Weight;
+    type K<T> = unsafe extern "C" fn(GroupTable, *mut T);
+    /// Each weight at the next multiple of 256 bytes (as `rtune-model`'s plan places them).
+    fn slots(ws: &[&Nf4Weight], bytes: usize) -> (Vec<(usize, usize)>, usize) {
+        let mut at = 0usize;
+        let s = ws
+            .iter()
+            .map(|w| {
+                let o = at.next_multiple_of(256 / bytes);
+                at = o + w.numel();
+                (o, w.numel())
+            })
+            .collect();
+        (s, at)
+    }
+    fn run<T: Elem + PartialEq + std::fmt::Debug>(ws: &[&Nf4Weight], want: &[T], sentinel: T) {
+        let (slots, total) = slots(ws, std::mem::size_of::<T>());
+        let mut out = Buf::<T>::new(total, 0);
+        out.v.iter_mut().for_each(|x| *x = sentinel);
+        let addrs: Vec<_> = ws.iter().map(|w| group::host_addresses(w)).collect();
+        let t = group::table(ws, &addrs, &slots, 64).unwrap();
+        let k: K<T> = entry(&format!("nf4_dequant_group_{}", T::SUFFIX));
+        let oa = out.at_mut();
+        // SAFETY: the entry point's signature (the table by value, as the .cu declares it); every
+        // address in the table is a live buffer of a weight in `ws`, the output holds every slot.
+        launch(t.total_blocks as u32, 64, || unsafe { k(t, m(oa)) });
+        let got = &out.v[out.start..out.start + total];
+        if let Some(i) = (0..total).find(|&i| got[i] != want[i]) {
+            panic!(
+                "grouped {} at element {i} of {total} (slots {slots:?}): emulated {:?}, cpu {:?}",
+                T::SUFFIX,
+                got[i],
+                want[i]
+            );
+        }
+    }
+    let mut rng = Rng::new(48);
+    let mut weight = |shape: [usize; 2], dq: bool| {
+        let x: Vec<f32> = (0..shape[0] * shape[1])
+            .map(|i| rng.normal() * 0.02 * if i % 501 == 0 { 30.0 } else { 1.0 })
+            .collect();
+        quantize_nf4(&x, &shape, dq).unwrap()
+    };
+    // in = 37: 37·out elements, neither a multiple of 16 nor of 64, padded apart; in = 128:
+    // back to back (a q/k/v of a GQA layer, scaled down).
+    let mut fp4 = weight([9, 37], true);
+    fp4.quant_map = rtune_ops::nf4::FP4;
+    fp4.quant_type = rtune_ops::nf4::QuantType::Fp4;
+    let odd = [
+        weight([21, 37], false),
+        weight([3, 37], true),
+        fp4,
+        weight([40, 37], false),
+    ];
+    let gqa = [
+        weight([64, 128], true),
+        weight([16, 128], true),
+        weight([16, 128], false),
+    ];
+    for ws in [&odd[..], &gqa[..]] {
+        let ws: Vec<&Nf4Weight> = ws.iter().collect();
+        let (sl, total) = slots(&ws, 2);
+        // in = 128: back to back; in = 37: padded apart.
+        assert_eq!(
+            total == ws.iter().map(|w| w.numel()).sum::<usize>(),
+            ws[0].shape[1] == 128
+        );
+        let s = bf16::from_f32(-3.5);
+        let mut want = vec![s; total];
+        group::dequantize_group_bf16(&ws, &sl, &mut want).unwrap();
+        run::<bf16>(&ws, &want, s);
+        let s = f16::from_f32(-3.5);
+        let mut want = vec![s; total];
+        group::dequantize_group_f16(&ws, &sl, &mut want).unwrap();
+        run::<f16>(&ws, &want, s);
+        let (sl, total) = slots(&ws, 4);
+        let mut want = vec![-3.5f32; total];
+        group::dequantize_group_f32(&ws, &sl, &mut want).unwrap();
+        run::<f32>(&ws, &want, -3.5);
     }
 }
 

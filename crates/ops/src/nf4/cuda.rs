@@ -1,9 +1,10 @@
 //! Host side of `kernels/nf4.cu`: upload an [`Nf4Weight`], launch the dequantize kernels.
 
+use super::group::{Addresses, GroupTable, Slots};
 use super::{Absmax, Nf4Weight, BLOCKSIZE};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
-    ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg, SyncOnDrop, ValidAsZeroBits,
 };
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -34,11 +35,13 @@ impl DequantOut for bf16 {
     const INDEX: usize = 2;
 }
 
-/// The six dequantize kernels of `kernels/nf4.cu`, loaded into one CUDA context.
+/// The dequantize kernels of `kernels/nf4.cu` (per tensor, plain and double quant; grouped),
+/// loaded into one CUDA context.
 pub struct Nf4Kernels {
     /// `[f32, f16, bf16]`
     plain: [CudaFunction; 3],
     double: [CudaFunction; 3],
+    group: [CudaFunction; 3],
 }
 
 impl Nf4Kernels {
@@ -59,6 +62,11 @@ impl Nf4Kernels {
                 get("double", "f32")?,
                 get("double", "f16")?,
                 get("double", "bf16")?,
+            ],
+            group: [
+                get("group", "f32")?,
+                get("group", "f16")?,
+                get("group", "bf16")?,
             ],
         })
     }
@@ -208,5 +216,98 @@ pub fn nf4_dequant_cuda_into<T: DequantOut>(
             unsafe { b.launch(cfg) }.map_err(drv("nf4_dequant_double"))?;
         }
     }
+    Ok(())
+}
+
+// SAFETY: `#[repr(C)]` plain data (addresses as u64, integers, floats) laid out as the kernel's
+// `Nf4GroupTable` (sizes asserted in `group.rs` and the .cu); passed by value as the parameter.
+unsafe impl DeviceRepr for GroupTable {}
+
+/// Dequantizes the weights `ws` (with their host copies `hosts`, for the scale kinds) into `out`
+/// at `slots`' offsets in one launch on `stream` (each offset a multiple of 16 bytes into `out`,
+/// the start of its allocation, for the kernel's vector stores). cudarc's per-buffer events order
+/// it after the last work touching `out` on any stream and the weights' uploads, and the next
+/// reader of `out` after it.
+pub fn nf4_dequant_group_into<T: DequantOut>(
+    kernels: &Nf4Kernels,
+    stream: &Arc<CudaStream>,
+    ws: &[&Nf4WeightCuda],
+    hosts: &[&Nf4Weight],
+    slots: &Slots,
+    out: &mut CudaSlice<T>,
+) -> Result<()> {
+    let bad = |message: String| KernelError::Unsupported {
+        op: "nf4 grouped dequant",
+        message,
+    };
+    let end = slots.iter().map(|&(o, n)| o + n).max().unwrap_or(0);
+    let align = 16 / std::mem::size_of::<T>();
+    if out.len() < end || slots.iter().any(|&(o, _)| o % align != 0) {
+        return Err(bad(format!(
+            "slots {slots:?} in an output of {} elements (offsets a multiple of {align})",
+            out.len()
+        )));
+    }
+    if let Some((i, (w, h))) = ws.iter().zip(hosts).enumerate().find(|(_, (w, h))| {
+        w.shape != h.shape
+            || matches!(w.absmax, DeviceAbsmax::Double { .. }) != h.absmax.is_double()
+    }) {
+        return Err(bad(format!(
+            "weight {i}: device copy {:?} is not its host weight {:?}",
+            w.shape, h.shape
+        )));
+    }
+    // The device addresses, each with the guard that records this launch as a use of the buffer
+    // (dropped after the launch).
+    let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
+    let mut addrs = Vec::with_capacity(ws.len());
+    for w in ws {
+        let (packed, pg) = w.packed.device_ptr(stream);
+        let (quant_map, qg) = w.quant_map.device_ptr(stream);
+        guards.extend([pg, qg]);
+        let mut a = Addresses {
+            packed,
+            quant_map,
+            ..Default::default()
+        };
+        match &w.absmax {
+            DeviceAbsmax::Plain(v) => {
+                let (p, g) = v.device_ptr(stream);
+                a.absmax = p;
+                guards.push(g);
+            }
+            DeviceAbsmax::Double {
+                codes,
+                nested_absmax,
+                nested_quant_map,
+                ..
+            } => {
+                let (c, g1) = codes.device_ptr(stream);
+                let (n, g2) = nested_absmax.device_ptr(stream);
+                let (m, g3) = nested_quant_map.device_ptr(stream);
+                (a.codes, a.nested_absmax, a.nested_map) = (c, n, m);
+                guards.extend([g1, g2, g3]);
+            }
+        }
+        addrs.push(a);
+    }
+    let table = super::group::table(hosts, &addrs, slots, THREADS as usize).map_err(bad)?;
+    if table.total_blocks == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (table.total_blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (dst, out_guard) = out.device_ptr_mut(stream);
+    let mut b = stream.launch_builder(&kernels.group[T::INDEX]);
+    b.arg(&table).arg(&dst);
+    // SAFETY: argument types and order match nf4_dequant_group_<T> (the table by value, the
+    // output's address); every address in the table is a live buffer of a weight in `ws` whose
+    // sizes were checked on upload, and `out` holds every slot.
+    unsafe { b.launch(cfg) }.map_err(drv("nf4_dequant_group"))?;
+    drop(out_guard);
+    drop(guards);
     Ok(())
 }

@@ -22,6 +22,13 @@ pub struct DeviceNf4 {
     w: Nf4WeightCuda,
 }
 
+impl DeviceNf4 {
+    /// The weight's device buffers (a grouped launch's entries: `rtune-model`'s `group/nf4.rs`).
+    pub fn weight(&self) -> &Nf4WeightCuda {
+        &self.w
+    }
+}
+
 impl std::fmt::Debug for DeviceNf4 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "DeviceNf4({:?})", self.w.shape)
@@ -32,7 +39,7 @@ impl std::fmt::Debug for DeviceNf4 {
 type Loaded = Mutex<Vec<(candle_core::cuda::DeviceId, Arc<Nf4Kernels>)>>;
 
 /// The dequantize kernels, loaded once per device.
-fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
+pub fn kernels(dev: &CudaDevice) -> Result<Arc<Nf4Kernels>> {
     static LOADED: OnceLock<Loaded> = OnceLock::new();
     let mut l = LOADED
         .get_or_init(Default::default)

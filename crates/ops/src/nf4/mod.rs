@@ -12,6 +12,11 @@
 //!   to the GPU) and, with `cuda`, a QLoRA base weight resident on the device and dequantized
 //!   straight into a candle tensor (`device.rs`). The CPU dequantization is the reference;
 //!   `tests/nf4_cuda.rs` compares them bit for bit.
+//! - Grouped (issue 48, item 4): a layer's q/k/v or gate/up in one launch into one buffer
+//!   ([`group`]: the kernel's table, the CPU reference; the launcher in `cuda.rs`). The layout
+//!   (which weights group, at which offsets), the two buffers reused for the run and the next
+//!   group prefetched into the other on a side stream are `rtune-model`'s (`group/nf4.rs`, with
+//!   `rtune_backend::ring`'s plan).
 //!
 //! Layout (bitsandbytes'): element `2i` of the flattening is the HIGH nibble of byte `i`, element
 //! `2i+1` the low nibble; an odd element count leaves the last low nibble as padding (code 7, i.e.
@@ -30,6 +35,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod device;
 pub mod error;
+pub mod group;
 pub mod quantize;
 pub mod tables;
 pub mod weight;
@@ -41,7 +47,8 @@ pub use weight::{Absmax, Nf4Weight, QuantType, BLOCKSIZE, NESTED_BLOCKSIZE};
 
 #[cfg(feature = "kernels")]
 pub use cuda::{
-    nf4_dequant_cuda, nf4_dequant_cuda_into, DequantOut, DeviceAbsmax, Nf4Kernels, Nf4WeightCuda,
+    nf4_dequant_cuda, nf4_dequant_cuda_into, nf4_dequant_group_into, DequantOut, DeviceAbsmax,
+    Nf4Kernels, Nf4WeightCuda,
 };
 #[cfg(feature = "cuda")]
-pub use device::{dequantize, upload, DeviceNf4};
+pub use device::{dequantize, kernels, upload, DeviceNf4};
