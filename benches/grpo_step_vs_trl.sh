@@ -12,6 +12,9 @@
 # steps after the first over their time), mean completion length, and the process's peak RSS
 # (`/usr/bin/time -v`); then the ratios. The completions are sampled by each side (different
 # RNGs): compare tokens/s, and the mean completion lengths say how alike the work was.
+# Gradient checkpointing: CKPT=true|false sets it on both sides; unset, each side keeps its default
+# (TRL's GRPOConfig: on; rtune: auto, which is off for this small run), so the peak RSS compare
+# checkpointed TRL with un-checkpointed rtune.
 #
 #   PYTHON=/work/.venv-ref/bin/python benches/grpo_step_vs_trl.sh
 #
@@ -21,6 +24,10 @@ cd "$(dirname "$0")/.."
 
 steps=${STEPS:-4}
 threads=${THREADS:-2}
+ckpt=${CKPT:-}
+case "$ckpt" in "" | true | false) ;; *) echo "CKPT must be true or false, not '$ckpt'" >&2; exit 2 ;; esac
+rtune_ckpt=()
+[ -n "$ckpt" ] && rtune_ckpt=(--set "train.gradient_checkpointing=$ckpt")
 python=${PYTHON:-python3}
 bin=${RTUNE:-target/release/rtune}
 cache=${RTUNE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rtune}
@@ -40,6 +47,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 model_dir, data, out, steps, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+# "": GRPOConfig's default (gradient checkpointing on).
+ckpt = {} if sys.argv[6] == "" else {"gradient_checkpointing": sys.argv[6] == "true"}
 torch.set_num_threads(threads)
 rows = [json.loads(l) for l in open(data)]
 FORMAT = re.compile(r"<answer>\s*-?\d+\s*</answer>")
@@ -72,7 +81,7 @@ args = GRPOConfig(output_dir=out, per_device_train_batch_size=16, gradient_accum
                   num_generations=8, max_completion_length=32, temperature=0.7, learning_rate=5e-4,
                   lr_scheduler_type="constant", max_grad_norm=1.0, max_steps=steps, beta=0.0,
                   loss_type="dapo", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                  bf16=False, shuffle_dataset=False, seed=42, reward_weights=[0.5, 1.0])
+                  bf16=False, shuffle_dataset=False, seed=42, reward_weights=[0.5, 1.0], **ckpt)
 t = GRPOTrainer(model=model, processing_class=tok, args=args, train_dataset=Dataset.from_list(rows),
                 reward_funcs=[format_reward, answer_reward], callbacks=[Clock()],
                 peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
@@ -92,7 +101,7 @@ echo "uptime: $(uptime)"
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)"
 /usr/bin/time -v -o "$tmp/rtune.time" "$bin" train --config configs/smollm2-135m-grpo.toml \
   --set "data.train=$tmp/prompts.jsonl" --set data.shuffle=false --set "train.steps=$steps" \
-  --set "output.dir=$tmp/rtune" --set output.save_every=0 >"$tmp/rtune.log" 2>&1 ||
+  --set "output.dir=$tmp/rtune" --set output.save_every=0 "${rtune_ckpt[@]}" >"$tmp/rtune.log" 2>&1 ||
   { cat "$tmp/rtune.log" >&2; exit 1; }
 python3 - "$tmp/rtune/metrics.jsonl" <<'PY' | tee "$tmp/rtune.json"
 import json, sys
@@ -105,7 +114,7 @@ print(json.dumps({"side": "rtune", "steps": len(m), "s_per_step": round(secs / (
                   "reward": [round(x["reward"], 3) for x in m]}))
 PY
 /usr/bin/time -v -o "$tmp/trl.time" "$python" "$tmp/trl_grpo.py" "$model" "$tmp/prompts.jsonl" "$tmp/trl" \
-  "$steps" "$threads" 2>"$tmp/trl.log" | tail -1 | tee "$tmp/trl.json" ||
+  "$steps" "$threads" "$ckpt" 2>"$tmp/trl.log" | tail -1 | tee "$tmp/trl.json" ||
   { cat "$tmp/trl.log" >&2; exit 1; }
 python3 - "$tmp" <<'PY'
 import json, re, sys
