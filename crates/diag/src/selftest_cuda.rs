@@ -8,7 +8,7 @@
 //! last byte and a short last block). After the kernel checks and after the training steps, the
 //! driver errors cudarc recorded in a `Drop` are read: none may have been. [`nccl`]: a one-GPU
 //! NCCL all-reduce (world of 1) of a known buffer through the trainer's own NCCL path
-//! (`rtune_dist::nccl`).
+//! (`rtune_dist::nccl`), and the sharded base's all-gather (world of 1) by both of its plans.
 
 use candle_core::Device;
 use half::bf16;
@@ -292,4 +292,75 @@ pub fn nccl(dev: &Device, runner: &mut Runner) {
             ),
         )])
     });
+    runner.attempt(NCCL_ALL_GATHER, || {
+        let world = rtune_dist::World::single();
+        let comm = rtune_dist::nccl::Nccl::init(&world, cuda)?;
+        Ok(vec![all_gather(dev, &comm)?])
+    });
+}
+
+/// The name of [`nccl`]'s all-gather check.
+pub const NCCL_ALL_GATHER: &str = "nccl all-gather (world of 1)";
+
+/// A sharded base's gather on a CUDA rank (`Nccl::all_gather_into`), in a world of one, by both
+/// plans of `rtune_dist::gather_plan`: the all-gather (what equal shards take) and the grouped
+/// broadcasts (unequal shards), each of 2^20 + 3 known bf16 read from 5 elements into one buffer
+/// and written 7 elements into another, so the byte offsets of both tensors are exercised. The
+/// gathered elements must be the shard's bit for bit and the elements around them untouched (a
+/// wrong offset or length moves or spills them); the buffer is read on the compute stream, which
+/// must wait for the side stream's write.
+fn all_gather(dev: &Device, comm: &rtune_dist::nccl::Nccl) -> Result<Check, DiagError> {
+    use candle_core::Tensor;
+    use rtune_dist::gather_plan;
+    let cerr = |op: &'static str| {
+        move |e: candle_core::Error| DiagError::from(rtune_model::ModelError::candle(op, e))
+    };
+    let n = (1usize << 20) + 3;
+    let (pad_in, pad_out) = (5, 7);
+    let src: Vec<bf16> = (0..n + pad_in)
+        .map(|i| bf16::from_f32((i % 4093) as f32 * 0.125 - 250.0))
+        .collect();
+    let big_in = Tensor::from_vec(src.clone(), n + pad_in, dev).map_err(cerr("upload"))?;
+    let mine = big_in.narrow(0, pad_in, n).map_err(cerr("narrow"))?;
+    let fill = bf16::from_f32(-7.5);
+    let mut details = Vec::new();
+    let mut differ_all = 0;
+    let bytes = [n * 2];
+    for (label, plan) in [
+        ("all-gather", gather_plan::plan(&bytes)),
+        ("grouped broadcasts", gather_plan::broadcasts(&bytes)),
+    ] {
+        let big_out = Tensor::full(fill, n + 2 * pad_out, dev).map_err(cerr("alloc"))?;
+        let out = big_out.narrow(0, pad_out, n).map_err(cerr("narrow"))?;
+        let t0 = Instant::now();
+        comm.all_gather_planned(&plan, &mine, &out)
+            .map_err(cerr("NCCL all-gather"))?;
+        // Read on the compute stream: waits on the side stream's write event, not on the host.
+        let got = big_out.to_vec1::<bf16>().map_err(cerr("download"))?;
+        let took = t0.elapsed().as_secs_f64();
+        let differ = got
+            .iter()
+            .enumerate()
+            .filter(|&(i, g)| {
+                let want = match i.checked_sub(pad_out).filter(|&j| j < n) {
+                    Some(j) => src[pad_in + j],
+                    None => fill,
+                };
+                g.to_bits() != want.to_bits()
+            })
+            .count();
+        differ_all += differ;
+        details.push(format!(
+            "{label}: {differ} differ ({:.2} ms with the copy back)",
+            took * 1e3
+        ));
+    }
+    Ok(Check::new(
+        NCCL_ALL_GATHER,
+        differ_all == 0,
+        format!(
+            "{n} bf16 at element offsets {pad_in} → {pad_out} on a second stream; {}",
+            details.join("; ")
+        ),
+    ))
 }

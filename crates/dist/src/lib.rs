@@ -50,6 +50,7 @@ mod agree;
 #[cfg(feature = "cuda")]
 mod buckets;
 mod data_parallel;
+pub mod gather_plan;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 mod watchdog;

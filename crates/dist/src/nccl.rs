@@ -21,10 +21,12 @@ use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CudaDevice, CudaStorage, InplaceOp1, Layout, Tensor};
-use cudarc::driver::{CudaStream, DevicePtrMut, DriverError};
+use candle_core::cuda_backend::CudaStorageSlice;
+use candle_core::{CpuStorage, CudaDevice, CudaStorage, InplaceOp1, InplaceOp2, Layout, Tensor};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DriverError, SyncOnDrop};
 use cudarc::nccl::{result, sys};
 
+use crate::gather_plan::{self, Plan, Primitives};
 use crate::{DistError, World};
 
 /// This rank's NCCL communicator and its stream.
@@ -119,6 +121,66 @@ impl Nccl {
         t.inplace_op1(&AllReduce(self))
     }
 
+    /// Launches `out` = every rank's `mine` in rank order, rank r's `counts[r]` elements of
+    /// `out`'s dtype (`mine`: this rank's, that many; `out`: their sum), on this communicator's
+    /// stream; returns at once (module overview: the ordering). Collective: every rank calls it
+    /// with the same `counts`. The calls are [`gather_plan::plan`]'s, which it returns.
+    pub fn all_gather_into(
+        &self,
+        mine: &Tensor,
+        counts: &[usize],
+        out: &Tensor,
+    ) -> candle_core::Result<Plan> {
+        let elem = out.dtype().size_in_bytes();
+        let bytes: Vec<usize> = counts.iter().map(|&n| n * elem).collect();
+        let plan = gather_plan::plan(&bytes);
+        self.all_gather_planned(&plan, mine, out)?;
+        Ok(plan)
+    }
+
+    /// [`all_gather_into`](Self::all_gather_into) by a given plan (byte counts): the selftest runs
+    /// [`gather_plan::broadcasts`] in a world of one, where [`gather_plan::plan`] would pick the
+    /// all-gather.
+    pub fn all_gather_planned(
+        &self,
+        plan: &Plan,
+        mine: &Tensor,
+        out: &Tensor,
+    ) -> candle_core::Result<()> {
+        if plan.counts.len() != self.size {
+            candle_core::bail!(
+                "NCCL all-gather: {} counts for a world of {}",
+                plan.counts.len(),
+                self.size
+            );
+        }
+        if mine.dtype() != out.dtype() {
+            candle_core::bail!(
+                "NCCL all-gather: shard {:?} into a {:?} buffer",
+                mine.dtype(),
+                out.dtype()
+            );
+        }
+        let elem = out.dtype().size_in_bytes();
+        let (have, want) = (mine.elem_count() * elem, plan.counts[self.rank]);
+        if have != want {
+            candle_core::bail!(
+                "NCCL all-gather: rank {}'s shard {:?} is {have} bytes, its count {want}",
+                self.rank,
+                mine.shape()
+            );
+        }
+        if out.elem_count() * elem != plan.total() {
+            candle_core::bail!(
+                "NCCL all-gather: buffer {:?} is {} bytes, the shards {}",
+                out.shape(),
+                out.elem_count() * elem,
+                plan.total()
+            );
+        }
+        out.inplace_op2(mine, &AllGather { nccl: self, plan })
+    }
+
     /// Waits until every all-reduce launched so far is done.
     pub fn synchronize(&self) -> Result<(), DistError> {
         self.stream.synchronize().map_err(|e| DistError::Nccl {
@@ -185,5 +247,138 @@ impl InplaceOp1 for AllReduce<'_> {
         };
         launched.map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
         Ok(())
+    }
+}
+
+/// The all-gather as a candle in-place op: `out` (written) from `mine` (read), both CUDA.
+struct AllGather<'a> {
+    nccl: &'a Nccl,
+    plan: &'a Plan,
+}
+
+/// The device address of a CUDA storage's first byte whatever its dtype, with cudarc's guard
+/// (`$ptr`: `device_ptr` to read, `device_ptr_mut` to write) on `$stream`.
+macro_rules! storage_ptr {
+    ($slice:expr, $ptr:ident, $stream:expr) => {
+        match $slice {
+            CudaStorageSlice::U8(s)
+            | CudaStorageSlice::F6E2M3(s)
+            | CudaStorageSlice::F6E3M2(s)
+            | CudaStorageSlice::F4(s)
+            | CudaStorageSlice::F8E8M0(s) => s.$ptr($stream),
+            CudaStorageSlice::U32(s) => s.$ptr($stream),
+            CudaStorageSlice::I16(s) => s.$ptr($stream),
+            CudaStorageSlice::I32(s) => s.$ptr($stream),
+            CudaStorageSlice::I64(s) => s.$ptr($stream),
+            CudaStorageSlice::BF16(s) => s.$ptr($stream),
+            CudaStorageSlice::F16(s) => s.$ptr($stream),
+            CudaStorageSlice::F32(s) => s.$ptr($stream),
+            CudaStorageSlice::F64(s) => s.$ptr($stream),
+            CudaStorageSlice::F8E4M3(s) => s.$ptr($stream),
+        }
+    };
+}
+
+/// The first byte of a contiguous tensor's elements in its storage.
+fn first_byte(l: &Layout, elem: usize) -> candle_core::Result<usize> {
+    match l.contiguous_offsets() {
+        Some((start, _)) => Ok(start * elem),
+        None => candle_core::bail!("an NCCL all-gather needs contiguous tensors"),
+    }
+}
+
+impl InplaceOp2 for AllGather<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-gather"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!("an NCCL all-gather needs CUDA tensors, not CPU ones")
+    }
+
+    fn cuda_fwd(
+        &self,
+        out: &mut CudaStorage,
+        out_l: &Layout,
+        mine: &CudaStorage,
+        mine_l: &Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::backend::BackendStorage;
+        let nccl = self.nccl;
+        let elem = out.dtype().size_in_bytes();
+        let (send_at, recv_at) = (first_byte(mine_l, elem)?, first_byte(out_l, elem)?);
+        // Each waits (on the NCCL stream) for the buffer's last write; dropped after the calls,
+        // they record the read of the shard and the write of the buffer.
+        let (send, _read): (u64, SyncOnDrop<'_>) =
+            storage_ptr!(&mine.slice, device_ptr, &nccl.stream);
+        let (recv, _written): (u64, SyncOnDrop<'_>) =
+            storage_ptr!(&mut out.slice, device_ptr_mut, &nccl.stream);
+        let mut issue = Issue {
+            nccl,
+            send: send + send_at as u64,
+            recv: recv + recv_at as u64,
+        };
+        gather_plan::execute(self.plan, &mut issue)
+            .map_err(|e| candle_core::Error::Msg(format!("NCCL all-gather: {e:?}")))
+    }
+}
+
+/// A plan's calls as NCCL calls on the communicator's stream, over one rank's send and receive
+/// addresses. Bytes (`ncclUint8`): these collectives copy, whatever the type.
+struct Issue<'a> {
+    nccl: &'a Nccl,
+    send: u64,
+    recv: u64,
+}
+
+impl Primitives for Issue<'_> {
+    type Error = result::NcclError;
+
+    fn all_gather(&mut self, count: usize) -> Result<(), result::NcclError> {
+        // SAFETY: `send` addresses this rank's `count` bytes and `recv` the `size · count` of the
+        // buffer (checked against the plan by `all_gather_planned`), on the communicator's GPU and
+        // alive until the recorded events complete; the stream is the communicator's.
+        unsafe {
+            result::all_gather(
+                self.send as *const c_void,
+                self.recv as *mut c_void,
+                count,
+                sys::ncclDataType_t::ncclUint8,
+                self.nccl.raw,
+                self.nccl.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+    }
+
+    fn group_start(&mut self) -> Result<(), result::NcclError> {
+        result::group_start().map(|_| ())
+    }
+
+    fn broadcast(&mut self, root: usize, at: usize, count: usize) -> Result<(), result::NcclError> {
+        // SAFETY: as in `all_gather`: on `root`, `send` addresses its `count` bytes; `recv + at`
+        // is slot `root`, `count` bytes inside the buffer (the plan's offsets).
+        unsafe {
+            result::broadcast(
+                self.send as *const c_void,
+                (self.recv + at as u64) as *mut c_void,
+                count,
+                sys::ncclDataType_t::ncclUint8,
+                root as i32,
+                self.nccl.raw,
+                self.nccl.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map(|_| ())
+    }
+
+    fn group_end(&mut self) -> Result<(), result::NcclError> {
+        result::group_end().map(|_| ())
     }
 }
