@@ -28,6 +28,8 @@ fn smoke_config_passes_the_deterministic_checks() {
     for name in CHECKS {
         assert!(out.contains(name), "{name} missing:\n{out}");
     }
+    // The dtype as resolved (the smoke config says f32).
+    assert!(out.contains("; dtype: f32"), "{out}");
     // Throughput depends on the machine's load; the others must pass.
     for line in out.lines().filter(|l| l.starts_with("FAIL")) {
         assert!(

@@ -439,6 +439,8 @@ fn outputs_are_private_and_recorded() {
         rtune_fsio::sha256_file(&fixture("fixtures/smoke.jsonl")).unwrap()
     );
     assert!(r["hardware"]["cores"].as_u64().unwrap() >= 1);
+    // The dtype as resolved (written as f32 here: no `auto` reason).
+    assert_eq!(r["dtype"], "f32");
     assert_eq!(r["attempts"][0]["status"], "completed");
 }
 

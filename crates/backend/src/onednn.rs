@@ -14,6 +14,9 @@
 //! `force` → use it even without the bf16 instructions (oneDNN then converts to f32 itself).
 //! [`describe`] says which path bf16 GEMMs take, for `rtune check` and run.json.
 //!
+//! [`acc`]: `C = alpha·A·B + C` into the caller's rows (output scale and sum post-op), the CPU
+//! engine of the bf16 LoRA branch ([`crate::blas::acc`]).
+//!
 //! Frozen weights (`onednn/packed.rs`): a bf16 weight registered with [`pack`] at load is reordered once,
 //! on its first product, into the blocked layout oneDNN's kernel asks for (weights memory of
 //! `format_tag::any`), in each orientation it is used in (`x·Wᵀ` forward, `dy·W` backward); later
@@ -30,6 +33,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::{Mutex, Once, OnceLock};
 
+pub mod acc;
 mod packed;
 pub use packed::{pack, packed_bytes, register, Packed};
 
@@ -99,6 +103,15 @@ struct Api {
     md_equal: unsafe extern "C" fn(*const Md, *const Md) -> c_int,
     primitive_destroy: unsafe extern "C" fn(Handle) -> Status,
     version: unsafe extern "C" fn() -> *const Version,
+    attr_create: unsafe extern "C" fn(*mut Handle) -> Status,
+    attr_destroy: unsafe extern "C" fn(Handle) -> Status,
+    /// `(attr, count, mask, scales)`: oneDNN 2.x's output scales (`dst = scale·Σ` before post-ops).
+    attr_set_output_scales: unsafe extern "C" fn(Handle, i64, c_int, *const f32) -> Status,
+    attr_set_post_ops: unsafe extern "C" fn(Handle, Handle) -> Status,
+    post_ops_create: unsafe extern "C" fn(*mut Handle) -> Status,
+    post_ops_destroy: unsafe extern "C" fn(Handle) -> Status,
+    /// `(post_ops, scale)`: `dst = … + scale·dst_before`.
+    post_ops_append_sum: unsafe extern "C" fn(Handle, f32) -> Status,
 }
 
 /// A cached primitive: what it multiplies and the implementation oneDNN chose for it.
@@ -111,9 +124,40 @@ struct Primitive {
     imp: String,
 }
 
-/// A primitive's operands: dims and strides of `A`, `B`, the output dtype, and whether `B` is a
-/// packed frozen weight (its layout then the primitive's choice, `format_tag::any`).
-type Key = (Vec<i64>, Vec<i64>, Vec<i64>, Vec<i64>, c_int, bool);
+/// A primitive's operands: dims and strides of `A`, `B`, the output's strides and dtype, whether
+/// `B` is a packed frozen weight (its layout then the primitive's choice, `format_tag::any`), and
+/// the output's attributes: the scale `alpha` (its f32 bits) and whether the product is added
+/// into what the output holds (`C = alpha·A·B + C`, oneDNN's sum post-op: `beta = 1`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Key {
+    ad: Vec<i64>,
+    as_: Vec<i64>,
+    bd: Vec<i64>,
+    bs: Vec<i64>,
+    cs: Vec<i64>,
+    dst: c_int,
+    packed: bool,
+    alpha: u32,
+    sum: bool,
+}
+
+/// Where a product's output goes: a new packed buffer, or the caller's rows at `cs` strides,
+/// scaled by `alpha` and, when `sum`, added into what they hold.
+struct Out {
+    ptr: *mut c_void,
+    cs: Vec<i64>,
+    alpha: f32,
+    sum: bool,
+}
+
+/// The packed row-major strides of `dims`.
+fn packed_strides(dims: &[i64]) -> Vec<i64> {
+    let mut cs = vec![1i64; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        cs[i] = cs[i + 1] * dims[i + 1];
+    }
+    cs
+}
 
 /// What the lock guards: a stream runs one primitive at a time, and the caches are filled there.
 struct State {
@@ -283,6 +327,13 @@ fn load(names: &[String]) -> std::result::Result<OneDnn, Fallback> {
                 md_equal: as_fn(sym("dnnl_memory_desc_equal")?),
                 primitive_destroy: as_fn(sym("dnnl_primitive_destroy")?),
                 version: as_fn(sym("dnnl_version")?),
+                attr_create: as_fn(sym("dnnl_primitive_attr_create")?),
+                attr_destroy: as_fn(sym("dnnl_primitive_attr_destroy")?),
+                attr_set_output_scales: as_fn(sym("dnnl_primitive_attr_set_output_scales")?),
+                attr_set_post_ops: as_fn(sym("dnnl_primitive_attr_set_post_ops")?),
+                post_ops_create: as_fn(sym("dnnl_post_ops_create")?),
+                post_ops_destroy: as_fn(sym("dnnl_post_ops_destroy")?),
+                post_ops_append_sum: as_fn(sym("dnnl_post_ops_append_sum")?),
             }
         };
         // SAFETY: dnnl_version returns a pointer to a static struct.
@@ -343,16 +394,22 @@ impl OneDnn {
         Ok(&cache[&key])
     }
 
-    fn create(&self, (ad, as_, bd, bs, dst, packed): &Key) -> Result<Primitive> {
+    fn create(&self, key: &Key) -> Result<Primitive> {
+        let Key {
+            ad,
+            as_,
+            bd,
+            bs,
+            cs,
+            dst,
+            packed,
+            alpha,
+            sum,
+        } = key;
         let api = &self.api;
         let r = ad.len();
         let mut cd: Vec<i64> = ad[..r - 2].to_vec();
         cd.extend([ad[r - 2], bd[r - 1]]);
-        // The output packed row-major.
-        let mut cs = vec![1i64; r];
-        for i in (0..r - 1).rev() {
-            cs[i] = cs[i + 1] * cd[i + 1];
-        }
         let fail = |what: &str, st: Status| {
             candle_core::Error::Msg(format!(
                 "onednn matmul {ad:?}·{bd:?}: {what} returned status {st}"
@@ -387,7 +444,13 @@ impl OneDnn {
                 return Err(fail("matmul_desc_init", st));
             }
             let null = std::ptr::null_mut();
-            let st = (api.pd_create)(&mut pd, &desc, null, self.engine, null);
+            let attr = self
+                .attr(f32::from_bits(*alpha), *sum)
+                .map_err(|st| fail("attr", st))?;
+            let st = (api.pd_create)(&mut pd, &desc, attr, self.engine, null);
+            if !attr.is_null() {
+                (api.attr_destroy)(attr);
+            }
             if st != SUCCESS {
                 return Err(fail("primitive_desc_create", st));
             }
@@ -426,6 +489,48 @@ impl OneDnn {
         }
     }
 
+    /// The attributes of an output scaled by `alpha` and summed into (`sum`): null (none) for a
+    /// plain product; the caller destroys it. `Err` is the failing call's status.
+    ///
+    /// # Safety
+    /// Calls into the loaded library; the returned handle is the caller's to destroy.
+    unsafe fn attr(&self, alpha: f32, sum: bool) -> std::result::Result<Handle, Status> {
+        if alpha == 1.0 && !sum {
+            return Ok(std::ptr::null_mut());
+        }
+        let api = &self.api;
+        let mut attr: Handle = std::ptr::null_mut();
+        // SAFETY: out-pointers to handles; the post-ops are copied into the attributes, then
+        // destroyed; the scale is read during the call.
+        unsafe {
+            let st = (api.attr_create)(&mut attr);
+            if st != SUCCESS {
+                return Err(st);
+            }
+            let mut st = if alpha != 1.0 {
+                (api.attr_set_output_scales)(attr, 1, 0, &alpha)
+            } else {
+                SUCCESS
+            };
+            if st == SUCCESS && sum {
+                let mut ops: Handle = std::ptr::null_mut();
+                st = (api.post_ops_create)(&mut ops);
+                if st == SUCCESS {
+                    st = (api.post_ops_append_sum)(ops, 1.0);
+                    if st == SUCCESS {
+                        st = (api.attr_set_post_ops)(attr, ops);
+                    }
+                    (api.post_ops_destroy)(ops);
+                }
+            }
+            if st != SUCCESS {
+                (api.attr_destroy)(attr);
+                return Err(st);
+            }
+        }
+        Ok(attr)
+    }
+
     /// `C = A·B` for bf16 slices laid out as `la`, `lb` (offsets applied by the caller), into a
     /// new packed output of `dst` dtype (`BF16` or `F32`). Returns the output and the
     /// implementation oneDNN chose.
@@ -437,10 +542,58 @@ impl OneDnn {
         lb: &Layout,
         dst: DType,
     ) -> Result<(CpuStorage, String)> {
+        let r = la.dims().len();
+        let elems: usize = la.dims()[..r - 1].iter().product::<usize>() * lb.dims()[r - 1];
+        let mut out_f32: Vec<f32> = Vec::new();
+        let mut out_bf16: Vec<bf16> = Vec::new();
+        let ptr: *mut c_void = if dst == DType::F32 {
+            out_f32.reserve_exact(elems);
+            out_f32.as_mut_ptr().cast()
+        } else {
+            out_bf16.reserve_exact(elems);
+            out_bf16.as_mut_ptr().cast()
+        };
+        let mut cd: Vec<i64> = la.dims()[..r - 1].iter().map(|&d| d as i64).collect();
+        cd.push(lb.dims()[r - 1] as i64);
+        let out = Out {
+            ptr,
+            cs: packed_strides(&cd),
+            alpha: 1.0,
+            sum: false,
+        };
+        let imp = self.exec(a, la, b, lb, dst, out)?;
+        // SAFETY: `exec` returned Ok: oneDNN wrote every element of the packed output.
+        unsafe {
+            if dst == DType::F32 {
+                out_f32.set_len(elems);
+            } else {
+                out_bf16.set_len(elems);
+            }
+        }
+        Ok(if dst == DType::F32 {
+            (CpuStorage::F32(out_f32), imp)
+        } else {
+            (CpuStorage::BF16(out_bf16), imp)
+        })
+    }
+
+    /// `C = alpha·A·B (+ C when out.sum)` into `out`, for bf16 slices laid out as `la`, `lb`;
+    /// `dst` is C's dtype. Returns the implementation oneDNN chose.
+    ///
+    /// The caller guarantees that `out.ptr` holds C's every element at `out.cs` strides (and, when
+    /// summed into, initialized ones) for the life of the call.
+    fn exec(
+        &self,
+        a: &[bf16],
+        la: &Layout,
+        b: &[bf16],
+        lb: &Layout,
+        dst: DType,
+        out: Out,
+    ) -> Result<String> {
         let (ad, as_) = dims_strides(la);
         let (bd, bs) = dims_strides(lb);
         let r = ad.len();
-        let elems: usize = la.dims()[..r - 1].iter().product::<usize>() * lb.dims()[r - 1];
         let dt = if dst == DType::F32 { DT_F32 } else { DT_BF16 };
         let mut guard = self.state.lock().expect("onednn lock");
         let State {
@@ -451,16 +604,22 @@ impl OneDnn {
         // A registered frozen weight: its packed copy, made on this first product, when the
         // primitive for these operands takes the layout it was made in; the plain path otherwise.
         let mut b_ptr = b.as_ptr() as *mut c_void;
-        let mut key = (ad, as_, bd, bs, dt, false);
+        let mut key = Key {
+            ad,
+            as_,
+            bd,
+            bs,
+            cs: out.cs,
+            dst: dt,
+            packed: false,
+            alpha: out.alpha.to_bits(),
+            sum: out.sum,
+        };
         if frozen.holds(b, lb) {
-            let pk = (
-                key.0.clone(),
-                key.1.clone(),
-                key.2.clone(),
-                key.3.clone(),
-                dt,
-                true,
-            );
+            let pk = Key {
+                packed: true,
+                ..key.clone()
+            };
             let p = self.primitive(cache, pk.clone())?;
             if let Some(ptr) = frozen.packed(self, *stream, b, lb, &p.weights)? {
                 b_ptr = ptr;
@@ -468,33 +627,25 @@ impl OneDnn {
                 PACKED_RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
-        let packed = key.5;
+        let packed = key.packed;
         let p = self.primitive(cache, key)?;
         crate::served::record(
             || {
                 let b = if packed { ", packed B" } else { "" };
                 format!("oneDNN ({}{b})", p.imp)
             },
-            elems / (la.dims()[r - 2] * lb.dims()[r - 1]).max(1),
+            la.dims()[..r - 2].iter().product(),
             la.dims()[r - 2],
             la.dims()[r - 1],
             lb.dims()[r - 1],
         );
-        let mut out_f32: Vec<f32> = Vec::new();
-        let mut out_bf16: Vec<bf16> = Vec::new();
-        let out_ptr: *mut c_void = if dst == DType::F32 {
-            out_f32.reserve_exact(elems);
-            out_f32.as_mut_ptr().cast()
-        } else {
-            out_bf16.reserve_exact(elems);
-            out_bf16.as_mut_ptr().cast()
-        };
+        let out_ptr = out.ptr;
         let api = &self.api;
         let mut mems: [Handle; 3] = [std::ptr::null_mut(); 3];
         // SAFETY: the memory objects wrap the caller's buffers, which the layouts describe and
         // which outlive the call (executed and waited for before returning) — or for B a packed
         // copy in the primitive's layout, held by the registry under the lock held here; oneDNN
-        // only reads A and B and writes every element of the packed output (capacity `elems`).
+        // only reads A and B, and C at its strides (`exec`'s contract: every element there).
         unsafe {
             let wrap = |m: &mut Handle, md: &Md, ptr: *mut c_void| {
                 (api.memory_create)(m, md, self.engine, ptr)
@@ -542,18 +693,8 @@ impl OneDnn {
                     lb.dims()
                 );
             }
-            if dst == DType::F32 {
-                out_f32.set_len(elems);
-            } else {
-                out_bf16.set_len(elems);
-            }
         }
-        let imp = p.imp.clone();
-        Ok(if dst == DType::F32 {
-            (CpuStorage::F32(out_f32), imp)
-        } else {
-            (CpuStorage::BF16(out_bf16), imp)
-        })
+        Ok(p.imp.clone())
     }
 }
 
@@ -636,9 +777,18 @@ pub fn implementation(m: usize, k: usize, n: usize) -> Option<String> {
     let (ad, as_) = dims_strides(&a);
     let (bd, bs) = dims_strides(&b);
     let mut guard = lib.state.lock().ok()?;
-    let p = lib
-        .primitive(&mut guard.cache, (ad, as_, bd, bs, DT_BF16, false))
-        .ok()?;
+    let key = Key {
+        cs: packed_strides(&[ad[0], bd[1]]),
+        ad,
+        as_,
+        bd,
+        bs,
+        dst: DT_BF16,
+        packed: false,
+        alpha: 1f32.to_bits(),
+        sum: false,
+    };
+    let p = lib.primitive(&mut guard.cache, key).ok()?;
     Some(p.imp.clone())
 }
 

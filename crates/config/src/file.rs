@@ -59,7 +59,8 @@ pub struct ModelSection {
     /// Hub models: branch, tag or commit sha to use.
     #[serde(default = "d_main")]
     pub revision: String,
-    /// Compute dtype: f32 | bf16 | f16 | bf16-autocast (f32 with bf16 products, as torch.autocast).
+    /// Compute dtype: auto | f32 | bf16 | f16 | bf16-autocast (f32 with bf16 products, as
+    /// torch.autocast); `auto`: bf16 where the CPU has native bf16 and oneDNN, f32 otherwise.
     #[serde(default = "d_dtype")]
     pub dtype: String,
     /// Frozen linear layers: `none` (compute dtype) or `nf4` (QLoRA, bitsandbytes-exact).

@@ -530,6 +530,50 @@ mod tests {
         assert!(e.contains("did you mean `bf16-autocast`"), "{e}");
     }
 
+    /// `dtype = "auto"`: bf16 with AMX-BF16 or AVX-512 BF16 and oneDNN, f32 without the
+    /// instructions or without oneDNN, each with its reason; parsed, it resolves to what this
+    /// CPU and this process's oneDNN give and says why; a near miss names `auto` among the
+    /// values.
+    #[test]
+    fn auto_dtype_resolves_by_the_cpu_and_says_why() {
+        use crate::model::auto_dtype;
+        let (d, why) = auto_dtype(true, false, None);
+        assert_eq!(
+            (d, why.as_str()),
+            (DType::BF16, "the CPU has AMX-BF16, oneDNN in use")
+        );
+        let (d, why) = auto_dtype(false, true, None);
+        assert_eq!(d, DType::BF16);
+        assert!(why.contains("AVX-512 BF16"), "{why}");
+        let (d, why) = auto_dtype(false, false, None);
+        assert_eq!(d, DType::F32);
+        assert!(why.contains("neither"), "{why}");
+        let (d, why) = auto_dtype(false, true, Some("RTUNE_ONEDNN=off"));
+        assert_eq!(d, DType::F32);
+        assert!(why.contains("RTUNE_ONEDNN=off"), "{why}");
+        let with = |d: &str| {
+            ConfigFile::parse(
+                &format!("[model]\npath = \"m\"\ndtype = \"{d}\"\n[data]\ntrain = \"d\"\n"),
+                Path::new("c.toml"),
+                &[],
+            )
+            .and_then(|f| f.validate(Path::new("c.toml")))
+        };
+        let m = with("auto").unwrap().model;
+        let f = rtune_backend::cpu_features::get();
+        let missing = rtune_backend::onednn::get().err().map(|e| e.to_string());
+        let (want, why) = auto_dtype(f.amx_bf16, f.avx512_bf16, missing.as_deref());
+        assert_eq!(
+            (m.dtype, m.dtype_auto.as_deref()),
+            (want, Some(why.as_str()))
+        );
+        assert_eq!(m.dtype_said(), format!("{} (auto: {why})", want.as_str()));
+        let bf16 = with("bf16").unwrap().model;
+        assert_eq!((bf16.dtype_said(), bf16.dtype_auto), ("bf16".into(), None));
+        let e = with("atuo").unwrap_err().to_string();
+        assert!(e.contains("model.dtype") && e.contains("`auto`"), "{e}");
+    }
+
     #[test]
     fn bad_values_name_the_key() {
         for (extra, key) in [

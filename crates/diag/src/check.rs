@@ -49,7 +49,7 @@ fn runtime(cfg: &RunConfig) -> Check {
         Ok(candle_core::Device::Cpu) => (
             true,
             format!(
-                "cpu, {} threads, SIMD: {}{}; BLAS: {}; bf16 GEMM: {}",
+                "cpu, {} threads, SIMD: {}{}; BLAS: {}; bf16 GEMM: {}; dtype: {}",
                 std::thread::available_parallelism().map_or(1, |n| n.get()),
                 names.join(" "),
                 if fast {
@@ -59,10 +59,14 @@ fn runtime(cfg: &RunConfig) -> Check {
                 },
                 rtune_backend::blas::loaded()
                     .unwrap_or("none (candle's gemm; install libopenblas0 for ~2x faster matmuls)"),
-                rtune_backend::onednn::describe()
+                rtune_backend::onednn::describe(),
+                cfg.model.dtype_said()
             ),
         ),
-        Ok(d) => device_line(&d),
+        Ok(d) => {
+            let (pass, line) = device_line(&d);
+            (pass, format!("{line}; dtype: {}", cfg.model.dtype_said()))
+        }
     };
     Check::new("runtime and device", pass, detail)
 }

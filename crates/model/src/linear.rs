@@ -473,15 +473,20 @@ impl Linear {
 
 /// Whether the LoRA branch of input `x` runs in `x`'s 16-bit type on cuBLAS (issue 48, item 2;
 /// [`rtune_ops::lora::acc`]): on CUDA unless `RTUNE_UNFUSED=lora_bf16`, for bf16/f16 without
-/// dropout or DoRA. Its numerics are PEFT's under bf16 autocast, where `lora_A(x)` and
-/// `lora_B(·)` are bf16 GEMMs of the f32 weights cast to bf16: `xa = T(x·T(A)ᵀ)` kept in `T`,
+/// dropout or DoRA; on the CPU for bf16 when `RTUNE_ONEDNN_LORA=on` and oneDNN is in use
+/// (issue 47: its bf16 kernels, `rtune_backend::onednn::acc`; off by default, the f32 branch is
+/// PEFT's for a bf16 model and the bf16 parity goldens hold it). Its numerics are PEFT's under bf16
+/// autocast, where `lora_A(x)` and `lora_B(·)` are bf16 GEMMs of the f32 weights cast to bf16
+/// (bf16 operands, f32 sums, bf16 out): `xa = T(x·T(A)ᵀ)` kept in `T`,
 /// `y = T(y + s·xa·T(B)ᵀ)` rounded once (PEFT rounds the product, the scale and the add); the
 /// adapters' gradients are summed in f32 from the `T` operands and never rounded to `T` (PEFT's
 /// autocast rounds them to bf16 before `.grad` takes them in f32). The f32 masters stay f32.
 /// The adapter's weights are cast to `T` at each use (`(r, in)` and `(out, r)`: small; a `T`
 /// copy kept per optimizer step would remove those casts too).
 pub(crate) fn half_branch(x: &Tensor, ctx: &LoraCtx, dora: bool) -> Result<bool> {
-    Ok(matches!(x.dtype(), DType::BF16 | DType::F16)
+    // f16 on the CPU has no oneDNN path here (candle's gemm and a plain loop): the f32 branch.
+    let half = x.dtype() == DType::BF16 || (x.dtype() == DType::F16 && !x.device().is_cpu());
+    Ok(half
         && ctx.dropout == 0.0
         && !dora
         && rtune_ops::fused::on(x.device(), rtune_ops::fused::Fused::LoraBf16)?)

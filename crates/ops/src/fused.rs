@@ -1,7 +1,9 @@
 //! Which of the fused CUDA kernels of issue 48 (item 3) the CUDA path takes, so that one GPU call
 //! can measure each one's share against the unfused path it replaces: `RTUNE_UNFUSED`, a comma
 //! list of [`Fused`] names (or `all`), turns them off; unset, every one wired is on. Read once per
-//! process. The CPU always runs the unfused ops (each one pass there already).
+//! process. The CPU runs the unfused ops (each one pass there already), but for `lora_bf16`
+//! when asked for with `RTUNE_ONEDNN_LORA=on` and oneDNN is in use (issue 47: the bf16 LoRA
+//! products on its bf16 kernels, `rtune_backend::onednn::acc::lora_bf16`).
 //!
 //! Wired: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`), `add_norm` (the residual add
 //! and the RMSNorm after it, forward and backward: `crate::add_norm::add_rms_norm`, called by the
@@ -21,7 +23,8 @@
 //! Tests (feature `test-util`): [`forced`] runs a closure with chosen fused paths taken on the CPU
 //! too (each op's `cpu_fwd` is its slice reference, so the layer's wiring of the fused op is
 //! checked against the unfused ops without a GPU), and counts the fused ops it ran, so a test
-//! fails if the wiring falls back to the unfused ops.
+//! fails if the wiring falls back to the unfused ops; [`without`] runs one with chosen paths
+//! off (the unfused reference a test compares against, where the CPU would take the fused one).
 
 use std::sync::OnceLock;
 
@@ -105,15 +108,19 @@ pub fn check_env() -> Result<()> {
     }
 }
 
-/// Whether the fused path `f` runs on `dev`: a CUDA device, and `f` not turned off by
-/// `RTUNE_UNFUSED`.
+/// Whether the fused path `f` runs on `dev`: a CUDA device (or, for `lora_bf16`, a CPU with
+/// `RTUNE_ONEDNN_LORA=on` and oneDNN in use), and `f` not turned off by `RTUNE_UNFUSED`.
 pub fn on(dev: &Device, f: Fused) -> Result<bool> {
     static OFF: OnceLock<std::result::Result<Vec<Fused>, String>> = OnceLock::new();
     #[cfg(any(test, feature = "test-util"))]
-    let cpu_forced = force::is_forced(f);
+    let (cpu_forced, denied) = (force::is_forced(f), force::is_denied(f));
     #[cfg(not(any(test, feature = "test-util")))]
-    let cpu_forced = false;
-    if !dev.is_cuda() && !cpu_forced {
+    let (cpu_forced, denied) = (false, false);
+    if denied {
+        return Ok(false);
+    }
+    let cpu = f == Fused::LoraBf16 && dev.is_cpu() && rtune_backend::onednn::acc::lora_bf16();
+    if !dev.is_cuda() && !cpu_forced && !cpu {
         return Ok(false);
     }
     let off = OFF.get_or_init(|| match std::env::var("RTUNE_UNFUSED") {
@@ -135,7 +142,7 @@ pub fn ran(f: Fused) {
 }
 
 #[cfg(any(test, feature = "test-util"))]
-pub use force::forced;
+pub use force::{forced, without};
 
 /// The tests' override: fused paths taken on the CPU, per thread.
 #[cfg(any(test, feature = "test-util"))]
@@ -146,6 +153,21 @@ mod force {
     thread_local! {
         /// The forced paths and how many fused ops of each ran (`None` outside [`forced`]).
         static FORCED: RefCell<Option<Vec<(Fused, usize)>>> = const { RefCell::new(None) };
+        /// The paths turned off inside [`without`].
+        static DENIED: RefCell<Vec<Fused>> = const { RefCell::new(Vec::new()) };
+    }
+
+    pub(super) fn is_denied(f: Fused) -> bool {
+        DENIED.with(|c| c.borrow().contains(&f))
+    }
+
+    /// `body()` with the fused paths `fs` off on every device of this thread, whatever the
+    /// device or `RTUNE_UNFUSED` would choose (the unfused reference of a comparison).
+    pub fn without<R>(fs: &[Fused], body: impl FnOnce() -> R) -> R {
+        let prev = DENIED.with(|c| std::mem::replace(&mut *c.borrow_mut(), fs.to_vec()));
+        let out = body();
+        DENIED.with(|c| *c.borrow_mut() = prev);
+        out
     }
 
     pub(super) fn is_forced(f: Fused) -> bool {

@@ -48,6 +48,10 @@ pub struct RunRecord {
     /// Training files, then the validation file (the data manifest of the run).
     pub data: Vec<FileHash>,
     pub hardware: Hardware,
+    /// `[model] dtype` as resolved, with the reason when it was `auto` (`bf16 (auto: the CPU has
+    /// AVX-512 BF16, oneDNN in use)`). Absent in records written before `auto` existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
     pub attempts: Vec<Attempt>,
     /// A data-parallel run (issue 16): the world size and each rank's host and device, as of the
     /// latest attempt. Absent for a single process.
@@ -229,6 +233,7 @@ impl RunRecord {
                 .map(|p| hash(p))
                 .collect::<Result<_, _>>()?,
             hardware: hardware("cpu"),
+            dtype: Some(cfg.model.dtype_said()),
             attempts: vec![attempt],
             world: None,
             adapter_files: Vec::new(),
@@ -247,6 +252,7 @@ impl RunRecord {
             model_files: Vec::new(),
             data: Vec::new(),
             hardware: hardware("cpu"),
+            dtype: Some(cfg.model.dtype_said()),
             attempts: Vec::new(),
             world: None,
             adapter_files: Vec::new(),

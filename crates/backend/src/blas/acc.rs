@@ -13,8 +13,10 @@
 //! shape and strides.
 //!
 //! Numerics: products and sums in f32, then `c = R(c + alpha·Σ)` rounded once to `c`'s type
-//! (cuBLAS `CUBLAS_COMPUTE_32F`; `alpha` in f32, not rounded to bf16). The CPU sums in index
-//! order; cuBLAS in its own order (f32 sums of bf16 products, exact each: the two differ by f32
+//! (cuBLAS `CUBLAS_COMPUTE_32F`; `alpha` in f32, not rounded to bf16). On the CPU bf16 operands
+//! go through oneDNN where it is in use ([`crate::onednn::acc`]: output scale and sum post-op,
+//! the same numerics in its order), other operands through a loop that sums in index order;
+//! cuBLAS in its own order (f32 sums of bf16 products, exact each: the two differ by f32
 //! rounding only). PEFT under bf16 autocast rounds `xa·Bᵀ`, then `·s`, then the add: three
 //! roundings where this has one.
 
@@ -172,6 +174,12 @@ impl InplaceOp3 for GemmAcc {
         lb: &Layout,
     ) -> Result<()> {
         let (m, k, n, ldc) = check((sc.dtype(), lc), (sa.dtype(), la), (sb.dtype(), lb))?;
+        // bf16 operands: oneDNN's kernels where in use (the same numerics, f32 sums in its order).
+        if let Some(done) =
+            crate::onednn::acc::gemm_acc((&mut *sc, lc, ldc), (sa, la), (sb, lb), self.alpha)
+        {
+            return done;
+        }
         let (a, b) = (operand_f32(sa, la)?, operand_f32(sb, lb)?);
         let at = (lc.start_offset(), ldc);
         match sc {
@@ -308,10 +316,13 @@ mod tests {
     /// Against the f64 sum, every operand type with a bf16/f16/f32 c, `b` transposed (as `Bᵀ`
     /// is), `c` a column view of a wider matrix (a member of a fused q/k/v product): within the
     /// f32 sum's rounding (1e-6 of the terms' magnitudes, K ≤ 40) plus one rounding to c's type
-    /// (half an ulp: one rounding); the columns outside the view untouched, bit for bit.
+    /// (half an ulp: one rounding); the columns outside the view untouched, bit for bit. Where
+    /// oneDNN is in use the bf16 operands went through it (the served tally shows its products
+    /// of this shape), else through the loop.
     #[test]
     fn accumulates_into_views_within_one_rounding() {
         let (m, k, n, wide, col) = (7, 37, 9, 20, 5);
+        let tally = crate::served::start();
         for (dt, cdt) in [
             (DType::F32, DType::F32),
             (DType::BF16, DType::BF16),
@@ -347,6 +358,14 @@ mod tests {
                 }
             }
         }
+        let onednn = tally
+            .rows()
+            .iter()
+            .filter(|r| r.engine.starts_with("oneDNN") && [r.m, r.k, r.n] == [m, k, n])
+            .map(|r| r.calls)
+            .sum::<u64>();
+        let want = if crate::onednn::get().is_ok() { 2 } else { 0 };
+        assert!(onednn >= want, "{onednn} oneDNN products of {want}");
     }
 
     /// The cuBLAS plan of candle's accepted layouts, and the layouts it refuses refused here too
