@@ -25,6 +25,6 @@ for t in "${targets[@]}"; do
     failed=1
     echo "fuzz: $t FAILED:"; grep -E "panicked|ERROR|SUMMARY|timeout|out-of-memory" "artifacts/$t.log" | head -20
   fi
-  echo "fuzz: $t: $(grep -oE '#[0-9]+' "artifacts/$t.log" | tail -1 | tr -d '#') runs in ${secs} s, $(ls "artifacts/$t" | wc -l) crash artifact(s)"
+  echo "fuzz: $t: $(grep -oE '^#[0-9]+' "artifacts/$t.log" | tail -1 | tr -d '#') runs in ${secs} s, $(ls "artifacts/$t" | wc -l) crash artifact(s)"
 done
 exit $failed
