@@ -10,8 +10,10 @@
 //   operands (bf16/f16 only: its fused SDPA has no f32 io).
 //
 // One graph per (device, direction, shape, strides, dtype, window, scale), built on first use
-// (cuDNN's heuristics, then its plan: ~0.1–1 s) and cached for the life of the process
-// (the training step calls one shape per layer, the same every step). One cuDNN handle per device,
+// (cuDNN's heuristics, then its plan: ~0.1–1 s) and cached (the training step calls one shape
+// per layer, the same every step). The cache holds at most kMaxGraphs; past that the least
+// recently used graph is dropped (unpadded batches of every length would otherwise grow it
+// without bound: one forward and one backward graph per length). One cuDNN handle per device,
 // its stream set before each execution; one mutex around both caches and the executions (a
 // handle is not thread-safe).
 
@@ -22,6 +24,7 @@
 #include <dlfcn.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -99,10 +102,15 @@ struct Cached {
     std::shared_ptr<fe::graph::Graph> graph;  // null: cuDNN cannot run this one
     std::string why;                          // the reason, when null
     int64_t workspace = 0;
+    uint64_t used = 0;  // `tick` at the last lookup: the eviction order
 };
+
+// Enough for every (length, direction) of a run with up to 128 distinct batch lengths.
+constexpr size_t kMaxGraphs = 256;
 
 std::mutex mu;  // guards everything below and every execution
 std::map<Key, Cached> graphs;
+uint64_t tick = 0;
 std::unordered_map<int, cudnnHandle_t> handles;
 int64_t loaded_version = 0;
 
@@ -219,8 +227,17 @@ Outcome graph_for(const rtune_sdpa_desc &d, int bwd, const Cached **out, cudnnHa
         Cached c;
         r = build(d, bwd, *handle, &c);
         if (r.code == RTUNE_SDPA_ERROR) return r;  // not cached: the next call retries
+        if (graphs.size() >= kMaxGraphs) {
+            // Drop the least recently used (no caller holds a graph past `mu`).
+            auto lru = graphs.begin();
+            for (auto j = graphs.begin(); j != graphs.end(); ++j) {
+                if (j->second.used < lru->second.used) lru = j;
+            }
+            graphs.erase(lru);
+        }
         it = graphs.emplace(std::move(key), std::move(c)).first;
     }
+    it->second.used = ++tick;
     if (!it->second.graph) return {RTUNE_SDPA_UNSUPPORTED, it->second.why};
     *out = &it->second;
     return {RTUNE_SDPA_OK, ""};
