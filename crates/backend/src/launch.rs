@@ -78,9 +78,10 @@ impl GpuKernel {
     /// life of the process by raw context (`CUcontext`, shared by every `CudaContext` of a
     /// device's primary context; an entry keeps its context alive, so a key is never reused).
     pub fn get<T: FusedFloat>(self, ctx: &Arc<CudaContext>) -> Result<CudaFunction> {
+        // (raw context, image name[, function name])
+        type ModuleKey = (usize, &'static str);
         type Key = (usize, &'static str, String);
-        static MODULES: Mutex<Vec<((usize, &'static str), Arc<CudaModule>)>> =
-            Mutex::new(Vec::new());
+        static MODULES: Mutex<Vec<(ModuleKey, Arc<CudaModule>)>> = Mutex::new(Vec::new());
         static FUNCTIONS: Mutex<Vec<(Key, CudaFunction)>> = Mutex::new(Vec::new());
         let raw = ctx.cu_ctx() as usize;
         let name = format!("{}_{}", self.stem, T::SUFFIX);
