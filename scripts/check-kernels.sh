@@ -7,7 +7,7 @@
 # Measured on the 2-core dev machine (shared, load ~9): 63 s from a clean cache, 3-15 s warm.
 # Also kernels/cudnn_sdpa.cpp (cuDNN's fused attention through cudnn-frontend, issue 48) with the
 # host g++, warnings as errors, against the headers of scripts/cudnn-headers.sh (cached in
-# ~/.cache/rtune-cudnn: ~10 s once, nothing warm): with --cargo inside `cargo check` (build.rs
+# ~/.cache/rtune-cudnn: ~10 s once, nothing warm): with --cargo inside `cargo clippy -D warnings` (build.rs
 # compiles it when RTUNE_CUDNN_INCLUDE is set), else alone (-fsyntax-only). The front end's headers
 # make it the slowest file: ~47 CPU-s, 30 s to 2 min wall on the loaded dev box.
 #
@@ -58,8 +58,9 @@ if [ "${1:-}" != "--cargo" ]; then
 fi
 if [ "${1:-}" = "--cargo" ]; then
   export RTUNE_CUDNN_INCLUDE
-  cargo check -p rtune-backend -p rtune-ops --features rtune-backend/kernels,rtune-ops/kernels \
-    --tests --benches --locked
-  echo "check-kernels: cargo check -p rtune-backend -p rtune-ops --features kernels ok" \
+  # clippy checks as `cargo check` does, and keeps the kernels-only code lint-clean too.
+  cargo clippy -p rtune-backend -p rtune-ops --features rtune-backend/kernels,rtune-ops/kernels \
+    --tests --benches --locked -- -D warnings
+  echo "check-kernels: cargo clippy -p rtune-backend -p rtune-ops --features kernels ok" \
     "(with kernels/cudnn_sdpa.cpp)"
 fi
