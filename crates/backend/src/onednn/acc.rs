@@ -8,7 +8,6 @@
 //! (bf16 or f32) — the numerics of cuBLAS's `CUBLAS_COMPUTE_32F` GEMM that the CUDA path runs,
 //! up to the order of the f32 sums. `c` may be a column view (rows at a stride wider than its
 //! columns: a member's slice of a fused q/k/v product); oneDNN writes only its columns.
-
 //!
 //! The LoRA branch takes this path on the CPU only when asked, [`lora_bf16`] (`RTUNE_ONEDNN_LORA=on`):
 //! for `dtype = "bf16"` PEFT keeps the branch in f32 (the input cast to the adapter's f32, f32
