@@ -16,8 +16,9 @@
 //! device, so a layout that cuBLAS would refuse never reaches it; [`layout_audit`] records the
 //! operands the callers pass that fail it, so a CPU test proves the training path produces none.
 //!
-//! `RTUNE_BLAS`: unset → `libopenblas.so.0` / `libopenblas.so` from the loader's path; `off` → never;
-//! a path → that library (any CBLAS exporting `cblas_sgemm`, e.g. MKL's `libmkl_rt.so`).
+//! `RTUNE_BLAS`: unset → `libopenblas.so.0` / `libopenblas.so` from the loader's path, and MKL
+//! beside it when one is found, the faster measured at start serving ([`mkl`]); `off` → never;
+//! a path → that library alone (any CBLAS exporting `cblas_sgemm`, e.g. MKL's `libmkl_rt.so`).
 //!
 //! The kernel set: Debian's OpenBLAS 0.3.21 does not know Zen 4/5 and picks its AVX2 "Haswell"
 //! kernels there, and some environments pin `OPENBLAS_CORETYPE=Haswell` (this project's dev and CI
@@ -33,7 +34,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use std::borrow::Cow;
-use std::ffi::{c_char, c_int, c_void, CString};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 type Sgemm = unsafe extern "C" fn(
@@ -60,8 +61,11 @@ const TRANS: c_int = 112;
 /// A loaded CBLAS.
 pub struct Blas {
     sgemm: Sgemm,
-    /// What was loaded (for `run.json` and `rtune check`).
+    /// What was loaded: `libopenblas.so.0 (skylakex)` (the engine name `rtune bench` tallies).
     pub name: String,
+    /// The name and why this library serves f32 (for `run.json` and `rtune check`), e.g.
+    /// `libopenblas.so.0 (skylakex); measured at start 131.2 GFLOP/s, MKL 98.4: the faster serves`.
+    pub described: String,
 }
 
 static BLAS: OnceLock<Option<Blas>> = OnceLock::new();
@@ -77,11 +81,6 @@ fn load() -> Option<Blas> {
     if choice == "off" || choice == "0" {
         return None;
     }
-    let names: Vec<String> = if choice.is_empty() {
-        vec!["libopenblas.so.0".into(), "libopenblas.so".into()]
-    } else {
-        vec![choice]
-    };
     match std::env::var("RTUNE_BLAS_CORE").as_deref() {
         Ok("inherit") => {}
         Ok(core) if !core.is_empty() && core != "auto" => {
@@ -103,17 +102,51 @@ fn load() -> Option<Blas> {
         // loads, below.
         std::env::set_var("OPENBLAS_THREAD_TIMEOUT", t)
     }
-    for name in names {
-        let Ok(c) = CString::new(name.clone()) else {
-            continue;
+    if !choice.is_empty() {
+        // A library the user names serves alone, unmeasured.
+        return match open(std::slice::from_ref(&choice)) {
+            Some(mut b) => {
+                b.described = format!("{} (RTUNE_BLAS names it)", b.name);
+                Some(b)
+            }
+            None => {
+                tracing::warn!(
+                    "RTUNE_BLAS={choice} did not load as a CBLAS (no such file, or no \
+                     cblas_sgemm); f32 matmuls use candle's gemm"
+                );
+                None
+            }
         };
-        // SAFETY: dlopen/dlsym with valid C strings; the handle is never closed, so the function
+    }
+    let openblas = open(&["libopenblas.so.0".into(), "libopenblas.so".into()]);
+    let mkl_env = std::env::var("RTUNE_MKL").ok();
+    let mkl = match mkl::names(mkl_env.as_deref()) {
+        Some(names) => {
+            mkl::threading_env();
+            let m = open(&names);
+            if m.is_none() && mkl_env.is_some() {
+                tracing::warn!(
+                    "RTUNE_MKL={} did not load (tried {}); f32 matmuls use OpenBLAS",
+                    mkl_env.as_deref().unwrap_or(""),
+                    names.join(", ")
+                );
+            }
+            m
+        }
+        None => None,
+    };
+    mkl::choose(openblas, mkl)
+}
+
+/// The first of `names` that opens ([`crate::dl::open`]) and exports `cblas_sgemm`.
+fn open(names: &[String]) -> Option<Blas> {
+    for name in names {
+        // SAFETY: dlsym with valid C strings; the handle is never closed, so the function
         // pointer stays valid for the life of the process.
         unsafe {
-            let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
-            if h.is_null() {
+            let Ok(h) = crate::dl::open(name) else {
                 continue;
-            }
+            };
             let sym = libc::dlsym(h, c"cblas_sgemm".as_ptr());
             if sym.is_null() {
                 continue;
@@ -133,9 +166,11 @@ fn load() -> Option<Blas> {
                     )
                 }
             };
+            let name = format!("{name}{core}");
             return Some(Blas {
                 sgemm: std::mem::transmute::<*mut c_void, Sgemm>(sym),
-                name: format!("{name}{core}"),
+                described: name.clone(),
+                name,
             });
         }
     }
@@ -534,6 +569,7 @@ pub mod layout_audit {
 
 pub mod acc;
 pub mod autocast;
+pub mod mkl;
 
 /// One operand of [`sgemm`]: a row-major matrix in `data`, read as stored (`trans` false:
 /// `rows × cols` of the product, row `i` at `i·ld`) or transposed (`trans` true: stored
@@ -614,9 +650,11 @@ pub fn sgemm(
     Ok(true)
 }
 
-/// What [`init`] loaded, for reports: `Some("libopenblas.so.0 (skylakex)")`.
+/// What [`init`] loaded and why, for reports: `Some("libopenblas.so.0 (skylakex); ...")`.
 pub fn loaded() -> Option<&'static str> {
-    BLAS.get().and_then(Option::as_ref).map(|b| b.name.as_str())
+    BLAS.get()
+        .and_then(Option::as_ref)
+        .map(|b| b.described.as_str())
 }
 
 #[cfg(test)]
