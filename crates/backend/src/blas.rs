@@ -102,40 +102,56 @@ fn load() -> Option<Blas> {
         // loads, below.
         std::env::set_var("OPENBLAS_THREAD_TIMEOUT", t)
     }
+    let mkl_env = std::env::var("RTUNE_MKL").ok();
+    if mkl::names(mkl_env.as_deref()).is_some() {
+        mkl::threading_env();
+    }
+    let (blas, notice) = select(&choice, mkl_env.as_deref());
+    if let Some(n) = notice {
+        tracing::warn!("{n}");
+    }
+    blas
+}
+
+/// The CBLAS that serves f32 given `RTUNE_BLAS` (`choice`, empty when unset) and `RTUNE_MKL`, and
+/// the notice to print when a library the user named did not load (then the fallback serves:
+/// candle's gemm for `RTUNE_BLAS`, OpenBLAS alone for `RTUNE_MKL`).
+fn select(choice: &str, mkl_env: Option<&str>) -> (Option<Blas>, Option<String>) {
     if !choice.is_empty() {
         // A library the user names serves alone, unmeasured.
-        return match open(std::slice::from_ref(&choice)) {
+        return match open(&[choice.to_string()]) {
             Some(mut b) => {
                 b.described = format!("{} (RTUNE_BLAS names it)", b.name);
-                Some(b)
+                (Some(b), None)
             }
-            None => {
-                tracing::warn!(
+            None => (
+                None,
+                Some(format!(
                     "RTUNE_BLAS={choice} did not load as a CBLAS (no such file, or no \
                      cblas_sgemm); f32 matmuls use candle's gemm"
-                );
-                None
-            }
+                )),
+            ),
         };
     }
     let openblas = open(&["libopenblas.so.0".into(), "libopenblas.so".into()]);
-    let mkl_env = std::env::var("RTUNE_MKL").ok();
-    let mkl = match mkl::names(mkl_env.as_deref()) {
-        Some(names) => {
-            mkl::threading_env();
-            let m = open(&names);
-            if m.is_none() && mkl_env.is_some() {
-                tracing::warn!(
-                    "RTUNE_MKL={} did not load (tried {}); f32 matmuls use OpenBLAS",
-                    mkl_env.as_deref().unwrap_or(""),
-                    names.join(", ")
-                );
-            }
-            m
+    let mut notice = None;
+    let mkl = mkl::names(mkl_env).and_then(|names| {
+        let m = open(&names);
+        if m.is_none() && mkl_env.is_some() {
+            notice = Some(format!(
+                "RTUNE_MKL={} did not load (tried {}); f32 matmuls use {}",
+                mkl_env.unwrap_or(""),
+                names.join(", "),
+                if openblas.is_some() {
+                    "OpenBLAS"
+                } else {
+                    "candle's gemm"
+                }
+            ));
         }
-        None => None,
-    };
-    mkl::choose(openblas, mkl)
+        m
+    });
+    (mkl::choose(openblas, mkl), notice)
 }
 
 /// The first of `names` that opens ([`crate::dl::open`]) and exports `cblas_sgemm`.
@@ -661,6 +677,27 @@ pub fn loaded() -> Option<&'static str> {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A library named in `RTUNE_BLAS` or `RTUNE_MKL` that is not there: a notice naming it and
+    /// the fallback (candle's gemm; OpenBLAS alone, when it loads here).
+    #[test]
+    fn a_bogus_path_gives_a_notice_and_falls_back() {
+        let (b, n) = select("/nonexistent/libcblas.so", None);
+        assert!(b.is_none());
+        let n = n.expect("a notice");
+        assert!(n.contains("RTUNE_BLAS=/nonexistent/libcblas.so") && n.contains("candle's gemm"));
+        let (b, n) = select("", Some("/nonexistent/libmkl_rt.so.2"));
+        let n = n.expect("a notice");
+        assert!(n.contains("RTUNE_MKL=/nonexistent/libmkl_rt.so.2"), "{n}");
+        // What serves is OpenBLAS where it is installed, unmeasured (the only CBLAS found).
+        if let Some(b) = b {
+            assert!(
+                b.name.contains("openblas") && b.described.contains("only CBLAS"),
+                "{n}"
+            );
+            assert!(n.contains("use OpenBLAS"), "{n}");
+        }
+    }
 
     #[test]
     fn thread_timeout_is_short_unless_the_environment_chooses() {
