@@ -107,10 +107,17 @@ fn load() -> Option<Blas> {
         mkl::threading_env();
     }
     let (blas, notice) = select(&choice, mkl_env.as_deref());
-    if let Some(n) = notice {
-        tracing::warn!("{n}");
-    }
+    // Kept for [`notice`]: `init` runs before the binary's log is set up.
+    let _ = NOTICE.set(notice);
     blas
+}
+
+static NOTICE: OnceLock<Option<String>> = OnceLock::new();
+
+/// Why a CBLAS named in `RTUNE_BLAS` or `RTUNE_MKL` is not in use (it did not load), once [`init`]
+/// ran; the binary logs it.
+pub fn notice() -> Option<&'static str> {
+    NOTICE.get().and_then(Option::as_deref)
 }
 
 /// The CBLAS that serves f32 given `RTUNE_BLAS` (`choice`, empty when unset) and `RTUNE_MKL`, and

@@ -1,7 +1,7 @@
 //! Intel MKL as the f32 CBLAS beside OpenBLAS, chosen at start by measurement.
 //!
 //! MKL is what PyTorch runs its CPU f32 GEMMs through; on Intel CPUs it can be faster than
-//! OpenBLAS, on AMD often not. So neither is assumed: when both load, [`choose`] times one f32
+//! OpenBLAS, on AMD often not. So neither is assumed: when both load, `choose` times one f32
 //! GEMM of the bench's shapes on each (alternating rounds, best of each) and the faster serves
 //! every f32 product of the run, with the figures in `rtune check` and run.json ([`super::loaded`]).
 //!
