@@ -266,9 +266,9 @@ pub fn choose(
 }
 
 /// The files tried when `RTUNE_ONEDNN` names none, first loaded wins: Debian 12's 2.6 from the
-/// loader's path, then a 3.x from a wheel (`pip install onednn`), then a system 3.x. 2.6 comes
-/// first because 3.13 was not faster on the machine it was measured on (see the crate README's
-/// figures: AMD EPYC, AVX-512 BF16, no AMX); name a 3.x in `RTUNE_ONEDNN` to use it.
+/// loader's path, then a 3.x from a wheel (`pip install onednn-cpu-gomp`), then a system 3.x. 2.6
+/// comes first because 3.2 was not faster where it was measured (README, "Speed: BLAS and the
+/// CUDA path": AMD EPYC, AVX-512 BF16, no AMX); name a 3.x in `RTUNE_ONEDNN` to use it.
 pub fn default_names(wheel_v3: &[String]) -> Vec<String> {
     let mut names = vec!["libdnnl.so.2".to_string()];
     names.extend(wheel_v3.iter().cloned());

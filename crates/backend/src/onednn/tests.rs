@@ -182,6 +182,12 @@ fn onednn_matches_the_plain_matmul_within_bf16_rounding() -> Result<()> {
         );
     }
     assert!(!lib.name.is_empty());
+    // What `rtune check` and run.json's `hardware.bf16_gemm` say: the library and its version.
+    let said = describe();
+    assert!(
+        said.starts_with("oneDNN (") && said.contains(&format!(", oneDNN {}.", lib.major())),
+        "{said}"
+    );
     eprintln!(
         "oneDNN: {}",
         implementation(2048, 512, 1376).unwrap_or_default()
