@@ -137,6 +137,10 @@ fn main() -> ExitCode {
         .without_time()
         .with_target(false)
         .init();
+    // A CBLAS the user named that did not load (said now that the log is set up).
+    if let Some(n) = rtune_backend::blas::notice() {
+        tracing::warn!("{n}");
+    }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -16,8 +16,9 @@
 //! device, so a layout that cuBLAS would refuse never reaches it; [`layout_audit`] records the
 //! operands the callers pass that fail it, so a CPU test proves the training path produces none.
 //!
-//! `RTUNE_BLAS`: unset → `libopenblas.so.0` / `libopenblas.so` from the loader's path; `off` → never;
-//! a path → that library (any CBLAS exporting `cblas_sgemm`, e.g. MKL's `libmkl_rt.so`).
+//! `RTUNE_BLAS`: unset → `libopenblas.so.0` / `libopenblas.so` from the loader's path, and MKL
+//! beside it when one is found, the faster measured at start serving ([`mkl`]); `off` → never;
+//! a path → that library alone (any CBLAS exporting `cblas_sgemm`, e.g. MKL's `libmkl_rt.so`).
 //!
 //! The kernel set: Debian's OpenBLAS 0.3.21 does not know Zen 4/5 and picks its AVX2 "Haswell"
 //! kernels there, and some environments pin `OPENBLAS_CORETYPE=Haswell` (this project's dev and CI
@@ -33,7 +34,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use std::borrow::Cow;
-use std::ffi::{c_char, c_int, c_void, CString};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::OnceLock;
 
 type Sgemm = unsafe extern "C" fn(
@@ -60,8 +61,11 @@ const TRANS: c_int = 112;
 /// A loaded CBLAS.
 pub struct Blas {
     sgemm: Sgemm,
-    /// What was loaded (for `run.json` and `rtune check`).
+    /// What was loaded: `libopenblas.so.0 (skylakex)` (the engine name `rtune bench` tallies).
     pub name: String,
+    /// The name and why this library serves f32 (for `run.json` and `rtune check`), e.g.
+    /// `libopenblas.so.0 (skylakex); measured at start 131.2 GFLOP/s, MKL 98.4: the faster serves`.
+    pub described: String,
 }
 
 static BLAS: OnceLock<Option<Blas>> = OnceLock::new();
@@ -77,11 +81,6 @@ fn load() -> Option<Blas> {
     if choice == "off" || choice == "0" {
         return None;
     }
-    let names: Vec<String> = if choice.is_empty() {
-        vec!["libopenblas.so.0".into(), "libopenblas.so".into()]
-    } else {
-        vec![choice]
-    };
     match std::env::var("RTUNE_BLAS_CORE").as_deref() {
         Ok("inherit") => {}
         Ok(core) if !core.is_empty() && core != "auto" => {
@@ -103,17 +102,74 @@ fn load() -> Option<Blas> {
         // loads, below.
         std::env::set_var("OPENBLAS_THREAD_TIMEOUT", t)
     }
-    for name in names {
-        let Ok(c) = CString::new(name.clone()) else {
-            continue;
+    let mkl_env = std::env::var("RTUNE_MKL").ok();
+    if mkl::names(mkl_env.as_deref()).is_some() {
+        mkl::threading_env();
+    }
+    let (blas, notice) = select(&choice, mkl_env.as_deref());
+    // Kept for [`notice`]: `init` runs before the binary's log is set up.
+    let _ = NOTICE.set(notice);
+    blas
+}
+
+static NOTICE: OnceLock<Option<String>> = OnceLock::new();
+
+/// Why a CBLAS named in `RTUNE_BLAS` or `RTUNE_MKL` is not in use (it did not load), once [`init`]
+/// ran; the binary logs it.
+pub fn notice() -> Option<&'static str> {
+    NOTICE.get().and_then(Option::as_deref)
+}
+
+/// The CBLAS that serves f32 given `RTUNE_BLAS` (`choice`, empty when unset) and `RTUNE_MKL`, and
+/// the notice to print when a library the user named did not load (then the fallback serves:
+/// candle's gemm for `RTUNE_BLAS`, OpenBLAS alone for `RTUNE_MKL`).
+fn select(choice: &str, mkl_env: Option<&str>) -> (Option<Blas>, Option<String>) {
+    if !choice.is_empty() {
+        // A library the user names serves alone, unmeasured.
+        return match open(&[choice.to_string()]) {
+            Some(mut b) => {
+                b.described = format!("{} (RTUNE_BLAS names it)", b.name);
+                (Some(b), None)
+            }
+            None => (
+                None,
+                Some(format!(
+                    "RTUNE_BLAS={choice} did not load as a CBLAS (no such file, or no \
+                     cblas_sgemm); f32 matmuls use candle's gemm"
+                )),
+            ),
         };
-        // SAFETY: dlopen/dlsym with valid C strings; the handle is never closed, so the function
+    }
+    let openblas = open(&["libopenblas.so.0".into(), "libopenblas.so".into()]);
+    let mut notice = None;
+    let mkl = mkl::names(mkl_env).and_then(|names| {
+        let m = open(&names);
+        if m.is_none() && mkl_env.is_some() {
+            notice = Some(format!(
+                "RTUNE_MKL={} did not load (tried {}); f32 matmuls use {}",
+                mkl_env.unwrap_or(""),
+                names.join(", "),
+                if openblas.is_some() {
+                    "OpenBLAS"
+                } else {
+                    "candle's gemm"
+                }
+            ));
+        }
+        m
+    });
+    (mkl::choose(openblas, mkl), notice)
+}
+
+/// The first of `names` that opens ([`crate::dl::open`]) and exports `cblas_sgemm`.
+fn open(names: &[String]) -> Option<Blas> {
+    for name in names {
+        // SAFETY: dlsym with valid C strings; the handle is never closed, so the function
         // pointer stays valid for the life of the process.
         unsafe {
-            let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
-            if h.is_null() {
+            let Ok(h) = crate::dl::open(name) else {
                 continue;
-            }
+            };
             let sym = libc::dlsym(h, c"cblas_sgemm".as_ptr());
             if sym.is_null() {
                 continue;
@@ -133,9 +189,11 @@ fn load() -> Option<Blas> {
                     )
                 }
             };
+            let name = format!("{name}{core}");
             return Some(Blas {
                 sgemm: std::mem::transmute::<*mut c_void, Sgemm>(sym),
-                name: format!("{name}{core}"),
+                described: name.clone(),
+                name,
             });
         }
     }
@@ -534,6 +592,7 @@ pub mod layout_audit {
 
 pub mod acc;
 pub mod autocast;
+pub mod mkl;
 
 /// One operand of [`sgemm`]: a row-major matrix in `data`, read as stored (`trans` false:
 /// `rows × cols` of the product, row `i` at `i·ld`) or transposed (`trans` true: stored
@@ -614,15 +673,38 @@ pub fn sgemm(
     Ok(true)
 }
 
-/// What [`init`] loaded, for reports: `Some("libopenblas.so.0 (skylakex)")`.
+/// What [`init`] loaded and why, for reports: `Some("libopenblas.so.0 (skylakex); ...")`.
 pub fn loaded() -> Option<&'static str> {
-    BLAS.get().and_then(Option::as_ref).map(|b| b.name.as_str())
+    BLAS.get()
+        .and_then(Option::as_ref)
+        .map(|b| b.described.as_str())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// A library named in `RTUNE_BLAS` or `RTUNE_MKL` that is not there: a notice naming it and
+    /// the fallback (candle's gemm; OpenBLAS alone, when it loads here).
+    #[test]
+    fn a_bogus_path_gives_a_notice_and_falls_back() {
+        let (b, n) = select("/nonexistent/libcblas.so", None);
+        assert!(b.is_none());
+        let n = n.expect("a notice");
+        assert!(n.contains("RTUNE_BLAS=/nonexistent/libcblas.so") && n.contains("candle's gemm"));
+        let (b, n) = select("", Some("/nonexistent/libmkl_rt.so.2"));
+        let n = n.expect("a notice");
+        assert!(n.contains("RTUNE_MKL=/nonexistent/libmkl_rt.so.2"), "{n}");
+        // What serves is OpenBLAS where it is installed, unmeasured (the only CBLAS found).
+        if let Some(b) = b {
+            assert!(
+                b.name.contains("openblas") && b.described.contains("only CBLAS"),
+                "{n}"
+            );
+            assert!(n.contains("use OpenBLAS"), "{n}");
+        }
+    }
 
     #[test]
     fn thread_timeout_is_short_unless_the_environment_chooses() {

@@ -35,6 +35,7 @@ pub mod cpu_features;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod cudnn;
+pub mod dl;
 pub mod dropout;
 pub mod host_memory;
 // The pool's bookkeeping is device-agnostic (tested everywhere); only CUDA offload uses it.

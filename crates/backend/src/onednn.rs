@@ -1,4 +1,5 @@
-//! bf16 matrix products on the CPU through oneDNN (Debian's `libdnnl2`, oneDNN 2.x C API), loaded at
+//! bf16 matrix products on the CPU through oneDNN (Debian's `libdnnl2`, oneDNN 2.6, or a 3.x such as
+//! PyPI's `onednn-cpu-gomp`; both C APIs, the version read with `dnnl_version` at load), loaded at
 //! run time like the BLAS ([`crate::blas`]): no build-time dependency, and the library PyTorch runs
 //! its CPU bf16 GEMMs through under `torch.autocast` (its AVX-512 BF16 `vdpbf16ps` and AMX kernels).
 //!
@@ -8,11 +9,18 @@
 //! semantics of `torch.matmul` on bf16 inputs and of candle's own bf16 matmul. Primitives are
 //! created once per shape, strides and output dtype and cached.
 //!
-//! Used when the CPU has AVX-512 BF16 or AMX-BF16 ([`crate::cpu_features`]) and `libdnnl.so.2`
-//! loads; otherwise bf16 matmuls stay on candle's gemm, with one notice the first time one runs.
-//! `RTUNE_ONEDNN`: unset → `libdnnl.so.2` / `libdnnl.so`; `off` → never; a path → that library;
-//! `force` → use it even without the bf16 instructions (oneDNN then converts to f32 itself).
-//! [`describe`] says which path bf16 GEMMs take, for `rtune check` and run.json.
+//! Used when the CPU has AVX-512 BF16 or AMX-BF16 ([`crate::cpu_features`]) and a oneDNN loads;
+//! otherwise bf16 matmuls stay on candle's gemm, with one notice the first time one runs.
+//! `RTUNE_ONEDNN`: unset → [`default_names`] (the system's `libdnnl.so.2`, then a wheel's
+//! `libdnnl.so.3` in a Python environment's `lib/`, [`crate::dl`], then the system's
+//! `libdnnl.so.3`); `off` → never; a path → that library; `force` → use it even without the bf16
+//! instructions (oneDNN then converts to f32 itself). [`describe`] says which library and version
+//! bf16 GEMMs take, for `rtune check` and run.json (`oneDNN (libdnnl.so.2, oneDNN 2.6.3)`).
+//!
+//! PyPI's `onednn` wheel (2026.x, oneDNN 3.13) is built for the SYCL CPU runtime: its CPU engine
+//! needs a SYCL CPU device, which its dependencies do not provide (no OpenCL adapter), so
+//! `dnnl_engine_create` fails and rtune falls back with that message; `onednn-cpu-gomp` (3.2, GNU
+//! OpenMP, 182 MB installed against 2.7 GB) is the 3.x that runs here.
 //!
 //! [`acc`]: `C = alpha·A·B + C` into the caller's rows (output scale and sum post-op), the CPU
 //! engine of the bf16 LoRA branch ([`crate::blas::acc`]).
@@ -22,9 +30,11 @@
 //! `format_tag::any`), in each orientation it is used in (`x·Wᵀ` forward, `dy·W` backward); later
 //! products read that copy instead of re-blocking the plain weight inside every call.
 //!
-//! The C API is declared here from `oneapi/dnnl/dnnl.h` of oneDNN 2.6: the memory and matmul
-//! descriptors are structs the library fills (696 and 2800 bytes there), held here in buffers
-//! with room to spare; the enum values are the header's (`dnnl_bf16 = 2`, `dnnl_f32 = 3`,
+//! The C API is declared here from `oneapi/dnnl/dnnl.h` of oneDNN 2.6 and 3.x (`Versioned` holds
+//! the calls that differ): in 2.x the memory and matmul descriptors are structs the library fills
+//! (696 and 2800 bytes there), held here in buffers with room to spare; in 3.x a memory
+//! descriptor is a handle, kept in the same buffer's first 8 bytes; the enum values used are the
+//! same in both headers (`dnnl_bf16 = 2`, `dnnl_f32 = 3`,
 //! `dnnl_cpu = 1`, `DNNL_ARG_SRC = 1`, `DNNL_ARG_DST = 17`, `DNNL_ARG_WEIGHTS = 33`).
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -83,36 +93,65 @@ struct Api {
     engine_create: unsafe extern "C" fn(*mut Handle, c_int, usize) -> Status,
     stream_create: unsafe extern "C" fn(*mut Handle, Handle, u32) -> Status,
     stream_wait: unsafe extern "C" fn(Handle) -> Status,
+    /// 2.x `dnnl_memory_desc_init_by_strides` fills the struct in `Md`; 3.x
+    /// `dnnl_memory_desc_create_with_strides` writes a descriptor handle into its first 8 bytes.
     md_init_by_strides:
         unsafe extern "C" fn(*mut Md, c_int, *const i64, c_int, *const i64) -> Status,
-    matmul_desc_init:
-        unsafe extern "C" fn(*mut MatmulDesc, *const Md, *const Md, *const Md, *const Md) -> Status,
-    pd_create:
-        unsafe extern "C" fn(*mut Handle, *const MatmulDesc, Handle, Handle, Handle) -> Status,
+    /// The version-specific calls: the matmul's creation, its output scale and sum post-op.
+    v: Versioned,
     pd_query: unsafe extern "C" fn(Handle, c_int, c_int, *mut c_void) -> Status,
     pd_destroy: unsafe extern "C" fn(Handle) -> Status,
     primitive_create: unsafe extern "C" fn(*mut Handle, Handle) -> Status,
     primitive_execute: unsafe extern "C" fn(Handle, Handle, c_int, *const ExecArg) -> Status,
-    memory_create: unsafe extern "C" fn(*mut Handle, *const Md, Handle, *mut c_void) -> Status,
+    memory_create: unsafe extern "C" fn(*mut Handle, MdRef, Handle, *mut c_void) -> Status,
     memory_destroy: unsafe extern "C" fn(Handle) -> Status,
     md_init_by_tag: unsafe extern "C" fn(*mut Md, c_int, *const i64, c_int, c_int) -> Status,
-    pd_query_md: unsafe extern "C" fn(Handle, c_int, c_int) -> *const Md,
+    /// 2.x: a pointer to the struct inside the primitive descriptor; 3.x: a handle it owns.
+    pd_query_md: unsafe extern "C" fn(Handle, c_int, c_int) -> MdRef,
     reorder_pd_create:
-        unsafe extern "C" fn(*mut Handle, *const Md, Handle, *const Md, Handle, Handle) -> Status,
-    md_get_size: unsafe extern "C" fn(*const Md) -> usize,
-    md_equal: unsafe extern "C" fn(*const Md, *const Md) -> c_int,
+        unsafe extern "C" fn(*mut Handle, MdRef, Handle, MdRef, Handle, Handle) -> Status,
+    md_get_size: unsafe extern "C" fn(MdRef) -> usize,
+    md_equal: unsafe extern "C" fn(MdRef, MdRef) -> c_int,
     primitive_destroy: unsafe extern "C" fn(Handle) -> Status,
-    version: unsafe extern "C" fn() -> *const Version,
     attr_create: unsafe extern "C" fn(*mut Handle) -> Status,
     attr_destroy: unsafe extern "C" fn(Handle) -> Status,
-    /// `(attr, count, mask, scales)`: oneDNN 2.x's output scales (`dst = scale·Σ` before post-ops).
-    attr_set_output_scales: unsafe extern "C" fn(Handle, i64, c_int, *const f32) -> Status,
     attr_set_post_ops: unsafe extern "C" fn(Handle, Handle) -> Status,
     post_ops_create: unsafe extern "C" fn(*mut Handle) -> Status,
     post_ops_destroy: unsafe extern "C" fn(Handle) -> Status,
-    /// `(post_ops, scale)`: `dst = … + scale·dst_before`.
-    post_ops_append_sum: unsafe extern "C" fn(Handle, f32) -> Status,
 }
+
+/// A memory descriptor as the C API takes it: 2.x `const dnnl_memory_desc_t *` (the struct's
+/// address), 3.x `const_dnnl_memory_desc_t` (the handle). [`OneDnn::md`] makes one from an [`Md`].
+type MdRef = *const c_void;
+
+/// The calls whose form changed between oneDNN 2.x and 3.x.
+enum Versioned {
+    V2 {
+        matmul_desc_init:
+            unsafe extern "C" fn(*mut MatmulDesc, MdRef, MdRef, MdRef, MdRef) -> Status,
+        pd_create:
+            unsafe extern "C" fn(*mut Handle, *const MatmulDesc, Handle, Handle, Handle) -> Status,
+        /// `(attr, count, mask, scales)`: output scales (`dst = scale·Σ` before post-ops).
+        attr_set_output_scales: unsafe extern "C" fn(Handle, i64, c_int, *const f32) -> Status,
+        /// `(post_ops, scale)`: `dst = … + scale·dst_before`.
+        post_ops_append_sum: unsafe extern "C" fn(Handle, f32) -> Status,
+    },
+    V3 {
+        /// `(pd, engine, src, weights, bias, dst, attr)`.
+        matmul_pd_create:
+            unsafe extern "C" fn(*mut Handle, Handle, MdRef, MdRef, MdRef, MdRef, Handle) -> Status,
+        /// `(out, md)`: a copy the caller owns of a descriptor the primitive descriptor owns.
+        md_clone: unsafe extern "C" fn(*mut Md, MdRef) -> Status,
+        /// `(post_ops, alg, alpha, beta)`: output scales are gone in 3.x; `alpha·Σ` is the
+        /// eltwise `linear` post-op (`alpha·x + beta`), applied to the f32 sum before the next.
+        post_ops_append_eltwise: unsafe extern "C" fn(Handle, c_int, f32, f32) -> Status,
+        /// `(post_ops, scale, zero_point, data_type)`: `dst = … + scale·dst_before`.
+        post_ops_append_sum: unsafe extern "C" fn(Handle, f32, i32, c_int) -> Status,
+    },
+}
+
+/// `dnnl_eltwise_linear` in oneDNN 3.x's `dnnl_alg_kind_t` (relu = 0x20, ..., sqrt = 0x25, linear).
+const ELTWISE_LINEAR_V3: c_int = 0x26;
 
 /// A cached primitive: what it multiplies and the implementation oneDNN chose for it.
 struct Primitive {
@@ -209,15 +248,32 @@ static PACKED_RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUs
 
 static ONEDNN: OnceLock<std::result::Result<OneDnn, Fallback>> = OnceLock::new();
 
-/// Decides from `RTUNE_ONEDNN` and the CPU whether to load oneDNN, and which files to try.
-pub fn choose(env: Option<&str>, bf16_cpu: bool) -> std::result::Result<Vec<String>, Fallback> {
+/// Decides from `RTUNE_ONEDNN` and the CPU whether to load oneDNN, and which files to try:
+/// a path the user names alone; otherwise [`default_names`] of the `libdnnl.so.3` files found in
+/// the Python environments' `lib/` folders (`wheel_v3`, [`crate::dl::wheel_dirs`]).
+pub fn choose(
+    env: Option<&str>,
+    bf16_cpu: bool,
+    wheel_v3: &[String],
+) -> std::result::Result<Vec<String>, Fallback> {
     match env.unwrap_or("") {
         "off" | "0" => Err(Fallback::Off),
-        "force" => Ok(vec!["libdnnl.so.2".into(), "libdnnl.so".into()]),
+        "force" => Ok(default_names(wheel_v3)),
         _ if !bf16_cpu => Err(Fallback::NoBf16Instructions),
-        "" | "auto" => Ok(vec!["libdnnl.so.2".into(), "libdnnl.so".into()]),
+        "" | "auto" => Ok(default_names(wheel_v3)),
         path => Ok(vec![path.to_string()]),
     }
+}
+
+/// The files tried when `RTUNE_ONEDNN` names none, first loaded wins: Debian 12's 2.6 from the
+/// loader's path, then a 3.x from a wheel (`pip install onednn-cpu-gomp`), then a system 3.x. 2.6
+/// comes first because 3.2 was not faster where it was measured (README, "Speed: BLAS and the
+/// CUDA path": AMD EPYC, AVX-512 BF16, no AMX); name a 3.x in `RTUNE_ONEDNN` to use it.
+pub fn default_names(wheel_v3: &[String]) -> Vec<String> {
+    let mut names = vec!["libdnnl.so.2".to_string()];
+    names.extend(wheel_v3.iter().cloned());
+    names.extend(["libdnnl.so.3".to_string(), "libdnnl.so".to_string()]);
+    names
 }
 
 /// The library for bf16 GEMMs, loaded once; `Err` says why not (see [`choose`]).
@@ -226,7 +282,8 @@ pub fn get() -> std::result::Result<&'static OneDnn, &'static Fallback> {
         .get_or_init(|| {
             let f = crate::cpu_features::get();
             let env = std::env::var("RTUNE_ONEDNN").ok();
-            let names = choose(env.as_deref(), f.avx512_bf16 || f.amx_bf16)?;
+            let wheels = crate::dl::in_wheels("libdnnl.so.3");
+            let names = choose(env.as_deref(), f.avx512_bf16 || f.amx_bf16, &wheels)?;
             load(&names)
         })
         .as_ref()
@@ -285,91 +342,132 @@ unsafe fn as_fn<F: Copy>(p: *mut c_void) -> F {
 fn load(names: &[String]) -> std::result::Result<OneDnn, Fallback> {
     let mut tried = Vec::new();
     for name in names {
-        let Ok(c) = CString::new(name.clone()) else {
-            continue;
-        };
-        // SAFETY: dlopen with a valid C string; the handle is never closed, so the symbols stay
-        // valid for the life of the process.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if h.is_null() {
-            tried.push(name.clone());
-            continue;
-        }
-        let sym = |s: &str| -> std::result::Result<*mut c_void, Fallback> {
-            let cs = CString::new(s).expect("symbol names have no NUL");
-            // SAFETY: a valid handle and C string.
-            let p = unsafe { libc::dlsym(h, cs.as_ptr()) };
-            if p.is_null() {
-                Err(Fallback::Library(format!("{name} has no {s}")))
-            } else {
-                Ok(p)
+        // The handle is never closed, so the symbols stay valid for the life of the process.
+        let h = match crate::dl::open(name) {
+            Ok(h) => h,
+            Err(e) => {
+                tried.push(e);
+                continue;
             }
         };
-        // SAFETY: each symbol has the C signature declared in `Api` (oneDNN 2.x's dnnl.h).
-        let api = unsafe {
-            Api {
-                engine_create: as_fn(sym("dnnl_engine_create")?),
-                stream_create: as_fn(sym("dnnl_stream_create")?),
-                stream_wait: as_fn(sym("dnnl_stream_wait")?),
-                md_init_by_strides: as_fn(sym("dnnl_memory_desc_init_by_strides")?),
+        match load_one(name, h) {
+            Ok(lib) => return Ok(lib),
+            Err(e) => tried.push(e.to_string()),
+        }
+    }
+    Err(Fallback::Library(format!(
+        "no oneDNN loaded ({}); Debian: apt install libdnnl2, or pip install onednn-cpu-gomp",
+        tried.join("; ")
+    )))
+}
+
+/// The library `name` opened at `h`: its version read, its symbols looked up for that version,
+/// a CPU engine and stream made.
+fn load_one(name: &str, h: *mut c_void) -> std::result::Result<OneDnn, Fallback> {
+    let sym = |s: &str| -> std::result::Result<*mut c_void, Fallback> {
+        let cs = CString::new(s).expect("symbol names have no NUL");
+        // SAFETY: a valid handle and C string.
+        let p = unsafe { libc::dlsym(h, cs.as_ptr()) };
+        if p.is_null() {
+            Err(Fallback::Library(format!("{name} has no {s}")))
+        } else {
+            Ok(p)
+        }
+    };
+    // SAFETY: `dnnl_version` is `const dnnl_version_t *(void)` in every version, and returns
+    // a pointer to a static struct.
+    let v = unsafe {
+        let version: unsafe extern "C" fn() -> *const Version = as_fn(sym("dnnl_version")?);
+        &*version()
+    };
+    let v3 = match v.major {
+        2 => false,
+        3 => true,
+        _ => {
+            return Err(Fallback::Library(format!(
+                "{name} is oneDNN {}.{}; rtune speaks the 2.x and 3.x C APIs",
+                v.major, v.minor
+            )))
+        }
+    };
+    // The descriptor calls that were renamed in 3.x keep their argument order (the out
+    // pointer is `Md`'s first 8 bytes there: see `Api::md_init_by_strides`).
+    let (by_strides, by_tag) = if v3 {
+        (
+            "dnnl_memory_desc_create_with_strides",
+            "dnnl_memory_desc_create_with_tag",
+        )
+    } else {
+        (
+            "dnnl_memory_desc_init_by_strides",
+            "dnnl_memory_desc_init_by_tag",
+        )
+    };
+    // SAFETY: each symbol has the C signature declared in `Api` / `Versioned` for the major
+    // version just read (oneDNN 2.6's and 3.x's dnnl.h).
+    let api = unsafe {
+        let v = if v3 {
+            Versioned::V3 {
+                matmul_pd_create: as_fn(sym("dnnl_matmul_primitive_desc_create")?),
+                md_clone: as_fn(sym("dnnl_memory_desc_clone")?),
+                post_ops_append_eltwise: as_fn(sym("dnnl_post_ops_append_eltwise")?),
+                post_ops_append_sum: as_fn(sym("dnnl_post_ops_append_sum")?),
+            }
+        } else {
+            Versioned::V2 {
                 matmul_desc_init: as_fn(sym("dnnl_matmul_desc_init")?),
                 pd_create: as_fn(sym("dnnl_primitive_desc_create")?),
-                pd_query: as_fn(sym("dnnl_primitive_desc_query")?),
-                pd_destroy: as_fn(sym("dnnl_primitive_desc_destroy")?),
-                primitive_create: as_fn(sym("dnnl_primitive_create")?),
-                primitive_execute: as_fn(sym("dnnl_primitive_execute")?),
-                memory_create: as_fn(sym("dnnl_memory_create")?),
-                memory_destroy: as_fn(sym("dnnl_memory_destroy")?),
-                md_init_by_tag: as_fn(sym("dnnl_memory_desc_init_by_tag")?),
-                pd_query_md: as_fn(sym("dnnl_primitive_desc_query_md")?),
-                reorder_pd_create: as_fn(sym("dnnl_reorder_primitive_desc_create")?),
-                md_get_size: as_fn(sym("dnnl_memory_desc_get_size")?),
-                md_equal: as_fn(sym("dnnl_memory_desc_equal")?),
-                primitive_destroy: as_fn(sym("dnnl_primitive_destroy")?),
-                version: as_fn(sym("dnnl_version")?),
-                attr_create: as_fn(sym("dnnl_primitive_attr_create")?),
-                attr_destroy: as_fn(sym("dnnl_primitive_attr_destroy")?),
                 attr_set_output_scales: as_fn(sym("dnnl_primitive_attr_set_output_scales")?),
-                attr_set_post_ops: as_fn(sym("dnnl_primitive_attr_set_post_ops")?),
-                post_ops_create: as_fn(sym("dnnl_post_ops_create")?),
-                post_ops_destroy: as_fn(sym("dnnl_post_ops_destroy")?),
                 post_ops_append_sum: as_fn(sym("dnnl_post_ops_append_sum")?),
             }
         };
-        // SAFETY: dnnl_version returns a pointer to a static struct.
-        let v = unsafe { &*(api.version)() };
-        if v.major != 2 {
-            return Err(Fallback::Library(format!(
-                "{name} is oneDNN {}.{}; rtune speaks the 2.x C API",
-                v.major, v.minor
-            )));
+        Api {
+            engine_create: as_fn(sym("dnnl_engine_create")?),
+            stream_create: as_fn(sym("dnnl_stream_create")?),
+            stream_wait: as_fn(sym("dnnl_stream_wait")?),
+            md_init_by_strides: as_fn(sym(by_strides)?),
+            v,
+            pd_query: as_fn(sym("dnnl_primitive_desc_query")?),
+            pd_destroy: as_fn(sym("dnnl_primitive_desc_destroy")?),
+            primitive_create: as_fn(sym("dnnl_primitive_create")?),
+            primitive_execute: as_fn(sym("dnnl_primitive_execute")?),
+            memory_create: as_fn(sym("dnnl_memory_create")?),
+            memory_destroy: as_fn(sym("dnnl_memory_destroy")?),
+            md_init_by_tag: as_fn(sym(by_tag)?),
+            pd_query_md: as_fn(sym("dnnl_primitive_desc_query_md")?),
+            reorder_pd_create: as_fn(sym("dnnl_reorder_primitive_desc_create")?),
+            md_get_size: as_fn(sym("dnnl_memory_desc_get_size")?),
+            md_equal: as_fn(sym("dnnl_memory_desc_equal")?),
+            primitive_destroy: as_fn(sym("dnnl_primitive_destroy")?),
+            attr_create: as_fn(sym("dnnl_primitive_attr_create")?),
+            attr_destroy: as_fn(sym("dnnl_primitive_attr_destroy")?),
+            attr_set_post_ops: as_fn(sym("dnnl_primitive_attr_set_post_ops")?),
+            post_ops_create: as_fn(sym("dnnl_post_ops_create")?),
+            post_ops_destroy: as_fn(sym("dnnl_post_ops_destroy")?),
         }
-        let (mut engine, mut stream) = (std::ptr::null_mut(), std::ptr::null_mut());
-        // SAFETY: out-pointers to handles; the engine outlives the stream (neither is destroyed).
-        let ok = unsafe {
-            (api.engine_create)(&mut engine, ENGINE_CPU, 0) == SUCCESS
-                && (api.stream_create)(&mut stream, engine, STREAM_DEFAULT) == SUCCESS
-        };
-        if !ok {
-            return Err(Fallback::Library(format!(
-                "{name}: cannot create a CPU engine"
-            )));
-        }
-        return Ok(OneDnn {
-            name: format!("{name}, oneDNN {}.{}.{}", v.major, v.minor, v.patch),
-            api,
-            engine,
-            state: Mutex::new(State {
-                stream,
-                cache: HashMap::new(),
-                frozen: packed::Registry::default(),
-            }),
-        });
+    };
+    let (mut engine, mut stream) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: out-pointers to handles; the engine outlives the stream (neither is destroyed).
+    let ok = unsafe {
+        (api.engine_create)(&mut engine, ENGINE_CPU, 0) == SUCCESS
+            && (api.stream_create)(&mut stream, engine, STREAM_DEFAULT) == SUCCESS
+    };
+    if !ok {
+        return Err(Fallback::Library(format!(
+            "{name}: cannot create a CPU engine (a SYCL build such as PyPI's `onednn` wheel \
+             finds no SYCL CPU device here; `onednn-cpu-gomp` is the OpenMP build)"
+        )));
     }
-    Err(Fallback::Library(format!(
-        "{} not found (Debian: apt install libdnnl2)",
-        tried.join(" / ")
-    )))
+    Ok(OneDnn {
+        name: format!("{name}, oneDNN {}.{}.{}", v.major, v.minor, v.patch),
+        api,
+        engine,
+        state: Mutex::new(State {
+            stream,
+            cache: HashMap::new(),
+            frozen: packed::Registry::default(),
+        }),
+    })
 }
 
 /// The `(dims, strides)` of a layout's matrices, batch dims first, at most [`MAX_NDIMS`].
@@ -381,6 +479,27 @@ fn dims_strides(l: &Layout) -> (Vec<i64>, Vec<i64>) {
 }
 
 impl OneDnn {
+    /// `md` as the C API takes it: 2.x the struct's address, 3.x the handle stored in its first
+    /// 8 bytes (see `Api::md_init_by_strides`).
+    fn md(&self, md: &Md) -> MdRef {
+        match self.api.v {
+            Versioned::V2 { .. } => (md as *const Md).cast(),
+            Versioned::V3 { .. } => {
+                let mut p = [0u8; 8];
+                p.copy_from_slice(&md.0[..8]);
+                usize::from_ne_bytes(p) as MdRef
+            }
+        }
+    }
+
+    /// The major version loaded: 2 or 3.
+    pub fn major(&self) -> u32 {
+        match self.api.v {
+            Versioned::V2 { .. } => 2,
+            Versioned::V3 { .. } => 3,
+        }
+    }
+
     /// The cached primitive for these operands, made on first use.
     fn primitive<'a>(
         &self,
@@ -439,15 +558,28 @@ impl OneDnn {
             if st != SUCCESS {
                 return Err(fail("memory_desc_init (C)", st));
             }
-            let st = (api.matmul_desc_init)(&mut desc, &src, &weights, std::ptr::null(), &out);
-            if st != SUCCESS {
-                return Err(fail("matmul_desc_init", st));
-            }
             let null = std::ptr::null_mut();
+            let (s, w, o) = (self.md(&src), self.md(&weights), self.md(&out));
             let attr = self
                 .attr(f32::from_bits(*alpha), *sum)
                 .map_err(|st| fail("attr", st))?;
-            let st = (api.pd_create)(&mut pd, &desc, attr, self.engine, null);
+            let st = match &api.v {
+                Versioned::V2 {
+                    matmul_desc_init,
+                    pd_create,
+                    ..
+                } => {
+                    let st = matmul_desc_init(&mut desc, s, w, std::ptr::null(), o);
+                    if st == SUCCESS {
+                        pd_create(&mut pd, &desc, attr, self.engine, null)
+                    } else {
+                        st
+                    }
+                }
+                Versioned::V3 {
+                    matmul_pd_create, ..
+                } => matmul_pd_create(&mut pd, self.engine, s, w, std::ptr::null(), o, attr),
+            };
             if !attr.is_null() {
                 (api.attr_destroy)(attr);
             }
@@ -472,7 +604,22 @@ impl OneDnn {
                     (api.pd_destroy)(pd);
                     return Err(fail("query weights_md", -1));
                 }
-                std::ptr::copy_nonoverlapping(md.cast::<u8>(), weights.0.as_mut_ptr(), MD_BYTES);
+                match &api.v {
+                    Versioned::V2 { .. } => std::ptr::copy_nonoverlapping(
+                        md.cast::<u8>(),
+                        weights.0.as_mut_ptr(),
+                        MD_BYTES,
+                    ),
+                    Versioned::V3 { md_clone, .. } => {
+                        // The `format_tag::any` descriptor is replaced by the chosen layout's;
+                        // the handle is the primitive's for the life of the process.
+                        let st = md_clone(&mut weights, md);
+                        if st != SUCCESS {
+                            (api.pd_destroy)(pd);
+                            return Err(fail("memory_desc_clone (weights)", st));
+                        }
+                    }
+                }
             }
             let st = (api.primitive_create)(&mut handle, pd);
             (api.pd_destroy)(pd);
@@ -507,21 +654,45 @@ impl OneDnn {
             if st != SUCCESS {
                 return Err(st);
             }
-            let mut st = if alpha != 1.0 {
-                (api.attr_set_output_scales)(attr, 1, 0, &alpha)
-            } else {
-                SUCCESS
-            };
-            if st == SUCCESS && sum {
-                let mut ops: Handle = std::ptr::null_mut();
-                st = (api.post_ops_create)(&mut ops);
-                if st == SUCCESS {
-                    st = (api.post_ops_append_sum)(ops, 1.0);
-                    if st == SUCCESS {
-                        st = (api.attr_set_post_ops)(attr, ops);
+            let mut ops: Handle = std::ptr::null_mut();
+            let mut st = (api.post_ops_create)(&mut ops);
+            // 2.x: the scale is the output scale, ahead of every post-op; 3.x: the first
+            // post-op, `linear` with `alpha`, ahead of the sum (the same f32 `alpha·Σ + C`).
+            if st == SUCCESS {
+                st = match &api.v {
+                    Versioned::V2 {
+                        attr_set_output_scales,
+                        post_ops_append_sum,
+                        ..
+                    } => {
+                        let mut st = SUCCESS;
+                        if alpha != 1.0 {
+                            st = attr_set_output_scales(attr, 1, 0, &alpha);
+                        }
+                        if st == SUCCESS && sum {
+                            st = post_ops_append_sum(ops, 1.0);
+                        }
+                        st
                     }
-                    (api.post_ops_destroy)(ops);
+                    Versioned::V3 {
+                        post_ops_append_eltwise,
+                        post_ops_append_sum,
+                        ..
+                    } => {
+                        let mut st = SUCCESS;
+                        if alpha != 1.0 {
+                            st = post_ops_append_eltwise(ops, ELTWISE_LINEAR_V3, alpha, 0.0);
+                        }
+                        if st == SUCCESS && sum {
+                            st = post_ops_append_sum(ops, 1.0, 0, 0);
+                        }
+                        st
+                    }
+                };
+                if st == SUCCESS {
+                    st = (api.attr_set_post_ops)(attr, ops);
                 }
+                (api.post_ops_destroy)(ops);
             }
             if st != SUCCESS {
                 (api.attr_destroy)(attr);
@@ -648,7 +819,7 @@ impl OneDnn {
         // only reads A and B, and C at its strides (`exec`'s contract: every element there).
         unsafe {
             let wrap = |m: &mut Handle, md: &Md, ptr: *mut c_void| {
-                (api.memory_create)(m, md, self.engine, ptr)
+                (api.memory_create)(m, self.md(md), self.engine, ptr)
             };
             let [ma, mb, mc] = &mut mems;
             let st = [
@@ -793,174 +964,4 @@ pub fn implementation(m: usize, k: usize, n: usize) -> Option<String> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::Device;
-
-    /// The choice: `off` always falls back, `force` loads whatever the CPU, no bf16 instructions
-    /// fall back (the path the fallback test below forces), a path is tried as given.
-    #[test]
-    fn fallback_is_chosen_without_instructions_or_when_off() {
-        assert_eq!(choose(Some("off"), true), Err(Fallback::Off));
-        assert_eq!(choose(None, false), Err(Fallback::NoBf16Instructions));
-        assert!(choose(Some("force"), false).is_ok());
-        assert_eq!(
-            choose(Some("/x/libdnnl.so.2"), true),
-            Ok(vec!["/x/libdnnl.so.2".into()])
-        );
-        assert_eq!(choose(None, true).unwrap()[0], "libdnnl.so.2");
-        // A library that is not there: the fallback's reason names it and the package.
-        let Err(Fallback::Library(m)) = load(&["libdnnl-nonexistent.so".into()]) else {
-            panic!("a missing library loads");
-        };
-        assert!(
-            m.contains("libdnnl-nonexistent.so") && m.contains("libdnnl2"),
-            "{m}"
-        );
-    }
-
-    /// OpenMP's threads sleep when idle unless the environment says how they wait.
-    #[test]
-    fn wait_policy_is_passive_unless_the_environment_chooses() {
-        let some = |v: &str| Some(std::ffi::OsString::from(v));
-        assert_eq!(wait_policy(None, None), Some("passive"));
-        assert_eq!(wait_policy(some("active"), None), None);
-        assert_eq!(wait_policy(None, some("100000")), None);
-        assert_eq!(wait_policy(some("passive"), some("0")), None);
-    }
-
-    /// A packed frozen weight against the plain product of the same operands (another copy of
-    /// the weight, not registered), forward `x·Wᵀ` and backward `dy·W`, for the row count it was
-    /// packed at and another: the same bf16 values in another memory order, so the f32 outputs
-    /// agree to 1e-5 of the largest |entry| (the kernel's summation order only; a misread packed
-    /// layout is off by O(1)) and the bf16 outputs to one bf16 rounding (2⁻⁸). The copies exist
-    /// after the first products and are freed with the handle. Skips where oneDNN is not in use.
-    #[test]
-    fn packed_weights_give_the_plain_product() -> Result<()> {
-        if get().is_err() {
-            eprintln!("oneDNN not in use ({}); nothing to compare", describe());
-            return Ok(());
-        }
-        let dev = Device::Cpu;
-        let bf = |t: Tensor| t.to_dtype(DType::BF16);
-        // (out, in) = (96, 320): several of the kernel's N blocks and K pairs.
-        let w = bf(Tensor::randn(0f32, 1.0, (96, 320), &dev)?)?;
-        let plain = w.copy()?;
-        let before = packed_bytes();
-        let handle = register(&w).expect("a bf16 CPU matrix registers");
-        assert_eq!(
-            packed_bytes(),
-            before,
-            "packed on first use, not at registration"
-        );
-        let runs = || PACKED_RUNS.load(std::sync::atomic::Ordering::Relaxed);
-        let runs_before = runs();
-        for rows in [256, 37] {
-            let x = bf(Tensor::randn(0f32, 1.0, (rows, 320), &dev)?)?;
-            let dy = bf(Tensor::randn(0f32, 1.0, (rows, 96), &dev)?)?;
-            for (a, b, b_plain) in [(&x, w.t()?, plain.t()?), (&dy, w.clone(), plain.clone())] {
-                for (dst, tol) in [(DType::F32, 1e-5), (DType::BF16, 1.0 / 256.0)] {
-                    let want = matmul(a, &b_plain, dst).expect("taken")?;
-                    let got = matmul(a, &b, dst).expect("taken")?;
-                    let want = want.to_dtype(DType::F32)?;
-                    let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
-                    let err = (got.to_dtype(DType::F32)? - &want)?
-                        .abs()?
-                        .max_all()?
-                        .to_scalar::<f32>()?
-                        / scale;
-                    assert!(err < tol, "{rows} rows, {:?}, {dst:?}: {err}", b.dims());
-                }
-            }
-        }
-        // The packed path ran (at least both orientations at the first row count), and both
-        // orientations were packed: at least the weight's bytes twice.
-        assert!(
-            runs() >= runs_before + 4,
-            "{} packed products",
-            runs() - runs_before
-        );
-        assert!(
-            packed_bytes() >= before + 2 * 96 * 320 * 2,
-            "{}",
-            packed_bytes()
-        );
-        drop(handle);
-        assert_eq!(packed_bytes(), before, "freed with the last handle");
-        // Not registered: f32, or a 3-d tensor.
-        assert!(register(&w.to_dtype(DType::F32)?).is_none());
-        assert!(register(&w.reshape((2, 48, 320))?).is_none());
-        Ok(())
-    }
-
-    /// The forced fallback: with oneDNN unavailable the caller gets `None` and computes the
-    /// product itself (candle's bf16 matmul), which is what `blas::matmul` then returns.
-    #[test]
-    fn forced_fallback_leaves_the_product_to_candle() -> Result<()> {
-        let a = Tensor::randn(0f32, 1.0, (8, 16), &Device::Cpu)?.to_dtype(DType::BF16)?;
-        let b = Tensor::randn(0f32, 1.0, (16, 4), &Device::Cpu)?.to_dtype(DType::BF16)?;
-        // f32 operands are never taken, whatever the library.
-        assert!(matmul(
-            &a.to_dtype(DType::F32)?,
-            &b.to_dtype(DType::F32)?,
-            DType::F32
-        )
-        .is_none());
-        if get().is_err() {
-            assert!(matmul(&a, &b, DType::BF16).is_none());
-            assert!(describe().starts_with("candle's gemm ("), "{}", describe());
-        }
-        Ok(())
-    }
-
-    /// oneDNN against the plain product of the same bf16 values in f32 (f64-exact products of
-    /// bf16 numbers, f32 sums): f32 output within 1e-5 relative of the largest |entry| (only the
-    /// summation order differs), bf16 output within one bf16 rounding (2⁻⁸ relative) of it; in
-    /// plain, transposed-weight and batched layouts. Skips where oneDNN is not in use.
-    #[test]
-    fn onednn_matches_the_plain_matmul_within_bf16_rounding() -> Result<()> {
-        let Ok(lib) = get() else {
-            eprintln!("oneDNN not in use ({}); nothing to compare", describe());
-            return Ok(());
-        };
-        let dev = Device::Cpu;
-        let bf = |t: Tensor| t.to_dtype(DType::BF16);
-        let a = bf(Tensor::randn(0f32, 1.0, (37, 300), &dev)?)?;
-        let w = bf(Tensor::randn(0f32, 1.0, (45, 300), &dev)?)?;
-        let a3 = bf(Tensor::randn(0f32, 1.0, (3, 20, 33), &dev)?)?;
-        let b3 = bf(Tensor::randn(0f32, 1.0, (3, 33, 17), &dev)?)?;
-        let cases = [
-            (a.clone(), w.t()?.contiguous()?),
-            (a.clone(), w.t()?),
-            (a3.clone(), b3.clone()),
-            (a3.narrow(1, 2, 10)?, b3.clone()),
-        ];
-        for (x, y) in cases {
-            let want = x.to_dtype(DType::F32)?.matmul(&y.to_dtype(DType::F32)?)?;
-            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
-            let got = matmul(&x, &y, DType::F32).expect("taken")?;
-            assert_eq!(got.dtype(), DType::F32);
-            let err = (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()? / scale;
-            assert!(err < 1e-5, "f32 out {:?}·{:?}: {err}", x.dims(), y.dims());
-            let got = matmul(&x, &y, DType::BF16).expect("taken")?;
-            assert_eq!(got.dtype(), DType::BF16);
-            let err = (got.to_dtype(DType::F32)? - &want)?
-                .abs()?
-                .max_all()?
-                .to_scalar::<f32>()?
-                / scale;
-            assert!(
-                err < 1.0 / 256.0,
-                "bf16 out {:?}·{:?}: {err}",
-                x.dims(),
-                y.dims()
-            );
-        }
-        assert!(!lib.name.is_empty());
-        eprintln!(
-            "oneDNN: {}",
-            implementation(2048, 512, 1376).unwrap_or_default()
-        );
-        Ok(())
-    }
-}
+mod tests;

@@ -136,7 +136,7 @@ impl Registry {
         };
         let p = &mut entry.packs[i];
         // SAFETY: both are initialized memory descriptors.
-        let same = unsafe { (api.md_equal)(&p.md, want) } != 0;
+        let same = unsafe { (api.md_equal)(lib.md(&p.md), lib.md(want)) } != 0;
         Ok(same.then(|| p.buf.ptr()))
     }
 
@@ -171,7 +171,7 @@ fn reorder(
         return Err(fail("memory_desc_init", st));
     }
     // SAFETY: an initialized descriptor.
-    let size = unsafe { (api.md_get_size)(want) };
+    let size = unsafe { (api.md_get_size)(lib.md(want)) };
     let mut buf = AlignedBuf::new(size);
     let (mut pd, mut prim): (Handle, Handle) = (std::ptr::null_mut(), std::ptr::null_mut());
     let mut mems: [Handle; 2] = [std::ptr::null_mut(); 2];
@@ -180,16 +180,28 @@ fn reorder(
     // reorder runs and is waited for before the handles are destroyed.
     let st = unsafe {
         let null = std::ptr::null_mut();
-        let mut st = (api.reorder_pd_create)(&mut pd, &src, lib.engine, want, lib.engine, null);
+        let mut st = (api.reorder_pd_create)(
+            &mut pd,
+            lib.md(&src),
+            lib.engine,
+            lib.md(want),
+            lib.engine,
+            null,
+        );
         if st == SUCCESS {
             st = (api.primitive_create)(&mut prim, pd);
             (api.pd_destroy)(pd);
         }
         if st == SUCCESS {
-            st = (api.memory_create)(&mut mems[0], &src, lib.engine, b.as_ptr() as *mut c_void);
+            st = (api.memory_create)(
+                &mut mems[0],
+                lib.md(&src),
+                lib.engine,
+                b.as_ptr() as *mut c_void,
+            );
         }
         if st == SUCCESS {
-            st = (api.memory_create)(&mut mems[1], want, lib.engine, buf.ptr());
+            st = (api.memory_create)(&mut mems[1], lib.md(want), lib.engine, buf.ptr());
         }
         if st == SUCCESS {
             let args = [
