@@ -13,7 +13,7 @@
 //!
 //! On the plain path the layer takes [`attend_sinked`] instead, which joins the sinks to the
 //! softmax where transformers does, rounding where its eager attention in a 16-bit dtype rounds
-//! ([`joint_probs`]): the scores scaled and rounded, the sink logit concatenated as one more
+//! (`joint_probs`): the scores scaled and rounded, the sink logit concatenated as one more
 //! column, the row's max subtracted and rounded, the softmax in f32 rounded, the column dropped,
 //! then `p·v`. Its backward is the plain path's with these probabilities (kept or recomputed).
 //!
@@ -31,13 +31,13 @@ use super::{row_scores, AttnCache, AttnMask, AttnPath, AttnSaved, AttnShape};
 pub struct SinkCache {
     pub scale: Option<Tensor>,
     pub p_sink: Tensor,
-    /// The sink logits `(H,)` when the probabilities were formed with them ([`joint_probs`]): what
+    /// The sink logits `(H,)` when the probabilities were formed with them (`joint_probs`): what
     /// the backward recomputes them with.
     pub joined: Option<Tensor>,
 }
 
 /// Attention with sinks `sinks: (H,)` on `path` ([`super::attend`]'s arguments): on the plain
-/// path the sinks joined to the softmax as transformers joins them ([`joint_probs`]); on the
+/// path the sinks joined to the softmax as transformers joins them (`joint_probs`); on the
 /// tiled path [`apply_sinks`] after the attention.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_sinked(
