@@ -26,8 +26,13 @@ fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
     let g = &c.golden;
     assert_eq!(g.meta["dtype"], "bfloat16");
     let lc = crate::parity::ctx(&c.adapter);
-    let logits = c.model.forward(&c.inputs, Some(&lc), false).unwrap().logits;
-    let e_logits = rel_err(&logits, g.get("logits"));
+    let out = c.model.forward(&c.inputs, Some(&lc), true).unwrap();
+    let e_logits = rel_err(&out.logits, g.get("logits"));
+    // Where a gap starts: each layer's output against transformers' (printed, not asserted).
+    let hidden: Vec<String> = (out.hidden.iter().enumerate())
+        .map(|(i, h)| format!("{:.1e}", rel_err(h, g.get(&format!("hidden_states.{i}")))))
+        .collect();
+    eprintln!("{model} bf16 hidden states: {}", hidden.join(" "));
     // The f32 model is measurably off the bf16 golden: the check is not f32 against itself.
     let f32c = case(model, golden);
     let lc32 = crate::parity::ctx(&f32c.adapter);
@@ -50,7 +55,11 @@ fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
     for (i, name) in c.adapter.names.iter().enumerate() {
         for (which, got) in [("lora_A", &grads.a[i]), ("lora_B", &grads.b[i])] {
             let want = g.get(&format!("grad.base_model.model.{name}.{which}.weight"));
-            e_grad = e_grad.max(rel_err(got.as_ref().unwrap(), want));
+            let e = rel_err(got.as_ref().unwrap(), want);
+            if e > 5e-2 {
+                eprintln!("{model} bf16: {name}.{which} gradient rel err {e:.2e}");
+            }
+            e_grad = e_grad.max(e);
         }
     }
     // The golden's loop: torch's AdamW (lr from the metadata, no weight decay), 3 steps.
@@ -179,15 +188,18 @@ fn mixtral_bf16_matches_peft_bf16() {
     );
 }
 
-/// gpt-oss in bf16: the loss, the aux loss, every AdamW step's loss (1e-3) and the update
-/// (closer to PEFT's bf16 one than PEFT's f32 run) within [`assert_bf16_tolerances`]; the logits
-/// within 2e-2 and the gradients not held to 5e-2. Its attention rounds where transformers'
-/// bf16 eager attention does not (the sinks' max subtracted in bf16, the biased projections
-/// rounded twice): layer 0's output is 1.1e-2 off, the logits 1.5e-2; and its clamped SwiGLU
-/// (limit 1.0 here) cuts the gradient of every gate value past the limit, so inputs that far
-/// apart move the gate_up `lora_B` gradient by 0.37 of its largest entry (a one-ulp jitter of
-/// the folded stacks alone moves PEFT's own by 0.36). Measured: loss 2.6e-4, aux 5.5e-4, step
-/// losses 5.2e-4, update 0.15 (PEFT's f32 run: 0.25).
+/// gpt-oss in bf16: the logits (one bf16 ulp, measured bit-equal), the loss, the aux loss, every
+/// AdamW step's loss (1e-3) and the update (closer to PEFT's bf16 one than PEFT's f32 run) within
+/// [`assert_bf16_tolerances`]; the gradients not held to 5e-2. The forward rounds where
+/// transformers' does: the sinks joined to the bf16 softmax (`attend_sinked`), the biased
+/// projections rounded once with the bias in (`linear::product`), the clamped SwiGLU's `α·g` and
+/// sigmoid rounded once each (`act.rs`); before these, layer 0's output was 1.1e-2 off and the
+/// logits 1.5e-2. The backward does not yet: 13 of the LoRA gradients are over 5e-2 of their
+/// largest entry, worst layer 1's gate_up `lora_B` at 0.36 (the clamp at limit 1.0 cuts the
+/// gradient of every gate value past it, so the gradients move by far more than a rounding; a
+/// one-ulp jitter of the folded stacks alone moves PEFT's own by 0.36). Measured: logits and
+/// every hidden state bit-equal, loss 1.7e-5, aux 4.4e-4, step losses 4.7e-4, update 0.16
+/// (PEFT's f32 run: 0.25).
 #[test]
 fn gpt_oss_bf16_loss_and_steps_match_peft_bf16() {
     let fam = (
@@ -196,7 +208,7 @@ fn gpt_oss_bf16_loss_and_steps_match_peft_bf16() {
     );
     let [logits, loss, aux, _, steps, update] = moe_bf16_matches_peft(fam);
     let floor = f32_golden_update_distance(GPT_OSS.1, fam.1);
-    assert!(logits <= 2e-2, "logits rel err {logits:e}");
+    assert!(logits <= 3.9e-3, "logits rel err {logits:e}");
     assert!(loss <= 1e-3 && aux <= 1e-3, "loss {loss:e}, aux {aux:e}");
     assert!(steps <= 1e-3, "AdamW step losses rel err {steps:e}");
     assert!(update < floor, "update {update:e} vs PEFT f32's {floor:e}");

@@ -178,7 +178,7 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated names (qwen2,mistral,qwen3,gemma2,gemma3,phi3,phi4,olmo2,"
-                    "llama_bf16,gemma2_bf16,gemma3_bf16,qwen3_bf16,phi3_bf16,phi4_bf16,olmo2_bf16)")
+                    "llama_bf16,gemma2_bf16,gemma3_bf16,qwen3_bf16,phi3_bf16,phi4_bf16,olmo2_bf16,qwen2_bf16)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
@@ -189,7 +189,7 @@ if __name__ == "__main__":
     # bf16 compute on the Gemma fixtures: (1 + w) norms in f32 rounded once, GeGLU, soft caps and
     # the embedding scale on bf16 activations; Qwen3's q/k norms; Phi-3's fused projections and
     # Phi-4's partial rotary with LongRoPE; OLMo 2's norms (f32 products, one rounding) and
-    # whole-width q/k norms
-    for fam in ("gemma2", "gemma3", "qwen3", "phi3", "phi4", "olmo2"):
+    # whole-width q/k norms; Qwen2's q/k/v biases (F.linear: the bias inside the GEMM, one rounding)
+    for fam in ("gemma2", "gemma3", "qwen3", "phi3", "phi4", "olmo2", "qwen2"):
         if not only or f"{fam}_bf16" in only:
             golden(f"{fam}_bf16", os.path.join(FIX, f"tiny-{fam}"), torch.bfloat16, 256)

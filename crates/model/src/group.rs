@@ -173,9 +173,15 @@ pub fn forward(
             .collect();
     }
     // y: (N, Σout) — one GEMM for the frozen part.
+    // Biased members in a 16-bit dtype: the f32 accumulator, each member's bias then added and
+    // rounded once ([`crate::linear::product`]).
+    let bias = match members.iter().all(|m| m.bias.is_some()) {
+        true => members[0].bias.as_ref(),
+        false => None,
+    };
     let base: Vec<Tensor> = match block {
         Some(w) => {
-            let y = mm(x, &w.t()?)?;
+            let y = crate::linear::product(x, &w.t()?, bias)?;
             let mut col = 0;
             let mut parts = Vec::with_capacity(members.len());
             for m in members {
@@ -189,7 +195,7 @@ pub fn forward(
             .enumerate()
             .map(|(i, m)| match &nf4 {
                 Some(l) => mm(x, &l.weights[i].t()?),
-                None => mm(x, &m.w.dense()?.t()?),
+                None => crate::linear::product(x, &m.w.dense()?.t()?, m.bias.as_ref()),
             })
             .collect::<Result<_>>()?,
     };

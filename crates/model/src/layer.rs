@@ -448,16 +448,22 @@ impl Layer {
                 let past = (&past.0, &past.1);
                 ops::attend_after(&q, &k, &v, &ctx.shape, cos, sin, mask, past)?
             }
-            _ => ops::attend(&q, &k, &v, &ctx.shape, cos, sin, mask, ctx.path)?,
+            _ => match &self.sinks {
+                Some(sinks) => ops::attention::sinks::attend_sinked(
+                    &q, &k, &v, &ctx.shape, cos, sin, mask, ctx.path, sinks,
+                )?,
+                None => ops::attend(&q, &k, &v, &ctx.shape, cos, sin, mask, ctx.path)?,
+            },
         };
-        // The sinks join each row's softmax; a recompute that reused the tiled forward's kept
-        // output has them in already.
-        let kept = matches!(
-            (&pass, ctx.path),
-            (Pass::Recompute(Some(_)), AttnPath::Tiled)
-        );
+        // The sinks join each row's softmax; `attend_sinked` has them in, and so has a
+        // recompute that reused the tiled forward's kept output.
+        let joined = match (&pass, ctx.path) {
+            (Pass::Recompute(kept), AttnPath::Tiled) => kept.is_some(),
+            (Pass::Cached(Some(_)), _) => false,
+            _ => true,
+        };
         let (o_in, attn) = match &self.sinks {
-            Some(sinks) if !kept => {
+            Some(sinks) if !joined => {
                 ops::attention::sinks::apply_sinks(&o_in, attn, &ctx.shape, sinks)?
             }
             _ => (o_in, attn),

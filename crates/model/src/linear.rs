@@ -218,7 +218,7 @@ impl Linear {
         lora: Option<&LoraCtx>,
         salt: u64,
     ) -> Result<(Tensor, LinearCache)> {
-        let y = mm(x, &self.w.dense()?.t()?)?;
+        let y = product(x, &self.w.dense()?.t()?, self.bias.as_ref())?;
         self.finish(x, y, lora, salt)
     }
 
@@ -284,8 +284,14 @@ impl Linear {
         })
     }
 
+    /// `y + b` in the bias's dtype. `y` f32 with a 16-bit bias is [`product`]'s unrounded
+    /// accumulator: the sum is formed in f32 and rounded once, as torch's `F.linear` (`addmm`,
+    /// the bias inside the GEMM) rounds it.
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
         match &self.bias {
+            Some(b) if y.dtype() == DType::F32 && b.dtype() != DType::F32 => y
+                .broadcast_add(&b.to_dtype(DType::F32)?)?
+                .to_dtype(b.dtype()),
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
@@ -312,6 +318,12 @@ impl Linear {
     ) -> Result<(Tensor, LinearCache)> {
         let pair = &ctx.adapter.pairs[self.lora.expect("adapted layer")];
         if pair.m.is_some() {
+            // DoRA scales `x·Wᵀ` before the bias, in the compute dtype: [`product`]'s f32
+            // accumulator is rounded first.
+            let y = match &self.bias {
+                Some(b) if y.dtype() != b.dtype() => y.to_dtype(b.dtype())?,
+                _ => y,
+            };
             let yl = (mm(&xa, &pair.b.t()?)? * ctx.scaling)?;
             let (y, d) = dora::output(self, y, yl, base_d, ctx)?;
             return Ok((
@@ -514,5 +526,23 @@ fn lora_input(x: &Tensor, key: Option<&DropoutKey>) -> Result<Tensor> {
     match key {
         Some(k) => dropout::apply(x, k),
         None => cast(x, DType::F32),
+    }
+}
+
+/// The frozen product `x·Wᵀ` of a layer with bias `bias` (`wt = Wᵀ: (in, out)`): in a 16-bit
+/// dtype with a bias, the f32 accumulator unrounded (oneDNN's where it takes the operands, else
+/// an f32 GEMM of the upcast operands), for [`Linear::add_bias`] to round once with the bias in,
+/// as torch's CPU `addmm` does (measured: `F.linear` equals `R(x·Wᵀ + b)` in f32 bit for bit,
+/// and differs from `R(R(x·Wᵀ) + b)`); otherwise `mm`'s product in the compute dtype.
+pub(crate) fn product(x: &Tensor, wt: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let half = |t: &Tensor| matches!(t.dtype(), DType::BF16 | DType::F16);
+    match bias {
+        Some(b) if half(b) && x.dtype() == b.dtype() && wt.dtype() == b.dtype() => {
+            if let Some(y) = rtune_backend::onednn::matmul(x, wt, DType::F32) {
+                return y;
+            }
+            mm(&x.to_dtype(DType::F32)?, &wt.to_dtype(DType::F32)?)
+        }
+        _ => mm(x, wt),
     }
 }

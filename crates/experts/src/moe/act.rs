@@ -9,7 +9,7 @@
 //!   `dg = dout·(u' + 1)·(s + α·g'·s·(1 − s))·[g ≤ limit]`, `du = dout·g'·s·[|u| ≤ limit]` (torch's
 //!   clamp passes the gradient where the input lies in the closed range).
 
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 /// Which gate the experts apply.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -43,6 +43,14 @@ fn sigmoid(x: &Tensor) -> Result<Tensor> {
     (x.neg()?.exp()? + 1.0)?.recip()
 }
 
+/// `σ(α·g)` as torch forms it in `g`'s dtype: `α·g` in f32 (α not rounded) and rounded, then
+/// the sigmoid in f32 and rounded once (in f32 both roundings are no-ops).
+fn gate_sigmoid(g: &Tensor, alpha: f64) -> Result<Tensor> {
+    let dt = g.dtype();
+    let x = (g.to_dtype(DType::F32)? * alpha)?.to_dtype(dt)?;
+    sigmoid(&x.to_dtype(DType::F32)?)?.to_dtype(dt)
+}
+
 /// `gu: (n, 2I)` → `(n, I)`.
 pub fn act_forward(gu: &Tensor, act: ExpertAct) -> Result<Tensor> {
     let (g, u) = split(gu, act)?;
@@ -51,7 +59,7 @@ pub fn act_forward(gu: &Tensor, act: ExpertAct) -> Result<Tensor> {
         ExpertAct::Clamped { alpha, limit } => {
             let g = g.minimum(limit)?;
             let u = u.clamp(-limit, limit)?;
-            let glu = (&g * sigmoid(&(&g * alpha)?)?)?;
+            let glu = (&g * gate_sigmoid(&g, alpha)?)?;
             (u + 1.0)? * glu
         }
     }
@@ -72,11 +80,16 @@ pub fn act_backward(dm: &Tensor, gu: &Tensor, act: ExpertAct) -> Result<Tensor> 
             let u_in = (u.ge(-limit)?.to_dtype(dt)? * u.le(limit)?.to_dtype(dt)?)?;
             let gc = g.minimum(limit)?;
             let uc = u.clamp(-limit, limit)?;
-            let s = sigmoid(&(&gc * alpha)?)?;
-            // d(g'·σ(α g'))/dg' = s + α·g'·s·(1 − s)
-            let dglu = (&s + ((&gc * alpha)? * (&s * s.affine(-1.0, 1.0)?)?)?)?;
-            let dg = ((dm * (uc + 1.0)?)? * dglu)?.mul(&g_in)?;
-            let du = ((dm * (gc * s)?)? * u_in)?;
+            let s = gate_sigmoid(&gc, alpha)?;
+            // torch's autograd through `(u' + 1)·(g'·σ(α·g'))`, each product rounded to `dt`:
+            // d_glu = dout·(u' + 1); du' = dout·glu; dg' = d_glu·s + α·R(d_glu·g'·s·(1 − s)),
+            // sigmoid's backward in f32 rounded once, the two terms summed in `dt`.
+            let d_glu = (dm * (uc + 1.0)?)?;
+            let du = ((dm * (&gc * &s)?)? * u_in)?;
+            let f = |t: &Tensor| t.to_dtype(DType::F32);
+            let sf = f(&s)?;
+            let dx = (f(&(&d_glu * &gc)?)? * (&sf * sf.affine(-1.0, 1.0)?)?)?.to_dtype(dt)?;
+            let dg = ((&d_glu * &s)? + (f(&dx)? * alpha)?.to_dtype(dt)?)?.mul(&g_in)?;
             let (n, i) = dg.dims2()?;
             Tensor::stack(&[dg, du], 2)?.reshape((n, 2 * i))
         }

@@ -344,7 +344,7 @@ pub fn attention_keeping(
     mask: &Tensor,
     keep: bool,
 ) -> Result<(Tensor, AttnCache)> {
-    plain(q, k, v, s, cos, sin, mask, keep, None)
+    plain(q, k, v, s, cos, sin, mask, keep, None, None)
 }
 
 /// Attention of the new tokens `q, k, v` ([`attention`]'s shapes, `T` new tokens a row) after
@@ -375,11 +375,23 @@ pub fn attend_after(
             mask.past()
         );
     }
-    plain(q, k, v, s, cos, sin, &mask.dense()?, false, Some(past))
+    plain(
+        q,
+        k,
+        v,
+        s,
+        cos,
+        sin,
+        &mask.dense()?,
+        false,
+        Some(past),
+        None,
+    )
 }
 
 /// The plain path: [`attention_keeping`], after `past` keys and values when given
-/// ([`attend_after`]).
+/// ([`attend_after`]), with the sinks `(H,)` joined to the softmax when given
+/// ([`sinks::attend_sinked`]).
 #[allow(clippy::too_many_arguments)]
 fn plain(
     q: &Tensor,
@@ -391,6 +403,7 @@ fn plain(
     mask: &Tensor,
     keep: bool,
     past: Option<(&Tensor, &Tensor)>,
+    sinks: Option<&Tensor>,
 ) -> Result<(Tensor, AttnCache)> {
     let (b, t, h, hkv, dh) = (s.b, s.t, s.heads, s.kv_heads, s.head_dim);
     let g = h / hkv;
@@ -410,13 +423,29 @@ fn plain(
     let q = q.reshape((b, hkv, g * t, dh))?;
     let mut outs = Vec::with_capacity(b);
     let mut ps = Vec::with_capacity(if keep { b } else { 0 });
+    let mut p_sinks = Vec::with_capacity(if sinks.is_some() { b } else { 0 });
     for i in 0..b {
-        let p = row_probs(&q, &k, mask, s, i)?;
+        let p = match sinks {
+            Some(sk) => {
+                let (p, p_sink) = sinks::joint_probs(&q, &k, mask, s, i, sk)?;
+                p_sinks.push(p_sink);
+                p
+            }
+            None => row_probs(&q, &k, mask, s, i)?,
+        };
         outs.push(mm(&p.to_dtype(dt)?, &v.narrow(0, i, 1)?)?);
         if keep {
             ps.push(p);
         }
     }
+    let sink = match sinks {
+        Some(sk) => Some(sinks::SinkCache {
+            scale: None,
+            p_sink: Tensor::cat(&p_sinks, 0)?, // (B, H, T)
+            joined: Some(sk.clone()),
+        }),
+        None => None,
+    };
     // out: (B, Hkv, G·T, Dh) -> (B, H, T, Dh) -> (B, T, H, Dh) -> (N, H·Dh)
     let o = Tensor::cat(&outs, 0)?;
     let o = o
@@ -432,7 +461,7 @@ fn plain(
             v,
             p,
             saved: AttnSaved::Plain { mask: mask.clone() },
-            sink: None,
+            sink,
         },
     ))
 }
@@ -527,11 +556,13 @@ pub fn attention_backward(
         let d_oi = d_o.narrow(0, i, 1)?;
         let pf = match &c.p {
             Some(ps) => ps[i].clone(),
-            None => match &c.sink {
+            None => match c.sink.as_ref().map(|sk| (&sk.joined, &sk.scale)) {
+                // Formed with the sinks joined ([`sinks::attend_sinked`]): the same ops again.
+                Some((Some(joined), _)) => sinks::joint_probs(&c.q, &c.k, mask, s, i, joined)?.0,
                 // The sinks' share of each row's mass, as the forward took it.
-                Some(sk) => row_probs(&c.q, &c.k, mask, s, i)?
-                    .broadcast_mul(&sinks::row_scale(&sk.scale, s, i)?)?,
-                None => row_probs(&c.q, &c.k, mask, s, i)?,
+                Some((None, Some(scale))) => row_probs(&c.q, &c.k, mask, s, i)?
+                    .broadcast_mul(&sinks::row_scale(scale, s, i)?)?,
+                _ => row_probs(&c.q, &c.k, mask, s, i)?,
             },
         };
         let p = pf.to_dtype(dt)?;

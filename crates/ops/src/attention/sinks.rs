@@ -11,19 +11,127 @@
 //! same quantities. The plain path recomputes `p` in its backward and rescales it by the kept
 //! `e^{L − L'}` (`(B, H, T)` f32, O(T)).
 //!
+//! On the plain path the layer takes [`attend_sinked`] instead, which joins the sinks to the
+//! softmax where transformers does, rounding where its eager attention in a 16-bit dtype rounds
+//! (`joint_probs`): the scores scaled and rounded, the sink logit concatenated as one more
+//! column, the row's max subtracted and rounded, the softmax in f32 rounded, the column dropped,
+//! then `p·v`. Its backward is the plain path's with these probabilities (kept or recomputed).
+//!
 //! The sink's own gradient, `∂L/∂sink_h = −Σ_{b,t} p_sink · D`, `D = dO·O'` per row (the sink's
 //! column of the softmax backward, its `dp` being 0): [`sink_grad`].
 
 use candle_core::{bail, DType, Result, Tensor, D};
 
-use super::{row_scores, AttnCache, AttnSaved, AttnShape};
+use super::{row_scores, AttnCache, AttnMask, AttnPath, AttnSaved, AttnShape};
 
 /// What the backward keeps of the sinks: per row `(B, H, T)` f32, the real keys' share of the
-/// mass `e^{L − L'}` and the sink's `p_sink = e^{sink − L'}`.
+/// mass `e^{L − L'}` ([`apply_sinks`]; `None` after [`attend_sinked`]'s plain path, whose
+/// probabilities have the sinks in) and the sink's `p_sink = e^{sink − L'}`.
 #[derive(Debug, Clone)]
 pub struct SinkCache {
-    pub scale: Tensor,
+    pub scale: Option<Tensor>,
     pub p_sink: Tensor,
+    /// The sink logits `(H,)` when the probabilities were formed with them (`joint_probs`): what
+    /// the backward recomputes them with.
+    pub joined: Option<Tensor>,
+}
+
+/// Attention with sinks `sinks: (H,)` on `path` ([`super::attend`]'s arguments): on the plain
+/// path the sinks joined to the softmax as transformers joins them (`joint_probs`); on the
+/// tiled path [`apply_sinks`] after the attention.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_sinked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    s: &AttnShape,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &AttnMask,
+    path: AttnPath,
+    sinks: &Tensor,
+) -> Result<(Tensor, AttnCache)> {
+    if sinks.dims() != [s.heads] {
+        bail!(
+            "attention sinks: `sinks` is {:?}, want one logit a query head ({},)",
+            sinks.dims(),
+            s.heads
+        );
+    }
+    match path {
+        AttnPath::Plain => {
+            if s.softcap.is_some() {
+                bail!("attention sinks: soft-capped scores with sinks are not supported");
+            }
+            let keep = super::keep_probs(s);
+            super::plain(
+                q,
+                k,
+                v,
+                s,
+                cos,
+                sin,
+                &mask.dense()?,
+                keep,
+                None,
+                Some(sinks),
+            )
+        }
+        AttnPath::Tiled => {
+            let (o, c) = super::attention_tiled(q, k, v, s, cos, sin, mask)?;
+            apply_sinks(&o, c, s, sinks)
+        }
+    }
+}
+
+/// Batch row `i`'s probabilities with the sinks joined, as transformers 5.24's gpt-oss
+/// `eager_attention_forward` forms them in the compute dtype `dt` (each step rounded to `dt`
+/// where torch's bf16 tensors round): `z = R(R(q·kᵀ)·scale) + mask` (the mask 0 or −∞: exact),
+/// the sink `R(sink_h)` concatenated as column `Tk`, `z − max_row(z)` rounded (the max is one of
+/// the row's entries: exact in any dtype, the difference not), `p = R(softmax(·))` in f32 (torch's
+/// CPU softmax of a bf16 tensor: `e^x · (1/Σ)` in f32, rounded), the column dropped. Returns the
+/// real keys' `p: (1, Hkv, G·T, Tk)` and the sink's `(1, H, T)`, f32 holding `dt`'s values.
+pub(super) fn joint_probs(
+    q: &Tensor,
+    k: &Tensor,
+    mask: &Tensor,
+    s: &AttnShape,
+    i: usize,
+    sinks: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (t, h, hkv) = (s.t, s.heads, s.kv_heads);
+    let g = h / hkv;
+    let tk = k.dim(2)?;
+    let mask_i = if mask.dim(0)? == s.b && s.b > 1 {
+        mask.narrow(0, i, 1)?
+    } else {
+        mask.clone()
+    };
+    let raw = row_scores(q, k, i)?; // (1, Hkv, G·T, Tk), the compute dtype
+    let dt = raw.dtype();
+    let round = |x: Tensor| -> Result<Tensor> {
+        match dt {
+            DType::F32 => Ok(x),
+            _ => x.to_dtype(dt)?.to_dtype(DType::F32),
+        }
+    };
+    // (1, Hkv, G, T, Tk) f32
+    let x = (raw * s.scale)?
+        .to_dtype(DType::F32)?
+        .reshape((1, hkv, g, t, tk))?
+        .broadcast_add(&mask_i.reshape((1, 1, 1, t, tk))?)?;
+    let sink = round(sinks.to_dtype(DType::F32)?)?
+        .reshape((1, hkv, g, 1, 1))?
+        .broadcast_as((1, hkv, g, t, 1))?
+        .contiguous()?;
+    let z = Tensor::cat(&[&x, &sink], 4)?; // (1, Hkv, G, T, Tk + 1)
+    let z = round(z.broadcast_sub(&z.max_keepdim(4)?)?)?;
+    let e = z.exp()?;
+    let p = round(e.broadcast_mul(&e.sum_keepdim(4)?.recip()?)?)?;
+    Ok((
+        p.narrow(4, 0, tk)?.reshape((1, hkv, g * t, tk))?,
+        p.narrow(4, tk, 1)?.reshape((1, h, t))?,
+    ))
 }
 
 /// Adds the sinks `sinks: (H,)` (any float dtype) to an attention's output `o: (N, H·Dh)` and
@@ -66,6 +174,7 @@ pub fn apply_sinks(
         .reshape((b, t, h, dh))?
         .broadcast_mul(&per_row)?
         .reshape((b * t, h * dh))?;
+    let scale = Some(scale);
     match &mut c.saved {
         AttnSaved::Tiled { o: so, lse: sl, .. } => {
             *so = o2.clone();
@@ -73,13 +182,18 @@ pub fn apply_sinks(
         }
         AttnSaved::Plain { .. } => {
             if let Some(ps) = &mut c.p {
+                let sc = scale.as_ref().expect("just set");
                 for (i, p) in ps.iter_mut().enumerate() {
-                    *p = p.broadcast_mul(&row_scale(&scale, s, i)?)?;
+                    *p = p.broadcast_mul(&row_scale(sc, s, i)?)?;
                 }
             }
         }
     }
-    c.sink = Some(SinkCache { scale, p_sink });
+    c.sink = Some(SinkCache {
+        scale,
+        p_sink,
+        joined: None,
+    });
     Ok((o2, c))
 }
 

@@ -7,7 +7,7 @@
 //! `tests.rs`). Tolerance 1e-5 of the largest element: f32 against f64, as the paths' own rule.
 
 use super::{randn, rel_err};
-use crate::attention::sinks::{apply_sinks, sink_grad};
+use crate::attention::sinks::{apply_sinks, attend_sinked, sink_grad};
 use crate::{AttnMask, AttnPath, AttnShape};
 use candle_core::{DType, Device, Tensor, Var, D};
 
@@ -126,19 +126,39 @@ fn sinks_match_the_f64_formulation_on_both_paths() {
         .0;
     let moved = rel_err(&no_sinks, &want[0].to_dtype(DType::F32).unwrap());
     assert!(moved > 1e-2, "the sinks move the output by only {moved:e}");
-    for (path, keep) in [
-        (AttnPath::Plain, true),
-        (AttnPath::Plain, false),
-        (AttnPath::Tiled, false),
+    // `joined`: the sinks in the softmax ([`attend_sinked`]; the plain path's probabilities
+    // dropped after the forward for `keep = false`, so the backward recomputes them).
+    for (path, keep, joined) in [
+        (AttnPath::Plain, true, false),
+        (AttnPath::Plain, false, false),
+        (AttnPath::Tiled, false, false),
+        (AttnPath::Plain, true, true),
+        (AttnPath::Plain, false, true),
+        (AttnPath::Tiled, false, true),
     ] {
-        let (o, c) = match (path, keep) {
-            (AttnPath::Plain, keep) => {
-                let dense = mask.dense().unwrap();
-                crate::attention_keeping(&q, &k, &v, &s, &cos, &sin, &dense, keep).unwrap()
+        let (o, c) = match (path, keep, joined) {
+            (_, _, true) => {
+                let (o, mut c) =
+                    attend_sinked(&q, &k, &v, &s, &cos, &sin, &mask, path, &sinks).unwrap();
+                if path == AttnPath::Plain {
+                    assert!(c.p.is_some(), "small rows keep their probabilities");
+                    if !keep {
+                        c.p = None;
+                    }
+                }
+                (o, c)
             }
-            _ => crate::attend(&q, &k, &v, &s, &cos, &sin, &mask, path).unwrap(),
+            (AttnPath::Plain, keep, _) => {
+                let dense = mask.dense().unwrap();
+                let (o, c) =
+                    crate::attention_keeping(&q, &k, &v, &s, &cos, &sin, &dense, keep).unwrap();
+                apply_sinks(&o, c, &s, &sinks).unwrap()
+            }
+            _ => {
+                let (o, c) = crate::attend(&q, &k, &v, &s, &cos, &sin, &mask, path).unwrap();
+                apply_sinks(&o, c, &s, &sinks).unwrap()
+            }
         };
-        let (o, c) = apply_sinks(&o, c, &s, &sinks).unwrap();
         let ds = sink_grad(&d_out, &o, &c, &s).unwrap();
         let (dq, dk, dv) = crate::attention_backward(&d_out, &c, &s, &cos, &sin).unwrap();
         for (name, (got, w)) in ["o", "dq", "dk", "dv", "dsinks"]
@@ -146,8 +166,11 @@ fn sinks_match_the_f64_formulation_on_both_paths() {
             .zip([o, dq, dk, dv, ds].iter().zip(&want))
         {
             let e = rel_err(got, &w.to_dtype(DType::F32).unwrap());
-            eprintln!("{path:?} keep={keep} {name}: relative error {e:.2e}");
-            assert!(e <= 1e-5, "{path:?} keep={keep} {name}: {e:e} > 1e-5");
+            eprintln!("{path:?} keep={keep} joined={joined} {name}: relative error {e:.2e}");
+            assert!(
+                e <= 1e-5,
+                "{path:?} keep={keep} joined={joined} {name}: {e:e} > 1e-5"
+            );
         }
     }
 }
