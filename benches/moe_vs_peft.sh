@@ -25,6 +25,9 @@
 # Measured (benches/README.md, "Mixture of experts against PEFT"; 2-core EPYC at load 7–10):
 # before 267.2 vs PEFT 59.2 tokens/s (4.51x), 0.87 vs 2.49 GB (0.35x), 28.4% of the ceiling probed;
 # after the grouped OpenBLAS path 366.8 vs 66.8 (5.49x), 0.94 vs 2.45 GB (0.39x), 41.4%.
+# 2026-12-06 (1e9beda, experts over rayon with OpenBLAS on one thread each, load 7–8): 534.9 vs
+# 73.0 (7.33x), 0.96 vs 2.44 GB (0.39x), 54.5% of the ceiling probed beside it; near idle (c317ca8,
+# load 1.5–3.5) 1986.1 vs 62.2 (31.9x), 106% (74.8% at 4·N_active).
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
