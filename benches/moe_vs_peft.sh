@@ -18,12 +18,16 @@
 # per token, N_active = q/k/v/o + router + top-k experts' three projections + lm_head, plus
 # 12·L·seq·d for attention; the frozen-base work is 4·N, which the line after it also gives),
 # against the CPU's f32 GEMM ceiling as `rtune bench` probes it (its best rate on bench-small's
-# GEMM shapes, measured in the same invocation). The sides run one after the other, never at once
-# (torch's threads spin-wait); run it on an idle machine.
+# GEMM shapes), probed right before and right after rtune's run (the higher of the two counts).
+# The sides run one after the other, never at once (torch's threads spin-wait); run it on an idle
+# machine.
 #
 # Measured (benches/README.md, "Mixture of experts against PEFT"; 2-core EPYC at load 7–10):
 # before 267.2 vs PEFT 59.2 tokens/s (4.51x), 0.87 vs 2.49 GB (0.35x), 28.4% of the ceiling probed;
 # after the grouped OpenBLAS path 366.8 vs 66.8 (5.49x), 0.94 vs 2.45 GB (0.39x), 41.4%.
+# 2026-12-06 (1e9beda, experts over rayon with OpenBLAS on one thread each, load 7–8): 534.9 vs
+# 73.0 (7.33x), 0.96 vs 2.44 GB (0.39x), 54.5% of the ceiling probed beside it; near idle (c317ca8,
+# load 1.5–3.5) 1986.1 vs 62.2 (31.9x), 106% (74.8% at 4·N_active).
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
@@ -67,24 +71,33 @@ gradient_checkpointing = false
 dir = "$out/rtune-run"
 overwrite = true
 TOML
+# The CPU's f32 GEMM ceiling, probed by rtune bench (one step of a one-layer bench-small first)
+# right before and right after rtune's run, so that it meets the load rtune's run met (a probe
+# minutes away, after PEFT's run, measured another machine on a shared box).
+ceiling() {
+  "$RTUNE" bench --layers 1 --steps 1 --warmup 0 --json-out "$out/$1.json" >"$out/$1.log" 2>&1 \
+    || { tail -20 "$out/$1.log"; exit 1; }
+}
 uptime
+ceiling ceiling-before
 "$RTUNE" train --config "$out/rtune.toml" >"$out/rtune.log" 2>&1 || { tail -20 "$out/rtune.log"; exit 1; }
+ceiling ceiling-after
+uptime
 cp "$out/rtune-run/summary.json" "$out/rtune.json"
 "$PYTHON" benches/peft_rows.py --model "$out/model" --rows "$out/rows.jsonl" --steps "$STEPS" \
   --batch "$BATCH" --r 16 --alpha 32 --dropout 0 --lr 1e-4 --warmup 0 --max-grad-norm 1.0 \
   --targets q_proj,k_proj,v_proj,o_proj \
   --target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj \
   --json-out "$out/peft.json" >"$out/peft.log" 2>&1 || { tail -20 "$out/peft.log"; exit 1; }
-# The CPU's f32 GEMM ceiling, probed by rtune bench (one step of a one-layer bench-small first).
-"$RTUNE" bench --layers 1 --steps 1 --warmup 0 --json-out "$out/ceiling.json" >"$out/ceiling.log" 2>&1 \
-  || { tail -20 "$out/ceiling.log"; exit 1; }
 uptime
 "$PYTHON" - "$out" "$SEQ" <<'PY'
 import json, sys
 d, seq = sys.argv[1], int(sys.argv[2])
 r, p = json.load(open(f"{d}/rtune.json")), json.load(open(f"{d}/peft.json"))
 c = json.load(open(f"{d}/model/config.json"))
-ceil = json.load(open(f"{d}/ceiling.json"))["ceiling"]["best_gflops"]
+# The higher of the two probes: the fraction is never flattered by a probe that met more load.
+probes = [json.load(open(f"{d}/ceiling-{w}.json"))["ceiling"]["best_gflops"] for w in ("before", "after")]
+ceil = max(probes)
 H, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
 q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
 E, k, I = c.get("num_experts") or c["num_local_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
@@ -100,5 +113,6 @@ print(f"rtune / PEFT: {rt/pt:.2f}x tokens/s, {rm/pm:.2f}x peak RSS")
 g6 = rt * (6 * active + attn) / 1e9
 g4 = rt * (4 * active + attn) / 1e9
 print(f"rtune: {g6:.1f} GFLOP/s at 6·N_active + attention = {100*g6/ceil:.1f}% of the "
-      f"f32 GEMM ceiling {ceil:.1f} GFLOP/s; {g4:.1f} GFLOP/s ({100*g4/ceil:.1f}%) at 4·N_active")
+      f"f32 GEMM ceiling {ceil:.1f} GFLOP/s (probed {probes[0]:.1f} before rtune's run, "
+      f"{probes[1]:.1f} after); {g4:.1f} GFLOP/s ({100*g4/ceil:.1f}%) at 4·N_active")
 PY

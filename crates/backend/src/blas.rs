@@ -61,6 +61,9 @@ const TRANS: c_int = 112;
 /// A loaded CBLAS.
 pub struct Blas {
     sgemm: Sgemm,
+    /// OpenBLAS's `openblas_get_num_threads` / `openblas_set_num_threads`, when the library has
+    /// them ([`one_thread`]).
+    threads: Option<(unsafe extern "C" fn() -> c_int, unsafe extern "C" fn(c_int))>,
     /// What was loaded: `libopenblas.so.0 (skylakex)` (the engine name `rtune bench` tallies).
     pub name: String,
     /// The name and why this library serves f32 (for `run.json` and `rtune check`), e.g.
@@ -189,9 +192,20 @@ fn open(names: &[String]) -> Option<Blas> {
                     )
                 }
             };
+            let (get, set) = (
+                libc::dlsym(h, c"openblas_get_num_threads".as_ptr()),
+                libc::dlsym(h, c"openblas_set_num_threads".as_ptr()),
+            );
+            let threads = (!get.is_null() && !set.is_null()).then(|| {
+                (
+                    std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> c_int>(get),
+                    std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int)>(set),
+                )
+            });
             let name = format!("{name}{core}");
             return Some(Blas {
                 sgemm: std::mem::transmute::<*mut c_void, Sgemm>(sym),
+                threads,
                 described: name.clone(),
                 name,
             });
@@ -673,6 +687,51 @@ pub fn sgemm(
     Ok(true)
 }
 
+/// Open [`OneThread`] guards and the thread count to restore when the last closes.
+static ONE_THREAD: std::sync::Mutex<(usize, c_int)> = std::sync::Mutex::new((0, 0));
+
+/// While held, OpenBLAS runs on one thread ([`one_thread`]); dropping the last open guard
+/// restores the count it had before the first.
+pub struct OneThread {
+    set: unsafe extern "C" fn(c_int),
+}
+
+/// OpenBLAS on one thread (`openblas_set_num_threads(1)`) until the guard drops, for a caller
+/// that spreads many small products over its own threads (the experts' grouped GEMM): OpenBLAS
+/// 0.3.21 runs a one-thread call without its threaded level-3 driver and that driver's lock, so
+/// products from several threads run at once, and no idle OpenBLAS worker spins in `sched_yield`
+/// between them. The count is the process's: a product another thread starts meanwhile also runs
+/// on one thread (the same result, slower). `None`: no library loaded, or one without OpenBLAS's
+/// thread calls.
+pub fn one_thread() -> Option<OneThread> {
+    let (get, set) = BLAS.get().and_then(Option::as_ref)?.threads?;
+    let mut open = ONE_THREAD
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if open.0 == 0 {
+        // SAFETY: OpenBLAS's own entry points, no pointers; 1 is within the pool it started (no
+        // thread is created).
+        open.1 = unsafe { get() };
+        // SAFETY: as above.
+        unsafe { set(1) };
+    }
+    open.0 += 1;
+    Some(OneThread { set })
+}
+
+impl Drop for OneThread {
+    fn drop(&mut self) {
+        let mut open = ONE_THREAD
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        open.0 -= 1;
+        if open.0 == 0 {
+            // SAFETY: as in `one_thread`; the count read when the first guard opened.
+            unsafe { (self.set)(open.1.max(1)) };
+        }
+    }
+}
+
 /// What [`init`] loaded and why, for reports: `Some("libopenblas.so.0 (skylakex); ...")`.
 pub fn loaded() -> Option<&'static str> {
     BLAS.get()
@@ -704,6 +763,28 @@ mod tests {
             );
             assert!(n.contains("use OpenBLAS"), "{n}");
         }
+    }
+
+    /// The guard holds OpenBLAS to one thread while any guard is open and gives back the count it
+    /// found; the grouped experts' products run under it (`rtune_experts`' grouped path test
+    /// compares them with the per-expert path).
+    #[test]
+    fn one_thread_holds_openblas_to_one_thread_until_the_last_guard_drops() {
+        let Some((get, _)) = init().and_then(|b| b.threads) else {
+            eprintln!("no OpenBLAS with its thread calls found; nothing to check");
+            return;
+        };
+        // SAFETY: OpenBLAS's own entry point, no arguments.
+        let count = || unsafe { get() };
+        let before = count();
+        let outer = one_thread();
+        assert!(outer.is_some());
+        assert_eq!(count(), 1);
+        let inner = one_thread();
+        drop(outer);
+        assert_eq!(count(), 1, "an inner guard still open");
+        drop(inner);
+        assert_eq!(count(), before);
     }
 
     #[test]

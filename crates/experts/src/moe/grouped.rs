@@ -3,13 +3,16 @@
 //! (`xs: (R, H)`, expert `e`'s rows `off[e]..off[e+1]`); each expert's products run on its own
 //! contiguous row block, written in place into shared `(R, ·)` buffers (no per-expert tensors).
 //! [`Engine::Blas`] (when `rtune_backend::blas` loaded a CBLAS, as `rtune` does): the products
-//! go through the dense path's OpenBLAS (`rtune_backend::blas::sgemm`) one expert after another,
-//! OpenBLAS threading each — measured at the dense GEMM's own rate on 128 experts of ~128 rows
-//! (`moe_timing`: 78 GFLOP per CPU second, the same as one product of all rows), where the
-//! `gemm` crate on one thread per expert, the experts spread over rayon's threads, gave 21.6 —
-//! and OpenBLAS 0.3.21's threaded level 3 serialises callers from several threads on one lock,
-//! so spreading the experts over threads would not help it. [`Engine::Gemm`] (no CBLAS): that
-//! `gemm`-crate layout (candle's CPU GEMM, `Parallelism::None`). The activation runs once over
+//! go through the dense path's OpenBLAS (`rtune_backend::blas::sgemm`), each expert's on one
+//! thread, the experts spread over rayon's threads ([`rtune_backend::blas::one_thread`]: OpenBLAS
+//! 0.3.21's threaded level 3 serialises callers from several threads on one lock, its one-thread
+//! calls do not). OpenBLAS threading each product instead, one expert after another, ran the
+//! frozen products at the dense GEMM's own rate (`moe_timing`: 78 GFLOP per CPU second) but lost
+//! ~14% of the op to its idle workers' `sched_yield` between the small products; the one-thread
+//! layout beat it in each of three interleaved pairs of `moe_timing` at load ~9 (1497 / 1336 /
+//! 772 ms against 1728 / 2701 / 1064 ms a forward + backward). The `gemm` crate on one thread per
+//! expert gave 21.6. [`Engine::Gemm`] (no CBLAS): that `gemm`-crate layout (candle's CPU GEMM,
+//! `Parallelism::None`). The activation runs once over
 //! all rows; the weighted
 //! combine and `dx` sum each token's rows in expert order, as the per-expert path's `index_add`
 //! does. The frozen weights' gradients are never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
@@ -469,15 +472,21 @@ fn linear_bwd(
     Ok((dx, lora.map(|_| (da, db))))
 }
 
-/// `per` on each expert's job: in order on this thread for [`Engine::Blas`] (the CBLAS threads
-/// each product), spread over rayon's threads for [`Engine::Gemm`].
+/// `per` on each expert's job, spread over rayon's threads: for [`Engine::Blas`] with OpenBLAS
+/// held to one thread a product ([`rtune_backend::blas::one_thread`]), or in order on this thread
+/// when the library cannot be told (the CBLAS threads each product); for [`Engine::Gemm`] the
+/// `gemm` crate on one thread a product.
 fn each<J: Send>(
     engine: Engine,
     jobs: Vec<J>,
     per: impl Fn(J) -> Result<()> + Sync + Send,
 ) -> Result<()> {
     match engine {
-        Engine::Blas => jobs.into_iter().try_for_each(per),
+        // OpenBLAS told to run each product on the calling thread: the experts over rayon's.
+        Engine::Blas => match rtune_backend::blas::one_thread() {
+            Some(_one) => jobs.into_par_iter().try_for_each(per),
+            None => jobs.into_iter().try_for_each(per),
+        },
         Engine::Gemm => jobs.into_par_iter().try_for_each(per),
     }
 }
