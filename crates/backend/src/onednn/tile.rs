@@ -1,7 +1,7 @@
 //! `C = A·Bᵀ` for small bf16 tiles through oneDNN from any thread, with no lock: the tiled
 //! attention's score products (`S = Q·Kᵀ`, `dP = dO·Vᵀ`, 64 × 64 × `Dh`) on rayon's workers.
 //!
-//! The shared path ([`super::OneDnn::exec`]) runs one product at a time behind a mutex on one
+//! The shared path (`OneDnn::exec`) runs one product at a time behind a mutex on one
 //! stream, each with the process's OpenMP team: from a dozen rayon tasks at once that serializes
 //! them and nests teams. Here each thread has its own stream and its own primitives, created on
 //! that thread: Debian's oneDNN 2.6 is built with `DNNL_ENABLE_CONCURRENT_EXEC=OFF`, where the

@@ -603,7 +603,7 @@ fn onednn_attention_timing() -> candle_core::Result<()> {
         let (mut a, mut b) = (Vec::new(), Vec::new());
         for _ in 0..3 {
             a.push(step()?);
-            b.push(without(&[Fused::OnednnAttn], &step)?);
+            b.push(without(&[Fused::OnednnAttn], step)?);
         }
         let med = |x: &mut Vec<f64>| {
             x.sort_by(f64::total_cmp);

@@ -35,7 +35,7 @@
 //! FMA micro-kernels), over the `BR × Dh` query and `BC × Dh` key/value tiles (read in place when
 //! the inputs are f32, as f32 copies otherwise), which stay in L1/L2 — but for bf16 inputs with
 //! oneDNN in use, where the score products (`S = Q·Kᵀ`, `dP = dO·Vᵀ`: both operands bf16 inputs)
-//! run on oneDNN's bf16 kernels reading the rows in place ([`scores`],
+//! run on oneDNN's bf16 kernels reading the rows in place (`scores`,
 //! `rtune_backend::onednn::tile`; `RTUNE_UNFUSED=onednn_attn` turns it off; 1.05–1.39× forward +
 //! backward at seq 512/2048, README's Speed). The other four keep f32 `P` and `dS` as operands on
 //! the gemm crate (bf16 ones would round them); the softmax between them is one vectorized pass over the `BR × BC` scores (the
@@ -189,7 +189,6 @@ fn scores<T: Elem>(
 }
 
 /// The shapes of `q, k, v, starts` checked against each other; errors name the op and the tensor.
-
 fn dims(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, starts: &Tensor) -> Result<Dims> {
     let (b, h, t, dh) = q.dims4()?;
     let (kb, hkv, kt, kd) = k.dims4()?;
