@@ -159,3 +159,97 @@ fn gpu_script_dry_run_writes_every_section() {
         assert_eq!(toggles[name]["status"], "ok", "{name}: {out}");
     }
 }
+
+/// `rtune bench`'s report (issue 47): both GEMM ceilings, f32 and bf16, each probe shape with the
+/// engine that served it, and which engine served each class of the timed steps' products —
+/// frozen, LoRA and attention — on stdout and in the JSON. A tiny bf16 bench on the CPU.
+#[test]
+fn bench_reports_both_ceilings_and_the_engine_of_each_gemm_class() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("bench.json");
+    let o = rtune_env(
+        &[
+            "bench",
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--intermediate",
+            "96",
+            "--vocab",
+            "256",
+            "--seq",
+            "80",
+            "--batch",
+            "2",
+            "--r",
+            "4",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--dtype",
+            "bf16",
+            "--json-out",
+            json.to_str().unwrap(),
+        ],
+        &[],
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("gemm ceilings: "))
+        .unwrap_or_else(|| panic!("no ceilings line: {out}"));
+    assert!(
+        line.contains("f32 ") && line.contains("bf16 ") && line.contains("GFLOP/s"),
+        "{line}"
+    );
+    for dt in ["f32", "bf16"] {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("gemm ceiling: ") && l.contains(&format!(" {dt} "))),
+            "no {dt} probe line: {out}"
+        );
+    }
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let served = j["served"].as_array().expect("served in the JSON");
+    for class in ["frozen", "LoRA", "attention"] {
+        let l = out
+            .lines()
+            .find(|l| l.starts_with(&format!("served: {class} ")))
+            .unwrap_or_else(|| panic!("no served line for {class}: {out}"));
+        // The engine's name ends the line (`... calls)  <engine>`).
+        let engine = l.rsplit(")  ").next().unwrap_or("");
+        assert!(!engine.trim().is_empty(), "{l}");
+        assert!(
+            served
+                .iter()
+                .any(|s| s["class"] == class && s["engine"].as_str().is_some_and(|e| !e.is_empty())),
+            "{class}: {served:?}"
+        );
+    }
+    // With oneDNN serving bf16 (its name on the bf16 probe lines), the tiled attention's score
+    // products are its too (seq 80: two 64-query tiles), named as such.
+    let onednn = out
+        .lines()
+        .any(|l| l.starts_with("gemm ceiling: ") && l.contains(" bf16 ") && l.contains("oneDNN"));
+    if onednn {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("served: attention") && l.contains("oneDNN bf16 tiles")),
+            "{out}"
+        );
+    }
+    let c = &j["ceiling"];
+    assert!(
+        c["f32_best_gflops"].as_f64().unwrap() > 0.0
+            && c["bf16_best_gflops"].as_f64().unwrap() > 0.0,
+        "{c}"
+    );
+}

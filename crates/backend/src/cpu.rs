@@ -24,6 +24,11 @@ pub trait Elem: candle_core::WithDType + Copy + Send + Sync {
     fn f32s(_: &[Self]) -> Option<&[f32]> {
         None
     }
+    /// The slice itself when `Self` is bf16 (a oneDNN operand in place).
+    #[inline(always)]
+    fn bf16s(_: &[Self]) -> Option<&[bf16]> {
+        None
+    }
 }
 
 impl Elem for f32 {
@@ -56,6 +61,10 @@ impl Elem for bf16 {
         let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
         let nan = x & 0x7fff_ffff > 0x7f80_0000;
         bf16::from_bits(if nan { (x >> 16) | 0x40 } else { rounded } as u16)
+    }
+    #[inline(always)]
+    fn bf16s(a: &[bf16]) -> Option<&[bf16]> {
+        Some(a)
     }
 }
 

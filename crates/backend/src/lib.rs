@@ -61,6 +61,25 @@ pub use precision::Precision;
 /// Whether this build has the CUDA kernels (the `kernels` feature).
 pub const CUDA_COMPILED: bool = cfg!(feature = "kernels");
 
+/// The compute capability `(major, minor)` of `cuda:ordinal`, asked of the driver without opening
+/// a candle device (`dtype = "auto"` is resolved from it when the config is checked); `None`
+/// without the `kernels` feature, without a driver or without that device.
+pub fn cuda_capability(ordinal: usize) -> Option<(i32, i32)> {
+    #[cfg(feature = "kernels")]
+    {
+        // cudarc panics when it cannot load the driver library: no driver is `None` too.
+        let ctx = std::panic::catch_unwind(|| cudarc::driver::CudaContext::new(ordinal))
+            .ok()?
+            .ok()?;
+        ctx.compute_capability().ok()
+    }
+    #[cfg(not(feature = "kernels"))]
+    {
+        let _ = ordinal;
+        None
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     #[error("rtune was built without CUDA kernels; rebuild with `--features cuda`")]

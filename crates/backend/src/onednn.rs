@@ -25,6 +25,9 @@
 //! [`acc`]: `C = alpha·A·B + C` into the caller's rows (output scale and sum post-op), the CPU
 //! engine of the bf16 LoRA branch ([`crate::blas::acc`]).
 //!
+//! [`tile`]: small products from rayon's workers (the tiled attention's `S = Q·Kᵀ`), each thread
+//! with its own stream and primitives, one OpenMP thread each.
+//!
 //! Frozen weights (`onednn/packed.rs`): a bf16 weight registered with [`pack`] at load is reordered once,
 //! on its first product, into the blocked layout oneDNN's kernel asks for (weights memory of
 //! `format_tag::any`), in each orientation it is used in (`x·Wᵀ` forward, `dy·W` backward); later
@@ -45,6 +48,7 @@ use std::sync::{Mutex, Once, OnceLock};
 
 pub mod acc;
 mod packed;
+pub mod tile;
 pub use packed::{pack, packed_bytes, register, Packed};
 
 type Status = c_int;

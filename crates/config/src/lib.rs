@@ -32,7 +32,7 @@ pub use file::{
 };
 pub use grpo::{Grpo, Level, LossType, ScaleRewards};
 pub use lora::LoraConfig;
-pub use model::{auto_dtype, BaseModelConfig, DType};
+pub use model::{auto_dtype, auto_gpu, BaseModelConfig, DType, Gpu};
 pub use objective::{DpoLoss, Objective};
 pub use output::OutputConfig;
 pub use run::RunConfig;

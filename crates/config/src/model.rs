@@ -1,9 +1,12 @@
 //! The `[model]` section, checked (as written: [`crate::ModelSection`]): the base model's path,
 //! its compute dtype and how its frozen linear layers are held.
 //!
-//! `dtype = "auto"` is resolved here, once, by [`auto_dtype`]: bf16 where the CPU multiplies bf16
-//! natively (AMX-BF16 or AVX-512 BF16, `rtune_backend::cpu_features`) and oneDNN serves its bf16
-//! products (`rtune_backend::onednn`), f32 otherwise; the checked config keeps the reason
+//! `dtype = "auto"` is resolved here, once, by [`auto_dtype`], for the device the run computes on
+//! (`train.device`; `auto` is `cuda:0` when a GPU answers, as `rtune_train::device` opens it):
+//! on a GPU bf16 from compute capability 8.0 (Ampere's bf16 tensor cores), f16 on 7.x (f16 tensor
+//! cores, with the loss scaler), f32 below; on the CPU bf16 where it multiplies bf16 natively
+//! (AMX-BF16 or AVX-512 BF16, `rtune_backend::cpu_features`) and oneDNN serves its bf16 products
+//! (`rtune_backend::onednn`), f32 otherwise. The checked config keeps the reason
 //! ([`BaseModelConfig::dtype_auto`]) for `rtune check` and run.json.
 
 use std::path::{Path, PathBuf};
@@ -57,15 +60,43 @@ impl BaseModelConfig {
     }
 }
 
-/// What `dtype = "auto"` means on a CPU with these bf16 instructions, given why oneDNN does not
-/// serve bf16 products (`None`: it does): bf16 with AMX-BF16 or AVX-512 BF16 and oneDNN, f32
-/// otherwise (bf16 on candle's gemm is slower than f32 on a BLAS). The reason names the
-/// instruction set or what is missing.
+/// A GPU as `dtype = "auto"` sees it: its ordinal and compute capability `(major, minor)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gpu {
+    pub ordinal: usize,
+    pub capability: (i32, i32),
+}
+
+/// What `dtype = "auto"` means on `gpu` (`None`: the run computes on the CPU), or on a CPU with
+/// these bf16 instructions, given why oneDNN does not serve bf16 products (`None`: it does).
+/// GPU: bf16 from compute capability 8.0, f16 on 7.x (no bf16 tensor cores, f16 ones, the loss
+/// scaler), f32 below (neither). CPU: bf16 with AMX-BF16 or AVX-512 BF16 and oneDNN, f32
+/// otherwise (bf16 on candle's gemm is slower than f32 on a BLAS). The reason names the device,
+/// capability or instruction set, or what is missing.
 pub fn auto_dtype(
+    gpu: Option<Gpu>,
     amx_bf16: bool,
     avx512_bf16: bool,
     onednn_missing: Option<&str>,
 ) -> (DType, String) {
+    if let Some(Gpu {
+        ordinal,
+        capability: (major, minor),
+    }) = gpu
+    {
+        let card = format!("cuda:{ordinal} has compute capability {major}.{minor}");
+        return match major {
+            8.. => (DType::BF16, format!("{card} (bf16 tensor cores)")),
+            7 => (
+                DType::F16,
+                format!("{card}: no bf16 tensor cores (8.0), f16 ones (with the loss scaler)"),
+            ),
+            _ => (
+                DType::F32,
+                format!("{card}: neither bf16 (8.0) nor f16 (7.0) tensor cores"),
+            ),
+        };
+    }
     let isa = if amx_bf16 {
         "AMX-BF16"
     } else if avx512_bf16 {
@@ -85,15 +116,37 @@ pub fn auto_dtype(
     }
 }
 
-/// [`auto_dtype`] for this CPU and this process's oneDNN.
-fn auto_here() -> (DType, String) {
+/// The GPU a run on `device` computes on, as `rtune_train::device` opens it: `cuda:N`, or for
+/// `auto` `cuda:0` when it answers; `None` for the CPU (or no GPU). A `cuda:N` that does not
+/// answer gets the CPU's rule here; the run then stops at opening it, naming the error.
+pub fn auto_gpu(device: crate::Device) -> Option<Gpu> {
+    let ordinal = match device {
+        crate::Device::Cpu => return None,
+        crate::Device::Auto => 0,
+        crate::Device::Cuda(n) => n,
+    };
+    rtune_backend::cuda_capability(ordinal).map(|capability| Gpu {
+        ordinal,
+        capability,
+    })
+}
+
+/// [`auto_dtype`] for a run on `device`, this machine's CPU and this process's oneDNN.
+pub(crate) fn auto_here(device: crate::Device) -> (DType, String) {
     let f = rtune_backend::cpu_features::get();
     let missing = rtune_backend::onednn::get().err().map(|e| e.to_string());
-    auto_dtype(f.amx_bf16, f.avx512_bf16, missing.as_deref())
+    auto_dtype(
+        auto_gpu(device),
+        f.amx_bf16,
+        f.avx512_bf16,
+        missing.as_deref(),
+    )
 }
 
 impl ModelSection {
-    pub(crate) fn validate(&self, path: &Path) -> Result<BaseModelConfig> {
+    /// Checked, with `dtype = "auto"` resolved for a run on `device` (`train.device`; a bad
+    /// value there is `[train]`'s error, the CPU's rule here).
+    pub(crate) fn validate(&self, path: &Path, device: crate::Device) -> Result<BaseModelConfig> {
         let mut dtype_auto = None;
         let dtype = match self.dtype.as_str() {
             "f32" | "float32" => DType::F32,
@@ -101,7 +154,7 @@ impl ModelSection {
             "f16" | "float16" => DType::F16,
             "bf16-autocast" | "autocast" => DType::Bf16Autocast,
             "auto" => {
-                let (d, why) = auto_here();
+                let (d, why) = auto_here(device);
                 dtype_auto = Some(why);
                 d
             }

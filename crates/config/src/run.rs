@@ -38,7 +38,9 @@ impl ConfigFile {
     /// (the first error is reported). `path` labels errors. Rules spanning sections are checked
     /// after them (a preference objective with packing or trainable token rows).
     pub fn validate(self, path: &Path) -> Result<RunConfig> {
-        let model = self.model.validate(path)?;
+        // `dtype = "auto"` depends on the device the run computes on.
+        let device = crate::parse_device(&self.train.device).unwrap_or(crate::Device::Cpu);
+        let model = self.model.validate(path, device)?;
         let lora = self.lora.validate(path)?;
         let data = self.data.validate(path)?;
         let train = self.train.validate(path)?;
@@ -530,44 +532,87 @@ mod tests {
         assert!(e.contains("did you mean `bf16-autocast`"), "{e}");
     }
 
-    /// `dtype = "auto"`: bf16 with AMX-BF16 or AVX-512 BF16 and oneDNN, f32 without the
-    /// instructions or without oneDNN, each with its reason; parsed, it resolves to what this
-    /// CPU and this process's oneDNN give and says why; a near miss names `auto` among the
-    /// values.
+    /// `dtype = "auto"`: on a GPU bf16 from compute capability 8.0, f16 on 7.x, f32 below,
+    /// whatever the host CPU has; on the CPU bf16 with AMX-BF16 or AVX-512 BF16 and oneDNN, f32
+    /// without the instructions or without oneDNN; each with its reason. Parsed, it resolves to
+    /// what this machine gives for the configured device and says why; a near miss names `auto`
+    /// among the values.
     #[test]
-    fn auto_dtype_resolves_by_the_cpu_and_says_why() {
-        use crate::model::auto_dtype;
-        let (d, why) = auto_dtype(true, false, None);
+    fn auto_dtype_resolves_by_the_device_and_says_why() {
+        use crate::model::{auto_dtype, auto_gpu, Gpu};
+        let (d, why) = auto_dtype(None, true, false, None);
         assert_eq!(
             (d, why.as_str()),
             (DType::BF16, "the CPU has AMX-BF16, oneDNN in use")
         );
-        let (d, why) = auto_dtype(false, true, None);
+        let (d, why) = auto_dtype(None, false, true, None);
         assert_eq!(d, DType::BF16);
         assert!(why.contains("AVX-512 BF16"), "{why}");
-        let (d, why) = auto_dtype(false, false, None);
+        let (d, why) = auto_dtype(None, false, false, None);
         assert_eq!(d, DType::F32);
         assert!(why.contains("neither"), "{why}");
-        let (d, why) = auto_dtype(false, true, Some("RTUNE_ONEDNN=off"));
+        let (d, why) = auto_dtype(None, false, true, Some("RTUNE_ONEDNN=off"));
         assert_eq!(d, DType::F32);
         assert!(why.contains("RTUNE_ONEDNN=off"), "{why}");
-        let with = |d: &str| {
+        // A GPU decides by its capability alone: the host CPU's bf16 and oneDNN do not count.
+        let gpu = |ordinal, capability| {
+            Some(Gpu {
+                ordinal,
+                capability,
+            })
+        };
+        for (cap, want) in [
+            ((9, 0), DType::BF16),
+            ((8, 0), DType::BF16),
+            ((8, 6), DType::BF16),
+            ((12, 0), DType::BF16),
+            ((7, 5), DType::F16),
+            ((7, 0), DType::F16),
+            ((6, 1), DType::F32),
+        ] {
+            for (amx, avx, missing) in [(true, true, None), (false, false, Some("off"))] {
+                let (d, why) = auto_dtype(gpu(1, cap), amx, avx, missing);
+                assert_eq!(d, want, "{cap:?}: {why}");
+                assert!(
+                    why.starts_with(&format!(
+                        "cuda:1 has compute capability {}.{}",
+                        cap.0, cap.1
+                    )),
+                    "{why}"
+                );
+                assert!(!why.contains("CPU"), "{why}");
+            }
+        }
+        assert!(auto_dtype(gpu(0, (7, 5)), false, false, None)
+            .1
+            .contains("no bf16 tensor cores"));
+        let with_on = |d: &str, device: &str| {
             ConfigFile::parse(
-                &format!("[model]\npath = \"m\"\ndtype = \"{d}\"\n[data]\ntrain = \"d\"\n"),
+                &format!(
+                    "[model]\npath = \"m\"\ndtype = \"{d}\"\n[data]\ntrain = \"d\"\n\
+                     [train]\ndevice = \"{device}\"\n"
+                ),
                 Path::new("c.toml"),
                 &[],
             )
             .and_then(|f| f.validate(Path::new("c.toml")))
         };
-        let m = with("auto").unwrap().model;
+        let with = |d: &str| with_on(d, "auto");
         let f = rtune_backend::cpu_features::get();
         let missing = rtune_backend::onednn::get().err().map(|e| e.to_string());
-        let (want, why) = auto_dtype(f.amx_bf16, f.avx512_bf16, missing.as_deref());
-        assert_eq!(
-            (m.dtype, m.dtype_auto.as_deref()),
-            (want, Some(why.as_str()))
-        );
-        assert_eq!(m.dtype_said(), format!("{} (auto: {why})", want.as_str()));
+        for device in ["auto", "cpu", "cuda:0"] {
+            let m = with_on("auto", device).unwrap().model;
+            let gpu = auto_gpu(crate::parse_device(device).unwrap());
+            let (want, why) = auto_dtype(gpu, f.amx_bf16, f.avx512_bf16, missing.as_deref());
+            assert_eq!(
+                (m.dtype, m.dtype_auto.as_deref()),
+                (want, Some(why.as_str())),
+                "{device}"
+            );
+            assert_eq!(m.dtype_said(), format!("{} (auto: {why})", want.as_str()));
+        }
+        // `device = "cpu"` never asks a GPU.
+        assert_eq!(auto_gpu(crate::Device::Cpu), None);
         let bf16 = with("bf16").unwrap().model;
         assert_eq!((bf16.dtype_said(), bf16.dtype_auto), ("bf16".into(), None));
         let e = with("atuo").unwrap_err().to_string();

@@ -3,7 +3,9 @@
 //! list of [`Fused`] names (or `all`), turns them off; unset, every one wired is on. Read once per
 //! process. The CPU runs the unfused ops (each one pass there already), but for `lora_bf16`
 //! when asked for with `RTUNE_ONEDNN_LORA=on` and oneDNN is in use (issue 47: the bf16 LoRA
-//! products on its bf16 kernels, `rtune_backend::onednn::acc::lora_bf16`).
+//! products on its bf16 kernels, `rtune_backend::onednn::acc::lora_bf16`), and `onednn_attn`
+//! (the tiled attention's bf16 score products on oneDNN, `crate::attention::tiled`) whenever
+//! oneDNN is in use.
 //!
 //! Wired: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`), `add_norm` (the residual add
 //! and the RMSNorm after it, forward and backward: `crate::add_norm::add_rms_norm`, called by the
@@ -50,6 +52,10 @@ pub enum Fused {
     /// reused buffers (`rtune-model`'s `group/nf4.rs`, item 4) instead of one launch and one allocation per
     /// weight; off, [`Fused::Nf4Prefetch`] is off too.
     Nf4Group,
+    /// The CPU tiled attention's score products (`S = Q·Kᵀ`, and `dP = dO·Vᵀ` in the
+    /// backward) of bf16 inputs through oneDNN on each rayon worker
+    /// (`rtune_backend::onednn::tile`; when oneDNN is in use) instead of the gemm crate in f32.
+    OnednnAttn,
     /// With [`Fused::Nf4Group`]: the next group's dequantization issued ahead of its use on a
     /// side stream (`rtune_backend::ring`'s prediction); off, every group is dequantized on request
     /// on the compute stream (still into the reused buffers).
@@ -58,13 +64,14 @@ pub enum Fused {
 
 impl Fused {
     /// Every switch, with its name in `RTUNE_UNFUSED`.
-    pub const ALL: [(Fused, &'static str); 6] = [
+    pub const ALL: [(Fused, &'static str); 7] = [
         (Fused::CeSoftcap, "ce_softcap"),
         (Fused::AddNorm, "add_norm"),
         (Fused::LoraBf16, "lora_bf16"),
         (Fused::Cudnn, "cudnn"),
         (Fused::Nf4Group, "nf4_group"),
         (Fused::Nf4Prefetch, "nf4_prefetch"),
+        (Fused::OnednnAttn, "onednn_attn"),
     ];
 
     pub fn name(self) -> &'static str {
@@ -109,7 +116,8 @@ pub fn check_env() -> Result<()> {
 }
 
 /// Whether the fused path `f` runs on `dev`: a CUDA device (or, for `lora_bf16`, a CPU with
-/// `RTUNE_ONEDNN_LORA=on` and oneDNN in use), and `f` not turned off by `RTUNE_UNFUSED`.
+/// `RTUNE_ONEDNN_LORA=on` and oneDNN in use; for `onednn_attn`, a CPU with oneDNN in use), and
+/// `f` not turned off by `RTUNE_UNFUSED`.
 pub fn on(dev: &Device, f: Fused) -> Result<bool> {
     static OFF: OnceLock<std::result::Result<Vec<Fused>, String>> = OnceLock::new();
     #[cfg(any(test, feature = "test-util"))]
@@ -119,7 +127,12 @@ pub fn on(dev: &Device, f: Fused) -> Result<bool> {
     if denied {
         return Ok(false);
     }
-    let cpu = f == Fused::LoraBf16 && dev.is_cpu() && rtune_backend::onednn::acc::lora_bf16();
+    let cpu = dev.is_cpu()
+        && match f {
+            Fused::LoraBf16 => rtune_backend::onednn::acc::lora_bf16(),
+            Fused::OnednnAttn => rtune_backend::onednn::get().is_ok(),
+            _ => false,
+        };
     if !dev.is_cuda() && !cpu_forced && !cpu {
         return Ok(false);
     }
@@ -213,12 +226,22 @@ mod tests {
                 Fused::LoraBf16,
                 Fused::Cudnn,
                 Fused::Nf4Group,
-                Fused::Nf4Prefetch
+                Fused::Nf4Prefetch,
+                Fused::OnednnAttn
             ]
         );
         assert_eq!(parse_unfused("nf4_group").unwrap(), vec![Fused::Nf4Group]);
         assert_eq!(parse_unfused("add_norm").unwrap(), vec![Fused::AddNorm]);
         assert_eq!(parse_unfused("cudnn").unwrap(), vec![Fused::Cudnn]);
+        assert_eq!(
+            parse_unfused("onednn_attn").unwrap(),
+            vec![Fused::OnednnAttn]
+        );
+        assert_eq!(
+            on(&Device::Cpu, Fused::OnednnAttn).unwrap(),
+            rtune_backend::onednn::get().is_ok()
+                && !std::env::var("RTUNE_UNFUSED").is_ok_and(|v| v.contains("onednn_attn"))
+        );
         let e = parse_unfused("ce_softcap,rope").unwrap_err().to_string();
         assert!(e.contains("\"rope\"") && e.contains("cudnn"), "{e}");
         assert!(!on(&Device::Cpu, Fused::Cudnn).unwrap());

@@ -508,3 +508,114 @@ fn attn_softmax_is_a_masked_softmax_and_bwd_its_gradient() {
     let dsb = attn_softmax_bwd(&pb, &dpb, tk, 0.3, b);
     assert!(dsb.iter().all(|&v| b.round(v) == v));
 }
+
+/// The tiled attention's score products of bf16 inputs on oneDNN (per-thread streams,
+/// `rtune_backend::onednn::tile`) against the same attention with them on the gemm crate
+/// (`RTUNE_UNFUSED=onednn_attn`'s path, [`crate::fused::without`]), forward and backward, on
+/// several key tiles (T = 150, 200), GQA, packed rows with a window, and a soft cap. Both sum
+/// the same bf16 products in f32, in another order: the scores differ by f32 rounding (≈ Dh·2⁻²⁴
+/// of |S|), which reaches the attention's bf16 outputs only where a value lies at a rounding
+/// boundary (1 ulp there); `dq` and `dk` then pass RoPE's backward, whose bf16 outputs sum two
+/// such values, rounded (one more). So each output is within 2 bf16 ulps ([`BF16_ULPS`]; of the
+/// value, floored at 1/256 of the largest: `bf16_ulps`) of the gemm crate's. Where oneDNN is in use the tally shows the oneDNN engine
+/// served (else both runs are the gemm crate's and agree bitwise).
+#[test]
+fn tiled_attention_bf16_on_onednn_matches_the_gemm_crate() {
+    use crate::fused::{without, Fused};
+    let tally = rtune_backend::served::start();
+    for c in [
+        AttnCase {
+            dims: (2, 150, 8, 2, 64),
+            window: None,
+            packed: None,
+            softcap: None,
+            what: "bf16 causal GQA 8/2, Dh 64",
+        },
+        AttnCase {
+            dims: (1, 200, 4, 1, 128),
+            window: Some(70),
+            packed: Some(vec![vec![90, 110]]),
+            softcap: None,
+            what: "bf16 packed, window 70, MQA, Dh 128",
+        },
+        AttnCase {
+            dims: (1, 141, 4, 2, 32),
+            window: None,
+            packed: None,
+            softcap: Some(1.5),
+            what: "bf16 soft cap 1.5, Dh 32",
+        },
+    ] {
+        let dnn = attend_on(&c, DType::BF16, crate::AttnPath::Tiled, false);
+        let own = without(&[Fused::OnednnAttn], || {
+            attend_on(&c, DType::BF16, crate::AttnPath::Tiled, false)
+        });
+        for (name, (g, w)) in ATTN_OUTPUTS.iter().zip(dnn.iter().zip(&own)) {
+            let u = bf16_ulps(g, w);
+            eprintln!("{} {name}: {u:.2} bf16 ulps", c.what);
+            assert!(
+                u <= BF16_ULPS,
+                "{} {name}: {u} bf16 ulps > {BF16_ULPS}",
+                c.what
+            );
+            if rtune_backend::onednn::get().is_err() {
+                assert_eq!(bits(g), bits(w), "{} {name}", c.what);
+            }
+        }
+    }
+    if rtune_backend::onednn::get().is_ok() {
+        let rows = tally.rows();
+        assert!(
+            rows.iter().any(|r| r.engine.contains("oneDNN bf16 tiles")),
+            "{rows:?}"
+        );
+    }
+}
+
+/// Timing, not a check (`cargo test --release -p rtune-ops --lib onednn_attention_timing --
+/// --ignored --nocapture`): the tiled attention forward + backward on bf16 inputs, score products
+/// on oneDNN vs on the gemm crate, alternating rounds.
+#[test]
+#[ignore]
+fn onednn_attention_timing() -> candle_core::Result<()> {
+    use crate::fused::{without, Fused};
+    use std::time::Instant;
+    let dev = Device::Cpu;
+    for &(t, h, dh) in &[
+        (512usize, 9usize, 64usize),
+        (512, 32, 64),
+        (512, 16, 128),
+        (2048, 9, 64),
+        (2048, 16, 128),
+    ] {
+        let r = |s: u64, n: usize| bf16(&randn(&[1, n, t, dh], s, 1.0));
+        let (q, k, v) = (r(1, h), r(2, h), r(3, h));
+        let d_o = bf16(&randn(&[1, t, h, dh], 4, 1.0));
+        let starts =
+            Tensor::new((0..t as u32).map(|_| 0u32).collect::<Vec<_>>(), &dev)?.reshape((1, t))?;
+        let scale = 1.0 / (dh as f64).sqrt();
+        let step = || -> candle_core::Result<f64> {
+            let t0 = Instant::now();
+            let (o, lse) = super::tiled::flash_attn(&q, &k, &v, &starts, scale, None)?;
+            super::tiled::flash_attn_bwd(&q, &k, &v, &o, &lse, &d_o, &starts, scale, None)?;
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            a.push(step()?);
+            b.push(without(&[Fused::OnednnAttn], step)?);
+        }
+        let med = |x: &mut Vec<f64>| {
+            x.sort_by(f64::total_cmp);
+            x[x.len() / 2]
+        };
+        let (ma, mb) = (med(&mut a), med(&mut b));
+        println!(
+            "T {t} H {h} Dh {dh}: oneDNN {:.1} ms, gemm crate {:.1} ms, speed-up {:.2}x (rounds {a:.3?} vs {b:.3?})",
+            ma * 1e3,
+            mb * 1e3,
+            mb / ma
+        );
+    }
+    Ok(())
+}

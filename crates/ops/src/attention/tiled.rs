@@ -33,7 +33,12 @@
 //! the thread count). The tile products (`S = Q·Kᵀ`, `P·V`; in the backward `dO·Vᵀ`, `dS·K`, `dSᵀ·Q`,
 //! `Pᵀ·dO`) are GEMMs on one thread through the `gemm` crate (`mm`: candle's own CPU GEMM, packed
 //! FMA micro-kernels), over the `BR × Dh` query and `BC × Dh` key/value tiles (read in place when
-//! the inputs are f32, as f32 copies otherwise), which stay in L1/L2; the softmax between them is one vectorized pass over the `BR × BC` scores (the
+//! the inputs are f32, as f32 copies otherwise), which stay in L1/L2 — but for bf16 inputs with
+//! oneDNN in use, where the score products (`S = Q·Kᵀ`, `dP = dO·Vᵀ`: both operands bf16 inputs)
+//! run on oneDNN's bf16 kernels reading the rows in place (`scores`,
+//! `rtune_backend::onednn::tile`; `RTUNE_UNFUSED=onednn_attn` turns it off; 1.05–1.39× forward +
+//! backward at seq 512/2048, README's Speed). The other four keep f32 `P` and `dS` as operands on
+//! the gemm crate (bf16 ones would round them); the softmax between them is one vectorized pass over the `BR × BC` scores (the
 //! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
 //! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
@@ -124,14 +129,19 @@ impl Dims {
     }
 }
 
-/// The shapes of `q, k, v, starts` checked against each other; errors name the op and the tensor.
 /// Tallies `products` tile-product passes of `(T, Dh)·(Dh, T)` per head for `rtune bench`
-/// ([`rtune_backend::served`]; counted whole, as the bench's FLOPs are): 2 forward (`S = Q·Kᵀ`,
-/// `P·V`), 5 backward (`S` again, `dP`, `dQ`, `dK`, `dV`).
-fn served(products: usize, d: &Dims) {
-    for _ in 0..products {
+/// ([`rtune_backend::served`]; counted whole, as the bench's FLOPs are), the first `dnn` of them
+/// on oneDNN: 2 forward (`S = Q·Kᵀ`, `P·V`), 5 backward (`S` again, `dP`, `dQ`, `dK`, `dV`).
+fn served(products: usize, dnn: usize, d: &Dims) {
+    for n in 0..products {
         rtune_backend::served::record(
-            || "rtune tiled attention (gemm crate, f32 tiles)".into(),
+            || {
+                if n < dnn {
+                    "rtune tiled attention (oneDNN bf16 tiles, per-thread streams)".into()
+                } else {
+                    "rtune tiled attention (gemm crate, f32 tiles)".into()
+                }
+            },
             d.b * d.h,
             d.t,
             d.dh,
@@ -140,6 +150,45 @@ fn served(products: usize, d: &Dims) {
     }
 }
 
+/// Whether the score products of this call run on oneDNN: bf16 CPU inputs, oneDNN in use and
+/// not turned off (`RTUNE_UNFUSED=onednn_attn`; [`crate::fused::Fused::OnednnAttn`]).
+fn onednn_scores(q: &Tensor, dt: DType) -> Result<bool> {
+    Ok(dt == DType::BF16
+        && q.device().is_cpu()
+        && crate::fused::on(q.device(), crate::fused::Fused::OnednnAttn)?)
+}
+
+/// `s (nr × nc, row stride BC) = X·Yᵀ`, the score products: `X` the `nr` rows of `x` from
+/// offset `xo`, `xs` apart, `Y` the `nc` rows of `y` from `yo`, `ys` apart, each `dh` long. With
+/// f32 tiles of both (`f32s`) through the gemm crate ([`mm`]); without, `T` is bf16 and oneDNN
+/// reads the rows in place (`rtune_backend::onednn::tile`: bf16 products summed in f32, as the
+/// gemm crate sums the same values converted; only the order of the f32 sums differs). Should
+/// oneDNN fail, the f32 tiles are made and the gemm crate runs (`gemm_nt` warns once).
+#[inline(always)]
+fn scores<T: Elem>(
+    s: &mut [f32],
+    [(x, xo, xs), (y, yo, ys)]: [(&[T], usize, usize); 2],
+    f32s: Option<(Mat<'_>, Mat<'_>)>,
+    (nr, nc, dh): (usize, usize, usize),
+) {
+    if let Some((xm, ym)) = f32s {
+        return mm(s, BC, false, xm, ym.t(), (nr, nc, dh));
+    }
+    if let (Some(xb), Some(yb)) = (T::bf16s(&x[xo..]), T::bf16s(&y[yo..])) {
+        // `None`: oneDNN not in use; an error has been reported once by `gemm_nt`.
+        if let Some(Ok(())) =
+            rtune_backend::onednn::tile::gemm_nt((xb, xs), (yb, ys), (s, BC), (nr, nc, dh))
+        {
+            return;
+        }
+    }
+    let (mut xbuf, mut ybuf) = (Vec::new(), Vec::new());
+    let xm = tile(&mut xbuf, x, xo, (nr, dh, xs));
+    let ym = tile(&mut ybuf, y, yo, (nc, dh, ys));
+    mm(s, BC, false, xm, ym.t(), (nr, nc, dh));
+}
+
+/// The shapes of `q, k, v, starts` checked against each other; errors name the op and the tensor.
 fn dims(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, starts: &Tensor) -> Result<Dims> {
     let (b, h, t, dh) = q.dims4()?;
     let (kb, hkv, kt, kd) = k.dims4()?;
@@ -225,7 +274,8 @@ pub fn flash_attn_with(
     rtune_backend::blas::layout_audit::call(op, q.dims(), k.dims());
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
-    served(2, &d);
+    let dnn = onednn_scores(q, dt)?;
+    served(2, usize::from(dnn), &d);
     let (q, k, v, starts) = (
         q.contiguous()?,
         k.contiguous()?,
@@ -256,7 +306,7 @@ pub fn flash_attn_with(
             host(op, "k", &sk, lk)?,
             host(op, "v", &sv, lv)?,
             st,
-            (scale as f32, cap, round),
+            (scale as f32, cap, round, dnn),
         );
         (Tensor::from_vec(o, shape, dev)?, lse)
     });
@@ -296,7 +346,6 @@ pub fn flash_attn_bwd_with(
     let op = "flash_attn_bwd";
     let cap = Cap::new(op, softcap)?;
     let d = dims(op, q, k, v, starts)?;
-    served(5, &d);
     let dt = float_dtype(
         op,
         &[
@@ -307,6 +356,8 @@ pub fn flash_attn_bwd_with(
             ("d_o", d_o.dtype()),
         ],
     )?;
+    let dnn = onednn_scores(q, dt)?;
+    served(5, 2 * usize::from(dnn), &d);
     let bthd = [d.b, d.t, d.h, d.dh];
     if o.dims() != bthd || d_o.dims() != bthd {
         bail!(
@@ -363,7 +414,7 @@ pub fn flash_attn_bwd_with(
             ],
             lse_h,
             st,
-            (scale as f32, cap, round),
+            (scale as f32, cap, round, dnn),
         );
         Ok((
             Tensor::from_vec(dq, (d.b, d.h, d.t, d.dh), dev)?,
@@ -597,6 +648,8 @@ struct Fwd<'a, T> {
     cap: Option<Cap>,
     /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
+    /// `S = Q·Kᵀ` of bf16 inputs through oneDNN ([`scores`]).
+    dnn: bool,
 }
 
 /// One forward job: (batch row, first query) and the tile's output rows `(nr, H, Dh)` and lse
@@ -621,7 +674,9 @@ impl<T: Elem> Task for Fwd<'_, T> {
         let mut sq = vec![0f32; BR * BC];
         for h in 0..nh {
             let hk = h / d.g();
-            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
+            // Q and K enter S = Q·Kᵀ only: no f32 tiles of them when oneDNN reads them in place.
+            let q_at = d.at(d.h, b, h, i0);
+            let qm = (!self.dnn).then(|| tile(&mut qbuf, self.q, q_at, (nr, dh, dh)));
             m.fill(f32::NEG_INFINITY);
             l.fill(0.0);
             acc.fill(0.0);
@@ -630,11 +685,12 @@ impl<T: Elem> Task for Fwd<'_, T> {
                 let j1 = (j0 + BC).min(hi);
                 let nc = j1 - j0;
                 let kv = d.at(d.hkv, b, hk, j0);
-                let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
+                let km = (!self.dnn).then(|| tile(&mut kbuf, self.k, kv, (nc, dh, dh)));
                 let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
                 // S = Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs' ends
                 // cut), (nr, nc) with row stride BC.
-                mm(&mut sq, BC, false, qm, km.t(), (nr, nc, dh));
+                let rows = [(self.q, q_at, dh), (self.k, kv, dh)];
+                scores(&mut sq, rows, qm.zip(km), (nr, nc, dh));
                 // S → P = e^(S·scale − m_new) in place, masked pairs 0; rescale acc and l.
                 for r in 0..nr {
                     let i = i0 + r;
@@ -685,15 +741,16 @@ impl<T: Elem> Task for Fwd<'_, T> {
 }
 
 /// The forward loops: `(o, lse)`, `(B, T, H, Dh)` and `(B, T, H)`.
-/// `(scale, cap, round)`: the score scale, the soft cap and whether `P` (and `dS`) are
-/// rounded to bf16 before their products (autocast; the inputs arrive rounded).
+/// `(scale, cap, round, dnn)`: the score scale, the soft cap, whether `P` (and `dS`) are
+/// rounded to bf16 before their products (autocast; the inputs arrive rounded), and whether
+/// the score products of bf16 inputs run on oneDNN ([`scores`]).
 fn forward<T: Elem>(
     d: &Dims,
     q: &[T],
     k: &[T],
     v: &[T],
     st: &[u32],
-    (scale, cap, round): (f32, Option<Cap>, bool),
+    (scale, cap, round, dnn): (f32, Option<Cap>, bool, bool),
 ) -> (Vec<T>, Vec<f32>) {
     let (t, hd) = (d.t, d.h * d.dh);
     let mut o = vec![T::of(0.0); d.b * t * hd];
@@ -721,6 +778,7 @@ fn forward<T: Elem>(
         scale,
         cap,
         round,
+        dnn: dnn && T::bf16s(q).is_some(),
     };
     // Latest query tiles first: under the causal mask they see the most keys.
     jobs.reverse();
@@ -742,6 +800,8 @@ struct Bwd<'a, T> {
     cap: Option<Cap>,
     /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
+    /// `S = Q·Kᵀ` and `dP = dO·Vᵀ` of bf16 inputs through oneDNN ([`scores`]).
+    dnn: bool,
     /// Query tiles per task.
     tiles: usize,
 }
@@ -799,13 +859,18 @@ impl<T: Elem> Task for Bwd<'_, T> {
                 let nc = j1 - j0;
                 let kv = d.at(d.hkv, b, hk, j0);
                 let km = tile(&mut kbuf, self.k, kv, (nc, dh, dh));
-                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
+                // V enters dP = dO·Vᵀ only: no f32 tile of it when oneDNN reads it in place.
+                let vm = (!self.dnn).then(|| tile(&mut vbuf, self.v, kv, (nc, dh, dh)));
                 let poff = (j0 - lo_all) * dh;
                 let pk = &mut pk[poff..poff + nc * dh];
                 let pv = &mut pv[poff..poff + nc * dh];
                 // S = Q·Kᵀ and dP = dO·Vᵀ of the whole tile, (nr, nc) with row stride BC.
-                mm(&mut sq, BC, false, qm, km.t(), (nr, nc, dh));
-                mm(&mut sdp, BC, false, dom, vm.t(), (nr, nc, dh));
+                let f32 = !self.dnn;
+                let q_at = d.at(d.h, b, h, i0);
+                let rows = [(self.q, q_at, dh), (self.k, kv, dh)];
+                scores(&mut sq, rows, f32.then_some((qm, km)), (nr, nc, dh));
+                let rows = [(self.d_o, base, hd), (self.v, kv, dh)];
+                scores(&mut sdp, rows, f32.then_some(dom).zip(vm), (nr, nc, dh));
                 // In place: S → P = e^(S·scale − L), dP → dS = P ∘ (dP − D)·scale; masked pairs 0.
                 for r in 0..nr {
                     let i = i0 + r;
@@ -849,14 +914,14 @@ impl<T: Elem> Task for Bwd<'_, T> {
     }
 }
 
-/// The backward loops: `(dq, dk, dv)`. `x = [q, k, v, o, d_o]`; `(scale, cap, round)` as
+/// The backward loops: `(dq, dk, dv)`. `x = [q, k, v, o, d_o]`; `(scale, cap, round, dnn)` as
 /// [`forward`].
 fn backward<T: Elem>(
     d: &Dims,
     x: [&[T]; 5],
     lse: &[f32],
     st: &[u32],
-    (scale, cap, round): (f32, Option<Cap>, bool),
+    (scale, cap, round, dnn): (f32, Option<Cap>, bool, bool),
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let [q, k, v, o, d_o] = x;
     let (t, dh) = (d.t, d.dh);
@@ -897,6 +962,7 @@ fn backward<T: Elem>(
         scale,
         cap,
         round,
+        dnn: dnn && T::bf16s(q).is_some(),
         tiles,
     };
     jobs.reverse();
