@@ -159,9 +159,9 @@ fn run(
         let wrap =
             |m: &mut Handle, md, ptr: *mut c_void| (api.memory_create)(m, md, lib.engine, ptr);
         let [ma, mb, mc] = &mut mems;
-        let ok = wrap(ma, &p.src, a as *mut c_void) == SUCCESS
-            && wrap(mb, &p.weights, b as *mut c_void) == SUCCESS
-            && wrap(mc, &p.dst, c.cast()) == SUCCESS;
+        let ok = wrap(ma, lib.md(&p.src), a as *mut c_void) == SUCCESS
+            && wrap(mb, lib.md(&p.weights), b as *mut c_void) == SUCCESS
+            && wrap(mc, lib.md(&p.dst), c.cast()) == SUCCESS;
         let st = if ok {
             let args = [
                 ExecArg {
