@@ -28,7 +28,7 @@
 //! Test hook: [`INJECT_ENV`] (`RTUNE_SELFTEST_INJECT_FAIL=<text>`) makes every check whose name
 //! contains `<text>` fail with an injected error before it runs (tests/integration/diag.rs).
 
-mod families;
+pub(crate) mod families;
 pub(crate) mod runner;
 
 use candle_core::{DType, Device, Tensor};

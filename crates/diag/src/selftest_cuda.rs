@@ -8,7 +8,8 @@
 //! last byte and a short last block). After the kernel checks and after the training steps, the
 //! driver errors cudarc recorded in a `Drop` are read: none may have been. [`nccl`]: a one-GPU
 //! NCCL all-reduce (world of 1) of a known buffer through the trainer's own NCCL path
-//! (`rtune_dist::nccl`), and the sharded base's all-gather (world of 1) by both of its plans.
+//! (`rtune_dist::nccl`), the sharded base's all-gather (world of 1) by both of its plans, and a
+//! sharded base's layer gathered on the device through it against the whole model's.
 
 use candle_core::Device;
 use half::bf16;
@@ -297,6 +298,91 @@ pub fn nccl(dev: &Device, runner: &mut Runner) {
         let comm = rtune_dist::nccl::Nccl::init(&world, cuda)?;
         Ok(vec![all_gather(dev, &comm)?])
     });
+    runner.attempt(NCCL_SHARDED_LAYER, || {
+        let world = rtune_dist::World::single();
+        let comm = std::rc::Rc::new(rtune_dist::nccl::Nccl::init(&world, cuda)?);
+        Ok(vec![sharded_layer(dev, comm)?])
+    });
+}
+
+/// The name of [`nccl`]'s sharded-base check.
+pub const NCCL_SHARDED_LAYER: &str = "nccl sharded-base layer (world of 1)";
+
+/// A sharded base on this GPU as a CUDA rank runs it (`Model::set_device_gather`: the shards
+/// uploaded, every gather between device buffers through the NCCL communicator,
+/// `rtune_dist::nccl::NcclGather`), in a world of one: the selftest's Llama built whole and
+/// sharded from the same seeded weights, bf16 and NF4 with double quantization, and layer 0
+/// gathered. Every linear's weight as the layer uses it (dense, or dequantized by the GPU kernel
+/// from the codes and scales gathered on the device) must be the whole model's bit for bit.
+fn sharded_layer(
+    dev: &Device,
+    comm: std::rc::Rc<rtune_dist::nccl::Nccl>,
+) -> Result<Check, DiagError> {
+    use crate::weights::{Draw, RandomWeights};
+    use candle_core::DType;
+    use rtune_model::{Model, Quantize};
+    let cerr = |op: &'static str| {
+        move |e: candle_core::Error| DiagError::from(rtune_model::ModelError::candle(op, e))
+    };
+    let bits = |t: &candle_core::Tensor| -> Result<Vec<u32>, DiagError> {
+        let v = t
+            .flatten_all()
+            .and_then(|t| t.to_dtype(DType::F32)?.to_vec1::<f32>());
+        Ok(v.map_err(cerr("download"))?
+            .into_iter()
+            .map(f32::to_bits)
+            .collect())
+    };
+    let cfg = crate::selftest::families::Family::Llama.config()?;
+    let mut details = Vec::new();
+    let mut differ_all = 0usize;
+    for (label, quantize) in [
+        ("bf16", Quantize::None),
+        ("NF4 double quant", Quantize::Nf4 { double_quant: true }),
+    ] {
+        let src = RandomWeights::new(dev, DType::BF16, quantize, Draw::Seeded(5));
+        let whole = Model::build_with(cfg.clone(), &src, DType::BF16, dev, quantize)?;
+        let world: std::rc::Rc<dyn rtune_model::Gather> =
+            std::rc::Rc::new(rtune_dist::World::single());
+        let mut sharded =
+            Model::build_sharded(cfg.clone(), &src, DType::BF16, dev, quantize, world)?;
+        let transport = std::rc::Rc::new(rtune_dist::nccl::NcclGather(comm.clone()));
+        sharded
+            .set_device_gather(transport)
+            .map_err(cerr("uploading the shards"))?;
+        let t0 = Instant::now();
+        let got = sharded
+            .gathered_layer(0)
+            .map_err(cerr("gathering layer 0"))?
+            .ok_or_else(|| cerr("gathering layer 0")(candle_core::Error::Msg("no layer".into())))?;
+        let want = whole
+            .layer(0)
+            .ok_or_else(|| cerr("layer 0")(candle_core::Error::Msg("no layer".into())))?;
+        let (mut n, mut differ) = (0usize, 0usize);
+        for (g, w) in got.linears().into_iter().zip(want.linears()) {
+            let (g, w) = (
+                bits(g.w.dense().map_err(cerr("the gathered weight"))?.as_ref())?,
+                bits(w.w.dense().map_err(cerr("the whole weight"))?.as_ref())?,
+            );
+            n += w.len();
+            differ += g.len().abs_diff(w.len());
+            differ += g.iter().zip(&w).filter(|(a, b)| a != b).count();
+        }
+        differ_all += differ;
+        details.push(format!(
+            "{label}: {n} weights, {differ} differ ({:.2} ms with the copy back)",
+            t0.elapsed().as_secs_f64() * 1e3
+        ));
+    }
+    Ok(Check::new(
+        NCCL_SHARDED_LAYER,
+        differ_all == 0,
+        format!(
+            "layer 0 of a sharded base gathered on the device through NCCL against the whole \
+             model's; {}",
+            details.join("; ")
+        ),
+    ))
 }
 
 /// The name of [`nccl`]'s all-gather check.

@@ -23,6 +23,7 @@ use rtune_model::Grads;
 
 use crate::nccl::Nccl;
 use crate::{DistError, World};
+use std::rc::Rc;
 
 /// One trainable tensor: `which` 0 = A, 1 = B, 2 = the DoRA magnitude, of pair `pair`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -73,15 +74,16 @@ fn slots(adapter: &Adapter, pairs: &[usize]) -> Vec<Slot> {
     out
 }
 
-/// The communicator and the buckets launched in the current step.
+/// The communicator (shared with a sharded base's gathers, [`crate::nccl::NcclGather`]) and the
+/// buckets launched in the current step.
 pub(crate) struct LayerBuckets {
-    nccl: Nccl,
+    nccl: Rc<Nccl>,
     /// Each bucket's slots and its flat f32 buffer (reduced in place once its all-reduce ran).
     launched: RefCell<Vec<(Vec<Slot>, Tensor)>>,
 }
 
 impl LayerBuckets {
-    pub(crate) fn new(nccl: Nccl) -> Self {
+    pub(crate) fn new(nccl: Rc<Nccl>) -> Self {
         Self {
             nccl,
             launched: RefCell::new(Vec::new()),

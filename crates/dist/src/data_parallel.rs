@@ -56,6 +56,9 @@ pub struct DataParallel {
     /// A data-parallel CUDA rank's NCCL communicator and gradient buckets (see `buckets.rs`).
     #[cfg(feature = "cuda")]
     nccl: Option<crate::buckets::LayerBuckets>,
+    /// The same communicator, for a sharded base's gathers ([`DataParallel::device_gather`]).
+    #[cfg(feature = "cuda")]
+    gather: Option<std::rc::Rc<crate::nccl::Nccl>>,
 }
 
 impl DataParallel {
@@ -65,6 +68,8 @@ impl DataParallel {
             ranks: Vec::new(),
             #[cfg(feature = "cuda")]
             nccl: None,
+            #[cfg(feature = "cuda")]
+            gather: None,
         }
     }
 
@@ -124,10 +129,25 @@ impl DataParallel {
             .collect();
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(d) = dev {
-            let nccl = crate::nccl::Nccl::init(&self.world, d)?;
+            // One communicator: the gradient buckets' all-reduces and a sharded base's gathers
+            // ([`device_gather`](Self::device_gather)) run on its one stream, in program order.
+            let nccl = std::rc::Rc::new(crate::nccl::Nccl::init(&self.world, d)?);
+            self.gather = Some(nccl.clone());
             self.nccl = Some(crate::buckets::LayerBuckets::new(nccl));
         }
         Ok(())
+    }
+
+    /// The transport a sharded base gathers its device-resident shards through on a CUDA rank
+    /// (`rtune_model::Model::set_device_gather`): the communicator [`join`](Self::join) made,
+    /// the gradient buckets' own. `None` before `join`, on a CPU rank and in one process (whose
+    /// sharded base, a world of one, keeps its host gathers: copies).
+    pub fn device_gather(&self) -> Option<std::rc::Rc<dyn rtune_model::DeviceGather>> {
+        #[cfg(feature = "cuda")]
+        if let Some(n) = &self.gather {
+            return Some(std::rc::Rc::new(crate::nccl::NcclGather(n.clone())));
+        }
+        None
     }
 
     /// Every rank's host and device, in rank order, once [`join`](Self::join)ed (empty for a

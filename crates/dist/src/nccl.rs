@@ -210,6 +210,28 @@ impl Drop for Nccl {
     }
 }
 
+/// A sharded base's device gathers through this communicator (`rtune_model::device_gather`):
+/// `out[at ..]` by [`Nccl::all_gather_into`], launched on the communicator's stream.
+pub struct NcclGather(pub std::rc::Rc<Nccl>);
+
+impl rtune_model::DeviceGather for NcclGather {
+    fn all_gather(
+        &self,
+        what: &str,
+        mine: &Tensor,
+        counts: &[usize],
+        out: &Tensor,
+        at: usize,
+    ) -> candle_core::Result<()> {
+        let n: usize = counts.iter().sum();
+        let slot = out.narrow(0, at, n)?;
+        self.0
+            .all_gather_into(mine, counts, &slot)
+            .map(|_| ())
+            .map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))
+    }
+}
+
 /// The sum all-reduce as a candle in-place op (candle hands it the tensor's CUDA buffer).
 struct AllReduce<'a>(&'a Nccl);
 

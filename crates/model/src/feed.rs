@@ -30,6 +30,9 @@ pub(crate) struct Feed<'m> {
     /// Layers at hand already (kept from the forward for the backward), with their index.
     ready: Vec<(usize, LayerRef<'m>)>,
     ahead: Option<Ahead>,
+    /// With the device transport and prefetch: the next layer's gathers, launched on this thread
+    /// (they run on the transport's stream while this layer computes), and its index.
+    launched: Option<(usize, Planned)>,
 }
 
 /// A layer's gathers running on the background thread.
@@ -78,6 +81,7 @@ impl<'m> Feed<'m> {
             order: order.into_iter().peekable(),
             ready,
             ahead: None,
+            launched: None,
         }
     }
 
@@ -89,22 +93,30 @@ impl<'m> Feed<'m> {
         };
         let layer = match self.ready.iter().position(|(j, _)| *j == i) {
             Some(at) => self.ready.swap_remove(at).1,
-            None => match (self.sharded, self.ahead.take()) {
-                (None, _) => Cow::Borrowed(&self.layers[i]),
-                (Some(s), Some(a)) if a.index == i => {
+            None => match (self.sharded, self.ahead.take(), self.launched.take()) {
+                (None, ..) => Cow::Borrowed(&self.layers[i]),
+                (Some(s), Some(a), _) if a.index == i => {
                     Cow::Owned(a.join(&*s.comm)?.finish(self.device)?)
                 }
-                (Some(s), _) => Cow::Owned(s.gather_layer(&self.layers[i], self.device)?),
+                (Some(_), _, Some((j, planned))) if j == i => {
+                    Cow::Owned(planned.finish(self.device)?)
+                }
+                (Some(s), ..) => Cow::Owned(s.gather_layer(&self.layers[i], self.device)?),
             },
         };
         let next = self.order.peek().copied();
+        if let (Some(j), Some(s)) = (next, self.sharded.filter(|s| s.launch_ahead)) {
+            if !self.ready.iter().any(|(k, _)| *k == j) {
+                self.launched = Some((j, s.launch_layer(&self.layers[j])?));
+            }
+        }
         let bg = self.sharded.and_then(|s| s.background.clone());
         if let (Some(j), Some(bg)) = (next, bg) {
             if !self.ready.iter().any(|(k, _)| *k == j) {
                 let mut planned = Planned::new(&self.layers[j], bg.size())?;
                 let thread = std::thread::Builder::new()
                     .name("rtune-gather".into())
-                    .spawn(move || planned.fill(&*bg).map(|()| planned))
+                    .spawn(move || planned.fill(&*bg, None).map(|()| planned))
                     .map_err(|e| {
                         candle_core::Error::Msg(format!("a thread to gather layer {j}: {e}"))
                     })?;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::layer::Layer;
 use crate::linear::{Frozen, Linear};
-use crate::shard::{fill, Buf, Gather, Job, Part, Shard};
+use crate::shard::{fill, Buf, DeviceGather, Gather, Job, Part, Shard};
 
 /// The sharded base's own state: the transport, and the embedding table's and an untied
 /// lm_head's shards (the layers' are in their [`Frozen::Sharded`] weights).
@@ -22,6 +22,13 @@ pub struct Sharded {
     /// ([`Gather::background`]); `None`: no prefetch (turned off, or the transport gathers on
     /// its own thread only).
     pub background: Option<Arc<dyn Gather + Send + Sync>>,
+    /// The device transport, once the shards are on the device
+    /// ([`Model::set_device_gather`](crate::Model::set_device_gather)); every gather then
+    /// goes through it.
+    pub device: Option<Rc<dyn DeviceGather>>,
+    /// With the device transport and `prefetch`: the next layer's gathers are launched on the
+    /// pass's thread as soon as this one is made (`crate::feed`).
+    pub launch_ahead: bool,
     /// `(V, D)`
     pub embed: Arc<Shard>,
     /// `(V, D)`: an untied lm_head, or under autocast a bf16 copy of a tied one.
@@ -38,22 +45,64 @@ impl Sharded {
     /// gate/up members gathered straight into one block each, as the unsharded model fuses
     /// them (`Layer::fuse`): the gathered layer costs its weights' bytes once.
     pub fn gather_layer(&self, layer: &Layer, device: &Device) -> candle_core::Result<Layer> {
+        self.launch_layer(layer)?.finish(device)
+    }
+
+    /// `layer`'s gathers planned and run (with the device transport: launched, the layer made
+    /// later by [`Planned::finish`]).
+    pub(crate) fn launch_layer(&self, layer: &Layer) -> candle_core::Result<Planned> {
         let mut planned = Planned::new(layer, self.comm.size())?;
-        planned.fill(&*self.comm)?;
-        planned.finish(device)
+        planned.fill(&*self.comm, self.device.as_deref())?;
+        Ok(planned)
     }
 
     /// The embedding table `(V, D)`, gathered.
     pub fn embed(&self, device: &Device) -> candle_core::Result<Tensor> {
-        gather_table(&*self.comm, &self.embed, "model.embed_tokens", device)
+        self.table(&self.embed, "model.embed_tokens", device)
     }
 
     /// The lm_head `(V, D)`, gathered (the embedding table when tied).
     pub fn lm_head(&self, device: &Device) -> candle_core::Result<Tensor> {
         match &self.lm_head {
-            Some(s) => gather_table(&*self.comm, s, "lm_head", device),
+            Some(s) => self.table(s, "lm_head", device),
             None => self.embed(device),
         }
+    }
+
+    /// A table `(V, D)` gathered (on the calling thread).
+    fn table(&self, s: &Arc<Shard>, name: &str, device: &Device) -> candle_core::Result<Tensor> {
+        let mut bufs = vec![s.buffer(Part::Values, self.comm.size())?];
+        let jobs = [job(s, Part::Values, name, 0, 0)];
+        fill(&*self.comm, self.device.as_deref(), &jobs, &mut bufs)?;
+        let [buf] = <[Buf; 1]>::try_from(bufs)
+            .map_err(|_| candle_core::Error::Msg(format!("{name}: one buffer gathered")))?;
+        buf.tensor(&s.shape, device)
+    }
+
+    /// Moves every shard of the embedding table and lm_head, and of `layers`' weights, onto
+    /// `device`, and gathers through `transport` from then on (no background thread: a device
+    /// gather is launched, not waited for).
+    pub(crate) fn use_device(
+        &mut self,
+        layers: &mut [Layer],
+        transport: Rc<dyn DeviceGather>,
+        device: &Device,
+    ) -> candle_core::Result<()> {
+        self.embed = Arc::new(self.embed.upload(device)?);
+        if let Some(h) = &mut self.lm_head {
+            *h = Arc::new(h.upload(device)?);
+        }
+        for l in layers {
+            for lin in l.linears_mut() {
+                if let Frozen::Sharded { shard, .. } = &mut lin.w {
+                    *shard = Arc::new(shard.upload(device)?);
+                }
+            }
+        }
+        self.launch_ahead = self.launch_ahead || self.background.is_some();
+        self.background = None;
+        self.device = Some(transport);
+        Ok(())
     }
 
     /// Bytes of the embedding's and lm_head's shards.
@@ -114,9 +163,14 @@ impl Planned {
         })
     }
 
-    /// Runs the gathers through `comm`, on any thread; allocates nothing.
-    pub(crate) fn fill(&mut self, comm: &dyn Gather) -> candle_core::Result<()> {
-        fill(comm, &self.jobs, &mut self.bufs)
+    /// Runs the gathers through `comm` (device buffers through `device`), on any thread;
+    /// allocates nothing.
+    pub(crate) fn fill(
+        &mut self,
+        comm: &dyn Gather,
+        device: Option<&dyn DeviceGather>,
+    ) -> candle_core::Result<()> {
+        fill(comm, device, &self.jobs, &mut self.bufs)
     }
 
     /// The layer with its gathered weights on `device` (on the pass's thread).
@@ -160,7 +214,11 @@ fn plan_group(
             .all(|s| s.dense_dtype() == dtype && s.shape[1] == shards[0].shape[1]);
     if let Some(dtype) = dtype.filter(|_| blockable) {
         let rows: usize = shards.iter().map(|s| s.shape[0]).sum();
-        bufs.push(Buf::zeroed(dtype, rows * shards[0].shape[1])?);
+        let n = rows * shards[0].shape[1];
+        bufs.push(match shards[0].device.first() {
+            Some(t) => Buf::on_device(dtype, n, t.device())?,
+            None => Buf::zeroed(dtype, n)?,
+        });
         let mut at = 0;
         for (m, s) in members.iter().zip(shards) {
             jobs.push(job(s, Part::Values, &m.name, bufs.len() - 1, at));
@@ -231,28 +289,57 @@ fn finish_group(
             Some(_) => Frozen::Dense(take(first)?.tensor(&shard.shape, device)?),
             None => {
                 let n = shard.parts().len();
-                let parts = (first..first + n)
+                let parts: Vec<Buf> = (first..first + n)
                     .map(&mut take)
                     .collect::<Result<_, _>>()?;
-                Frozen::quant(shard.join_nf4(&m.name, parts)?, *dtype, device)?
+                if device.is_cuda() && parts.iter().all(Buf::is_device) {
+                    quant_on_device(shard, &m.name, parts, *dtype, device)?
+                } else {
+                    Frozen::quant(shard.join_nf4(&m.name, parts)?, *dtype, device)?
+                }
             }
         };
     }
     Ok(None)
 }
 
-/// A table `(V, D)` gathered (on the calling thread).
-fn gather_table(
-    comm: &dyn Gather,
-    s: &Arc<Shard>,
+/// A GPU NF4 weight from its parts gathered on the device ([`Shard::parts`] order): the codes
+/// and scales copied device to device into the dequantize kernels' buffers; the host side keeps
+/// the layout only ([`Shard::nf4_layout`]: shape, tables, block sizes), which is all a GPU weight
+/// reads of it.
+#[cfg(feature = "cuda")]
+fn quant_on_device(
+    shard: &Shard,
     name: &str,
+    parts: Vec<Buf>,
+    dtype: DType,
     device: &Device,
-) -> candle_core::Result<Tensor> {
-    let mut bufs = vec![s.buffer(Part::Values, comm.size())?];
-    fill(comm, &[job(s, Part::Values, name, 0, 0)], &mut bufs)?;
-    let [buf] = <[Buf; 1]>::try_from(bufs)
-        .map_err(|_| candle_core::Error::Msg(format!("{name}: one buffer gathered")))?;
-    buf.tensor(&s.shape, device)
+) -> candle_core::Result<Frozen> {
+    let layout = shard.nf4_layout(name)?;
+    let parts: Vec<Tensor> = parts
+        .into_iter()
+        .map(Buf::into_device)
+        .collect::<Result<_, _>>()?;
+    let gpu = rtune_ops::nf4::from_device_parts(&layout, &parts, device)
+        .map_err(|e| candle_core::Error::Msg(format!("gathering {name}: {e}")))?;
+    Ok(Frozen::Quant {
+        q: Arc::new(layout),
+        dtype,
+        device: device.clone(),
+        gpu: Some(gpu),
+    })
+}
+
+/// Without the `cuda` feature no device is CUDA: never called.
+#[cfg(not(feature = "cuda"))]
+fn quant_on_device(
+    _: &Shard,
+    name: &str,
+    _: Vec<Buf>,
+    _: DType,
+    _: &Device,
+) -> candle_core::Result<Frozen> {
+    candle_core::bail!("{name}: a CUDA device in a build without the cuda feature")
 }
 
 /// A layer as the pass uses it: the model's own, or gathered.

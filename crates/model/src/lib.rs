@@ -24,6 +24,7 @@
 
 pub mod config;
 
+pub mod device_gather;
 mod feed;
 mod gathered;
 
@@ -42,6 +43,7 @@ pub mod weights;
 
 pub use config::family::{self, Family};
 pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
+pub use device_gather::{DeviceGather, ThroughHost};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::{Completion, KvCache};
 pub use model::{Forward, HeadLoss, Inputs, Model, PerTokenLoss, Quantize, TemperedLoss};

@@ -391,6 +391,8 @@ impl Model {
                     .map_err(|e| ModelError::candle("empty embedding", e))?;
                 let sharded = crate::gathered::Sharded {
                     background: None,
+                    device: None,
+                    launch_ahead: false,
                     comm,
                     embed: Arc::new(embed),
                     lm_head: lm_head.map(Arc::new),
@@ -743,8 +745,42 @@ impl Model {
         let Some(s) = &mut self.sharded else {
             return false;
         };
+        if s.device.is_some() {
+            s.launch_ahead = on;
+            return on;
+        }
         s.background = if on { s.comm.background() } else { None };
         s.background.is_some()
+    }
+
+    /// A sharded base on a CUDA rank: every shard moves to the model's device (its host copy
+    /// emptied) and every gather goes through `transport` from then on, between device buffers
+    /// (`crate::device_gather`); `prefetch` then launches the next layer's gathers ahead on the
+    /// pass's thread. Collective in effect: every rank must make the same choice (the gathers
+    /// pair up). Returns whether the base is sharded (a whole base: nothing to do).
+    pub fn set_device_gather(
+        &mut self,
+        transport: std::rc::Rc<dyn crate::device_gather::DeviceGather>,
+    ) -> candle_core::Result<bool> {
+        let Some(s) = &mut self.sharded else {
+            return Ok(false);
+        };
+        s.use_device(&mut self.layers, transport, &self.device)?;
+        Ok(true)
+    }
+
+    /// A sharded base's layer `i` gathered as a pass gathers it (`None`: a whole base, or no
+    /// such layer): for checks of the gather itself (`rtune selftest`).
+    pub fn gathered_layer(&self, i: usize) -> candle_core::Result<Option<Layer>> {
+        match (&self.sharded, self.layers.get(i)) {
+            (Some(s), Some(l)) => s.gather_layer(l, &self.device).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Layer `i` as the model holds it (a sharded base's: its shards).
+    pub fn layer(&self, i: usize) -> Option<&Layer> {
+        self.layers.get(i)
     }
 
     /// The layers `order` (and `ready`, kept from an earlier pass, as they are) in that order:

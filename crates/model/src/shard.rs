@@ -25,8 +25,9 @@
 //! Every rank must make the same gathers in the same order: every rank runs every forward and
 //! backward of a step (each its own micro-batches; every rank has as many), the evaluation, the
 //! reference pass and the decoding of the evaluation prompts. The transport is the world's
-//! (`rtune_dist`: MPI's `MPI_Allgatherv` over host memory); on a CUDA rank the gathered weights
-//! are then copied to the device. One process (`World::single`) runs the same code with a world
+//! (`rtune_dist`: MPI's `MPI_Allgatherv` over host memory); on a CUDA rank the shards live on the
+//! GPU and a [`DeviceGather`] (NCCL) gathers them between device buffers
+//! (`crate::device_gather`). One process (`World::single`) runs the same code with a world
 //! of one, its gather a copy.
 
 use candle_core::{DType, Device, Tensor};
@@ -58,6 +59,24 @@ pub trait Gather {
     }
 }
 
+/// The collective a sharded base gathers its device-resident shards through (on a CUDA rank
+/// `rtune_dist`'s NCCL communicator; `crate::device_gather` says how it is used).
+pub trait DeviceGather {
+    /// `out[at .. at + Σ counts]` = every rank's `mine` in rank order, rank r's `counts[r]`
+    /// elements of `mine`'s dtype (`mine`: this rank's, that many; `out`: a 1-D contiguous
+    /// buffer of the same dtype and device). Collective: every rank calls it with the same
+    /// `counts`, in the same order. May return before the elements have landed where the device
+    /// orders later uses after it (`what` names the gather in errors).
+    fn all_gather(
+        &self,
+        what: &str,
+        mine: &Tensor,
+        counts: &[usize],
+        out: &Tensor,
+        at: usize,
+    ) -> candle_core::Result<()>;
+}
+
 /// The elements of rank `rank` of `size` in a weight of `n` elements split in units of `unit`:
 /// the `ceil(n / unit)` units are dealt in order, the first `units % size` ranks one more than
 /// the rest (a world that does not divide the weight gives shards of unequal size; a rank past
@@ -86,6 +105,11 @@ pub struct Shard {
     pub piece: Piece,
     /// Elements per unit of the split (see [`span`]).
     pub unit: usize,
+    /// The piece on the device, one 1-D tensor per part (`Shard::parts`) in their order, typed
+    /// as `Shard::part_dtype` says (`crate::device_gather`); empty while the piece is in host
+    /// memory. Once [`upload`](Self::upload)ed, `piece` keeps only the layout: its bytes, codes
+    /// and scales are emptied.
+    pub device: Vec<Tensor>,
 }
 
 impl Shard {
@@ -98,6 +122,7 @@ impl Shard {
                 bytes: le_bytes(t)?,
             },
             unit: 1,
+            device: Vec::new(),
         })
     }
 
@@ -108,6 +133,7 @@ impl Shard {
             shape: shape.to_vec(),
             piece: Piece::Nf4(q),
             unit,
+            device: Vec::new(),
         }
     }
 
@@ -120,11 +146,70 @@ impl Shard {
         span(self.numel(), self.unit, size, rank)
     }
 
-    /// Bytes this rank holds for the weight.
+    /// Bytes this rank holds for the weight (in host memory and on the device).
     pub fn resident_bytes(&self) -> usize {
-        match &self.piece {
+        let host = match &self.piece {
             Piece::Dense { bytes, .. } => bytes.len(),
             Piece::Nf4(q) => q.resident_bytes(),
+        };
+        let device: usize = self
+            .device
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        host + device
+    }
+
+    /// The shard with its piece on `device` (one tensor per part, [`Shard::device`]) and its
+    /// host copy emptied; the layout (shape, dtype, blocks, the NF4 tables) stays. Done once, at
+    /// set-up: afterwards only a [`DeviceGather`] gathers it.
+    pub fn upload(&self, device: &Device) -> candle_core::Result<Self> {
+        if !self.device.is_empty() {
+            return Ok(self.clone());
+        }
+        let mut on = Vec::with_capacity(self.parts().len());
+        for &part in self.parts() {
+            let dtype = self.part_dtype(part);
+            let bytes = self.mine(part)?;
+            let n = bytes.len() / dtype.size_in_bytes();
+            on.push(Tensor::from_raw_buffer(bytes, dtype, &[n], device)?);
+        }
+        let piece = match &self.piece {
+            Piece::Dense { dtype, .. } => Piece::Dense {
+                dtype: *dtype,
+                bytes: Vec::new(),
+            },
+            Piece::Nf4(q) => Piece::Nf4(Nf4Weight {
+                shape: q.shape.clone(),
+                ..self.nf4_layout("an uploaded shard")?
+            }),
+        };
+        Ok(Self {
+            shape: self.shape.clone(),
+            piece,
+            unit: self.unit,
+            device: on,
+        })
+    }
+
+    /// The dtype `part`'s elements have (a gather moves whole elements of it).
+    pub(crate) fn part_dtype(&self, part: Part) -> DType {
+        match (part, &self.piece) {
+            (Part::Values, Piece::Dense { dtype, .. }) => *dtype,
+            (Part::Scales | Part::Nested, _) => DType::F32,
+            _ => DType::U8,
+        }
+    }
+
+    /// `part`'s tensor on the device ([`upload`](Self::upload)).
+    pub(crate) fn on_device(&self, part: Part) -> candle_core::Result<&Tensor> {
+        let at = self.parts().iter().position(|&p| p == part);
+        match at.and_then(|i| self.device.get(i)) {
+            Some(t) => Ok(t),
+            None => candle_core::bail!(
+                "a shard {:?} with no {part:?} on the device (not uploaded)",
+                self.shape
+            ),
         }
     }
 
@@ -134,6 +219,16 @@ impl Shard {
         let Piece::Dense { dtype: from, bytes } = &self.piece else {
             return Ok(self.clone());
         };
+        if let [t] = &self.device[..] {
+            return Ok(Self {
+                piece: Piece::Dense {
+                    dtype,
+                    bytes: Vec::new(),
+                },
+                device: vec![t.to_dtype(dtype)?],
+                ..self.clone()
+            });
+        }
         let n = bytes.len() / from.size_in_bytes();
         let t = Tensor::from_raw_buffer(bytes, *from, &[n], &Device::Cpu)?.to_dtype(dtype)?;
         Self::dense(&self.shape, &t).map(|s| Self {
@@ -156,6 +251,10 @@ impl Shard {
     /// The buffer `part` of the whole weight gathers into: typed as what it becomes.
     pub(crate) fn buffer(&self, part: Part, size: usize) -> candle_core::Result<Buf> {
         let bytes: usize = self.counts(part, size).iter().sum();
+        if let Some(t) = self.device.first() {
+            let dtype = self.part_dtype(part);
+            return Buf::on_device(dtype, bytes / dtype.size_in_bytes(), t.device());
+        }
         match (part, &self.piece) {
             (Part::Values, Piece::Dense { dtype, .. }) => {
                 Buf::zeroed(*dtype, bytes / dtype.size_in_bytes())
@@ -168,6 +267,12 @@ impl Shard {
     /// The bytes this rank sends of `part` (native byte order, little-endian on every target
     /// rtune builds for, as the pieces are stored).
     pub(crate) fn mine(&self, part: Part) -> candle_core::Result<&[u8]> {
+        if !self.device.is_empty() {
+            candle_core::bail!(
+                "a shard {:?} on the device gathered through a host transport",
+                self.shape
+            );
+        }
         let q = match (&self.piece, part) {
             (Piece::Dense { bytes, .. }, Part::Values) => return Ok(bytes),
             (Piece::Nf4(q), _) => q,
@@ -218,9 +323,7 @@ impl Shard {
 
     /// The whole NF4 weight from its gathered [`parts`](Self::parts), in their order.
     pub(crate) fn join_nf4(&self, name: &str, parts: Vec<Buf>) -> candle_core::Result<Nf4Weight> {
-        let Piece::Nf4(q) = &self.piece else {
-            candle_core::bail!("{name}: a dense shard gathered as an NF4 weight");
-        };
+        let q = self.nf4_layout(name)?;
         let mut parts = parts.into_iter();
         let mut next = || {
             parts
@@ -244,17 +347,31 @@ impl Shard {
             },
         };
         let w = Nf4Weight {
-            shape: self.shape.clone(),
             packed,
             absmax,
-            quant_map: q.quant_map,
-            quant_type: q.quant_type,
-            blocksize: q.blocksize,
-            dtype: q.dtype,
+            ..q
         };
         w.check()
             .map_err(|e| candle_core::Error::Msg(format!("gathering {name}: {e}")))?;
         Ok(w)
+    }
+
+    /// The whole NF4 weight's layout: its shape, tables and block sizes, with no codes or scales
+    /// (what [`join_nf4`](Self::join_nf4) fills; on a GPU, the host side of a weight whose codes
+    /// and scales are gathered on the device).
+    pub(crate) fn nf4_layout(&self, name: &str) -> candle_core::Result<Nf4Weight> {
+        let Piece::Nf4(q) = &self.piece else {
+            candle_core::bail!("{name}: a dense shard gathered as an NF4 weight");
+        };
+        Ok(Nf4Weight {
+            shape: self.shape.clone(),
+            packed: Vec::new(),
+            absmax: emptied(&q.absmax),
+            quant_map: q.quant_map,
+            quant_type: q.quant_type,
+            blocksize: q.blocksize,
+            dtype: q.dtype,
+        })
     }
 
     /// The dense dtype of this shard (`None` for NF4).
@@ -263,6 +380,25 @@ impl Shard {
             Piece::Dense { dtype, .. } => Some(*dtype),
             Piece::Nf4(_) => None,
         }
+    }
+}
+
+/// `a`'s kind and tables with no scales.
+fn emptied(a: &Absmax) -> Absmax {
+    match a {
+        Absmax::Plain(_) => Absmax::Plain(Vec::new()),
+        Absmax::Double {
+            nested_quant_map,
+            offset,
+            nested_blocksize,
+            ..
+        } => Absmax::Double {
+            codes: Vec::new(),
+            nested_absmax: Vec::new(),
+            nested_quant_map: nested_quant_map.clone(),
+            offset: *offset,
+            nested_blocksize: *nested_blocksize,
+        },
     }
 }
 
@@ -295,12 +431,13 @@ impl Part {
 }
 
 /// A buffer gathers fill: the typed vector a tensor (or an NF4 weight's field) is then made of
-/// without a copy.
+/// without a copy; for shards on the device, a 1-D tensor there.
 pub(crate) enum Buf {
     F32(Vec<f32>),
     Bf16(Vec<half::bf16>),
     F16(Vec<half::f16>),
     U8(Vec<u8>),
+    Device(Tensor),
 }
 
 impl Buf {
@@ -314,29 +451,56 @@ impl Buf {
         })
     }
 
-    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
+    /// `n` zeros of `dtype` on `device` (a [`Buf::Device`]).
+    pub(crate) fn on_device(dtype: DType, n: usize, device: &Device) -> candle_core::Result<Self> {
+        Tensor::zeros(n, dtype, device).map(Buf::Device)
+    }
+
+    /// The host buffer's bytes (`None` for a device one).
+    pub(crate) fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        Some(match self {
             Buf::F32(v) => bytemuck::cast_slice_mut(v),
             Buf::Bf16(v) => bytemuck::cast_slice_mut(v),
             Buf::F16(v) => bytemuck::cast_slice_mut(v),
             Buf::U8(v) => v,
-        }
+            Buf::Device(_) => return None,
+        })
     }
 
-    /// A tensor of `shape` on `device` made of the buffer (no copy on the CPU).
+    /// A tensor of `shape` on `device` made of the buffer (no copy on the CPU, nor of a device
+    /// buffer on its device).
     pub(crate) fn tensor(self, shape: &[usize], device: &Device) -> candle_core::Result<Tensor> {
         let t = match self {
             Buf::F32(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
             Buf::Bf16(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
             Buf::F16(v) => Tensor::from_vec(v, shape, &Device::Cpu)?,
-            Buf::U8(_) => candle_core::bail!("a weight's values gathered as bytes"),
+            Buf::Device(t) if t.dtype() != DType::U8 => t.reshape(shape)?,
+            Buf::U8(_) | Buf::Device(_) => {
+                candle_core::bail!("a weight's values gathered as bytes")
+            }
         };
         t.to_device(device)
     }
 
+    /// The device buffer (an NF4 part gathered on a GPU).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn into_device(self) -> candle_core::Result<Tensor> {
+        match self {
+            Buf::Device(t) => Ok(t),
+            _ => candle_core::bail!("a part gathered in host memory where a device one was due"),
+        }
+    }
+
+    /// Whether the buffer is a device one.
+    pub(crate) fn is_device(&self) -> bool {
+        matches!(self, Buf::Device(_))
+    }
+
+    /// The codes (a device buffer's copied to the host: a CPU rank's, or the tests').
     fn into_u8(self) -> candle_core::Result<Vec<u8>> {
         match self {
             Buf::U8(v) => Ok(v),
+            Buf::Device(t) if t.dtype() == DType::U8 => t.to_vec1(),
             _ => candle_core::bail!("gathered NF4 codes are bytes"),
         }
     }
@@ -344,6 +508,7 @@ impl Buf {
     fn into_f32(self) -> candle_core::Result<Vec<f32>> {
         match self {
             Buf::F32(v) => Ok(v),
+            Buf::Device(t) if t.dtype() == DType::F32 => t.to_vec1(),
             _ => candle_core::bail!("gathered NF4 scales are f32"),
         }
     }
@@ -358,21 +523,43 @@ pub(crate) struct Job {
     pub at: usize,
 }
 
-/// Runs `jobs` in order through `comm` (every rank runs the same jobs), each into its buffer.
-/// Allocates nothing: the buffers were made by the thread that planned the gathers, so a
-/// gathering thread of its own leaves no memory in its allocator arena.
-pub(crate) fn fill(comm: &dyn Gather, jobs: &[Job], bufs: &mut [Buf]) -> candle_core::Result<()> {
+/// Runs `jobs` in order through `comm` (every rank runs the same jobs), each into its buffer:
+/// a host buffer through `comm` itself, a device one ([`Buf::Device`], for shards on the device)
+/// through `device`, in elements of the part's dtype. Allocates nothing on the host: the buffers
+/// were made by the thread that planned the gathers, so a gathering thread of its own leaves no
+/// memory in its allocator arena.
+pub(crate) fn fill(
+    comm: &dyn Gather,
+    device: Option<&dyn DeviceGather>,
+    jobs: &[Job],
+    bufs: &mut [Buf],
+) -> candle_core::Result<()> {
     for j in jobs {
         let counts = j.shard.counts(j.part, comm.size());
         let n: usize = counts.iter().sum();
-        let Some(out) = bufs
-            .get_mut(j.buf)
-            .and_then(|b| b.bytes_mut().get_mut(j.at..j.at + n))
-        else {
-            candle_core::bail!("{}: no room for the gathered {:?}", j.name, j.part);
-        };
         let what = format!("the gather of {}{}", j.name, j.part.what());
-        comm.all_gather_into(&what, j.shard.mine(j.part)?, &counts, out);
+        let no_room = || format!("{}: no room for the gathered {:?}", j.name, j.part);
+        match bufs.get_mut(j.buf) {
+            Some(Buf::Device(out)) => {
+                let Some(dg) = device else {
+                    candle_core::bail!("{what}: a device buffer and no device transport");
+                };
+                let elem = j.shard.part_dtype(j.part).size_in_bytes();
+                let counts: Vec<usize> = counts.iter().map(|c| c / elem).collect();
+                let at = j.at / elem;
+                if out.dtype() != j.shard.part_dtype(j.part) || at + n / elem > out.elem_count() {
+                    candle_core::bail!("{}", no_room());
+                }
+                dg.all_gather(&what, j.shard.on_device(j.part)?, &counts, out, at)?;
+            }
+            Some(b) => {
+                let Some(out) = b.bytes_mut().and_then(|b| b.get_mut(j.at..j.at + n)) else {
+                    candle_core::bail!("{}", no_room());
+                };
+                comm.all_gather_into(&what, j.shard.mine(j.part)?, &counts, out);
+            }
+            None => candle_core::bail!("{}", no_room()),
+        }
     }
     Ok(())
 }

@@ -10,6 +10,11 @@
 //! (`Model::set_prefetch`: each rank's next layer gathered by a second thread) changes nothing,
 //! and a rank's two threads are never in a gather at once.
 //!
+//! The device path (`Model::set_device_gather`: the shards uploaded, every gather between device
+//! buffers through a `DeviceGather`, here `ThroughHost` over the same threads, its tensors on the
+//! CPU) computes the same bits for 1 to 4 ranks, moves every gathered byte itself, and holds
+//! the same share; launched ahead (`prefetch`) it gathers the same bytes.
+//!
 //! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
 
 #[allow(dead_code)]
@@ -23,7 +28,9 @@ use candle_core::{DType, Device, Tensor};
 use rtune_lora::{Adapter, LoraSpec};
 use rtune_model::config::ModelConfig;
 use rtune_model::weights::TensorSource;
-use rtune_model::{Gather, Grads, Inputs, KvCache, LoraCtx, Model, ModelError, Quantize};
+use rtune_model::{
+    DeviceGather, Gather, Grads, Inputs, KvCache, LoraCtx, Model, ModelError, Quantize, ThroughHost,
+};
 
 /// Seeded values per tensor name (every rank reads the same checkpoint); norms near 1.
 struct Seeded;
@@ -130,8 +137,32 @@ struct Case {
     checkpoint: bool,
     /// Layers kept gathered from the forward for the backward.
     keep: usize,
-    /// The next layer gathered on another thread.
+    /// The next layer gathered on another thread (with `device`: launched ahead).
     prefetch: bool,
+    /// The shards on the device, gathered through a `DeviceGather`.
+    device: bool,
+}
+
+/// The device transport of the tests: [`ThroughHost`], counting the elements' bytes it moves.
+struct Counted {
+    inner: ThroughHost,
+    bytes: Arc<AtomicUsize>,
+}
+
+impl DeviceGather for Counted {
+    fn all_gather(
+        &self,
+        what: &str,
+        mine: &Tensor,
+        counts: &[usize],
+        out: &Tensor,
+        at: usize,
+    ) -> candle_core::Result<()> {
+        let n: usize = counts.iter().sum();
+        self.bytes
+            .fetch_add(n * mine.dtype().size_in_bytes(), SeqCst);
+        self.inner.all_gather(what, mine, counts, out, at)
+    }
 }
 
 /// What must be equal: the loss's and every gradient's bits, the logits', a decoding step's; and
@@ -160,6 +191,11 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> 
     let cfg = config(case.tied);
     let v = cfg.vocab_size;
     let comm_is_sharded = comm.is_some();
+    let device_bytes = Arc::new(AtomicUsize::new(0));
+    let transport = comm.clone().map(|c| Counted {
+        inner: ThroughHost(c),
+        bytes: device_bytes.clone(),
+    });
     let mut model = match comm {
         Some(c) => Model::build_sharded(cfg, &Seeded, DType::F32, &dev, case.quantize, c),
         None => Model::build_with(cfg, &Seeded, DType::F32, &dev, case.quantize),
@@ -173,6 +209,11 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> 
         model.set_prefetch(case.prefetch),
         case.prefetch && comm_is_sharded
     );
+    if let (true, Some(t)) = (case.device, transport) {
+        assert!(model.set_device_gather(Rc::new(t)).unwrap());
+        // As the trainer does: prefetch asked again of the device transport (launched ahead).
+        assert_eq!(model.set_prefetch(case.prefetch), case.prefetch);
+    }
     let spec = LoraSpec::new(4, 8.0, 0.1, false, &["all-linear".into()])
         .unwrap()
         .with_dora(case.dora);
@@ -207,6 +248,15 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> 
         .forward_backward(&inputs, &targets, &lc, 0.01, case.checkpoint, &mut grads)
         .unwrap();
     let train_gathered = gathered.load(SeqCst) - before;
+    // With the device path every gathered byte went through it (none through the host one).
+    let on_device = device_bytes.load(SeqCst);
+    match case.device && comm_is_sharded {
+        true => assert!(
+            on_device >= train_gathered && train_gathered > 0,
+            "{case:?}: {on_device} B through the device transport, {train_gathered} B gathered"
+        ),
+        false => assert_eq!(on_device, 0, "{case:?}"),
+    }
     let mut all: Vec<Vec<u32>> = Vec::new();
     for g in grads.a.iter().chain(&grads.b).chain(&grads.m).flatten() {
         all.push(bits(g));
@@ -271,6 +321,7 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
         checkpoint: false,
         keep: 0,
         prefetch: false,
+        device: false,
     };
     let cases = [
         base,
@@ -307,15 +358,40 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
             autocast: true,
             ..base
         },
+        // The device path: dense, NF4 and NF4 with double quantization (bf16 autocast), tied,
+        // checkpointed, DoRA, launched ahead.
+        Case {
+            device: true,
+            tied: true,
+            ..base
+        },
+        Case {
+            quantize: nf4(false),
+            checkpoint: true,
+            prefetch: true,
+            device: true,
+            ..base
+        },
+        Case {
+            quantize: nf4(true),
+            autocast: true,
+            dora: true,
+            prefetch: true,
+            device: true,
+            ..base
+        },
     ];
     for case in cases {
         let (whole, whole_bytes, _) = run(case, None, Default::default());
-        for size in 1..=3 {
+        // The device path also in a world of 4 (more unequal shards, more empty ones).
+        let sizes = if case.device { 1..=4 } else { 1..=3 };
+        for size in sizes {
             let (got, in_background) = ranks(case, size);
-            // Prefetched, every layer but the first of each pass is gathered in the background.
+            // Prefetched, every layer but the first of each pass is gathered in the background
+            // (launched ahead on the pass's own thread with the device path).
             assert_eq!(
                 in_background > 0,
-                case.prefetch,
+                case.prefetch && !case.device,
                 "{case:?}: {in_background}"
             );
             for (rank, (out, bytes, _)) in got.iter().enumerate() {
@@ -355,6 +431,7 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
         checkpoint: true,
         keep: 0,
         prefetch: false,
+        device: false,
     };
     let nf4 = Case {
         quantize: Quantize::Nf4 { double_quant: true },
@@ -375,25 +452,27 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
         let mut by_keep = Vec::new();
         for keep in [0, 1, 2, 5] {
             let mut each = Vec::new();
-            for prefetch in [false, true] {
+            for (prefetch, device) in [(false, false), (true, false), (true, true)] {
                 let (got, _) = ranks(
                     Case {
                         keep,
                         prefetch,
+                        device,
                         ..case
                     },
                     size,
                 );
                 for (rank, (out, _, g)) in got.iter().enumerate() {
-                    let c = format!("{case:?} keep {keep} prefetch {prefetch}");
+                    let c = format!("{case:?} keep {keep} prefetch {prefetch} device {device}");
                     assert!(*out == whole, "{c}: rank {rank} differs");
                     assert_eq!(*g, got[0].2, "{c}: ranks gathered alike");
                 }
                 each.push(got[0].2);
             }
             assert_eq!(
-                each[0], each[1],
-                "{case:?} keep {keep}: prefetch gathers the same"
+                each, [each[0]; 3],
+                "{case:?} keep {keep}: prefetch (on another thread, or launched ahead on the \
+                 device) gathers the same"
             );
             by_keep.push(each[0]);
         }

@@ -60,6 +60,100 @@ pub fn upload(q: &Nf4Weight, device: &Device) -> Result<Arc<DeviceNf4>> {
     Ok(Arc::new(DeviceNf4 { w }))
 }
 
+/// A weight whose codes and scales are already on the device (a sharded base's gather,
+/// `rtune-model`'s `gathered.rs`): `layout` gives its shape, blocks and code tables (its own
+/// codes and scales unused, empty there), `parts` its 1-D tensors in the gather's order — the
+/// packed codes (u8), then the scales (f32), or with double quantization the scales' codes (u8)
+/// and the second-level scales (f32). Each part is copied device to device on the compute
+/// stream (which first waits for the gather's write); only the code tables come from the host.
+pub fn from_device_parts(
+    layout: &Nf4Weight,
+    parts: &[Tensor],
+    device: &Device,
+) -> Result<Arc<DeviceNf4>> {
+    use super::cuda::DeviceAbsmax;
+    use super::Absmax;
+    let dev = cuda_device(device)?;
+    let stream = dev.cuda_stream();
+    if layout.blocksize != super::BLOCKSIZE {
+        candle_core::bail!(
+            "nf4 from device parts: blocksize {} (the kernels handle 64)",
+            layout.blocksize
+        );
+    }
+    let numel = layout.numel();
+    let blocks = numel.div_ceil(layout.blocksize);
+    // A part's elements `[n]` of `T` copied into a buffer of the weight's own.
+    fn copy<
+        T: candle_core::WithDType + candle_core::cuda::CudaDType + cudarc::driver::DeviceRepr,
+    >(
+        stream: &Arc<cudarc::driver::CudaStream>,
+        t: &Tensor,
+        n: usize,
+        what: &str,
+    ) -> Result<cudarc::driver::CudaSlice<T>> {
+        if t.dims() != [n] || t.dtype() != T::DTYPE {
+            candle_core::bail!(
+                "nf4 from device parts: {what} {:?} {:?}, expected [{n}] {:?}",
+                t.shape(),
+                t.dtype(),
+                T::DTYPE
+            );
+        }
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else {
+            candle_core::bail!("nf4 from device parts: {what} is not on a CUDA device");
+        };
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("nf4 from device parts: {what} is not contiguous");
+        };
+        let src = cs.as_cuda_slice::<T>()?.slice(start..end);
+        Ok(stream
+            .clone_dtod(&src)
+            .map_err(candle_core::cuda::CudaError::from)?)
+    }
+    let part = |i: usize| {
+        parts.get(i).ok_or_else(|| {
+            candle_core::Error::Msg(format!("nf4 from device parts: part {i} missing"))
+        })
+    };
+    let packed = copy::<u8>(&stream, part(0)?, numel.div_ceil(2), "the codes")?;
+    let up32 = |v: &[f32]| {
+        stream
+            .clone_htod(v)
+            .map_err(candle_core::cuda::CudaError::from)
+    };
+    let absmax = match &layout.absmax {
+        Absmax::Plain(_) => {
+            DeviceAbsmax::Plain(copy::<f32>(&stream, part(1)?, blocks, "the scales")?)
+        }
+        Absmax::Double {
+            nested_quant_map,
+            offset,
+            nested_blocksize,
+            ..
+        } => DeviceAbsmax::Double {
+            codes: copy::<u8>(&stream, part(1)?, blocks, "the scale codes")?,
+            nested_absmax: copy::<f32>(
+                &stream,
+                part(2)?,
+                blocks.div_ceil(*nested_blocksize),
+                "the second-level scales",
+            )?,
+            nested_quant_map: up32(nested_quant_map)?,
+            offset: *offset,
+            nested_blocksize: *nested_blocksize,
+        },
+    };
+    let w = Nf4WeightCuda {
+        shape: layout.shape.clone(),
+        packed,
+        absmax,
+        quant_map: up32(&layout.quant_map)?,
+    };
+    Ok(Arc::new(DeviceNf4 { w }))
+}
+
 /// The weight dequantized into a new `(out, in)` tensor of `dtype` on `device`.
 pub fn dequantize(q: &DeviceNf4, dtype: DType, device: &Device) -> Result<Tensor> {
     let dev = cuda_device(device)?;

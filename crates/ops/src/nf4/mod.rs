@@ -51,4 +51,4 @@ pub use cuda::{
     Nf4Kernels, Nf4WeightCuda,
 };
 #[cfg(feature = "cuda")]
-pub use device::{dequantize, kernels, upload, DeviceNf4};
+pub use device::{dequantize, from_device_parts, kernels, upload, DeviceNf4};

@@ -201,7 +201,21 @@ impl<'a, R: Recipe> Trainer<'a, R> {
             return Ok(());
         }
         let mine = agreement(self.cfg, &self.settings);
-        Ok(self.dist.join(&mine, &self.dev)?)
+        self.dist.join(&mine, &self.dev)?;
+        // A CUDA rank's sharded base: its shards move to the GPU and gather through the
+        // communicator `join` made (the gradient buckets' own), the next layer launched ahead
+        // with `prefetch`. Every rank of a CUDA run does the same (the gathers pair up).
+        if let Some(transport) = self.dist.device_gather() {
+            let what = "moving the sharded base's shards to the device";
+            if self
+                .model
+                .set_device_gather(transport)
+                .map_err(|e| rtune_model::ModelError::candle(what, e))?
+            {
+                self.model.set_prefetch(self.cfg.distributed.prefetch);
+            }
+        }
+        Ok(())
     }
 
     /// Checks made before the run directory is created or touched: room on the
