@@ -752,6 +752,56 @@ impl OneDnn {
         })
     }
 
+    /// Runs the matmul `p` on `stream` over `src`, `weights` and `dst` wrapped as memory objects of
+    /// its descriptors, and waits for it; the status (`SUCCESS`, or the first failure).
+    ///
+    /// # Safety
+    /// Each pointer holds its descriptor's every element for the life of the call (oneDNN reads
+    /// `src` and `weights`, writes `dst` and, with a sum post-op, reads it first); `p` and `stream`
+    /// are usable from the calling thread.
+    unsafe fn execute(
+        &self,
+        stream: Handle,
+        p: &Primitive,
+        src: *const c_void,
+        weights: *mut c_void,
+        dst: *mut c_void,
+    ) -> Status {
+        let api = &self.api;
+        let mut mems: [Handle; 3] = [std::ptr::null_mut(); 3];
+        // SAFETY: the function's contract (every pointer covers its descriptor for the call, and
+        // the call is waited for); each memory object made here is destroyed here, made or not.
+        unsafe {
+            let wrap = |m: &mut Handle, md: &Md, ptr: *mut c_void| {
+                (api.memory_create)(m, self.md(md), self.engine, ptr)
+            };
+            let [ma, mb, mc] = &mut mems;
+            let created = wrap(ma, &p.src, src.cast_mut()) == SUCCESS
+                && wrap(mb, &p.weights, weights) == SUCCESS
+                && wrap(mc, &p.dst, dst) == SUCCESS;
+            let st = if created {
+                let args = [
+                    (ARG_SRC, mems[0]),
+                    (ARG_WEIGHTS, mems[1]),
+                    (ARG_DST, mems[2]),
+                ]
+                .map(|(arg, memory)| ExecArg { arg, memory });
+                match (api.primitive_execute)(p.handle, stream, 3, args.as_ptr()) {
+                    SUCCESS => (api.stream_wait)(stream),
+                    e => e,
+                }
+            } else {
+                -1
+            };
+            for m in mems {
+                if !m.is_null() {
+                    (api.memory_destroy)(m);
+                }
+            }
+            st
+        }
+    }
+
     /// `C = alpha·A·B (+ C when out.sum)` into `out`, for bf16 slices laid out as `la`, `lb`;
     /// `dst` is C's dtype. Returns the implementation oneDNN chose.
     ///
@@ -814,60 +864,16 @@ impl OneDnn {
             la.dims()[r - 1],
             lb.dims()[r - 1],
         );
-        let out_ptr = out.ptr;
-        let api = &self.api;
-        let mut mems: [Handle; 3] = [std::ptr::null_mut(); 3];
-        // SAFETY: the memory objects wrap the caller's buffers, which the layouts describe and
-        // which outlive the call (executed and waited for before returning) — or for B a packed
-        // copy in the primitive's layout, held by the registry under the lock held here; oneDNN
-        // only reads A and B, and C at its strides (`exec`'s contract: every element there).
-        unsafe {
-            let wrap = |m: &mut Handle, md: &Md, ptr: *mut c_void| {
-                (api.memory_create)(m, self.md(md), self.engine, ptr)
-            };
-            let [ma, mb, mc] = &mut mems;
-            let st = [
-                wrap(ma, &p.src, a.as_ptr() as *mut c_void),
-                wrap(mb, &p.weights, b_ptr),
-                wrap(mc, &p.dst, out_ptr),
-            ];
-            let created = st.iter().all(|&s| s == SUCCESS);
-            let st = if created {
-                let args = [
-                    ExecArg {
-                        arg: ARG_SRC,
-                        memory: mems[0],
-                    },
-                    ExecArg {
-                        arg: ARG_WEIGHTS,
-                        memory: mems[1],
-                    },
-                    ExecArg {
-                        arg: ARG_DST,
-                        memory: mems[2],
-                    },
-                ];
-                let st = (api.primitive_execute)(p.handle, *stream, 3, args.as_ptr());
-                if st == SUCCESS {
-                    (api.stream_wait)(*stream)
-                } else {
-                    st
-                }
-            } else {
-                -1
-            };
-            for m in mems {
-                if !m.is_null() {
-                    (api.memory_destroy)(m);
-                }
-            }
-            if st != SUCCESS {
-                candle_core::bail!(
-                    "onednn matmul {:?}·{:?}: execute returned status {st}",
-                    la.dims(),
-                    lb.dims()
-                );
-            }
+        // SAFETY: A and C are the caller's buffers, which the layouts describe and which outlive
+        // the call (`exec`'s contract: C's every element at its strides); B is the caller's or a
+        // packed copy in the primitive's layout, held by the registry under the lock held here.
+        let st = unsafe { self.execute(*stream, p, a.as_ptr().cast(), b_ptr, out.ptr) };
+        if st != SUCCESS {
+            candle_core::bail!(
+                "onednn matmul {:?}·{:?}: execute returned status {st}",
+                la.dims(),
+                lb.dims()
+            );
         }
         Ok(p.imp.clone())
     }

@@ -25,7 +25,7 @@ use std::ffi::c_void;
 use candle_core::Result;
 use half::bf16;
 
-use super::{get, ExecArg, Handle, Key, OneDnn, Primitive, ARG_DST, ARG_SRC, ARG_WEIGHTS};
+use super::{get, Handle, Key, OneDnn, Primitive};
 use super::{DT_F32, STREAM_DEFAULT, SUCCESS};
 
 /// This thread's stream and primitives.
@@ -149,48 +149,10 @@ fn run(
     b: *const bf16,
     c: *mut f32,
 ) -> Result<()> {
-    let api = &lib.api;
-    let mut mems: [Handle; 3] = [std::ptr::null_mut(); 3];
-    // SAFETY: the memory objects wrap the caller's buffers, whose extents `gemm_nt` checked
-    // against the primitive's dims and strides; oneDNN reads A and B and writes C's `m × n`
-    // elements, and the call is waited for before the buffers' borrows end. The primitive and
-    // the stream are this thread's.
-    let st = unsafe {
-        let wrap =
-            |m: &mut Handle, md, ptr: *mut c_void| (api.memory_create)(m, md, lib.engine, ptr);
-        let [ma, mb, mc] = &mut mems;
-        let ok = wrap(ma, lib.md(&p.src), a as *mut c_void) == SUCCESS
-            && wrap(mb, lib.md(&p.weights), b as *mut c_void) == SUCCESS
-            && wrap(mc, lib.md(&p.dst), c.cast()) == SUCCESS;
-        let st = if ok {
-            let args = [
-                ExecArg {
-                    arg: ARG_SRC,
-                    memory: mems[0],
-                },
-                ExecArg {
-                    arg: ARG_WEIGHTS,
-                    memory: mems[1],
-                },
-                ExecArg {
-                    arg: ARG_DST,
-                    memory: mems[2],
-                },
-            ];
-            match (api.primitive_execute)(p.handle, stream, 3, args.as_ptr()) {
-                SUCCESS => (api.stream_wait)(stream),
-                e => e,
-            }
-        } else {
-            -1
-        };
-        for m in mems {
-            if !m.is_null() {
-                (api.memory_destroy)(m);
-            }
-        }
-        st
-    };
+    // SAFETY: the caller's buffers, whose extents `gemm_nt` checked against the primitive's dims
+    // and strides; oneDNN reads A and B and writes C's `m × n` elements, and the call is waited
+    // for before the buffers' borrows end. The primitive and the stream are this thread's.
+    let st = unsafe { lib.execute(stream, p, a.cast(), b as *mut c_void, c.cast()) };
     if st != SUCCESS {
         candle_core::bail!("onednn tile product: execute returned status {st}");
     }
