@@ -54,14 +54,21 @@ pub fn pick(rates: &[f64]) -> Option<usize> {
 /// bench-small at 512 tokens), 0.72 GFLOP.
 const PROBE: (usize, usize, usize) = (512, 512, 1376);
 
-/// GFLOP/s of one call of `blas`'s `cblas_sgemm` on [`PROBE`].
-fn time_once(blas: &Blas, a: &[f32], b: &[f32], c: &mut [f32]) -> f64 {
-    let (m, k, n) = PROBE;
-    let t = Instant::now();
-    debug_assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+/// `c (m×n) = a (m×k) · b (k×n)` through `blas`'s `cblas_sgemm`, all row-major and packed.
+fn sgemm_packed(
+    blas: &Blas,
+    a: &[f32],
+    b: &[f32],
+    c: &mut [f32],
+    (m, k, n): (usize, usize, usize),
+) {
+    assert!(
+        a.len() >= m * k && b.len() >= k * n && c.len() >= m * n,
+        "sgemm_packed: short slices"
+    );
     let i = |x: usize| x as std::ffi::c_int;
-    // SAFETY: `a` is m×k, `b` k×n, `c` m×n, all row-major and packed (sized by `probe`); with
-    // beta = 0 sgemm writes `c` and reads only `a` and `b`.
+    // SAFETY: `a` is m×k, `b` k×n, `c` m×n (checked above), row-major and packed; with beta = 0
+    // sgemm writes `c` and reads only `a` and `b`.
     unsafe {
         (blas.sgemm)(
             super::ROW_MAJOR,
@@ -80,6 +87,13 @@ fn time_once(blas: &Blas, a: &[f32], b: &[f32], c: &mut [f32]) -> f64 {
             i(n),
         )
     };
+}
+
+/// GFLOP/s of one call of `blas`'s `cblas_sgemm` on [`PROBE`].
+fn time_once(blas: &Blas, a: &[f32], b: &[f32], c: &mut [f32]) -> f64 {
+    let (m, k, n) = PROBE;
+    let t = Instant::now();
+    sgemm_packed(blas, a, b, c, PROBE);
     2.0 * (m * k * n) as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
@@ -203,26 +217,7 @@ mod engines {
         for l in &libs {
             let mut c = vec![f32::NAN; m * n];
             let rate = {
-                let i = |x: usize| x as std::ffi::c_int;
-                // SAFETY: packed row-major a (m×k), b (k×n), c (m×n); beta = 0 writes every c.
-                unsafe {
-                    (l.sgemm)(
-                        super::super::ROW_MAJOR,
-                        super::super::NO_TRANS,
-                        super::super::NO_TRANS,
-                        i(m),
-                        i(n),
-                        i(k),
-                        1.0,
-                        a.as_ptr(),
-                        i(k),
-                        b.as_ptr(),
-                        i(n),
-                        0.0,
-                        c.as_mut_ptr(),
-                        i(n),
-                    )
-                };
+                sgemm_packed(l, &a, &b, &mut c, (m, k, n));
                 probe(&[l])[0]
             };
             // f32 sums of 300 products against the exact (f64) sum: 1e-5 of the largest |c| is
