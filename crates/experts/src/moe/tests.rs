@@ -710,3 +710,57 @@ fn moe_timing_bf16() {
         eprintln!("bf16 per-expert lora {lora}: {:.1} ms", best * 1e3);
     }
 }
+
+/// gpt-oss's clamp at its bounds (issue 45's bf16 gradient gap): torch 2.15's scalar clamp passes
+/// no gradient at `limit` itself (gate) nor at `±limit` (up), only strictly inside; in bf16 values
+/// land on the limit exactly and the closed range put the gate_up `lora_B` gradient 0.36 off
+/// PEFT's. Pairs `(g, u)`: g at the limit, u at +limit, u at −limit, g past it, u past −limit, both
+/// inside; `dout = 0.5`. Want torch's, f32 and bf16 (bit for bit: the backward rounds where
+/// torch's does):
+/// ```python
+/// gu = torch.tensor([[1.0, 0.5, 0.5, 1.0, 0.5, -1.0, 1.5, 0.25, 0.25, -1.5, 0.75, 0.125]],
+///                   dtype=dt, requires_grad=True)
+/// gate, up = gu[..., ::2].clamp(min=None, max=1.0), gu[..., 1::2].clamp(min=-1.0, max=1.0)
+/// o = (up + 1) * (gate * torch.sigmoid(gate * 1.702)); o.backward(torch.full_like(o, 0.5))
+/// ```
+#[test]
+fn clamp_passes_no_gradient_at_the_limit_as_torch() {
+    let act = ExpertAct::Clamped {
+        alpha: 1.702,
+        limit: 1.0,
+    };
+    let gu = [
+        1.0f32, 0.5, 0.5, 1.0, 0.5, -1.0, 1.5, 0.25, 0.25, -1.5, 0.75, 0.125,
+    ];
+    let f32_want = [
+        0.0f32, 0.42289788, 0.8792219, 0.0, 0.0, 0.0, 0.0, 0.42289788, 0.0, 0.0, 0.56225896,
+        0.293195,
+    ];
+    let bf16_want = [
+        0.0f32, 0.42382812, 0.87890625, 0.0, 0.0, 0.0, 0.0, 0.42382812, 0.0, 0.0, 0.5625,
+        0.29296875,
+    ];
+    for (dt, want) in [(DType::F32, f32_want), (DType::BF16, bf16_want)] {
+        let gu = Tensor::new(&gu, &Device::Cpu)
+            .unwrap()
+            .reshape((1, 12))
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let dm = Tensor::full(0.5f32, (1, 6), &Device::Cpu)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let got = flat(
+            &act::act_backward(&dm, &gu, act)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap(),
+        );
+        for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+            // f32: torch's sums in another order, an ulp or two; bf16: the same bits.
+            let tol = if dt == DType::F32 { 1e-6 } else { 0.0 };
+            assert!((g - w).abs() <= tol, "{dt:?} entry {j}: {g} vs torch {w}");
+        }
+    }
+}
