@@ -764,3 +764,74 @@ fn clamp_passes_no_gradient_at_the_limit_as_torch() {
         }
     }
 }
+
+/// The routing weights' gradient in bf16 as torch's `mul` backward forms it (`weighted_out =
+/// proj_out * sample_weights_g` in transformers' experts): each `dy·d` rounded to bf16, the row
+/// summed in f32 and rounded. Want torch's (bit for bit), which neither the f32 sum nor its
+/// rounding gives here (0.09248, −0.03030 in f32); Mixtral's f32 weights keep the f32 sum:
+/// ```python
+/// g = torch.Generator().manual_seed(3)  # the first of its draws where both alternatives differ
+/// d = torch.randn(2, 8, generator=g).bfloat16(); dy = (torch.randn(2, 8, generator=g) * 0.01).bfloat16()
+/// w = torch.tensor([[0.5], [0.25]], dtype=torch.bfloat16, requires_grad=True)
+/// (d * w).backward(dy); w.grad
+/// ```
+#[test]
+fn weight_grads_round_as_torch_in_bf16() {
+    let d = [
+        -0.1259765625f64,
+        0.310546875,
+        2.46875,
+        -1.0859375,
+        1.65625,
+        -0.9765625,
+        -0.51171875,
+        -0.703125,
+        -1.015625,
+        -1.1875,
+        0.462890625,
+        0.48046875,
+        0.1904296875,
+        -0.03759765625,
+        -0.0712890625,
+        -1.1484375,
+    ];
+    let dy = [
+        -0.0079345703125f64,
+        0.01055908203125,
+        0.012939453125,
+        0.0016021728515625,
+        0.01177978515625,
+        -0.0284423828125,
+        -0.00390625,
+        -0.01239013671875,
+        -0.00408935546875,
+        -0.0003509521484375,
+        -0.00531005859375,
+        0.0007781982421875,
+        -0.0115966796875,
+        -0.0030670166015625,
+        -0.003997802734375,
+        0.0269775390625,
+    ];
+    // bf16 values, exact in f64 and f32 (written in f64: clippy counts their digits).
+    let t = |v: &[f64], dt| {
+        Tensor::new(v, &Device::Cpu)
+            .unwrap()
+            .reshape((2, 8))
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap()
+    };
+    let (d16, dy16) = (t(&d, DType::BF16), t(&dy, DType::BF16));
+    let want = [0.0927734375f64, -0.0303955078125].map(|v| v as f32);
+    assert_eq!(weight_grads(&dy16, &d16, true).unwrap(), want);
+    // Unrounded (f32 weights, or f32 compute): the f32 sum.
+    for got in [
+        weight_grads(&dy16, &d16, false).unwrap(),
+        weight_grads(&t(&dy, DType::F32), &t(&d, DType::F32), true).unwrap(),
+    ] {
+        for (g, w) in got.iter().zip([0.09247982f32, -0.030304126]) {
+            assert!((g - w).abs() <= 1e-7, "{g} vs the f32 sum {w}");
+        }
+    }
+}
