@@ -207,7 +207,7 @@ fn clipped(cfg: &PolicyConfig, c1: f32, a: f32) -> (f32, f32) {
 
 /// The ratio part of the per-token loss at ratio `c1` and advantage `a`: its value and its
 /// derivative with respect to `c1` (for `cispo`: with respect to `logp`, the ratio held).
-fn ratio_term(cfg: &PolicyConfig, c1: f32, a: f32, logp: f32) -> (f32, f32) {
+pub(super) fn ratio_term(cfg: &PolicyConfig, c1: f32, a: f32, logp: f32) -> (f32, f32) {
     match cfg.loss_type {
         LossType::Cispo => {
             let cl = c1.min(cfg.epsilon_high);
@@ -225,15 +225,16 @@ fn ratio_term(cfg: &PolicyConfig, c1: f32, a: f32, logp: f32) -> (f32, f32) {
         }
         _ => {
             // term1 = min(c1, δ)·A (δ when set), term2 = clamp(c1, 1 − ε_low, 1 + ε_high)·A;
-            // loss = −min(term1, term2). torch's clamp passes the gradient at its bounds
-            // (inclusive); torch.minimum splits it evenly on a tie.
+            // loss = −min(term1, term2). torch 2.15's clamp by a scalar passes the gradient
+            // only strictly inside its bounds (none at a bound itself); torch.minimum splits
+            // it evenly on a tie.
             let (c1d, d1) = match cfg.delta {
-                Some(delta) if c1 > delta => (delta, 0.0),
+                Some(delta) if c1 >= delta => (delta, 0.0),
                 _ => (c1, 1.0),
             };
             let (lo, hi) = (1.0 - cfg.epsilon_low, 1.0 + cfg.epsilon_high);
             let c2 = c1.clamp(lo, hi);
-            let d2 = if (lo..=hi).contains(&c1) { 1.0 } else { 0.0 };
+            let d2 = if lo < c1 && c1 < hi { 1.0 } else { 0.0 };
             let (t1, t2) = (c1d * a, c2 * a);
             let dmin = if t1 < t2 {
                 d1 * a

@@ -228,6 +228,33 @@ fn policy_loss_and_gradient_match_trl_formulation() {
     assert_eq!(cases, 6 * 2 * 3 * 2 * 2);
 }
 
+/// A ratio exactly on a clamp's bound: torch 2.15's scalar clamp passes no gradient there, and
+/// torch.minimum splits the gradient evenly between its two equal terms. Torch's ∂loss/∂coef_1
+/// (ε_low 0.2, ε_high 0.28, δ 1.1, each f32), worked with `-torch.min(c1·A, clamp(c1)·A)`:
+/// ∓0.5 at each bound for A = ±1 (exact: halves of 1).
+#[test]
+fn a_ratio_on_a_clamp_bound_gets_torchs_gradient() {
+    let cfg = |delta| PolicyConfig {
+        loss_type: LossType::Dapo,
+        epsilon_low: 0.2,
+        epsilon_high: 0.28,
+        delta,
+        ..PolicyConfig::default()
+    };
+    let (lo, hi) = (1.0 - 0.2f32, 1.0 + 0.28f32);
+    for (what, cfg, c1) in [
+        ("1 + ε_high", cfg(None), hi),
+        ("1 − ε_low", cfg(None), lo),
+        ("δ", cfg(Some(1.1)), 1.1f32),
+    ] {
+        for a in [1.0f32, -1.0] {
+            let (v, dv) = super::loss::ratio_term(&cfg, c1, a, 0.0);
+            assert_eq!(v, -c1 * a, "{what}, A {a}: loss term");
+            assert_eq!(dv, -0.5 * a, "{what}, A {a}: ∂/∂coef_1");
+        }
+    }
+}
+
 /// The clip indicators TRL logs, on ratios set by hand: token level counts masked tokens.
 #[test]
 fn clip_stats_count_as_trl_logs_them() {
