@@ -73,6 +73,7 @@ mod moe_bf16;
 mod packing;
 mod parity;
 mod preference;
+mod preference_moe;
 mod qlora;
 mod readme;
 mod remote;

@@ -491,3 +491,77 @@ fn padding_is_left_out_of_the_aux_loss() {
     assert!((ua - uz).abs() > 1e-4 * ua.abs(), "{ua} vs {uz}");
     assert!((a - ua).abs() > 1e-4 * a.abs(), "{a} vs {ua}");
 }
+
+/// The load-balancing loss under the per-token heads (the preference objectives' `PerToken`,
+/// GRPO's `Tempered`) takes SFT's router-side path: with `weigh` the mean NLL over the targets
+/// and the aux's whole share, either head gives transformers' SFT loss (CE + 0.1 · aux) and
+/// every LoRA gradient of the Qwen3-MoE golden, with and without checkpointing (the tolerances
+/// of `check_forward_and_grads`: loss 1e-5 relative, gradients 1e-4 of each tensor's largest);
+/// a share of 0 leaves the CE alone (0.1 · aux, about 0.22, lower). The aux's tokens named per
+/// row (KTO's and GRPO's `tokens`) cover what they name: all of them, the same as none named.
+#[test]
+fn per_token_heads_add_the_aux_loss_as_sft() {
+    use rtune_model::{AuxShare, HeadLoss};
+    let c = case(QWEN3_MOE.0, QWEN3_MOE.1);
+    let g = &c.golden;
+    let want = g.get("loss").to_vec1::<f32>().unwrap()[0] as f64;
+    let aux = g.get("aux_loss").to_vec1::<f32>().unwrap()[0] as f64;
+    let n = c.targets.iter().filter(|t| t.is_some()).count() as f32;
+    let has: Vec<bool> = c.targets.iter().map(Option::is_some).collect();
+    // The mean NLL over the targets: transformers' CE.
+    let mean = |nll: &[f32]| {
+        let w: Vec<f32> = has.iter().map(|&h| if h { 1.0 / n } else { 0.0 }).collect();
+        let loss = nll.iter().zip(&w).map(|(l, w)| f64::from(l * w)).sum();
+        Ok::<_, candle_core::Error>((loss, w))
+    };
+    let lc = crate::parity::ctx(&c.adapter);
+    let run = |tempered: bool, share: f64, tokens: Option<Vec<usize>>, ckpt: bool| {
+        let aux = AuxShare {
+            share,
+            grad_scale: share,
+            tokens,
+        };
+        let (mut plain, mut temp) = (mean, |nll: &[f32], _: &[f32]| mean(nll));
+        let head = match tempered {
+            false => HeadLoss::PerToken {
+                weigh: &mut plain,
+                aux,
+            },
+            true => HeadLoss::Tempered {
+                temperature: 1.0,
+                weigh: &mut temp,
+                aux,
+            },
+        };
+        let mut grads = rtune_model::Grads::new(c.adapter.pairs.len());
+        let mut none = |_: usize, _: &rtune_model::Grads| Ok(());
+        let loss = (c.model)
+            .train_pass(
+                &c.inputs, &c.targets, &lc, head, ckpt, &mut grads, &mut none,
+            )
+            .unwrap();
+        (loss, grads)
+    };
+    let every = Some(vec![c.inputs.t; c.inputs.b]);
+    for (tempered, tokens, ckpt) in [
+        (false, None, false),
+        (false, None, true),
+        (true, None, false),
+        (false, every, false),
+    ] {
+        let (loss, grads) = run(tempered, 1.0, tokens, ckpt);
+        let e = (loss - want).abs() / want;
+        eprintln!("tempered {tempered} checkpoint {ckpt}: loss rel err {e:e}");
+        assert!(e <= 1e-5, "loss {loss} vs {want}");
+        for (i, name) in c.adapter.names.iter().enumerate() {
+            for (which, got) in [("lora_A", &grads.a[i]), ("lora_B", &grads.b[i])] {
+                let w = g.get(&format!("grad.base_model.model.{name}.{which}.weight"));
+                let e = rel_err(got.as_ref().unwrap(), w);
+                assert!(e <= 1e-4, "grad {name}.{which} rel err {e:e}");
+            }
+        }
+    }
+    let (ce, _) = run(false, 0.0, None, false);
+    let e = (ce - (want - 0.1 * aux)).abs() / want;
+    assert!(e <= 1e-5, "no share: {ce} vs {}", want - 0.1 * aux);
+}

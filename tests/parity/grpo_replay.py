@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """GRPO parity (issue 44): rtune's own completions replayed through TRL 1.16's GRPOTrainer.
 
-    /work/.venv-ref/bin/python tests/parity/grpo_replay.py [--rtune target/debug/rtune] [--variant NAME]
+    /work/.venv-ref/bin/python tests/parity/grpo_replay.py [--rtune target/debug/rtune] [--variant NAME] [--moe]
 
 For each variant: rtune trains 3 steps on the tiny Llama (f32 CPU, LoRA r 4 on every linear layer,
 started from one PEFT adapter this script writes with random A and B, so that the policy is not
@@ -31,6 +31,18 @@ Measured (AMD EPYC, 2 cores, lr 1e-3, temperature 0.9), all 12 variants ok: loss
 adapter ≤ 4.9e-5 (cispo; the others ≤ 2.1e-5). Entropy (run for dapo, mask_truncated, beta,
 sequence, mu2, batch_scale): ≤ 8.7e-8 relative. spg2 (2026-12-06, branch grpo2): loss 3.6e-7, entropy
 1.0e-7, adapter 1.2e-6; dapo rerun beside it: loss 3.2e-6, entropy 4.0e-8, adapter 3.3e-6.
+
+`--moe` (issue 45): the same on a tiny random Qwen3-MoE this script makes (tests/fixtures/
+tiny-qwen3-moe's shape and init with the tiny Llama's vocabulary and tokenizer; `output_router_logits`,
+`router_aux_loss_coef` 0.1), LoRA on q/k/v/o and on the expert stacks (`target_parameters`): TRL's
+GRPOTrainer adds `router_aux_loss_coef · aux_loss / gradient_accumulation_steps` of the policy's
+forward (prompt and completion under its attention mask; a completion masked as truncated is out of
+it), about 0.3 of each loss here. Measured (2026-12-06, AMD EPYC, load 9): every variant's loss
+≤ 5.8e-7 and entropy ≤ 9.6e-8; the adapter ≤ 6.9e-5 for 9 of the 13, 1.35e-4 for grpo, dr_grpo and
+sapo and 1.06e-4 for spg2 (exit 1): each time one element of an expert stack's LoRA whose first
+TRL gradient is f32 noise (1.6e-8, −6.3e-9), which AdamW's first update g / (|g| + 1e-8) turns
+into a full-size step of either sign (the LR note below). rtune without the aux (share 0): loss
+rel 1.0 (grpo); without leaving the truncated completions out: 1.4e-1 (mask_truncated).
 """
 import argparse
 import json
@@ -83,10 +95,47 @@ def toml_value(v):
     return repr(v)
 
 
+# `--moe`: LoRA on q/k/v/o and, through `target_parameters`, on the expert stacks.
+MOE_LORA = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+LORA = dict(target_modules="all-linear")
+
+
+def make_moe(path):
+    """`--moe`: a tiny random Qwen3-MoE as make_moe_goldens.py makes tests/fixtures/tiny-qwen3-moe
+    (3 layers, layer 1 dense; 8 experts, top-2; routers N(0, 0.5); `output_router_logits` with
+    `router_aux_loss_coef` 0.1) with the tiny Llama's vocabulary and tokenizer (the sampled ids
+    are decoded for the rewards), saved under `path`."""
+    import shutil
+    from transformers import Qwen3MoeConfig
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    cfg = Qwen3MoeConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        max_position_embeddings=256, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], output_router_logits=True,
+        router_aux_loss_coef=0.1, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0, 0.1)
+            elif n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(MODEL / f, path)
+
+
 def init_adapter(path):
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **LORA)
     m = get_peft_model(base, cfg)
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -113,7 +162,9 @@ def run_rtune(rtune, work, variant, knobs):
     out = work / f"rtune-{variant}"
     lines = [
         f'[model]\npath = "{MODEL}"\ndtype = "f32"',
-        f'[lora]\nr = 4\nalpha = 8\ninit_from = "{work / "init"}"',
+        f'[lora]\nr = 4\nalpha = 8\ninit_from = "{work / "init"}"\n'
+        + "".join(f"{k.replace('_modules', 's')} = {json.dumps(v)}\n" for k, v in LORA.items()
+                  if LORA is MOE_LORA),
         f'[data]\ntrain = "{work / "prompts.jsonl"}"\nmax_seq_len = 32',
         f"[train]\nseed = 3\nsteps = {STEPS}\nmicro_batch_size = 8\ngrad_accum = 1\nlr = {LR}",
         'schedule = "constant"\nmax_grad_norm = 1.0\nobjective = "grpo"',
@@ -275,8 +326,10 @@ def compare(variant, knobs, rtune, work):
 
 
 def main():
-    global STEPS
+    global STEPS, MODEL, LORA
     ap = argparse.ArgumentParser()
+    ap.add_argument("--moe", action="store_true",
+                    help="a tiny Qwen3-MoE (the load-balancing loss in every loss; issue 45)")
     ap.add_argument("--rtune", default=str(ROOT / "target/debug/rtune"))
     ap.add_argument("--variant", action="append")
     ap.add_argument("--steps", type=int, default=STEPS)
@@ -284,6 +337,9 @@ def main():
     STEPS = a.steps
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     work = Path(tempfile.mkdtemp(prefix="grpo-parity-"))
+    if a.moe:
+        make_moe(work / "moe")
+        MODEL, LORA = work / "moe", MOE_LORA
     init_adapter(work / "init")
     write_prompts(work / "prompts.jsonl")
     ok = all([compare(v, VARIANTS[v], a.rtune, work) for v in (a.variant or VARIANTS)])

@@ -46,7 +46,7 @@ pub use config::{Arch, HfConfig, ModelConfig, RopeScaling, Variant};
 pub use device_gather::{DeviceGather, ThroughHost};
 pub use linear::{dora, Frozen, Grads, LoraCtx};
 pub use model::decode::{Completion, KvCache};
-pub use model::{Forward, HeadLoss, Inputs, Model, PerTokenLoss, Quantize, TemperedLoss};
+pub use model::{AuxShare, Forward, HeadLoss, Inputs, Model, PerTokenLoss, Quantize, TemperedLoss};
 pub use shard::Gather;
 
 use std::path::PathBuf;

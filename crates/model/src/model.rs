@@ -90,7 +90,11 @@ impl Inputs {
 
     /// `(B·T)` 1 for a real token, 0 for padding; `None` when there is no padding.
     pub fn real_tokens(&self) -> Option<Vec<f32>> {
-        let lens = self.lens.as_ref()?;
+        self.leading(self.lens.as_deref()?)
+    }
+
+    /// `(B·T)` 1 on each row's first `lens[r]` tokens, else 0.
+    fn leading(&self, lens: &[usize]) -> Option<Vec<f32>> {
         Some(
             lens.iter()
                 .flat_map(|&n| (0..self.t).map(move |i| if i < n { 1.0 } else { 0.0 }))
@@ -106,8 +110,12 @@ pub enum HeadLoss<'a> {
     Tokens { grad_scale: f64 },
     /// A loss that is a function of each position's target NLL (preference objectives: sums of
     /// them per sequence): `weigh(nll)` gets every position's `−log p(target)` (0 where there is
-    /// none) and returns the loss and `dloss/dnll` per position.
-    PerToken(PerTokenLoss<'a>),
+    /// none) and returns the loss and `dloss/dnll` per position; `aux` weighs the
+    /// load-balancing loss.
+    PerToken {
+        weigh: PerTokenLoss<'a>,
+        aux: AuxShare,
+    },
     /// [`HeadLoss::PerToken`] on the logits divided by `temperature` (GRPO: TRL divides the
     /// logits by the sampling temperature before its log-softmax): `weigh` gets every position's
     /// `−log softmax(z / T)[target]` and the entropy of `softmax(z / T)` there (TRL's `entropy`
@@ -115,7 +123,27 @@ pub enum HeadLoss<'a> {
     Tempered {
         temperature: f64,
         weigh: TemperedLoss<'a>,
+        aux: AuxShare,
     },
+}
+
+/// How a [`HeadLoss::PerToken`] or [`HeadLoss::Tempered`] pass weighs a mixture-of-experts
+/// model's load-balancing loss (`coef · aux`, when the config adds it; `Model::aux_loss`):
+/// TRL 1.16's trainers add `coef · aux` of the policy's forward to each micro-batch's loss, which
+/// is already normalised over the step, so the pass adds `coef · aux · share` to the loss it
+/// returns, its gradient scaled by `grad_scale`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuxShare {
+    /// This micro-batch's share of the step (TRL: `1 / gradient_accumulation_steps`; 1 for a
+    /// step of one micro-batch).
+    pub share: f64,
+    /// `share` times the objective's loss scale (the factor its `dloss/dnll` carries too).
+    pub grad_scale: f64,
+    /// Per row (`B` values), how many of its leading tokens the aux covers where that is not
+    /// every real token (TRL's attention mask over the forward whose aux it adds): KTO's KL rows
+    /// none (TRL runs them in a separate forward, whose aux it drops), a GRPO completion masked
+    /// as truncated its prompt only. `None`: every real token ([`Inputs::lens`]).
+    pub tokens: Option<Vec<usize>>,
 }
 
 /// [`HeadLoss::PerToken`]'s function: every position's NLL → (loss, dloss/dnll per position).
@@ -1033,17 +1061,32 @@ impl Model {
             }
             let (h, norm_cache) = self.final_norm(&x)?;
             drop(x);
-            // The load-balancing loss under SFT only (the preference objectives and GRPO add none
-            // yet): this micro-batch's target tokens and its share of the step.
-            let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
-            let aux_weight = match &objective {
-                HeadLoss::Tokens { grad_scale } => grad_scale * n_targets,
-                HeadLoss::PerToken(_) | HeadLoss::Tempered { .. } => 0.0,
+            // The load-balancing loss's share of the step. SFT: the head's loss is a sum over the
+            // target tokens (the trainer divides by the step's), so the term is weighed by this
+            // micro-batch's target tokens; the others: see `AuxShare`.
+            let aux = match &objective {
+                HeadLoss::Tokens { grad_scale } => {
+                    let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
+                    AuxShare {
+                        share: n_targets,
+                        grad_scale: grad_scale * n_targets,
+                        tokens: None,
+                    }
+                }
+                HeadLoss::PerToken { aux, .. } | HeadLoss::Tempered { aux, .. } => aux.clone(),
             };
             let (mut loss, dh) = self.head_loss(&h, targets, lora, &mut objective, grads)?;
-            let real = inp.real_tokens();
+            let real = match &aux.tokens {
+                Some(lens) if lens.len() == inp.b => inp.leading(lens),
+                Some(lens) => candle_core::bail!(
+                    "the load-balancing loss's token counts: {} rows for a batch of {}",
+                    lens.len(),
+                    inp.b
+                ),
+                None => inp.real_tokens(),
+            };
             let mut aux_grads =
-                match self.aux_loss(&router_logits, real.as_deref(), aux_weight, n_targets) {
+                match self.aux_loss(&router_logits, real.as_deref(), aux.grad_scale, aux.share) {
                     Some((aux, term, g)) => {
                         *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = Some(aux);
                         loss += term;
@@ -1092,17 +1135,18 @@ impl Model {
 
     /// transformers' load-balancing loss over the sparse layers' router logits (`T × E` each,
     /// forward order), when the config adds it (`output_router_logits`): the loss before its
-    /// coefficient, its term in [`Model::train_pass`]'s summed loss, and each layer's gradient
-    /// of `coef · aux · weight`. `weight` is this micro-batch's share of the step (its target
-    /// tokens times `grad_scale`: 1 for a step of one micro-batch, where the trainer's
-    /// `loss = CE + coef · aux` is transformers'). `real` (`T` values, 1 = a real token; see
-    /// [`Inputs::real_tokens`]) leaves padding out, as transformers' attention mask does.
+    /// coefficient, its term `coef · aux · share` in [`Model::train_pass`]'s loss, and each
+    /// layer's gradient of `coef · aux · weight`. `weight` is this micro-batch's share of the
+    /// step times the objective's gradient scale (SFT: its target tokens times `grad_scale`; 1
+    /// for a step of one micro-batch, where the trainer's `loss = CE + coef · aux` is
+    /// transformers'). `real` (`T` values, 1 = a real token; see [`Inputs::real_tokens`])
+    /// leaves padding out, as transformers' attention mask does.
     pub(super) fn aux_loss(
         &self,
         logits: &[Vec<f32>],
         real: Option<&[f32]>,
         weight: f64,
-        n_targets: f64,
+        share: f64,
     ) -> Option<(f64, f64, Vec<Vec<f32>>)> {
         let moe = self.cfg.moe.as_ref()?;
         let coef = moe.aux_coef?;
@@ -1116,8 +1160,7 @@ impl Model {
         grads
             .iter_mut()
             .for_each(|g| g.iter_mut().for_each(|v| *v *= scale));
-        // The summed loss is a sum over the target tokens (the trainer divides by the step's).
-        Some((aux as f64, coef * aux as f64 * n_targets, grads))
+        Some((aux as f64, coef * aux as f64 * share, grads))
     }
 
     /// The last training pass's load-balancing loss (before its coefficient), if the model adds

@@ -39,8 +39,10 @@ impl Model {
                 }
                 return Ok((loss, dh));
             }
-            HeadLoss::PerToken(weigh) => (Weigh::Plain(weigh), 1.0),
-            HeadLoss::Tempered { temperature, weigh } => (Weigh::Tempered(weigh), *temperature),
+            HeadLoss::PerToken { weigh, .. } => (Weigh::Plain(weigh), 1.0),
+            HeadLoss::Tempered {
+                temperature, weigh, ..
+            } => (Weigh::Tempered(weigh), *temperature),
         };
         if head.is_some() {
             candle_core::bail!(

@@ -24,6 +24,7 @@ use serde_json::{json, Value};
 use rtune_config::{Grpo as GrpoConfig, RunConfig};
 use rtune_data::{Batcher, MicroBatch, Prompt, Tokenizer};
 use rtune_infer::warp::Warpers;
+use rtune_model::AuxShare;
 use rtune_reward::{Reward, Rewards, Sample};
 
 use super::rollout::{self, Rng, Row, Sampler};
@@ -615,9 +616,26 @@ impl Recipe for Grpo {
             }
             Ok((f64::from(step.loss), w))
         };
+        // A mixture-of-experts model's load-balancing loss as TRL 1.16's GRPOTrainer adds it:
+        // `router_aux_loss_coef · aux / gradient_accumulation_steps` per micro-batch (rtune's
+        // `grad_accum` here counts the ranks' micro-batches too), the aux over the policy
+        // forward's attention mask: prompt and completion, a completion masked as truncated left
+        // out (TRL zeroes its `completion_mask`, which joins the attention mask).
+        let share = 1.0 / norm.grad_accum as f64;
+        let aux = AuxShare {
+            share,
+            grad_scale: share * loss_scale,
+            tokens: mask_truncated.then(|| {
+                let full = |r: &Row| rollout::row_mask(r, mask_truncated) > 0.0;
+                (micro.rows.iter())
+                    .map(|r| r.prompt.len() + if full(r) { r.completion.len() } else { 0 })
+                    .collect()
+            }),
+        };
         backward(HeadLoss::Tempered {
             temperature: self.g.temperature,
             weigh: &mut weigh,
+            aux,
         })
     }
 

@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 use rtune_config::RunConfig;
 use rtune_data::cache::RowCounts;
 use rtune_data::{Batcher, Layout, MicroBatch, Pair, PairBatch, PairSet, Tokenizer};
+use rtune_model::AuxShare;
 
 pub use loss::{Loss, PairLoss, PairSums, StepTotals};
 
@@ -222,7 +223,11 @@ impl Recipe for Preference {
     }
 
     /// The head hands every position's NLL to [`loss::weigh`], which forms the micro-batch's
-    /// share of the loss and `dloss/dnll` (scaled by `loss_scale`).
+    /// share of the loss and `dloss/dnll` (scaled by `loss_scale`). A mixture-of-experts
+    /// model's load-balancing loss joins it as TRL 1.16 adds it: `router_aux_loss_coef · aux` of
+    /// the policy's forward over the micro-batch (chosen then rejected rows: `DPOTrainer`,
+    /// `CPOTrainer`, `ORPOTrainer`; KTO: the completion rows, not the KL rows), weighed by the
+    /// micro-batch's share of the step's pairs (TRL: `1 / gradient_accumulation_steps`).
     fn pass(
         &self,
         pb: &PairBatch,
@@ -237,7 +242,23 @@ impl Recipe for Preference {
             let scaled = w.iter().map(|x| x * loss_scale as f32).collect();
             Ok((l, scaled))
         };
-        backward(HeadLoss::PerToken(&mut weigh))
+        let share = pb.pairs() as f64 / t.pairs.max(1) as f64;
+        let aux = AuxShare {
+            share,
+            grad_scale: share * loss_scale,
+            // KTO's batch is its completion rows, then their KL rows ([`PairBatch`]): the
+            // completion rows' real tokens.
+            tokens: self.loss.is_unpaired().then(|| {
+                let (b, lens) = (pb.pairs(), &pb.batch.lens);
+                (0..lens.len())
+                    .map(|r| if r < b { lens[r] } else { 0 })
+                    .collect()
+            }),
+        };
+        backward(HeadLoss::PerToken {
+            weigh: &mut weigh,
+            aux,
+        })
     }
 
     /// Each micro-batch's share is already normalised by the step's pairs.
