@@ -519,8 +519,9 @@ impl Model {
                     }
                 }
             }
-            // A sparse layer's router and experts stay f32 and compute in f32 (not yet autocast:
-            // the grouped op takes one dtype for its operands).
+            // A sparse layer's router and experts stay f32: the router's GEMM rounds its
+            // operands per product (`MoeMlp::logits_dtype`), and the experts compute in f32, as
+            // transformers' `grouped_mm` experts do under torch's autocast.
             let index = layer.index;
             layer.fuse().map_err(|e| {
                 ModelError::candle(format!("layer {index}: fusing q/k/v and gate/up"), e)

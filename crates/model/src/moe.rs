@@ -255,6 +255,7 @@ impl MoeMlp {
         // transformers: the logits in the model dtype, the softmax in f32. With a bias (gpt-oss)
         // torch's `F.linear` adds it inside the GEMM, one rounding: summed in f32 here.
         let logits = match &self.router_bias {
+            _ if self.logits_dtype(x.dtype()) != x.dtype() => self.autocast_logits(x)?,
             Some(b) if x.dtype() != DType::F32 => {
                 let f = |t: &Tensor| t.to_dtype(DType::F32);
                 f(x)?
@@ -270,9 +271,9 @@ impl MoeMlp {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let routed = route(&logits, e, self.top_k, self.routing)?;
-        // transformers rounds the weights to the model dtype before they scale the experts
+        // transformers rounds the weights to the logits' dtype before they scale the experts
         // (Mixtral's stay f32).
-        let weights = self.weights(&routed.weights, x.dtype())?;
+        let weights = self.weights(&routed.weights, self.logits_dtype(x.dtype()))?;
         let [gu, dn] = self.pairs(lora)?;
         let ex = self.op_experts(&gu, &dn);
         let (y, cache) = moe_forward(x, &routed.experts, &weights, self.top_k, &ex)?;
@@ -285,6 +286,32 @@ impl MoeMlp {
                 aux_grad: None,
             },
         ))
+    }
+
+    /// The router logits' dtype for activations in `dt`: bf16 under autocast (f32 activations),
+    /// where torch's autocast runs the router's `F.linear` in bf16 (the routing weights are then
+    /// rounded to bf16); else `dt`. The experts stay in `dt`: transformers 5.24's default
+    /// `grouped_mm` experts are not on autocast's list and cast their input to the (f32) weight's
+    /// dtype, and PEFT folds their LoRA update with autocast disabled
+    /// (`tests/parity/make_moe_goldens.py`, `qwen3_moe_autocast`).
+    fn logits_dtype(&self, dt: DType) -> DType {
+        match dt == DType::F32 && rtune_backend::blas::autocast::on() {
+            true => DType::BF16,
+            false => dt,
+        }
+    }
+
+    /// The router's logits under autocast, `x: (T, H)` f32 → `(T, E)` f32 holding bf16 values:
+    /// `R(x)·R(W_r)ᵀ` accumulated in f32 ([`rtune_backend::blas::matmul`] in autocast), gpt-oss's
+    /// bias (rounded to bf16) added to the f32 sum, and the sum rounded to bf16 once, as torch's
+    /// bf16 `F.linear` returns it.
+    fn autocast_logits(&self, x: &Tensor) -> Result<Tensor> {
+        let bf16 = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let mut y = rtune_backend::blas::matmul(x, &self.router.t()?)?;
+        if let Some(b) = &self.router_bias {
+            y = y.broadcast_add(&bf16(b)?)?;
+        }
+        bf16(&y)
     }
 
     fn op_experts<'a>(
@@ -326,7 +353,7 @@ impl MoeMlp {
         grads: &mut Grads,
     ) -> Result<Tensor> {
         let e = self.experts();
-        let weights = self.weights(&c.routed.weights, dy.dtype())?;
+        let weights = self.weights(&c.routed.weights, self.logits_dtype(dy.dtype()))?;
         let [gu, dn] = self.pairs(lora)?;
         let ex = self.op_experts(&gu, &dn);
         let g = moe_backward(dy, &weights, &ex, &c.cache)?;
@@ -342,8 +369,13 @@ impl MoeMlp {
         }
         let t = dy.dim(0)?;
         let dlogits = Tensor::from_vec(dlogits, (t, e), dy.device())?.to_dtype(dy.dtype())?;
-        // The frozen router's input gradient: (T, E)·(E, H).
-        g.dx + dlogits.matmul(&self.router)?
+        // The frozen router's input gradient: (T, E)·(E, H); under autocast on bf16-rounded
+        // operands, as torch's backward of the bf16 `F.linear`.
+        let dx = match self.logits_dtype(dy.dtype()) != dy.dtype() {
+            true => rtune_backend::blas::matmul(&dlogits, &self.router)?,
+            false => dlogits.matmul(&self.router)?,
+        };
+        g.dx + dx
     }
 }
 
