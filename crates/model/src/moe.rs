@@ -13,8 +13,10 @@
 //! [`MoeLayerCache::set_aux_grad`] before the layer's backward.
 
 use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
 
 use crate::linear::{Grads, LoraCtx};
+use crate::shard::{Gather, Shard};
 use crate::weights::TensorSource;
 use crate::{ModelError, Result as ModelResult};
 use rtune_experts::moe::{moe_backward, moe_forward, ExpertAct, ExpertLora, Experts, MoeCache};
@@ -82,6 +84,33 @@ pub struct MoeMlp {
     /// The adapter's pairs on `experts.gate_up_proj` and `experts.down_proj`, if targeted.
     pub lora_gate_up: Option<usize>,
     pub lora_down: Option<usize>,
+    /// In a sharded base (`crate::shard`): this rank's shards of `router`, `gate_up` and `down`,
+    /// which are then empty until `crate::gathered` gathers the layer (the biases stay whole).
+    pub shards: Option<MoeShards>,
+}
+
+/// A sharded base's shards of a sparse layer's router `(E, H)` and expert stacks `(E, 2I, H)`,
+/// `(E, H, I)` (each its own flattening split as a dense linear's, [`crate::shard::span`]).
+#[derive(Debug, Clone)]
+pub struct MoeShards {
+    pub router: Arc<Shard>,
+    pub gate_up: Arc<Shard>,
+    pub down: Arc<Shard>,
+}
+
+impl MoeShards {
+    /// The three shards with the names they are gathered under (`<prefix>.gate`, ...).
+    pub(crate) fn named(&self) -> [(&Arc<Shard>, &'static str); 3] {
+        [
+            (&self.router, "router"),
+            (&self.gate_up, "experts.gate_up_proj"),
+            (&self.down, "experts.down_proj"),
+        ]
+    }
+
+    pub(crate) fn named_mut(&mut self) -> [&mut Arc<Shard>; 3] {
+        [&mut self.router, &mut self.gate_up, &mut self.down]
+    }
 }
 
 /// What [`MoeMlp::backward`] needs, and the router logits the aux loss reads.
@@ -161,7 +190,54 @@ impl MoeMlp {
             f32_weights: mc.f32_weights,
             lora_gate_up: None,
             lora_down: None,
+            shards: None,
         })
+    }
+
+    /// Keeps only this rank's shard of the router and the expert stacks (read whole at load,
+    /// one layer at a time), leaving the tensors empty: a sharded base's sparse layer.
+    pub(crate) fn shard(&mut self, comm: &dyn Gather) -> Result<()> {
+        let piece = |t: &Tensor| -> Result<Arc<Shard>> {
+            let sp = crate::shard::span(t.elem_count(), 1, comm.size(), comm.rank());
+            let p = t.flatten_all()?.narrow(0, sp.start, sp.len())?;
+            Ok(Arc::new(Shard::dense(t.dims(), &p)?))
+        };
+        self.shards = Some(MoeShards {
+            router: piece(&self.router)?,
+            gate_up: piece(&self.gate_up)?,
+            down: piece(&self.down)?,
+        });
+        for t in [&mut self.router, &mut self.gate_up, &mut self.down] {
+            *t = Tensor::zeros(0, t.dtype(), t.device())?;
+        }
+        Ok(())
+    }
+
+    /// An error naming the layer and `pass` when its weights are still shards (a sharded
+    /// base's layer computes only once gathered).
+    fn whole(&self, pass: &str) -> Result<()> {
+        match self.shards {
+            Some(_) => candle_core::bail!("{}: {pass} on shards, not gathered", self.prefix),
+            None => Ok(()),
+        }
+    }
+
+    /// The gathered tensors `[router, gate_up, down]` in place of the shards.
+    pub(crate) fn set_gathered(&mut self, [router, gate_up, down]: [Tensor; 3]) {
+        (self.router, self.gate_up, self.down) = (router, gate_up, down);
+        self.shards = None;
+    }
+
+    /// Bytes this layer holds of its frozen router and experts (a sharded base: its shards).
+    pub fn resident_bytes(&self) -> usize {
+        let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let biases = [&self.router_bias, &self.gate_up_bias, &self.down_bias];
+        let whole: usize = biases.into_iter().flatten().map(dense).sum();
+        whole
+            + match &self.shards {
+                Some(s) => s.named().iter().map(|(s, _)| s.resident_bytes()).sum(),
+                None => dense(&self.router) + dense(&self.gate_up) + dense(&self.down),
+            }
     }
 
     /// transformers 5's fused stacks under `prefix` as the op takes them, `(E, 2I, H)` and
@@ -233,7 +309,10 @@ impl MoeMlp {
     }
 
     pub fn experts(&self) -> usize {
-        self.router.dim(0).unwrap_or(0)
+        match &self.shards {
+            Some(s) => s.router.shape[0],
+            None => self.router.dim(0).unwrap_or(0),
+        }
     }
 
     /// The LoRA pairs as the op takes them, cast to the compute dtype.
@@ -251,6 +330,7 @@ impl MoeMlp {
 
     /// `x: (T, H)` (the normed hidden state) → `(T, H)` and the cache.
     pub fn forward(&self, x: &Tensor, lora: Option<&LoraCtx>) -> Result<(Tensor, MoeLayerCache)> {
+        self.whole("forward")?;
         let e = self.experts();
         // transformers: the logits in the model dtype, the softmax in f32. With a bias (gpt-oss)
         // torch's `F.linear` adds it inside the GEMM, one rounding: summed in f32 here.
@@ -352,6 +432,7 @@ impl MoeMlp {
         lora: Option<&LoraCtx>,
         grads: &mut Grads,
     ) -> Result<Tensor> {
+        self.whole("backward")?;
         let e = self.experts();
         let weights = self.weights(&c.routed.weights, self.logits_dtype(dy.dtype()))?;
         let [gu, dn] = self.pairs(lora)?;
