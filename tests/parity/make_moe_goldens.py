@@ -264,7 +264,8 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss, "
-                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16, qwen3_moe_nf4, qwen3_moe_autocast)")
+                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16, qwen3_moe_nf4, qwen3_moe_autocast, "
+                    "mixtral_autocast, gpt_oss_autocast)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
@@ -276,6 +277,8 @@ if __name__ == "__main__":
     # QLoRA: bitsandbytes NF4 on the linears, the experts as stored.
     if not only or "qwen3_moe_nf4" in only:
         golden("qwen3_moe_nf4", os.path.join(FIX, "tiny-qwen3-moe"), torch.float32, nf4=True)
-    # bf16 autocast on the f32 fixture.
-    if not only or "qwen3_moe_autocast" in only:
-        golden("qwen3_moe_autocast", os.path.join(FIX, "tiny-qwen3-moe"), torch.float32, autocast=True)
+    # bf16 autocast on the f32 fixtures.
+    for name in MODELS:
+        if not only or f"{name}_autocast" in only:
+            golden(f"{name}_autocast", os.path.join(FIX, f"tiny-{name.replace('_', '-')}"), torch.float32,
+                   autocast=True)
