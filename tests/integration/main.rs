@@ -43,7 +43,8 @@
 //!   bad variant settings;
 //! - `autocast`: `dtype = "bf16-autocast"` against PEFT under torch.autocast (model and `rtune train`);
 //! - `moe`: Qwen3-MoE, Mixtral and gpt-oss (experts, routing, aux loss, QLoRA, MXFP4, export) against
-//!   transformers + PEFT; `moe_bf16`: the three in bf16 (model and `rtune train`);
+//!   transformers + PEFT; `moe_bf16`: the three in bf16 (model and `rtune train`); `moe_autocast`:
+//!   Qwen3-MoE under bf16 autocast against PEFT under torch.autocast;
 //! - `readme`: the README's crate diagram, crate table and one step's file trace against the tree
 //!   (the trace measured by callgrind);
 //! - `layering`: the sources' layering, read from the files: no import circle between the files of a
@@ -69,6 +70,7 @@ mod limits;
 mod links;
 mod mlflow;
 mod moe;
+mod moe_autocast;
 mod moe_bf16;
 mod packing;
 mod parity;

@@ -21,18 +21,8 @@ use crate::parity::case;
 /// measure: its entries' own bound (autocast's 5e-2 of the largest) would pass any AdamW
 /// trajectory here, the init's entries (~0.1) being far larger than three steps of lr 1e-3.
 fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
-    use rtune_train::optim::AdamW;
     let c = crate::parity::case_in(model, golden, DType::BF16);
-    let g = &c.golden;
-    assert_eq!(g.meta["dtype"], "bfloat16");
-    let lc = crate::parity::ctx(&c.adapter);
-    let out = c.model.forward(&c.inputs, Some(&lc), true).unwrap();
-    let e_logits = rel_err(&out.logits, g.get("logits"));
-    // Where a gap starts: each layer's output against transformers' (printed, not asserted).
-    let hidden: Vec<String> = (out.hidden.iter().enumerate())
-        .map(|(i, h)| format!("{:.1e}", rel_err(h, g.get(&format!("hidden_states.{i}")))))
-        .collect();
-    eprintln!("{model} bf16 hidden states: {}", hidden.join(" "));
+    assert_eq!(c.golden.meta["dtype"], "bfloat16");
     // The f32 model is measurably off the bf16 golden: the check is not f32 against itself.
     let f32c = case(model, golden);
     let lc32 = crate::parity::ctx(&f32c.adapter);
@@ -40,12 +30,30 @@ fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
         .model
         .forward(&f32c.inputs, Some(&lc32), false)
         .unwrap();
-    let e32 = rel_err(&l32.logits, g.get("logits"));
+    let e32 = rel_err(&l32.logits, c.golden.get("logits"));
     assert!(
         e32 > 1e-4,
         "{model}: f32 logits equal the bf16 golden to {e32:e}"
     );
-    let (loss, grads) = crate::parity::loss_and_grads(&c, &c.adapter, true);
+    errors_against_golden(&c, &format!("{model} bf16"))
+}
+
+/// A case's errors against its golden, `(logits, loss, aux, worst gradient, worst step loss,
+/// worst update)`, as [`moe_bf16_matches_peft`] measures them (the model as the case set it up:
+/// bf16, or f32 under autocast); `label` names it in the printed figures.
+pub(crate) fn errors_against_golden(c: &crate::parity::Case, label: &str) -> [f64; 6] {
+    use rtune_train::optim::AdamW;
+    let model = label;
+    let g = &c.golden;
+    let lc = crate::parity::ctx(&c.adapter);
+    let out = c.model.forward(&c.inputs, Some(&lc), true).unwrap();
+    let e_logits = rel_err(&out.logits, g.get("logits"));
+    // Where a gap starts: each layer's output against transformers' (printed, not asserted).
+    let hidden: Vec<String> = (out.hidden.iter().enumerate())
+        .map(|(i, h)| format!("{:.1e}", rel_err(h, g.get(&format!("hidden_states.{i}")))))
+        .collect();
+    eprintln!("{model} hidden states: {}", hidden.join(" "));
+    let (loss, grads) = crate::parity::loss_and_grads(c, &c.adapter, true);
     let want = g.get("loss").to_vec1::<f32>().unwrap()[0] as f64;
     let e_loss = (loss - want).abs() / want;
     let aux = c.model.last_aux_loss().expect("aux loss");
@@ -57,7 +65,7 @@ fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
             let want = g.get(&format!("grad.base_model.model.{name}.{which}.weight"));
             let e = rel_err(got.as_ref().unwrap(), want);
             if e > 5e-2 {
-                eprintln!("{model} bf16: {name}.{which} gradient rel err {e:.2e}");
+                eprintln!("{model}: {name}.{which} gradient rel err {e:.2e}");
             }
             e_grad = e_grad.max(e);
         }
@@ -77,7 +85,7 @@ fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
     let mut opt = AdamW::new(&sizes, (0.9, 0.999), 1e-8, 0.0);
     let mut e_steps = 0f64;
     for want in &want_losses {
-        let (loss, grads) = crate::parity::loss_and_grads(&c, &adapter, true);
+        let (loss, grads) = crate::parity::loss_and_grads(c, &adapter, true);
         e_steps = e_steps.max((loss - *want as f64).abs() / *want as f64);
         let gv: Vec<Vec<f32>> = (0..adapter.pairs.len())
             .flat_map(|i| [&grads.a[i], &grads.b[i]].map(|t| flat(t.as_ref().unwrap())))
@@ -104,7 +112,7 @@ fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
     }
     let e = [e_logits, e_loss, e_aux, e_grad, e_steps, e_update];
     eprintln!(
-        "{model} bf16: logits {:.2e} loss {:.2e} aux {:.2e} grads {:.2e} step losses {:.2e} \
+        "{model}: logits {:.2e} loss {:.2e} aux {:.2e} grads {:.2e} step losses {:.2e} \
          update {:.2e}",
         e[0], e[1], e[2], e[3], e[4], e[5]
     );
@@ -116,7 +124,7 @@ fn moe_bf16_matches_peft((model, golden): (&str, &str)) -> [f64; 6] {
 /// rounding of the same three steps gives. AdamW's steps are `lr·m/√v`, whose sign flips for every
 /// gradient entry within bf16's noise of zero, so the update cannot be held to the gradients'
 /// tolerance; a bf16 run must be closer to PEFT's bf16 run than PEFT's f32 run is.
-fn f32_golden_update_distance(f32_golden: &str, bf16_golden: &str) -> f64 {
+pub(crate) fn f32_golden_update_distance(f32_golden: &str, bf16_golden: &str) -> f64 {
     let (a, b) = (
         Golden::load(&fixture(f32_golden)),
         Golden::load(&fixture(bf16_golden)),

@@ -45,6 +45,16 @@ QLoRA (`--only qwen3_moe_nf4`): the Qwen3-MoE fixture loaded by transformers wit
 layer's MLP) but not the fused 3-D expert parameters nor the router (`nn.Parameter`s, not linears):
 they stay f32, and PEFT's `target_parameters` adapts them as above. NF4 dequantized by the format's
 definition (make_goldens.py's `nf4_dequantize_by_definition`); golden_tiny_qwen3_moe_nf4.safetensors.
+bf16 autocast (`--only qwen3_moe_autocast`): the Qwen3-MoE fixture in f32, every forward (the
+golden's, the base logits', the AdamW steps') under `torch.autocast('cpu', dtype=torch.bfloat16)`
+and each backward after it, as make_goldens.py's golden_tiny_autocast. What autocast does to this
+model (checked with a TorchDispatchMode log of the aten ops): the router's `F.linear` runs in bf16
+(bf16 logits, so the routing weights are rounded to bf16 and the load-balancing loss takes a bf16
+softmax); transformers' default `grouped_mm` experts are not on autocast's list and cast their
+input to the weight's dtype, so the experts compute in f32, and PEFT's fold of the expert LoRA
+(`baddbmm`) runs with autocast disabled, in f32. golden_tiny_qwen3_moe_autocast.safetensors,
+`meta.autocast_bf16` true; torch's bf16 kernels are chosen by CPU (made on the 2-core
+AVX-512-BF16 EPYC).
 Deterministic: seeded init, deterministic algorithms, CPU, f32 (bf16 where named), eager attention.
 """
 import json
@@ -168,7 +178,7 @@ def mxfp4(model, dense_dir):
     print("mxfp4:", sorted(q)[:4], "...")
 
 
-def golden(name, model_dir, dtype, nf4=False):
+def golden(name, model_dir, dtype, nf4=False, autocast=False):
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     kwargs = {}
@@ -204,7 +214,11 @@ def golden(name, model_dir, dtype, nf4=False):
     ids[:, 0] = 1
     labels = ids.clone()
     labels[:, :4] = -100
-    out = model(input_ids=ids, labels=labels, output_hidden_states=True)
+    def amp():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
+    with amp():
+        out = model(input_ids=ids, labels=labels, output_hidden_states=True)
     out.loss.backward()
     tensors.update(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels,
                    logits=out.logits.detach().float(), loss=out.loss.detach().float().reshape(1),
@@ -213,13 +227,14 @@ def golden(name, model_dir, dtype, nf4=False):
         tensors[f"hidden_states.{i}"] = h.detach().float()
     for n, p in params:
         tensors["grad." + peft_key(n)] = p.grad.detach().float().clone()
-    with torch.no_grad(), model.disable_adapter():
+    with torch.no_grad(), model.disable_adapter(), amp():
         tensors["base_logits"] = model(input_ids=ids).logits.float()
     opt = torch.optim.AdamW([p for _, p in params], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=labels).loss
+        with amp():
+            loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -233,6 +248,8 @@ def golden(name, model_dir, dtype, nf4=False):
             "model": name, "dtype": str(dtype).replace("torch.", ""), "quant": "nf4" if nf4 else None, "versions": {"torch": torch.__version__,
                                                             "transformers": __import__("transformers").__version__,
                                                             "peft": __import__("peft").__version__}}
+    if autocast:
+        meta["autocast_bf16"] = True
     path = os.path.join(HERE, f"golden_tiny_{name}.safetensors")
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"config": json.dumps(meta)})
     print(name, "loss", out.loss.item(), "aux", out.aux_loss.item(), "adamw", losses)
@@ -247,7 +264,8 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated names (qwen3_moe, mixtral, gpt_oss, "
-                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16, qwen3_moe_nf4)")
+                    "qwen3_moe_bf16, mixtral_bf16, gpt_oss_bf16, qwen3_moe_nf4, qwen3_moe_autocast, "
+                    "mixtral_autocast, gpt_oss_autocast)")
     only = set(filter(None, ap.parse_args().only.split(",")))
     for name, cfg in MODELS.items():
         if not only or name in only:
@@ -259,3 +277,8 @@ if __name__ == "__main__":
     # QLoRA: bitsandbytes NF4 on the linears, the experts as stored.
     if not only or "qwen3_moe_nf4" in only:
         golden("qwen3_moe_nf4", os.path.join(FIX, "tiny-qwen3-moe"), torch.float32, nf4=True)
+    # bf16 autocast on the f32 fixtures.
+    for name in MODELS:
+        if not only or f"{name}_autocast" in only:
+            golden(f"{name}_autocast", os.path.join(FIX, f"tiny-{name.replace('_', '-')}"), torch.float32,
+                   autocast=True)

@@ -322,7 +322,7 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
                 values += o * e;
             }
         }
-        values += moe::frozen_bytes(c, s, layer, e);
+        values += moe::frozen_bytes(c, s, layer, e, world);
     }
     let dora: u64 = (0..c.num_layers).map(|x| dora_outs(c, s, x)).sum();
     // LoRA A (r, in) and B (out, r) in f32; AdamW's m and v; and the optimizer's flat f32 copy of
@@ -369,10 +369,15 @@ fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
     let kept = s.keep_gathered.min(c.num_layers) as u64;
     // The last layer's weights stand for each gathered layer's.
     let last = c.num_layers.saturating_sub(1);
+    // A sparse layer's router and expert stacks are gathered with it, whole, in the compute dtype.
+    let experts = moe::weights_of(c, s, last);
     let layer = |v: &mut Vec<Item>, count: u64| {
         for (_, i, o) in linears(c, last).into_iter().filter(|_| count > 0) {
             let (w, k) = frozen_bytes(i * o, e, s.quantize);
             v.push(item(names::GATHERED, w + k, count));
+        }
+        for n in experts.iter().filter(|_| count > 0) {
+            v.push(item(names::GATHERED, n * e, count));
         }
     };
     let mut v = Vec::new();
@@ -385,7 +390,10 @@ fn gathered_items(c: &ModelConfig, s: &Settings, phase: Phase) -> Vec<Item> {
         Phase::SwigluBackward | Phase::AttentionBackward | Phase::RopeBackward => {
             let ahead = u64::from(s.prefetch && kept < 2 && c.num_layers > 1);
             layer(&mut v, kept.max(1) + ahead);
-            let largest = linears(c, last).iter().map(|(_, i, o)| i * o * e).max();
+            let largest = (linears(c, last).iter().map(|(_, i, o)| i * o))
+                .chain(experts.iter().copied())
+                .max()
+                .map(|n| n * e);
             if s.quantize == Quantize::None && kept == 0 {
                 v.push(item(names::GATHERED, largest.unwrap_or(0), 1));
             }
@@ -724,10 +732,15 @@ fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
     };
     // A sharded base's rank reads its pieces with pread (nothing mapped), each read into a
     // buffer, copied into a tensor and from it into the piece's bytes: three copies of the
-    // largest piece at once.
+    // largest piece at once. A sparse layer's expert stacks are read whole, then cut to this
+    // rank's piece (`MoeMlp::shard`): their loading copies instead when larger.
     if let Some(world) = s.shard {
         let piece = (embed.max(linear) * file_e.max(e)).div_ceil(world.max(1) as u64);
-        return vec![item(names::CONVERT, piece, 3)];
+        let experts = moe::loading_bytes(c, s, e);
+        return match experts > 3 * piece {
+            true => vec![item(names::CONVERT, experts, 1)],
+            false => vec![item(names::CONVERT, piece, 3)],
+        };
     }
     vec![
         item(names::MAPPED, s.checkpoint_bytes, 1),

@@ -39,17 +39,27 @@ pub(crate) fn stacks_of(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64, u6
         .collect()
 }
 
-/// Sparse layer `l`'s frozen bytes: the router and both stacks, compute dtype.
-pub(crate) fn frozen_bytes(c: &ModelConfig, s: &Settings, l: usize, e: u64) -> u64 {
-    let stacks: u64 = stacks_of(c, s, l)
+/// Sparse layer `l`'s frozen bytes on one rank of a base sharded over `world` (1: the whole
+/// base): the router and both stacks, compute dtype, each split into `world` pieces as a dense
+/// linear's (`rtune_model::moe::MoeShards`).
+pub(crate) fn frozen_bytes(c: &ModelConfig, s: &Settings, l: usize, e: u64, world: u64) -> u64 {
+    weights_of(c, s, l)
         .iter()
-        .map(|(x, i, o, _)| x * i * o)
-        .sum();
-    let router = c.moe.as_ref().map_or(0, |m| m.experts as u64) * c.hidden_size as u64;
-    if stacks == 0 {
-        return 0;
+        .map(|n| (n * e).div_ceil(world.max(1)))
+        .sum()
+}
+
+/// Sparse layer `l`'s frozen weights' element counts: the router, gate_up, down (none on a
+/// dense layer).
+pub(crate) fn weights_of(c: &ModelConfig, s: &Settings, l: usize) -> Vec<u64> {
+    let stacks = stacks_of(c, s, l);
+    if stacks.is_empty() {
+        return Vec::new();
     }
-    (stacks + router) * e
+    let router = c.moe.as_ref().map_or(0, |m| m.experts as u64) * c.hidden_size as u64;
+    std::iter::once(router)
+        .chain(stacks.iter().map(|(x, i, o, _)| x * i * o))
+        .collect()
 }
 
 /// Sparse layer `l`'s LoRA parameters: `r·E·(in + out)` per adapted stack.

@@ -620,6 +620,37 @@ fn nf4_on_a_mixture_of_experts_quantizes_the_linears_only() {
     assert!(nf4 > experts, "{nf4} < the experts' {experts}");
 }
 
+/// `[distributed] shard_base` on a mixture of experts: a rank holds 1/world of the routers and
+/// expert stacks as of the linears (`rtune_model::moe::MoeShards`; on Qwen3-30B-A3B they are
+/// 94% of the weights), and a layer's backward has its experts gathered whole.
+#[test]
+fn a_sharded_base_divides_the_experts_among_the_ranks() {
+    let c = qwen3_30b_a3b();
+    let mut s = Settings::new(8, 1, 512, true);
+    s.dtype = DType::BF16;
+    let whole = estimate(&c, &s).get(names::WEIGHTS);
+    s.shard = Some(4);
+    let rank = estimate(&c, &s).get(names::WEIGHTS);
+    // The RMSNorm weights (2 a layer and the final one) stay whole on every rank.
+    let norms = (2 * 48 + 1) * 2048 * 2;
+    // Each weight's share rounded up: at most 1 byte more per weight (7 a layer, 2 tables).
+    let pieces = 48 * 7 + 2;
+    let (split, shares) = (whole - norms, rank - norms);
+    assert!(
+        4 * shares >= split && 4 * shares <= split + 4 * pieces,
+        "{rank} B a rank of {whole} B"
+    );
+    // One layer's experts, gathered in its backward: 128 × (gate_up 2·768·2048 + down
+    // 2048·768) + the router 128·2048, bf16.
+    let experts = (128 * 3 * 768 * 2048 + 128 * 2048) * 2;
+    let gathered: u64 = phase_items(&c, &s, Phase::AttentionBackward, AttnPath::Tiled)
+        .iter()
+        .filter(|it| it.name == names::GATHERED)
+        .map(|it| it.each * it.count)
+        .sum();
+    assert!(gathered > experts, "{gathered} B gathered");
+}
+
 /// Qwen3-30B-A3B: its model card says 30.5 B parameters, 3.3 B activated. Counted to 1%, and the
 /// experts' LoRA as PEFT's `ParamWrapper` sizes it.
 #[test]

@@ -3,7 +3,8 @@
 //! in three steps — planned (every buffer allocated, by the pass's thread), filled (the gathers
 //! themselves, on whichever thread gathers: `crate::feed`'s prefetching one allocates nothing),
 //! finished (the buffers made into ordinary dense or NF4 weights without a copy, the dense q/k/v
-//! and gate/up as the one block each the unsharded model fuses).
+//! and gate/up as the one block each the unsharded model fuses, a sparse layer's router and
+//! expert stacks as its tensors).
 
 use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
@@ -98,6 +99,11 @@ impl Sharded {
                     *shard = Arc::new(shard.upload(device)?);
                 }
             }
+            if let Some(s) = l.moe.as_mut().and_then(|m| m.shards.as_mut()) {
+                for shard in s.named_mut() {
+                    *shard = Arc::new(shard.upload(device)?);
+                }
+            }
         }
         self.launch_ahead = self.launch_ahead || self.background.is_some();
         self.background = None;
@@ -129,6 +135,8 @@ pub(crate) struct Planned {
     bufs: Vec<Buf>,
     /// How q/k/v (or Phi-3's qkv), gate/up, o and down are made from `bufs`, in that order.
     plans: [GroupPlan; 4],
+    /// A sparse layer's router and expert stacks: their buffers, in `MoeShards::named` order.
+    moe: Option<[usize; 3]>,
 }
 
 /// How a group of linears (or one) is made from the gathered buffers.
@@ -153,6 +161,29 @@ impl Planned {
             plan(std::slice::from_ref(&l.o))?,
             plan(l.down.as_slice())?,
         ];
+        // A sparse layer's router and experts, after the linears (every rank in this order).
+        let moe = match l
+            .moe
+            .as_ref()
+            .and_then(|m| Some((&m.prefix, m.shards.as_ref()?)))
+        {
+            Some((prefix, shards)) => {
+                let mut at = [0; 3];
+                for (i, (shard, name)) in shards.named().into_iter().enumerate() {
+                    bufs.push(shard.buffer(Part::Values, size)?);
+                    at[i] = bufs.len() - 1;
+                    jobs.push(job(
+                        shard,
+                        Part::Values,
+                        &format!("{prefix}.{name}"),
+                        at[i],
+                        0,
+                    ));
+                }
+                Some(at)
+            }
+            None => None,
+        };
         // The blocks are remade from the gathered buffers.
         (l.qkv, l.gate_up) = (None, None);
         Ok(Self {
@@ -160,6 +191,7 @@ impl Planned {
             jobs,
             bufs,
             plans,
+            moe,
         })
     }
 
@@ -179,6 +211,7 @@ impl Planned {
             mut layer,
             bufs,
             plans: [qkv, gate_up, o, down],
+            moe,
             ..
         } = self;
         let mut bufs: Vec<Option<Buf>> = bufs.into_iter().map(Some).collect();
@@ -186,6 +219,22 @@ impl Planned {
         layer.gate_up = finish_group(&mut layer.mlp_in, gate_up, &mut bufs, device)?;
         finish_group(std::slice::from_mut(&mut layer.o), o, &mut bufs, device)?;
         finish_group(layer.down.as_mut_slice(), down, &mut bufs, device)?;
+        if let (Some(at), Some(m)) = (moe, layer.moe.as_mut()) {
+            let Some(shards) = m.shards.take() else {
+                candle_core::bail!("{}: gathers planned for experts not sharded", m.prefix);
+            };
+            let mut gathered = Vec::with_capacity(3);
+            for (i, (shard, name)) in at.into_iter().zip(shards.named()) {
+                let buf = bufs[i].take().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("{}.{name}: buffer {i} used twice", m.prefix))
+                })?;
+                gathered.push(buf.tensor(&shard.shape, device)?);
+            }
+            let gathered: [Tensor; 3] = gathered
+                .try_into()
+                .map_err(|_| candle_core::Error::Msg("three expert tensors".into()))?;
+            m.set_gathered(gathered);
+        }
         Ok(layer)
     }
 }

@@ -336,7 +336,15 @@ impl Model {
             // MLP's inputs (gate, up or gate_up), down.
             // A sparse layer has no dense MLP: its experts are loaded below.
             let moe = match &cfg.moe {
-                Some(mc) if mc.sparse_layers[l] => Some(crate::moe::MoeMlp::load(w, &p, mc, d)?),
+                Some(mc) if mc.sparse_layers[l] => {
+                    let mut m = crate::moe::MoeMlp::load(w, &p, mc, d)?;
+                    if let Some(c) = comm.as_deref() {
+                        m.shard(c).map_err(|e| {
+                            ModelError::candle(format!("{p}.mlp: shard of the experts"), e)
+                        })?;
+                    }
+                    Some(m)
+                }
                 _ => None,
             };
             let mut mods = cfg
@@ -547,8 +555,9 @@ impl Model {
                     }
                 }
             }
-            // A sparse layer's router and experts stay f32 and compute in f32 (not yet autocast:
-            // the grouped op takes one dtype for its operands).
+            // A sparse layer's router and experts stay f32: the router's GEMM rounds its
+            // operands per product (`MoeMlp::logits_dtype`), and the experts compute in f32, as
+            // transformers' `grouped_mm` experts do under torch's autocast.
             let index = layer.index;
             layer.fuse().map_err(|e| {
                 ModelError::candle(format!("layer {index}: fusing q/k/v and gate/up"), e)
@@ -1202,6 +1211,7 @@ impl Model {
             for lin in l.linears() {
                 n += lin.w.resident_bytes() + lin.bias.as_ref().map_or(0, dense);
             }
+            n += l.moe.as_ref().map_or(0, crate::moe::MoeMlp::resident_bytes);
         }
         n
     }

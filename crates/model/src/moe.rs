@@ -13,8 +13,10 @@
 //! [`MoeLayerCache::set_aux_grad`] before the layer's backward.
 
 use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
 
 use crate::linear::{Grads, LoraCtx};
+use crate::shard::{Gather, Shard};
 use crate::weights::TensorSource;
 use crate::{ModelError, Result as ModelResult};
 use rtune_experts::moe::{moe_backward, moe_forward, ExpertAct, ExpertLora, Experts, MoeCache};
@@ -82,6 +84,33 @@ pub struct MoeMlp {
     /// The adapter's pairs on `experts.gate_up_proj` and `experts.down_proj`, if targeted.
     pub lora_gate_up: Option<usize>,
     pub lora_down: Option<usize>,
+    /// In a sharded base (`crate::shard`): this rank's shards of `router`, `gate_up` and `down`,
+    /// which are then empty until `crate::gathered` gathers the layer (the biases stay whole).
+    pub shards: Option<MoeShards>,
+}
+
+/// A sharded base's shards of a sparse layer's router `(E, H)` and expert stacks `(E, 2I, H)`,
+/// `(E, H, I)` (each its own flattening split as a dense linear's, [`crate::shard::span`]).
+#[derive(Debug, Clone)]
+pub struct MoeShards {
+    pub router: Arc<Shard>,
+    pub gate_up: Arc<Shard>,
+    pub down: Arc<Shard>,
+}
+
+impl MoeShards {
+    /// The three shards with the names they are gathered under (`<prefix>.gate`, ...).
+    pub(crate) fn named(&self) -> [(&Arc<Shard>, &'static str); 3] {
+        [
+            (&self.router, "router"),
+            (&self.gate_up, "experts.gate_up_proj"),
+            (&self.down, "experts.down_proj"),
+        ]
+    }
+
+    pub(crate) fn named_mut(&mut self) -> [&mut Arc<Shard>; 3] {
+        [&mut self.router, &mut self.gate_up, &mut self.down]
+    }
 }
 
 /// What [`MoeMlp::backward`] needs, and the router logits the aux loss reads.
@@ -161,7 +190,54 @@ impl MoeMlp {
             f32_weights: mc.f32_weights,
             lora_gate_up: None,
             lora_down: None,
+            shards: None,
         })
+    }
+
+    /// Keeps only this rank's shard of the router and the expert stacks (read whole at load,
+    /// one layer at a time), leaving the tensors empty: a sharded base's sparse layer.
+    pub(crate) fn shard(&mut self, comm: &dyn Gather) -> Result<()> {
+        let piece = |t: &Tensor| -> Result<Arc<Shard>> {
+            let sp = crate::shard::span(t.elem_count(), 1, comm.size(), comm.rank());
+            let p = t.flatten_all()?.narrow(0, sp.start, sp.len())?;
+            Ok(Arc::new(Shard::dense(t.dims(), &p)?))
+        };
+        self.shards = Some(MoeShards {
+            router: piece(&self.router)?,
+            gate_up: piece(&self.gate_up)?,
+            down: piece(&self.down)?,
+        });
+        for t in [&mut self.router, &mut self.gate_up, &mut self.down] {
+            *t = Tensor::zeros(0, t.dtype(), t.device())?;
+        }
+        Ok(())
+    }
+
+    /// An error naming the layer and `pass` when its weights are still shards (a sharded
+    /// base's layer computes only once gathered).
+    fn whole(&self, pass: &str) -> Result<()> {
+        match self.shards {
+            Some(_) => candle_core::bail!("{}: {pass} on shards, not gathered", self.prefix),
+            None => Ok(()),
+        }
+    }
+
+    /// The gathered tensors `[router, gate_up, down]` in place of the shards.
+    pub(crate) fn set_gathered(&mut self, [router, gate_up, down]: [Tensor; 3]) {
+        (self.router, self.gate_up, self.down) = (router, gate_up, down);
+        self.shards = None;
+    }
+
+    /// Bytes this layer holds of its frozen router and experts (a sharded base: its shards).
+    pub fn resident_bytes(&self) -> usize {
+        let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let biases = [&self.router_bias, &self.gate_up_bias, &self.down_bias];
+        let whole: usize = biases.into_iter().flatten().map(dense).sum();
+        whole
+            + match &self.shards {
+                Some(s) => s.named().iter().map(|(s, _)| s.resident_bytes()).sum(),
+                None => dense(&self.router) + dense(&self.gate_up) + dense(&self.down),
+            }
     }
 
     /// transformers 5's fused stacks under `prefix` as the op takes them, `(E, 2I, H)` and
@@ -233,7 +309,10 @@ impl MoeMlp {
     }
 
     pub fn experts(&self) -> usize {
-        self.router.dim(0).unwrap_or(0)
+        match &self.shards {
+            Some(s) => s.router.shape[0],
+            None => self.router.dim(0).unwrap_or(0),
+        }
     }
 
     /// The LoRA pairs as the op takes them, cast to the compute dtype.
@@ -251,10 +330,12 @@ impl MoeMlp {
 
     /// `x: (T, H)` (the normed hidden state) → `(T, H)` and the cache.
     pub fn forward(&self, x: &Tensor, lora: Option<&LoraCtx>) -> Result<(Tensor, MoeLayerCache)> {
+        self.whole("forward")?;
         let e = self.experts();
         // transformers: the logits in the model dtype, the softmax in f32. With a bias (gpt-oss)
         // torch's `F.linear` adds it inside the GEMM, one rounding: summed in f32 here.
         let logits = match &self.router_bias {
+            _ if self.logits_dtype(x.dtype()) != x.dtype() => self.autocast_logits(x)?,
             Some(b) if x.dtype() != DType::F32 => {
                 let f = |t: &Tensor| t.to_dtype(DType::F32);
                 f(x)?
@@ -270,9 +351,9 @@ impl MoeMlp {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let routed = route(&logits, e, self.top_k, self.routing)?;
-        // transformers rounds the weights to the model dtype before they scale the experts
+        // transformers rounds the weights to the logits' dtype before they scale the experts
         // (Mixtral's stay f32).
-        let weights = self.weights(&routed.weights, x.dtype())?;
+        let weights = self.weights(&routed.weights, self.logits_dtype(x.dtype()))?;
         let [gu, dn] = self.pairs(lora)?;
         let ex = self.op_experts(&gu, &dn);
         let (y, cache) = moe_forward(x, &routed.experts, &weights, self.top_k, &ex)?;
@@ -285,6 +366,40 @@ impl MoeMlp {
                 aux_grad: None,
             },
         ))
+    }
+
+    /// The router logits' dtype for activations in `dt`: bf16 under autocast (f32 activations),
+    /// where torch's autocast runs the router's `F.linear` in bf16 (the routing weights are then
+    /// rounded to bf16); else `dt`. The experts stay in `dt`: transformers 5.24's default
+    /// `grouped_mm` experts are not on autocast's list and cast their input to the (f32) weight's
+    /// dtype, and PEFT folds their LoRA update with autocast disabled
+    /// (`tests/parity/make_moe_goldens.py`, `qwen3_moe_autocast`).
+    ///
+    /// Only for the routers verified so (Qwen3-MoE's: no bias, weights rounded to the logits'
+    /// dtype). Mixtral's (f32 weights) and gpt-oss's (biased, top-k of the logits) keep f32
+    /// logits: against their autocast goldens (`--only mixtral_autocast,gpt_oss_autocast`, not
+    /// committed) bf16 logits measured no better for Mixtral (logits 5.8e-2 vs 7.2e-2 but aux
+    /// 8.7e-4 vs 5.5e-5; PEFT's own f32 run is 7.2e-2 away, a routing flip) and far worse for
+    /// gpt-oss (layer 0's output 2.2e-1 vs 1.1e-2 off: a top-k choice on bf16 logits differs).
+    fn logits_dtype(&self, dt: DType) -> DType {
+        let verified = self.router_bias.is_none() && !self.f32_weights;
+        match verified && dt == DType::F32 && rtune_backend::blas::autocast::on() {
+            true => DType::BF16,
+            false => dt,
+        }
+    }
+
+    /// The router's logits under autocast, `x: (T, H)` f32 → `(T, E)` f32 holding bf16 values:
+    /// `R(x)·R(W_r)ᵀ` accumulated in f32 ([`rtune_backend::blas::matmul`] in autocast), gpt-oss's
+    /// bias (rounded to bf16) added to the f32 sum, and the sum rounded to bf16 once, as torch's
+    /// bf16 `F.linear` returns it.
+    fn autocast_logits(&self, x: &Tensor) -> Result<Tensor> {
+        let bf16 = |t: &Tensor| t.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let mut y = rtune_backend::blas::matmul(x, &self.router.t()?)?;
+        if let Some(b) = &self.router_bias {
+            y = y.broadcast_add(&bf16(b)?)?;
+        }
+        bf16(&y)
     }
 
     fn op_experts<'a>(
@@ -325,8 +440,9 @@ impl MoeMlp {
         lora: Option<&LoraCtx>,
         grads: &mut Grads,
     ) -> Result<Tensor> {
+        self.whole("backward")?;
         let e = self.experts();
-        let weights = self.weights(&c.routed.weights, dy.dtype())?;
+        let weights = self.weights(&c.routed.weights, self.logits_dtype(dy.dtype()))?;
         let [gu, dn] = self.pairs(lora)?;
         let ex = self.op_experts(&gu, &dn);
         let g = moe_backward(dy, &weights, &ex, &c.cache)?;
@@ -342,8 +458,13 @@ impl MoeMlp {
         }
         let t = dy.dim(0)?;
         let dlogits = Tensor::from_vec(dlogits, (t, e), dy.device())?.to_dtype(dy.dtype())?;
-        // The frozen router's input gradient: (T, E)·(E, H).
-        g.dx + dlogits.matmul(&self.router)?
+        // The frozen router's input gradient: (T, E)·(E, H); under autocast on bf16-rounded
+        // operands, as torch's backward of the bf16 `F.linear`.
+        let dx = match self.logits_dtype(dy.dtype()) != dy.dtype() {
+            true => rtune_backend::blas::matmul(&dlogits, &self.router)?,
+            false => dlogits.matmul(&self.router)?,
+        };
+        g.dx + dx
     }
 }
 

@@ -2,7 +2,8 @@
 //! `[distributed] shard_base`.
 //!
 //! Each rank keeps a [`Shard`] of every frozen weight — the decoder layers' linear weights (dense,
-//! or NF4 with their scales), the embedding table and an untied lm_head: the elements
+//! or NF4 with their scales), a sparse layer's router and expert stacks (dense:
+//! `crate::moe::MoeShards`), the embedding table and an untied lm_head: the elements
 //! [`span`]`(n, unit, world, rank)` of the weight's row-major flattening, where a unit is one
 //! element of a dense weight, a whole first-level block of an NF4 one (64 elements) and with double
 //! quantization a whole second-level group (64 · 256), so a piece is whole quantization blocks and

@@ -15,6 +15,10 @@
 //! CPU) computes the same bits for 1 to 4 ranks, moves every gathered byte itself, and holds
 //! the same share; launched ahead (`prefetch`) it gathers the same bytes.
 //!
+//! A Qwen3-MoE (routers and expert stacks sharded and gathered with their layer, LoRA on the
+//! stacks through `target_parameters`) computes the same bits over 1 to 4 ranks, checkpointed,
+//! prefetched, under autocast and on the device path.
+//!
 //! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
 
 #[allow(dead_code)]
@@ -141,7 +145,27 @@ struct Case {
     prefetch: bool,
     /// The shards on the device, gathered through a `DeviceGather`.
     device: bool,
+    /// Qwen3-MoE ([`moe_config`]) with LoRA on the expert stacks too, instead of the Llama.
+    moe: bool,
 }
+
+/// The tiny Qwen3-MoE of the parity tests (`tests/fixtures/tiny-qwen3-moe/config.json`: 3
+/// layers, 0 and 2 sparse with 8 experts of width 32, top-2, the aux loss on), its weights
+/// [`Seeded`]: routers, expert stacks and the dense layers sharded alike.
+fn moe_config() -> ModelConfig {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tiny-qwen3-moe");
+    let path = dir.join("config.json");
+    let cfg = rtune_model::HfConfig::from_file(&path)
+        .unwrap()
+        .into_config(&path)
+        .unwrap();
+    assert_eq!(cfg.moe.as_ref().unwrap().sparse_layers, [true, false, true]);
+    cfg
+}
+
+/// PEFT's `target_parameters` on both expert stacks.
+const EXPERT_STACKS: [&str; 2] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"];
 
 /// The device transport of the tests: [`ThroughHost`], counting the elements' bytes it moves.
 struct Counted {
@@ -188,7 +212,10 @@ fn bits(t: &Tensor) -> Vec<u32> {
 /// pass.
 fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> Ran {
     let dev = Device::Cpu;
-    let cfg = config(case.tied);
+    let cfg = match case.moe {
+        true => moe_config(),
+        false => config(case.tied),
+    };
     let v = cfg.vocab_size;
     let comm_is_sharded = comm.is_some();
     let device_bytes = Arc::new(AtomicUsize::new(0));
@@ -217,6 +244,12 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> 
     let spec = LoraSpec::new(4, 8.0, 0.1, false, &["all-linear".into()])
         .unwrap()
         .with_dora(case.dora);
+    let spec = match case.moe {
+        true => spec
+            .with_target_parameters(&EXPERT_STACKS.map(String::from))
+            .unwrap(),
+        false => spec,
+    };
     let mut adapter = Adapter::init(spec.clone(), &model.lora_modules(&spec), 3, &dev).unwrap();
     for (i, p) in adapter.pairs.iter_mut().enumerate() {
         let n = p.b.elem_count();
@@ -322,6 +355,7 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
         keep: 0,
         prefetch: false,
         device: false,
+        moe: false,
     };
     let cases = [
         base,
@@ -380,11 +414,37 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
             device: true,
             ..base
         },
+        // Qwen3-MoE: the routers and expert stacks sharded and gathered with their layer, LoRA
+        // on them; checkpointed and prefetched, under autocast, on the device path.
+        Case { moe: true, ..base },
+        Case {
+            moe: true,
+            checkpoint: true,
+            prefetch: true,
+            ..base
+        },
+        Case {
+            moe: true,
+            autocast: true,
+            checkpoint: true,
+            ..base
+        },
+        Case {
+            moe: true,
+            device: true,
+            prefetch: true,
+            ..base
+        },
     ];
     for case in cases {
         let (whole, whole_bytes, _) = run(case, None, Default::default());
-        // The device path also in a world of 4 (more unequal shards, more empty ones).
-        let sizes = if case.device { 1..=4 } else { 1..=3 };
+        // The device path and the MoE model also in a world of 4 (more unequal shards, more
+        // empty ones).
+        let sizes = if case.device || case.moe {
+            1..=4
+        } else {
+            1..=3
+        };
         for size in sizes {
             let (got, in_background) = ranks(case, size);
             // Prefetched, every layer but the first of each pass is gathered in the background
@@ -432,6 +492,7 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
         keep: 0,
         prefetch: false,
         device: false,
+        moe: false,
     };
     let nf4 = Case {
         quantize: Quantize::Nf4 { double_quant: true },
