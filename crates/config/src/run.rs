@@ -718,4 +718,41 @@ mod tests {
             .to_string();
         assert!(e.ends_with("(did you mean `cosine`?)"), "{e}");
     }
+
+    /// `[model] quantize_experts`: NF4 expert stacks beside NF4 linears (with `nf4`'s own
+    /// `double_quant`, or `nf4-dq`); refused without NF4, naming the file and the key; off by
+    /// default; the printed `+experts` name is refused in the file (the key says it).
+    #[test]
+    fn quantize_experts_needs_nf4() {
+        let check = |model: &str| {
+            let text = format!("[model]\npath = \"m\"\n{model}\n[data]\ntrain = \"d\"\n");
+            ConfigFile::parse(&text, Path::new("c.toml"), &[])
+                .and_then(|f| f.validate(Path::new("c.toml")))
+                .map(|c| c.model.quantize)
+                .map_err(|e| e.to_string())
+        };
+        let q = |double_quant, experts| rtune_quant::Quantize::Nf4 {
+            double_quant,
+            experts,
+        };
+        let on = "quantize_experts = true";
+        assert_eq!(
+            check(&format!("quantize = \"nf4\"\n{on}")),
+            Ok(q(true, true))
+        );
+        let plain = format!("quantize = \"nf4\"\ndouble_quant = false\n{on}");
+        assert_eq!(check(&plain), Ok(q(false, true)));
+        assert_eq!(
+            check(&format!("quantize = \"nf4-dq\"\n{on}")),
+            Ok(q(true, true))
+        );
+        assert_eq!(check("quantize = \"nf4\""), Ok(q(true, false)));
+        let e = check(on).unwrap_err();
+        assert!(
+            e.starts_with("c.toml: [model.quantize_experts] = true needs quantize = \"nf4\""),
+            "{e}"
+        );
+        let e = check("quantize = \"nf4+experts\"").unwrap_err();
+        assert!(e.contains("quantize_experts = true"), "{e}");
+    }
 }

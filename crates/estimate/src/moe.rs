@@ -4,7 +4,10 @@
 //! A sparse layer has no dense MLP: its router `(E, D)` and its two expert stacks, gate_up
 //! `(E, 2I, D)` and down `(E, D, I)`, are frozen in the compute dtype, under `quant = "nf4"` too
 //! (bitsandbytes' `load_in_4bit` quantizes `nn.Linear`s only, not the fused 3-D stacks, and rtune
-//! loads as it does). LoRA on a stack (`target_parameters`, PEFT's `ParamWrapper`) is
+//! loads as it does), unless `[model] quantize_experts` holds the stacks in NF4 too: each expert's
+//! `(out, in)` as one NF4 weight ([`crate::frozen_bytes`] per expert, ≈ 0.56 byte a parameter),
+//! and while its products run one expert dequantized to f32 per compute thread
+//! ([`dequant_bytes`]). LoRA on a stack (`target_parameters`, PEFT's `ParamWrapper`) is
 //! `A: (E·r, in)` and `B: (out, r·E)` f32.
 //!
 //! What one sparse layer's forward keeps for its backward (`MoeLayerCache`), with `N` tokens,
@@ -39,17 +42,42 @@ pub(crate) fn stacks_of(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64, u6
         .collect()
 }
 
-/// Sparse layer `l`'s frozen bytes: the router and both stacks, compute dtype.
+/// Sparse layer `l`'s frozen bytes: the router (compute dtype) and both stacks (compute dtype, or
+/// NF4 expert by expert with `quantize_experts`: packed codes, scales and tables of each).
 pub(crate) fn frozen_bytes(c: &ModelConfig, s: &Settings, l: usize, e: u64) -> u64 {
+    let nf4 = s.quantize.experts();
     let stacks: u64 = stacks_of(c, s, l)
         .iter()
-        .map(|(x, i, o, _)| x * i * o)
+        .map(|&(x, i, o, _)| match nf4 {
+            true => {
+                let (w, k) = crate::frozen_bytes(i * o, e, s.quantize);
+                x * (w + k)
+            }
+            false => x * i * o * e,
+        })
         .sum();
     let router = c.moe.as_ref().map_or(0, |m| m.experts as u64) * c.hidden_size as u64;
     if stacks == 0 {
         return 0;
     }
-    (stacks + router) * e
+    stacks + router * e
+}
+
+/// With `quantize_experts`: the experts dequantized while their products run, one a compute
+/// thread (`rtune_experts::moe::stack`: the grouped f32 path's jobs each dequantize their expert
+/// to f32 and drop it after; the per-expert path one at a time in the compute dtype), the
+/// largest `(out, in)` of any stack. 0 otherwise.
+pub(crate) fn dequant_bytes(c: &ModelConfig, s: &Settings) -> u64 {
+    if !s.quantize.experts() {
+        return 0;
+    }
+    let largest = (0..c.num_layers)
+        .flat_map(|l| stacks_of(c, s, l))
+        .map(|(_, i, o, _)| i * o)
+        .max()
+        .unwrap_or(0);
+    let threads = candle_core::utils::get_num_threads().max(1) as u64;
+    largest * 4 * threads
 }
 
 /// Sparse layer `l`'s LoRA parameters: `r·E·(in + out)` per adapted stack.

@@ -128,21 +128,13 @@ fn base_weights_by_dtype_and_nf4_constants() {
     assert_eq!(estimate(&c, &s).get(names::WEIGHTS), params * 2);
     // NF4: 4 bits a weight, one f32 scale per 64 (a started block counts) and the code table.
     assert_eq!(
-        frozen_bytes(
-            128,
-            2,
-            Quantize::Nf4 {
-                double_quant: false
-            }
-        ),
+        frozen_bytes(128, 2, Quantize::linears(false)),
         (64, 2 * 4 + 64)
     );
     assert_eq!(frozen_bytes(4096, 2, Quantize::None), (8192, 0));
-    let (_, dq) = frozen_bytes(64 * 512, 2, Quantize::Nf4 { double_quant: true });
+    let (_, dq) = frozen_bytes(64 * 512, 2, Quantize::linears(true));
     assert_eq!(dq, 512 + 4 * 2 + 4 * 256 + 4 + 64);
-    s.quantize = Quantize::Nf4 {
-        double_quant: false,
-    };
+    s.quantize = Quantize::linears(false);
     let est = estimate(&c, &s);
     let linear: u64 = 2 * (64 + 32 + 32 + 64 + 3 * 128);
     assert_eq!(
@@ -604,9 +596,7 @@ fn nf4_on_a_mixture_of_experts_quantizes_the_linears_only() {
     let mut s = Settings::new(8, 1, 512, true);
     s.dtype = DType::BF16;
     let dense = estimate(&c, &s).get(names::WEIGHTS);
-    s.quantize = Quantize::Nf4 {
-        double_quant: false,
-    };
+    s.quantize = Quantize::linears(false);
     let nf4 = estimate(&c, &s).get(names::WEIGHTS);
     let saving: u64 = (0..c.num_layers)
         .flat_map(|l| c.linears_of(l))
@@ -618,6 +608,49 @@ fn nf4_on_a_mixture_of_experts_quantizes_the_linears_only() {
     // 128 experts × (gate_up 2·768·2048 + down 2048·768) × 48 layers, 2 bytes each.
     let experts = 128 * 3 * 768 * 2048 * 48 * 2;
     assert!(nf4 > experts, "{nf4} < the experts' {experts}");
+}
+
+/// `[model] quantize_experts` on Qwen3-30B-A3B: the expert stacks counted in NF4 expert by
+/// expert, each `(out, in)` as one NF4 weight (`n/2` codes + 4 bytes a block of 64 + the 64-byte
+/// code table: ≈ 0.56 byte a parameter, 0.28× their bf16 bytes), the routers still bf16; and one
+/// dequantized f32 expert per compute thread while the products run.
+#[test]
+fn nf4_experts_shrink_the_expert_stacks() {
+    let c = qwen3_30b_a3b();
+    let mut s = Settings::new(8, 1, 512, true);
+    s.dtype = DType::BF16;
+    s.quantize = Quantize::linears(false);
+    let linears = estimate(&c, &s);
+    s.quantize = Quantize::Nf4 {
+        double_quant: false,
+        experts: true,
+    };
+    let experts = estimate(&c, &s);
+    // 48 sparse layers of 128 experts: gate_up (1536, 2048) and down (2048, 768) each.
+    let per_expert = |n: u64| n / 2 + 4 * n.div_ceil(64) + 64;
+    let (gu, dn) = (1536 * 2048, 2048 * 768);
+    let bf16 = 48 * 128 * (gu + dn) * 2;
+    let nf4 = 48 * 128 * (per_expert(gu) + per_expert(dn));
+    let (w0, w1) = (linears.get(names::WEIGHTS), experts.get(names::WEIGHTS));
+    assert_eq!(w0 - w1, bf16 - nf4);
+    let ratio = nf4 as f64 / bf16 as f64;
+    assert!((0.28..0.282).contains(&ratio), "{ratio}");
+    eprintln!(
+        "Qwen3-30B-A3B bf16 weights: {:.2} GB with the stacks bf16, {:.2} GB with NF4 experts",
+        w0 as f64 / 1e9,
+        w1 as f64 / 1e9
+    );
+    // In the backward the larger of the largest linear's bf16 copy (q_proj, 4096 × 2048) and one
+    // f32 gate_up expert a compute thread.
+    let threads = candle_core::utils::get_num_threads().max(1) as u64;
+    let dequant: u64 = phase_items(&c, &s, Phase::SwigluBackward, AttnPath::Plain)
+        .iter()
+        .filter(|i| i.name == names::DEQUANT)
+        .map(|i| i.each * i.count)
+        .sum();
+    assert_eq!(dequant, (gu * 4 * threads).max(4096 * 2048 * 2));
+    // Off unless asked: quantize = "nf4" alone leaves the stacks bf16.
+    assert!(!Quantize::linears(true).experts());
 }
 
 /// Qwen3-30B-A3B: its model card says 30.5 B parameters, 3.3 B activated. Counted to 1%, and the

@@ -261,7 +261,7 @@ impl Model {
                 }
                 (None, Some(q), _) => quant(q)?,
                 (None, None, Quantize::None) => Frozen::Dense(w.tensor(&wname, &shape)?),
-                (None, None, Quantize::Nf4 { double_quant }) => {
+                (None, None, Quantize::Nf4 { double_quant, .. }) => {
                     let t = w.stored(&wname, &shape)?;
                     let q = rtune_quant::quantize::quantize_tensor(&t, double_quant).map_err(
                         |source| ModelError::Quant {
@@ -285,6 +285,16 @@ impl Model {
                 dora_norm: Default::default(),
             })
         };
+        if quantize.experts() && cfg.moe.is_none() {
+            return Err(ModelError::File {
+                path: "[model] quantize_experts".into(),
+                message: format!(
+                    "is true, but {} has no experts (a mixture-of-experts model's stacks only); \
+                     remove the key",
+                    cfg.arch.hf_name
+                ),
+            });
+        }
         // The checkpoint must hold the last layer config.json names before any per-layer memory is
         // taken (a config that claims more layers than the weights have is an error at once).
         if let Some(last) = cfg.num_layers.checked_sub(1) {
@@ -308,7 +318,13 @@ impl Model {
             // MLP's inputs (gate, up or gate_up), down.
             // A sparse layer has no dense MLP: its experts are loaded below.
             let moe = match &cfg.moe {
-                Some(mc) if mc.sparse_layers[l] => Some(crate::moe::MoeMlp::load(w, &p, mc, d)?),
+                Some(mc) if mc.sparse_layers[l] => Some(crate::moe::MoeMlp::load(
+                    w,
+                    &p,
+                    mc,
+                    d,
+                    quantize.nf4().filter(|_| quantize.experts()),
+                )?),
                 _ => None,
             };
             let mut mods = cfg
@@ -1158,6 +1174,9 @@ impl Model {
             n += l.norms().map(dense).sum::<usize>();
             for lin in l.linears() {
                 n += lin.w.resident_bytes() + lin.bias.as_ref().map_or(0, dense);
+            }
+            if let Some(m) = &l.moe {
+                n += m.resident_bytes();
             }
         }
         n
