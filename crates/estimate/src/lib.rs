@@ -595,6 +595,11 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
                 v.push(item(WORKSPACE, n * d * e, 1));
             }
         }
+        Phase::SwigluBackward if c.is_sparse(last) => {
+            // A sparse layer's MLP is its experts: their backward's buffers (`moe.rs`).
+            v.push(item(WORKSPACE, n * d * e, 1)); // d_out (N, D)
+            v.extend(moe::backward_items(c, s, &k, last));
+        }
         Phase::SwigluBackward => {
             v.push(item(WORKSPACE, n * d * e, 1)); // d_out (N, D)
             if e == 4 {
@@ -608,9 +613,12 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
             }
         }
         Phase::AttentionBackward | Phase::RopeBackward => {
-            // d_out, dh2 and dh (N, D); dm, dg, du (N, I) alive to the layer's end.
+            // d_out, dh2 and dh (N, D); a dense MLP's dm, dg, du (N, I) alive to the layer's end
+            // (a sparse layer's experts free theirs when their backward returns).
             v.push(item(WORKSPACE, n * d * e, 3));
-            v.push(item(WORKSPACE, n * k.i * e, 3));
+            if !c.is_sparse(last) {
+                v.push(item(WORKSPACE, n * k.i * e, 3));
+            }
             if path == AttnPath::Tiled {
                 v.extend(tiled::backward_items(c, s, &k, phase));
                 return with_dequant(c, s, v);

@@ -142,6 +142,47 @@ pub(crate) fn layer_cache(
     v
 }
 
+/// What the last sparse layer's experts' backward holds at its high-water mark
+/// (`rtune_experts::moe`'s grouped path, `grouped::backward`: the gate/up stack's products and the
+/// combine after them), `R = N·k` rows, in the compute dtype (the grouped path is f32; the
+/// per-expert path of other dtypes holds per-expert tensors of the same sizes):
+/// - `dy` gathered by row and the down input's gradient `w·dy`, `(R, D)` each; the activation
+///   recomputed and its gradient `(R, I)` each; the gate/up gradient `(R, 2I)`; the input
+///   gradient by row `(R, D)`; `∂L/∂w` by row and by slot `(R)` f32 each;
+/// - per adapted stack: `dy·B` `(R, r)`, its `lora_B` repacked `(E, out, r)` and its LoRA
+///   gradients `E·r·(in + out)` f32 (the down stack's alive while gate/up's are formed);
+/// - the input gradient summed per token `(N, D)`, and with the router's input gradient added
+///   `(N, D)` and `∂L/∂logits` `(N, E)` f32.
+///
+/// Measured against the dense SwiGLU's buffers this replaces on `benches/moe_vs_peft.sh`'s shape
+/// (128 experts top-8, D 512, I 192, B 4 × T 512, f32, LoRA r 16): see `tests.rs`.
+pub(crate) fn backward_items(c: &ModelConfig, s: &Settings, k: &Dims, l: usize) -> Vec<Item> {
+    let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse(l)) else {
+        return Vec::new();
+    };
+    let (n, e, d) = (k.n, k.e, k.d);
+    let (x, top, i, r) = (
+        moe.experts as u64,
+        moe.top_k as u64,
+        moe.intermediate as u64,
+        s.r as u64,
+    );
+    let rows = n * top;
+    let w = names::WORKSPACE;
+    let mut v = vec![
+        item(w, rows * (3 * d + 4 * i) * e, 1),
+        item(w, rows * 4, 2),
+        item(w, n * d * e, 2),
+        item(w, n * x * 4, 1),
+    ];
+    for (x, inp, out, _) in stacks_of(c, s, l).into_iter().filter(|st| st.3) {
+        v.push(item(w, rows * r * e, 1));
+        v.push(item(w, x * out * r * e, 1));
+        v.push(item(w, x * r * (inp + out) * 4, 1));
+    }
+    v
+}
+
 /// The router logits `(N, E)` f32 of every sparse layer, and with the load-balancing loss each
 /// one's gradient, alive through the backward.
 pub(crate) fn router_items(c: &ModelConfig, k: &Dims) -> Vec<Item> {
