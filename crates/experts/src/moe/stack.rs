@@ -10,7 +10,7 @@
 //!
 //! The op never dequantizes the whole stack: each expert that received tokens is dequantized when
 //! its product runs and dropped after it ([`Stack::expert`], and in the grouped path
-//! [`Stack::expert_f32`] per expert job: at most one expert a worker thread at a time).
+//! `Weights::expert_f32` per expert job: at most one expert a worker thread at a time).
 
 use std::borrow::Cow;
 
