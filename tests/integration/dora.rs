@@ -34,7 +34,7 @@ const GOLDENS: [(&str, &str, Quantize); 3] = [
     (
         "parity/golden_tiny_qdora_nf4dq.safetensors",
         "fixtures/tiny-llama",
-        Quantize::Nf4 { double_quant: true },
+        Quantize::linears(true),
     ),
 ];
 
@@ -128,7 +128,7 @@ fn golden_config(tmp: &Path, golden: &str, model: &str, quantize: Quantize) -> (
         .collect();
     let quant = match quantize {
         Quantize::None => String::new(),
-        Quantize::Nf4 { double_quant } => {
+        Quantize::Nf4 { double_quant, .. } => {
             format!("quantize = \"nf4\"\ndouble_quant = {double_quant}\n")
         }
     };

@@ -44,7 +44,8 @@
 //! - `autocast`: `dtype = "bf16-autocast"` against PEFT under torch.autocast (model and `rtune train`);
 //! - `moe`: Qwen3-MoE, Mixtral and gpt-oss (experts, routing, aux loss, QLoRA, MXFP4, export) against
 //!   transformers + PEFT; `moe_bf16`: the three in bf16 (model and `rtune train`); `moe_autocast`:
-//!   Qwen3-MoE under bf16 autocast against PEFT under torch.autocast;
+//!   Qwen3-MoE under bf16 autocast against PEFT under torch.autocast; `moe_nf4`: NF4 expert stacks
+//!   (`quantize_experts`) against their dequantized stacks, through `rtune train`;
 //! - `readme`: the README's crate diagram, crate table and one step's file trace against the tree
 //!   (the trace measured by callgrind);
 //! - `layering`: the sources' layering, read from the files: no import circle between the files of a
@@ -72,6 +73,7 @@ mod mlflow;
 mod moe;
 mod moe_autocast;
 mod moe_bf16;
+mod moe_nf4;
 mod packing;
 mod parity;
 mod preference;

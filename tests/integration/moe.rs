@@ -74,9 +74,7 @@ fn qwen3_moe_qlora_quantizes_the_linears_as_bitsandbytes() {
         &fixture(QWEN3_MOE.0),
         golden,
         DType::F32,
-        rtune_model::Quantize::Nf4 {
-            double_quant: false,
-        },
+        rtune_model::Quantize::linears(false),
     );
     assert_eq!(c.golden.meta["quant"], "nf4");
     // Seen: 38 first-gradient entries below 1e-5 of their tensor's largest and 4 below 1e-6 (the

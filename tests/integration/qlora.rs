@@ -29,7 +29,7 @@ fn quantized_on_load_matches_peft_bitsandbytes() {
             &fixture("fixtures/tiny-llama"),
             golden,
             DType::F32,
-            Quantize::Nf4 { double_quant },
+            Quantize::linears(double_quant),
         );
         check_forward_and_grads(&c);
         check_adamw(&c);

@@ -197,9 +197,18 @@ fn print_table(
     let mb = |b: u64| format!("{:.1} MB", b as f64 / 1e6);
     let quant = match s.quantize {
         estimate::Quantize::None => String::new(),
-        estimate::Quantize::Nf4 { double_quant } => {
-            format!(", NF4{}", if double_quant { " double-quant" } else { "" })
-        }
+        estimate::Quantize::Nf4 {
+            double_quant,
+            experts,
+        } => format!(
+            ", NF4{}{}",
+            if double_quant { " double-quant" } else { "" },
+            if experts {
+                ", the expert stacks too"
+            } else {
+                ""
+            }
+        ),
     };
     let stacks = match s.target_parameters.is_empty() {
         true => String::new(),

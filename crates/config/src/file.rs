@@ -69,6 +69,13 @@ pub struct ModelSection {
     /// With nf4: also quantize the per-block scales (8-bit, saves 0.373 bit/param).
     #[serde(default = "d_true")]
     pub double_quant: bool,
+    /// With nf4 on a mixture of experts: hold the expert stacks in NF4 too, each expert's matrix
+    /// quantized as bitsandbytes would quantize it alone and dequantized per expert on the fly
+    /// (~4× less resident expert memory). Off by default, as bitsandbytes (which quantizes
+    /// `nn.Linear`s only: the fused 3-D stacks stay in the compute dtype). Left out of the saved
+    /// config when off.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub quantize_experts: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

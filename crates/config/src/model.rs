@@ -169,12 +169,26 @@ impl ModelSection {
                 ))
             }
         };
-        // `nf4` takes `double_quant` from its own key; `nf4-dq` says it in the name.
+        // `nf4` takes `double_quant` from its own key; `nf4-dq` says it in the name. The printed
+        // names' `+experts` is the `quantize_experts` key here (one way to write it).
+        if self.quantize.ends_with(rtune_quant::EXPERTS_SUFFIX) {
+            return Err(invalid(
+                path,
+                "model.quantize",
+                format!(
+                    "`{}`: write quantize = \"{}\" with quantize_experts = true",
+                    self.quantize,
+                    self.quantize.trim_end_matches(rtune_quant::EXPERTS_SUFFIX)
+                ),
+            ));
+        }
         let quantize = match self.quantize.parse() {
             Ok(rtune_quant::Quantize::Nf4 {
                 double_quant: false,
+                experts,
             }) if self.quantize == "nf4" => rtune_quant::Quantize::Nf4 {
                 double_quant: self.double_quant,
+                experts,
             },
             Ok(q) => q,
             Err(_) => {
@@ -182,6 +196,26 @@ impl ModelSection {
                     path,
                     "model.quantize",
                     crate::suggest::not_one_of(&self.quantize, &rtune_quant::QUANTIZE_NAMES),
+                ))
+            }
+        };
+        // The expert stacks in NF4 (`rtune_experts::moe::stack`): only beside NF4 linear layers
+        // (a model that has no experts is refused where config.json is read, `Model::build_with`).
+        let quantize = match (quantize, self.quantize_experts) {
+            (q, false) => q,
+            (rtune_quant::Quantize::Nf4 { double_quant, .. }, true) => rtune_quant::Quantize::Nf4 {
+                double_quant,
+                experts: true,
+            },
+            (rtune_quant::Quantize::None, true) => {
+                return Err(invalid(
+                    path,
+                    "model.quantize_experts",
+                    format!(
+                        "= true needs quantize = \"nf4\" or \"nf4-dq\" (quantize is \"{}\"): \
+                         the expert stacks are held in NF4 beside NF4 linear layers only",
+                        self.quantize
+                    ),
                 ))
             }
         };

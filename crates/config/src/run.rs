@@ -105,6 +105,15 @@ impl ConfigFile {
                 ),
             ));
         }
+        if self.distributed.shard_base && model.quantize.experts() {
+            return Err(crate::invalid(
+                path,
+                "distributed.shard_base",
+                "cannot be combined with [model] quantize_experts yet: a sharded base splits \
+                 the expert stacks in the compute dtype; leave one of them off"
+                    .into(),
+            ));
+        }
         let rewards = self.grpo_rules(path, &train, &data, &lora)?;
         let d = &self.distributed;
         let needs_shard = [
@@ -294,7 +303,8 @@ mod tests {
     }
 
     /// `[distributed]`: off by default; `keep_gathered_layers` needs `shard_base`, and a sharded
-    /// base refuses an init that rewrites the base; each refusal names its key.
+    /// base refuses an init that rewrites the base and NF4 expert stacks; each refusal names
+    /// its key.
     #[test]
     fn distributed_keys() {
         let c = parse("").unwrap();
@@ -321,6 +331,15 @@ mod tests {
             let e = parse(extra).unwrap_err().to_string();
             assert!(e.contains(key), "{extra}: {e}");
         }
+        let text = "[model]\npath = \"m\"\nquantize = \"nf4\"\nquantize_experts = true\n\
+                    [data]\ntrain = \"d.jsonl\"\n[distributed]\nshard_base = true";
+        let c = Path::new("c.toml");
+        let e = ConfigFile::parse(text, c, &[]).unwrap().validate(c);
+        let e = e.unwrap_err().to_string();
+        assert!(
+            e.contains("distributed.shard_base") && e.contains("quantize_experts"),
+            "{e}"
+        );
     }
 
     /// `[train] objective` and its knobs: defaults as TRL's, the knobs of another objective and
@@ -717,5 +736,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.ends_with("(did you mean `cosine`?)"), "{e}");
+    }
+
+    /// `[model] quantize_experts`: NF4 expert stacks beside NF4 linears (with `nf4`'s own
+    /// `double_quant`, or `nf4-dq`); refused without NF4, naming the file and the key; off by
+    /// default; the printed `+experts` name is refused in the file (the key says it).
+    #[test]
+    fn quantize_experts_needs_nf4() {
+        let check = |model: &str| {
+            let text = format!("[model]\npath = \"m\"\n{model}\n[data]\ntrain = \"d\"\n");
+            ConfigFile::parse(&text, Path::new("c.toml"), &[])
+                .and_then(|f| f.validate(Path::new("c.toml")))
+                .map(|c| c.model.quantize)
+                .map_err(|e| e.to_string())
+        };
+        let q = |double_quant, experts| rtune_quant::Quantize::Nf4 {
+            double_quant,
+            experts,
+        };
+        let on = "quantize_experts = true";
+        assert_eq!(
+            check(&format!("quantize = \"nf4\"\n{on}")),
+            Ok(q(true, true))
+        );
+        let plain = format!("quantize = \"nf4\"\ndouble_quant = false\n{on}");
+        assert_eq!(check(&plain), Ok(q(false, true)));
+        assert_eq!(
+            check(&format!("quantize = \"nf4-dq\"\n{on}")),
+            Ok(q(true, true))
+        );
+        assert_eq!(check("quantize = \"nf4\""), Ok(q(true, false)));
+        let e = check(on).unwrap_err();
+        assert!(
+            e.starts_with("c.toml: [model.quantize_experts] = true needs quantize = \"nf4\""),
+            "{e}"
+        );
+        let e = check("quantize = \"nf4+experts\"").unwrap_err();
+        assert!(e.contains("quantize_experts = true"), "{e}");
     }
 }

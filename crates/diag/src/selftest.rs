@@ -220,7 +220,7 @@ impl Case {
 /// weights quantized); Gemma 2 and 3 add f16 (the scaled backward through their soft-caps and
 /// √hidden embeddings; Gemma 3's with checkpointing).
 fn cases() -> Vec<Case> {
-    let nf4 = Quantize::Nf4 { double_quant: true };
+    let nf4 = Quantize::linears(true);
     let case = |family, label, dtype, quantize, checkpoint, offload, tol| Case {
         family,
         label,

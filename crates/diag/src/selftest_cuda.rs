@@ -338,7 +338,7 @@ fn sharded_layer(
     let mut differ_all = 0usize;
     for (label, quantize) in [
         ("bf16", Quantize::None),
-        ("NF4 double quant", Quantize::Nf4 { double_quant: true }),
+        ("NF4 double quant", Quantize::linears(true)),
     ] {
         let src = RandomWeights::new(dev, DType::BF16, quantize, Draw::Seeded(5));
         let whole = Model::build_with(cfg.clone(), &src, DType::BF16, dev, quantize)?;

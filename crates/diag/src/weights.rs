@@ -174,7 +174,7 @@ impl TensorSource for RandomWeights {
     /// result is a block bitsandbytes could have produced, and the dequantize kernels do exactly
     /// the work they do on a real checkpoint.
     fn quantized(&self, name: &str, shape: &[usize]) -> Result<Option<Nf4Weight>, ModelError> {
-        let (Draw::Normal, Quantize::Nf4 { double_quant }) = (self.draw, self.quantize) else {
+        let (Draw::Normal, Quantize::Nf4 { double_quant, .. }) = (self.draw, self.quantize) else {
             return Ok(None);
         };
         let err = |source| ModelError::Quant {
@@ -275,7 +275,7 @@ mod tests {
 
     #[test]
     fn a_quantized_tile_repeats_to_the_asked_shape() -> Result<(), crate::DiagError> {
-        let nf4 = Quantize::Nf4 { double_quant: true };
+        let nf4 = Quantize::linears(true);
         let w = RandomWeights::new(&Device::Cpu, DType::F32, nf4, Draw::Normal);
         let q = w.quantized("q_proj.weight", &[512, 4096])?.expect("4-bit");
         assert_eq!(

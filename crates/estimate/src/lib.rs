@@ -243,7 +243,7 @@ pub(crate) fn item(name: &'static str, each: u64, count: u64) -> Item {
 pub fn frozen_bytes(n: u64, e: u64, q: Quantize) -> (u64, u64) {
     match q {
         Quantize::None => (n * e, 0),
-        Quantize::Nf4 { double_quant } => {
+        Quantize::Nf4 { double_quant, .. } => {
             let blocks = n.div_ceil(64);
             let scales = if double_quant {
                 blocks + 4 * blocks.div_ceil(256) + 4 * 256 + 4
@@ -351,7 +351,7 @@ fn static_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
 fn shard_consts(k: u64, world: u64, q: Quantize) -> u64 {
     let tables = match q {
         Quantize::None => return 0,
-        Quantize::Nf4 { double_quant } => 4 * 16 + if double_quant { 4 * 256 + 4 } else { 0 },
+        Quantize::Nf4 { double_quant, .. } => 4 * 16 + if double_quant { 4 * 256 + 4 } else { 0 },
     };
     (k - tables).div_ceil(world) + tables
 }
@@ -603,6 +603,11 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
                 v.push(item(WORKSPACE, n * d * e, 1));
             }
         }
+        Phase::SwigluBackward if c.is_sparse(last) => {
+            // A sparse layer's MLP is its experts: their backward's buffers (`moe.rs`).
+            v.push(item(WORKSPACE, n * d * e, 1)); // d_out (N, D)
+            v.extend(moe::backward_items(c, s, &k, last));
+        }
         Phase::SwigluBackward => {
             v.push(item(WORKSPACE, n * d * e, 1)); // d_out (N, D)
             if e == 4 {
@@ -616,9 +621,12 @@ fn phase_items(c: &ModelConfig, s: &Settings, phase: Phase, path: AttnPath) -> V
             }
         }
         Phase::AttentionBackward | Phase::RopeBackward => {
-            // d_out, dh2 and dh (N, D); dm, dg, du (N, I) alive to the layer's end.
+            // d_out, dh2 and dh (N, D); a dense MLP's dm, dg, du (N, I) alive to the layer's end
+            // (a sparse layer's experts free theirs when their backward returns).
             v.push(item(WORKSPACE, n * d * e, 3));
-            v.push(item(WORKSPACE, n * k.i * e, 3));
+            if !c.is_sparse(last) {
+                v.push(item(WORKSPACE, n * k.i * e, 3));
+            }
             if path == AttnPath::Tiled {
                 v.extend(tiled::backward_items(c, s, &k, phase));
                 return with_dequant(c, s, v);
@@ -692,7 +700,7 @@ fn optimizer_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
 }
 
 /// `v` and, for NF4, the one dequantized weight a use makes in the compute dtype (the largest is
-/// (I, D)).
+/// (I, D)), or with NF4 experts their dequantized experts ([`moe::dequant_bytes`]) if larger.
 fn with_dequant(c: &ModelConfig, s: &Settings, mut v: Vec<Item>) -> Vec<Item> {
     if let Quantize::Nf4 { .. } = s.quantize {
         let largest = (0..c.num_layers)
@@ -700,7 +708,8 @@ fn with_dequant(c: &ModelConfig, s: &Settings, mut v: Vec<Item>) -> Vec<Item> {
             .map(|(_, i, o)| i * o)
             .max()
             .unwrap_or(0);
-        v.push(item(names::DEQUANT, largest * elem(s.dtype), 1));
+        let bytes = (largest * elem(s.dtype)).max(moe::dequant_bytes(c, s));
+        v.push(item(names::DEQUANT, bytes, 1));
     }
     v
 }

@@ -4,7 +4,10 @@
 //! A sparse layer has no dense MLP: its router `(E, D)` and its two expert stacks, gate_up
 //! `(E, 2I, D)` and down `(E, D, I)`, are frozen in the compute dtype, under `quant = "nf4"` too
 //! (bitsandbytes' `load_in_4bit` quantizes `nn.Linear`s only, not the fused 3-D stacks, and rtune
-//! loads as it does). LoRA on a stack (`target_parameters`, PEFT's `ParamWrapper`) is
+//! loads as it does), unless `[model] quantize_experts` holds the stacks in NF4 too: each expert's
+//! `(out, in)` as one NF4 weight ([`crate::frozen_bytes`] per expert, ≈ 0.56 byte a parameter),
+//! and while its products run one expert dequantized to f32 per compute thread
+//! ([`dequant_bytes`]). LoRA on a stack (`target_parameters`, PEFT's `ParamWrapper`) is
 //! `A: (E·r, in)` and `B: (out, r·E)` f32.
 //!
 //! What one sparse layer's forward keeps for its backward (`MoeLayerCache`), with `N` tokens,
@@ -40,13 +43,26 @@ pub(crate) fn stacks_of(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64, u6
 }
 
 /// Sparse layer `l`'s frozen bytes on one rank of a base sharded over `world` (1: the whole
-/// base): the router and both stacks, compute dtype, each split into `world` pieces as a dense
-/// linear's (`rtune_model::moe::MoeShards`).
+/// base): the router and both stacks in the compute dtype, each split into `world` pieces as a
+/// dense linear's (`rtune_model::moe::MoeShards`); or, with `quantize_experts` (never sharded:
+/// the config refuses it with `shard_base`), the stacks NF4 expert by expert: packed codes,
+/// scales and tables of each.
 pub(crate) fn frozen_bytes(c: &ModelConfig, s: &Settings, l: usize, e: u64, world: u64) -> u64 {
-    weights_of(c, s, l)
+    let weights = weights_of(c, s, l);
+    if !s.quantize.experts() {
+        return weights.iter().map(|n| (n * e).div_ceil(world.max(1))).sum();
+    }
+    let Some((router, _)) = weights.split_first() else {
+        return 0;
+    };
+    let stacks: u64 = stacks_of(c, s, l)
         .iter()
-        .map(|n| (n * e).div_ceil(world.max(1)))
-        .sum()
+        .map(|&(x, i, o, _)| {
+            let (w, k) = crate::frozen_bytes(i * o, e, s.quantize);
+            x * (w + k)
+        })
+        .sum();
+    stacks + (router * e).div_ceil(world.max(1))
 }
 
 /// Sparse layer `l`'s frozen weights' element counts: the router, gate_up, down (none on a
@@ -60,6 +76,23 @@ pub(crate) fn weights_of(c: &ModelConfig, s: &Settings, l: usize) -> Vec<u64> {
     std::iter::once(router)
         .chain(stacks.iter().map(|(x, i, o, _)| x * i * o))
         .collect()
+}
+
+/// With `quantize_experts`: the experts dequantized while their products run, one a compute
+/// thread (`rtune_experts::moe::stack`: the grouped f32 path's jobs each dequantize their expert
+/// to f32 and drop it after; the per-expert path one at a time in the compute dtype), the
+/// largest `(out, in)` of any stack. 0 otherwise.
+pub(crate) fn dequant_bytes(c: &ModelConfig, s: &Settings) -> u64 {
+    if !s.quantize.experts() {
+        return 0;
+    }
+    let largest = (0..c.num_layers)
+        .flat_map(|l| stacks_of(c, s, l))
+        .map(|(_, i, o, _)| i * o)
+        .max()
+        .unwrap_or(0);
+    let threads = candle_core::utils::get_num_threads().max(1) as u64;
+    largest * 4 * threads
 }
 
 /// Sparse layer `l`'s LoRA parameters: `r·E·(in + out)` per adapted stack.
@@ -121,6 +154,47 @@ pub(crate) fn layer_cache(
     }
     let adapted = stacks_of(c, s, l).iter().filter(|st| st.3).count() as u64;
     v.push(item(name, rows * s.r as u64 * e, adapted)); // x·Aᵀ (n_e, r) per adapted stack
+    v
+}
+
+/// What the last sparse layer's experts' backward holds at its high-water mark
+/// (`rtune_experts::moe`'s grouped path, `grouped::backward`: the gate/up stack's products and the
+/// combine after them), `R = N·k` rows, in the compute dtype (the grouped path is f32; the
+/// per-expert path of other dtypes holds per-expert tensors of the same sizes):
+/// - `dy` gathered by row and the down input's gradient `w·dy`, `(R, D)` each; the activation
+///   recomputed and its gradient `(R, I)` each; the gate/up gradient `(R, 2I)`; the input
+///   gradient by row `(R, D)`; `∂L/∂w` by row and by slot `(R)` f32 each;
+/// - per adapted stack: `dy·B` `(R, r)`, its `lora_B` repacked `(E, out, r)` and its LoRA
+///   gradients `E·r·(in + out)` f32 (the down stack's alive while gate/up's are formed);
+/// - the input gradient summed per token `(N, D)`, and with the router's input gradient added
+///   `(N, D)` and `∂L/∂logits` `(N, E)` f32.
+///
+/// Measured against the dense SwiGLU's buffers this replaces on `benches/moe_vs_peft.sh`'s shape
+/// (128 experts top-8, D 512, I 192, B 4 × T 512, f32, LoRA r 16): see `tests.rs`.
+pub(crate) fn backward_items(c: &ModelConfig, s: &Settings, k: &Dims, l: usize) -> Vec<Item> {
+    let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse(l)) else {
+        return Vec::new();
+    };
+    let (n, e, d) = (k.n, k.e, k.d);
+    let (x, top, i, r) = (
+        moe.experts as u64,
+        moe.top_k as u64,
+        moe.intermediate as u64,
+        s.r as u64,
+    );
+    let rows = n * top;
+    let w = names::WORKSPACE;
+    let mut v = vec![
+        item(w, rows * (3 * d + 4 * i) * e, 1),
+        item(w, rows * 4, 2),
+        item(w, n * d * e, 2),
+        item(w, n * x * 4, 1),
+    ];
+    for (x, inp, out, _) in stacks_of(c, s, l).into_iter().filter(|st| st.3) {
+        v.push(item(w, rows * r * e, 1));
+        v.push(item(w, x * out * r * e, 1));
+        v.push(item(w, x * r * (inp + out) * 4, 1));
+    }
     v
 }
 

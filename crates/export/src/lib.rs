@@ -180,6 +180,7 @@ pub fn export(opts: &ExportOptions) -> Result<Exported> {
             let mo = MergeOptions {
                 max_shard_bytes: opts.max_shard_bytes,
                 dequantized,
+                dequantized_experts: dequantized.is_some() && src.trained_nf4_experts,
             };
             out::stage_dir(&opts.out, src.privacy, opts.format, |tmp| {
                 merge::merge_into(base, &src.adapter, tmp, &mo, src.privacy).map(|r| r.files)

@@ -55,6 +55,10 @@ pub struct MergeOptions {
     /// Merge into the NF4 round trip of each adapted weight, `deq(nf4(W))` (`Some(double_quant)`):
     /// the weights a QLoRA adapter was trained against. `None`: into `W` itself.
     pub dequantized: Option<bool>,
+    /// With `dequantized`: the adapted expert stacks too (`[model] quantize_experts`), each
+    /// expert's `(out, in)` matrix through its own NF4 round trip, as the run held it
+    /// (`rtune_experts::moe::Nf4Stack`).
+    pub dequantized_experts: bool,
 }
 
 impl Default for MergeOptions {
@@ -62,6 +66,7 @@ impl Default for MergeOptions {
         Self {
             max_shard_bytes: DEFAULT_MAX_SHARD_BYTES,
             dequantized: None,
+            dequantized_experts: false,
         }
     }
 }
@@ -128,11 +133,12 @@ enum Part {
     /// A fused expert stack stored `(E, in, out)` (gpt-oss): every expert's `ΔW_eᵀ`.
     StackTransposed,
     /// One expert's weight in a per-expert checkpoint: rows `rows` of `ΔW_e` (gate and up are
-    /// the two halves of gate_up's `2I` rows).
+    /// the two halves of gate_up's `2I` rows, `pair` the other half's tensor).
     Expert {
         e: usize,
         experts: usize,
         rows: std::ops::Range<usize>,
+        pair: Option<String>,
     },
 }
 
@@ -191,12 +197,17 @@ fn targets(
             };
             needed[slot] = [1, e_n * parts.len()];
             for e in 0..e_n {
-                for (p, rows) in &parts {
+                for (k, (p, rows)) in parts.iter().enumerate() {
                     let shape = vec![rows.len(), inp];
+                    let pair = (parts.len() == 2).then(|| {
+                        let other = parts[1 - k].0;
+                        format!("{per}.{e}.{other}.weight")
+                    });
                     let part = Part::Expert {
                         e,
                         experts: e_n,
                         rows: rows.clone(),
+                        pair,
                     };
                     map.insert(
                         format!("{per}.{e}.{p}.weight"),
@@ -353,7 +364,7 @@ pub fn merge_into(
         }
         let path = dest.join(&name);
         write_streamed(&path, privacy, |w| {
-            write_shard(w, &path, group, &maps, &adapter, scaling, opts.dequantized)
+            write_shard(w, &path, group, &maps, &adapter, scaling, opts)
         })?;
         written.push(name);
     }
@@ -397,7 +408,7 @@ fn write_shard(
     maps: &[MmapedSafetensors],
     adapter: &Adapter,
     scaling: f64,
-    dequantized: Option<bool>,
+    opts: &MergeOptions,
 ) -> Result<()> {
     let mut header = serde_json::Map::new();
     header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
@@ -425,7 +436,16 @@ fn write_shard(
         match &e.lora {
             None => w.write_all(view.data()).map_err(io(path, "write"))?,
             Some(t) => {
-                let bytes = merged_weight(&view, adapter, t, scaling, dequantized)
+                // The other half of a per-expert gate/up pair, for an NF4 expert's round trip.
+                let sibling = |name: &str| -> candle_core::Result<Tensor> {
+                    for m in maps {
+                        if let Ok(v) = m.get(name) {
+                            return v.load(&Device::Cpu);
+                        }
+                    }
+                    candle_core::bail!("no tensor `{name}` (the other half of an expert's gate_up)")
+                };
+                let bytes = merged_weight(&view, adapter, t, scaling, opts, &sibling)
                     .map_err(ExportError::candle(format!("merge {}", e.name)))?;
                 if bytes.len() as u64 != e.bytes {
                     return Err(ExportError::Candle {
@@ -445,16 +465,18 @@ fn write_shard(
 }
 
 /// `W + scaling·(B·A)` in f32, rounded to W's dtype; the little-endian bytes. With
-/// `dequantized`, a linear `W` is first replaced by its NF4 round trip, bitsandbytes-exact (the
-/// experts are never quantized in training). An expert part takes its expert's `ΔW_e` (or every
-/// expert's, stacked, for a fused stack).
+/// `dequantized`, a linear `W` is first replaced by its NF4 round trip, bitsandbytes-exact, and
+/// with `dequantized_experts` an expert stack's too, expert by expert ([`expert_round_trip`]). An
+/// expert part takes its expert's `ΔW_e` (or every expert's, stacked, for a fused stack).
 fn merged_weight(
     view: &safetensors::tensor::TensorView<'_>,
     adapter: &Adapter,
     t: &Target,
     scaling: f64,
-    dequantized: Option<bool>,
+    opts: &MergeOptions,
+    sibling: &dyn Fn(&str) -> candle_core::Result<Tensor>,
 ) -> candle_core::Result<Vec<u8>> {
+    let dequantized = opts.dequantized;
     let w = view.load(&Device::Cpu)?;
     let pair = &adapter.pairs[t.slot];
     let expert = |e: usize, experts: usize| -> candle_core::Result<Tensor> {
@@ -479,15 +501,20 @@ fn merged_weight(
                 .collect::<candle_core::Result<Vec<_>>>()?;
             Tensor::stack(&d, 0)? // (E, out, in), or (E, in, out) transposed
         }
-        Part::Expert { e, experts, rows } => {
-            expert(*e, *experts)?.narrow(0, rows.start, rows.len())?
-        }
+        Part::Expert {
+            e, experts, rows, ..
+        } => expert(*e, *experts)?.narrow(0, rows.start, rows.len())?,
     };
-    let base = match dequantized.filter(|_| t.part == Part::Linear) {
+    let round_trip = match t.part {
+        Part::Linear => dequantized,
+        _ => dequantized.filter(|_| opts.dequantized_experts),
+    };
+    let base = match round_trip {
         None => w.to_dtype(DType::F32)?,
-        Some(double_quant) => rtune_quant::quantize::quantize_tensor(&w, double_quant)
+        Some(dq) if t.part == Part::Linear => rtune_quant::quantize::quantize_tensor(&w, dq)
             .and_then(|q| q.to_tensor(DType::F32, &Device::Cpu))
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+        Some(dq) => expert_round_trip(&w, &t.part, dq, sibling)?,
     };
     let merged = (base + delta)?; // (out, in) or (E, out, in) f32
     let merged = match &pair.m {
@@ -504,6 +531,42 @@ fn merged_weight(
     };
     let merged = merged.to_dtype(w.dtype())?;
     Ok(safetensors::View::data(&merged).into_owned())
+}
+
+/// An expert part's NF4 round trip as training held it (`rtune_experts::moe::Nf4Stack`: each
+/// expert's `(out, in)` matrix quantized alone), in f32: a fused stack expert by expert (gpt-oss's
+/// `(E, in, out)` transposed to `(E, out, in)` and back); a per-expert down weight whole; a gate or
+/// up half joined to its other half (`pair`) as the stack's `(2I, H)` rows, its own rows kept.
+fn expert_round_trip(
+    w: &Tensor,
+    part: &Part,
+    dq: bool,
+    pair: &dyn Fn(&str) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor> {
+    use rtune_experts::moe::Nf4Stack;
+    let stack = |t: &Tensor| Nf4Stack::quantize(t, dq)?.dequantize(DType::F32, &Device::Cpu);
+    match part {
+        Part::Stack => stack(w),
+        Part::StackTransposed => stack(&w.transpose(1, 2)?.contiguous()?)?
+            .transpose(1, 2)?
+            .contiguous(),
+        Part::Expert { rows, pair: p, .. } => {
+            let full = match p {
+                None => w.clone(),
+                Some(name) => {
+                    let other = pair(name)?;
+                    let halves = match rows.start {
+                        0 => [w.clone(), other],
+                        _ => [other, w.clone()],
+                    };
+                    Tensor::cat(&halves, 0)?
+                }
+            };
+            let (start, n) = (if p.is_some() { rows.start } else { 0 }, w.dim(0)?);
+            stack(&full.unsqueeze(0)?)?.squeeze(0)?.narrow(0, start, n)
+        }
+        Part::Linear => w.to_dtype(DType::F32),
+    }
 }
 
 /// `torch.linalg.norm(v, dim=1)` of a row-major `(rows, cols)` f32 matrix as torch 2.x computes

@@ -76,6 +76,8 @@ pub struct RunSource {
     pub hub_id: Option<String>,
     /// The run trained on an NF4 base (`[model] quantize = "nf4"`): `Some(double_quant)`.
     pub trained_nf4: Option<bool>,
+    /// With it, the expert stacks were NF4 too (`[model] quantize_experts`).
+    pub trained_nf4_experts: bool,
     /// Where the recorded base was looked for, and why each place was not taken.
     tried: Vec<String>,
     /// What the adapter's files are checked against before anything is exported.
@@ -313,6 +315,16 @@ impl RunSource {
                 q => q.nf4(),
             }
         });
+        let trained_nf4_experts = trained_nf4.is_some()
+            && record.as_ref().is_some_and(|r| {
+                let m = r.config.get("model");
+                let key = m.and_then(|m| m.get("quantize_experts")?.as_bool());
+                let name = m.and_then(|m| m.get("quantize")?.as_str());
+                key == Some(true)
+                    || name
+                        .and_then(|n| n.parse::<rtune_quant::Quantize>().ok())
+                        .is_some_and(|q| q.experts())
+            });
         let recorded_base = match &record {
             Some(r) => Some(r.model_path.clone()),
             None => rtune_lora::read_adapter_config(&adapter)?
@@ -338,6 +350,7 @@ impl RunSource {
             warnings: Vec::new(),
             hub_id,
             trained_nf4,
+            trained_nf4_experts,
             tried: Vec::new(),
             check,
             run_above,

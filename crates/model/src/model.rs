@@ -289,7 +289,7 @@ impl Model {
                 }
                 (None, Some(q), _) => quant(q)?,
                 (None, None, Quantize::None) => Frozen::Dense(w.tensor(&wname, &shape)?),
-                (None, None, Quantize::Nf4 { double_quant }) => {
+                (None, None, Quantize::Nf4 { double_quant, .. }) => {
                     let t = w.stored(&wname, &shape)?;
                     let q = rtune_quant::quantize::quantize_tensor(&t, double_quant).map_err(
                         |source| ModelError::Quant {
@@ -313,6 +313,16 @@ impl Model {
                 dora_norm: Default::default(),
             })
         };
+        if quantize.experts() && cfg.moe.is_none() {
+            return Err(ModelError::File {
+                path: "[model] quantize_experts".into(),
+                message: format!(
+                    "is true, but {} has no experts (a mixture-of-experts model's stacks only); \
+                     remove the key",
+                    cfg.arch.hf_name
+                ),
+            });
+        }
         // The checkpoint must hold the last layer config.json names before any per-layer memory is
         // taken (a config that claims more layers than the weights have is an error at once).
         if let Some(last) = cfg.num_layers.checked_sub(1) {
@@ -337,7 +347,8 @@ impl Model {
             // A sparse layer has no dense MLP: its experts are loaded below.
             let moe = match &cfg.moe {
                 Some(mc) if mc.sparse_layers[l] => {
-                    let mut m = crate::moe::MoeMlp::load(w, &p, mc, d)?;
+                    let nf4 = quantize.nf4().filter(|_| quantize.experts());
+                    let mut m = crate::moe::MoeMlp::load(w, &p, mc, d, nf4)?;
                     if let Some(c) = comm.as_deref() {
                         m.shard(c).map_err(|e| {
                             ModelError::candle(format!("{p}.mlp: shard of the experts"), e)

@@ -19,7 +19,9 @@ use crate::linear::{Grads, LoraCtx};
 use crate::shard::{Gather, Shard};
 use crate::weights::TensorSource;
 use crate::{ModelError, Result as ModelResult};
-use rtune_experts::moe::{moe_backward, moe_forward, ExpertAct, ExpertLora, Experts, MoeCache};
+use rtune_experts::moe::{
+    moe_backward, moe_forward, ExpertAct, ExpertLora, Experts, MoeCache, StackWeights,
+};
 use rtune_experts::route::{route, route_backward, Routed, Routing};
 
 /// The expert stacks `spec.target_parameters` adapts on layer `l` of `cfg` (none on a dense
@@ -59,7 +61,8 @@ pub fn expert_modules(
     out
 }
 
-/// One sparse layer's router and experts (frozen, compute dtype).
+/// One sparse layer's router and experts (frozen, compute dtype; the expert stacks in NF4 with
+/// `[model] quantize_experts`, [`rtune_experts::moe::stack`]).
 #[derive(Debug, Clone)]
 pub struct MoeMlp {
     /// `model.layers.N.mlp`.
@@ -68,9 +71,9 @@ pub struct MoeMlp {
     pub router: Tensor,
     pub router_bias: Option<Tensor>,
     /// `(E, 2I, H)`, rows gate and up as `act` lays them out.
-    pub gate_up: Tensor,
+    pub gate_up: StackWeights,
     /// `(E, H, I)`.
-    pub down: Tensor,
+    pub down: StackWeights,
     /// gpt-oss's `(E, 2I)` and `(E, H)`.
     pub gate_up_bias: Option<Tensor>,
     pub down_bias: Option<Tensor>,
@@ -138,12 +141,16 @@ impl MoeMlp {
     /// transformers does), else the family's released per-expert layout
     /// ([`crate::config::moe::Released`]: Qwen3-MoE's `mlp.experts.N.{gate,up,down}_proj`,
     /// Mixtral's `block_sparse_moe.experts.N.{w1,w3,w2}`), stacked. The adapter's names are
-    /// transformers 5's (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's.
+    /// transformers 5's (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's. With
+    /// `nf4 = Some(double_quant)` each stack is quantized expert by expert as soon as it is
+    /// loaded (one layer's stacks in the compute dtype alive at a time), from its values in the
+    /// compute dtype.
     pub fn load(
         w: &dyn TensorSource,
         layer: &str,
         mc: &crate::config::moe::MoeConfig,
         h: usize,
+        nf4: Option<bool>,
     ) -> ModelResult<MoeMlp> {
         let (e, i, top_k, routing) = (mc.experts, mc.intermediate, mc.top_k, mc.routing);
         let prefix = format!("{layer}.mlp");
@@ -167,6 +174,15 @@ impl MoeMlp {
                 Self::per_expert(w, layer, &released, e, i, h)?
             }
         };
+        let quant = |t: Tensor, name: &str| {
+            StackWeights::new(t, nf4).map_err(|err| {
+                ModelError::candle(
+                    format!("{prefix}.experts.{name}: NF4 expert by expert"),
+                    err,
+                )
+            })
+        };
+        let (gate_up, down) = (quant(gate_up, "gate_up_proj")?, quant(down, "down_proj")?);
         let bias = |name: String, n: usize| w.tensor(&name, &[e, n]);
         let (router_bias, gate_up_bias, down_bias) = match mc.bias {
             true => (
@@ -202,14 +218,28 @@ impl MoeMlp {
             let p = t.flatten_all()?.narrow(0, sp.start, sp.len())?;
             Ok(Arc::new(Shard::dense(t.dims(), &p)?))
         };
+        // NF4 expert stacks (`quantize_experts`) are not sharded: the config refuses them with
+        // `shard_base`; this is the op's own guard.
+        let dense = |w: &StackWeights, name: &str| match w {
+            StackWeights::Dense(t) => Ok(t.clone()),
+            StackWeights::Nf4(_) => candle_core::bail!(
+                "{}.experts.{name}: a sharded base does not hold NF4 expert stacks",
+                self.prefix
+            ),
+        };
+        let (gate_up, down) = (
+            dense(&self.gate_up, "gate_up_proj")?,
+            dense(&self.down, "down_proj")?,
+        );
         self.shards = Some(MoeShards {
             router: piece(&self.router)?,
-            gate_up: piece(&self.gate_up)?,
-            down: piece(&self.down)?,
+            gate_up: piece(&gate_up)?,
+            down: piece(&down)?,
         });
-        for t in [&mut self.router, &mut self.gate_up, &mut self.down] {
-            *t = Tensor::zeros(0, t.dtype(), t.device())?;
-        }
+        let empty = |t: &Tensor| Tensor::zeros(0, t.dtype(), t.device());
+        self.router = empty(&self.router)?;
+        self.gate_up = StackWeights::Dense(empty(&gate_up)?);
+        self.down = StackWeights::Dense(empty(&down)?);
         Ok(())
     }
 
@@ -224,11 +254,13 @@ impl MoeMlp {
 
     /// The gathered tensors `[router, gate_up, down]` in place of the shards.
     pub(crate) fn set_gathered(&mut self, [router, gate_up, down]: [Tensor; 3]) {
-        (self.router, self.gate_up, self.down) = (router, gate_up, down);
+        self.router = router;
+        (self.gate_up, self.down) = (StackWeights::Dense(gate_up), StackWeights::Dense(down));
         self.shards = None;
     }
 
-    /// Bytes this layer holds of its frozen router and experts (a sharded base: its shards).
+    /// Bytes this layer holds of its frozen router and experts (NF4 stacks at their packed size;
+    /// a sharded base: its shards) and biases.
     pub fn resident_bytes(&self) -> usize {
         let dense = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let biases = [&self.router_bias, &self.gate_up_bias, &self.down_bias];
@@ -236,7 +268,9 @@ impl MoeMlp {
         whole
             + match &self.shards {
                 Some(s) => s.named().iter().map(|(s, _)| s.resident_bytes()).sum(),
-                None => dense(&self.router) + dense(&self.gate_up) + dense(&self.down),
+                None => {
+                    dense(&self.router) + self.gate_up.resident_bytes() + self.down.resident_bytes()
+                }
             }
     }
 
@@ -317,7 +351,7 @@ impl MoeMlp {
 
     /// The LoRA pairs as the op takes them, cast to the compute dtype.
     fn pairs(&self, lora: Option<&LoraCtx>) -> Result<[Option<(Tensor, Tensor, f64)>; 2]> {
-        let dt = self.gate_up.dtype();
+        let dt = self.router.dtype();
         let get = |slot: Option<usize>| -> Result<Option<(Tensor, Tensor, f64)>> {
             let (Some(ctx), Some(i)) = (lora, slot) else {
                 return Ok(None);
@@ -411,8 +445,8 @@ impl MoeMlp {
             p.as_ref().map(|(a, b, s)| ExpertLora { a, b, scale: *s })
         };
         Experts {
-            gate_up: &self.gate_up,
-            down: &self.down,
+            gate_up: self.gate_up.stack(),
+            down: self.down.stack(),
             gate_up_bias: self.gate_up_bias.as_ref(),
             down_bias: self.down_bias.as_ref(),
             act: self.act,

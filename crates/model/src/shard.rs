@@ -643,7 +643,7 @@ pub(crate) fn load_shard(
             let t = w.piece(name, shape, span(n, 1, size, rank))?;
             Shard::dense(shape, &t).map_err(|e| ModelError::candle(format!("shard of {name}"), e))
         }
-        rtune_quant::Quantize::Nf4 { double_quant } => {
+        rtune_quant::Quantize::Nf4 { double_quant, .. } => {
             let unit = rtune_quant::shard::unit(double_quant);
             let t = w.stored_piece(name, shape, span(n, unit, size, rank))?;
             let values = t

@@ -190,7 +190,7 @@ fn forced_grouped_nf4_gives_the_per_weight_step_and_prefetches_every_group() {
             &RandomWeights { dtype },
             dtype,
             &dev,
-            Quantize::Nf4 { double_quant: true },
+            Quantize::linears(true),
         )
         .unwrap();
         let spec = LoraSpec::new(4, 8.0, 0.0, false, &["all-linear".into()]).unwrap();

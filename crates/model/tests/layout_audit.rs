@@ -32,9 +32,7 @@ struct Case {
 fn run(case: Case) -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::Cpu;
     let quantize = if case.nf4 {
-        Quantize::Nf4 {
-            double_quant: false,
-        }
+        Quantize::linears(false)
     } else {
         Quantize::None
     };

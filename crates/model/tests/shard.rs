@@ -345,7 +345,7 @@ fn ranks(case: Case, size: usize) -> (Vec<Ran>, usize) {
 #[test]
 fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
     rtune_backend::blas::init();
-    let nf4 = |double_quant| Quantize::Nf4 { double_quant };
+    let nf4 = Quantize::linears;
     let base = Case {
         quantize: Quantize::None,
         autocast: false,
@@ -495,7 +495,7 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
         moe: false,
     };
     let nf4 = Case {
-        quantize: Quantize::Nf4 { double_quant: true },
+        quantize: Quantize::linears(true),
         checkpoint: false,
         ..base
     };

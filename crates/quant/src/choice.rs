@@ -12,32 +12,55 @@ pub enum Quantize {
     #[default]
     None,
     /// bitsandbytes NF4, blocksize 64; `double_quant` also quantizes the absmax scales (8-bit,
-    /// blocksize 256), saving 0.373 bit/param.
-    Nf4 { double_quant: bool },
+    /// blocksize 256), saving 0.373 bit/param. `experts` (`[model] quantize_experts`, off by
+    /// default as bitsandbytes, which quantizes `nn.Linear`s only) also holds a mixture of
+    /// experts' 3-D stacks in NF4, each expert's `(out, in)` matrix as bitsandbytes would quantize
+    /// it alone (`rtune_experts::moe::stack`).
+    Nf4 { double_quant: bool, experts: bool },
 }
 
 /// The names [`Quantize`] parses and prints.
 pub const QUANTIZE_NAMES: [&str; 3] = ["none", "nf4", "nf4-dq"];
+/// After `nf4` or `nf4-dq` in the printed name: the expert stacks are NF4 too (`nf4+experts`).
+pub const EXPERTS_SUFFIX: &str = "+experts";
 
 impl Quantize {
     /// `Some(double_quant)` for NF4.
     pub fn nf4(self) -> Option<bool> {
         match self {
             Quantize::None => None,
-            Quantize::Nf4 { double_quant } => Some(double_quant),
+            Quantize::Nf4 { double_quant, .. } => Some(double_quant),
         }
+    }
+
+    /// NF4 linear layers, the expert stacks as computed (`experts: false`).
+    pub const fn linears(double_quant: bool) -> Quantize {
+        Quantize::Nf4 {
+            double_quant,
+            experts: false,
+        }
+    }
+
+    /// Whether a mixture of experts' stacks are held in NF4 too.
+    pub fn experts(self) -> bool {
+        matches!(self, Quantize::Nf4 { experts: true, .. })
     }
 }
 
 impl fmt::Display for Quantize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Quantize::None => "none",
+        let (name, experts) = match *self {
+            Quantize::None => ("none", false),
             Quantize::Nf4 {
-                double_quant: false,
-            } => "nf4",
-            Quantize::Nf4 { double_quant: true } => "nf4-dq",
-        })
+                double_quant,
+                experts,
+            } => (if double_quant { "nf4-dq" } else { "nf4" }, experts),
+        };
+        f.write_str(name)?;
+        match experts {
+            true => f.write_str(EXPERTS_SUFFIX),
+            false => Ok(()),
+        }
     }
 }
 
@@ -50,13 +73,17 @@ impl FromStr for Quantize {
     type Err = UnknownQuantize;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
+        let (base, experts) = match s.strip_suffix(EXPERTS_SUFFIX) {
+            Some(base) if base != "none" => (base, true),
+            _ => (s, false),
+        };
+        match base {
             "none" => Ok(Quantize::None),
-            "nf4" => Ok(Quantize::Nf4 {
-                double_quant: false,
+            "nf4" | "nf4-dq" => Ok(Quantize::Nf4 {
+                double_quant: base == "nf4-dq",
+                experts,
             }),
-            "nf4-dq" => Ok(Quantize::Nf4 { double_quant: true }),
-            other => Err(UnknownQuantize(other.to_string())),
+            _ => Err(UnknownQuantize(s.to_string())),
         }
     }
 }
@@ -92,5 +119,13 @@ mod tests {
         let e = "int8".parse::<Quantize>().unwrap_err().to_string();
         assert_eq!(e, "`int8` is not one of none, nf4, nf4-dq");
         assert!(serde_json::from_str::<Quantize>("\"fp4\"").is_err());
+        // The expert stacks in NF4 too: printed and parsed with the suffix, refused on `none`.
+        for name in ["nf4+experts", "nf4-dq+experts"] {
+            let q: Quantize = name.parse().unwrap();
+            assert!(q.experts());
+            assert_eq!(q.to_string(), name);
+        }
+        assert!(!"nf4".parse::<Quantize>().unwrap().experts());
+        assert!("none+experts".parse::<Quantize>().is_err());
     }
 }

@@ -21,7 +21,7 @@ pub mod mxfp4;
 pub mod shard;
 
 pub use bnb::{load_bnb_4bit, Bnb, BnbParts, RawTensor, BNB_SUFFIXES};
-pub use choice::{Quantize, UnknownQuantize, QUANTIZE_NAMES};
+pub use choice::{Quantize, UnknownQuantize, EXPERTS_SUFFIX, QUANTIZE_NAMES};
 pub use rtune_ops::nf4::{cpu as dequant, quantize, tables};
 pub use rtune_ops::nf4::{
     quantize_nf4, quantize_tensor, torch_mean_f32, Absmax, Nf4Weight, QuantError, QuantType,

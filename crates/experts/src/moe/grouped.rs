@@ -26,16 +26,18 @@ use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, Tensor};
 use rayon::prelude::*;
 use std::ops::Deref;
 
+use super::stack::{Source, Weights};
 use super::{act, dims, Experts, Groups};
 
-/// Whether the fast path takes these operands: every tensor f32 on the CPU.
+/// Whether the fast path takes these operands: every tensor f32 on the CPU (an NF4 stack
+/// dequantizes to f32 on the CPU, one expert a job).
 pub(super) fn applies(x: &Tensor, ex: &Experts) -> bool {
     let f32_cpu = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
     let lora =
         |l: &Option<super::ExpertLora>| l.as_ref().is_none_or(|l| f32_cpu(l.a) && f32_cpu(l.b));
     f32_cpu(x)
-        && f32_cpu(ex.gate_up)
-        && f32_cpu(ex.down)
+        && ex.gate_up.f32_cpu()
+        && ex.down.f32_cpu()
         && ex.gate_up_bias.is_none_or(f32_cpu)
         && ex.down_bias.is_none_or(f32_cpu)
         && lora(&ex.lora_gate_up)
@@ -207,6 +209,28 @@ fn split<'a>(mut buf: &'a mut [f32], off: &[usize], width: usize) -> Vec<&'a mut
     out
 }
 
+/// A stack's weights for one call: the dense stack's view, or the NF4 experts.
+enum StackView<'a> {
+    Dense(View<'a>),
+    Nf4(&'a super::Nf4Stack),
+}
+
+impl<'a> StackView<'a> {
+    fn of(s: &'a Source<'a>, what: &str) -> Result<StackView<'a>> {
+        Ok(match s {
+            Source::Dense(t) => StackView::Dense(View::of(t, what)?),
+            Source::Nf4(q) => StackView::Nf4(q),
+        })
+    }
+
+    fn w(&self) -> Weights<'_> {
+        match self {
+            StackView::Dense(v) => Weights::Dense(v.s()),
+            StackView::Nf4(q) => Weights::Nf4(q),
+        }
+    }
+}
+
 /// An optional tensor's view.
 fn view_opt<'a>(t: Option<&'a Tensor>, what: &str) -> Result<Option<View<'a>>> {
     t.map(|t| View::of(t, what)).transpose()
@@ -341,7 +365,7 @@ fn gather(src: &[f32], token: &[u32], width: usize) -> Vec<f32> {
 fn linear_fwd(
     engine: Engine,
     x: &[f32],
-    w: &[f32],
+    w: Weights,
     bias: Option<&[f32]>,
     lora: Option<(&[f32], &[f32], usize, f32)>,
     off: &[usize],
@@ -360,8 +384,9 @@ fn linear_fwd(
             return Ok(());
         }
         let xe = M::rows(&x[off[e] * inp..off[e + 1] * inp], inp);
-        let we = &w[e * out * inp..(e + 1) * out * inp];
-        mm(engine, y, false, 1.0, xe, M::t(we, inp), (n, out, inp))?;
+        // An NF4 expert with rows is dequantized here, dropped when this job ends.
+        let we = w.expert_f32(e, out * inp)?;
+        mm(engine, y, false, 1.0, xe, M::t(&we, inp), (n, out, inp))?;
         if let Some((a, b, r, s)) = lora {
             let ae = &a[e * r * inp..(e + 1) * r * inp];
             let be = &b[e * out * r..(e + 1) * out * r];
@@ -385,7 +410,7 @@ fn linear_bwd(
     engine: Engine,
     dy: &[f32],
     x: &[f32],
-    w: &[f32],
+    w: Weights,
     lora: Option<(&[f32], &[f32], usize, f32, &[f32])>,
     off: &[usize],
     (inp, out): (usize, usize),
@@ -415,14 +440,15 @@ fn linear_bwd(
             return Ok(());
         }
         let dye = &dy[off[e] * out..off[e + 1] * out];
-        let we = &w[e * out * inp..(e + 1) * out * inp];
+        // As in the forward: an NF4 expert dequantized for this job only.
+        let we = w.expert_f32(e, out * inp)?;
         mm(
             engine,
             dx,
             false,
             1.0,
             M::rows(dye, out),
-            M::rows(we, inp),
+            M::rows(&we, inp),
             (n, inp, out),
         )?;
         if let (Some((a, b, r, s, xa)), Some((da, db))) = (lora, grads) {
@@ -509,7 +535,11 @@ pub(super) fn forward(
     let (off, token, slot, rows_of) = order(g, t);
     let rows = token.len();
     let x = x.contiguous()?;
-    let (gate_up, down) = (ex.gate_up.contiguous()?, ex.down.contiguous()?);
+    let (gate_up, down) = (ex.gate_up.source()?, ex.down.source()?);
+    let (gate_up, down) = (
+        StackView::of(&gate_up, "gate_up")?,
+        StackView::of(&down, "down")?,
+    );
     let (lgu, ldn) = (
         Lora::of(&ex.lora_gate_up, e_n)?,
         Lora::of(&ex.lora_down, e_n)?,
@@ -529,7 +559,7 @@ pub(super) fn forward(
     let (gu, xa_gu) = linear_fwd(
         engine,
         &xs,
-        View::of(&gate_up, "gate_up")?.s(),
+        gate_up.w(),
         vbgu.as_ref().map(View::s),
         vlgu.as_ref().map(LoraView::fwd),
         &off,
@@ -540,7 +570,7 @@ pub(super) fn forward(
     let (d, xa_dn) = linear_fwd(
         engine,
         View::of(&m, "act")?.s(),
-        View::of(&down, "down")?.s(),
+        down.w(),
         vbdn.as_ref().map(View::s),
         vldn.as_ref().map(LoraView::fwd),
         &off,
@@ -617,7 +647,11 @@ pub(super) fn backward(
     for (r, &s) in c.slot.iter().enumerate() {
         dw_slot[s] = dweights[r];
     }
-    let (gate_up, down) = (ex.gate_up.contiguous()?, ex.down.contiguous()?);
+    let (gate_up, down) = (ex.gate_up.source()?, ex.down.source()?);
+    let (gate_up, down) = (
+        StackView::of(&gate_up, "gate_up")?,
+        StackView::of(&down, "down")?,
+    );
     let (lgu, ldn) = (
         Lora::of(&ex.lora_gate_up, e_n)?,
         Lora::of(&ex.lora_down, e_n)?,
@@ -632,22 +666,14 @@ pub(super) fn backward(
         vgu.as_ref().map(LoraView::bwd).transpose()?,
         vdn.as_ref().map(LoraView::bwd).transpose()?,
     );
-    let (dm, gdn) = linear_bwd(
-        engine,
-        &dd,
-        vm.s(),
-        View::of(&down, "down")?.s(),
-        sdn,
-        &c.off,
-        (i, h),
-    )?;
+    let (dm, gdn) = linear_bwd(engine, &dd, vm.s(), down.w(), sdn, &c.off, (i, h))?;
     let dm = tensor(dm, (rows, i), dev)?;
     let dgu = act::act_backward(&dm, &c.gu, ex.act)?.contiguous()?; // (R, 2I)
     let (dxs, ggu) = linear_bwd(
         engine,
         View::of(&dgu, "d gate_up")?.s(),
         View::of(&c.xs, "xs")?.s(),
-        View::of(&gate_up, "gate_up")?.s(),
+        gate_up.w(),
         sgu,
         &c.off,
         (h, 2 * i),

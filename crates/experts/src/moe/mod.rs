@@ -20,15 +20,18 @@
 //! refuses dropout on a `ParamWrapper`, so there is none.
 //!
 //! The backward returns `∂L/∂x`, `∂L/∂w` (`T × k`, what [`crate::route::route_backward`] takes)
-//! and the LoRA factors' gradients in PEFT's layouts; the expert weights are frozen.
+//! and the LoRA factors' gradients in PEFT's layouts; the expert weights are frozen. They may be
+//! held in NF4 ([`stack`]): each expert with tokens is then dequantized for its products only.
 
 pub mod act;
 mod grouped;
 pub mod reference;
+pub mod stack;
 #[cfg(test)]
 mod tests;
 
 pub use act::ExpertAct;
+pub use stack::{Nf4Stack, Stack, StackWeights};
 
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 
@@ -45,10 +48,10 @@ pub struct ExpertLora<'a> {
 /// any.
 #[derive(Debug, Clone, Copy)]
 pub struct Experts<'a> {
-    /// `(E, 2I, H)`: rows gate and up as `act` lays them out.
-    pub gate_up: &'a Tensor,
+    /// `(E, 2I, H)`: rows gate and up as `act` lays them out (in the compute dtype or NF4).
+    pub gate_up: Stack<'a>,
     /// `(E, H, I)`.
-    pub down: &'a Tensor,
+    pub down: Stack<'a>,
     /// `(E, 2I)` and `(E, H)`, added to each expert's projections (gpt-oss's
     /// `gate_up_proj_bias`, `down_proj_bias`).
     pub gate_up_bias: Option<&'a Tensor>,
@@ -325,16 +328,17 @@ fn per_expert_forward(
         let xe = x.index_select(&tok, 0)?; // (n_e, H)
         let lgu = factors(ex.lora_gate_up, e, e_n)?;
         let ld = factors(ex.lora_down, e, e_n)?;
+        // An NF4 expert is dequantized here and dropped at the end of this iteration.
         let (gu, xa_gate_up) = expert_linear(
             &xe,
-            &ex.gate_up.get(e)?,
+            &ex.gate_up.expert(e, dt, dev)?,
             lgu.as_ref().map(|(a, b, s)| (a, b, *s)),
         )?;
         let gu = with_bias(gu, ex.gate_up_bias, e)?; // (n_e, 2I)
         let m = act::act_forward(&gu, ex.act)?; // (n_e, I)
         let (d, xa_down) = expert_linear(
             &m,
-            &ex.down.get(e)?,
+            &ex.down.expert(e, dt, dev)?,
             ld.as_ref().map(|(a, b, s)| (a, b, *s)),
         )?;
         let d = with_bias(d, ex.down_bias, e)?; // (n_e, H)
@@ -443,7 +447,7 @@ fn per_expert_backward(
         let dm = linear_backward(
             &dd,
             &m,
-            &ex.down.get(e)?,
+            &ex.down.expert(e, dt, dev)?,
             ld.as_ref().map(|(a, b, s)| (a, b, *s)),
             c.xa_down.as_ref(),
             &mut down_grads,
@@ -452,7 +456,7 @@ fn per_expert_backward(
         let dxe = linear_backward(
             &dgu,
             &c.x,
-            &ex.gate_up.get(e)?,
+            &ex.gate_up.expert(e, dt, dev)?,
             lgu.as_ref().map(|(a, b, s)| (a, b, *s)),
             c.xa_gate_up.as_ref(),
             &mut gu_grads,

@@ -8,6 +8,8 @@ use crate::route::{route, Routing};
 use candle_core::Var;
 use rtune_ops::test_util::*;
 
+mod nf4;
+
 const T: usize = 13;
 const H: usize = 8;
 const E: usize = 6;
@@ -68,8 +70,8 @@ fn experts<'a>(c: &'a Case, lora: bool) -> Experts<'a> {
         scale,
     };
     Experts {
-        gate_up: &c.gate_up,
-        down: &c.down,
+        gate_up: (&c.gate_up).into(),
+        down: (&c.down).into(),
         gate_up_bias: None,
         down_bias: None,
         act: ExpertAct::SwiGlu,
@@ -297,7 +299,10 @@ fn moe_refuses_bad_inputs() {
     assert!(err.to_string().contains("for 13 tokens"), "{err}");
     // A down stack of the wrong width.
     let down = randn(&[E, H, I + 1], 1, 1.0);
-    let ex2 = Experts { down: &down, ..ex };
+    let ex2 = Experts {
+        down: (&down).into(),
+        ..ex
+    };
     let err = moe_forward(&c.x, &ids, &w, K, &ex2).unwrap_err();
     assert!(err.to_string().contains("do not fit x"), "{err}");
     // lora_B of the wrong rank.
@@ -405,8 +410,8 @@ fn moe_timing() {
     let logits = flat(&randn(&[t, e], 8, 3.0));
     let routed = route(&logits, e, k, Routing::SoftmaxTopK { normalize: true }).unwrap();
     let ex = Experts {
-        gate_up: &gate_up,
-        down: &down,
+        gate_up: (&gate_up).into(),
+        down: (&down).into(),
         gate_up_bias: None,
         down_bias: None,
         act: ExpertAct::SwiGlu,
@@ -574,8 +579,8 @@ fn bf16_experts_fold_each_update_into_the_weight() {
         fold(&c16.down, &c16.ld, S_D),
     );
     let plain = Experts {
-        gate_up: &gu_f,
-        down: &dn_f,
+        gate_up: (&gu_f).into(),
+        down: (&dn_f).into(),
         ..experts(&c16, false)
     };
     let (y_ref, cache_ref) = moe_forward(&c16.x, &ids, &w, K, &plain).unwrap();
@@ -683,8 +688,8 @@ fn moe_timing_bf16() {
     let w = &routed.weights;
     for lora in [false, true] {
         let ex = Experts {
-            gate_up: &gate_up,
-            down: &down,
+            gate_up: (&gate_up).into(),
+            down: (&down).into(),
             gate_up_bias: None,
             down_bias: None,
             act: ExpertAct::SwiGlu,

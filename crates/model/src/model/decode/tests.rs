@@ -180,7 +180,7 @@ fn cached_decoding_with_adapters_and_quantized_bases() {
         (
             "nf4 + lora",
             DType::F32,
-            Quantize::Nf4 { double_quant: true },
+            Quantize::linears(true),
             false,
             1e-5,
         ),

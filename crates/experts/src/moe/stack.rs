@@ -1,0 +1,211 @@
+//! One layer's expert stack, `(E, out, in)`, as the op reads it: in the compute dtype, or in NF4
+//! (`[model] quantize_experts`), one [`Nf4Weight`] per expert.
+//!
+//! An NF4 stack holds expert `e`'s `(out, in)` matrix quantized on its own, exactly as
+//! bitsandbytes' `quantize_4bit` quantizes that 2-D tensor (`rtune_ops::nf4::quantize_tensor`:
+//! blocks of 64 over the row-major matrix, with double quantization its own mean offset and
+//! nested blocks of 256), so expert `e` dequantizes to bitsandbytes' `dequantize_4bit` of its
+//! slice (`tests/parity/make_nf4_experts_golden.py`). Resident: `n/2 + 4·n/64` bytes for `n`
+//! elements (≈ 0.56 byte a parameter; double-quantized ≈ 0.52), against 4 in f32.
+//!
+//! The op never dequantizes the whole stack: each expert that received tokens is dequantized when
+//! its product runs and dropped after it ([`Stack::expert`], and in the grouped path
+//! `Weights::expert_f32` per expert job: at most one expert a worker thread at a time).
+
+use std::borrow::Cow;
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+use rtune_ops::nf4::Nf4Weight;
+
+/// Expert `e`'s matrices of a stack in NF4, each `(out, in)`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Nf4Stack {
+    pub experts: Vec<Nf4Weight>,
+    /// `(E, out, in)`.
+    pub dims: (usize, usize, usize),
+}
+
+impl Nf4Stack {
+    /// Quantizes `t: (E, out, in)` (any float dtype) expert by expert; one expert's f32 copy is
+    /// alive at a time.
+    pub fn quantize(t: &Tensor, double_quant: bool) -> Result<Nf4Stack> {
+        let (e_n, out, inp) = t.dims3()?;
+        let experts = (0..e_n)
+            .map(|e| {
+                rtune_ops::nf4::quantize_tensor(&t.get(e)?, double_quant).map_err(|err| {
+                    candle_core::Error::Msg(format!(
+                        "moe: quantizing expert {e} of the ({e_n}, {out}, {inp}) stack: {err}"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Nf4Stack {
+            experts,
+            dims: (e_n, out, inp),
+        })
+    }
+
+    /// Bytes held: each expert's packed codes, scales and tables.
+    pub fn resident_bytes(&self) -> usize {
+        self.experts.iter().map(Nf4Weight::resident_bytes).sum()
+    }
+
+    /// Every expert dequantized, `(E, out, in)` in `dtype`: the reference the tests and the
+    /// merged export compare against (the op itself never forms it).
+    pub fn dequantize(&self, dtype: DType, device: &Device) -> Result<Tensor> {
+        let each = (0..self.dims.0)
+            .map(|e| self.expert(e, dtype, device))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::stack(&each, 0)
+    }
+
+    /// Expert `e`'s `(out, in)` in `dtype` (f32 products rounded once to a 16-bit dtype, as
+    /// bitsandbytes' `dequantize_4bit` into that dtype).
+    pub fn expert(&self, e: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        let Some(w) = self.experts.get(e) else {
+            bail!("moe: expert {e} of an NF4 stack of {}", self.experts.len());
+        };
+        w.to_tensor(dtype, device)
+            .map_err(|err| candle_core::Error::Msg(format!("moe: dequantizing expert {e}: {err}")))
+    }
+}
+
+/// A stack as [`super::Experts`] borrows it.
+#[derive(Debug, Clone, Copy)]
+pub enum Stack<'a> {
+    /// `(E, out, in)` in the compute dtype.
+    Dense(&'a Tensor),
+    Nf4(&'a Nf4Stack),
+}
+
+impl<'a> From<&'a Tensor> for Stack<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        Stack::Dense(t)
+    }
+}
+
+impl<'a> From<&'a Nf4Stack> for Stack<'a> {
+    fn from(s: &'a Nf4Stack) -> Self {
+        Stack::Nf4(s)
+    }
+}
+
+impl<'a> Stack<'a> {
+    /// `(E, out, in)`.
+    pub fn dims3(&self) -> Result<(usize, usize, usize)> {
+        match self {
+            Stack::Dense(t) => t.dims3(),
+            Stack::Nf4(s) => Ok(s.dims),
+        }
+    }
+
+    pub fn dims(&self) -> Vec<usize> {
+        match self {
+            Stack::Dense(t) => t.dims().to_vec(),
+            Stack::Nf4(s) => vec![s.dims.0, s.dims.1, s.dims.2],
+        }
+    }
+
+    /// Whether the grouped f32 CPU path reads it: a dense f32 CPU tensor, or NF4 (which
+    /// dequantizes to f32 on the CPU).
+    pub(super) fn f32_cpu(&self) -> bool {
+        match self {
+            Stack::Dense(t) => t.dtype() == DType::F32 && t.device().is_cpu(),
+            Stack::Nf4(_) => true,
+        }
+    }
+
+    /// Expert `e`'s `(out, in)` in `dtype` on `device`: a view of the dense stack (as stored),
+    /// or the NF4 expert dequantized (a fresh tensor, dropped by the caller after its products).
+    pub fn expert(&self, e: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        match self {
+            Stack::Dense(t) => t.get(e),
+            Stack::Nf4(s) => s.expert(e, dtype, device),
+        }
+    }
+
+    /// The grouped path's source of expert weights: the contiguous dense stack's f32 elements,
+    /// or the NF4 experts.
+    pub(super) fn source(&self) -> Result<Source<'a>> {
+        Ok(match self {
+            Stack::Dense(t) => Source::Dense(t.contiguous()?),
+            Stack::Nf4(s) => Source::Nf4(s),
+        })
+    }
+}
+
+/// [`Stack::source`]: what the grouped path holds for one call.
+pub(super) enum Source<'a> {
+    Dense(Tensor),
+    Nf4(&'a Nf4Stack),
+}
+
+/// The elements of a [`Source`] for the products: the dense stack's whole slice, or nothing
+/// (the NF4 experts are dequantized one job at a time by [`Weights::expert_f32`]).
+pub(super) enum Weights<'a> {
+    Dense(&'a [f32]),
+    Nf4(&'a Nf4Stack),
+}
+
+impl Weights<'_> {
+    /// Expert `e`'s `(out, in)` f32 elements, `len = out·in`: a slice of the dense stack, or the
+    /// NF4 expert dequantized into a buffer the caller drops after its products.
+    pub(super) fn expert_f32(&self, e: usize, len: usize) -> Result<Cow<'_, [f32]>> {
+        match self {
+            Weights::Dense(w) => match w.get(e * len..(e + 1) * len) {
+                Some(s) => Ok(Cow::Borrowed(s)),
+                None => bail!(
+                    "moe grouped: expert {e} past a stack of {} elements",
+                    w.len()
+                ),
+            },
+            Weights::Nf4(s) => {
+                let Some(q) = s.experts.get(e) else {
+                    bail!(
+                        "moe grouped: expert {e} of an NF4 stack of {}",
+                        s.experts.len()
+                    );
+                };
+                if q.numel() != len {
+                    bail!(
+                        "moe grouped: NF4 expert {e} has {} elements, the product wants {len}",
+                        q.numel()
+                    );
+                }
+                Ok(Cow::Owned(q.dequantize_f32()))
+            }
+        }
+    }
+}
+
+/// A stack as a model holds it: in the compute dtype, or NF4.
+#[derive(Debug, Clone)]
+pub enum StackWeights {
+    Dense(Tensor),
+    Nf4(Nf4Stack),
+}
+
+impl StackWeights {
+    /// `t: (E, out, in)` as is, or quantized expert by expert (`Some(double_quant)`).
+    pub fn new(t: Tensor, nf4: Option<bool>) -> Result<StackWeights> {
+        Ok(match nf4 {
+            None => StackWeights::Dense(t),
+            Some(dq) => StackWeights::Nf4(Nf4Stack::quantize(&t, dq)?),
+        })
+    }
+
+    pub fn stack(&self) -> Stack<'_> {
+        match self {
+            StackWeights::Dense(t) => Stack::Dense(t),
+            StackWeights::Nf4(s) => Stack::Nf4(s),
+        }
+    }
+
+    /// Bytes held (the NF4 experts at their packed size).
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            StackWeights::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            StackWeights::Nf4(s) => s.resident_bytes(),
+        }
+    }
+}
