@@ -134,9 +134,9 @@ pub fn take_notices() -> Vec<String> {
 }
 
 /// The recorded libraries that did not load, with why (empty when each loaded or none was
-/// pinned). Loads oneDNN if nothing has yet, so that its pin is checked too.
+/// pinned): of those loaded so far — the CBLAS at [`crate::blas::init`], oneDNN at the first
+/// [`crate::onednn::get`] (call it first to have its pin checked too).
 pub fn lost() -> Vec<String> {
-    let _ = crate::onednn::get();
     LOST.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 

@@ -74,6 +74,8 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
     // A library the resumed run recorded that does not load now: refused as changed settings are.
+    // oneDNN loads now (the CBLAS did in `main`), so that both pins are checked.
+    let _ = rtune_backend::onednn::get();
     let lost = rtune_backend::pin::lost();
     // oneDNN's notices (it loaded just now; the CBLAS's were logged in `main`).
     for n in rtune_backend::pin::take_notices() {
