@@ -123,6 +123,14 @@ enum Command {
 
 fn main() -> ExitCode {
     tune_allocator();
+    let cli = Cli::parse();
+    // A resume keeps the CBLAS and the oneDNN its run recorded (bit-for-bit continuation), so
+    // they are pinned before they load.
+    if let Command::Train(a) = &cli.command {
+        if let Some(r) = cmd::train::recorded_engines(a) {
+            rtune_backend::pin::set(r);
+        }
+    }
     // Before any thread exists: loading the optional CBLAS may set OPENBLAS_CORETYPE, and
     // oneDNN's OpenMP threads are told to sleep when idle.
     rtune_backend::blas::init();
@@ -141,7 +149,11 @@ fn main() -> ExitCode {
     if let Some(n) = rtune_backend::blas::notice() {
         tracing::warn!("{n}");
     }
-    match run(Cli::parse()) {
+    // A user's variable overriding a resumed run's record, a recorded library missing.
+    for n in rtune_backend::pin::take_notices() {
+        tracing::warn!("{n}");
+    }
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             print_error(&one_line(&e));

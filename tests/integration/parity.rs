@@ -588,6 +588,35 @@ fn families_bf16_compute_matches_peft_bf16() {
     }
 }
 
+/// Gemma 2 in bf16 through the tiled attention (`RTUNE_ATTN=tiled`; the goldens' 16 tokens take
+/// the plain path by default): the soft cap (2.0 in tiny-gemma2), the sliding window (6) and
+/// `query_pre_attn_scalar` (24) on the tiled kernels' bf16 tiles, against PEFT's eager bf16 at the
+/// tolerances of [`bf16_compute_matches_peft_bf16`]. The kernels round the capped scores' steps
+/// as torch's eager ops do (`Cap::eager`); computed in f32 they left the logits 1.21e-2 off.
+/// `RTUNE_ATTN` is read once per process, so the test runs itself again in a child with it set.
+#[test]
+fn gemma2_bf16_on_the_tiled_attention_matches_peft_bf16() {
+    const NAME: &str = "parity::gemma2_bf16_on_the_tiled_attention_matches_peft_bf16";
+    if std::env::var("RTUNE_ATTN").as_deref() != Ok("tiled") {
+        let o = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env("RTUNE_ATTN", "tiled")
+            .output()
+            .unwrap();
+        let out =
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{out}");
+        assert!(out.contains("1 passed"), "the child ran no test: {out}");
+        return;
+    }
+    let path = rtune_ops::AttnPath::for_shape(&Device::Cpu, 16, Some(16)).unwrap();
+    assert_eq!(path, rtune_ops::AttnPath::Tiled);
+    bf16_matches_peft(
+        "fixtures/tiny-gemma2",
+        "parity/golden_tiny_gemma2_bf16.safetensors",
+    );
+}
+
 /// Qwen2's biased q/k/v projections in bf16 round once with the bias in, as torch's `F.linear`
 /// (`addmm`: the bias inside the GEMM; `rtune_model::linear`'s `product`): the logits within one
 /// bf16 ulp of the largest (2⁻⁸ ≈ 3.9e-3), tighter than the families' 1e-2, which a bias rounded

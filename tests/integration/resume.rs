@@ -497,3 +497,79 @@ fn resume_refuses_when_every_checkpoint_is_corrupt() {
     assert!(stderr(&o).contains("none of its"), "{}", stderr(&o));
     assert_eq!(checkpoint_dirs(&out).len(), cps.len(), "nothing deleted");
 }
+
+/// A resume keeps the f32 CBLAS its run recorded (issue 47; `rtune_backend::pin`), since two
+/// CBLASes sum in different orders. The run starts on MKL (`RTUNE_BLAS` names `RTUNE_TEST_MKL`'s
+/// file) and is stopped by SIGTERM; the resume sets nothing, in an environment where the default
+/// search finds OpenBLAS alone (no `VIRTUAL_ENV` / `CONDA_PREFIX`, so MKL's wheel is out of
+/// reach): without the pin it would run on OpenBLAS. It must run on MKL and end with the
+/// uninterrupted MKL run's adapter and metrics, byte for byte. A recorded library that does not
+/// load is refused unless `--force`.
+#[test]
+fn resume_keeps_the_cblas_the_run_recorded() {
+    let Ok(mkl) = std::env::var("RTUNE_TEST_MKL") else {
+        return eprintln!("RTUNE_TEST_MKL unset (scripts/deps/cpu-libs.sh); nothing to check");
+    };
+    let run = |cfg: &Path, extra: &[&str], env: &[(&str, &str)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+        c.args(["train", "--config", cfg.to_str().unwrap()])
+            .args(extra)
+            .current_dir(root());
+        for k in ["RTUNE_BLAS", "RTUNE_MKL", "VIRTUAL_ENV", "CONDA_PREFIX"] {
+            c.env_remove(k);
+        }
+        c.envs(env.iter().copied());
+        c
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let on_mkl = [("RTUNE_BLAS", mkl.as_str())];
+    let reference = tmp.path().join("reference");
+    let o = run(&config(tmp.path(), &reference, ""), &[], &on_mkl)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let out = tmp.path().join("stopped");
+    let cfg = config(tmp.path(), &out, "");
+    let child = run(&cfg, &[], &on_mkl)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::fs::read_to_string(out.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 6 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "run did not start");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // SAFETY: kill(2) on the pid of our own live child; no memory is involved.
+    unsafe { libc_kill(child.id() as i32, 15) };
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "SIGTERM exits 0: {}", stderr(&o));
+
+    // The recorded library gone: refused (the record is put back after).
+    let record = std::fs::read(out.join("run.json")).unwrap();
+    let mut gone: serde_json::Value = serde_json::from_slice(&record).unwrap();
+    gone["hardware"]["blas"] = "/nonexistent/libmkl_rt.so.3 (RTUNE_BLAS names it)".into();
+    std::fs::write(out.join("run.json"), serde_json::to_vec(&gone).unwrap()).unwrap();
+    let o = run(&cfg, &["--resume"], &[]).output().unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("/nonexistent/libmkl_rt.so.3") && err.contains("--force"),
+        "{err}"
+    );
+    std::fs::write(out.join("run.json"), &record).unwrap();
+
+    let o = run(&cfg, &["--resume"], &[]).output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("resuming at step"), "{}", stderr(&o));
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("run.json")).unwrap()).unwrap();
+    let attempts = record["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2);
+    let blas = |a: &serde_json::Value| a["blas"].as_str().unwrap_or("").to_string();
+    assert!(blas(&attempts[0]).starts_with(&mkl), "{record}");
+    assert!(blas(&attempts[1]).starts_with(&mkl), "{record}");
+    assert!(blas(&attempts[1]).contains("pinned"), "{record}");
+    assert_same_run(&reference, &out);
+}

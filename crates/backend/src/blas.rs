@@ -80,9 +80,16 @@ pub fn init() -> Option<&'static Blas> {
 }
 
 fn load() -> Option<Blas> {
-    let choice = std::env::var("RTUNE_BLAS").unwrap_or_default();
-    if choice == "off" || choice == "0" {
-        return None;
+    let mkl_env = std::env::var("RTUNE_MKL").ok();
+    // A resumed run's recorded library unless the user names one ([`crate::pin`]).
+    let choice = crate::pin::blas(
+        std::env::var("RTUNE_BLAS").ok().as_deref(),
+        mkl_env.as_deref(),
+    );
+    if let crate::pin::Choice::User(c) | crate::pin::Choice::Recorded(c) = &choice {
+        if c == "off" || c == "0" {
+            return None;
+        }
     }
     match std::env::var("RTUNE_BLAS_CORE").as_deref() {
         Ok("inherit") => {}
@@ -105,11 +112,10 @@ fn load() -> Option<Blas> {
         // loads, below.
         std::env::set_var("OPENBLAS_THREAD_TIMEOUT", t)
     }
-    let mkl_env = std::env::var("RTUNE_MKL").ok();
     if mkl::names(mkl_env.as_deref()).is_some() {
         mkl::threading_env();
     }
-    let (blas, notice) = select(&choice, mkl_env.as_deref());
+    let (blas, notice) = select(&choice, mkl_env.as_deref(), mkl::probe);
     // Kept for [`notice`]: `init` runs before the binary's log is set up.
     let _ = NOTICE.set(notice);
     blas
@@ -123,25 +129,46 @@ pub fn notice() -> Option<&'static str> {
     NOTICE.get().and_then(Option::as_deref)
 }
 
-/// The CBLAS that serves f32 given `RTUNE_BLAS` (`choice`, empty when unset) and `RTUNE_MKL`, and
-/// the notice to print when a library the user named did not load (then the fallback serves:
-/// candle's gemm for `RTUNE_BLAS`, OpenBLAS alone for `RTUNE_MKL`).
-fn select(choice: &str, mkl_env: Option<&str>) -> (Option<Blas>, Option<String>) {
-    if !choice.is_empty() {
-        // A library the user names serves alone, unmeasured.
-        return match open(&[choice.to_string()]) {
-            Some(mut b) => {
-                b.described = format!("{} (RTUNE_BLAS names it)", b.name);
-                (Some(b), None)
+/// The CBLAS that serves f32 given the choice ([`crate::pin::blas`]: `RTUNE_BLAS`, else a resumed
+/// run's record, else the default search) and `RTUNE_MKL`, and the notice to print when a library
+/// the user named did not load (then the fallback serves: candle's gemm for `RTUNE_BLAS`, OpenBLAS
+/// alone for `RTUNE_MKL`). A recorded library that does not load falls back to the default search
+/// and is reported to [`crate::pin::lose`]. `rates`: the start-up probe ([`mkl::probe`]; a test
+/// gives its own answer).
+fn select(
+    choice: &crate::pin::Choice,
+    mkl_env: Option<&str>,
+    rates: fn(&[&Blas]) -> Vec<f64>,
+) -> (Option<Blas>, Option<String>) {
+    use crate::pin::Choice;
+    match choice {
+        Choice::User(c) => {
+            // A library the user names serves alone, unmeasured.
+            return match open(std::slice::from_ref(c)) {
+                Some(mut b) => {
+                    b.described = format!("{} (RTUNE_BLAS names it)", b.name);
+                    (Some(b), None)
+                }
+                None => (
+                    None,
+                    Some(format!(
+                        "RTUNE_BLAS={c} did not load as a CBLAS (no such file, or no \
+                         cblas_sgemm); f32 matmuls use candle's gemm"
+                    )),
+                ),
+            };
+        }
+        Choice::Recorded(c) => {
+            if let Some(mut b) = open(std::slice::from_ref(c)) {
+                b.described = format!("{} (pinned: the resumed run's run.json records it)", b.name);
+                return (Some(b), None);
             }
-            None => (
-                None,
-                Some(format!(
-                    "RTUNE_BLAS={choice} did not load as a CBLAS (no such file, or no \
-                     cblas_sgemm); f32 matmuls use candle's gemm"
-                )),
-            ),
-        };
+            crate::pin::lose(format!(
+                "this resumed run recorded f32 matmuls through {c}, which does not load now (no \
+                 such file, or no cblas_sgemm); a fresh run's choice serves"
+            ));
+        }
+        Choice::Default => {}
     }
     let openblas = open(&["libopenblas.so.0".into(), "libopenblas.so".into()]);
     let mut notice = None;
@@ -161,7 +188,7 @@ fn select(choice: &str, mkl_env: Option<&str>) -> (Option<Blas>, Option<String>)
         }
         m
     });
-    (mkl::choose(openblas, mkl), notice)
+    (mkl::choose(openblas, mkl, rates), notice)
 }
 
 /// The first of `names` that opens ([`crate::dl::open`]) and exports `cblas_sgemm`.
@@ -748,11 +775,16 @@ mod tests {
     /// the fallback (candle's gemm; OpenBLAS alone, when it loads here).
     #[test]
     fn a_bogus_path_gives_a_notice_and_falls_back() {
-        let (b, n) = select("/nonexistent/libcblas.so", None);
+        let user = |c: &str| crate::pin::Choice::User(c.into());
+        let (b, n) = select(&user("/nonexistent/libcblas.so"), None, mkl::probe);
         assert!(b.is_none());
         let n = n.expect("a notice");
         assert!(n.contains("RTUNE_BLAS=/nonexistent/libcblas.so") && n.contains("candle's gemm"));
-        let (b, n) = select("", Some("/nonexistent/libmkl_rt.so.2"));
+        let (b, n) = select(
+            &crate::pin::Choice::Default,
+            Some("/nonexistent/libmkl_rt.so.2"),
+            mkl::probe,
+        );
         let n = n.expect("a notice");
         assert!(n.contains("RTUNE_MKL=/nonexistent/libmkl_rt.so.2"), "{n}");
         // What serves is OpenBLAS where it is installed, unmeasured (the only CBLAS found).
@@ -763,6 +795,58 @@ mod tests {
             );
             assert!(n.contains("use OpenBLAS"), "{n}");
         }
+    }
+
+    /// A resume serves the CBLAS its run recorded whatever the start-up probe says now; a fresh
+    /// run serves the probe's pick. With OpenBLAS and MKL both here (MKL from `RTUNE_TEST_MKL`:
+    /// set and not loading fails; else a Python environment's), the probe is made to answer each
+    /// way in turn, and each resume must keep the other library.
+    #[test]
+    fn a_resume_serves_the_recorded_cblas_whatever_the_probe_says() {
+        use crate::pin::Choice;
+        let mkl = match std::env::var("RTUNE_TEST_MKL") {
+            Ok(p) => {
+                assert!(
+                    open(std::slice::from_ref(&p)).is_some(),
+                    "RTUNE_TEST_MKL={p} does not load"
+                );
+                p
+            }
+            Err(_) => match mkl::names(None)
+                .unwrap_or_default()
+                .into_iter()
+                .find(|n| open(std::slice::from_ref(n)).is_some())
+            {
+                Some(p) => p,
+                None => return eprintln!("no MKL here (RTUNE_TEST_MKL unset); nothing to check"),
+            },
+        };
+        let Some(openblas) = open(&["libopenblas.so.0".into()]) else {
+            return eprintln!("no OpenBLAS here; nothing to check");
+        };
+        let mkl_faster: fn(&[&Blas]) -> Vec<f64> = |_| vec![10.0, 100.0];
+        let openblas_faster: fn(&[&Blas]) -> Vec<f64> = |_| vec![100.0, 10.0];
+        let serves = |choice: &Choice, rates| select(choice, Some(&mkl), rates).0.unwrap().name;
+        // Fresh runs: the probe decides.
+        assert_eq!(serves(&Choice::Default, mkl_faster), mkl);
+        assert_eq!(serves(&Choice::Default, openblas_faster), openblas.name);
+        // The runs they record, resumed while the probe says the other.
+        let recorded_openblas = Choice::Recorded(crate::pin::blas_value(Some(&format!(
+            "{}; measured at start 100.0 GFLOP/s against {mkl} 10.0",
+            openblas.name
+        ))));
+        let recorded_mkl = Choice::Recorded(crate::pin::blas_value(Some(&format!(
+            "{mkl}; measured at start 100.0 GFLOP/s against {} 10.0",
+            openblas.name
+        ))));
+        assert_eq!(serves(&recorded_openblas, mkl_faster), openblas.name);
+        assert_eq!(serves(&recorded_mkl, openblas_faster), mkl);
+        // A recorded library that is gone: the fresh run's choice, and the loss reported.
+        let gone = Choice::Recorded("/nonexistent/libmkl_rt.so.3".into());
+        assert_eq!(serves(&gone, openblas_faster), openblas.name);
+        assert!(crate::pin::lost()
+            .iter()
+            .any(|l| l.contains("/nonexistent/libmkl_rt.so.3") && l.contains("does not load")));
     }
 
     /// The guard holds OpenBLAS to one thread while any guard is open and gives back the count it

@@ -5,7 +5,7 @@
 //!   gemm otherwise, cuBLAS on CUDA; [`blas::autocast`] (bf16 products, f32 accumulation, as
 //!   `torch.autocast`); [`onednn`]: oneDNN's bf16 GEMMs, loaded at run time; [`cpu_features`]:
 //!   what the CPU can do, as the kernels see it; [`served`]: which engine served each product
-//!   (`rtune bench`'s report).
+//!   (`rtune bench`'s report); [`pin`]: a resumed run keeps the two libraries its run recorded.
 //! - [`cpu`]: the CPU row loops' machinery: element types ([`cpu::Elem`]), the AVX-512F / AVX2
 //!   dispatch ([`cpu::dispatch`]), parallel rows; [`storage`]: reading candle's storage, the
 //!   dtype rule and shape checks of every fused op, and with `cuda` its CUDA buffers.
@@ -49,6 +49,7 @@ pub mod memory;
 #[cfg(feature = "cuda")]
 pub mod offload;
 pub mod onednn;
+pub mod pin;
 mod precision;
 pub mod ring;
 pub mod served;

@@ -285,10 +285,23 @@ pub fn get() -> std::result::Result<&'static OneDnn, &'static Fallback> {
     ONEDNN
         .get_or_init(|| {
             let f = crate::cpu_features::get();
-            let env = std::env::var("RTUNE_ONEDNN").ok();
+            let bf16_cpu = f.avx512_bf16 || f.amx_bf16;
             let wheels = crate::dl::in_wheels("libdnnl.so.3");
-            let names = choose(env.as_deref(), f.avx512_bf16 || f.amx_bf16, &wheels)?;
-            load(&names)
+            // A resumed run's recorded library unless the user names one ([`crate::pin`]).
+            match crate::pin::onednn(std::env::var("RTUNE_ONEDNN").ok().as_deref()) {
+                crate::pin::Choice::Default => load(&choose(None, bf16_cpu, &wheels)?),
+                crate::pin::Choice::User(e) => load(&choose(Some(&e), bf16_cpu, &wheels)?),
+                crate::pin::Choice::Recorded(r) => {
+                    let names = choose(Some(&r), bf16_cpu, &wheels)?;
+                    load(&names).or_else(|e| {
+                        crate::pin::lose(format!(
+                            "this resumed run recorded bf16 GEMMs through {r}, which does not \
+                             load now ({e}); a fresh run's choice serves"
+                        ));
+                        load(&choose(None, bf16_cpu, &wheels)?)
+                    })
+                }
+            }
         })
         .as_ref()
 }

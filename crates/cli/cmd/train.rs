@@ -32,6 +32,27 @@ pub struct TrainArgs {
     force: bool,
 }
 
+/// The libraries this invocation must keep when it resumes a run: what the run's run.json records
+/// (`hardware.blas`, `hardware.bf16_gemm`; [`rtune_backend::pin`]). Only when it will resume
+/// (`--resume` or `[output] resume = "auto"`) a run with a checkpoint and no summary.json. Reads
+/// the config and one file and starts no thread: `main` calls it before the libraries load. A
+/// config that does not load pins nothing (the run then reports its error).
+pub fn recorded_engines(a: &TrainArgs) -> Option<rtune_backend::pin::Recorded> {
+    let cfg = rtune_config::load(&a.config, &a.set).ok()?;
+    let dir = &cfg.output.dir;
+    if !(a.resume || cfg.output.resume)
+        || dir.join("summary.json").exists()
+        || rtune_run::checkpoint::list(dir).is_empty()
+    {
+        return None;
+    }
+    let hw = rtune_run::record::RunRecord::read(dir)?.hardware;
+    Some(rtune_backend::pin::Recorded {
+        blas: hw.blas,
+        bf16_gemm: hw.bf16_gemm,
+    })
+}
+
 pub fn run(a: TrainArgs) -> Result<()> {
     let world = crate::world()?;
     let result = train_as(a, &world);
@@ -52,6 +73,21 @@ fn train_as(a: TrainArgs, world: &rtune_dist::World) -> Result<()> {
     } = a;
     let mut cfg = rtune_config::load(&config, &set)?;
     crate::resolve::resolve_model(&mut cfg)?;
+    // A library the resumed run recorded that does not load now: refused as changed settings are.
+    // oneDNN loads now (the CBLAS did in `main`), so that both pins are checked.
+    let _ = rtune_backend::onednn::get();
+    let lost = rtune_backend::pin::lost();
+    // oneDNN's notices (it loaded just now; the CBLAS's were logged in `main`).
+    for n in rtune_backend::pin::take_notices() {
+        tracing::warn!("{n}");
+    }
+    if !lost.is_empty() && !force {
+        anyhow::bail!(
+            "{}; the resume would not continue the run bit for bit: make it loadable, name a \
+             library in RTUNE_BLAS / RTUNE_ONEDNN, or pass --force to resume anyway",
+            lost.join("; ")
+        );
+    }
     // First SIGINT/SIGTERM: finish the step, write a checkpoint, exit 0. Second: exit at once (all
     // writes are atomic, so nothing is left half-written). One counter for both signals, bumped with
     // one atomic `fetch_add`: two signals landing on two threads at the same instant still count as

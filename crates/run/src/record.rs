@@ -34,6 +34,13 @@ pub struct Attempt {
     /// absent in records written before `auto` existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gradient_checkpointing: Option<rtune_estimate::CheckpointingChoice>,
+    /// The f32 CBLAS and the bf16 GEMM's library this attempt ran on, as `hardware` words them
+    /// (a resume keeps the first attempt's: `rtune_backend::pin`); absent in records written
+    /// before they were recorded per attempt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blas: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bf16_gemm: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -192,13 +199,11 @@ impl RunRecord {
             resumed_from_step,
             steps_done: 0,
             gradient_checkpointing: None,
+            blas: rtune_backend::blas::loaded().map(str::to_string),
+            bf16_gemm: Some(rtune_backend::onednn::describe()),
         };
         if resumed_from_step.is_some() {
-            if let Some(mut r) =
-                rtune_fsio::read_bounded(&dir.join(RUN_JSON), rtune_fsio::FileKind::RunRecord)
-                    .ok()
-                    .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
-            {
+            if let Some(mut r) = Self::read(dir) {
                 r.attempts.push(attempt);
                 return Ok(r);
             }
@@ -238,6 +243,13 @@ impl RunRecord {
             world: None,
             adapter_files: Vec::new(),
         })
+    }
+
+    /// The run.json in `dir`, if there is one that parses.
+    pub fn read(dir: &Path) -> Option<Self> {
+        rtune_fsio::read_bounded(&dir.join(RUN_JSON), rtune_fsio::FileKind::RunRecord)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
     }
 
     /// The record a data-parallel rank other than 0 keeps (it writes no run.json): nothing hashed.

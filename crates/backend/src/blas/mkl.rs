@@ -98,7 +98,7 @@ fn time_once(blas: &Blas, a: &[f32], b: &[f32], c: &mut [f32]) -> f64 {
 }
 
 /// The measured rates of `libs` (one warm-up call each, then 3 alternating rounds, best of each).
-fn probe(libs: &[&Blas]) -> Vec<f64> {
+pub(super) fn probe(libs: &[&Blas]) -> Vec<f64> {
     let (m, k, n) = PROBE;
     let a: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) / 8.0).collect();
     let b: Vec<f32> = (0..k * n).map(|i| ((i % 7) as f32 - 3.0) / 4.0).collect();
@@ -116,8 +116,12 @@ fn probe(libs: &[&Blas]) -> Vec<f64> {
 }
 
 /// The CBLAS that serves f32: the one loaded, or of OpenBLAS and MKL the faster measured
-/// ([`pick`]), described with the figures.
-pub(super) fn choose(openblas: Option<Blas>, mkl: Option<Blas>) -> Option<Blas> {
+/// ([`pick`] on `rates`, the measured GFLOP/s of each: [`probe`]), described with the figures.
+pub(super) fn choose(
+    openblas: Option<Blas>,
+    mkl: Option<Blas>,
+    rates: fn(&[&Blas]) -> Vec<f64>,
+) -> Option<Blas> {
     match (openblas, mkl) {
         (None, None) => None,
         (Some(mut b), None) | (None, Some(mut b)) => {
@@ -125,7 +129,7 @@ pub(super) fn choose(openblas: Option<Blas>, mkl: Option<Blas>) -> Option<Blas> 
             Some(b)
         }
         (Some(o), Some(m)) => {
-            let rates = probe(&[&o, &m]);
+            let rates = rates(&[&o, &m]);
             let (mut win, lose, (rw, rl)) = if pick(&rates) == Some(1) {
                 (m, o, (rates[1], rates[0]))
             } else {

@@ -14,10 +14,17 @@
 //! Soft-capped scores (Gemma 2's `attn_logit_softcapping`, `cap`): the scaled score `s = S·scale`
 //! becomes `z = cap·tanh(s/cap)` before the online softmax (the log-sum-exp is of `z`); the
 //! backward recomputes `t = tanh(s/cap)` with `P = e^(z − L)` and takes
-//! `dS = P ∘ (dP − D) ∘ (1 − t²)·scale`. In f32 throughout ([`crate::softcap::Cap`]; the plain path, [`super::capped`],
-//! rounds each step to the compute dtype as torch's eager ops do: the two differ by that rounding
-//! in bf16, not at all in f32 beyond summation order). Memory stays O(T): Gemma 2 at 2048 tokens no
-//! longer needs the `T × T` scores of the plain path.
+//! `dS = P ∘ (dP − D) ∘ (1 − t²)·scale`. On f32 inputs in f32 throughout ([`crate::softcap::Cap`]).
+//! On bf16/f16 inputs the kernels compute what transformers' eager attention computes (soft-capped
+//! attention has no other implementation there; the plain path, [`super::capped`], does the
+//! same): each step of the chain (`S`, `S·scale`, `/cap`, `tanh`, `cap·t`) rounded to the inputs'
+//! dtype ([`crate::softcap::Cap::eager`]), and `P` the whole row's softmax rounded to that dtype
+//! before `P·V` — so the forward takes two passes over the keys, the first finding each row's max
+//! and sum (the score products twice); the backward rounds `P` and `dS` likewise. One pass in f32
+//! (an unnormalised f32 `P`) left tiny-gemma2's bf16 logits 1.21e-2 from transformers' (the
+//! goldens' bound 1e-2); the two passes give them bit for bit (`parity.rs`,
+//! `gemma2_bf16_on_the_tiled_attention_matches_peft_bf16`). Memory stays O(T): Gemma 2 at 2048
+//! tokens no longer needs the `T × T` scores of the plain path.
 //!
 //! Visibility is one run of keys per query, given as `starts: (B or 1, T)` u32: query `i` of row
 //! `r` sees keys `starts[r, i] ..= i` — causal, with Mistral's sliding window (`start ≥ i + 1 − w`)
@@ -38,7 +45,7 @@
 //! run on oneDNN's bf16 kernels reading the rows in place (`scores`,
 //! `rtune_backend::onednn::tile`; `RTUNE_UNFUSED=onednn_attn` turns it off; 1.05–1.39× forward +
 //! backward at seq 512/2048, README's Speed). The other four keep f32 `P` and `dS` as operands on
-//! the gemm crate (bf16 ones would round them); the softmax between them is one vectorized pass over the `BR × BC` scores (the
+//! the gemm crate (bf16 ones would round them; soft-capped scores do round them, above); the softmax between them is one vectorized pass over the `BR × BC` scores (the
 //! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
 //! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
@@ -470,6 +477,21 @@ fn rounded(x: Tensor, round: bool) -> Result<Tensor> {
     }
 }
 
+/// Whether soft-capped scores are computed as torch's eager attention computes them: on bf16/f16
+/// inputs, each step rounded to `T` ([`Cap::eager`], as the plain path's
+/// [`crate::softcap::softcap`]), `P` normalised and rounded (the forward's two passes), `dS`
+/// rounded (see the module note).
+#[inline(always)]
+fn eager<T: Elem>() -> bool {
+    T::DTYPE != DType::F32
+}
+
+/// `x` rounded to `T` and back.
+#[inline(always)]
+fn round_to<T: Elem>(x: f32) -> f32 {
+    T::of(x).f()
+}
+
 /// `x` rounded to bf16 in place (nearest even), kept as f32: an autocast GEMM operand.
 #[inline(always)]
 fn round_bf16(x: &mut [f32]) {
@@ -672,6 +694,9 @@ impl<T: Elem> Task for Fwd<'_, T> {
         let mut l = vec![0f32; nr];
         let mut acc = vec![0f32; nr * dh];
         let mut sq = vec![0f32; BR * BC];
+        // Soft-capped scores on bf16/f16 inputs: P normalised and rounded as eager's softmax
+        // output, a first pass over the keys finding each row's max and sum ([`eager`]).
+        let two_pass = self.cap.is_some() && eager::<T>();
         for h in 0..nh {
             let hk = h / d.g();
             // Q and K enter S = Q·Kᵀ only: no f32 tiles of them when oneDNN reads them in place.
@@ -680,56 +705,78 @@ impl<T: Elem> Task for Fwd<'_, T> {
             m.fill(f32::NEG_INFINITY);
             l.fill(0.0);
             acc.fill(0.0);
-            let mut j0 = lo;
-            while j0 < hi {
-                let j1 = (j0 + BC).min(hi);
-                let nc = j1 - j0;
-                let kv = d.at(d.hkv, b, hk, j0);
-                let km = (!self.dnn).then(|| tile(&mut kbuf, self.k, kv, (nc, dh, dh)));
-                let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
-                // S = Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs' ends
-                // cut), (nr, nc) with row stride BC.
-                let rows = [(self.q, q_at, dh), (self.k, kv, dh)];
-                scores(&mut sq, rows, qm.zip(km), (nr, nc, dh));
-                // S → P = e^(S·scale − m_new) in place, masked pairs 0; rescale acc and l.
-                for r in 0..nr {
-                    let i = i0 + r;
-                    let (c0, c1) = visible(st, i, j0, nc);
-                    let row = &mut sq[r * BC..r * BC + nc];
-                    row[..c0].fill(0.0);
-                    row[c1..].fill(0.0);
-                    if c0 == c1 {
-                        continue;
+            // `pv`: the pass that sums P·V (the only one without `two_pass`; the first of two
+            // finds the rows' max and sum only).
+            let passes: &[bool] = if two_pass { &[false, true] } else { &[true] };
+            for &pv in passes {
+                let mut j0 = lo;
+                while j0 < hi {
+                    let j1 = (j0 + BC).min(hi);
+                    let nc = j1 - j0;
+                    let kv = d.at(d.hkv, b, hk, j0);
+                    let km = (!self.dnn).then(|| tile(&mut kbuf, self.k, kv, (nc, dh, dh)));
+                    // S = Q·Kᵀ of the whole tile (masked pairs too: only on the tiles the runs'
+                    // ends cut), (nr, nc) with row stride BC.
+                    let rows = [(self.q, q_at, dh), (self.k, kv, dh)];
+                    scores(&mut sq, rows, qm.zip(km), (nr, nc, dh));
+                    // S → P = e^(S·scale − m_new) in place, masked pairs 0; rescale acc and l.
+                    for r in 0..nr {
+                        let i = i0 + r;
+                        let (c0, c1) = visible(st, i, j0, nc);
+                        let row = &mut sq[r * BC..r * BC + nc];
+                        row[..c0].fill(0.0);
+                        row[c1..].fill(0.0);
+                        if c0 == c1 {
+                            continue;
+                        }
+                        let vis = &mut row[c0..c1];
+                        match self.cap {
+                            // Rounded as torch's eager steps in T (bf16/f16 inputs).
+                            Some(cap) if eager::<T>() => vis
+                                .iter_mut()
+                                .for_each(|x| *x = cap.eager(*x, self.scale, round_to::<T>).1),
+                            Some(cap) => {
+                                vis.iter_mut().for_each(|x| *x *= self.scale);
+                                cap.apply(vis)
+                            }
+                            None => vis.iter_mut().for_each(|x| *x *= self.scale),
+                        }
+                        if two_pass && pv {
+                            // softmax(z) of the whole row, rounded to T: eager's P.
+                            let (mr, lr) = (m[r], l[r]);
+                            vis.iter_mut()
+                                .for_each(|x| *x = round_to::<T>(exp(*x - mr) / lr));
+                            continue;
+                        }
+                        let mt = max(vis);
+                        let mn = if mt > m[r] { mt } else { m[r] };
+                        // m[r] = −∞ before the first visible key: alpha = 0 (acc and l are 0).
+                        let alpha = exp(m[r] - mn);
+                        if alpha != 1.0 && pv {
+                            acc[r * dh..(r + 1) * dh]
+                                .iter_mut()
+                                .for_each(|x| *x *= alpha);
+                        }
+                        vis.iter_mut().for_each(|x| *x = exp(*x - mn));
+                        l[r] = l[r] * alpha + sum1(vis, |x| x);
+                        m[r] = mn;
+                        // The sum takes P as computed; P·V its bf16 values (torch's CPU flash
+                        // attention in bf16 rounds the same unnormalised P).
+                        if self.round {
+                            round_bf16(vis);
+                        }
                     }
-                    let vis = &mut row[c0..c1];
-                    vis.iter_mut().for_each(|x| *x *= self.scale);
-                    if let Some(cap) = self.cap {
-                        cap.apply(vis);
+                    if pv {
+                        // acc += P·V: (nr, nc)·(nc, dh).
+                        let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
+                        mm(&mut acc, dh, true, Mat::rows(&sq, BC), vm, (nr, dh, nc));
                     }
-                    let mt = max(vis);
-                    let mn = if mt > m[r] { mt } else { m[r] };
-                    // m[r] = −∞ before the first visible key: alpha = 0 (acc and l are 0 anyway).
-                    let alpha = exp(m[r] - mn);
-                    if alpha != 1.0 {
-                        acc[r * dh..(r + 1) * dh]
-                            .iter_mut()
-                            .for_each(|x| *x *= alpha);
-                    }
-                    vis.iter_mut().for_each(|x| *x = exp(*x - mn));
-                    l[r] = l[r] * alpha + sum1(vis, |x| x);
-                    m[r] = mn;
-                    // The sum takes P as computed; P·V its bf16 values (torch's CPU flash
-                    // attention in bf16 rounds the same unnormalised P).
-                    if self.round {
-                        round_bf16(vis);
-                    }
+                    j0 = j1;
                 }
-                // acc += P·V: (nr, nc)·(nc, dh).
-                mm(&mut acc, dh, true, Mat::rows(&sq, BC), vm, (nr, dh, nc));
-                j0 = j1;
             }
             for r in 0..nr {
-                let inv = 1.0 / l[r];
+                // With two passes P was normalised already.
+                let inv = if two_pass { 1.0 } else { 1.0 / l[r] };
                 let orow = &mut o[(r * nh + h) * dh..(r * nh + h + 1) * dh];
                 for (y, &x) in orow.iter_mut().zip(&acc[r * dh..(r + 1) * dh]) {
                     *y = T::of(x * inv);
@@ -882,9 +929,16 @@ impl<T: Elem> Task for Bwd<'_, T> {
                     dsr[c1..].fill(0.0);
                     if let Some(cap) = self.cap {
                         // z = cap·t, t = tanh(s/cap): dz/ds = 1 − t².
+                        // The forward's z (rounded as it rounded them on bf16/f16 inputs).
+                        let eager = eager::<T>();
                         for (p, ds) in pr[c0..c1].iter_mut().zip(&mut dsr[c0..c1]) {
-                            let t = cap.tanh(*p * self.scale);
-                            *p = exp(cap.of_tanh(t) - lse[r]);
+                            let (t, z) = if eager {
+                                cap.eager(*p, self.scale, round_to::<T>)
+                            } else {
+                                let t = cap.tanh(*p * self.scale);
+                                (t, cap.of_tanh(t))
+                            };
+                            *p = exp(z - lse[r]);
                             *ds = *p * (*ds - dd[r]) * Cap::slope(t) * self.scale;
                         }
                     } else {
@@ -897,6 +951,11 @@ impl<T: Elem> Task for Bwd<'_, T> {
                     if self.round {
                         round_bf16(&mut pr[c0..c1]);
                         round_bf16(&mut dsr[c0..c1]);
+                    } else if self.cap.is_some() && eager::<T>() {
+                        // Eager's P and dS are tensors of T (the forward's two passes).
+                        for x in pr[c0..c1].iter_mut().chain(&mut dsr[c0..c1]) {
+                            *x = round_to::<T>(*x);
+                        }
                     }
                 }
                 // dQ += dS·K, dK += dSᵀ·Q, dV += Pᵀ·dO: (nr, nc)·(nc, dh) and (nc, nr)·(nr, dh).

@@ -100,3 +100,28 @@ fn the_kernels_cap_is_the_op() {
         assert!(e.contains("flash_attn: soft cap"), "{e}");
     }
 }
+
+/// The tiled kernels' form on bf16 inputs ([`Cap::eager`], one score at a time from the unscaled
+/// product in f32) against the tensor op on the bf16 scores: the same bits, `z` and `t` (the
+/// backward's slope); and not the f32 form's (the check sees the rounding).
+#[test]
+fn the_kernels_eager_cap_is_the_ops_bf16_steps() {
+    let (scale, cap) = (24f64.powf(-0.5), 2.0f64);
+    let raw = randn(&[4, 61], 5, 12.0);
+    let xb = raw.to_dtype(DType::BF16).unwrap();
+    let want_z = flat(&softcap(&xb, scale, cap).unwrap());
+    let want_t = flat(&super::tanh_part(&xb, scale, cap).unwrap());
+    let c = Cap::new("t", Some(cap)).unwrap().unwrap();
+    let bf = |v: f32| half::bf16::from_f32(v).to_f32();
+    let mut f32_differs = 0;
+    for ((&x, &wz), &wt) in flat(&raw).iter().zip(&want_z).zip(&want_t) {
+        let (t, z) = c.eager(x, scale as f32, bf);
+        assert_eq!(
+            (z.to_bits(), t.to_bits()),
+            (wz.to_bits(), wt.to_bits()),
+            "{x}"
+        );
+        f32_differs += usize::from(c.of_tanh(c.tanh(x * scale as f32)) != z);
+    }
+    assert!(f32_differs > want_z.len() / 2, "{f32_differs}");
+}
