@@ -137,6 +137,72 @@ pub fn assert_trained_as_golden(out: &Path, g: &Golden) {
     }
 }
 
+/// Writes under `t` a run that repeats the golden's AdamW loop through `rtune train`: the
+/// golden's batch (`batch.jsonl`), its `init.*` adapter (`init/`) and `run.toml` with `[model]`
+/// `path = model` and `model_lines`, `[lora]` with the golden's r and α and `lora_lines` (what is
+/// adapted), 3 constant-lr steps over the whole batch, no clipping, checkpointing, output in
+/// `out/`. Returns the config's path.
+pub fn golden_loop_config(
+    g: &Golden,
+    t: &Path,
+    model: &Path,
+    model_lines: &str,
+    lora_lines: &str,
+) -> PathBuf {
+    g.write_batch(&t.join("batch.jsonl"));
+    write_init_adapter(g, &t.join("init"));
+    let (b, seq) = g.get("input_ids").dims2().unwrap();
+    let cfg = format!(
+        r#"[model]
+path = "{model}"
+{model_lines}
+[lora]
+r = {r}
+alpha = {alpha}
+{lora_lines}
+init_from = "{init}"
+[data]
+train = "{data}"
+max_seq_len = {seq}
+shuffle = false
+[train]
+steps = 3
+micro_batch_size = {b}
+lr = 1e-3
+schedule = "constant"
+max_grad_norm = 0.0
+gradient_checkpointing = true
+[output]
+dir = "{out}"
+"#,
+        model = model.display(),
+        r = g.meta["r"],
+        alpha = g.meta["lora_alpha"],
+        init = t.join("init").display(),
+        data = t.join("batch.jsonl").display(),
+        out = t.join("out").display(),
+    );
+    let path = t.join("run.toml");
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+/// `rtune export --run run --base base --format merged --out dest`, which must succeed.
+pub fn export_merged(run: &Path, base: &Path, dest: &Path) {
+    let o = rtune(&[
+        "export",
+        "--run",
+        run.to_str().unwrap(),
+        "--base",
+        base.to_str().unwrap(),
+        "--format",
+        "merged",
+        "--out",
+        dest.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
 /// Every training step's `loss` in the run `out`'s metrics.jsonl, in order.
 pub fn train_losses(out: &Path) -> Vec<f64> {
     std::fs::read_to_string(out.join("metrics.jsonl"))

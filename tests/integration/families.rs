@@ -6,8 +6,8 @@
 //! stays well inside), the adapter's config naming the family's modules.
 
 use crate::common::{
-    assert_trained_as_golden, fixture, rel_err, rtune, rtune_env, stderr, train_losses,
-    write_init_adapter, Golden,
+    assert_trained_as_golden, fixture, golden_loop_config, rel_err, rtune, rtune_env, stderr,
+    train_losses, Golden,
 };
 
 /// Trains `model` (a fixture directory) through the CLI from `golden`'s init adapter on its
@@ -27,40 +27,8 @@ pub(crate) fn train_matches_golden_with(
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let g = Golden::load(&fixture(golden));
-    g.write_batch(&t.join("batch.jsonl"));
-    write_init_adapter(&g, &t.join("init"));
-    let (b, seq) = g.get("input_ids").dims2().unwrap();
-    let cfg = format!(
-        r#"[model]
-path = "{model}"
-[lora]
-r = {r}
-alpha = {alpha}
-{targets}
-init_from = "{init}"
-[data]
-train = "{data}"
-max_seq_len = {seq}
-shuffle = false
-[train]
-steps = 3
-micro_batch_size = {b}
-lr = 1e-3
-schedule = "constant"
-max_grad_norm = 0.0
-gradient_checkpointing = true
-[output]
-dir = "{out}"
-"#,
-        model = fixture(model).display(),
-        r = g.meta["r"],
-        alpha = g.meta["lora_alpha"],
-        init = t.join("init").display(),
-        data = t.join("batch.jsonl").display(),
-        out = t.join("out").display(),
-    );
-    std::fs::write(t.join("run.toml"), cfg).unwrap();
-    let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
+    let cfg = golden_loop_config(&g, t, &fixture(model), "", targets);
+    let o = rtune(&["train", "--config", cfg.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_trained_as_golden(&t.join("out"), &g);
     tmp

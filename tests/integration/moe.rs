@@ -24,6 +24,9 @@ pub(crate) const GPT_OSS: (&str, &str) = (
     "fixtures/tiny-gpt-oss",
     "parity/golden_tiny_gpt_oss.safetensors",
 );
+/// The `[lora]` lines of the goldens' adapter: q/k/v/o and both expert stacks.
+pub(crate) const EXPERT_TARGETS: &str = r#"targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]"#;
 
 /// Logits, hidden states, loss (aux included), every LoRA gradient (with and without
 /// checkpointing), the aux loss alone as transformers' `aux_loss`, and three AdamW steps as PEFT;
@@ -267,12 +270,7 @@ fn logits(model: &Model, lora: Option<&LoraCtx>) -> Tensor {
 fn trains_as_peft_through_the_cli(
     (model, golden): (&str, &str),
 ) -> (tempfile::TempDir, std::path::PathBuf) {
-    let tmp = crate::families::train_matches_golden_with(
-        model,
-        golden,
-        r#"targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]"#,
-    );
+    let tmp = crate::families::train_matches_golden_with(model, golden, EXPERT_TARGETS);
     let out = tmp.path().join("out");
     let g = Golden::load(&fixture(golden));
     let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
@@ -336,18 +334,7 @@ fn qwen3_moe_trains_as_peft_through_the_cli() {
 /// attention projections changed, every other tensor copied byte for byte, the base's layout
 /// kept.
 fn merged_is_base_plus_adapter(base: &Path, run: &Path, dest: &Path) {
-    let o = rtune(&[
-        "export",
-        "--run",
-        run.to_str().unwrap(),
-        "--base",
-        base.to_str().unwrap(),
-        "--format",
-        "merged",
-        "--out",
-        dest.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    crate::common::export_merged(run, base, dest);
     let spec = rtune_export::adapter_spec(run).unwrap();
     assert_eq!(spec.target_parameters.len(), 2);
     let mut model = Model::load(base, DType::F32, &Device::Cpu).unwrap();

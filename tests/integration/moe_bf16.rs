@@ -7,8 +7,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::common::{fixture, rel_err, rtune, stderr, Golden};
-use crate::moe::{GPT_OSS, MIXTRAL, QWEN3_MOE};
+use crate::common::{fixture, golden_loop_config, rel_err, rtune, stderr, Golden};
+use crate::moe::{EXPERT_TARGETS, GPT_OSS, MIXTRAL, QWEN3_MOE};
 use crate::parity::case;
 
 /// bf16 compute as PEFT computes it (the models loaded in bf16, the LoRA weights, gradients and
@@ -232,41 +232,14 @@ fn qwen3_moe_trains_in_bf16_as_peft_through_the_cli() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let g = Golden::load(&fixture(golden));
-    g.write_batch(&t.join("batch.jsonl"));
-    crate::common::write_init_adapter(&g, &t.join("init"));
-    let cfg = format!(
-        r#"[model]
-path = "{model}"
-dtype = "bf16"
-[lora]
-r = {r}
-alpha = {alpha}
-targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-init_from = "{init}"
-[data]
-train = "{data}"
-max_seq_len = 16
-shuffle = false
-[train]
-steps = 3
-micro_batch_size = 2
-lr = 1e-3
-schedule = "constant"
-max_grad_norm = 0.0
-gradient_checkpointing = true
-[output]
-dir = "{out}"
-"#,
-        model = fixture(QWEN3_MOE.0).display(),
-        r = g.meta["r"],
-        alpha = g.meta["lora_alpha"],
-        init = t.join("init").display(),
-        data = t.join("batch.jsonl").display(),
-        out = t.join("out").display(),
+    let cfg = golden_loop_config(
+        &g,
+        t,
+        &fixture(QWEN3_MOE.0),
+        r#"dtype = "bf16""#,
+        EXPERT_TARGETS,
     );
-    std::fs::write(t.join("run.toml"), cfg).unwrap();
-    let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
+    let o = rtune(&["train", "--config", cfg.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = t.join("out");
     let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();

@@ -15,8 +15,8 @@ use rtune_model::Quantize;
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::common::{fixture, rel_err, rtune, stderr, train_losses, write_init_adapter, Golden};
-use crate::moe::QWEN3_MOE;
+use crate::common::{fixture, golden_loop_config, rel_err, rtune, stderr, train_losses, Golden};
+use crate::moe::{EXPERT_TARGETS, QWEN3_MOE};
 use crate::parity::{case_with, loss_and_grads, Case};
 
 const NF4_GOLDEN: &str = "parity/golden_tiny_qwen3_moe_nf4.safetensors";
@@ -133,44 +133,14 @@ fn qwen3_moe_trains_with_nf4_experts_near_f32() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
     let g = Golden::load(&fixture(QWEN3_MOE.1));
-    g.write_batch(&t.join("batch.jsonl"));
-    write_init_adapter(&g, &t.join("init"));
-    let (b, seq) = g.get("input_ids").dims2().unwrap();
-    let cfg = format!(
-        r#"[model]
-path = "{model}"
-dtype = "f32"
-quantize = "nf4"
-quantize_experts = true
-[lora]
-r = {r}
-alpha = {alpha}
-targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-init_from = "{init}"
-[data]
-train = "{data}"
-max_seq_len = {seq}
-shuffle = false
-[train]
-steps = 3
-micro_batch_size = {b}
-lr = 1e-3
-schedule = "constant"
-max_grad_norm = 0.0
-gradient_checkpointing = true
-[output]
-dir = "{out}"
-"#,
-        model = fixture(QWEN3_MOE.0).display(),
-        r = g.meta["r"],
-        alpha = g.meta["lora_alpha"],
-        init = t.join("init").display(),
-        data = t.join("batch.jsonl").display(),
-        out = t.join("out").display(),
+    let cfg = golden_loop_config(
+        &g,
+        t,
+        &fixture(QWEN3_MOE.0),
+        "dtype = \"f32\"\nquantize = \"nf4\"\nquantize_experts = true",
+        EXPERT_TARGETS,
     );
-    std::fs::write(t.join("run.toml"), cfg).unwrap();
-    let o = rtune(&["train", "--config", t.join("run.toml").to_str().unwrap()]);
+    let o = rtune(&["train", "--config", cfg.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
     let want: Vec<f32> = g.get("adamw.loss").to_vec1().unwrap();
     let losses = train_losses(&t.join("out"));
@@ -195,18 +165,7 @@ dir = "{out}"
 /// apart), and not the unquantized base plus `ΔW_e`.
 fn merged_into_the_nf4_experts(run: &Path, dest: &Path) {
     let base = fixture(QWEN3_MOE.0);
-    let o = rtune(&[
-        "export",
-        "--run",
-        run.to_str().unwrap(),
-        "--base",
-        base.to_str().unwrap(),
-        "--format",
-        "merged",
-        "--out",
-        dest.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    crate::common::export_merged(run, &base, dest);
     let spec = rtune_export::adapter_spec(run).unwrap();
     let model =
         rtune_model::Model::load_with(&base, DType::F32, &Device::Cpu, nf4_experts(true)).unwrap();
