@@ -9,7 +9,10 @@ use rtune_model::{Inputs, LoraCtx, Model};
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::common::{fixture, rel_err, rtune, stderr, Golden};
+use crate::common::{
+    assert_trained_as_golden, fixture, golden_loop_config, rel_err, rtune, stderr, train_losses,
+    Golden,
+};
 use crate::parity::{case, check_adamw_limits, check_forward_and_grads};
 
 pub(crate) const QWEN3_MOE: (&str, &str) = (
@@ -549,4 +552,83 @@ fn per_token_heads_add_the_aux_loss_as_sft() {
     let (ce, _) = run(false, 0.0, None, false);
     let e = (ce - (want - 0.1 * aux)).abs() / want;
     assert!(e <= 1e-5, "no share: {ce} vs {}", want - 0.1 * aux);
+}
+
+/// `[train] router_aux_loss_coef` (TRL 1.16's rule, over config.json's `output_router_logits`),
+/// through `rtune train` on the Qwen3-MoE golden's loop (LoRA on q/k/v/o and both stacks):
+/// - on a copy of the fixture whose config.json says `output_router_logits: false`, the golden's
+///   coefficient (0.1) reproduces PEFT's run with the aux term (`assert_trained_as_golden`: each
+///   loss within 1e-5 relative, the adapter within 1e-4), while the copy without the key adds no
+///   aux loss (its first loss is PEFT's less `0.1 · aux`, 1e-5 relative: f32 sums);
+/// - 0 on the fixture as made drops the term the same way;
+/// - a dense model refuses the key: exit 2, naming it, nothing written.
+#[test]
+fn router_aux_loss_coef_adds_the_aux_loss_as_trl() {
+    let g = Golden::load(&fixture(QWEN3_MOE.1));
+    let src = fixture(QWEN3_MOE.0);
+    let off = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        src.join("model.safetensors"),
+        off.path().join("model.safetensors"),
+    )
+    .unwrap();
+    let mut hf: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json")).unwrap()).unwrap();
+    assert_eq!(hf["output_router_logits"], true);
+    assert_eq!(hf["router_aux_loss_coef"], 0.1);
+    hf["output_router_logits"] = false.into();
+    std::fs::write(off.path().join("config.json"), hf.to_string()).unwrap();
+
+    let train = |model: &Path, set: Option<&str>| {
+        let tmp = tempfile::tempdir().unwrap();
+        let cfg = golden_loop_config(&g, tmp.path(), model, "", EXPERT_TARGETS);
+        let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+        args.extend(set.iter().flat_map(|s| ["--set", *s]));
+        let o = rtune(&args);
+        assert!(o.status.success(), "{set:?}: {}", stderr(&o));
+        tmp
+    };
+    let want = g.get("adamw.loss").to_vec1::<f32>().unwrap()[0] as f64;
+    let aux = g.get("aux_loss").to_vec1::<f32>().unwrap()[0] as f64;
+    let without = want - 0.1 * aux;
+    assert!(
+        0.1 * aux > 1e-3 * want,
+        "the aux term {aux} is too small to tell"
+    );
+    let first_loss = |run: &tempfile::TempDir| train_losses(&run.path().join("out"))[0];
+
+    let trl = train(off.path(), Some("train.router_aux_loss_coef=0.1"));
+    assert_trained_as_golden(&trl.path().join("out"), &g);
+    for (what, run) in [
+        ("output_router_logits false", train(off.path(), None)),
+        (
+            "coefficient 0",
+            train(&src, Some("train.router_aux_loss_coef=0")),
+        ),
+    ] {
+        let l = first_loss(&run);
+        assert!(
+            (l - without).abs() / without <= 1e-5,
+            "{what}: first loss {l}, PEFT's without the aux term {without} (with it {want})"
+        );
+    }
+
+    let dense = tempfile::tempdir().unwrap();
+    let d = fixture("parity/golden_tiny_qwen3.safetensors");
+    let gd = Golden::load(&d);
+    let cfg = golden_loop_config(&gd, dense.path(), &fixture("fixtures/tiny-qwen3"), "", "");
+    let o = rtune(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--set",
+        "train.router_aux_loss_coef=0.001",
+    ]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("router_aux_loss_coef") && err.contains("Qwen3ForCausalLM has no experts"),
+        "{err}"
+    );
+    assert!(!dense.path().join("out").exists());
 }

@@ -174,7 +174,10 @@ fn settings(
     data: bool,
 ) -> Result<(ModelConfig, Settings), TrainError> {
     let cfg_path = cfg.model.path.join("config.json");
-    let model = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+    let mut model = HfConfig::from_file(&cfg_path)?.into_config(&cfg_path)?;
+    if let Some(coef) = cfg.train.router_aux_loss_coef {
+        model.set_router_aux_loss_coef(coef)?;
+    }
     let mut s = estimate::settings_for(cfg)?;
     if data {
         let (data, _) = rtune_train::objective::load_for(cfg)?;

@@ -214,6 +214,12 @@ pub struct TrainSection {
     /// LoRA+: the learning rate of LoRA on embedding layers (PEFT's default 1e-6).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loraplus_lr_embedding: Option<f64>,
+    /// Mixtures of experts: the load-balancing loss's coefficient, TRL's `router_aux_loss_coef`.
+    /// Set, the loss adds `coef · aux` whatever config.json's `output_router_logits` says, as
+    /// TRL 1.16's SFT/DPO/KTO/GRPO trainers do (0: none); unset, transformers' rule (added only
+    /// with `output_router_logits`, at config.json's coefficient).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_aux_loss_coef: Option<f64>,
     /// `sft` (default) | `dpo` | `simpo` | `orpo` (`crate::objective`), and their knobs under
     /// TRL's names.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -695,6 +695,10 @@ mod tests {
                 "[train]\nloraplus_lr_embedding = 1e-5\n",
                 "c.toml: [train.loraplus_lr_embedding] is LoRA+'s setting; set train.loraplus_lr_ratio too",
             ),
+            (
+                "[train]\nrouter_aux_loss_coef = -0.001\n",
+                "c.toml: [train.router_aux_loss_coef] must be a number ≥ 0 (0: no load-balancing loss), got -0.001",
+            ),
         ] {
             assert_eq!(parse(extra).unwrap_err().to_string(), want, "{extra}");
         }

@@ -74,6 +74,9 @@ pub struct TrainConfig {
     pub loraplus_lr_embedding: f64,
     /// `[train] objective` with its knobs.
     pub objective: crate::Objective,
+    /// `[train] router_aux_loss_coef` (mixtures of experts; `None`: transformers' rule, see
+    /// `TrainSection::router_aux_loss_coef`).
+    pub router_aux_loss_coef: Option<f64>,
 }
 
 /// Bounds on batch sizes (far above what fits any machine: the logits of 65536 rows of one token
@@ -220,6 +223,15 @@ impl TrainSection {
                 format!("must be a positive number, got {loraplus_lr_embedding}"),
             ));
         }
+        if let Some(c) = self
+            .router_aux_loss_coef
+            .filter(|c| !(c.is_finite() && *c >= 0.0))
+        {
+            return Err(bad(
+                "train.router_aux_loss_coef",
+                format!("must be a number ≥ 0 (0: no load-balancing loss), got {c}"),
+            ));
+        }
         if self.loraplus_lr_embedding.is_some() && self.loraplus_lr_ratio.is_none() {
             return Err(bad(
                 "train.loraplus_lr_embedding",
@@ -251,6 +263,7 @@ impl TrainSection {
             loraplus_lr_ratio,
             loraplus_lr_embedding,
             objective: self.objective(path)?,
+            router_aux_loss_coef: self.router_aux_loss_coef,
         })
     }
 }

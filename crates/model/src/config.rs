@@ -276,6 +276,24 @@ impl LayerLinear {
 }
 
 impl ModelConfig {
+    /// `[train] router_aux_loss_coef`: the load-balancing loss at `coef` whatever
+    /// `output_router_logits` says, as TRL 1.16's trainers add it (0: none). Refused on a model
+    /// without experts, as TRL refuses it.
+    pub fn set_router_aux_loss_coef(&mut self, coef: f64) -> Result<()> {
+        let Some(moe) = self.moe.as_mut() else {
+            return Err(ModelError::File {
+                path: "[train] router_aux_loss_coef".into(),
+                message: format!(
+                    "is set, but {} has no experts (no load-balancing loss to weight); remove \
+                     the key",
+                    self.arch.hf_name
+                ),
+            });
+        };
+        moe.aux_coef = (coef != 0.0).then_some(coef);
+        Ok(())
+    }
+
     /// Whether decoder layer `l`'s MLP is a mixture of experts.
     pub fn is_sparse(&self, l: usize) -> bool {
         self.moe

@@ -56,6 +56,10 @@ pub fn prepare<R: crate::objective::Recipe>(
     };
     // `[lora] targets` naming a module this architecture does not have (q_proj on Phi-3).
     model.check_targets(&spec)?;
+    // `[train] router_aux_loss_coef`: TRL's rule for the load-balancing loss over config.json's.
+    if let Some(coef) = cfg.train.router_aux_loss_coef {
+        model.cfg.set_router_aux_loss_coef(coef)?;
+    }
     if cfg.model.dtype == rtune_config::DType::Bf16Autocast {
         model.set_autocast()?;
     }
