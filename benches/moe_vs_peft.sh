@@ -27,7 +27,9 @@
 # after the grouped OpenBLAS path 366.8 vs 66.8 (5.49x), 0.94 vs 2.45 GB (0.39x), 41.4%.
 # 2026-12-06 (1e9beda, experts over rayon with OpenBLAS on one thread each, load 7–8): 534.9 vs
 # 73.0 (7.33x), 0.96 vs 2.44 GB (0.39x), 54.5% of the ceiling probed beside it; near idle (c317ca8,
-# load 1.5–3.5) 1986.1 vs 62.2 (31.9x), 106% (74.8% at 4·N_active).
+# load 1.5–3.5) 1986.1 vs 62.2 (31.9x), 106% (74.8% at 4·N_active). Those PEFT rates were torch's
+# OpenMP threads collapsing beside other jobs: on the idle VM (386f0df, 19:44 UTC) 2036.5 vs 1412.0
+# (1.44x), 0.95 vs 2.48 GB (0.38x), 54.6% of the ceiling (205.3 GFLOP/s; 38.5% at 4·N_active).
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
