@@ -29,7 +29,8 @@
 # 73.0 (7.33x), 0.96 vs 2.44 GB (0.39x), 54.5% of the ceiling probed beside it; near idle (c317ca8,
 # load 1.5–3.5) 1986.1 vs 62.2 (31.9x), 106% (74.8% at 4·N_active). Those PEFT rates were torch's
 # OpenMP threads collapsing beside other jobs: on the idle VM (386f0df, 19:44 UTC) 2036.5 vs 1412.0
-# (1.44x), 0.95 vs 2.48 GB (0.38x), 54.6% of the ceiling (205.3 GFLOP/s; 38.5% at 4·N_active).
+# (1.44x), 0.95 vs 2.48 GB (0.38x), 54.6% of the ceiling (205.3 GFLOP/s; 38.5% at 4·N_active)
+# with target/debug; with target/release (a76f82b) 2815.7 vs 1279.4 (2.20x), 0.39x, 73.7% (52.0%).
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
