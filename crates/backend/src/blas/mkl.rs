@@ -198,13 +198,15 @@ mod engines {
     #[test]
     fn each_cblas_equals_the_plain_product() {
         let mut libs = Vec::new();
-        libs.extend(super::super::open(&["libopenblas.so.0".into()]));
+        libs.extend(super::super::library::open(&["libopenblas.so.0".into()]));
         match std::env::var("RTUNE_TEST_MKL") {
             Ok(p) => libs.push(
-                super::super::open(std::slice::from_ref(&p))
+                super::super::library::open(std::slice::from_ref(&p))
                     .unwrap_or_else(|| panic!("RTUNE_TEST_MKL={p} does not load as a CBLAS")),
             ),
-            Err(_) => libs.extend(super::super::open(&names(None).unwrap_or_default())),
+            Err(_) => libs.extend(super::super::library::open(
+                &names(None).unwrap_or_default(),
+            )),
         }
         if libs.is_empty() {
             eprintln!("no CBLAS loads here; nothing to compare");
@@ -239,6 +241,6 @@ mod engines {
 
     #[test]
     fn a_bogus_path_loads_nothing() {
-        assert!(super::super::open(&["/nonexistent/libmkl_rt.so.2".into()]).is_none());
+        assert!(super::super::library::open(&["/nonexistent/libmkl_rt.so.2".into()]).is_none());
     }
 }
