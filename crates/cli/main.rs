@@ -125,7 +125,8 @@ fn main() -> ExitCode {
     tune_allocator();
     let cli = Cli::parse();
     // A resume keeps the CBLAS and the oneDNN its run recorded (bit-for-bit continuation), so
-    // they are pinned before they load.
+    // they are pinned before they load: from the local run.json, or the store's when the
+    // checkpoints are only there (read on a runtime whose threads end before `blas::init`).
     if let Command::Train(a) = &cli.command {
         if let Some(r) = cmd::train::recorded_engines(a) {
             rtune_backend::pin::set(r);

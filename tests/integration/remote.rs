@@ -4,7 +4,8 @@
 //! store holds directly. Cases: every checkpoint and the final files uploaded, verified against
 //! the local manifests, and `rtune export --run s3://…`; kill -9, the local directory deleted, the
 //! newest remote checkpoint corrupted, `--resume` → the previous remote checkpoint, and an adapter
-//! identical to an uninterrupted run's; the server down for part of the run → uploads catch up;
+//! identical to an uninterrupted run's; a resume from the store pinned to the CBLAS the store's
+//! run.json records; the server down for part of the run → uploads catch up;
 //! never back → exit 1 after `remote_timeout` with the local run complete; a wrong secret key →
 //! exit 2 before anything is written. Issue 35: a finished run's prefix is not reused without
 //! `overwrite`; a second run on a claimed prefix is refused at start; a run whose prefix is taken
@@ -313,6 +314,98 @@ fn resume_from_the_store_after_kill_9_skips_a_corrupt_checkpoint() {
         std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
         std::fs::read(reference.join("adapter_model.safetensors")).unwrap(),
         "the resumed run's adapter differs from the uninterrupted run's"
+    );
+}
+
+/// A resume from the store keeps the CBLAS the run recorded (`rtune_backend::pin`), though the
+/// store's run.json arrives with the checkpoint, after `main` loads the libraries: `main` reads it
+/// first. The run starts with `RTUNE_BLAS=off` (run.json: `hardware.blas` null, candle's gemm),
+/// is killed after a remote checkpoint, its local directory deleted; the resume sets no
+/// variable, so unpinned it would load OpenBLAS (skipped where OpenBLAS is not installed). It
+/// must record no CBLAS for its attempt and end with the adapter and metrics of an uninterrupted
+/// `RTUNE_BLAS=off` run, byte for byte.
+#[test]
+fn a_resume_from_the_store_keeps_the_cblas_the_run_recorded() {
+    let has_openblas = Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("libopenblas.so.0"));
+    if !has_openblas {
+        return eprintln!(
+            "no libopenblas.so.0 here: a resume would not load it either; nothing to check"
+        );
+    }
+    let train = |cfg: &Path, args: &[&str], env: &[(String, String)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_rtune"));
+        c.args(["train", "--config", cfg.to_str().unwrap()])
+            .args(args)
+            .current_dir(root())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        for k in ["RTUNE_BLAS", "RTUNE_MKL", "VIRTUAL_ENV", "CONDA_PREFIX"] {
+            c.env_remove(k);
+        }
+        c.envs(env.iter().map(|(k, v)| (k, v)));
+        c
+    };
+    let off = |mut env: Vec<(String, String)>| {
+        env.push(("RTUNE_BLAS".into(), "off".into()));
+        env
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = tmp.path().join("reference");
+    let o = train(&config(tmp.path(), &reference, ""), &[], &off(Vec::new()))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    let s3 = S3::start(&tmp.path().join("store"));
+    let out = tmp.path().join("pinned");
+    let cfg = config(tmp.path(), &out, &format!("remote = \"{}\"", url("pinned")));
+    let remote = s3.dir("pinned");
+    let mut child = train(&cfg, &[], &off(s3.env(SECRET))).spawn().unwrap();
+    wait_for("a remote checkpoint", Duration::from_secs(120), || {
+        (4..30).any(|s| {
+            remote
+                .join(format!("checkpoint-{s}/manifest.json"))
+                .exists()
+        })
+    });
+    child.kill().unwrap(); // SIGKILL
+    let _ = child.wait();
+    std::fs::remove_dir_all(&out).unwrap();
+
+    let o = train(&cfg, &["--resume"], &s3.env(SECRET))
+        .output()
+        .unwrap();
+    let log = stderr(&o);
+    assert!(o.status.success(), "{log}");
+    assert!(log.contains("fetched checkpoint-"), "{log}");
+    let record: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("run.json")).unwrap()).unwrap();
+    let attempts = record["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{record}");
+    assert!(
+        attempts.iter().all(|a| a["blas"].is_null()),
+        "each attempt on candle's gemm, as the store's run.json records: {record}"
+    );
+    assert_eq!(
+        std::fs::read(out.join("adapter_model.safetensors")).unwrap(),
+        std::fs::read(reference.join("adapter_model.safetensors")).unwrap(),
+        "the resumed run's adapter differs from the uninterrupted run's"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].clone())
+            .collect::<Vec<_>>(),
+        std::fs::read_to_string(reference.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].clone())
+            .collect::<Vec<_>>(),
+        "the resumed run's losses differ from the uninterrupted run's"
     );
 }
 

@@ -34,23 +34,41 @@ pub struct TrainArgs {
 
 /// The libraries this invocation must keep when it resumes a run: what the run's run.json records
 /// (`hardware.blas`, `hardware.bf16_gemm`; [`rtune_backend::pin`]). Only when it will resume
-/// (`--resume` or `[output] resume = "auto"`) a run with a checkpoint and no summary.json. Reads
-/// the config and one file and starts no thread: `main` calls it before the libraries load. A
-/// config that does not load pins nothing (the run then reports its error).
+/// (`--resume` or `[output] resume = "auto"`) a run with no summary.json: the local run.json when
+/// [output] dir holds a checkpoint, else, with `[output] remote`, the store's run.json (the one the
+/// trainer then brings with the store's newest checkpoint). Reads the config and one file (or one
+/// object, at most [`rtune_remote::SMALL_OBJECT_BYTES`]) and leaves no thread behind: `main` calls
+/// it before the libraries load. Anything that does not load or parse pins nothing (the run then
+/// reports its error).
 pub fn recorded_engines(a: &TrainArgs) -> Option<rtune_backend::pin::Recorded> {
     let cfg = rtune_config::load(&a.config, &a.set).ok()?;
     let dir = &cfg.output.dir;
-    if !(a.resume || cfg.output.resume)
-        || dir.join("summary.json").exists()
-        || rtune_run::checkpoint::list(dir).is_empty()
-    {
+    if !(a.resume || cfg.output.resume) || dir.join("summary.json").exists() {
         return None;
     }
-    let hw = rtune_run::record::RunRecord::read(dir)?.hardware;
+    let record = if !rtune_run::checkpoint::list(dir).is_empty() {
+        rtune_run::record::RunRecord::read(dir)?
+    } else {
+        stored_record(cfg.output.remote.as_deref()?)?
+    };
+    let hw = record.hardware;
     Some(rtune_backend::pin::Recorded {
         blas: hw.blas,
         bf16_gemm: hw.bf16_gemm,
     })
+}
+
+/// The run.json the store at `url` holds, read with the cap the trainer's fetch uses. The store's
+/// client runs on its own tokio runtime, whose blocking pool (DNS lookups) starts threads; dropping
+/// it joins them (tokio's `BlockingPool::drop`), so none is left when `main` goes on to set the
+/// environment for the CBLAS it loads.
+fn stored_record(url: &str) -> Option<rtune_run::record::RunRecord> {
+    let remote = rtune_remote::Remote::open(url).ok()?;
+    let bytes = remote
+        .get_bytes("run.json", rtune_remote::SMALL_OBJECT_BYTES)
+        .ok();
+    drop(remote);
+    serde_json::from_slice(&bytes?).ok()
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
