@@ -218,7 +218,7 @@ impl MoeMlp {
             shards: None,
         };
         if comm.is_some() {
-            m.keep_shards(e, h).map_err(|err| {
+            m.keep_shards(e, h, nf4).map_err(|err| {
                 ModelError::candle(format!("{}: this rank's shards", m.prefix), err)
             })?;
         }
@@ -226,8 +226,10 @@ impl MoeMlp {
     }
 
     /// Turns the loaded pieces (this rank's elements of the router `(E, h)`, its experts of the
-    /// stacks) into [`MoeShards`], leaving the tensors empty: a sharded base's sparse layer.
-    fn keep_shards(&mut self, e: usize, h: usize) -> Result<()> {
+    /// stacks, NF4 with `nf4 = Some(double_quant)`) into [`MoeShards`], leaving the tensors
+    /// empty: a sharded base's sparse layer.
+    fn keep_shards(&mut self, e: usize, h: usize, nf4: Option<bool>) -> Result<()> {
+        let dtype = self.router.dtype();
         let stack = |w: &StackWeights| -> Result<Arc<Shard>> {
             let (_, out, inp) = w.stack().dims3()?;
             let shape = [e, out, inp];
@@ -236,7 +238,9 @@ impl MoeMlp {
                     unit: out * inp,
                     ..Shard::dense(&shape, &t.flatten_all()?)?
                 },
-                StackWeights::Nf4(s) => Shard::nf4_experts(shape, s)?,
+                StackWeights::Nf4(s) => {
+                    Shard::nf4_experts(shape, s, nf4.unwrap_or_default(), dtype)?
+                }
             }))
         };
         self.shards = Some(MoeShards {

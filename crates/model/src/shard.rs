@@ -139,16 +139,31 @@ impl Shard {
     }
 
     /// An NF4 expert stack's shard of `shape = (E, out, in)` from this rank's experts
-    /// `mine: (n, out, in)`, the [`span`] of units of one expert each.
-    pub fn nf4_experts(shape: [usize; 3], mine: &Nf4Stack) -> candle_core::Result<Self> {
+    /// `mine: (n, out, in)`, the [`span`] of units of one expert each, quantized from `dtype`
+    /// (double-quantized or not: every rank says so, also one with no expert).
+    pub fn nf4_experts(
+        shape: [usize; 3],
+        mine: &Nf4Stack,
+        double_quant: bool,
+        dtype: DType,
+    ) -> candle_core::Result<Self> {
         let [_, out, inp] = shape;
-        let double_quant = mine.double_quant().unwrap_or(false);
+        let agree = mine
+            .experts
+            .iter()
+            .all(|w| w.absmax.is_double() == double_quant && w.dtype == dtype);
+        if !agree {
+            candle_core::bail!(
+                "NF4 experts of a {shape:?} stack not all of {dtype:?} with double quantization \
+                 {double_quant}"
+            );
+        }
         Ok(Self {
             shape: shape.to_vec(),
             piece: Piece::Nf4Experts {
                 records: mine.records()?,
                 double_quant,
-                dtype: mine.experts.first().map_or(DType::F32, |w| w.dtype),
+                dtype,
             },
             unit: out * inp,
             device: Vec::new(),

@@ -1,7 +1,7 @@
 //! A sharded base's rank reads only its own experts of a sparse layer's stacks from the
 //! checkpoint (`rtune_model::moe::MoeMlp::load` with a transport): each layout of the tiny MoE
 //! fixtures — Qwen3-MoE's and Mixtral's released per-expert tensors, gpt-oss's fused `(E, in, out)`
-//! stacks and its MXFP4 blocks — gives rank `r` of 1 to 4 exactly experts `span(E, 1, world, r)`
+//! stacks and its MXFP4 blocks — gives rank `r` of 1 to 4 (and 9: one rank with none) exactly experts `span(E, 1, world, r)`
 //! of the whole model's stacks, bit for bit (in the compute dtype, and as NF4 records expert by
 //! expert), reading only those experts' bytes of the stack tensors. (The fused `(E, out, in)`
 //! layout is `tests/shard.rs`' seeded Qwen3-MoE.)
@@ -144,7 +144,8 @@ fn a_rank_reads_and_keeps_only_its_experts_in_every_layout() {
         for nf4 in [None, Some(false), Some(true)] {
             let (whole, whole_read) = load(name, nf4, None);
             let e = whole.experts();
-            for size in 1..=4 {
+            // A world of 9 leaves the last rank no expert of 8: it still knows the stacks' kind.
+            for size in [1, 2, 3, 4, 9] {
                 for rank in 0..size {
                     let (m, read) = load(name, nf4, Some((rank, size)));
                     let mine = span(e, 1, size, rank);
@@ -159,8 +160,18 @@ fn a_rank_reads_and_keeps_only_its_experts_in_every_layout() {
                         (&shards.down, &whole.down),
                     ] {
                         let got = match &shard.piece {
-                            Piece::Dense { bytes, .. } => bytes,
-                            Piece::Nf4Experts { records, .. } => records,
+                            Piece::Dense { bytes, dtype } => {
+                                assert_eq!((*dtype, nf4), (DType::F32, None), "{what}");
+                                bytes
+                            }
+                            Piece::Nf4Experts {
+                                records,
+                                double_quant,
+                                dtype,
+                            } => {
+                                assert_eq!((*dtype, Some(*double_quant)), (DType::F32, nf4));
+                                records
+                            }
                             Piece::Nf4(_) => panic!("{what}: an NF4 linear's piece"),
                         };
                         assert!(*got == expected(stack, mine.clone()), "{what}: its experts");
