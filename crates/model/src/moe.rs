@@ -140,7 +140,7 @@ impl MoeLayerCache {
 
 impl MoeMlp {
     /// Loads layer `layer`'s router and experts (`h`: the hidden width): the stacks read by
-    /// [`stacks::read`] (transformers 5's fused stacks, gpt-oss's transposed or MXFP4 ones, or the
+    /// `stacks::read` (transformers 5's fused stacks, gpt-oss's transposed or MXFP4 ones, or the
     /// family's released per-expert layout), the router under `<layer>.mlp` or the released
     /// layout's module. The adapter's names are transformers 5's
     /// (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's. With `nf4 = Some(double_quant)`
