@@ -741,11 +741,12 @@ fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
     };
     // A sharded base's rank reads its pieces with pread (nothing mapped), each read into a
     // buffer, copied into a tensor and from it into the piece's bytes: three copies of the
-    // largest piece at once. A sparse layer's expert stacks are read whole, then cut to this
-    // rank's piece (`MoeMlp::shard`): their loading copies instead when larger.
+    // largest piece at once. A sparse layer's expert stacks: only this rank's experts are read
+    // (`MoeMlp::load`), their loading copies instead when larger.
     if let Some(world) = s.shard {
-        let piece = (embed.max(linear) * file_e.max(e)).div_ceil(world.max(1) as u64);
-        let experts = moe::loading_bytes(c, s, e);
+        let world = world.max(1) as u64;
+        let piece = (embed.max(linear) * file_e.max(e)).div_ceil(world);
+        let experts = moe::loading_bytes(c, s, e, world);
         return match experts > 3 * piece {
             true => vec![item(names::CONVERT, experts, 1)],
             false => vec![item(names::CONVERT, piece, 3)],
@@ -753,7 +754,11 @@ fn loading_items(c: &ModelConfig, s: &Settings) -> Vec<Item> {
     }
     vec![
         item(names::MAPPED, s.checkpoint_bytes, 1),
-        item(names::CONVERT, staging.max(moe::loading_bytes(c, s, e)), 1),
+        item(
+            names::CONVERT,
+            staging.max(moe::loading_bytes(c, s, e, 1)),
+            1,
+        ),
     ]
 }
 

@@ -42,27 +42,31 @@ pub(crate) fn stacks_of(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64, u6
         .collect()
 }
 
-/// Sparse layer `l`'s frozen bytes on one rank of a base sharded over `world` (1: the whole
-/// base): the router and both stacks in the compute dtype, each split into `world` pieces as a
-/// dense linear's (`rtune_model::moe::MoeShards`); or, with `quantize_experts` (never sharded:
-/// the config refuses it with `shard_base`), the stacks NF4 expert by expert: packed codes,
-/// scales and tables of each.
+/// Sparse layer `l`'s frozen bytes on the first rank of a base sharded over `world` (1: the
+/// whole base; `rtune_model::moe::MoeShards`): the router in the compute dtype split into
+/// `world` pieces as a dense linear's, and the stacks split by whole experts, the first rank
+/// holding `ceil(E / world)` of them: in the compute dtype, or with `quantize_experts` NF4 expert
+/// by expert (packed codes, scales and tables of each).
 pub(crate) fn frozen_bytes(c: &ModelConfig, s: &Settings, l: usize, e: u64, world: u64) -> u64 {
+    let world = world.max(1);
     let weights = weights_of(c, s, l);
-    if !s.quantize.experts() {
-        return weights.iter().map(|n| (n * e).div_ceil(world.max(1))).sum();
-    }
     let Some((router, _)) = weights.split_first() else {
         return 0;
     };
     let stacks: u64 = stacks_of(c, s, l)
         .iter()
         .map(|&(x, i, o, _)| {
-            let (w, k) = crate::frozen_bytes(i * o, e, s.quantize);
-            x * (w + k)
+            let expert = match s.quantize.experts() {
+                true => {
+                    let (w, k) = crate::frozen_bytes(i * o, e, s.quantize);
+                    w + k
+                }
+                false => i * o * e,
+            };
+            x.div_ceil(world) * expert
         })
         .sum();
-    stacks + (router * e).div_ceil(world.max(1))
+    stacks + (router * e).div_ceil(world)
 }
 
 /// Sparse layer `l`'s frozen weights' element counts: the router, gate_up, down (none on a
@@ -115,12 +119,14 @@ pub(crate) fn lora_tensors(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64,
         .collect()
 }
 
-/// The largest stack while it is loaded: a released checkpoint's per-expert tensors, each
-/// expert's gate and up joined, and the stack made of them (two copies of the stack at once).
-pub(crate) fn loading_bytes(c: &ModelConfig, s: &Settings, e: u64) -> u64 {
+/// The largest stack while it is loaded on the first rank of `world` (1: unsharded; a sharded
+/// base's rank reads only its `ceil(E / world)` experts): a released checkpoint's per-expert
+/// tensors, each expert's gate and up joined, and the stack made of them (two copies of the
+/// stack at once).
+pub(crate) fn loading_bytes(c: &ModelConfig, s: &Settings, e: u64, world: u64) -> u64 {
     (0..c.num_layers)
         .flat_map(|l| stacks_of(c, s, l))
-        .map(|(x, i, o, _)| 2 * x * i * o * e)
+        .map(|(x, i, o, _)| 2 * x.div_ceil(world.max(1)) * i * o * e)
         .max()
         .unwrap_or(0)
 }

@@ -718,6 +718,30 @@ fn a_sharded_base_divides_the_experts_among_the_ranks() {
     assert!(gathered > experts, "{gathered} B gathered");
 }
 
+/// A sharded base divides NF4 expert stacks (`quantize_experts`) among the ranks by whole
+/// experts, as the dense ones: on Qwen3-30B-A3B (128 experts, 4 ranks: 32 each) what NF4 saves
+/// a rank on the stacks is a quarter of what it saves the whole base (nothing else differs
+/// between the two).
+#[test]
+fn a_sharded_base_divides_the_nf4_experts_among_the_ranks() {
+    let c = qwen3_30b_a3b();
+    let mut s = Settings::new(8, 1, 512, true);
+    s.dtype = DType::BF16;
+    let weights = |s: &Settings, experts: bool| {
+        let mut s = s.clone();
+        s.quantize = Quantize::Nf4 {
+            double_quant: false,
+            experts,
+        };
+        estimate(&c, &s).get(names::WEIGHTS)
+    };
+    let whole = weights(&s, false) - weights(&s, true);
+    s.shard = Some(4);
+    let rank = weights(&s, false) - weights(&s, true);
+    assert!(whole > 30_000_000_000, "{whole} B saved by NF4 experts");
+    assert_eq!(4 * rank, whole, "{rank} B a rank of {whole} B");
+}
+
 /// `[model] quantize_experts` on Qwen3-30B-A3B: the expert stacks counted in NF4 expert by
 /// expert, each `(out, in)` as one NF4 weight (`n/2` codes + 4 bytes a block of 64 + the 64-byte
 /// code table: ≈ 0.56 byte a parameter, 0.28× their bf16 bytes), the routers still bf16; and one

@@ -4,7 +4,7 @@
 //! themselves, on whichever thread gathers: `crate::feed`'s prefetching one allocates nothing),
 //! finished (the buffers made into ordinary dense or NF4 weights without a copy, the dense q/k/v
 //! and gate/up as the one block each the unsharded model fuses, a sparse layer's router and
-//! expert stacks as its tensors).
+//! expert stacks as its tensors, or NF4 stacks from their experts' records).
 
 use candle_core::{DType, Device, Tensor};
 use std::borrow::Cow;
@@ -14,6 +14,7 @@ use std::sync::Arc;
 use crate::layer::Layer;
 use crate::linear::{Frozen, Linear};
 use crate::shard::{fill, Buf, DeviceGather, Gather, Job, Part, Shard};
+use rtune_experts::moe::StackWeights;
 
 /// The sharded base's own state: the transport, and the embedding table's and an untied
 /// lm_head's shards (the layers' are in their [`Frozen::Sharded`] weights).
@@ -170,15 +171,13 @@ impl Planned {
             Some((prefix, shards)) => {
                 let mut at = [0; 3];
                 for (i, (shard, name)) in shards.named().into_iter().enumerate() {
-                    bufs.push(shard.buffer(Part::Values, size)?);
+                    // One part each: a dense tensor's values, or NF4 experts' records.
+                    let &[part] = shard.parts() else {
+                        candle_core::bail!("{prefix}.{name}: a shard gathered in several parts");
+                    };
+                    bufs.push(shard.buffer(part, size)?);
                     at[i] = bufs.len() - 1;
-                    jobs.push(job(
-                        shard,
-                        Part::Values,
-                        &format!("{prefix}.{name}"),
-                        at[i],
-                        0,
-                    ));
+                    jobs.push(job(shard, part, &format!("{prefix}.{name}"), at[i], 0));
                 }
                 Some(at)
             }
@@ -228,12 +227,17 @@ impl Planned {
                 let buf = bufs[i].take().ok_or_else(|| {
                     candle_core::Error::Msg(format!("{}.{name}: buffer {i} used twice", m.prefix))
                 })?;
-                gathered.push(buf.tensor(&shard.shape, device)?);
+                gathered.push(match shard.dense_dtype() {
+                    Some(_) => StackWeights::Dense(buf.tensor(&shard.shape, device)?),
+                    None => StackWeights::Nf4(
+                        shard.join_nf4_experts(&format!("{}.{name}", m.prefix), buf)?,
+                    ),
+                });
             }
-            let gathered: [Tensor; 3] = gathered
+            let gathered: [StackWeights; 3] = gathered
                 .try_into()
                 .map_err(|_| candle_core::Error::Msg("three expert tensors".into()))?;
-            m.set_gathered(gathered);
+            m.set_gathered(gathered)?;
         }
         Ok(layer)
     }

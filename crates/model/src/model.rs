@@ -348,13 +348,14 @@ impl Model {
             let moe = match &cfg.moe {
                 Some(mc) if mc.sparse_layers[l] => {
                     let nf4 = quantize.nf4().filter(|_| quantize.experts());
-                    let mut m = crate::moe::MoeMlp::load(w, &p, mc, d, nf4)?;
-                    if let Some(c) = comm.as_deref() {
-                        m.shard(c).map_err(|e| {
-                            ModelError::candle(format!("{p}.mlp: shard of the experts"), e)
-                        })?;
-                    }
-                    Some(m)
+                    Some(crate::moe::MoeMlp::load(
+                        w,
+                        &p,
+                        mc,
+                        d,
+                        nf4,
+                        comm.as_deref(),
+                    )?)
                 }
                 _ => None,
             };

@@ -24,6 +24,8 @@ use rtune_experts::moe::{
 };
 use rtune_experts::route::{route, route_backward, Routed, Routing};
 
+mod stacks;
+
 /// The expert stacks `spec.target_parameters` adapts on layer `l` of `cfg` (none on a dense
 /// layer), as adapter modules with their stack (0 gate_up, 1 down; [`MoeConfig::stacks`]): named
 /// as PEFT names the wrapper (`model.layers.N.mlp.experts` with one `.base_layer` per parameter
@@ -93,7 +95,9 @@ pub struct MoeMlp {
 }
 
 /// A sharded base's shards of a sparse layer's router `(E, H)` and expert stacks `(E, 2I, H)`,
-/// `(E, H, I)` (each its own flattening split as a dense linear's, [`crate::shard::span`]).
+/// `(E, H, I)` ([`crate::shard::span`]): the router's flattening split as a dense linear's, the
+/// stacks by whole experts (a unit is one expert's `(out, in)`), each in the compute dtype or,
+/// with `quantize_experts`, as its NF4 experts' records ([`Shard::nf4_experts`]).
 #[derive(Debug, Clone)]
 pub struct MoeShards {
     pub router: Arc<Shard>,
@@ -135,45 +139,50 @@ impl MoeLayerCache {
 }
 
 impl MoeMlp {
-    /// Loads layer `layer`'s router and experts (`h`: the hidden width): transformers 5's fused
-    /// stacks under `<layer>.mlp` (gpt-oss's stored `(E, in, out)` and transposed here, or in
-    /// MXFP4 as its release keeps them: `<name>_blocks`, `<name>_scales`, dequantized as
-    /// transformers does), else the family's released per-expert layout
-    /// ([`crate::config::moe::Released`]: Qwen3-MoE's `mlp.experts.N.{gate,up,down}_proj`,
-    /// Mixtral's `block_sparse_moe.experts.N.{w1,w3,w2}`), stacked. The adapter's names are
-    /// transformers 5's (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's. With
-    /// `nf4 = Some(double_quant)` each stack is quantized expert by expert as soon as it is
-    /// loaded (one layer's stacks in the compute dtype alive at a time), from its values in the
-    /// compute dtype.
+    /// Loads layer `layer`'s router and experts (`h`: the hidden width): the stacks read by
+    /// `stacks::read` (transformers 5's fused stacks, gpt-oss's transposed or MXFP4 ones, or the
+    /// family's released per-expert layout), the router under `<layer>.mlp` or the released
+    /// layout's module. The adapter's names are transformers 5's
+    /// (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's. With `nf4 = Some(double_quant)`
+    /// each stack is quantized expert by expert as soon as it is loaded (one layer's stacks in the
+    /// compute dtype alive at a time), from its values in the compute dtype.
+    ///
+    /// With `comm` (a sharded base, `crate::shard`) this rank reads and keeps only its shards
+    /// ([`MoeShards`]): its experts' bytes of the stacks (the [`span`] of units of one expert)
+    /// and its elements of the router; the tensors stay empty until `crate::gathered` gathers
+    /// the layer.
+    ///
+    /// [`span`]: crate::shard::span
     pub fn load(
         w: &dyn TensorSource,
         layer: &str,
         mc: &crate::config::moe::MoeConfig,
         h: usize,
         nf4: Option<bool>,
+        comm: Option<&dyn Gather>,
     ) -> ModelResult<MoeMlp> {
         let (e, i, top_k, routing) = (mc.experts, mc.intermediate, mc.top_k, mc.routing);
         let prefix = format!("{layer}.mlp");
         let router_name = format!("{prefix}.{}", mc.router);
-        let router = match mc.released {
+        let router_name = match mc.released {
             // The released per-expert layout keeps its router under its own module.
             Some(r) if !w.has(&format!("{router_name}.weight")) => {
-                w.tensor(&format!("{layer}.{}.gate.weight", r.module), &[e, h])?
+                format!("{layer}.{}.gate.weight", r.module)
             }
-            _ => w.tensor(&format!("{router_name}.weight"), &[e, h])?,
+            _ => format!("{router_name}.weight"),
         };
-        let (gate_up, down) = match Self::fused(w, &prefix, mc, h, &router)? {
-            Some(stacks) => stacks,
-            None => {
-                let Some(released) = mc.released else {
-                    return Err(ModelError::MissingTensor {
-                        path: std::path::PathBuf::from(&prefix),
-                        name: format!("{prefix}.experts.gate_up_proj"),
-                    });
-                };
-                Self::per_expert(w, layer, &released, e, i, h)?
-            }
+        let (mine, router) = match comm {
+            Some(c) => (
+                crate::shard::span(e, 1, c.size(), c.rank()),
+                w.piece(
+                    &router_name,
+                    &[e, h],
+                    crate::shard::span(e * h, 1, c.size(), c.rank()),
+                )?,
+            ),
+            None => (0..e, w.tensor(&router_name, &[e, h])?),
         };
+        let (gate_up, down) = stacks::read(w, layer, mc, h, &router, mine)?;
         let quant = |t: Tensor, name: &str| {
             StackWeights::new(t, nf4).map_err(|err| {
                 ModelError::candle(
@@ -186,13 +195,13 @@ impl MoeMlp {
         let bias = |name: String, n: usize| w.tensor(&name, &[e, n]);
         let (router_bias, gate_up_bias, down_bias) = match mc.bias {
             true => (
-                Some(w.tensor(&format!("{router_name}.bias"), &[e])?),
+                Some(w.tensor(&format!("{prefix}.{}.bias", mc.router), &[e])?),
                 Some(bias(format!("{prefix}.experts.gate_up_proj_bias"), 2 * i)?),
                 Some(bias(format!("{prefix}.experts.down_proj_bias"), h)?),
             ),
             false => (None, None, None),
         };
-        Ok(MoeMlp {
+        let mut m = MoeMlp {
             prefix,
             router,
             router_bias,
@@ -207,39 +216,42 @@ impl MoeMlp {
             lora_gate_up: None,
             lora_down: None,
             shards: None,
-        })
+        };
+        if comm.is_some() {
+            m.keep_shards(e, h, nf4).map_err(|err| {
+                ModelError::candle(format!("{}: this rank's shards", m.prefix), err)
+            })?;
+        }
+        Ok(m)
     }
 
-    /// Keeps only this rank's shard of the router and the expert stacks (read whole at load,
-    /// one layer at a time), leaving the tensors empty: a sharded base's sparse layer.
-    pub(crate) fn shard(&mut self, comm: &dyn Gather) -> Result<()> {
-        let piece = |t: &Tensor| -> Result<Arc<Shard>> {
-            let sp = crate::shard::span(t.elem_count(), 1, comm.size(), comm.rank());
-            let p = t.flatten_all()?.narrow(0, sp.start, sp.len())?;
-            Ok(Arc::new(Shard::dense(t.dims(), &p)?))
+    /// Turns the loaded pieces (this rank's elements of the router `(E, h)`, its experts of the
+    /// stacks, NF4 with `nf4 = Some(double_quant)`) into [`MoeShards`], leaving the tensors
+    /// empty: a sharded base's sparse layer.
+    fn keep_shards(&mut self, e: usize, h: usize, nf4: Option<bool>) -> Result<()> {
+        let dtype = self.router.dtype();
+        let stack = |w: &StackWeights| -> Result<Arc<Shard>> {
+            let (_, out, inp) = w.stack().dims3()?;
+            let shape = [e, out, inp];
+            Ok(Arc::new(match w {
+                StackWeights::Dense(t) => Shard {
+                    unit: out * inp,
+                    ..Shard::dense(&shape, &t.flatten_all()?)?
+                },
+                StackWeights::Nf4(s) => {
+                    Shard::nf4_experts(shape, s, nf4.unwrap_or_default(), dtype)?
+                }
+            }))
         };
-        // NF4 expert stacks (`quantize_experts`) are not sharded: the config refuses them with
-        // `shard_base`; this is the op's own guard.
-        let dense = |w: &StackWeights, name: &str| match w {
-            StackWeights::Dense(t) => Ok(t.clone()),
-            StackWeights::Nf4(_) => candle_core::bail!(
-                "{}.experts.{name}: a sharded base does not hold NF4 expert stacks",
-                self.prefix
-            ),
-        };
-        let (gate_up, down) = (
-            dense(&self.gate_up, "gate_up_proj")?,
-            dense(&self.down, "down_proj")?,
-        );
         self.shards = Some(MoeShards {
-            router: piece(&self.router)?,
-            gate_up: piece(&gate_up)?,
-            down: piece(&down)?,
+            router: Arc::new(Shard::dense(&[e, h], &self.router.flatten_all()?)?),
+            gate_up: stack(&self.gate_up)?,
+            down: stack(&self.down)?,
         });
-        let empty = |t: &Tensor| Tensor::zeros(0, t.dtype(), t.device());
-        self.router = empty(&self.router)?;
-        self.gate_up = StackWeights::Dense(empty(&gate_up)?);
-        self.down = StackWeights::Dense(empty(&down)?);
+        let empty = Tensor::zeros(0, self.router.dtype(), self.router.device())?;
+        self.router = empty.clone();
+        self.gate_up = StackWeights::Dense(empty.clone());
+        self.down = StackWeights::Dense(empty);
         Ok(())
     }
 
@@ -252,11 +264,18 @@ impl MoeMlp {
         }
     }
 
-    /// The gathered tensors `[router, gate_up, down]` in place of the shards.
-    pub(crate) fn set_gathered(&mut self, [router, gate_up, down]: [Tensor; 3]) {
-        self.router = router;
-        (self.gate_up, self.down) = (StackWeights::Dense(gate_up), StackWeights::Dense(down));
+    /// The gathered weights `[router, gate_up, down]` in place of the shards (the router dense,
+    /// the stacks dense or NF4 as they were sharded).
+    pub(crate) fn set_gathered(
+        &mut self,
+        [router, gate_up, down]: [StackWeights; 3],
+    ) -> Result<()> {
+        let StackWeights::Dense(router) = router else {
+            candle_core::bail!("{}.gate: a router gathered as NF4 experts", self.prefix);
+        };
+        (self.router, self.gate_up, self.down) = (router, gate_up, down);
         self.shards = None;
+        Ok(())
     }
 
     /// Bytes this layer holds of its frozen router and experts (NF4 stacks at their packed size;
@@ -272,74 +291,6 @@ impl MoeMlp {
                     dense(&self.router) + self.gate_up.resident_bytes() + self.down.resident_bytes()
                 }
             }
-    }
-
-    /// transformers 5's fused stacks under `prefix` as the op takes them, `(E, 2I, H)` and
-    /// `(E, H, I)`, or `None` when the checkpoint has neither them nor their MXFP4 blocks; in the
-    /// dtype and on the device of `like` (the router).
-    fn fused(
-        w: &dyn TensorSource,
-        prefix: &str,
-        mc: &crate::config::moe::MoeConfig,
-        h: usize,
-        like: &Tensor,
-    ) -> ModelResult<Option<(Tensor, Tensor)>> {
-        let (e, i) = (mc.experts, mc.intermediate);
-        let gu_name = format!("{prefix}.experts.gate_up_proj");
-        let dn_name = format!("{prefix}.experts.down_proj");
-        // (E, out, in) as the op takes it; stored (E, in, out) when `transposed`.
-        let load = |name: &str, out: usize, inp: usize| -> ModelResult<Tensor> {
-            if !mc.transposed {
-                return w.tensor(name, &[e, out, inp]);
-            }
-            let stored = match w.has(name) || !mc.mxfp4 {
-                true => w.tensor(name, &[e, inp, out])?,
-                false => mxfp4(w, name, [e, inp, out], like)?,
-            };
-            stored
-                .transpose(1, 2)
-                .and_then(|t| t.contiguous())
-                .map_err(|err| {
-                    ModelError::candle(format!("{name}: (E, in, out) to (E, out, in)"), err)
-                })
-        };
-        match load(&gu_name, 2 * i, h) {
-            Ok(gu) => Ok(Some((gu, load(&dn_name, h, i)?))),
-            Err(ModelError::MissingTensor { .. }) => Ok(None),
-            Err(other) => Err(other),
-        }
-    }
-
-    /// The released per-expert layout, stacked: `(E, 2I, H)` (gate rows then up) and `(E, H, I)`.
-    fn per_expert(
-        w: &dyn TensorSource,
-        layer: &str,
-        released: &crate::config::moe::Released,
-        e: usize,
-        i: usize,
-        h: usize,
-    ) -> ModelResult<(Tensor, Tensor)> {
-        let module = format!("{layer}.{}", released.module);
-        let [gate, up, down] = released.names;
-        let per = |n: usize, p: &str, shape: &[usize]| {
-            w.tensor(&format!("{module}.experts.{n}.{p}.weight"), shape)
-        };
-        let mut gu = Vec::with_capacity(e);
-        let mut dn = Vec::with_capacity(e);
-        for n in 0..e {
-            let g = per(n, gate, &[i, h])?;
-            let u = per(n, up, &[i, h])?;
-            gu.push(
-                Tensor::cat(&[g, u], 0)
-                    .map_err(|err| ModelError::candle(format!("{module}: stack"), err))?,
-            );
-            dn.push(per(n, down, &[h, i])?);
-        }
-        let stack = |v: Vec<Tensor>| {
-            Tensor::stack(&v, 0)
-                .map_err(|err| ModelError::candle(format!("{module}: stacking {e} experts"), err))
-        };
-        Ok((stack(gu)?, stack(dn)?))
     }
 
     pub fn experts(&self) -> usize {
@@ -511,33 +462,4 @@ fn round_to(v: &[f32], dtype: DType) -> Result<Vec<f32>> {
         .to_dtype(dtype)?
         .to_dtype(DType::F32)?
         .to_vec1()
-}
-
-/// An MXFP4 stack `name` (`<name>_blocks`, `<name>_scales`) dequantized as transformers does
-/// ([`rtune_quant::mxfp4`]) to `[E, in, out]` in `like`'s dtype and device.
-fn mxfp4(
-    w: &dyn TensorSource,
-    name: &str,
-    shape: [usize; 3],
-    like: &Tensor,
-) -> ModelResult<Tensor> {
-    let [e, inp, out] = shape;
-    let block = rtune_quant::mxfp4::BLOCK;
-    if !inp.is_multiple_of(block) {
-        return Err(ModelError::TensorShape {
-            path: std::path::PathBuf::from(name),
-            name: format!("{name}_blocks"),
-            got: vec![e, out, inp],
-            want: vec![e, out, inp.next_multiple_of(block)],
-        });
-    }
-    let g = inp / block;
-    let blocks = w.stored(&format!("{name}_blocks"), &[e, out, g, 16])?;
-    let scales = w.stored(&format!("{name}_scales"), &[e, out, g])?;
-    rtune_quant::mxfp4::dequantize(name, &blocks, &scales, like.dtype(), like.device()).map_err(
-        |source| ModelError::Quant {
-            path: std::path::PathBuf::from(name),
-            source,
-        },
-    )
 }

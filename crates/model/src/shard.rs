@@ -2,13 +2,14 @@
 //! `[distributed] shard_base`.
 //!
 //! Each rank keeps a [`Shard`] of every frozen weight — the decoder layers' linear weights (dense,
-//! or NF4 with their scales), a sparse layer's router and expert stacks (dense:
-//! `crate::moe::MoeShards`), the embedding table and an untied lm_head: the elements
-//! [`span`]`(n, unit, world, rank)` of the weight's row-major flattening, where a unit is one
-//! element of a dense weight, a whole first-level block of an NF4 one (64 elements) and with double
-//! quantization a whole second-level group (64 · 256), so a piece is whole quantization blocks and
-//! its codes are the whole weight's ([`rtune_quant::shard`]). Norms and biases (a few KB a layer)
-//! stay whole on every rank.
+//! or NF4 with their scales), a sparse layer's router and expert stacks (`crate::moe::MoeShards`),
+//! the embedding table and an untied lm_head: the elements [`span`]`(n, unit, world, rank)` of
+//! the weight's row-major flattening, where a unit is one element of a dense weight, a whole
+//! first-level block of an NF4 one (64 elements) and with double quantization a whole
+//! second-level group (64 · 256), so a piece is whole quantization blocks and its codes are the
+//! whole weight's ([`rtune_quant::shard`]); and one whole expert `(out, in)` of an expert stack,
+//! dense or NF4 (each expert quantized on its own, sent as its record: [`Piece::Nf4Experts`]).
+//! Norms and biases (a few KB a layer) stay whole on every rank.
 //!
 //! This file holds the shards, what of them a gather moves (`Part`, into a typed `Buf`) and
 //! their transport; `crate::gathered` turns them into the layers and tables a pass uses, and
@@ -35,6 +36,7 @@ use candle_core::{DType, Device, Tensor};
 use std::ops::Range;
 use std::sync::Arc;
 
+use rtune_experts::moe::Nf4Stack;
 use rtune_quant::shard::Pieces;
 use rtune_quant::{Absmax, Nf4Weight};
 
@@ -97,6 +99,15 @@ pub enum Piece {
     Dense { dtype: DType, bytes: Vec<u8> },
     /// A piece of an NF4 weight ([`Pieces::piece`]).
     Nf4(Nf4Weight),
+    /// A sparse layer's NF4 expert stack `(E, out, in)` (`[model] quantize_experts`): this
+    /// rank's whole experts (a unit is one expert), each quantized on its own, as their records
+    /// ([`Nf4Stack::records`]).
+    Nf4Experts {
+        records: Vec<u8>,
+        double_quant: bool,
+        /// The dtype the experts were quantized from (what they dequantize to).
+        dtype: DType,
+    },
 }
 
 /// One rank's shard of a frozen weight of `shape`.
@@ -127,6 +138,55 @@ impl Shard {
         })
     }
 
+    /// An NF4 expert stack's shard of `shape = (E, out, in)` from this rank's experts
+    /// `mine: (n, out, in)`, the [`span`] of units of one expert each, quantized from `dtype`
+    /// (double-quantized or not: every rank says so, also one with no expert).
+    pub fn nf4_experts(
+        shape: [usize; 3],
+        mine: &Nf4Stack,
+        double_quant: bool,
+        dtype: DType,
+    ) -> candle_core::Result<Self> {
+        let [_, out, inp] = shape;
+        let agree = mine
+            .experts
+            .iter()
+            .all(|w| w.absmax.is_double() == double_quant && w.dtype == dtype);
+        if !agree {
+            candle_core::bail!(
+                "NF4 experts of a {shape:?} stack not all of {dtype:?} with double quantization \
+                 {double_quant}"
+            );
+        }
+        Ok(Self {
+            shape: shape.to_vec(),
+            piece: Piece::Nf4Experts {
+                records: mine.records()?,
+                double_quant,
+                dtype,
+            },
+            unit: out * inp,
+            device: Vec::new(),
+        })
+    }
+
+    /// The whole NF4 expert stack from its gathered records (one [`Part::Records`] buffer).
+    pub(crate) fn join_nf4_experts(&self, name: &str, buf: Buf) -> candle_core::Result<Nf4Stack> {
+        let (
+            &Piece::Nf4Experts {
+                double_quant,
+                dtype,
+                ..
+            },
+            &[e, out, inp],
+        ) = (&self.piece, &self.shape[..])
+        else {
+            candle_core::bail!("{name}: a shard {:?} gathered as NF4 experts", self.shape);
+        };
+        Nf4Stack::from_records(&buf.into_u8()?, (e, out, inp), double_quant, dtype)
+            .map_err(|err| candle_core::Error::Msg(format!("gathering {name}: {err}")))
+    }
+
     /// An NF4 weight's shard from its piece.
     pub fn nf4(shape: &[usize], q: Nf4Weight) -> Self {
         let unit = rtune_quant::shard::unit(q.absmax.is_double());
@@ -152,6 +212,7 @@ impl Shard {
         let host = match &self.piece {
             Piece::Dense { bytes, .. } => bytes.len(),
             Piece::Nf4(q) => q.resident_bytes(),
+            Piece::Nf4Experts { records, .. } => records.len(),
         };
         let device: usize = self
             .device
@@ -184,6 +245,15 @@ impl Shard {
                 shape: q.shape.clone(),
                 ..self.nf4_layout("an uploaded shard")?
             }),
+            Piece::Nf4Experts {
+                double_quant,
+                dtype,
+                ..
+            } => Piece::Nf4Experts {
+                records: Vec::new(),
+                double_quant: *double_quant,
+                dtype: *dtype,
+            },
         };
         Ok(Self {
             shape: self.shape.clone(),
@@ -246,6 +316,7 @@ impl Shard {
             Piece::Dense { .. } => &[Part::Values],
             Piece::Nf4(q) if q.absmax.is_double() => &[Part::Codes, Part::ScaleCodes, Part::Nested],
             Piece::Nf4(_) => &[Part::Codes, Part::Scales],
+            Piece::Nf4Experts { .. } => &[Part::Records],
         }
     }
 
@@ -276,6 +347,7 @@ impl Shard {
         }
         let q = match (&self.piece, part) {
             (Piece::Dense { bytes, .. }, Part::Values) => return Ok(bytes),
+            (Piece::Nf4Experts { records, .. }, Part::Records) => return Ok(records),
             (Piece::Nf4(q), _) => q,
             _ => candle_core::bail!("a dense shard has no {part:?}"),
         };
@@ -295,6 +367,11 @@ impl Shard {
         let elem = match &self.piece {
             Piece::Dense { dtype, .. } => dtype.size_in_bytes(),
             Piece::Nf4(_) => 0,
+            // A record a unit (one expert).
+            Piece::Nf4Experts { double_quant, .. } => match self.shape[..] {
+                [_, out, inp] => Nf4Stack::record_len(out, inp, *double_quant),
+                _ => 0,
+            },
         };
         // (elements a first-level block, blocks a second-level group)
         let (bs, nb) = match &self.piece {
@@ -304,7 +381,7 @@ impl Shard {
                 } => (q.blocksize, *nested_blocksize),
                 Absmax::Plain(_) => (q.blocksize, 1),
             },
-            Piece::Dense { .. } => (1, 1),
+            Piece::Dense { .. } | Piece::Nf4Experts { .. } => (1, 1),
         };
         let blocks = |sp: &Range<usize>| sp.start.div_ceil(bs)..sp.end.div_ceil(bs);
         (0..size)
@@ -317,6 +394,7 @@ impl Shard {
                     Part::Scales => 4 * b.len(),
                     Part::ScaleCodes => b.len(),
                     Part::Nested => 4 * (b.end.div_ceil(nb) - b.start.div_ceil(nb)),
+                    Part::Records => sp.len() / self.unit.max(1) * elem,
                 }
             })
             .collect()
@@ -379,7 +457,7 @@ impl Shard {
     pub(crate) fn dense_dtype(&self) -> Option<DType> {
         match &self.piece {
             Piece::Dense { dtype, .. } => Some(*dtype),
-            Piece::Nf4(_) => None,
+            Piece::Nf4(_) | Piece::Nf4Experts { .. } => None,
         }
     }
 }
@@ -416,6 +494,8 @@ pub(crate) enum Part {
     ScaleCodes,
     /// ... and the second-level scales, f32.
     Nested,
+    /// NF4 experts' records ([`Nf4Stack::records`]), bytes.
+    Records,
 }
 
 impl Part {
@@ -427,6 +507,7 @@ impl Part {
             Part::Scales => "'s scales",
             Part::ScaleCodes => "'s scale codes",
             Part::Nested => "'s second-level scales",
+            Part::Records => "'s NF4 experts",
         }
     }
 }
@@ -498,7 +579,7 @@ impl Buf {
     }
 
     /// The codes (a device buffer's copied to the host: a CPU rank's, or the tests').
-    fn into_u8(self) -> candle_core::Result<Vec<u8>> {
+    pub(crate) fn into_u8(self) -> candle_core::Result<Vec<u8>> {
         match self {
             Buf::U8(v) => Ok(v),
             Buf::Device(t) if t.dtype() == DType::U8 => t.to_vec1(),

@@ -234,10 +234,13 @@ impl Weights {
             });
         }
         use safetensors::Dtype as S;
+        // MXFP4 experts' codes and exponents are u8 (as in `Weights::get`).
+        let mxfp4 = name.ends_with("_blocks") || name.ends_with("_scales");
         let dtype = match view.dtype() {
             S::F32 => DType::F32,
             S::BF16 => DType::BF16,
             S::F16 => DType::F16,
+            S::U8 if mxfp4 => DType::U8,
             other => {
                 return Err(ModelError::File {
                     path: self.dir.clone(),

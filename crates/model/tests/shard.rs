@@ -17,7 +17,9 @@
 //!
 //! A Qwen3-MoE (routers and expert stacks sharded and gathered with their layer, LoRA on the
 //! stacks through `target_parameters`) computes the same bits over 1 to 4 ranks, checkpointed,
-//! prefetched, under autocast and on the device path.
+//! prefetched, under autocast and on the device path; so do its NF4 expert stacks
+//! (`quantize_experts`, sharded by expert). Each rank reads only its experts' bytes of the
+//! stacks at load.
 //!
 //! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
 
@@ -59,6 +61,46 @@ impl TensorSource for Seeded {
             })
             .collect();
         Tensor::from_vec(v, shape, &Device::Cpu).map_err(|e| ModelError::candle(name, e))
+    }
+}
+
+/// [`Seeded`], counting the bytes of the expert stacks (`*.experts.*`) it hands out, at 4 bytes
+/// an f32 element: a whole tensor's, or a piece's (a checkpoint reads only those bytes,
+/// `Weights::get_piece`).
+struct Counting {
+    experts: AtomicUsize,
+}
+
+impl Counting {
+    fn count(&self, name: &str, elements: usize) {
+        if name.contains(".experts.") {
+            self.experts.fetch_add(4 * elements, SeqCst);
+        }
+    }
+}
+
+impl TensorSource for Counting {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+        self.count(name, shape.iter().product());
+        Seeded.tensor(name, shape)
+    }
+    fn piece(
+        &self,
+        name: &str,
+        shape: &[usize],
+        span: std::ops::Range<usize>,
+    ) -> Result<Tensor, ModelError> {
+        self.count(name, span.len());
+        Seeded.piece(name, shape, span)
+    }
+    fn stored_piece(
+        &self,
+        name: &str,
+        shape: &[usize],
+        span: std::ops::Range<usize>,
+    ) -> Result<Tensor, ModelError> {
+        self.count(name, span.len());
+        Seeded.stored_piece(name, shape, span)
     }
 }
 
@@ -223,11 +265,15 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> 
         inner: ThroughHost(c),
         bytes: device_bytes.clone(),
     });
+    let source = Counting {
+        experts: AtomicUsize::new(0),
+    };
     let mut model = match comm {
-        Some(c) => Model::build_sharded(cfg, &Seeded, DType::F32, &dev, case.quantize, c),
-        None => Model::build_with(cfg, &Seeded, DType::F32, &dev, case.quantize),
+        Some(c) => Model::build_sharded(cfg, &source, DType::F32, &dev, case.quantize, c),
+        None => Model::build_with(cfg, &source, DType::F32, &dev, case.quantize),
     }
     .unwrap();
+    let expert_bytes_read = source.experts.load(SeqCst);
     if case.autocast {
         model.set_autocast().unwrap();
     }
@@ -305,10 +351,12 @@ fn run(case: Case, comm: Option<Rc<dyn Gather>>, gathered: Arc<AtomicUsize>) -> 
         logits: bits(&logits),
         decoded: bits(&decoded),
     };
-    (out, resident, train_gathered)
+    (out, resident, train_gathered, expert_bytes_read)
 }
 
-type Ran = (Outcome, usize, usize);
+/// A rank's outcome, frozen bytes held, bytes gathered by the training pass and bytes of the
+/// expert stacks read at load.
+type Ran = (Outcome, usize, usize, usize);
 
 /// Every rank of a `size`-rank world, each in its own thread with its own model.
 /// Every rank of a `size`-rank world, each in its own thread with its own model; and the bytes
@@ -346,6 +394,10 @@ fn ranks(case: Case, size: usize) -> (Vec<Ran>, usize) {
 fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
     rtune_backend::blas::init();
     let nf4 = Quantize::linears;
+    let nf4_experts = |double_quant| Quantize::Nf4 {
+        double_quant,
+        experts: true,
+    };
     let base = Case {
         quantize: Quantize::None,
         autocast: false,
@@ -435,9 +487,36 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
             prefetch: true,
             ..base
         },
+        // NF4 expert stacks (`quantize_experts`), sharded by expert as their records: plain and
+        // double-quantized, checkpointed and prefetched, under autocast, on the device path.
+        Case {
+            moe: true,
+            quantize: nf4_experts(false),
+            ..base
+        },
+        Case {
+            moe: true,
+            quantize: nf4_experts(true),
+            checkpoint: true,
+            prefetch: true,
+            ..base
+        },
+        Case {
+            moe: true,
+            quantize: nf4_experts(true),
+            autocast: true,
+            ..base
+        },
+        Case {
+            moe: true,
+            quantize: nf4_experts(false),
+            device: true,
+            prefetch: true,
+            ..base
+        },
     ];
     for case in cases {
-        let (whole, whole_bytes, _) = run(case, None, Default::default());
+        let (whole, whole_bytes, _, whole_read) = run(case, None, Default::default());
         // The device path and the MoE model also in a world of 4 (more unequal shards, more
         // empty ones).
         let sizes = if case.device || case.moe {
@@ -454,11 +533,24 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
                 case.prefetch && !case.device,
                 "{case:?}: {in_background}"
             );
-            for (rank, (out, bytes, _)) in got.iter().enumerate() {
+            for (rank, (out, bytes, _, read)) in got.iter().enumerate() {
                 assert!(
                     *out == whole,
                     "{case:?}: rank {rank} of {size} differs from the whole model"
                 );
+                // A rank reads only its experts' bytes of the stacks: its span of the 8 experts.
+                let mine = rtune_model::shard::span(8, 1, size, rank).len();
+                if case.moe {
+                    eprintln!(
+                        "{case:?}: rank {rank} of {size} read {read} B of the expert stacks, \
+                         the whole model {whole_read} B"
+                    );
+                    assert_eq!(
+                        *read * 8,
+                        whole_read * mine,
+                        "{case:?}: rank {rank} of {size}"
+                    );
+                }
                 // Norms and biases stay whole: a few KB above whole/size.
                 let share = whole_bytes as f64 / size as f64;
                 eprintln!("{case:?}: rank {rank} of {size}: {bytes} B of {whole_bytes} B");
@@ -467,9 +559,19 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
                     "{case:?}: rank {rank} of {size} holds {bytes} B, the whole model {whole_bytes} B"
                 );
             }
+            // NF4 experts' records carry no code tables (each expert's 16 NF4 values and, double
+            // quantized, its 256 second-level ones: bitsandbytes' constants, rebuilt when
+            // gathered); the whole model holds them once an expert (2 layers × 2 stacks × 8).
+            let tables = match case.quantize {
+                Quantize::Nf4 {
+                    experts: true,
+                    double_quant,
+                } => 32 * (64 + 1024 * usize::from(double_quant)),
+                _ => 0,
+            };
             let total: usize = got.iter().map(|g| g.1).sum();
             assert!(
-                total as f64 >= whole_bytes as f64 * 0.99,
+                total as f64 >= (whole_bytes - tables) as f64 * 0.99,
                 "{case:?}: shards cover the model"
             );
         }
@@ -508,7 +610,7 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
     );
     let dense_layer = 4 * (d * q + 2 * d * kv + q * d + 3 * d * i);
     for case in [base, nf4] {
-        let (whole, _, _) = run(case, None, Default::default());
+        let (whole, _, _, _) = run(case, None, Default::default());
         let size = 2;
         let mut by_keep = Vec::new();
         for keep in [0, 1, 2, 5] {
@@ -523,7 +625,7 @@ fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
                     },
                     size,
                 );
-                for (rank, (out, _, g)) in got.iter().enumerate() {
+                for (rank, (out, _, g, _)) in got.iter().enumerate() {
                     let c = format!("{case:?} keep {keep} prefetch {prefetch} device {device}");
                     assert!(*out == whole, "{c}: rank {rank} differs");
                     assert_eq!(*g, got[0].2, "{c}: ranks gathered alike");

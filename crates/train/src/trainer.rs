@@ -308,9 +308,16 @@ impl<R: Recipe> Trainer<'_, R> {
         let mut recipe = self.recipe.metrics(&sums, totals);
         // A mixture-of-experts model's load-balancing loss (before its coefficient; `loss`
         // includes coefficient × it), logged apart as transformers returns it: the step's last
-        // micro-batch's.
+        // micro-batch's. Under data parallelism that is the world's last, which the last rank
+        // ran (micro-batch k is rank k mod w's): its value, summed with the others' zeros (every
+        // rank's model has the aux loss or none does).
         if let Some(aux) = self.model.last_aux_loss() {
-            recipe.insert("aux_loss".into(), aux);
+            let mut v = [if rank + 1 == w { aux } else { 0.0 }];
+            if self.dist.world.is_distributed() {
+                let what = format!("step {}'s aux loss", step + 1);
+                self.dist.world.all_reduce_sum_f64(&what, &mut v);
+            }
+            recipe.insert("aux_loss".into(), v[0]);
         }
         let m = StepMetrics {
             step: step + 1,

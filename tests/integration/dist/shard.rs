@@ -11,7 +11,9 @@
 //!   also with layers kept gathered for the backward (`keep_gathered_layers`) or the next one
 //!   prefetched (`prefetch`), which cost memory;
 //! - `kill -9` of a rank ends the job within 60 s and `--resume` gives the uninterrupted adapter;
-//! - `rtune check` under `mpirun` runs the gather check.
+//! - `rtune check` under `mpirun` runs the gather check;
+//! - a mixture of experts (the tiny Qwen3-MoE, LoRA on its expert stacks, NF4 expert stacks too)
+//!   on 2 and 3 ranks trains the adapter of one process, bit for bit.
 
 use super::*;
 
@@ -107,6 +109,141 @@ fn a_sharded_base_on_2_and_3_ranks_trains_the_adapter_of_one_process() {
                 assert!((h / share - 1.0).abs() < 0.02, "{tag}: {h} of {whole}");
             }
         }
+    }
+}
+
+/// The tiny Qwen3-MoE (`tests/fixtures/tiny-qwen3-moe`: 3 layers, 0 and 2 sparse with 8 experts,
+/// top-2, the load-balancing loss on at coefficient 0.1) with LoRA on q/k/v/o and on both expert
+/// stacks (`target_parameters`), its linears in `quantize` (`nf4`: without double quantization;
+/// with `experts`: its expert stacks in NF4 too), 3 steps over 12 pre-tokenized rows (the fixture has no tokenizer), a sharded base or
+/// not.
+fn moe(
+    dir: &Path,
+    name: &str,
+    grad_accum: usize,
+    shard: bool,
+    quantize: &str,
+    experts: bool,
+) -> PathBuf {
+    let data = dir.join("moe.jsonl");
+    let rows: String = (0..12u32)
+        .map(|r| {
+            let ids: Vec<u32> = (0..20u32)
+                .map(|j| 1 + (r * 37 + j * 11 + r * j) % 255)
+                .collect();
+            format!("{{\"input_ids\":{ids:?},\"labels\":{ids:?}}}\n")
+        })
+        .collect();
+    std::fs::write(&data, rows).unwrap();
+    let text = format!(
+        r#"[model]
+path = "{model}"
+quantize = "{quantize}"
+double_quant = {dq}
+quantize_experts = {experts}
+[lora]
+r = 4
+alpha = 8
+dropout = 0.0  # PEFT adapts expert stacks without dropout
+targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+target_parameters = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+[data]
+train = "{data}"
+max_seq_len = 32
+shuffle = true
+[train]
+seed = 11
+steps = 3
+micro_batch_size = 2
+grad_accum = {grad_accum}
+lr = 5e-3
+warmup_steps = 1
+max_grad_norm = 0.5
+gradient_checkpointing = true
+[output]
+dir = "{out}"
+[distributed]
+shard_base = {shard}
+"#,
+        model = fixture("fixtures/tiny-qwen3-moe").display(),
+        data = data.display(),
+        out = dir.join(name).display(),
+        dq = quantize == "nf4-dq",
+    );
+    let p = dir.join(format!("{name}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// A mixture of experts under `mpirun` with a sharded base (routers and expert stacks split by
+/// expert and gathered with their layer): 2 ranks in f32 and with NF4 linears and NF4 expert
+/// stacks (`quantize_experts`, double-quantized, the next layer prefetched), 3 ranks with NF4
+/// experts (8 experts: shares of 3, 3 and 2) train the adapter of one process that accumulates
+/// the world's micro-batches, bit for bit, with the same metrics (the aux loss included).
+/// Tolerance: none. Every gathered weight is the unsharded model's bits, each rank's micro-batch
+/// computes as in the one process, and the ranks' gradients and losses are summed in the order
+/// the one process accumulates them (the dense model's test above holds the same way).
+#[test]
+fn a_sharded_moe_with_nf4_experts_on_2_and_3_ranks_trains_the_adapter_of_one_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (np, quantize, experts, prefetch) in [
+        (2, "none", false, false),
+        (2, "nf4-dq", true, true),
+        (3, "nf4", true, false),
+    ] {
+        let tag = format!("moe-{np}-{quantize}-{experts}-{prefetch}");
+        let reference = moe(
+            tmp.path(),
+            &format!("one-{tag}"),
+            np,
+            false,
+            quantize,
+            experts,
+        );
+        let o = single(&reference, &[]);
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        let cfg = moe(
+            tmp.path(),
+            &format!("shard-{tag}"),
+            1,
+            true,
+            quantize,
+            experts,
+        );
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        std::fs::write(&cfg, format!("{text}prefetch = {prefetch}\n")).unwrap();
+        let o = ranks(np, &cfg, &[]);
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        let (want, got) = (
+            tmp.path().join(format!("one-{tag}")),
+            tmp.path().join(format!("shard-{tag}")),
+        );
+        assert!(adapter(&got) == adapter(&want), "{tag}: adapters differ");
+        let m = metrics(&got);
+        assert_eq!(m, metrics(&want), "{tag}");
+        assert_eq!(m.len(), 3, "{tag}");
+        assert!(
+            m.iter()
+                .all(|l| l["aux_loss"].as_f64().is_some_and(|a| a > 0.0)),
+            "{tag}: the aux loss is logged: {m:?}"
+        );
+        assert_eq!(files(&got), files(&want), "{tag}: rank 0 alone writes");
+        // Each rank holds its share of the base: the experts split 4/4 (2 ranks) or 3/3/2.
+        let held = summary(&got)["rank_model_bytes"].clone();
+        let whole = summary(&want)["model_bytes"].as_f64().unwrap();
+        let held: Vec<f64> = held
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h.as_f64().unwrap())
+            .collect();
+        eprintln!("{tag}: ranks hold {held:?} B of {whole} B");
+        assert_eq!(held.len(), np, "{tag}");
+        assert!(
+            held.iter()
+                .all(|h| *h < whole * 0.45 * 2.0 / np as f64 + 65536.0),
+            "{tag}: {held:?} of {whole}"
+        );
     }
 }
 

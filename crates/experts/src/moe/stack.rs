@@ -15,7 +15,9 @@
 use std::borrow::Cow;
 
 use candle_core::{bail, DType, Device, Result, Tensor};
-use rtune_ops::nf4::Nf4Weight;
+use rtune_ops::nf4::{
+    Absmax, Nf4Weight, QuantType, BLOCKSIZE, DYNAMIC_SIGNED, NESTED_BLOCKSIZE, NF4,
+};
 
 /// Expert `e`'s matrices of a stack in NF4, each `(out, in)`.
 #[derive(Debug, Clone, PartialEq)]
@@ -67,6 +69,138 @@ impl Nf4Stack {
         };
         w.to_tensor(dtype, device)
             .map_err(|err| candle_core::Error::Msg(format!("moe: dequantizing expert {e}: {err}")))
+    }
+}
+
+/// Transport of NF4 experts between the ranks of a sharded base (`rtune_model::shard`): each
+/// expert as one record of bytes, its packed codes `[ceil(n/2)]`, then its scales, `[b]` f32
+/// little-endian (`b = ceil(n/64)` blocks of its `n = out·in` elements), or with double
+/// quantization the scales' codes `[b]` u8, the second-level scales `[ceil(b/256)]` f32 and the
+/// offset, one f32. The code tables are not sent: every expert holds bitsandbytes' own ([`NF4`],
+/// [`DYNAMIC_SIGNED`], blocksizes 64 and 256), as [`Nf4Stack::quantize`] makes them;
+/// [`Nf4Stack::records`] refuses any other. Records are concatenated in expert order, so a
+/// gather of every rank's records (its experts, in order) is the whole stack's.
+impl Nf4Stack {
+    /// One expert's record length for `(out, in)` experts.
+    pub fn record_len(out: usize, inp: usize, double_quant: bool) -> usize {
+        let n = out * inp;
+        let b = n.div_ceil(BLOCKSIZE);
+        n.div_ceil(2)
+            + match double_quant {
+                true => b + 4 * b.div_ceil(NESTED_BLOCKSIZE) + 4,
+                false => 4 * b,
+            }
+    }
+
+    /// Whether the experts are double-quantized (`None`: no expert).
+    pub fn double_quant(&self) -> Option<bool> {
+        self.experts.first().map(|w| w.absmax.is_double())
+    }
+
+    /// Every expert's record, concatenated in expert order (`E` records of
+    /// [`record_len`](Self::record_len) bytes each).
+    pub fn records(&self) -> Result<Vec<u8>> {
+        let (_, out, inp) = self.dims;
+        let dq = self.double_quant().unwrap_or(false);
+        let mut bytes = Vec::with_capacity(self.experts.len() * Self::record_len(out, inp, dq));
+        for (e, w) in self.experts.iter().enumerate() {
+            let standard = w.quant_map == NF4
+                && w.quant_type == QuantType::Nf4
+                && w.blocksize == BLOCKSIZE
+                && w.shape == [out, inp]
+                && w.absmax.is_double() == dq;
+            if !standard {
+                bail!(
+                    "moe: NF4 expert {e} of the {:?} stack is not bitsandbytes' NF4 of ({out},                      {inp}) with blocksize 64 (double quantization {dq}): it has no record",
+                    self.dims
+                );
+            }
+            bytes.extend_from_slice(&w.packed);
+            match &w.absmax {
+                Absmax::Plain(a) => a.iter().for_each(|x| bytes.extend(x.to_le_bytes())),
+                Absmax::Double {
+                    codes,
+                    nested_absmax,
+                    nested_quant_map,
+                    offset,
+                    nested_blocksize,
+                } => {
+                    if nested_quant_map[..] != DYNAMIC_SIGNED
+                        || *nested_blocksize != NESTED_BLOCKSIZE
+                    {
+                        bail!(
+                            "moe: NF4 expert {e} of the {:?} stack has its own second-level                              table: it has no record",
+                            self.dims
+                        );
+                    }
+                    bytes.extend_from_slice(codes);
+                    nested_absmax
+                        .iter()
+                        .for_each(|x| bytes.extend(x.to_le_bytes()));
+                    bytes.extend(offset.to_le_bytes());
+                }
+            }
+        }
+        Ok(bytes)
+    }
+
+    /// The stack of `dims = (E, out, in)` from its `E` records ([`records`](Self::records)),
+    /// each expert's values once dequantized in `dtype` (the dtype it was quantized from).
+    pub fn from_records(
+        bytes: &[u8],
+        dims: (usize, usize, usize),
+        double_quant: bool,
+        dtype: DType,
+    ) -> Result<Nf4Stack> {
+        let (e_n, out, inp) = dims;
+        let len = Self::record_len(out, inp, double_quant);
+        if bytes.len() != e_n * len {
+            bail!(
+                "moe: {} bytes of NF4 expert records for a {dims:?} stack; expected {e_n} of {len}",
+                bytes.len()
+            );
+        }
+        let n = out * inp;
+        let b = n.div_ceil(BLOCKSIZE);
+        let f32s = |v: &[u8]| -> Vec<f32> {
+            v.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()
+        };
+        let experts = (0..e_n)
+            .map(|e| {
+                let r = &bytes[e * len..(e + 1) * len];
+                let (packed, rest) = r.split_at(n.div_ceil(2));
+                let absmax = match double_quant {
+                    false => Absmax::Plain(f32s(rest)),
+                    true => {
+                        let (codes, rest) = rest.split_at(b);
+                        let (nested, offset) = rest.split_at(rest.len() - 4);
+                        Absmax::Double {
+                            codes: codes.to_vec(),
+                            nested_absmax: f32s(nested),
+                            nested_quant_map: DYNAMIC_SIGNED.to_vec(),
+                            offset: f32s(offset)[0],
+                            nested_blocksize: NESTED_BLOCKSIZE,
+                        }
+                    }
+                };
+                let w = Nf4Weight {
+                    shape: vec![out, inp],
+                    packed: packed.to_vec(),
+                    absmax,
+                    quant_map: NF4,
+                    quant_type: QuantType::Nf4,
+                    blocksize: BLOCKSIZE,
+                    dtype,
+                };
+                w.check().map_err(|err| {
+                    candle_core::Error::Msg(format!("moe: NF4 expert {e}'s record: {err}"))
+                })?;
+                Ok(w)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Nf4Stack { experts, dims })
     }
 }
 

@@ -73,6 +73,35 @@ fn nf4_stack_is_bitsandbytes_expert_by_expert() {
     }
 }
 
+/// A sharded base sends NF4 experts as records (`Nf4Stack::records`): every expert of the
+/// golden stacks, plain and double-quantized, from f32 and bf16, comes back equal (codes, scales,
+/// offset, tables, dtype); a record short of a byte (an expert missing) or an expert with a
+/// table of its own (which a record does not carry) is an error.
+#[test]
+fn nf4_experts_travel_as_records_unchanged() {
+    let g = Golden::load();
+    for case in ["gate_up", "down", "wide"] {
+        let (shape, stack) = g.f32s(&format!("{case}.stack"));
+        let stack: Vec<f32> = stack.into_iter().map(f32::from_bits).collect();
+        let t = Tensor::from_vec(stack, shape.as_slice(), &Device::Cpu).unwrap();
+        for (dq, dtype) in [(false, DType::F32), (true, DType::F32), (true, DType::BF16)] {
+            let t = t.to_dtype(dtype).unwrap();
+            let s = Nf4Stack::quantize(&t, dq).unwrap();
+            let what = format!("{case} dq {dq} {dtype:?}");
+            let r = s.records().unwrap();
+            let (e, out, inp) = s.dims;
+            assert_eq!(r.len(), e * Nf4Stack::record_len(out, inp, dq), "{what}");
+            let back = Nf4Stack::from_records(&r, s.dims, dq, dtype).unwrap();
+            assert!(back == s, "{what}: the stack from its records");
+            let short = Nf4Stack::from_records(&r[1..], s.dims, dq, dtype);
+            assert!(short.is_err(), "{what}: a byte short");
+            let mut odd = s.clone();
+            odd.experts[e - 1].quant_map[0] = 0.5;
+            assert!(odd.records().is_err(), "{what}: a table of its own");
+        }
+    }
+}
+
 /// `c`'s stacks quantized, and the same stacks dequantized to `dtype`.
 fn quantized(c: &Case, dq: bool, dtype: DType) -> (Nf4Stack, Nf4Stack, Tensor, Tensor) {
     let (gu, dn) = (

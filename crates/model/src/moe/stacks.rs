@@ -1,0 +1,179 @@
+//! Reading a sparse layer's expert stacks from the checkpoint as the op takes them,
+//! `(n, 2I, H)` and `(n, H, I)` for experts `experts = e0..e1` (`n = e1 − e0`; all `E` unsharded,
+//! a rank's own with a sharded base, `crate::shard`): only those experts' bytes are read.
+//!
+//! - transformers 5's fused 3-D stacks `<layer>.mlp.experts.{gate_up_proj,down_proj}`: a slice
+//!   of their leading expert axis, contiguous in the file ([`TensorSource::piece`]); gpt-oss's
+//!   stored `(E, in, out)` and transposed here; or in MXFP4 as its release keeps them
+//!   (`<name>_blocks` `(E, out, G, 16)`, `<name>_scales` `(E, out, G)`, likewise sliced), then
+//!   dequantized as transformers does;
+//! - else the family's released per-expert layout ([`Released`]: Qwen3-MoE's
+//!   `mlp.experts.N.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.experts.N.{w1,w3,w2}`):
+//!   only experts `e0..e1`'s tensors, stacked.
+
+use std::ops::Range;
+
+use candle_core::Tensor;
+
+use crate::config::moe::{MoeConfig, Released};
+use crate::weights::TensorSource;
+use crate::{ModelError, Result};
+
+/// Experts `experts`' stacks of layer `layer` (`h`: the hidden width), in the dtype and on the
+/// device of `like` (the router, for MXFP4's dequantization).
+pub(crate) fn read(
+    w: &dyn TensorSource,
+    layer: &str,
+    mc: &MoeConfig,
+    h: usize,
+    like: &Tensor,
+    experts: Range<usize>,
+) -> Result<(Tensor, Tensor)> {
+    let prefix = format!("{layer}.mlp");
+    if let Some(stacks) = fused(w, &prefix, mc, h, like, &experts)? {
+        return Ok(stacks);
+    }
+    let Some(released) = mc.released else {
+        return Err(ModelError::MissingTensor {
+            path: std::path::PathBuf::from(&prefix),
+            name: format!("{prefix}.experts.gate_up_proj"),
+        });
+    };
+    per_expert(w, layer, &released, mc.intermediate, h, like, experts)
+}
+
+/// Experts `experts` of the 3-D tensor `name` of `shape = (E, a, b)`, `(n, a, b)`: the whole
+/// tensor read when they are all, else only their slice of the leading axis (`stored`: in the
+/// dtype the tensor is stored in, not the compute dtype).
+fn slab(
+    w: &dyn TensorSource,
+    name: &str,
+    shape: &[usize],
+    experts: &Range<usize>,
+    stored: bool,
+) -> Result<Tensor> {
+    if *experts == (0..shape[0]) {
+        return match stored {
+            true => w.stored(name, shape),
+            false => w.tensor(name, shape),
+        };
+    }
+    let per: usize = shape[1..].iter().product();
+    let span = experts.start * per..experts.end * per;
+    let t = match stored {
+        true => w.stored_piece(name, shape, span)?,
+        false => w.piece(name, shape, span)?,
+    };
+    let mut dims = shape.to_vec();
+    dims[0] = experts.len();
+    t.reshape(dims)
+        .map_err(|e| ModelError::candle(format!("{name}: experts {experts:?}"), e))
+}
+
+/// transformers 5's fused stacks under `prefix` (experts `experts`), or `None` when the
+/// checkpoint has neither them nor their MXFP4 blocks.
+fn fused(
+    w: &dyn TensorSource,
+    prefix: &str,
+    mc: &MoeConfig,
+    h: usize,
+    like: &Tensor,
+    experts: &Range<usize>,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (e, i) = (mc.experts, mc.intermediate);
+    let gu_name = format!("{prefix}.experts.gate_up_proj");
+    let dn_name = format!("{prefix}.experts.down_proj");
+    // (n, out, in) as the op takes it; stored (E, in, out) when `transposed`.
+    let load = |name: &str, out: usize, inp: usize| -> Result<Tensor> {
+        if !mc.transposed {
+            return slab(w, name, &[e, out, inp], experts, false);
+        }
+        let stored = match w.has(name) || !mc.mxfp4 {
+            true => slab(w, name, &[e, inp, out], experts, false)?,
+            false => mxfp4(w, name, [e, inp, out], like, experts)?,
+        };
+        stored
+            .transpose(1, 2)
+            .and_then(|t| t.contiguous())
+            .map_err(|err| ModelError::candle(format!("{name}: (E, in, out) to (E, out, in)"), err))
+    };
+    match load(&gu_name, 2 * i, h) {
+        Ok(gu) => Ok(Some((gu, load(&dn_name, h, i)?))),
+        Err(ModelError::MissingTensor { .. }) => Ok(None),
+        Err(other) => Err(other),
+    }
+}
+
+/// The released per-expert layout, experts `experts` stacked: `(n, 2I, H)` (gate rows then up)
+/// and `(n, H, I)`.
+fn per_expert(
+    w: &dyn TensorSource,
+    layer: &str,
+    released: &Released,
+    i: usize,
+    h: usize,
+    like: &Tensor,
+    experts: Range<usize>,
+) -> Result<(Tensor, Tensor)> {
+    let module = format!("{layer}.{}", released.module);
+    let [gate, up, down] = released.names;
+    let per = |n: usize, p: &str, shape: &[usize]| {
+        w.tensor(&format!("{module}.experts.{n}.{p}.weight"), shape)
+    };
+    let mut gu = Vec::with_capacity(experts.len());
+    let mut dn = Vec::with_capacity(experts.len());
+    for n in experts.clone() {
+        let g = per(n, gate, &[i, h])?;
+        let u = per(n, up, &[i, h])?;
+        gu.push(
+            Tensor::cat(&[g, u], 0)
+                .map_err(|err| ModelError::candle(format!("{module}: stack"), err))?,
+        );
+        dn.push(per(n, down, &[h, i])?);
+    }
+    // No expert (a rank past the last): empty stacks of the right trailing shape.
+    let stack = |v: Vec<Tensor>, rows: usize, cols: usize| {
+        match v.is_empty() {
+            true => Tensor::zeros((0, rows, cols), like.dtype(), like.device()),
+            false => Tensor::stack(&v, 0),
+        }
+        .map_err(|err| ModelError::candle(format!("{module}: stacking experts {experts:?}"), err))
+    };
+    Ok((stack(gu, 2 * i, h)?, stack(dn, h, i)?))
+}
+
+/// An MXFP4 stack `name` (`<name>_blocks`, `<name>_scales`), experts `experts`, dequantized as
+/// transformers does ([`rtune_quant::mxfp4`]) to `(n, in, out)` in `like`'s dtype and device.
+fn mxfp4(
+    w: &dyn TensorSource,
+    name: &str,
+    shape: [usize; 3],
+    like: &Tensor,
+    experts: &Range<usize>,
+) -> Result<Tensor> {
+    let [e, inp, out] = shape;
+    let block = rtune_quant::mxfp4::BLOCK;
+    if !inp.is_multiple_of(block) {
+        return Err(ModelError::TensorShape {
+            path: std::path::PathBuf::from(name),
+            name: format!("{name}_blocks"),
+            got: vec![e, out, inp],
+            want: vec![e, out, inp.next_multiple_of(block)],
+        });
+    }
+    let g = inp / block;
+    let blocks = slab(
+        w,
+        &format!("{name}_blocks"),
+        &[e, out, g, 16],
+        experts,
+        true,
+    )?;
+    let scales = slab(w, &format!("{name}_scales"), &[e, out, g], experts, true)?;
+    rtune_quant::mxfp4::dequantize(name, &blocks, &scales, like.dtype(), like.device()).map_err(
+        |source| ModelError::Quant {
+            path: std::path::PathBuf::from(name),
+            source,
+        },
+    )
+}
