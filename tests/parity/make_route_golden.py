@@ -1,5 +1,5 @@
 """Mixture-of-experts routing by transformers 5.24's own router classes and its load-balancing loss,
-for rtune-ops' `route` tests (crates/ops/src/route/tests.rs).
+for rtune-experts' `route` tests (crates/experts/src/route/tests.rs).
 
     python tests/parity/make_route_golden.py --out tests/parity/golden_route.safetensors
 
@@ -9,7 +9,8 @@ Each router gets an identity weight (hidden size = experts), so its logits are t
 to the logits. Routers: qwen3 (norm_topk_prob true), qwen3_nonorm, mixtral, gptoss (zero bias).
 `aux.loss` and `aux.d<i>` come from `load_balancing_loss_func` over three layers' logits
 `aux.l<i>` [6, 8] (batch 2 × seq 3, top-2, attention mask `aux.mask` [2, 3] with one pad).
-Deterministic, byte-identical reruns (no metadata).
+`bf16.*`: the same routers and loss in bf16, where torch rounds the logits' two gradients apart
+(see the section below). Deterministic, byte-identical reruns (no metadata).
 """
 import argparse
 from types import SimpleNamespace
