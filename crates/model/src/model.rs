@@ -1060,11 +1060,13 @@ impl Model {
             let mut kept_layers = Vec::with_capacity(self.layers.len() - keep_from);
             // Each sparse layer's router logits (`T × E` f32), for the load-balancing loss.
             let mut router_logits: Vec<Vec<f32>> = Vec::new();
+            let mut logits_dtype = DType::F32;
             let mut feed = self.feed(0..self.layers.len(), Vec::new());
             while let Some((i, layer)) = feed.next()? {
                 let (out, mut cache) = layer.forward(&x, &ctx, Some(lora))?;
                 if let Some(m) = cache.moe_mut() {
                     router_logits.push(std::mem::take(&mut m.logits));
+                    logits_dtype = m.logits_dtype;
                 }
                 if i >= keep_from {
                     kept_layers.push((i, layer));
@@ -1106,15 +1108,20 @@ impl Model {
                 ),
                 None => inp.real_tokens(),
             };
-            let mut aux_grads =
-                match self.aux_loss(&router_logits, real.as_deref(), aux.grad_scale, aux.share) {
-                    Some((aux, term, g)) => {
-                        *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = Some(aux);
-                        loss += term;
-                        g
-                    }
-                    None => Vec::new(),
-                };
+            let mut aux_grads = match self.aux_loss(
+                &router_logits,
+                logits_dtype,
+                real.as_deref(),
+                aux.grad_scale,
+                aux.share,
+            ) {
+                Some((aux, term, g)) => {
+                    *self.last_aux.lock().unwrap_or_else(|e| e.into_inner()) = Some(aux);
+                    loss += term;
+                    g
+                }
+                None => Vec::new(),
+            };
             drop(h);
             let mut dx = self.final_norm_backward(&dh, &norm_cache)?;
             // Each layer kept from the forward, or gathered once for the recompute and the
@@ -1155,9 +1162,10 @@ impl Model {
     }
 
     /// transformers' load-balancing loss over the sparse layers' router logits (`T × E` each,
-    /// forward order), when the config adds it (`output_router_logits`): the loss before its
-    /// coefficient, its term `coef · aux · share` in [`Model::train_pass`]'s loss, and each
-    /// layer's gradient of `coef · aux · weight`. `weight` is this micro-batch's share of the
+    /// forward order, computed in `dtype`), when the config adds it (`output_router_logits`): the
+    /// loss before its coefficient, its term `coef · aux · share` in [`Model::train_pass`]'s
+    /// loss, and each layer's gradient of `coef · aux · weight` (rounded to `dtype` as torch's,
+    /// [`rtune_experts::route::aux_loss`]). `weight` is this micro-batch's share of the
     /// step times the objective's gradient scale (SFT: its target tokens times `grad_scale`; 1
     /// for a step of one micro-batch, where the trainer's `loss = CE + coef · aux` is
     /// transformers'). `real` (`T` values, 1 = a real token; see [`Inputs::real_tokens`])
@@ -1165,6 +1173,7 @@ impl Model {
     pub(super) fn aux_loss(
         &self,
         logits: &[Vec<f32>],
+        dtype: DType,
         real: Option<&[f32]>,
         weight: f64,
         share: f64,
@@ -1175,12 +1184,9 @@ impl Model {
             return None;
         }
         let layers: Vec<&[f32]> = logits.iter().map(Vec::as_slice).collect();
-        let (aux, mut grads) =
-            rtune_experts::route::aux_loss(&layers, moe.experts, moe.top_k, real);
         let scale = (coef * weight) as f32;
-        grads
-            .iter_mut()
-            .for_each(|g| g.iter_mut().for_each(|v| *v *= scale));
+        let (aux, grads) =
+            rtune_experts::route::aux_loss(&layers, moe.experts, moe.top_k, real, scale, dtype);
         Some((aux as f64, coef * aux as f64 * share, grads))
     }
 

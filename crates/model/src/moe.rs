@@ -123,11 +123,15 @@ impl MoeShards {
 /// What [`MoeMlp::backward`] needs, and the router logits the aux loss reads.
 #[derive(Debug)]
 pub struct MoeLayerCache {
-    /// `T × E` f32.
+    /// `T × E` f32, holding values of `logits_dtype`.
     pub logits: Vec<f32>,
+    /// The dtype the router computed its logits in (the model's, or bf16 under autocast): the
+    /// routing path's and the aux loss's gradients round to it.
+    pub logits_dtype: DType,
     routed: Routed,
     cache: MoeCache,
-    /// `∂(coef · aux)/∂logits` for this layer (`T × E`), set by the model before the backward.
+    /// `∂(coef · aux)/∂logits` for this layer (`T × E`, rounded to `logits_dtype`), set by the
+    /// model before the backward.
     aux_grad: Option<Vec<f32>>,
 }
 
@@ -331,6 +335,7 @@ impl MoeMlp {
             Some(b) => x.matmul(&self.router.t()?)?.broadcast_add(b)?,
             None => x.matmul(&self.router.t()?)?,
         };
+        let logits_dtype = self.logits_dtype(x.dtype());
         let logits = logits
             .to_dtype(DType::F32)?
             .flatten_all()?
@@ -346,6 +351,7 @@ impl MoeMlp {
             y,
             MoeLayerCache {
                 logits,
+                logits_dtype,
                 routed,
                 cache,
                 aux_grad: None,
@@ -437,9 +443,13 @@ impl MoeMlp {
                 Grads::add(&mut grads.b[i], db)?;
             }
         }
-        let mut dlogits = route_backward(&c.routed, &g.dweights, e, self.routing)?;
+        // The logits' two gradients, each rounded to their dtype, summed in it as autograd sums
+        // them (`rtune_experts::route`'s module doc).
+        let ldt = c.logits_dtype;
+        let mut dlogits = route_backward(&c.routed, &g.dweights, e, self.routing, ldt)?;
         if let Some(aux) = &c.aux_grad {
             dlogits.iter_mut().zip(aux).for_each(|(d, a)| *d += a);
+            dlogits = round_to(&dlogits, ldt)?;
         }
         let t = dy.dim(0)?;
         let dlogits = Tensor::from_vec(dlogits, (t, e), dy.device())?.to_dtype(dy.dtype())?;

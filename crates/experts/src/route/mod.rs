@@ -11,8 +11,20 @@
 //!
 //! [`aux_loss`] is transformers' `load_balancing_loss_func` over every layer's logits (what
 //! `output_router_logits` adds, times `router_aux_loss_coef`), with its gradient.
+//!
+//! In a 16-bit model (the logits' `dtype`) torch gives the logits two gradients, each rounded to
+//! that dtype by its own path, and sums them in it: the routing path's ([`route_backward`]:
+//! the f32 softmax's backward rounded by the cast back to the logits' dtype; gpt-oss's softmax
+//! in the dtype itself, its saved output rounded) and the load-balancing loss's ([`aux_loss`]:
+//! transformers' softmax of the 16-bit logits in the dtype, so rounded probabilities, its
+//! backward on them with the incoming gradient rounded). The caller adds the two and rounds the
+//! sum. Summed in f32 and rounded once instead, 312 to 374 of 512 entries a layer of
+//! `golden_route`'s bf16 logits' gradients differ from torch's (`route/tests.rs`); so rounded,
+//! gpt-oss's are bit-equal, Qwen3-MoE's and Mixtral's but for 0 to 8 entries of f32 noise (a
+//! softmax backward that cancels, on probabilities whose `exp` differs from torch's in the last
+//! bit).
 
-use candle_core::{bail, Result};
+use candle_core::{bail, DType, Result};
 
 #[cfg(test)]
 mod tests;
@@ -55,6 +67,15 @@ fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
     idx.truncate(k);
     idx
+}
+
+/// `x` rounded to `dtype` (nearest even) and back to f32; f32 (or any other dtype) as is.
+fn round(x: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        _ => x,
+    }
 }
 
 /// Routes `n` tokens from their `n × e` router logits to `k` experts each. Errors: `k` not in
@@ -107,13 +128,17 @@ pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Result<Rou
     Ok(r)
 }
 
-/// `∂L/∂logits` (`n × e`) from `∂L/∂weights` (`n × k`, paired with `routed.experts`). Errors:
+/// `∂L/∂logits` (`n × e`) from `∂L/∂weights` (`n × k`, paired with `routed.experts`), for logits
+/// computed in `dtype`: in a 16-bit dtype rounded to it as torch's routing path gives it
+/// (`SoftmaxTopK`: the f32 softmax's backward, rounded by the cast of the logits to f32;
+/// `TopKSoftmax`: the softmax in the dtype, its backward on its rounded output). Errors:
 /// `dweights` not `n × k`.
 pub fn route_backward(
     routed: &Routed,
     dweights: &[f32],
     e: usize,
     routing: Routing,
+    dtype: DType,
 ) -> Result<Vec<f32>> {
     let k = routed.k;
     let n = routed.experts.len() / k;
@@ -131,13 +156,14 @@ pub fn route_backward(
         let dl = &mut dlogits[t * e..(t + 1) * e];
         match routing {
             Routing::SoftmaxTopK { normalize } => {
-                // ∂L/∂p on the chosen experts: w_j = p_j / S gives (g_j − Σ_m g_m w_m) / S.
+                // ∂L/∂p on the chosen experts: w_j = p_j / S gives g_j / S − Σ_m g_m w_m / S, in
+                // torch's order (the division's two backward terms, the second summed over k).
                 let mut dp = vec![0f32; e];
                 if normalize {
                     let s = routed.sums[t];
-                    let gw: f32 = g.iter().zip(w).map(|(a, b)| a * b).sum();
+                    let gw: f32 = g.iter().zip(w).map(|(a, b)| -(a * (b / s))).sum();
                     for (j, &x) in ex.iter().enumerate() {
-                        dp[x as usize] = (g[j] - gw) / s;
+                        dp[x as usize] = g[j] / s + gw;
                     }
                 } else {
                     for (j, &x) in ex.iter().enumerate() {
@@ -148,13 +174,15 @@ pub fn route_backward(
                 softmax_backward(p, &dp, dl);
             }
             Routing::TopKSoftmax => {
-                let gw: f32 = g.iter().zip(w).map(|(a, b)| a * b).sum();
+                let w: Vec<f32> = w.iter().map(|&v| round(v, dtype)).collect();
+                let gw: f32 = g.iter().zip(&w).map(|(a, b)| a * b).sum();
                 for (j, &x) in ex.iter().enumerate() {
                     dl[x as usize] = w[j] * (g[j] - gw);
                 }
             }
         }
     }
+    dlogits.iter_mut().for_each(|v| *v = round(*v, dtype));
     Ok(dlogits)
 }
 
@@ -167,15 +195,21 @@ fn softmax_backward(p: &[f32], dp: &[f32], dx: &mut [f32]) {
 }
 
 /// transformers' `load_balancing_loss_func` over `layers` (each `n × e` router logits of the same
-/// `n` tokens), top-`k` counts; `mask` (`n`, 1 = a real token) leaves padding out. Returns the
-/// loss (before `router_aux_loss_coef`) and its gradient with respect to each layer's logits:
-/// `E · Σ_e (count_e / N) · (Σ_t p_te / N)`, `N` the masked tokens over all layers; the counts
-/// are piecewise constant, so the gradient flows through the probabilities only.
+/// `n` tokens, computed in `dtype`), top-`k` counts; `mask` (`n`, 1 = a real token) leaves
+/// padding out. Returns the loss (before `router_aux_loss_coef`) and the gradient of
+/// `scale · loss` (`scale`: the coefficient times the loss's weight in the step) with respect to
+/// each layer's logits: `E · Σ_e (count_e / N) · (Σ_t p_te / N)`, `N` the masked tokens over all
+/// layers; the counts are piecewise constant, so the gradient flows through the probabilities
+/// only. In a 16-bit `dtype` the probabilities are rounded to it (transformers' softmax of the
+/// 16-bit logits), the counts are their top-`k`, and the gradient is torch's: `∂/∂p` rounded to
+/// the dtype, the softmax's backward on the rounded probabilities rounded (see the module doc).
 pub fn aux_loss(
     layers: &[&[f32]],
     e: usize,
     k: usize,
     mask: Option<&[f32]>,
+    scale: f32,
+    dtype: DType,
 ) -> (f32, Vec<Vec<f32>>) {
     let n = layers.first().map_or(0, |l| l.len() / e);
     let ones = vec![1f32; n];
@@ -188,6 +222,7 @@ pub fn aux_loss(
         let mut p = vec![0f32; n * e];
         for (t, (row, pr)) in logits.chunks(e).zip(p.chunks_mut(e)).enumerate() {
             softmax_into(row, pr);
+            pr.iter_mut().for_each(|v| *v = round(*v, dtype));
             for j in top_k(pr, k) {
                 counts[j] += mask[t];
             }
@@ -205,17 +240,20 @@ pub fn aux_loss(
             .zip(&prob_sum)
             .map(|(a, b)| a * (b / total))
             .sum::<f32>();
-    // ∂loss/∂p_te = E · tokens_per_expert_e · mask_t / N.
+    // ∂(scale · loss)/∂p_te = scale · E · tokens_per_expert_e / N · mask_t, in torch's order, then
+    // rounded as the backward of transformers' `.float()` of the 16-bit probabilities.
+    let de: Vec<f32> = (tokens_per_expert.iter())
+        .map(|c| scale * e as f32 * c / total)
+        .collect();
     let grads = probs
         .iter()
         .map(|p| {
             let mut d = vec![0f32; n * e];
             for t in 0..n {
-                let dp: Vec<f32> = tokens_per_expert
-                    .iter()
-                    .map(|c| e as f32 * c * mask[t] / total)
-                    .collect();
-                softmax_backward(&p[t * e..(t + 1) * e], &dp, &mut d[t * e..(t + 1) * e]);
+                let dp: Vec<f32> = de.iter().map(|v| round(v * mask[t], dtype)).collect();
+                let row = &mut d[t * e..(t + 1) * e];
+                softmax_backward(&p[t * e..(t + 1) * e], &dp, row);
+                row.iter_mut().for_each(|v| *v = round(*v, dtype));
             }
             d
         })

@@ -64,7 +64,7 @@ fn routers_match_transformers() {
         let r = route(&logits, E, K, routing).unwrap();
         assert_eq!(r.experts, g.u32s(&format!("{name}.experts")), "{name}");
         close(name, &r.weights, &g.f32s(&format!("{name}.weights")));
-        let d = route_backward(&r, &dweights, E, routing).unwrap();
+        let d = route_backward(&r, &dweights, E, routing, DType::F32).unwrap();
         close(
             &format!("{name} dlogits"),
             &d,
@@ -79,13 +79,13 @@ fn load_balancing_loss_matches_transformers() {
     let layers: Vec<Vec<f32>> = (0..3).map(|i| g.f32s(&format!("aux.l{i}"))).collect();
     let refs: Vec<&[f32]> = layers.iter().map(|l| &l[..]).collect();
     let mask = g.f32s("aux.mask");
-    let (loss, grads) = aux_loss(&refs, E, K, Some(&mask));
+    let (loss, grads) = aux_loss(&refs, E, K, Some(&mask), 1.0, DType::F32);
     close("aux loss", &[loss], &g.f32s("aux.loss"));
     for (i, d) in grads.iter().enumerate() {
         close(&format!("aux d{i}"), d, &g.f32s(&format!("aux.d{i}")));
     }
     // Without the mask every token counts: a different loss.
-    let (unmasked, _) = aux_loss(&refs, E, K, None);
+    let (unmasked, _) = aux_loss(&refs, E, K, None, 1.0, DType::F32);
     assert_ne!(unmasked, loss);
 }
 
@@ -105,8 +105,77 @@ fn bad_shapes_are_errors_naming_the_op() {
         .to_string();
     assert!(e.contains("not n × 8 experts"), "{e}");
     let r = route(&logits, E, 2, routing).unwrap();
-    let e = route_backward(&r, &[0f32; 3], E, routing)
+    let e = route_backward(&r, &[0f32; 3], E, routing, DType::F32)
         .unwrap_err()
         .to_string();
     assert!(e.contains("route backward") && e.contains("2 × 2"), "{e}");
+}
+
+/// `a + b` of two bf16-valued gradients rounded to bf16: autograd's sum of the logits' two
+/// gradients in the model's dtype (`MoeMlp::backward` in rtune-model).
+fn bf16_sum(a: &[f32], b: &[f32]) -> Vec<f32> {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| round(x + y, DType::BF16))
+        .collect()
+}
+
+/// How many entries of `got` differ from `want` (exactly: both hold bf16 values).
+fn differing(got: &[f32], want: &[f32]) -> usize {
+    got.iter().zip(want).filter(|(a, b)| a != b).count()
+}
+
+/// torch's router-logit gradient in a bf16 model (`bf16.*` of the golden: two layers of 64
+/// tokens, the three routers, the load-balancing loss at coefficient 0.1 without and with
+/// padding): the routing path's gradient rounded to bf16, the aux loss's from the bf16
+/// probabilities rounded to bf16, summed in bf16. gpt-oss's: bit-equal (each entry a bf16 value,
+/// so `==` on the f32s). Qwen3-MoE's and Mixtral's: bit-equal but where the routing path's own
+/// gradient is not (measured: 0 to 8 of 512 a layer, all within 1e-6 of the largest): the
+/// experts off the top-k get `-p_j · Σ_m p_m·dp_m`, a sum that cancels to f32 noise (~1e-9 of
+/// the largest), and torch's vectorised `exp` differs from Rust's in the last bit of 201 of the
+/// 512 probabilities. The aux loss within 1e-6 (f32 sums in another order). The old rounding
+/// (both paths in f32 from f32 probabilities, summed, rounded once) must differ (measured: 312
+/// to 374 of 512 entries a layer), or the golden would not tell the two apart.
+#[test]
+fn bf16_router_gradient_sums_the_two_rounded_paths_as_torch() {
+    let g = Golden::load();
+    let layers: Vec<Vec<f32>> = (0..2).map(|i| g.f32s(&format!("bf16.l{i}"))).collect();
+    let refs: Vec<&[f32]> = layers.iter().map(|l| &l[..]).collect();
+    let mask = g.f32s("bf16.mask");
+    let coef = 0.1f32;
+    for (name, routing) in [
+        ("qwen3", Routing::SoftmaxTopK { normalize: true }),
+        ("mixtral", Routing::SoftmaxTopK { normalize: true }),
+        ("gptoss", Routing::TopKSoftmax),
+    ] {
+        let backward = |i: usize, dtype| {
+            let r = route(&layers[i], E, K, routing).unwrap();
+            route_backward(&r, &g.f32s(&format!("bf16.dw{i}")), E, routing, dtype).unwrap()
+        };
+        for (masked, m) in [("all", None), ("masked", Some(&mask[..]))] {
+            let (loss, aux) = aux_loss(&refs, E, K, m, coef, DType::BF16);
+            let want_loss = g.f32s(&format!("bf16.aux.{masked}"));
+            close(&format!("{name} {masked} aux loss"), &[loss], &want_loss);
+            let (_, aux32) = aux_loss(&refs, E, K, m, coef, DType::F32);
+            for i in 0..2 {
+                let what = format!("{name} {masked} layer {i}");
+                let want = g.f32s(&format!("bf16.{name}.{masked}.d{i}"));
+                let route_want = g.f32s(&format!("bf16.{name}.route.d{i}"));
+                let routed = backward(i, DType::BF16);
+                close(&format!("{what}'s routing path"), &routed, &route_want);
+                let got = bf16_sum(&routed, &aux[i]);
+                for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+                    let noise = routing != Routing::TopKSoftmax && routed[j] != route_want[j];
+                    assert!(a == b || noise, "{what}[{j}]: {a} vs torch's {b}");
+                }
+                close(&what, &got, &want);
+                let old: Vec<f32> = (backward(i, DType::F32).iter().zip(&aux32[i]))
+                    .map(|(a, b)| round(a + b, DType::BF16))
+                    .collect();
+                let (new_off, old_off) = (differing(&got, &want), differing(&old, &want));
+                eprintln!("{what}: {new_off} of 512 off torch's, {old_off} the old way");
+                assert!(old_off > 0, "{what}: the old rounding gives torch's");
+            }
+        }
+    }
 }

@@ -151,17 +151,25 @@ impl Model {
             let mut x = self.embed_tokens(&inp.ids, lora)?.0;
             let mut feed = self.feed(0..self.layers.len(), Vec::new());
             let mut router_logits = Vec::new();
+            let mut logits_dtype = candle_core::DType::F32;
             while let Some((_, layer)) = feed.next()? {
                 let (out, mut cache) = layer.forward(&x, &ctx, lora)?;
                 if let Some(m) = cache.moe_mut() {
                     router_logits.push(std::mem::take(&mut m.logits));
+                    logits_dtype = m.logits_dtype;
                 }
                 x = out;
             }
             // transformers adds the load-balancing term to an evaluation's loss too.
             let n_targets = targets.iter().filter(|t| t.is_some()).count() as f64;
             let aux = self
-                .aux_loss(&router_logits, inp.real_tokens().as_deref(), 0.0, n_targets)
+                .aux_loss(
+                    &router_logits,
+                    logits_dtype,
+                    inp.real_tokens().as_deref(),
+                    0.0,
+                    n_targets,
+                )
                 .map_or(0.0, |(_, term, _)| term);
             let (h, _) = self.final_norm(&x)?;
             let head = self.head_rows(lora)?;
