@@ -31,6 +31,8 @@
 # OpenMP threads collapsing beside other jobs: on the idle VM (386f0df, 19:44 UTC) 2036.5 vs 1412.0
 # (1.44x), 0.95 vs 2.48 GB (0.38x), 54.6% of the ceiling (205.3 GFLOP/s; 38.5% at 4·N_active)
 # with target/debug; with target/release (a76f82b) 2815.7 vs 1279.4 (2.20x), 0.39x, 73.7% (52.0%).
+# 7614732 (one job per expert; rtune alone against 39a6325, alternating, release, load 5-8): peak
+# RSS 803 vs 943-956 MB, the experts' op 13% fewer CPU seconds; whole-step rate within the noise.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).

@@ -12,7 +12,10 @@
 //!   (`tiny-gpt-oss`: 3 gate and 7 up values at ±1.0 in layer 1); passing the gradient there put
 //!   gpt-oss's bf16 gate_up `lora_B` gradient 0.36 of its largest entry off PEFT's.
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
+use rtune_backend::cpu::{dispatch, Kernel};
+use rtune_ops::glu::Activation;
+use rtune_ops::swiglu::Silu;
 
 /// Which gate the experts apply.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -97,5 +100,168 @@ pub fn act_backward(dm: &Tensor, gu: &Tensor, act: ExpertAct) -> Result<Tensor> 
             let (n, i) = dg.dims2()?;
             Tensor::stack(&[dg, du], 2)?.reshape((n, 2 * i))
         }
+    }
+}
+
+/// SwiGLU over an expert's rows in place of [`act_forward`]'s tensors (the grouped path, f32):
+/// `gu (n, 2I)` row by row (gate `0..I`, up `I..2I`) → `m (n, I)`, `silu(g)·u` with the op's
+/// own activation ([`rtune_ops::swiglu::Silu`], the same expression as its CPU loop: the same
+/// bits), compiled for AVX-512F / AVX2 ([`rtune_backend::cpu::dispatch`]).
+struct SwiGluRows<'a> {
+    gu: &'a [f32],
+    i: usize,
+}
+
+impl Kernel for SwiGluRows<'_> {
+    type Out<'o> = &'o mut [f32];
+    #[inline(always)]
+    fn run(&self, _: usize, m: &mut [f32]) {
+        let i = self.i;
+        for (row, mr) in self.gu.chunks_exact(2 * i).zip(m.chunks_exact_mut(i)) {
+            let (g, u) = row.split_at(i);
+            for ((o, &g), &u) in mr.iter_mut().zip(g).zip(u) {
+                *o = Silu::fwd(g) * u;
+            }
+        }
+    }
+}
+
+/// The backward of [`SwiGluRows`]: `dm (n, I)` and `gu (n, 2I)` → `dgu (n, 2I)` row by row,
+/// `dg = dm·u·silu'(g)`, `du = dm·silu(g)` (the op's backward loop's expressions).
+struct SwiGluRowsBwd<'a> {
+    dm: &'a [f32],
+    gu: &'a [f32],
+    i: usize,
+}
+
+impl Kernel for SwiGluRowsBwd<'_> {
+    type Out<'o> = &'o mut [f32];
+    #[inline(always)]
+    fn run(&self, _: usize, dgu: &mut [f32]) {
+        let i = self.i;
+        let rows = self.gu.chunks_exact(2 * i).zip(self.dm.chunks_exact(i));
+        for ((row, dmr), out) in rows.zip(dgu.chunks_exact_mut(2 * i)) {
+            let (g, u) = row.split_at(i);
+            let (dg, du) = out.split_at_mut(i);
+            let ins = dmr.iter().zip(g).zip(u);
+            for ((og, ou), ((&dh, &g), &u)) in dg.iter_mut().zip(du.iter_mut()).zip(ins) {
+                let (a, da) = Silu::bwd(g);
+                *ou = dh * a;
+                *og = dh * u * da;
+            }
+        }
+    }
+}
+
+/// The element count `n·I` of `m (n, I)` against `gu (n, 2I)` (rows of `i`), or an error naming
+/// `what`.
+fn rows_width(gu: &[f32], m: &[f32], i: usize, what: &str) -> Result<usize> {
+    let n2i = gu.len();
+    if m.is_empty() && n2i == 0 {
+        return Ok(0);
+    }
+    if n2i != 2 * m.len() || i == 0 || !m.len().is_multiple_of(i) {
+        candle_core::bail!(
+            "moe {what}: gate/up rows of {n2i} elements against {} activations (want 2:1, \
+             rows of {i})",
+            m.len()
+        );
+    }
+    Ok(m.len())
+}
+
+/// [`act_forward`] on one expert's rows, f32 slices: `gu (n, 2I)` → `m (n, I)`. SwiGLU in
+/// place ([`SwiGluRows`]); the clamped gate through [`act_forward`] on a copy.
+pub(crate) fn rows_forward(gu: &[f32], m: &mut [f32], act: ExpertAct, i: usize) -> Result<()> {
+    let total = rows_width(gu, m, i, "activation")?;
+    if total == 0 {
+        return Ok(());
+    }
+    let n = total / i;
+    match act {
+        ExpertAct::SwiGlu => {
+            dispatch(&SwiGluRows { gu, i }, 0, m);
+            Ok(())
+        }
+        ExpertAct::Clamped { .. } => {
+            let t = Tensor::from_slice(gu, (n, 2 * i), &Device::Cpu)?;
+            let v = act_forward(&t, act)?.flatten_all()?.to_vec1::<f32>()?;
+            m.copy_from_slice(&v);
+            Ok(())
+        }
+    }
+}
+
+/// [`act_backward`] on one expert's rows: `dm (n, I)`, `gu (n, 2I)` → `dgu (n, 2I)`.
+pub(crate) fn rows_backward(
+    dm: &[f32],
+    gu: &[f32],
+    dgu: &mut [f32],
+    act: ExpertAct,
+    i: usize,
+) -> Result<()> {
+    let total = rows_width(gu, dm, i, "activation backward")?;
+    if dgu.len() != gu.len() {
+        candle_core::bail!(
+            "moe activation backward: {} gradients for {} gate/up values",
+            dgu.len(),
+            gu.len()
+        );
+    }
+    if total == 0 {
+        return Ok(());
+    }
+    let n = total / i;
+    match act {
+        ExpertAct::SwiGlu => {
+            dispatch(&SwiGluRowsBwd { dm, gu, i }, 0, dgu);
+            Ok(())
+        }
+        ExpertAct::Clamped { .. } => {
+            let t = Tensor::from_slice(gu, (n, 2 * i), &Device::Cpu)?;
+            let d = Tensor::from_slice(dm, (n, i), &Device::Cpu)?;
+            let v = act_backward(&d, &t, act)?.flatten_all()?.to_vec1::<f32>()?;
+            dgu.copy_from_slice(&v);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rtune_ops::test_util::{flat, randn};
+
+    /// The grouped path's row kernels ([`rows_forward`], [`rows_backward`]) against the tensor
+    /// functions ([`act_forward`], [`act_backward`]: `rtune_ops::swiglu` and the clamp's candle
+    /// chain) on fresh inputs whose width is not a multiple of a vector (`I` 37, 5 rows, values
+    /// up to ±8 so the clamp at 0.6 cuts): SwiGLU bit for bit (the same expressions), the clamp
+    /// bit for bit (it runs those very functions). A wrong half, row stride or derivative moves
+    /// an element by O(1).
+    #[test]
+    fn row_kernels_are_the_tensor_activation() {
+        let (n, i) = (5, 37);
+        let gu = randn(&[n, 2 * i], 11, 4.0);
+        let dm = randn(&[n, i], 12, 1.0);
+        let clamped = ExpertAct::Clamped {
+            alpha: 1.702,
+            limit: 0.6,
+        };
+        for act in [ExpertAct::SwiGlu, clamped] {
+            let (guv, dmv) = (flat(&gu), flat(&dm));
+            let mut m = vec![f32::NAN; n * i];
+            rows_forward(&guv, &mut m, act, i).unwrap();
+            let want = flat(&act_forward(&gu, act).unwrap());
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&m), bits(&want), "{act:?} forward");
+            let mut dgu = vec![f32::NAN; n * 2 * i];
+            rows_backward(&dmv, &guv, &mut dgu, act, i).unwrap();
+            let want = flat(&act_backward(&dm, &gu, act).unwrap());
+            assert_eq!(bits(&dgu), bits(&want), "{act:?} backward");
+        }
+        // Mismatched buffers are errors, not panics.
+        let mut short = vec![0f32; 3];
+        assert!(rows_forward(&[0.0; 10], &mut short, ExpertAct::SwiGlu, 5).is_err());
+        assert!(rows_backward(&[0.0; 5], &[0.0; 10], &mut short, ExpertAct::SwiGlu, 5).is_err());
     }
 }

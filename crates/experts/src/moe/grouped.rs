@@ -1,7 +1,17 @@
 //! The experts' fast CPU path (f32): the same math as the per-expert path of [`super`], laid out
-//! for speed. The `R = T·k` routed rows are gathered once into one buffer sorted by expert
-//! (`xs: (R, H)`, expert `e`'s rows `off[e]..off[e+1]`); each expert's products run on its own
-//! contiguous row block, written in place into shared `(R, ·)` buffers (no per-expert tensors).
+//! for speed. The `R = T·k` routed rows are ordered by expert (expert `e`'s rows
+//! `off[e]..off[e+1]`), and each expert is one job: its rows of `x` gathered into the worker's
+//! scratch (reused across jobs, layers and steps: no fresh pages), gate/up, the SwiGLU
+//! ([`act::rows_forward`]) and down, its outputs written in place into shared `(R, ·)` buffers
+//! (no per-expert tensors) while its intermediates are still in the worker's cache; the backward
+//! likewise (`dy`'s rows gathered and weighted, down, the activation, gate/up, `x`'s rows gathered
+//! again for `dA`). Kept for the backward: `x` itself (shared, not copied), gate/up's outputs,
+//! the activations and down's output. Measured against the earlier layout (every expert's
+//! gate/up, then the activation over all rows through strided tensor copies, then every expert's
+//! down, with `(R, H)` copies of `x`, `dy` and `w·dy`), `benches/moe_vs_peft.sh`'s model, release
+//! binary, 8 steps, timed spans at load 7-10: the experts' forward + backward 5.3-5.6 CPU s
+//! against 6.0-6.8, the run's peak RSS 803 against 946 MB.
+//!
 //! [`Engine::Blas`] (when `rtune_backend::blas` loaded a CBLAS, as `rtune` does): the products
 //! go through the dense path's OpenBLAS (`rtune_backend::blas::sgemm`), each expert's on one
 //! thread, the experts spread over rayon's threads ([`rtune_backend::blas::one_thread`]: OpenBLAS
@@ -12,10 +22,8 @@
 //! layout beat it in each of three interleaved pairs of `moe_timing` at load ~9 (1497 / 1336 /
 //! 772 ms against 1728 / 2701 / 1064 ms a forward + backward). The `gemm` crate on one thread per
 //! expert gave 21.6. [`Engine::Gemm`] (no CBLAS): that `gemm`-crate layout (candle's CPU GEMM,
-//! `Parallelism::None`). The activation runs once over
-//! all rows; the weighted
-//! combine and `dx` sum each token's rows in expert order, as the per-expert path's `index_add`
-//! does. The frozen weights' gradients are never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
+//! `Parallelism::None`). The weighted combine and `dx` sum each token's rows in expert order, as
+//! the per-expert path's `index_add` does. The frozen weights' gradients are never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
 //!
 //! Per expert `e` with rows `X_e: (n, in)`, weight `W_e: (out, in)`, LoRA `A_e: (r, in)`,
 //! `B_e: (out, r)` (PEFT's `lora_B` repacked once a call to `(E, out, r)`), scale `s`:
@@ -304,9 +312,12 @@ pub(super) struct Cache {
     slot: Vec<usize>,
     /// Per token, its `k` rows ascending (expert order).
     rows_of: Vec<u32>,
-    /// `(R, H)`, `(R, 2I)`, `(R, H)` (the down projection before its routing weight).
-    xs: Tensor,
+    /// The input `(T, H)` (shared with the caller's, not copied; the backward gathers each
+    /// expert's rows again for `dA`), the gate/up outputs `(R, 2I)`, the activations `(R, I)`,
+    /// the down projection's output before its routing weight `(R, H)`.
+    x: Tensor,
     gu: Tensor,
+    m: Tensor,
     d: Tensor,
     /// `X_e A_eᵀ` of both pairs, `(R, r)`.
     xa_gu: Option<Tensor>,
@@ -352,150 +363,154 @@ fn combine(src: &[f32], w: Option<&[f32]>, rows_of: &[u32], k: usize, h: usize) 
     out
 }
 
-/// `(R, width)` rows `src[token[i]]`.
-fn gather(src: &[f32], token: &[u32], width: usize) -> Vec<f32> {
-    let mut out = vec![0f32; token.len() * width];
-    out.par_chunks_mut(width)
-        .zip(token.par_iter())
-        .for_each(|(o, &t)| o.copy_from_slice(&src[t as usize * width..(t as usize + 1) * width]));
-    out
+/// Expert `e`'s rows of `src (T, width)` at `token`, into `out (n, width)`.
+fn gather_into(src: &[f32], token: &[u32], width: usize, out: &mut [f32]) {
+    for (o, &t) in out.chunks_exact_mut(width).zip(token) {
+        let t = t as usize;
+        o.copy_from_slice(&src[t * width..(t + 1) * width]);
+    }
 }
 
-/// One stack's forward over every expert's rows: `y (R, out)` and `xa (R, r)` from `x (R, in)`.
-fn linear_fwd(
+thread_local! {
+    /// Each worker's scratch for its expert jobs (the gathered rows, the backward's
+    /// intermediates), grown to the largest job and kept: the jobs of every layer and step reuse
+    /// it rather than allocating and faulting in fresh pages.
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// `f` on `len` elements of this thread's scratch (their values are a previous job's: `f`
+/// writes each before it reads it). A job nested in `f` (rayon may run one while `f` waits)
+/// finds the scratch taken and grows a fresh one.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut v = SCRATCH.take();
+    if v.len() < len {
+        v.resize(len, 0.0);
+    }
+    let r = f(&mut v[..len]);
+    SCRATCH.set(v);
+    r
+}
+
+/// One expert's projection forward: `y (n, out) = x (n, in) · weᵀ (+ s (x Aᵀ) Bᵀ) (+ bias)`,
+/// `xa (n, r) = x Aᵀ` (empty without LoRA). `lora`: this expert's `A_e (r, in)`, `B_e (out, r)`,
+/// `r`, `s`.
+#[allow(clippy::too_many_arguments)]
+fn expert_fwd(
     engine: Engine,
     x: &[f32],
-    w: Weights,
+    we: &[f32],
     bias: Option<&[f32]>,
     lora: Option<(&[f32], &[f32], usize, f32)>,
-    off: &[usize],
-    (inp, out): (usize, usize),
-) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-    let rows = off.last().copied().unwrap_or(0);
-    let mut y = vec![0f32; rows * out];
-    let r = lora.map_or(0, |l| l.2);
-    let mut xa = vec![0f32; rows * r];
-    let ys = split(&mut y, off, out);
-    let xas = split(&mut xa, off, r);
-    let jobs: Vec<_> = ys.into_iter().zip(xas).enumerate().collect();
-    each(engine, jobs, |(e, (y, xa))| {
-        let n = off[e + 1] - off[e];
-        if n == 0 {
-            return Ok(());
-        }
-        let xe = M::rows(&x[off[e] * inp..off[e + 1] * inp], inp);
-        // An NF4 expert with rows is dequantized here, dropped when this job ends.
-        let we = w.expert_f32(e, out * inp)?;
-        mm(engine, y, false, 1.0, xe, M::t(&we, inp), (n, out, inp))?;
-        if let Some((a, b, r, s)) = lora {
-            let ae = &a[e * r * inp..(e + 1) * r * inp];
-            let be = &b[e * out * r..(e + 1) * out * r];
-            mm(engine, xa, false, 1.0, xe, M::t(ae, inp), (n, r, inp))?;
-            mm(engine, y, true, s, M::rows(xa, r), M::t(be, r), (n, out, r))?;
-        }
-        if let Some(b) = bias {
-            let be = &b[e * out..(e + 1) * out];
-            y.chunks_mut(out)
-                .for_each(|row| row.iter_mut().zip(be).for_each(|(y, b)| *y += b));
-        }
-        Ok(())
-    })?;
-    Ok((y, lora.map(|_| xa)))
+    y: &mut [f32],
+    xa: &mut [f32],
+    (n, inp, out): (usize, usize, usize),
+) -> Result<()> {
+    let xe = M::rows(x, inp);
+    mm(engine, y, false, 1.0, xe, M::t(we, inp), (n, out, inp))?;
+    if let Some((ae, be, r, s)) = lora {
+        mm(engine, xa, false, 1.0, xe, M::t(ae, inp), (n, r, inp))?;
+        mm(engine, y, true, s, M::rows(xa, r), M::t(be, r), (n, out, r))?;
+    }
+    if let Some(be) = bias {
+        y.chunks_mut(out)
+            .for_each(|row| row.iter_mut().zip(be).for_each(|(y, b)| *y += b));
+    }
+    Ok(())
 }
 
-/// One stack's backward over every expert's rows: `dx (R, in)` from `dy (R, out)`, and the LoRA
-/// gradients `dA (E·r, in)` (PEFT's layout) and `dB (E, out, r)`.
-#[allow(clippy::type_complexity)]
-fn linear_bwd(
+/// One expert's projection backward from `dy (n, out)`: `dx (n, in) = dy we (+ (s dy B) A)`;
+/// with LoRA (`A_e`, `B_e`, `r`, `s`, the forward's `x Aᵀ (n, r)`, and this expert's gradient
+/// blocks `dA_e (r, in)`, `dB_e (out, r)`) also `dB_e = s dyᵀ (x Aᵀ)`, `dA_e = (s dy B)ᵀ x`;
+/// `dyb (n, r)` is scratch. `x (n, in)` is read only with LoRA.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn expert_bwd(
     engine: Engine,
     dy: &[f32],
     x: &[f32],
-    w: Weights,
+    we: &[f32],
     lora: Option<(&[f32], &[f32], usize, f32, &[f32])>,
-    off: &[usize],
+    grads: Option<(&mut [f32], &mut [f32])>,
+    dx: &mut [f32],
+    dyb: &mut [f32],
+    (n, inp, out): (usize, usize, usize),
+) -> Result<()> {
+    mm(
+        engine,
+        dx,
+        false,
+        1.0,
+        M::rows(dy, out),
+        M::rows(we, inp),
+        (n, inp, out),
+    )?;
+    let (Some((ae, be, r, s, xae)), Some((da, db))) = (lora, grads) else {
+        return Ok(());
+    };
+    let dye = M::rows(dy, out);
+    mm(engine, dyb, false, s, dye, M::rows(be, r), (n, r, out))?;
+    mm(
+        engine,
+        db,
+        false,
+        s,
+        M::t(dy, out),
+        M::rows(xae, r),
+        (out, r, n),
+    )?;
+    mm(
+        engine,
+        da,
+        false,
+        1.0,
+        M::t(dyb, r),
+        M::rows(x, inp),
+        (r, inp, n),
+    )?;
+    mm(
+        engine,
+        dx,
+        true,
+        1.0,
+        M::rows(dyb, r),
+        M::rows(ae, inp),
+        (n, inp, r),
+    )
+}
+
+/// Expert `e`'s block of a LoRA view: `(A_e (r, in), B_e (out, r), r, s)`.
+fn expert_lora<'a>(
+    l: Option<(&'a [f32], &'a [f32], usize, f32)>,
+    e: usize,
     (inp, out): (usize, usize),
-) -> Result<(Vec<f32>, Option<(Vec<f32>, Vec<f32>)>)> {
-    let e_n = off.len() - 1;
-    let rows = off[e_n];
-    let r = lora.map_or(0, |l| l.2);
-    let mut dx = vec![0f32; rows * inp];
-    let mut dyb = vec![0f32; rows * r];
-    let mut da = vec![0f32; e_n * r * inp];
-    let mut db = vec![0f32; e_n * out * r];
-    let dxs = split(&mut dx, off, inp);
-    let dybs = split(&mut dyb, off, r);
-    // Per expert, its rows of dA and dB (none without LoRA).
-    let grads: Vec<Option<(&mut [f32], &mut [f32])>> = match lora {
-        Some(_) => da
+) -> Option<(&'a [f32], &'a [f32], usize, f32)> {
+    l.map(|(a, b, r, s)| {
+        (
+            &a[e * r * inp..(e + 1) * r * inp],
+            &b[e * out * r..(e + 1) * out * r],
+            r,
+            s,
+        )
+    })
+}
+
+/// Per expert its blocks `(dA_e (r, in), dB_e (out, r))` of `da (E·r, in)`, `db (E, out, r)`;
+/// `None` for each of the `e_n` experts without LoRA (`r` 0).
+#[allow(clippy::type_complexity)]
+fn blocks<'a>(
+    da: &'a mut [f32],
+    db: &'a mut [f32],
+    e_n: usize,
+    r: usize,
+    (inp, out): (usize, usize),
+) -> Vec<Option<(&'a mut [f32], &'a mut [f32])>> {
+    match r {
+        0 => (0..e_n).map(|_| None).collect(),
+        r => da
             .chunks_mut(r * inp)
             .zip(db.chunks_mut(out * r))
             .map(Some)
             .collect(),
-        None => (0..e_n).map(|_| None).collect(),
-    };
-    let jobs: Vec<_> = dxs.into_iter().zip(dybs).zip(grads).enumerate().collect();
-    each(engine, jobs, |(e, ((dx, dyb), grads))| {
-        let n = off[e + 1] - off[e];
-        if n == 0 {
-            return Ok(());
-        }
-        let dye = &dy[off[e] * out..off[e + 1] * out];
-        // As in the forward: an NF4 expert dequantized for this job only.
-        let we = w.expert_f32(e, out * inp)?;
-        mm(
-            engine,
-            dx,
-            false,
-            1.0,
-            M::rows(dye, out),
-            M::rows(&we, inp),
-            (n, inp, out),
-        )?;
-        if let (Some((a, b, r, s, xa)), Some((da, db))) = (lora, grads) {
-            let xe = &x[off[e] * inp..off[e + 1] * inp];
-            let ae = &a[e * r * inp..(e + 1) * r * inp];
-            let be = &b[e * out * r..(e + 1) * out * r];
-            let xae = &xa[off[e] * r..off[e + 1] * r];
-            mm(
-                engine,
-                dyb,
-                false,
-                s,
-                M::rows(dye, out),
-                M::rows(be, r),
-                (n, r, out),
-            )?;
-            mm(
-                engine,
-                db,
-                false,
-                s,
-                M::t(dye, out),
-                M::rows(xae, r),
-                (out, r, n),
-            )?;
-            mm(
-                engine,
-                da,
-                false,
-                1.0,
-                M::t(dyb, r),
-                M::rows(xe, inp),
-                (r, inp, n),
-            )?;
-            mm(
-                engine,
-                dx,
-                true,
-                1.0,
-                M::rows(dyb, r),
-                M::rows(ae, inp),
-                (n, inp, r),
-            )?;
-        }
-        Ok(())
-    })?;
-    Ok((dx, lora.map(|_| (da, db))))
+    }
 }
 
 /// `per` on each expert's job, spread over rayon's threads: for [`Engine::Blas`] with OpenBLAS
@@ -521,7 +536,9 @@ fn tensor(v: Vec<f32>, shape: (usize, usize), dev: &Device) -> Result<Tensor> {
     Tensor::from_vec(v, shape, dev)
 }
 
-/// [`super::moe_forward`] on this path: `x: (T, H)`, the groups made, `weights` `T × k`.
+/// [`super::moe_forward`] on this path: `x: (T, H)`, the groups made, `weights` `T × k`. One
+/// job per expert: its rows gathered into the worker's scratch, gate/up, the activation and
+/// down, each expert's intermediates staying in the worker's cache between the three.
 pub(super) fn forward(
     engine: Engine,
     x: &Tensor,
@@ -540,66 +557,90 @@ pub(super) fn forward(
         StackView::of(&gate_up, "gate_up")?,
         StackView::of(&down, "down")?,
     );
+    let (wgu, wdn) = (gate_up.w(), down.w());
     let (lgu, ldn) = (
         Lora::of(&ex.lora_gate_up, e_n)?,
         Lora::of(&ex.lora_down, e_n)?,
     );
-    let xs = gather(View::of(&x, "x")?.s(), &token, h);
     let bias = |b: Option<&Tensor>| b.map(|b| b.contiguous()).transpose();
     let (bgu, bdn) = (bias(ex.gate_up_bias)?, bias(ex.down_bias)?);
     let (vbgu, vbdn) = (
         view_opt(bgu.as_ref(), "gate_up bias")?,
         view_opt(bdn.as_ref(), "down bias")?,
     );
+    let (vbgu, vbdn) = (vbgu.as_ref().map(View::s), vbdn.as_ref().map(View::s));
     let (vlgu, vldn) = (
         LoraView::of(lgu.as_ref(), None)?,
         LoraView::of(ldn.as_ref(), None)?,
     );
-    // gate/up: (R, H) → (R, 2I).
-    let (gu, xa_gu) = linear_fwd(
-        engine,
-        &xs,
-        gate_up.w(),
-        vbgu.as_ref().map(View::s),
+    let (flgu, fldn) = (
         vlgu.as_ref().map(LoraView::fwd),
-        &off,
-        (h, 2 * i),
-    )?;
-    let gu = tensor(gu, (rows, 2 * i), dev)?;
-    let m = act::act_forward(&gu, ex.act)?.contiguous()?; // (R, I)
-    let (d, xa_dn) = linear_fwd(
-        engine,
-        View::of(&m, "act")?.s(),
-        down.w(),
-        vbdn.as_ref().map(View::s),
         vldn.as_ref().map(LoraView::fwd),
-        &off,
-        (i, h),
-    )?;
+    );
+    let (rgu, rdn) = (flgu.map_or(0, |l| l.2), fldn.map_or(0, |l| l.2));
+    let vx = View::of(&x, "x")?;
+    let xv = vx.s();
+    // (R, 2I) gate/up outputs, (R, I) activations, (R, H) down outputs, (R, r) LoRA inputs.
+    let mut gu = vec![0f32; rows * 2 * i];
+    let mut m = vec![0f32; rows * i];
+    let mut d = vec![0f32; rows * h];
+    let mut xa_gu = vec![0f32; rows * rgu];
+    let mut xa_dn = vec![0f32; rows * rdn];
+    let jobs: Vec<_> = split(&mut gu, &off, 2 * i)
+        .into_iter()
+        .zip(split(&mut m, &off, i))
+        .zip(split(&mut d, &off, h))
+        .zip(split(&mut xa_gu, &off, rgu))
+        .zip(split(&mut xa_dn, &off, rdn))
+        .enumerate()
+        .collect();
+    each(engine, jobs, |(e, ((((gu, m), d), xa_gu), xa_dn))| {
+        let n = off[e + 1] - off[e];
+        if n == 0 {
+            return Ok(());
+        }
+        with_scratch(n * h, |xe| -> Result<()> {
+            gather_into(xv, &token[off[e]..off[e + 1]], h, xe);
+            // An NF4 expert is dequantized for its products only, one stack at a time.
+            let we = wgu.expert_f32(e, 2 * i * h)?;
+            let b = vbgu.map(|b| &b[e * 2 * i..(e + 1) * 2 * i]);
+            let l = expert_lora(flgu, e, (h, 2 * i));
+            expert_fwd(engine, xe, &we, b, l, gu, xa_gu, (n, h, 2 * i))?;
+            Ok(())
+        })?;
+        act::rows_forward(gu, m, ex.act, i)?;
+        let we = wdn.expert_f32(e, h * i)?;
+        let b = vbdn.map(|b| &b[e * h..(e + 1) * h]);
+        let l = expert_lora(fldn, e, (i, h));
+        expert_fwd(engine, m, &we, b, l, d, xa_dn, (n, i, h))
+    })?;
     let w_row: Vec<f32> = slot.iter().map(|&s| weights[s]).collect();
     let y = combine(&d, Some(&w_row), &rows_of, g.k, h);
-    let xa = |v: Option<Vec<f32>>, r: Option<usize>| -> Result<Option<Tensor>> {
-        match (v, r) {
-            (Some(v), Some(r)) => Ok(Some(tensor(v, (rows, r), dev)?)),
-            _ => Ok(None),
+    let xa = |v: Vec<f32>, r: usize| -> Result<Option<Tensor>> {
+        match r {
+            0 => Ok(None),
+            r => Ok(Some(tensor(v, (rows, r), dev)?)),
         }
     };
     let cache = Cache {
-        xa_gu: xa(xa_gu, lgu.as_ref().map(|l| l.r))?,
-        xa_dn: xa(xa_dn, ldn.as_ref().map(|l| l.r))?,
+        xa_gu: xa(xa_gu, rgu)?,
+        xa_dn: xa(xa_dn, rdn)?,
         off,
         token,
         slot,
         rows_of,
-        xs: tensor(xs, (rows, h), dev)?,
-        gu,
+        x: x.clone(),
+        gu: tensor(gu, (rows, 2 * i), dev)?,
+        m: tensor(m, (rows, i), dev)?,
         d: tensor(d, (rows, h), dev)?,
     };
+    drop(vx);
     Ok((tensor(y, (t, h), dev)?, cache))
 }
 
 /// [`super::moe_backward`] on this path: `dx (T, H)`, `∂L/∂w` by slot, the LoRA gradients in
-/// PEFT's layouts.
+/// PEFT's layouts. One job per expert, as the forward: its rows of `dy` gathered and weighted,
+/// down's backward, the activation's, gate/up's (its input rows gathered again for `dA`).
 #[allow(clippy::type_complexity)]
 pub(super) fn backward(
     engine: Engine,
@@ -617,76 +658,142 @@ pub(super) fn backward(
     let (e_n, i, h) = dims(dy, ex)?;
     let t = dy.dim(0)?;
     let rows = c.token.len();
-    if c.off.len() != e_n + 1 || c.rows_of.len() != t * k || weights.len() != rows {
+    if c.off.len() != e_n + 1
+        || c.rows_of.len() != t * k
+        || weights.len() != rows
+        || c.x.dims() != [t, h]
+    {
         bail!(
-            "moe grouped backward: a cache of {} rows over {} experts for dy {:?}, {} weights",
+            "moe grouped backward: a cache of {} rows over {} experts (x {:?}) for dy {:?}, {} \
+             weights",
             rows,
             c.off.len().saturating_sub(1),
+            c.x.dims(),
             dy.dims(),
             weights.len()
         );
     }
     let dev = dy.device();
     let dy = dy.contiguous()?;
-    let dys = gather(View::of(&dy, "dy")?.s(), &c.token, h); // (R, H)
-    let vd = View::of(&c.d, "d")?;
-    let d = vd.s();
-    // ∂L/∂w of row i: ⟨dy_t, d_i⟩; the down input gradient dd_i = w_i · dy_t.
-    let mut dweights = vec![0f32; rows];
-    let mut dd = vec![0f32; rows * h];
-    dd.par_chunks_mut(h)
-        .zip(dweights.par_iter_mut())
-        .enumerate()
-        .for_each(|(r, (dd, dw))| {
-            let (dyr, dr) = (&dys[r * h..(r + 1) * h], &d[r * h..(r + 1) * h]);
-            *dw = dyr.iter().zip(dr).map(|(a, b)| a * b).sum();
-            let w = weights[c.slot[r]];
-            dd.iter_mut().zip(dyr).for_each(|(o, v)| *o = v * w);
-        });
-    let mut dw_slot = vec![0f32; rows];
-    for (r, &s) in c.slot.iter().enumerate() {
-        dw_slot[s] = dweights[r];
-    }
+    let vdy = View::of(&dy, "dy")?;
+    let (vx, vgu, vm, vd) = (
+        View::of(&c.x, "x")?,
+        View::of(&c.gu, "gate_up output")?,
+        View::of(&c.m, "act")?,
+        View::of(&c.d, "d")?,
+    );
+    let (dyv, xv, guv, mv, dv) = (vdy.s(), vx.s(), vgu.s(), vm.s(), vd.s());
     let (gate_up, down) = (ex.gate_up.source()?, ex.down.source()?);
     let (gate_up, down) = (
         StackView::of(&gate_up, "gate_up")?,
         StackView::of(&down, "down")?,
     );
+    let (wgu, wdn) = (gate_up.w(), down.w());
     let (lgu, ldn) = (
         Lora::of(&ex.lora_gate_up, e_n)?,
         Lora::of(&ex.lora_down, e_n)?,
     );
-    let m = act::act_forward(&c.gu, ex.act)?.contiguous()?; // (R, I)
-    let vm = View::of(&m, "act")?;
-    let (vgu, vdn) = (
+    let (vlgu, vldn) = (
         LoraView::of(lgu.as_ref(), c.xa_gu.as_ref())?,
         LoraView::of(ldn.as_ref(), c.xa_dn.as_ref())?,
     );
     let (sgu, sdn) = (
-        vgu.as_ref().map(LoraView::bwd).transpose()?,
-        vdn.as_ref().map(LoraView::bwd).transpose()?,
+        vlgu.as_ref().map(LoraView::bwd).transpose()?,
+        vldn.as_ref().map(LoraView::bwd).transpose()?,
     );
-    let (dm, gdn) = linear_bwd(engine, &dd, vm.s(), down.w(), sdn, &c.off, (i, h))?;
-    let dm = tensor(dm, (rows, i), dev)?;
-    let dgu = act::act_backward(&dm, &c.gu, ex.act)?.contiguous()?; // (R, 2I)
-    let (dxs, ggu) = linear_bwd(
-        engine,
-        View::of(&dgu, "d gate_up")?.s(),
-        View::of(&c.xs, "xs")?.s(),
-        gate_up.w(),
-        sgu,
-        &c.off,
-        (h, 2 * i),
-    )?;
+    let (rgu, rdn) = (sgu.map_or(0, |l| l.2), sdn.map_or(0, |l| l.2));
+    // Per row its ∂L/∂w; (R, H) input gradients, summed per token below; the LoRA gradients,
+    // `dA (E·r, in)` (PEFT's layout) and `dB (E, out, r)`.
+    let mut dweights = vec![0f32; rows];
+    let mut dxs = vec![0f32; rows * h];
+    let (mut da_gu, mut db_gu) = (vec![0f32; e_n * rgu * h], vec![0f32; e_n * 2 * i * rgu]);
+    let (mut da_dn, mut db_dn) = (vec![0f32; e_n * rdn * i], vec![0f32; e_n * h * rdn]);
+    let jobs: Vec<_> = split(&mut dweights, &c.off, 1)
+        .into_iter()
+        .zip(split(&mut dxs, &c.off, h))
+        .zip(blocks(&mut da_gu, &mut db_gu, e_n, rgu, (h, 2 * i)))
+        .zip(blocks(&mut da_dn, &mut db_dn, e_n, rdn, (i, h)))
+        .enumerate()
+        .collect();
+    each(engine, jobs, |(e, (((dw, dx), ggu), gdn))| {
+        let (lo, hi) = (c.off[e], c.off[e + 1]);
+        let n = hi - lo;
+        if n == 0 {
+            return Ok(());
+        }
+        let r = rgu.max(rdn);
+        // Scratch: dd (n, H), dm (n, I), dgu (n, 2I), x rows (n, H) when gate/up has LoRA,
+        // dy·B (n, r).
+        let xn = if sgu.is_some() { n * h } else { 0 };
+        with_scratch(n * h + n * i + n * 2 * i + xn + n * r, |s| -> Result<()> {
+            let (dd, s) = s.split_at_mut(n * h);
+            let (dm, s) = s.split_at_mut(n * i);
+            let (dgu, s) = s.split_at_mut(n * 2 * i);
+            let (xe, dyb) = s.split_at_mut(xn);
+            // ∂L/∂w of row j: ⟨dy_t, d_j⟩; the down output's gradient dd_j = w_j · dy_t.
+            for (j, (ddr, dwj)) in dd.chunks_exact_mut(h).zip(dw.iter_mut()).enumerate() {
+                let row = lo + j;
+                let tk = c.token[row] as usize;
+                let dyr = &dyv[tk * h..(tk + 1) * h];
+                let dr = &dv[row * h..(row + 1) * h];
+                *dwj = dyr.iter().zip(dr).map(|(a, b)| a * b).sum();
+                let w = weights[c.slot[row]];
+                ddr.iter_mut().zip(dyr).for_each(|(o, v)| *o = v * w);
+            }
+            let we = wdn.expert_f32(e, h * i)?;
+            let l = sdn.map(|(a, b, r, s, xa)| {
+                let (ae, be, r, s) = expert_lora(Some((a, b, r, s)), e, (i, h)).unwrap_or_default();
+                (ae, be, r, s, &xa[lo * r..hi * r])
+            });
+            let me = &mv[lo * i..hi * i];
+            expert_bwd(
+                engine,
+                dd,
+                me,
+                &we,
+                l,
+                gdn,
+                dm,
+                &mut dyb[..n * rdn],
+                (n, i, h),
+            )?;
+            drop(we);
+            act::rows_backward(dm, &guv[lo * 2 * i..hi * 2 * i], dgu, ex.act, i)?;
+            if !xe.is_empty() {
+                gather_into(xv, &c.token[lo..hi], h, xe);
+            }
+            let we = wgu.expert_f32(e, 2 * i * h)?;
+            let l = sgu.map(|(a, b, r, s, xa)| {
+                let (ae, be, r, s) =
+                    expert_lora(Some((a, b, r, s)), e, (h, 2 * i)).unwrap_or_default();
+                (ae, be, r, s, &xa[lo * r..hi * r])
+            });
+            expert_bwd(
+                engine,
+                dgu,
+                xe,
+                &we,
+                l,
+                ggu,
+                dx,
+                &mut dyb[..n * rgu],
+                (n, h, 2 * i),
+            )
+        })
+    })?;
+    let mut dw_slot = vec![0f32; rows];
+    for (r, &s) in c.slot.iter().enumerate() {
+        dw_slot[s] = dweights[r];
+    }
     let dx = combine(&dxs, None, &c.rows_of, k, h);
-    let peft = |g: Option<(Vec<f32>, Vec<f32>)>,
-                l: &Option<Lora>,
+    let peft = |da: Vec<f32>,
+                db: Vec<f32>,
+                r: usize,
                 (inp, out): (usize, usize)|
      -> Result<Option<(Tensor, Tensor)>> {
-        let (Some((da, db)), Some(l)) = (g, l) else {
+        if r == 0 {
             return Ok(None);
-        };
-        let r = l.r;
+        }
         let da = Tensor::from_vec(da, (e_n * r, inp), dev)?;
         // (E, out, r) -> (out, r, E) -> (out, r·E).
         let db = Tensor::from_vec(db, (e_n, out, r), dev)?
@@ -698,7 +805,7 @@ pub(super) fn backward(
     Ok((
         tensor(dx, (t, h), dev)?,
         dw_slot,
-        peft(ggu, &lgu, (h, 2 * i))?,
-        peft(gdn, &ldn, (i, h))?,
+        peft(da_gu, db_gu, rgu, (h, 2 * i))?,
+        peft(da_dn, db_dn, rdn, (i, h))?,
     ))
 }
