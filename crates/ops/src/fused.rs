@@ -4,7 +4,7 @@
 //! process. The CPU runs the unfused ops (each one pass there already), but for `lora_bf16`
 //! when asked for with `RTUNE_ONEDNN_LORA=on` and oneDNN is in use (issue 47: the bf16 LoRA
 //! products on its bf16 kernels, `rtune_backend::onednn::acc::lora_bf16`), and `onednn_attn`
-//! (the tiled attention's bf16 tile products on oneDNN, `crate::attention::tiled`) whenever
+//! (the tiled attention's bf16 score products on oneDNN, `crate::attention::tiled`) whenever
 //! oneDNN is in use.
 //!
 //! Wired: `ce_softcap` (the soft-capped cross-entropy, `crate::ce`), `add_norm` (the residual add
@@ -52,8 +52,8 @@ pub enum Fused {
     /// reused buffers (`rtune-model`'s `group/nf4.rs`, item 4) instead of one launch and one allocation per
     /// weight; off, [`Fused::Nf4Prefetch`] is off too.
     Nf4Group,
-    /// The CPU tiled attention's tile products of bf16 operands (`S = Q·Kᵀ`, `P·V`, and
-    /// `dP = dO·Vᵀ`, `Pᵀ·dO` in the backward) through oneDNN on each rayon worker
+    /// The CPU tiled attention's score products (`S = Q·Kᵀ`, and `dP = dO·Vᵀ` in the
+    /// backward) of bf16 inputs through oneDNN on each rayon worker
     /// (`rtune_backend::onednn::tile`; when oneDNN is in use) instead of the gemm crate in f32.
     OnednnAttn,
     /// With [`Fused::Nf4Group`]: the next group's dequantization issued ahead of its use on a

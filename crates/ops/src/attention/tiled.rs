@@ -41,18 +41,16 @@
 //! `Pᵀ·dO`) are GEMMs on one thread through the `gemm` crate (`mm`: candle's own CPU GEMM, packed
 //! FMA micro-kernels), over the `BR × Dh` query and `BC × Dh` key/value tiles (read in place when
 //! the inputs are f32, as f32 copies otherwise), which stay in L1/L2 — but for bf16 inputs with
-//! oneDNN in use, where the products of bf16 operands run on oneDNN's bf16 kernels
-//! (`rtune_backend::onednn::tile`; `RTUNE_UNFUSED=onednn_attn` turns it off): the score products
-//! (`scores`: `S = Q·Kᵀ`, `dP = dO·Vᵀ`) reading both operands' rows in place (1.05–1.39× forward +
-//! backward at seq 512/2048, README's Speed), and `P·V`, `Pᵀ·dO` (`p_product`) reading `V`, `dO`
-//! in place and `P` from a packed bf16 copy. On bf16 inputs `P` is rounded to bf16 before its
-//! products whichever engine runs them, as torch's CPU flash attention does for a bf16 model (its
-//! `qk_reduced` buffer, the row sums taken before; as autocast does below); `dS` stays f32, and
-//! `dS·K`, `dSᵀ·Q` on the gemm crate (torch rounds `dS` too; rtune keeps the more exact sums its
-//! bf16 goldens were checked with, and `dq = Σ dS·K` cancels across the key tiles: see
-//! `p_product`). Soft-capped scores round both as eager does (above). The softmax between
-//! them is one vectorized pass over the `BR × BC` scores (the
-//! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
+//! oneDNN in use, where the score products (`S = Q·Kᵀ`, `dP = dO·Vᵀ`: both operands bf16 inputs)
+//! run on oneDNN's bf16 kernels reading the rows in place (`scores`,
+//! `rtune_backend::onednn::tile`; `RTUNE_UNFUSED=onednn_attn` turns it off; 1.05–1.39× forward +
+//! backward at seq 512/2048, README's Speed). The other four keep f32 `P` and `dS` as operands on
+//! the gemm crate (bf16 ones would round them; soft-capped scores do round them, above). `P·V`
+//! and `Pᵀ·dO` on oneDNN too (`P` rounded to bf16 as torch's CPU flash kernel rounds it, copied
+//! to a packed bf16 tile, summed into the f32 accumulators by a sum post-op) were measured slower
+//! (2026-12-06, AMD EPYC AVX-512 BF16, load 7–10, `onednn_attention_timing`: oneDNN vs gemm crate
+//! 0.72–1.03× against 1.13–1.43× with the score products alone) and not kept; the softmax
+//! between them is one vectorized pass over the `BR × BC` scores (the loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
 //! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
 //! Under bf16 autocast ([`rtune_backend::blas::autocast`], f32 inputs) the operands of every tile product
@@ -144,8 +142,7 @@ impl Dims {
 
 /// Tallies `products` tile-product passes of `(T, Dh)·(Dh, T)` per head for `rtune bench`
 /// ([`rtune_backend::served`]; counted whole, as the bench's FLOPs are), the first `dnn` of them
-/// on oneDNN: 2 forward (`S = Q·Kᵀ`, `P·V`, both on oneDNN when it runs them), 5 backward (`S`
-/// again, `dP` and `dV` on oneDNN; `dQ`, `dK` on the gemm crate).
+/// on oneDNN: 2 forward (`S = Q·Kᵀ`, `P·V`), 5 backward (`S` again, `dP`, `dQ`, `dK`, `dV`).
 fn served(products: usize, dnn: usize, d: &Dims) {
     for n in 0..products {
         rtune_backend::served::record(
@@ -200,52 +197,6 @@ fn scores<T: Elem>(
     let xm = tile(&mut xbuf, x, xo, (nr, dh, xs));
     let ym = tile(&mut ybuf, y, yo, (nc, dh, ys));
     mm(s, BC, false, xm, ym.t(), (nr, nc, dh));
-}
-
-/// `c (m × n, row stride ldc) += P · Y`, the products of `P`: `P` an `m × k` view of the f32
-/// tile of probabilities (or its transpose) holding bf16 values (rounded before, [`rounds_p`]: the
-/// conversion below is exact), `Y` the `k` rows of `y` from offset `yo`, `ys` apart, `n` long
-/// (`V`, `dO`). Given the f32 tile of `Y` (`y32`: the gemm crate's path), the gemm crate runs.
-/// Without, `T` is bf16 and oneDNN reads `Y` in place and `P` from a packed bf16 copy (`pbuf`;
-/// `rtune_backend::onednn::tile::gemm_nn_acc`: bf16 products summed in f32, as the gemm crate
-/// sums the same values converted). Should oneDNN fail, the f32 tile is made and the gemm crate
-/// runs. (`dS` stays f32 on the gemm crate: `dq = Σ dS·K` cancels across the key tiles, since
-/// each row of `dS` sums to 0, and even `dS` as a pair of bf16 values — 16 of its 24 bits — moved
-/// `dq` by 1e-3 of its size.)
-#[inline(always)]
-fn p_product<T: Elem>(
-    (c, ldc): (&mut [f32], usize),
-    p: Mat<'_>,
-    pbuf: &mut Vec<half::bf16>,
-    (y, yo, ys): (&[T], usize, usize),
-    y32: Option<Mat<'_>>,
-    (m, n, k): (usize, usize, usize),
-) {
-    if let Some(ym) = y32 {
-        return mm(c, ldc, true, p, ym, (m, n, k));
-    }
-    if let Some(yb) = T::bf16s(&y[yo..]) {
-        pbuf.clear();
-        for i in 0..m {
-            pbuf.extend((0..k).map(|j| half::bf16::from_f32(p.data[i * p.rs + j * p.cs])));
-        }
-        let done =
-            rtune_backend::onednn::tile::gemm_nn_acc((pbuf, k), (yb, ys), (c, ldc), (m, n, k));
-        if let Some(Ok(())) = done {
-            return;
-        }
-    }
-    let mut ybuf = Vec::new();
-    let ym = tile(&mut ybuf, y, yo, (k, n, ys));
-    mm(c, ldc, true, p, ym, (m, n, k));
-}
-
-/// Whether `P` is rounded to bf16 before its products: under autocast (`round`) and on bf16
-/// inputs, as torch's CPU flash attention rounds it for a bf16 model (its `qk_reduced` buffer; the
-/// row sums stay f32). `dS` is rounded under autocast only (f32 on bf16 inputs: [`p_product`]).
-#[inline(always)]
-fn rounds_p<T: Elem>(round: bool) -> bool {
-    round || T::DTYPE == DType::BF16
 }
 
 /// The shapes of `q, k, v, starts` checked against each other; errors name the op and the tensor.
@@ -335,7 +286,7 @@ pub fn flash_attn_with(
     let d = dims(op, q, k, v, starts)?;
     let dt = float_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
     let dnn = onednn_scores(q, dt)?;
-    served(2, 2 * usize::from(dnn), &d);
+    served(2, usize::from(dnn), &d);
     let (q, k, v, starts) = (
         q.contiguous()?,
         k.contiguous()?,
@@ -417,7 +368,7 @@ pub fn flash_attn_bwd_with(
         ],
     )?;
     let dnn = onednn_scores(q, dt)?;
-    served(5, 3 * usize::from(dnn), &d);
+    served(5, 2 * usize::from(dnn), &d);
     let bthd = [d.b, d.t, d.h, d.dh];
     if o.dims() != bthd || d_o.dims() != bthd {
         bail!(
@@ -721,10 +672,9 @@ struct Fwd<'a, T> {
     scale: f32,
     /// The soft cap of the scaled scores.
     cap: Option<Cap>,
-    /// `P` (and `dS`) rounded to bf16 before their products: under autocast (the inputs come
-    /// rounded) and on bf16 inputs.
+    /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
-    /// `S = Q·Kᵀ` and `acc += P·V` of bf16 inputs through oneDNN ([`scores`], [`p_product`]).
+    /// `S = Q·Kᵀ` of bf16 inputs through oneDNN ([`scores`]).
     dnn: bool,
 }
 
@@ -744,7 +694,6 @@ impl<T: Elem> Task for Fwd<'_, T> {
         let st = d.starts(self.st, b);
         let (lo, hi) = key_range(st, i0, i1);
         let (mut qbuf, mut kbuf, mut vbuf) = (Vec::new(), Vec::new(), Vec::new());
-        let mut pbuf = Vec::new();
         let mut m = vec![0f32; nr];
         let mut l = vec![0f32; nr];
         let mut acc = vec![0f32; nr * dh];
@@ -816,19 +765,15 @@ impl<T: Elem> Task for Fwd<'_, T> {
                         l[r] = l[r] * alpha + sum1(vis, |x| x);
                         m[r] = mn;
                         // The sum takes P as computed; P·V its bf16 values (torch's CPU flash
-                        // attention in bf16 rounds the same unnormalised P): under autocast and
-                        // on bf16 inputs ([`rounds_p`]).
-                        if rounds_p::<T>(self.round) {
+                        // attention in bf16 rounds the same unnormalised P).
+                        if self.round {
                             round_bf16(vis);
                         }
                     }
                     if pv {
-                        // acc += P·V: (nr, nc)·(nc, dh), V read in place by oneDNN.
-                        let vm = (!self.dnn).then(|| tile(&mut vbuf, self.v, kv, (nc, dh, dh)));
-                        // P holds bf16 values: rounded above, or normalised and rounded to T.
-                        let pm = Mat::rows(&sq, BC);
-                        let v_rows = (self.v, kv, dh);
-                        p_product((&mut acc, dh), pm, &mut pbuf, v_rows, vm, (nr, dh, nc));
+                        // acc += P·V: (nr, nc)·(nc, dh).
+                        let vm = tile(&mut vbuf, self.v, kv, (nc, dh, dh));
+                        mm(&mut acc, dh, true, Mat::rows(&sq, BC), vm, (nr, dh, nc));
                     }
                     j0 = j1;
                 }
@@ -848,9 +793,8 @@ impl<T: Elem> Task for Fwd<'_, T> {
 
 /// The forward loops: `(o, lse)`, `(B, T, H, Dh)` and `(B, T, H)`.
 /// `(scale, cap, round, dnn)`: the score scale, the soft cap, whether `P` (and `dS`) are
-/// rounded to bf16 before their products (autocast, where the inputs arrive rounded, and bf16
-/// inputs), and whether the tile products of bf16 inputs run on oneDNN ([`scores`],
-/// [`p_product`]).
+/// rounded to bf16 before their products (autocast; the inputs arrive rounded), and whether
+/// the score products of bf16 inputs run on oneDNN ([`scores`]).
 fn forward<T: Elem>(
     d: &Dims,
     q: &[T],
@@ -905,11 +849,9 @@ struct Bwd<'a, T> {
     scale: f32,
     /// The soft cap of the scaled scores.
     cap: Option<Cap>,
-    /// `P` (and `dS`) rounded to bf16 before their products: under autocast (the inputs come
-    /// rounded) and on bf16 inputs.
+    /// Autocast: `P` (and `dS`) rounded to bf16 before their products; the inputs come rounded.
     round: bool,
-    /// `S = Q·Kᵀ`, `dP = dO·Vᵀ` and `dV += Pᵀ·dO` of bf16 inputs through oneDNN ([`scores`],
-    /// [`p_product`]).
+    /// `S = Q·Kᵀ` and `dP = dO·Vᵀ` of bf16 inputs through oneDNN ([`scores`]).
     dnn: bool,
     /// Query tiles per task.
     tiles: usize,
@@ -941,7 +883,6 @@ impl<T: Elem> Task for Bwd<'_, T> {
         *pv = vec![0f32; (q_end - lo_all) * dh];
         let (mut qbuf, mut dobuf, mut obuf) = (Vec::new(), Vec::new(), Vec::new());
         let (mut kbuf, mut vbuf) = (Vec::new(), Vec::new());
-        let mut pbuf = Vec::new();
         let (mut sq, mut sdp) = (vec![0f32; BR * BC], vec![0f32; BR * BC]);
         for n in n0..n0 + self.tiles {
             let i0 = n * BR;
@@ -950,8 +891,7 @@ impl<T: Elem> Task for Bwd<'_, T> {
             }
             let i1 = (i0 + BR).min(d.t);
             let nr = i1 - i0;
-            let q_at = d.at(d.h, b, h, i0);
-            let qm = tile(&mut qbuf, self.q, q_at, (nr, dh, dh));
+            let qm = tile(&mut qbuf, self.q, d.at(d.h, b, h, i0), (nr, dh, dh));
             let (base, hd) = (d.at_bthd(b, h, i0), d.h * dh);
             let dom = tile(&mut dobuf, self.d_o, base, (nr, dh, hd));
             let om = tile(&mut obuf, self.o, base, (nr, dh, hd));
@@ -977,6 +917,7 @@ impl<T: Elem> Task for Bwd<'_, T> {
                 let pv = &mut pv[poff..poff + nc * dh];
                 // S = Q·Kᵀ and dP = dO·Vᵀ of the whole tile, (nr, nc) with row stride BC.
                 let f32 = !self.dnn;
+                let q_at = d.at(d.h, b, h, i0);
                 let rows = [(self.q, q_at, dh), (self.k, kv, dh)];
                 scores(&mut sq, rows, f32.then_some((qm, km)), (nr, nc, dh));
                 let rows = [(self.d_o, base, hd), (self.v, kv, dh)];
@@ -1010,8 +951,7 @@ impl<T: Elem> Task for Bwd<'_, T> {
                             *ds = *p * (*ds - dd[r]) * self.scale;
                         }
                     }
-                    // dS from P as computed; the products take their bf16 values: P's under
-                    // autocast and on bf16 inputs ([`rounds_p`]), dS's under autocast.
+                    // dS from P as computed; the products take their bf16 values.
                     if self.round {
                         round_bf16(&mut pr[c0..c1]);
                         round_bf16(&mut dsr[c0..c1]);
@@ -1020,18 +960,13 @@ impl<T: Elem> Task for Bwd<'_, T> {
                         for x in pr[c0..c1].iter_mut().chain(&mut dsr[c0..c1]) {
                             *x = round_to::<T>(*x);
                         }
-                    } else if rounds_p::<T>(false) {
-                        round_bf16(&mut pr[c0..c1]);
                     }
                 }
-                // dQ += dS·K, dK += dSᵀ·Q, dV += Pᵀ·dO: (nr, nc)·(nc, dh) and (nc, nr)·(nr, dh);
-                // dO read in place by oneDNN ([`p_product`]; P holds bf16 values on bf16 inputs).
+                // dQ += dS·K, dK += dSᵀ·Q, dV += Pᵀ·dO: (nr, nc)·(nc, dh) and (nc, nr)·(nr, dh).
                 let (pm, dsm) = (Mat::rows(&sq, BC), Mat::rows(&sdp, BC));
                 mm(&mut dqt, dh, true, dsm, km, (nr, dh, nc));
                 mm(pk, dh, true, dsm.t(), qm, (nc, dh, nr));
-                let do_rows = (self.d_o, base, hd);
-                let dom = f32.then_some(dom);
-                p_product((pv, dh), pm.t(), &mut pbuf, do_rows, dom, (nc, dh, nr));
+                mm(pv, dh, true, pm.t(), dom, (nc, dh, nr));
                 j0 = j1;
             }
             let off = (i0 - n0 * BR) * dh;
