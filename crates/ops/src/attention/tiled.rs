@@ -45,8 +45,12 @@
 //! run on oneDNN's bf16 kernels reading the rows in place (`scores`,
 //! `rtune_backend::onednn::tile`; `RTUNE_UNFUSED=onednn_attn` turns it off; 1.05–1.39× forward +
 //! backward at seq 512/2048, README's Speed). The other four keep f32 `P` and `dS` as operands on
-//! the gemm crate (bf16 ones would round them; soft-capped scores do round them, above); the softmax between them is one vectorized pass over the `BR × BC` scores (the
-//! loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
+//! the gemm crate (bf16 ones would round them; soft-capped scores do round them, above). `P·V`
+//! and `Pᵀ·dO` on oneDNN too (`P` rounded to bf16 as torch's CPU flash kernel rounds it, copied
+//! to a packed bf16 tile, summed into the f32 accumulators by a sum post-op) were measured slower
+//! (2026-12-06, AMD EPYC AVX-512 BF16, load 7–10, `onednn_attention_timing`: oneDNN vs gemm crate
+//! 0.72–1.03× against 1.13–1.43× with the score products alone) and not kept; the softmax
+//! between them is one vectorized pass over the `BR × BC` scores (the loop nest compiled for AVX-512F or AVX2 when the CPU has it). Like the model's matmuls, the bits
 //! depend on the CPU's instruction set (FMA or not), never on the thread count.
 //!
 //! Under bf16 autocast ([`rtune_backend::blas::autocast`], f32 inputs) the operands of every tile product
