@@ -33,6 +33,9 @@
 # with target/debug; with target/release (a76f82b) 2815.7 vs 1279.4 (2.20x), 0.39x, 73.7% (52.0%).
 # 7614732 (one job per expert; rtune alone against 39a6325, alternating, release, load 5-8): peak
 # RSS 803 vs 943-956 MB, the experts' op 13% fewer CPU seconds; whole-step rate within the noise.
+# Idle, release b95f0bc (7614732 merged), three runs, 22:24-22:26 UTC: 3017.4 / 2972.4 / 3048.8 vs
+# PEFT 1209.1 / 1320.7 / 1237.1 (2.50x / 2.25x / 2.46x), 0.80 vs 2.46-2.51 GB (0.32x), 79.5 /
+# 77.0 / 80.5% of the ceiling (56.0 / 54.3 / 56.7% at 4·N_active).
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
