@@ -18,16 +18,53 @@ pub struct CheckArgs {
 
 pub fn run(a: CheckArgs) -> Result<()> {
     let world = crate::world()?;
-    let result = check_as(a, &world);
-    if let (Err(e), true) = (&result, world.is_distributed()) {
-        // A rank failing before the all-reduce check would leave the others waiting in it.
-        crate::print_error(&format!("rank {} of {}: {e:#}", world.rank, world.size));
-        world.abort(i32::from(crate::exit_code(e)));
+    let verdict = match check_as(a, &world) {
+        Ok(v) => v,
+        Err(e) if world.is_distributed() => {
+            // A rank failing before the all-reduce check would leave the others waiting in it.
+            crate::print_error(&format!("rank {} of {}: {e:#}", world.rank, world.size));
+            world.abort(i32::from(crate::exit_code(&e)));
+        }
+        Err(e) => return Err(e),
+    };
+    // Every rank has printed all its lines and agreed on the verdict: each ends by itself, with
+    // no abort that could cut another rank's lines short (a timing check failing on one rank
+    // killed the other before it printed its gather line).
+    let Verdict {
+        checks,
+        failed,
+        elsewhere,
+    } = verdict;
+    let who = if world.is_distributed() {
+        format!("rank {} of {}: ", world.rank, world.size)
+    } else {
+        String::new()
+    };
+    if !failed.is_empty() {
+        bail!(
+            "{who}{} check(s) failed: {}",
+            failed.len(),
+            failed.join(", ")
+        )
     }
-    result
+    if elsewhere {
+        bail!("{who}all {checks} checks passed here, but another rank's failed")
+    }
+    println!("all {checks} checks passed");
+    Ok(())
 }
 
-fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
+/// What one rank's checks found, once every rank has finished its own.
+struct Verdict {
+    /// How many checks ran here.
+    checks: usize,
+    /// The names of those that failed here.
+    failed: Vec<String>,
+    /// Some other rank's checks failed (under `mpirun`; false in one process).
+    elsewhere: bool,
+}
+
+fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<Verdict> {
     let CheckArgs { config, set } = a;
     let who = if world.is_distributed() {
         format!("rank {}/{} ({}): ", world.rank, world.size, world.host)
@@ -89,18 +126,19 @@ fn check_as(a: CheckArgs, world: &rtune_dist::World) -> Result<()> {
             checks.push(c);
         }
     }
-    let mut failed: Vec<&str> = checks
+    let mut failed: Vec<String> = checks
         .iter()
         .filter(|c| !c.pass)
-        .map(|c| c.name.as_str())
+        .map(|c| c.name.clone())
         .collect();
     if remote_failed {
-        failed.push("remote store");
+        failed.push("remote store".into());
     }
-    if failed.is_empty() {
-        println!("all {} checks passed", checks.len());
-        Ok(())
-    } else {
-        bail!("{} check(s) failed: {}", failed.len(), failed.join(", "))
-    }
+    // Collective: no rank ends before every rank has printed its lines.
+    let any = world.any("rtune check's verdict", !failed.is_empty());
+    Ok(Verdict {
+        checks: checks.len(),
+        elsewhere: any && failed.is_empty(),
+        failed,
+    })
 }
