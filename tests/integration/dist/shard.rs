@@ -47,6 +47,29 @@ fn summary(out: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap()
 }
 
+/// Rank 0's outputs of the sharded run `shard-{tag}` against those of the one-process run
+/// `one-{tag}` (both under `dir`): the same adapter bytes, metrics and files (rank 0 alone
+/// writes). Returns the metrics, the base's bytes each of the `np` ranks held and the whole
+/// base's bytes.
+fn as_one_process(dir: &Path, tag: &str, np: usize) -> (Vec<serde_json::Value>, Vec<f64>, f64) {
+    let (want, got) = (
+        dir.join(format!("one-{tag}")),
+        dir.join(format!("shard-{tag}")),
+    );
+    assert!(adapter(&got) == adapter(&want), "{tag}: adapters differ");
+    let m = metrics(&got);
+    assert_eq!(m, metrics(&want), "{tag}");
+    assert_eq!(files(&got), files(&want), "{tag}: rank 0 alone writes");
+    let held: Vec<f64> = summary(&got)["rank_model_bytes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{tag}: no rank_model_bytes"))
+        .iter()
+        .map(|h| h.as_f64().unwrap())
+        .collect();
+    assert_eq!(held.len(), np, "{tag}: {held:?}");
+    (m, held, summary(&want)["model_bytes"].as_f64().unwrap())
+}
+
 /// Bit for bit the adapter, metrics and samples of one process accumulating the world's
 /// micro-batches, for each quantization on 2 ranks and two on 3.
 #[test]
@@ -71,33 +94,19 @@ fn a_sharded_base_on_2_and_3_ranks_trains_the_adapter_of_one_process() {
         std::fs::write(&cfg, text).unwrap();
         let o = ranks(np, &cfg, &[]);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
-        let (want, got) = (
-            tmp.path().join(format!("one-{tag}")),
-            tmp.path().join(format!("shard-{tag}")),
-        );
-        assert!(adapter(&got) == adapter(&want), "{tag}: adapters differ");
-        let m = metrics(&got);
-        assert_eq!(m, metrics(&want), "{tag}");
+        let (m, held, whole) = as_one_process(tmp.path(), &tag, np);
         assert_eq!(
             m.iter().filter(|l| l.get("valid_loss").is_some()).count(),
             2,
             "{tag}"
         );
-        let samples = |d: &Path| std::fs::read_to_string(d.join("samples.jsonl")).unwrap();
-        assert_eq!(samples(&got), samples(&want), "{tag}");
-        assert_eq!(files(&got), files(&want), "{tag}: rank 0 alone writes");
+        let samples = |d: &str| {
+            std::fs::read_to_string(tmp.path().join(format!("{d}-{tag}/samples.jsonl"))).unwrap()
+        };
+        assert_eq!(samples("shard"), samples("one"), "{tag}");
         // The ranks' shards cover the base once (each piece keeps its code tables); dense
         // weights split evenly. (This model's NF4 weights are 1 to 3 double-quantization
         // groups of 16,384 elements: their shards cannot be even.)
-        let (s, one) = (summary(&got), summary(&want));
-        let whole = one["model_bytes"].as_f64().unwrap();
-        let held: Vec<f64> = s["rank_model_bytes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|h| h.as_f64().unwrap())
-            .collect();
-        assert_eq!(held.len(), np, "{tag}: {s}");
         let total: f64 = held.iter().sum();
         assert!(
             total >= whole && total < whole * 1.1,
@@ -214,31 +223,15 @@ fn a_sharded_moe_with_nf4_experts_on_2_and_3_ranks_trains_the_adapter_of_one_pro
         std::fs::write(&cfg, format!("{text}prefetch = {prefetch}\n")).unwrap();
         let o = ranks(np, &cfg, &[]);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
-        let (want, got) = (
-            tmp.path().join(format!("one-{tag}")),
-            tmp.path().join(format!("shard-{tag}")),
-        );
-        assert!(adapter(&got) == adapter(&want), "{tag}: adapters differ");
-        let m = metrics(&got);
-        assert_eq!(m, metrics(&want), "{tag}");
+        let (m, held, whole) = as_one_process(tmp.path(), &tag, np);
         assert_eq!(m.len(), 3, "{tag}");
         assert!(
             m.iter()
                 .all(|l| l["aux_loss"].as_f64().is_some_and(|a| a > 0.0)),
             "{tag}: the aux loss is logged: {m:?}"
         );
-        assert_eq!(files(&got), files(&want), "{tag}: rank 0 alone writes");
         // Each rank holds its share of the base: the experts split 4/4 (2 ranks) or 3/3/2.
-        let held = summary(&got)["rank_model_bytes"].clone();
-        let whole = summary(&want)["model_bytes"].as_f64().unwrap();
-        let held: Vec<f64> = held
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|h| h.as_f64().unwrap())
-            .collect();
         eprintln!("{tag}: ranks hold {held:?} B of {whole} B");
-        assert_eq!(held.len(), np, "{tag}");
         assert!(
             held.iter()
                 .all(|h| *h < whole * 0.45 * 2.0 / np as f64 + 65536.0),
