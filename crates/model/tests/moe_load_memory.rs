@@ -24,27 +24,34 @@ struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 static PEAK: AtomicIsize = AtomicIsize::new(0);
 
-// SAFETY: every call is passed on to the system allocator unchanged; only counters are added.
+/// `delta` bytes more live (or fewer), the peak kept.
+fn count(delta: isize) {
+    let now = LIVE.fetch_add(delta, SeqCst) + delta;
+    PEAK.fetch_max(now, SeqCst);
+}
+
+// SAFETY: every call is passed on to the system allocator unchanged (same pointer and layout,
+// the caller's contract passed through); only counters are added.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        let now = LIVE.fetch_add(l.size() as isize, SeqCst) + l.size() as isize;
-        PEAK.fetch_max(now, SeqCst);
-        System.alloc(l)
+        count(l.size() as isize);
+        // SAFETY: as the caller's contract for `alloc`.
+        unsafe { System.alloc(l) }
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        let now = LIVE.fetch_add(l.size() as isize, SeqCst) + l.size() as isize;
-        PEAK.fetch_max(now, SeqCst);
-        System.alloc_zeroed(l)
+        count(l.size() as isize);
+        // SAFETY: as the caller's contract for `alloc_zeroed`.
+        unsafe { System.alloc_zeroed(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size() as isize, SeqCst);
-        System.dealloc(p, l)
+        count(-(l.size() as isize));
+        // SAFETY: `p` was allocated by `System` with `l` (every allocation goes through here).
+        unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        let now = LIVE.fetch_add(new as isize - l.size() as isize, SeqCst) + new as isize
-            - l.size() as isize;
-        PEAK.fetch_max(now, SeqCst);
-        System.realloc(p, l, new)
+        count(new as isize - l.size() as isize);
+        // SAFETY: as the caller's contract for `realloc`; `p` is `System`'s, with `l`.
+        unsafe { System.realloc(p, l, new) }
     }
 }
 
