@@ -119,14 +119,42 @@ pub(crate) fn lora_tensors(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64,
         .collect()
 }
 
-/// The largest stack while it is loaded on the first rank of `world` (1: unsharded; a sharded
-/// base's rank reads only its `ceil(E / world)` experts): a released checkpoint's per-expert
-/// tensors, each expert's gate and up joined, and the stack made of them (two copies of the
-/// stack at once).
+/// What one sparse layer's loading holds besides the weights already counted, on the first rank
+/// of `world` (1: unsharded), the largest over the layers (`rtune_model::moe::MoeMlp::load`,
+/// `moe/stacks.rs`; `e`: bytes per element of the compute dtype):
+/// - unsharded, the stacks in the compute dtype: the weights themselves, nothing more (the
+///   released per-expert layout is copied into the stacks expert by expert), except the stored
+///   copy of a fused stack being converted from another dtype (`file_e`) and gpt-oss's
+///   `(E, in, out)` stack next to its transposed copy, counted for the larger stack;
+/// - unsharded with `quantize_experts`: both dense stacks (quantized expert by expert once both
+///   are read; `crates/model/tests/moe_load_memory.rs`), and the same copies;
+/// - a sharded base's rank: its experts' largest stack read, then copied into its shard (two
+///   copies of it at once).
+///
+/// benches/moe_vs_peft.sh's model (per-expert f32, 128 experts, D 512, I 192) with NF4 experts:
+/// the load peaks with layer 1's dense stacks (151 MB) read (tests.rs).
 pub(crate) fn loading_bytes(c: &ModelConfig, s: &Settings, e: u64, world: u64) -> u64 {
+    let world = world.max(1);
+    let file_e = match s.checkpoint_elem_bytes {
+        0 => e,
+        b => b,
+    };
+    let transposed = c.moe.as_ref().is_some_and(|m| m.transposed);
     (0..c.num_layers)
-        .flat_map(|l| stacks_of(c, s, l))
-        .map(|(x, i, o, _)| 2 * x.div_ceil(world.max(1)) * i * o * e)
+        .map(|l| {
+            let elems: Vec<u64> = stacks_of(c, s, l)
+                .iter()
+                .map(|&(x, i, o, _)| x.div_ceil(world) * i * o)
+                .collect();
+            let largest = elems.iter().copied().max().unwrap_or(0);
+            let converted = if file_e == e { 0 } else { file_e };
+            let staging = largest * (converted + if transposed { e } else { 0 });
+            match (world, s.quantize.experts()) {
+                (1, true) => elems.iter().sum::<u64>() * e + staging,
+                (1, false) => staging,
+                _ => 2 * largest * e,
+            }
+        })
         .max()
         .unwrap_or(0)
 }
@@ -149,12 +177,21 @@ pub(crate) fn layer_cache(
         moe.intermediate as u64,
     );
     let rows = n * top;
-    let mut v = vec![
-        // ids, weights (f32), the weights in the compute dtype, token ids and slots.
-        item(name, rows * (4 + 4 + e + 4 + 8), 1),
+    // ids, weights (f32), the weights in the compute dtype, token ids and slots.
+    let mut v = vec![item(name, rows * (4 + 4 + e + 4 + 8), 1)];
+    match grouped(k) {
+        // The grouped path's `Cache`, each its own allocation: gate/up's output (R, 2I), the
+        // activation (R, I) and down's output (R, D) f32; the rows' order (token and
+        // `rows_of` u32, slot usize). Its input is the layer's normed h (shared).
+        true => {
+            v.push(item(name, rows * 2 * i * 4, 1));
+            v.push(item(name, rows * i * 4, 1));
+            v.push(item(name, rows * d * 4, 1));
+            v.push(item(name, rows * (4 + 4 + 8), 1));
+        }
         // Per expert: gathered x and down output (n_e, D), gate/up output (n_e, 2I).
-        item(name, rows * (2 * d + 2 * i) * e, 1),
-    ];
+        false => v.push(item(name, rows * (2 * d + 2 * i) * e, 1)),
+    }
     if matches!(moe.routing, Routing::SoftmaxTopK { .. }) {
         v.push(item(name, n * x * 4, 1)); // the softmax (N, E) f32
     }
@@ -163,20 +200,30 @@ pub(crate) fn layer_cache(
     v
 }
 
-/// What the last sparse layer's experts' backward holds at its high-water mark
-/// (`rtune_experts::moe`'s grouped path, `grouped::backward`: the gate/up stack's products and the
-/// combine after them), `R = N·k` rows, in the compute dtype (the grouped path is f32; the
-/// per-expert path of other dtypes holds per-expert tensors of the same sizes):
-/// - `dy` gathered by row and the down input's gradient `w·dy`, `(R, D)` each; the activation
-///   recomputed and its gradient `(R, I)` each; the gate/up gradient `(R, 2I)`; the input
-///   gradient by row `(R, D)`; `∂L/∂w` by row and by slot `(R)` f32 each;
-/// - per adapted stack: `dy·B` `(R, r)`, its `lora_B` repacked `(E, out, r)` and its LoRA
-///   gradients `E·r·(in + out)` f32 (the down stack's alive while gate/up's are formed);
-/// - the input gradient summed per token `(N, D)`, and with the router's input gradient added
-///   `(N, D)` and `∂L/∂logits` `(N, E)` f32.
+/// Whether the experts take `rtune_experts::moe`'s grouped path: f32 activations on the CPU
+/// (f32, and bf16 autocast, whose experts stay f32), NF4 experts dequantized to f32 a job.
+fn grouped(k: &Dims) -> bool {
+    k.e == 4
+}
+
+/// What the last sparse layer's experts' backward holds at its high-water mark, `R = N·k` rows.
 ///
-/// Measured against the dense SwiGLU's buffers this replaces on `benches/moe_vs_peft.sh`'s shape
-/// (128 experts top-8, D 512, I 192, B 4 × T 512, f32, LoRA r 16): see `tests.rs`.
+/// On the grouped path (`grouped::backward`, f32), at its end, all alive at once: each row's
+/// input gradient `(R, D)`, `∂L/∂w` by row and by slot `(R)`, the input gradient summed per token
+/// and with the router's added `(N, D)` each, `∂L/∂logits` `(N, E)`; per adapted stack its
+/// `lora_B` repacked `(E, out, r)`, its LoRA gradients `E·r·(in + out)` and the `dB` permuted
+/// into PEFT's layout `(out, r·E)`; and each compute thread's scratch (kept across jobs,
+/// layers and steps): one expert's `dy·w`, activation and gate/up gradients, gathered input
+/// and `dy·B`, `n_e·(2D + 3I + r)` f32 for its largest expert, taken as 4 times the mean
+/// `R/E` rows (at most `N`: an expert takes a token once).
+///
+/// On the per-expert path (other dtypes), per-expert tensors of the same sizes as the
+/// grouped path's `(R, ·)` buffers plus `dy` gathered by row, `w·dy`, the recomputed
+/// activation and its gradient: `(R, 3D + 4I)` in the compute dtype, `dy·B` `(R, r)` per
+/// adapted stack.
+///
+/// Measured on `benches/moe_vs_peft.sh`'s shape (128 experts top-8, D 512, I 192, B 4 × T 512,
+/// f32, LoRA r 16): see `tests.rs`.
 pub(crate) fn backward_items(c: &ModelConfig, s: &Settings, k: &Dims, l: usize) -> Vec<Item> {
     let Some(moe) = c.moe.as_ref().filter(|_| c.is_sparse(l)) else {
         return Vec::new();
@@ -190,13 +237,31 @@ pub(crate) fn backward_items(c: &ModelConfig, s: &Settings, k: &Dims, l: usize) 
     );
     let rows = n * top;
     let w = names::WORKSPACE;
+    let adapted: Vec<_> = stacks_of(c, s, l).into_iter().filter(|st| st.3).collect();
+    if grouped(k) {
+        let threads = candle_core::utils::get_num_threads().max(1) as u64;
+        let busiest = (4 * rows).div_ceil(x.max(1)).min(n);
+        let r_max = if adapted.is_empty() { 0 } else { r };
+        let mut v = vec![
+            item(w, rows * d * 4, 1),
+            item(w, rows * 4, 2),
+            item(w, n * d * 4, 2),
+            item(w, n * x * 4, 1),
+            item(w, busiest * (2 * d + 3 * i + r_max) * 4, threads),
+        ];
+        for (x, inp, out, _) in adapted {
+            v.push(item(w, x * out * r * 4, 2));
+            v.push(item(w, x * r * (inp + out) * 4, 1));
+        }
+        return v;
+    }
     let mut v = vec![
         item(w, rows * (3 * d + 4 * i) * e, 1),
         item(w, rows * 4, 2),
         item(w, n * d * e, 2),
         item(w, n * x * 4, 1),
     ];
-    for (x, inp, out, _) in stacks_of(c, s, l).into_iter().filter(|st| st.3) {
+    for (x, inp, out, _) in adapted {
         v.push(item(w, rows * r * e, 1));
         v.push(item(w, x * out * r * e, 1));
         v.push(item(w, x * r * (inp + out) * 4, 1));
