@@ -170,6 +170,14 @@ pub(crate) fn assert_as_trl_with(
         {
             let want: Vec<f32> = g.get(&format!("{variant}.{k}")).to_vec1().unwrap();
             let i = m["step"].as_u64().unwrap() as usize - 1;
+            if *k == "rewards/accuracies" && tie(g, variant, i) {
+                // Every reward is exactly 0 on TRL's side (the policy is still the reference):
+                // the share of pairs ranked right is then decided by the sign of rounding noise
+                // (rtune's rewards at such a step: ~1e-7, checked against 0 with the rewards
+                // above), not by the objective. Seen on a 2-core AMD EPYC with AVX2 only: 0.5
+                // against TRL's 0 on the tiny Qwen3-MoE.
+                continue;
+            }
             let (got, w) = (m[k].as_f64().unwrap(), want[i] as f64);
             assert!(
                 (got - w).abs() <= 1e-5 * w.abs().max(1.0),
@@ -193,6 +201,17 @@ pub(crate) fn assert_as_trl_with(
     eprintln!(
         "{variant}: loss err {worst:e} (of max(1, |loss|)), adapter rel err {worst_adapter:e}"
     );
+}
+
+/// Whether TRL's step `i` of `variant` has every chosen and rejected reward exactly 0 (both
+/// means 0 and the margin 0: the policy still equals the reference).
+fn tie(g: &Golden, variant: &str, i: usize) -> bool {
+    ["rewards/chosen", "rewards/rejected", "rewards/margins"]
+        .iter()
+        .all(|k| {
+            let key = format!("{variant}.{k}");
+            g.t.contains_key(&key) && g.get(&key).to_vec1::<f32>().unwrap()[i] == 0.0
+        })
 }
 
 /// DPO's sigmoid loss (TRL's default) from text pairs: TRL's tokenization, loss, metrics, adapter.
