@@ -198,21 +198,24 @@ fn onednn_matches_the_plain_matmul_within_bf16_rounding() -> Result<()> {
 /// The oneDNN libraries to check: Debian's 2.x when it loads, and a 3.x from
 /// `RTUNE_TEST_ONEDNN3` (a path; `.ci/run` installs PyPI's `onednn` and sets it) or else from a
 /// Python environment's `lib/` ([`crate::dl::in_wheels`]). A set `RTUNE_TEST_ONEDNN3` that
-/// does not load fails the test.
+/// does not load fails the test. None on a CPU without bf16 instructions (AVX-512 BF16 or
+/// AMX): oneDNN has no bf16 matmul there (3.x: `primitive_desc_create` returns
+/// `dnnl_unimplemented`, seen on an AVX2-only EPYC) and rtune does not use it
+/// (`fallback_is_chosen_without_instructions_or_when_off`).
 fn versions() -> Vec<OneDnn> {
     let mut libs = Vec::new();
-    if crate::cpu_features::get().avx512_bf16 || crate::cpu_features::get().amx_bf16 {
-        if let Ok(l) = load(&["libdnnl.so.2".into()]) {
-            libs.push(l);
-        }
+    let bf16 = crate::cpu_features::get().avx512_bf16 || crate::cpu_features::get().amx_bf16;
+    if let (true, Ok(l)) = (bf16, load(&["libdnnl.so.2".into()])) {
+        libs.push(l);
     }
-    match std::env::var("RTUNE_TEST_ONEDNN3") {
-        Ok(p) => libs.push(load(std::slice::from_ref(&p)).unwrap_or_else(|e| panic!("{p}: {e}"))),
-        Err(_) => {
-            if let Ok(l) = load(&crate::dl::in_wheels("libdnnl.so.3")) {
-                libs.push(l)
-            }
-        }
+    let v3 = match std::env::var("RTUNE_TEST_ONEDNN3") {
+        Ok(p) => Some(load(std::slice::from_ref(&p)).unwrap_or_else(|e| panic!("{p}: {e}"))),
+        Err(_) => load(&crate::dl::in_wheels("libdnnl.so.3")).ok(),
+    };
+    match v3 {
+        Some(l) if bf16 => libs.push(l),
+        Some(l) => eprintln!("{}: loads; no bf16 instructions here to run it on", l.name),
+        None => {}
     }
     libs
 }
