@@ -640,41 +640,40 @@ fn moe_bench_step_covers_its_measured_peak() {
             total as f64 / 1e6
         );
     }
+    // Estimated bytes against measured ones: within [1.0, 1.1].
+    let covers = |what: &str, bytes: u64, phase: &str, measured: u64| {
+        let ratio = bytes as f64 / measured as f64;
+        eprintln!(
+            "{what}: estimated {:.1} MB at {phase}, measured {:.1} MB: {ratio:.3}x",
+            bytes as f64 / 1e6,
+            measured as f64 / 1e6
+        );
+        assert!((1.0..=1.1).contains(&ratio), "{what}: {ratio}");
+    };
     let est = estimate(&c, &s);
-    let ratio = est.step_peak_bytes as f64 / MEASURED_MOE_BENCH as f64;
-    eprintln!(
-        "step estimated {:.1} MB at {}, measured {:.1} MB: {ratio:.3}x",
-        est.step_peak_bytes as f64 / 1e6,
-        est.phase,
-        MEASURED_MOE_BENCH as f64 / 1e6
-    );
-    assert!((1.0..=1.1).contains(&ratio), "{ratio}");
+    covers("step", est.step_peak_bytes, est.phase, MEASURED_MOE_BENCH);
     // With NF4 linears and experts (plain NF4): the whole run's peak, loading included.
     s.quantize = Quantize::Nf4 {
         double_quant: false,
         experts: true,
     };
     let est = estimate(&c, &s);
-    let ratio = est.peak_bytes as f64 / MEASURED_MOE_BENCH_NF4 as f64;
-    eprintln!(
-        "NF4 experts: estimated {:.1} MB at {}, measured {:.1} MB: {ratio:.3}x",
-        est.peak_bytes as f64 / 1e6,
+    covers(
+        "NF4 experts",
+        est.peak_bytes,
         est.phase,
-        MEASURED_MOE_BENCH_NF4 as f64 / 1e6
+        MEASURED_MOE_BENCH_NF4,
     );
-    assert!((1.0..=1.1).contains(&ratio), "{ratio}");
     // Loading only: layer 1's dense stacks beside the mapped checkpoint and the NF4 weights.
     (s.micro_batch_size, s.seq_len) = (1, 16);
     let est = estimate(&c, &s);
-    let ratio = est.peak_bytes as f64 / MEASURED_MOE_LOAD_NF4 as f64;
-    eprintln!(
-        "NF4 experts, loading: estimated {:.1} MB at {}, measured {:.1} MB: {ratio:.3}x",
-        est.peak_bytes as f64 / 1e6,
-        est.phase,
-        MEASURED_MOE_LOAD_NF4 as f64 / 1e6
-    );
     assert_eq!(est.phase, Phase::Loading.name());
-    assert!((1.0..=1.1).contains(&ratio), "{ratio}");
+    covers(
+        "NF4 experts, loading",
+        est.peak_bytes,
+        est.phase,
+        MEASURED_MOE_LOAD_NF4,
+    );
 }
 
 /// Peak RSS of `benches/moe_vs_peft.sh`'s rtune run (its config, 4 steps), `peak_memory_bytes` in
