@@ -22,6 +22,13 @@
 //! stacks at load.
 //!
 //! Tolerance: none. The gathered weights are the unsharded model's bits and the ops are the same.
+//! The ranks are threads of one process sharing one OpenBLAS, whose thread count is the
+//! process's: the grouped experts set it to 1 while they run ([`rtune_backend::blas::one_thread`]),
+//! so a rank's dense product could run on 1 thread or on all depending on where another rank is,
+//! and OpenBLAS 0.3.21's Zen kernels round some shapes differently on 1 and 2 threads (measured:
+//! `sgemm` 5×512·512×128, 2 threads vs 1, differs by 3.4e-5). Each test therefore holds OpenBLAS
+//! on one thread throughout ([`one_blas_thread`]), the whole model's run included, as MPI ranks
+//! (processes) each have their own library and run the same products in the same order.
 
 #[allow(dead_code)]
 mod common;
@@ -390,9 +397,16 @@ fn ranks(case: Case, size: usize) -> (Vec<Ran>, usize) {
     (got, in_background.load(SeqCst))
 }
 
+/// BLAS loaded, and OpenBLAS on one thread until the guard drops: every product of every rank
+/// (and of the whole model) runs on one thread, whichever rank is in its experts (module doc).
+fn one_blas_thread() -> Option<rtune_backend::blas::OneThread> {
+    rtune_backend::blas::init();
+    rtune_backend::blas::one_thread()
+}
+
 #[test]
 fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
-    rtune_backend::blas::init();
+    let _one = one_blas_thread();
     let nf4 = Quantize::linears;
     let nf4_experts = |double_quant| Quantize::Nf4 {
         double_quant,
@@ -584,7 +598,7 @@ fn every_rank_of_a_sharded_base_computes_the_whole_models_bits() {
 /// the next layer prefetched or not (the same gathers either way).
 #[test]
 fn layers_kept_gathered_spare_the_backwards_gathers_and_change_no_bit() {
-    rtune_backend::blas::init();
+    let _one = one_blas_thread();
     let base = Case {
         quantize: Quantize::None,
         autocast: false,

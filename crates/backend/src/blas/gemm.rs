@@ -255,7 +255,10 @@ pub struct OneThread {
 /// 0.3.21 runs a one-thread call without its threaded level-3 driver and that driver's lock, so
 /// products from several threads run at once, and no idle OpenBLAS worker spins in `sched_yield`
 /// between them. The count is the process's: a product another thread starts meanwhile also runs
-/// on one thread (the same result, slower). `None`: no library loaded, or one without OpenBLAS's
+/// on one thread, slower, and not always to the same bits (0.3.21's Zen kernels round some shapes
+/// differently on 1 and 2 threads: `sgemm` 5×512·512×128 by 3.4e-5, measured on an AVX2 EPYC).
+/// rtune's passes run no product beside the experts'; tests that compare bits across threads of
+/// one process hold a guard throughout. `None`: no library loaded, or one without OpenBLAS's
 /// thread calls.
 pub fn one_thread() -> Option<OneThread> {
     let (get, set) = BLAS.get().and_then(Option::as_ref)?.threads?;
