@@ -171,11 +171,15 @@ pub(crate) fn assert_as_trl_with(
             let want: Vec<f32> = g.get(&format!("{variant}.{k}")).to_vec1().unwrap();
             let i = m["step"].as_u64().unwrap() as usize - 1;
             if *k == "rewards/accuracies" && tie(g, variant, i) {
-                // Every reward is exactly 0 on TRL's side (the policy is still the reference):
-                // the share of pairs ranked right is then decided by the sign of rounding noise
-                // (rtune's rewards at such a step: ~1e-7, checked against 0 with the rewards
-                // above), not by the objective. Seen on a 2-core AMD EPYC with AVX2 only: 0.5
-                // against TRL's 0 on the tiny Qwen3-MoE.
+                // Every reward is exactly 0 on TRL's side (the policy is still the reference,
+                // computed in the same forward): the share of pairs ranked right is then the sign
+                // of rounding noise, not the objective's. rtune's reference pass runs once before
+                // training, its pairs in file order, while the first step draws them length
+                // grouped (the tiny Qwen3-MoE's DPO batch: pairs 0, 2, 1, 3); the grouped experts
+                // round a token's row by its place in its expert's group, so a rejected row's
+                // log-probability moved by one ulp (−45.98969316 vs −45.98969603, measured) and
+                // the rewards are ~1e-7, checked against 0 with the rewards above. Seen on a
+                // 2-core AMD EPYC with AVX2 only: accuracies 0.5 against TRL's 0.
                 continue;
             }
             let (got, w) = (m[k].as_f64().unwrap(), want[i] as f64);
