@@ -292,15 +292,74 @@ impl Lora {
         let (er, _) = l.a.dims2()?;
         let out = l.b.dim(0)?;
         let r = er / e;
+        if l.b.dims2()? != (out, r * e) || er != r * e {
+            bail!(
+                "moe grouped: lora_B {:?} with lora_A {:?} is not (out, r·{e})",
+                l.b.dims(),
+                l.a.dims()
+            );
+        }
         // (out, r·E) -> (out, r, E) -> (E, out, r): expert e's B_e packed.
-        let b = l.b.reshape((out, r, e))?.permute((2, 0, 1))?.contiguous()?;
+        let b = l.b.contiguous()?;
+        let packed = by_expert(View::of(&b, "lora_B")?.s(), out, r, e);
         Ok(Some(Lora {
             a: l.a.contiguous()?,
-            b,
+            b: tensor3(packed, (e, out, r), l.b.device())?,
             r,
             scale: l.scale as f32,
         }))
     }
+}
+
+/// Experts a job of the repacks between PEFT's `B (out, r·E)` and `(E, out, r)`: 16 columns of a
+/// row of PEFT's layout are one cache line.
+const REPACK_EXPERTS: usize = 16;
+
+/// PEFT's `B (out, r·E)`, column `j·E + e` expert `e`'s rank `j`, as `(E, out, r)` (expert `e`'s
+/// `B_e (out, r)` packed): what `permute((2, 0, 1))` copies, over rayon's threads by blocks of
+/// experts, each reading its experts' columns of every row (the same values: a copy).
+fn by_expert(b: &[f32], out: usize, r: usize, e_n: usize) -> Vec<f32> {
+    let per = out * r;
+    let mut dst = zeroed(e_n * per);
+    dst.par_chunks_mut(REPACK_EXPERTS * per)
+        .enumerate()
+        .for_each(|(blk, d)| {
+            let e0 = blk * REPACK_EXPERTS;
+            let ne = d.len() / per.max(1);
+            for o in 0..out {
+                for j in 0..r {
+                    let src = &b[o * r * e_n + j * e_n + e0..][..ne];
+                    for (de, v) in src.iter().enumerate() {
+                        d[de * per + o * r + j] = *v;
+                    }
+                }
+            }
+        });
+    dst
+}
+
+/// [`by_expert`]'s inverse: `(E, out, r)` as PEFT's `(out, r·E)`, one row of `out` a job.
+fn by_rank(db: &[f32], out: usize, r: usize, e_n: usize) -> Vec<f32> {
+    let mut dst = zeroed(out * r * e_n);
+    dst.par_chunks_mut(r * e_n)
+        .enumerate()
+        .for_each(|(o, row)| {
+            for e in 0..e_n {
+                let src = &db[(e * out + o) * r..][..r];
+                for (j, v) in src.iter().enumerate() {
+                    row[j * e_n + e] = *v;
+                }
+            }
+        });
+    dst
+}
+
+/// `n` zeros, written over rayon's threads (a large buffer's fill is otherwise this thread's
+/// alone while the others wait for the experts' jobs).
+fn zeroed(n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    v.par_extend(rayon::iter::repeat_n(0f32, n));
+    v
 }
 
 /// The forward's cache: rows sorted by expert and what the backward reads.
@@ -536,6 +595,10 @@ fn tensor(v: Vec<f32>, shape: (usize, usize), dev: &Device) -> Result<Tensor> {
     Tensor::from_vec(v, shape, dev)
 }
 
+fn tensor3(v: Vec<f32>, shape: (usize, usize, usize), dev: &Device) -> Result<Tensor> {
+    Tensor::from_vec(v, shape, dev)
+}
+
 /// [`super::moe_forward`] on this path: `x: (T, H)`, the groups made, `weights` `T × k`. One
 /// job per expert: its rows gathered into the worker's scratch, gate/up, the activation and
 /// down, each expert's intermediates staying in the worker's cache between the three.
@@ -581,11 +644,11 @@ pub(super) fn forward(
     let vx = View::of(&x, "x")?;
     let xv = vx.s();
     // (R, 2I) gate/up outputs, (R, I) activations, (R, H) down outputs, (R, r) LoRA inputs.
-    let mut gu = vec![0f32; rows * 2 * i];
-    let mut m = vec![0f32; rows * i];
-    let mut d = vec![0f32; rows * h];
-    let mut xa_gu = vec![0f32; rows * rgu];
-    let mut xa_dn = vec![0f32; rows * rdn];
+    let mut gu = zeroed(rows * 2 * i);
+    let mut m = zeroed(rows * i);
+    let mut d = zeroed(rows * h);
+    let mut xa_gu = zeroed(rows * rgu);
+    let mut xa_dn = zeroed(rows * rdn);
     let jobs: Vec<_> = split(&mut gu, &off, 2 * i)
         .into_iter()
         .zip(split(&mut m, &off, i))
@@ -705,9 +768,9 @@ pub(super) fn backward(
     // Per row its ∂L/∂w; (R, H) input gradients, summed per token below; the LoRA gradients,
     // `dA (E·r, in)` (PEFT's layout) and `dB (E, out, r)`.
     let mut dweights = vec![0f32; rows];
-    let mut dxs = vec![0f32; rows * h];
-    let (mut da_gu, mut db_gu) = (vec![0f32; e_n * rgu * h], vec![0f32; e_n * 2 * i * rgu]);
-    let (mut da_dn, mut db_dn) = (vec![0f32; e_n * rdn * i], vec![0f32; e_n * h * rdn]);
+    let mut dxs = zeroed(rows * h);
+    let (mut da_gu, mut db_gu) = (zeroed(e_n * rgu * h), zeroed(e_n * 2 * i * rgu));
+    let (mut da_dn, mut db_dn) = (zeroed(e_n * rdn * i), zeroed(e_n * h * rdn));
     let jobs: Vec<_> = split(&mut dweights, &c.off, 1)
         .into_iter()
         .zip(split(&mut dxs, &c.off, h))
@@ -796,10 +859,7 @@ pub(super) fn backward(
         }
         let da = Tensor::from_vec(da, (e_n * r, inp), dev)?;
         // (E, out, r) -> (out, r, E) -> (out, r·E).
-        let db = Tensor::from_vec(db, (e_n, out, r), dev)?
-            .permute((1, 2, 0))?
-            .contiguous()?
-            .reshape((out, r * e_n))?;
+        let db = tensor(by_rank(&db, out, r, e_n), (out, r * e_n), dev)?;
         Ok(Some((da, db)))
     };
     Ok((
@@ -808,4 +868,27 @@ pub(super) fn backward(
         peft(da_gu, db_gu, rgu, (h, 2 * i))?,
         peft(da_dn, db_dn, rdn, (i, h))?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The repacks against candle's `permute` + `contiguous` (the plain reference): exact, as
+    /// both only move values. 37 experts: two full blocks of 16 and a tail of 5.
+    #[test]
+    fn repacks_move_b_as_permute_does() -> Result<()> {
+        let (out, r, e) = (5, 3, 37);
+        let v: Vec<f32> = (0..out * r * e).map(|x| x as f32 * 0.5 - 7.0).collect();
+        let peft = Tensor::from_vec(v.clone(), (out, r * e), &Device::Cpu)?;
+        let want = peft
+            .reshape((out, r, e))?
+            .permute((2, 0, 1))?
+            .contiguous()?;
+        let packed = by_expert(&v, out, r, e);
+        assert_eq!(packed, want.flatten_all()?.to_vec1::<f32>()?);
+        let back = by_rank(&packed, out, r, e);
+        assert_eq!(back, v);
+        Ok(())
+    }
 }

@@ -25,6 +25,7 @@
 //! bit).
 
 use candle_core::{bail, DType, Result};
+use rayon::prelude::*;
 
 #[cfg(test)]
 mod tests;
@@ -61,11 +62,17 @@ fn softmax_into(x: &[f32], out: &mut [f32]) {
     out.iter_mut().for_each(|o| *o /= sum);
 }
 
-/// The indices of the `k` largest of `x`, largest first (ties: the lower index first).
+/// The indices of the `k` largest of `x`, largest first (ties: the lower index first). The order
+/// is total (`total_cmp`, then the index), so selecting the first `k` and sorting them gives
+/// what a full sort's first `k` are.
 fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..x.len()).collect();
-    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
-    idx.truncate(k);
+    let by = |a: &usize, b: &usize| x[*b].total_cmp(&x[*a]).then(a.cmp(b));
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k, by);
+        idx.truncate(k);
+    }
+    idx.sort_unstable_by(by);
     idx
 }
 
@@ -93,37 +100,43 @@ pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Result<Rou
     let n = logits.len() / e;
     let mut r = Routed {
         k,
-        experts: Vec::with_capacity(n * k),
-        weights: Vec::with_capacity(n * k),
+        experts: vec![0; n * k],
+        weights: vec![0f32; n * k],
         probs: Vec::new(),
         sums: Vec::new(),
     };
+    // Each token's row alone, over rayon's threads (the same values in any order).
+    let rows = logits
+        .par_chunks(e)
+        .zip(r.experts.par_chunks_mut(k))
+        .zip(r.weights.par_chunks_mut(k));
     match routing {
         Routing::SoftmaxTopK { normalize } => {
             r.probs = vec![0f32; n * e];
-            for (row, p) in logits.chunks(e).zip(r.probs.chunks_mut(e)) {
-                softmax_into(row, p);
-                let top = top_k(p, k);
-                let sum: f32 = top.iter().map(|&j| p[j]).sum();
-                for &j in &top {
-                    r.experts.push(j as u32);
-                    r.weights.push(if normalize { p[j] / sum } else { p[j] });
-                }
-                if normalize {
-                    r.sums.push(sum);
-                }
+            // Each token's sum of its chosen probabilities; kept with `normalize` only.
+            let mut sums = vec![0f32; n];
+            rows.zip(r.probs.par_chunks_mut(e))
+                .zip(sums.par_chunks_mut(1))
+                .for_each(|((((row, ex), w), p), s)| {
+                    softmax_into(row, p);
+                    let top = top_k(p, k);
+                    let sum: f32 = top.iter().map(|&j| p[j]).sum();
+                    for ((x, w), &j) in ex.iter_mut().zip(w.iter_mut()).zip(&top) {
+                        *x = j as u32;
+                        *w = if normalize { p[j] / sum } else { p[j] };
+                    }
+                    s[0] = sum;
+                });
+            if normalize {
+                r.sums = sums;
             }
         }
-        Routing::TopKSoftmax => {
-            let mut w = vec![0f32; k];
-            for row in logits.chunks(e) {
-                let top = top_k(row, k);
-                let vals: Vec<f32> = top.iter().map(|&j| row[j]).collect();
-                softmax_into(&vals, &mut w);
-                r.experts.extend(top.iter().map(|&j| j as u32));
-                r.weights.extend_from_slice(&w);
-            }
-        }
+        Routing::TopKSoftmax => rows.for_each(|((row, ex), w)| {
+            let top = top_k(row, k);
+            let vals: Vec<f32> = top.iter().map(|&j| row[j]).collect();
+            softmax_into(&vals, w);
+            ex.iter_mut().zip(&top).for_each(|(x, &j)| *x = j as u32);
+        }),
     }
     Ok(r)
 }

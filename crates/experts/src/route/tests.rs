@@ -179,3 +179,28 @@ fn bf16_router_gradient_sums_the_two_rounded_paths_as_torch() {
         }
     }
 }
+
+/// `top_k` selects, then sorts its `k`: the same indices in the same order as a full stable sort
+/// by descending value (ties: the lower index first), on rows with many ties, a NaN and ±0.
+#[test]
+fn top_k_is_a_full_sorts_first_k() {
+    let full = |x: &[f32], k: usize| {
+        let mut idx: Vec<usize> = (0..x.len()).collect();
+        idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]));
+        idx.truncate(k);
+        idx
+    };
+    let mut rows: Vec<Vec<f32>> = (0..50u32)
+        .map(|s| {
+            (0..37u32)
+                .map(|i| ((i * 7 + s * 13) % 5) as f32 * 0.25)
+                .collect()
+        })
+        .collect();
+    rows.push(vec![0.0, -0.0, f32::NAN, 1.0, 1.0, -1.0, 0.0]);
+    for row in &rows {
+        for k in 1..=row.len() {
+            assert_eq!(super::top_k(row, k), full(row, k), "{row:?}, k {k}");
+        }
+    }
+}

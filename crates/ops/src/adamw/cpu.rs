@@ -4,6 +4,11 @@
 //! these (`rtune_train::optim::LoraOptimizer`); the kernels' loop-for-loop reference in `mod.rs`
 //! equals [`AdamW::update`] bit for bit (`rtune_train`'s `optim/reference_tests.rs`).
 
+use rayon::prelude::*;
+
+/// Elements of a tensor one rayon job updates.
+const UPDATE_BLOCK: usize = 1 << 14;
+
 /// Optimizer state for a flat list of parameters (f32, host).
 #[derive(Debug, Clone)]
 pub struct AdamW {
@@ -58,16 +63,32 @@ impl AdamW {
         {
             let lr = lr * lr_scale.get(k).copied().unwrap_or(1.0);
             let step_size = (lr / bc1) as f32;
-            let decay = (1.0 - lr * self.weight_decay) as f32;
-            for i in 0..p.len() {
-                if self.weight_decay != 0.0 {
-                    p[i] *= decay;
-                }
-                m[i] += w1 * (g[i] - m[i]);
-                v[i] = v[i] * b2f + w2 * g[i] * g[i];
-                let denom = v[i].sqrt() / bc2_sqrt + eps;
-                p[i] -= step_size * m[i] / denom;
-            }
+            let decay = (self.weight_decay != 0.0).then_some((1.0 - lr * self.weight_decay) as f32);
+            assert!(
+                g.len() == p.len() && m.len() == p.len() && v.len() == p.len(),
+                "AdamW: tensor {k} has {} values, {} gradients, {} and {} moments",
+                p.len(),
+                g.len(),
+                m.len(),
+                v.len()
+            );
+            // Element by element, so any split gives the same bits: blocks over rayon's threads
+            // (the update otherwise runs on one thread while the others wait).
+            p.par_chunks_mut(UPDATE_BLOCK)
+                .zip(g.par_chunks(UPDATE_BLOCK))
+                .zip(m.par_chunks_mut(UPDATE_BLOCK))
+                .zip(v.par_chunks_mut(UPDATE_BLOCK))
+                .for_each(|(((p, g), m), v)| {
+                    for i in 0..p.len() {
+                        if let Some(decay) = decay {
+                            p[i] *= decay;
+                        }
+                        m[i] += w1 * (g[i] - m[i]);
+                        v[i] = v[i] * b2f + w2 * g[i] * g[i];
+                        let denom = v[i].sqrt() / bc2_sqrt + eps;
+                        p[i] -= step_size * m[i] / denom;
+                    }
+                });
         }
     }
 }
