@@ -36,6 +36,9 @@
 # Idle, release b95f0bc (7614732 merged), three runs, 22:24-22:26 UTC: 3017.4 / 2972.4 / 3048.8 vs
 # PEFT 1209.1 / 1320.7 / 1237.1 (2.50x / 2.25x / 2.46x), 0.80 vs 2.46-2.51 GB (0.32x), 79.5 /
 # 77.0 / 80.5% of the ceiling (56.0 / 54.3 / 56.7% at 4·N_active).
+# A 2-core AVX2-only EPYC, idle, release 15c983e (the step's serial work spread over rayon):
+# 2836.3 / 2700.9 / 2781.0 vs PEFT 1088.0 / 983.1 / 1018.4 (2.61x / 2.75x / 2.73x; dc8cd71
+# interleaved: 2.64x / 2.45x / 2.36x), 0.31-0.33x RSS, 80.2-84.7% of a 177-186 GFLOP/s ceiling.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
