@@ -500,6 +500,72 @@ fn rtune_check_under_mpirun_checks_the_sharded_gather() {
     assert!(!err.contains("MPI_ABORT"), "{err}");
 }
 
+/// `rtune check` with one failing rank (MPMD: rank 0's learning rate too small for its overfit
+/// check, rank 1's as configured): rank 0 fails, and rank 1 — whose own checks pass — still ends
+/// with a failure, saying that another rank's checks failed; neither aborts the job. Rank 1's
+/// `sustained throughput` check can fail by itself on a loaded 2-core machine (wall-clock rates);
+/// then rank 1 must end on that failure instead, naming it.
+#[test]
+fn rtune_check_under_mpirun_fails_every_rank_when_one_rank_fails() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(tmp.path(), "check", 1, 2, &smoke());
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("{text}[distributed]\nshard_base = true\n")).unwrap();
+    let check = |lr: Option<&str>| {
+        let mut args = vec![
+            env!("CARGO_BIN_EXE_rtune").to_string(),
+            "check".into(),
+            "--config".into(),
+            cfg.display().to_string(),
+        ];
+        if let Some(lr) = lr {
+            args.extend(["--set".into(), format!("train.lr={lr}")]);
+        }
+        args
+    };
+    let mut c = mpirun_base();
+    c.args(["-np", "1"]).args(check(Some("1e-12"))).arg(":");
+    c.args(["-np", "1"]).args(check(None));
+    let o = run(c);
+    let said = String::from_utf8_lossy(&o.stdout);
+    let err = stderr(&o);
+    let lines = |rank: usize| -> Vec<&str> {
+        let at = format!("rank {rank}/2");
+        said.lines().filter(|l| l.starts_with(&at)).collect()
+    };
+    let line = |rank: usize, check: &str| {
+        lines(rank)
+            .into_iter()
+            .find(|l| l.contains(check))
+            .unwrap_or_else(|| panic!("rank {rank}'s {check} check: {said}\n{err}"))
+    };
+    assert!(line(0, "overfit 4 samples").contains("FAIL"), "{said}");
+    assert!(line(1, "overfit 4 samples").contains("PASS"), "{said}");
+    for rank in 0..2 {
+        let l = line(rank, "sharded-base gather");
+        assert!(l.contains("PASS") && l.contains("exact"), "{l}");
+    }
+    let failed_on_1: Vec<&str> = lines(1)
+        .into_iter()
+        .filter(|l| l.contains("FAIL"))
+        .collect();
+    match failed_on_1.as_slice() {
+        [] => assert!(
+            err.contains("rank 1 of 2: all ")
+                && err.contains("checks passed here, but another rank's failed"),
+            "{err}"
+        ),
+        [l] => assert!(l.contains("sustained throughput"), "{said}"),
+        more => panic!("rank 1 failed {more:?}"),
+    }
+    assert!(
+        err.contains("rank 0 of 2: ") && err.contains("overfit 4 samples"),
+        "{err}"
+    );
+    assert!(!o.status.success(), "{said}\n{err}");
+    assert!(!err.contains("MPI_ABORT"), "{err}");
+}
+
 /// A rank that would load the whole base beside sharded ones, or keep another number of gathered
 /// layers (its gathers would pair with the wrong layers'), is refused before anything loads,
 /// naming the rank and the key (loading a sharded base is collective).
