@@ -464,9 +464,7 @@ fn a_hung_rank_of_a_prefetching_sharded_run_ends_the_job() {
 #[test]
 fn rtune_check_under_mpirun_checks_the_sharded_gather() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = config(tmp.path(), "check", 1, 2, &smoke());
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&cfg, format!("{text}[distributed]\nshard_base = true\n")).unwrap();
+    let cfg = sharded_check_config(tmp.path());
     let mut c = mpirun(2);
     c.args([
         env!("CARGO_BIN_EXE_rtune"),
@@ -500,6 +498,14 @@ fn rtune_check_under_mpirun_checks_the_sharded_gather() {
     assert!(!err.contains("MPI_ABORT"), "{err}");
 }
 
+/// The smoke config for 2 ranks with a sharded base, as `rtune check` tests take it.
+fn sharded_check_config(dir: &Path) -> PathBuf {
+    let cfg = config(dir, "check", 1, 2, &smoke());
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&cfg, format!("{text}[distributed]\nshard_base = true\n")).unwrap();
+    cfg
+}
+
 /// `rtune check` with one failing rank (MPMD: rank 0's learning rate too small for its overfit
 /// check, rank 1's as configured): rank 0 fails, and rank 1 — whose own checks pass — still ends
 /// with a failure, saying that another rank's checks failed; neither aborts the job. Rank 1's
@@ -508,9 +514,7 @@ fn rtune_check_under_mpirun_checks_the_sharded_gather() {
 #[test]
 fn rtune_check_under_mpirun_fails_every_rank_when_one_rank_fails() {
     let tmp = tempfile::tempdir().unwrap();
-    let cfg = config(tmp.path(), "check", 1, 2, &smoke());
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&cfg, format!("{text}[distributed]\nshard_base = true\n")).unwrap();
+    let cfg = sharded_check_config(tmp.path());
     let check = |lr: Option<&str>| {
         let mut args = vec![
             env!("CARGO_BIN_EXE_rtune").to_string(),
