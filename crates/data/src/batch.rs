@@ -250,6 +250,12 @@ impl<T: Row> Batcher<T> {
         self.examples.is_empty()
     }
 
+    /// The rows' indices (into [`rows_mut`](Self::rows_mut)) in the order epoch `epoch` draws
+    /// them: shuffled by the seed, grouped by length, as [`next_rows`](Self::next_rows) takes them.
+    pub fn epoch_rows(&self, epoch: usize) -> Vec<usize> {
+        self.epoch_order(epoch)
+    }
+
     /// The rows in their loaded order (e.g. to fill in each pair's reference log-probabilities).
     pub fn rows_mut(&mut self) -> &mut [T] {
         &mut self.examples

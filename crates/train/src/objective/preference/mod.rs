@@ -177,8 +177,10 @@ impl Recipe for Preference {
             .stream
             .as_mut()
             .expect("the pairs' stream is made at start");
+        let train_order = stream.epoch_rows(0);
         let rows = pairs::Rows {
             train: stream.rows_mut(),
+            train_order: &train_order,
             valid: &mut self.valid,
         };
         pairs::reference(

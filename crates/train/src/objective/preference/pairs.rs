@@ -197,6 +197,10 @@ pub fn options(d: &rtune_config::DataConfig, vocab: usize) -> PairOptions {
 /// The rows a reference pass fills in: the training pairs (in file order) and the held-out ones.
 pub struct Rows<'a> {
     pub train: &'a mut [Pair],
+    /// `train`'s indices in the order the first epoch draws them: the reference pass batches
+    /// them so, each forward the first steps' (TRL computes the reference in the policy's own
+    /// forward; a mixture of experts rounds a token by the rows beside it in its experts).
+    pub train_order: &'a [usize],
     pub valid: &'a mut [Pair],
 }
 
@@ -246,8 +250,10 @@ pub fn reference(
         return Ok(0);
     }
     let t0 = std::time::Instant::now();
-    let pass = |pairs: &mut [Pair]| fill_reference(model, lora, pairs, mbs, pad_id, interrupted);
-    let passes = pass(data.train)? + pass(data.valid)?;
+    let pass = |pairs: &mut [Pair], order: Option<&[usize]>| {
+        fill_reference(model, lora, pairs, order, mbs, pad_id, interrupted)
+    };
+    let passes = pass(data.train, Some(data.train_order))? + pass(data.valid, None)?;
     tracing::info!(
         "reference log-probabilities of {rows} rows: {passes} forward passes in {:.1} s",
         t0.elapsed().as_secs_f64()
@@ -419,10 +425,13 @@ fn check_kind(loss: &Loss, path: &std::path::Path, set: &PairSet) -> Result<(), 
 /// Fills in every pair's reference log-probabilities `(chosen, rejected)`: the model as training
 /// starts, as TRL defines the reference policy: the base alone (`lora: None`) for a new adapter,
 /// or the starting adapter (`[lora] init_from`) frozen. `micro_batch` pairs a forward pass, in
-/// order; pairs that already have them are skipped. Returns the forward passes run.
+/// `order` (the first epoch's, so the first steps' batches are the reference pass's: a row's bits
+/// depend on the rows beside it, through the GEMMs' shapes and a mixture of experts' groups, and
+/// TRL computes the reference in the policy's own forward); file order without it. Pairs that
+/// already have them are skipped. Returns the forward passes run.
 ///
 /// A pair's reference must be what its policy computes at step 0, whatever batch training puts
-/// it in. Each row's results are its own but for LongRoPE, whose factors a whole batch shares (the
+/// it in. Each row's results are its own (up to rounding) but for LongRoPE, whose factors a whole batch shares (the
 /// long ones once the batch is longer than `model.long_rope_past()`): a pair short enough for
 /// the short factors gets them only in a batch of short pairs (issue 46: file-order batches
 /// gave it the long ones, and its policy at step 0 another value). So the short pairs are
@@ -433,6 +442,7 @@ pub fn fill_reference(
     model: &Model,
     lora: Option<&LoraCtx>,
     pairs: &mut [Pair],
+    order: Option<&[usize]>,
     micro_batch: usize,
     pad_id: u32,
     interrupted: &dyn Fn() -> bool,
@@ -442,8 +452,18 @@ pub fn fill_reference(
         pad_id,
         interrupted,
     };
-    let todo: Vec<usize> = (0..pairs.len())
-        .filter(|&i| pairs[i].reference.is_none())
+    let file_order: Vec<usize>;
+    let order = match order {
+        Some(o) => o,
+        None => {
+            file_order = (0..pairs.len()).collect();
+            &file_order
+        }
+    };
+    let todo: Vec<usize> = order
+        .iter()
+        .copied()
+        .filter(|&i| pairs.get(i).is_some_and(|p| p.reference.is_none()))
         .collect();
     let Some(past) = model.long_rope_past() else {
         return fill(model, lora, pairs, &todo, &b, None);
