@@ -10,14 +10,14 @@
 //! minus those live after it (the layer's own tensors). One test in this binary, so that no
 //! other test allocates meanwhile.
 
+mod common;
+
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::path::Path;
 use std::sync::atomic::{AtomicIsize, Ordering::SeqCst};
 
 use candle_core::{DType, Device};
 use rtune_model::moe::MoeMlp;
 use rtune_model::weights::Weights;
-use rtune_model::HfConfig;
 
 struct Counting;
 
@@ -66,14 +66,7 @@ static A: Counting = Counting;
 #[test]
 fn a_per_expert_layer_loads_with_one_expert_beside_its_stacks() {
     for name in ["tiny-qwen3-moe", "tiny-mixtral"] {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../tests/fixtures")
-            .join(name);
-        let path = dir.join("config.json");
-        let cfg = HfConfig::from_file(&path)
-            .unwrap()
-            .into_config(&path)
-            .unwrap();
+        let (dir, cfg) = common::fixture_config(name);
         let mc = cfg.moe.as_ref().unwrap();
         let (e, i, h) = (mc.experts, mc.intermediate, cfg.hidden_size);
         let l = mc.sparse_layers.iter().position(|&s| s).unwrap();

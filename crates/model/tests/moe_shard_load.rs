@@ -8,8 +8,9 @@
 //!
 //! Tolerance: none; the pieces are the same bytes of the same file.
 
+mod common;
+
 use std::ops::Range;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 
 use candle_core::{DType, Device, Tensor};
@@ -17,13 +18,7 @@ use rtune_experts::moe::{Nf4Stack, StackWeights};
 use rtune_model::moe::MoeMlp;
 use rtune_model::shard::{span, Piece};
 use rtune_model::weights::{TensorSource, Weights};
-use rtune_model::{Gather, HfConfig, ModelError};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
+use rtune_model::{Gather, ModelError};
 
 /// A rank of `size` that loads only: the experts' load makes no collective.
 struct Rank(usize, usize);
@@ -90,12 +85,7 @@ impl TensorSource for Counting {
 /// Sparse layer `l` of fixture `name`, loaded whole or as rank `rank` of `size`, and the bytes
 /// of the stacks it read.
 fn load(name: &str, nf4: Option<bool>, rank: Option<(usize, usize)>) -> (MoeMlp, usize) {
-    let dir = fixture(name);
-    let path = dir.join("config.json");
-    let cfg = HfConfig::from_file(&path)
-        .unwrap()
-        .into_config(&path)
-        .unwrap();
+    let (dir, cfg) = common::fixture_config(name);
     let mc = cfg.moe.as_ref().unwrap();
     let l = mc.sparse_layers.iter().position(|&s| s).unwrap();
     let w = Counting {

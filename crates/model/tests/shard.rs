@@ -30,7 +30,6 @@
 //! on one thread throughout ([`one_blas_thread`]), the whole model's run included, as MPI ranks
 //! (processes) each have their own library and run the same products in the same order.
 
-#[allow(dead_code)]
 mod common;
 
 use std::rc::Rc;
@@ -202,13 +201,7 @@ struct Case {
 /// layers, 0 and 2 sparse with 8 experts of width 32, top-2, the aux loss on), its weights
 /// [`Seeded`]: routers, expert stacks and the dense layers sharded alike.
 fn moe_config() -> ModelConfig {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tiny-qwen3-moe");
-    let path = dir.join("config.json");
-    let cfg = rtune_model::HfConfig::from_file(&path)
-        .unwrap()
-        .into_config(&path)
-        .unwrap();
+    let (_, cfg) = common::fixture_config("tiny-qwen3-moe");
     assert_eq!(cfg.moe.as_ref().unwrap().sparse_layers, [true, false, true]);
     cfg
 }

@@ -1,4 +1,6 @@
-//! What the model crate's integration tests share: a tiny random model.
+//! What the model crate's integration tests share: a tiny random model, the fixtures' configs.
+//! Each test binary uses some of it.
+#![allow(dead_code)]
 
 use candle_core::{DType, Device, Tensor};
 use rtune_model::config::{ModelConfig, RopeScaling};
@@ -47,4 +49,17 @@ pub fn config() -> ModelConfig {
         variant: Default::default(),
         moe: None,
     }
+}
+
+/// `tests/fixtures/<name>` and its `config.json` read as rtune's config.
+pub fn fixture_config(name: &str) -> (std::path::PathBuf, ModelConfig) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
+    let path = dir.join("config.json");
+    let cfg = rtune_model::HfConfig::from_file(&path)
+        .unwrap()
+        .into_config(&path)
+        .unwrap();
+    (dir, cfg)
 }
