@@ -304,7 +304,7 @@ impl Lora {
         let packed = by_expert(View::of(&b, "lora_B")?.s(), out, r, e);
         Ok(Some(Lora {
             a: l.a.contiguous()?,
-            b: tensor3(packed, (e, out, r), l.b.device())?,
+            b: tensor(packed, (e, out, r), l.b.device())?,
             r,
             scale: l.scale as f32,
         }))
@@ -591,11 +591,7 @@ fn each<J: Send>(
     }
 }
 
-fn tensor(v: Vec<f32>, shape: (usize, usize), dev: &Device) -> Result<Tensor> {
-    Tensor::from_vec(v, shape, dev)
-}
-
-fn tensor3(v: Vec<f32>, shape: (usize, usize, usize), dev: &Device) -> Result<Tensor> {
+fn tensor(v: Vec<f32>, shape: impl Into<candle_core::Shape>, dev: &Device) -> Result<Tensor> {
     Tensor::from_vec(v, shape, dev)
 }
 
