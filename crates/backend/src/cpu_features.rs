@@ -56,6 +56,11 @@ impl Features {
         self.avx512f && self.avx512bw && self.avx512dq && self.avx512vl
     }
 
+    /// Native bf16 products (AVX-512 BF16 or AMX-BF16): what oneDNN's bf16 matmul needs.
+    pub fn bf16(&self) -> bool {
+        self.avx512_bf16 || self.amx_bf16
+    }
+
     /// The names of the extensions present, in a fixed order (`sse4.2`, `avx`, `avx2`, `fma`,
     /// `f16c`, `avx512f`, `avx512bw`, `avx512dq`, `avx512vl`, `avx512bf16`, `amx-bf16`), as
     /// reports and run records print them.

@@ -149,8 +149,7 @@ pub fn default_names(wheel_v3: &[String]) -> Vec<String> {
 pub fn get() -> std::result::Result<&'static OneDnn, &'static Fallback> {
     ONEDNN
         .get_or_init(|| {
-            let f = crate::cpu_features::get();
-            let bf16_cpu = f.avx512_bf16 || f.amx_bf16;
+            let bf16_cpu = crate::cpu_features::get().bf16();
             let wheels = crate::dl::in_wheels("libdnnl.so.3");
             // A resumed run's recorded library unless the user names one ([`crate::pin`]).
             match crate::pin::onednn(std::env::var("RTUNE_ONEDNN").ok().as_deref()) {

@@ -204,7 +204,7 @@ fn onednn_matches_the_plain_matmul_within_bf16_rounding() -> Result<()> {
 /// (`fallback_is_chosen_without_instructions_or_when_off`).
 fn versions() -> Vec<OneDnn> {
     let mut libs = Vec::new();
-    let bf16 = crate::cpu_features::get().avx512_bf16 || crate::cpu_features::get().amx_bf16;
+    let bf16 = crate::cpu_features::get().bf16();
     if let (true, Ok(l)) = (bf16, load(&["libdnnl.so.2".into()])) {
         libs.push(l);
     }
