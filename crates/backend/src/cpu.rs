@@ -142,6 +142,23 @@ pub fn sum1<A: Elem>(a: &[A], f: impl Fn(f32) -> f32) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// `Σ f(a[i], b[i])` over [`LANES`] partial sums.
+#[inline(always)]
+pub fn sum2<T: Elem>(a: &[T], b: &[T], f: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let ((ca, ra), (cb, rb)) = (a.as_chunks::<LANES>(), b.as_chunks::<LANES>());
+    for (xa, xb) in ca.iter().zip(cb) {
+        for i in 0..LANES {
+            acc[i] += f(xa[i].f(), xb[i].f());
+        }
+    }
+    let mut tail = 0f32;
+    for (&x, &y) in ra.iter().zip(rb) {
+        tail += f(x.f(), y.f());
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 /// `Σ f(a[i], b[i], c[i])` over [`LANES`] partial sums.
 #[inline(always)]
 pub fn sum3<T: Elem>(a: &[T], b: &[T], c: &[T], f: impl Fn(f32, f32, f32) -> f32) -> f32 {

@@ -332,8 +332,8 @@ impl MoeMlp {
                     .broadcast_add(&f(b)?)?
                     .to_dtype(x.dtype())?
             }
-            Some(b) => x.matmul(&self.router.t()?)?.broadcast_add(b)?,
-            None => x.matmul(&self.router.t()?)?,
+            Some(b) => router_product(x, &self.router.t()?)?.broadcast_add(b)?,
+            None => router_product(x, &self.router.t()?)?,
         };
         let logits_dtype = self.logits_dtype(x.dtype());
         let logits = logits
@@ -457,7 +457,7 @@ impl MoeMlp {
         // operands, as torch's backward of the bf16 `F.linear`.
         let dx = match self.logits_dtype(dy.dtype()) != dy.dtype() {
             true => rtune_backend::blas::matmul(&dlogits, &self.router)?,
-            false => dlogits.matmul(&self.router)?,
+            false => router_product(&dlogits, &self.router)?,
         };
         g.dx + dx
     }
@@ -472,4 +472,14 @@ fn round_to(v: &[f32], dtype: DType) -> Result<Vec<f32>> {
         .to_dtype(dtype)?
         .to_dtype(DType::F32)?
         .to_vec1()
+}
+
+/// The router's products in the compute dtype: f32 through the dense path's CBLAS
+/// ([`rtune_backend::blas::matmul`]; candle's CPU matmul took ~3% of `benches/moe_vs_peft.sh`'s
+/// step for this `(T, H)·(H, E)` and its input gradient), other dtypes as candle computes them.
+fn router_product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    match a.dtype() {
+        DType::F32 => rtune_backend::blas::matmul(a, b),
+        _ => a.matmul(b),
+    }
 }

@@ -41,15 +41,22 @@ pub fn flat(t: &Tensor) -> Vec<f32> {
         .unwrap()
 }
 
-/// `max |got − want| / max |want|`.
+/// `max |got − want| / max |want|`, infinite where one is NaN and the other is not.
 pub fn rel_err(got: &Tensor, want: &Tensor) -> f32 {
     assert_eq!(got.dims(), want.dims());
     let (g, w) = (flat(got), flat(want));
     let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-    let err = g
-        .iter()
-        .zip(&w)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let err = g.iter().zip(&w).fold(0f32, |m, (a, b)| {
+        let d = match a == b || (a.is_nan() && b.is_nan()) {
+            true => 0.0,
+            false => (a - b).abs(),
+        };
+        // A NaN beside a number: an infinite error (`f32::max` would skip the NaN).
+        match d.is_nan() {
+            true => f32::INFINITY,
+            false => m.max(d),
+        }
+    });
     err / scale
 }
 

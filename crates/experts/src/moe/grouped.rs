@@ -13,17 +13,21 @@
 //! against 6.0-6.8, the run's peak RSS 803 against 946 MB.
 //!
 //! [`Engine::Blas`] (when `rtune_backend::blas` loaded a CBLAS, as `rtune` does): the products
-//! go through the dense path's OpenBLAS (`rtune_backend::blas::sgemm`), each expert's on one
-//! thread, the experts spread over rayon's threads ([`rtune_backend::blas::one_thread`]: OpenBLAS
-//! 0.3.21's threaded level 3 serialises callers from several threads on one lock, its one-thread
-//! calls do not). OpenBLAS threading each product instead, one expert after another, ran the
-//! frozen products at the dense GEMM's own rate (`moe_timing`: 78 GFLOP per CPU second) but lost
-//! ~14% of the op to its idle workers' `sched_yield` between the small products; the one-thread
-//! layout beat it in each of three interleaved pairs of `moe_timing` at load ~9 (1497 / 1336 /
-//! 772 ms against 1728 / 2701 / 1064 ms a forward + backward). The `gemm` crate on one thread per
-//! expert gave 21.6. [`Engine::Gemm`] (no CBLAS): that `gemm`-crate layout (candle's CPU GEMM,
-//! `Parallelism::None`). The weighted combine and `dx` sum each token's rows in expert order, as
-//! the per-expert path's `index_add` does. The frozen weights' gradients are never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
+//! go through the dense path's OpenBLAS (`rtune_backend::blas::sgemm`; on a CPU without AVX-512
+//! only those of depth ≤ 32, the others through the `gemm` crate: [`cblas_takes`]), each
+//! expert's on one thread, the experts spread over rayon's threads
+//! ([`rtune_backend::blas::one_thread`]: OpenBLAS 0.3.21's threaded level 3 serialises callers
+//! from several threads on one lock, its one-thread calls do not). OpenBLAS threading each
+//! product instead, one expert after another, ran the frozen products at the dense GEMM's own
+//! rate (`moe_timing`: 78 GFLOP per CPU second) but lost ~14% of the op to its idle workers'
+//! `sched_yield` between the small products; the one-thread layout beat it in each of three
+//! interleaved pairs of `moe_timing` at load ~9 (1497 / 1336 / 772 ms against 1728 / 2701 / 1064
+//! ms a forward + backward). The `gemm` crate on one thread per expert gave 21.6 then (an
+//! AVX-512 machine, under load); on the AVX2-only EPYC of [`cblas_takes`] it ran the same shapes
+//! at 72–93 GFLOP/s. [`Engine::Gemm`] (no CBLAS): that `gemm`-crate layout (candle's CPU GEMM,
+//! `Parallelism::None`) for every product. The weighted combine and `dx` sum each token's rows in
+//! expert order, as the per-expert path's `index_add` does. The frozen weights' gradients are
+//! never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
 //!
 //! Per expert `e` with rows `X_e: (n, in)`, weight `W_e: (out, in)`, LoRA `A_e: (r, in)`,
 //! `B_e: (out, r)` (PEFT's `lora_B` repacked once a call to `(E, out, r)`), scale `s`:
@@ -139,6 +143,23 @@ fn operand(m: M) -> rtune_backend::blas::Operand {
     }
 }
 
+/// The depth at or below which [`Engine::Blas`] keeps a product on the CBLAS everywhere: the
+/// rank-`r` updates `y += s (x Aᵀ) Bᵀ` and `dx += (s dy B) A`.
+const RANK_UPDATE_K: usize = 32;
+
+/// Whether [`Engine::Blas`] hands a product of depth `k` to the CBLAS rather than the `gemm`
+/// crate. Measured on a 2-core AVX2-only AMD EPYC (OpenBLAS 0.3.21 Zen, one thread a product,
+/// `n = 128` rows, the bench's mean per expert; GFLOP/s OpenBLAS vs `gemm`, hot operands): the
+/// frozen products 84.0 vs 83.6 (gate/up forward), 78.7 vs 81.4 (down forward), 84.7 vs 89.6 and
+/// 85.3 vs 91.2 (their input gradients); the LoRA products of depth `in`, `out` or `n` 57–65 vs
+/// 72–93 (`x Aᵀ`, `dy B`, `dB`, `dA`); the rank-16 updates 70.8 vs 65.5 and 65.2 vs 65.8. The
+/// whole op on `moe_timing`'s layer, forward + backward, best of 8 interleaved: 205 ms with every
+/// product on OpenBLAS, 195–198 ms with this split. On AVX-512 CPUs every product stays on the
+/// CBLAS, as measured there before (module note): this split was not measured on one.
+fn cblas_takes(k: usize) -> bool {
+    k <= RANK_UPDATE_K || rtune_backend::cpu_features::get().avx512f
+}
+
 /// `c (m×n, row-major packed) = [c +] beta · a b`, `a: m×k`, `b: k×n`: through the CBLAS
 /// (its threads) for [`Engine::Blas`], on this thread otherwise.
 fn mm(
@@ -151,6 +172,7 @@ fn mm(
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
     if engine == Engine::Blas
+        && cblas_takes(k)
         && (a.cs == 1 || a.rs == 1)
         && (b.cs == 1 || b.rs == 1)
         && rtune_backend::blas::sgemm(
@@ -317,7 +339,10 @@ const REPACK_EXPERTS: usize = 16;
 
 /// PEFT's `B (out, r·E)`, column `j·E + e` expert `e`'s rank `j`, as `(E, out, r)` (expert `e`'s
 /// `B_e (out, r)` packed): what `permute((2, 0, 1))` copies, over rayon's threads by blocks of
-/// experts, each reading its experts' columns of every row (the same values: a copy).
+/// experts. For each row `o`, a block's `(r, 16)` piece is transposed into a small buffer and each
+/// expert's `r` values then stored in one piece: storing them one by one wrote 16 lines
+/// `out·r` floats apart (24 KiB on the bench's model, one L1 set) a value at a time: 3.6 ms a
+/// call before, 2.5 after, fresh pages included (`perf` on `benches/moe_vs_peft.sh`'s model).
 fn by_expert(b: &[f32], out: usize, r: usize, e_n: usize) -> Vec<f32> {
     let per = out * r;
     let mut dst = zeroed(e_n * per);
@@ -326,12 +351,16 @@ fn by_expert(b: &[f32], out: usize, r: usize, e_n: usize) -> Vec<f32> {
         .for_each(|(blk, d)| {
             let e0 = blk * REPACK_EXPERTS;
             let ne = d.len() / per.max(1);
+            let mut tmp = vec![0f32; ne * r];
             for o in 0..out {
                 for j in 0..r {
                     let src = &b[o * r * e_n + j * e_n + e0..][..ne];
                     for (de, v) in src.iter().enumerate() {
-                        d[de * per + o * r + j] = *v;
+                        tmp[de * r + j] = *v;
                     }
+                }
+                for (de, t) in tmp.chunks_exact(r.max(1)).enumerate() {
+                    d[de * per + o * r..][..r].copy_from_slice(t);
                 }
             }
         });
@@ -795,7 +824,7 @@ pub(super) fn backward(
                 let tk = c.token[row] as usize;
                 let dyr = &dyv[tk * h..(tk + 1) * h];
                 let dr = &dv[row * h..(row + 1) * h];
-                *dwj = dyr.iter().zip(dr).map(|(a, b)| a * b).sum();
+                *dwj = rtune_backend::cpu::sum2(dyr, dr, |a, b| a * b);
                 let w = weights[c.slot[row]];
                 ddr.iter_mut().zip(dyr).for_each(|(o, v)| *o = v * w);
             }
