@@ -39,6 +39,10 @@
 # A 2-core AVX2-only EPYC, idle, release 15c983e (the step's serial work spread over rayon):
 # 2836.3 / 2700.9 / 2781.0 vs PEFT 1088.0 / 983.1 / 1018.4 (2.61x / 2.75x / 2.73x; dc8cd71
 # interleaved: 2.64x / 2.45x / 2.36x), 0.31-0.33x RSS, 80.2-84.7% of a 177-186 GFLOP/s ceiling.
+# The same VM, release 9cc088b (depth > 32 products on the gemm crate without AVX-512; 044ace7
+# interleaved): 2893.2 / 2885.4 (4 steps), 2764.5 / 2996.2 (8 steps) vs PEFT 1099.0 / 1145.8 /
+# 1190.7 / 1189.3 (2.63x / 2.52x / 2.32x / 2.52x; 044ace7 2.49x / 2.67x / 2.72x / 2.20x: a run
+# moves +-5%, ~3% fewer CPU seconds measured rtune alone), 0.31-0.33x RSS, 81.9-89.1% of the ceiling.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
