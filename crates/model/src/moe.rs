@@ -475,8 +475,9 @@ fn round_to(v: &[f32], dtype: DType) -> Result<Vec<f32>> {
 }
 
 /// The router's products in the compute dtype: f32 through the dense path's CBLAS
-/// ([`rtune_backend::blas::matmul`]; candle's CPU matmul took ~3% of `benches/moe_vs_peft.sh`'s
-/// step for this `(T, H)·(H, E)` and its input gradient), other dtypes as candle computes them.
+/// ([`rtune_backend::blas::matmul`]: on candle's CPU matmul this `(T, H)·(H, E)` and its input
+/// gradient were ~3% of `benches/moe_vs_peft.sh`'s step in session 31's profile), other dtypes as
+/// candle computes them (bf16 would otherwise go to oneDNN, another rounding).
 fn router_product(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     match a.dtype() {
         DType::F32 => rtune_backend::blas::matmul(a, b),
