@@ -916,4 +916,68 @@ mod tests {
         assert_eq!(back, v);
         Ok(())
     }
+
+    /// Timing, not a check (`cargo test --release -p rtune-experts --lib product_timing --
+    /// --ignored --nocapture`): each product of one expert's job (`n = 128` rows, the bench's
+    /// mean, LoRA r 16) on OpenBLAS (one thread) and on the `gemm` crate, the figures behind
+    /// [`cblas_takes`]; rerun it on a CPU of another kind (AVX-512) before changing the rule.
+    #[test]
+    #[ignore]
+    fn product_timing() -> Result<()> {
+        if rtune_backend::blas::init().is_none() {
+            eprintln!("no CBLAS found: nothing to compare");
+            return Ok(());
+        }
+        let _one = rtune_backend::blas::one_thread();
+        let n = 128;
+        let vals = |k: usize| -> Vec<f32> { (0..k).map(|i| (i % 1000) as f32 * 1e-3).collect() };
+        // (what, m, n, k, a stored transposed, b stored transposed)
+        for (what, m, nn, k, ta, tb) in [
+            ("gate/up forward", n, 384, 512, false, true),
+            ("down forward", n, 512, 192, false, true),
+            ("gate/up dx", n, 512, 384, false, false),
+            ("down dx", n, 192, 512, false, false),
+            ("x A^T", n, 16, 512, false, true),
+            ("dy B", n, 16, 384, false, false),
+            ("dB", 384, 16, n, true, false),
+            ("dA", 16, 512, n, true, false),
+            ("y += xa B^T", n, 384, 16, false, true),
+            ("dx += dyb A", n, 512, 16, false, false),
+        ] {
+            let (a, b, mut c) = (vals(m * k), vals(k * nn), vec![0f32; m * nn]);
+            let am = if ta { M::t(&a, m) } else { M::rows(&a, k) };
+            let bm = if tb { M::t(&b, k) } else { M::rows(&b, nn) };
+            // The rank-r updates accumulate into their output, as in the jobs.
+            let acc = what.contains("+=");
+            let reps = 1000;
+            let mut rate = |engine: Engine| -> Result<f64> {
+                let t0 = std::time::Instant::now();
+                for _ in 0..reps {
+                    match engine {
+                        // Straight to the CBLAS, whatever `cblas_takes` says.
+                        Engine::Blas => {
+                            rtune_backend::blas::sgemm(
+                                operand(am),
+                                operand(bm),
+                                &mut c,
+                                (m, nn, k),
+                                1.0,
+                                if acc { 1.0 } else { 0.0 },
+                            )?;
+                        }
+                        Engine::Gemm => mm(engine, &mut c, acc, 1.0, am, bm, (m, nn, k))?,
+                    }
+                }
+                let s = t0.elapsed().as_secs_f64();
+                Ok(2.0 * (m * nn * k * reps) as f64 / s / 1e9)
+            };
+            let (blas, gemm) = (rate(Engine::Blas)?, rate(Engine::Gemm)?);
+            eprintln!(
+                "{what:16} {m}x{k}·{k}x{nn}: OpenBLAS {blas:.1}, gemm crate {gemm:.1} GFLOP/s; \
+                 cblas_takes: {}",
+                cblas_takes(k)
+            );
+        }
+        Ok(())
+    }
 }
