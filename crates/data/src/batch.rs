@@ -184,7 +184,9 @@ impl<T: Row> Batcher<T> {
         me
     }
 
-    fn epoch_order(&self, epoch: usize) -> Vec<usize> {
+    /// The rows' indices (into [`rows_mut`](Self::rows_mut)) in the order epoch `epoch` draws
+    /// them: shuffled by the seed, grouped by length, as [`next_rows`](Self::next_rows) takes them.
+    pub fn epoch_order(&self, epoch: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.examples.len()).collect();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(
             self.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
@@ -248,12 +250,6 @@ impl<T: Row> Batcher<T> {
 
     pub fn is_empty(&self) -> bool {
         self.examples.is_empty()
-    }
-
-    /// The rows' indices (into [`rows_mut`](Self::rows_mut)) in the order epoch `epoch` draws
-    /// them: shuffled by the seed, grouped by length, as [`next_rows`](Self::next_rows) takes them.
-    pub fn epoch_rows(&self, epoch: usize) -> Vec<usize> {
-        self.epoch_order(epoch)
     }
 
     /// The rows in their loaded order (e.g. to fill in each pair's reference log-probabilities).

@@ -34,7 +34,7 @@
 //! forward `Y_e = X_e W_eᵀ + s (X_e A_eᵀ) B_eᵀ (+ bias_e)`; backward from `dY_e`:
 //! `dX_e = dY_e W_e + (s dY_e B_e) A_e`, `dB_e = s dY_eᵀ (X_e A_eᵀ)`, `dA_e = (s dY_e B_e)ᵀ X_e`.
 
-use candle_core::{bail, CpuStorage, DType, Device, Result, Storage, Tensor};
+use candle_core::{bail, CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
 use std::ops::Deref;
 
@@ -326,7 +326,7 @@ impl Lora {
         let packed = by_expert(View::of(&b, "lora_B")?.s(), out, r, e);
         Ok(Some(Lora {
             a: l.a.contiguous()?,
-            b: tensor(packed, (e, out, r), l.b.device())?,
+            b: Tensor::from_vec(packed, (e, out, r), l.b.device())?,
             r,
             scale: l.scale as f32,
         }))
@@ -620,10 +620,6 @@ fn each<J: Send>(
     }
 }
 
-fn tensor(v: Vec<f32>, shape: impl Into<candle_core::Shape>, dev: &Device) -> Result<Tensor> {
-    Tensor::from_vec(v, shape, dev)
-}
-
 /// [`super::moe_forward`] on this path: `x: (T, H)`, the groups made, `weights` `T × k`. One
 /// job per expert: its rows gathered into the worker's scratch, gate/up, the activation and
 /// down, each expert's intermediates staying in the worker's cache between the three.
@@ -707,7 +703,7 @@ pub(super) fn forward(
     let xa = |v: Vec<f32>, r: usize| -> Result<Option<Tensor>> {
         match r {
             0 => Ok(None),
-            r => Ok(Some(tensor(v, (rows, r), dev)?)),
+            r => Ok(Some(Tensor::from_vec(v, (rows, r), dev)?)),
         }
     };
     let cache = Cache {
@@ -718,12 +714,12 @@ pub(super) fn forward(
         slot,
         rows_of,
         x: x.clone(),
-        gu: tensor(gu, (rows, 2 * i), dev)?,
-        m: tensor(m, (rows, i), dev)?,
-        d: tensor(d, (rows, h), dev)?,
+        gu: Tensor::from_vec(gu, (rows, 2 * i), dev)?,
+        m: Tensor::from_vec(m, (rows, i), dev)?,
+        d: Tensor::from_vec(d, (rows, h), dev)?,
     };
     drop(vx);
-    Ok((tensor(y, (t, h), dev)?, cache))
+    Ok((Tensor::from_vec(y, (t, h), dev)?, cache))
 }
 
 /// [`super::moe_backward`] on this path: `dx (T, H)`, `∂L/∂w` by slot, the LoRA gradients in
@@ -884,11 +880,11 @@ pub(super) fn backward(
         }
         let da = Tensor::from_vec(da, (e_n * r, inp), dev)?;
         // (E, out, r) -> (out, r, E) -> (out, r·E).
-        let db = tensor(by_rank(&db, out, r, e_n), (out, r * e_n), dev)?;
+        let db = Tensor::from_vec(by_rank(&db, out, r, e_n), (out, r * e_n), dev)?;
         Ok(Some((da, db)))
     };
     Ok((
-        tensor(dx, (t, h), dev)?,
+        Tensor::from_vec(dx, (t, h), dev)?,
         dw_slot,
         peft(da_gu, db_gu, rgu, (h, 2 * i))?,
         peft(da_dn, db_dn, rdn, (i, h))?,
@@ -898,6 +894,7 @@ pub(super) fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     /// The repacks against candle's `permute` + `contiguous` (the plain reference): exact, as
     /// both only move values. 37 experts: two full blocks of 16 and a tail of 5.

@@ -177,7 +177,7 @@ impl Recipe for Preference {
             .stream
             .as_mut()
             .expect("the pairs' stream is made at start");
-        let train_order = stream.epoch_rows(0);
+        let train_order = stream.epoch_order(0);
         let rows = pairs::Rows {
             train: stream.rows_mut(),
             train_order: &train_order,

@@ -425,19 +425,21 @@ fn check_kind(loss: &Loss, path: &std::path::Path, set: &PairSet) -> Result<(), 
 /// Fills in every pair's reference log-probabilities `(chosen, rejected)`: the model as training
 /// starts, as TRL defines the reference policy: the base alone (`lora: None`) for a new adapter,
 /// or the starting adapter (`[lora] init_from`) frozen. `micro_batch` pairs a forward pass, in
-/// `order` (the first epoch's, so the first steps' batches are the reference pass's: a row's bits
+/// `order` (a permutation of `pairs`' indices), file order without it. The caller passes the
+/// first epoch's order, so the first steps' batches are the reference pass's: a row's bits
 /// depend on the rows beside it, through the GEMMs' shapes and a mixture of experts' groups, and
-/// TRL computes the reference in the policy's own forward); file order without it. Pairs that
-/// already have them are skipped. Returns the forward passes run.
+/// TRL computes the reference in the policy's own forward. Pairs that already have them are
+/// skipped. Returns the forward passes run.
 ///
 /// A pair's reference must be what its policy computes at step 0, whatever batch training puts
-/// it in. Each row's results are its own (up to rounding) but for LongRoPE, whose factors a whole batch shares (the
-/// long ones once the batch is longer than `model.long_rope_past()`): a pair short enough for
-/// the short factors gets them only in a batch of short pairs (issue 46: file-order batches
-/// gave it the long ones, and its policy at step 0 another value). So the short pairs are
-/// batched apart from the long ones, and when training can batch them together (more than one
-/// pair a batch, long pairs in the set) each short pair also gets its reference under the long
-/// factors (`reference_long`, rows padded past the length), which a long batch takes.
+/// it in. Each row's results are its own (up to rounding) but for LongRoPE, whose factors a
+/// whole batch shares (the long ones once the batch is longer than `model.long_rope_past()`): a
+/// pair short enough for the short factors gets them only in a batch of short pairs (issue 46:
+/// file-order batches gave it the long ones, and its policy at step 0 another value). So the
+/// short pairs are batched apart from the long ones, and when training can batch them together
+/// (more than one pair a batch, long pairs in the set) each short pair also gets its reference
+/// under the long factors (`reference_long`, rows padded past the length), which a long batch
+/// takes.
 pub fn fill_reference(
     model: &Model,
     lora: Option<&LoraCtx>,
@@ -452,18 +454,13 @@ pub fn fill_reference(
         pad_id,
         interrupted,
     };
-    let file_order: Vec<usize>;
-    let order = match order {
-        Some(o) => o,
-        None => {
-            file_order = (0..pairs.len()).collect();
-            &file_order
-        }
+    let order: Vec<usize> = match order {
+        Some(o) => o.to_vec(),
+        None => (0..pairs.len()).collect(),
     };
     let todo: Vec<usize> = order
-        .iter()
-        .copied()
-        .filter(|&i| pairs.get(i).is_some_and(|p| p.reference.is_none()))
+        .into_iter()
+        .filter(|&i| pairs[i].reference.is_none())
         .collect();
     let Some(past) = model.long_rope_past() else {
         return fill(model, lora, pairs, &todo, &b, None);
