@@ -21,6 +21,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--layers", type=int, default=4)
 p.add_argument("--hidden", type=int, default=512)
 p.add_argument("--heads", type=int, default=8)
+p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
 p.add_argument("--kv-heads", type=int, default=4)
 p.add_argument("--experts", type=int, default=32)
 p.add_argument("--top-k", type=int, default=4)
@@ -39,7 +40,7 @@ cfg = Qwen3MoeConfig(
     num_hidden_layers=a.layers,
     num_attention_heads=a.heads,
     num_key_value_heads=a.kv_heads,
-    head_dim=a.hidden // a.heads,
+    head_dim=a.head_dim or a.hidden // a.heads,
     num_experts=a.experts,
     num_experts_per_tok=a.top_k,
     norm_topk_prob=True,

@@ -53,6 +53,7 @@ STEPS=${STEPS:-4}
 LAYERS=${LAYERS:-2}
 SEQ=${SEQ:-512}
 BATCH=${BATCH:-4}
+HEAD_DIM=${HEAD_DIM:-64}
 out=${OUT:-runs/bench-moe}
 mkdir -p "$out"
 if [ -z "${RTUNE:-}" ]; then
@@ -60,7 +61,7 @@ if [ -z "${RTUNE:-}" ]; then
   [ -x "$RTUNE" ] || cargo build --release --quiet
 fi
 "$PYTHON" benches/make_moe_model.py --out "$out" --layers "$LAYERS" --hidden 512 --heads 8 \
-  --kv-heads 1 --experts 128 --top-k 8 --moe-inter 192 --vocab 4096 --rows $((BATCH * 4)) \
+  --head-dim "$HEAD_DIM" --kv-heads 1 --experts 128 --top-k 8 --moe-inter 192 --vocab 4096 --rows $((BATCH * 4)) \
   --seq "$SEQ"
 cat >"$out/rtune.toml" <<TOML
 [model]

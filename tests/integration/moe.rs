@@ -166,6 +166,7 @@ fn gpt_oss_mxfp4_experts_load_as_transformers_dequantizes_them() {
             k,
             &q[&format!("{k}_blocks")],
             &q[&format!("{k}_scales")],
+            rtune_quant::mxfp4::Layout::Transformers,
             DType::F32,
             &Device::Cpu,
         )

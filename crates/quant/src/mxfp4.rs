@@ -10,10 +10,12 @@
 //! `value = ldexp(FP4[code], scale − 127)` exactly, as torch's `ldexp` gives it: a power-of-two
 //! multiple of a value with at most two mantissa bits is exact in f32 and bf16 down to their
 //! subnormals, a product past the largest finite value is ±∞ (`6 · 2^127`), and zero stays zero
-//! under every scale (`0 · 2^128 = 0`, not NaN). The result is laid out `(E, C, R)` — transformers transposes the last two axes, the layout its `GptOssExperts`
-//! multiplies with (`x @ W`).
+//! under every scale (`0 · 2^128 = 0`, not NaN). [`dequantize`] lays the result out `(E, C, R)`
+//! as transformers does (it transposes the last two axes, the layout its `GptOssExperts`
+//! multiplies with, `x @ W`) or `(E, R, C)`, the stored rows, which rtune's experts take.
 
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
 use crate::{QuantError, Result};
 
@@ -68,8 +70,30 @@ fn ldexp_f32(v: f32, scale: u8) -> f32 {
     (f64::from(v) * 2f64.powi(i32::from(scale) - 127)) as f32
 }
 
-/// Dequantizes into f32, laid out `(E, C, R)`.
-pub fn dequantize_f32(blocks: &[u8], scales: &[u8], shape: Mxfp4Shape) -> Result<Vec<f32>> {
+/// Where [`dequantize`] puts element `(e, row, col)` of the stored tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `(E, C, R)`: transformers' (it transposes the last two axes for `x @ W`).
+    Transformers,
+    /// `(E, R, C)`: the stored rows in order, each row's `C` values contiguous (rtune's experts
+    /// take `(E, out, in)`, which is this: no transpose and no second copy at load).
+    Rows,
+}
+
+/// The 16 values of one block's codes under its exponent `scale`, converted by `conv`.
+fn block_values<T>(scale: u8, conv: &impl Fn(f32) -> T) -> [T; 16] {
+    std::array::from_fn(|code| conv(ldexp_f32(FP4_VALUES[code], scale)))
+}
+
+/// Dequantizes into `T` (each value `conv(ldexp(FP4[code], scale − 127))`) laid out as `layout`
+/// says, the experts over rayon's threads.
+fn fill<T: Copy + Default + Send>(
+    blocks: &[u8],
+    scales: &[u8],
+    shape: Mxfp4Shape,
+    layout: Layout,
+    conv: impl Fn(f32) -> T + Sync,
+) -> Result<Vec<T>> {
     let n_blocks = shape.experts * shape.rows * shape.groups;
     if blocks.len() != n_blocks * 16 || scales.len() != n_blocks {
         return Err(QuantError::Input(format!(
@@ -79,30 +103,75 @@ pub fn dequantize_f32(blocks: &[u8], scales: &[u8], shape: Mxfp4Shape) -> Result
             scales.len()
         )));
     }
-    let (r, c) = (shape.rows, shape.cols());
-    let mut out = vec![0f32; shape.len()];
-    // One expert's (C, R) output at a time; its blocks are (R, G, 16) in order.
-    for (e, dst) in out.chunks_mut(r * c).enumerate() {
+    let (r, c, groups) = (shape.rows, shape.cols(), shape.groups);
+    let mut out = vec![T::default(); shape.len()];
+    if out.is_empty() {
+        return Ok(out);
+    }
+    // One expert's (R, C) or (C, R) output a job; its blocks are (R, G, 16) in order.
+    out.par_chunks_mut(r * c).enumerate().for_each(|(e, dst)| {
         for row in 0..r {
-            for g in 0..shape.groups {
-                let b = (e * r + row) * shape.groups + g;
-                let s = scales[b];
-                for (j, byte) in blocks[b * 16..(b + 1) * 16].iter().enumerate() {
-                    let col = g * BLOCK + 2 * j;
-                    dst[col * r + row] = ldexp_f32(FP4_VALUES[usize::from(byte & 0x0F)], s);
-                    dst[(col + 1) * r + row] = ldexp_f32(FP4_VALUES[usize::from(byte >> 4)], s);
+            for g in 0..groups {
+                let b = (e * r + row) * groups + g;
+                let vals = block_values(scales[b], &conv);
+                let codes = &blocks[b * 16..(b + 1) * 16];
+                match layout {
+                    Layout::Rows => {
+                        let at = row * c + g * BLOCK;
+                        for (pair, byte) in dst[at..at + BLOCK].chunks_exact_mut(2).zip(codes) {
+                            pair[0] = vals[usize::from(byte & 0x0F)];
+                            pair[1] = vals[usize::from(byte >> 4)];
+                        }
+                    }
+                    Layout::Transformers => {
+                        for (j, byte) in codes.iter().enumerate() {
+                            let col = g * BLOCK + 2 * j;
+                            dst[col * r + row] = vals[usize::from(byte & 0x0F)];
+                            dst[(col + 1) * r + row] = vals[usize::from(byte >> 4)];
+                        }
+                    }
                 }
             }
         }
-    }
+    });
     Ok(out)
 }
 
-/// The stored tensors (u8) to a `(E, C, R)` tensor of `dtype` (f32, bf16 or f16) on `device`.
+/// Dequantizes into f32, laid out `(E, C, R)` (transformers').
+pub fn dequantize_f32(blocks: &[u8], scales: &[u8], shape: Mxfp4Shape) -> Result<Vec<f32>> {
+    fill(blocks, scales, shape, Layout::Transformers, |x| x)
+}
+
+/// A u8 tensor's bytes: borrowed when it is a contiguous host tensor (the blocks of a large
+/// stack are not copied), else copied out.
+fn with_bytes<R>(t: &Tensor, f: impl FnOnce(&[u8]) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    if let (candle_core::Storage::Cpu(candle_core::CpuStorage::U8(v)), Some((a, b))) =
+        (&*storage, layout.contiguous_offsets())
+    {
+        return f(&v[a..b]);
+    }
+    drop(storage);
+    let v = t
+        .flatten_all()
+        .and_then(|t| t.to_vec1::<u8>())
+        .map_err(|source| QuantError::Candle {
+            op: "mxfp4 dequantize",
+            source,
+        })?;
+    f(&v)
+}
+
+/// The stored tensors (u8) to a tensor of `dtype` (f32, bf16 or f16) on `device`, laid out as
+/// `layout` says: `(E, C, R)` or `(E, R, C)`. The values are made in `dtype` on the host (no f32
+/// copy of a bf16 stack): each is the f32 value cast as candle's `to_dtype` casts it
+/// (`bf16::from_f32`, `f16::from_f32`), exact for bf16 (every finite value has at most two
+/// mantissa bits), rounded as torch's cast for f16.
 pub fn dequantize(
     name: &str,
     blocks: &Tensor,
     scales: &Tensor,
+    layout: Layout,
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
@@ -119,16 +188,34 @@ pub fn dequantize(
             });
         }
     }
-    let bytes = |t: &Tensor| {
-        t.flatten_all()
-            .and_then(|t| t.to_vec1::<u8>())
-            .map_err(candle)
+    let dims = match layout {
+        Layout::Transformers => (shape.experts, shape.cols(), shape.rows),
+        Layout::Rows => (shape.experts, shape.rows, shape.cols()),
     };
-    let values = dequantize_f32(&bytes(blocks)?, &bytes(scales)?, shape)?;
-    // Every finite value has at most two mantissa bits: the cast is exact (as torch's).
-    Tensor::from_vec(values, (shape.experts, shape.cols(), shape.rows), device)
-        .and_then(|t| t.to_dtype(dtype))
-        .map_err(candle)
+    with_bytes(blocks, |b| {
+        with_bytes(scales, |s| {
+            let t = match dtype {
+                DType::F32 => Tensor::from_vec(fill(b, s, shape, layout, |x| x)?, dims, device),
+                DType::BF16 => Tensor::from_vec(
+                    fill(b, s, shape, layout, half::bf16::from_f32)?,
+                    dims,
+                    device,
+                ),
+                DType::F16 => Tensor::from_vec(
+                    fill(b, s, shape, layout, half::f16::from_f32)?,
+                    dims,
+                    device,
+                ),
+                other => {
+                    return Err(QuantError::BadTensor {
+                        tensor: name.to_string(),
+                        message: format!("mxfp4 dequantized to {other:?}: f32, bf16 or f16 only"),
+                    })
+                }
+            };
+            t.map_err(candle)
+        })
+    })
 }
 
 #[cfg(test)]
@@ -169,5 +256,52 @@ mod tests {
         assert_eq!((out[4], out[5]), (0.0, 0.0), "zero under any scale");
         let e = Mxfp4Shape::from_dims("w", &[1, 2, 1, 16], &[1, 2, 2]).unwrap_err();
         assert!(e.to_string().contains("are not (E, R, G, 16)"), "{e}");
+    }
+
+    /// [`Layout::Rows`] is the transpose of [`Layout::Transformers`], and each dtype's values are
+    /// candle's `to_dtype` of the f32 ones, bit for bit: every byte value, and scales from
+    /// subnormal (0, 1) through 1 (127) to overflow (254, 255), on 3 experts of 5 rows of 2 blocks.
+    #[test]
+    fn rows_layout_and_dtypes_are_the_f32_transposed_and_cast() {
+        let shape = Mxfp4Shape {
+            experts: 3,
+            rows: 5,
+            groups: 2,
+        };
+        let n = shape.experts * shape.rows * shape.groups;
+        let blocks: Vec<u8> = (0..n * 16).map(|i| (i * 37 + 11) as u8).collect();
+        let scales: Vec<u8> = (0..n)
+            .map(|i| [0u8, 1, 100, 127, 130, 200, 254, 255][i % 8])
+            .collect();
+        let dev = Device::Cpu;
+        let t = |b: &[u8], dims: &[usize]| Tensor::from_slice(b, dims, &dev).unwrap();
+        let (bt, st) = (t(&blocks, &[3, 5, 2, 16]), t(&scales, &[3, 5, 2]));
+        let bits = |x: &Tensor| -> Vec<u32> {
+            let v: Vec<f32> = x
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        };
+        let f32_t = dequantize("w", &bt, &st, Layout::Transformers, DType::F32, &dev).unwrap();
+        assert_eq!(f32_t.dims(), [3, 64, 5]);
+        assert!(bits(&f32_t)
+            .iter()
+            .any(|&b| f32::from_bits(b).is_infinite()));
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let want = f32_t.to_dtype(dtype).unwrap();
+            let got = dequantize("w", &bt, &st, Layout::Transformers, dtype, &dev).unwrap();
+            assert_eq!(got.dtype(), dtype);
+            assert_eq!(bits(&got), bits(&want), "{dtype:?} (E, C, R)");
+            let rows = dequantize("w", &bt, &st, Layout::Rows, dtype, &dev).unwrap();
+            assert_eq!(rows.dims(), [3, 5, 64]);
+            let want_rows = want.transpose(1, 2).unwrap().contiguous().unwrap();
+            assert_eq!(bits(&rows), bits(&want_rows), "{dtype:?} (E, R, C)");
+        }
+        let e = dequantize("w", &bt, &st, Layout::Rows, DType::F64, &dev).unwrap_err();
+        assert!(e.to_string().contains("f32, bf16 or f16 only"), "{e}");
     }
 }

@@ -22,7 +22,15 @@ fn check(case: &str, dtype: DType, suffix: &str) {
     let g = St::new(&bytes);
     let blocks = tensor(&g, &format!("{case}.blocks"));
     let scales = tensor(&g, &format!("{case}.scales"));
-    let got = mxfp4::dequantize(case, &blocks, &scales, dtype, &Device::Cpu).unwrap();
+    let got = mxfp4::dequantize(
+        case,
+        &blocks,
+        &scales,
+        mxfp4::Layout::Transformers,
+        dtype,
+        &Device::Cpu,
+    )
+    .unwrap();
     let want_view = g.0.tensor(&format!("{case}.{suffix}")).unwrap();
     assert_eq!(
         got.dims(),

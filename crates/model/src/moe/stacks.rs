@@ -4,9 +4,9 @@
 //!
 //! - transformers 5's fused 3-D stacks `<layer>.mlp.experts.{gate_up_proj,down_proj}`: a slice
 //!   of their leading expert axis, contiguous in the file ([`TensorSource::piece`]); gpt-oss's
-//!   stored `(E, in, out)` and transposed here; or in MXFP4 as its release keeps them
-//!   (`<name>_blocks` `(E, out, G, 16)`, `<name>_scales` `(E, out, G)`, likewise sliced), then
-//!   dequantized as transformers does;
+//!   stored `(E, in, out)` and transposed here expert by expert; or in MXFP4 as its release
+//!   keeps them (`<name>_blocks` `(E, out, G, 16)`, `<name>_scales` `(E, out, G)`, likewise
+//!   sliced), dequantized as transformers does straight into `(E, out, in)`;
 //! - else the family's released per-expert layout ([`Released`]: Qwen3-MoE's
 //!   `mlp.experts.N.{gate,up,down}_proj`, Mixtral's `block_sparse_moe.experts.N.{w1,w3,w2}`):
 //!   only experts `e0..e1`'s tensors, stacked.
@@ -83,25 +83,56 @@ fn fused(
     let (e, i) = (mc.experts, mc.intermediate);
     let gu_name = format!("{prefix}.experts.gate_up_proj");
     let dn_name = format!("{prefix}.experts.down_proj");
-    // (n, out, in) as the op takes it; stored (E, in, out) when `transposed`.
+    // (n, out, in) as the op takes it; stored (E, in, out) when `transposed`, or in MXFP4
+    // (dequantized straight into (n, out, in)).
     let load = |name: &str, out: usize, inp: usize| -> Result<Tensor> {
-        if !mc.transposed {
-            return slab(w, name, &[e, out, inp], experts, false);
+        match (mc.transposed, mc.mxfp4 && !w.has(name)) {
+            (false, _) => slab(w, name, &[e, out, inp], experts, false),
+            (true, true) => mxfp4(w, name, [e, inp, out], like, experts),
+            (true, false) => transposed(w, name, [e, inp, out], like, experts),
         }
-        let stored = match w.has(name) || !mc.mxfp4 {
-            true => slab(w, name, &[e, inp, out], experts, false)?,
-            false => mxfp4(w, name, [e, inp, out], like, experts)?,
-        };
-        stored
-            .transpose(1, 2)
-            .and_then(|t| t.contiguous())
-            .map_err(|err| ModelError::candle(format!("{name}: (E, in, out) to (E, out, in)"), err))
     };
     match load(&gu_name, 2 * i, h) {
         Ok(gu) => Ok(Some((gu, load(&dn_name, h, i)?))),
         Err(ModelError::MissingTensor { .. }) => Ok(None),
         Err(other) => Err(other),
     }
+}
+
+/// Experts `experts` of `name`, stored `(E, in, out)`, as `(n, out, in)`: each expert's piece
+/// read and transposed into the stack in turn, so that besides the stack only one expert's
+/// matrices exist (the whole slab and its transpose were two copies of the stack at once).
+fn transposed(
+    w: &dyn TensorSource,
+    name: &str,
+    shape: [usize; 3],
+    like: &Tensor,
+    experts: &Range<usize>,
+) -> Result<Tensor> {
+    let [_, inp, out] = shape;
+    let n = experts.len();
+    if n == 0 {
+        // No expert (a rank past the last): the tensor checked (present, its shape), no bytes.
+        slab(w, name, &shape, experts, false)?;
+    }
+    let err = |what: String| move |source| ModelError::candle(format!("{name}: {what}"), source);
+    let stack = Tensor::zeros((n * out, inp), like.dtype(), like.device()).map_err(err(
+        format!("({}, {inp}) stack of experts {experts:?}", n * out),
+    ))?;
+    for (j, x) in experts.clone().enumerate() {
+        // (in, out) → (out, in), into rows j·out.. of the stack.
+        let t = slab(w, name, &shape, &(x..x + 1), false)?
+            .reshape((inp, out))
+            .and_then(|t| t.t())
+            .and_then(|t| t.contiguous())
+            .map_err(err(format!("expert {x} (in, out) to (out, in)")))?;
+        stack
+            .slice_set(&t, 0, j * out)
+            .map_err(err(format!("expert {x} into its stack")))?;
+    }
+    stack
+        .reshape((n, out, inp))
+        .map_err(err(format!("(n, out, in) stack of experts {experts:?}")))
 }
 
 /// The released per-expert layout, experts `experts` stacked: `(n, 2I, H)` (gate rows then up)
@@ -154,8 +185,10 @@ fn per_expert(
     ))
 }
 
-/// An MXFP4 stack `name` (`<name>_blocks`, `<name>_scales`), experts `experts`, dequantized as
-/// transformers does ([`rtune_quant::mxfp4`]) to `(n, in, out)` in `like`'s dtype and device.
+/// An MXFP4 stack `name` (`<name>_blocks`, `<name>_scales`, stored rows `out` of `in` values),
+/// experts `experts`, dequantized as transformers does ([`rtune_quant::mxfp4`]) straight into
+/// the op's `(n, out, in)` (the stored rows; transformers' own layout is their transpose) in
+/// `like`'s dtype and device: one copy of the stack besides the codes.
 fn mxfp4(
     w: &dyn TensorSource,
     name: &str,
@@ -182,10 +215,10 @@ fn mxfp4(
         true,
     )?;
     let scales = slab(w, &format!("{name}_scales"), &[e, out, g], experts, true)?;
-    rtune_quant::mxfp4::dequantize(name, &blocks, &scales, like.dtype(), like.device()).map_err(
-        |source| ModelError::Quant {
+    let rows = rtune_quant::mxfp4::Layout::Rows;
+    rtune_quant::mxfp4::dequantize(name, &blocks, &scales, rows, like.dtype(), like.device())
+        .map_err(|source| ModelError::Quant {
             path: std::path::PathBuf::from(name),
             source,
-        },
-    )
+        })
 }
