@@ -124,8 +124,12 @@ pub(crate) fn lora_tensors(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64,
 /// `moe/stacks.rs`; `e`: bytes per element of the compute dtype):
 /// - unsharded, the stacks in the compute dtype: the weights themselves, nothing more (the
 ///   released per-expert layout is copied into the stacks expert by expert), except the stored
-///   copy of a fused stack being converted from another dtype (`file_e`) and gpt-oss's
-///   `(E, in, out)` stack next to its transposed copy, counted for the larger stack;
+///   copy of a fused stack being converted from another dtype (`file_e`), and for gpt-oss's
+///   `(E, in, out)` stacks one stack more in the compute dtype: an upper bound of what loading
+///   one holds besides it (its MXFP4 codes, 17/32 of a byte an element, or one expert's piece
+///   and its transpose), kept so since the mapped checkpoint is counted whole while a 16-bit
+///   stack is read by pieces (synthetic 4-layer gpt-oss, 32 experts, bf16: estimate 1195 MB
+///   MXFP4 and 1787 MB 16-bit, measured peak RSS 1115 and 1105 MB);
 /// - unsharded with `quantize_experts`: both dense stacks (quantized expert by expert once both
 ///   are read; `crates/model/tests/moe_load_memory.rs`), and the same copies;
 /// - a sharded base's rank: its experts' largest stack read, then copied into its shard (two
@@ -195,8 +199,16 @@ pub(crate) fn layer_cache(
     if matches!(moe.routing, Routing::SoftmaxTopK { .. }) {
         v.push(item(name, n * x * 4, 1)); // the softmax (N, E) f32
     }
-    let adapted = stacks_of(c, s, l).iter().filter(|st| st.3).count() as u64;
-    v.push(item(name, rows * s.r as u64 * e, adapted)); // x·Aᵀ (n_e, r) per adapted stack
+    let adapted: Vec<_> = stacks_of(c, s, l).into_iter().filter(|st| st.3).collect();
+    // x·Aᵀ (n_e, r) per adapted stack.
+    v.push(item(name, rows * s.r as u64 * e, adapted.len() as u64));
+    if grouped(k) {
+        // The grouped path's `Cache` keeps each adapted stack's `lora_B` repacked `(E, out, r)`
+        // f32 for the backward.
+        for (x, _, out, _) in adapted {
+            v.push(item(name, x * out * s.r as u64 * 4, 1));
+        }
+    }
     v
 }
 
@@ -211,8 +223,8 @@ fn grouped(k: &Dims) -> bool {
 /// On the grouped path (`grouped::backward`, f32), at its end, all alive at once: each row's
 /// input gradient `(R, D)`, `∂L/∂w` by row and by slot `(R)`, the input gradient summed per token
 /// and with the router's added `(N, D)` each, `∂L/∂logits` `(N, E)`; per adapted stack its
-/// `lora_B` repacked `(E, out, r)`, its LoRA gradients `E·r·(in + out)` and the `dB` permuted
-/// into PEFT's layout `(out, r·E)`; and each compute thread's scratch (kept across jobs,
+/// LoRA gradients `E·r·(in + out)` and the `dB` permuted into PEFT's layout `(out, r·E)` (its
+/// `lora_B` repacked `(E, out, r)` is the forward's, in [`layer_cache`]); and each compute thread's scratch (kept across jobs,
 /// layers and steps): one expert's `dy·w`, activation and gate/up gradients, gathered input
 /// and `dy·B`, `n_e·(2D + 3I + r)` f32 for its largest expert, taken as 4 times the mean
 /// `R/E` rows (at most `N`: an expert takes a token once).
@@ -250,7 +262,7 @@ pub(crate) fn backward_items(c: &ModelConfig, s: &Settings, k: &Dims, l: usize) 
             item(w, busiest * (2 * d + 3 * i + r_max) * 4, threads),
         ];
         for (x, inp, out, _) in adapted {
-            v.push(item(w, x * out * r * 4, 2));
+            v.push(item(w, x * out * r * 4, 1));
             v.push(item(w, x * r * (inp + out) * 4, 1));
         }
         return v;

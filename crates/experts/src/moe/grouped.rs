@@ -301,6 +301,7 @@ impl<'a> LoraView<'a> {
 }
 
 /// A LoRA pair as the kernels read it: `a: (E·r, in)` (PEFT's), `b: (E, out, r)` (repacked).
+#[derive(Debug, Clone)]
 struct Lora {
     a: Tensor,
     b: Tensor,
@@ -410,6 +411,10 @@ pub(super) struct Cache {
     /// `X_e A_eᵀ` of both pairs, `(R, r)`.
     xa_gu: Option<Tensor>,
     xa_dn: Option<Tensor>,
+    /// Both pairs as the forward read them, `B` repacked per expert: the backward's, not
+    /// repacked again (`E·out·r` values a pair while the cache lives).
+    lora_gu: Option<Lora>,
+    lora_dn: Option<Lora>,
 }
 
 /// Row order, offsets and each token's rows of `g`.
@@ -706,9 +711,12 @@ pub(super) fn forward(
             r => Ok(Some(Tensor::from_vec(v, (rows, r), dev)?)),
         }
     };
+    drop((vlgu, vldn));
     let cache = Cache {
         xa_gu: xa(xa_gu, rgu)?,
         xa_dn: xa(xa_dn, rdn)?,
+        lora_gu: lgu,
+        lora_dn: ldn,
         off,
         token,
         slot,
@@ -773,13 +781,14 @@ pub(super) fn backward(
         StackView::of(&down, "down")?,
     );
     let (wgu, wdn) = (gate_up.w(), down.w());
-    let (lgu, ldn) = (
-        Lora::of(&ex.lora_gate_up, e_n)?,
-        Lora::of(&ex.lora_down, e_n)?,
-    );
+    // The forward's pairs (B repacked there); the experts' must be the same ones.
+    let (lgu, ldn) = (c.lora_gu.as_ref(), c.lora_dn.as_ref());
+    if ex.lora_gate_up.is_some() != lgu.is_some() || ex.lora_down.is_some() != ldn.is_some() {
+        bail!("moe grouped backward: LoRA on the experts differs from the forward's");
+    }
     let (vlgu, vldn) = (
-        LoraView::of(lgu.as_ref(), c.xa_gu.as_ref())?,
-        LoraView::of(ldn.as_ref(), c.xa_dn.as_ref())?,
+        LoraView::of(lgu, c.xa_gu.as_ref())?,
+        LoraView::of(ldn, c.xa_dn.as_ref())?,
     );
     let (sgu, sdn) = (
         vlgu.as_ref().map(LoraView::bwd).transpose()?,
