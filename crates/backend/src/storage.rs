@@ -7,6 +7,7 @@
 //! op, the tensor and its layout.
 
 use candle_core::{bail, CpuStorage, DType, Error, Layout, Result, Shape, WithDType};
+use rayon::prelude::*;
 
 /// `(start, end)` of a contiguous layout in its storage, or an error naming the op and the layout.
 pub fn contiguous(op: &str, what: &str, l: &Layout) -> Result<(usize, usize)> {
@@ -30,6 +31,32 @@ pub fn slice<'a, T: WithDType>(
 ) -> Result<&'a [T]> {
     let (a, b) = contiguous(op, what, l)?;
     Ok(&s.as_slice::<T>()?[a..b])
+}
+
+/// Elements one rayon job copies in [`par_copy`].
+const COPY_BLOCK: usize = 1 << 16;
+
+/// `v` copied over rayon's threads (a `Vec` clone or candle's `to_vec1` copies on one).
+pub fn par_copy(v: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    out.par_chunks_mut(COPY_BLOCK)
+        .zip(v.par_chunks(COPY_BLOCK))
+        .for_each(|(o, i)| o.copy_from_slice(i));
+    out
+}
+
+/// An f32 tensor's values as a flat vector: a contiguous host tensor's copied with [`par_copy`],
+/// any other through candle (`flatten_all`, `to_vec1`, which refuses another dtype).
+pub fn host_f32(t: &candle_core::Tensor) -> Result<Vec<f32>> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(par_copy(&v[a..b]));
+        }
+    }
+    t.flatten_all()?.to_vec1()
 }
 
 /// The one float dtype of an op's tensors (f32, bf16 or f16).
@@ -111,4 +138,30 @@ pub fn output<T: cudarc::driver::DeviceRepr>(
 #[cfg(feature = "cuda")]
 pub fn stream(dev: &candle_core::CudaDevice) -> std::sync::Arc<cudarc::driver::CudaStream> {
     dev.cuda_stream()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    /// `host_f32` is candle's `to_vec1` of the flattened tensor, exactly (a copy moves values):
+    /// contiguous, at an offset into a larger buffer (a narrow), strided (a transpose, through
+    /// candle), over several copy blocks with a tail; a bf16 tensor refused as `to_vec1` refuses it.
+    #[test]
+    fn host_f32_is_candles_flat_copy() {
+        let n = 3 * COPY_BLOCK + 17;
+        let v: Vec<f32> = (0..2 * n).map(|i| i as f32 * 0.5 - 7.0).collect();
+        let t = Tensor::from_vec(v, (2, n), &Device::Cpu).unwrap();
+        let want = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+        for x in [
+            t.clone(),
+            t.narrow(0, 1, 1).unwrap(),
+            t.narrow(1, 5, 40).unwrap().t().unwrap(),
+        ] {
+            assert_eq!(host_f32(&x).unwrap(), want(&x), "{:?}", x.layout());
+        }
+        assert_eq!(par_copy(&[]), Vec::<f32>::new());
+        assert!(host_f32(&t.to_dtype(DType::BF16).unwrap()).is_err());
+    }
 }

@@ -240,7 +240,7 @@ impl LoraOptimizer {
         }
         adamw.update_grouped(params, &gv, lr, &self.hyper.lr_scales(gv.len()));
         for (t, v) in adapter.trainable_mut().into_iter().zip(params.iter()) {
-            *t = Tensor::from_vec(v.clone(), t.shape(), t.device())
+            *t = Tensor::from_vec(rtune_backend::storage::par_copy(v), t.shape(), t.device())
                 .map_err(TrainError::candle("adapter update"))?;
         }
         Ok(Applied {
@@ -310,7 +310,7 @@ pub(crate) fn has_magnitude(adapter: &Adapter) -> Vec<bool> {
 }
 
 pub(crate) fn flat(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
+    rtune_backend::storage::host_f32(t)
 }
 
 #[cfg(test)]

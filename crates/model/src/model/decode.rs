@@ -1,8 +1,8 @@
 //! Decoding with a key/value cache, for generation and for sampling inside training (GRPO): the
 //! prompts run once, then each new token attends to the cached rotated keys and values of
 //! everything before it. There is no forward here: each layer runs its own
-//! ([`Layer::forward_cached`], the training forward in its cached mode), so every family flag
-//! applies as in training. Inference only (no backward, no dropout).
+//! ([`crate::layer::Layer::forward_cached`], the training forward in its cached mode), so every
+//! family flag applies as in training. Inference only (no backward, no dropout).
 //!
 //! Rows are decoded together. Prompts of unequal lengths are left-padded to one length: a row's
 //! padding slots come first in its cache and no query of the row ever sees them
