@@ -44,8 +44,14 @@
 # 1190.7 / 1189.3 (2.63x / 2.52x / 2.32x / 2.52x; 044ace7 2.49x / 2.67x / 2.72x / 2.20x: a run
 # moves +-5%, ~3% fewer CPU seconds measured rtune alone), 0.31-0.33x RSS, 81.9-89.1% of the ceiling.
 #
+# Session 34 (the same VM, idle, 8 steps): f67f3a7 3030.2 / 3056.3 vs PEFT 968.9 / 1180.1
+# (3.13x / 2.59x); after the cached lora_B and the threaded optimizer host work 3070.3 / 2978.7 /
+# 3029.3 vs PEFT 1090.6 / 1061.2 / 1106.0 (2.82x / 2.81x / 2.74x), 0.31-0.32x RSS, 87.7-93.5% of
+# the ceiling. The shape's effect (LAYERS, HEAD_DIM): benches/README.md.
+#
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
-# built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), OUT (runs/bench-moe).
+# built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), HEAD_DIM (64: hidden / heads;
+# Qwen3-30B-A3B's is 128), OUT (runs/bench-moe).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-/work/.venv-ref/bin/python}
