@@ -148,7 +148,7 @@ fn sum_sq(x: &[f32]) -> f64 {
 }
 
 /// The global L2 norm of all gradients (in f64), and the factor `clip_grad_norm_` scales them by.
-/// Each gradient's blocks of [`NORM_BLOCK`] elements are summed over rayon's threads and the
+/// Each gradient's blocks of NORM_BLOCK (16 384) elements are summed over rayon's threads and the
 /// blocks' sums added in order: the same bits on any number of threads (a single sequential sum
 /// ran on one thread for ~5 ms a step on a 6.6 M-value adapter, the other core idle).
 pub fn clip_factor(grads: &[Vec<f32>], max_norm: f64) -> (f64, f64) {
