@@ -276,16 +276,7 @@ mod tests {
         let dev = Device::Cpu;
         let t = |b: &[u8], dims: &[usize]| Tensor::from_slice(b, dims, &dev).unwrap();
         let (bt, st) = (t(&blocks, &[3, 5, 2, 16]), t(&scales, &[3, 5, 2]));
-        let bits = |x: &Tensor| -> Vec<u32> {
-            let v: Vec<f32> = x
-                .to_dtype(DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            v.iter().map(|x| x.to_bits()).collect()
-        };
+        use rtune_ops::test_util::bits;
         let f32_t = dequantize("w", &bt, &st, Layout::Transformers, DType::F32, &dev).unwrap();
         assert_eq!(f32_t.dims(), [3, 64, 5]);
         assert!(bits(&f32_t)
