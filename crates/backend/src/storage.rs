@@ -33,15 +33,17 @@ pub fn slice<'a, T: WithDType>(
     Ok(&s.as_slice::<T>()?[a..b])
 }
 
-/// Elements one rayon job copies in [`par_copy`].
+/// Elements one rayon job copies at least in [`par_copy`].
 const COPY_BLOCK: usize = 1 << 16;
 
-/// `v` copied over rayon's threads (a `Vec` clone or candle's `to_vec1` copies on one).
+/// `v` copied over rayon's threads (a `Vec` clone or candle's `to_vec1` copies on one), written
+/// once into the new vector (no zeroing first).
 pub fn par_copy(v: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; v.len()];
-    out.par_chunks_mut(COPY_BLOCK)
-        .zip(v.par_chunks(COPY_BLOCK))
-        .for_each(|(o, i)| o.copy_from_slice(i));
+    let mut out = Vec::with_capacity(v.len());
+    v.par_iter()
+        .with_min_len(COPY_BLOCK)
+        .copied()
+        .collect_into_vec(&mut out);
     out
 }
 
@@ -147,7 +149,8 @@ mod tests {
 
     /// `host_f32` is candle's `to_vec1` of the flattened tensor, exactly (a copy moves values):
     /// contiguous, at an offset into a larger buffer (a narrow), strided (a transpose, through
-    /// candle), over several copy blocks with a tail; a bf16 tensor refused as `to_vec1` refuses it.
+    /// candle), over several copy blocks with a tail; a bf16 tensor refused as `to_vec1` refuses
+    /// it.
     #[test]
     fn host_f32_is_candles_flat_copy() {
         let n = 3 * COPY_BLOCK + 17;

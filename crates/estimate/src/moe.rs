@@ -224,10 +224,10 @@ fn grouped(k: &Dims) -> bool {
 /// input gradient `(R, D)`, `∂L/∂w` by row and by slot `(R)`, the input gradient summed per token
 /// and with the router's added `(N, D)` each, `∂L/∂logits` `(N, E)`; per adapted stack its
 /// LoRA gradients `E·r·(in + out)` and the `dB` permuted into PEFT's layout `(out, r·E)` (its
-/// `lora_B` repacked `(E, out, r)` is the forward's, in [`layer_cache`]); and each compute thread's scratch (kept across jobs,
-/// layers and steps): one expert's `dy·w`, activation and gate/up gradients, gathered input
-/// and `dy·B`, `n_e·(2D + 3I + r)` f32 for its largest expert, taken as 4 times the mean
-/// `R/E` rows (at most `N`: an expert takes a token once).
+/// `lora_B` repacked `(E, out, r)` is the forward's, in [`layer_cache`]); and each compute
+/// thread's scratch (kept across jobs, layers and steps): one expert's `dy·w`, activation and
+/// gate/up gradients, gathered input and `dy·B`, `n_e·(2D + 3I + r)` f32 for its largest expert,
+/// taken as 4 times the mean `R/E` rows (at most `N`: an expert takes a token once).
 ///
 /// On the per-expert path (other dtypes), per-expert tensors of the same sizes as the
 /// grouped path's `(R, ·)` buffers plus `dy` gathered by row, `w·dy`, the recomputed

@@ -269,8 +269,8 @@ mod tests {
 
     /// The norm over blocks equals a sequential f64 sum within 1e-12 relative (the order of the
     /// f64 adds: a sequential sum of n = 5·10⁴ squares is off by up to n·ε ≈ 5.6e-12 of the
-    /// total; seen 4.3e-14), and is the same bits on 1 and on 3 threads: 3 gradients of odd sizes, one
-    /// spanning several blocks, one empty.
+    /// total; seen 4.3e-14), and is the same bits on 1 and on 3 threads: 3 gradients of odd
+    /// sizes, one spanning several blocks, one empty.
     #[test]
     fn the_norm_is_the_same_on_any_thread_count() {
         let sizes = [3 * NORM_BLOCK + 11, 0, 777];
