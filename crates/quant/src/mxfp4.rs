@@ -176,10 +176,6 @@ pub fn dequantize(
     device: &Device,
 ) -> Result<Tensor> {
     let shape = Mxfp4Shape::from_dims(name, blocks.dims(), scales.dims())?;
-    let candle = |source| QuantError::Candle {
-        op: "mxfp4 dequantize",
-        source,
-    };
     for (t, what) in [(blocks, "blocks"), (scales, "scales")] {
         if t.dtype() != DType::U8 {
             return Err(QuantError::BadTensor {
@@ -192,28 +188,31 @@ pub fn dequantize(
         Layout::Transformers => (shape.experts, shape.cols(), shape.rows),
         Layout::Rows => (shape.experts, shape.rows, shape.cols()),
     };
+    // The values made in `T` by `conv`, as a `dims` tensor on `device`.
+    fn make<T: candle_core::WithDType + Default>(
+        (b, s): (&[u8], &[u8]),
+        (shape, layout): (Mxfp4Shape, Layout),
+        (dims, device): ((usize, usize, usize), &Device),
+        conv: impl Fn(f32) -> T + Sync,
+    ) -> Result<Tensor> {
+        let values = fill(b, s, shape, layout, conv)?;
+        Tensor::from_vec(values, dims, device).map_err(|source| QuantError::Candle {
+            op: "mxfp4 dequantize",
+            source,
+        })
+    }
     with_bytes(blocks, |b| {
         with_bytes(scales, |s| {
-            let t = match dtype {
-                DType::F32 => Tensor::from_vec(fill(b, s, shape, layout, |x| x)?, dims, device),
-                DType::BF16 => Tensor::from_vec(
-                    fill(b, s, shape, layout, half::bf16::from_f32)?,
-                    dims,
-                    device,
-                ),
-                DType::F16 => Tensor::from_vec(
-                    fill(b, s, shape, layout, half::f16::from_f32)?,
-                    dims,
-                    device,
-                ),
-                other => {
-                    return Err(QuantError::BadTensor {
-                        tensor: name.to_string(),
-                        message: format!("mxfp4 dequantized to {other:?}: f32, bf16 or f16 only"),
-                    })
-                }
-            };
-            t.map_err(candle)
+            let (codes, how, to) = ((b, s), (shape, layout), (dims, device));
+            match dtype {
+                DType::F32 => make(codes, how, to, |x| x),
+                DType::BF16 => make(codes, how, to, half::bf16::from_f32),
+                DType::F16 => make(codes, how, to, half::f16::from_f32),
+                other => Err(QuantError::BadTensor {
+                    tensor: name.to_string(),
+                    message: format!("mxfp4 dequantized to {other:?}: f32, bf16 or f16 only"),
+                }),
+            }
         })
     })
 }
@@ -221,6 +220,7 @@ pub fn dequantize(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rtune_ops::test_util::bits;
 
     #[test]
     fn ldexp_is_torch_ldexp() {
@@ -276,7 +276,6 @@ mod tests {
         let dev = Device::Cpu;
         let t = |b: &[u8], dims: &[usize]| Tensor::from_slice(b, dims, &dev).unwrap();
         let (bt, st) = (t(&blocks, &[3, 5, 2, 16]), t(&scales, &[3, 5, 2]));
-        use rtune_ops::test_util::bits;
         let f32_t = dequantize("w", &bt, &st, Layout::Transformers, DType::F32, &dev).unwrap();
         assert_eq!(f32_t.dims(), [3, 64, 5]);
         assert!(bits(&f32_t)
