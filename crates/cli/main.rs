@@ -28,6 +28,7 @@ mod cmd {
 // The MPI transport lives with the rest of data parallelism in crates/dist but is compiled into
 // this binary only (not into rtune-dist): turning on `mpi` then rebuilds the binary and its tests,
 // not the libraries (crates/dist/src/mpi.rs says why).
+mod alloc;
 #[cfg(feature = "mpi")]
 #[path = "../dist/src/mpi.rs"]
 mod mpi;
@@ -51,24 +52,8 @@ fn world() -> Result<rtune_dist::World> {
     }
 }
 
-// Training allocates and frees the same large activation buffers every step. By default glibc
-// serves blocks above a moving threshold with mmap and hands them back to the kernel when freed,
-// and trims the heap top, so each step paid again for fresh zeroed pages (~25% of a bench-small
-// step in page faults). With the mmap threshold fixed at its maximum (32 MiB; rtune keeps its big
-// buffers below it: attention scores per batch row, 24 MiB logits chunks) and no trimming, freed
-// memory stays in the heap and is reused: faster and smaller (measured in benches/README.md).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn tune_allocator() {
-    // SAFETY: mallopt only sets allocator parameters; no other thread exists yet.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX);
-        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn tune_allocator() {}
+#[global_allocator]
+static ALLOC: alloc::Thp = alloc::Thp;
 
 /// `rtune --version`: the crate version and the compute features built in (`cpu`, or `cuda`; `mpi`
 /// when data parallelism over MPI is in), so a bug report or a pip-installed wheel names its build.
@@ -122,7 +107,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    tune_allocator();
+    alloc::tune();
     let cli = Cli::parse();
     // A resume keeps the CBLAS and the oneDNN its run recorded (bit-for-bit continuation), so
     // they are pinned before they load: from the local run.json, or the store's when the
