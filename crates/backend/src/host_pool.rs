@@ -5,8 +5,7 @@
 //! synchronise the device and cost milliseconds).
 //!
 //! Device-agnostic (generic over the buffer, tested with plain `Vec<u8>`); the CUDA side supplies
-//! the allocation. The experts' CPU path (`rtune-experts`, `moe::grouped`) recycles its per-layer
-//! `Vec<f32>` buffers through one too (skipping their zero fill). Policy, per request of `n` bytes:
+//! the allocation. Policy, per request of `n` bytes:
 //! - **best fit**: the smallest free buffer of at least `n` bytes is reused (a shorter micro-batch
 //!   reuses a longer one's buffer; only the first `n` bytes are copied in and out);
 //! - **outgrown buffers go**: when no free buffer is large enough, the free buffers smaller than
@@ -15,7 +14,7 @@
 //!   buffers) of the longest micro-batch seen, plus nothing that can no longer be used.
 
 /// A host buffer the pool can hold: only its capacity matters here.
-pub trait PoolBuffer {
+pub(crate) trait PoolBuffer {
     /// Capacity in bytes.
     fn capacity_bytes(&self) -> usize;
 }
@@ -23,13 +22,6 @@ pub trait PoolBuffer {
 impl PoolBuffer for Vec<u8> {
     fn capacity_bytes(&self) -> usize {
         self.len()
-    }
-}
-
-/// A recycled `Vec<f32>` is resized to each request within its capacity.
-impl PoolBuffer for Vec<f32> {
-    fn capacity_bytes(&self) -> usize {
-        self.capacity() * 4
     }
 }
 
@@ -49,29 +41,16 @@ pub struct PoolStats {
 }
 
 /// Free buffers, and counts of what happened.
-pub struct HostPool<B> {
+pub(crate) struct HostPool<B> {
     free: Vec<B>,
     stats: PoolStats,
 }
 
-impl<B: PoolBuffer> Default for HostPool<B> {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl<B: PoolBuffer> HostPool<B> {
-    /// An empty pool (`const`: a pool can be a `static`).
-    pub const fn new() -> Self {
+    pub fn new() -> Self {
         Self {
             free: Vec::new(),
-            stats: PoolStats {
-                allocations: 0,
-                reuses: 0,
-                released: 0,
-                free: 0,
-                free_bytes: 0,
-            },
+            stats: PoolStats::default(),
         }
     }
 
@@ -107,7 +86,6 @@ impl<B: PoolBuffer> HostPool<B> {
         self.free.push(b);
     }
 
-    /// The counts so far, and what is free now.
     pub fn stats(&self) -> PoolStats {
         PoolStats {
             free: self.free.len(),

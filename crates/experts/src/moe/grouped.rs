@@ -36,10 +36,7 @@
 
 use candle_core::{bail, CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
-use rtune_backend::host_pool::HostPool;
-use std::convert::Infallible;
 use std::ops::Deref;
-use std::sync::{Mutex, PoisonError};
 
 use super::stack::{Source, Weights};
 use super::{act, dims, Experts, Groups};
@@ -395,39 +392,8 @@ fn zeroed(n: usize) -> Vec<f32> {
     v
 }
 
-/// The forward's `(R, ·)` buffers, every element of which a job writes before anything reads
-/// it (gate/up outputs, activations, down outputs), given back when their layer's [`Cache`]
-/// drops: recycled, they skip the zero fill of a new buffer (70 MiB a layer at
-/// `benches/moe_vs_peft.sh`'s shape). The pool ([`rtune_backend::host_pool`]'s policy) holds at
-/// most the buffers of the caches alive at once, for the process's life. Measured there (2-core
-/// AVX2 EPYC, 8 steps, three alternating triples): +2.9% tokens/s on average, peak RSS +10 MB;
-/// recycling the backward's `(R, H)` input-gradient rows too gained no more and cost +40 MB
-/// (the pooled buffer is no longer free for the step's other allocations).
-pub(super) static RECYCLED: Mutex<HostPool<Vec<f32>>> = Mutex::new(HostPool::new());
-
-/// `n` values whose contents are a previous layer's (a recycled buffer), or zeros (a new one).
-fn stale(n: usize) -> Vec<f32> {
-    let mut pool = RECYCLED.lock().unwrap_or_else(PoisonError::into_inner);
-    let fresh = |bytes: usize| Ok::<_, Infallible>(zeroed(bytes / 4));
-    let Ok(mut v) = pool.take(n * 4, fresh);
-    drop(pool);
-    // Within the capacity: truncated, or grown by zeros (no reallocation).
-    v.resize(n, 0.0);
-    v
-}
-
-/// Gives a buffer of [`stale`] back for the next layer.
-pub(super) fn recycle(v: Vec<f32>) {
-    if v.capacity() > 0 {
-        RECYCLED
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .give(v);
-    }
-}
-
-/// The forward's cache: rows sorted by expert and what the backward reads. Its output buffers go
-/// back to [`RECYCLED`] when it drops.
+/// The forward's cache: rows sorted by expert and what the backward reads.
+#[derive(Debug)]
 pub(super) struct Cache {
     /// Expert `e`'s rows `off[e]..off[e+1]`; `token[i]`, `slot[i]` of row `i`.
     off: Vec<usize>,
@@ -437,11 +403,11 @@ pub(super) struct Cache {
     rows_of: Vec<u32>,
     /// The input `(T, H)` (shared with the caller's, not copied; the backward gathers each
     /// expert's rows again for `dA`), the gate/up outputs `(R, 2I)`, the activations `(R, I)`,
-    /// the down projection's output before its routing weight `(R, H)`, row-major.
+    /// the down projection's output before its routing weight `(R, H)`.
     x: Tensor,
-    gu: Vec<f32>,
-    m: Vec<f32>,
-    d: Vec<f32>,
+    gu: Tensor,
+    m: Tensor,
+    d: Tensor,
     /// `X_e A_eᵀ` of both pairs, `(R, r)`.
     xa_gu: Option<Tensor>,
     xa_dn: Option<Tensor>,
@@ -449,27 +415,6 @@ pub(super) struct Cache {
     /// repacked again (`E·out·r` values a pair while the cache lives).
     lora_gu: Option<Lora>,
     lora_dn: Option<Lora>,
-}
-
-impl Drop for Cache {
-    fn drop(&mut self) {
-        for v in [&mut self.gu, &mut self.m, &mut self.d] {
-            recycle(std::mem::take(v));
-        }
-    }
-}
-
-impl std::fmt::Debug for Cache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Cache")
-            .field("rows", &self.token.len())
-            .field("experts", &self.off.len().saturating_sub(1))
-            .field("x", &self.x.dims())
-            .field("gu", &self.gu.len())
-            .field("m", &self.m.len())
-            .field("d", &self.d.len())
-            .finish_non_exhaustive()
-    }
 }
 
 /// Row order, offsets and each token's rows of `g`.
@@ -725,9 +670,9 @@ pub(super) fn forward(
     let vx = View::of(&x, "x")?;
     let xv = vx.s();
     // (R, 2I) gate/up outputs, (R, I) activations, (R, H) down outputs, (R, r) LoRA inputs.
-    let mut gu = stale(rows * 2 * i);
-    let mut m = stale(rows * i);
-    let mut d = stale(rows * h);
+    let mut gu = zeroed(rows * 2 * i);
+    let mut m = zeroed(rows * i);
+    let mut d = zeroed(rows * h);
     let mut xa_gu = zeroed(rows * rgu);
     let mut xa_dn = zeroed(rows * rdn);
     let jobs: Vec<_> = split(&mut gu, &off, 2 * i)
@@ -777,9 +722,9 @@ pub(super) fn forward(
         slot,
         rows_of,
         x: x.clone(),
-        gu,
-        m,
-        d,
+        gu: Tensor::from_vec(gu, (rows, 2 * i), dev)?,
+        m: Tensor::from_vec(m, (rows, i), dev)?,
+        d: Tensor::from_vec(d, (rows, h), dev)?,
     };
     drop(vx);
     Ok((Tensor::from_vec(y, (t, h), dev)?, cache))
@@ -823,18 +768,13 @@ pub(super) fn backward(
     let dev = dy.device();
     let dy = dy.contiguous()?;
     let vdy = View::of(&dy, "dy")?;
-    let vx = View::of(&c.x, "x")?;
-    let (dyv, xv, guv, mv, dv) = (vdy.s(), vx.s(), &c.gu[..], &c.m[..], &c.d[..]);
-    if guv.len() != rows * 2 * i || mv.len() != rows * i || dv.len() != rows * h {
-        bail!(
-            "moe grouped backward: cached outputs of {}, {}, {} values for {rows} rows of \
-             widths {}, {i}, {h}",
-            guv.len(),
-            mv.len(),
-            dv.len(),
-            2 * i
-        );
-    }
+    let (vx, vgu, vm, vd) = (
+        View::of(&c.x, "x")?,
+        View::of(&c.gu, "gate_up output")?,
+        View::of(&c.m, "act")?,
+        View::of(&c.d, "d")?,
+    );
+    let (dyv, xv, guv, mv, dv) = (vdy.s(), vx.s(), vgu.s(), vm.s(), vd.s());
     let (gate_up, down) = (ex.gate_up.source()?, ex.down.source()?);
     let (gate_up, down) = (
         StackView::of(&gate_up, "gate_up")?,
