@@ -204,3 +204,33 @@ fn top_k_is_a_full_sorts_first_k() {
         }
     }
 }
+
+/// The load-balancing loss sums its rows over rayon in blocks of a fixed size: the same bits on
+/// one thread as on four, on 1000 tokens (four blocks, the last one short), three layers, a mask
+/// with holes.
+#[test]
+fn the_load_balancing_loss_is_the_same_on_any_thread_count() {
+    let (n, e, k) = (1000, 16, 4);
+    let layers: Vec<Vec<f32>> = (0..3u32)
+        .map(|l| {
+            (0..(n * e) as u32)
+                .map(|i| (((i * 2654435761u32) ^ (l * 40503)) % 1000) as f32 * 0.01 - 5.0)
+                .collect()
+        })
+        .collect();
+    let refs: Vec<&[f32]> = layers.iter().map(|l| &l[..]).collect();
+    let mask: Vec<f32> = (0..n).map(|t| if t % 7 == 3 { 0.0 } else { 1.0 }).collect();
+    let on = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| aux_loss(&refs, e, k, Some(&mask), 0.01, DType::F32))
+    };
+    let ((l1, g1), (l4, g4)) = (on(1), on(4));
+    assert_eq!(l1.to_bits(), l4.to_bits());
+    for (a, b) in g1.iter().zip(&g4) {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    assert!(l1.is_finite() && l1 > 0.0);
+}
