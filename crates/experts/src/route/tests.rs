@@ -214,7 +214,7 @@ fn the_load_balancing_loss_is_the_same_on_any_thread_count() {
     let layers: Vec<Vec<f32>> = (0..3u32)
         .map(|l| {
             (0..(n * e) as u32)
-                .map(|i| (((i * 2654435761u32) ^ (l * 40503)) % 1000) as f32 * 0.01 - 5.0)
+                .map(|i| ((i.wrapping_mul(2654435761) ^ (l * 40503)) % 1000) as f32 * 0.01 - 5.0)
                 .collect()
         })
         .collect();
