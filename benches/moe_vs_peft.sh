@@ -48,6 +48,8 @@
 # (3.13x / 2.59x); after the cached lora_B and the threaded optimizer host work 3070.3 / 2978.7 /
 # 3029.3 vs PEFT 1090.6 / 1061.2 / 1106.0 (2.82x / 2.81x / 2.74x), 0.31-0.32x RSS, 87.7-93.5% of
 # the ceiling. The shape's effect (LAYERS, HEAD_DIM): benches/README.md.
+# Session 35 (transparent huge pages, routing; ebdb17e): 3138.4 / 2884.8 / 2811.0 vs PEFT 1056.0 /
+# 1116.7 / 996.5 (2.97x / 2.58x / 2.82x), 0.32x RSS, 85.0-94.6% of the ceiling.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), HEAD_DIM (64: hidden / heads;

@@ -12,10 +12,10 @@
 //! `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` marks those too; it cannot be set from inside the
 //! process).
 //!
-//! Measured on `benches/moe_vs_peft.sh`'s model (2-core AVX2-only EPYC, release, 12 steps, runs
-//! alternating): page faults 210 660 → 23 485 (glibc's tunable: 8 363), 0 → ~700 MB of the ~800
-//! MB resident on huge pages, tokens/s +2.0% to +4.4% (closing note of session 35 for the series),
-//! the same losses to the last digit.
+//! Measured on `benches/moe_vs_peft.sh`'s model (2-core AVX2-only EPYC, release, runs
+//! alternating; benches/README.md, session 35): page faults 210 660 → 23 485 (glibc's tunable:
+//! 8 363), ~700 of the ~800 MB resident on huge pages, tokens/s +2.0 to +4.4%, the same losses to
+//! the last digit, the same peak.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
