@@ -19,8 +19,9 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
-/// Blocks from this size up are mapped on their own, never from the heap (glibc's maximum).
-/// Below it, freed memory stays in the heap and is reused (no fresh pages each step).
+/// Blocks from this size up are mapped on their own unless a free stretch of the heap fits them
+/// (glibc's largest mmap threshold). Below it, freed memory stays in the heap and is reused (no
+/// fresh pages each step).
 pub const MMAP_THRESHOLD: usize = 32 << 20;
 
 /// Training allocates and frees the same large activation buffers every step. By default glibc
@@ -55,15 +56,18 @@ mod thp {
     use super::MMAP_THRESHOLD;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    const PAGE: usize = 4096;
-
     /// The end of the main heap as last marked; 0 until [`super::tune`] starts the watch.
     pub(super) static HEAP_MARKED: AtomicUsize = AtomicUsize::new(0);
 
     /// Marks the whole pages inside `[start, end)`. Best effort: a kernel without transparent
     /// huge pages answers `EINVAL`, which leaves the range as it was.
     fn mark(start: usize, end: usize) {
-        let (start, end) = (start.next_multiple_of(PAGE), end & !(PAGE - 1));
+        // SAFETY: sysconf only reads a system constant.
+        let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+            p if p > 0 => p as usize,
+            _ => 4096,
+        };
+        let (start, end) = (start.next_multiple_of(page), end / page * page);
         if end > start {
             // SAFETY: the range is memory this process's allocator holds (a block it just
             // handed out, or heap it just grew); MADV_HUGEPAGE changes how its pages are backed,

@@ -62,8 +62,7 @@ fn softmax_into(x: &[f32], out: &mut [f32]) {
     out.iter_mut().for_each(|o| *o /= sum);
 }
 
-/// The indices of the `k` largest of `x`, largest first (ties: the lower index first). The order
-/// is total (`total_cmp`, then the index), so this is what a full sort's first `k` are.
+/// [`top_k_into`] into a new vector.
 #[cfg(test)]
 fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     let mut top = Vec::new();
@@ -71,15 +70,16 @@ fn top_k(x: &[f32], k: usize) -> Vec<usize> {
     top
 }
 
-/// [`top_k`] into `top` (cleared first; a caller's buffer reused from row to row: no allocation
-/// a row).
+/// The indices of the `k` largest of `x` into `top` (cleared first: a caller's buffer, reused
+/// from row to row), largest first (ties: the lower index first). The order is total
+/// (`total_cmp`, then the index), so this is what a full sort's first `k` are.
 fn top_k_into(x: &[f32], k: usize, top: &mut Vec<usize>) {
     // `a` ranks before `b`: the larger value, on a tie the lower index.
     let before = |a: usize, b: usize| x[a].total_cmp(&x[b]).then(b.cmp(&a)).is_gt();
     let k = k.min(x.len());
     top.clear();
     // The best `k` so far, best first: one pass, each element compared with the `k`-th best
-    // and inserted when it ranks before it (a router row: k 8 of 128, ~10× a select and sort).
+    // and inserted when it ranks before it (no sort of all `e` indices).
     for i in 0..x.len() {
         if top.len() == k {
             if k == 0 || !before(i, top[k - 1]) {
