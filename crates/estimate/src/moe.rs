@@ -130,13 +130,14 @@ pub(crate) fn lora_tensors(c: &ModelConfig, s: &Settings, l: usize) -> Vec<(u64,
 ///   and its transpose), kept so since the mapped checkpoint is counted whole while a 16-bit
 ///   stack is read by pieces (synthetic 4-layer gpt-oss, 32 experts, bf16: estimate 1195 MB
 ///   MXFP4 and 1787 MB 16-bit, measured peak RSS 1115 and 1105 MB);
-/// - unsharded with `quantize_experts`: both dense stacks (quantized expert by expert once both
-///   are read; `crates/model/tests/moe_load_memory.rs`), and the same copies;
+/// - unsharded with `quantize_experts`: the larger dense stack (each quantized expert by expert
+///   as soon as it is read, before the other is; `crates/model/tests/moe_load_memory.rs`), and
+///   the same copies;
 /// - a sharded base's rank: its experts' largest stack read, then copied into its shard (two
 ///   copies of it at once).
 ///
 /// benches/moe_vs_peft.sh's model (per-expert f32, 128 experts, D 512, I 192) with NF4 experts:
-/// the load peaks with layer 1's dense stacks (151 MB) read (tests.rs).
+/// the load peaks with layer 1's dense gate/up stack (101 MB) read (tests.rs).
 pub(crate) fn loading_bytes(c: &ModelConfig, s: &Settings, e: u64, world: u64) -> u64 {
     let world = world.max(1);
     let file_e = match s.checkpoint_elem_bytes {
@@ -154,7 +155,7 @@ pub(crate) fn loading_bytes(c: &ModelConfig, s: &Settings, e: u64, world: u64) -
             let converted = if file_e == e { 0 } else { file_e };
             let staging = largest * (converted + if transposed { e } else { 0 });
             match (world, s.quantize.experts()) {
-                (1, true) => elems.iter().sum::<u64>() * e + staging,
+                (1, true) => largest * e + staging,
                 (1, false) => staging,
                 _ => 2 * largest * e,
             }

@@ -148,8 +148,8 @@ impl MoeMlp {
     /// family's released per-expert layout), the router under `<layer>.mlp` or the released
     /// layout's module. The adapter's names are transformers 5's
     /// (`<layer>.mlp.experts.gate_up_proj`) either way, as PEFT's. With `nf4 = Some(double_quant)`
-    /// each stack is quantized expert by expert as soon as it is loaded (one layer's stacks in the
-    /// compute dtype alive at a time), from its values in the compute dtype.
+    /// each stack is quantized expert by expert as soon as it is loaded, before the next is read
+    /// (one stack in the compute dtype alive at a time), from its values in the compute dtype.
     ///
     /// With `comm` (a sharded base, `crate::shard`) this rank reads and keeps only its shards
     /// ([`MoeShards`]): its experts' bytes of the stacks (the [`span`] of units of one expert)
@@ -186,16 +186,15 @@ impl MoeMlp {
             ),
             None => (0..e, w.tensor(&router_name, &[e, h])?),
         };
-        let (gate_up, down) = stacks::read(w, layer, mc, h, &router, mine)?;
-        let quant = |t: Tensor, name: &str| {
+        // Each stack quantized (with NF4 experts) as soon as it is read: one dense stack alive.
+        let (gate_up, down) = stacks::read(w, layer, mc, h, &router, mine, |which, t| {
             StackWeights::new(t, nf4).map_err(|err| {
                 ModelError::candle(
-                    format!("{prefix}.experts.{name}: NF4 expert by expert"),
+                    format!("{prefix}.experts.{}: NF4 expert by expert", which.param()),
                     err,
                 )
             })
-        };
-        let (gate_up, down) = (quant(gate_up, "gate_up_proj")?, quant(down, "down_proj")?);
+        })?;
         let bias = |name: String, n: usize| w.tensor(&name, &[e, n]);
         let (router_bias, gate_up_bias, down_bias) = match mc.bias {
             true => (

@@ -19,18 +19,40 @@ use crate::config::moe::{MoeConfig, Released};
 use crate::weights::TensorSource;
 use crate::{ModelError, Result};
 
+/// Which of a sparse layer's two stacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stack {
+    /// `(n, 2I, H)`, transformers 5's `gate_up_proj`.
+    GateUp,
+    /// `(n, H, I)`, `down_proj`.
+    Down,
+}
+
+impl Stack {
+    /// transformers 5's parameter name under `<layer>.mlp.experts`.
+    pub(crate) fn param(self) -> &'static str {
+        match self {
+            Stack::GateUp => "gate_up_proj",
+            Stack::Down => "down_proj",
+        }
+    }
+}
+
 /// Experts `experts`' stacks of layer `layer` (`h`: the hidden width), in the dtype and on the
-/// device of `like` (the router, for MXFP4's dequantization).
-pub(crate) fn read(
+/// device of `like` (the router, for MXFP4's dequantization), each handed to `take` as soon as
+/// it is read and before the next is: gate/up, then down. With NF4 experts `take` quantizes it,
+/// so one dense stack is alive at a time, not both.
+pub(crate) fn read<S>(
     w: &dyn TensorSource,
     layer: &str,
     mc: &MoeConfig,
     h: usize,
     like: &Tensor,
     experts: Range<usize>,
-) -> Result<(Tensor, Tensor)> {
+    mut take: impl FnMut(Stack, Tensor) -> Result<S>,
+) -> Result<(S, S)> {
     let prefix = format!("{layer}.mlp");
-    if let Some(stacks) = fused(w, &prefix, mc, h, like, &experts)? {
+    if let Some(stacks) = fused(w, &prefix, mc, h, like, &experts, &mut take)? {
         return Ok(stacks);
     }
     let Some(released) = mc.released else {
@@ -39,7 +61,15 @@ pub(crate) fn read(
             name: format!("{prefix}.experts.gate_up_proj"),
         });
     };
-    per_expert(w, layer, &released, mc.intermediate, h, like, experts)
+    per_expert(
+        w,
+        layer,
+        &released,
+        (mc.intermediate, h),
+        like,
+        experts,
+        take,
+    )
 }
 
 /// Experts `experts` of the 3-D tensor `name` of `shape = (E, a, b)`, `(n, a, b)`: the whole
@@ -70,16 +100,17 @@ fn slab(
         .map_err(|e| ModelError::candle(format!("{name}: experts {experts:?}"), e))
 }
 
-/// transformers 5's fused stacks under `prefix` (experts `experts`), or `None` when the
-/// checkpoint has neither them nor their MXFP4 blocks.
-fn fused(
+/// transformers 5's fused stacks under `prefix` (experts `experts`) as `take` makes them, or
+/// `None` when the checkpoint has neither them nor their MXFP4 blocks.
+fn fused<S>(
     w: &dyn TensorSource,
     prefix: &str,
     mc: &MoeConfig,
     h: usize,
     like: &Tensor,
     experts: &Range<usize>,
-) -> Result<Option<(Tensor, Tensor)>> {
+    take: &mut impl FnMut(Stack, Tensor) -> Result<S>,
+) -> Result<Option<(S, S)>> {
     let (e, i) = (mc.experts, mc.intermediate);
     let gu_name = format!("{prefix}.experts.gate_up_proj");
     let dn_name = format!("{prefix}.experts.down_proj");
@@ -93,7 +124,10 @@ fn fused(
         }
     };
     match load(&gu_name, 2 * i, h) {
-        Ok(gu) => Ok(Some((gu, load(&dn_name, h, i)?))),
+        Ok(gu) => {
+            let gu = take(Stack::GateUp, gu)?;
+            Ok(Some((gu, take(Stack::Down, load(&dn_name, h, i)?)?)))
+        }
         Err(ModelError::MissingTensor { .. }) => Ok(None),
         Err(other) => Err(other),
     }
@@ -135,54 +169,49 @@ fn transposed(
         .map_err(err(format!("(n, out, in) stack of experts {experts:?}")))
 }
 
-/// The released per-expert layout, experts `experts` stacked: `(n, 2I, H)` (gate rows then up)
-/// and `(n, H, I)`. Each expert's matrices are copied into the stacks as they are read, so only
-/// one expert's tensors exist besides the stacks: joining and stacking per-expert tensors
-/// (`Tensor::cat`, `Tensor::stack`) held every expert's gate/up and down besides the gate/up
-/// stack, 2.5 times the gate/up stack at once (benches/moe_vs_peft.sh's model: 251 MB more
-/// than the stacks' 151 MB at each layer, its peak RSS loading), and left their 151 MB in
+/// The released per-expert layout, experts `experts` stacked: `(n, 2I, H)` (gate rows then up),
+/// handed to `take`, then `(n, H, I)`. Each expert's matrices are copied into the stack as they
+/// are read, so only one expert's tensors exist besides it: joining and stacking per-expert
+/// tensors (`Tensor::cat`, `Tensor::stack`) held every expert's gate/up and down besides the
+/// gate/up stack, 2.5 times the gate/up stack at once (benches/moe_vs_peft.sh's model: 251 MB
+/// more than the stacks' 151 MB at each layer, its peak RSS loading), and left their 151 MB in
 /// the heap for the rest of the run.
-fn per_expert(
+fn per_expert<S>(
     w: &dyn TensorSource,
     layer: &str,
     released: &Released,
-    i: usize,
-    h: usize,
+    (i, h): (usize, usize),
     like: &Tensor,
     experts: Range<usize>,
-) -> Result<(Tensor, Tensor)> {
+    mut take: impl FnMut(Stack, Tensor) -> Result<S>,
+) -> Result<(S, S)> {
     let module = format!("{layer}.{}", released.module);
     let [gate, up, down] = released.names;
     let n = experts.len();
     let module = module.as_str();
     let err = |what: String| move |e| ModelError::candle(format!("{module}: {what}"), e);
-    // (n·2I, H) and (n·H, I), row-major as (n, 2I, H) and (n, H, I): expert j's gate rows at
-    // row 2I·j, its up rows at 2I·j + I, its down rows at H·j. No expert (a rank past the
-    // last): empty stacks of the right trailing shape.
-    let zeros = |rows: usize, cols: usize| {
-        Tensor::zeros((rows, cols), like.dtype(), like.device()).map_err(err(format!(
-            "({rows}, {cols}) stack of experts {experts:?}"
-        )))
-    };
-    let (gu, dn) = (zeros(n * 2 * i, h)?, zeros(n * h, i)?);
-    for (j, e) in experts.clone().enumerate() {
-        let parts = [
-            (gate, &gu, [i, h], 2 * i * j),
-            (up, &gu, [i, h], 2 * i * j + i),
-        ];
-        for (p, stack, shape, row) in parts.into_iter().chain([(down, &dn, [h, i], h * j)]) {
-            let name = format!("{module}.experts.{e}.{p}.weight");
-            let t = w.tensor(&name, &shape)?;
-            stack
-                .slice_set(&t, 0, row)
-                .map_err(err(format!("{name} {shape:?} into its stack at row {row}")))?;
+    // `parts` of each expert (name, rows, shape) into a (n·rows, cols) stack, row-major as
+    // (n, rows, cols): expert j's part at row rows·j + its offset. No expert (a rank past the
+    // last): an empty stack of the right trailing shape.
+    let stack = |parts: &[(&str, usize, [usize; 2])], rows: usize, cols: usize| {
+        let what = format!("({}, {cols}) stack of experts {experts:?}", n * rows);
+        let s = Tensor::zeros((n * rows, cols), like.dtype(), like.device())
+            .map_err(err(what.clone()))?;
+        for (j, e) in experts.clone().enumerate() {
+            for &(p, at, shape) in parts {
+                let name = format!("{module}.experts.{e}.{p}.weight");
+                let t = w.tensor(&name, &shape)?;
+                let row = rows * j + at;
+                s.slice_set(&t, 0, row)
+                    .map_err(err(format!("{name} {shape:?} into its stack at row {row}")))?;
+            }
         }
-    }
-    Ok((
-        gu.reshape((n, 2 * i, h))
-            .map_err(err("gate/up stack".into()))?,
-        dn.reshape((n, h, i)).map_err(err("down stack".into()))?,
-    ))
+        s.reshape((n, rows, cols)).map_err(err(what))
+    };
+    let gu = stack(&[(gate, 0, [i, h]), (up, i, [i, h])], 2 * i, h)?;
+    let gu = take(Stack::GateUp, gu)?;
+    let dn = stack(&[(down, 0, [h, i])], h, i)?;
+    Ok((gu, take(Stack::Down, dn)?))
 }
 
 /// An MXFP4 stack `name` (`<name>_blocks`, `<name>_scales`, stored rows `out` of `in` values),
