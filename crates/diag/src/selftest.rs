@@ -302,7 +302,8 @@ pub fn lora_casts(dev: &Device, seed: u64) -> Result<Check, DiagError> {
     let casts = counting.casts();
     let layers = cfg.num_layers.max(1);
     let detail = format!(
-        "{casts} casts in a {layers}-layer step ({:.1} per layer; the adapter's weights are cast          to bf16 at each use with to_dtype, not counted)",
+        "{casts} casts in a {layers}-layer step ({:.1} per layer; the adapter's weights are cast \
+         to bf16 at each use with to_dtype, not counted)",
         casts as f64 / layers as f64
     );
     Ok(Check::new(LORA_CASTS, casts == 0, detail))

@@ -111,7 +111,8 @@ impl Nf4Stack {
                 && w.absmax.is_double() == dq;
             if !standard {
                 bail!(
-                    "moe: NF4 expert {e} of the {:?} stack is not bitsandbytes' NF4 of ({out},                      {inp}) with blocksize 64 (double quantization {dq}): it has no record",
+                    "moe: NF4 expert {e} of the {:?} stack is not bitsandbytes' NF4 of ({out}, \
+                     {inp}) with blocksize 64 (double quantization {dq}): it has no record",
                     self.dims
                 );
             }
@@ -129,7 +130,8 @@ impl Nf4Stack {
                         || *nested_blocksize != NESTED_BLOCKSIZE
                     {
                         bail!(
-                            "moe: NF4 expert {e} of the {:?} stack has its own second-level                              table: it has no record",
+                            "moe: NF4 expert {e} of the {:?} stack has its own second-level \
+                             table: it has no record",
                             self.dims
                         );
                     }

@@ -524,7 +524,8 @@ impl Recipe for Grpo {
                 return Err(TrainError::Output {
                     path: self.run_dir.clone(),
                     message: format!(
-                        "the checkpoint's GRPO generation batch was sampled by {was} rank(s),                          this run has {w}: resume it with {was}"
+                        "the checkpoint's GRPO generation batch was sampled by {was} rank(s), \
+                         this run has {w}: resume it with {was}"
                     ),
                 });
             }
