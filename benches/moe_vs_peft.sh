@@ -21,6 +21,8 @@
 # GEMM shapes), probed right before and right after rtune's run (the higher of the two counts).
 # The sides run one after the other, never at once (torch's threads spin-wait); run it on an idle
 # machine.
+# The sides take the rows in different orders (PEFT's shuffled with its seed, rtune's in file
+# order): every row is SEQ tokens, so the rates compare and the final losses do not.
 #
 # Measured (benches/README.md, "Mixture of experts against PEFT"; 2-core EPYC at load 7–10):
 # before 267.2 vs PEFT 59.2 tokens/s (4.51x), 0.87 vs 2.49 GB (0.35x), 28.4% of the ceiling probed;
@@ -50,14 +52,18 @@
 # the ceiling. The shape's effect (LAYERS, HEAD_DIM): benches/README.md.
 # Session 35 (transparent huge pages, routing; ebdb17e): 3138.4 / 2884.8 / 2811.0 vs PEFT 1056.0 /
 # 1116.7 / 996.5 (2.97x / 2.58x / 2.82x), 0.32x RSS, 85.0-94.6% of the ceiling.
+# Session 36 (PAIRS=3, the same code): 3018.5 / 2989.7 / 3123.0 vs PEFT 1078.7 / 1028.5 / 1004.5
+# (2.80x / 2.91x / 3.11x, median 2.91x), 0.31-0.32x RSS, 91.9-93.2% of the ceiling.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
-# built if missing), STEPS (4), LAYERS (2), SEQ (512), BATCH (4), HEAD_DIM (64: hidden / heads;
-# Qwen3-30B-A3B's is 128), OUT (runs/bench-moe).
+# built if missing), STEPS (4), PAIRS (1: rounds of rtune's run then PEFT's; more give medians),
+# LAYERS (2), SEQ (512), BATCH (4), HEAD_DIM (64: hidden / heads; Qwen3-30B-A3B's is 128), OUT
+# (runs/bench-moe).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-/work/.venv-ref/bin/python}
 STEPS=${STEPS:-4}
+PAIRS=${PAIRS:-1}
 LAYERS=${LAYERS:-2}
 SEQ=${SEQ:-512}
 BATCH=${BATCH:-4}
@@ -102,41 +108,54 @@ ceiling() {
   "$RTUNE" bench --layers 1 --steps 1 --warmup 0 --json-out "$out/$1.json" >"$out/$1.log" 2>&1 \
     || { tail -20 "$out/$1.log"; exit 1; }
 }
+# PAIRS rounds, each rtune's run (between its two probes) then PEFT's: a run moves +-5% on either
+# side, so several alternating pairs give each side's median and the median of the pairs' ratios.
+for p in $(seq 1 "$PAIRS"); do
+  uptime
+  ceiling "ceiling-before-$p"
+  "$RTUNE" train --config "$out/rtune.toml" >"$out/rtune.log" 2>&1 || { tail -20 "$out/rtune.log"; exit 1; }
+  ceiling "ceiling-after-$p"
+  uptime
+  cp "$out/rtune-run/summary.json" "$out/rtune-$p.json"
+  "$PYTHON" benches/peft_rows.py --model "$out/model" --rows "$out/rows.jsonl" --steps "$STEPS" \
+    --batch "$BATCH" --r 16 --alpha 32 --dropout 0 --lr 1e-4 --warmup 0 --max-grad-norm 1.0 \
+    --targets q_proj,k_proj,v_proj,o_proj \
+    --target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj \
+    --json-out "$out/peft-$p.json" >"$out/peft.log" 2>&1 || { tail -20 "$out/peft.log"; exit 1; }
+done
 uptime
-ceiling ceiling-before
-"$RTUNE" train --config "$out/rtune.toml" >"$out/rtune.log" 2>&1 || { tail -20 "$out/rtune.log"; exit 1; }
-ceiling ceiling-after
-uptime
-cp "$out/rtune-run/summary.json" "$out/rtune.json"
-"$PYTHON" benches/peft_rows.py --model "$out/model" --rows "$out/rows.jsonl" --steps "$STEPS" \
-  --batch "$BATCH" --r 16 --alpha 32 --dropout 0 --lr 1e-4 --warmup 0 --max-grad-norm 1.0 \
-  --targets q_proj,k_proj,v_proj,o_proj \
-  --target-parameters mlp.experts.gate_up_proj,mlp.experts.down_proj \
-  --json-out "$out/peft.json" >"$out/peft.log" 2>&1 || { tail -20 "$out/peft.log"; exit 1; }
-uptime
-"$PYTHON" - "$out" "$SEQ" <<'PY'
-import json, sys
-d, seq = sys.argv[1], int(sys.argv[2])
-r, p = json.load(open(f"{d}/rtune.json")), json.load(open(f"{d}/peft.json"))
+"$PYTHON" - "$out" "$SEQ" "$PAIRS" <<'PY'
+import json, statistics, sys
+d, seq, pairs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 c = json.load(open(f"{d}/model/config.json"))
-# The higher of the two probes: the fraction is never flattered by a probe that met more load.
-probes = [json.load(open(f"{d}/ceiling-{w}.json"))["ceiling"]["best_gflops"] for w in ("before", "after")]
-ceil = max(probes)
 H, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
 q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
 E, k, I = c.get("num_experts") or c["num_local_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
 active = L * (H * (q + 2 * kv) + q * H + H * E + k * 3 * H * I) + V * H
 attn = 12 * L * seq * q
-rt, rm = r["tokens_per_s"], r["peak_memory_bytes"]
-pt, pm = p["tokens_per_s"], p["peak_rss_bytes"]
 print(f"Qwen3-MoE {L} layers, hidden {H}, {E} experts top-{k} width {I}, seq {seq}: "
       f"{active/1e6:.2f} M active parameters")
-print(f"rtune  {rt:8.1f} tokens/s  peak RSS {rm/1e9:.2f} GB  final loss {r['final_loss']:.4f}")
-print(f"PEFT   {pt:8.1f} tokens/s  peak RSS {pm/1e9:.2f} GB  final loss {p['final_loss']:.4f}")
-print(f"rtune / PEFT: {rt/pt:.2f}x tokens/s, {rm/pm:.2f}x peak RSS")
-g6 = rt * (6 * active + attn) / 1e9
-g4 = rt * (4 * active + attn) / 1e9
-print(f"rtune: {g6:.1f} GFLOP/s at 6·N_active + attention = {100*g6/ceil:.1f}% of the "
-      f"f32 GEMM ceiling {ceil:.1f} GFLOP/s (probed {probes[0]:.1f} before rtune's run, "
-      f"{probes[1]:.1f} after); {g4:.1f} GFLOP/s ({100*g4/ceil:.1f}%) at 4·N_active")
+ratios = []
+for n in range(1, pairs + 1):
+    r, p = json.load(open(f"{d}/rtune-{n}.json")), json.load(open(f"{d}/peft-{n}.json"))
+    # The higher of the pair's two probes: the fraction is never flattered by a probe that met
+    # more load.
+    probes = [json.load(open(f"{d}/ceiling-{w}-{n}.json"))["ceiling"]["best_gflops"]
+              for w in ("before", "after")]
+    ceil = max(probes)
+    rt, rm = r["tokens_per_s"], r["peak_memory_bytes"]
+    pt, pm = p["tokens_per_s"], p["peak_rss_bytes"]
+    ratios.append(rt / pt)
+    print(f"pair {n}:")
+    print(f"  rtune  {rt:8.1f} tokens/s  peak RSS {rm/1e9:.2f} GB  final loss {r['final_loss']:.4f}")
+    print(f"  PEFT   {pt:8.1f} tokens/s  peak RSS {pm/1e9:.2f} GB  final loss {p['final_loss']:.4f}")
+    print(f"  rtune / PEFT: {rt/pt:.2f}x tokens/s, {rm/pm:.2f}x peak RSS")
+    g6 = rt * (6 * active + attn) / 1e9
+    g4 = rt * (4 * active + attn) / 1e9
+    print(f"  rtune: {g6:.1f} GFLOP/s at 6·N_active + attention = {100*g6/ceil:.1f}% of the "
+          f"f32 GEMM ceiling {ceil:.1f} GFLOP/s (probed {probes[0]:.1f} before rtune's run, "
+          f"{probes[1]:.1f} after); {g4:.1f} GFLOP/s ({100*g4/ceil:.1f}%) at 4·N_active")
+if pairs > 1:
+    print(f"median over {pairs} pairs: {statistics.median(ratios):.2f}x tokens/s "
+          f"(pairs {' / '.join(f'{x:.2f}' for x in ratios)})")
 PY
