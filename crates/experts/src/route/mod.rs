@@ -5,7 +5,8 @@
 //! - [`Routing::TopKSoftmax`]: the `k` largest logits, softmax over them (gpt-oss; its router's
 //!   bias is in the logits already).
 //!
-//! The experts are chosen in descending order (torch's `topk`, sorted); the choice is piecewise
+//! The experts are chosen in descending order (torch's `topk`, sorted), equal scores kept and
+//! ordered as torch's CPU kernel leaves them (`route/topk.rs`); the choice is piecewise
 //! constant, so the backward flows through the chosen weights only. The router weight is frozen;
 //! the gradient with respect to the logits is what the router's input gradient needs.
 //!
@@ -29,6 +30,9 @@ use rayon::prelude::*;
 
 #[cfg(test)]
 mod tests;
+mod topk;
+
+use topk::TopK;
 
 /// How a family turns router logits into expert weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,34 +66,10 @@ fn softmax_into(x: &[f32], out: &mut [f32]) {
     out.iter_mut().for_each(|o| *o /= sum);
 }
 
-/// [`top_k_into`] into a new vector.
+/// [`TopK::of`] into a new vector.
 #[cfg(test)]
 fn top_k(x: &[f32], k: usize) -> Vec<usize> {
-    let mut top = Vec::new();
-    top_k_into(x, k, &mut top);
-    top
-}
-
-/// The indices of the `k` largest of `x` into `top` (cleared first: a caller's buffer, reused
-/// from row to row), largest first (ties: the lower index first). The order is total
-/// (`total_cmp`, then the index), so this is what a full sort's first `k` are.
-fn top_k_into(x: &[f32], k: usize, top: &mut Vec<usize>) {
-    // `a` ranks before `b`: the larger value, on a tie the lower index.
-    let before = |a: usize, b: usize| x[a].total_cmp(&x[b]).then(b.cmp(&a)).is_gt();
-    let k = k.min(x.len());
-    top.clear();
-    // The best `k` so far, best first: one pass, each element compared with the `k`-th best
-    // and inserted when it ranks before it (no sort of all `e` indices).
-    for i in 0..x.len() {
-        if top.len() == k {
-            if k == 0 || !before(i, top[k - 1]) {
-                continue;
-            }
-            top.pop();
-        }
-        let at = top.iter().position(|&j| before(i, j)).unwrap_or(top.len());
-        top.insert(at, i);
-    }
+    TopK::default().of(x, k).to_vec()
 }
 
 /// `x` rounded to `dtype` (nearest even) and back to f32; f32 (or any other dtype) as is.
@@ -133,9 +113,9 @@ pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Result<Rou
             let mut sums = vec![0f32; n];
             rows.zip(r.probs.par_chunks_mut(e))
                 .zip(sums.par_chunks_mut(1))
-                .for_each_init(Vec::new, |top, ((((row, ex), w), p), s)| {
+                .for_each_init(TopK::default, |tk, ((((row, ex), w), p), s)| {
                     softmax_into(row, p);
-                    top_k_into(p, k, top);
+                    let top = tk.of(p, k);
                     let sum: f32 = top.iter().map(|&j| p[j]).sum();
                     for ((x, w), &j) in ex.iter_mut().zip(w.iter_mut()).zip(top.iter()) {
                         *x = j as u32;
@@ -147,8 +127,8 @@ pub fn route(logits: &[f32], e: usize, k: usize, routing: Routing) -> Result<Rou
                 r.sums = sums;
             }
         }
-        Routing::TopKSoftmax => rows.for_each_init(Vec::new, |top, ((row, ex), w)| {
-            top_k_into(row, k, top);
+        Routing::TopKSoftmax => rows.for_each_init(TopK::default, |tk, ((row, ex), w)| {
+            let top = tk.of(row, k);
             let vals: Vec<f32> = top.iter().map(|&j| row[j]).collect();
             softmax_into(&vals, w);
             ex.iter_mut()
@@ -259,12 +239,11 @@ pub fn aux_loss(
             .zip(p.par_chunks_mut(BLOCK * e))
             .zip(mask.par_chunks(BLOCK))
             .map(|((rows, pb), mb)| {
-                let (mut c, mut s, mut top) = (vec![0f32; e], vec![0f32; e], Vec::new());
+                let (mut c, mut s, mut tk) = (vec![0f32; e], vec![0f32; e], TopK::default());
                 for ((row, pr), &m) in rows.chunks(e).zip(pb.chunks_mut(e)).zip(mb) {
                     softmax_into(row, pr);
                     pr.iter_mut().for_each(|v| *v = round(*v, dtype));
-                    top_k_into(pr, k, &mut top);
-                    for &j in &top {
+                    for &j in tk.of(pr, k) {
                         c[j] += m;
                     }
                     s.iter_mut().zip(pr.iter()).for_each(|(s, v)| *s += v * m);
