@@ -369,8 +369,11 @@ impl MoeMlp {
     /// dtype). Mixtral's (f32 weights) and gpt-oss's (biased, top-k of the logits) keep f32
     /// logits: against their autocast goldens (`--only mixtral_autocast,gpt_oss_autocast`, not
     /// committed) bf16 logits measured no better for Mixtral (logits 5.8e-2 vs 7.2e-2 but aux
-    /// 8.7e-4 vs 5.5e-5; PEFT's own f32 run is 7.2e-2 away, a routing flip) and far worse for
-    /// gpt-oss (layer 0's output 2.2e-1 vs 1.1e-2 off: a top-k choice on bf16 logits differs).
+    /// 8.7e-4 vs 5.5e-5; PEFT's own f32 run is 7.2e-2 away, a routing flip) and mixed for
+    /// gpt-oss once ties were broken as torch's `topk` breaks them (logits 1.14e-2 vs 1.16e-2,
+    /// steps 3.5e-4 vs 4.5e-4, but loss 1.65e-4 vs 1.12e-4, update 0.223 vs 0.206; with ties to
+    /// the lower index, layer 1's input was 2.2e-1 off, a tied top-k choice). Neither family
+    /// meets the autocast test's gradient bound either way (1.2e-1 to 1.3e-1 against 5e-2).
     fn logits_dtype(&self, dt: DType) -> DType {
         let verified = self.router_bias.is_none() && !self.f32_weights;
         match verified && dt == DType::F32 && rtune_backend::blas::autocast::on() {
