@@ -54,6 +54,8 @@
 # 1116.7 / 996.5 (2.97x / 2.58x / 2.82x), 0.32x RSS, 85.0-94.6% of the ceiling.
 # Session 36 (PAIRS=3, the same code): 3018.5 / 2989.7 / 3123.0 vs PEFT 1078.7 / 1028.5 / 1004.5
 # (2.80x / 2.91x / 3.11x, median 2.91x), 0.31-0.32x RSS, 91.9-93.2% of the ceiling.
+# 9d9334d (torch's top-k tie order): 3198.3 / 3130.7 / 3135.5 vs 1016.5 / 1047.4 / 1093.4 (3.15x /
+# 2.99x / 2.87x, median 2.99x), 0.32x RSS, 93.5-96.1% of the ceiling.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), PAIRS (1: rounds of rtune's run then PEFT's; more give medians),
