@@ -13,13 +13,12 @@ to the logits. Routers: qwen3 (norm_topk_prob true), qwen3_nonorm, mixtral, gpto
 (see the section below). Deterministic, byte-identical reruns (no metadata).
 """
 import argparse
-from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
-from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter, load_balancing_loss_func
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from identity_routers import identity_routers
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -31,22 +30,8 @@ logits = torch.randn(N, E, generator=g) * 2
 dweights = torch.randn(N, K, generator=g)
 out = {"logits": logits, "dweights": dweights}
 
-
-def cfg(**kw):
-    return SimpleNamespace(hidden_size=E, num_experts_per_tok=K, num_experts=E, num_local_experts=E, **kw)
-
-
-routers = {
-    "qwen3": Qwen3MoeTopKRouter(cfg(norm_topk_prob=True)),
-    "qwen3_nonorm": Qwen3MoeTopKRouter(cfg(norm_topk_prob=False)),
-    "mixtral": MixtralTopKRouter(cfg()),
-    "gptoss": GptOssTopKRouter(cfg()),
-}
+routers = identity_routers(E, K)
 for name, r in routers.items():
-    with torch.no_grad():
-        r.weight.copy_(torch.eye(E))
-        if hasattr(r, "bias"):
-            r.bias.zero_()
     x = logits.clone().requires_grad_(True)
     _, scores, idx = r(x)
     (scores * dweights).sum().backward()

@@ -8,18 +8,16 @@ tenth of them with one to three NaN and signed zeros among the zeros; `idx.<n>.<
 `torch.topk(x, k, dim=-1)`'s indices (largest, sorted). The shapes cover torch's two paths
 (`k * 64 <= n`: a partial sort; otherwise nth_element, then a sort of the first k - 1, past its
 16-element insertion sort with k 20). `router.logits` [64, 128]: logits of four levels of 0.5,
-so many tie; `router.<name>.experts` [64, 8] i64 and `router.<name>.weights` [64, 8] f32: the
-family's router on them (identity weight, zero bias), top-8. Deterministic, byte-identical
+so many tie; `router.<name>.experts` [64, 8] i64 and `router.<name>.weights` [64, 8] f32: each
+router of identity_routers.py (qwen3, qwen3_nonorm, mixtral, gptoss) on them, top-8. Deterministic, byte-identical
 reruns (no metadata).
 """
 import argparse
 
 import torch
 from safetensors.torch import save_file
-from types import SimpleNamespace
-from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
-from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from identity_routers import identity_routers
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -47,23 +45,8 @@ for n, k in [(3, 2), (8, 2), (8, 8), (32, 4), (37, 5), (60, 4), (64, 20), (100, 
 N, E, K = 64, 128, 8
 logits = torch.randint(0, 4, (N, E), generator=g).float() * 0.5
 out["router.logits"] = logits
-
-
-def cfg(**kw):
-    return SimpleNamespace(hidden_size=E, num_experts_per_tok=K, num_experts=E,
-                           num_local_experts=E, **kw)
-
-
-routers = {
-    "qwen3": Qwen3MoeTopKRouter(cfg(norm_topk_prob=True)),
-    "mixtral": MixtralTopKRouter(cfg()),
-    "gptoss": GptOssTopKRouter(cfg()),
-}
-for name, r in routers.items():
+for name, r in identity_routers(E, K).items():
     with torch.no_grad():
-        r.weight.copy_(torch.eye(E))
-        if hasattr(r, "bias"):
-            r.bias.zero_()
         _, scores, idx = r(logits)
     out[f"router.{name}.experts"] = idx.to(torch.int64)
     out[f"router.{name}.weights"] = scores.float()

@@ -44,12 +44,17 @@ impl Golden {
 }
 
 fn close(what: &str, got: &[f32], want: &[f32]) {
+    close_within(what, got, want, 1e-6);
+}
+
+/// `got` within `tol` of `want`'s largest entry, entry by entry.
+fn close_within(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len(), "{what}");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
         assert!(
-            (a - b).abs() <= 1e-6 * scale,
-            "{what}[{i}]: {a} vs transformers {b}"
+            (a - b).abs() <= tol * scale,
+            "{what}[{i}]: {a:e} vs transformers {b:e} (scale {scale:e})"
         );
     }
 }
@@ -253,13 +258,17 @@ fn top_k_matches_torchs_on_ties() {
 }
 
 /// transformers' routers on logits where many tie (`golden_topk`'s 64 × 128, top-8): the experts
-/// torch chose, exactly; the weights within 1e-6 relative (as `routers_match_transformers`).
+/// torch chose, exactly; the weights within 1e-5 of the largest: a softmax over 128 experts sums
+/// its 128 terms in another order than torch's vectorised sum (up to ~128 roundings of 2⁻²⁴ in
+/// the denominator; measured 1.05e-6 on qwen3_nonorm's unnormalised weights, 2.4e-7 on the
+/// normalised ones, 0 on gpt-oss's).
 #[test]
 fn routers_choose_as_transformers_on_tied_logits() {
     let g = Golden::named("golden_topk");
     let logits = g.f32s("router.logits");
     for (name, routing) in [
         ("qwen3", Routing::SoftmaxTopK { normalize: true }),
+        ("qwen3_nonorm", Routing::SoftmaxTopK { normalize: false }),
         ("mixtral", Routing::SoftmaxTopK { normalize: true }),
         ("gptoss", Routing::TopKSoftmax),
     ] {
@@ -269,7 +278,8 @@ fn routers_choose_as_transformers_on_tied_logits() {
             g.u32s(&format!("router.{name}.experts")),
             "{name}"
         );
-        close(name, &r.weights, &g.f32s(&format!("router.{name}.weights")));
+        let want = g.f32s(&format!("router.{name}.weights"));
+        close_within(name, &r.weights, &want, 1e-5);
     }
 }
 
