@@ -62,17 +62,20 @@ fn close_within(what: &str, got: &[f32], want: &[f32], tol: f32) {
 const E: usize = 8;
 const K: usize = 2;
 
+/// The goldens' routers by their names in `tests/parity/identity_routers.py`.
+const ROUTERS: [(&str, Routing); 4] = [
+    ("qwen3", Routing::SoftmaxTopK { normalize: true }),
+    ("qwen3_nonorm", Routing::SoftmaxTopK { normalize: false }),
+    ("mixtral", Routing::SoftmaxTopK { normalize: true }),
+    ("gptoss", Routing::TopKSoftmax),
+];
+
 #[test]
 fn routers_match_transformers() {
     let g = Golden::load();
     let logits = g.f32s("logits");
     let dweights = g.f32s("dweights");
-    for (name, routing) in [
-        ("qwen3", Routing::SoftmaxTopK { normalize: true }),
-        ("qwen3_nonorm", Routing::SoftmaxTopK { normalize: false }),
-        ("mixtral", Routing::SoftmaxTopK { normalize: true }),
-        ("gptoss", Routing::TopKSoftmax),
-    ] {
+    for (name, routing) in ROUTERS {
         let r = route(&logits, E, K, routing).unwrap();
         assert_eq!(r.experts, g.u32s(&format!("{name}.experts")), "{name}");
         close(name, &r.weights, &g.f32s(&format!("{name}.weights")));
@@ -266,12 +269,7 @@ fn top_k_matches_torchs_on_ties() {
 fn routers_choose_as_transformers_on_tied_logits() {
     let g = Golden::named("golden_topk");
     let logits = g.f32s("router.logits");
-    for (name, routing) in [
-        ("qwen3", Routing::SoftmaxTopK { normalize: true }),
-        ("qwen3_nonorm", Routing::SoftmaxTopK { normalize: false }),
-        ("mixtral", Routing::SoftmaxTopK { normalize: true }),
-        ("gptoss", Routing::TopKSoftmax),
-    ] {
+    for (name, routing) in ROUTERS {
         let r = route(&logits, 128, 8, routing).unwrap();
         assert_eq!(
             r.experts,
