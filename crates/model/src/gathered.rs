@@ -223,12 +223,14 @@ impl Planned {
                 candle_core::bail!("{}: gathers planned for experts not sharded", m.prefix);
             };
             let mut gathered = Vec::with_capacity(3);
-            for (i, (shard, name)) in at.into_iter().zip(shards.named()) {
+            for (k, (i, (shard, name))) in at.into_iter().zip(shards.named()).enumerate() {
                 let buf = bufs[i].take().ok_or_else(|| {
                     candle_core::Error::Msg(format!("{}.{name}: buffer {i} used twice", m.prefix))
                 })?;
                 gathered.push(match shard.dense_dtype() {
-                    Some(_) => StackWeights::Dense(buf.tensor(&shard.shape, device)?),
+                    Some(_) if k == 0 => StackWeights::Dense(buf.tensor(&shard.shape, device)?),
+                    // A stack in panels where the CPU path reads them so (`StackWeights::new`).
+                    Some(_) => StackWeights::new(buf.tensor(&shard.shape, device)?, None)?,
                     None => StackWeights::Nf4(
                         shard.join_nf4_experts(&format!("{}.{name}", m.prefix), buf)?,
                     ),

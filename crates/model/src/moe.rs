@@ -236,14 +236,16 @@ impl MoeMlp {
         let stack = |w: &StackWeights| -> Result<Arc<Shard>> {
             let (_, out, inp) = w.stack().dims3()?;
             let shape = [e, out, inp];
-            Ok(Arc::new(match w {
-                StackWeights::Dense(t) => Shard {
+            Ok(Arc::new(match (w, w.dense(self.router.device())?) {
+                (StackWeights::Nf4(s), _) => {
+                    Shard::nf4_experts(shape, s, nf4.unwrap_or_default(), dtype)?
+                }
+                // Dense or panels: the values as loaded, row-major.
+                (_, Some(t)) => Shard {
                     unit: out * inp,
                     ..Shard::dense(&shape, &t.flatten_all()?)?
                 },
-                StackWeights::Nf4(s) => {
-                    Shard::nf4_experts(shape, s, nf4.unwrap_or_default(), dtype)?
-                }
+                (_, None) => candle_core::bail!("{}: a stack neither dense nor NF4", self.prefix),
             }))
         };
         self.shards = Some(MoeShards {

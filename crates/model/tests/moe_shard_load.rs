@@ -109,7 +109,8 @@ fn load(name: &str, nf4: Option<bool>, rank: Option<(usize, usize)>) -> (MoeMlp,
 /// The whole stack's bytes for experts `mine`: dense f32 values, or NF4 records.
 fn expected(whole: &StackWeights, mine: Range<usize>) -> Vec<u8> {
     match whole {
-        StackWeights::Dense(t) => {
+        StackWeights::Dense(_) | StackWeights::Panels(_) => {
+            let t = whole.dense(&Device::Cpu).unwrap().unwrap();
             let t = t.narrow(0, mine.start, mine.len()).unwrap();
             let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             v.iter().flat_map(|x| x.to_le_bytes()).collect()

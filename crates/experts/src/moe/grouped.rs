@@ -29,6 +29,10 @@
 //! expert order, as the per-expert path's `index_add` does. The frozen weights' gradients are
 //! never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
 //!
+//! A stack held in panels ([`panels`]: f32 on an AVX2 CPU without AVX-512, as the model loads it)
+//! runs its two frozen products, `X_e W_eᵀ` and `dY_e W_e`, on the panel kernels under either
+//! engine, reading the weight in place (no packing a product); the LoRA products stay as above.
+//!
 //! Per expert `e` with rows `X_e: (n, in)`, weight `W_e: (out, in)`, LoRA `A_e: (r, in)`,
 //! `B_e: (out, r)` (PEFT's `lora_B` repacked once a call to `(E, out, r)`), scale `s`:
 //! forward `Y_e = X_e W_eᵀ + s (X_e A_eᵀ) B_eᵀ (+ bias_e)`; backward from `dY_e`:
@@ -38,7 +42,8 @@ use candle_core::{bail, CpuStorage, DType, Result, Storage, Tensor};
 use rayon::prelude::*;
 use std::ops::Deref;
 
-use super::stack::{Source, Weights};
+use super::panels;
+use super::stack::{ExpertWeight, Source, Weights};
 use super::{act, dims, Experts, Groups};
 
 /// Whether the fast path takes these operands: every tensor f32 on the CPU (an NF4 stack
@@ -242,6 +247,7 @@ fn split<'a>(mut buf: &'a mut [f32], off: &[usize], width: usize) -> Vec<&'a mut
 /// A stack's weights for one call: the dense stack's view, or the NF4 experts.
 enum StackView<'a> {
     Dense(View<'a>),
+    Panels(panels::PanelRead<'a>),
     Nf4(&'a super::Nf4Stack),
 }
 
@@ -249,6 +255,7 @@ impl<'a> StackView<'a> {
     fn of(s: &'a Source<'a>, what: &str) -> Result<StackView<'a>> {
         Ok(match s {
             Source::Dense(t) => StackView::Dense(View::of(t, what)?),
+            Source::Panels(p) => StackView::Panels(p.read()?),
             Source::Nf4(q) => StackView::Nf4(q),
         })
     }
@@ -256,6 +263,7 @@ impl<'a> StackView<'a> {
     fn w(&self) -> Weights<'_> {
         match self {
             StackView::Dense(v) => Weights::Dense(v.s()),
+            StackView::Panels(p) => Weights::Panels(p.slice()),
             StackView::Nf4(q) => Weights::Nf4(q),
         }
     }
@@ -491,7 +499,7 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
 fn expert_fwd(
     engine: Engine,
     x: &[f32],
-    we: &[f32],
+    we: &ExpertWeight,
     bias: Option<&[f32]>,
     lora: Option<(&[f32], &[f32], usize, f32)>,
     y: &mut [f32],
@@ -499,7 +507,10 @@ fn expert_fwd(
     (n, inp, out): (usize, usize, usize),
 ) -> Result<()> {
     let xe = M::rows(x, inp);
-    mm(engine, y, false, 1.0, xe, M::t(we, inp), (n, out, inp))?;
+    match we {
+        ExpertWeight::Rows(we) => mm(engine, y, false, 1.0, xe, M::t(we, inp), (n, out, inp))?,
+        ExpertWeight::Panels(we) => panels::forward(x, we, y, (n, inp, out))?,
+    }
     if let Some((ae, be, r, s)) = lora {
         mm(engine, xa, false, 1.0, xe, M::t(ae, inp), (n, r, inp))?;
         mm(engine, y, true, s, M::rows(xa, r), M::t(be, r), (n, out, r))?;
@@ -514,28 +525,32 @@ fn expert_fwd(
 /// One expert's projection backward from `dy (n, out)`: `dx (n, in) = dy we (+ (s dy B) A)`;
 /// with LoRA (`A_e`, `B_e`, `r`, `s`, the forward's `x Aᵀ (n, r)`, and this expert's gradient
 /// blocks `dA_e (r, in)`, `dB_e (out, r)`) also `dB_e = s dyᵀ (x Aᵀ)`, `dA_e = (s dy B)ᵀ x`;
-/// `dyb (n, r)` is scratch. `x (n, in)` is read only with LoRA.
+/// `dyb (n, r)` and `tr` (panels: [`panels::backward_scratch`]) are scratch. `x (n, in)` is read
+/// only with LoRA.
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn expert_bwd(
     engine: Engine,
     dy: &[f32],
     x: &[f32],
-    we: &[f32],
+    we: &ExpertWeight,
     lora: Option<(&[f32], &[f32], usize, f32, &[f32])>,
     grads: Option<(&mut [f32], &mut [f32])>,
     dx: &mut [f32],
-    dyb: &mut [f32],
+    (dyb, tr): (&mut [f32], &mut [f32]),
     (n, inp, out): (usize, usize, usize),
 ) -> Result<()> {
-    mm(
-        engine,
-        dx,
-        false,
-        1.0,
-        M::rows(dy, out),
-        M::rows(we, inp),
-        (n, inp, out),
-    )?;
+    match we {
+        ExpertWeight::Rows(we) => mm(
+            engine,
+            dx,
+            false,
+            1.0,
+            M::rows(dy, out),
+            M::rows(we, inp),
+            (n, inp, out),
+        )?,
+        ExpertWeight::Panels(we) => panels::backward(dy, we, dx, false, tr, (n, inp, out))?,
+    }
     let (Some((ae, be, r, s, xae)), Some((da, db))) = (lora, grads) else {
         return Ok(());
     };
@@ -816,63 +831,72 @@ pub(super) fn backward(
         }
         let r = rgu.max(rdn);
         // Scratch: dd (n, H), dm (n, I), dgu (n, 2I), x rows (n, H) when gate/up has LoRA,
-        // dy·B (n, r).
+        // dy·B (n, r), the panel products' transposes (panels only).
         let xn = if sgu.is_some() { n * h } else { 0 };
-        with_scratch(n * h + n * i + n * 2 * i + xn + n * r, |s| -> Result<()> {
-            let (dd, s) = s.split_at_mut(n * h);
-            let (dm, s) = s.split_at_mut(n * i);
-            let (dgu, s) = s.split_at_mut(n * 2 * i);
-            let (xe, dyb) = s.split_at_mut(xn);
-            // ∂L/∂w of row j: ⟨dy_t, d_j⟩; the down output's gradient dd_j = w_j · dy_t.
-            for (j, (ddr, dwj)) in dd.chunks_exact_mut(h).zip(dw.iter_mut()).enumerate() {
-                let row = lo + j;
-                let tk = c.token[row] as usize;
-                let dyr = &dyv[tk * h..(tk + 1) * h];
-                let dr = &dv[row * h..(row + 1) * h];
-                *dwj = rtune_backend::cpu::sum2(dyr, dr, |a, b| a * b);
-                let w = weights[c.slot[row]];
-                ddr.iter_mut().zip(dyr).for_each(|(o, v)| *o = v * w);
-            }
-            let we = wdn.expert_f32(e, h * i)?;
-            let l = sdn.map(|(a, b, r, s, xa)| {
-                let (ae, be, r, s) = expert_lora(Some((a, b, r, s)), e, (i, h)).unwrap_or_default();
-                (ae, be, r, s, &xa[lo * r..hi * r])
-            });
-            let me = &mv[lo * i..hi * i];
-            expert_bwd(
-                engine,
-                dd,
-                me,
-                &we,
-                l,
-                gdn,
-                dm,
-                &mut dyb[..n * rdn],
-                (n, i, h),
-            )?;
-            drop(we);
-            act::rows_backward(dm, &guv[lo * 2 * i..hi * 2 * i], dgu, ex.act, i)?;
-            if !xe.is_empty() {
-                gather_into(xv, &c.token[lo..hi], h, xe);
-            }
-            let we = wgu.expert_f32(e, 2 * i * h)?;
-            let l = sgu.map(|(a, b, r, s, xa)| {
-                let (ae, be, r, s) =
-                    expert_lora(Some((a, b, r, s)), e, (h, 2 * i)).unwrap_or_default();
-                (ae, be, r, s, &xa[lo * r..hi * r])
-            });
-            expert_bwd(
-                engine,
-                dgu,
-                xe,
-                &we,
-                l,
-                ggu,
-                dx,
-                &mut dyb[..n * rgu],
-                (n, h, 2 * i),
-            )
-        })
+        let trn = match wgu.in_panels() || wdn.in_panels() {
+            true => panels::backward_scratch(n, i, h).max(panels::backward_scratch(n, h, 2 * i)),
+            false => 0,
+        };
+        with_scratch(
+            n * h + n * i + n * 2 * i + xn + n * r + trn,
+            |s| -> Result<()> {
+                let (dd, s) = s.split_at_mut(n * h);
+                let (dm, s) = s.split_at_mut(n * i);
+                let (dgu, s) = s.split_at_mut(n * 2 * i);
+                let (xe, s) = s.split_at_mut(xn);
+                let (dyb, tr) = s.split_at_mut(n * r);
+                // ∂L/∂w of row j: ⟨dy_t, d_j⟩; the down output's gradient dd_j = w_j · dy_t.
+                for (j, (ddr, dwj)) in dd.chunks_exact_mut(h).zip(dw.iter_mut()).enumerate() {
+                    let row = lo + j;
+                    let tk = c.token[row] as usize;
+                    let dyr = &dyv[tk * h..(tk + 1) * h];
+                    let dr = &dv[row * h..(row + 1) * h];
+                    *dwj = rtune_backend::cpu::sum2(dyr, dr, |a, b| a * b);
+                    let w = weights[c.slot[row]];
+                    ddr.iter_mut().zip(dyr).for_each(|(o, v)| *o = v * w);
+                }
+                let we = wdn.expert_f32(e, h * i)?;
+                let l = sdn.map(|(a, b, r, s, xa)| {
+                    let (ae, be, r, s) =
+                        expert_lora(Some((a, b, r, s)), e, (i, h)).unwrap_or_default();
+                    (ae, be, r, s, &xa[lo * r..hi * r])
+                });
+                let me = &mv[lo * i..hi * i];
+                expert_bwd(
+                    engine,
+                    dd,
+                    me,
+                    &we,
+                    l,
+                    gdn,
+                    dm,
+                    (&mut dyb[..n * rdn], &mut *tr),
+                    (n, i, h),
+                )?;
+                drop(we);
+                act::rows_backward(dm, &guv[lo * 2 * i..hi * 2 * i], dgu, ex.act, i)?;
+                if !xe.is_empty() {
+                    gather_into(xv, &c.token[lo..hi], h, xe);
+                }
+                let we = wgu.expert_f32(e, 2 * i * h)?;
+                let l = sgu.map(|(a, b, r, s, xa)| {
+                    let (ae, be, r, s) =
+                        expert_lora(Some((a, b, r, s)), e, (h, 2 * i)).unwrap_or_default();
+                    (ae, be, r, s, &xa[lo * r..hi * r])
+                });
+                expert_bwd(
+                    engine,
+                    dgu,
+                    xe,
+                    &we,
+                    l,
+                    ggu,
+                    dx,
+                    (&mut dyb[..n * rgu], tr),
+                    (n, h, 2 * i),
+                )
+            },
+        )
     })?;
     let mut dw_slot = vec![0f32; rows];
     for (r, &s) in c.slot.iter().enumerate() {
@@ -983,6 +1007,80 @@ mod tests {
                  cblas_takes: {}",
                 cblas_takes(k)
             );
+        }
+        Ok(())
+    }
+
+    /// Timing, not a check (`cargo test --release -p rtune-experts --lib panel_timing --
+    /// --ignored --nocapture`): the frozen products of one expert's job (`n = 128` rows) on the
+    /// `gemm` crate against the panel kernels (`super::super::panels`), the weights cycling over
+    /// 64 experts (cold, as in a step), one thread.
+    #[test]
+    #[ignore]
+    fn panel_timing() -> Result<()> {
+        use super::super::panels;
+        // Rows per expert as a step deals them (≈ 128 ± 11 of 16384 over 128 experts).
+        let ns = [113usize, 121, 128, 135, 142, 107, 131, 126, 119, 139];
+        let vals = |k: usize| -> Vec<f32> { (0..k).map(|i| (i % 1000) as f32 * 1e-3).collect() };
+        let experts = 64;
+        let nmax = 160;
+        for (what, inp, out, fwd) in [
+            ("gate/up forward", 512, 384, true),
+            ("down forward", 192, 512, true),
+            ("gate/up dx", 512, 384, false),
+            ("down dx", 192, 512, false),
+        ] {
+            let w = vals(experts * out * inp);
+            let p = panels::PanelStack::pack(&w, (experts, out, inp))?;
+            let p = p.read()?;
+            let (x, dy) = (vals(nmax * inp), vals(nmax * out));
+            let (mut y, mut dx) = (vec![0f32; nmax * out], vec![0f32; nmax * inp]);
+            let mut scratch = vec![0f32; panels::backward_scratch(nmax, inp, out)];
+            let reps = 640;
+            let flop: f64 = (0..reps)
+                .map(|k| 2.0 * (ns[k % ns.len()] * inp * out) as f64)
+                .sum();
+            for round in 0..3 {
+                let t0 = std::time::Instant::now();
+                for k in 0..reps {
+                    let n = ns[k % ns.len()];
+                    let we = &w[(k % experts) * out * inp..][..out * inp];
+                    match fwd {
+                        true => mm(
+                            Engine::Gemm,
+                            &mut y,
+                            false,
+                            1.0,
+                            M::rows(&x, inp),
+                            M::t(we, inp),
+                            (n, out, inp),
+                        )?,
+                        false => mm(
+                            Engine::Gemm,
+                            &mut dx,
+                            false,
+                            1.0,
+                            M::rows(&dy, out),
+                            M::rows(we, inp),
+                            (n, inp, out),
+                        )?,
+                    }
+                }
+                let g = flop / t0.elapsed().as_secs_f64() / 1e9;
+                let t0 = std::time::Instant::now();
+                for k in 0..reps {
+                    let n = ns[k % ns.len()];
+                    let we = p.expert(k % experts)?;
+                    match fwd {
+                        true => panels::forward(&x, we, &mut y, (n, inp, out))?,
+                        false => {
+                            panels::backward(&dy, we, &mut dx, false, &mut scratch, (n, inp, out))?
+                        }
+                    }
+                }
+                let q = flop / t0.elapsed().as_secs_f64() / 1e9;
+                eprintln!("{what:16} round {round}: gemm crate {g:.1}, panels {q:.1} GFLOP/s");
+            }
         }
         Ok(())
     }

@@ -25,6 +25,7 @@
 
 pub mod act;
 mod grouped;
+pub mod panels;
 pub mod reference;
 pub mod stack;
 #[cfg(test)]

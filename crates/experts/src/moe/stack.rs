@@ -1,5 +1,6 @@
-//! One layer's expert stack, `(E, out, in)`, as the op reads it: in the compute dtype, or in NF4
-//! (`[model] quantize_experts`), one [`Nf4Weight`] per expert.
+//! One layer's expert stack, `(E, out, in)`, as the op reads it: in the compute dtype, in f32
+//! panels ([`PanelStack`]: f32 on a CPU where [`panels::fast`] says so), or in NF4 (`[model]
+//! quantize_experts`), one [`Nf4Weight`] per expert.
 //!
 //! An NF4 stack holds expert `e`'s `(out, in)` matrix quantized on its own, exactly as
 //! bitsandbytes' `quantize_4bit` quantizes that 2-D tensor (`rtune_ops::nf4::quantize_tensor`:
@@ -15,6 +16,8 @@
 use std::borrow::Cow;
 
 use candle_core::{bail, DType, Device, Result, Tensor};
+
+use super::panels::{self, PanelStack};
 use rtune_ops::nf4::{
     Absmax, Nf4Weight, QuantType, BLOCKSIZE, DYNAMIC_SIGNED, NESTED_BLOCKSIZE, NF4,
 };
@@ -211,6 +214,8 @@ impl Nf4Stack {
 pub enum Stack<'a> {
     /// `(E, out, in)` in the compute dtype.
     Dense(&'a Tensor),
+    /// f32 on the CPU, in panels.
+    Panels(&'a PanelStack),
     Nf4(&'a Nf4Stack),
 }
 
@@ -231,6 +236,7 @@ impl<'a> Stack<'a> {
     pub fn dims3(&self) -> Result<(usize, usize, usize)> {
         match self {
             Stack::Dense(t) => t.dims3(),
+            Stack::Panels(p) => Ok(p.dims),
             Stack::Nf4(s) => Ok(s.dims),
         }
     }
@@ -238,33 +244,41 @@ impl<'a> Stack<'a> {
     pub fn dims(&self) -> Vec<usize> {
         match self {
             Stack::Dense(t) => t.dims().to_vec(),
-            Stack::Nf4(s) => vec![s.dims.0, s.dims.1, s.dims.2],
+            Stack::Panels(PanelStack { dims, .. }) | Stack::Nf4(Nf4Stack { dims, .. }) => {
+                vec![dims.0, dims.1, dims.2]
+            }
         }
     }
 
-    /// Whether the grouped f32 CPU path reads it: a dense f32 CPU tensor, or NF4 (which
-    /// dequantizes to f32 on the CPU).
+    /// Whether the grouped f32 CPU path reads it: a dense f32 CPU tensor, panels, or NF4
+    /// (which dequantizes to f32 on the CPU).
     pub(super) fn f32_cpu(&self) -> bool {
         match self {
             Stack::Dense(t) => t.dtype() == DType::F32 && t.device().is_cpu(),
-            Stack::Nf4(_) => true,
+            Stack::Panels(_) | Stack::Nf4(_) => true,
         }
     }
 
     /// Expert `e`'s `(out, in)` in `dtype` on `device`: a view of the dense stack (as stored),
-    /// or the NF4 expert dequantized (a fresh tensor, dropped by the caller after its products).
+    /// or the panels' or the NF4 expert's values (a fresh tensor, dropped by the caller after
+    /// its products).
     pub fn expert(&self, e: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         match self {
             Stack::Dense(t) => t.get(e),
+            Stack::Panels(p) => {
+                let (_, out, inp) = p.dims;
+                Tensor::from_vec(p.unpack(e)?, (out, inp), device)?.to_dtype(dtype)
+            }
             Stack::Nf4(s) => s.expert(e, dtype, device),
         }
     }
 
     /// The grouped path's source of expert weights: the contiguous dense stack's f32 elements,
-    /// or the NF4 experts.
+    /// the panels, or the NF4 experts.
     pub(super) fn source(&self) -> Result<Source<'a>> {
         Ok(match self {
             Stack::Dense(t) => Source::Dense(t.contiguous()?),
+            Stack::Panels(p) => Source::Panels(p),
             Stack::Nf4(s) => Source::Nf4(s),
         })
     }
@@ -273,28 +287,56 @@ impl<'a> Stack<'a> {
 /// [`Stack::source`]: what the grouped path holds for one call.
 pub(super) enum Source<'a> {
     Dense(Tensor),
+    Panels(&'a PanelStack),
     Nf4(&'a Nf4Stack),
 }
 
-/// The elements of a [`Source`] for the products: the dense stack's whole slice, or nothing
-/// (the NF4 experts are dequantized one job at a time by [`Weights::expert_f32`]).
+/// The elements of a [`Source`] for the products: the dense stack's whole slice, the panels, or
+/// nothing (the NF4 experts are dequantized one job at a time by [`Weights::expert_f32`]).
 pub(super) enum Weights<'a> {
     Dense(&'a [f32]),
+    Panels(panels::PanelSlice<'a>),
     Nf4(&'a Nf4Stack),
+}
+
+/// One expert's frozen `(out, in)` for its products, row-major or in panels: borrowed from the
+/// stack, or an NF4 expert dequantized into a buffer dropped after its products (in panels where
+/// [`panels::fast`] says so: the same products as an f32 model's).
+pub(super) enum ExpertWeight<'a> {
+    Rows(Cow<'a, [f32]>),
+    Panels(Cow<'a, [f32]>),
 }
 
 impl Weights<'_> {
-    /// Expert `e`'s `(out, in)` f32 elements, `len = out·in`: a slice of the dense stack, or the
-    /// NF4 expert dequantized into a buffer the caller drops after its products.
-    pub(super) fn expert_f32(&self, e: usize, len: usize) -> Result<Cow<'_, [f32]>> {
+    /// Whether [`Weights::expert_f32`] gives panels (the products' scratch depends on it).
+    pub(super) fn in_panels(&self) -> bool {
+        match self {
+            Weights::Dense(_) => false,
+            Weights::Panels(_) => true,
+            Weights::Nf4(_) => panels::fast(),
+        }
+    }
+
+    /// Expert `e`'s `(out, in)` (`len = out·in` elements) as its products read it.
+    pub(super) fn expert_f32(&self, e: usize, len: usize) -> Result<ExpertWeight<'_>> {
         match self {
             Weights::Dense(w) => match w.get(e * len..(e + 1) * len) {
-                Some(s) => Ok(Cow::Borrowed(s)),
+                Some(s) => Ok(ExpertWeight::Rows(Cow::Borrowed(s))),
                 None => bail!(
                     "moe grouped: expert {e} past a stack of {} elements",
                     w.len()
                 ),
             },
+            Weights::Panels(p) => {
+                let w = p.expert(e)?;
+                if w.len() < len {
+                    bail!(
+                        "moe grouped: panels of {} elements, the product wants {len}",
+                        w.len()
+                    );
+                }
+                Ok(ExpertWeight::Panels(Cow::Borrowed(w)))
+            }
             Weights::Nf4(s) => {
                 let Some(q) = s.experts.get(e) else {
                     bail!(
@@ -308,39 +350,64 @@ impl Weights<'_> {
                         q.numel()
                     );
                 }
-                Ok(Cow::Owned(q.dequantize_f32()))
+                let w = q.dequantize_f32();
+                Ok(match panels::fast() {
+                    true => {
+                        let (out, inp) = (s.dims.1, s.dims.2);
+                        ExpertWeight::Panels(Cow::Owned(panels::pack_expert(&w, (out, inp))?))
+                    }
+                    false => ExpertWeight::Rows(Cow::Owned(w)),
+                })
             }
         }
     }
 }
 
-/// A stack as a model holds it: in the compute dtype, or NF4.
+/// A stack as a model holds it: in the compute dtype, in f32 panels, or NF4.
 #[derive(Debug, Clone)]
 pub enum StackWeights {
     Dense(Tensor),
+    Panels(PanelStack),
     Nf4(Nf4Stack),
 }
 
 impl StackWeights {
-    /// `t: (E, out, in)` as is, or quantized expert by expert (`Some(double_quant)`).
+    /// `t: (E, out, in)` quantized expert by expert (`Some(double_quant)`), or else in panels
+    /// when it is f32 on the CPU and [`panels::fast`] says so (`t` dropped: one copy held), or
+    /// as is.
     pub fn new(t: Tensor, nf4: Option<bool>) -> Result<StackWeights> {
         Ok(match nf4 {
-            None => StackWeights::Dense(t),
             Some(dq) => StackWeights::Nf4(Nf4Stack::quantize(&t, dq)?),
+            None if t.dtype() == DType::F32 && t.device().is_cpu() && panels::fast() => {
+                StackWeights::Panels(PanelStack::from_tensor(t)?)
+            }
+            None => StackWeights::Dense(t),
         })
     }
 
     pub fn stack(&self) -> Stack<'_> {
         match self {
             StackWeights::Dense(t) => Stack::Dense(t),
+            StackWeights::Panels(p) => Stack::Panels(p),
             StackWeights::Nf4(s) => Stack::Nf4(s),
         }
+    }
+
+    /// The stack in the compute dtype as loaded, `(E, out, in)`: the dense tensor, or the panels
+    /// unpacked (a copy); `None` for NF4.
+    pub fn dense(&self, device: &Device) -> Result<Option<Tensor>> {
+        Ok(match self {
+            StackWeights::Dense(t) => Some(t.clone()),
+            StackWeights::Panels(p) => Some(Tensor::from_vec(p.unpack_all()?, p.dims, device)?),
+            StackWeights::Nf4(_) => None,
+        })
     }
 
     /// Bytes held (the NF4 experts at their packed size).
     pub fn resident_bytes(&self) -> usize {
         match self {
             StackWeights::Dense(t) => t.elem_count() * t.dtype().size_in_bytes(),
+            StackWeights::Panels(p) => p.resident_bytes(),
             StackWeights::Nf4(s) => s.resident_bytes(),
         }
     }

@@ -363,14 +363,32 @@ fn grouped_path_matches_the_per_expert_path() {
         let groups = Groups::new(&ids, K, E).unwrap();
         let (y_ref, slow) = per_expert_forward(&c.x, &groups, &w, &ex).unwrap();
         let want = per_expert_backward(&c.dy, &w, &ex, &groups, &slow).unwrap();
+        // The same stacks held in panels (`panels`: what an f32 CPU model holds on AVX2 CPUs
+        // without AVX-512; the portable loops elsewhere).
+        let pack = |t: &Tensor| {
+            let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            panels::PanelStack::pack(&v, t.dims3().unwrap()).unwrap()
+        };
+        let (pgu, pd) = (pack(&c.gate_up), pack(&c.down));
+        let ex_panels = Experts {
+            gate_up: Stack::Panels(&pgu),
+            down: Stack::Panels(&pd),
+            ..ex
+        };
         // Both engines: the CBLAS one only where a CBLAS loads (rtune's own path).
-        for engine in [grouped::Engine::Gemm, grouped::Engine::Blas] {
+        for (engine, held) in [
+            (grouped::Engine::Gemm, "dense"),
+            (grouped::Engine::Blas, "dense"),
+            (grouped::Engine::Gemm, "panels"),
+            (grouped::Engine::Blas, "panels"),
+        ] {
             if engine == grouped::Engine::Blas && rtune_backend::blas::init().is_none() {
                 eprintln!("no CBLAS found (install libopenblas0): the Blas engine not compared");
                 continue;
             }
+            let ex = if held == "panels" { ex_panels } else { ex };
             let (y, fast) = grouped::forward(engine, &c.x, &groups, &w, &ex).unwrap();
-            let case = format!("{engine:?}, lora {lora}, {act:?}, biases {biases}");
+            let case = format!("{engine:?}, {held}, lora {lora}, {act:?}, biases {biases}");
             let check = |what: &str, got: &Tensor, want: &Tensor| {
                 let e = rel_err(got, want);
                 eprintln!("grouped vs per-expert {what} ({case}): {e:.2e}");
