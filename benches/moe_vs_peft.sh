@@ -56,6 +56,9 @@
 # (2.80x / 2.91x / 3.11x, median 2.91x), 0.31-0.32x RSS, 91.9-93.2% of the ceiling.
 # 9d9334d (torch's top-k tie order): 3198.3 / 3130.7 / 3135.5 vs 1016.5 / 1047.4 / 1093.4 (3.15x /
 # 2.99x / 2.87x, median 2.99x), 0.32x RSS, 93.5-96.1% of the ceiling.
+# Session 37 (the experts' frozen weights in panels, 09d1a15): 3107.6 / 3193.4 / 3237.0 vs PEFT
+# 1054.2 / 1102.8 / 1233.1 (2.95x / 2.90x / 2.63x, median 2.90x), 0.32x RSS, 92.5-95.9% of the
+# ceiling; rtune alone +0.3 to +3.3% against 8baf213 (benches/README.md).
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), PAIRS (1: rounds of rtune's run then PEFT's; more give medians),

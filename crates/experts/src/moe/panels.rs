@@ -816,6 +816,10 @@ mod tests {
             let mut dxp = vec![f32::NAN; n * inp];
             unpack_dx(dxt, &mut dxp, false, (n, inp));
             close(&dxp, &want_dx, out, 0.0, "plain dx");
+            // In the same order, FMA for FMA: bit for bit (where the kernel ran).
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&yp), bits(&y), "plain y ({n}, {inp}, {out})");
+            assert_eq!(bits(&dxp), bits(&dx), "plain dx ({n}, {inp}, {out})");
         }
         Ok(())
     }

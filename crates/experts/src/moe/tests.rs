@@ -411,6 +411,33 @@ fn grouped_path_matches_the_per_expert_path() {
     }
 }
 
+/// How a model holds a stack ([`StackWeights::new`]): f32 on the CPU in panels exactly where
+/// [`panels::fast`] says so (rewritten in place, the values as loaded), another dtype as is, NF4
+/// when asked.
+#[test]
+fn stacks_are_held_in_panels_where_the_cpu_reads_them_so() {
+    let c = case(90);
+    let want = c.gate_up.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let held = StackWeights::new(c.gate_up.clone(), None).unwrap();
+    assert_eq!(
+        matches!(held, StackWeights::Panels(_)),
+        panels::fast(),
+        "f32 stack: {held:?}"
+    );
+    let back = held.dense(&Device::Cpu).unwrap().unwrap();
+    assert_eq!(back.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
+    assert_eq!(back.dims(), c.gate_up.dims());
+    let bf16 = c.gate_up.to_dtype(DType::BF16).unwrap();
+    assert!(matches!(
+        StackWeights::new(bf16, None).unwrap(),
+        StackWeights::Dense(_)
+    ));
+    assert!(matches!(
+        StackWeights::new(c.gate_up.clone(), Some(false)).unwrap(),
+        StackWeights::Nf4(_)
+    ));
+}
+
 /// Timing, not a check (`cargo test --release -p rtune-experts moe_timing -- --ignored
 /// --nocapture`): forward + backward with LoRA r 16 on both stacks, the fast CPU path against
 /// the per-expert path, on benches/moe_vs_peft.sh's layer (Qwen3-30B-A3B's scaled down: 128
