@@ -38,12 +38,12 @@
 //! forward `Y_e = X_e W_eᵀ + s (X_e A_eᵀ) B_eᵀ (+ bias_e)`; backward from `dY_e`:
 //! `dX_e = dY_e W_e + (s dY_e B_e) A_e`, `dB_e = s dY_eᵀ (X_e A_eᵀ)`, `dA_e = (s dY_e B_e)ᵀ X_e`.
 
-use candle_core::{bail, CpuStorage, DType, Result, Storage, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 use rayon::prelude::*;
-use std::ops::Deref;
 
 use super::panels;
 use super::stack::{ExpertWeight, Source, Weights};
+use super::view::View;
 use super::{act, dims, Experts, Groups};
 
 /// Whether the fast path takes these operands: every tensor f32 on the CPU (an NF4 stack
@@ -59,39 +59,6 @@ pub(super) fn applies(x: &Tensor, ex: &Experts) -> bool {
         && ex.down_bias.is_none_or(f32_cpu)
         && lora(&ex.lora_gate_up)
         && lora(&ex.lora_down)
-}
-
-/// A contiguous f32 CPU tensor's elements, read in place (the read guard held while borrowed).
-struct View<'a> {
-    guard: Box<dyn Deref<Target = Storage> + 'a>,
-    start: usize,
-    len: usize,
-}
-
-impl View<'_> {
-    fn of<'a>(t: &'a Tensor, what: &str) -> Result<View<'a>> {
-        if !t.is_contiguous() {
-            bail!("moe grouped: {what} {:?} is not contiguous", t.dims());
-        }
-        let (guard, layout) = t.storage_and_layout();
-        if !matches!(&*guard, Storage::Cpu(CpuStorage::F32(_))) {
-            bail!("moe grouped: {what} is not f32 on the CPU");
-        }
-        let start = layout.start_offset();
-        Ok(View {
-            guard: Box::new(guard),
-            start,
-            len: t.elem_count(),
-        })
-    }
-
-    fn s(&self) -> &[f32] {
-        match &**self.guard {
-            Storage::Cpu(CpuStorage::F32(v)) => &v[self.start..self.start + self.len],
-            // Checked in `of`.
-            _ => &[],
-        }
-    }
 }
 
 /// A matrix view into a slice: element `(i, j)` at `i·rs + j·cs`.

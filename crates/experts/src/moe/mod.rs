@@ -30,6 +30,7 @@ pub mod reference;
 pub mod stack;
 #[cfg(test)]
 mod tests;
+mod view;
 
 pub use act::ExpertAct;
 pub use stack::{Nf4Stack, Stack, StackWeights};

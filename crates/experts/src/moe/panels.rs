@@ -32,9 +32,9 @@
 //! AVX2) compute the same sums in the same order, for the tests on any CPU. The plain reference
 //! is the row-major product in f64 (`tests`).
 
-use std::ops::Deref;
+use candle_core::{bail, Device, Result, Tensor};
 
-use candle_core::{bail, CpuStorage, Device, Result, Storage, Tensor};
+use super::view::View;
 
 /// Rows of `W` per panel (two 8-wide f32 vectors).
 pub const PANEL: usize = 16;
@@ -68,42 +68,9 @@ pub fn expert_len(out: usize, inp: usize) -> usize {
     out.div_ceil(PANEL) * PANEL * inp
 }
 
-/// A contiguous f32 CPU tensor's elements, read in place (its read guard held).
-struct Elems<'a> {
-    guard: Box<dyn Deref<Target = Storage> + 'a>,
-    start: usize,
-    len: usize,
-}
-
-impl<'a> Elems<'a> {
-    fn of(t: &'a Tensor, what: &str) -> Result<Elems<'a>> {
-        if !t.is_contiguous() {
-            bail!("moe panels: {what} {:?} is not contiguous", t.dims());
-        }
-        let (guard, layout) = t.storage_and_layout();
-        if !matches!(&*guard, Storage::Cpu(CpuStorage::F32(_))) {
-            bail!("moe panels: {what} is not f32 on the CPU");
-        }
-        let start = layout.start_offset();
-        Ok(Elems {
-            guard: Box::new(guard),
-            start,
-            len: t.elem_count(),
-        })
-    }
-
-    fn s(&self) -> &[f32] {
-        match &**self.guard {
-            Storage::Cpu(CpuStorage::F32(v)) => &v[self.start..self.start + self.len],
-            // Checked in `of`.
-            _ => &[],
-        }
-    }
-}
-
 /// A [`PanelStack`]'s elements for one op's products ([`PanelStack::read`]).
 pub struct PanelRead<'a> {
-    elems: Elems<'a>,
+    elems: View<'a>,
     dims: (usize, usize, usize),
 }
 
@@ -173,12 +140,12 @@ impl PanelStack {
         let (e_n, out, inp) = dims;
         let t = t.contiguous()?.flatten_all()?;
         if out % PANEL != 0 {
-            return PanelStack::pack(Elems::of(&t, "stack")?.s(), dims);
+            return PanelStack::pack(View::of(&t, "panels stack")?.s(), dims);
         }
         let len = out * inp;
         for e in 0..e_n {
             // Expert e's row-major values copied out (the read guard dropped before the write).
-            let w = Elems::of(&t, "stack")?.s()[e * len..(e + 1) * len].to_vec();
+            let w = View::of(&t, "panels stack")?.s()[e * len..(e + 1) * len].to_vec();
             let p = pack_expert(&w, (out, inp))?;
             t.slice_set(&Tensor::from_vec(p, len, &Device::Cpu)?, 0, e * len)?;
         }
@@ -188,7 +155,7 @@ impl PanelStack {
     /// The elements for one op (the stack's read guard held while it lives).
     pub fn read(&self) -> Result<PanelRead<'_>> {
         Ok(PanelRead {
-            elems: Elems::of(&self.data, "stack")?,
+            elems: View::of(&self.data, "panels stack")?,
             dims: self.dims,
         })
     }
