@@ -211,7 +211,8 @@ fn split<'a>(mut buf: &'a mut [f32], off: &[usize], width: usize) -> Vec<&'a mut
     out
 }
 
-/// A stack's weights for one call: the dense stack's view, or the NF4 experts.
+/// A stack's weights for one call: the dense stack's view, the panels' (read guard held), or
+/// the NF4 experts.
 enum StackView<'a> {
     Dense(View<'a>),
     Panels(panels::PanelRead<'a>),

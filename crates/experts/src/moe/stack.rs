@@ -373,8 +373,8 @@ pub enum StackWeights {
 
 impl StackWeights {
     /// `t: (E, out, in)` quantized expert by expert (`Some(double_quant)`), or else in panels
-    /// when it is f32 on the CPU and [`panels::fast`] says so (`t` dropped: one copy held), or
-    /// as is.
+    /// when it is f32 on the CPU and [`panels::fast`] says so (`t`'s buffer rewritten in place:
+    /// one copy held), or as is.
     pub fn new(t: Tensor, nf4: Option<bool>) -> Result<StackWeights> {
         Ok(match nf4 {
             Some(dq) => StackWeights::Nf4(Nf4Stack::quantize(&t, dq)?),
