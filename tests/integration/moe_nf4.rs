@@ -57,7 +57,11 @@ fn dequantized_copy(dir: &Path, c: &Case) -> tempfile::TempDir {
 /// The model with NF4 experts against the plain path on the same stacks dequantized beforehand
 /// (loaded as a checkpoint, the attention NF4 in both): logits, loss and every LoRA gradient
 /// (experts' included, with and without checkpointing) bit-equal — each expert dequantizes to
-/// the same f32 values and runs the same products in the same order. The resident expert stacks
+/// the same f32 values and runs the same products in the same order — where the f32 model holds
+/// its stacks row-major as the NF4 experts are read. Where it holds them in panels
+/// (`rtune_experts::moe::panels::fast`: AVX2 without AVX-512) its frozen expert products sum in
+/// another order: within 1e-5 relative (f32 rounding of sums of a few hundred terms through two
+/// layers; a wrong expert, row or scale is O(1e-2) or more). The resident expert stacks
 /// shrink to ≈ 0.56 byte a parameter (f32: 4), and the loss moves off the linears-only NF4
 /// golden's (else the stacks were not quantized).
 #[test]
@@ -70,17 +74,25 @@ fn nf4_experts_compute_as_their_dequantized_stacks() {
         let lc = crate::parity::ctx(&a.adapter);
         let la = a.model.forward(&a.inputs, Some(&lc), false).unwrap().logits;
         let lb = b.model.forward(&b.inputs, Some(&lc), false).unwrap().logits;
-        assert_eq!(rel_err(&la, &lb), 0.0, "logits (double quant {dq})");
+        let tol = if rtune_experts::moe::panels::fast() {
+            1e-5
+        } else {
+            0.0
+        };
+        let e = rel_err(&la, &lb);
+        eprintln!("logits (double quant {dq}): {e:.2e} from the f32 model's (tolerance {tol:e})");
+        assert!(e <= tol, "logits (double quant {dq}): {e:e}");
         for checkpoint in [false, true] {
             let (loss_a, ga) = loss_and_grads(&a, &a.adapter, checkpoint);
             let (loss_b, gb) = loss_and_grads(&b, &b.adapter, checkpoint);
-            assert_eq!(loss_a, loss_b, "loss (double quant {dq})");
+            let e = (loss_a - loss_b).abs() / loss_b.abs();
+            assert!(e <= tol, "loss (double quant {dq}): {loss_a} vs {loss_b}");
             for (i, name) in a.adapter.names.iter().enumerate() {
                 for (x, y) in [(&ga.a[i], &gb.a[i]), (&ga.b[i], &gb.b[i])] {
                     let e = rel_err(x.as_ref().unwrap(), y.as_ref().unwrap());
-                    assert_eq!(
-                        e, 0.0,
-                        "{name} (double quant {dq}, checkpoint {checkpoint})"
+                    assert!(
+                        e <= tol,
+                        "{name} (double quant {dq}, checkpoint {checkpoint}): {e:e}"
                     );
                 }
             }

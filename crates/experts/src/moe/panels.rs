@@ -304,7 +304,7 @@ fn avx2() -> bool {
 }
 
 /// One expert's row-major `w (out, in)` in panels ([`expert_len`] elements, module note): what
-/// [`PanelStack::pack`] holds, and what an NF4 expert dequantizes into for its products.
+/// [`PanelStack::from_tensor`] writes back expert by expert.
 pub fn pack_expert(w: &[f32], (out, inp): (usize, usize)) -> Result<Vec<f32>> {
     if w.len() != out * inp {
         bail!(

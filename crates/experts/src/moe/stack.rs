@@ -300,11 +300,10 @@ pub(super) enum Weights<'a> {
 }
 
 /// One expert's frozen `(out, in)` for its products, row-major or in panels: borrowed from the
-/// stack, or an NF4 expert dequantized into a buffer dropped after its products (in panels where
-/// [`panels::fast`] says so: the same products as an f32 model's).
+/// stack, or an NF4 expert dequantized (row-major) into a buffer dropped after its products.
 pub(super) enum ExpertWeight<'a> {
     Rows(Cow<'a, [f32]>),
-    Panels(Cow<'a, [f32]>),
+    Panels(&'a [f32]),
 }
 
 impl Weights<'_> {
@@ -313,7 +312,7 @@ impl Weights<'_> {
         match self {
             Weights::Dense(_) => false,
             Weights::Panels(_) => true,
-            Weights::Nf4(_) => panels::fast(),
+            Weights::Nf4(_) => false,
         }
     }
 
@@ -335,7 +334,7 @@ impl Weights<'_> {
                         w.len()
                     );
                 }
-                Ok(ExpertWeight::Panels(Cow::Borrowed(w)))
+                Ok(ExpertWeight::Panels(w))
             }
             Weights::Nf4(s) => {
                 let Some(q) = s.experts.get(e) else {
@@ -350,14 +349,10 @@ impl Weights<'_> {
                         q.numel()
                     );
                 }
-                let w = q.dequantize_f32();
-                Ok(match panels::fast() {
-                    true => {
-                        let (out, inp) = (s.dims.1, s.dims.2);
-                        ExpertWeight::Panels(Cow::Owned(panels::pack_expert(&w, (out, inp))?))
-                    }
-                    false => ExpertWeight::Rows(Cow::Owned(w)),
-                })
+                // Row-major for the `gemm` crate: dequantized into panels instead (whole then
+                // packed, or 16 rows at a time), the bench's model with NF4 experts ran 1.1–7.4%
+                // slower (8 steps, alternating with 8baf213's binary; session 37).
+                Ok(ExpertWeight::Rows(Cow::Owned(q.dequantize_f32())))
             }
         }
     }

@@ -147,19 +147,8 @@ fn nf4_experts_compute_as_the_dequantized_stack() {
             down: (&dn_d).into(),
             ..experts(&c, lora)
         };
-        // The dequantized stacks as an f32 model holds them (in panels on an AVX2 CPU without
-        // AVX-512, where the NF4 experts dequantize into panels too).
-        let (gu_h, dn_h) = (
-            StackWeights::new(gu_d.clone(), None).unwrap(),
-            StackWeights::new(dn_d.clone(), None).unwrap(),
-        );
-        let held = Experts {
-            gate_up: gu_h.stack(),
-            down: dn_h.stack(),
-            ..experts(&c, lora)
-        };
         let what = format!("lora {lora}, double quant {dq}");
-        // The grouped f32 path takes NF4 stacks; each engine bit-equal to the held stack's.
+        // The grouped f32 path takes NF4 stacks; each engine bit-equal to the dense stack's.
         assert!(grouped::applies(&c.x, &nf4));
         let groups = Groups::new(&ids, K, E).unwrap();
         for engine in [grouped::Engine::Gemm, grouped::Engine::Blas] {
@@ -168,10 +157,10 @@ fn nf4_experts_compute_as_the_dequantized_stack() {
                 continue;
             }
             let (y, fc) = grouped::forward(engine, &c.x, &groups, &w, &nf4).unwrap();
-            let (y_d, fc_d) = grouped::forward(engine, &c.x, &groups, &w, &held).unwrap();
+            let (y_d, fc_d) = grouped::forward(engine, &c.x, &groups, &w, &dense).unwrap();
             assert_eq!(bits(&y), bits(&y_d), "{engine:?} forward ({what})");
             let g = grouped::backward(engine, &c.dy, &w, &nf4, &fc, K).unwrap();
-            let g_d = grouped::backward(engine, &c.dy, &w, &held, &fc_d, K).unwrap();
+            let g_d = grouped::backward(engine, &c.dy, &w, &dense, &fc_d, K).unwrap();
             assert_eq!(bits(&g.0), bits(&g_d.0), "{engine:?} dx ({what})");
             assert_eq!(g.1, g_d.1, "{engine:?} d weights ({what})");
             for (p, q) in [(&g.2, &g_d.2), (&g.3, &g_d.3)] {
