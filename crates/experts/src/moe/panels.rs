@@ -275,8 +275,8 @@ pub fn backward(
         }
         return Ok(());
     }
-    let (dyp, dxt) =
-        scratch[..want].split_at_mut(n.div_ceil(PANEL) * PANEL * out.div_ceil(PANEL) * PANEL);
+    // `dy` in row panels, then `dx` transposed (the scratch without its `dx` part: `in` 0).
+    let (dyp, dxt) = scratch[..want].split_at_mut(backward_scratch(n, 0, out));
     to_panels(dy, dyp, (n, out), out.div_ceil(PANEL) * PANEL);
     #[cfg(target_arch = "x86_64")]
     if avx2() {
