@@ -13,8 +13,9 @@
 //! against 6.0-6.8, the run's peak RSS 803 against 946 MB.
 //!
 //! [`Engine::Blas`] (when `rtune_backend::blas` loaded a CBLAS, as `rtune` does): the products
-//! go through the dense path's OpenBLAS (`rtune_backend::blas::sgemm`; on a CPU without AVX-512
-//! only those of depth ≤ 32, the others through the `gemm` crate: [`cblas_takes`]), each
+//! of depth ≤ 32 go through the dense path's OpenBLAS (`rtune_backend::blas::sgemm`) on a CPU
+//! without AVX-512, the others (and all of them with AVX-512) through the `gemm` crate
+//! ([`cblas_takes`]), each
 //! expert's on one thread, the experts spread over rayon's threads
 //! ([`rtune_backend::blas::one_thread`]: OpenBLAS 0.3.21's threaded level 3 serialises callers
 //! from several threads on one lock, its one-thread calls do not). OpenBLAS threading each
@@ -24,7 +25,7 @@
 //! interleaved pairs of `moe_timing` at load ~9 (1497 / 1336 / 772 ms against 1728 / 2701 / 1064
 //! ms a forward + backward). The `gemm` crate on one thread per expert gave 21.6 then (an
 //! AVX-512 machine, under load); on the AVX2-only EPYC of [`cblas_takes`] it ran the same shapes
-//! at 72–93 GFLOP/s. [`Engine::Gemm`] (no CBLAS): that `gemm`-crate layout (candle's CPU GEMM,
+//! at 72–93 GFLOP/s, on an idle AVX-512 Xeon at 95–160. [`Engine::Gemm`] (no CBLAS): that `gemm`-crate layout (candle's CPU GEMM,
 //! `Parallelism::None`) for every product. The weighted combine and `dx` sum each token's rows in
 //! expert order, as the per-expert path's `index_add` does. The frozen weights' gradients are
 //! never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
@@ -126,10 +127,15 @@ const RANK_UPDATE_K: usize = 32;
 /// 85.3 vs 91.2 (their input gradients); the LoRA products of depth `in`, `out` or `n` 57–65 vs
 /// 72–93 (`x Aᵀ`, `dy B`, `dB`, `dA`); the rank-16 updates 70.8 vs 65.5 and 65.2 vs 65.8. The
 /// whole op on `moe_timing`'s layer, forward + backward, best of 8 interleaved: 205 ms with every
-/// product on OpenBLAS, 195–198 ms with this split. On AVX-512 CPUs every product stays on the
-/// CBLAS, as measured there before (module note): this split was not measured on one.
+/// product on OpenBLAS, 195–198 ms with this split. On a CPU with AVX-512 no product goes to the
+/// CBLAS: on a 2-core Intel Xeon (Ice Lake, AVX-512, OpenBLAS 0.3.21 SkylakeX) `product_timing`
+/// gave the `gemm` crate 95.1 vs 82.3 (gate/up forward), 121.5 vs 105.1 (down forward), 143.4 vs
+/// 115.6 and 159.7 vs 111.4 (input gradients), 144.1 vs 78.3 (`dA`), 106.5 vs 82.5 and 116.7 vs
+/// 85.3 (the rank-16 updates), level on the rest; `benches/moe_vs_peft.sh`'s run for 24 steps,
+/// alternating, gave more tokens/s with every product on the `gemm` crate than with every
+/// product on OpenBLAS (the rule before) in 7 of 8 pairs, +6.8% on the mean of the first four.
 fn cblas_takes(k: usize) -> bool {
-    k <= RANK_UPDATE_K || rtune_backend::cpu_features::get().avx512f
+    k <= RANK_UPDATE_K && !rtune_backend::cpu_features::get().avx512f
 }
 
 /// `c (m×n, row-major packed) = [c +] beta · a b`, `a: m×k`, `b: k×n`: through the CBLAS
@@ -918,7 +924,8 @@ mod tests {
     /// Timing, not a check (`cargo test --release -p rtune-experts --lib product_timing --
     /// --ignored --nocapture`): each product of one expert's job (`n = 128` rows, the bench's
     /// mean, LoRA r 16) on OpenBLAS (one thread) and on the `gemm` crate, the figures behind
-    /// [`cblas_takes`]; rerun it on a CPU of another kind (AVX-512) before changing the rule.
+    /// [`cblas_takes`] (measured on an AVX2-only EPYC and an AVX-512 Xeon); rerun it on a CPU of
+    /// another kind before changing the rule.
     #[test]
     #[ignore]
     fn product_timing() -> Result<()> {
