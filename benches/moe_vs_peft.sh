@@ -59,6 +59,11 @@
 # Session 37 (the experts' frozen weights in panels, 09d1a15): 3107.6 / 3193.4 / 3237.0 vs PEFT
 # 1054.2 / 1102.8 / 1233.1 (2.95x / 2.90x / 2.63x, median 2.90x), 0.32x RSS, 92.5-95.9% of the
 # ceiling; rtune alone +0.3 to +3.3% against 8baf213 (benches/README.md).
+# Session 38, another VM: a 2-core Ice Lake Xeon (AVX-512, OpenBLAS SkylakeX), each side's rate
+# moving up to 2x minute to minute. f72aea1 3128.1 / 2730.6 / 3499.2 vs PEFT 1096.6 / 1168.2 /
+# 1505.1 (median 2.34x); 16b4da2 (no expert product on OpenBLAS with AVX-512) 3683.4 / 3156.4 /
+# 2967.3 vs 1174.8 / 1091.3 / 1459.4 (3.14x / 2.89x / 2.03x, median 2.89x), 0.32-0.33x RSS,
+# 65.7-74.4% of a 235-273 GFLOP/s ceiling.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), PAIRS (1: rounds of rtune's run then PEFT's; more give medians),
