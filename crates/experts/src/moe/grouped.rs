@@ -25,10 +25,11 @@
 //! interleaved pairs of `moe_timing` at load ~9 (1497 / 1336 / 772 ms against 1728 / 2701 / 1064
 //! ms a forward + backward). The `gemm` crate on one thread per expert gave 21.6 then (an
 //! AVX-512 machine, under load); on the AVX2-only EPYC of [`cblas_takes`] it ran the same shapes
-//! at 72–93 GFLOP/s, on an idle AVX-512 Xeon at 95–160. [`Engine::Gemm`] (no CBLAS): that `gemm`-crate layout (candle's CPU GEMM,
-//! `Parallelism::None`) for every product. The weighted combine and `dx` sum each token's rows in
-//! expert order, as the per-expert path's `index_add` does. The frozen weights' gradients are
-//! never formed: only `dx`, `∂L/∂w` and the LoRA factors'.
+//! at 72–93 GFLOP/s, on an idle AVX-512 Xeon at 95–160. [`Engine::Gemm`] (no CBLAS): that
+//! `gemm`-crate layout (candle's CPU GEMM, `Parallelism::None`) for every product. The weighted
+//! combine and `dx` sum each token's rows in expert order, as the per-expert path's `index_add`
+//! does. The frozen weights' gradients are never formed: only `dx`, `∂L/∂w` and the LoRA
+//! factors'.
 //!
 //! A stack held in panels ([`panels`]: f32 on an AVX2 CPU without AVX-512, as the model loads it)
 //! runs its two frozen products, `X_e W_eᵀ` and `dY_e W_e`, on the panel kernels under either
@@ -116,8 +117,8 @@ fn operand(m: M) -> rtune_backend::blas::Operand {
     }
 }
 
-/// The depth at or below which [`Engine::Blas`] keeps a product on the CBLAS everywhere: the
-/// rank-`r` updates `y += s (x Aᵀ) Bᵀ` and `dx += (s dy B) A`.
+/// The depth at or below which [`Engine::Blas`] keeps a product on the CBLAS on a CPU without
+/// AVX-512: the rank-`r` updates `y += s (x Aᵀ) Bᵀ` and `dx += (s dy B) A`.
 const RANK_UPDATE_K: usize = 32;
 
 /// Whether [`Engine::Blas`] hands a product of depth `k` to the CBLAS rather than the `gemm`

@@ -26,9 +26,12 @@
 //! 81.0–81.5 against 84.6–85.5 (the two transposes cost the backward ~4%: its tiles alone run
 //! 88–93). `KB` 64 or 256, or the row panels outermost, measured slower.
 //!
-//! [`fast`] says whether this layout is used (x86-64 with AVX2 and FMA, without AVX-512, where the
-//! experts' frozen products run on the `gemm` crate: `grouped::cblas_takes`; with AVX-512 they go
-//! to the CBLAS, which reads row-major `W`). The portable loops ([`forward`]/[`backward`] without
+//! [`fast`] says whether this layout is used (x86-64 with AVX2 and FMA, without AVX-512). With
+//! AVX-512 the frozen products run on the `gemm` crate's AVX-512 kernels from row-major `W`
+//! (`grouped::cblas_takes`): on an Ice Lake Xeon they beat these AVX2 kernels (`panel_timing`
+//! 90–133 against 69–89 GFLOP/s), and panel kernels written for AVX-512 (a panel a vector, 2
+//! panels × 12 a tile) drew level with them over a whole run (benches/README.md, session 38), so
+//! none is kept. The portable loops ([`forward`]/[`backward`] without
 //! AVX2) compute the same sums in the same order, for the tests on any CPU. The plain reference
 //! is the row-major product in f64 (`tests`).
 
