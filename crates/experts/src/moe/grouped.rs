@@ -34,6 +34,9 @@
 //! A stack held in panels ([`panels`]: f32 on an AVX2 CPU without AVX-512, as the model loads it)
 //! runs its two frozen products, `X_e W_eᵀ` and `dY_e W_e`, on the panel kernels under either
 //! engine, reading the weight in place (no packing a product); the LoRA products stay as above.
+//! On a CPU with AVX-512 the stacks stay row-major, and the forward turns each expert's frozen
+//! weight into its transpose before `X_e W_eᵀ` ([`turns_weights`]), so that the `gemm` crate
+//! packs it as vectors rather than gathering it element by element.
 //!
 //! Per expert `e` with rows `X_e: (n, in)`, weight `W_e: (out, in)`, LoRA `A_e: (r, in)`,
 //! `B_e: (out, r)` (PEFT's `lora_B` repacked once a call to `(E, out, r)`), scale `s`:
@@ -45,6 +48,7 @@ use rayon::prelude::*;
 
 use super::panels;
 use super::stack::{ExpertWeight, Source, Weights};
+use super::transpose;
 use super::view::View;
 use super::{act, dims, Experts, Groups};
 
@@ -137,6 +141,30 @@ const RANK_UPDATE_K: usize = 32;
 /// product on OpenBLAS (the rule before) in 7 of 8 pairs, +6.8% on the mean of the first four.
 fn cblas_takes(k: usize) -> bool {
     k <= RANK_UPDATE_K && !rtune_backend::cpu_features::get().avx512f
+}
+
+/// Whether [`expert_fwd`] turns a row-major expert weight `W (out, in)` into `Wᵀ (in, out)`
+/// ([`forward_turned`]: [`transpose::transpose`], in AVX-512 registers) before its forward
+/// product `x Wᵀ`, for the products [`turn_keeps_bits`] admits: on CPUs with AVX-512, where every
+/// expert product runs on the `gemm` crate ([`cblas_takes`]).
+///
+/// Why: the crate vectorizes along `out` (`y`'s rows), so it packs `W` read across its rows one
+/// scalar at a time. Its packing took 10.5% of the bench's step on a 2-core AVX-512-BF16/AMX Xeon
+/// (`perf`), mostly that copy; with the turn 6.0%, plus 4.0% in the transpose. `Wᵀ` packs as
+/// contiguous vectors. Measured on that Xeon:
+/// - one thread, 64 experts' weights cold (`tests::panel_timing`), GFLOP/s: gate/up forward
+///   128.8–135.4 turned against 119.8–120.5 read across, down forward 136.8–144.9 against
+///   122.2–127.7;
+/// - the whole run (`rtune train` on the bench's config, 24 steps, alternating with the binary
+///   before): ahead in 6 of 8 pairs, mean 4143.9 against 4081.9 tokens/s (+1.5%);
+/// - a probe not kept: a scalar blocked transpose lost (91–98 GFLOP/s), and the backward `dy W`,
+///   which reads `W` along its rows already, ran 103–127 against 145–166 on `W` held as `Wᵀ`: so
+///   the weights stay row-major and only the forward turns them.
+///
+/// The same sums either way: the product's bits do not change
+/// (`tests::turned_weights_give_the_same_bits`).
+fn turns_weights() -> bool {
+    cfg!(target_arch = "x86_64") && rtune_backend::cpu_features::get().avx512f
 }
 
 /// `c (m×n, row-major packed) = [c +] beta · a b`, `a: m×k`, `b: k×n`: through the CBLAS
@@ -447,23 +475,28 @@ fn gather_into(src: &[f32], token: &[u32], width: usize, out: &mut [f32]) {
     }
 }
 
+/// A worker's scratch buffer ([`with_scratch`]).
+type Scratch = std::thread::LocalKey<std::cell::Cell<Vec<f32>>>;
+
 thread_local! {
     /// Each worker's scratch for its expert jobs (the gathered rows, the backward's
     /// intermediates), grown to the largest job and kept: the jobs of every layer and step reuse
     /// it rather than allocating and faulting in fresh pages.
     static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// Each worker's turned expert weight (`expert_fwd`), kept likewise.
+    static TURNED: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-/// `f` on `len` elements of this thread's scratch (their values are a previous job's: `f`
+/// `f` on `len` elements of this thread's `key` buffer (their values are a previous job's: `f`
 /// writes each before it reads it). A job nested in `f` (rayon may run one while `f` waits)
-/// finds the scratch taken and grows a fresh one.
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    let mut v = SCRATCH.take();
+/// finds the buffer taken and grows a fresh one.
+fn with_scratch<R>(key: &'static Scratch, len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut v = key.take();
     if v.len() < len {
         v.resize(len, 0.0);
     }
     let r = f(&mut v[..len]);
-    SCRATCH.set(v);
+    key.set(v);
     r
 }
 
@@ -483,6 +516,9 @@ fn expert_fwd(
 ) -> Result<()> {
     let xe = M::rows(x, inp);
     match we {
+        ExpertWeight::Rows(we) if turns_weights() && turn_keeps_bits(n, out, inp) => {
+            forward_turned(engine, xe, we, y, (n, inp, out))?
+        }
         ExpertWeight::Rows(we) => mm(engine, y, false, 1.0, xe, M::t(we, inp), (n, out, inp))?,
         ExpertWeight::Panels(we) => panels::forward(x, we, y, (n, inp, out))?,
     }
@@ -495,6 +531,31 @@ fn expert_fwd(
             .for_each(|row| row.iter_mut().zip(be).for_each(|(y, b)| *y += b));
     }
     Ok(())
+}
+
+/// `y (n, out) = x · weᵀ` with `we (out, in)` turned into `weᵀ (in, out)` first (in this
+/// thread's [`TURNED`] buffer): [`turns_weights`].
+fn forward_turned(
+    engine: Engine,
+    x: M,
+    we: &[f32],
+    y: &mut [f32],
+    (n, inp, out): (usize, usize, usize),
+) -> Result<()> {
+    with_scratch(&TURNED, out * inp, |wt| -> Result<()> {
+        transpose::transpose(we, wt, (out, inp))?;
+        mm(engine, y, false, 1.0, x, M::rows(wt, out), (n, out, inp))
+    })
+}
+
+/// Whether the `gemm` crate runs `x Wᵀ` (`n` rows, `W (out, in)`) through its general kernel
+/// both with `W` read across its rows and turned: the same sums in the same order, only packed
+/// from another layout ([`turns_weights`]). Its small paths sum in another order and need `W`
+/// along its rows: one row (a dot-product gemv where the turned weight would take an axpy
+/// one), `n·out ≤ 256` (its horizontal kernels), depth ≤ 2. Those products are too small for the
+/// turn to pay anyway.
+fn turn_keeps_bits(n: usize, out: usize, inp: usize) -> bool {
+    n >= 2 && n * out > 256 && inp > 2
 }
 
 /// One expert's projection backward from `dy (n, out)`: `dx (n, in) = dy we (+ (s dy B) A)`;
@@ -678,7 +739,7 @@ pub(super) fn forward(
         if n == 0 {
             return Ok(());
         }
-        with_scratch(n * h, |xe| -> Result<()> {
+        with_scratch(&SCRATCH, n * h, |xe| -> Result<()> {
             gather_into(xv, &token[off[e]..off[e + 1]], h, xe);
             // An NF4 expert is dequantized for its products only, one stack at a time.
             let we = wgu.expert_f32(e, 2 * i * h)?;
@@ -813,6 +874,7 @@ pub(super) fn backward(
             false => 0,
         };
         with_scratch(
+            &SCRATCH,
             n * h + n * i + n * 2 * i + xn + n * r + trn,
             |s| -> Result<()> {
                 let (dd, s) = s.split_at_mut(n * h);
@@ -919,6 +981,53 @@ mod tests {
         assert_eq!(packed, want.flatten_all()?.to_vec1::<f32>()?);
         let back = by_rank(&packed, out, r, e);
         assert_eq!(back, v);
+        Ok(())
+    }
+
+    /// The turned forward ([`forward_turned`], on any CPU: the transpose has a portable loop)
+    /// against the product read across `W`'s rows, for every row count a job gets up to 160, on
+    /// the bench's two shapes and a small one: bit for bit wherever [`turn_keeps_bits`] admits the
+    /// turn, and the rule admits every row count from 2 on the bench's shapes. Values with mixed
+    /// signs and magnitudes, so that another summation order would show in the last bits.
+    #[test]
+    fn turned_weights_give_the_same_bits() -> Result<()> {
+        let vals = |len: usize, salt: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 7919 + salt) % 1999) as f32 - 999.0) * 1.3e-3)
+                .collect()
+        };
+        let mut admitted = 0;
+        for (inp, out) in [(512, 384), (192, 512), (24, 40)] {
+            let w = vals(out * inp, 1);
+            for n in 1..=160 {
+                if !turn_keeps_bits(n, out, inp) {
+                    continue;
+                }
+                admitted += 1;
+                let x = vals(n * inp, n);
+                let (mut read, mut turned) = (vec![0f32; n * out], vec![0f32; n * out]);
+                let xm = M::rows(&x, inp);
+                mm(
+                    Engine::Gemm,
+                    &mut read,
+                    false,
+                    1.0,
+                    xm,
+                    M::t(&w, inp),
+                    (n, out, inp),
+                )?;
+                forward_turned(Engine::Gemm, xm, &w, &mut turned, (n, inp, out))?;
+                let same = read
+                    .iter()
+                    .zip(&turned)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "({inp}, {out}), {n} rows: the turned product's bits differ"
+                );
+            }
+        }
+        assert_eq!(admitted, 2 * 159 + 154);
         Ok(())
     }
 
@@ -1043,6 +1152,15 @@ mod tests {
                     }
                 }
                 let g = flop / t0.elapsed().as_secs_f64() / 1e9;
+                // The forward with the weight turned first (`forward_turned`, as AVX-512 CPUs
+                // run it).
+                let t0 = std::time::Instant::now();
+                for k in (0..reps).filter(|_| fwd) {
+                    let n = ns[k % ns.len()];
+                    let we = &w[(k % experts) * out * inp..][..out * inp];
+                    forward_turned(Engine::Gemm, M::rows(&x, inp), we, &mut y, (n, inp, out))?;
+                }
+                let turned = flop / t0.elapsed().as_secs_f64() / 1e9;
                 let t0 = std::time::Instant::now();
                 for k in 0..reps {
                     let n = ns[k % ns.len()];
@@ -1055,7 +1173,17 @@ mod tests {
                     }
                 }
                 let q = flop / t0.elapsed().as_secs_f64() / 1e9;
-                eprintln!("{what:16} round {round}: gemm crate {g:.1}, panels {q:.1} GFLOP/s");
+                match fwd {
+                    true => eprintln!(
+                        "{what:16} round {round}: gemm crate {g:.1} (W turned first \
+                         {turned:.1}), panels {q:.1} GFLOP/s"
+                    ),
+                    false => {
+                        eprintln!(
+                            "{what:16} round {round}: gemm crate {g:.1}, panels {q:.1} GFLOP/s"
+                        )
+                    }
+                }
             }
         }
         Ok(())

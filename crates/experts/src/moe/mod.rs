@@ -30,6 +30,7 @@ pub mod reference;
 pub mod stack;
 #[cfg(test)]
 mod tests;
+mod transpose;
 mod view;
 
 pub use act::ExpertAct;
