@@ -64,6 +64,10 @@
 # 1505.1 (median 2.34x); 16b4da2 (no expert product on OpenBLAS with AVX-512) 3683.4 / 3156.4 /
 # 2967.3 vs 1174.8 / 1091.3 / 1459.4 (3.14x / 2.89x / 2.03x, median 2.89x), 0.32-0.33x RSS,
 # 65.7-74.4% of a 235-273 GFLOP/s ceiling.
+# Session 39, a 2-core AMX Xeon (model 167): 68486a6 4216.8 / 4187.9 / 3882.9 vs PEFT 1313.8 /
+# 1211.2 / 1451.3 (median 3.21x), 62.2-68.5% of a 336-347 GFLOP/s ceiling; ed51754 (the forward
+# turns each expert weight before its product) 4140.0 / 4015.5 / 4165.2 vs 1447.8 / 1012.8 /
+# 1210.3 (2.86x / 3.96x / 3.44x, median 3.44x), 0.32-0.33x RSS, 66.6-69.3% of 329-336 GFLOP/s.
 #
 # Environment: PYTHON (default /work/.venv-ref/bin/python), RTUNE (default target/release/rtune,
 # built if missing), STEPS (4), PAIRS (1: rounds of rtune's run then PEFT's; more give medians),
