@@ -551,11 +551,11 @@ fn forward_turned(
 /// Whether the `gemm` crate runs `x Wᵀ` (`n` rows, `W (out, in)`) through its general kernel
 /// both with `W` read across its rows and turned: the same sums in the same order, only packed
 /// from another layout ([`turns_weights`]). Its small paths sum in another order and need `W`
-/// along its rows: one row (a dot-product gemv where the turned weight would take an axpy
-/// one), `n·out ≤ 256` (its horizontal kernels), depth ≤ 2. Those products are too small for the
-/// turn to pay anyway.
+/// along its rows: one row or one output (a dot-product gemv where the turned weight would take
+/// an axpy one), `n·out ≤ 256` (its horizontal kernels), depth ≤ 2. Those products are too small
+/// for the turn to pay anyway.
 fn turn_keeps_bits(n: usize, out: usize, inp: usize) -> bool {
-    n >= 2 && n * out > 256 && inp > 2
+    n >= 2 && out >= 2 && n * out > 256 && inp > 2
 }
 
 /// One expert's projection backward from `dy (n, out)`: `dx (n, in) = dy we (+ (s dy B) A)`;

@@ -5,8 +5,8 @@
 //!
 //! Why: `grouped`'s forward product `x · Wᵀ` of a row-major expert weight makes the `gemm`
 //! crate gather `W` across its rows element by element (a scalar, strided copy, most of the
-//! crate's packing: 10.5% of the bench's step on an AVX-512 Xeon). Turned once per product in registers, `W` then packs as
-//! contiguous vectors (`grouped::turns_weights`: the figures).
+//! crate's packing: 10.5% of the bench's step on an AVX-512 Xeon). Turned once per product in
+//! registers, `W` then packs as contiguous vectors (`grouped::turns_weights`: the figures).
 
 /// Side of the register blocks: one AVX-512 vector of f32.
 const B: usize = 16;
@@ -102,7 +102,7 @@ mod avx512 {
                 t[2 * p] = _mm512_unpacklo_ps(r[2 * p], r[2 * p + 1]);
                 t[2 * p + 1] = _mm512_unpackhi_ps(r[2 * p], r[2 * p + 1]);
             }
-            // Round 2: in lane L of u[4q + c], column 4L + c of rows 4q..4q+4.
+            // Round 2: in lane L of r[4q + c], column 4L + c of rows 4q..4q+4.
             let pd = _mm512_castps_pd;
             let ps = _mm512_castpd_ps;
             for q in 0..B / 4 {
