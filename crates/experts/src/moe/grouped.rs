@@ -543,7 +543,7 @@ fn forward_turned(
     (n, inp, out): (usize, usize, usize),
 ) -> Result<()> {
     with_scratch(&TURNED, out * inp, |wt| -> Result<()> {
-        transpose::transpose(we, wt, (out, inp))?;
+        transpose::transpose(we, inp, wt, out, (out, inp), false);
         mm(engine, y, false, 1.0, x, M::rows(wt, out), (n, out, inp))
     })
 }

@@ -37,6 +37,7 @@
 
 use candle_core::{bail, Device, Result, Tensor};
 
+use super::transpose::transpose;
 use super::view::View;
 
 /// Rows of `W` per panel (two 8-wide f32 vectors).
@@ -342,72 +343,6 @@ fn to_panels(src: &[f32], dst: &mut [f32], (rows, cols): (usize, usize), cols_p:
     }
 }
 
-/// `dst[c·ld_d + r] (=, or += with acc) src[r·ld_s + c]` for `rows × cols`: in 8 × 8 blocks
-/// through AVX2 registers where the CPU has it, the edges one by one. Panics when either side
-/// is too short (a caller's bug, checked once here, not per element).
-fn transpose(
-    src: &[f32],
-    ld_s: usize,
-    dst: &mut [f32],
-    ld_d: usize,
-    (rows, cols): (usize, usize),
-    acc: bool,
-) {
-    if rows == 0 || cols == 0 {
-        return;
-    }
-    assert!(
-        cols <= ld_s
-            && rows <= ld_d
-            && (rows - 1) * ld_s + cols <= src.len()
-            && (cols - 1) * ld_d + rows <= dst.len(),
-        "moe panels: a {rows} × {cols} transpose out of its buffers"
-    );
-    let (r8, c8) = (rows / 8 * 8, cols / 8 * 8);
-    #[cfg(target_arch = "x86_64")]
-    if avx2() {
-        // Along `dst`'s rows (each 8 of them written left to right).
-        for c0 in (0..c8).step_by(8) {
-            for r0 in (0..r8).step_by(8) {
-                // SAFETY: AVX2 present; rows r0..r0+8 ≤ rows, columns c0..c0+8 ≤ cols of both
-                // sides (bounds asserted above).
-                unsafe {
-                    avx2::transpose8(
-                        src.as_ptr().add(r0 * ld_s + c0),
-                        ld_s,
-                        dst.as_mut_ptr().add(c0 * ld_d + r0),
-                        ld_d,
-                        acc,
-                    )
-                };
-            }
-        }
-    } else {
-        plain_transpose(src, ld_s, dst, ld_d, (0..r8, 0..c8), acc);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    plain_transpose(src, ld_s, dst, ld_d, (0..r8, 0..c8), acc);
-    plain_transpose(src, ld_s, dst, ld_d, (r8..rows, 0..cols), acc);
-    plain_transpose(src, ld_s, dst, ld_d, (0..r8, c8..cols), acc);
-}
-
-/// [`transpose`] of the rows and columns given, one element at a time.
-fn plain_transpose(
-    src: &[f32],
-    ld_s: usize,
-    dst: &mut [f32],
-    ld_d: usize,
-    (rows, cols): (std::ops::Range<usize>, std::ops::Range<usize>),
-    acc: bool,
-) {
-    for r in rows {
-        for c in cols.clone() {
-            let (v, d) = (src[r * ld_s + c], &mut dst[c * ld_d + r]);
-            *d = if acc { *d + v } else { v };
-        }
-    }
-}
-
 /// [`forward`] without SIMD: each output a sum over `in` in chunks of [`KC`], in the kernel's
 /// order (a chunk's partial sum added to the output so far).
 fn plain_forward(x: &[f32], w: &[f32], y: &mut [f32], (n, inp, out): (usize, usize, usize)) {
@@ -552,58 +487,6 @@ mod avx2 {
             }
         }
         c
-    }
-
-    /// An 8 × 8 block: `dst[c·ld_d + r] (=, += with acc) src[r·ld_s + c]`, `r, c < 8`.
-    /// Callers: AVX2 present, both blocks in bounds.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn transpose8(
-        src: *const f32,
-        ld_s: usize,
-        dst: *mut f32,
-        ld_d: usize,
-        acc: bool,
-    ) {
-        // SAFETY: the caller's bounds: 8 rows of 8 at `src`, 8 rows of 8 at `dst`.
-        unsafe {
-            let r: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(src.add(k * ld_s)));
-            // Pairs of rows interleaved, then quadruples, then the 128-bit halves exchanged.
-            let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-            let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-            let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-            let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-            let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-            let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-            let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-            let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-            let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-            let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-            let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-            let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-            let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-            let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-            let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-            let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-            let c = [
-                _mm256_permute2f128_ps::<0x20>(u0, u4),
-                _mm256_permute2f128_ps::<0x20>(u1, u5),
-                _mm256_permute2f128_ps::<0x20>(u2, u6),
-                _mm256_permute2f128_ps::<0x20>(u3, u7),
-                _mm256_permute2f128_ps::<0x31>(u0, u4),
-                _mm256_permute2f128_ps::<0x31>(u1, u5),
-                _mm256_permute2f128_ps::<0x31>(u2, u6),
-                _mm256_permute2f128_ps::<0x31>(u3, u7),
-            ];
-            for (k, v) in c.into_iter().enumerate() {
-                let d = dst.add(k * ld_d);
-                let v = if acc {
-                    _mm256_add_ps(_mm256_loadu_ps(d), v)
-                } else {
-                    v
-                };
-                _mm256_storeu_ps(d, v);
-            }
-        }
     }
 
     /// [`super::backward`]'s kernel on `dyp` (`dy` in row panels, [`super::to_panels`]) into

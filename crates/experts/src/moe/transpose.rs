@@ -1,50 +1,96 @@
-//! A matrix's transpose into another buffer: `dst (cols, rows) = srcᵀ`, `src (rows, cols)`,
-//! both row-major. On AVX-512 CPUs 16 × 16 blocks go through registers (16 row loads, four
-//! rounds of shuffles, 16 column stores); the edges and other CPUs take the plain loop. A copy:
-//! every value lands unchanged, so both ways give the same bits.
+//! A matrix's transpose into another buffer, for the experts' products: `dst[c·ld_d + r] (=, or
+//! += with `acc`) src[r·ld_s + c]`. 16 × 16 blocks through AVX-512 registers where the CPU has
+//! it (16 row loads, four rounds of shuffles, 16 column stores), else 8 × 8 blocks through
+//! AVX2's; the edges and other CPUs one element at a time. A copy (or one add an element): every
+//! way gives the same bits.
 //!
-//! Why: `grouped`'s forward product `x · Wᵀ` of a row-major expert weight makes the `gemm`
-//! crate gather `W` across its rows element by element (a scalar, strided copy, most of the
-//! crate's packing: 10.5% of the bench's step on an AVX-512 Xeon). Turned once per product in
-//! registers, `W` then packs as contiguous vectors (`grouped::turns_weights`: the figures).
+//! Users: `grouped`'s forward turns a row-major expert weight before `x · Wᵀ`, because the `gemm`
+//! crate would gather `W` across its rows element by element (a scalar, strided copy, most of the
+//! crate's packing: 10.5% of the bench's step on an AVX-512 Xeon); turned in registers, `W` packs
+//! as contiguous vectors (`grouped::turns_weights`: the figures). The panels' backward turns its
+//! transposed `dx` tiles back (`panels`' module note).
 
-/// Side of the register blocks: one AVX-512 vector of f32.
+/// Side of the AVX-512 blocks: one vector of f32.
 const B: usize = 16;
 
-/// `dst[j·rows + i] = src[i·cols + j]` for `src (rows, cols)`. Errors when either buffer is
-/// shorter than `rows·cols`.
+/// `dst[c·ld_d + r] (=, or += with acc) src[r·ld_s + c]` for `rows × cols` (module note). Panics
+/// when either side is too short (a caller's bug, checked once here, not per element).
 pub(super) fn transpose(
     src: &[f32],
+    ld_s: usize,
     dst: &mut [f32],
+    ld_d: usize,
     (rows, cols): (usize, usize),
-) -> candle_core::Result<()> {
-    let len = rows * cols;
-    if src.len() < len || dst.len() < len {
-        candle_core::bail!(
-            "moe transpose: ({rows}, {cols}) from {} into {} elements",
-            src.len(),
-            dst.len()
-        );
+    acc: bool,
+) {
+    if rows == 0 || cols == 0 {
+        return;
     }
-    let (src, dst) = (&src[..len], &mut dst[..len]);
-    #[cfg(target_arch = "x86_64")]
-    if rtune_backend::cpu_features::get().avx512f {
-        // SAFETY: the CPU has AVX-512F (checked on the line above); both slices hold
-        // `rows·cols` elements (sliced above).
-        unsafe { avx512::transpose(src, dst, (rows, cols)) };
-        return Ok(());
-    }
-    plain(src, dst, (rows, cols), (0, 0));
-    Ok(())
+    assert!(
+        cols <= ld_s
+            && rows <= ld_d
+            && (rows - 1) * ld_s + cols <= src.len()
+            && (cols - 1) * ld_d + rows <= dst.len(),
+        "moe: a {rows} × {cols} transpose out of its buffers"
+    );
+    transpose_on(blocks_here(), src, ld_s, dst, ld_d, (rows, cols), acc);
 }
 
-/// The loop over every element at or past `(r0, c0)` in either index: the whole matrix from
-/// `(0, 0)`, the edges the 16 × 16 blocks leave (rows from `r0`, columns from `c0`).
-fn plain(src: &[f32], dst: &mut [f32], (rows, cols): (usize, usize), (r0, c0): (usize, usize)) {
-    for i in 0..rows {
-        let from = if i < r0 { c0 } else { 0 };
-        for j in from..cols {
-            dst[j * rows + i] = src[i * cols + j];
+/// The side of the register blocks this CPU runs: 16 with AVX-512F, 8 with AVX2, none
+/// otherwise.
+fn blocks_here() -> Option<usize> {
+    let f = rtune_backend::cpu_features::get();
+    match (cfg!(target_arch = "x86_64"), f.avx512f, f.avx2) {
+        (true, true, _) => Some(B),
+        (true, false, true) => Some(8),
+        _ => None,
+    }
+}
+
+/// [`transpose`] (bounds checked) with blocks of `side` (the CPU has their ISA: a side
+/// [`blocks_here`] or a smaller one gives), the edges by [`plain`].
+fn transpose_on(
+    side: Option<usize>,
+    src: &[f32],
+    ld_s: usize,
+    dst: &mut [f32],
+    ld_d: usize,
+    (rows, cols): (usize, usize),
+    acc: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(side) = side {
+        let (rb, cb) = (rows / side * side, cols / side * side);
+        // SAFETY: the CPU has the blocks' ISA (the caller's); the blocks cover rows 0..rb and
+        // columns 0..cb, inside both sides (bounds asserted in `transpose`).
+        unsafe {
+            match side {
+                B => avx512::blocks(src, ld_s, dst, ld_d, (rb, cb), acc),
+                _ => avx2::blocks(src, ld_s, dst, ld_d, (rb, cb), acc),
+            }
+        }
+        plain(src, ld_s, dst, ld_d, (rb..rows, 0..cols), acc);
+        plain(src, ld_s, dst, ld_d, (0..rb, cb..cols), acc);
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = side;
+    plain(src, ld_s, dst, ld_d, (0..rows, 0..cols), acc);
+}
+
+/// [`transpose`] of the rows and columns given, one element at a time.
+fn plain(
+    src: &[f32],
+    ld_s: usize,
+    dst: &mut [f32],
+    ld_d: usize,
+    (rows, cols): (std::ops::Range<usize>, std::ops::Range<usize>),
+    acc: bool,
+) {
+    for r in rows {
+        for c in cols.clone() {
+            let (v, d) = (src[r * ld_s + c], &mut dst[c * ld_d + r]);
+            *d = if acc { *d + v } else { v };
         }
     }
 }
@@ -53,41 +99,46 @@ fn plain(src: &[f32], dst: &mut [f32], (rows, cols): (usize, usize), (r0, c0): (
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{plain, B};
+    use super::B;
 
-    /// [`super::transpose`] with AVX-512F: the full 16 × 16 blocks in registers, the edges by
-    /// [`plain`].
+    /// [`super::transpose`]'s whole 16 × 16 blocks of rows `0..rb`, columns `0..cb`, across a
+    /// strip of source rows: each block's row loads continue where the previous block's ended
+    /// (the source, the forward's cold weights, read as 16 streams).
     ///
     /// # Safety
-    /// The CPU has AVX-512F; `src` and `dst` hold `rows·cols` elements.
+    /// AVX-512F; `rb`, `cb` multiples of 16 inside both sides.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn transpose(src: &[f32], dst: &mut [f32], (rows, cols): (usize, usize)) {
-        let (rb, cb) = (rows / B * B, cols / B * B);
-        // Across a strip of 16 rows: each block's 16 row loads continue where the previous
-        // block's ended, so the source is read as 16 streams.
-        for i in (0..rb).step_by(B) {
-            for j in (0..cb).step_by(B) {
-                // SAFETY: rows i..i+16 and columns j..j+16 are inside both matrices.
+    pub(super) unsafe fn blocks(
+        src: &[f32],
+        ld_s: usize,
+        dst: &mut [f32],
+        ld_d: usize,
+        (rb, cb): (usize, usize),
+        acc: bool,
+    ) {
+        for r0 in (0..rb).step_by(B) {
+            for c0 in (0..cb).step_by(B) {
+                // SAFETY: the caller's bounds.
                 unsafe {
                     block(
-                        src.as_ptr().add(i * cols + j),
-                        cols,
-                        dst.as_mut_ptr().add(j * rows + i),
-                        rows,
+                        src.as_ptr().add(r0 * ld_s + c0),
+                        ld_s,
+                        dst.as_mut_ptr().add(c0 * ld_d + r0),
+                        ld_d,
+                        acc,
                     )
                 };
             }
         }
-        plain(src, dst, (rows, cols), (rb, cb));
     }
 
-    /// One 16 × 16 block: rows at `s + r·ls` (`r` < 16) to columns at `d + c·ld`.
+    /// A 16 × 16 block: `dst[c·ld_d + r] (=, += with acc) src[r·ld_s + c]`, `r, c < 16`.
     ///
     /// # Safety
     /// AVX-512F; 16 floats readable at each `s + r·ls`, writable at each `d + c·ld`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn block(s: *const f32, ls: usize, d: *mut f32, ld: usize) {
+    unsafe fn block(s: *const f32, ls: usize, d: *mut f32, ld: usize, acc: bool) {
         // SAFETY: the caller's contract: AVX-512F, and the 16 rows of 16 read and the 16
         // columns of 16 written are in bounds.
         unsafe {
@@ -114,6 +165,15 @@ mod avx512 {
             }
             // Rounds 3 and 4 gather column 4L + c's four lanes (rows 0..4, 4..8, 8..12,
             // 12..16) from r[c], r[4 + c], r[8 + c], r[12 + c].
+            let put = |col: usize, v: __m512| {
+                let p = d.add(col * ld);
+                let v = if acc {
+                    _mm512_add_ps(_mm512_loadu_ps(p), v)
+                } else {
+                    v
+                };
+                _mm512_storeu_ps(p, v);
+            };
             for c in 0..4 {
                 let (a, b, e, f) = (r[c], r[4 + c], r[8 + c], r[12 + c]);
                 // (a.L0, a.L2, b.L0, b.L2) and (a.L1, a.L3, b.L1, b.L3), the same of e, f.
@@ -122,19 +182,93 @@ mod avx512 {
                 let ef02 = _mm512_shuffle_f32x4::<0x88>(e, f);
                 let ef13 = _mm512_shuffle_f32x4::<0xdd>(e, f);
                 // Column c: lanes L0 of a, b, e, f; column 8 + c: lanes L2; 4 + c: L1; 12 + c: L3.
-                _mm512_storeu_ps(d.add(c * ld), _mm512_shuffle_f32x4::<0x88>(ab02, ef02));
-                _mm512_storeu_ps(
-                    d.add((8 + c) * ld),
-                    _mm512_shuffle_f32x4::<0xdd>(ab02, ef02),
-                );
-                _mm512_storeu_ps(
-                    d.add((4 + c) * ld),
-                    _mm512_shuffle_f32x4::<0x88>(ab13, ef13),
-                );
-                _mm512_storeu_ps(
-                    d.add((12 + c) * ld),
-                    _mm512_shuffle_f32x4::<0xdd>(ab13, ef13),
-                );
+                put(c, _mm512_shuffle_f32x4::<0x88>(ab02, ef02));
+                put(8 + c, _mm512_shuffle_f32x4::<0xdd>(ab02, ef02));
+                put(4 + c, _mm512_shuffle_f32x4::<0x88>(ab13, ef13));
+                put(12 + c, _mm512_shuffle_f32x4::<0xdd>(ab13, ef13));
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`super::transpose`]'s whole 8 × 8 blocks of rows `0..rb`, columns `0..cb`, along the
+    /// destination's rows (each 8 of them written left to right), as the panels' figures were
+    /// taken.
+    ///
+    /// # Safety
+    /// AVX2; `rb`, `cb` multiples of 8 inside both sides.
+    pub(super) unsafe fn blocks(
+        src: &[f32],
+        ld_s: usize,
+        dst: &mut [f32],
+        ld_d: usize,
+        (rb, cb): (usize, usize),
+        acc: bool,
+    ) {
+        for c0 in (0..cb).step_by(8) {
+            for r0 in (0..rb).step_by(8) {
+                // SAFETY: AVX2 and the blocks' bounds: the caller's.
+                unsafe {
+                    block(
+                        src.as_ptr().add(r0 * ld_s + c0),
+                        ld_s,
+                        dst.as_mut_ptr().add(c0 * ld_d + r0),
+                        ld_d,
+                        acc,
+                    )
+                };
+            }
+        }
+    }
+
+    /// An 8 × 8 block: `dst[c·ld_d + r] (=, += with acc) src[r·ld_s + c]`, `r, c < 8`.
+    ///
+    /// # Safety
+    /// AVX2; 8 floats readable at each `src + r·ld_s`, writable at each `dst + c·ld_d`.
+    #[target_feature(enable = "avx2")]
+    unsafe fn block(src: *const f32, ld_s: usize, dst: *mut f32, ld_d: usize, acc: bool) {
+        // SAFETY: the caller's bounds: 8 rows of 8 at `src`, 8 rows of 8 at `dst`.
+        unsafe {
+            let r: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(src.add(k * ld_s)));
+            // Pairs of rows interleaved, then quadruples, then the 128-bit halves exchanged.
+            let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+            let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+            let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+            let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+            let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+            let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+            let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+            let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+            let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+            let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+            let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+            let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+            let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+            let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+            let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+            let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+            let c = [
+                _mm256_permute2f128_ps::<0x20>(u0, u4),
+                _mm256_permute2f128_ps::<0x20>(u1, u5),
+                _mm256_permute2f128_ps::<0x20>(u2, u6),
+                _mm256_permute2f128_ps::<0x20>(u3, u7),
+                _mm256_permute2f128_ps::<0x31>(u0, u4),
+                _mm256_permute2f128_ps::<0x31>(u1, u5),
+                _mm256_permute2f128_ps::<0x31>(u2, u6),
+                _mm256_permute2f128_ps::<0x31>(u3, u7),
+            ];
+            for (k, v) in c.into_iter().enumerate() {
+                let d = dst.add(k * ld_d);
+                let v = if acc {
+                    _mm256_add_ps(_mm256_loadu_ps(d), v)
+                } else {
+                    v
+                };
+                _mm256_storeu_ps(d, v);
             }
         }
     }
@@ -144,41 +278,59 @@ mod avx512 {
 mod tests {
     use super::*;
 
-    /// Every value where the definition puts it, on shapes with and without 16 × 16 blocks and
-    /// edges on either side (exact: a copy).
+    /// Every value where the definition puts it (exact: a copy, or one add), assigned and added,
+    /// on shapes with and without whole blocks of 8 and 16 and edges on either side, packed and
+    /// inside wider rows (`ld` past the width), with every block kernel this CPU runs (AVX-512's
+    /// and AVX2's on an AVX-512 CPU) and without blocks.
     #[test]
-    fn transposes_every_shape() -> candle_core::Result<()> {
-        for (rows, cols) in [
+    fn transposes_every_shape() {
+        let sides = match blocks_here() {
+            Some(B) => vec![Some(B), Some(8), None],
+            Some(8) => vec![Some(8), None],
+            _ => vec![None],
+        };
+        for side in sides {
+            every_shape(side);
+        }
+    }
+
+    fn every_shape(side: Option<usize>) {
+        let shapes = [
             (1, 1),
             (3, 5),
+            (8, 8),
             (16, 16),
             (32, 48),
             (17, 16),
             (16, 33),
             (45, 70),
-            (384, 512),
-            (0, 7),
-        ] {
-            let src: Vec<f32> = (0..rows * cols).map(|v| v as f32 * 0.5 - 3.0).collect();
-            let mut dst = vec![f32::NAN; rows * cols];
-            transpose(&src, &mut dst, (rows, cols))?;
-            for i in 0..rows {
-                for j in 0..cols {
-                    assert_eq!(
-                        dst[j * rows + i].to_bits(),
-                        src[i * cols + j].to_bits(),
-                        "({rows}, {cols}) at ({i}, {j})"
-                    );
+        ];
+        for (rows, cols) in shapes.into_iter().chain([(384, 512), (0, 7)]) {
+            for (pad, acc) in [(0, false), (3, false), (0, true), (5, true)] {
+                let (ld_s, ld_d) = (cols + pad, rows + 2 * pad);
+                let src: Vec<f32> = (0..rows * ld_s).map(|v| v as f32 * 0.5 - 3.0).collect();
+                let before = |i: usize| (i % 7) as f32 * 0.25;
+                let mut dst: Vec<f32> = (0..cols * ld_d).map(before).collect();
+                transpose_on(side, &src, ld_s, &mut dst, ld_d, (rows, cols), acc);
+                for (i, &d) in dst.iter().enumerate() {
+                    let (c, r) = (i / ld_d, i % ld_d);
+                    let want = match r < rows {
+                        true if acc => before(i) + src[r * ld_s + c],
+                        true => src[r * ld_s + c],
+                        false => before(i),
+                    };
+                    let what =
+                        format!("{side:?}: ({rows}, {cols}), pad {pad}, acc {acc}, at ({r}, {c})");
+                    assert_eq!(d.to_bits(), want.to_bits(), "{what}");
                 }
             }
         }
-        Ok(())
     }
 
     #[test]
+    #[should_panic(expected = "out of its buffers")]
     fn refuses_short_buffers() {
         let (src, mut dst) = (vec![0f32; 12], vec![0f32; 11]);
-        assert!(transpose(&src, &mut dst, (3, 4)).is_err());
-        assert!(transpose(&src[..11], &mut [0f32; 12], (3, 4)).is_err());
+        transpose(&src, 4, &mut dst, 3, (3, 4), false);
     }
 }
