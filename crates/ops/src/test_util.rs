@@ -69,9 +69,20 @@ pub fn assert_f32(got: &Tensor, want: &Tensor, what: &str) {
 
 /// The largest difference in bf16 ulps (of the plain value, floored at 1/256 of the largest).
 pub fn bf16_ulps(got: &Tensor, want: &Tensor) -> f32 {
+    bf16_ulps_floored(got, want, 256.0)
+}
+
+/// The largest difference in bf16 ulps of `want`'s largest entry: for sums whose terms cancel,
+/// where a small entry moves by an ulp of the terms (the attention's `dq`, `dk`).
+pub fn ulps_of_largest(got: &Tensor, want: &Tensor) -> f32 {
+    bf16_ulps_floored(got, want, 1.0)
+}
+
+/// [`bf16_ulps`] with the ulp floored at `1/div` of `want`'s largest entry.
+fn bf16_ulps_floored(got: &Tensor, want: &Tensor, div: f32) -> f32 {
     assert_eq!(got.dims(), want.dims());
     let (g, w) = (flat(got), flat(want));
-    let floor = w.iter().fold(0f32, |m, v| m.max(v.abs())) / 256.0;
+    let floor = w.iter().fold(0f32, |m, v| m.max(v.abs())) / div;
     let ulp = |v: f32| {
         let v = v.abs().max(floor).max(f32::MIN_POSITIVE);
         f32::from_bits(v.to_bits() & 0x7f80_0000) / 128.0 // 2^(exponent − 7)

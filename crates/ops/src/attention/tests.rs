@@ -509,22 +509,6 @@ fn attn_softmax_is_a_masked_softmax_and_bwd_its_gradient() {
     assert!(dsb.iter().all(|&v| b.round(v) == v));
 }
 
-/// The largest difference in bf16 ulps of `want`'s largest entry (for sums whose terms cancel:
-/// the test below).
-fn ulps_of_largest(got: &Tensor, want: &Tensor) -> f32 {
-    let flat = |t: &Tensor| -> Vec<f32> {
-        let t = t.to_dtype(DType::F32).and_then(|t| t.flatten_all());
-        t.and_then(|t| t.to_vec1()).expect("a tensor to compare")
-    };
-    let (g, w) = (flat(got), flat(want));
-    assert_eq!(g.len(), w.len());
-    let big = w.iter().fold(f32::MIN_POSITIVE, |m, v| m.max(v.abs()));
-    let ulp = f32::from_bits(big.to_bits() & 0x7f80_0000) / 128.0; // 2^(exponent − 7)
-    g.iter()
-        .zip(&w)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs() / ulp))
-}
-
 /// The tiled attention's score products of bf16 inputs on oneDNN (per-thread streams,
 /// `rtune_backend::onednn::tile`) against the same attention with them on the gemm crate
 /// (`RTUNE_UNFUSED=onednn_attn`'s path, [`crate::fused::without`]), forward and backward, on
